@@ -1,0 +1,33 @@
+"""quantplan web app: page config, the shared sidebar, and navigation. Pages live in app/pages/."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `streamlit run app/main.py` puts app/ on the path, not the repo root
+    sys.path.insert(0, str(ROOT))
+
+import streamlit as st  # noqa: E402
+
+from app import state  # noqa: E402
+
+st.set_page_config(page_title="quantplan", page_icon="🧮", layout="wide")
+
+PAGES_DIR = Path(__file__).resolve().parent / "pages"
+pages = {
+    "Model": [
+        st.Page(str(PAGES_DIR / "models.py"), title="Models", url_path="models", default=True),
+        st.Page(str(PAGES_DIR / "outliers.py"), title="Outliers", url_path="outliers"),
+    ],
+    "Plan and measure": [
+        st.Page(str(PAGES_DIR / "plans.py"), title="Plans", url_path="plans"),
+        st.Page(str(PAGES_DIR / "results.py"), title="Results", url_path="results"),
+        st.Page(str(PAGES_DIR / "kernels.py"), title="Kernels", url_path="kernels"),
+    ],
+    "Queue": [st.Page(str(PAGES_DIR / "jobs.py"), title="Jobs", url_path="jobs")],
+}
+nav = st.navigation(pages)
+state.sidebar()
+nav.run()

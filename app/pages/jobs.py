@@ -1,0 +1,55 @@
+"""Jobs: the queue with live progress, cancel, and error details."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app import services as svc
+
+st.title("Jobs")
+st.caption("Every calibration, scoring, sensitivity and benchmark job, newest first. Running jobs update live.")
+
+stale = svc.sweep_stale()
+if stale:
+    st.warning(f"Jobs {stale} had a worker that stopped reporting; they were marked failed.")
+
+c1, c2 = st.columns([1, 3])
+kind = c1.selectbox("Kind", [None, "register", "calibrate", "score", "sensitivity", "bench"],
+                    format_func=lambda k: "all" if k is None else k, key="jobs_kind")
+
+
+@st.fragment(run_every=2.0)
+def job_table() -> None:
+    jobs = svc.list_jobs(limit=100, kind=kind)
+    active = [j for j in jobs if not j.finished]
+    if not jobs:
+        st.info("No jobs yet.")
+        return
+    for job in active:
+        with st.container(border=True):
+            a, b = st.columns([4, 1])
+            a.markdown(f"**#{job.id} {job.kind}** · {job.status} · {job.device or job.queue} · "
+                       f"asked by {job.requested_by or '?'}")
+            a.progress(job.progress, text=job.message or job.status)
+            if job.cancel_requested:
+                b.caption("cancel requested")
+            elif b.button("Cancel", key=f"cancel_{job.id}"):
+                svc.cancel_job(job.id)
+                st.rerun()
+    st.dataframe(pd.DataFrame([{
+        "id": j.id, "kind": j.kind, "status": j.status, "progress": j.progress, "message": j.message,
+        "model": j.model_id, "queue": j.queue, "device": j.device, "worker": j.worker_host,
+        "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
+        "error": j.error or "",
+    } for j in jobs]), hide_index=True, width="stretch",
+        column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0.0, max_value=1.0)})
+    failed = [j for j in jobs if j.status == "failed"]
+    for j in failed[:10]:
+        with st.expander(f"#{j.id} {j.kind} failed: {(j.error or '')[:120]}"):
+            st.error(j.error)
+            if j.traceback:
+                st.code(j.traceback, language="text")
+
+
+job_table()

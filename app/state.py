@@ -1,0 +1,44 @@
+"""Shared sidebar and session state: the model every page works on."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from app import services as svc
+
+MODEL_KEY = "model_id"
+
+
+def sidebar() -> None:
+    problem = svc.schema_problem()
+    if problem:
+        st.error(problem)
+        st.stop()
+    models = svc.list_models()
+    with st.sidebar:
+        st.markdown("### quantplan")
+        if not models:
+            st.caption("No model registered yet: start on the Models page.")
+            return
+        ids = [m.id for m in models]
+        names = {m.id: f"#{m.id} {m.name}" for m in models}
+        current = st.session_state.get(MODEL_KEY)
+        index = ids.index(current) if current in ids else len(ids) - 1
+        chosen = st.selectbox("Model", ids, index=index, format_func=names.get, key="sidebar_model")
+        st.session_state[MODEL_KEY] = chosen
+        active = [j for j in svc.list_jobs(limit=50) if not j.finished]
+        if active:
+            st.caption(f"{len(active)} job(s) queued or running: see Jobs.")
+
+
+def current_model():
+    """The model chosen in the sidebar, or None (with a hint shown) when there is none."""
+    model_id = st.session_state.get(MODEL_KEY)
+    if model_id is None:
+        st.info("Register a model on the Models page first (the demo model is one click).")
+        return None
+    return svc.get_model(model_id)
+
+
+def fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"

@@ -1,0 +1,1 @@
+"""quantplan: plan low-precision LLM serving layer by layer (command line and launcher)."""

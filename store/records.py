@@ -1,0 +1,160 @@
+"""Plain dataclasses that leave the store: the UI, CLI and worker never hold ORM objects."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class UserRecord:
+    id: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    id: int
+    name: str
+    sha256: str
+    source_kind: str
+    source_name: str
+    path: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_params: int
+    dtype: str
+    hidden_size: int | None
+    vocab_size: int | None
+    total_bytes: int
+    summary: dict[str, Any]
+    created_at: dt.datetime
+
+    @property
+    def linears(self) -> list[dict[str, Any]]:
+        """[{name, in_features, out_features}] of every nn.Linear, from the intake summary."""
+        return list(self.summary.get("linears", []))
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    id: int
+    name: str
+    role: str
+    sha256: str
+    path: str
+    builtin: bool
+    n_documents: int
+    n_bytes: int
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: int
+    kind: str
+    status: str
+    queue: str
+    params: dict[str, Any]
+    model_id: int | None
+    plan_id: int | None
+    progress: float
+    message: str
+    error: str | None
+    traceback: str | None
+    result: dict[str, Any] | None
+    worker_host: str | None
+    device: str | None
+    torch_version: str | None
+    celery_task_id: str | None
+    cancel_requested: bool
+    requested_by: str | None
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    heartbeat_at: dt.datetime | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("succeeded", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    id: int
+    model_id: int
+    name: str
+    version: int
+    parent_id: int | None
+    body: dict[str, Any]
+    note: str
+    author: str | None
+    created_at: dt.datetime
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} v{self.version}"
+
+
+@dataclass(frozen=True)
+class ScoreRecord:
+    id: int
+    job_id: int
+    model_id: int
+    plan_id: int | None
+    plan_label: str
+    plan_body: dict[str, Any]
+    dataset: str
+    tokens: int
+    kl_mean: float
+    kl_p50: float
+    kl_p90: float
+    kl_p99: float
+    kl_max: float
+    top1_agree: float
+    ppl_ref: float
+    ppl: float
+    predicted_kl: float | None
+    details: dict[str, Any] = field(default_factory=dict)
+    created_at: dt.datetime | None = None
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "kl_mean": self.kl_mean, "kl_p50": self.kl_p50, "kl_p90": self.kl_p90, "kl_p99": self.kl_p99,
+            "kl_max": self.kl_max, "top1_agree": self.top1_agree, "ppl_ref": self.ppl_ref, "ppl": self.ppl,
+            "tokens": self.tokens,
+        }
+
+
+@dataclass(frozen=True)
+class SensitivityRecord:
+    job_id: int
+    model_id: int
+    scheme: str
+    unit: str
+    layers: list[str]
+    kl_mean: float
+    top1_agree: float
+    sqnr_db: float | None
+
+
+@dataclass(frozen=True)
+class KernelRecordRow:
+    job_id: int
+    device: str
+    device_name: str
+    torch_version: str
+    m: int
+    n: int
+    k: int
+    path: str
+    ms: float | None
+    tflops: float | None
+    pct_peak: float | None
+    speedup: float | None
+    native: bool
+    max_rel_err: float | None
+    padded_m: int | None
+    skipped: str | None

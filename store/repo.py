@@ -1,0 +1,484 @@
+"""Repositories: every read and write of the database, returning plain records.
+
+Functions take an open Session (from ``store.db.session_scope``) so a caller can
+group several writes into one transaction, as the worker does when it stores a
+job's results and marks it succeeded.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from quantcore.stats import LayerStats
+from store import models as m
+from store.records import (
+    DatasetRecord,
+    JobRecord,
+    KernelRecordRow,
+    ModelRecord,
+    PlanRecord,
+    ScoreRecord,
+    SensitivityRecord,
+)
+
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class NotFound(LookupError):
+    pass
+
+
+# ----------------------------------------------------------------------------- users
+
+
+def user_id(session: Session, name: str | None) -> int | None:
+    if not name:
+        return None
+    uid = session.scalar(select(m.User.id).where(m.User.name == name))
+    if uid is None:
+        user = m.User(name=name)
+        session.add(user)
+        session.flush()
+        uid = user.id
+    return uid
+
+
+def _user_name(session: Session, uid: int | None) -> str | None:
+    if uid is None:
+        return None
+    return session.scalar(select(m.User.name).where(m.User.id == uid))
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _model_record(row: m.Model) -> ModelRecord:
+    return ModelRecord(
+        id=row.id, name=row.name, sha256=row.sha256, source_kind=row.source_kind,
+        source_name=row.source_name, path=row.path, architecture=row.architecture,
+        model_type=row.model_type, num_layers=row.num_layers, num_params=row.num_params, dtype=row.dtype,
+        hidden_size=row.hidden_size, vocab_size=row.vocab_size, total_bytes=row.total_bytes,
+        summary=row.summary, created_at=row.created_at,
+    )
+
+
+def add_model(session: Session, *, name: str, sha256: str, source_kind: str, source_name: str, path: str,
+              summary: dict[str, Any], user: str | None) -> ModelRecord:
+    """Register a stored checkpoint. The same content registered twice returns the first record."""
+    existing = session.scalar(select(m.Model).where(m.Model.sha256 == sha256))
+    if existing is not None:
+        return _model_record(existing)
+    base, n = name, 1
+    while session.scalar(select(m.Model.id).where(m.Model.name == name)) is not None:
+        n += 1
+        name = f"{base}-{n}"
+    row = m.Model(
+        name=name, sha256=sha256, source_kind=source_kind, source_name=source_name, path=path,
+        architecture=summary.get("architecture", "?"), model_type=summary.get("model_type", "?"),
+        num_layers=int(summary.get("num_layers", 0)), num_params=int(summary.get("num_params", 0)),
+        dtype=str(summary.get("dtype", "?")), hidden_size=summary.get("hidden_size"),
+        vocab_size=summary.get("vocab_size"), total_bytes=int(summary.get("total_bytes", 0)),
+        summary=summary, created_by=user_id(session, user),
+    )
+    session.add(row)
+    session.flush()
+    return _model_record(row)
+
+
+def list_models(session: Session) -> list[ModelRecord]:
+    return [_model_record(r) for r in session.scalars(select(m.Model).order_by(m.Model.id))]
+
+
+def get_model(session: Session, ref: int | str) -> ModelRecord:
+    """A model by id, by name, or ``demo`` for the demo model."""
+    row = None
+    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        row = session.get(m.Model, int(ref))
+    if row is None and isinstance(ref, str):
+        name = DEMO_MODEL_NAME if ref == "demo" else ref
+        row = session.scalar(select(m.Model).where(m.Model.name == name))
+        if row is None and ref == "demo":
+            row = session.scalar(select(m.Model).where(m.Model.source_kind == "demo"))
+    if row is None:
+        names = ", ".join(r.name for r in session.scalars(select(m.Model).order_by(m.Model.id))) or "none yet"
+        hint = " Register it with `quantplan models add --demo`." if ref == "demo" else ""
+        raise NotFound(f"no model {ref!r} is registered (registered: {names}).{hint}")
+    return _model_record(row)
+
+
+def delete_model(session: Session, model_id: int) -> None:
+    session.execute(delete(m.Model).where(m.Model.id == model_id))
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def _dataset_record(row: m.Dataset) -> DatasetRecord:
+    return DatasetRecord(id=row.id, name=row.name, role=row.role, sha256=row.sha256, path=row.path,
+                         builtin=row.builtin, n_documents=row.n_documents, n_bytes=row.n_bytes,
+                         created_at=row.created_at)
+
+
+def add_dataset(session: Session, *, name: str, role: str, sha256: str, path: str, n_documents: int,
+                n_bytes: int, builtin: bool = False, user: str | None = None) -> DatasetRecord:
+    existing = session.scalar(select(m.Dataset).where(m.Dataset.name == name))
+    if existing is not None:
+        if existing.sha256 == sha256:
+            return _dataset_record(existing)
+        raise ValueError(f"a dataset named {name!r} with other content exists; choose another name")
+    row = m.Dataset(name=name, role=role, sha256=sha256, path=path, n_documents=n_documents, n_bytes=n_bytes,
+                    builtin=builtin, created_by=user_id(session, user))
+    session.add(row)
+    session.flush()
+    return _dataset_record(row)
+
+
+def list_datasets(session: Session) -> list[DatasetRecord]:
+    return [_dataset_record(r) for r in session.scalars(select(m.Dataset).order_by(m.Dataset.id))]
+
+
+def get_dataset(session: Session, ref: int | str) -> DatasetRecord:
+    row = None
+    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        row = session.get(m.Dataset, int(ref))
+    if row is None:
+        row = session.scalar(select(m.Dataset).where(m.Dataset.name == str(ref)))
+    if row is None:
+        raise NotFound(f"no dataset {ref!r}")
+    return _dataset_record(row)
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def _job_record(session: Session, row: m.Job) -> JobRecord:
+    return JobRecord(
+        id=row.id, kind=row.kind, status=row.status, queue=row.queue, params=dict(row.params or {}),
+        model_id=row.model_id, plan_id=row.plan_id, progress=row.progress, message=row.message or "",
+        error=row.error, traceback=row.traceback, result=row.result, worker_host=row.worker_host,
+        device=row.device, torch_version=row.torch_version, celery_task_id=row.celery_task_id,
+        cancel_requested=row.cancel_requested, requested_by=_user_name(session, row.requested_by),
+        created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
+        heartbeat_at=row.heartbeat_at,
+    )
+
+
+def create_job(session: Session, *, kind: str, params: dict[str, Any], queue: str, user: str | None,
+               model_id: int | None = None, plan_id: int | None = None) -> JobRecord:
+    if kind not in m.JOB_KINDS:
+        raise ValueError(f"unknown job kind {kind!r}; valid: {', '.join(m.JOB_KINDS)}")
+    row = m.Job(kind=kind, params=params, queue=queue, model_id=model_id, plan_id=plan_id,
+                requested_by=user_id(session, user), status="queued", progress=0.0, message="queued")
+    session.add(row)
+    session.flush()
+    return _job_record(session, row)
+
+
+def get_job(session: Session, job_id: int) -> JobRecord:
+    row = session.get(m.Job, job_id)
+    if row is None:
+        raise NotFound(f"no job #{job_id}")
+    return _job_record(session, row)
+
+
+def list_jobs(session: Session, *, limit: int = 100, kind: str | None = None, model_id: int | None = None,
+              status: Sequence[str] | None = None) -> list[JobRecord]:
+    q = select(m.Job).order_by(m.Job.id.desc()).limit(limit)
+    if kind:
+        q = q.where(m.Job.kind == kind)
+    if model_id is not None:
+        q = q.where(m.Job.model_id == model_id)
+    if status:
+        q = q.where(m.Job.status.in_(list(status)))
+    return [_job_record(session, r) for r in session.scalars(q)]
+
+
+def set_celery_task_id(session: Session, job_id: int, task_id: str) -> None:
+    session.execute(update(m.Job).where(m.Job.id == job_id).values(celery_task_id=task_id))
+
+
+def mark_running(session: Session, job_id: int, *, worker_host: str, device: str, torch_version: str) -> bool:
+    """queued (or running, on a redelivery after worker loss) → running. False if the job is finished
+    or was cancelled before it started: the worker then does nothing."""
+    now = m.utcnow()
+    res = session.execute(
+        update(m.Job)
+        .where(m.Job.id == job_id, m.Job.status.in_(("queued", "running")), m.Job.cancel_requested.is_(False))
+        .values(status="running", worker_host=worker_host, device=device, torch_version=torch_version,
+                started_at=now, heartbeat_at=now, progress=0.0, message="started", error=None, traceback=None)
+    )
+    return res.rowcount == 1
+
+
+def report_progress(session: Session, job_id: int, fraction: float, message: str) -> bool:
+    """Write progress + heartbeat; returns True when a cancel was requested."""
+    fraction = min(max(float(fraction), 0.0), 1.0)
+    session.execute(
+        update(m.Job).where(m.Job.id == job_id, m.Job.status == "running")
+        .values(progress=fraction, message=message[:2000], heartbeat_at=m.utcnow())
+    )
+    return bool(session.scalar(select(m.Job.cancel_requested).where(m.Job.id == job_id)))
+
+
+def request_cancel(session: Session, job_id: int) -> JobRecord:
+    """A queued job is cancelled at once; a running one stops at its next batch."""
+    row = session.get(m.Job, job_id)
+    if row is None:
+        raise NotFound(f"no job #{job_id}")
+    if row.status == "queued":
+        row.status, row.finished_at, row.message, row.cancel_requested = "cancelled", m.utcnow(), "cancelled", True
+    elif row.status == "running":
+        row.cancel_requested = True
+        row.message = "cancel requested; stopping after the current batch"
+    session.flush()
+    return _job_record(session, row)
+
+
+def finish_job(session: Session, job_id: int, *, status: str, message: str = "", error: str | None = None,
+               traceback: str | None = None, result: dict[str, Any] | None = None) -> None:
+    if status not in m.FINISHED_STATUSES:
+        raise ValueError(f"finish_job needs one of {m.FINISHED_STATUSES}, not {status!r}")
+    values: dict[str, Any] = dict(status=status, message=message[:2000], error=error, traceback=traceback,
+                                  finished_at=m.utcnow(), heartbeat_at=m.utcnow())
+    if status == "succeeded":
+        values["progress"] = 1.0
+    if result is not None:
+        values["result"] = result
+    session.execute(update(m.Job).where(m.Job.id == job_id).values(**values))
+
+
+def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
+    """Fail running jobs whose heartbeat is older than stale_after_s (their worker died)."""
+    cutoff = m.utcnow() - dt.timedelta(seconds=stale_after_s)
+    rows = list(session.scalars(select(m.Job).where(m.Job.status == "running")))
+    stale = []
+    for row in rows:
+        hb = row.heartbeat_at or row.started_at or row.created_at
+        if hb.tzinfo is None:  # SQLite hands back naive datetimes
+            hb = hb.replace(tzinfo=dt.UTC)
+        if hb < cutoff:
+            row.status, row.finished_at = "failed", m.utcnow()
+            row.error = (f"the worker stopped reporting (no heartbeat for over {stale_after_s} s; "
+                         f"last from {row.worker_host or 'unknown host'}). Queue the job again.")
+            stale.append(row.id)
+    session.flush()
+    return stale
+
+
+# ----------------------------------------------------------------------------- activation statistics
+
+
+def _f32(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, dtype="<f4").tobytes()
+
+
+def save_activation_stats(session: Session, *, job_id: int, model_id: int, stats: Iterable[LayerStats]) -> int:
+    """Replace the statistics of job_id (idempotent on a rerun) with these; returns the row count."""
+    session.execute(delete(m.ActivationStat).where(m.ActivationStat.job_id == job_id))
+    n = 0
+    for st in stats:
+        session.add(m.ActivationStat(
+            job_id=job_id, model_id=model_id, layer=st.name, in_features=int(st.in_features),
+            out_features=int(st.out_features), n_tokens=int(st.n_tokens),
+            outlier_ratio=float(min(st.outlier_ratio, 1e30)), amax=float(st.amax),
+            channel_max=_f32(st.channel_max), weight_channel_max=_f32(st.weight_channel_max),
+            token_max={k: float(v) for k, v in st.token_max.items()},
+            hist_counts=np.ascontiguousarray(st.hist_counts, dtype="<i8").tobytes(), zeros=int(st.zeros),
+        ))
+        n += 1
+    session.flush()
+    return n
+
+
+def _layer_stats(row: m.ActivationStat) -> LayerStats:
+    return LayerStats(
+        name=row.layer, in_features=row.in_features, out_features=row.out_features, n_tokens=row.n_tokens,
+        channel_max=np.frombuffer(row.channel_max, dtype="<f4").copy(),
+        weight_channel_max=np.frombuffer(row.weight_channel_max, dtype="<f4").copy(),
+        token_max=dict(row.token_max or {}),
+        hist_counts=np.frombuffer(row.hist_counts, dtype="<i8").copy(), zeros=row.zeros,
+    )
+
+
+def load_activation_stats(session: Session, job_id: int) -> list[LayerStats]:
+    rows = session.scalars(select(m.ActivationStat).where(m.ActivationStat.job_id == job_id)
+                           .order_by(m.ActivationStat.id))
+    return [_layer_stats(r) for r in rows]
+
+
+def stats_overview(session: Session, job_id: int) -> list[dict[str, Any]]:
+    """Per-layer scalars only (no arrays): for tables and the JSON output of the CLI."""
+    q = select(m.ActivationStat.layer, m.ActivationStat.in_features, m.ActivationStat.out_features,
+               m.ActivationStat.outlier_ratio, m.ActivationStat.amax, m.ActivationStat.n_tokens) \
+        .where(m.ActivationStat.job_id == job_id).order_by(m.ActivationStat.id)
+    return [dict(name=r[0], in_features=r[1], out_features=r[2], outlier_ratio=r[3], amax=r[4], n_tokens=r[5])
+            for r in session.execute(q)]
+
+
+def calibrations(session: Session, model_id: int) -> list[JobRecord]:
+    """Succeeded calibrate jobs of a model, newest first."""
+    return list_jobs(session, kind="calibrate", model_id=model_id, status=("succeeded",), limit=1000)
+
+
+def latest_calibration(session: Session, model_id: int) -> JobRecord | None:
+    jobs = calibrations(session, model_id)
+    return jobs[0] if jobs else None
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def _plan_record(session: Session, row: m.Plan) -> PlanRecord:
+    return PlanRecord(id=row.id, model_id=row.model_id, name=row.name, version=row.version,
+                      parent_id=row.parent_id, body=dict(row.body), note=row.note or "",
+                      author=_user_name(session, row.created_by), created_at=row.created_at)
+
+
+def save_plan(session: Session, *, model_id: int, name: str, body: dict[str, Any], user: str | None,
+              note: str = "", parent_id: int | None = None) -> PlanRecord:
+    """Write a new version of plan `name` for the model (version = last + 1; parent = last unless given)."""
+    last = session.scalar(select(m.Plan).where(m.Plan.model_id == model_id, m.Plan.name == name)
+                          .order_by(m.Plan.version.desc()).limit(1))
+    version = 1 if last is None else last.version + 1
+    if parent_id is None and last is not None:
+        parent_id = last.id
+    row = m.Plan(model_id=model_id, name=name, version=version, parent_id=parent_id, body=body, note=note,
+                 created_by=user_id(session, user))
+    session.add(row)
+    session.flush()
+    return _plan_record(session, row)
+
+
+def list_plans(session: Session, model_id: int | None = None) -> list[PlanRecord]:
+    q = select(m.Plan).order_by(m.Plan.model_id, m.Plan.name, m.Plan.version)
+    if model_id is not None:
+        q = q.where(m.Plan.model_id == model_id)
+    return [_plan_record(session, r) for r in session.scalars(q)]
+
+
+def get_plan(session: Session, ref: int | str) -> PlanRecord:
+    """A plan by id, by 'name' (newest version) or 'name@vN' / 'name vN'."""
+    row = None
+    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        row = session.get(m.Plan, int(ref))
+    if row is None and isinstance(ref, str):
+        name, version = ref, None
+        for sep in ("@v", " v"):
+            if sep in ref and ref.rsplit(sep, 1)[1].isdigit():
+                name, v = ref.rsplit(sep, 1)
+                version = int(v)
+        q = select(m.Plan).where(m.Plan.name == name)
+        q = q.where(m.Plan.version == version) if version else q.order_by(m.Plan.version.desc())
+        row = session.scalar(q.limit(1))
+    if row is None:
+        raise NotFound(f"no plan {ref!r}")
+    return _plan_record(session, row)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def save_score(session: Session, *, job_id: int, model_id: int, plan_id: int | None, plan_label: str,
+               plan_body: dict[str, Any], dataset: str, report: dict[str, Any],
+               predicted_kl: float | None = None) -> None:
+    session.execute(delete(m.ScoreResult).where(m.ScoreResult.job_id == job_id))
+    details = {k: v for k, v in report.items() if k not in _SCORE_SCALARS}
+    session.add(m.ScoreResult(job_id=job_id, model_id=model_id, plan_id=plan_id, plan_label=plan_label,
+                              plan_body=plan_body, dataset=dataset, predicted_kl=predicted_kl, details=details,
+                              **{k: report[k] for k in _SCORE_SCALARS}))
+    session.flush()
+
+
+_SCORE_SCALARS = ("tokens", "kl_mean", "kl_p50", "kl_p90", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl")
+
+
+def _score_record(row: m.ScoreResult) -> ScoreRecord:
+    return ScoreRecord(id=row.id, job_id=row.job_id, model_id=row.model_id, plan_id=row.plan_id,
+                       plan_label=row.plan_label, plan_body=row.plan_body, dataset=row.dataset, tokens=row.tokens,
+                       kl_mean=row.kl_mean, kl_p50=row.kl_p50, kl_p90=row.kl_p90, kl_p99=row.kl_p99,
+                       kl_max=row.kl_max, top1_agree=row.top1_agree, ppl_ref=row.ppl_ref, ppl=row.ppl,
+                       predicted_kl=row.predicted_kl, details=row.details or {}, created_at=row.created_at)
+
+
+def list_scores(session: Session, model_id: int | None = None) -> list[ScoreRecord]:
+    q = select(m.ScoreResult).order_by(m.ScoreResult.id.desc())
+    if model_id is not None:
+        q = q.where(m.ScoreResult.model_id == model_id)
+    return [_score_record(r) for r in session.scalars(q)]
+
+
+def get_score(session: Session, job_id: int) -> ScoreRecord:
+    row = session.scalar(select(m.ScoreResult).where(m.ScoreResult.job_id == job_id))
+    if row is None:
+        raise NotFound(f"job #{job_id} has no score result")
+    return _score_record(row)
+
+
+def save_sensitivity(session: Session, *, job_id: int, model_id: int, scheme: str,
+                     rows: Iterable[dict[str, Any]]) -> None:
+    session.execute(delete(m.SensitivityResult).where(m.SensitivityResult.job_id == job_id))
+    for r in rows:
+        session.add(m.SensitivityResult(job_id=job_id, model_id=model_id, scheme=scheme, unit=r["layer"],
+                                        layers=list(r.get("layers") or [r["layer"]]), kl_mean=r["kl_mean"],
+                                        top1_agree=r["top1_agree"], sqnr_db=r.get("sqnr_db")))
+    session.flush()
+
+
+def list_sensitivity(session: Session, job_id: int) -> list[SensitivityRecord]:
+    q = select(m.SensitivityResult).where(m.SensitivityResult.job_id == job_id) \
+        .order_by(m.SensitivityResult.kl_mean.desc())
+    return [SensitivityRecord(job_id=r.job_id, model_id=r.model_id, scheme=r.scheme, unit=r.unit,
+                              layers=list(r.layers), kl_mean=r.kl_mean, top1_agree=r.top1_agree,
+                              sqnr_db=r.sqnr_db) for r in session.scalars(q)]
+
+
+def sensitivity_jobs(session: Session, model_id: int) -> list[JobRecord]:
+    return list_jobs(session, kind="sensitivity", model_id=model_id, status=("succeeded",), limit=1000)
+
+
+_KERNEL_FIELDS = ("device", "device_name", "torch_version", "m", "n", "k", "path", "ms", "tflops", "pct_peak",
+                  "speedup", "native", "max_rel_err", "padded_m", "skipped")
+
+
+def save_kernel_results(session: Session, *, job_id: int, records: Iterable[dict[str, Any]]) -> int:
+    session.execute(delete(m.KernelResult).where(m.KernelResult.job_id == job_id))
+    n = 0
+    for r in records:
+        session.add(m.KernelResult(job_id=job_id, **{k: r.get(k) for k in _KERNEL_FIELDS}))
+        n += 1
+    session.flush()
+    return n
+
+
+def kernel_results(session: Session, *, device_name: str | None = None, torch_version: str | None = None,
+                   job_id: int | None = None) -> list[KernelRecordRow]:
+    """Kernel timings, newest job first; filtered by device (and torch version) or by job."""
+    q = select(m.KernelResult).order_by(m.KernelResult.job_id.desc(), m.KernelResult.id)
+    if device_name is not None:
+        q = q.where(m.KernelResult.device_name == device_name)
+    if torch_version is not None:
+        q = q.where(m.KernelResult.torch_version == torch_version)
+    if job_id is not None:
+        q = q.where(m.KernelResult.job_id == job_id)
+    return [KernelRecordRow(job_id=r.job_id, **{k: getattr(r, k) for k in _KERNEL_FIELDS})
+            for r in session.scalars(q)]
+
+
+def kernel_devices(session: Session) -> list[tuple[str, str, str]]:
+    """(device, device_name, torch_version) triples that have timings."""
+    q = select(m.KernelResult.device, m.KernelResult.device_name, m.KernelResult.torch_version).distinct()
+    return [tuple(r) for r in session.execute(q)]
+
+
+def count_rows(session: Session, table: type[m.Base]) -> int:
+    return int(session.scalar(select(func.count()).select_from(table)) or 0)
+
+
+def set_job_model(session: Session, job_id: int, model_id: int) -> None:
+    session.execute(update(m.Job).where(m.Job.id == job_id).values(model_id=model_id))

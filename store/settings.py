@@ -1,0 +1,129 @@
+"""One typed settings object for every process (app, worker, CLI).
+
+Every field can be set from the environment with the prefix ``QUANTPLAN_``
+(``QUANTPLAN_DATABASE_URL``, ``QUANTPLAN_BROKER_URL``...). The defaults are the
+embedded deployment: a SQLite database, Celery over kombu's SQLAlchemy transport on
+SQLite, and local folders, all under ``QUANTPLAN_HOME`` (``./var`` by default).
+The team deployment (docker-compose.yml) only changes URLs and paths.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path("var")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="QUANTPLAN_", extra="ignore")
+
+    home: Path = Field(
+        DEFAULT_HOME,
+        description="Folder for the embedded deployment's files; the defaults of the paths and URLs below live in it.",
+    )
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL of the database. Default: sqlite:///<home>/quantplan.sqlite. "
+        "Team: postgresql+psycopg://user@host/db.",
+    )
+    database_password: SecretStr | None = Field(
+        None, description="Password added to database_url when set (kept out of logs)."
+    )
+    broker_url: str | None = Field(
+        None,
+        description="Celery broker URL. Default: sqla+sqlite:///<home>/broker.sqlite (kombu's SQLAlchemy "
+        "transport). Team: redis://host:6379/0.",
+    )
+    result_backend: str | None = Field(
+        None,
+        description="Celery result backend. Default: db+sqlite:///<home>/celery-results.sqlite. Job state "
+        "itself lives in the jobs table; this only serves Celery's own bookkeeping.",
+    )
+    artifact_dir: Path | None = Field(
+        None,
+        description="Where uploaded checkpoints (content-addressed) and reference caches are stored. "
+        "Shared by the app and every worker in a team deployment. Default: <home>/artifacts.",
+    )
+    data_dir: Path | None = Field(
+        None,
+        description="Where uploaded calibration / evaluation texts are stored. Default: <home>/data.",
+    )
+    cache_dir: Path | None = Field(
+        None,
+        description="Per-machine cache (GGUF conversions). Default: ~/.cache/quantplan.",
+    )
+    ui_port: int = Field(8501, description="Port of the Streamlit app.")
+    ui_address: str = Field("127.0.0.1", description="Address the Streamlit app binds to.")
+    upload_limit_mb: int = Field(
+        4096, description="Largest accepted upload, and largest size an archive may expand to (MiB)."
+    )
+    worker_queues: str = Field(
+        "cpu",
+        description="Comma-separated queues this worker consumes: cpu, gpu, or a device class such as gpu.sm90.",
+    )
+    default_device: str = Field(
+        "cpu", description="Device that calibration / scoring jobs run on when the request does not say."
+    )
+    job_soft_time_limit_s: int = Field(3 * 3600, description="A job running longer fails with 'timed out'.")
+    heartbeat_stale_s: int = Field(
+        300, description="A running job whose heartbeat is older than this is failed by the sweep."
+    )
+    user: str | None = Field(None, description="Name recorded as 'who asked' (default: the OS user).")
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> Settings:
+        home = self.home.expanduser().resolve()
+        self.home = home
+        if self.database_url is None:
+            self.database_url = f"sqlite:///{home / 'quantplan.sqlite'}"
+        if self.broker_url is None:
+            self.broker_url = f"sqla+sqlite:///{home / 'broker.sqlite'}"
+        if self.result_backend is None:
+            self.result_backend = f"db+sqlite:///{home / 'celery-results.sqlite'}"
+        self.artifact_dir = (self.artifact_dir or home / "artifacts").expanduser().resolve()
+        self.data_dir = (self.data_dir or home / "data").expanduser().resolve()
+        self.cache_dir = (self.cache_dir or Path.home() / ".cache" / "quantplan").expanduser().resolve()
+        if self.user is None:
+            import getpass
+
+            try:
+                self.user = getpass.getuser()
+            except Exception:  # no passwd entry in some containers
+                self.user = "anonymous"
+        return self
+
+    @property
+    def queues(self) -> list[str]:
+        return [q.strip() for q in self.worker_queues.split(",") if q.strip()]
+
+    @property
+    def upload_limit_bytes(self) -> int:
+        return self.upload_limit_mb * 1024 * 1024
+
+    @property
+    def models_dir(self) -> Path:
+        return Path(str(self.artifact_dir)) / "models"
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        """database_url with database_password filled in, when one is set."""
+        from sqlalchemy.engine import make_url
+
+        url = make_url(self.database_url)
+        if self.database_password is not None:
+            url = url.set(password=self.database_password.get_secret_value())
+        return url.render_as_string(hide_password=False)
+
+    def ensure_dirs(self) -> None:
+        for d in (self.home, self.artifact_dir, self.data_dir, self.models_dir):
+            Path(d).mkdir(parents=True, exist_ok=True)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (read once from the environment)."""
+    return Settings()

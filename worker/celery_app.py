@@ -1,0 +1,46 @@
+"""The Celery application: one per process, configured from quantplan's settings.
+
+The app (Streamlit) uses this module only to *send* tasks by name; it never imports
+worker.tasks, so it never imports torch. A worker process imports worker.tasks
+through ``include``.
+
+Reliability: a job is acknowledged only after its body returns (``acks_late``) and
+is requeued when the worker process dies mid-job (``reject_on_worker_lost``); task
+bodies are idempotent (results are keyed by job id and a rerun replaces them), and
+a sweep fails jobs whose heartbeat went stale.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from store.settings import Settings, get_settings
+
+TASK_NAMES = {
+    "register": "quantplan.register",
+    "calibrate": "quantplan.calibrate",
+    "score": "quantplan.score",
+    "sensitivity": "quantplan.sensitivity",
+    "bench": "quantplan.bench",
+}
+
+
+def make_celery(settings: Settings | None = None) -> Celery:
+    s = settings or get_settings()
+    app = Celery("quantplan", broker=s.broker_url, backend=s.result_backend, include=["worker.tasks"])
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,  # one job at a time per worker: jobs are long and memory-hungry
+        task_default_queue="cpu",
+        task_soft_time_limit=s.job_soft_time_limit_s,
+        task_time_limit=s.job_soft_time_limit_s + 120,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_ignore_result=True,  # job state lives in the jobs table
+        broker_transport_options={"visibility_timeout": s.job_soft_time_limit_s + 600},
+    )
+    return app
+
+
+celery_app = make_celery()

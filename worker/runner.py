@@ -1,0 +1,137 @@
+"""A job's life on the worker: running → progress → succeeded / failed / cancelled.
+
+``run_job(job_id, body)`` is the same whether Celery calls it (queued) or the CLI does
+(``--local``): the body gets a :class:`JobContext` (parameters, progress, cancel) and
+returns a :class:`Outcome` whose ``write`` stores the results; results and the
+``succeeded`` status are written in one transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import traceback as tb
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from store import repo
+from store.db import check_schema_current, session_scope
+from store.settings import Settings, get_settings
+
+log = logging.getLogger("quantplan.worker")
+
+PROGRESS_INTERVAL_S = 0.5  # at most two progress writes a second: SQLite is shared with the app
+
+
+class JobCancelled(Exception):
+    """Raised inside a body when the job's cancel flag is set (also quantcore.errors.Cancelled works)."""
+
+
+@dataclass
+class Outcome:
+    """What a body produced: a small JSON summary for the jobs list, and a writer for the results."""
+
+    result: dict[str, Any] = field(default_factory=dict)
+    write: Callable[[Session], None] | None = None
+    message: str = "done"
+
+
+@dataclass
+class JobContext:
+    job_id: int
+    kind: str
+    params: dict[str, Any]
+    model_id: int | None
+    plan_id: int | None
+    settings: Settings
+    _last_write: float = 0.0
+    _cancel: bool = False
+
+    def progress(self, fraction: float, message: str) -> None:
+        """Report progress (throttled); raises JobCancelled when a cancel was requested."""
+        now = time.monotonic()
+        if now - self._last_write >= PROGRESS_INTERVAL_S or fraction >= 1.0:
+            self._last_write = now
+            with session_scope(self.settings) as s:
+                self._cancel = repo.report_progress(s, self.job_id, fraction, message)
+        if self._cancel:
+            raise JobCancelled()
+
+    def should_cancel(self) -> bool:
+        """Checked between batches by quantcore functions."""
+        if not self._cancel:
+            with session_scope(self.settings) as s:
+                self._cancel = repo.get_job(s, self.job_id).cancel_requested
+        return self._cancel
+
+
+def _device_label(params: dict[str, Any]) -> tuple[str, str]:
+    device = str(params.get("device") or "cpu")
+    try:
+        import torch
+
+        version = torch.__version__
+        if device.startswith("cuda") and torch.cuda.is_available():
+            device = f"{device} ({torch.cuda.get_device_name(0)})"
+    except ImportError:  # a register job on a worker without torch still runs
+        version = "none"
+    return device, version
+
+
+def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settings | None = None) -> str:
+    """Run one job to a final status; returns that status ('skipped' if it was not runnable)."""
+    from quantcore.errors import Cancelled, QuantcoreError
+
+    settings = settings or get_settings()
+    check_schema_current(settings)
+    with session_scope(settings) as s:
+        job = repo.get_job(s, job_id)
+        device, torch_version = _device_label(job.params)
+        if not repo.mark_running(s, job_id, worker_host=socket.gethostname(), device=device,
+                                 torch_version=torch_version):
+            log.info("job %s is %s; nothing to do", job_id, job.status)
+            return "skipped"
+    ctx = JobContext(job_id=job_id, kind=job.kind, params=job.params, model_id=job.model_id,
+                     plan_id=job.plan_id, settings=settings)
+    try:
+        outcome = body(ctx)
+        with session_scope(settings) as s:
+            if outcome.write is not None:
+                outcome.write(s)
+            repo.finish_job(s, job_id, status="succeeded", message=outcome.message, result=outcome.result)
+        return "succeeded"
+    except (JobCancelled, Cancelled):
+        with session_scope(settings) as s:
+            repo.finish_job(s, job_id, status="cancelled", message="cancelled by request")
+        return "cancelled"
+    except Exception as exc:  # every failure is stored, then the task ends normally
+        from celery.exceptions import SoftTimeLimitExceeded
+
+        if isinstance(exc, SoftTimeLimitExceeded):
+            error = f"timed out after {settings.job_soft_time_limit_s} s"
+        elif isinstance(exc, QuantcoreError | ValueError | LookupError | FileNotFoundError):
+            error = str(exc)  # our own messages are written for a person already
+        else:
+            error = f"{type(exc).__name__}: {exc}"
+        log.exception("job %s failed", job_id)
+        with session_scope(settings) as s:
+            repo.finish_job(s, job_id, status="failed", message="failed", error=error, traceback=tb.format_exc())
+        return "failed"
+
+
+def sweep(settings: Settings | None = None) -> list[int]:
+    """Fail jobs whose worker stopped sending heartbeats."""
+    settings = settings or get_settings()
+    try:
+        with session_scope(settings) as s:
+            stale = repo.sweep_stale_jobs(s, stale_after_s=settings.heartbeat_stale_s)
+    except Exception:  # the sweep must never take a worker down
+        log.exception("stale-job sweep failed")
+        return []
+    if stale:
+        log.warning("failed stale jobs: %s", stale)
+    return stale
