@@ -1,0 +1,398 @@
+"""Quantization schemes: what happens to one linear layer's weight and input (torch-free).
+
+A :class:`TensorSpec` says how one operand is quantized (format, scale granularity, dynamic
+or static scale). A :class:`Scheme` pairs a weight spec with an activation spec (``None``:
+weight-only) and an optional SmoothQuant strength α. Presets are looked up by name, using
+llm-compressor's names where they exist (compressed-tensors ``PRESET_SCHEMES``: FP8,
+FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, NVFP4, NVFP4A16, INT8_W8A8 ~ "W8A8"); the other names
+are quantplan's own.
+
+Granularity, for a weight W of shape (N, K) = (out_features, in_features) and an
+activation X of shape (..., K) (leading dims = tokens); the scale shapes are those of
+:func:`quantcore.quantize.quantize`:
+
+========  ================================  ====================================
+value     scale per                          scale shape
+========  ================================  ====================================
+tensor    whole tensor                       ()
+channel   weight output row                  (N, 1)
+token     activation row (token)             (..., 1)
+group     G consecutive elements along K     (..., ceil(K / G))
+block     (br, bc) tile of the 2-D view      (ceil(rows / br), ceil(K / bc))
+========  ================================  ====================================
+
+For weights, "static" and "dynamic" make no difference: the scale is computed once from the
+weight itself. For activations, static means one calibrated amax per tensor (a calibration
+pass is needed); dynamic means a fresh scale on every forward.
+
+Fusion groups: serving engines fuse the linears that read the same input (q/k/v of an
+attention block, gate/up of a gated MLP) into one GEMM, so they must share one scheme and
+SmoothQuant must treat their input as one. :func:`fusion_groups` finds them by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from quantcore.formats import get_format
+
+SQ_DEFAULT_ALPHA = 0.5  # SmoothQuant migration strength used by the *_SQ presets [Xiao et al. 2022, sec. 4]
+W4_GROUP_SIZE = 128  # INT4 weight group along K, as in compressed-tensors' W4A16 preset
+FP8_BLOCK = (128, 128)  # DeepSeek-V3 weight tile (rows of N, columns of K)
+FP8_ACT_GROUP = 128  # DeepSeek-V3 activation tile: 1 x 128 along K, per token
+IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
+
+
+class Granularity(str, Enum):
+    """How many scales a tensor gets (see the module docstring for shapes)."""
+
+    TENSOR = "tensor"
+    CHANNEL = "channel"
+    TOKEN = "token"
+    GROUP = "group"
+    BLOCK = "block"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one operand (weight or activation) is quantized.
+
+    format:      a registered format name (``quantcore.formats.list_formats()``)
+    granularity: scale granularity; block formats (mxfp8/mxfp4/nvfp4) must use GROUP with
+                 group_size equal to their block size (None is filled in)
+    dynamic:     activation scales computed on every forward (True) or from a calibrated amax
+                 (False: needs calibration; only per-tensor, or nvfp4's fp32 tensor scale).
+                 Ignored for weights, whose scales always come from the weight itself; the
+                 presets mark weights dynamic=False as compressed-tensors does.
+    group_size:  G for GROUP granularity (elements along K per scale)
+    block:       (rows, cols) tile for BLOCK granularity, e.g. (128, 128) for weights
+    """
+
+    format: str
+    granularity: Granularity
+    dynamic: bool = True
+    group_size: int | None = None
+    block: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        fmt = get_format(self.format)  # raises ValueError listing valid formats
+        try:
+            gran = Granularity(self.granularity)
+        except ValueError:
+            valid = ", ".join(g.value for g in Granularity)
+            raise ValueError(f"unknown granularity {self.granularity!r}; use one of: {valid}") from None
+        object.__setattr__(self, "granularity", gran)
+        if self.block is not None:
+            object.__setattr__(self, "block", tuple(self.block))
+        if fmt.is_block:
+            if gran is not Granularity.GROUP or self.group_size not in (None, fmt.block_size):
+                raise ValueError(
+                    f"{fmt.name} carries its own scale blocks of {fmt.block_size}: use "
+                    f"granularity='group' with group_size={fmt.block_size} (or None)"
+                )
+            object.__setattr__(self, "group_size", fmt.block_size)
+        if gran is Granularity.GROUP:
+            if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
+                raise ValueError(f"granularity 'group' needs a positive integer group_size (e.g. 128), got {self.group_size!r}")
+        elif self.group_size is not None:
+            raise ValueError(f"group_size={self.group_size} is only used with granularity 'group'; drop it or use 'group'")
+        if gran is Granularity.BLOCK:
+            if (
+                self.block is None
+                or len(self.block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.block)
+            ):
+                raise ValueError(f"granularity 'block' needs block=(rows, cols) of positive integers, e.g. (128, 128); got {self.block!r}")
+        elif self.block is not None:
+            raise ValueError(f"block={self.block} is only used with granularity 'block'; drop it or use 'block'")
+
+    @property
+    def bits(self) -> int:
+        """Element bits of the format (8, 4)."""
+        return get_format(self.format).bits
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict; :meth:`from_dict` inverts it."""
+        return {
+            "format": self.format,
+            "granularity": self.granularity.value,
+            "dynamic": self.dynamic,
+            "group_size": self.group_size,
+            "block": list(self.block) if self.block is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TensorSpec:
+        """Build from :meth:`to_dict` output; unknown keys raise ValueError naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = set(data) - known
+        if extra:
+            raise ValueError(f"unknown TensorSpec field(s) {sorted(extra)}; valid fields: {sorted(known)}")
+        kwargs = dict(data)
+        if kwargs.get("block") is not None:
+            kwargs["block"] = tuple(kwargs["block"])
+        return cls(**kwargs)
+
+    def describe(self, *, show_static: bool = True) -> str:
+        """Short text such as 'fp8_e4m3 per-channel' or 'int4 group 128' (' static' appended when static)."""
+        gran = self.granularity
+        if gran is Granularity.GROUP:
+            where = f"group {self.group_size}"
+        elif gran is Granularity.BLOCK:
+            where = f"block {self.block[0]}x{self.block[1]}"
+        else:
+            where = f"per-{gran.value}"
+        kind = " static" if show_static and not self.dynamic else ""
+        return f"{self.format} {where}{kind}"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """Weight spec + activation spec (None: weight-only) + optional SmoothQuant α.
+
+    A scheme with neither (``BF16``) leaves the layer unquantized.
+    """
+
+    name: str
+    weights: TensorSpec | None
+    activations: TensorSpec | None
+    smoothquant_alpha: float | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("a Scheme needs a non-empty name")
+        if self.weights is None and self.activations is not None:
+            raise ValueError(
+                f"scheme {self.name!r} quantizes activations but not weights; activation-only schemes are not "
+                "supported: add a weight spec"
+            )
+        if self.weights is not None and self.weights.granularity is Granularity.TOKEN:
+            raise ValueError(f"scheme {self.name!r}: weights use 'channel' for one scale per output row, not 'token'")
+        if self.activations is not None and self.activations.granularity is Granularity.CHANNEL:
+            raise ValueError(
+                f"scheme {self.name!r}: activations use 'token' for one scale per row; a per-input-channel "
+                "activation scale cannot be factored out of the GEMM (use SmoothQuant for channel outliers)"
+            )
+        acts = self.activations
+        if acts is not None and not acts.dynamic:
+            fmt = get_format(acts.format)
+            if fmt.is_block and fmt.scale == "e8m0":
+                raise ValueError(
+                    f"scheme {self.name!r}: {fmt.name} block scales are computed from each live block; "
+                    "use dynamic=True for its activations"
+                )
+            if not fmt.is_block and acts.granularity is not Granularity.TENSOR:
+                raise ValueError(
+                    f"scheme {self.name!r}: a static (calibrated) activation scale is one amax per tensor; use "
+                    f"granularity 'tensor' with dynamic=False, or dynamic=True for {acts.granularity.value!r} scales"
+                )
+        alpha = self.smoothquant_alpha
+        if alpha is not None:
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+                raise ValueError(f"scheme {self.name!r}: smoothquant_alpha must be a number in [0, 1] (0.5 is usual), got {alpha!r}")
+            if self.activations is None:
+                raise ValueError(
+                    f"scheme {self.name!r}: SmoothQuant moves activation outliers into the weights and only helps "
+                    "when activations are quantized; drop smoothquant_alpha or add an activation spec"
+                )
+            object.__setattr__(self, "smoothquant_alpha", float(alpha))
+
+    @property
+    def is_identity(self) -> bool:
+        """Nothing is quantized (BF16)."""
+        return self.weights is None and self.activations is None
+
+    @property
+    def weight_only(self) -> bool:
+        """Weights quantized, activations left in 16 bits (W8A16, W4A16, NVFP4A16)."""
+        return self.weights is not None and self.activations is None
+
+    @property
+    def weight_bits(self) -> int:
+        """Element bits of the weights; 16 when they stay unquantized."""
+        return self.weights.bits if self.weights is not None else IDENTITY_BITS
+
+    @property
+    def activation_bits(self) -> int:
+        """Element bits of the activations; 16 when they stay unquantized."""
+        return self.activations.bits if self.activations is not None else IDENTITY_BITS
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when applying the scheme needs calibration data: static activation scales or SmoothQuant."""
+        static_acts = self.activations is not None and not self.activations.dynamic
+        return static_acts or self.smoothquant_alpha is not None
+
+    def with_alpha(self, alpha: float | None) -> Scheme:
+        """A copy with SmoothQuant strength ``alpha`` (None removes smoothing); the name is kept."""
+        return dataclasses.replace(self, smoothquant_alpha=alpha)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (strings, numbers, lists, None); :meth:`from_dict` inverts it exactly."""
+        return {
+            "name": self.name,
+            "weights": self.weights.to_dict() if self.weights is not None else None,
+            "activations": self.activations.to_dict() if self.activations is not None else None,
+            "smoothquant_alpha": self.smoothquant_alpha,
+            "description": self.description,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Scheme:
+        """Build from :meth:`to_dict` output; unknown keys raise ValueError naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = set(data) - known
+        if extra:
+            raise ValueError(f"unknown Scheme field(s) {sorted(extra)}; valid fields: {sorted(known)}")
+        if "name" not in data:
+            raise ValueError("a Scheme dict needs a 'name'")
+        weights = data.get("weights")
+        acts = data.get("activations")
+        return cls(
+            name=data["name"],
+            weights=TensorSpec.from_dict(weights) if weights is not None else None,
+            activations=TensorSpec.from_dict(acts) if acts is not None else None,
+            smoothquant_alpha=data.get("smoothquant_alpha"),
+            description=data.get("description", ""),
+        )
+
+    def describe(self) -> str:
+        """Short text such as 'W: fp8_e4m3 per-channel; A: fp8_e4m3 per-token'."""
+        if self.is_identity:
+            return "unquantized"
+        parts = [f"W: {self.weights.describe(show_static=False)}"]
+        parts.append(f"A: {self.activations.describe()}" if self.activations is not None else "A: 16-bit")
+        if self.smoothquant_alpha is not None:
+            parts.append(f"SmoothQuant α={self.smoothquant_alpha:g}")
+        return "; ".join(parts)
+
+
+def _presets() -> dict[str, Scheme]:
+    T, C, K, G, B = (Granularity.TENSOR, Granularity.CHANNEL, Granularity.TOKEN, Granularity.GROUP, Granularity.BLOCK)
+    fp8_w_tensor = TensorSpec("fp8_e4m3", T, dynamic=False)
+    fp8_w_channel = TensorSpec("fp8_e4m3", C, dynamic=False)
+    int8_w_channel = TensorSpec("int8", C, dynamic=False)
+    int8_a_token = TensorSpec("int8", K)
+    int8_a_tensor = TensorSpec("int8", T)
+    schemes = [
+        Scheme("FP8", fp8_w_tensor, TensorSpec("fp8_e4m3", T, dynamic=False),
+               description="FP8 E4M3, per-tensor weights, static per-tensor activations (calibrated amax)"),
+        Scheme("FP8_PER_TENSOR", fp8_w_tensor, TensorSpec("fp8_e4m3", T),
+               description="FP8 E4M3, per-tensor weights, dynamic per-tensor activations"),
+        Scheme("FP8_DYNAMIC", fp8_w_channel, TensorSpec("fp8_e4m3", K),
+               description="FP8 E4M3, per-channel weights, dynamic per-token activations; no calibration"),
+        Scheme("FP8_BLOCK", TensorSpec("fp8_e4m3", B, dynamic=False, block=FP8_BLOCK),
+               TensorSpec("fp8_e4m3", G, group_size=FP8_ACT_GROUP),
+               description="FP8 E4M3, 128x128 weight blocks, 1x128 dynamic activation groups (DeepSeek-V3)"),
+        Scheme("FP8_E5M2", TensorSpec("fp8_e5m2", T, dynamic=False), TensorSpec("fp8_e5m2", T),
+               description="FP8 E5M2, per-tensor weights, dynamic per-tensor activations (a training format; "
+                           "shown for comparison with FP8_PER_TENSOR)"),
+        Scheme("INT8_PER_TENSOR", int8_w_channel, int8_a_tensor,
+               description="INT8, per-channel weights, dynamic per-tensor activations"),
+        Scheme("INT8_PER_TENSOR_SQ", int8_w_channel, int8_a_tensor, smoothquant_alpha=SQ_DEFAULT_ALPHA,
+               description="INT8_PER_TENSOR after SmoothQuant (α = 0.5)"),
+        Scheme("INT8_W8A8", int8_w_channel, int8_a_token,
+               description="INT8, per-channel weights, dynamic per-token activations"),
+        Scheme("INT8_W8A8_SQ", int8_w_channel, int8_a_token, smoothquant_alpha=SQ_DEFAULT_ALPHA,
+               description="INT8_W8A8 after SmoothQuant (α = 0.5)"),
+        Scheme("W8A16", int8_w_channel, None, description="INT8 per-channel weights, 16-bit activations"),
+        Scheme("W4A16", TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE), None,
+               description="INT4 weights in groups of 128 along K, 16-bit activations"),
+        Scheme("MXFP8", TensorSpec("mxfp8", G, dynamic=False), TensorSpec("mxfp8", G),
+               description="OCP MXFP8: E4M3 with a power-of-two scale per 32, weights and activations"),
+        Scheme("MXFP4", TensorSpec("mxfp4", G, dynamic=False), TensorSpec("mxfp4", G),
+               description="OCP MXFP4: E2M1 with a power-of-two scale per 32, weights and activations"),
+        Scheme("NVFP4", TensorSpec("nvfp4", G, dynamic=False), TensorSpec("nvfp4", G),
+               description="NVFP4: E2M1, E4M3 scale per 16, fp32 tensor scale, weights and activations "
+                           "(activation tensor scale dynamic here; llm-compressor calibrates it)"),
+        Scheme("NVFP4A16", TensorSpec("nvfp4", G, dynamic=False), None,
+               description="NVFP4 weights, 16-bit activations"),
+        Scheme("BF16", None, None, description="left unquantized"),
+    ]
+    return {s.name: s for s in schemes}
+
+
+_PRESETS: dict[str, Scheme] = _presets()
+
+
+def list_schemes() -> list[str]:
+    """Names of every preset scheme, FP8 family first, BF16 last."""
+    return list(_PRESETS)
+
+
+def get_scheme(name: str | Scheme) -> Scheme:
+    """The preset scheme called ``name`` (a Scheme passes through unchanged).
+
+    Case-sensitive, like llm-compressor. Raises ValueError listing the valid names.
+    """
+    if isinstance(name, Scheme):
+        return name
+    try:
+        return _PRESETS[name]
+    except (KeyError, TypeError):
+        hint = ""
+        if isinstance(name, str) and name.upper() in _PRESETS:
+            hint = f" (did you mean {name.upper()!r}? names are case-sensitive)"
+        valid = ", ".join(_PRESETS)
+        raise ValueError(f"unknown scheme {name!r}{hint}; valid schemes are: {valid}") from None
+
+
+# ---------------------------------------------------------------- fusion groups
+
+# (leaf name pattern, group kind, canonical member order). A layer "a.b.q_proj" belongs to the
+# group keyed by (its parent path "a.b", kind). Names follow Hugging Face transformers:
+# Llama / Mistral / Qwen2 / Gemma / Gemma3 (q_proj, k_proj, v_proj; gate_proj, up_proj),
+# Mixtral experts (w1 = gate, w3 = up) and BERT (attention.self.query / key / value).
+_FUSION_RULES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = (
+    (re.compile(r"^(?:(?P<parent>.*)\.)?(?P<leaf>q_proj|k_proj|v_proj)$"), "qkv", ("q_proj", "k_proj", "v_proj")),
+    (re.compile(r"^(?:(?P<parent>.*)\.)?(?P<leaf>gate_proj|up_proj)$"), "gate_up", ("gate_proj", "up_proj")),
+    (re.compile(r"^(?:(?P<parent>.*\.experts\.\d+)\.)(?P<leaf>w1|w3)$"), "w1_w3", ("w1", "w3")),
+    (re.compile(r"^(?:(?P<parent>.*)\.)?(?P<leaf>query|key|value)$"), "bert_qkv", ("query", "key", "value")),
+)
+
+
+def _fusion_key(name: str) -> tuple[tuple[str, str], int] | None:
+    """((parent path, group kind), member rank) of a layer name, or None if it fuses with nothing."""
+    for pattern, kind, order in _FUSION_RULES:
+        match = pattern.match(name)
+        if match:
+            return (match.group("parent") or "", kind), order.index(match.group("leaf"))
+    return None
+
+
+def fusion_groups(layer_names: Iterable[str]) -> list[list[str]]:
+    """Groups of two or more layers that read the same input and are fused at serving time.
+
+    Returns groups in order of first appearance, members in canonical order (q, k, v /
+    gate, up). Layers that fuse with nothing are not listed; duplicates are ignored.
+
+    >>> fusion_groups(["m.0.self_attn.q_proj", "m.0.self_attn.k_proj", "m.0.self_attn.v_proj", "m.0.self_attn.o_proj"])
+    [['m.0.self_attn.q_proj', 'm.0.self_attn.k_proj', 'm.0.self_attn.v_proj']]
+    """
+    groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for name in layer_names:
+        keyed = _fusion_key(name)
+        if keyed is None:
+            continue
+        key, rank = keyed
+        members = groups.setdefault(key, [])
+        if all(existing != name for _, existing in members):
+            members.append((rank, name))
+    return [[n for _, n in sorted(members)] for members in groups.values() if len(members) >= 2]
+
+
+def fusion_group_of(name: str, layer_names: Iterable[str]) -> list[str]:
+    """The fusion group containing ``name`` among ``layer_names``, or ``[name]`` if it fuses with nothing."""
+    names = list(layer_names)
+    if name not in names:
+        names.append(name)
+    for group in fusion_groups(names):
+        if name in group:
+            return group
+    return [name]

@@ -1,0 +1,185 @@
+"""quantcore.schemes: presets, validation, JSON round trip and fusion groups."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantcore.schemes import (
+    Granularity,
+    Scheme,
+    TensorSpec,
+    fusion_group_of,
+    fusion_groups,
+    get_scheme,
+    list_schemes,
+)
+
+ISSUE_PRESETS = [
+    "FP8", "FP8_PER_TENSOR", "FP8_DYNAMIC", "FP8_BLOCK", "FP8_E5M2", "INT8_PER_TENSOR",
+    "INT8_PER_TENSOR_SQ", "INT8_W8A8", "INT8_W8A8_SQ", "W8A16", "W4A16", "MXFP8", "MXFP4",
+    "NVFP4", "NVFP4A16", "BF16",
+]  # fmt: skip
+
+
+def test_every_preset_of_the_issue_is_registered():
+    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS)
+
+
+# (weights format, weights granularity, acts format or None, acts granularity, acts dynamic, alpha),
+# from issue 3 and, where the name exists there, compressed-tensors' PRESET_SCHEMES.
+PRESET_TABLE = {
+    "FP8": ("fp8_e4m3", "tensor", "fp8_e4m3", "tensor", False, None),
+    "FP8_PER_TENSOR": ("fp8_e4m3", "tensor", "fp8_e4m3", "tensor", True, None),
+    "FP8_DYNAMIC": ("fp8_e4m3", "channel", "fp8_e4m3", "token", True, None),
+    "FP8_BLOCK": ("fp8_e4m3", "block", "fp8_e4m3", "group", True, None),
+    "FP8_E5M2": ("fp8_e5m2", "tensor", "fp8_e5m2", "tensor", True, None),
+    "INT8_PER_TENSOR": ("int8", "channel", "int8", "tensor", True, None),
+    "INT8_PER_TENSOR_SQ": ("int8", "channel", "int8", "tensor", True, 0.5),
+    "INT8_W8A8": ("int8", "channel", "int8", "token", True, None),
+    "INT8_W8A8_SQ": ("int8", "channel", "int8", "token", True, 0.5),
+    "W8A16": ("int8", "channel", None, None, None, None),
+    "W4A16": ("int4", "group", None, None, None, None),
+    "MXFP8": ("mxfp8", "group", "mxfp8", "group", True, None),
+    "MXFP4": ("mxfp4", "group", "mxfp4", "group", True, None),
+    "NVFP4": ("nvfp4", "group", "nvfp4", "group", True, None),
+    "NVFP4A16": ("nvfp4", "group", None, None, None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_TABLE))
+def test_preset_contents(name):
+    wf, wg, af, ag, adyn, alpha = PRESET_TABLE[name]
+    s = get_scheme(name)
+    assert (s.weights.format, s.weights.granularity.value) == (wf, wg)
+    if af is None:
+        assert s.activations is None and s.weight_only
+    else:
+        assert (s.activations.format, s.activations.granularity.value, s.activations.dynamic) == (af, ag, adyn)
+    assert s.smoothquant_alpha == alpha
+    assert s.description
+
+
+def test_preset_details():
+    assert get_scheme("W4A16").weights.group_size == 128
+    assert get_scheme("FP8_BLOCK").weights.block == (128, 128)
+    assert get_scheme("FP8_BLOCK").activations.group_size == 128
+    assert get_scheme("MXFP4").weights.group_size == 32
+    assert get_scheme("NVFP4").activations.group_size == 16
+
+
+def test_bits_identity_and_calibration_flags():
+    bf16 = get_scheme("BF16")
+    assert bf16.is_identity and not bf16.weight_only
+    assert (bf16.weight_bits, bf16.activation_bits) == (16, 16)
+    assert (get_scheme("W4A16").weight_bits, get_scheme("W4A16").activation_bits) == (4, 16)
+    assert (get_scheme("NVFP4").weight_bits, get_scheme("NVFP4").activation_bits) == (4, 4)
+    assert (get_scheme("FP8_DYNAMIC").weight_bits, get_scheme("FP8_DYNAMIC").activation_bits) == (8, 8)
+    needing = {n for n in list_schemes() if get_scheme(n).needs_calibration}
+    assert needing == {"FP8", "INT8_PER_TENSOR_SQ", "INT8_W8A8_SQ"}
+
+
+@pytest.mark.parametrize("name", ISSUE_PRESETS)
+def test_to_dict_is_json_safe_and_round_trips(name):
+    scheme = get_scheme(name)
+    data = json.loads(json.dumps(scheme.to_dict()))
+    assert Scheme.from_dict(data) == scheme
+
+
+def test_with_alpha_keeps_name_and_can_remove_smoothing():
+    s = get_scheme("INT8_W8A8").with_alpha(0.8)
+    assert s.smoothquant_alpha == 0.8 and s.name == "INT8_W8A8" and s.needs_calibration
+    assert get_scheme("INT8_W8A8_SQ").with_alpha(None).smoothquant_alpha is None
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        get_scheme("INT8_W8A8").with_alpha(1.5)
+
+
+def test_unknown_scheme_lists_valid_names_and_hints_case():
+    with pytest.raises(ValueError) as err:
+        get_scheme("fp8_dynamic")
+    assert "FP8_DYNAMIC" in str(err.value) and "case-sensitive" in str(err.value)
+    for name in list_schemes():
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(format="fp9", granularity="tensor"), "valid formats"),
+        (dict(format="int8", granularity="row"), "granularity"),
+        (dict(format="int4", granularity="group"), "group_size"),
+        (dict(format="int4", granularity="group", group_size=0), "group_size"),
+        (dict(format="int4", granularity="tensor", group_size=128), "only used with granularity 'group'"),
+        (dict(format="fp8_e4m3", granularity="block"), r"block=\(rows, cols\)"),
+        (dict(format="fp8_e4m3", granularity="block", block=(128,)), r"block=\(rows, cols\)"),
+        (dict(format="fp8_e4m3", granularity="tensor", block=(1, 128)), "only used with granularity 'block'"),
+        (dict(format="mxfp4", granularity="tensor"), "group_size=32"),
+        (dict(format="nvfp4", granularity="group", group_size=32), "group_size=16"),
+    ],
+)
+def test_tensor_spec_validation_messages(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TensorSpec(**kwargs)
+
+
+def test_tensor_spec_normalises_strings_and_block_format_group():
+    spec = TensorSpec("mxfp8", "group")
+    assert spec.granularity is Granularity.GROUP and spec.group_size == 32
+    assert TensorSpec("fp8_e4m3", "block", block=[128, 128]).block == (128, 128)
+
+
+def test_scheme_validation_messages():
+    w = TensorSpec("int8", "channel")
+    with pytest.raises(ValueError, match="activation-only"):
+        Scheme("X", None, TensorSpec("int8", "token"))
+    with pytest.raises(ValueError, match="'channel' for one scale per output row"):
+        Scheme("X", TensorSpec("int8", "token"), None)
+    with pytest.raises(ValueError, match="use 'token'"):
+        Scheme("X", w, TensorSpec("int8", "channel"))
+    with pytest.raises(ValueError, match="one amax per tensor"):
+        Scheme("X", w, TensorSpec("int8", "token", dynamic=False))
+    with pytest.raises(ValueError, match="dynamic=True"):
+        Scheme("X", w, TensorSpec("mxfp4", "group", dynamic=False))
+    with pytest.raises(ValueError, match="only helps when activations are quantized"):
+        Scheme("X", w, None, smoothquant_alpha=0.5)
+    with pytest.raises(ValueError, match="unknown Scheme field"):
+        Scheme.from_dict({"name": "X", "weights": None, "activations": None, "alpha": 0.5})
+    # static nvfp4 activations: a calibrated fp32 tensor scale, blocks still dynamic
+    assert Scheme("X", TensorSpec("nvfp4", "group"), TensorSpec("nvfp4", "group", dynamic=False)).needs_calibration
+
+
+LLAMA_BLOCK = [
+    "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+    "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+    "model.layers.0.mlp.down_proj",
+]  # fmt: skip
+
+
+def test_fusion_groups_llama_qwen_gemma_mistral_naming():
+    names = LLAMA_BLOCK + [n.replace(".0.", ".1.") for n in LLAMA_BLOCK] + ["lm_head"]
+    groups = fusion_groups(reversed(names))  # canonical member order regardless of input order
+    assert groups == [
+        ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"],
+        ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"],
+        ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
+        ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"],
+    ]
+
+
+def test_fusion_groups_bert_and_singletons():
+    bert = [f"encoder.layer.0.attention.self.{p}" for p in ("query", "key", "value")]
+    bert.append("encoder.layer.0.attention.output.dense")
+    assert fusion_groups(bert) == [bert[:3]]
+    assert fusion_group_of("encoder.layer.0.attention.output.dense", bert) == ["encoder.layer.0.attention.output.dense"]
+    assert fusion_group_of("model.layers.0.self_attn.o_proj", LLAMA_BLOCK) == ["model.layers.0.self_attn.o_proj"]
+    assert fusion_group_of("model.layers.0.self_attn.k_proj", LLAMA_BLOCK) == LLAMA_BLOCK[:3]
+
+
+def test_fusion_groups_match_a_real_model(tiny_gemma3):
+    import torch
+
+    names = [n for n, m in tiny_gemma3.named_modules() if isinstance(m, torch.nn.Linear)]
+    groups = fusion_groups(names)
+    assert len(groups) == 4  # 2 blocks x (qkv, gate/up)
+    assert sum(len(g) for g in groups) == 2 * (3 + 2)
