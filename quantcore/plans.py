@@ -1,0 +1,501 @@
+"""Plan files: which quantization scheme every linear layer of a model gets.
+
+Torch-free (pure Python + PyYAML): the Streamlit app reads, edits, validates and
+exports plans without importing torch.
+
+The plan file is YAML, the same format the UI saves and exports::
+
+    model: HuggingFaceTB/SmolLM2-135M-Instruct   # id or name of the model it was made for
+    name: fp8-but-keep-head                      # optional
+    description: FP8 everywhere, lm_head in BF16 # optional
+    default: FP8                                 # scheme of every layer no rule names
+    smoothquant_alpha: 0.5                       # optional; alpha of every SmoothQuant scheme
+    rules:                                       # in order; the LAST matching rule wins
+      - match: 'mlp\\.down_proj$'                # Python regular expression, re.search on the layer name
+        scheme: INT8_W8A8_SQ
+    layers:                                      # explicit overrides; win over rules
+      lm_head: BF16
+      model.layers.0.mlp.down_proj: {scheme: INT8_W8A8_SQ, smoothquant_alpha: 0.75}
+      model.layers.1.mlp.down_proj: {smoothquant_alpha: 0.6}   # alpha only, scheme from rules
+
+Resolution (:func:`resolve_plan`) gives every layer a :class:`~quantcore.schemes.Scheme`:
+``default`` first, then each rule in file order (a later match overrides an earlier
+one), then the explicit ``layers`` entries. SmoothQuant alpha: the global
+``smoothquant_alpha`` replaces the preset alpha of every scheme that smooths
+(``scheme.smoothquant_alpha is not None``) and leaves other schemes alone; a
+per-layer alpha overrides it for that layer and may also turn smoothing on for a
+scheme that quantizes activations. Weight-only and identity schemes cannot be
+smoothed (there is no activation quantizer to help), so an alpha on such a layer is
+an error.
+
+Every problem in a plan is reported at once, in one :class:`~quantcore.errors.PlanError`:
+unknown scheme names, invalid regular expressions, rules that match no layer, layer
+names the model does not have, alphas outside [0, 1], and (by default) fusion groups
+(q/k/v, gate/up of one block) whose members resolve to different schemes, since a
+serving engine runs such a group as one GEMM with one format.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from quantcore.errors import PlanError
+from quantcore.schemes import Scheme, fusion_groups, get_scheme, list_schemes
+
+DEFAULT_SCHEME = "BF16"  # the identity scheme: the layer stays in the model's own precision
+ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ...
+ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
+MAX_NAMES_IN_MESSAGE = 12  # long lists of layer names are cut in error messages
+
+_TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "rules", "layers")
+_RULE_KEYS = ("match", "scheme")
+_LAYER_KEYS = ("scheme", "smoothquant_alpha")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One plan rule: every layer whose name matches ``match`` (``re.search``) gets ``scheme``."""
+
+    match: str
+    scheme: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"match": self.match, "scheme": self.scheme}
+
+
+@dataclass
+class PlanSpec:
+    """A plan as a person writes it: a default scheme, ordered rules and explicit overrides.
+
+    model:             id or name of the model the plan was made for (informative; ``None`` if unknown)
+    default:           scheme name of every layer that no rule or override names
+    rules:             ordered rules; for a layer, the last matching rule wins over earlier ones
+    layers:            ``{layer name: scheme name}`` overrides; win over rules
+    smoothquant_alpha: global alpha for every scheme that smooths (``None``: each preset's own)
+    layer_alpha:       ``{layer name: alpha}``; wins over the global alpha for that layer
+    name, description: free text for people
+    """
+
+    model: str | None = None
+    default: str = DEFAULT_SCHEME
+    rules: list[Rule] = field(default_factory=list)
+    layers: dict[str, str] = field(default_factory=dict)
+    smoothquant_alpha: float | None = None
+    layer_alpha: dict[str, float] = field(default_factory=dict)
+    name: str | None = None
+    description: str = ""
+
+    # ------------------------------------------------------------------ dict / YAML
+
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical plain-data form (the YAML file's content); ``from_dict`` inverts it exactly.
+
+        Optional keys (``name``, ``description``, ``smoothquant_alpha``) appear only when set;
+        a layer with an alpha is written ``{scheme: X, smoothquant_alpha: a}`` (or
+        ``{smoothquant_alpha: a}`` when only the alpha is overridden).
+        """
+        out: dict[str, Any] = {"model": self.model}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.description:
+            out["description"] = self.description
+        out["default"] = self.default
+        if self.smoothquant_alpha is not None:
+            out["smoothquant_alpha"] = self.smoothquant_alpha
+        out["rules"] = [r.to_dict() for r in self.rules]
+        layers: dict[str, Any] = {}
+        for layer in _ordered_union(self.layers, self.layer_alpha):
+            if layer in self.layer_alpha:
+                entry: dict[str, Any] = {}
+                if layer in self.layers:
+                    entry["scheme"] = self.layers[layer]
+                entry["smoothquant_alpha"] = self.layer_alpha[layer]
+                layers[layer] = entry
+            else:
+                layers[layer] = self.layers[layer]
+        out["layers"] = layers
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanSpec:
+        """Build from the plain-data form; structural problems raise :class:`PlanError`.
+
+        Only the *shape* is checked here (keys, types); scheme and layer names are
+        checked against the scheme registry and the model by :func:`resolve_plan`.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(
+                f"a plan must be a mapping with keys {', '.join(_TOP_KEYS)}; got {type(data).__name__}"
+            )
+        problems: list[str] = []
+        unknown = [k for k in data if k not in _TOP_KEYS]
+        if unknown:
+            problems.append(
+                f"unknown top-level key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(_TOP_KEYS)}"
+            )
+        model = data.get("model")
+        if model is not None and not isinstance(model, str):
+            problems.append(f"'model' must be a string (model id or name), got {model!r}")
+        name = data.get("name")
+        if name is not None and not isinstance(name, str):
+            problems.append(f"'name' must be a string, got {name!r}")
+        description = data.get("description", "")
+        if description is None:
+            description = ""
+        if not isinstance(description, str):
+            problems.append(f"'description' must be a string, got {description!r}")
+        default = data.get("default", DEFAULT_SCHEME)
+        if not isinstance(default, str) or not default:
+            problems.append(f"'default' must be a scheme name such as 'FP8', got {default!r}")
+        alpha = _parse_alpha(data.get("smoothquant_alpha"), "smoothquant_alpha", problems)
+
+        rules: list[Rule] = []
+        raw_rules = data.get("rules") or []
+        if not isinstance(raw_rules, list):
+            problems.append("'rules' must be a list of {match: <regex>, scheme: <name>} entries")
+            raw_rules = []
+        for i, raw in enumerate(raw_rules, start=1):
+            if not isinstance(raw, Mapping) or set(raw) != set(_RULE_KEYS):
+                problems.append(f"rule {i} must be {{match: <regex>, scheme: <name>}}, got {raw!r}")
+                continue
+            if not isinstance(raw["match"], str) or not isinstance(raw["scheme"], str):
+                problems.append(f"rule {i}: 'match' and 'scheme' must be strings, got {dict(raw)!r}")
+                continue
+            rules.append(Rule(match=raw["match"], scheme=raw["scheme"]))
+
+        layers: dict[str, str] = {}
+        layer_alpha: dict[str, float] = {}
+        raw_layers = data.get("layers") or {}
+        if not isinstance(raw_layers, Mapping):
+            problems.append("'layers' must be a mapping {<layer name>: <scheme> | {scheme, smoothquant_alpha}}")
+            raw_layers = {}
+        for layer, entry in raw_layers.items():
+            if not isinstance(layer, str):
+                problems.append(f"layer name {layer!r} must be a string")
+                continue
+            if isinstance(entry, str):
+                layers[layer] = entry
+            elif isinstance(entry, Mapping) and entry and set(entry) <= set(_LAYER_KEYS):
+                if "scheme" in entry:
+                    if not isinstance(entry["scheme"], str):
+                        problems.append(f"layer {layer!r}: 'scheme' must be a string, got {entry['scheme']!r}")
+                    else:
+                        layers[layer] = entry["scheme"]
+                if "smoothquant_alpha" in entry:
+                    a = _parse_alpha(entry["smoothquant_alpha"], f"layer {layer!r} smoothquant_alpha", problems)
+                    if a is not None:
+                        layer_alpha[layer] = a
+            else:
+                problems.append(
+                    f"layer {layer!r} must map to a scheme name or to "
+                    f"{{scheme: <name>, smoothquant_alpha: <0..1>}}, got {entry!r}"
+                )
+        if problems:
+            raise PlanError(_format_problems("This plan file is malformed", problems))
+        return cls(
+            model=model,
+            default=default,
+            rules=rules,
+            layers=layers,
+            smoothquant_alpha=alpha,
+            layer_alpha=layer_alpha,
+            name=name,
+            description=description,
+        )
+
+    def to_yaml(self) -> str:
+        """The plan file's text (block style, keys in canonical order)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> PlanSpec:
+        """Parse a plan file's text (``yaml.safe_load``: no Python objects are ever built)."""
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise PlanError(f"the plan file is not valid YAML: {exc}") from exc
+        if data is None:
+            raise PlanError("the plan file is empty; it needs at least 'default: <scheme>'")
+        return cls.from_dict(data)
+
+
+def load_plan_file(path: str | Path) -> PlanSpec:
+    """Read and parse a plan YAML file (structure only; see :func:`resolve_plan`)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"cannot read plan file {str(p)!r}: {exc.strerror or exc}") from exc
+    return PlanSpec.from_yaml(text)
+
+
+def save_plan_file(spec: PlanSpec, path: str | Path) -> Path:
+    """Write ``spec.to_yaml()`` to ``path`` (UTF-8) and return the path."""
+    p = Path(path)
+    p.write_text(spec.to_yaml(), encoding="utf-8")
+    return p
+
+
+# ---------------------------------------------------------------------- resolution
+
+
+def resolve_plan(
+    spec: PlanSpec, layer_names: Sequence[str], *, enforce_fusion: bool = True
+) -> dict[str, Scheme]:
+    """Give every layer in ``layer_names`` its :class:`Scheme`, or raise one :class:`PlanError`.
+
+    ``layer_names`` are the quantizable linear layers of the model (names as in
+    ``model.named_modules()``). The result has exactly those keys, in that order.
+    Order of precedence: ``default`` < rules (later rules win) < ``layers``; alpha:
+    preset < global ``smoothquant_alpha`` (smoothing schemes only) < ``layer_alpha``.
+    With ``enforce_fusion``, every fusion group (q/k/v, gate/up of a block) must
+    resolve to one scheme (alpha included).
+    """
+    names = list(layer_names)
+    known = set(names)
+    problems: list[str] = []
+    valid = list_schemes()
+
+    cache: dict[str, Scheme | None] = {}
+
+    def lookup(scheme_name: str, where: str) -> Scheme | None:
+        if scheme_name not in cache:
+            try:
+                cache[scheme_name] = get_scheme(scheme_name)
+            except (KeyError, ValueError):
+                cache[scheme_name] = None
+        if cache[scheme_name] is None:
+            problems.append(f"unknown scheme {scheme_name!r} ({where}); valid schemes: {', '.join(valid)}")
+        return cache[scheme_name]
+
+    default = lookup(spec.default, "default")
+
+    compiled: list[tuple[int, Rule, re.Pattern[str] | None, Scheme | None]] = []
+    for i, rule in enumerate(spec.rules, start=1):
+        scheme = lookup(rule.scheme, f"rule {i}, match {rule.match!r}")
+        try:
+            pattern: re.Pattern[str] | None = re.compile(rule.match)
+        except re.error as exc:
+            problems.append(f"rule {i}: {rule.match!r} is not a valid regular expression ({exc}); fix or remove it")
+            pattern = None
+        compiled.append((i, rule, pattern, scheme))
+
+    for i, rule, pattern, _ in compiled:
+        if pattern is not None and not any(pattern.search(n) for n in names):
+            problems.append(
+                f"rule {i} (match {rule.match!r}) matches no layer of this model; "
+                f"fix the expression (e.g. {_example_names(names)}) or remove the rule"
+            )
+
+    explicit: dict[str, Scheme | None] = {}
+    for layer, scheme_name in spec.layers.items():
+        explicit[layer] = lookup(scheme_name, f"layer {layer!r}")
+    unknown_layers = [n for n in _ordered_union(spec.layers, spec.layer_alpha) if n not in known]
+    if unknown_layers:
+        problems.append(
+            f"layer name(s) the model does not have: {_cut(unknown_layers)}; "
+            f"names look like {_example_names(names)}"
+        )
+    for where, alpha in [("smoothquant_alpha", spec.smoothquant_alpha), *spec.layer_alpha.items()]:
+        if alpha is not None and not ALPHA_MIN <= alpha <= ALPHA_MAX:
+            problems.append(
+                f"{where}: SmoothQuant alpha {alpha} is outside [{ALPHA_MIN}, {ALPHA_MAX}]; "
+                "0.5 is the usual choice, up to 0.85 for models with severe outliers"
+            )
+    if problems:
+        raise PlanError(_format_problems(_plan_title(spec), problems))
+
+    resolved: dict[str, Scheme] = {}
+    for layer in names:
+        scheme = default
+        for _, _, pattern, rule_scheme in compiled:
+            if pattern is not None and pattern.search(layer):
+                scheme = rule_scheme
+        if layer in explicit:
+            scheme = explicit[layer]
+        assert scheme is not None  # every None was reported above
+        if spec.smoothquant_alpha is not None and scheme.smoothquant_alpha is not None:
+            scheme = scheme.with_alpha(spec.smoothquant_alpha)
+        if layer in spec.layer_alpha:
+            if scheme.is_identity or scheme.activations is None:
+                problems.append(
+                    f"layer {layer!r} has smoothquant_alpha {spec.layer_alpha[layer]} but its scheme "
+                    f"{scheme.name} quantizes no activations, so smoothing cannot help; remove the alpha "
+                    "or give the layer a scheme that quantizes activations (e.g. INT8_W8A8_SQ)"
+                )
+            else:
+                scheme = scheme.with_alpha(spec.layer_alpha[layer])
+        resolved[layer] = scheme
+
+    if enforce_fusion:
+        for group in fusion_groups(names):
+            schemes = {scheme_label(resolved[m]) for m in group}
+            if len(schemes) > 1:
+                members = ", ".join(f"{m}={scheme_label(resolved[m])}" for m in group)
+                problems.append(
+                    f"fusion group {group_label(group)} mixes schemes ({members}); a serving engine runs "
+                    "these layers as one GEMM, so set them together (one rule or override for the whole group)"
+                )
+    if problems:
+        raise PlanError(_format_problems(_plan_title(spec), problems))
+    return resolved
+
+
+def plan_from_scheme(
+    scheme_name: str, layer_names: Sequence[str] | None = None, *, model: str | None = None
+) -> PlanSpec:
+    """A plan that gives every layer ``scheme_name`` (validated against ``layer_names`` when given)."""
+    spec = PlanSpec(model=model, default=scheme_name, name=scheme_name)
+    if layer_names is not None:
+        resolve_plan(spec, layer_names)
+    else:
+        try:
+            get_scheme(scheme_name)
+        except (KeyError, ValueError) as exc:
+            raise PlanError(
+                f"unknown scheme {scheme_name!r}; valid schemes: {', '.join(list_schemes())}"
+            ) from exc
+    return spec
+
+
+def spec_from_plan(
+    plan: Mapping[str, Scheme | str], *, model: str | None = None, name: str | None = None
+) -> PlanSpec:
+    """Compact a resolved per-layer plan into a :class:`PlanSpec` (for saving and export).
+
+    The most common scheme becomes ``default``; every other layer becomes an explicit
+    override; an alpha that differs from its preset becomes a per-layer alpha.
+    ``resolve_plan(spec_from_plan(p), list(p)) == p`` for every plan of preset schemes
+    (with alphas). A scheme that is not a registered preset (or a preset with an
+    alpha) cannot be written to a plan file and raises :class:`PlanError`.
+    """
+    if not plan:
+        raise PlanError("the plan is empty: it names no layer, so there is nothing to save")
+    base: dict[str, str] = {}
+    alphas: dict[str, float] = {}
+    for layer, s in plan.items():
+        scheme = get_scheme(s) if isinstance(s, str) else s
+        try:
+            preset = get_scheme(scheme.name)
+        except (KeyError, ValueError) as exc:
+            raise PlanError(
+                f"layer {layer!r} uses scheme {scheme.name!r}, which is not a registered preset; "
+                f"a plan file can only name presets ({', '.join(list_schemes())})"
+            ) from exc
+        if scheme != preset:
+            if scheme.smoothquant_alpha is None or preset.with_alpha(scheme.smoothquant_alpha) != scheme:
+                raise PlanError(
+                    f"layer {layer!r} uses a modified {scheme.name} that a plan file cannot express "
+                    "(only the SmoothQuant alpha of a preset may change)"
+                )
+            alphas[layer] = float(scheme.smoothquant_alpha)
+        base[layer] = scheme.name
+    default = Counter(base.values()).most_common(1)[0][0]
+    layers = {layer: s for layer, s in base.items() if s != default}
+    return PlanSpec(model=model, default=default, layers=layers, layer_alpha=alphas, name=name)
+
+
+def diff_plans(
+    a: Mapping[str, Scheme | str], b: Mapping[str, Scheme | str]
+) -> list[tuple[str, str | None, str | None]]:
+    """Layers whose scheme differs between two resolved plans.
+
+    Returns ``(layer, label in a, label in b)`` for each differing layer, in the order
+    of ``a`` then layers only in ``b``; a label is the scheme name with its alpha when
+    the alpha differs from the preset's (``"INT8_W8A8_SQ (alpha=0.6)"``), ``None`` when
+    the layer is missing from that plan.
+    """
+    out: list[tuple[str, str | None, str | None]] = []
+    for layer in _ordered_union(a, b):
+        la = scheme_label(a[layer]) if layer in a else None
+        lb = scheme_label(b[layer]) if layer in b else None
+        if la != lb:
+            out.append((layer, la, lb))
+    return out
+
+
+def scheme_label(scheme: Scheme | str) -> str:
+    """Scheme name, plus ``(alpha=a)`` when its SmoothQuant alpha differs from the preset's."""
+    if isinstance(scheme, str):
+        return scheme
+    try:
+        preset = get_scheme(scheme.name)
+    except (KeyError, ValueError):
+        preset = None
+    if scheme.smoothquant_alpha is not None and (preset is None or preset.smoothquant_alpha != scheme.smoothquant_alpha):
+        return f"{scheme.name} (alpha={scheme.smoothquant_alpha:g})"
+    return scheme.name
+
+
+def group_label(group: Sequence[str]) -> str:
+    """Short label of a fusion group: ``model.layers.3.self_attn.{q,k,v}_proj``.
+
+    The common prefix and suffix of the member names are kept, the differing middle
+    parts are listed in braces. A single layer is labelled by its own name.
+    """
+    if len(group) == 1:
+        return group[0]
+    prefix = _common_prefix(group)
+    suffix = _common_prefix([g[len(prefix):][::-1] for g in group])[::-1]
+    middles = [g[len(prefix): len(g) - len(suffix)] for g in group]
+    if any(not m for m in middles):
+        return "{" + ",".join(group) + "}"
+    return f"{prefix}{{{','.join(middles)}}}{suffix}"
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _common_prefix(strings: Sequence[str]) -> str:
+    first, last = min(strings), max(strings)
+    i = 0
+    while i < min(len(first), len(last)) and first[i] == last[i]:
+        i += 1
+    return first[:i]
+
+
+def _parse_alpha(value: Any, where: str, problems: list[str]) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problems.append(f"{where} must be a number in [{ALPHA_MIN}, {ALPHA_MAX}], got {value!r}")
+        return None
+    return float(value)
+
+
+def _ordered_union(*mappings: Mapping[str, Any]) -> list[str]:
+    seen: dict[str, None] = {}
+    for m in mappings:
+        for k in m:
+            seen.setdefault(k, None)
+    return list(seen)
+
+
+def _cut(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:MAX_NAMES_IN_MESSAGE])
+    rest = len(names) - MAX_NAMES_IN_MESSAGE
+    return shown + (f" and {rest} more" if rest > 0 else "")
+
+
+def _example_names(names: Sequence[str]) -> str:
+    return _cut(list(names)[:3]) if names else "(the model has no quantizable layers)"
+
+
+def _plan_title(spec: PlanSpec) -> str:
+    label = f"plan {spec.name!r}" if spec.name else "the plan"
+    if spec.model:
+        label += f" for {spec.model}"
+    return label[0].upper() + label[1:] + " cannot be applied"
+
+
+def _format_problems(title: str, problems: Sequence[str]) -> str:
+    if len(problems) == 1:
+        return f"{title}: {problems[0]}"
+    return f"{title} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)

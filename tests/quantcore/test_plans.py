@@ -1,0 +1,240 @@
+"""Plan files: parsing, exact round trips, resolution order, and errors that name the culprit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantcore.errors import PlanError
+from quantcore.plans import (
+    PlanSpec,
+    Rule,
+    diff_plans,
+    group_label,
+    load_plan_file,
+    plan_from_scheme,
+    resolve_plan,
+    save_plan_file,
+    scheme_label,
+    spec_from_plan,
+)
+from quantcore.schemes import get_scheme, list_schemes
+
+
+def llama_layer_names(n_blocks: int = 2) -> list[str]:
+    """Linear layer names of a Llama-style model with ``n_blocks`` decoder blocks, in module order."""
+    names = []
+    for b in range(n_blocks):
+        p = f"model.layers.{b}"
+        names += [f"{p}.self_attn.{x}_proj" for x in "qkvo"]
+        names += [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")]
+    return names + ["lm_head"]
+
+
+LAYERS = llama_layer_names()
+
+EXAMPLE = textwrap.dedent(
+    r"""
+    model: HuggingFaceTB/SmolLM2-135M-Instruct
+    name: mixed
+    description: FP8 everywhere, INT8 SmoothQuant on down_proj, head in BF16
+    default: FP8_DYNAMIC
+    smoothquant_alpha: 0.6
+    rules:
+      - match: 'mlp\.down_proj$'
+        scheme: INT8_W8A8_SQ
+      - match: 'layers\.1\.mlp\.down_proj$'
+        scheme: INT8_W8A8
+    layers:
+      lm_head: BF16
+      model.layers.0.mlp.down_proj: {scheme: INT8_W8A8_SQ, smoothquant_alpha: 0.8}
+    """
+)
+
+
+def test_example_file_resolves_with_documented_precedence():
+    spec = PlanSpec.from_yaml(EXAMPLE)
+    plan = resolve_plan(spec, LAYERS)
+    assert list(plan) == LAYERS
+    assert plan["model.layers.0.self_attn.q_proj"] == get_scheme("FP8_DYNAMIC")
+    # explicit layer entry with its own alpha wins over rule and global alpha
+    assert plan["model.layers.0.mlp.down_proj"].name == "INT8_W8A8_SQ"
+    assert plan["model.layers.0.mlp.down_proj"].smoothquant_alpha == 0.8
+    # the later rule wins over the earlier one
+    assert plan["model.layers.1.mlp.down_proj"] == get_scheme("INT8_W8A8")
+    assert plan["lm_head"] == get_scheme("BF16")
+
+
+def test_global_alpha_only_touches_smoothing_schemes():
+    spec = PlanSpec(default="FP8_DYNAMIC", rules=[Rule(r"down_proj$", "INT8_W8A8_SQ")], smoothquant_alpha=0.7)
+    plan = resolve_plan(spec, LAYERS)
+    assert plan["model.layers.1.mlp.down_proj"].smoothquant_alpha == 0.7
+    assert plan["model.layers.1.mlp.up_proj"].smoothquant_alpha is None
+
+
+def test_layer_alpha_alone_turns_on_smoothing_for_an_activation_scheme():
+    spec = PlanSpec.from_yaml(
+        "model: m\ndefault: INT8_W8A8\nlayers:\n  model.layers.0.mlp.down_proj: {smoothquant_alpha: 0.55}\n"
+    )
+    assert spec.layers == {} and spec.layer_alpha == {"model.layers.0.mlp.down_proj": 0.55}
+    plan = resolve_plan(spec, LAYERS)
+    assert plan["model.layers.0.mlp.down_proj"] == get_scheme("INT8_W8A8").with_alpha(0.55)
+    assert plan["model.layers.1.mlp.down_proj"] == get_scheme("INT8_W8A8")
+
+
+def test_alpha_on_weight_only_layer_is_an_error_naming_it():
+    spec = PlanSpec(default="W4A16", layer_alpha={"model.layers.0.mlp.down_proj": 0.5})
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.down_proj.*W4A16"):
+        resolve_plan(spec, LAYERS)
+
+
+def test_all_problems_are_reported_at_once():
+    spec = PlanSpec(
+        model="m",
+        default="FP9",
+        rules=[Rule("attn_out", "FP8"), Rule("mlp(", "FP8"), Rule("down_proj", "INT3")],
+        layers={"model.layers.7.mlp.down_proj": "FP8", "lm_head": "bf16"},
+        smoothquant_alpha=1.5,
+    )
+    with pytest.raises(PlanError) as info:
+        resolve_plan(spec, LAYERS)
+    msg = str(info.value)
+    for needle in (
+        "'FP9'",  # unknown default
+        "'INT3'",  # unknown scheme in a rule
+        "'bf16'",  # unknown (case) in layers; the valid list follows
+        "'attn_out'",  # rule matching nothing
+        "'mlp('",  # invalid regex
+        "model.layers.7.mlp.down_proj",  # unknown layer
+        "1.5",  # alpha out of range
+        "BF16",  # the valid names are listed
+    ):
+        assert needle in msg, f"{needle!r} missing from:\n{msg}"
+    assert "7 problems" in msg
+
+
+def test_fusion_group_split_is_an_error_naming_group_and_schemes():
+    spec = PlanSpec(default="FP8_DYNAMIC", layers={"model.layers.1.self_attn.k_proj": "INT8_W8A8"})
+    with pytest.raises(PlanError) as info:
+        resolve_plan(spec, LAYERS)
+    msg = str(info.value)
+    assert "model.layers.1.self_attn.{q,k,v}_proj" in msg
+    assert "k_proj=INT8_W8A8" in msg and "q_proj=FP8_DYNAMIC" in msg
+    assert "set them together" in msg
+    # the same plan passes when fusion is not enforced
+    plan = resolve_plan(spec, LAYERS, enforce_fusion=False)
+    assert plan["model.layers.1.self_attn.k_proj"].name == "INT8_W8A8"
+
+
+def test_fusion_group_with_different_alphas_is_an_error():
+    spec = PlanSpec(default="INT8_W8A8_SQ", layer_alpha={"model.layers.0.mlp.gate_proj": 0.8})
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.\{gate,up\}_proj.*alpha=0\.8"):
+        resolve_plan(spec, LAYERS)
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("default: FP8\nextra: 1\n", "'extra'"),
+        ("default: FP8\nrules: {a: b}\n", "'rules' must be a list"),
+        ("default: FP8\nrules:\n  - {match: x}\n", "rule 1"),
+        ("default: FP8\nlayers:\n  lm_head: [FP8]\n", "lm_head"),
+        ("default: FP8\nsmoothquant_alpha: high\n", "smoothquant_alpha"),
+        ("default: [1, 2\n", "not valid YAML"),
+        ("", "empty"),
+        ("- FP8\n", "mapping"),
+    ],
+)
+def test_malformed_files_are_plan_errors(text, needle):
+    with pytest.raises(PlanError, match=None) as info:
+        PlanSpec.from_yaml(text)
+    assert needle in str(info.value)
+
+
+def test_yaml_never_builds_python_objects():
+    with pytest.raises(PlanError):
+        PlanSpec.from_yaml("default: !!python/object/apply:os.system ['true']\n")
+
+
+def test_file_round_trip(tmp_path):
+    spec = PlanSpec.from_yaml(EXAMPLE)
+    path = save_plan_file(spec, tmp_path / "plan.yaml")
+    again = load_plan_file(path)
+    assert again == spec
+    assert again.to_yaml() == spec.to_yaml()
+    assert PlanSpec.from_dict(spec.to_dict()).to_dict() == spec.to_dict()
+    with pytest.raises(PlanError, match="missing.yaml"):
+        load_plan_file(tmp_path / "missing.yaml")
+
+
+_names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz._0123456789", min_size=1, max_size=20)
+_schemes = st.sampled_from(list_schemes())
+_alphas = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
+
+
+@st.composite
+def plan_specs(draw):
+    layers = draw(st.dictionaries(_names, _schemes, max_size=5))
+    alpha_keys = draw(st.lists(_names, max_size=3, unique=True))
+    return PlanSpec(
+        model=draw(st.none() | _names),
+        default=draw(_schemes),
+        rules=[Rule(m, s) for m, s in draw(st.lists(st.tuples(_names, _schemes), max_size=4))],
+        layers=layers,
+        smoothquant_alpha=draw(st.none() | _alphas),
+        layer_alpha={k: draw(_alphas) for k in alpha_keys},
+        name=draw(st.none() | _names),
+        description=draw(st.text(max_size=30)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan_specs())
+def test_round_trip_is_exact_for_any_spec(spec):
+    assert PlanSpec.from_dict(spec.to_dict()) == spec
+    assert PlanSpec.from_yaml(spec.to_yaml()) == spec
+
+
+def test_plan_from_scheme_and_unknown_scheme():
+    spec = plan_from_scheme("NVFP4", LAYERS, model="m")
+    assert set(s.name for s in resolve_plan(spec, LAYERS).values()) == {"NVFP4"}
+    with pytest.raises(PlanError, match="'FP7'.*FP8"):
+        plan_from_scheme("FP7")
+
+
+def test_spec_from_plan_inverts_resolve():
+    plan = resolve_plan(PlanSpec.from_yaml(EXAMPLE), LAYERS)
+    spec = spec_from_plan(plan, model="m")
+    assert spec.default == "FP8_DYNAMIC"
+    assert resolve_plan(spec, LAYERS) == plan
+    custom = get_scheme("FP8_DYNAMIC").__class__("MINE", None, None)
+    with pytest.raises(PlanError, match="'MINE'"):
+        spec_from_plan({"lm_head": custom})
+
+
+def test_diff_plans_lists_only_changed_layers_with_alpha_labels():
+    a = {"x": get_scheme("FP8"), "y": get_scheme("INT8_W8A8_SQ"), "z": "BF16"}
+    b = {"x": "FP8", "y": get_scheme("INT8_W8A8_SQ").with_alpha(0.6), "w": "FP8"}
+    assert diff_plans(a, b) == [
+        ("y", "INT8_W8A8_SQ", "INT8_W8A8_SQ (alpha=0.6)"),
+        ("z", "BF16", None),
+        ("w", None, "FP8"),
+    ]
+    assert diff_plans(a, a) == []
+    assert scheme_label(get_scheme("INT8_W8A8_SQ")) == "INT8_W8A8_SQ"
+
+
+def test_group_label():
+    assert group_label(["a.q_proj", "a.k_proj", "a.v_proj"]) == "a.{q,k,v}_proj"
+    assert group_label(["m.mlp.gate_proj", "m.mlp.up_proj"]) == "m.mlp.{gate,up}_proj"
+    assert group_label(["lm_head"]) == "lm_head"
+
+
+def test_plans_module_is_torch_free():
+    code = "import sys, quantcore.plans; assert 'torch' not in sys.modules, 'plans imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
