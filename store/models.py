@@ -242,6 +242,8 @@ class KernelResult(Base):
     native: Mapped[bool] = mapped_column(Boolean)
     max_rel_err: Mapped[float | None] = mapped_column(Float, nullable=True)
     padded_m: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    padded_k: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    padded_n: Mapped[int | None] = mapped_column(Integer, nullable=True)
     skipped: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
     __table_args__ = (

@@ -157,4 +157,6 @@ class KernelRecordRow:
     native: bool
     max_rel_err: float | None
     padded_m: int | None
+    padded_k: int | None
+    padded_n: int | None
     skipped: str | None

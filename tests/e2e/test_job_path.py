@@ -1,0 +1,110 @@
+"""The spine, end to end with a real worker process and real weights:
+register the demo model → calibrate → statistics in the database.
+
+(a) SQLite + kombu's SQLAlchemy broker (the embedded default); (b) PostgreSQL + Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from store import repo
+from store.db import session_scope
+from worker.client import submit_job, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+OUTLIER_LAYER = "model.layers.11.mlp.down_proj"
+
+
+def _spine(settings) -> None:
+    reg = submit_job("register", {"demo": True}, settings=settings)
+    reg = wait_for(reg.id, timeout_s=300, settings=settings)
+    assert reg.status == "succeeded", reg.error
+    model_id = reg.result["model_id"]
+
+    cal = submit_job("calibrate", {"samples": 4, "seq_len": 128, "device": "cpu"}, model_id=model_id,
+                     settings=settings)
+    progress_seen = set()
+    cal = wait_for(cal.id, timeout_s=300, settings=settings, poll_s=0.2,
+                   on_update=lambda j: progress_seen.add(round(j.progress, 2)))
+    assert cal.status == "succeeded", cal.error
+    assert cal.worker_host and cal.device == "cpu" and cal.torch_version
+    assert len(progress_seen) > 2  # progress was reported while it ran
+
+    with session_scope(settings) as s:
+        rows = {r["name"]: r for r in repo.stats_overview(s, cal.id)}
+        model = repo.get_model(s, model_id)
+    assert len(rows) == len(model.linears) == 30 * 7 + 1  # every linear, lm_head included
+    assert rows[OUTLIER_LAYER]["outlier_ratio"] > 1000
+    assert rows[OUTLIER_LAYER]["n_tokens"] == 4 * 128
+
+
+def test_spine_sqlite_sqlalchemy_broker(qp_settings, worker):
+    assert qp_settings.broker_url.startswith("sqla+sqlite:")
+    _spine(qp_settings)
+
+
+def test_spine_postgres_redis(qp_env, pg_database, redis_url, monkeypatch, tmp_path):
+    import redis
+
+    from store.db import upgrade
+    from store.settings import get_settings
+    from tests.conftest import clear_settings_cache
+    from tests.e2e.conftest import start_worker
+
+    redis.Redis.from_url(redis_url).flushdb()  # our own test database number only
+    monkeypatch.setenv("QUANTPLAN_DATABASE_URL", pg_database)
+    monkeypatch.setenv("QUANTPLAN_BROKER_URL", redis_url)
+    monkeypatch.setenv("QUANTPLAN_RESULT_BACKEND", redis_url)
+    clear_settings_cache()
+    s = get_settings()
+    upgrade(s)
+    proc = start_worker(tmp_path)
+    try:
+        _spine(s)
+    finally:
+        proc.stop()
+
+
+def test_cancel_a_running_calibration(qp_settings, worker):
+    reg = wait_for(submit_job("register", {"demo": True}, settings=qp_settings).id, timeout_s=300,
+                   settings=qp_settings)
+    assert reg.status == "succeeded", reg.error
+    cal = submit_job("calibrate", {"samples": 400, "seq_len": 256, "batch_size": 1, "device": "cpu"},
+                     model_id=reg.result["model_id"], settings=qp_settings)
+    running = wait_for(cal.id, timeout_s=120, settings=qp_settings, poll_s=0.2)
+    # wait until it is past model loading and into batches, then cancel
+    for _ in range(600):
+        with session_scope(qp_settings) as s:
+            job = repo.get_job(s, cal.id)
+        if job.status == "running" and job.progress > 0.05:
+            break
+        import time
+
+        time.sleep(0.2)
+    with session_scope(qp_settings) as s:
+        repo.request_cancel(s, cal.id)
+    done = wait_for(cal.id, timeout_s=120, settings=qp_settings)
+    assert done.status == "cancelled", (running, done)
+    with session_scope(qp_settings) as s:
+        assert repo.stats_overview(s, cal.id) == []
+
+
+def test_bad_upload_fails_with_a_clear_message_and_leaves_nothing(qp_settings, worker, tmp_path):
+    import io
+    import zipfile
+
+    from app import services
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("../evil/config.json", "{}")
+    job = services.register_upload("evil.zip", buf.getvalue())
+    done = wait_for(job.id, timeout_s=120, settings=qp_settings)
+    assert done.status == "failed" and ".." in done.error
+    uploads = qp_settings.artifact_dir / "uploads"
+    assert not any(uploads.iterdir())
+    models_dir = qp_settings.models_dir
+    assert not models_dir.exists() or not any(models_dir.iterdir())
+    with session_scope(qp_settings) as s:
+        assert repo.list_models(s) == []

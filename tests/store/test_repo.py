@@ -1,0 +1,98 @@
+"""Repositories: job life, cancel, stale sweep, statistics round trip, plans versioning."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import pytest
+
+from quantcore.stats import HIST_BINS, LayerStats
+from store import models as m
+from store import repo
+from store.db import session_scope
+
+
+def _model(s, name="tiny"):
+    return repo.add_model(s, name=name, sha256=name * 4, source_kind="folder", source_name=name, path=f"models/{name}",
+                          summary={"architecture": "LlamaForCausalLM", "model_type": "llama", "num_layers": 2,
+                                   "num_params": 1000, "dtype": "float32", "total_bytes": 4000,
+                                   "linears": [{"name": "a", "in_features": 4, "out_features": 8}]}, user="ann")
+
+
+def test_job_life_and_cancel(qp_settings):
+    with session_scope(qp_settings) as s:
+        mod = _model(s)
+        job = repo.create_job(s, kind="calibrate", params={"samples": 2}, queue="cpu", user="ann", model_id=mod.id)
+        assert job.status == "queued" and job.requested_by == "ann"
+        assert repo.mark_running(s, job.id, worker_host="h", device="cpu", torch_version="x")
+        assert repo.report_progress(s, job.id, 0.5, "half") is False
+        repo.request_cancel(s, job.id)
+        assert repo.report_progress(s, job.id, 0.6, "more") is True
+        repo.finish_job(s, job.id, status="cancelled", message="cancelled")
+        assert repo.get_job(s, job.id).status == "cancelled"
+        # a queued job is cancelled at once and can no longer start
+        j2 = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=mod.id)
+        assert repo.request_cancel(s, j2.id).status == "cancelled"
+        assert repo.mark_running(s, j2.id, worker_host="h", device="cpu", torch_version="x") is False
+
+
+def test_unknown_job_kind_is_refused(qp_settings):
+    with session_scope(qp_settings) as s, pytest.raises(ValueError, match="calibrate"):
+        repo.create_job(s, kind="train", params={}, queue="cpu", user=None)
+
+
+def test_stale_running_job_is_failed_by_the_sweep(qp_settings):
+    with session_scope(qp_settings) as s:
+        job = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
+        repo.mark_running(s, job.id, worker_host="gone-host", device="cpu", torch_version="x")
+        fresh = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
+        repo.mark_running(s, fresh.id, worker_host="alive", device="cpu", torch_version="x")
+        row = s.get(m.Job, job.id)
+        row.heartbeat_at = m.utcnow() - dt.timedelta(seconds=1000)
+    with session_scope(qp_settings) as s:
+        assert repo.sweep_stale_jobs(s, stale_after_s=300) == [job.id]
+        failed = repo.get_job(s, job.id)
+        assert failed.status == "failed" and "gone-host" in failed.error
+        assert repo.get_job(s, fresh.id).status == "running"
+
+
+def test_activation_stats_round_trip_and_rerun_replaces(qp_settings):
+    rng = np.random.default_rng(0)
+    st = LayerStats(name="model.layers.0.mlp.down_proj", in_features=16, out_features=8, n_tokens=10,
+                    channel_max=rng.random(16).astype(np.float32), weight_channel_max=rng.random(16).astype(np.float32),
+                    token_max={"p50": 1.0, "max": 2.0}, hist_counts=np.arange(HIST_BINS, dtype=np.int64), zeros=3)
+    with session_scope(qp_settings) as s:
+        mod = _model(s)
+        job = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=mod.id)
+        repo.save_activation_stats(s, job_id=job.id, model_id=mod.id, stats=[st])
+        repo.save_activation_stats(s, job_id=job.id, model_id=mod.id, stats=[st])  # idempotent rerun
+    with session_scope(qp_settings) as s:
+        back = repo.load_activation_stats(s, job.id)
+    assert len(back) == 1
+    np.testing.assert_array_equal(back[0].channel_max, st.channel_max)
+    np.testing.assert_array_equal(back[0].hist_counts, st.hist_counts)
+    assert back[0].zeros == 3 and back[0].token_max == {"p50": 1.0, "max": 2.0}
+    assert back[0].outlier_ratio == pytest.approx(st.outlier_ratio)
+
+
+def test_model_lookup_by_id_name_and_demo(qp_settings):
+    with session_scope(qp_settings) as s:
+        mod = _model(s, "abc")
+        assert repo.get_model(s, str(mod.id)).name == "abc"
+        assert repo.get_model(s, "abc").id == mod.id
+        with pytest.raises(repo.NotFound, match="models add --demo"):
+            repo.get_model(s, "demo")
+        # same content registered again → the same record
+        assert _model(s, "abc").id == mod.id
+
+
+def test_plans_are_versioned_with_parents(qp_settings):
+    with session_scope(qp_settings) as s:
+        mod = _model(s)
+        v1 = repo.save_plan(s, model_id=mod.id, name="p", body={"default": "FP8"}, user="ann")
+        v2 = repo.save_plan(s, model_id=mod.id, name="p", body={"default": "INT8_W8A8"}, user="bob")
+        assert (v1.version, v2.version, v2.parent_id) == (1, 2, v1.id)
+        assert repo.get_plan(s, "p").id == v2.id
+        assert repo.get_plan(s, "p@v1").id == v1.id
+        assert v2.author == "bob"

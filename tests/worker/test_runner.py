@@ -1,0 +1,98 @@
+"""The job runner on its own (bodies faked: the runner's state machine is what is under test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantcore.errors import Cancelled, CheckpointError
+from store import repo
+from store.db import StoreError, session_scope
+from worker.runner import JobCancelled, Outcome, run_job
+
+
+def _job(settings, kind="calibrate"):
+    with session_scope(settings) as s:
+        return repo.create_job(s, kind=kind, params={"device": "cpu"}, queue="cpu", user="t")
+
+
+def _get(settings, job_id):
+    with session_scope(settings) as s:
+        return repo.get_job(s, job_id)
+
+
+def test_success_stores_result_and_status_together(qp_settings):
+    job = _job(qp_settings)
+    seen = []
+
+    def body(ctx):
+        ctx.progress(0.5, "half way")
+        seen.append(_get(qp_settings, job.id).status)
+        return Outcome(result={"answer": 42}, write=lambda s: None, message="ok")
+
+    assert run_job(job.id, body, settings=qp_settings) == "succeeded"
+    done = _get(qp_settings, job.id)
+    assert seen == ["running"]
+    assert (done.status, done.progress, done.result, done.message) == ("succeeded", 1.0, {"answer": 42}, "ok")
+    assert done.worker_host and done.device == "cpu" and done.started_at and done.finished_at
+
+
+def test_failure_in_write_rolls_back_and_marks_failed(qp_settings):
+    job = _job(qp_settings)
+
+    def write(s):
+        repo.save_plan(s, model_id=999, name="x", body={}, user=None)  # FK violation → whole write refused
+
+    assert run_job(job.id, lambda ctx: Outcome(write=write), settings=qp_settings) == "failed"
+    done = _get(qp_settings, job.id)
+    assert done.status == "failed" and "refused" in done.error and done.traceback
+    with session_scope(qp_settings) as s:
+        assert repo.list_plans(s) == []
+
+
+def test_readable_error_for_bad_input(qp_settings):
+    job = _job(qp_settings, "register")
+
+    def body(ctx):
+        raise CheckpointError("model.bin is a pickle checkpoint; quantplan never unpickles uploads")
+
+    assert run_job(job.id, body, settings=qp_settings) == "failed"
+    assert _get(qp_settings, job.id).error == "model.bin is a pickle checkpoint; quantplan never unpickles uploads"
+
+
+@pytest.mark.parametrize("exc", [JobCancelled, Cancelled])
+def test_cancel_between_batches(qp_settings, exc):
+    job = _job(qp_settings)
+    batches = []
+
+    def body(ctx):
+        for i in range(100):
+            if ctx.should_cancel():
+                raise exc()
+            batches.append(i)
+            if i == 2:
+                with session_scope(qp_settings) as s:
+                    repo.request_cancel(s, job.id)
+        return Outcome()
+
+    assert run_job(job.id, body, settings=qp_settings) == "cancelled"
+    assert batches == [0, 1, 2]
+    assert _get(qp_settings, job.id).status == "cancelled"
+
+
+def test_cancelled_before_start_never_runs(qp_settings):
+    job = _job(qp_settings)
+    with session_scope(qp_settings) as s:
+        repo.request_cancel(s, job.id)
+    ran = []
+    assert run_job(job.id, lambda ctx: ran.append(1) or Outcome(), settings=qp_settings) == "skipped"
+    assert ran == []
+
+
+def test_worker_refuses_outdated_schema(qp_env):
+    from store.db import SchemaOutdated
+    from store.settings import get_settings
+
+    s = get_settings()
+    s.ensure_dirs()
+    with pytest.raises((SchemaOutdated, StoreError), match="quantplan migrate"):
+        run_job(1, lambda ctx: Outcome(), settings=s)

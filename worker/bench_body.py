@@ -1,0 +1,67 @@
+"""Kernel benchmark job body: time the real GEMMs of the model's linear shapes on this worker's device.
+
+Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same
+device again measures only what is missing (unless params['force']).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from store import repo
+from store.db import session_scope
+from worker.bodies import _model_record, resolve_device
+from worker.runner import JobContext, Outcome
+
+# SmolLM2-135M's linear shapes (N, K): q/o 576×576, k/v 192×576, gate/up 1536×576, down 576×1536
+DEFAULT_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))
+
+
+def bench(ctx: JobContext) -> Outcome:
+    from quantcore import hardware, kernels
+
+    p = ctx.params
+    device = resolve_device(p.get("device"))
+    info = hardware.probe_device(device)
+    if ctx.model_id is not None:
+        rec = _model_record(ctx)
+        shapes = list(kernels.distinct_shapes(
+            (lin["name"], lin["in_features"], lin["out_features"]) for lin in rec.linears))
+    else:
+        shapes = list(DEFAULT_SHAPES)
+    ms = [int(m) for m in (p.get("m") or kernels.DEFAULT_MS)]
+    wanted_paths = p.get("paths") or None
+
+    reused: list[dict[str, Any]] = []
+    todo = shapes
+    if not p.get("force"):
+        with session_scope(ctx.settings) as s:
+            stored = repo.kernel_results(s, device_name=info.name, torch_version=info.torch_version)
+        newest: dict[tuple[int, int, int, str], dict[str, Any]] = {}
+        for r in stored:  # newest job first
+            newest.setdefault((r.m, r.n, r.k, r.path), {**r.__dict__})
+        todo = []
+        for n, k in shapes:
+            have = [newest.get((m, n, k, path)) for m in ms for path in (wanted_paths or kernels.PATHS)]
+            if all(h is not None for h in have):
+                reused.extend(h for h in have if h is not None)
+            else:
+                todo.append((n, k))
+    ctx.progress(0.02, f"{info.name}: {len(todo)} shapes to measure, {len(shapes) - len(todo)} stored")
+    budget = float(p.get("budget_s") or kernels.DEFAULT_BUDGET_S)
+    records = kernels.run_benchmarks(todo, ms, device=device, paths=wanted_paths, budget_s_per_shape=budget,
+                                     progress=lambda f, m: ctx.progress(0.02 + 0.97 * f, m),
+                                     should_cancel=ctx.should_cancel) if todo else []
+    new = [r.to_dict() for r in records]
+    for r in reused:
+        r.pop("job_id", None)
+    all_records = sorted(new + reused, key=lambda r: (r["n"], r["k"], r["m"], r["path"]))
+    result = {"device": info.to_dict(), "measured": len(new), "reused": len(reused), "records": all_records}
+
+    def write(s: Session) -> None:
+        repo.save_kernel_results(s, job_id=ctx.job_id, records=new)
+
+    return Outcome(result=result, write=write,
+                   message=f"{len(new)} cases measured, {len(reused)} reused on {info.name}")

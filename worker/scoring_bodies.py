@@ -1,0 +1,157 @@
+"""Score and sensitivity job bodies: KL of a plan against the unquantized model, one layer at a time."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from store import repo
+from store.db import session_scope
+from worker.bodies import _model_record, load_model, resolve_device, token_ids
+from worker.runner import JobContext, Outcome, run_job
+
+DEFAULT_EVAL_SAMPLES = 16
+DEFAULT_EVAL_SEQ_LEN = 256
+
+
+def plan_spec(ctx: JobContext, layer_names: list[str]):
+    """The job's plan: params['plan'] (a PlanSpec dict), params['scheme'] (one preset for all layers),
+    or the stored plan the job points at (plan_id)."""
+    from quantcore.plans import PlanSpec, plan_from_scheme
+
+    p = ctx.params
+    if p.get("plan"):
+        return PlanSpec.from_dict(p["plan"])
+    if ctx.plan_id is not None:
+        with session_scope(ctx.settings) as s:
+            rec = repo.get_plan(s, ctx.plan_id)
+        spec = PlanSpec.from_dict(rec.body)
+        spec.name = spec.name or rec.label
+        return spec
+    if p.get("scheme"):
+        return plan_from_scheme(p["scheme"], layer_names)
+    raise ValueError("a score job needs a scheme, a plan or a stored plan id")
+
+
+def linear_names(model_rec) -> list[str]:
+    return [lin["name"] for lin in model_rec.linears]
+
+
+def calibration_for(ctx: JobContext, model_rec, needed: bool):
+    """Stored statistics of the model for SmoothQuant / static scales: the newest calibration, or a new
+    one run here first (recorded as its own calibrate job)."""
+    if not needed:
+        return None
+    with session_scope(ctx.settings) as s:
+        cal = repo.latest_calibration(s, model_rec.id)
+    if cal is None:
+        from worker import bodies
+        from worker.client import create_local_job
+
+        ctx.progress(0.02, "no stored calibration: calibrating first")
+        job = create_local_job("calibrate", {"device": ctx.params.get("device") or "cpu",
+                                             "samples": ctx.params.get("cal_samples") or 16,
+                                             "seq_len": ctx.params.get("cal_seq_len") or 256},
+                               model_id=model_rec.id, settings=ctx.settings)
+        status = run_job(job.id, bodies.calibrate, settings=ctx.settings)
+        if status != "succeeded":
+            raise ValueError(f"the calibration this job needs (job #{job.id}) {status}")
+        with session_scope(ctx.settings) as s:
+            cal = repo.get_job(s, job.id)
+    with session_scope(ctx.settings) as s:
+        stats = repo.load_activation_stats(s, cal.id)
+    return cal.id, stats
+
+
+def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
+    """Reference log-probs of the unquantized model on these tokens, cached in the artifact store."""
+    from quantcore import scoring
+
+    key = hashlib.sha256(json.dumps({"text": eval_label, "shape": list(ids.shape),
+                                     "ids": hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()},
+                                    sort_keys=True).encode()).hexdigest()[:24]
+    path = scoring.reference_cache_path(Path(str(ctx.settings.artifact_dir)) / "reference", model_rec.sha256, key)
+    if Path(path).exists():
+        ctx.progress(0.1, "reference log-probs from the cache")
+        return scoring.ReferenceCache.load(path)
+    ctx.progress(0.05, "computing reference log-probs (once per model and text)")
+    ref = scoring.compute_reference(model, ids, batch_size=int(ctx.params.get("batch_size") or 4),
+                                    progress=lambda f, m: ctx.progress(0.05 + 0.25 * f, m),
+                                    should_cancel=ctx.should_cancel)
+    ref.save(path)
+    return ref
+
+
+def _prepare(ctx: JobContext):
+    rec = _model_record(ctx)
+    device = resolve_device(ctx.params.get("device"))
+    model, tok = load_model(ctx, rec, device)
+    samples = int(ctx.params.get("samples") or DEFAULT_EVAL_SAMPLES)
+    seq_len = int(ctx.params.get("seq_len") or DEFAULT_EVAL_SEQ_LEN)
+    ids, label = token_ids(ctx, tok, "evaluation", samples=samples, seq_len=seq_len)
+    ids = ids.to(device)
+    return rec, model, ids, label
+
+
+def _calibration_maps(cal) -> tuple[dict[str, float] | None, dict[str, Any] | None]:
+    if cal is None:
+        return None, None
+    _, stats = cal
+    return {st.name: st.amax for st in stats}, {st.name: st.channel_max for st in stats}
+
+
+def score(ctx: JobContext) -> Outcome:
+    from quantcore.plans import resolve_plan
+    from quantcore.scoring import score_plan
+
+    rec, model, ids, label = _prepare(ctx)
+    names = linear_names(rec)
+    spec = plan_spec(ctx, names)
+    plan = resolve_plan(spec, names)
+    cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
+    act_amax, act_channel_max = _calibration_maps(cal)
+    ref = reference_for(ctx, rec, model, ids, label)
+    report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
+                        batch_size=int(ctx.params.get("batch_size") or 4),
+                        progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
+    rep = report.to_dict()
+    plan_label = ctx.params.get("label") or spec.name or spec.default
+    result = {k: rep[k] for k in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl",
+                                  "tokens")}
+    result.update(plan=plan_label, calibration_job=cal[0] if cal else None)
+
+    def write(s: Session) -> None:
+        repo.save_score(s, job_id=ctx.job_id, model_id=rec.id, plan_id=ctx.plan_id, plan_label=plan_label,
+                        plan_body=spec.to_dict(), dataset=label, report=rep,
+                        predicted_kl=ctx.params.get("predicted_kl"))
+
+    return Outcome(result=result, write=write,
+                   message=f"KL {rep['kl_mean']:.4g}, top-1 {rep['top1_agree']:.3f}")
+
+
+def sensitivity(ctx: JobContext) -> Outcome:
+    from quantcore.schemes import get_scheme
+    from quantcore.sensitivity import sensitivity_sweep
+
+    rec, model, ids, label = _prepare(ctx)
+    scheme = get_scheme(ctx.params["scheme"])
+    if ctx.params.get("alpha") is not None:
+        scheme = scheme.with_alpha(float(ctx.params["alpha"]))
+    cal = calibration_for(ctx, rec, scheme.needs_calibration)
+    act_amax, act_channel_max = _calibration_maps(cal)
+    ref = reference_for(ctx, rec, model, ids, label)
+    rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
+                             act_amax=act_amax, act_channel_max=act_channel_max,
+                             progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
+    dicts = [r.to_dict() if hasattr(r, "to_dict") else dict(r.__dict__) for r in rows]
+    result = {"scheme": scheme.name, "units": len(dicts), "text": label,
+              "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
+
+    def write(s: Session) -> None:
+        repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=scheme.name, rows=dicts)
+
+    return Outcome(result=result, write=write, message=f"{len(dicts)} units swept")
