@@ -1,0 +1,621 @@
+"""GPU targets, their low-precision capabilities and peaks, and the probe of the local device.
+
+torch-free at import: the Streamlit app imports ``TARGETS``, ``support_on_target`` and
+``support_reason`` for its target-GPU picker without pulling torch in. Only
+``probe_device`` and ``device_paths`` import torch, inside the function.
+
+Vocabulary used everywhere below:
+
+- **native**: the GPU has a kernel path whose arithmetic (or, for weight-only schemes,
+  whose in-kernel dequantization) runs at the low precision: the scheme can bring the
+  speed-up it promises.
+- **emulated**: the scheme can be served or simulated, but the low-precision part is
+  upcast or simulated (e.g. FP8 W8A8 on an A100 runs as an FP8 weight-only kernel with
+  bf16 activations, or as fake quantization): numerics can be studied, no compute
+  speed-up is to be expected.
+- **unsupported**: no serving path on that GPU (e.g. FP4 W4A4 before Blackwell).
+
+Peak figures are *dense* (no 2:4 structured sparsity) tensor-core rates from the
+vendor datasheets; NVIDIA's headline figures are the sparse ones, exactly twice these.
+Integer rates (``int8``) are tera-operations per second, counted like FLOP/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# --------------------------------------------------------------------------- formats
+
+#: Format names understood here; they are the names of ``quantcore/formats.py``.
+KNOWN_FORMATS: tuple[str, ...] = (
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8",
+    "int4",
+    "fp4_e2m1",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
+)
+#: Spellings of "no quantization" (the layer stays in bf16).
+_NO_QUANT = (None, "", "none", "bf16", "fp16", "float16", "bfloat16")
+
+_FP8 = frozenset({"fp8_e4m3", "fp8_e5m2"})
+_FP4 = frozenset({"fp4_e2m1", "mxfp4", "nvfp4"})
+
+# Compute capabilities (major*10 + minor) that open a kernel path. Sources: CUDA
+# programming guide, "Compute Capabilities" table, and the torch checks named below.
+SM_INT8_MMA = 75  # Turing: INT8 tensor cores (IMMA); torch._int_mm's cuBLASLt path
+SM_WEIGHT_ONLY = 80  # Ampere: Marlin-style mixed-input kernels (INT4/INT8/FP8 weights × bf16)
+SM_FP8_MMA = 89  # Ada / Hopper: FP8 tensor cores; torch._scaled_mm refuses below sm89
+SM_BLOCK_SCALED = 100  # Blackwell: FP4 tensor cores and MX / NVFP4 block-scaled MMA
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """A GPU the team may serve on.
+
+    key:         registry key, e.g. ``"h100"``
+    name:        marketing name, e.g. ``"NVIDIA H100 SXM5 80GB"``
+    sm:          compute capability as major*10 + minor (90 for sm_90)
+    peak_tflops: dense peak per dtype key (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``,
+                 ``int8`` [TOPS], ``fp4``); a dtype the GPU has no tensor-core mode for is absent
+    fp8, int8, fp4: whether W8A8 FP8, W8A8 INT8, W4A4 FP4 tensor-core math exists on it
+    memory_gb:   device memory from the datasheet (GB, 10^9 bytes)
+    """
+
+    key: str
+    name: str
+    sm: int
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    fp8: bool = False
+    int8: bool = False
+    fp4: bool = False
+    memory_gb: float = 0.0
+
+
+TARGETS: dict[str, GpuTarget] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM; PCIe has the same rates):
+    # FP32 19.5, TF32 156, BF16/FP16 312, INT8 624 TOPS dense (312/624/1248 with sparsity).
+    # No FP8 tensor cores.
+    "a100": GpuTarget(
+        key="a100",
+        name="NVIDIA A100 80GB",
+        sm=80,
+        peak_tflops={"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0, "int8": 624.0},
+        fp8=False,
+        int8=True,
+        fp4=False,
+        memory_gb=80.0,
+    ),
+    # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16/FP16 362.05, FP8 733, INT8 733 TOPS
+    # dense (366 / 733 / 1,466 / 1,466 with sparsity). 48 GB GDDR6.
+    "l40s": GpuTarget(
+        key="l40s",
+        name="NVIDIA L40S",
+        sm=89,
+        peak_tflops={
+            "fp32": 91.6,
+            "tf32": 183.0,
+            "bf16": 362.05,
+            "fp16": 362.05,
+            "fp8": 733.0,
+            "int8": 733.0,
+        },
+        fp8=True,
+        int8=True,
+        fp4=False,
+        memory_gb=48.0,
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM column: FP32 67, TF32 989, BF16/FP16 1,979,
+    # FP8 3,958, INT8 3,958 TOPS "with sparsity" -> dense 494.7 / 989.4 / 1,978.9 / 1,978.9.
+    "h100": GpuTarget(
+        key="h100",
+        name="NVIDIA H100 SXM5 80GB",
+        sm=90,
+        peak_tflops={
+            "fp32": 67.0,
+            "tf32": 494.7,
+            "bf16": 989.4,
+            "fp16": 989.4,
+            "fp8": 1978.9,
+            "int8": 1978.9,
+        },
+        fp8=True,
+        int8=True,
+        fp4=False,
+        memory_gb=80.0,
+    ),
+    # Same datasheet, PCIe column: FP32 51, TF32 756, BF16/FP16 1,513, FP8 3,026,
+    # INT8 3,026 TOPS with sparsity -> dense 378 / 756.5 / 1,513 / 1,513.
+    "h100-pcie": GpuTarget(
+        key="h100-pcie",
+        name="NVIDIA H100 PCIe 80GB",
+        sm=90,
+        peak_tflops={
+            "fp32": 51.0,
+            "tf32": 378.0,
+            "bf16": 756.5,
+            "fp16": 756.5,
+            "fp8": 1513.0,
+            "int8": 1513.0,
+        },
+        fp8=True,
+        int8=True,
+        fp4=False,
+        memory_gb=80.0,
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet, SXM column: FP32 67, TF32 989, BF16/FP16 1,979,
+    # FP8 3,958, INT8 3,958 TOPS with sparsity (same GH100 compute as H100 SXM) -> dense
+    # 494.5 / 989.5 / 1,979 / 1,979. 141 GB HBM3e.
+    "h200": GpuTarget(
+        key="h200",
+        name="NVIDIA H200 SXM 141GB",
+        sm=90,
+        peak_tflops={
+            "fp32": 67.0,
+            "tf32": 494.5,
+            "bf16": 989.5,
+            "fp16": 989.5,
+            "fp8": 1979.0,
+            "int8": 1979.0,
+        },
+        fp8=True,
+        int8=True,
+        fp4=False,
+        memory_gb=141.0,
+    ),
+    # NVIDIA HGX B200 datasheet, "individual Blackwell GPU" column (1,000 W): FP4 18 PF,
+    # FP8/FP6 9 PF, INT8 9 POPS, BF16/FP16 4.5 PF, TF32 2.2 PF "with sparsity"; FP32 75 TF.
+    # Dense = half of the sparse figures. 180 GB HBM3e.
+    "b200": GpuTarget(
+        key="b200",
+        name="NVIDIA B200 (HGX, 1000 W)",
+        sm=100,
+        peak_tflops={
+            "fp32": 75.0,
+            "tf32": 1100.0,
+            "bf16": 2250.0,
+            "fp16": 2250.0,
+            "fp8": 4500.0,
+            "int8": 4500.0,
+            "fp4": 9000.0,
+        },
+        fp8=True,
+        int8=True,
+        fp4=True,
+        memory_gb=180.0,
+    ),
+}
+
+# torch.cuda.get_device_name() spellings -> target key, most specific first. A name that
+# matches none of them (H100 NVL, H200 NVL, GH200, consumer cards...) is reported with
+# measured figures only: those parts run at other clocks and power limits.
+_NAME_PATTERNS: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
+    # (all of these substrings, none of these substrings, key)
+    (("h100", "pcie"), (), "h100-pcie"),
+    (("h100",), ("nvl", "pcie", "gh100", "gh200"), "h100"),
+    (("h200",), ("nvl", "gh200"), "h200"),
+    (("a100",), (), "a100"),
+    (("l40s",), (), "l40s"),
+    (("b200",), ("gb200",), "b200"),
+)
+
+
+def list_targets() -> list[GpuTarget]:
+    """Every known target GPU, in table order (oldest architecture first)."""
+    return list(TARGETS.values())
+
+
+def get_target(key: str) -> GpuTarget:
+    """The target called ``key``; an unknown key raises ValueError listing the valid ones."""
+    try:
+        return TARGETS[key]
+    except KeyError:
+        raise ValueError(f"unknown GPU target {key!r}; choose one of: {', '.join(TARGETS)}") from None
+
+
+def match_target(device_name: str) -> str | None:
+    """Target key for a ``torch.cuda.get_device_name()`` string, or None when not in the table."""
+    low = device_name.lower()
+    for must, must_not, key in _NAME_PATTERNS:
+        if all(s in low for s in must) and not any(s in low for s in must_not):
+            return key
+    return None
+
+
+# --------------------------------------------------------------------------- support rules
+
+
+def _norm_format(fmt: str | None, role: str) -> str | None:
+    if isinstance(fmt, str):
+        fmt = fmt.strip().lower()
+    if fmt in _NO_QUANT:
+        return None
+    if fmt not in KNOWN_FORMATS:
+        raise ValueError(
+            f"unknown {role} format {fmt!r}; use one of: {', '.join(KNOWN_FORMATS)} "
+            "(or None for no quantization)"
+        )
+    return fmt
+
+
+def _sm_text(sm: int | None) -> str:
+    return "the CPU" if sm is None else f"sm{sm}"
+
+
+def _rule(sm: int | None, weight: str | None, act: str | None) -> tuple[str, str]:
+    """(verdict, reason) for one scheme on compute capability ``sm`` (None = CPU)."""
+    on = _sm_text(sm)
+    if weight is None and act is None:
+        return "native", "no quantization: bf16 runs everywhere"
+    if weight is None:
+        return (
+            "unsupported",
+            "activation-only quantization has no serving kernel: quantize the weights too",
+        )
+    if sm is None:
+        return "emulated", "a CPU has no low-precision matrix units: the scheme runs upcast"
+
+    if act is None:  # weight-only, W*A16
+        if weight in ("int8", "int4", "fp8_e4m3", "fp8_e5m2"):
+            if sm >= SM_WEIGHT_ONLY:
+                return "native", (
+                    f"{weight} weight-only (W{8 if weight != 'int4' else 4}A16): mixed-input "
+                    f"kernels (Marlin-style) dequantize in-kernel on sm{SM_WEIGHT_ONLY}+"
+                )
+            return (
+                "emulated",
+                f"no mixed-input weight-only kernel below sm{SM_WEIGHT_ONLY}: weights are upcast",
+            )
+        # block / FP4 formats: fp4_e2m1, mxfp4, nvfp4, mxfp8
+        if sm >= SM_BLOCK_SCALED:
+            return (
+                "native",
+                f"{weight} weight-only: Blackwell (sm{SM_BLOCK_SCALED}) has block-scaled low-precision paths",
+            )
+        if sm >= SM_WEIGHT_ONLY:
+            return "emulated", (
+                f"{weight} weight-only on {on}: served by a Marlin-style kernel that dequantizes to "
+                f"bf16; block-scaled tensor cores need sm{SM_BLOCK_SCALED}"
+            )
+        return "unsupported", f"no kernel serves {weight} weights below sm{SM_WEIGHT_ONLY}"
+
+    # weights and activations both quantized
+    if weight in _FP8 and act in _FP8:
+        if weight == "fp8_e5m2" and act == "fp8_e5m2":
+            return "emulated", (
+                "E5M2 x E5M2 is refused by cuBLASLt (torch._scaled_mm: 'Multiplication of two "
+                "Float8_e5m2 matrices is not supported'); use E4M3 for one operand"
+            )
+        if sm >= SM_FP8_MMA:
+            return "native", f"FP8 W8A8: FP8 tensor cores on sm{SM_FP8_MMA}+ (torch._scaled_mm)"
+        return "emulated", (
+            f"FP8 W8A8 on {on}: no FP8 tensor cores (they start at sm{SM_FP8_MMA}); served as FP8 "
+            "weight-only with bf16 activations, activation quantization is simulated"
+        )
+    if weight == "int8" and act == "int8":
+        if sm >= SM_INT8_MMA:
+            return (
+                "native",
+                f"INT8 W8A8: INT8 tensor cores on sm{SM_INT8_MMA}+ (torch._int_mm + scale epilogue)",
+            )
+        return "emulated", f"no INT8 tensor cores below sm{SM_INT8_MMA}"
+    if weight == "mxfp8" and act == "mxfp8":
+        if sm >= SM_BLOCK_SCALED:
+            return "native", f"MXFP8 W8A8: block-scaled FP8 MMA on sm{SM_BLOCK_SCALED}+"
+        return "emulated", (
+            f"MXFP8 on {on}: no block-scaled MMA before sm{SM_BLOCK_SCALED}; the E8M0 block scales are "
+            "simulated (or folded into a per-tensor FP8 path where FP8 exists)"
+        )
+    if weight in _FP4 and act == weight:
+        if sm >= SM_BLOCK_SCALED:
+            return "native", f"{weight} W4A4: FP4 tensor cores on sm{SM_BLOCK_SCALED}+ (Blackwell)"
+        return (
+            "unsupported",
+            f"{weight} W4A4 needs FP4 tensor cores: Blackwell (sm{SM_BLOCK_SCALED}) or newer",
+        )
+    if weight == "int4" and act == "int4":
+        return "emulated", "no production INT4 W4A4 GEMM in torch / cuBLAS: simulated only"
+    return "emulated", (
+        f"mixed {weight} weights x {act} activations: no kernel in the paths quantplan models; "
+        "the activation quantization is simulated"
+    )
+
+
+def support_on_sm(sm: int | None, weight_format: str | None, act_format: str | None) -> str:
+    """``"native"`` | ``"emulated"`` | ``"unsupported"`` for a scheme on compute capability ``sm``.
+
+    ``sm`` is major*10 + minor (90 for sm_90), None for a CPU. The rules are those of
+    :func:`support_on_target`.
+    """
+    return _rule(sm, _norm_format(weight_format, "weight"), _norm_format(act_format, "activation"))[0]
+
+
+def support_on_target(target_key: str, weight_format: str | None, act_format: str | None) -> str:
+    """Whether a layer's scheme runs ``"native"``, ``"emulated"`` or is ``"unsupported"`` on a GPU.
+
+    Formats are names from ``quantcore/formats.py`` (``fp8_e4m3``, ``fp8_e5m2``, ``int8``,
+    ``int4``, ``fp4_e2m1``, ``mxfp8``, ``mxfp4``, ``nvfp4``); None means no quantization.
+    Rules, first match wins (``sm`` = the target's compute capability):
+
+    ========================  ==========================================================
+    weight / activation       verdict
+    ========================  ==========================================================
+    None / None               native (bf16)
+    None / any                unsupported (activation-only quantization has no kernel)
+    int8, int4, fp8 / None    native on sm80+ (Marlin-style W8A16 / W4A16 kernels), else emulated
+    fp4, mxfp4, nvfp4,        native on sm100+, emulated on sm80-sm90 (Marlin-style dequant
+      mxfp8 / None              to bf16), unsupported below sm80
+    fp8 / fp8                 native on sm89+, else emulated; E5M2 x E5M2 always emulated
+                              (cuBLASLt refuses it)
+    int8 / int8               native on sm75+, else emulated
+    mxfp8 / mxfp8             native on sm100+, else emulated
+    fp4 fmt / same fp4 fmt    native on sm100+, else unsupported
+    int4 / int4, other mixes  emulated (no kernel quantplan models)
+    ========================  ==========================================================
+
+    Unknown target keys and format names raise ValueError listing the valid ones.
+    """
+    target = get_target(target_key)
+    return support_on_sm(target.sm, weight_format, act_format)
+
+
+def support_reason(target_key: str, weight_format: str | None, act_format: str | None) -> str:
+    """One sentence for the UI explaining :func:`support_on_target`'s verdict."""
+    target = get_target(target_key)
+    verdict, reason = _rule(
+        target.sm, _norm_format(weight_format, "weight"), _norm_format(act_format, "activation")
+    )
+    return f"{verdict} on {target.name} (sm{target.sm}): {reason}"
+
+
+# --------------------------------------------------------------------------- local device
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What ``probe_device`` found.
+
+    kind:               ``"cpu"`` or ``"cuda"``
+    name:               CPU description or ``torch.cuda.get_device_name()``
+    device_class:       queue-style class: ``"cpu"`` or ``"gpu.sm90"`` (see :func:`device_class`)
+    compute_capability: (major, minor) for CUDA, None for CPU
+    memory_bytes:       device memory (CUDA total memory; CPU: physical RAM when known)
+    torch_version:      ``torch.__version__``
+    cuda_version:       ``torch.version.cuda`` (None on CPU-only builds)
+    peak_tflops:        the matched target's dense peaks, None for a CPU or an unknown GPU
+    target_key:         key in ``TARGETS`` the device matched, or None
+    device:             the torch device string probed (``"cpu"``, ``"cuda:0"``)
+    """
+
+    kind: str
+    name: str
+    device_class: str
+    compute_capability: tuple[int, int] | None
+    memory_bytes: int | None
+    torch_version: str
+    cuda_version: str | None
+    peak_tflops: dict[str, float] | None
+    target_key: str | None
+    device: str = "cpu"
+
+    @property
+    def sm(self) -> int | None:
+        """Compute capability as major*10 + minor, None on CPU."""
+        if self.compute_capability is None:
+            return None
+        major, minor = self.compute_capability
+        return major * 10 + minor
+
+    def to_dict(self) -> dict:
+        """Plain JSON-friendly dict (tuples become lists)."""
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "device_class": self.device_class,
+            "compute_capability": list(self.compute_capability) if self.compute_capability else None,
+            "memory_bytes": self.memory_bytes,
+            "torch_version": self.torch_version,
+            "cuda_version": self.cuda_version,
+            "peak_tflops": dict(self.peak_tflops) if self.peak_tflops else None,
+            "target_key": self.target_key,
+            "device": self.device,
+        }
+
+
+def device_class(kind: str, compute_capability: tuple[int, int] | None = None) -> str:
+    """Queue-style device class: ``"cpu"``, ``"gpu"`` (capability unknown) or ``"gpu.sm90"``."""
+    if kind == "cpu":
+        return "cpu"
+    if kind != "cuda":
+        raise ValueError(f"unknown device kind {kind!r}; use 'cpu' or 'cuda'")
+    if compute_capability is None:
+        return "gpu"
+    major, minor = compute_capability
+    return f"gpu.sm{major}{minor}"
+
+
+def _cpu_name() -> str:
+    import platform
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return name or platform.processor() or platform.machine() or "CPU"
+
+
+def _ram_bytes() -> int | None:
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def probe_device(device: str = "cpu") -> DeviceInfo:
+    """Describe ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``) and match it against ``TARGETS``.
+
+    Raises quantcore.errors.UnsupportedOnDevice when CUDA is asked for but not available.
+    """
+    import torch
+
+    from quantcore.errors import UnsupportedOnDevice
+
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        cap = torch.backends.cpu.get_cpu_capability()
+        return DeviceInfo(
+            kind="cpu",
+            name=f"{_cpu_name()} ({torch.get_num_threads()} threads, {cap})",
+            device_class="cpu",
+            compute_capability=None,
+            memory_bytes=_ram_bytes(),
+            torch_version=torch.__version__,
+            cuda_version=torch.version.cuda,
+            peak_tflops=None,
+            target_key=None,
+            device="cpu",
+        )
+    if dev.type != "cuda":
+        raise UnsupportedOnDevice(f"device {device!r} is not supported: use 'cpu' or 'cuda[:index]'")
+    if not torch.cuda.is_available():
+        raise UnsupportedOnDevice(
+            f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA GPU "
+            "(CPU-only build or no driver): run on a GPU worker or use device='cpu'"
+        )
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    cc = (int(props.major), int(props.minor))
+    key = match_target(props.name)
+    return DeviceInfo(
+        kind="cuda",
+        name=props.name,
+        device_class=device_class("cuda", cc),
+        compute_capability=cc,
+        memory_bytes=int(props.total_memory),
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        peak_tflops=dict(TARGETS[key].peak_tflops) if key else None,
+        target_key=key,
+        device=f"cuda:{index}",
+    )
+
+
+@dataclass(frozen=True)
+class PathSupport:
+    """Whether one kernel path runs on the probed device.
+
+    runs:   quantplan can execute it here (checked by running a tiny instance)
+    native: the low-precision arithmetic is hardware-accelerated here
+    note:   plain words for the UI (e.g. "runs, not accelerated")
+    """
+
+    path: str
+    runs: bool
+    native: bool
+    note: str
+
+
+#: Kernel paths reported by :func:`device_paths` (the benchmark paths of
+#: ``quantcore.kernels`` plus FP4, which is reported but not benchmarked).
+DEVICE_PATHS: tuple[str, ...] = ("baseline", "fp8_tensor", "fp8_row", "int8_row", "fp4")
+
+
+def _try_tiny(device: str, path: str) -> str | None:
+    """Run a tiny instance of ``path`` on ``device``; None if it ran, else the error text."""
+    import torch
+
+    # 32 rows: above _int_mm's CUDA minimum of 17; 32 columns: multiples of 8 and 16.
+    m = k = n = 32
+    try:
+        with torch.no_grad():
+            if path.startswith("fp8"):
+                a = torch.ones(m, k, device=device).to(torch.float8_e4m3fn)
+                b = torch.ones(n, k, device=device).to(torch.float8_e4m3fn)
+                if path == "fp8_tensor":
+                    sa = torch.ones((), device=device)
+                    sb = torch.ones((), device=device)
+                else:
+                    sa = torch.ones(m, 1, device=device)
+                    sb = torch.ones(1, n, device=device)
+                out_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+                torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+            elif path == "int8_row":
+                a = torch.ones(m, k, device=device, dtype=torch.int8)
+                b = torch.ones(n, k, device=device, dtype=torch.int8)
+                torch._int_mm(a, b.t())
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
+
+
+def device_paths(info: DeviceInfo) -> dict[str, PathSupport]:
+    """For each of ``DEVICE_PATHS``: does it run on the probed device, and is it accelerated?
+
+    "runs" is established by executing a tiny instance (32×32×32) of the kernel on the
+    device; "native" comes from the capability rules (FP8 tensor cores from sm89,
+    INT8 from sm75, FP4 from sm100). On a CPU nothing low-precision is accelerated:
+    FP8 and INT8 run through torch's CPU fallbacks and are reported as "runs, not
+    accelerated" — the measured times are the honest answer.
+    """
+    out: dict[str, PathSupport] = {}
+    dev = info.device
+    if info.kind == "cpu":
+        out["baseline"] = PathSupport("baseline", True, True, "fp32 matmul: the CPU baseline")
+        for path, what in (
+            ("fp8_tensor", "torch._scaled_mm with per-tensor scales; CPUs have no FP8 matrix units"),
+            ("fp8_row", "torch._scaled_mm with row-wise scales; CPUs have no FP8 matrix units"),
+            (
+                "int8_row",
+                "torch._int_mm on CPU is not counted as accelerated; the measured TFLOP/s "
+                "against fp32 shows what this CPU does",
+            ),
+        ):
+            err = _try_tiny(dev, path)
+            if err is None:
+                out[path] = PathSupport(path, True, False, f"runs, not accelerated: {what}")
+            else:
+                out[path] = PathSupport(path, False, False, f"does not run on this CPU: {err}")
+        out["fp4"] = PathSupport("fp4", False, False, "FP4 matmul needs Blackwell (sm100) tensor cores")
+        return out
+
+    sm = info.sm or 0
+    out["baseline"] = PathSupport("baseline", True, True, "bf16 matmul (cuBLAS): the GPU baseline")
+    rules = {
+        "fp8_tensor": (sm >= SM_FP8_MMA, f"FP8 tensor cores need sm{SM_FP8_MMA}+"),
+        "fp8_row": (sm >= SM_FP8_MMA, f"FP8 tensor cores need sm{SM_FP8_MMA}+"),
+        "int8_row": (sm >= SM_INT8_MMA, f"INT8 tensor cores need sm{SM_INT8_MMA}+"),
+    }
+    for path, (native_hw, need) in rules.items():
+        if not native_hw:
+            out[path] = PathSupport(path, False, False, f"not supported on sm{sm}: {need}")
+            continue
+        err = _try_tiny(dev, path)
+        if err is None:
+            out[path] = PathSupport(path, True, True, f"native on sm{sm}")
+        else:
+            out[path] = PathSupport(
+                path, False, False, f"hardware has it, but this torch build refused it: {err}"
+            )
+    if sm >= SM_BLOCK_SCALED:
+        out["fp4"] = PathSupport(
+            "fp4", False, True, f"native FP4 tensor cores on sm{sm}; not benchmarked by quantplan yet"
+        )
+    else:
+        out["fp4"] = PathSupport(
+            "fp4", False, False, f"not supported on sm{sm}: FP4 needs sm{SM_BLOCK_SCALED}+"
+        )
+    return out

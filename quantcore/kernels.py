@@ -1,0 +1,791 @@
+"""Real low-precision GEMM benchmarks on a model's own linear shapes, checked against emulation.
+
+For a linear layer ``y = x @ W^T`` with ``x`` [M, K] and ``W`` [N, K], each *path* below
+is timed on the device and compared with an emulation of the very same quantized
+operands (codes dequantized to float64 and multiplied), so a large ``max_rel_err``
+means a kernel bug, never quantization error.
+
+Paths (string constants; a ``+q`` suffix adds on-the-fly activation quantization):
+
+==================  =====================================================================
+``baseline``        ``x @ W^T`` in bf16 on CUDA, fp32 on CPU
+``fp8_tensor``      ``torch._scaled_mm``, E4M3 codes, one fp32 scale per tensor (W and x)
+``fp8_row``         ``torch._scaled_mm``, E4M3 codes, per-token x scales [M,1], per-channel W
+                    scales [1,N]
+``int8_row``        ``torch._int_mm`` (int8 x int8 -> int32) plus the scale epilogue
+                    ``acc * s_x[M,1] * s_w[1,N]``, symmetric codes in [-127, 127]
+``<path>+q``        the same, with the activation quantized inside the timed region
+                    (amax, scale, divide, clamp, cast, and any row padding); without ``+q``
+                    the activation codes are prepared beforehand and only the GEMM (and,
+                    for INT8, its epilogue) is timed
+==================  =====================================================================
+
+Weights are always quantized offline (not timed), as at serving time. Everything runs
+in eager PyTorch: the INT8 epilogue and the activation quantization are separate,
+unfused kernels, which is what a plain PyTorch serving path pays; fused kernels
+(torchao, vLLM) would be faster, and these figures do not claim otherwise.
+
+Timing: on CUDA, CUDA events around each call, warm-up first, the L2 cache flushed
+before every timed call, median of the repeats; on CPU, ``time.perf_counter`` and the
+median. Each (N, K) shape has a wall-clock budget; a case predicted (from the rates
+already measured) not to fit in what is left is not run and comes back with
+``skipped="over budget: ..."``. A path the device cannot run comes back with
+``skipped="not supported on <device>: ..."`` and ``native=False``, never a time.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from quantcore.errors import Cancelled
+
+if TYPE_CHECKING:  # torch is imported inside functions: importing this module stays cheap
+    import torch
+
+    from quantcore.hardware import DeviceInfo
+
+# --------------------------------------------------------------------------- paths
+
+PATH_BASELINE = "baseline"
+PATH_FP8_TENSOR = "fp8_tensor"
+PATH_FP8_ROW = "fp8_row"
+PATH_INT8_ROW = "int8_row"
+QUANT_ACT_SUFFIX = "+q"
+
+BASE_PATHS: tuple[str, ...] = (PATH_BASELINE, PATH_FP8_TENSOR, PATH_FP8_ROW, PATH_INT8_ROW)
+#: Every benchmark path, baseline first.
+PATHS: tuple[str, ...] = (
+    PATH_BASELINE,
+    PATH_FP8_TENSOR,
+    PATH_FP8_TENSOR + QUANT_ACT_SUFFIX,
+    PATH_FP8_ROW,
+    PATH_FP8_ROW + QUANT_ACT_SUFFIX,
+    PATH_INT8_ROW,
+    PATH_INT8_ROW + QUANT_ACT_SUFFIX,
+)
+
+#: Peak-table key (``quantcore.hardware.GpuTarget.peak_tflops``) of each base path on CUDA.
+PEAK_KEY: dict[str, str] = {
+    PATH_BASELINE: "bf16",
+    PATH_FP8_TENSOR: "fp8",
+    PATH_FP8_ROW: "fp8",
+    PATH_INT8_ROW: "int8",
+}
+
+# --------------------------------------------------------------------------- constants
+
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+INT8_QMAX = 127  # symmetric INT8 grid [-127, 127]; -128 unused (SmoothQuant, torchao int8 dynamic)
+SCALE_EPS = 1e-12  # amax floor so an all-zero row gets a finite scale (torchao float8_utils EPS)
+
+# CUDA shape rules, from aten/src/ATen/native/cuda/Blas.cpp (checked by TORCH_CHECK there):
+INT_MM_MIN_M_CUDA = 17  # _int_mm_out_cuda: "self.size(0) needs to be greater than 16"
+INT_MM_MULTIPLE_CUDA = 8  # _int_mm_out_cuda: K and N "a multiple of 8"
+SCALED_MM_MULTIPLE_CUDA = 16  # _scaled_mm: "trailing dimension of mat1 ... divisible by 16",
+#                               "mat2 shape (KxN) must be divisible by 16"
+# torch's CPU kernels have no such limits (checked here with torch 2.13: M=1, K=63, N=30 run).
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes a 256 MB buffer to clear L2
+ERR_MAX_ROWS = 256  # rows of the output compared with the float64 emulation (evenly spaced)
+
+DEFAULT_MS: tuple[int, ...] = (1, 16, 128, 2048)
+DEFAULT_BUDGET_S = 60.0  # wall-clock seconds per (N, K) shape, all M and paths together
+DEFAULT_REPEATS = {"cpu": 5, "cuda": 50}
+DEFAULT_WARMUP = {"cpu": 1, "cuda": 10}
+MIN_REPEATS = 3  # fewer timed calls than this and the median means little: skip instead
+_PROBE_ROWS = 16  # rows of the cheap call that estimates a path's rate before its first case
+
+
+def base_path(path: str) -> str:
+    """``"fp8_row+q"`` -> ``"fp8_row"``; base paths are returned unchanged."""
+    return path[: -len(QUANT_ACT_SUFFIX)] if path.endswith(QUANT_ACT_SUFFIX) else path
+
+
+def quantizes_activation(path: str) -> bool:
+    """Whether ``path`` times the on-the-fly activation quantization (the ``+q`` variants)."""
+    return path.endswith(QUANT_ACT_SUFFIX)
+
+
+def _check_paths(paths: Iterable[str]) -> list[str]:
+    out = []
+    for p in paths:
+        if p not in PATHS:
+            raise ValueError(f"unknown kernel path {p!r}; choose from: {', '.join(PATHS)}")
+        if p not in out:
+            out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class KernelRecord:
+    """One timed GEMM case: shape (M, N, K) x path on one device.
+
+    device:       ``"cpu"`` or ``"cuda"``
+    device_name:  CPU description or GPU name
+    ms:           median time of one call in milliseconds (None when skipped)
+    tflops:       2*M*N*K / time, on the logical (unpadded) shape, in TFLOP/s (TOPS for INT8)
+    pct_peak:     tflops as a percentage of the device's dense peak for the path's dtype
+                  (None: device not in the peak table, e.g. any CPU)
+    speedup:      baseline ms / this ms at the same shape (None without a baseline time)
+    native:       the path's low-precision math is hardware-accelerated on this device
+    max_rel_err:  max |kernel - emulation| / max |emulation| on up to ERR_MAX_ROWS rows
+    padded_m/k/n: the padded size where a kernel required padding, else None
+    skipped:      why there is no time: ``"not supported on <device>: ..."``,
+                  ``"over budget: ..."`` or ``"failed on <device>: ..."``; None when timed
+    """
+
+    device: str
+    device_name: str
+    torch_version: str
+    m: int
+    n: int
+    k: int
+    path: str
+    ms: float | None
+    tflops: float | None
+    pct_peak: float | None
+    speedup: float | None
+    native: bool
+    max_rel_err: float | None
+    padded_m: int | None
+    skipped: str | None
+    padded_k: int | None = None
+    padded_n: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (JSON-friendly)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KernelRecord:
+        """Inverse of :meth:`to_dict`; unknown keys (e.g. a database id) are ignored."""
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def distinct_shapes(linears: Iterable[tuple[str, int, int]]) -> dict[tuple[int, int], list[str]]:
+    """Map each distinct GEMM shape (N, K) to the layer names that have it.
+
+    ``linears`` yields ``(name, in_features, out_features)``, i.e. K then N, as
+    ``nn.Linear`` stores them; the result is keyed (N, K) = (out_features, in_features),
+    in order of first appearance.
+    """
+    out: dict[tuple[int, int], list[str]] = {}
+    for name, in_features, out_features in linears:
+        k, n = int(in_features), int(out_features)
+        if k <= 0 or n <= 0:
+            raise ValueError(f"layer {name!r} has a non-positive shape: in={in_features}, out={out_features}")
+        out.setdefault((n, k), []).append(name)
+    return out
+
+
+def kernel_padding(path: str, m: int, k: int, n: int, device_kind: str) -> tuple[int, int, int]:
+    """(M, K, N) after the padding ``path`` needs on ``device_kind`` (``"cpu"`` or ``"cuda"``).
+
+    CUDA: ``torch._int_mm`` needs M > 16 and K, N multiples of 8; ``torch._scaled_mm``
+    needs K and N multiples of 16. Zero padding of K leaves the product unchanged; extra
+    rows / columns of the output are dropped. CPU kernels need no padding.
+    """
+    if device_kind == "cpu" or base_path(path) == PATH_BASELINE:
+        return m, k, n
+    if device_kind != "cuda":
+        raise ValueError(f"unknown device kind {device_kind!r}; use 'cpu' or 'cuda'")
+    if base_path(path) == PATH_INT8_ROW:
+        mult = INT_MM_MULTIPLE_CUDA
+        return max(m, INT_MM_MIN_M_CUDA), _round_up(k, mult), _round_up(n, mult)
+    mult = SCALED_MM_MULTIPLE_CUDA
+    return m, _round_up(k, mult), _round_up(n, mult)
+
+
+def _round_up(x: int, mult: int) -> int:
+    return -(-x // mult) * mult
+
+
+# --------------------------------------------------------------------------- quantizers
+
+
+def quantize_fp8(x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes and fp32 dequantization scale(s) of ``x`` [R, C].
+
+    rowwise=False: one scale, shape [] (``amax / 448``); rowwise=True: one per row, [R, 1].
+    ``codes * scale`` approximates ``x``; torch's cast saturates to ±448 (clamped anyway).
+    """
+    import torch
+
+    xf = x.float()
+    if rowwise:
+        amax = xf.abs().amax(dim=1, keepdim=True)
+    else:
+        amax = xf.abs().amax()
+    scale = amax.clamp(min=SCALE_EPS) / E4M3_MAX
+    codes = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row INT8 codes in [-127, 127] and fp32 scales [R, 1] (``amax / 127``).
+
+    Rounding is round-half-to-even (``torch.round``).
+    """
+    import torch
+
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=SCALE_EPS) / INT8_QMAX
+    codes = torch.round(xf / scale).clamp(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+    return codes, scale
+
+
+def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad a 2-D tensor at the bottom / right to [rows, cols] (no copy when already there)."""
+    import torch.nn.functional as F
+
+    r, c = t.shape
+    if r == rows and c == cols:
+        return t
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        # float8: pad the raw bytes (0x00 is +0.0 in E4M3), so no float8 fill kernel is needed
+        import torch
+
+        return F.pad(t.view(torch.int8), (0, cols - c, 0, rows - r)).view(t.dtype)
+    return F.pad(t, (0, cols - c, 0, rows - r))
+
+
+# --------------------------------------------------------------------------- one shape
+
+
+@dataclass
+class _Case:
+    fn: Callable[[], torch.Tensor]  # the timed call; returns the [M, N] output
+    emulate: Callable[[torch.Tensor], torch.Tensor]  # rows index -> float64 [r, N] reference
+    padded: tuple[int, int, int]  # (M, K, N) as run
+
+
+class _ShapeOperands:
+    """Weights of one (N, K) shape in every form the paths need, built lazily."""
+
+    def __init__(self, n: int, k: int, device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
+        import torch
+
+        self.n, self.k, self.device, self.dtype = n, k, device, dtype
+        # Weights ~ N(0, 1/K), like an initialised linear layer; activations ~ N(0, 1).
+        self.w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(device=device, dtype=dtype)
+        self._cache: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def weight_codes(self, path: str, kp: int, np_: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [Np, Kp], scale) of the weight for ``path``; scale [] or [1, Np]."""
+        key = (base_path(path), kp, np_)
+        if key not in self._cache:
+            bp = base_path(path)
+            if bp == PATH_FP8_TENSOR:
+                codes, scale = quantize_fp8(self.w, rowwise=False)
+                codes = _pad2(codes, np_, kp)
+            elif bp == PATH_FP8_ROW:
+                codes, scale = quantize_fp8(self.w, rowwise=True)
+                codes, scale = _pad2(codes, np_, kp), _pad2(scale, np_, 1).t()
+            elif bp == PATH_INT8_ROW:
+                codes, scale = quantize_int8_rows(self.w)
+                codes, scale = _pad2(codes, np_, kp), _pad2(scale, np_, 1).t()
+            else:
+                raise ValueError(f"no weight codes for path {path!r}")
+            self._cache[key] = (codes.contiguous(), scale.contiguous())
+        return self._cache[key]
+
+
+def _build_case(ops: _ShapeOperands, path: str, x: torch.Tensor, device_kind: str) -> _Case:
+    """Prepare operands for ``path`` on activation ``x`` [M, K] and return the timed call."""
+    import torch
+
+    m, k = x.shape
+    n = ops.n
+    out_dtype = ops.dtype
+    mp, kp, np_ = kernel_padding(path, m, k, n, device_kind)
+    bp = base_path(path)
+    dyn = quantizes_activation(path)
+
+    if bp == PATH_BASELINE:
+        wt = ops.w.t()
+
+        def fn() -> torch.Tensor:
+            return torch.mm(x, wt)
+
+        def emulate(rows: torch.Tensor) -> torch.Tensor:
+            return x[rows].double() @ ops.w.double().t()
+
+        return _Case(fn, emulate, (m, k, n))
+
+    wq, sw = ops.weight_codes(path, kp, np_)
+    wq_t = wq.t()  # [Kp, Np] column-major view, the layout cuBLASLt wants for mat2
+
+    if bp in (PATH_FP8_TENSOR, PATH_FP8_ROW):
+        rowwise = bp == PATH_FP8_ROW
+
+        def quant_act() -> tuple[torch.Tensor, torch.Tensor]:
+            xq, sx = quantize_fp8(x, rowwise=rowwise)
+            xq = _pad2(xq, mp, kp)
+            if rowwise:
+                sx = _pad2(sx, mp, 1)  # padded rows: scale 0, codes 0
+            return xq, sx
+
+        def gemm(xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+            out = torch._scaled_mm(xq, wq_t, scale_a=sx, scale_b=sw, out_dtype=out_dtype)
+            return out[:m, :n]
+
+    else:  # int8_row
+
+        def quant_act() -> tuple[torch.Tensor, torch.Tensor]:
+            xq, sx = quantize_int8_rows(x)
+            return _pad2(xq, mp, kp), _pad2(sx, mp, 1)
+
+        def gemm(xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+            acc = torch._int_mm(xq, wq_t)  # int32 [Mp, Np]
+            out = (acc.to(torch.float32) * sx * sw).to(out_dtype)  # the scale epilogue
+            return out[:m, :n]
+
+    xq0, sx0 = quant_act()  # the codes every call sees (quantization is deterministic)
+
+    if dyn:
+
+        def fn() -> torch.Tensor:
+            return gemm(*quant_act())
+
+    else:
+
+        def fn() -> torch.Tensor:
+            return gemm(xq0, sx0)
+
+    def emulate(rows: torch.Tensor) -> torch.Tensor:
+        a = xq0[:m][rows, :k].double()
+        b = wq[:n, :k].double()
+        sa = sx0.double() if sx0.dim() == 0 else sx0[:m][rows].double()
+        sb = sw.double() if sw.dim() == 0 else sw[:, :n].double()
+        return (a @ b.t()) * sa * sb
+
+    return _Case(fn, emulate, (mp, kp, np_))
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class _Timer:
+    """Times a call on one device: CUDA events (L2 flushed before each call) or perf_counter."""
+
+    def __init__(self, device: str, kind: str) -> None:
+        import torch
+
+        self.kind = kind
+        self.device = device
+        self._flush = (
+            torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if kind == "cuda" else None
+        )
+
+    def sync(self) -> None:
+        import torch
+
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def once_s(self, fn: Callable[[], Any]) -> float:
+        """Wall seconds of one call, synchronised (also serves as a warm-up call)."""
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def median_ms(self, fn: Callable[[], Any], repeats: int) -> float:
+        import torch
+
+        if self.kind == "cuda":
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+            for i in range(repeats):
+                self._flush.zero_()  # type: ignore[union-attr]  # evict the operands from L2
+                starts[i].record()
+                fn()
+                ends[i].record()
+            torch.cuda.synchronize(self.device)
+            return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def _max_rel_err(out: torch.Tensor, emu: torch.Tensor) -> float:
+    denom = float(emu.abs().max()) if emu.numel() else 0.0
+    diff = float((out.double() - emu).abs().max()) if emu.numel() else 0.0
+    if denom == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / denom
+
+
+def _err_rows(m: int, device: str) -> torch.Tensor:
+    import torch
+
+    if m <= ERR_MAX_ROWS:
+        return torch.arange(m, device=device)
+    return torch.linspace(0, m - 1, ERR_MAX_ROWS, device=device).round().long()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _resolve_device(device: str) -> tuple[str, str]:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = (
+            dev.index
+            if dev.index is not None
+            else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        )
+        return f"cuda:{index}", "cuda"
+    if dev.type == "cpu":
+        return "cpu", "cpu"
+    raise ValueError(f"unsupported device {device!r}; use 'cpu' or 'cuda[:index]'")
+
+
+def run_benchmarks(
+    shapes: Iterable[tuple[int, int]],
+    ms: Sequence[int] = DEFAULT_MS,
+    *,
+    device: str = "cpu",
+    paths: Sequence[str] | None = None,
+    budget_s_per_shape: float = DEFAULT_BUDGET_S,
+    repeats: int | None = None,
+    warmup: int | None = None,
+    seed: int = 0,
+    progress: Callable[[float, str], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> list[KernelRecord]:
+    """Time every path on every (M, N, K) with (N, K) from ``shapes`` and M from ``ms``.
+
+    The baseline is always timed (speed-ups need it), whatever ``paths`` says. Cases run
+    shape by shape, M ascending, baseline first, so a budget cuts the largest M first.
+    Repeats and warm-up default to 50 / 10 on CUDA and 5 / 1 on CPU; fewer repeats are
+    run when the budget is tight, never fewer than MIN_REPEATS (the case is skipped).
+
+    Returns one record per (shape, M, path), timed or skipped with a reason. Raises
+    quantcore.errors.Cancelled when ``should_cancel()`` turns True (checked between cases),
+    quantcore.errors.UnsupportedOnDevice when ``device`` is CUDA and there is none.
+    """
+    import torch
+
+    from quantcore.hardware import device_paths, probe_device
+
+    want = _check_paths(paths if paths is not None else PATHS)
+    if PATH_BASELINE not in want:
+        want.insert(0, PATH_BASELINE)
+    want.sort(key=PATHS.index)
+    m_list = sorted({int(m) for m in ms})
+    if not m_list or m_list[0] <= 0:
+        raise ValueError(f"M values must be positive integers, got {list(ms)!r}")
+    shape_list: list[tuple[int, int]] = []
+    for n, k in shapes:
+        n, k = int(n), int(k)
+        if n <= 0 or k <= 0:
+            raise ValueError(f"shape (N={n}, K={k}) must be positive")
+        if (n, k) not in shape_list:
+            shape_list.append((n, k))
+    if budget_s_per_shape <= 0:
+        raise ValueError("budget_s_per_shape must be > 0 seconds")
+
+    dev, kind = _resolve_device(device)
+    info: DeviceInfo = probe_device(dev)  # raises UnsupportedOnDevice without CUDA
+    support = device_paths(info)
+    n_rep = int(repeats if repeats is not None else DEFAULT_REPEATS[kind])
+    n_warm = int(warmup if warmup is not None else DEFAULT_WARMUP[kind])
+    if n_rep < 1 or n_warm < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    min_rep = min(MIN_REPEATS, n_rep)
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    peaks = info.peak_tflops or {}
+    peak_key = dict(PEAK_KEY)
+    if kind == "cpu":
+        peak_key[PATH_BASELINE] = "fp32"
+
+    total = len(shape_list) * len(m_list) * len(want)
+    done = 0
+    records: list[KernelRecord] = []
+    rates: dict[str, float] = {}  # path -> measured FLOP/s (latest), to predict case costs
+    timer = _Timer(dev, kind)
+
+    def measure(
+        ops: _ShapeOperands, x: torch.Tensor, path: str, left_s: Callable[[], float]
+    ) -> dict[str, Any]:
+        """Record fields of one case: the timing, or why there is none."""
+        m, k, n = x.shape[0], ops.k, ops.n
+        bp = base_path(path)
+        sup = support[bp]
+        if not sup.runs:
+            return {"native": False, "skipped": f"not supported on {kind}: {sup.note}"}
+        flops = 2.0 * m * n * k
+        budget = f"{budget_s_per_shape:g} s for shape N={n} K={k}"
+        try:
+            if path not in rates:  # a cheap call to learn this path's rate on this device
+                probe = _build_case(ops, path, x[: min(m, _PROBE_ROWS)], kind)
+                timer.once_s(probe.fn)  # the very first call pays library set-up
+                rates[path] = 2.0 * min(m, _PROBE_ROWS) * n * k / max(timer.once_s(probe.fn), 1e-9)
+            need = flops / rates[path] * (n_warm + min_rep + 1)
+            if need > left_s():
+                return {
+                    "native": sup.native,
+                    "skipped": f"over budget: ~{need:.1f} s needed, {max(left_s(), 0):.1f} s left of {budget}",
+                }
+            case = _build_case(ops, path, x, kind)
+            t1 = timer.once_s(case.fn)  # first call: a warm-up, and the real cost of one call
+            for _ in range(n_warm - 1):
+                case.fn()
+            rates[path] = flops / max(t1, 1e-9)
+            reps = min(n_rep, int(left_s() / max(t1, 1e-9)))
+            if reps < min_rep:
+                return {
+                    "native": sup.native,
+                    "skipped": (
+                        f"over budget: one call takes {t1:.2f} s, {min_rep} repeats do not fit in the "
+                        f"{max(left_s(), 0):.1f} s left of {budget}"
+                    ),
+                }
+            t_ms = timer.median_ms(case.fn, reps)
+            rows = _err_rows(m, dev)
+            err = _max_rel_err(case.fn()[rows], case.emulate(rows))
+        except (RuntimeError, ValueError) as exc:  # a kernel this torch build or shape refuses
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return {"native": False, "skipped": f"failed on {kind}: {msg}"}
+        rates[path] = flops / (t_ms * 1e-3)
+        tflops = flops / (t_ms * 1e-3) / 1e12
+        peak = peaks.get(peak_key[bp]) if kind == "cuda" else None
+        return {
+            "ms": t_ms,
+            "tflops": tflops,
+            "pct_peak": (100.0 * tflops / peak) if peak else None,
+            "native": sup.native,
+            "max_rel_err": err,
+        }
+
+    with torch.inference_mode():
+        for n, k in shape_list:
+            t_shape = time.perf_counter()
+
+            def left_s(t0: float = t_shape) -> float:
+                return budget_s_per_shape - (time.perf_counter() - t0)
+
+            gen = torch.Generator().manual_seed(seed + 1_000_003 * n + k)
+            ops = _ShapeOperands(n, k, dev, dtype, gen)
+            for m in m_list:
+                x = torch.randn(m, k, generator=gen).to(device=dev, dtype=dtype)
+                for path in want:
+                    if should_cancel is not None and should_cancel():
+                        raise Cancelled("kernel benchmark cancelled")
+                    if progress is not None:
+                        progress(done / total, f"N={n} K={k} M={m} {path}")
+                    done += 1
+                    fields = measure(ops, x, path, left_s)
+                    pm, pk, pn = kernel_padding(path, m, k, n, kind)
+                    records.append(
+                        KernelRecord(
+                            device=kind,
+                            device_name=info.name,
+                            torch_version=info.torch_version,
+                            m=m,
+                            n=n,
+                            k=k,
+                            path=path,
+                            ms=fields.get("ms"),
+                            tflops=fields.get("tflops"),
+                            pct_peak=fields.get("pct_peak"),
+                            speedup=None,  # filled in once the baselines are known
+                            native=bool(fields["native"]),
+                            max_rel_err=fields.get("max_rel_err"),
+                            padded_m=pm if pm != m else None,
+                            skipped=fields.get("skipped"),
+                            padded_k=pk if pk != k else None,
+                            padded_n=pn if pn != n else None,
+                        )
+                    )
+                del x
+            del ops
+            if kind == "cuda":
+                torch.cuda.empty_cache()
+
+    _fill_speedups(records)
+    if progress is not None:
+        progress(1.0, "kernel benchmark done")
+    return records
+
+
+def _fill_speedups(records: list[KernelRecord]) -> None:
+    base = {
+        (r.device_name, r.m, r.n, r.k): r.ms for r in records if r.path == PATH_BASELINE and r.ms is not None
+    }
+    for r in records:
+        b = base.get((r.device_name, r.m, r.n, r.k))
+        if r.ms is not None and b is not None and r.ms > 0:
+            r.speedup = b / r.ms
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def _norm_gran(g: str | None) -> str | None:
+    if g is None:
+        return None
+    g = str(g).strip().lower().replace("-", "_")
+    return g[4:] if g.startswith("per_") else g
+
+
+def scheme_to_path(
+    weight_format: str | None, act_format: str | None, act_granularity: str | None
+) -> str | None:
+    """The benchmark path that would serve a scheme, or None (baseline speed / emulated).
+
+    - FP8 weights and FP8 activations (E4M3 or E5M2, not both E5M2): per-tensor
+      activation scales -> ``fp8_tensor``; per-token -> ``fp8_row``.
+    - INT8 weights and INT8 activations, per-token or per-tensor activation scales ->
+      ``int8_row`` (a per-tensor scale is a constant column of per-token scales: same
+      kernel, same time).
+    - Anything else -> None: weight-only schemes, per-group / block scales (they do not
+      factor out of the GEMM, so ``_scaled_mm`` / ``_int_mm`` cannot serve them), FP4
+      and MX formats, mixed formats.
+
+    The weight granularity does not change the kernel: its scales are applied in the
+    epilogue either way. Granularity spellings ``per_token``, ``per-token``, ``token`` are
+    all accepted.
+    """
+    g = _norm_gran(act_granularity)
+    fp8 = ("fp8_e4m3", "fp8_e5m2")
+    if weight_format in fp8 and act_format in fp8:
+        if weight_format == "fp8_e5m2" and act_format == "fp8_e5m2":
+            return None
+        if g == "tensor":
+            return PATH_FP8_TENSOR
+        if g == "token":
+            return PATH_FP8_ROW
+        return None
+    if weight_format == "int8" and act_format == "int8" and g in ("token", "tensor"):
+        return PATH_INT8_ROW
+    return None
+
+
+def step_estimate(
+    records: Iterable[KernelRecord],
+    layer_shapes: Mapping[str, tuple[int, int]],
+    layer_paths: Mapping[str, str | None],
+    *,
+    m_prefill: int,
+    m_decode: int,
+    quant_act: bool = True,
+) -> dict[str, Any]:
+    """Estimated GEMM time of one prefill and one decode step for a plan.
+
+    ``layer_shapes`` maps every linear layer to its (N, K); ``layer_paths`` maps a layer to
+    its kernel path (a missing layer or None = ``baseline``). With ``quant_act`` (default)
+    a base path is timed through its ``+q`` variant, since serving with quantized
+    activations pays for quantizing them; a path given with ``+q`` is used as is.
+
+    The step time is the sum over layers of the measured time at that layer's (M, N, K)
+    and path, M = ``m_prefill`` or ``m_decode`` (batch x tokens); no interpolation: a
+    layer whose case was not measured (absent or skipped) is listed under ``missing_*``
+    and left out of the sum. Returns::
+
+        {"m_prefill", "m_decode",
+         "prefill_ms", "decode_ms",                    # plan, measured layers only
+         "baseline_prefill_ms", "baseline_decode_ms",  # every layer at baseline
+         "speedup_prefill", "speedup_decode",          # over layers measured both ways
+         "missing_prefill", "missing_decode",          # layers without a plan-path time
+         "missing_baseline",                           # layers without a baseline time
+         "complete": bool,                             # nothing missing anywhere
+         "per_layer": {name: {"path", "prefill_ms", "decode_ms"}}}
+
+    Records from more than one device raise ValueError (times from different devices do
+    not add up).
+    """
+    recs = list(records)
+    devices = {(r.device, r.device_name) for r in recs}
+    if len(devices) > 1:
+        names = ", ".join(sorted(d[1] for d in devices))
+        raise ValueError(f"records come from several devices ({names}); estimate one device at a time")
+    times = {(r.m, r.n, r.k, r.path): r.ms for r in recs if r.ms is not None}
+    valid = set(PATHS)
+
+    out: dict[str, Any] = {"m_prefill": int(m_prefill), "m_decode": int(m_decode), "per_layer": {}}
+    tot = {"prefill": 0.0, "decode": 0.0, "base_prefill": 0.0, "base_decode": 0.0}
+    common = {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}  # [plan, baseline] over layers with both
+    missing: dict[str, list[str]] = {"prefill": [], "decode": [], "baseline": []}
+    for name, (n, k) in layer_shapes.items():
+        path = layer_paths.get(name) or PATH_BASELINE
+        if path not in valid:
+            raise ValueError(f"layer {name!r}: unknown kernel path {path!r}; choose from: {', '.join(PATHS)}")
+        if quant_act and path != PATH_BASELINE and not quantizes_activation(path):
+            path = path + QUANT_ACT_SUFFIX
+        entry: dict[str, Any] = {"path": path}
+        for step, m in (("prefill", m_prefill), ("decode", m_decode)):
+            t = times.get((int(m), int(n), int(k), path))
+            b = times.get((int(m), int(n), int(k), PATH_BASELINE))
+            entry[f"{step}_ms"] = t
+            if t is None:
+                missing[step].append(name)
+            else:
+                tot[step] += t
+            if b is None:
+                if name not in missing["baseline"]:
+                    missing["baseline"].append(name)
+            else:
+                tot[f"base_{step}"] += b
+            if t is not None and b is not None:
+                common[step][0] += t
+                common[step][1] += b
+        out["per_layer"][name] = entry
+    out["prefill_ms"] = tot["prefill"]
+    out["decode_ms"] = tot["decode"]
+    out["baseline_prefill_ms"] = tot["base_prefill"]
+    out["baseline_decode_ms"] = tot["base_decode"]
+    for step in ("prefill", "decode"):
+        plan_t, base_t = common[step]
+        out[f"speedup_{step}"] = (base_t / plan_t) if plan_t > 0 else None
+    out["missing_prefill"] = missing["prefill"]
+    out["missing_decode"] = missing["decode"]
+    out["missing_baseline"] = missing["baseline"]
+    out["complete"] = not any(missing.values())
+    return out
+
+
+# --------------------------------------------------------------------------- text
+
+
+def format_records(records: Iterable[KernelRecord]) -> str:
+    """A fixed-width text table of records (for logs and the benchmark script)."""
+    head = (
+        f"{'M':>6} {'N':>6} {'K':>6} {'path':<13} {'ms':>10} {'TFLOP/s':>9} {'%peak':>6} "
+        f"{'speedup':>7} {'native':>6} {'max_rel_err':>11} {'pad':>8}  note"
+    )
+    lines = [head, "-" * len(head)]
+
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for r in records:
+        pad = []
+        if r.padded_m:
+            pad.append(f"M{r.padded_m}")
+        if r.padded_k:
+            pad.append(f"K{r.padded_k}")
+        if r.padded_n:
+            pad.append(f"N{r.padded_n}")
+        lines.append(
+            f"{r.m:>6} {r.n:>6} {r.k:>6} {r.path:<13} {f(r.ms, '.4f'):>10} {f(r.tflops, '.4f'):>9} "
+            f"{f(r.pct_peak, '.1f'):>6} {f(r.speedup, '.2f'):>7} {('yes' if r.native else 'no'):>6} "
+            f"{f(r.max_rel_err, '.2e'):>11} {','.join(pad) or '-':>8}  {r.skipped or ''}"
+        )
+    return "\n".join(lines)

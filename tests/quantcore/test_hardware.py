@@ -1,0 +1,235 @@
+"""Tests of quantcore.hardware: target table, support rules, device probe."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quantcore import hardware as hw
+from quantcore.errors import UnsupportedOnDevice
+
+HAS_CUDA = torch.cuda.is_available()
+RANK = {"unsupported": 0, "emulated": 1, "native": 2}
+FORMATS_OR_NONE = (None, *hw.KNOWN_FORMATS)
+
+
+# --------------------------------------------------------------------------- table
+
+
+def test_target_keys_are_the_contracted_ones() -> None:
+    assert list(hw.TARGETS) == ["a100", "l40s", "h100", "h100-pcie", "h200", "b200"]
+    assert [t.key for t in hw.list_targets()] == list(hw.TARGETS)
+    for key, target in hw.TARGETS.items():
+        assert target.key == key
+        assert target.memory_gb > 0
+
+
+@pytest.mark.parametrize("key", list(hw.TARGETS))
+def test_target_flags_follow_compute_capability(key: str) -> None:
+    t = hw.get_target(key)
+    assert t.fp8 == (t.sm >= hw.SM_FP8_MMA) == ("fp8" in t.peak_tflops)
+    assert t.fp4 == (t.sm >= hw.SM_BLOCK_SCALED) == ("fp4" in t.peak_tflops)
+    assert t.int8 and "int8" in t.peak_tflops
+    assert "bf16" in t.peak_tflops and "fp32" in t.peak_tflops
+
+
+@pytest.mark.parametrize("key", list(hw.TARGETS))
+def test_peaks_keep_the_datasheet_ratios(key: str) -> None:
+    # On every one of these parts the dense tensor-core rates double with each halving
+    # of the operand width: INT8 = 2 x BF16 (A100 624 vs 312), FP8 = 2 x BF16 (H100 1979
+    # vs 989), FP4 = 2 x FP8 (B200 9000 vs 4500). A typo in the table breaks the ratio.
+    # 2% slack: the L40S datasheet itself prints BF16 362.05 next to FP8 / INT8 733.
+    p = hw.get_target(key).peak_tflops
+    assert p["int8"] == pytest.approx(2 * p["bf16"], rel=0.02)
+    if "fp8" in p:
+        assert p["fp8"] == pytest.approx(2 * p["bf16"], rel=0.02)
+    if "fp4" in p:
+        assert p["fp4"] == pytest.approx(2 * p["fp8"], rel=0.02)
+
+
+def test_dense_not_sparse_figures() -> None:
+    # Golden values: dense BF16 from the datasheets (sparse headline / 2).
+    assert hw.get_target("h100").peak_tflops["bf16"] == pytest.approx(989.4, abs=1)
+    assert hw.get_target("h200").peak_tflops["fp8"] == pytest.approx(1979, abs=1)
+    assert hw.get_target("a100").peak_tflops["bf16"] == 312.0
+    assert hw.get_target("b200").peak_tflops["fp4"] == 9000.0
+
+
+def test_unknown_target_lists_the_keys() -> None:
+    with pytest.raises(ValueError, match="h100-pcie") as info:
+        hw.get_target("v100")
+    assert "v100" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H200 NVL", None),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA A100 80GB PCIe", "a100"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GB200", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_match_target(name: str, key: str | None) -> None:
+    assert hw.match_target(name) == key
+
+
+# --------------------------------------------------------------------------- support rules
+
+
+@pytest.mark.parametrize(
+    ("target", "weight", "act", "verdict"),
+    [
+        ("a100", "fp8_e4m3", "fp8_e4m3", "emulated"),  # no FP8 tensor cores on Ampere
+        ("l40s", "fp8_e4m3", "fp8_e4m3", "native"),
+        ("h100", "fp8_e4m3", "fp8_e4m3", "native"),
+        ("h100", "fp8_e5m2", "fp8_e5m2", "emulated"),  # cuBLASLt refuses E5M2 x E5M2
+        ("h100", "fp8_e4m3", "fp8_e5m2", "native"),
+        ("b200", "nvfp4", "nvfp4", "native"),
+        ("h100", "nvfp4", "nvfp4", "unsupported"),
+        ("h200", "mxfp4", "mxfp4", "unsupported"),
+        ("a100", "int8", "int8", "native"),
+        ("a100", "int4", None, "native"),
+        ("a100", "fp8_e4m3", None, "native"),  # FP8 weight-only (Marlin-style W8A16)
+        ("h100", "nvfp4", None, "emulated"),  # FP4 weight-only before Blackwell
+        ("b200", "nvfp4", None, "native"),
+        ("a100", "mxfp8", "mxfp8", "emulated"),
+        ("b200", "mxfp8", "mxfp8", "native"),
+        ("h100", None, None, "native"),
+        ("h100", None, "fp8_e4m3", "unsupported"),
+        ("b200", "int4", "int4", "emulated"),
+        ("h100", "int8", "fp8_e4m3", "emulated"),
+    ],
+)
+def test_support_rules(target: str, weight: str | None, act: str | None, verdict: str) -> None:
+    assert hw.support_on_target(target, weight, act) == verdict
+    reason = hw.support_reason(target, weight, act)
+    assert reason.startswith(verdict)
+    assert hw.get_target(target).name in reason
+
+
+def test_no_quant_spellings() -> None:
+    for spelling in (None, "", "none", "bf16", "BF16"):
+        assert hw.support_on_target("a100", spelling, spelling) == "native"
+
+
+def test_unknown_format_lists_the_formats() -> None:
+    with pytest.raises(ValueError, match="nvfp4"):
+        hw.support_on_target("h100", "fp6", None)
+    with pytest.raises(ValueError, match="h200"):
+        hw.support_on_target("x1", "int8", None)
+
+
+@pytest.mark.parametrize(("weight", "act"), list(itertools.product(FORMATS_OR_NONE, FORMATS_OR_NONE)))
+def test_newer_gpus_never_support_less(weight: str | None, act: str | None) -> None:
+    """Property over every format pair: moving to a newer architecture never demotes a verdict."""
+    by_sm = sorted(hw.list_targets(), key=lambda t: t.sm)
+    ranks = [RANK[hw.support_on_target(t.key, weight, act)] for t in by_sm]
+    assert ranks == sorted(ranks), list(zip([t.key for t in by_sm], ranks, strict=True))
+
+
+def test_cpu_runs_nothing_low_precision_natively() -> None:
+    assert hw.support_on_sm(None, None, None) == "native"
+    for fmt in hw.KNOWN_FORMATS:
+        assert hw.support_on_sm(None, fmt, fmt) == "emulated"
+
+
+def test_known_formats_match_the_formats_module() -> None:
+    formats = pytest.importorskip("quantcore.formats")
+    names = {f if isinstance(f, str) else f.name for f in formats.list_formats()}
+    assert set(hw.KNOWN_FORMATS) <= names
+
+
+def test_import_is_torch_free() -> None:
+    code = "import sys, quantcore.hardware; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- probe
+
+
+def test_device_class() -> None:
+    assert hw.device_class("cpu") == "cpu"
+    assert hw.device_class("cuda", (9, 0)) == "gpu.sm90"
+    assert hw.device_class("cuda", (10, 0)) == "gpu.sm100"
+    assert hw.device_class("cuda") == "gpu"
+    with pytest.raises(ValueError):
+        hw.device_class("tpu")
+
+
+def test_probe_cpu() -> None:
+    info = hw.probe_device("cpu")
+    assert info.kind == "cpu"
+    assert info.device_class == "cpu"
+    assert info.compute_capability is None and info.sm is None
+    assert info.peak_tflops is None and info.target_key is None
+    assert info.torch_version == torch.__version__
+    assert info.name
+    d = info.to_dict()
+    assert d["kind"] == "cpu" and d["compute_capability"] is None
+
+
+def test_device_paths_on_cpu_say_runs_but_not_accelerated() -> None:
+    paths = hw.device_paths(hw.probe_device("cpu"))
+    assert set(paths) == set(hw.DEVICE_PATHS)
+    assert paths["baseline"].runs and paths["baseline"].native
+    for p in ("fp8_tensor", "fp8_row", "int8_row"):
+        # torch 2.13 CPU: _scaled_mm (E4M3) and _int_mm both execute, without acceleration
+        assert paths[p].runs, paths[p].note
+        assert not paths[p].native
+        assert "not accelerated" in paths[p].note
+    assert not paths["fp4"].runs and not paths["fp4"].native
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where there is no CUDA")
+def test_probe_cuda_without_cuda_says_so() -> None:
+    with pytest.raises(UnsupportedOnDevice, match="no CUDA"):
+        hw.probe_device("cuda")
+
+
+def test_probe_rejects_other_devices() -> None:
+    with pytest.raises(UnsupportedOnDevice):
+        hw.probe_device("meta")
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_probe_cuda() -> None:
+    info = hw.probe_device("cuda")
+    assert info.kind == "cuda" and info.compute_capability is not None
+    assert info.device_class == f"gpu.sm{info.compute_capability[0]}{info.compute_capability[1]}"
+    assert info.memory_bytes and info.memory_bytes > 0
+    assert info.cuda_version
+    key = hw.match_target(info.name)
+    assert info.target_key == key
+    assert (info.peak_tflops is None) == (key is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_device_paths_cuda_follow_the_capability() -> None:
+    info = hw.probe_device("cuda")
+    paths = hw.device_paths(info)
+    sm = info.sm or 0
+    assert paths["baseline"].runs and paths["baseline"].native
+    assert paths["int8_row"].native == paths["int8_row"].runs == (sm >= hw.SM_INT8_MMA)
+    if sm >= 90:  # Hopper: FP8 per-tensor and row-wise both run natively in torch 2.x
+        assert paths["fp8_tensor"].runs and paths["fp8_tensor"].native
+        assert paths["fp8_row"].runs and paths["fp8_row"].native
+    if sm < hw.SM_FP8_MMA:
+        assert not paths["fp8_tensor"].runs and not paths["fp8_tensor"].native
+    assert paths["fp4"].native == (sm >= hw.SM_BLOCK_SCALED)

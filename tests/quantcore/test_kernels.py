@@ -1,0 +1,443 @@
+"""Tests of quantcore.kernels: real GEMM paths vs emulation, budget, step estimates.
+
+CPU tests use tiny shapes: torch._int_mm on this kind of CPU runs at well under
+0.01 TOPS, so anything bigger than a few hundred rows costs seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from quantcore import kernels as kn
+from quantcore.errors import Cancelled, UnsupportedOnDevice
+
+HAS_CUDA = torch.cuda.is_available()
+E4M3 = torch.float8_e4m3fn
+
+
+# --------------------------------------------------------------------------- shapes, paths
+
+
+def test_distinct_shapes_groups_layers_by_n_k() -> None:
+    linears = [
+        ("l0.q_proj", 576, 576),
+        ("l0.k_proj", 576, 192),
+        ("l0.v_proj", 576, 192),
+        ("l0.o_proj", 576, 576),
+        ("l0.up_proj", 576, 1536),
+        ("l0.down_proj", 1536, 576),
+    ]
+    got = kn.distinct_shapes(linears)
+    assert got == {
+        (576, 576): ["l0.q_proj", "l0.o_proj"],
+        (192, 576): ["l0.k_proj", "l0.v_proj"],
+        (1536, 576): ["l0.up_proj"],
+        (576, 1536): ["l0.down_proj"],
+    }
+    assert list(got) == [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # first-seen order
+    with pytest.raises(ValueError, match="bad"):
+        kn.distinct_shapes([("bad", 0, 4)])
+
+
+def test_path_names() -> None:
+    assert kn.PATHS[0] == "baseline"
+    assert set(kn.PATHS) == {
+        "baseline",
+        "fp8_tensor",
+        "fp8_tensor+q",
+        "fp8_row",
+        "fp8_row+q",
+        "int8_row",
+        "int8_row+q",
+    }
+    assert kn.base_path("fp8_row+q") == "fp8_row" and kn.base_path("int8_row") == "int8_row"
+    assert kn.quantizes_activation("int8_row+q") and not kn.quantizes_activation("fp8_tensor")
+
+
+@pytest.mark.parametrize(
+    ("path", "mkn", "device", "expected"),
+    [
+        ("int8_row", (1, 576, 192), "cuda", (17, 576, 192)),  # _int_mm: M > 16
+        ("int8_row+q", (16, 576, 192), "cuda", (17, 576, 192)),
+        ("int8_row", (32, 576, 192), "cuda", (32, 576, 192)),
+        ("int8_row", (32, 60, 30), "cuda", (32, 64, 32)),  # K, N multiples of 8
+        ("fp8_row", (1, 60, 30), "cuda", (1, 64, 32)),  # _scaled_mm: K, N multiples of 16
+        ("fp8_tensor", (1, 576, 1536), "cuda", (1, 576, 1536)),
+        ("baseline", (1, 60, 30), "cuda", (1, 60, 30)),
+        ("int8_row", (1, 60, 30), "cpu", (1, 60, 30)),  # CPU kernels need no padding
+    ],
+)
+def test_kernel_padding(
+    path: str, mkn: tuple[int, int, int], device: str, expected: tuple[int, int, int]
+) -> None:
+    assert kn.kernel_padding(path, *mkn, device) == expected
+
+
+# --------------------------------------------------------------------------- quantizers
+
+
+def test_quantize_fp8_matches_torch_cast_and_bounds() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 64, generator=g) * torch.logspace(-2, 2, 64)
+    for rowwise in (False, True):
+        codes, scale = kn.quantize_fp8(x, rowwise=rowwise)
+        assert codes.dtype == E4M3
+        assert scale.shape == ((8, 1) if rowwise else ())
+        # the largest |x| (per row or overall) maps exactly onto 448
+        amax_codes = codes.float().abs().amax(dim=1) if rowwise else codes.float().abs().amax()
+        assert torch.all(amax_codes == kn.E4M3_MAX)
+        # codes are torch's own E4M3 cast of x / scale
+        assert torch.equal(codes.view(torch.uint8), (x / scale).to(E4M3).view(torch.uint8))
+        # E4M3 keeps 3 mantissa bits: relative error <= 2^-4 in the normal range
+        deq = codes.float() * scale
+        normal = (x / scale).abs() >= 2.0**-6
+        rel = ((deq - x).abs() / x.abs())[normal]
+        assert float(rel.max()) <= 2.0**-4 + 1e-7
+
+
+def test_quantize_int8_rows() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5, 127.0], [0.0, 0.0, 0.0, 0.0], [-3.0, 1.5, 0.0, 0.75]])
+    codes, scale = kn.quantize_int8_rows(x)
+    assert codes.dtype == torch.int8 and scale.shape == (3, 1)
+    assert codes[0].tolist() == [1, -2, 0, 127]  # scale 1.0; 0.5 rounds half to even -> 0
+    assert codes[1].tolist() == [0, 0, 0, 0]  # all-zero row: finite scale, zero codes
+    assert codes[2].tolist() == [-127, 64, 0, 32]  # scale 3/127: 63.5 -> 64, 31.75 -> 32
+    assert torch.isfinite(scale).all()
+
+
+# --------------------------------------------------------------------------- CPU benchmark
+
+
+@pytest.fixture(scope="module")
+def tiny_records() -> list[kn.KernelRecord]:
+    return kn.run_benchmarks([(64, 64)], ms=(1, 32), device="cpu", budget_s_per_shape=60, repeats=3)
+
+
+def test_every_path_every_m_is_timed_on_cpu(tiny_records: list[kn.KernelRecord]) -> None:
+    got = {(r.m, r.path) for r in tiny_records}
+    assert got == {(m, p) for m in (1, 32) for p in kn.PATHS}
+    assert len(tiny_records) == 2 * len(kn.PATHS)
+    for r in tiny_records:
+        assert r.skipped is None, (r.path, r.skipped)
+        assert r.device == "cpu" and r.torch_version == torch.__version__
+        assert (r.n, r.k) == (64, 64)
+        assert r.ms is not None and r.ms > 0
+        assert r.tflops == pytest.approx(2 * r.m * r.n * r.k / (r.ms * 1e-3) / 1e12)
+        assert r.pct_peak is None  # no peak table for a CPU: measured figures only
+        assert r.padded_m is None and r.padded_k is None and r.padded_n is None  # CPU: no padding
+        assert r.speedup is not None
+
+
+def test_native_flags_on_cpu(tiny_records: list[kn.KernelRecord]) -> None:
+    for r in tiny_records:
+        assert r.native == (r.path == "baseline"), r.path
+
+
+def test_speedup_is_baseline_over_path(tiny_records: list[kn.KernelRecord]) -> None:
+    base = {r.m: r.ms for r in tiny_records if r.path == "baseline"}
+    for r in tiny_records:
+        assert r.speedup == pytest.approx(base[r.m] / r.ms)
+        if r.path == "baseline":
+            assert r.speedup == pytest.approx(1.0)
+
+
+def test_kernels_agree_with_emulation(tiny_records: list[kn.KernelRecord]) -> None:
+    for r in tiny_records:
+        assert r.max_rel_err is not None and math.isfinite(r.max_rel_err)
+        if kn.base_path(r.path) == "int8_row":
+            # integer products are exact; only the fp32 epilogue rounds
+            assert r.max_rel_err < 1e-5, r
+        elif r.path.startswith("fp8"):
+            assert r.max_rel_err < 1e-2, r
+        else:
+            assert r.max_rel_err < 1e-5, r  # fp32 baseline vs float64
+
+
+def test_record_round_trip(tiny_records: list[kn.KernelRecord]) -> None:
+    r = tiny_records[3]
+    d = r.to_dict()
+    for key in (
+        "device",
+        "device_name",
+        "torch_version",
+        "m",
+        "n",
+        "k",
+        "path",
+        "ms",
+        "tflops",
+        "pct_peak",
+        "speedup",
+        "native",
+        "max_rel_err",
+        "padded_m",
+        "skipped",
+    ):
+        assert key in d
+    assert kn.KernelRecord.from_dict({**d, "job_id": 7}) == r
+
+
+def test_unaligned_shapes_run_on_cpu() -> None:
+    recs = kn.run_benchmarks([(40, 24)], ms=(3,), paths=["int8_row", "fp8_row+q"], repeats=3)
+    assert [r.path for r in recs] == ["baseline", "fp8_row+q", "int8_row"]  # baseline always added
+    for r in recs:
+        assert r.skipped is None and r.max_rel_err is not None and r.max_rel_err < 1e-2
+
+
+def test_emulation_separates_quantization_error_from_kernel_error() -> None:
+    """Kernel == emulation to fp32 rounding, while both differ from the unquantized product."""
+    ops = kn._ShapeOperands(64, 64, "cpu", torch.float32, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 64, generator=g)
+    rows = torch.arange(8)
+    exact = x.double() @ ops.w.double().t()
+    for path in ("fp8_tensor", "fp8_row+q", "int8_row"):
+        case = kn._build_case(ops, path, x, "cpu")
+        out, emu = case.fn(), case.emulate(rows)
+        assert kn._max_rel_err(out, emu) < 1e-5, path  # the kernel computes what the codes say
+        assert kn._max_rel_err(emu, exact) > 1e-3, path  # the codes carry quantization error
+
+    # the check can fail: a kernel output for other operands is flagged
+    other = kn._build_case(ops, "int8_row", torch.randn(8, 64, generator=g), "cpu")
+    assert kn._max_rel_err(other.fn(), kn._build_case(ops, "int8_row", x, "cpu").emulate(rows)) > 0.3
+
+
+@pytest.mark.parametrize(
+    ("path", "m", "padded"),
+    [("int8_row+q", 1, (17, 64, 32)), ("int8_row", 5, (17, 64, 32)), ("fp8_row+q", 1, (1, 64, 32))],
+)
+def test_cuda_padding_keeps_the_result(path: str, m: int, padded: tuple[int, int, int]) -> None:
+    """The CUDA padding rules, exercised with CPU kernels (which accept any shape)."""
+    ops = kn._ShapeOperands(30, 60, "cpu", torch.float32, torch.Generator().manual_seed(2))
+    x = torch.randn(m, 60, generator=torch.Generator().manual_seed(3))
+    case = kn._build_case(ops, path, x, "cuda")
+    assert case.padded == padded
+    out = case.fn()
+    assert out.shape == (m, 30)
+    rows = torch.arange(m)
+    assert kn._max_rel_err(out, case.emulate(rows)) < 1e-5
+    # and the padded case computes the same as the unpadded one
+    ref = kn._build_case(ops, path, x, "cpu").fn()
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_max_rel_err_definition() -> None:
+    emu = torch.tensor([[2.0, -4.0]], dtype=torch.float64)
+    assert kn._max_rel_err(torch.tensor([[2.0, -3.0]]), emu) == pytest.approx(0.25)
+    assert kn._max_rel_err(torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.float64)) == 0.0
+
+
+def test_budget_skips_what_does_not_fit() -> None:
+    # M = 1 fits easily; M = 2^17 would need seconds per call on CPU (int8: minutes).
+    recs = kn.run_benchmarks([(64, 64)], ms=(1, 1 << 17), budget_s_per_shape=1.5, repeats=3)
+    small = [r for r in recs if r.m == 1]
+    big = [r for r in recs if r.m == 1 << 17]
+    assert len(small) == len(big) == len(kn.PATHS)
+    assert all(r.skipped is None and r.ms is not None for r in small)
+    skipped = [r for r in big if r.skipped is not None]
+    assert any(r.path.startswith("int8") for r in skipped)
+    for r in skipped:
+        assert r.skipped.startswith("over budget"), r.skipped
+        assert r.ms is None and r.tflops is None and r.speedup is None and r.max_rel_err is None
+
+
+def test_progress_and_cancel() -> None:
+    seen: list[float] = []
+    kn.run_benchmarks(
+        [(32, 32)], ms=(2,), paths=["fp8_tensor"], repeats=3, progress=lambda f, msg: seen.append(f)
+    )
+    assert seen[-1] == 1.0 and seen == sorted(seen) and all(0.0 <= f <= 1.0 for f in seen)
+
+    calls = {"n": 0}
+
+    def cancel_after_two() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 2
+
+    with pytest.raises(Cancelled):
+        kn.run_benchmarks([(32, 32)], ms=(2, 4), repeats=3, should_cancel=cancel_after_two)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="fp8_row"):
+        kn.run_benchmarks([(32, 32)], ms=(2,), paths=["fp16"])
+    with pytest.raises(ValueError):
+        kn.run_benchmarks([(32, 32)], ms=(0,))
+    with pytest.raises(ValueError):
+        kn.run_benchmarks([(32, 32)], ms=(2,), device="meta")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where there is no CUDA")
+def test_cuda_without_cuda() -> None:
+    with pytest.raises(UnsupportedOnDevice):
+        kn.run_benchmarks([(32, 32)], ms=(2,), device="cuda")
+
+
+# --------------------------------------------------------------------------- schemes and plans
+
+
+@pytest.mark.parametrize(
+    ("w", "a", "g", "path"),
+    [
+        ("fp8_e4m3", "fp8_e4m3", "per_tensor", "fp8_tensor"),
+        ("fp8_e4m3", "fp8_e4m3", "per-token", "fp8_row"),
+        ("fp8_e4m3", "fp8_e5m2", "token", "fp8_row"),
+        ("fp8_e5m2", "fp8_e5m2", "per_token", None),
+        ("fp8_e4m3", "fp8_e4m3", "per_group", None),
+        ("int8", "int8", "per_token", "int8_row"),
+        ("int8", "int8", "per_tensor", "int8_row"),
+        ("int8", None, None, None),
+        ("int4", None, None, None),
+        ("nvfp4", "nvfp4", "per_group", None),
+        (None, None, None, None),
+    ],
+)
+def test_scheme_to_path(w: str | None, a: str | None, g: str | None, path: str | None) -> None:
+    assert kn.scheme_to_path(w, a, g) == path
+
+
+def _rec(m: int, n: int, k: int, path: str, ms: float | None, name: str = "GPU X") -> kn.KernelRecord:
+    return kn.KernelRecord(
+        device="cuda",
+        device_name=name,
+        torch_version="t",
+        m=m,
+        n=n,
+        k=k,
+        path=path,
+        ms=ms,
+        tflops=None,
+        pct_peak=None,
+        speedup=None,
+        native=True,
+        max_rel_err=None,
+        padded_m=None,
+        skipped=None if ms is not None else "over budget: test",
+    )
+
+
+@pytest.fixture
+def hand_records() -> list[kn.KernelRecord]:
+    return [
+        _rec(128, 64, 32, "baseline", 4.0),
+        _rec(128, 64, 32, "fp8_row+q", 2.0),
+        _rec(128, 64, 32, "fp8_row", 1.5),
+        _rec(1, 64, 32, "baseline", 1.0),
+        _rec(1, 64, 32, "fp8_row+q", 0.8),
+        _rec(128, 16, 32, "baseline", 3.0),
+        _rec(128, 16, 32, "int8_row+q", 1.0),
+        _rec(1, 16, 32, "baseline", 0.5),
+        _rec(1, 16, 32, "int8_row+q", None),  # skipped
+    ]
+
+
+def test_step_estimate_sums(hand_records: list[kn.KernelRecord]) -> None:
+    shapes = {"a": (64, 32), "b": (64, 32), "c": (16, 32), "d": (16, 32)}
+    paths = {"a": "fp8_row", "b": "fp8_row", "c": "int8_row"}  # d: not in the plan -> baseline
+    est = kn.step_estimate(hand_records, shapes, paths, m_prefill=128, m_decode=1)
+    # prefill: a, b at fp8_row+q (2.0 each), c at int8_row+q (1.0), d at baseline (3.0)
+    assert est["prefill_ms"] == pytest.approx(8.0)
+    assert est["baseline_prefill_ms"] == pytest.approx(4.0 + 4.0 + 3.0 + 3.0)
+    assert est["speedup_prefill"] == pytest.approx(14.0 / 8.0)
+    # decode: a, b 0.8 each; c skipped -> missing; d baseline 0.5
+    assert est["decode_ms"] == pytest.approx(0.8 + 0.8 + 0.5)
+    assert est["missing_decode"] == ["c"] and est["missing_prefill"] == []
+    assert est["baseline_decode_ms"] == pytest.approx(1.0 + 1.0 + 0.5 + 0.5)
+    assert est["speedup_decode"] == pytest.approx((1.0 + 1.0 + 0.5) / (0.8 + 0.8 + 0.5))
+    assert est["complete"] is False
+    assert est["per_layer"]["a"] == {"path": "fp8_row+q", "prefill_ms": 2.0, "decode_ms": 0.8}
+    assert est["per_layer"]["d"]["path"] == "baseline"
+
+
+def test_step_estimate_without_act_quant_cost(hand_records: list[kn.KernelRecord]) -> None:
+    est = kn.step_estimate(
+        hand_records, {"a": (64, 32)}, {"a": "fp8_row"}, m_prefill=128, m_decode=1, quant_act=False
+    )
+    assert est["prefill_ms"] == pytest.approx(1.5)
+    assert est["missing_decode"] == ["a"]  # no fp8_row record at M=1
+    assert est["decode_ms"] == 0.0 and est["speedup_decode"] is None
+
+
+def test_step_estimate_refuses_mixed_devices_and_bad_paths(hand_records: list[kn.KernelRecord]) -> None:
+    with pytest.raises(ValueError, match="several devices"):
+        kn.step_estimate(
+            [*hand_records, _rec(1, 64, 32, "baseline", 1.0, name="GPU Y")],
+            {"a": (64, 32)},
+            {},
+            m_prefill=128,
+            m_decode=1,
+        )
+    with pytest.raises(ValueError, match="unknown kernel path"):
+        kn.step_estimate(hand_records, {"a": (64, 32)}, {"a": "fp4"}, m_prefill=128, m_decode=1)
+
+
+def test_step_estimate_on_real_records(tiny_records: list[kn.KernelRecord]) -> None:
+    est = kn.step_estimate(
+        tiny_records, {"x": (64, 64), "y": (64, 64)}, {"x": "int8_row"}, m_prefill=32, m_decode=1
+    )
+    assert est["complete"] is True
+    t = {(r.m, r.path): r.ms for r in tiny_records}
+    assert est["prefill_ms"] == pytest.approx(t[(32, "int8_row+q")] + t[(32, "baseline")])
+    assert est["decode_ms"] == pytest.approx(t[(1, "int8_row+q")] + t[(1, "baseline")])
+
+
+def test_format_records(tiny_records: list[kn.KernelRecord]) -> None:
+    text = kn.format_records(tiny_records)
+    lines = text.splitlines()
+    assert "TFLOP/s" in lines[0]
+    assert len(lines) == 2 + len(tiny_records)
+    assert any("int8_row+q" in line for line in lines)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
+    from quantcore.hardware import SM_FP8_MMA, SM_INT8_MMA, probe_device
+
+    info = probe_device("cuda")
+    sm = info.sm or 0
+    recs = kn.run_benchmarks([(576, 576), (192, 576)], ms=(1, 32, 256), device="cuda", budget_s_per_shape=60)
+    assert len(recs) == 2 * 3 * len(kn.PATHS)
+    for r in recs:
+        assert r.device == "cuda" and r.device_name == info.name
+        base = kn.base_path(r.path)
+        expect_native = {
+            "baseline": True,
+            "fp8_tensor": sm >= SM_FP8_MMA,
+            "fp8_row": sm >= SM_FP8_MMA,
+            "int8_row": sm >= SM_INT8_MMA,
+        }[base]
+        if not expect_native:
+            assert r.skipped is not None and r.skipped.startswith("not supported on cuda")
+            assert r.ms is None and not r.native
+            continue
+        assert r.skipped is None, (r.path, r.m, r.skipped)
+        assert r.native
+        assert r.ms is not None and r.ms > 0 and r.speedup is not None
+        # bf16 output rounding bounds the difference (2^-8 relative); 1e-2 leaves room
+        assert r.max_rel_err is not None and r.max_rel_err < 1e-2, (r.path, r.m, r.max_rel_err)
+        if info.peak_tflops:
+            assert r.pct_peak is not None and 0 < r.pct_peak < 100
+        if base == "int8_row" and r.m <= 16:
+            assert r.padded_m == kn.INT_MM_MIN_M_CUDA
+        else:
+            assert r.padded_m is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_fp8_is_faster_than_bf16_at_large_m_on_hopper() -> None:
+    from quantcore.hardware import probe_device
+
+    info = probe_device("cuda")
+    if (info.sm or 0) < 90:
+        pytest.skip("FP8 speed-up expected on sm90+ only")
+    recs = kn.run_benchmarks([(4096, 4096)], ms=(2048,), device="cuda", paths=["fp8_tensor"])
+    fp8 = next(r for r in recs if r.path == "fp8_tensor")
+    assert fp8.speedup is not None and fp8.speedup > 1.2, fp8
