@@ -112,6 +112,21 @@ class Format:
         return math.floor(math.log2(self.max))
 
     @property
+    def top_step(self) -> float:
+        """Spacing of the grid just below max: 2**(emax - man_bits) for floats (32 for E4M3), 1 for int."""
+        return 1.0 if self.kind == "int" else 2.0 ** (self.emax - self.man_bits)
+
+    @property
+    def clip_threshold(self) -> float:
+        """max + top_step / 2: scaled magnitudes above it are clipped, not merely rounded, to max.
+
+        Below it, rounding to max costs at most half a step, like any other rounding; above it
+        the clamp decides the value. It is where IEEE rounding overflows (E5M2: 61440).
+        464 for E4M3, 127.5 for int8, 7 for E2M1.
+        """
+        return self.max + self.top_step / 2
+
+    @property
     def levels(self) -> int:
         """Number of distinct finite values, signed zero counted once (253 for E4M3, 255 for int8)."""
         positive = len(representable_values(self.name)) - 1
