@@ -1,0 +1,510 @@
+"""Checkpoint intake: registering folders / archives, every refusal, hashing, inspection, loading.
+
+Tiny models are built from configs here (2 layers, hidden 64) and saved with
+save_pretrained; no download, no real weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import stat
+import struct
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from quantcore.checkpoint import (
+    PICKLE_SUFFIXES,
+    STAGING_PREFIX,
+    CheckpointSummary,
+    LinearInfo,
+    content_hash,
+    demo_gguf_path,
+    inspect_folder,
+    load_model,
+    read_safetensors_header,
+    register_checkpoint,
+    safe_extract,
+    validate_folder,
+)
+from quantcore.errors import CheckpointError
+
+MAX_BYTES = 64 * 1024 * 1024  # generous for the tiny models (~0.3 MB)
+WORDS = "the a of to and in is it that was for on are with as at by this from news said year".split()
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer over WORDS, with <unk>, <s> and </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_llama(folder: Path, *, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 64, GQA 4/2) with random weights and its tokenizer, saved to folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=128, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def save_tiny_bert(folder: Path) -> Path:
+    """A 2-layer BERT encoder (BertModel) with random weights and its tokenizer."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(WORDS) + 3, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                        num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=64)
+    BertModel(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture
+def src(tmp_path, llama_dir) -> Path:
+    """A fresh, writable copy of the tiny Llama folder (tests may break it)."""
+    return Path(shutil.copytree(llama_dir, tmp_path / "upload"))
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "models"
+
+
+def register(source: Path, root: Path, **kwargs):
+    options = {"max_bytes": MAX_BYTES, "cache_dir": root.parent / "cache", **kwargs}
+    return register_checkpoint(source, root, **options)
+
+
+def assert_refused(source: Path, root: Path, match: str, **kwargs) -> CheckpointError:
+    """Registration fails with a message matching `match` and leaves models_root empty."""
+    with pytest.raises(CheckpointError, match=match) as info:
+        register(source, root, **kwargs)
+    leftovers = sorted(p.name for p in root.iterdir()) if root.exists() else []
+    assert leftovers == [], f"left behind in the store: {leftovers}"
+    return info.value
+
+
+def make_zip(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+def folder_members(folder: Path, prefix: str = "") -> dict[str, bytes]:
+    return {prefix + p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def make_tar(path: Path, members: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> Path:
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+        for info in extra:
+            archive.addfile(info)
+    return path
+
+
+# --- registering ---------------------------------------------------------------------------------
+
+
+def test_register_folder_stores_model_files_and_summarises(src, root):
+    (src / "README.md").write_text("about this model")
+    (src / "training_args.bin").write_bytes(b"\x80\x04 not really a pickle")
+    sha, folder, summary = register(src, root)
+
+    assert len(sha) == 64 and folder == root / sha
+    stored = sorted(p.name for p in folder.iterdir())
+    assert "model.safetensors" in stored and "config.json" in stored and "tokenizer.json" in stored
+    assert "README.md" not in stored and not any(name.endswith(PICKLE_SUFFIXES) for name in stored)
+    assert sorted(p.name for p in root.iterdir()) == [sha], "no staging folder may remain"
+    assert sha == content_hash(folder)
+
+    assert summary.architecture == "LlamaForCausalLM" and summary.model_type == "llama"
+    assert summary.num_layers == LAYERS and summary.hidden_size == HIDDEN and summary.vocab_size == len(WORDS) + 3
+    assert summary.dtype == "float32"
+    shapes = {info.name: (info.in_features, info.out_features) for info in summary.linears}
+    head_dim = HIDDEN // HEADS
+    assert len(shapes) == LAYERS * 7 + 1
+    assert shapes["model.layers.0.self_attn.q_proj"] == (HIDDEN, HIDDEN)
+    assert shapes["model.layers.1.self_attn.k_proj"] == (HIDDEN, KV_HEADS * head_dim)
+    assert shapes["model.layers.1.mlp.down_proj"] == (INTERMEDIATE, HIDDEN)
+    assert shapes["lm_head"] == (HIDDEN, len(WORDS) + 3)
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_pretrained(src)
+    assert summary.num_params == sum(p.numel() for p in real.parameters())
+    assert summary.total_bytes == sum(p.stat().st_size for p in folder.iterdir())
+
+
+def test_register_is_idempotent(src, root):
+    first = register(src, root)
+    second = register(src, root)
+    assert first[0] == second[0] and first[1] == second[1]
+    assert [p.name for p in root.iterdir()] == [first[0]]
+
+
+def test_archives_register_to_the_same_content_as_the_folder(src, root, tmp_path):
+    sha, _, _ = register(src, root)
+    zipped = make_zip(tmp_path / "model.zip", folder_members(src, "my-model/"))
+    tarred = make_tar(tmp_path / "model.tar.gz", folder_members(src))
+    assert register(zipped, root)[0] == sha
+    assert register(tarred, root)[0] == sha
+    assert [p.name for p in root.iterdir()] == [sha]
+
+
+def test_encoder_checkpoint_is_registered_and_loaded_as_its_base_model(tmp_path, root):
+    source = save_tiny_bert(tmp_path / "bert")
+    _, folder, summary = register(source, root)
+    assert summary.architecture == "BertModel" and summary.model_type == "bert"
+    names = {info.name for info in summary.linears}
+    assert "encoder.layer.0.attention.self.query" in names and "encoder.layer.1.output.dense" in names
+    model, _ = load_model(folder)
+    assert type(model).__name__ == "BertModel"
+
+
+def test_load_model_reproduces_the_saved_model(src, root):
+    from transformers import AutoModelForCausalLM
+
+    _, folder, _ = register(src, root)
+    model, tokenizer = load_model(folder)
+    assert not model.training and next(model.parameters()).dtype == torch.float32
+    ids = tokenizer("the news of the year was said", return_tensors="pt").input_ids
+    assert ids.shape[1] == 7 and (ids != tokenizer.unk_token_id).all()
+    original = AutoModelForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=0, atol=0)
+
+
+def test_summary_round_trips_through_json(src):
+    summary = inspect_folder(src)
+    restored = CheckpointSummary.from_dict(json.loads(json.dumps(summary.to_dict())))
+    assert restored == summary
+    assert isinstance(restored.linears[0], LinearInfo)
+
+
+# --- refusals: nothing may be left behind --------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth", ".pkl", ".ckpt"])
+def test_pickle_file_is_refused(tmp_path, root, suffix):
+    pickle = tmp_path / f"model{suffix}"
+    pickle.write_bytes(b"\x80\x04\x95")
+    error = assert_refused(pickle, root, "pickle")
+    assert "safetensors" in str(error), "the message must say what to do instead"
+
+
+def test_folder_with_pickle_weights_only_is_refused(src, root):
+    (src / "model.safetensors").rename(src / "pytorch_model.bin")
+    assert_refused(src, root, "pickle files \\(pytorch_model.bin\\)")
+
+
+def test_missing_config_is_refused(src, root):
+    (src / "config.json").unlink()
+    assert_refused(src, root, "no config.json")
+
+
+def test_invalid_config_json_is_refused(src, root):
+    (src / "config.json").write_text('{"model_type": "llama",\n  "hidden_size": 64,,}')
+    assert_refused(src, root, "config.json is not valid JSON \\(line 2")
+
+
+def test_config_without_model_type_is_refused(src, root):
+    config = json.loads((src / "config.json").read_text())
+    del config["model_type"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert_refused(src, root, "no \"model_type\"")
+
+
+def test_config_with_auto_map_is_refused_as_remote_code(src, root):
+    config = json.loads((src / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (src / "config.json").write_text(json.dumps(config))
+    assert_refused(src, root, "needs remote code, which quantplan never runs")
+
+
+def test_unknown_model_type_is_refused_as_remote_code(src, root):
+    config = json.loads((src / "config.json").read_text())
+    config["model_type"] = "my_private_llm"
+    (src / "config.json").write_text(json.dumps(config))
+    assert_refused(src, root, "needs remote code.*'my_private_llm' is not built into transformers")
+
+
+def test_tokenizer_with_auto_map_is_refused(src, root):
+    settings_file = src / "tokenizer_config.json"
+    tokenizer_config = json.loads(settings_file.read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    settings_file.write_text(json.dumps(tokenizer_config))
+    assert_refused(src, root, "tokenizer needs remote code")
+
+
+def test_prequantized_checkpoint_is_refused(src, root):
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (src / "config.json").write_text(json.dumps(config))
+    assert_refused(src, root, "already quantized \\(quant_method 'fp8'\\)")
+
+
+def test_missing_tokenizer_is_refused(src, root):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (src / name).unlink()
+    assert_refused(src, root, "no tokenizer")
+
+
+def test_config_that_does_not_match_the_weights_is_refused(src, root):
+    config = json.loads((src / "config.json").read_text())
+    config["intermediate_size"] = INTERMEDIATE * 2
+    (src / "config.json").write_text(json.dumps(config))
+    assert_refused(src, root, "different models")
+
+
+@pytest.mark.parametrize("cut", [1, 4096, "header"])
+def test_truncated_safetensors_is_refused(src, root, cut):
+    weights = src / "model.safetensors"
+    data = weights.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    keep = 8 + header_len // 2 if cut == "header" else len(data) - cut
+    weights.write_bytes(data[:keep])
+    assert_refused(src, root, "model.safetensors is truncated")
+
+
+def test_safetensors_with_garbage_header_is_refused(src, root):
+    weights = src / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[8:16] = b"\xff\xfe garb"
+    weights.write_bytes(bytes(data))
+    assert_refused(src, root, "model.safetensors is corrupt")
+
+
+def test_missing_shard_is_refused(src, root):
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_refused(src, root, "model-00002-of-00002.safetensors, which the upload does not contain")
+
+
+def test_fake_gguf_is_refused(tmp_path, root):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not gguf at all")
+    assert_refused(fake, root, "not a GGUF file")
+
+
+def test_unknown_file_kind_is_refused(tmp_path, root):
+    other = tmp_path / "weights.onnx"
+    other.write_bytes(b"\x08\x01")
+    assert_refused(other, root, "not a checkpoint quantplan accepts")
+
+
+@pytest.mark.parametrize("member", ["/etc/config.json", "../config.json", "model/../../config.json",
+                                    "C:/model/config.json"])
+def test_zip_with_escaping_path_is_refused(src, root, tmp_path, member):
+    members = {**folder_members(src), member: b"{}"}
+    assert_refused(make_zip(tmp_path / "model.zip", members), root, "absolute path|contains '..'")
+
+
+def test_tar_with_dotdot_path_is_refused(src, root, tmp_path):
+    members = {**folder_members(src), "../evil.txt": b"x"}
+    assert_refused(make_tar(tmp_path / "model.tar.gz", members), root, "contains '..'")
+
+
+@pytest.mark.parametrize("kind", [tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.CHRTYPE, tarfile.FIFOTYPE])
+def test_tar_with_link_or_special_file_is_refused(src, root, tmp_path, kind):
+    special = tarfile.TarInfo("tokenizer.model")
+    special.type = kind
+    special.linkname = "/etc/passwd"
+    archive = make_tar(tmp_path / "model.tar.gz", folder_members(src), [special])
+    assert_refused(archive, root, "link|special file")
+
+
+def test_zip_with_symlink_is_refused(src, root, tmp_path):
+    archive = make_zip(tmp_path / "model.zip", folder_members(src))
+    with zipfile.ZipFile(archive, "a") as handle:
+        link = zipfile.ZipInfo("vocab.txt")
+        link.external_attr = (stat.S_IFLNK | 0o777) << 16
+        handle.writestr(link, "/etc/passwd")
+    assert_refused(archive, root, "symbolic link")
+
+
+@pytest.mark.parametrize("suffix", [".zip", ".tar.gz"])
+def test_archive_above_the_size_limit_is_refused(src, root, tmp_path, suffix):
+    members = {**folder_members(src), "padding.txt": b"\0" * 4_000_000}  # compresses to almost nothing
+    maker = make_zip if suffix == ".zip" else make_tar
+    archive = maker(tmp_path / f"model{suffix}", members)
+    assert archive.stat().st_size < 1_000_000
+    assert_refused(archive, root, "would expand to .* above the 3.8 MiB limit", max_bytes=4_000_000)
+
+
+def test_folder_above_the_size_limit_is_refused(src, root):
+    assert_refused(src, root, "above the", max_bytes=1000)
+
+
+def test_damaged_archive_is_refused(src, root, tmp_path):
+    archive = make_tar(tmp_path / "model.tar.gz", folder_members(src))
+    archive.write_bytes(archive.read_bytes()[:2000])
+    assert_refused(archive, root, "cannot extract model.tar.gz")
+
+
+def test_archive_without_config_at_the_top_is_refused(src, root, tmp_path):
+    members = {**folder_members(src, "a/b/")}
+    assert_refused(make_zip(tmp_path / "model.zip", members), root, "no config.json at the top of the archive")
+
+
+# --- safe_extract ---------------------------------------------------------------------------------
+
+
+def test_safe_extract_returns_the_single_top_folder_and_skips_macos_junk(tmp_path):
+    members = {"m/config.json": b"{}", "m/vocab.txt": b"a", "__MACOSX/m/._config.json": b"junk"}
+    root = safe_extract(make_zip(tmp_path / "x.zip", members), tmp_path / "out", max_bytes=1000)
+    assert root == tmp_path / "out" / "m"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m"]
+
+
+def test_safe_extract_refuses_before_writing_anything(tmp_path):
+    members = {"config.json": b"{}", "big.txt": b"\0" * 5000}
+    dest = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="would expand"):
+        safe_extract(make_tar(tmp_path / "x.tar.gz", members), dest, max_bytes=4000)
+    assert list(dest.iterdir()) == []
+
+
+def test_safe_extract_refuses_a_repeated_name(tmp_path):
+    archive = tmp_path / "x.zip"
+    with zipfile.ZipFile(archive, "w") as handle, pytest.warns(UserWarning, match="Duplicate name"):
+        handle.writestr("config.json", b"{}")
+        handle.writestr("config.json", b'{"model_type": "evil"}')
+    with pytest.raises(CheckpointError, match="twice"):
+        safe_extract(archive, tmp_path / "out", max_bytes=1000)
+
+
+# --- safetensors header check ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_safetensors(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("st") / "w.safetensors"
+    save_file({"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(5, dtype=torch.bfloat16),
+               "c": torch.zeros(0, 4)}, path)
+    return path
+
+
+def test_safetensors_header_lists_the_tensors(small_safetensors):
+    tensors = read_safetensors_header(small_safetensors)
+    assert {name: (t.dtype, t.shape) for name, t in tensors.items()} == {
+        "a": ("F32", (2, 3)), "b": ("BF16", (5,)), "c": ("F32", (0, 4))}
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(min_value=1, max_value=400))
+def test_any_truncation_of_a_safetensors_file_is_detected(small_safetensors, tmp_path_factory, cut):
+    data = small_safetensors.read_bytes()
+    damaged = tmp_path_factory.mktemp("cut") / "w.safetensors"
+    damaged.write_bytes(data[: max(0, len(data) - cut)])
+    with pytest.raises(CheckpointError, match="truncated|corrupt"):
+        read_safetensors_header(damaged)
+
+
+def test_trailing_bytes_after_a_safetensors_file_are_detected(small_safetensors, tmp_path):
+    padded = tmp_path / "w.safetensors"
+    padded.write_bytes(small_safetensors.read_bytes() + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="trailing bytes"):
+        read_safetensors_header(padded)
+
+
+def test_overlapping_tensors_are_detected(small_safetensors, tmp_path):
+    data = small_safetensors.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8: 8 + header_len])
+    header["b"]["data_offsets"] = header["a"]["data_offsets"][:]
+    header["b"]["dtype"], header["b"]["shape"] = "F32", [2, 3]
+    raw = json.dumps(header).encode()
+    broken = tmp_path / "w.safetensors"
+    broken.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + header_len:])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        read_safetensors_header(broken)
+
+
+# --- hashing, validation, packaging ---------------------------------------------------------------
+
+
+def test_content_hash_of_a_file_is_its_sha256(small_safetensors):
+    assert content_hash(small_safetensors) == hashlib.sha256(small_safetensors.read_bytes()).hexdigest()
+
+
+def test_content_hash_of_a_folder_sees_names_and_bytes(tmp_path):
+    folder = tmp_path / "f"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_bytes(b"one")
+    (folder / "sub" / "b.txt").write_bytes(b"two")
+    original = content_hash(folder)
+    assert content_hash(folder) == original
+    (folder / "a.txt").write_bytes(b"onE")
+    changed_bytes = content_hash(folder)
+    (folder / "a.txt").rename(folder / "c.txt")
+    changed_name = content_hash(folder)
+    assert len({original, changed_bytes, changed_name}) == 3
+
+
+def test_validate_folder_returns_the_config(src):
+    assert validate_folder(src)["model_type"] == "llama"
+
+
+def test_no_staging_leftovers_use_the_reserved_prefix(src, root):
+    register(src, root)
+    assert not any(p.name.startswith(STAGING_PREFIX) for p in root.iterdir())
+
+
+def test_demo_gguf_is_packaged():
+    path = demo_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with path.open("rb") as handle:
+        assert handle.read(4) == b"GGUF"
+
+
+def test_importing_intake_modules_does_not_import_torch():
+    code = ("import sys, quantcore.checkpoint, quantcore.text; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+            "print(', '.join(bad)); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"imported at module level: {result.stdout.strip()} {result.stderr.strip()}"
+
+
+def test_summary_counts_tied_embeddings_once(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    folder = tmp_path / "tied"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    summary = inspect_folder(folder)
+    untied = sum(int(np.prod(t.shape)) for t in read_safetensors_header(folder / "model.safetensors").values())
+    assert summary.num_params == untied  # the file stores the tied matrix once, and so does the count
+    assert ("lm_head", 32, 50) in [(i.name, i.in_features, i.out_features) for i in summary.linears]
