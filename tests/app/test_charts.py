@@ -1,0 +1,397 @@
+"""Chart builders of app/charts.py, checked on their Vega-Lite dicts.
+
+Each builder is fed a DataFrame and its ``to_dict()`` is inspected: mark types,
+encodings, log scales, threshold rule values (hand-computed from the reference texts:
+INT8 per-tensor flush amax/127/2, E4M3 smallest subnormal 2**-9 * amax/448), the
+selection param of the overview, and a bound on embedded data rows.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import altair as alt
+import numpy as np
+import pandas as pd
+import pytest
+
+from app import charts
+from quantcore import outliers as ol
+from quantcore.stats import HIST_BINS, LayerStats, hist_edges
+
+
+# --------------------------------------------------------------------------- helpers
+def make_stat(name: str, channel_max, weight_max=None, token_max=None, hist=None) -> LayerStats:
+    cm = np.asarray(channel_max, dtype=np.float32)
+    return LayerStats(
+        name=name,
+        in_features=cm.size,
+        out_features=8,
+        n_tokens=64,
+        channel_max=cm,
+        weight_channel_max=np.full_like(cm, 0.05)
+        if weight_max is None
+        else np.asarray(weight_max, np.float32),
+        token_max=token_max or {},
+        hist_counts=np.zeros(HIST_BINS, dtype=np.int64) if hist is None else hist,
+    )
+
+
+def spec_of(chart: alt.TopLevelMixin) -> dict[str, Any]:
+    spec = chart.to_dict()
+    json.dumps(spec, allow_nan=False)  # Vega needs strict JSON: no NaN / Infinity anywhere
+    return spec
+
+
+def views(spec: dict[str, Any], data: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Every unit view (a dict with a mark) of a possibly layered / concatenated spec.
+
+    A view that inherits its data from an enclosing layer gets that ``data`` filled in.
+    """
+    data = spec.get("data", data)
+    if "mark" in spec:
+        yield {**spec, "data": data} if data is not None else spec
+    for key in ("layer", "hconcat", "vconcat", "concat"):
+        for sub in spec.get(key, []):
+            yield from views(sub, data)
+
+
+def mark_type(view: dict[str, Any]) -> str:
+    mark = view["mark"]
+    return mark if isinstance(mark, str) else mark["type"]
+
+
+def data_rows(spec: dict[str, Any], view: dict[str, Any]) -> list[dict[str, Any]]:
+    return spec["datasets"][view["data"]["name"]]
+
+
+def total_rows(spec: dict[str, Any]) -> int:
+    return sum(len(rows) for rows in spec.get("datasets", {}).values())
+
+
+def view_with(spec: dict[str, Any], mark: str, field: str | None = None) -> dict[str, Any]:
+    found = [
+        v
+        for v in views(spec)
+        if mark_type(v) == mark
+        and (field is None or any(e.get("field") == field for e in v["encoding"].values()))
+    ]
+    assert found, f"no {mark} view{f' encoding {field}' if field else ''}"
+    return found[0]
+
+
+def synthetic_model(
+    n_blocks: int = 30, hidden: int = 576, mlp: int = 1536, seed: int = 0
+) -> list[LayerStats]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(n_blocks):
+        for proj, k in (("self_attn.q_proj", hidden), ("self_attn.o_proj", hidden), ("mlp.down_proj", mlp)):
+            cm = rng.lognormal(0.0, 0.3, size=k)
+            if proj == "mlp.down_proj":
+                cm[17] = 3000.0 if b == 11 else 50.0
+            out.append(make_stat(f"model.layers.{b}.{proj}", cm, token_max={"p50": 1.0, "p99": 2.0}))
+    out.append(make_stat("lm_head", rng.lognormal(0.0, 0.3, size=hidden)))
+    return out
+
+
+# --------------------------------------------------------------------------- overview
+def test_overview_chart_encodings_and_selection() -> None:
+    stats = synthetic_model()
+    df = charts.overview_frame(stats)
+    assert list(df.columns) == [
+        "layer",
+        "block",
+        "proj",
+        "in_features",
+        "outlier_ratio",
+        "amax",
+        "median_channel_max",
+        "median_zero",
+    ]
+    spec = spec_of(charts.overview_chart(df))
+    assert mark_type(spec) == "circle"
+    enc = spec["encoding"]
+    assert enc["y"]["field"] == "outlier_ratio" and enc["y"]["scale"]["type"] == "log"
+    assert enc["x"]["field"] == "proj" and enc["x"]["sort"] == ["q_proj", "o_proj", "down_proj", "lm_head"]
+    assert enc["color"]["field"] == "block" and enc["color"]["type"] == "quantitative"
+    assert enc["xOffset"]["field"] == "block"
+    (param,) = spec["params"]
+    assert param["name"] == "layer_pick"
+    assert param["select"]["type"] == "point" and param["select"]["fields"] == ["layer"]
+    rows = data_rows(spec, spec)
+    assert len(rows) == len(stats) and "layer" in rows[0]
+    worst = max(rows, key=lambda r: r["outlier_ratio"])
+    assert worst["layer"] == "model.layers.11.mlp.down_proj"
+
+
+def test_overview_frame_caps_infinite_ratio() -> None:
+    df = charts.overview_frame([make_stat("model.layers.0.self_attn.q_proj", [0, 0, 0, 2.0])])
+    assert bool(df["median_zero"].iloc[0])
+    assert df["outlier_ratio"].iloc[0] == charts.OUTLIER_RATIO_CAP
+    spec_of(charts.overview_chart(df))
+
+
+def test_overview_frame_bounds_mixture_of_experts() -> None:
+    stats = [
+        make_stat(f"model.layers.{b}.mlp.experts.{e}.down_proj", [1.0, 1.0, 1.0 + e + 100 * (e == 5)])
+        for b in range(20)
+        for e in range(64)
+    ]
+    df = charts.overview_frame(stats, max_points=100)
+    assert len(df) <= 100
+    assert len(df) == 20  # one per (block, proj)
+    assert set(df["layer"]) == {f"model.layers.{b}.mlp.experts.5.down_proj" for b in range(20)}
+
+
+# --------------------------------------------------------------------------- channels
+def test_channels_chart_thresholds_and_labels() -> None:
+    amax = 3000.0
+    cm = np.ones(1536)
+    cm[[17, 100, 200, 300, 400, 500]] = [amax, 40.0, 30.0, 20.0, 10.0, 5.0]
+    stat = make_stat("model.layers.11.mlp.down_proj", cm)
+    spec = spec_of(
+        charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax), top_k=5)
+    )
+    rules = view_with(spec, "rule")
+    values = {r["label"]: r["value"] for r in data_rows(spec, rules)}
+    assert values["INT8 per-tensor flush"] == pytest.approx(amax / 127 / 2)  # 11.81
+    assert values["E4M3 min subnormal"] == pytest.approx(2.0**-9 * amax / 448)  # 0.0131
+    assert rules["encoding"]["color"]["scale"]["domain"] == ["INT8 per-tensor flush", "E4M3 min subnormal"]
+    for v in views(spec):
+        assert v["encoding"]["y"]["scale"]["type"] == "log"
+    points = view_with(spec, "circle")
+    assert points["encoding"]["x"]["field"] == "channel"
+    assert len(data_rows(spec, points)) == 1536
+    labels = data_rows(spec, view_with(spec, "text"))
+    assert sorted(r["channel"] for r in labels) == [17, 100, 200, 300, 400]
+    assert any(r["text"].startswith("ch 17: 3e+03") for r in labels)
+
+
+def test_channels_chart_bounded_for_wide_layers() -> None:
+    rng = np.random.default_rng(1)
+    cm = rng.lognormal(size=50_000)
+    cm[31_337] = 1e4
+    stat = make_stat("model.layers.0.mlp.down_proj", cm)
+    spec = spec_of(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax)))
+    rows = data_rows(spec, view_with(spec, "circle"))
+    assert len(rows) <= charts.DEFAULT_MAX_POINTS
+    assert max(r["channel_max"] for r in rows) == pytest.approx(1e4)
+    # a raw, too long frame is downsampled by the builder itself
+    raw = pd.DataFrame({"channel": np.arange(cm.size), "channel_max": cm})
+    spec = spec_of(charts.channels_chart(raw, charts.thresholds_frame(stat.amax), max_points=300))
+    assert len(data_rows(spec, view_with(spec, "circle"))) <= 300
+
+
+def test_channels_frame_leaves_out_dead_channels() -> None:
+    df = charts.channels_frame(make_stat("q", [0.0, 1.0, 5.0, 0.0]))
+    assert list(df["channel"]) == [1, 2]
+    assert list(df["rank"]) == [2, 1]
+
+
+def test_channels_chart_rejects_missing_columns() -> None:
+    with pytest.raises(ValueError, match="channel_max"):
+        charts.channels_chart(pd.DataFrame({"channel": [1]}), charts.thresholds_frame(1.0))
+
+
+# --------------------------------------------------------------------------- depth heatmap
+def test_depth_heatmap_bounded_and_log_colour() -> None:
+    stats = synthetic_model()
+    df = charts.depth_frame(stats, "down_proj")
+    assert len(df) <= charts.HEATMAP_MAX_CELLS
+    assert df["block"].nunique() == 30
+    spec = spec_of(charts.depth_heatmap(df, "down_proj"))
+    assert mark_type(spec) == "rect"
+    assert spec["encoding"]["color"]["scale"]["type"] == "log"
+    assert spec["encoding"]["y"]["field"] == "block"
+    assert spec["encoding"]["x"]["field"] == "ch_lo" and spec["encoding"]["x2"]["field"] == "ch_hi"
+    rows = data_rows(spec, spec)
+    assert len(rows) <= charts.HEATMAP_MAX_CELLS
+    hot = [r for r in rows if r["argmax_channel"] == 17]
+    assert len(hot) == 30  # the planted channel stays the max of its bin at every depth
+    assert max(r["channel_max"] for r in hot) == pytest.approx(3000.0)
+
+
+def test_depth_heatmap_refuses_unbounded_frame() -> None:
+    df = pd.DataFrame({"block": 0, "ch_lo": np.arange(6000), "ch_hi": np.arange(1, 6001), "channel_max": 1.0})
+    with pytest.raises(ValueError, match="limit"):
+        charts.depth_heatmap(df)
+
+
+# --------------------------------------------------------------------------- SmoothQuant
+def test_smoothquant_chart_steps_and_panels() -> None:
+    view = ol.smoothquant_view(np.array([1.3, 0.9, 58.0]), np.array([0.42, 0.55, 0.020]), 0.5)
+    points, steps = charts.smoothquant_frame(view)
+    assert len(points) == 12  # 3 channels x before/after x activation/weight
+    spec = spec_of(charts.smoothquant_chart(points, steps, 0.5))
+    assert len(spec["hconcat"]) == 2
+    assert spec["resolve"]["scale"]["y"] == "shared"
+    step_rows = [r for v in views(spec) if mark_type(v) == "rule" for r in data_rows(spec, v)]
+    got = {(r["stage"], r["tensor"]): r["step"] for r in step_rows}
+    assert got[("before", "activation")] == pytest.approx(58.0 / 127)
+    assert got[("before", "weight")] == pytest.approx(0.55 / 127)
+    assert got[("after", "activation")] == pytest.approx(np.sqrt(58.0 * 0.020) / 127)
+    for v in views(spec):
+        assert v["encoding"]["y"]["scale"]["type"] == "log"
+    assert "0.50" in spec["hconcat"][1]["title"]
+
+
+def test_smoothquant_frame_bounded() -> None:
+    rng = np.random.default_rng(2)
+    act, w = rng.lognormal(size=8192), rng.lognormal(size=8192) * 0.01
+    act[4000] = 5000.0
+    points, _ = charts.smoothquant_frame(ol.smoothquant_view(act, w, 0.5), max_points=1000)
+    assert len(points) <= 1000
+    assert 4000 in set(points["channel"])
+
+
+def test_alpha_sweep_chart_marks_chosen_alpha() -> None:
+    sweep = pd.DataFrame(ol.alpha_sweep(np.array([100.0, 0.1, 0.2]), np.array([0.01, 0.5, 0.4])))
+    spec = spec_of(charts.alpha_sweep_chart(sweep, 0.65))
+    chosen = view_with(spec, "rule")
+    assert data_rows(spec, chosen) == [{"alpha": 0.65}]
+    assert len(data_rows(spec, view_with(spec, "line"))) == 2 * len(ol.DEFAULT_ALPHAS)
+
+
+# --------------------------------------------------------------------------- histogram
+def _hist_stat(amax: float) -> LayerStats:
+    h = np.zeros(HIST_BINS, dtype=np.int64)
+    h[60:100] = np.arange(1, 41)
+    return make_stat("model.layers.3.mlp.down_proj", [amax, 1.0], hist=h)
+
+
+def test_histogram_chart_grid_clip_and_flush() -> None:
+    amax = 254.0
+    stat = _hist_stat(amax)
+    hist = charts.hist_frame(stat)
+    assert len(hist) == 40 and hist["share"].sum() == pytest.approx(1.0)
+    grid = ol.format_grid("int8", amax)
+    lo, hi = float(hist["lo"].min()), float(hist["hi"].max())
+    spec = spec_of(charts.histogram_chart(hist, charts.grid_frame(grid, lo, hi), "INT8"))
+    bars = view_with(spec, "rect")
+    assert bars["encoding"]["x"]["scale"]["type"] == "log"
+    assert bars["encoding"]["y"]["scale"]["type"] == "symlog"
+    rule_rows = data_rows(spec, view_with(spec, "rule"))
+    by_kind: dict[str, list[float]] = {}
+    for r in rule_rows:
+        by_kind.setdefault(r["kind"], []).append(r["value"])
+    assert by_kind["clipping point"] == [amax]
+    assert by_kind["flush to zero"] == [pytest.approx(amax / 254)]
+    rep = by_kind["representable"]
+    assert all(lo <= v <= hi for v in rep)
+    expected = [2.0 * k for k in range(1, 128) if lo <= 2.0 * k <= hi]
+    assert rep == pytest.approx(expected)
+
+
+def test_histogram_chart_e4m3_grid() -> None:
+    amax = 448.0
+    grid = charts.grid_frame(ol.format_grid("fp8_e4m3", amax))
+    assert (grid["kind"] == "representable").sum() == 126
+    assert grid.loc[grid["kind"] == "flush to zero", "value"].item() == 2.0**-10
+    spec = spec_of(charts.histogram_chart(charts.hist_frame(_hist_stat(amax)), grid, "FP8 E4M3"))
+    assert total_rows(spec) <= charts.MAX_MARKS
+
+
+def test_hist_edges_agree_with_frame() -> None:
+    hist = charts.hist_frame(_hist_stat(1.0))
+    assert hist["lo"].iloc[0] == hist_edges()[60]
+
+
+# --------------------------------------------------------------------------- scoring page
+def test_kl_distribution_chart_bins_and_means() -> None:
+    rng = np.random.default_rng(3)
+    df = pd.concat(
+        [
+            pd.DataFrame({"kl": rng.lognormal(-4, 1, 50_000), "label": "fp8_e4m3"}),
+            pd.DataFrame({"kl": np.r_[rng.lognormal(-1, 1, 49_999), 0.0], "label": "int8 per-tensor"}),
+        ]
+    )
+    spec = spec_of(charts.kl_distribution_chart(df))
+    line = view_with(spec, "line")
+    assert line["encoding"]["x"]["scale"]["type"] == "log"
+    assert len(data_rows(spec, line)) == 2 * charts.KL_BINS
+    shares = pd.DataFrame(data_rows(spec, line)).groupby("label")["share"].sum()
+    assert shares.to_numpy() == pytest.approx([1.0, 1.0])
+    means = {r["label"]: r["mean"] for r in data_rows(spec, view_with(spec, "rule"))}
+    assert means["fp8_e4m3"] == pytest.approx(df[df["label"] == "fp8_e4m3"]["kl"].mean())
+
+
+def test_kl_by_position_chart_bounded() -> None:
+    df = pd.DataFrame({"position": np.arange(100_000), "kl": np.linspace(0.0, 1.0, 100_000)})
+    spec = spec_of(charts.kl_by_position_chart(df, max_points=1000))
+    rows = data_rows(spec, spec)
+    assert len(rows) <= 1000
+    assert spec["encoding"]["y"]["scale"]["type"] == "log"
+    assert np.mean([r["kl"] for r in rows]) == pytest.approx(0.5, rel=1e-6)  # equal buckets keep the mean
+    assert min(r["kl_plot"] for r in rows) >= charts.KL_FLOOR
+
+
+def test_sensitivity_chart_sorted_top_n() -> None:
+    df = pd.DataFrame(
+        {
+            "layer": [f"model.layers.{i}.mlp.down_proj" for i in range(100)],
+            "kl": np.arange(100) / 100,
+            "proj": "down_proj",
+        }
+    )
+    spec = spec_of(charts.sensitivity_chart(df, top_n=10))
+    assert mark_type(spec) == "bar"
+    assert spec["encoding"]["y"]["field"] == "layer" and spec["encoding"]["y"]["sort"] == "-x"
+    rows = data_rows(spec, spec)
+    assert len(rows) == 10
+    assert {r["layer"] for r in rows} == {f"model.layers.{i}.mlp.down_proj" for i in range(90, 100)}
+
+
+# --------------------------------------------------------------------------- kernels page
+def test_kernel_heatmap_speedup_and_unsupported() -> None:
+    df = pd.DataFrame(
+        {
+            "shape": ["q_proj 576x576 M=512"] * 3 + ["down_proj 576x1536 M=512"] * 3,
+            "path": ["fp8 per-tensor", "fp8 row-wise", "int8"] * 2,
+            "speedup": [1.8, 1.7, np.nan, 1.9, 0.8, np.nan],
+        }
+    )
+    spec = spec_of(charts.kernel_heatmap(df))
+    rect = view_with(spec, "rect")
+    scale = rect["encoding"]["color"]["scale"]
+    assert scale["domainMid"] == 1.0 and scale["type"] == "log"
+    assert scale["domain"] == pytest.approx([0.5, 2.0])  # symmetric in log, at least 0.5x .. 2x
+    rows = data_rows(spec, rect)
+    assert [r["text"] for r in rows] == ["1.80×", "1.70×", "n/a", "1.90×", "0.80×", "n/a"]
+    # |log v| > 0.6 * log 2 (v > 1.516 or v < 0.660): white text on the dark cells only
+    assert [r["text_color"] for r in rows] == ["white", "white", "black", "white", "black", "black"]
+    assert total_rows(spec) == 6
+
+
+def test_peak_bars() -> None:
+    df = pd.DataFrame(
+        {"label": ["fp8 q_proj", "bf16 q_proj"], "pct_peak": [62.5, 71.0], "path": ["fp8", "bf16"]}
+    )
+    spec = spec_of(charts.peak_bars(df))
+    bars = view_with(spec, "bar")
+    assert bars["encoding"]["x"]["field"] == "pct_peak"
+    assert data_rows(spec, view_with(spec, "rule")) == [{"pct_peak": 100.0}]
+
+
+# --------------------------------------------------------------------------- page bound
+def test_every_outlier_chart_is_bounded_for_a_large_model() -> None:
+    stats = synthetic_model(n_blocks=80, hidden=4096, mlp=14336)
+    worst = max(stats, key=lambda s: s.outlier_ratio)
+    view = ol.smoothquant_view(worst.channel_max, worst.weight_channel_max, 0.5)
+    built = [
+        charts.overview_chart(charts.overview_frame(stats)),
+        charts.channels_chart(charts.channels_frame(worst), charts.thresholds_frame(worst.amax)),
+        charts.depth_heatmap(charts.depth_frame(stats, "down_proj")),
+        charts.smoothquant_chart(*charts.smoothquant_frame(view), 0.5),
+    ]
+    for chart in built:
+        assert total_rows(spec_of(chart)) <= charts.MAX_MARKS
+
+
+def test_charts_module_is_torch_free() -> None:
+    code = "import sys, app.charts; assert 'torch' not in sys.modules and 'streamlit' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
