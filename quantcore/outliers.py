@@ -49,7 +49,7 @@ DEFAULT_MAX_POINTS = 2000  # channel points per chart: "a few thousand" marks at
 DEFAULT_TOP_K = 10  # channels always kept by downsampling (and labelled in charts)
 DEFAULT_ALPHAS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1: the SmoothQuant sweep
 DEFAULT_BREAKAGE_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
-GRANULARITIES = ("tensor", "token", "block")
+GRANULARITIES = ("tensor", "token", "group", "block")  # schemes.Granularity values this analysis reads
 DEFAULT_BLOCK_SIZE = 128  # 1x128 activation tiles (DeepSeek-V3 recipe) for element formats
 DEFAULT_STATIC_SCALE_SOURCE = "p99"  # token_max key a static scale is set from, for saturation
 TYPICAL_TOKEN_KEY = "p50"  # token_max key standing for "a typical token" under per-token scales
@@ -212,9 +212,19 @@ def relative_error_bound(fmt_name: str, x_scaled: np.ndarray | float) -> np.ndar
 # ---------------------------------------------------------------------------------------------
 # Scale sources per granularity
 # ---------------------------------------------------------------------------------------------
-def _check_granularity(granularity: str) -> None:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; choose one of {list(GRANULARITIES)}")
+def _check_granularity(granularity: str) -> str:
+    """The granularity as a plain string, ``group`` folded into ``block``; ValueError when unknown.
+
+    Accepts ``quantcore.schemes.Granularity`` members too (a ``str`` enum). For activations
+    a per-group scale along K and a 1 x block tile are the same thing here: one scale per
+    ``block_size`` consecutive channels of a token row.
+    """
+    value = str(getattr(granularity, "value", granularity))
+    if value not in GRANULARITIES:
+        raise ValueError(
+            f"unknown granularity {value!r} for the activation analysis; choose one of {list(GRANULARITIES)}"
+        )
+    return "block" if value == "group" else value
 
 
 def representative_amax(stat: LayerStats, granularity: str = "tensor") -> float:
@@ -226,7 +236,7 @@ def representative_amax(stat: LayerStats, granularity: str = "tensor") -> float:
     * ``block``: the median over 1 x block tiles of the tile's max channel max (see
       :func:`channel_scales_amax`).
     """
-    _check_granularity(granularity)
+    granularity = _check_granularity(granularity)
     if granularity == "tensor":
         return stat.amax
     if granularity == "token":
@@ -248,7 +258,7 @@ def channel_scales_amax(
     assumes the channels peak on the same token (an upper bound of the live tile max,
     so flush estimates are on the pessimistic side).
     """
-    _check_granularity(granularity)
+    granularity = _check_granularity(granularity)
     cm = np.asarray(channel_max, dtype=np.float64)
     if granularity == "tensor":
         return np.full(cm.shape, cm.max() if cm.size else 0.0)
@@ -452,7 +462,7 @@ def layer_breakage(
 
     Block formats (MXFP4, NVFP4...) always use their own block size and block scale.
     """
-    _check_granularity(granularity)
+    granularity = _check_granularity(granularity)
     return _breakage_row(_summarize(stat, saturation_source), fmt_name, granularity, block_size)
 
 
@@ -464,7 +474,7 @@ def breakage_table(
     saturation_source: str = DEFAULT_STATIC_SCALE_SOURCE,
 ) -> Columns:
     """One row per layer x format with the columns of :data:`BREAKAGE_COLUMNS` (see :func:`layer_breakage`)."""
-    _check_granularity(granularity)
+    granularity = _check_granularity(granularity)
     summaries = [_summarize(s, saturation_source) for s in _as_list(stats)]
     rows = [_breakage_row(summary, f, granularity, block_size) for summary in summaries for f in formats]
     out: Columns = {}
@@ -619,7 +629,7 @@ def format_grid(fmt_name: str, amax: float, granularity: str = "tensor") -> Form
     see :func:`representative_amax`); it does not change the arithmetic except that
     block formats use their own block-scale rule (E8M0 power of two for MX formats).
     """
-    _check_granularity(granularity)
+    granularity = _check_granularity(granularity)
     fmt = get_format(fmt_name)
     if fmt.kind == "block":
         scale = float(_block_scale(fmt, np.asarray([amax]))[0])
