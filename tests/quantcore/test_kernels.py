@@ -57,6 +57,15 @@ def test_path_names() -> None:
     assert kn.quantizes_activation("int8_row+q") and not kn.quantizes_activation("fp8_tensor")
 
 
+def test_import_is_torch_free() -> None:
+    """The app may read PATHS / scheme_to_path / step_estimate without pulling torch in."""
+    import subprocess
+    import sys
+
+    code = "import sys, quantcore.kernels; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.parametrize(
     ("path", "mkn", "device", "expected"),
     [
