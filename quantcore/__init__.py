@@ -34,6 +34,10 @@ _LAZY = {
     "delayed_scale": "quantcore.quantize",
     "AmaxHistory": "quantcore.quantize",
     "sqnr_db": "quantcore.quantize",
+    "fake_quantize_with_counts": "quantcore.quantize",
+    "smoothing_factors": "quantcore.smoothquant",
+    "smooth_model": "quantcore.smoothquant",
+    "SmoothingHandle": "quantcore.smoothquant",
     "LayerStats": "quantcore.stats",
 }
 

@@ -560,6 +560,26 @@ def fake_quantize_with_report(
 
 
 @torch.no_grad()
+def fake_quantize_with_counts(
+    x: torch.Tensor,
+    fmt: str | Format,
+    granularity: str | Granularity = "tensor",
+    *,
+    group_size: int | None = None,
+    block: tuple[int, int] | None = None,
+    scale: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fake_quantize` plus the raw report counts, without a host sync (for hot paths).
+
+    Returns (y, counts) with counts an int64 tensor on x's device:
+    [elements, nonzero, saturated, underflow, nan]. Sum them over calls and build a
+    :class:`QuantReport` with :meth:`QuantReport.from_counts` when needed.
+    """
+    deq, _, lay, _, counts = _run(x, fmt, granularity, group_size, block, scale, want_report=True)
+    return _from_blocks(deq, lay).to(x.dtype), counts
+
+
+@torch.no_grad()
 def fake_quantize_spec(
     x: torch.Tensor, spec: TensorSpec, *, scale: torch.Tensor | float | None = None
 ) -> torch.Tensor:

@@ -1,0 +1,362 @@
+"""SmoothQuant: move activation outliers into the weights with an exact per-channel rescaling.
+
+For ``Y = X W^T`` and any positive s (one per input channel j), ``Y = (X / s)(W * s)^T``
+exactly. SmoothQuant [Xiao et al. 2022, eq. 4] chooses
+
+    s_j = max|X_j|^α / max|W_j|^(1-α)
+
+and folds the division by s into the operator that produces X, so inference runs a plain
+GEMM on the smoothed input. Folds implemented here (Hugging Face Llama / Mistral / Qwen2 /
+Gemma / Gemma3 naming):
+
+=====================================  =====================================================
+consumer linears                       1/s folded into
+=====================================  =====================================================
+self_attn.q_proj, k_proj, v_proj       ``input_layernorm`` gain (one s for the three: they
+                                       read one tensor)
+mlp.gate_proj, up_proj                 ``pre_feedforward_layernorm`` (Gemma2/3) or else
+                                       ``post_attention_layernorm`` gain
+self_attn.o_proj                       v_proj output rows (and bias). With GQA each kv head
+                                       feeds several query heads, so s is tied across the
+                                       heads of a group (maxima taken over the group).
+mlp.down_proj                          up_proj output rows (and bias): the input of down_proj
+                                       is act(gate) ⊙ up, linear in up's output
+=====================================  =====================================================
+
+Norm gains are detected by probing the module: ``y = n(x) * w`` (Llama/Qwen2/Mistral
+RMSNorm; folded as w / s) or ``y = n(x) * (1 + w)`` (Gemma RMSNorm; folded as
+(1 + w) / s - 1); ``nn.LayerNorm`` divides weight and bias. Anything else is skipped and
+reported in ``SmoothingHandle.skipped`` with the reason — never folded approximately.
+
+Folded parameters are computed in float64 and rounded once to the parameter dtype;
+:meth:`SmoothingHandle.restore` copies the saved originals back bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantcore.errors import PlanError
+from quantcore.schemes import fusion_groups
+
+SQ_EPS = 1e-5  # clamp for channel maxima, as SmoothQuant's code and the reference text: dead channels get finite s
+
+_QKV = re.compile(r"^(?P<block>.+)\.self_attn\.(?P<leaf>q_proj|k_proj|v_proj)$")
+_GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.(?P<leaf>gate_proj|up_proj)$")
+_O_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.o_proj$")
+_DOWN = re.compile(r"^(?P<block>.+)\.mlp\.down_proj$")
+
+
+@torch.no_grad()
+def smoothing_factors(
+    act_max: torch.Tensor | np.ndarray,
+    weight_max: torch.Tensor | np.ndarray,
+    alpha: float,
+    *,
+    eps: float = SQ_EPS,
+) -> torch.Tensor:
+    """s_j = max(act_max_j, eps)^α / max(weight_max_j, eps)^(1-α), float32, shape (K,).
+
+    act_max:    (K,) max |X_j| per input channel, from calibration
+    weight_max: (K,) max |W_j| per input channel (column max over output rows)
+    alpha:      migration strength in [0, 1]; 0.5 balances the two maxima exactly
+
+    Computed in float64. With α = 0.5 the smoothed maxima become equal:
+    act_max / s = weight_max * s = sqrt(act_max * weight_max).
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"alpha must be a number in [0, 1] (0.5 is usual, up to ~0.85 for strong outliers), got {alpha!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it keeps dead channels finite), got {eps!r}")
+    a = torch.as_tensor(act_max).detach().to(torch.float64)
+    w = torch.as_tensor(weight_max).detach().to(device=a.device, dtype=torch.float64)
+    if a.dim() != 1 or a.shape != w.shape:
+        raise ValueError(
+            f"act_max and weight_max must be 1-D of one length (one value per input channel); "
+            f"got shapes {tuple(a.shape)} and {tuple(w.shape)}"
+        )
+    if not bool(torch.isfinite(a).all() and torch.isfinite(w).all()) or bool((a < 0).any() or (w < 0).any()):
+        raise ValueError("act_max and weight_max must be finite and >= 0 (maxima of |x| and |W|)")
+    alpha = float(alpha)
+    return (a.clamp(min=eps) ** alpha / w.clamp(min=eps) ** (1.0 - alpha)).to(torch.float32)
+
+
+@dataclass
+class SmoothingHandle:
+    """The result of :func:`smooth_model`.
+
+    factors:     {linear name: (K,) s} for every linear whose input was divided by s (all
+                 members of a fused group, even those not asked for: they share the input)
+    folded_into: {linear name: name of the module that absorbed 1/s}
+    skipped:     {linear name: reason} for requested layers left unsmoothed
+    """
+
+    factors: dict[str, torch.Tensor] = field(default_factory=dict)
+    folded_into: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    _saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def _save(self, param: torch.Tensor) -> None:
+        """Keep a copy of ``param`` before its first change (for a bit-exact restore)."""
+        if id(param) not in self._saved:
+            self._saved[id(param)] = (param, param.detach().clone())
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Copy every changed parameter back to its original bits; safe to call twice."""
+        for param, original in self._saved.values():
+            param.data.copy_(original)
+        self._saved.clear()
+
+
+# ---------------------------------------------------------------------------- folding primitives
+
+
+def _gain_style(norm: nn.Module) -> str | None:
+    """How a norm applies its gain: "layernorm", "mul" (n(x) * w), "one_plus" (n(x) * (1 + w)) or None.
+
+    Probed numerically (the weight is set to 0 and to 1 on a random input and restored bit
+    for bit), so a norm class we have never seen is folded only if it behaves like one of these.
+    """
+    if isinstance(norm, nn.LayerNorm):
+        return "layernorm" if norm.weight is not None else None
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    saved = weight.detach().clone()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, weight.shape[0], generator=gen).to(device=weight.device, dtype=weight.dtype)
+    try:
+        with torch.no_grad():
+            weight.zero_()
+            y0 = norm(x)
+            weight.fill_(1.0)
+            y1 = norm(x)
+    except Exception:  # a module that is not a plain (x) -> x norm
+        return None
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    if not (isinstance(y0, torch.Tensor) and y0.shape == x.shape):
+        return None
+    if bool((y0 == 0).all()) and bool((y1 != 0).any()):
+        return "mul"
+    if bool((y0 != 0).any()) and torch.allclose(y1, 2 * y0, rtol=1e-3, atol=1e-6):
+        return "one_plus"
+    return None
+
+
+def _scale_columns(handle: SmoothingHandle, linear: nn.Linear, s: torch.Tensor) -> None:
+    """W[:, j] *= s_j (the consumer side)."""
+    handle._save(linear.weight)
+    w = linear.weight
+    w.data.copy_((w.detach().double() * s.to(w.device, torch.float64)).to(w.dtype))
+
+
+def _divide_rows(handle: SmoothingHandle, linear: nn.Linear, s: torch.Tensor) -> None:
+    """W[i, :] /= s_i and b_i /= s_i (the producer side: its output channel i is the consumer's input i)."""
+    s64 = s.to(linear.weight.device, torch.float64)
+    handle._save(linear.weight)
+    w = linear.weight
+    w.data.copy_((w.detach().double() / s64[:, None]).to(w.dtype))
+    if linear.bias is not None:
+        handle._save(linear.bias)
+        linear.bias.data.copy_((linear.bias.detach().double() / s64).to(linear.bias.dtype))
+
+
+def _divide_norm(handle: SmoothingHandle, norm: nn.Module, style: str, s: torch.Tensor) -> None:
+    """Fold 1/s into a norm's gain per its style (see :func:`_gain_style`)."""
+    w = norm.weight
+    s64 = s.to(w.device, torch.float64)
+    handle._save(w)
+    if style == "one_plus":
+        w.data.copy_(((1.0 + w.detach().double()) / s64 - 1.0).to(w.dtype))
+    else:
+        w.data.copy_((w.detach().double() / s64).to(w.dtype))
+    bias = getattr(norm, "bias", None)
+    if style == "layernorm" and bias is not None:
+        handle._save(bias)
+        bias.data.copy_((bias.detach().double() / s64).to(bias.dtype))
+
+
+def _column_max(linears: Iterable[nn.Linear]) -> torch.Tensor:
+    """(K,) max |W[:, j]| over the rows of every linear given (they share the input width K)."""
+    return torch.cat([m.weight.detach().abs().float() for m in linears], dim=0).amax(dim=0)
+
+
+# ---------------------------------------------------------------------------- planning folds
+
+
+@dataclass
+class _Unit:
+    """One fold: consumers whose input is divided by one s, and what absorbs 1/s."""
+
+    kind: str  # "norm" | "v_rows" | "up_rows"
+    consumers: list[str]
+    producer: str  # module name absorbing 1/s
+    block: str
+
+
+def _plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str, nn.Module]) -> _Unit | str:
+    """The fold for one requested linear, or the reason it cannot be folded exactly."""
+    all_names = list(linears)
+    if m := _QKV.match(name):
+        block = m.group("block")
+        group = next((g for g in fusion_groups(all_names) if name in g), [name])
+        return _Unit("norm", group, f"{block}.input_layernorm", block)
+    if m := _GATE_UP.match(name):
+        block = m.group("block")
+        group = next((g for g in fusion_groups(all_names) if name in g), [name])
+        pre_ff = f"{block}.pre_feedforward_layernorm"  # Gemma2/3: post_attention_layernorm is on the attention output
+        producer = pre_ff if pre_ff in modules else f"{block}.post_attention_layernorm"
+        return _Unit("norm", group, producer, block)
+    if m := _O_PROJ.match(name):
+        block = m.group("block")
+        v_name = f"{block}.self_attn.v_proj"
+        if v_name not in linears:
+            return "o_proj without a v_proj linear beside it: no foldable predecessor"
+        return _Unit("v_rows", [name], v_name, block)
+    if m := _DOWN.match(name):
+        block = m.group("block")
+        up_name, gate_name = f"{block}.mlp.up_proj", f"{block}.mlp.gate_proj"
+        if up_name not in linears or gate_name not in linears:
+            return "down_proj outside a gated MLP (act(gate) * up): its input is not linear in a predecessor"
+        return _Unit("up_rows", [name], up_name, block)
+    return "no foldable predecessor: only q/k/v, gate/up (norm-fed), o_proj (after v_proj) and down_proj (after up_proj) are folded"
+
+
+def _alpha_for(unit: _Unit, requested: set[str], alpha: float | Mapping[str, float]) -> float:
+    if not isinstance(alpha, Mapping):
+        return float(alpha)
+    values = {float(alpha[n]) for n in unit.consumers if n in requested and n in alpha}
+    if not values:
+        raise ValueError(f"no alpha given for {', '.join(n for n in unit.consumers if n in requested)}; add them to the alpha mapping")
+    if len(values) > 1:
+        raise ValueError(f"{', '.join(unit.consumers)} share one input and must share one alpha; got {sorted(values)}")
+    return values.pop()
+
+
+def _act_max_for(unit: _Unit, act_channel_max: Mapping[str, object], k: int, device: torch.device) -> torch.Tensor:
+    """Elementwise max of the calibrated input maxima of the unit's consumers (they read one tensor)."""
+    found = []
+    for n in unit.consumers:
+        if n in act_channel_max:
+            t = torch.as_tensor(np.asarray(act_channel_max[n]) if not isinstance(act_channel_max[n], torch.Tensor)
+                                else act_channel_max[n]).detach().to(device=device, dtype=torch.float32).flatten()
+            if t.numel() != k:
+                raise ValueError(f"act_channel_max[{n!r}] has {t.numel()} values; the layer has {k} input channels")
+            found.append(t)
+    if not found:
+        raise ValueError(f"no act_channel_max for {', '.join(unit.consumers)}; pass per-input-channel max|x| from calibration")
+    return torch.stack(found).amax(dim=0)
+
+
+@torch.no_grad()
+def smooth_model(
+    model: nn.Module,
+    act_channel_max: Mapping[str, torch.Tensor | np.ndarray],
+    alpha: float | Mapping[str, float],
+    *,
+    layers: Iterable[str] | None = None,
+) -> SmoothingHandle:
+    """Fold SmoothQuant factors into ``model`` in place; the handle's ``restore()`` undoes it bit for bit.
+
+    act_channel_max: {linear name: (K,) max |x_j|} from calibration, for the layers to smooth
+    alpha:           one α for all, or {linear name: α}; a fused group (q/k/v, gate/up) needs one α
+    layers:          linears to smooth (default: every key of act_channel_max)
+
+    Asking for one member of a fused group smooths the whole group (they read one tensor, and
+    the norm that absorbs 1/s feeds all of them). Layers that cannot be folded exactly are
+    skipped and listed in ``handle.skipped`` with the reason. Names that are not nn.Linear
+    modules of the model raise :class:`~quantcore.errors.PlanError`.
+    """
+    modules = dict(model.named_modules())
+    linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
+    requested = list(layers) if layers is not None else list(act_channel_max)
+    unknown = [n for n in requested if n not in linears]
+    if unknown:
+        raise PlanError(
+            f"smooth_model: {len(unknown)} name(s) are not nn.Linear layers of this model: {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''}; use names from model.named_modules()"
+        )
+    if not isinstance(alpha, Mapping):
+        smoothing_factors(torch.ones(1), torch.ones(1), alpha)  # validates alpha early
+    handle = SmoothingHandle()
+    units: dict[tuple[str, str], _Unit] = {}
+    for name in requested:
+        unit = _plan_unit(name, linears, modules)
+        if isinstance(unit, str):
+            handle.skipped[name] = unit
+            continue
+        units.setdefault((unit.kind, unit.producer), unit)
+
+    order = {n: i for i, n in enumerate(modules)}
+    requested_set = set(requested)
+    for unit in sorted(units.values(), key=lambda u: order[u.consumers[0]]):
+        reason = _fold(handle, unit, modules, linears, act_channel_max, _alpha_for(unit, requested_set, alpha))
+        if reason is not None:
+            for n in unit.consumers:
+                if n in requested_set:
+                    handle.skipped[n] = reason
+    return handle
+
+
+def _fold(
+    handle: SmoothingHandle,
+    unit: _Unit,
+    modules: Mapping[str, nn.Module],
+    linears: Mapping[str, nn.Linear],
+    act_channel_max: Mapping[str, object],
+    alpha: float,
+) -> str | None:
+    """Compute s for one unit and fold it; returns a reason string instead when it cannot be exact."""
+    consumers = [linears[n] for n in unit.consumers]
+    k = consumers[0].in_features
+    device = consumers[0].weight.device
+    act = _act_max_for(unit, act_channel_max, k, device)
+
+    if unit.kind == "norm":
+        norm = modules.get(unit.producer)
+        if norm is None:
+            return f"expected the norm {unit.producer!r} before these layers; the model has none"
+        style = _gain_style(norm)
+        if style is None or norm.weight.shape[0] != k:
+            return f"{unit.producer} is not a norm with a per-channel gain of width {k}; cannot fold 1/s into it"
+        s = smoothing_factors(act, _column_max(consumers), alpha).to(device)
+        _divide_norm(handle, norm, style, s)
+        for c in consumers:
+            _scale_columns(handle, c, s)
+    elif unit.kind == "v_rows":
+        v, o = linears[unit.producer], consumers[0]
+        n_rep, rem = divmod(o.in_features, v.out_features)
+        if rem:
+            return f"o_proj input ({o.in_features}) is not a whole number of v_proj outputs ({v.out_features})"
+        act_t, w_t = act, _column_max([o])
+        if n_rep > 1:  # GQA: tie s across the query heads that read one kv head
+            attn = modules[unit.producer.rsplit(".", 1)[0]]
+            head_dim = getattr(attn, "head_dim", None)
+            if not isinstance(head_dim, int) or v.out_features % head_dim:
+                return "GQA attention without a usable head_dim attribute: cannot tie factors across heads"
+            n_kv = v.out_features // head_dim
+            act_t = act.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
+            w_t = w_t.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
+        s_kv = smoothing_factors(act_t, w_t, alpha).to(device)
+        s = s_kv.view(-1, 1, head_dim).expand(-1, n_rep, head_dim).flatten() if n_rep > 1 else s_kv
+        _divide_rows(handle, v, s_kv)
+        _scale_columns(handle, o, s)
+    else:  # "up_rows"
+        up, down = linears[unit.producer], consumers[0]
+        s = smoothing_factors(act, _column_max([down]), alpha).to(device)
+        _divide_rows(handle, up, s)
+        _scale_columns(handle, down, s)
+
+    for n in unit.consumers:
+        handle.factors[n] = s.detach().clone()
+        handle.folded_into[n] = unit.producer
+    return None
