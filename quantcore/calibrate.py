@@ -1,0 +1,273 @@
+"""Calibration: run text through a model and record what every ``nn.Linear`` sees.
+
+A forward pre-hook on each linear (``lm_head`` included) reduces the layer's
+input ``x`` [tokens, K] to:
+
+- ``channel_max``  [K]: max |x[:, j]|, the per-input-channel amax;
+- per-token max |x[t, :]|, one float per token, summarised at the end
+  (p50 / p90 / p99 / max / mean);
+- a histogram of |x| on the fixed log grid of :mod:`quantcore.stats`, exact
+  zeros counted apart;
+
+and once per layer its weight's per-input-channel max |W[:, j]| (the
+SmoothQuant denominator).
+
+Cost.  The statistics are accumulated on the model's device in float32 and
+never synchronised with the host until the end (no ``.item()`` in a hook).
+Linears fed the very same tensor (q/k/v, gate/up) share one reduction.  The
+histogram avoids ``log2`` and ``histc``: raising |x| to the power
+``HIST_BINS_PER_OCTAVE`` (two squarings for quarter octaves) multiplies log2|x|
+by that power, so the float32 exponent field of |x|**4 *is* the bin index
+floor(4·log2|x|) up to an offset.  Two in-place multiplies, one shift and one
+``bincount`` over 256 exponent values replace a transcendental per element.
+Exactness: each multiply rounds to nearest, so a value within ~1e-6 (relative)
+of a bin edge may land in the neighbouring bin; everything else is exact.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantcore.errors import Cancelled
+from quantcore.stats import HIST_BINS, HIST_BINS_PER_OCTAVE, HIST_LOG2_MAX, HIST_LOG2_MIN, LayerStats
+
+ProgressFn = Callable[[float, str], None]
+CancelFn = Callable[[], bool]
+
+F32_MANTISSA_BITS = 23  # float32: 1 sign, 8 exponent, 23 mantissa bits
+F32_EXPONENT_BIAS = 127
+F32_EXPONENT_VALUES = 256  # every value of the 8-bit exponent field (0 = zero/subnormal, 255 = inf/NaN)
+HIST_SQUARINGS = int(math.log2(HIST_BINS_PER_OCTAVE))  # |x| -> |x|**BINS_PER_OCTAVE by repeated squaring
+# exponent-field value of |x|**BINS_PER_OCTAVE that maps to histogram bin 0
+HIST_EXPONENT_OFFSET = F32_EXPONENT_BIAS + HIST_BINS_PER_OCTAVE * HIST_LOG2_MIN  # 127 - 96 = 31
+TOKEN_MAX_PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+
+
+def _check_histogram_grid() -> None:
+    """The exponent trick needs a power-of-two bin count per octave and a grid inside float32's normal range."""
+    if 2**HIST_SQUARINGS != HIST_BINS_PER_OCTAVE:
+        raise RuntimeError(f"quantcore.calibrate needs HIST_BINS_PER_OCTAVE to be a power of two, "
+                           f"got {HIST_BINS_PER_OCTAVE}")
+    low, high = HIST_BINS_PER_OCTAVE * HIST_LOG2_MIN, HIST_BINS_PER_OCTAVE * HIST_LOG2_MAX
+    if low < 1 - F32_EXPONENT_BIAS or high > F32_EXPONENT_BIAS:
+        raise RuntimeError(f"the histogram grid 2**[{HIST_LOG2_MIN}, {HIST_LOG2_MAX}) at "
+                           f"{HIST_BINS_PER_OCTAVE} bins per octave leaves float32's exponent range")
+
+
+_check_histogram_grid()
+
+
+@dataclass
+class _InputStats:
+    """One reduction of a linear's input batch (device tensors, not yet synchronised)."""
+
+    rows: int
+    channel_max: torch.Tensor  # float32 [K]
+    token_max: torch.Tensor  # float32 [rows]
+    exponent_counts: torch.Tensor  # int64 [256]: counts of the exponent field of |x|**BINS_PER_OCTAVE
+    zeros: torch.Tensor  # int64 0-d
+
+
+@dataclass
+class _LayerAccumulator:
+    """Running statistics of one linear across batches, kept on the model's device."""
+
+    name: str
+    module: nn.Linear
+    channel_max: torch.Tensor
+    exponent_counts: torch.Tensor
+    zeros: torch.Tensor
+    token_max: list[torch.Tensor] = field(default_factory=list)
+    n_tokens: int = 0
+
+    @classmethod
+    def for_module(cls, name: str, module: nn.Linear) -> _LayerAccumulator:
+        device = module.weight.device
+        return cls(
+            name=name,
+            module=module,
+            channel_max=torch.zeros(module.in_features, dtype=torch.float32, device=device),
+            exponent_counts=torch.zeros(F32_EXPONENT_VALUES, dtype=torch.int64, device=device),
+            zeros=torch.zeros((), dtype=torch.int64, device=device),
+        )
+
+    def add(self, stats: _InputStats) -> None:
+        """Merge one batch's reduction (in place, no host synchronisation)."""
+        torch.maximum(self.channel_max, stats.channel_max, out=self.channel_max)
+        self.exponent_counts += stats.exponent_counts
+        self.zeros += stats.zeros
+        self.token_max.append(stats.token_max)
+        self.n_tokens += stats.rows
+
+
+def reduce_input(x: torch.Tensor) -> _InputStats:
+    """Channel max, token max, |x| exponent histogram and zero count of a linear's input [..., K]."""
+    rows = x.detach().reshape(-1, x.shape[-1])
+    a = rows.abs() if rows.dtype == torch.float32 else rows.float().abs_()  # a fresh tensor we may overwrite
+    channel_max = a.amax(0)
+    token_max = a.amax(1)
+    zeros = a.numel() - torch.count_nonzero(a)
+    for _ in range(HIST_SQUARINGS):  # a <- a**BINS_PER_OCTAVE, in place
+        a.mul_(a)
+    exponents = a.view(torch.int32).bitwise_right_shift_(F32_MANTISSA_BITS)  # sign bit is 0: |x| >= 0
+    counts = torch.bincount(exponents.reshape(-1), minlength=F32_EXPONENT_VALUES)
+    return _InputStats(rows.shape[0], channel_max, token_max, counts, zeros)
+
+
+def fold_exponent_counts(exponent_counts: np.ndarray, zeros: int) -> np.ndarray:
+    """Map counts of the exponent field of |x|**BINS_PER_OCTAVE onto the HIST_BINS grid.
+
+    Exponent ``HIST_EXPONENT_OFFSET + i`` is bin i; exponents below the grid
+    (tiny values, subnormals and the exact zeros) fold into bin 0 with the
+    zeros taken out again, those above it (large values, inf, NaN) into the last bin.
+    """
+    counts = np.asarray(exponent_counts, dtype=np.int64)
+    hist = counts[HIST_EXPONENT_OFFSET: HIST_EXPONENT_OFFSET + HIST_BINS].copy()
+    hist[0] += counts[:HIST_EXPONENT_OFFSET].sum() - zeros
+    hist[-1] += counts[HIST_EXPONENT_OFFSET + HIST_BINS:].sum()
+    return hist
+
+
+def _token_summary(token_max: np.ndarray) -> dict[str, float]:
+    """p50 / p90 / p99 / max / mean of the per-token max |x| (zeros when the layer saw no token)."""
+    if token_max.size == 0:
+        return {key: 0.0 for key in (*TOKEN_MAX_PERCENTILES, "max", "mean")}
+    values = token_max.astype(np.float64)
+    summary = {key: float(np.percentile(values, q)) for key, q in TOKEN_MAX_PERCENTILES.items()}
+    summary["max"] = float(values.max())
+    summary["mean"] = float(values.mean())
+    return summary
+
+
+def weight_channel_max(module: nn.Linear) -> np.ndarray:
+    """max |W[:, j]| over the output rows of a linear: float32 [in_features]."""
+    return module.weight.detach().abs().amax(0).float().cpu().numpy()
+
+
+def _finish(acc: _LayerAccumulator) -> LayerStats:
+    """Move one accumulator to the host as LayerStats."""
+    zeros = int(acc.zeros.item())
+    if acc.token_max:
+        token_max = torch.cat(acc.token_max).cpu().numpy()
+    else:
+        token_max = np.zeros(0, dtype=np.float32)
+    return LayerStats(
+        name=acc.name,
+        in_features=acc.module.in_features,
+        out_features=acc.module.out_features,
+        n_tokens=acc.n_tokens,
+        channel_max=acc.channel_max.cpu().numpy(),
+        weight_channel_max=weight_channel_max(acc.module),
+        token_max=_token_summary(token_max),
+        hist_counts=fold_exponent_counts(acc.exponent_counts.cpu().numpy(), zeros),
+        zeros=zeros,
+    )
+
+
+class _Recorder:
+    """Forward pre-hooks on every linear; consecutive linears fed the same tensor share one reduction."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = {
+            name: _LayerAccumulator.for_module(name, module)
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear)
+        }
+        self._last_input: torch.Tensor | None = None
+        self._last_version = -1
+        self._last_stats: _InputStats | None = None
+        self._handles = [
+            acc.module.register_forward_pre_hook(self._hook_for(acc), with_kwargs=True)
+            for acc in self.layers.values()
+        ]
+
+    def _hook_for(self, acc: _LayerAccumulator) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs["input"]
+            if x.numel() == 0:
+                return
+            acc.add(self._reduce(x))
+
+        return hook
+
+    def _reduce(self, x: torch.Tensor) -> _InputStats:
+        """Reduce x, or reuse the last reduction when x is the same, unmodified tensor."""
+        if x is self._last_input and x._version == self._last_version and self._last_stats is not None:
+            return self._last_stats
+        stats = reduce_input(x)
+        self._last_input, self._last_version, self._last_stats = x, x._version, stats
+        return stats
+
+    def end_batch(self) -> None:
+        """Drop the reference to the last input so its memory can go."""
+        self._last_input, self._last_stats = None, None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _forward_kwargs(model: nn.Module) -> dict[str, object]:
+    """``use_cache=False`` where the model's forward takes it (a KV cache is useless here)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in parameters else {}
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def calibrate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    batch_size: int = 4,
+    progress: ProgressFn | None = None,
+    should_cancel: CancelFn | None = None,
+) -> dict[str, LayerStats]:
+    """Run ``input_ids`` [n, seq_len] through ``model`` and return statistics of every nn.Linear.
+
+    Keys are module names as in ``model.named_modules()``.  The model runs in
+    eval mode under ``torch.no_grad()`` in batches of ``batch_size`` sequences;
+    its previous train/eval mode is restored afterwards.  ``progress(fraction,
+    message)`` is called after each batch; ``should_cancel()`` is checked before
+    each batch and, when it returns True, :class:`quantcore.errors.Cancelled` is
+    raised (the hooks are removed either way).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids must be [n_sequences, seq_len] with n >= 1, got shape {tuple(input_ids.shape)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    n_sequences = input_ids.shape[0]
+    device = _model_device(model)
+    kwargs = _forward_kwargs(model)
+    was_training = model.training
+    recorder = _Recorder(model)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, n_sequences, batch_size):
+                if should_cancel is not None and should_cancel():
+                    raise Cancelled(f"calibration cancelled after {start} of {n_sequences} sequences")
+                batch = input_ids[start: start + batch_size].to(device)
+                model(input_ids=batch, **kwargs)
+                recorder.end_batch()
+                done = min(start + batch_size, n_sequences)
+                if progress is not None:
+                    progress(done / n_sequences, f"calibrated {done}/{n_sequences} sequences")
+            return {name: _finish(acc) for name, acc in recorder.layers.items()}
+    finally:
+        recorder.remove()
+        model.train(was_training)
