@@ -175,6 +175,21 @@ def save_plan(model_id: int, name: str, body: dict[str, Any], note: str = "",
                               parent_id=parent_id)
 
 
+def save_layer_alpha(model: ModelRecord, plan_name: str, layer: str, alpha: float,
+                     base: PlanRecord | None) -> PlanRecord:
+    """A new version of plan_name with this SmoothQuant alpha for `layer` and its fusion group
+    (layers fused at serving time share one input, so they must share the smoothing)."""
+    from quantcore.plans import PlanSpec
+    from quantcore.schemes import fusion_group_of
+
+    names = [lin["name"] for lin in model.linears]
+    spec = PlanSpec.from_dict(base.body) if base else PlanSpec(model=model.name, default="BF16", name=plan_name)
+    for member in fusion_group_of(layer, names) or [layer]:
+        spec.layer_alpha[member] = float(alpha)
+    return save_plan(model.id, plan_name, spec.to_dict(), note=f"alpha {alpha:.2f} for {layer}",
+                     parent_id=base.id if base else None)
+
+
 def get_plan(ref: int | str) -> PlanRecord:
     with session_scope(settings()) as s:
         return repo.get_plan(s, ref)
@@ -203,3 +218,164 @@ def kernel_rows(job_id: int | None = None, device_name: str | None = None):
 def kernel_devices() -> list[tuple[str, str, str]]:
     with session_scope(settings()) as s:
         return repo.kernel_devices(s)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def kernel_frame(device_name: str, torch_version: str | None = None):
+    """Newest timing per (M, N, K, path) on one device, as a DataFrame with a readable shape label."""
+    import pandas as pd
+
+    rows = kernel_rows(device_name=device_name)
+    seen: dict[tuple[int, int, int, str], Any] = {}
+    for r in rows:  # newest job first
+        if torch_version is None or r.torch_version == torch_version:
+            seen.setdefault((r.m, r.n, r.k, r.path), r)
+    return pd.DataFrame([r.__dict__ for r in seen.values()])
+
+
+def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str | None]:
+    """The kernel path each layer of a plan would run on (None: baseline speed / emulated)."""
+    from quantcore.kernels import scheme_to_path
+    from quantcore.plans import PlanSpec, resolve_plan
+
+    names = [lin["name"] for lin in model.linears]
+    plan = resolve_plan(PlanSpec.from_dict(plan_body), names)
+    out: dict[str, str | None] = {}
+    for name, scheme in plan.items():
+        w = scheme.weights.format if scheme.weights else None
+        a = scheme.activations.format if scheme.activations else None
+        g = scheme.activations.granularity.value if scheme.activations else None
+        out[name] = scheme_to_path(w, a, g)
+    return out
+
+
+def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,
+                  m_decode: int) -> dict[str, Any]:
+    """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings."""
+    from quantcore.kernels import KernelRecord, step_estimate as estimate
+
+    frame = kernel_frame(device_name)
+    fields = set(KernelRecord.__dataclass_fields__)
+    records = [KernelRecord.from_dict({k: v for k, v in row.items() if k in fields})
+               for row in frame.to_dict("records")]
+    shapes = {lin["name"]: (lin["out_features"], lin["in_features"]) for lin in model.linears}
+    return estimate(records, shapes, layer_paths(model, plan_body), m_prefill=m_prefill, m_decode=m_decode)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def score_frames(scores: list[ScoreRecord]):
+    """(KL histogram frame [label, center, share], KL-by-position frame [position, kl, label]) of scores."""
+    import numpy as np
+    import pandas as pd
+
+    hist_parts, pos_parts = [], []
+    for sc in scores:
+        label = f"#{sc.job_id} {sc.plan_label}"
+        h = sc.details.get("kl_hist") or {}
+        edges, counts = np.asarray(h.get("edges", []), float), np.asarray(h.get("counts", []), float)
+        if len(edges) == len(counts) + 1 and counts.sum() > 0:
+            lo = np.maximum(edges[:-1], 1e-6)
+            hi = np.maximum(edges[1:], lo * 1.0001)
+            hist_parts.append(pd.DataFrame({"label": label, "center": np.sqrt(lo * hi),
+                                            "share": counts / counts.sum()}))
+        for b in sc.details.get("kl_by_position") or []:
+            pos_parts.append({"position": (b["bucket_start"] + b["bucket_end"]) / 2, "kl": b["kl_mean"],
+                              "label": label})
+    hist = pd.concat(hist_parts, ignore_index=True) if hist_parts else pd.DataFrame()
+    return hist, pd.DataFrame(pos_parts)
+
+
+def preset_options(model: ModelRecord) -> dict[str, str]:
+    from quantcore.schemes import get_scheme, list_schemes
+
+    return {name: f"{name}: {get_scheme(name).describe()}" for name in list_schemes()}
+
+
+# ----------------------------------------------------------------------------- plan editor
+
+
+FUSION_REASON = ("q/k/v (and gate/up) of a block read the same input and are fused into one GEMM when "
+                 "served, so they share one weight format and one activation scale: a scheme set on one "
+                 "of them is set on the whole group.")
+
+
+def layer_names(model: ModelRecord) -> list[str]:
+    return [lin["name"] for lin in model.linears]
+
+
+def resolve(model: ModelRecord, body: dict[str, Any]):
+    """(resolved {layer: Scheme}, None) or (None, the PlanError message)."""
+    from quantcore.errors import PlanError
+    from quantcore.plans import PlanSpec, resolve_plan
+
+    try:
+        return resolve_plan(PlanSpec.from_dict(body), layer_names(model)), None
+    except (PlanError, ValueError) as exc:
+        return None, str(exc)
+
+
+def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, scheme: str) -> tuple[dict, list]:
+    """The plan body with `scheme` set on `layer` and on every member of its fusion group."""
+    from quantcore.plans import PlanSpec
+    from quantcore.schemes import fusion_group_of
+
+    spec = PlanSpec.from_dict(body)
+    group = fusion_group_of(layer, layer_names(model))
+    for member in group:
+        spec.layers[member] = scheme
+    return spec.to_dict(), group
+
+
+def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
+    """Every linear: name, N, K, outlier ratio (newest calibration), sensitivity KL (newest sweep),
+    scheme, support on the target GPU."""
+    import pandas as pd
+
+    from quantcore.hardware import support_on_target
+    from quantcore.schemes import fusion_group_of
+
+    resolved, _ = resolve(model, body)
+    ratios: dict[str, float] = {}
+    cals = calibrations(model.id)
+    if cals:
+        with session_scope(settings()) as s:
+            ratios = {r["name"]: r["outlier_ratio"] for r in repo.stats_overview(s, cals[0].id)}
+    sens: dict[str, float] = {}
+    sweeps = sensitivity_jobs(model.id)
+    if sweeps:
+        for r in sensitivity_rows(sweeps[0].id):
+            for layer in r.layers:
+                sens[layer] = r.kl_mean
+    names = layer_names(model)
+    rows = []
+    for lin in model.linears:
+        name = lin["name"]
+        scheme = resolved[name] if resolved else None
+        support = ""
+        if scheme is not None and target:
+            w = scheme.weights.format if scheme.weights else None
+            a = scheme.activations.format if scheme.activations else None
+            support = support_on_target(target, w, a)
+        group = fusion_group_of(name, names)
+        rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"],
+                     "outlier_ratio": ratios.get(name), "sensitivity_kl": sens.get(name),
+                     "scheme": scheme.name if scheme else body.get("default"),
+                     "alpha": scheme.smoothquant_alpha if scheme else None,
+                     "on_target": support, "fused_with": len(group) - 1})
+    return pd.DataFrame(rows)
+
+
+def plan_diff(model: ModelRecord, a: PlanRecord, b: PlanRecord):
+    import pandas as pd
+
+    from quantcore.plans import diff_plans
+
+    ra, err_a = resolve(model, a.body)
+    rb, err_b = resolve(model, b.body)
+    if err_a or err_b:
+        raise ValueError(err_a or err_b)
+    return pd.DataFrame(diff_plans(ra, rb), columns=["layer", a.label, b.label])

@@ -1,0 +1,109 @@
+"""Kernels: the real FP8 / INT8 GEMMs timed on the model's own shapes, per device, and what a plan's
+prefill and decode steps would cost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from app import charts
+from app import services as svc
+from app import state
+from quantcore.schemes import list_schemes
+
+st.title("Kernels")
+st.caption("Measured, not assumed: each low-precision path is timed against the baseline GEMM (bf16 on GPU, "
+           "fp32 on CPU) for every (N, K) of the model's linear layers; '+q' includes quantizing the "
+           "activation on the fly. A path the device does not accelerate is marked so, never shown as a "
+           "speed-up.")
+model = state.current_model()
+if model is None:
+    st.stop()
+
+with st.form("bench_form"):
+    st.markdown(f"**Queue a benchmark** of {model.name}'s {len(model.linears)} linear layers "
+                f"({len({(lin['out_features'], lin['in_features']) for lin in model.linears})} distinct shapes).")
+    c1, c2, c3, c4 = st.columns(4)
+    device = c1.selectbox("Device", ["cpu", "cuda"], key="bench_device")
+    ms = c2.text_input("M values (batch × tokens)", "1,16,128,2048", key="bench_m")
+    budget = c3.number_input("CPU budget per shape (s)", 5, 3600, 60, key="bench_budget")
+    queue = c4.text_input("Queue (optional, e.g. gpu.sm90)", "", key="bench_queue")
+    if st.form_submit_button("Queue benchmark", type="primary"):
+        try:
+            m_values = [int(x) for x in ms.split(",") if x.strip()]
+            if not m_values or min(m_values) < 1:
+                raise ValueError("M values must be positive integers, e.g. 1,16,128")
+            params = {"device": device, "m": m_values, "budget_s": float(budget)}
+            if queue.strip():
+                params["queue"] = queue.strip()
+            job = svc.submit("bench", params, model_id=model.id)
+            st.success(f"Queued benchmark job #{job.id} on queue '{job.queue}'.")
+        except ValueError as exc:
+            st.error(str(exc))
+
+devices = svc.kernel_devices()
+if not devices:
+    st.info("No kernel timings stored yet. Queue a benchmark above.")
+    st.stop()
+labels = {d[1]: f"{d[1]} ({d[0]}, torch {d[2]})" for d in devices}
+device_name = st.selectbox("Device measured", list(labels), format_func=labels.get, key="kernels_device")
+frame = svc.kernel_frame(device_name)
+shapes = {(lin["out_features"], lin["in_features"]) for lin in model.linears}
+frame = frame[[(n, k) in shapes for n, k in zip(frame["n"], frame["k"], strict=True)]] if len(frame) else frame
+if frame.empty:
+    st.info(f"No timings of {model.name}'s shapes on {device_name} yet.")
+    st.stop()
+
+proj_of = {}
+for lin in model.linears:
+    proj_of.setdefault((lin["out_features"], lin["in_features"]), lin["name"].rsplit(".", 1)[-1])
+frame = frame.assign(shape=[f"{proj_of.get((n, k), '?')} {n}×{k} M={m}" for n, k, m in
+                            zip(frame["n"], frame["k"], frame["m"], strict=True)])
+native_any = bool(frame.loc[frame["path"] != "baseline", "native"].any())
+if not native_any:
+    st.warning(f"{device_name} runs none of the low-precision paths natively: their times are shown in the "
+               "table for completeness, and the heatmap marks them n/a.")
+heat = frame[frame["path"] != "baseline"].copy()
+heat["speedup"] = np.where(heat["native"] & heat["ms"].notna(), heat["speedup"], np.nan)
+st.subheader("Speed-up over the baseline GEMM")
+st.altair_chart(charts.kernel_heatmap(heat[["shape", "path", "speedup"]]), width="stretch")
+
+peak = frame[frame["pct_peak"].notna()]
+if not peak.empty:
+    st.subheader("Percent of the device's peak")
+    st.altair_chart(charts.peak_bars(peak.assign(label=peak["shape"] + " · " + peak["path"])[
+        ["label", "pct_peak", "path"]]), width="stretch")
+else:
+    st.caption("No peak figure is known for this device (CPU or an unlisted GPU): only measured times.")
+
+st.subheader("Every case")
+st.dataframe(frame[["shape", "m", "n", "k", "path", "ms", "tflops", "pct_peak", "speedup", "native",
+                    "max_rel_err", "padded_m", "skipped"]].sort_values(["n", "k", "m", "path"]),
+             hide_index=True, width="stretch")
+
+st.subheader("A plan's prefill and decode step")
+plans = svc.list_plans(model.id)
+options = [f"preset:{s}" for s in list_schemes()] + [f"plan:{p.id}" for p in plans]
+plan_labels = {f"preset:{s}": f"{s} on every layer" for s in list_schemes()} | {
+    f"plan:{p.id}": f"plan {p.label}" for p in plans}
+choice = st.selectbox("Plan", options, index=options.index("preset:FP8_DYNAMIC"), format_func=plan_labels.get,
+                      key="kernels_plan")
+available_m = sorted(set(int(m) for m in frame["m"]))
+c1, c2 = st.columns(2)
+m_prefill = c1.selectbox("Prefill M (batch × prompt tokens)", available_m, index=len(available_m) - 1,
+                         key="kernels_m_prefill")
+m_decode = c2.selectbox("Decode M (batch)", available_m, index=0, key="kernels_m_decode")
+body = ({"default": choice.split(":", 1)[1]} if choice.startswith("preset:")
+        else next(p.body for p in plans if f"plan:{p.id}" == choice))
+est = svc.step_estimate(model, body, device_name, m_prefill=m_prefill, m_decode=m_decode)
+c1, c2 = st.columns(2)
+c1.metric(f"Prefill (M={m_prefill})", f"{est['prefill_ms']:.3f} ms",
+          f"baseline {est['baseline_prefill_ms']:.3f} ms", delta_color="off")
+c2.metric(f"Decode (M={m_decode})", f"{est['decode_ms']:.3f} ms",
+          f"baseline {est['baseline_decode_ms']:.3f} ms", delta_color="off")
+missing = sorted(set(est.get("missing_prefill", [])) | set(est.get("missing_decode", [])))
+if missing:
+    st.caption(f"{len(missing)} layer(s) have no measurement at these M values and are left out of the sums.")
+st.dataframe(pd.DataFrame([est]).drop(columns=[c for c in ("missing_prefill", "missing_decode") if c in est]),
+             hide_index=True)

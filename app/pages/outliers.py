@@ -1,0 +1,128 @@
+"""Outliers: which layers and channels carry activation magnitudes far above the median, and what each
+number format does to them, from the stored calibration statistics alone."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app import charts
+from app import services as svc
+from app import state
+from quantcore import outliers as ol
+from quantcore.formats import list_formats
+
+st.title("Outliers")
+model = state.current_model()
+if model is None:
+    st.stop()
+
+cals = svc.calibrations(model.id)
+if not cals:
+    st.info(f"{model.name} has no calibration yet. Queue one on the Models page; it takes a minute on CPU "
+            "for the demo model.")
+    st.stop()
+
+
+@st.cache_data(show_spinner="Loading statistics…", max_entries=8)
+def stats_of(job_id: int):
+    return svc.layer_stats(job_id)  # a finished calibration never changes: cache without ttl
+
+
+cal_id = st.selectbox(
+    "Calibration", [c.id for c in cals],
+    format_func=lambda i: next(f"job #{c.id} · {c.result.get('tokens', '?')} tokens of "
+                               f"{c.result.get('text', '?')} · {c.finished_at:%Y-%m-%d %H:%M}"
+                               for c in cals if c.id == i),
+    key="outliers_cal",
+)
+stats = stats_of(cal_id)
+by_name = {s.name: s for s in stats}
+overview = charts.overview_frame(stats)
+
+# ----------------------------------------------------------------------------- 1. overview
+st.subheader("Outlier ratio of every linear input")
+st.caption("max channel max / median channel max of each layer's input, on a log axis; click a point to "
+           "drill into that layer.")
+event = st.altair_chart(charts.overview_chart(overview), on_select="rerun", key="overview_chart")
+picked = None
+try:
+    sel = event.selection.get(charts.SELECTION_NAME) if event else None
+    if sel:
+        picked = sel[0].get("layer")
+except (AttributeError, IndexError, KeyError, TypeError):
+    picked = None
+top = overview.sort_values("outlier_ratio", ascending=False)
+c1, c2, c3 = st.columns(3)
+c1.metric("Largest ratio", f"{top.iloc[0]['outlier_ratio']:,.0f}×", top.iloc[0]["layer"], delta_color="off")
+c2.metric("Median ratio", f"{overview['outlier_ratio'].median():,.1f}×")
+c3.metric("Layers above 100×", int((overview["outlier_ratio"] > 100).sum()))
+
+names = list(top["layer"])
+if picked in by_name:
+    st.session_state["outliers_layer"] = picked
+layer = st.selectbox("Layer", names, key="outliers_layer")
+stat = by_name[layer]
+
+# ----------------------------------------------------------------------------- 2. channels
+st.subheader(f"Channels of {layer}")
+st.caption(f"per-channel max|x| over {stat.n_tokens:,} tokens; below the red line INT8 per-tensor rounds a "
+           "channel's largest value to zero, below the green one even FP8 E4M3 cannot represent it.")
+st.altair_chart(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax),
+                                      title=layer), width="stretch")
+
+# ----------------------------------------------------------------------------- 3. depth heatmap
+st.subheader("Across depth")
+projs = sorted(set(overview["proj"]), key=lambda p: (p != ol.parse_layer_name(layer)[1], p))
+proj = st.selectbox("Projection type", projs, key="outliers_proj")
+st.altair_chart(charts.depth_heatmap(charts.depth_frame(stats, proj), proj), width="stretch")
+
+# ----------------------------------------------------------------------------- 4. SmoothQuant
+st.subheader("SmoothQuant")
+st.caption("s_j = max|X_j|^α / max|W_j|^(1−α): activations are divided by s, weights multiplied. The rules "
+           "are the per-tensor INT8 steps; after smoothing both tensors share the difficulty.")
+alpha = st.slider("α (migration strength)", 0.0, 1.0, 0.5, 0.05, key="outliers_alpha")
+view = ol.smoothquant_view(stat.channel_max, stat.weight_channel_max, alpha)
+points, steps = charts.smoothquant_frame(view)
+st.altair_chart(charts.smoothquant_chart(points, steps, alpha), width="stretch")
+sweep = pd.DataFrame(ol.alpha_sweep(stat.channel_max, stat.weight_channel_max))
+st.altair_chart(charts.alpha_sweep_chart(sweep, alpha), width="stretch")
+with st.form("save_alpha"):
+    plans = [p for p in svc.list_plans(model.id)]
+    latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
+    c1, c2 = st.columns(2)
+    plan_name = c1.selectbox("Save α into plan", sorted(latest) + ["(new plan)"], key="alpha_plan")
+    new_name = c2.text_input("New plan name", value=f"{model.name}-smoothquant", key="alpha_new_name")
+    if st.form_submit_button(f"Save α = {alpha:.2f} for {layer} (and its fusion group)"):
+        base = latest.get(plan_name)
+        name = new_name if base is None else base.name
+        saved = svc.save_layer_alpha(model, name, layer, alpha, base)
+        st.success(f"Saved {saved.label}: α = {alpha:.2f} for {saved.note.split(' for ', 1)[-1]} and its fusion "
+                   "group. Its scheme must smooth (a *_SQ preset) for α to matter.")
+
+# ----------------------------------------------------------------------------- 5. histogram + grid
+st.subheader("|x| histogram with a format's grid")
+c1, c2 = st.columns(2)
+element_formats = [f for f in list_formats()]
+fmt = c1.selectbox("Format", element_formats, index=element_formats.index("int8"), key="outliers_fmt")
+gran = c2.selectbox("Scale granularity", list(ol.GRANULARITIES), key="outliers_gran")
+grid = ol.format_grid(fmt, ol.representative_amax(stat, gran), gran)
+hist = charts.hist_frame(stat)
+if hist.empty:
+    st.info("This layer's input was all zeros during calibration.")
+else:
+    st.altair_chart(charts.histogram_chart(hist, charts.grid_frame(grid, hist["lo"].min(), hist["hi"].max()),
+                                           f"{fmt} ({gran})"), width="stretch")
+
+# ----------------------------------------------------------------------------- 6. what will break
+st.subheader("What will break, before running anything")
+st.caption("From the statistics alone: share of channels whose largest value flushes to zero, the worst "
+           "relative rounding error of the smallest channel, and the share of values a static scale set "
+           "from the p99 token max would clip.")
+c1, c2 = st.columns(2)
+bgran = c1.selectbox("Granularity", list(ol.GRANULARITIES), key="breakage_gran")
+bfmts = c2.multiselect("Formats", element_formats, default=list(ol.DEFAULT_BREAKAGE_FORMATS), key="breakage_fmts")
+if bfmts:
+    table = charts.breakage_frame(stats, bfmts, bgran)
+    st.dataframe(table.sort_values(["frac_channels_flushed", "worst_rel_error"], ascending=False),
+                 hide_index=True, width="stretch")

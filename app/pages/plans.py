@@ -1,0 +1,119 @@
+"""Plans: a number format for every linear layer — by preset, by rule, per row — checked against a target
+GPU, saved as versions, compared, chosen automatically under a KL budget, and exported."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app import services as svc
+from app import state
+from quantcore.hardware import list_targets
+from quantcore.schemes import list_schemes
+
+st.title("Plans")
+model = state.current_model()
+if model is None:
+    st.stop()
+SCHEMES = list_schemes()
+EDIT = f"plan_body_{model.id}"
+
+plans = svc.list_plans(model.id)
+latest = {p.name: p for p in plans}
+c1, c2 = st.columns([2, 1])
+start = c1.selectbox("Start from", ["(new plan)"] + sorted(latest), key=f"plan_start_{model.id}")
+target = c2.selectbox("Target GPU", [t.key for t in list_targets()], index=2,
+                      format_func=lambda k: next(t.name for t in list_targets() if t.key == k), key="plan_target")
+if st.session_state.get(f"{EDIT}_from") != start:
+    st.session_state[EDIT] = (dict(latest[start].body) if start in latest
+                              else {"model": model.name, "default": "FP8_DYNAMIC", "rules": [
+                                  {"match": r"lm_head", "scheme": "BF16"}]})
+    st.session_state[f"{EDIT}_from"] = start
+body = st.session_state[EDIT]
+
+# ----------------------------------------------------------------------------- preset + rules
+with st.container(border=True):
+    st.markdown("**Preset for all layers, then rules** (regular expressions on layer names; the last "
+                "matching rule wins; per-row choices below win over rules).")
+    default = st.selectbox("Default scheme", SCHEMES, index=SCHEMES.index(body.get("default", "BF16")),
+                           key=f"plan_default_{model.id}_{start}")
+    rules = st.data_editor(pd.DataFrame(body.get("rules") or [], columns=["match", "scheme"]),
+                           num_rows="dynamic", key=f"plan_rules_{model.id}_{start}", width="stretch",
+                           column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES,
+                                                                                     required=True)})
+    st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
+    body = {**body, "default": default,
+            "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
+                      for r in rules.to_dict("records") if r.get("match") and r.get("scheme")]}
+    st.session_state[EDIT] = body
+
+resolved, problem = svc.resolve(model, body)
+if problem:
+    st.error(problem)
+
+# ----------------------------------------------------------------------------- per-row table
+st.subheader("Every linear layer")
+st.caption(svc.FUSION_REASON)
+table = svc.layer_table(model, body, target)
+edited = st.data_editor(
+    table, key=f"plan_table_{model.id}_{start}", hide_index=True, width="stretch",
+    disabled=[c for c in table.columns if c != "scheme"],
+    column_config={
+        "scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES, required=True),
+        "outlier_ratio": st.column_config.NumberColumn("outlier ratio", format="%.1f"),
+        "sensitivity_kl": st.column_config.NumberColumn("sensitivity KL", format="%.5f"),
+        "on_target": st.column_config.TextColumn(f"on {target}"),
+    },
+)
+changed = edited[edited["scheme"] != table["scheme"]]
+if len(changed):
+    notes = []
+    for row in changed.to_dict("records"):
+        body, group = svc.with_layer_scheme(model, body, row["layer"], row["scheme"])
+        if len(group) > 1:
+            notes.append(f"{row['scheme']} set on the whole fusion group {', '.join(group)}")
+    st.session_state[EDIT] = body
+    for n in notes:
+        st.info(n)
+    st.rerun()
+counts = table["on_target"].value_counts().to_dict()
+if counts:
+    st.caption(" · ".join(f"{v} layers {k}" for k, v in counts.items()) + f" on {target}.")
+if body.get("layers"):
+    with st.expander(f"{len(body['layers'])} per-layer overrides"):
+        st.json(body["layers"])
+        if st.button("Clear per-layer overrides", key="plan_clear"):
+            st.session_state[EDIT] = {**body, "layers": {}}
+            st.rerun()
+
+# ----------------------------------------------------------------------------- save
+with st.form("plan_save"):
+    c1, c2 = st.columns([1, 2])
+    name = c1.text_input("Plan name", value=start if start in latest else f"{model.name}-plan", key="plan_name")
+    note = c2.text_input("What changed", key="plan_note")
+    if st.form_submit_button("Save as a new version", type="primary", disabled=problem is not None):
+        saved = svc.save_plan(model.id, name, {**body, "name": name, "model": model.name}, note=note)
+        st.success(f"Saved {saved.label}.")
+
+# ----------------------------------------------------------------------------- versions and diff
+plans = svc.list_plans(model.id)
+if plans:
+    st.subheader("Versions")
+    st.dataframe(pd.DataFrame([{"id": p.id, "plan": p.label, "parent": p.parent_id, "author": p.author,
+                                "note": p.note, "saved": p.created_at} for p in plans]),
+                 hide_index=True, width="stretch")
+    if len(plans) >= 2:
+        c1, c2 = st.columns(2)
+        ids = [p.id for p in plans]
+        lab = {p.id: p.label for p in plans}
+        a = c1.selectbox("Compare", ids, index=len(ids) - 2, format_func=lab.get, key="diff_a")
+        b = c2.selectbox("with", ids, index=len(ids) - 1, format_func=lab.get, key="diff_b")
+        diff = svc.plan_diff(model, next(p for p in plans if p.id == a), next(p for p in plans if p.id == b))
+        if diff.empty:
+            st.caption("Same scheme on every layer.")
+        else:
+            st.dataframe(diff, hide_index=True, width="stretch")
+
+from app import plan_tools  # noqa: E402  (auto plan + export sections)
+
+plan_tools.render(model, plans, target)

@@ -1,0 +1,91 @@
+"""Results: how far a plan's model is from the unquantized one (KL, top-1, perplexity), and which layer is
+to blame (one-at-a-time sensitivity)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app import charts
+from app import services as svc
+from app import state
+from quantcore.outliers import parse_layer_name
+
+st.title("Results")
+model = state.current_model()
+if model is None:
+    st.stop()
+
+presets = svc.preset_options(model)
+plans = svc.list_plans(model.id)
+with st.form("score_form"):
+    st.markdown("**Score a plan** against the unquantized model on held-out text (default: gensim's lee.cor, "
+                "50 news articles). The reference log-probabilities are computed once and cached.")
+    c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
+    options = [f"preset:{p}" for p in presets] + [f"plan:{p.id}" for p in plans]
+    labels = {f"preset:{k}": v for k, v in presets.items()} | {f"plan:{p.id}": f"plan {p.label}" for p in plans}
+    what = c1.selectbox("Plan", options, index=options.index("preset:FP8_DYNAMIC"), format_func=labels.get,
+                        key="score_what")
+    samples = c2.number_input("Sequences", 1, 1024, 16, key="score_samples")
+    seq_len = c3.number_input("Tokens each", 16, 8192, 256, step=16, key="score_seq_len")
+    device = c4.selectbox("Device", ["cpu", "cuda"], key="score_device")
+    sens = st.checkbox("Also run a per-layer sensitivity sweep with this preset (one fusion group at a time)",
+                       key="score_sens")
+    if st.form_submit_button("Queue", type="primary"):
+        params = {"samples": int(samples), "seq_len": int(seq_len), "device": device}
+        if what.startswith("preset:"):
+            job = svc.submit("score", {**params, "scheme": what.split(":", 1)[1]}, model_id=model.id)
+        else:
+            job = svc.submit("score", params, model_id=model.id, plan_id=int(what.split(":", 1)[1]))
+        st.success(f"Queued score job #{job.id}.")
+        if sens:
+            if what.startswith("preset:"):
+                sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8),
+                                                "scheme": what.split(":", 1)[1]}, model_id=model.id)
+                st.success(f"Queued sensitivity job #{sj.id}.")
+            else:
+                st.warning("A sensitivity sweep takes one preset; choose a preset to sweep.")
+
+scores = svc.list_scores(model.id)
+st.subheader(f"Scored plans ({len(scores)})")
+if not scores:
+    st.info("Nothing scored yet for this model.")
+else:
+    table = pd.DataFrame([{"job": s.job_id, "plan": s.plan_label, **s.metrics(), "predicted KL": s.predicted_kl,
+                           "text": s.dataset, "scored": s.created_at} for s in scores])
+    st.dataframe(table, hide_index=True, width="stretch",
+                 column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
+                                "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f")})
+    picked = st.multiselect("Compare", [s.job_id for s in scores], default=[s.job_id for s in scores[:3]],
+                            format_func=lambda j: next(f"#{s.job_id} {s.plan_label}" for s in scores
+                                                       if s.job_id == j), key="results_compare")
+    chosen = [s for s in scores if s.job_id in picked]
+    if chosen:
+        cols = st.columns(len(chosen[:4]))
+        for col, s in zip(cols, chosen[:4], strict=False):
+            col.metric(s.plan_label, f"KL {s.kl_mean:.4g}", f"top-1 {s.top1_agree:.3f}", delta_color="off")
+            col.caption(f"perplexity {s.ppl_ref:.2f} → {s.ppl:.2f} · p99 KL {s.kl_p99:.3g} · max {s.kl_max:.3g}")
+        hist, pos = svc.score_frames(chosen)
+        if not hist.empty:
+            st.altair_chart(charts.kl_distribution_chart(hist), width="stretch")
+        if not pos.empty:
+            st.altair_chart(charts.kl_by_position_chart(pos), width="stretch")
+        with_pred = [s for s in chosen if s.predicted_kl is not None]
+        for s in with_pred:
+            st.caption(f"#{s.job_id} {s.plan_label}: predicted KL (sum of per-layer KL) {s.predicted_kl:.4g}, "
+                       f"measured {s.kl_mean:.4g}")
+
+st.subheader("Per-layer sensitivity")
+sweeps = svc.sensitivity_jobs(model.id)
+if not sweeps:
+    st.info("No sensitivity sweep yet: tick the box above to queue one with a preset.")
+    st.stop()
+sweep_id = st.selectbox("Sweep", [j.id for j in sweeps],
+                        format_func=lambda i: next(f"job #{j.id} · {j.params.get('scheme')} · "
+                                                   f"{j.result.get('units', '?')} units" for j in sweeps
+                                                   if j.id == i), key="results_sweep")
+rows = svc.sensitivity_rows(sweep_id)
+df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db,
+                    "proj": parse_layer_name(r.layers[0])[1] if r.layers else ""} for r in rows])
+st.altair_chart(charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
+st.dataframe(df, hide_index=True, width="stretch")
