@@ -38,6 +38,10 @@ _LAZY = {
     "smoothing_factors": "quantcore.smoothquant",
     "smooth_model": "quantcore.smoothquant",
     "SmoothingHandle": "quantcore.smoothquant",
+    "apply_plan": "quantcore.apply",
+    "quantized_model": "quantcore.apply",
+    "AppliedPlan": "quantcore.apply",
+    "LayerQuantStats": "quantcore.apply",
     "LayerStats": "quantcore.stats",
 }
 

@@ -138,6 +138,36 @@ def tiny_model(request):
     return build_tiny_model(request.param)
 
 
+def linear_input_channel_max(model, input_ids) -> dict:
+    """{nn.Linear name: (K,) max |x_j| of its input} over one forward: a minimal calibration for tests."""
+    import torch
+    from torch import nn
+
+    out: dict = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+
+            def hook(mod, args, name=name):
+                x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+                out[name] = torch.maximum(out[name], x) if name in out else x
+
+            hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            model(input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+@pytest.fixture
+def channel_max_of() -> Callable:
+    """``channel_max_of(model, input_ids) -> {linear name: (K,) max |x_j|}`` (see linear_input_channel_max)."""
+    return linear_input_channel_max
+
+
 @pytest.fixture
 def tiny_input_ids():
     """Seeded token ids, shape (TINY_BATCH, TINY_SEQ) = (2, 16), int64."""

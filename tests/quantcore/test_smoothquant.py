@@ -10,24 +10,7 @@ from torch import nn
 from quantcore.errors import PlanError
 from quantcore.smoothquant import _gain_style, smooth_model, smoothing_factors
 
-
-def channel_max(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-input-channel max |x| of every nn.Linear's input over one forward (a minimal calibration)."""
-    out: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-
-            def hook(mod, args, name=name):
-                x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
-                out[name] = torch.maximum(out[name], x) if name in out else x
-
-            hooks.append(m.register_forward_pre_hook(hook))
-    with torch.no_grad():
-        model(input_ids)
-    for h in hooks:
-        h.remove()
-    return out
+from .conftest import linear_input_channel_max as channel_max
 
 
 def logits(model, ids):

@@ -1,0 +1,290 @@
+"""Apply a quantization plan to a model by fake quantization, reversibly.
+
+A plan maps ``nn.Linear`` names to schemes. For every targeted layer :func:`apply_plan`
+
+* fake-quantizes the weight once, at apply time, and swaps in the result as a new
+  Parameter (the original Parameter object is kept and put back by ``restore()``, so tied
+  weights stay intact and the restore is bit-exact);
+* registers a forward pre-hook that fake-quantizes the layer's input on every call, with a
+  dynamic scale or a static one from the calibrated ``act_amax[layer]``, and counts
+  saturation / underflow on the device (no host sync per call).
+
+Module names and the model's structure are unchanged, so hooks that others register by
+name (calibration, scoring) still find the layers.
+
+SmoothQuant: pass ``act_channel_max`` and the schemes' α are folded first (see
+:mod:`quantcore.smoothquant`), before the weights are quantized; without it the caller is
+assumed to have smoothed the model already (as ``quantcore.scoring.plan_applied`` does)
+and the α are ignored here.
+
+    with quantized_model(model, {"model.layers.0.mlp.down_proj": "FP8_DYNAMIC"}) as applied:
+        logits = model(ids).logits
+        print(applied.stats()["model.layers.0.mlp.down_proj"].activations.saturation)
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantcore.errors import PlanError
+from quantcore.quantize import QuantReport, fake_quantize_with_counts, fake_quantize_with_report, scale_from_amax
+from quantcore.schemes import Scheme, TensorSpec, get_scheme
+from quantcore.smoothquant import SmoothingHandle, smooth_model
+
+_MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
+_N_COUNTS = 5  # [elements, nonzero, saturated, underflow, nan], as quantcore.quantize reports them
+
+
+@dataclass(frozen=True)
+class LayerQuantStats:
+    """What quantization did to one layer.
+
+    weight:      report of the one-time weight quantization
+    activations: report summed over every forward since apply (None for weight-only schemes)
+    calls:       forward calls seen
+    """
+
+    name: str
+    scheme: str
+    weight: QuantReport
+    activations: QuantReport | None
+    calls: int
+
+
+@dataclass
+class _LayerState:
+    name: str
+    module: nn.Linear
+    scheme: Scheme
+    original_weight: nn.Parameter
+    weight_report: QuantReport
+    static_scale: float | None = None
+    counts: torch.Tensor | None = None
+    calls: int = 0
+    hook: Any = None
+
+
+@dataclass
+class AppliedPlan:
+    """Handle of an applied plan: ``layers`` wrapped, ``untouched`` (identity schemes), ``restore()``."""
+
+    layers: dict[str, Scheme]
+    untouched: list[str]
+    smoothing: SmoothingHandle | None = None
+    _states: dict[str, _LayerState] = field(default_factory=dict, repr=False)
+    _active: bool = True
+
+    @property
+    def active(self) -> bool:
+        """False once :meth:`restore` has run."""
+        return self._active
+
+    def stats(self) -> dict[str, LayerQuantStats]:
+        """Per-layer weight report and activation saturation / underflow counts (one host sync per layer)."""
+        out = {}
+        for name, st in self._states.items():
+            acts = None
+            if st.scheme.activations is not None:
+                acts = (
+                    QuantReport.from_counts(st.counts)
+                    if st.counts is not None
+                    else QuantReport(0, 0, 0, 0, 0)
+                )
+            out[name] = LayerQuantStats(name, st.scheme.name, st.weight_report, acts, st.calls)
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the activation counters (e.g. after a warm-up batch)."""
+        for st in self._states.values():
+            st.counts, st.calls = None, 0
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Remove the hooks, put the original weight Parameters back, undo smoothing. Idempotent."""
+        if not self._active:
+            return
+        for st in self._states.values():
+            if st.hook is not None:
+                st.hook.remove()
+            st.module.weight = st.original_weight
+            if hasattr(st.module, _MARKER):
+                delattr(st.module, _MARKER)
+        if self.smoothing is not None:
+            self.smoothing.restore()
+        self._active = False
+
+
+def _resolve(plan: Mapping[str, Scheme | str]) -> dict[str, Scheme]:
+    """Scheme objects for every layer; unknown scheme names raise PlanError naming the layer."""
+    out: dict[str, Scheme] = {}
+    bad = []
+    for layer, scheme in plan.items():
+        if isinstance(scheme, Scheme):
+            out[layer] = scheme
+            continue
+        try:
+            out[layer] = get_scheme(scheme)
+        except ValueError:
+            bad.append(f"{layer!r}: {scheme!r}")
+    if bad:
+        raise PlanError(f"unknown scheme name(s) for {', '.join(bad)}; valid schemes: {', '.join(_valid_schemes())}")
+    return out
+
+
+def _valid_schemes() -> list[str]:
+    from quantcore.schemes import list_schemes
+
+    return list_schemes()
+
+
+def _check_layers(model: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
+    """The nn.Linear modules named in the plan; PlanError naming unknown or non-linear names."""
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        linear_names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+        hints = []
+        for n in unknown[:3]:
+            close = difflib.get_close_matches(n, linear_names, n=1)
+            if close:
+                hints.append(f"{n!r} -> did you mean {close[0]!r}?")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        raise PlanError(
+            f"the plan names {len(unknown)} layer(s) the model does not have: "
+            f"{', '.join(repr(n) for n in unknown[:8])}{' ...' if len(unknown) > 8 else ''}{hint}; "
+            "use names from model.named_modules()"
+        )
+    not_linear = [f"{n!r} ({type(modules[n]).__name__})" for n in names if not isinstance(modules[n], nn.Linear)]
+    if not_linear:
+        raise PlanError(f"only nn.Linear layers can be quantized; the plan names {', '.join(not_linear[:8])}")
+    already = [n for n in names if getattr(modules[n], _MARKER, False)]
+    if already:
+        raise PlanError(
+            f"layer(s) {', '.join(already[:5])} already carry an applied plan; call restore() on it first"
+        )
+    return {n: modules[n] for n in names}
+
+
+def _static_scales(
+    schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] | None
+) -> dict[str, float]:
+    """fp32 static activation scales from calibrated amax; PlanError listing layers that lack one."""
+    static = [n for n, s in schemes.items() if s.activations is not None and not s.activations.dynamic]
+    missing = [n for n in static if act_amax is None or n not in act_amax]
+    if missing:
+        raise PlanError(
+            f"{len(missing)} layer(s) use static activation scales but have no calibrated amax: "
+            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; run calibration and pass "
+            "act_amax={layer: max|x|}, or choose a dynamic scheme (e.g. FP8_DYNAMIC) for them"
+        )
+    scales = {}
+    for n in static:
+        amax = float(act_amax[n])
+        if not amax >= 0 or amax == float("inf"):
+            raise PlanError(f"act_amax[{n!r}] = {amax!r}; a calibrated amax must be finite and >= 0")
+        scales[n] = float(scale_from_amax(amax, schemes[n].activations.format))
+    return scales
+
+
+def _spec_kwargs(spec: TensorSpec) -> dict[str, Any]:
+    return {"granularity": spec.granularity, "group_size": spec.group_size, "block": spec.block}
+
+
+def _make_hook(state: _LayerState, track_stats: bool):
+    spec = state.scheme.activations
+    kwargs = _spec_kwargs(spec)
+
+    def hook(module: nn.Module, args: tuple, kw: dict):
+        if args:
+            x, rest = args[0], args[1:]
+        elif "input" in kw:
+            x, rest = kw["input"], ()
+        else:
+            return None
+        if track_stats:
+            xq, counts = fake_quantize_with_counts(x, spec.format, scale=state.static_scale, **kwargs)
+            state.counts = counts if state.counts is None else state.counts + counts
+        else:
+            from quantcore.quantize import fake_quantize
+
+            xq = fake_quantize(x, spec.format, scale=state.static_scale, **kwargs)
+        state.calls += 1
+        if args:
+            return (xq, *rest), kw
+        return args, {**kw, "input": xq}
+
+    return hook
+
+
+@torch.no_grad()
+def apply_plan(
+    model: nn.Module,
+    plan: Mapping[str, Scheme | str],
+    *,
+    act_amax: Mapping[str, float] | None = None,
+    act_channel_max: Mapping[str, Any] | None = None,
+    track_stats: bool = True,
+) -> AppliedPlan:
+    """Fake-quantize the layers named in ``plan`` in place; ``AppliedPlan.restore()`` undoes it exactly.
+
+    plan:            {nn.Linear name: Scheme or preset name}; identity schemes (BF16) are left untouched
+    act_amax:        {layer: calibrated max |x|}, required for layers whose activations are static
+    act_channel_max: {layer: (K,) calibrated max |x_j|}; when given, SmoothQuant α of the schemes
+                     is folded first (all layers with an α must be present). When omitted, α is
+                     ignored: smooth the model yourself with smooth_model() beforehand.
+    track_stats:     count activation saturation / underflow on every call (a few extra passes)
+
+    Raises PlanError for unknown layers or schemes, non-linear targets, missing calibration,
+    or layers already carrying an applied plan.
+    """
+    schemes = _resolve(plan)
+    _check_layers(model, list(schemes))
+    static = _static_scales(schemes, act_amax)
+    active = {n: s for n, s in schemes.items() if not s.is_identity}
+    untouched = [n for n, s in schemes.items() if s.is_identity]
+
+    smoothing = None
+    alphas = {n: s.smoothquant_alpha for n, s in active.items() if s.smoothquant_alpha is not None}
+    if alphas and act_channel_max is not None:
+        missing = [n for n in alphas if n not in act_channel_max]
+        if missing:
+            raise PlanError(
+                f"SmoothQuant needs act_channel_max for {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}; pass per-input-channel max|x| from calibration"
+            )
+        smoothing = smooth_model(model, {n: act_channel_max[n] for n in alphas}, alphas, layers=list(alphas))
+
+    applied = AppliedPlan(layers=dict(active), untouched=untouched, smoothing=smoothing)
+    modules = dict(model.named_modules())
+    try:
+        for name, scheme in active.items():
+            module = modules[name]
+            original = module.weight
+            wq, report = fake_quantize_with_report(original.detach(), scheme.weights.format, **_spec_kwargs(scheme.weights))
+            state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name))
+            module.weight = nn.Parameter(wq, requires_grad=False)
+            setattr(module, _MARKER, True)
+            applied._states[name] = state
+            if scheme.activations is not None:
+                state.hook = module.register_forward_pre_hook(_make_hook(state, track_stats), with_kwargs=True)
+    except Exception:
+        applied.restore()
+        raise
+    return applied
+
+
+@contextmanager
+def quantized_model(model: nn.Module, plan: Mapping[str, Scheme | str], **kwargs: Any) -> Iterator[AppliedPlan]:
+    """Context manager around :func:`apply_plan`: the model is restored on exit, even on error."""
+    applied = apply_plan(model, plan, **kwargs)
+    try:
+        yield applied
+    finally:
+        applied.restore()
