@@ -1,4 +1,4 @@
-"""quantplan web app: page config, the shared sidebar, and navigation. Pages live in app/pages/."""
+"""quantplan web app: page config, the shared sidebar, and navigation. Pages live in app/views/."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from app import state  # noqa: E402
 
 st.set_page_config(page_title="quantplan", page_icon="🧮", layout="wide")
 
-PAGES_DIR = Path(__file__).resolve().parent / "pages"
+# not "pages/": Streamlit would also auto-discover that folder as a second, unmanaged navigation
+PAGES_DIR = Path(__file__).resolve().parent / "views"
 pages = {
     "Model": [
         st.Page(str(PAGES_DIR / "models.py"), title="Models", url_path="models", default=True),

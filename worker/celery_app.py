@@ -38,8 +38,11 @@ def make_celery(settings: Settings | None = None) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         task_ignore_result=True,  # job state lives in the jobs table
-        broker_transport_options={"visibility_timeout": s.job_soft_time_limit_s + 600},
     )
+    if str(s.broker_url).startswith(("redis://", "rediss://")):
+        # Redis redelivers an unacknowledged task after the visibility timeout: it must exceed the
+        # longest job, or a long job would run twice. (kombu's SQLAlchemy transport takes no such option.)
+        app.conf.broker_transport_options = {"visibility_timeout": s.job_soft_time_limit_s + 600}
     return app
 
 

@@ -20,7 +20,7 @@ def _run(page: str | None, model_id: int | None):
         at.session_state["model_id"] = model_id
     at.run()
     if page:
-        at.switch_page(f"pages/{page}.py").run()
+        at.switch_page(f"views/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 
