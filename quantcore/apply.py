@@ -34,8 +34,14 @@ import torch
 from torch import nn
 
 from quantcore.errors import PlanError
-from quantcore.quantize import QuantReport, fake_quantize_with_counts, fake_quantize_with_report, scale_from_amax
-from quantcore.schemes import Scheme, TensorSpec, get_scheme
+from quantcore.quantize import (
+    QuantReport,
+    fake_quantize,
+    fake_quantize_with_counts,
+    fake_quantize_with_report,
+    scale_from_amax,
+)
+from quantcore.schemes import Scheme, TensorSpec, get_scheme, list_schemes
 from quantcore.smoothquant import SmoothingHandle, smooth_model
 
 _MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
@@ -134,14 +140,8 @@ def _resolve(plan: Mapping[str, Scheme | str]) -> dict[str, Scheme]:
         except ValueError:
             bad.append(f"{layer!r}: {scheme!r}")
     if bad:
-        raise PlanError(f"unknown scheme name(s) for {', '.join(bad)}; valid schemes: {', '.join(_valid_schemes())}")
+        raise PlanError(f"unknown scheme name(s) for {', '.join(bad)}; valid schemes: {', '.join(list_schemes())}")
     return out
-
-
-def _valid_schemes() -> list[str]:
-    from quantcore.schemes import list_schemes
-
-    return list_schemes()
 
 
 def _check_layers(model: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
@@ -172,10 +172,8 @@ def _check_layers(model: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
     return {n: modules[n] for n in names}
 
 
-def _static_scales(
-    schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] | None
-) -> dict[str, float]:
-    """fp32 static activation scales from calibrated amax; PlanError listing layers that lack one."""
+def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] | None) -> dict[str, float]:
+    """{layer: calibrated amax} for layers with static activation scales; PlanError listing missing or bad ones."""
     static = [n for n, s in schemes.items() if s.activations is not None and not s.activations.dynamic]
     missing = [n for n in static if act_amax is None or n not in act_amax]
     if missing:
@@ -184,13 +182,25 @@ def _static_scales(
             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; run calibration and pass "
             "act_amax={layer: max|x|}, or choose a dynamic scheme (e.g. FP8_DYNAMIC) for them"
         )
-    scales = {}
+    out = {}
     for n in static:
         amax = float(act_amax[n])
         if not amax >= 0 or amax == float("inf"):
             raise PlanError(f"act_amax[{n!r}] = {amax!r}; a calibrated amax must be finite and >= 0")
-        scales[n] = float(scale_from_amax(amax, schemes[n].activations.format))
-    return scales
+        out[n] = amax
+    return out
+
+
+def _smoothed_amax(amax: float, name: str, smoothing: SmoothingHandle | None, act_channel_max: Mapping[str, Any] | None) -> float:
+    """The static amax of a layer's input after smoothing: max_j(channel_max_j / s_j), exact.
+
+    Calibration saw the unsmoothed input; dividing channel j by s_j divides its max by s_j.
+    """
+    if smoothing is None or act_channel_max is None or name not in smoothing.factors or name not in act_channel_max:
+        return amax
+    s = smoothing.factors[name].detach().to("cpu", torch.float64)
+    cmax = torch.as_tensor(act_channel_max[name]).detach().to("cpu", torch.float64).flatten()
+    return float((cmax / s).max())
 
 
 def _spec_kwargs(spec: TensorSpec) -> dict[str, Any]:
@@ -212,8 +222,6 @@ def _make_hook(state: _LayerState, track_stats: bool):
             xq, counts = fake_quantize_with_counts(x, spec.format, scale=state.static_scale, **kwargs)
             state.counts = counts if state.counts is None else state.counts + counts
         else:
-            from quantcore.quantize import fake_quantize
-
             xq = fake_quantize(x, spec.format, scale=state.static_scale, **kwargs)
         state.calls += 1
         if args:
@@ -236,6 +244,7 @@ def apply_plan(
 
     plan:            {nn.Linear name: Scheme or preset name}; identity schemes (BF16) are left untouched
     act_amax:        {layer: calibrated max |x|}, required for layers whose activations are static
+                     (of the unsmoothed input: layers smoothed here get max_j(channel_max_j / s_j))
     act_channel_max: {layer: (K,) calibrated max |x_j|}; when given, SmoothQuant α of the schemes
                      is folded first (all layers with an α must be present). When omitted, α is
                      ignored: smooth the model yourself with smooth_model() beforehand.
@@ -246,7 +255,7 @@ def apply_plan(
     """
     schemes = _resolve(plan)
     _check_layers(model, list(schemes))
-    static = _static_scales(schemes, act_amax)
+    static_amax = _static_layers(schemes, act_amax)
     active = {n: s for n, s in schemes.items() if not s.is_identity}
     untouched = [n for n, s in schemes.items() if s.is_identity]
 
@@ -260,6 +269,10 @@ def apply_plan(
                 f"{' ...' if len(missing) > 5 else ''}; pass per-input-channel max|x| from calibration"
             )
         smoothing = smooth_model(model, {n: act_channel_max[n] for n in alphas}, alphas, layers=list(alphas))
+    static = {
+        n: float(scale_from_amax(_smoothed_amax(a, n, smoothing, act_channel_max), schemes[n].activations.format))
+        for n, a in static_amax.items()
+    }
 
     applied = AppliedPlan(layers=dict(active), untouched=untouched, smoothing=smoothing)
     modules = dict(model.named_modules())
