@@ -80,18 +80,39 @@ def run(size: int, dtype: torch.dtype, device: torch.device, repeats: int) -> li
     x = make_input(size, dtype, device)
     n = x.numel()
     floor_s = time_fn(lambda: x.to(torch.float8_e4m3fn).to(x.dtype), device, repeats)
-    rows = [{"format": "floor: x.to(float8_e4m3fn).to(x.dtype)", "granularity": "-", "seconds": floor_s,
-             "elements_per_s": n / floor_s, "ratio_to_floor": 1.0}]
+    rows = [
+        {
+            "format": "floor: x.to(float8_e4m3fn).to(x.dtype)",
+            "granularity": "-",
+            "seconds": floor_s,
+            "elements_per_s": n / floor_s,
+            "ratio_to_floor": 1.0,
+        }
+    ]
     for fmt in list_formats():
         grans = [("group", {})] if get_format(fmt).is_block else GRANULARITIES
         for gran, kw in grans:
             label = f"group {get_format(fmt).block_size}" if get_format(fmt).is_block else gran
-            s = time_fn(lambda: fake_quantize(x, fmt, gran, **kw), device, repeats)
-            rows.append({"format": fmt, "granularity": label, "seconds": s, "elements_per_s": n / s,
-                         "ratio_to_floor": floor_s / s})
+            s = time_fn(lambda fmt=fmt, gran=gran, kw=kw: fake_quantize(x, fmt, gran, **kw), device, repeats)
+            rows.append(
+                {
+                    "format": fmt,
+                    "granularity": label,
+                    "seconds": s,
+                    "elements_per_s": n / s,
+                    "ratio_to_floor": floor_s / s,
+                }
+            )
     s = time_fn(lambda: fake_quantize_with_report(x, "fp8_e4m3"), device, repeats)
-    rows.append({"format": "fp8_e4m3 + report", "granularity": "tensor", "seconds": s, "elements_per_s": n / s,
-                 "ratio_to_floor": floor_s / s})
+    rows.append(
+        {
+            "format": "fp8_e4m3 + report",
+            "granularity": "tensor",
+            "seconds": s,
+            "elements_per_s": n / s,
+            "ratio_to_floor": floor_s / s,
+        }
+    )
     return rows
 
 
@@ -101,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median reported)")
-    parser.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) first (CPU)")
+    parser.add_argument(
+        "--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) first (CPU)"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     if args.size < 1 or args.repeats < 1:
@@ -110,16 +133,30 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_flush_denormal(True)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    print(f"fake_quantize throughput: {args.size}x{args.size} {args.dtype} on {device} "
-          f"(torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats})")
+    print(
+        f"fake_quantize throughput: {args.size}x{args.size} {args.dtype} on {device} "
+        f"(torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats})"
+    )
     rows = run(args.size, dtype, device, args.repeats)
     print(f"{'format':<42} {'granularity':<12} {'ms':>9} {'Melem/s':>10} {'x floor':>8}")
     for r in rows:
-        print(f"{r['format']:<42} {r['granularity']:<12} {r['seconds'] * 1e3:>9.1f} "
-              f"{r['elements_per_s'] / 1e6:>10.1f} {r['ratio_to_floor']:>8.3f}")
+        print(
+            f"{r['format']:<42} {r['granularity']:<12} {r['seconds'] * 1e3:>9.1f} "
+            f"{r['elements_per_s'] / 1e6:>10.1f} {r['ratio_to_floor']:>8.3f}"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "device": str(device),
-                                         "torch": torch.__version__, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "size": args.size,
+                    "dtype": args.dtype,
+                    "device": str(device),
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -140,7 +140,9 @@ def _resolve(plan: Mapping[str, Scheme | str]) -> dict[str, Scheme]:
         except ValueError:
             bad.append(f"{layer!r}: {scheme!r}")
     if bad:
-        raise PlanError(f"unknown scheme name(s) for {', '.join(bad)}; valid schemes: {', '.join(list_schemes())}")
+        raise PlanError(
+            f"unknown scheme name(s) for {', '.join(bad)}; valid schemes: {', '.join(list_schemes())}"
+        )
     return out
 
 
@@ -161,7 +163,9 @@ def _check_layers(model: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
             f"{', '.join(repr(n) for n in unknown[:8])}{' ...' if len(unknown) > 8 else ''}{hint}; "
             "use names from model.named_modules()"
         )
-    not_linear = [f"{n!r} ({type(modules[n]).__name__})" for n in names if not isinstance(modules[n], nn.Linear)]
+    not_linear = [
+        f"{n!r} ({type(modules[n]).__name__})" for n in names if not isinstance(modules[n], nn.Linear)
+    ]
     if not_linear:
         raise PlanError(f"only nn.Linear layers can be quantized; the plan names {', '.join(not_linear[:8])}")
     already = [n for n in names if getattr(modules[n], _MARKER, False)]
@@ -191,12 +195,19 @@ def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] 
     return out
 
 
-def _smoothed_amax(amax: float, name: str, smoothing: SmoothingHandle | None, act_channel_max: Mapping[str, Any] | None) -> float:
+def _smoothed_amax(
+    amax: float, name: str, smoothing: SmoothingHandle | None, act_channel_max: Mapping[str, Any] | None
+) -> float:
     """The static amax of a layer's input after smoothing: max_j(channel_max_j / s_j), exact.
 
     Calibration saw the unsmoothed input; dividing channel j by s_j divides its max by s_j.
     """
-    if smoothing is None or act_channel_max is None or name not in smoothing.factors or name not in act_channel_max:
+    if (
+        smoothing is None
+        or act_channel_max is None
+        or name not in smoothing.factors
+        or name not in act_channel_max
+    ):
         return amax
     s = smoothing.factors[name].detach().to("cpu", torch.float64)
     cmax = torch.as_tensor(act_channel_max[name]).detach().to("cpu", torch.float64).flatten()
@@ -270,7 +281,9 @@ def apply_plan(
             )
         smoothing = smooth_model(model, {n: act_channel_max[n] for n in alphas}, alphas, layers=list(alphas))
     static = {
-        n: float(scale_from_amax(_smoothed_amax(a, n, smoothing, act_channel_max), schemes[n].activations.format))
+        n: float(
+            scale_from_amax(_smoothed_amax(a, n, smoothing, act_channel_max), schemes[n].activations.format)
+        )
         for n, a in static_amax.items()
     }
 
@@ -280,13 +293,17 @@ def apply_plan(
         for name, scheme in active.items():
             module = modules[name]
             original = module.weight
-            wq, report = fake_quantize_with_report(original.detach(), scheme.weights.format, **_spec_kwargs(scheme.weights))
+            wq, report = fake_quantize_with_report(
+                original.detach(), scheme.weights.format, **_spec_kwargs(scheme.weights)
+            )
             state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name))
             module.weight = nn.Parameter(wq, requires_grad=False)
             setattr(module, _MARKER, True)
             applied._states[name] = state
             if scheme.activations is not None:
-                state.hook = module.register_forward_pre_hook(_make_hook(state, track_stats), with_kwargs=True)
+                state.hook = module.register_forward_pre_hook(
+                    _make_hook(state, track_stats), with_kwargs=True
+                )
     except Exception:
         applied.restore()
         raise
@@ -294,7 +311,9 @@ def apply_plan(
 
 
 @contextmanager
-def quantized_model(model: nn.Module, plan: Mapping[str, Scheme | str], **kwargs: Any) -> Iterator[AppliedPlan]:
+def quantized_model(
+    model: nn.Module, plan: Mapping[str, Scheme | str], **kwargs: Any
+) -> Iterator[AppliedPlan]:
     """Context manager around :func:`apply_plan`: the model is restored on exit, even on error."""
     applied = apply_plan(model, plan, **kwargs)
     try:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Literal
 
 FormatKind = Literal["float", "int", "block"]
@@ -133,8 +133,16 @@ class Format:
         return 2 * positive + 1 if self.signed else positive + 1
 
 
-def _float_format(name: str, exp_bits: int, man_bits: int, *, has_inf: bool, nan_in_top_binade: bool,
-                  torch_dtype: str | None, description: str) -> Format:
+def _float_format(
+    name: str,
+    exp_bits: int,
+    man_bits: int,
+    *,
+    has_inf: bool,
+    nan_in_top_binade: bool,
+    torch_dtype: str | None,
+    description: str,
+) -> Format:
     """Build a sign + ``exp_bits`` + ``man_bits`` minifloat record, deriving max and minima.
 
     has_inf:            the all-ones exponent is reserved for inf/NaN (IEEE style, E5M2)
@@ -207,20 +215,56 @@ def _block_format(name: str, element: Format, *, block_size: int, scale: str, de
 
 
 def _build_registry() -> dict[str, Format]:
-    e4m3 = _float_format("fp8_e4m3", 4, 3, has_inf=False, nan_in_top_binade=True, torch_dtype="float8_e4m3fn",
-                         description="FP8 E4M3 (fn): max 448, no inf; weights and forward activations")
-    e5m2 = _float_format("fp8_e5m2", 5, 2, has_inf=True, nan_in_top_binade=False, torch_dtype="float8_e5m2",
-                         description="FP8 E5M2: max 57344, has inf; wide range, one mantissa bit less")
-    e2m1 = _float_format("fp4_e2m1", 2, 1, has_inf=False, nan_in_top_binade=False, torch_dtype=None,
-                         description="FP4 E2M1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf, no NaN")
+    e4m3 = _float_format(
+        "fp8_e4m3",
+        4,
+        3,
+        has_inf=False,
+        nan_in_top_binade=True,
+        torch_dtype="float8_e4m3fn",
+        description="FP8 E4M3 (fn): max 448, no inf; weights and forward activations",
+    )
+    e5m2 = _float_format(
+        "fp8_e5m2",
+        5,
+        2,
+        has_inf=True,
+        nan_in_top_binade=False,
+        torch_dtype="float8_e5m2",
+        description="FP8 E5M2: max 57344, has inf; wide range, one mantissa bit less",
+    )
+    e2m1 = _float_format(
+        "fp4_e2m1",
+        2,
+        1,
+        has_inf=False,
+        nan_in_top_binade=False,
+        torch_dtype=None,
+        description="FP4 E2M1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf, no NaN",
+    )
     int8 = _int_format("int8", 8, torch_dtype="int8", description="INT8 symmetric: codes -127..127")
     int4 = _int_format("int4", 4, torch_dtype=None, description="INT4 symmetric: codes -7..7")
-    mxfp8 = _block_format("mxfp8", e4m3, block_size=MX_BLOCK_SIZE, scale="e8m0",
-                          description="OCP MXFP8: E4M3 elements, one power-of-two E8M0 scale per 32")
-    mxfp4 = _block_format("mxfp4", e2m1, block_size=MX_BLOCK_SIZE, scale="e8m0",
-                          description="OCP MXFP4: E2M1 elements, one power-of-two E8M0 scale per 32")
-    nvfp4 = _block_format("nvfp4", e2m1, block_size=NVFP4_BLOCK_SIZE, scale="fp8_e4m3",
-                          description="NVFP4: E2M1 elements, an E4M3 scale per 16, an fp32 tensor scale")
+    mxfp8 = _block_format(
+        "mxfp8",
+        e4m3,
+        block_size=MX_BLOCK_SIZE,
+        scale="e8m0",
+        description="OCP MXFP8: E4M3 elements, one power-of-two E8M0 scale per 32",
+    )
+    mxfp4 = _block_format(
+        "mxfp4",
+        e2m1,
+        block_size=MX_BLOCK_SIZE,
+        scale="e8m0",
+        description="OCP MXFP4: E2M1 elements, one power-of-two E8M0 scale per 32",
+    )
+    nvfp4 = _block_format(
+        "nvfp4",
+        e2m1,
+        block_size=NVFP4_BLOCK_SIZE,
+        scale="fp8_e4m3",
+        description="NVFP4: E2M1 elements, an E4M3 scale per 16, an fp32 tensor scale",
+    )
     return {f.name: f for f in (e4m3, e5m2, e2m1, int8, int4, mxfp8, mxfp4, nvfp4)}
 
 
@@ -252,7 +296,7 @@ def element_format(name: str | Format) -> Format:
     return get_format(fmt.element) if fmt.element else fmt
 
 
-@lru_cache(maxsize=None)
+@cache
 def _representable(name: str) -> tuple[float, ...]:
     fmt = element_format(name)
     if fmt.kind == "int":

@@ -156,7 +156,11 @@ def _parse_granularity(
         valid = ", ".join(repr(g.value) for g in Granularity)
         raise ValueError(f"unknown granularity {granularity!r}; use one of {valid}") from None
     if fmt.is_block:
-        if gran not in (Granularity.TENSOR, Granularity.GROUP) or group_size not in (None, fmt.block_size) or block:
+        if (
+            gran not in (Granularity.TENSOR, Granularity.GROUP)
+            or group_size not in (None, fmt.block_size)
+            or block
+        ):
             raise ValueError(
                 f"{fmt.name} fixes its own scale blocks ({fmt.block_size} elements along the last dim); "
                 f"leave granularity at 'tensor' or use 'group' with group_size={fmt.block_size} (or None)"
@@ -164,25 +168,33 @@ def _parse_granularity(
         return Granularity.GROUP, fmt.block_size, None
     if gran is Granularity.GROUP:
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-            raise ValueError(f"granularity 'group' needs group_size, a positive int such as 128; got {group_size!r}")
+            raise ValueError(
+                f"granularity 'group' needs group_size, a positive int such as 128; got {group_size!r}"
+            )
     elif group_size is not None:
         raise ValueError(f"group_size={group_size} is only used with granularity 'group'")
     if gran is Granularity.BLOCK:
         if block is None or len(block) != 2 or not all(isinstance(b, int) and b >= 1 for b in block):
-            raise ValueError(f"granularity 'block' needs block=(rows, cols) of positive ints, e.g. (128, 128); got {block!r}")
+            raise ValueError(
+                f"granularity 'block' needs block=(rows, cols) of positive ints, e.g. (128, 128); got {block!r}"
+            )
         block = (int(block[0]), int(block[1]))
     elif block is not None:
         raise ValueError(f"block={block} is only used with granularity 'block'")
     return gran, group_size, block
 
 
-def _layout(shape: tuple[int, ...], gran: Granularity, group_size: int | None, block: tuple[int, int] | None) -> _Layout:
+def _layout(
+    shape: tuple[int, ...], gran: Granularity, group_size: int | None, block: tuple[int, int] | None
+) -> _Layout:
     """The blocked view of a tensor of ``shape`` for one granularity (pure arithmetic on shapes)."""
     numel = math.prod(shape)
     if gran is Granularity.TENSOR:
         return _Layout(shape, 1, numel, 0, 0, (1, 1, 1, numel), ())
     if len(shape) == 0:
-        raise ValueError(f"granularity {gran.value!r} needs a tensor with at least one dimension; use 'tensor' for a scalar")
+        raise ValueError(
+            f"granularity {gran.value!r} needs a tensor with at least one dimension; use 'tensor' for a scalar"
+        )
     cols = shape[-1]
     rows = numel // cols if cols else math.prod(shape[:-1])
     if gran in (Granularity.CHANNEL, Granularity.TOKEN):
@@ -190,7 +202,9 @@ def _layout(shape: tuple[int, ...], gran: Granularity, group_size: int | None, b
     if gran is Granularity.GROUP:
         n_groups = -(-cols // group_size)  # ceil division
         pad_cols = n_groups * group_size - cols
-        return _Layout(shape, rows, cols, 0, pad_cols, (rows, 1, n_groups, group_size), (*shape[:-1], n_groups))
+        return _Layout(
+            shape, rows, cols, 0, pad_cols, (rows, 1, n_groups, group_size), (*shape[:-1], n_groups)
+        )
     br, bc = block
     n_r, n_c = -(-rows // br), -(-cols // bc)
     return _Layout(shape, rows, cols, n_r * br - rows, n_c * bc - cols, (n_r, br, n_c, bc), (n_r, n_c))
@@ -304,13 +318,15 @@ def delayed_scale(
 class AmaxHistory:
     """A rolling window of amax values for delayed scaling.
 
-        hist = AmaxHistory(window=16)
-        s = hist.scale("fp8_e4m3")                  # from past steps (scale 1 before the first push)
-        y, rep = fake_quantize_with_report(x, "fp8_e4m3", scale=s)
-        hist.push(compute_amax(x))                   # record this step for the next one
+    hist = AmaxHistory(window=16)
+    s = hist.scale("fp8_e4m3")                  # from past steps (scale 1 before the first push)
+    y, rep = fake_quantize_with_report(x, "fp8_e4m3", scale=s)
+    hist.push(compute_amax(x))                   # record this step for the next one
     """
 
-    def __init__(self, window: int = 16, scale_shape: tuple[int, ...] = (), device: torch.device | str | None = None):
+    def __init__(
+        self, window: int = 16, scale_shape: tuple[int, ...] = (), device: torch.device | str | None = None
+    ):
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int (steps of history), got {window!r}")
         self.history = torch.zeros((window, *scale_shape), dtype=SCALE_DTYPE, device=device)
@@ -384,9 +400,13 @@ def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
 
 def _check_float(x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"expected a torch.Tensor, got {type(x).__name__}; wrap data with torch.as_tensor(...)")
+        raise ValueError(
+            f"expected a torch.Tensor, got {type(x).__name__}; wrap data with torch.as_tensor(...)"
+        )
     if not x.is_floating_point():
-        raise ValueError(f"expected a floating-point tensor (float32/bfloat16/float16/float64), got {x.dtype}; cast it first")
+        raise ValueError(
+            f"expected a floating-point tensor (float32/bfloat16/float16/float64), got {x.dtype}; cast it first"
+        )
     if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"input is already {x.dtype}; dequantize it to float32/bfloat16 first")
     return x
@@ -401,7 +421,9 @@ def _static_scale(scale: torch.Tensor | float, lay: _Layout, device: torch.devic
     """A caller-given scale (float or tensor of the granularity's scale shape) -> (A, 1, C, 1) fp32."""
     if isinstance(scale, (int, float)):
         if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"a static scale must be finite and > 0, got {scale!r}; use scale_from_amax(amax, fmt)")
+            raise ValueError(
+                f"a static scale must be finite and > 0, got {scale!r}; use scale_from_amax(amax, fmt)"
+            )
         return torch.full((1, 1, 1, 1), float(scale), dtype=SCALE_DTYPE, device=device)
     s = torch.as_tensor(scale).to(device=device, dtype=SCALE_DTYPE)
     if s.numel() == 1:
@@ -409,9 +431,13 @@ def _static_scale(scale: torch.Tensor | float, lay: _Layout, device: torch.devic
     elif s.numel() == lay.blocked[0] * lay.blocked[2]:
         s = _scale_to_blocks(s, lay)
     else:
-        raise ValueError(f"static scale has {s.numel()} values; this granularity needs 1 or shape {lay.scale_shape}")
+        raise ValueError(
+            f"static scale has {s.numel()} values; this granularity needs 1 or shape {lay.scale_shape}"
+        )
     if not bool(torch.isfinite(s).all() and (s > 0).all()):
-        raise ValueError("a static scale must be finite and > 0 everywhere; derive it with scale_from_amax(amax, fmt)")
+        raise ValueError(
+            "a static scale must be finite and > 0 everywhere; derive it with scale_from_amax(amax, fmt)"
+        )
     return s
 
 
@@ -426,14 +452,18 @@ class _Core:
     tensor_scale: torch.Tensor | None = None  # nvfp4: fp32 tensor scale g, 0-d
 
 
-def _quantize_blocked(xb: torch.Tensor, fmt: Format, scale: torch.Tensor | float | None, lay: _Layout) -> _Core:
+def _quantize_blocked(
+    xb: torch.Tensor, fmt: Format, scale: torch.Tensor | float | None, lay: _Layout
+) -> _Core:
     """Scale and round one blocked tensor (work dtype) per its format."""
     elem = element_format(fmt)
     if fmt.name == "nvfp4":
         return _quantize_nvfp4(xb, scale)
     if fmt.scale == "e8m0":
         if scale is not None:
-            raise ValueError(f"{fmt.name} computes its power-of-two scales from each block; do not pass scale=")
+            raise ValueError(
+                f"{fmt.name} computes its power-of-two scales from each block; do not pass scale="
+            )
         s = _e8m0_scale(_amax_blocked(xb), elem)
     elif scale is None:
         s = scale_from_amax(_amax_blocked(xb), fmt)
@@ -455,12 +485,16 @@ def _quantize_nvfp4(xb: torch.Tensor, tensor_scale: torch.Tensor | float | None)
         g = scale_from_amax(block_amax.amax(), "nvfp4")
     elif isinstance(tensor_scale, (int, float)):
         if not (math.isfinite(tensor_scale) and tensor_scale > 0):
-            raise ValueError(f"nvfp4 tensor scale must be finite and > 0, got {tensor_scale!r}; use scale_from_amax(amax, 'nvfp4')")
+            raise ValueError(
+                f"nvfp4 tensor scale must be finite and > 0, got {tensor_scale!r}; use scale_from_amax(amax, 'nvfp4')"
+            )
         g = torch.tensor(float(tensor_scale), dtype=SCALE_DTYPE, device=xb.device)
     else:
         g = torch.as_tensor(tensor_scale).to(device=xb.device, dtype=SCALE_DTYPE)
         if g.numel() != 1 or not bool(torch.isfinite(g).all() and (g > 0).all()):
-            raise ValueError(f"nvfp4 takes one finite, positive fp32 tensor scale; got {g.numel()} value(s): {g.flatten()[:4].tolist()}")
+            raise ValueError(
+                f"nvfp4 takes one finite, positive fp32 tensor scale; got {g.numel()} value(s): {g.flatten()[:4].tolist()}"
+            )
         g = g.reshape(())
     s_b = (block_amax / F4E2M1_MAX / g).clamp_(max=F8E4M3_MAX).to(torch.float8_e4m3fn).to(SCALE_DTYPE)
     s_eff = s_b * g
@@ -470,7 +504,9 @@ def _quantize_nvfp4(xb: torch.Tensor, tensor_scale: torch.Tensor | float | None)
     return _Core(values, s_eff, scaled, s_b, g)
 
 
-def _report_counts(x: torch.Tensor, core: _Core, deq: torch.Tensor, fmt: Format, n_elements: int) -> torch.Tensor:
+def _report_counts(
+    x: torch.Tensor, core: _Core, deq: torch.Tensor, fmt: Format, n_elements: int
+) -> torch.Tensor:
     """int64 [elements, nonzero, saturated, underflow, nan] on x's device (no host sync)."""
     nan = torch.isnan(x)
     nonzero = (x != 0) & ~nan
@@ -501,7 +537,9 @@ def _run(
     fmt = get_format(fmt)
     gran, group_size, block = _parse_granularity(fmt, granularity, group_size, block)
     if fmt.is_block and len(x.shape) == 0:
-        raise ValueError(f"{fmt.name} quantizes blocks along the last dimension; pass a tensor with at least one dim")
+        raise ValueError(
+            f"{fmt.name} quantizes blocks along the last dimension; pass a tensor with at least one dim"
+        )
     lay = _layout(tuple(x.shape), gran, group_size, block)
     xb = _to_blocks(x.to(_work_dtype(x)), lay)
     core = _quantize_blocked(xb, fmt, scale, lay)
@@ -584,7 +622,9 @@ def fake_quantize_spec(
     x: torch.Tensor, spec: TensorSpec, *, scale: torch.Tensor | float | None = None
 ) -> torch.Tensor:
     """:func:`fake_quantize` with the format and granularity of a :class:`~quantcore.schemes.TensorSpec`."""
-    return fake_quantize(x, spec.format, spec.granularity, group_size=spec.group_size, block=spec.block, scale=scale)
+    return fake_quantize(
+        x, spec.format, spec.granularity, group_size=spec.group_size, block=spec.block, scale=scale
+    )
 
 
 @dataclass
@@ -648,7 +688,9 @@ def quantize(
             f"{fmt_obj.name} has no NaN code, and the input contains NaN; clean the input "
             "(e.g. torch.nan_to_num) or use fake_quantize, which keeps NaN in place"
         )
-    deq, core, lay, fmt_obj, counts = _run(x, fmt_obj, granularity, group_size, block, scale, want_report=True)
+    deq, core, lay, fmt_obj, counts = _run(
+        x, fmt_obj, granularity, group_size, block, scale, want_report=True
+    )
     values = _from_blocks(core.values, lay)
     scale_out = core.block_scale if fmt_obj.name == "nvfp4" else core.scale
     gran, group_size, block = _parse_granularity(fmt_obj, granularity, group_size, block)
@@ -692,7 +734,9 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     bit for a uniform quantizer: INT8 per-tensor on Gaussian data gives roughly 38-40 dB.
     """
     if ref.shape != approx.shape:
-        raise ValueError(f"sqnr_db needs tensors of one shape, got {tuple(ref.shape)} and {tuple(approx.shape)}")
+        raise ValueError(
+            f"sqnr_db needs tensors of one shape, got {tuple(ref.shape)} and {tuple(approx.shape)}"
+        )
     r = ref.detach().to(torch.float64)
     noise = float((r - approx.detach().to(torch.float64)).pow(2).sum())
     signal = float(r.pow(2).sum())

@@ -48,7 +48,7 @@ FP8_ACT_GROUP = 128  # DeepSeek-V3 activation tile: 1 x 128 along K, per token
 IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
 
 
-class Granularity(str, Enum):
+class Granularity(str, Enum):  # noqa: UP042 - the contract: (str, Enum) as compressed-tensors
     """How many scales a tensor gets (see the module docstring for shapes)."""
 
     TENSOR = "tensor"
@@ -97,19 +97,31 @@ class TensorSpec:
                 )
             object.__setattr__(self, "group_size", fmt.block_size)
         if gran is Granularity.GROUP:
-            if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
-                raise ValueError(f"granularity 'group' needs a positive integer group_size (e.g. 128), got {self.group_size!r}")
+            if (
+                not isinstance(self.group_size, int)
+                or isinstance(self.group_size, bool)
+                or self.group_size < 1
+            ):
+                raise ValueError(
+                    f"granularity 'group' needs a positive integer group_size (e.g. 128), got {self.group_size!r}"
+                )
         elif self.group_size is not None:
-            raise ValueError(f"group_size={self.group_size} is only used with granularity 'group'; drop it or use 'group'")
+            raise ValueError(
+                f"group_size={self.group_size} is only used with granularity 'group'; drop it or use 'group'"
+            )
         if gran is Granularity.BLOCK:
             if (
                 self.block is None
                 or len(self.block) != 2
                 or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.block)
             ):
-                raise ValueError(f"granularity 'block' needs block=(rows, cols) of positive integers, e.g. (128, 128); got {self.block!r}")
+                raise ValueError(
+                    f"granularity 'block' needs block=(rows, cols) of positive integers, e.g. (128, 128); got {self.block!r}"
+                )
         elif self.block is not None:
-            raise ValueError(f"block={self.block} is only used with granularity 'block'; drop it or use 'block'")
+            raise ValueError(
+                f"block={self.block} is only used with granularity 'block'; drop it or use 'block'"
+            )
 
     @property
     def bits(self) -> int:
@@ -173,7 +185,9 @@ class Scheme:
                 "supported: add a weight spec"
             )
         if self.weights is not None and self.weights.granularity is Granularity.TOKEN:
-            raise ValueError(f"scheme {self.name!r}: weights use 'channel' for one scale per output row, not 'token'")
+            raise ValueError(
+                f"scheme {self.name!r}: weights use 'channel' for one scale per output row, not 'token'"
+            )
         if self.activations is not None and self.activations.granularity is Granularity.CHANNEL:
             raise ValueError(
                 f"scheme {self.name!r}: activations use 'token' for one scale per row; a per-input-channel "
@@ -194,8 +208,14 @@ class Scheme:
                 )
         alpha = self.smoothquant_alpha
         if alpha is not None:
-            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-                raise ValueError(f"scheme {self.name!r}: smoothquant_alpha must be a number in [0, 1] (0.5 is usual), got {alpha!r}")
+            if (
+                isinstance(alpha, bool)
+                or not isinstance(alpha, (int, float))
+                or not 0.0 <= float(alpha) <= 1.0
+            ):
+                raise ValueError(
+                    f"scheme {self.name!r}: smoothquant_alpha must be a number in [0, 1] (0.5 is usual), got {alpha!r}"
+                )
             if self.activations is None:
                 raise ValueError(
                     f"scheme {self.name!r}: SmoothQuant moves activation outliers into the weights and only helps "
@@ -274,45 +294,108 @@ class Scheme:
 
 
 def _presets() -> dict[str, Scheme]:
-    T, C, K, G, B = (Granularity.TENSOR, Granularity.CHANNEL, Granularity.TOKEN, Granularity.GROUP, Granularity.BLOCK)
+    T, C, K, G, B = (
+        Granularity.TENSOR,
+        Granularity.CHANNEL,
+        Granularity.TOKEN,
+        Granularity.GROUP,
+        Granularity.BLOCK,
+    )
     fp8_w_tensor = TensorSpec("fp8_e4m3", T, dynamic=False)
     fp8_w_channel = TensorSpec("fp8_e4m3", C, dynamic=False)
     int8_w_channel = TensorSpec("int8", C, dynamic=False)
     int8_a_token = TensorSpec("int8", K)
     int8_a_tensor = TensorSpec("int8", T)
     schemes = [
-        Scheme("FP8", fp8_w_tensor, TensorSpec("fp8_e4m3", T, dynamic=False),
-               description="FP8 E4M3, per-tensor weights, static per-tensor activations (calibrated amax)"),
-        Scheme("FP8_PER_TENSOR", fp8_w_tensor, TensorSpec("fp8_e4m3", T),
-               description="FP8 E4M3, per-tensor weights, dynamic per-tensor activations"),
-        Scheme("FP8_DYNAMIC", fp8_w_channel, TensorSpec("fp8_e4m3", K),
-               description="FP8 E4M3, per-channel weights, dynamic per-token activations; no calibration"),
-        Scheme("FP8_BLOCK", TensorSpec("fp8_e4m3", B, dynamic=False, block=FP8_BLOCK),
-               TensorSpec("fp8_e4m3", G, group_size=FP8_ACT_GROUP),
-               description="FP8 E4M3, 128x128 weight blocks, 1x128 dynamic activation groups (DeepSeek-V3)"),
-        Scheme("FP8_E5M2", TensorSpec("fp8_e5m2", T, dynamic=False), TensorSpec("fp8_e5m2", T),
-               description="FP8 E5M2, per-tensor weights, dynamic per-tensor activations (a training format; "
-                           "shown for comparison with FP8_PER_TENSOR)"),
-        Scheme("INT8_PER_TENSOR", int8_w_channel, int8_a_tensor,
-               description="INT8, per-channel weights, dynamic per-tensor activations"),
-        Scheme("INT8_PER_TENSOR_SQ", int8_w_channel, int8_a_tensor, smoothquant_alpha=SQ_DEFAULT_ALPHA,
-               description="INT8_PER_TENSOR after SmoothQuant (α = 0.5)"),
-        Scheme("INT8_W8A8", int8_w_channel, int8_a_token,
-               description="INT8, per-channel weights, dynamic per-token activations"),
-        Scheme("INT8_W8A8_SQ", int8_w_channel, int8_a_token, smoothquant_alpha=SQ_DEFAULT_ALPHA,
-               description="INT8_W8A8 after SmoothQuant (α = 0.5)"),
+        Scheme(
+            "FP8",
+            fp8_w_tensor,
+            TensorSpec("fp8_e4m3", T, dynamic=False),
+            description="FP8 E4M3, per-tensor weights, static per-tensor activations (calibrated amax)",
+        ),
+        Scheme(
+            "FP8_PER_TENSOR",
+            fp8_w_tensor,
+            TensorSpec("fp8_e4m3", T),
+            description="FP8 E4M3, per-tensor weights, dynamic per-tensor activations",
+        ),
+        Scheme(
+            "FP8_DYNAMIC",
+            fp8_w_channel,
+            TensorSpec("fp8_e4m3", K),
+            description="FP8 E4M3, per-channel weights, dynamic per-token activations; no calibration",
+        ),
+        Scheme(
+            "FP8_BLOCK",
+            TensorSpec("fp8_e4m3", B, dynamic=False, block=FP8_BLOCK),
+            TensorSpec("fp8_e4m3", G, group_size=FP8_ACT_GROUP),
+            description="FP8 E4M3, 128x128 weight blocks, 1x128 dynamic activation groups (DeepSeek-V3)",
+        ),
+        Scheme(
+            "FP8_E5M2",
+            TensorSpec("fp8_e5m2", T, dynamic=False),
+            TensorSpec("fp8_e5m2", T),
+            description="FP8 E5M2, per-tensor weights, dynamic per-tensor activations (a training format; "
+            "shown for comparison with FP8_PER_TENSOR)",
+        ),
+        Scheme(
+            "INT8_PER_TENSOR",
+            int8_w_channel,
+            int8_a_tensor,
+            description="INT8, per-channel weights, dynamic per-tensor activations",
+        ),
+        Scheme(
+            "INT8_PER_TENSOR_SQ",
+            int8_w_channel,
+            int8_a_tensor,
+            smoothquant_alpha=SQ_DEFAULT_ALPHA,
+            description="INT8_PER_TENSOR after SmoothQuant (α = 0.5)",
+        ),
+        Scheme(
+            "INT8_W8A8",
+            int8_w_channel,
+            int8_a_token,
+            description="INT8, per-channel weights, dynamic per-token activations",
+        ),
+        Scheme(
+            "INT8_W8A8_SQ",
+            int8_w_channel,
+            int8_a_token,
+            smoothquant_alpha=SQ_DEFAULT_ALPHA,
+            description="INT8_W8A8 after SmoothQuant (α = 0.5)",
+        ),
         Scheme("W8A16", int8_w_channel, None, description="INT8 per-channel weights, 16-bit activations"),
-        Scheme("W4A16", TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE), None,
-               description="INT4 weights in groups of 128 along K, 16-bit activations"),
-        Scheme("MXFP8", TensorSpec("mxfp8", G, dynamic=False), TensorSpec("mxfp8", G),
-               description="OCP MXFP8: E4M3 with a power-of-two scale per 32, weights and activations"),
-        Scheme("MXFP4", TensorSpec("mxfp4", G, dynamic=False), TensorSpec("mxfp4", G),
-               description="OCP MXFP4: E2M1 with a power-of-two scale per 32, weights and activations"),
-        Scheme("NVFP4", TensorSpec("nvfp4", G, dynamic=False), TensorSpec("nvfp4", G),
-               description="NVFP4: E2M1, E4M3 scale per 16, fp32 tensor scale, weights and activations "
-                           "(activation tensor scale dynamic here; llm-compressor calibrates it)"),
-        Scheme("NVFP4A16", TensorSpec("nvfp4", G, dynamic=False), None,
-               description="NVFP4 weights, 16-bit activations"),
+        Scheme(
+            "W4A16",
+            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE),
+            None,
+            description="INT4 weights in groups of 128 along K, 16-bit activations",
+        ),
+        Scheme(
+            "MXFP8",
+            TensorSpec("mxfp8", G, dynamic=False),
+            TensorSpec("mxfp8", G),
+            description="OCP MXFP8: E4M3 with a power-of-two scale per 32, weights and activations",
+        ),
+        Scheme(
+            "MXFP4",
+            TensorSpec("mxfp4", G, dynamic=False),
+            TensorSpec("mxfp4", G),
+            description="OCP MXFP4: E2M1 with a power-of-two scale per 32, weights and activations",
+        ),
+        Scheme(
+            "NVFP4",
+            TensorSpec("nvfp4", G, dynamic=False),
+            TensorSpec("nvfp4", G),
+            description="NVFP4: E2M1, E4M3 scale per 16, fp32 tensor scale, weights and activations "
+            "(activation tensor scale dynamic here; llm-compressor calibrates it)",
+        ),
+        Scheme(
+            "NVFP4A16",
+            TensorSpec("nvfp4", G, dynamic=False),
+            None,
+            description="NVFP4 weights, 16-bit activations",
+        ),
         Scheme("BF16", None, None, description="left unquantized"),
     ]
     return {s.name: s for s in schemes}
@@ -350,7 +433,11 @@ def get_scheme(name: str | Scheme) -> Scheme:
 # Llama / Mistral / Qwen2 / Gemma / Gemma3 (q_proj, k_proj, v_proj; gate_proj, up_proj),
 # Mixtral experts (w1 = gate, w3 = up) and BERT (attention.self.query / key / value).
 _FUSION_RULES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = (
-    (re.compile(r"^(?:(?P<parent>.*)\.)?(?P<leaf>q_proj|k_proj|v_proj)$"), "qkv", ("q_proj", "k_proj", "v_proj")),
+    (
+        re.compile(r"^(?:(?P<parent>.*)\.)?(?P<leaf>q_proj|k_proj|v_proj)$"),
+        "qkv",
+        ("q_proj", "k_proj", "v_proj"),
+    ),
     (re.compile(r"^(?:(?P<parent>.*)\.)?(?P<leaf>gate_proj|up_proj)$"), "gate_up", ("gate_proj", "up_proj")),
     (re.compile(r"^(?:(?P<parent>.*\.experts\.\d+)\.)(?P<leaf>w1|w3)$"), "w1_w3", ("w1", "w3")),
     (re.compile(r"^(?:(?P<parent>.*)\.)?(?P<leaf>query|key|value)$"), "bert_qkv", ("query", "key", "value")),

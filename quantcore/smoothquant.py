@@ -45,7 +45,9 @@ from torch import nn
 from quantcore.errors import PlanError
 from quantcore.schemes import fusion_groups
 
-SQ_EPS = 1e-5  # clamp for channel maxima, as SmoothQuant's code and the reference text: dead channels get finite s
+SQ_EPS = (
+    1e-5  # clamp for channel maxima, as SmoothQuant's code and the reference text: dead channels get finite s
+)
 
 _QKV = re.compile(r"^(?P<block>.+)\.self_attn\.(?P<leaf>q_proj|k_proj|v_proj)$")
 _GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.(?P<leaf>gate_proj|up_proj)$")
@@ -71,7 +73,9 @@ def smoothing_factors(
     act_max / s = weight_max * s = sqrt(act_max * weight_max).
     """
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-        raise ValueError(f"alpha must be a number in [0, 1] (0.5 is usual, up to ~0.85 for strong outliers), got {alpha!r}")
+        raise ValueError(
+            f"alpha must be a number in [0, 1] (0.5 is usual, up to ~0.85 for strong outliers), got {alpha!r}"
+        )
     if not eps > 0:
         raise ValueError(f"eps must be > 0 (it keeps dead channels finite), got {eps!r}")
     a = torch.as_tensor(act_max).detach().to(torch.float64)
@@ -236,24 +240,42 @@ def _alpha_for(unit: _Unit, requested: set[str], alpha: float | Mapping[str, flo
         return float(alpha)
     values = {float(alpha[n]) for n in unit.consumers if n in requested and n in alpha}
     if not values:
-        raise ValueError(f"no alpha given for {', '.join(n for n in unit.consumers if n in requested)}; add them to the alpha mapping")
+        raise ValueError(
+            f"no alpha given for {', '.join(n for n in unit.consumers if n in requested)}; add them to the alpha mapping"
+        )
     if len(values) > 1:
-        raise ValueError(f"{', '.join(unit.consumers)} share one input and must share one alpha; got {sorted(values)}")
+        raise ValueError(
+            f"{', '.join(unit.consumers)} share one input and must share one alpha; got {sorted(values)}"
+        )
     return values.pop()
 
 
-def _act_max_for(unit: _Unit, act_channel_max: Mapping[str, object], k: int, device: torch.device) -> torch.Tensor:
+def _act_max_for(
+    unit: _Unit, act_channel_max: Mapping[str, object], k: int, device: torch.device
+) -> torch.Tensor:
     """Elementwise max of the calibrated input maxima of the unit's consumers (they read one tensor)."""
     found = []
     for n in unit.consumers:
         if n in act_channel_max:
-            t = torch.as_tensor(np.asarray(act_channel_max[n]) if not isinstance(act_channel_max[n], torch.Tensor)
-                                else act_channel_max[n]).detach().to(device=device, dtype=torch.float32).flatten()
+            t = (
+                torch.as_tensor(
+                    np.asarray(act_channel_max[n])
+                    if not isinstance(act_channel_max[n], torch.Tensor)
+                    else act_channel_max[n]
+                )
+                .detach()
+                .to(device=device, dtype=torch.float32)
+                .flatten()
+            )
             if t.numel() != k:
-                raise ValueError(f"act_channel_max[{n!r}] has {t.numel()} values; the layer has {k} input channels")
+                raise ValueError(
+                    f"act_channel_max[{n!r}] has {t.numel()} values; the layer has {k} input channels"
+                )
             found.append(t)
     if not found:
-        raise ValueError(f"no act_channel_max for {', '.join(unit.consumers)}; pass per-input-channel max|x| from calibration")
+        raise ValueError(
+            f"no act_channel_max for {', '.join(unit.consumers)}; pass per-input-channel max|x| from calibration"
+        )
     return torch.stack(found).amax(dim=0)
 
 
@@ -299,7 +321,9 @@ def smooth_model(
     order = {n: i for i, n in enumerate(modules)}
     requested_set = set(requested)
     for unit in sorted(units.values(), key=lambda u: order[u.consumers[0]]):
-        reason = _fold(handle, unit, modules, linears, act_channel_max, _alpha_for(unit, requested_set, alpha))
+        reason = _fold(
+            handle, unit, modules, linears, act_channel_max, _alpha_for(unit, requested_set, alpha)
+        )
         if reason is not None:
             for n in unit.consumers:
                 if n in requested_set:
@@ -327,7 +351,9 @@ def _fold(
             return f"expected the norm {unit.producer!r} before these layers; the model has none"
         style = _gain_style(norm)
         if style is None or norm.weight.shape[0] != k:
-            return f"{unit.producer} is not a norm with a per-channel gain of width {k}; cannot fold 1/s into it"
+            return (
+                f"{unit.producer} is not a norm with a per-channel gain of width {k}; cannot fold 1/s into it"
+            )
         s = smoothing_factors(act, _column_max(consumers), alpha).to(device)
         _divide_norm(handle, norm, style, s)
         for c in consumers:
@@ -336,7 +362,9 @@ def _fold(
         v, o = linears[unit.producer], consumers[0]
         n_rep, rem = divmod(o.in_features, v.out_features)
         if rem:
-            return f"o_proj input ({o.in_features}) is not a whole number of v_proj outputs ({v.out_features})"
+            return (
+                f"o_proj input ({o.in_features}) is not a whole number of v_proj outputs ({v.out_features})"
+            )
         act_t, w_t = act, _column_max([o])
         if n_rep > 1:  # GQA: tie s across the query heads that read one kv head
             attn = modules[unit.producer.rsplit(".", 1)[0]]

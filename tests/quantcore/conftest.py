@@ -98,7 +98,9 @@ def build_tiny_model(arch: str, *, seed: int = 0, dtype=None, plant_outliers: bo
                 neutral = 0.0 if arch == "gemma3" else 1.0  # Gemma scales by (1 + w)
                 noise = 0.1 * torch.randn(weight.shape, generator=gen)
                 weight.copy_(neutral + noise)
-                if name.endswith(("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")):
+                if name.endswith(
+                    ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")
+                ):
                     if not (arch == "gemma3" and name.endswith("post_attention_layernorm")):
                         weight[OUTLIER_CHANNEL] = OUTLIER_GAIN - (1.0 - neutral)
             for layer in model.model.layers:

@@ -125,7 +125,9 @@ def test_smoothquant_helps_int8_per_tensor_on_planted_outliers(tiny_llama, tiny_
     names = block_linears(tiny_llama)
     with quantized_model(tiny_llama, {n: "INT8_PER_TENSOR" for n in names}):
         plain = mean_kl(ref, logits(tiny_llama, tiny_input_ids))
-    with quantized_model(tiny_llama, {n: "INT8_PER_TENSOR_SQ" for n in names}, act_channel_max=cmax) as applied:
+    with quantized_model(
+        tiny_llama, {n: "INT8_PER_TENSOR_SQ" for n in names}, act_channel_max=cmax
+    ) as applied:
         smoothed = mean_kl(ref, logits(tiny_llama, tiny_input_ids))
         assert applied.smoothing is not None and applied.smoothing.skipped == {}
     assert smoothed < plain / 2
@@ -145,8 +147,15 @@ def test_lm_head_and_tied_weights(tiny_model_factory, tiny_input_ids):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     emb = model.model.embed_tokens.weight.detach().clone()
@@ -168,7 +177,9 @@ def test_bf16_model(tiny_model_factory, tiny_input_ids):
 
 
 def test_errors_name_the_problem(tiny_llama):
-    with pytest.raises(PlanError, match=r"model.layers.0.self_attn.qproj.*did you mean 'model.layers.0.self_attn.q_proj'"):
+    with pytest.raises(
+        PlanError, match=r"model.layers.0.self_attn.qproj.*did you mean 'model.layers.0.self_attn.q_proj'"
+    ):
         apply_plan(tiny_llama, {"model.layers.0.self_attn.qproj": "FP8_DYNAMIC"})
     with pytest.raises(PlanError, match="only nn.Linear"):
         apply_plan(tiny_llama, {"model.layers.0.input_layernorm": "FP8_DYNAMIC"})
@@ -177,7 +188,11 @@ def test_errors_name_the_problem(tiny_llama):
     with pytest.raises(PlanError, match="no calibrated amax.*model.layers.0.mlp.up_proj"):
         apply_plan(tiny_llama, {"model.layers.0.mlp.up_proj": "FP8"})
     with pytest.raises(PlanError, match="finite"):
-        apply_plan(tiny_llama, {"model.layers.0.mlp.up_proj": "FP8"}, act_amax={"model.layers.0.mlp.up_proj": float("nan")})
+        apply_plan(
+            tiny_llama,
+            {"model.layers.0.mlp.up_proj": "FP8"},
+            act_amax={"model.layers.0.mlp.up_proj": float("nan")},
+        )
     with pytest.raises(PlanError, match="SmoothQuant needs act_channel_max"):
         apply_plan(tiny_llama, {"model.layers.0.mlp.up_proj": "INT8_W8A8_SQ"}, act_channel_max={})
     applied = apply_plan(tiny_llama, {"lm_head": "FP8_DYNAMIC"})
@@ -239,12 +254,18 @@ def test_static_scale_follows_smoothing(tiny_llama, tiny_input_ids):
     # divided by s_j, so apply_plan must use max_j(channel_max_j / s_j) or the scale is wrong
     from quantcore.schemes import Scheme, TensorSpec
 
-    static_sq = Scheme("INT8_STATIC_SQ", TensorSpec("int8", "channel"), TensorSpec("int8", "tensor", dynamic=False),
-                       smoothquant_alpha=0.5)
+    static_sq = Scheme(
+        "INT8_STATIC_SQ",
+        TensorSpec("int8", "channel"),
+        TensorSpec("int8", "tensor", dynamic=False),
+        smoothquant_alpha=0.5,
+    )
     act_amax, cmax = calibration(tiny_llama, tiny_input_ids)
     names = block_linears(tiny_llama)
     ref = logits(tiny_llama, tiny_input_ids)
-    with quantized_model(tiny_llama, {n: static_sq for n in names}, act_amax=act_amax, act_channel_max=cmax) as a:
+    with quantized_model(
+        tiny_llama, {n: static_sq for n in names}, act_amax=act_amax, act_channel_max=cmax
+    ) as a:
         static_kl = mean_kl(ref, logits(tiny_llama, tiny_input_ids))
         stats = a.stats()
         # block 0's q/k/v read the embeddings through one norm: no upstream quantization noise, so
@@ -252,7 +273,9 @@ def test_static_scale_follows_smoothing(tiny_llama, tiny_input_ids):
         first = [n for n in names if n.startswith("model.layers.0.self_attn.") and not n.endswith("o_proj")]
         assert len(first) == 3 and all(stats[n].activations.n_saturated == 0 for n in first)
         s = a.smoothing.factors[names[0]]
-        assert a._states[names[0]].static_scale == pytest.approx(float((cmax[names[0]] / s).max()) / 127, rel=1e-6)
+        assert a._states[names[0]].static_scale == pytest.approx(
+            float((cmax[names[0]] / s).max()) / 127, rel=1e-6
+        )
     with quantized_model(tiny_llama, {n: "INT8_PER_TENSOR_SQ" for n in names}, act_channel_max=cmax):
         dynamic_kl = mean_kl(ref, logits(tiny_llama, tiny_input_ids))
     # calibrated on this very input, the static scales are about as good as live per-tensor ones

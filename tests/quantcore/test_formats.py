@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -37,7 +38,13 @@ def test_format_fields_match_the_specs(name):
     kind, bits, e, m, mx, mn, ms, inf, block, elem, scale, dtype = GOLDEN[name]
     assert (fmt.name, fmt.kind, fmt.bits, fmt.exp_bits, fmt.man_bits) == (name, kind, bits, e, m)
     assert (fmt.max, fmt.min_normal, fmt.min_subnormal) == (mx, mn, ms)
-    assert (fmt.has_inf, fmt.block_size, fmt.element, fmt.scale, fmt.torch_dtype) == (inf, block, elem, scale, dtype)
+    assert (fmt.has_inf, fmt.block_size, fmt.element, fmt.scale, fmt.torch_dtype) == (
+        inf,
+        block,
+        elem,
+        scale,
+        dtype,
+    )
     assert fmt.signed is True
     assert fmt.is_block == (kind == "block")
 
@@ -50,7 +57,11 @@ def test_format_max_agrees_with_torch_finfo_iinfo(name):
         assert fmt.max == torch.iinfo(dtype).max  # 127; the symmetric range leaves -128 unused
     else:
         info = torch.finfo(dtype)
-        assert (fmt.max, fmt.min_normal, fmt.min_subnormal) == (info.max, info.tiny, info.smallest_normal * 2.0**-fmt.man_bits)
+        assert (fmt.max, fmt.min_normal, fmt.min_subnormal) == (
+            info.max,
+            info.tiny,
+            info.smallest_normal * 2.0**-fmt.man_bits,
+        )
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
@@ -99,7 +110,7 @@ def test_get_format_passes_a_format_through_and_element_format_unwraps_blocks():
 
 
 def test_format_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         get_format("int8").max = 255.0  # type: ignore[misc]
 
 

@@ -438,7 +438,13 @@ def test_report_sum():
     a = QuantReport(10, 8, 1, 2, 0)
     b = QuantReport(10, 2, 0, 0, 1)
     total = a + b
-    assert (total.n_elements, total.n_nonzero, total.n_saturated, total.n_underflow, total.n_nan) == (20, 10, 1, 2, 1)
+    assert (total.n_elements, total.n_nonzero, total.n_saturated, total.n_underflow, total.n_nan) == (
+        20,
+        10,
+        1,
+        2,
+        1,
+    )
     assert total.saturation == 0.05 and total.underflow == 0.2
 
 
@@ -626,5 +632,5 @@ def test_property_error_and_saturation_bounds_per_tensor(fmt, x):
         # block formats: never beyond the block amax by more than half a top step of its scale
         q = quantize(x, fmt)
         top = fmt_obj.top_step * (q.scale if q.tensor_scale is None else q.scale * q.tensor_scale)
-        assert (y.abs().amax() <= amax + (top.max() / 2).item() * (1 + 1e-6))
+        assert y.abs().amax() <= amax + (top.max() / 2).item() * (1 + 1e-6)
     assert 0.0 <= report.saturation <= 1.0 and 0.0 <= report.underflow <= 1.0

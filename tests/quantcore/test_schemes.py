@@ -56,7 +56,11 @@ def test_preset_contents(name):
     if af is None:
         assert s.activations is None and s.weight_only
     else:
-        assert (s.activations.format, s.activations.granularity.value, s.activations.dynamic) == (af, ag, adyn)
+        assert (s.activations.format, s.activations.granularity.value, s.activations.dynamic) == (
+            af,
+            ag,
+            adyn,
+        )
     assert s.smoothquant_alpha == alpha
     assert s.description
 
@@ -146,7 +150,9 @@ def test_scheme_validation_messages():
     with pytest.raises(ValueError, match="unknown Scheme field"):
         Scheme.from_dict({"name": "X", "weights": None, "activations": None, "alpha": 0.5})
     # static nvfp4 activations: a calibrated fp32 tensor scale, blocks still dynamic
-    assert Scheme("X", TensorSpec("nvfp4", "group"), TensorSpec("nvfp4", "group", dynamic=False)).needs_calibration
+    assert Scheme(
+        "X", TensorSpec("nvfp4", "group"), TensorSpec("nvfp4", "group", dynamic=False)
+    ).needs_calibration
 
 
 LLAMA_BLOCK = [
@@ -161,9 +167,17 @@ def test_fusion_groups_llama_qwen_gemma_mistral_naming():
     groups = fusion_groups(reversed(names))  # canonical member order regardless of input order
     assert groups == [
         ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"],
-        ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"],
+        [
+            "model.layers.1.self_attn.q_proj",
+            "model.layers.1.self_attn.k_proj",
+            "model.layers.1.self_attn.v_proj",
+        ],
         ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
-        ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"],
+        [
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.k_proj",
+            "model.layers.0.self_attn.v_proj",
+        ],
     ]
 
 
@@ -171,8 +185,12 @@ def test_fusion_groups_bert_and_singletons():
     bert = [f"encoder.layer.0.attention.self.{p}" for p in ("query", "key", "value")]
     bert.append("encoder.layer.0.attention.output.dense")
     assert fusion_groups(bert) == [bert[:3]]
-    assert fusion_group_of("encoder.layer.0.attention.output.dense", bert) == ["encoder.layer.0.attention.output.dense"]
-    assert fusion_group_of("model.layers.0.self_attn.o_proj", LLAMA_BLOCK) == ["model.layers.0.self_attn.o_proj"]
+    assert fusion_group_of("encoder.layer.0.attention.output.dense", bert) == [
+        "encoder.layer.0.attention.output.dense"
+    ]
+    assert fusion_group_of("model.layers.0.self_attn.o_proj", LLAMA_BLOCK) == [
+        "model.layers.0.self_attn.o_proj"
+    ]
     assert fusion_group_of("model.layers.0.self_attn.k_proj", LLAMA_BLOCK) == LLAMA_BLOCK[:3]
 
 
