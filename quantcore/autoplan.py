@@ -1,0 +1,749 @@
+"""Automatic plans: the cheapest scheme per layer whose predicted KL stays within a budget (torch-free).
+
+The problem
+    Units are the fusion groups of the model (q/k/v, gate/up of one block: one GEMM at
+    serving time, so one scheme) and every other linear layer on its own. Unit ``u`` in
+    scheme ``s`` has a KL ``kl[u][s]`` from the sensitivity sweep (KL of the whole model
+    with only that unit quantized) and a cost ``cost[u][s]``. The plan's *predicted* KL is
+    the sum of its units' KLs (additivity is the modelling assumption; the score job
+    measures the real one). Choose one scheme per unit to
+
+        minimise  sum_u cost[u][s_u]   subject to   sum_u kl[u][s_u] <= kl_budget
+
+    — a multiple-choice knapsack. BF16 is always available at KL 0, so every budget >= 0
+    is feasible.
+
+Which schemes a unit may take
+    A candidate scheme is dropped for the whole plan when the target GPU has no serving
+    path for it (``hardware.support_on_target == "unsupported"``) or when no sensitivity
+    result exists for it; the reason is returned in ``excluded``. A unit whose KL for a
+    scheme is unknown cannot take that scheme.
+
+Sensitivity input
+    ``sensitivity`` maps a scheme name to ``{key: KL}``, where a key is a *unit label*
+    (``model.layers.3.self_attn.{q,k,v}_proj``, as :func:`quantcore.plans.group_label`
+    writes it and the sensitivity sweep stores it) or a single layer name. Optionally
+    ``unit_layers`` maps a label to its member layers (the sweep's ``layers`` column), for
+    labels written some other way. A fusion group's KL is its own entry when present,
+    otherwise the sum of its members' single-layer entries. :func:`sensitivity_from_rows`
+    builds both maps from stored sweep rows.
+
+Cost
+    - ``cost=None``: a bits proxy, ``weight_bits * N * K`` (the weight memory in bits; the
+      bytes a decode step reads), needing ``layer_shapes`` {layer: (N, K)}.
+    - ``cost={scheme: {layer: ms}}``: measured GEMM times on the target (see
+      :func:`cost_from_kernel_records`). ``cost["BF16"]`` must time every layer (the
+      baseline); a scheme without a time for a layer is *estimated* as the layer's BF16 time
+      times ``weight_bits / 16`` — the same proxy, in milliseconds — and marked
+      ``"estimated"`` in ``per_unit`` (``estimate_missing=False`` forbids instead).
+    Equal costs are broken towards the lower KL.
+
+Solver
+    Exact dynamic programming over a discretised KL budget: the budget is cut into
+    ``resolution`` steps of ``kl_budget / resolution`` and every KL is rounded **up** to a
+    whole number of steps, in exact rational arithmetic. The DP finds the cheapest plan
+    whose rounded KLs fit; since rounding only ever increases a KL, the true predicted KL of
+    the answer never exceeds the budget (conservative). The price of the rounding: the
+    answer is at least as cheap as the best plan with KL <= ``kl_budget - n_units * step``
+    (with the default 10,000 steps and 130 units, 1.3 % of the budget). When every KL is a
+    whole number of steps the answer is exactly optimal. Time and memory:
+    O(units * schemes * resolution) with numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from quantcore.errors import PlanError
+from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
+from quantcore.plans import group_label, scheme_label
+from quantcore.schemes import IDENTITY_BITS, Scheme, fusion_groups, get_scheme, list_schemes
+
+BASELINE_SCHEME = "BF16"  # always available, KL 0
+DEFAULT_CANDIDATES: tuple[str, ...] = (
+    "BF16",
+    "FP8_DYNAMIC",
+    "FP8_BLOCK",
+    "INT8_W8A8",
+    "INT8_W8A8_SQ",
+    "W8A16",
+    "W4A16",
+    "NVFP4A16",
+    "NVFP4",
+    "MXFP4",
+)
+DEFAULT_KL_STEPS = 10_000  # budget resolution of the DP (steps of kl_budget / 10,000)
+MAX_KL_STEPS = 1_000_000  # beyond this the DP tables grow past ~100 MB for large models
+COST_TIE_RTOL = 1e-12  # plans whose costs differ by less than this (relative) count as equally cheap
+
+COST_MEASURED = "measured"  # a kernel time from the benchmark table
+COST_ESTIMATED = "estimated"  # BF16 time x weight_bits / 16
+COST_BITS = "bits"  # weight_bits x N x K
+UNIT_MS = "ms"
+UNIT_BITS = "weight bits"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """The cost of one layer in one scheme.
+
+    cost:   milliseconds per GEMM call (measured or estimated), or weight bits (bits proxy)
+    source: ``"measured"`` | ``"estimated"`` | ``"bits"`` (see the module docstring)
+    """
+
+    layer: str
+    scheme: str
+    cost: float
+    source: str
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """The scheme chosen for one unit, with its KL and cost.
+
+    unit:          unit label (fusion-group label or layer name)
+    layers:        member layers
+    kl:            predicted KL of this unit in ``scheme`` (0 for BF16)
+    cost:          cost of the unit in ``scheme`` (same unit as the plan's cost)
+    baseline_cost: cost of the unit in BF16
+    cost_source:   ``"measured"``, ``"estimated"``, ``"bits"``, or ``"mixed"`` when members differ
+    support:       ``"native"`` | ``"emulated"`` on the target
+    options:       number of schemes this unit could take (BF16 included)
+    """
+
+    unit: str
+    layers: tuple[str, ...]
+    scheme: str
+    kl: float
+    cost: float
+    baseline_cost: float
+    cost_source: str
+    support: str
+    options: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict."""
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+
+@dataclass
+class AutoPlanResult:
+    """What :func:`auto_plan` chose.
+
+    plan:          {layer: scheme name} for every layer, in ``layer_names`` order
+    predicted_kl:  sum of the chosen units' KLs (<= kl_budget)
+    cost:          total cost of the plan (``cost_unit``)
+    baseline_cost: total cost with every layer in BF16
+    per_unit:      one :class:`UnitChoice` per unit, in model order
+    excluded:      {candidate scheme: why it could not be chosen anywhere}
+    kl_budget, target, cost_unit ("ms" | "weight bits"), resolution: the inputs, for the record
+    """
+
+    plan: dict[str, str]
+    predicted_kl: float
+    cost: float
+    baseline_cost: float
+    per_unit: list[UnitChoice]
+    excluded: dict[str, str]
+    kl_budget: float
+    target: str
+    cost_unit: str
+    resolution: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def saving(self) -> float:
+        """1 - cost / baseline_cost: the share of the baseline cost the plan saves."""
+        return 1.0 - self.cost / self.baseline_cost if self.baseline_cost > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (for ``quantplan plan auto --json`` and the jobs table)."""
+        return {
+            "plan": dict(self.plan),
+            "predicted_kl": self.predicted_kl,
+            "cost": self.cost,
+            "baseline_cost": self.baseline_cost,
+            "saving": self.saving,
+            "cost_unit": self.cost_unit,
+            "kl_budget": self.kl_budget,
+            "target": self.target,
+            "resolution": self.resolution,
+            "per_unit": [u.to_dict() for u in self.per_unit],
+            "excluded": dict(self.excluded),
+            "notes": list(self.notes),
+        }
+
+
+# ------------------------------------------------------------------ units and sensitivity
+
+
+def plan_units(layer_names: Sequence[str]) -> list[list[str]]:
+    """The units of a model: fusion groups and single layers, in model order (first member's position)."""
+    names = list(dict.fromkeys(layer_names))
+    group_of: dict[str, list[str]] = {}
+    for g in fusion_groups(names):
+        for m in g:
+            group_of[m] = g
+    units: list[list[str]] = []
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            continue
+        unit = group_of.get(n, [n])
+        seen.update(unit)
+        units.append(list(unit))
+    return units
+
+
+def sensitivity_from_rows(rows: Iterable[Any]) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
+    """(sensitivity, unit_layers) from sensitivity-sweep rows.
+
+    A row is a mapping or an object with ``scheme``, ``unit`` (or ``layer``), ``layers`` and
+    ``kl_mean`` (``store.records.SensitivityRecord``, ``quantcore.sensitivity.SensitivityRow``
+    plus its scheme, or their dicts). A later row for the same scheme and unit replaces an
+    earlier one.
+    """
+    sens: dict[str, dict[str, float]] = {}
+    unit_layers: dict[str, list[str]] = {}
+
+    def get(row: Any, *keys: str) -> Any:
+        for k in keys:
+            if isinstance(row, Mapping) and k in row:
+                return row[k]
+            if not isinstance(row, Mapping) and hasattr(row, k):
+                return getattr(row, k)
+        raise PlanError(f"sensitivity row {row!r} has no {' / '.join(keys)}")
+
+    for row in rows:
+        scheme = str(get(row, "scheme"))
+        unit = str(get(row, "unit", "layer"))
+        layers = [str(x) for x in (get(row, "layers") or [unit])]
+        sens.setdefault(scheme, {})[unit] = float(get(row, "kl_mean", "kl"))
+        unit_layers[unit] = layers
+    return sens, unit_layers
+
+
+def _unit_kls(
+    units: Sequence[Sequence[str]],
+    sensitivity: Mapping[str, Mapping[str, float]],
+    unit_layers: Mapping[str, Sequence[str]] | None,
+    schemes: Iterable[str],
+) -> dict[str, dict[int, float]]:
+    """{scheme: {unit index: KL}} for the units whose KL is known; PlanError for bad entries."""
+    index_of_layer: dict[str, int] = {}
+    index_of_members: dict[frozenset[str], int] = {}
+    index_of_label: dict[str, int] = {}
+    for i, u in enumerate(units):
+        for m in u:
+            index_of_layer[m] = i
+        index_of_members[frozenset(u)] = i
+        index_of_label[group_label(u)] = i
+    problems: list[str] = []
+    out: dict[str, dict[int, float]] = {}
+    for scheme in schemes:
+        entries = sensitivity.get(scheme)
+        if not entries:
+            continue
+        whole: dict[int, float] = {}
+        single: dict[str, float] = {}
+        for key, value in entries.items():
+            kl = _check_kl(value, f"sensitivity[{scheme!r}][{key!r}]", problems)
+            if kl is None:
+                continue
+            members = list(unit_layers[key]) if unit_layers and key in unit_layers else None
+            if members is not None and len(members) > 1:
+                idx = index_of_members.get(frozenset(members))
+                if idx is None:
+                    problems.append(
+                        f"sensitivity unit {key!r} of {scheme} covers {members}, which is not a fusion "
+                        "group of this model; sweep fusion groups whole or single layers"
+                    )
+                    continue
+                whole[idx] = kl
+            elif key in index_of_label and len(units[index_of_label[key]]) > 1:
+                whole[index_of_label[key]] = kl
+            else:
+                layer = members[0] if members else key
+                if layer not in index_of_layer:
+                    problems.append(
+                        f"sensitivity[{scheme!r}] names {key!r}, which is neither a layer of this model "
+                        "nor one of its unit labels; was the sweep run on another model?"
+                    )
+                    continue
+                single[layer] = kl
+        known: dict[int, float] = {}
+        for i, u in enumerate(units):
+            if i in whole:
+                known[i] = whole[i]
+            elif all(m in single for m in u):
+                known[i] = math.fsum(single[m] for m in u)
+        out[scheme] = known
+    if problems:
+        raise PlanError(_format("The sensitivity results cannot be used", problems))
+    return out
+
+
+def _check_kl(value: Any, where: str, problems: list[str]) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problems.append(f"{where} must be a number (KL in nats), got {value!r}")
+        return None
+    kl = float(value)
+    if not math.isfinite(kl):
+        problems.append(f"{where} is {kl}: rerun the sensitivity sweep for it (or leave the scheme out)")
+        return None
+    return max(kl, 0.0)  # KL >= 0; a tiny negative value is float noise of the sweep
+
+
+# ------------------------------------------------------------------ costs
+
+
+def _bits_cost(scheme: Scheme, shape: tuple[int, int]) -> float:
+    n, k = shape
+    return float(scheme.weight_bits) * float(n) * float(k)
+
+
+def _layer_costs(
+    layer_names: Sequence[str],
+    schemes: Sequence[str],
+    cost: Mapping[str, Mapping[str, float]] | None,
+    layer_shapes: Mapping[str, tuple[int, int]] | None,
+    estimate_missing: bool,
+) -> dict[str, dict[str, LayerCost]]:
+    """{scheme: {layer: LayerCost}}; a layer missing under a scheme cannot take it."""
+    problems: list[str] = []
+    out: dict[str, dict[str, LayerCost]] = {}
+    if cost is None:
+        shapes = layer_shapes or {}
+        missing = [n for n in layer_names if n not in shapes]
+        if missing:
+            raise PlanError(
+                f"the bits cost proxy needs every layer's (N, K): layer_shapes lacks {_cut(missing)}"
+            )
+        for n in layer_names:
+            shape = shapes[n]
+            if (
+                not isinstance(shape, (tuple, list))
+                or len(shape) != 2
+                or not all(isinstance(x, int) and x > 0 for x in shape)
+            ):
+                problems.append(f"layer_shapes[{n!r}] must be (N, K) positive integers, got {shape!r}")
+        if problems:
+            raise PlanError(_format("Layer shapes are malformed", problems))
+        for s in schemes:
+            scheme = get_scheme(s)
+            out[s] = {
+                n: LayerCost(n, s, _bits_cost(scheme, tuple(shapes[n])), COST_BITS) for n in layer_names
+            }
+        return out
+    base = cost.get(BASELINE_SCHEME, {})
+    missing = [n for n in layer_names if n not in base]
+    if missing:
+        raise PlanError(
+            f"measured costs need a BF16 (baseline) time for every layer; cost['BF16'] lacks "
+            f"{_cut(missing)}: benchmark the baseline for these shapes, or plan with the bits proxy "
+            "(cost=None)"
+        )
+    for s in schemes:
+        scheme = get_scheme(s)
+        times = cost.get(s, {})
+        row: dict[str, LayerCost] = {}
+        for n in layer_names:
+            if n in times:
+                v = times[n]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    problems.append(f"cost[{s!r}][{n!r}] must be a time in ms >= 0, got {v!r}")
+                    continue
+                row[n] = LayerCost(n, s, float(v), COST_MEASURED)
+            elif estimate_missing:
+                row[n] = LayerCost(n, s, float(base[n]) * scheme.weight_bits / IDENTITY_BITS, COST_ESTIMATED)
+        out[s] = row
+    if problems:
+        raise PlanError(_format("The cost table is malformed", problems))
+    return out
+
+
+def cost_from_kernel_records(
+    records: Iterable[Any],
+    layer_shapes: Mapping[str, tuple[int, int]],
+    schemes: Sequence[str],
+    *,
+    m: int,
+    target: str | None = None,
+) -> dict[str, dict[str, float]]:
+    """Per-layer GEMM times {scheme: {layer: ms}} at M = ``m`` tokens, from kernel benchmark records.
+
+    ``records`` are :class:`quantcore.kernels.KernelRecord` or their dicts, from one device.
+    BF16 takes the ``baseline`` path; another scheme takes the path
+    :func:`quantcore.kernels.scheme_to_path` gives it, timed with on-the-fly activation
+    quantization (``+q``) as serving pays it. Schemes without a path (weight-only, FP4,
+    block scales) and shapes not measured are left out; :func:`auto_plan` estimates or
+    forbids them. With ``target``, records from a GPU that is not that target raise
+    PlanError: times from one GPU say nothing about another.
+    """
+    from quantcore.kernels import PATH_BASELINE, QUANT_ACT_SUFFIX, KernelRecord, scheme_to_path
+
+    recs = [r if isinstance(r, KernelRecord) else KernelRecord.from_dict(r) for r in records]
+    devices = {(r.device, r.device_name) for r in recs}
+    if len(devices) > 1:
+        raise PlanError(
+            f"kernel records come from several devices ({', '.join(sorted(d[1] for d in devices))}); "
+            "pass the records of one device"
+        )
+    if target is not None and recs:
+        if target not in TARGETS:
+            raise PlanError(f"unknown GPU target {target!r}; choose one of: {', '.join(TARGETS)}")
+        device, name = next(iter(devices))
+        found = match_target(name) if device == "cuda" else None
+        if found != target:
+            raise PlanError(
+                f"the kernel times were measured on {name!r} ({device}), not on target {target!r}; "
+                f"benchmark on a {TARGETS[target].name}, or plan with the bits proxy (no kernel times)"
+            )
+    times = {(r.m, r.n, r.k, r.path): r.ms for r in recs if r.ms is not None}
+    out: dict[str, dict[str, float]] = {}
+    for s in schemes:
+        scheme = get_scheme(s)
+        if scheme.is_identity:
+            path: str | None = PATH_BASELINE
+        else:
+            w = scheme.weights.format if scheme.weights else None
+            a = scheme.activations.format if scheme.activations else None
+            g = scheme.activations.granularity.value if scheme.activations else None
+            base = scheme_to_path(w, a, g)
+            path = base + QUANT_ACT_SUFFIX if base else None
+        if path is None:
+            continue
+        row = {}
+        for layer, (n, k) in layer_shapes.items():
+            t = times.get((m, n, k, path))
+            if t is not None:
+                row[layer] = float(t)
+        if row:
+            out[s] = row
+    return out
+
+
+# ------------------------------------------------------------------ solver
+
+
+def _steps(kl: float, budget: float, resolution: int) -> int | None:
+    """ceil(kl / (budget / resolution)) exactly (rationals), or None when it cannot fit at all."""
+    if budget == 0.0:
+        return 0 if kl == 0.0 else None
+    q = Fraction(kl) * resolution / Fraction(budget)
+    w = -((-q.numerator) // q.denominator)
+    return w if w <= resolution else None
+
+
+def solve_mck(
+    options: Sequence[Sequence[tuple[float, float]]], kl_budget: float, resolution: int = DEFAULT_KL_STEPS
+) -> list[int]:
+    """Multiple-choice knapsack: one option per unit, min sum of costs, sum of KLs <= kl_budget.
+
+    ``options[u]`` lists ``(kl, cost)`` pairs of unit ``u``; returns the chosen option index
+    per unit. KLs are rounded up to steps of ``kl_budget / resolution`` (exact rationals), so
+    the chosen KLs always sum to <= kl_budget; among equally cheap answers (relative
+    tolerance COST_TIE_RTOL) the one using the fewest budget steps wins. Raises PlanError
+    when no choice fits (some unit has no option of KL 0 that fits, etc.).
+    """
+    if not math.isfinite(kl_budget) or kl_budget < 0:
+        raise PlanError(f"the KL budget must be a finite number >= 0 (nats per token), got {kl_budget!r}")
+    if not isinstance(resolution, int) or isinstance(resolution, bool) or not 1 <= resolution <= MAX_KL_STEPS:
+        raise PlanError(f"resolution must be an integer in [1, {MAX_KL_STEPS}], got {resolution!r}")
+    steps = 0 if kl_budget == 0.0 else resolution
+    size = steps + 1
+    dp = np.full(size, np.inf)
+    dp[0] = 0.0
+    choice = np.full((len(options), size), -1, dtype=np.int32)
+    weights: list[list[int | None]] = []
+    for u, opts in enumerate(options):
+        ws = [_steps(kl, kl_budget, steps) for kl, _ in opts]
+        weights.append(ws)
+        new = np.full(size, np.inf)
+        ch = np.full(size, -1, dtype=np.int32)
+        # try cheaper budget use first so that, at equal cost, fewer steps win
+        for j in sorted(range(len(opts)), key=lambda j: (ws[j] if ws[j] is not None else size, opts[j][1])):
+            w = ws[j]
+            if w is None:
+                continue
+            cand = np.full(size, np.inf)
+            cand[w:] = dp[: size - w] + opts[j][1]
+            better = cand < new
+            new[better] = cand[better]
+            ch[better] = j
+        dp = new
+        choice[u] = ch
+    finite = np.isfinite(dp)
+    if not finite.any():
+        raise PlanError(
+            f"no plan fits a KL budget of {kl_budget:g}: some unit has no scheme with a known KL that fits"
+        )
+    best = float(dp[finite].min())
+    tol = COST_TIE_RTOL * max(abs(best), 1.0)
+    b = int(np.flatnonzero(finite & (dp <= best + tol))[0])
+    picked = [0] * len(options)
+    for u in range(len(options) - 1, -1, -1):
+        j = int(choice[u][b])
+        picked[u] = j
+        b -= weights[u][j]
+    return picked
+
+
+# ------------------------------------------------------------------ the planner
+
+
+def auto_plan(
+    layer_names: Sequence[str],
+    sensitivity: Mapping[str, Mapping[str, float]],
+    *,
+    kl_budget: float,
+    target: str,
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    cost: Mapping[str, Mapping[str, float]] | None = None,
+    layer_shapes: Mapping[str, tuple[int, int]] | None = None,
+    unit_layers: Mapping[str, Sequence[str]] | None = None,
+    resolution: int = DEFAULT_KL_STEPS,
+    estimate_missing: bool = True,
+) -> AutoPlanResult:
+    """The cheapest plan whose predicted KL (sum of unit KLs) is <= ``kl_budget``.
+
+    layer_names:  every linear layer of the model (names as in ``named_modules()``)
+    sensitivity:  {scheme name: {unit label or layer name: KL}} (see the module docstring)
+    kl_budget:    nats per token, >= 0
+    target:       GPU key of ``quantcore.hardware.TARGETS``; schemes it cannot serve are never chosen
+    candidates:   scheme names to consider; BF16 is always added
+    cost:         {scheme: {layer: ms}} measured on the target, or None for the bits proxy
+    layer_shapes: {layer: (N, K)}, needed by the bits proxy
+    unit_layers:  {unit label: member layers} for sensitivity keys that are not this module's labels
+    resolution:   budget steps of the DP (conservative rounding, see the module docstring)
+
+    Raises PlanError for a negative or non-finite budget, unknown schemes, an unknown target,
+    sensitivity keys that name nothing in the model, and missing costs or shapes.
+    """
+    names = list(dict.fromkeys(layer_names))
+    if not names:
+        raise PlanError("the model has no linear layers to plan (layer_names is empty)")
+    if (
+        isinstance(kl_budget, bool)
+        or not isinstance(kl_budget, (int, float))
+        or not math.isfinite(kl_budget)
+        or kl_budget < 0
+    ):
+        raise PlanError(
+            f"the KL budget must be a finite number >= 0 (nats per token), got {kl_budget!r}; "
+            "0 keeps every layer in BF16"
+        )
+    if target not in TARGETS:
+        raise PlanError(f"unknown GPU target {target!r}; choose one of: {', '.join(TARGETS)}")
+    valid = list_schemes()
+    unknown = [c for c in candidates if c not in valid]
+    if unknown:
+        raise PlanError(f"unknown candidate scheme(s) {unknown}; valid schemes are: {', '.join(valid)}")
+    schemes = list(dict.fromkeys([BASELINE_SCHEME, *candidates]))
+
+    excluded: dict[str, str] = {}
+    support: dict[str, str] = {}
+    usable: list[str] = []
+    for s in schemes:
+        sch = get_scheme(s)
+        w = sch.weights.format if sch.weights else None
+        a = sch.activations.format if sch.activations else None
+        verdict = support_on_target(target, w, a)
+        if verdict == "unsupported":
+            excluded[s] = support_reason(target, w, a)
+            continue
+        if s != BASELINE_SCHEME and not sensitivity.get(s):
+            excluded[s] = (
+                f"no sensitivity results for {s}: run a sensitivity sweep with it to let the planner use it"
+            )
+            continue
+        support[s] = verdict
+        usable.append(s)
+    units = plan_units(names)
+    kls = _unit_kls(units, sensitivity, unit_layers, [s for s in usable if s != BASELINE_SCHEME])
+    kls[BASELINE_SCHEME] = {i: 0.0 for i in range(len(units))}
+    costs = _layer_costs(names, usable, cost, layer_shapes, estimate_missing)
+
+    notes: list[str] = []
+    unit_opts: list[list[tuple[str, float, float, str]]] = []  # (scheme, kl, cost, source)
+    for i, u in enumerate(units):
+        opts = []
+        for s in usable:
+            if i not in kls.get(s, {}) or not all(m in costs[s] for m in u):
+                continue
+            lc = [costs[s][m] for m in u]
+            sources = {c.source for c in lc}
+            opts.append(
+                (s, kls[s][i], math.fsum(c.cost for c in lc), sources.pop() if len(sources) == 1 else "mixed")
+            )
+        unit_opts.append(opts)
+    for s in usable:
+        if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
+            excluded[s] = (
+                f"{s} has no unit with both a KL and a cost: its sensitivity keys match no unit, or no "
+                "layer has a kernel time for it"
+            )
+    picked = solve_mck(
+        [[(kl, c) for _, kl, c, _ in opts] for opts in unit_opts], float(kl_budget), resolution
+    )
+
+    plan: dict[str, str] = {}
+    per_unit: list[UnitChoice] = []
+    for u, opts, j in zip(units, unit_opts, picked, strict=True):
+        s, kl, c, source = opts[j]
+        base = next(o for o in opts if o[0] == BASELINE_SCHEME)
+        for m in u:
+            plan[m] = s
+        per_unit.append(
+            UnitChoice(
+                unit=group_label(u),
+                layers=tuple(u),
+                scheme=s,
+                kl=kl,
+                cost=c,
+                baseline_cost=base[2],
+                cost_source=source,
+                support=support[s],
+                options=len(opts),
+            )
+        )
+    plan = {n: plan[n] for n in names}
+    emulated = sorted({p.scheme for p in per_unit if p.support == "emulated" and p.scheme != BASELINE_SCHEME})
+    if emulated:
+        notes.append(
+            f"{', '.join(emulated)} run emulated on {target}: numerics as planned, without the speed-up "
+            "of native kernels"
+        )
+    if any(p.cost_source in (COST_ESTIMATED, "mixed") for p in per_unit):
+        notes.append(
+            "some costs are estimated (BF16 time x weight bits / 16) where the benchmark has no kernel time"
+        )
+    return AutoPlanResult(
+        plan=plan,
+        predicted_kl=math.fsum(p.kl for p in per_unit),
+        cost=math.fsum(p.cost for p in per_unit),
+        baseline_cost=math.fsum(p.baseline_cost for p in per_unit),
+        per_unit=per_unit,
+        excluded=excluded,
+        kl_budget=float(kl_budget),
+        target=target,
+        cost_unit=UNIT_BITS if cost is None else UNIT_MS,
+        resolution=resolution,
+        notes=notes,
+    )
+
+
+def predicted_kl(
+    plan: Mapping[str, Scheme | str],
+    sensitivity: Mapping[str, Mapping[str, float]],
+    *,
+    unit_layers: Mapping[str, Sequence[str]] | None = None,
+) -> float:
+    """Predicted KL of a plan: the sum over its units of the unit's KL in its scheme (BF16: 0).
+
+    Units are the fusion groups among the plan's layers and every other layer; a fusion
+    group whose members have different schemes is counted layer by layer. Only the scheme
+    *name* is looked up (sensitivity is stored per name). Raises PlanError naming the
+    units whose KL for their scheme is unknown.
+    """
+    names = list(plan)
+    labels = {n: scheme_label(plan[n]) if not isinstance(plan[n], str) else plan[n] for n in names}
+    scheme_of = {n: (plan[n] if isinstance(plan[n], str) else plan[n].name) for n in names}
+    units: list[list[str]] = []
+    for u in plan_units(names):
+        if len({labels[m] for m in u}) == 1:
+            units.append(u)
+        else:
+            units.extend([m] for m in u)
+    need = {scheme_of[u[0]] for u in units if scheme_of[u[0]] != BASELINE_SCHEME}
+    # unit indices refer to `units`, which may split groups: build the lookup per unit list
+    kls = _kls_for_units(units, sensitivity, unit_layers, need)
+    missing: list[str] = []
+    total: list[float] = []
+    for i, u in enumerate(units):
+        s = scheme_of[u[0]]
+        if s == BASELINE_SCHEME or get_scheme(s).is_identity:
+            continue
+        if i not in kls.get(s, {}):
+            missing.append(f"{group_label(u)} in {s}")
+            continue
+        total.append(kls[s][i])
+    if missing:
+        raise PlanError(
+            f"no sensitivity result for {_cut(missing)}; run a sensitivity sweep for these schemes"
+        )
+    return math.fsum(total)
+
+
+def _kls_for_units(
+    units: Sequence[Sequence[str]],
+    sensitivity: Mapping[str, Mapping[str, float]],
+    unit_layers: Mapping[str, Sequence[str]] | None,
+    schemes: Iterable[str],
+) -> dict[str, dict[int, float]]:
+    """Like :func:`_unit_kls`, for a unit list that may split fusion groups into single layers.
+
+    A whole-group entry can only serve a whole-group unit; a split group's layers need
+    their single-layer entries.
+    """
+    full = plan_units([m for u in units for m in u])
+    full_kls = _unit_kls(full, sensitivity, unit_layers, schemes)
+    index_full = {frozenset(u): i for i, u in enumerate(full)}
+    singles: dict[str, dict[str, float]] = {}
+    for s in schemes:
+        for key, value in (sensitivity.get(s) or {}).items():
+            members = list(unit_layers[key]) if unit_layers and key in unit_layers else [key]
+            if len(members) == 1 and isinstance(value, (int, float)) and math.isfinite(value):
+                singles.setdefault(s, {})[members[0]] = max(float(value), 0.0)
+    out: dict[str, dict[int, float]] = {}
+    for s in schemes:
+        row: dict[int, float] = {}
+        for i, u in enumerate(units):
+            j = index_full.get(frozenset(u))
+            if j is not None and j in full_kls.get(s, {}):
+                row[i] = full_kls[s][j]
+            elif len(u) == 1 and u[0] in singles.get(s, {}):
+                row[i] = singles[s][u[0]]
+        out[s] = row
+    return out
+
+
+# ------------------------------------------------------------------ helpers
+
+MAX_NAMES_IN_MESSAGE = 8
+
+
+def _cut(names: Sequence[str]) -> str:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:MAX_NAMES_IN_MESSAGE])
+    rest = len(names) - MAX_NAMES_IN_MESSAGE
+    return shown + (f" and {rest} more" if rest > 0 else "")
+
+
+def _format(title: str, problems: Sequence[str]) -> str:
+    if len(problems) == 1:
+        return f"{title}: {problems[0]}"
+    return f"{title} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+__all__ = [
+    "AutoPlanResult",
+    "DEFAULT_CANDIDATES",
+    "DEFAULT_KL_STEPS",
+    "LayerCost",
+    "UnitChoice",
+    "auto_plan",
+    "cost_from_kernel_records",
+    "plan_units",
+    "predicted_kl",
+    "sensitivity_from_rows",
+    "solve_mck",
+]

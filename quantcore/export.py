@@ -1,0 +1,1398 @@
+"""Export a resolved plan to serving tools, and import it back (torch-free).
+
+Three targets, all describing the same thing — which quantization every linear layer gets:
+
+- an **llm-compressor recipe** (YAML): a ``QuantizationModifier`` with a preset ``scheme``
+  or explicit ``config_groups``, ``targets`` and an ``ignore`` list, preceded by one
+  ``SmoothQuantModifier`` per SmoothQuant strength the plan uses;
+- a **compressed-tensors** ``quantization_config`` (the JSON that llm-compressor writes into
+  a compressed checkpoint's ``config.json`` and vLLM reads);
+- the matching **vLLM** ``serve`` command line.
+
+Facts this module relies on (compressed-tensors 0.19.0 / llmcompressor 0.14.0.1, read in
+their sources, and vLLM's compressed-tensors loader):
+
+- ``QuantizationArgs``: ``num_bits``, ``type`` ("int" | "float"), ``strategy`` ("tensor",
+  "channel", "token", "group", "block", "tensor_group"), ``symmetric``, ``dynamic`` (bool,
+  or "local" = block scales dynamic, global scale calibrated; NVFP4 activations),
+  ``group_size``, ``block_structure`` ([rows, cols]), ``scale_dtype``. A float with
+  ``num_bits: 8`` is always E4M3 (``FP8_E4M3_DATA``): **E5M2 cannot be expressed**.
+  4-bit floats exist only block-scaled: NVFP4 (``tensor_group``, 16, E4M3 scales) and
+  MXFP4 (``group``, 32, ``scale_dtype: torch.uint8`` = E8M0). MXFP8 is 8-bit float,
+  ``group`` 32, ``torch.uint8`` scales. Activations cannot use ``block``.
+- Preset names (``PRESET_SCHEMES``) and what they mean are in :data:`CT_PRESETS`. Two
+  look alike but differ: compressed-tensors' ``W8A16`` is INT8 weights in *groups of
+  128*, quantplan's ``W8A16`` is INT8 *per channel*; presets are therefore matched by
+  their arguments, never by name.
+- Target matching (``compressed_tensors.utils.match``): a target is an exact module
+  name, a ``re:`` regular expression applied with ``re.match`` (anchored at the start
+  only), or a class name such as ``Linear``. A module matched by several targets takes
+  the first of: exact names, then regexes (sorted as strings), then class names.
+- vLLM looks up a fused layer (``qkv_proj``, ``gate_up_proj``) by *class name before its
+  shards' names*, so a plan with several config groups never uses the class target
+  ``Linear`` (it would capture every fused layer); such plans target layers by name.
+
+Layer names
+    ``layer_names`` must be every ``nn.Linear`` of the model, ``lm_head`` included (the
+    list :mod:`quantcore.calibrate` and the sensitivity sweep use): a single-scheme
+    export targets the class ``Linear`` and relies on ``ignore`` for the BF16 layers.
+
+Import (``from_llmcompressor_recipe``, ``from_compressed_tensors_config``) gives each
+layer the quantplan preset whose weight and activation specs match its config group,
+with the SmoothQuant strength of the mapping that covers it. A smoothed layer gets the
+``*_SQ`` preset when one exists (``INT8_W8A8_SQ``; alpha kept when it differs from 0.5),
+otherwise its base preset with the alpha. Hence ``export → import`` returns the same
+plan for every plan of presets (``INT8_W8A8`` given an alpha comes back as
+``INT8_W8A8_SQ`` with that alpha: the same numerics under its canonical name).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from quantcore.errors import PlanError
+from quantcore.formats import get_format
+from quantcore.plans import group_label, scheme_label
+from quantcore.schemes import Granularity, Scheme, TensorSpec, fusion_groups, get_scheme, list_schemes
+
+# ------------------------------------------------------------------ constants (compressed-tensors)
+
+CT_QUANT_METHOD = "compressed-tensors"  # quantization_config["quant_method"]
+CT_STATUS_COMPRESSED = "compressed"  # status of a checkpoint written by llm-compressor
+LINEAR_CLASS = "Linear"  # class-name target matching every nn.Linear
+E8M0_SCALE_DTYPE = "torch.uint8"  # compressed-tensors stores MX (E8M0) block scales as uint8
+E4M3_SCALE_DTYPE = "torch.float8_e4m3fn"  # NVFP4 block scales
+DYNAMIC_LOCAL = "local"  # DynamicType.LOCAL: block scales live, global scale calibrated (NVFP4)
+FP4_BITS = 4
+FP8_BITS = 8
+NVFP4_GROUP = 16  # elements per NVFP4 scale
+MX_GROUP = 32  # elements per MX scale
+
+# CompressionFormat values, as compressed-tensors infers them for a Linear (first match wins:
+# mxfp4 > mxfp8 > nvfp4 > int-quantized > pack-quantized > float-quantized > naive-quantized)
+FORMAT_MXFP4 = "mxfp4-pack-quantized"
+FORMAT_MXFP8 = "mxfp8-quantized"
+FORMAT_NVFP4 = "nvfp4-pack-quantized"
+FORMAT_INT = "int-quantized"  # INT weights with quantized activations (W8A8)
+FORMAT_PACK = "pack-quantized"  # INT weights, 16-bit activations (W4A16, W8A16), packed into int32
+FORMAT_FLOAT = "float-quantized"  # FP8 weights with FP8 activations
+FORMAT_NAIVE = "naive-quantized"  # anything else with quantized weights
+FORMAT_MIXED = "mixed-precision"  # several formats in one checkpoint
+
+# llm-compressor recipe layout: <stage>_stage -> <group>_modifiers -> {ModifierType: args}
+RECIPE_STAGE = "quant_stage"
+RECIPE_QUANT_GROUP = "quant_modifiers"
+RECIPE_SMOOTH_GROUP = "smoothing_modifiers"  # "smoothing_<i>_modifiers" when several alphas
+QUANT_MODIFIERS = ("QuantizationModifier", "GPTQModifier")  # GPTQ: same config, GPTQ-rounded weights
+SMOOTH_MODIFIER = "SmoothQuantModifier"
+SQ_DEFAULT_STRENGTH = 0.5  # SmoothQuantModifier.smoothing_strength default
+
+# SmoothQuant mappings for Llama-style models: [[balance layers], smooth layer]. The first two are
+# llm-compressor's DEFAULT_SMOOTHQUANT_MAPPINGS (used when a recipe gives none); the third folds
+# 1/s of down_proj's input into up_proj's output rows (exact: down's input is SiLU(gate) * up).
+SQ_KIND_ATTN = "attn"
+SQ_KIND_MLP = "mlp"
+SQ_KIND_DOWN = "down"
+SQ_LEAVES = {
+    "q_proj": SQ_KIND_ATTN,
+    "k_proj": SQ_KIND_ATTN,
+    "v_proj": SQ_KIND_ATTN,
+    "gate_proj": SQ_KIND_MLP,
+    "up_proj": SQ_KIND_MLP,
+    "down_proj": SQ_KIND_DOWN,
+}
+LLAMA_SQ_MAPPINGS: dict[str, list[Any]] = {
+    SQ_KIND_ATTN: [["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"],
+    SQ_KIND_MLP: [["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm"],
+    SQ_KIND_DOWN: [["re:.*down_proj"], "re:.*up_proj"],
+}
+MLP_NORM_LLAMA = "post_attention_layernorm"  # norm before the MLP: Llama, Mistral, Qwen2/3
+MLP_NORM_GEMMA = "pre_feedforward_layernorm"  # Gemma2/Gemma3 (their post_attention_layernorm is not it)
+MLP_NORMS = (MLP_NORM_LLAMA, MLP_NORM_GEMMA)
+LLM_COMPRESSOR_DEFAULT_SQ_MAPPINGS = [LLAMA_SQ_MAPPINGS[SQ_KIND_ATTN], LLAMA_SQ_MAPPINGS[SQ_KIND_MLP]]
+
+# vLLM
+VLLM_ONLINE_FP8_SCHEME = "FP8_PER_TENSOR"  # `--quantization fp8`: E4M3 per-tensor weights, dynamic
+#                                            per-tensor activations, every Linear except lm_head
+VLLM_UNQUANTIZED_HEAD = "lm_head"  # vLLM's online FP8 never quantizes the output head
+VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # values of --kv-cache-dtype
+DEFAULT_RECIPE_FILE = "recipe.yaml"
+COMPRESSED_SUFFIX = "-quantplan"  # default output folder of the compression step: <model><suffix>
+
+_ARG_KEYS = (
+    "num_bits",
+    "type",
+    "strategy",
+    "group_size",
+    "block_structure",
+    "symmetric",
+    "dynamic",
+    "scale_dtype",
+)
+# keys a QuantizationArgs dict may carry that do not change the stored format
+_ARG_KEYS_IGNORED = ("actorder", "observer", "observer_kwargs", "zp_dtype")
+_SCHEME_KEYS = ("targets", "weights", "input_activations", "output_activations", "format")
+
+
+# ------------------------------------------------------------------ quantization args
+
+
+def _int_wnam(weight_bits: int, act_bits: int = 16) -> dict[str, Any]:
+    """compressed-tensors' ``_int_wnam``: INT weights in groups of 128, INT per-token activations."""
+    out: dict[str, Any] = {
+        "weights": {
+            "num_bits": weight_bits,
+            "type": "int",
+            "strategy": "group",
+            "group_size": 128,
+            "symmetric": True,
+            "dynamic": False,
+        },
+        "input_activations": None,
+    }
+    if act_bits < 16:
+        out["input_activations"] = {
+            "num_bits": act_bits,
+            "type": "int",
+            "strategy": "token",
+            "symmetric": True,
+            "dynamic": True,
+        }
+    return out
+
+
+def _fp(
+    bits: int,
+    strategy: str,
+    *,
+    dynamic: bool | str = False,
+    group_size: int | None = None,
+    block: list[int] | None = None,
+    scale_dtype: str | None = None,
+) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "num_bits": bits,
+        "type": "float",
+        "strategy": strategy,
+        "symmetric": True,
+        "dynamic": dynamic,
+    }
+    if group_size is not None:
+        d["group_size"] = group_size
+    if block is not None:
+        d["block_structure"] = block
+    if scale_dtype is not None:
+        d["scale_dtype"] = scale_dtype
+    return d
+
+
+#: compressed-tensors 0.19.0 ``PRESET_SCHEMES`` (quant_scheme.py), as plain args. Observers are
+#: left out (they change calibration, not the stored format). Checked against the real package by
+#: tests/quantcore/test_llmcompressor.py.
+CT_PRESETS: dict[str, dict[str, Any]] = {
+    "UNQUANTIZED": {"weights": None, "input_activations": None},
+    "W4A16_ASYM": {
+        "weights": {
+            "num_bits": 4,
+            "type": "int",
+            "strategy": "group",
+            "group_size": 128,
+            "symmetric": False,
+            "dynamic": False,
+        },
+        "input_activations": None,
+    },
+    "W8A8": {
+        "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+        "input_activations": {
+            "num_bits": 8,
+            "type": "int",
+            "strategy": "token",
+            "symmetric": True,
+            "dynamic": True,
+        },
+    },
+    "W4AFP8": {"weights": _int_wnam(4)["weights"], "input_activations": _fp(8, "token", dynamic=True)},
+    "FP8": {"weights": _fp(8, "tensor"), "input_activations": _fp(8, "tensor")},
+    "FP8_DYNAMIC": {"weights": _fp(8, "channel"), "input_activations": _fp(8, "token", dynamic=True)},
+    "FP8_BLOCK": {
+        "weights": _fp(8, "block", block=[128, 128]),
+        "input_activations": _fp(8, "group", dynamic=True, group_size=128),
+    },
+    "NVFP4A16": {
+        "weights": _fp(4, "tensor_group", group_size=16, scale_dtype=E4M3_SCALE_DTYPE),
+        "input_activations": None,
+    },
+    "NVFP4": {
+        "weights": _fp(4, "tensor_group", group_size=16, scale_dtype=E4M3_SCALE_DTYPE),
+        "input_activations": _fp(
+            4, "tensor_group", dynamic=DYNAMIC_LOCAL, group_size=16, scale_dtype=E4M3_SCALE_DTYPE
+        ),
+    },
+    "MXFP4A16": {
+        "weights": _fp(4, "group", group_size=32, scale_dtype=E8M0_SCALE_DTYPE),
+        "input_activations": None,
+    },
+    "MXFP4": {
+        "weights": _fp(4, "group", group_size=32, scale_dtype=E8M0_SCALE_DTYPE),
+        "input_activations": _fp(4, "group", dynamic=True, group_size=32, scale_dtype=E8M0_SCALE_DTYPE),
+    },
+    "MXFP8A16": {
+        "weights": _fp(8, "group", group_size=32, scale_dtype=E8M0_SCALE_DTYPE),
+        "input_activations": None,
+    },
+    "MXFP8": {
+        "weights": _fp(8, "group", group_size=32, scale_dtype=E8M0_SCALE_DTYPE),
+        "input_activations": _fp(8, "group", dynamic=True, group_size=32, scale_dtype=E8M0_SCALE_DTYPE),
+    },
+    **{
+        f"W{w}A{a}": _int_wnam(w, a)
+        for w, a in (
+            (2, 4),
+            (2, 8),
+            (2, 16),
+            (3, 4),
+            (3, 8),
+            (3, 16),
+            (4, 4),
+            (4, 8),
+            (4, 16),
+            (5, 8),
+            (5, 16),
+            (6, 8),
+            (6, 16),
+            (7, 8),
+            (7, 16),
+            (8, 16),
+        )
+    },
+}
+CT_PRESETS["INT8"] = CT_PRESETS["W8A8"]  # alias in PRESET_SCHEMES
+# Preferred name when several preset names carry the same args (the alias loses).
+_CT_PRESET_ALIASES = {"INT8": "W8A8"}
+
+
+def _norm_dtype(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = str(value)
+    return text if text.startswith("torch.") else f"torch.{text}"
+
+
+def _args_key(args: Mapping[str, Any] | None) -> tuple[Any, ...] | None:
+    """Canonical comparable form of a QuantizationArgs dict (format-relevant fields only)."""
+    if args is None:
+        return None
+    strategy = args.get("strategy")
+    group_size = args.get("group_size")
+    if strategy is None:  # compressed-tensors infers it from group_size
+        strategy = "tensor" if group_size is None else ("channel" if group_size == -1 else "group")
+    if strategy == "channel" and group_size == -1:
+        group_size = None
+    block = args.get("block_structure")
+    if isinstance(block, str):
+        block = [int(x) for x in block.split("x")]
+    dynamic = args.get("dynamic", False)
+    if isinstance(dynamic, str):
+        dynamic = dynamic.lower()
+    return (
+        int(args.get("num_bits", 8)),
+        str(args.get("type", "int")).lower(),
+        str(strategy).lower(),
+        group_size,
+        tuple(block) if block is not None else None,
+        bool(args.get("symmetric", True)),
+        dynamic,
+        _norm_dtype(args.get("scale_dtype")),
+    )
+
+
+def _scheme_args_key(weights: Mapping[str, Any] | None, acts: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    return (_args_key(weights), _args_key(acts))
+
+
+_CT_PRESET_BY_KEY: dict[tuple[Any, Any], str] = {}
+for _name, _preset in CT_PRESETS.items():
+    _CT_PRESET_BY_KEY.setdefault(
+        _scheme_args_key(_preset["weights"], _preset["input_activations"]),
+        _CT_PRESET_ALIASES.get(_name, _name),
+    )
+
+
+def _spec_to_args(spec: TensorSpec, role: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(QuantizationArgs dict, None) for one operand, or (None, reason it cannot be expressed)."""
+    fmt = get_format(spec.format)
+    gran = spec.granularity
+    weights = role == "weights"
+    if fmt.name == "fp8_e5m2":
+        return None, (
+            "FP8 E5M2 cannot be expressed: compressed-tensors' 8-bit float type is E4M3 only "
+            "(FP8_E4M3_DATA); use an E4M3 scheme such as FP8_PER_TENSOR or FP8_DYNAMIC"
+        )
+    if fmt.name == "fp4_e2m1":
+        return None, (
+            "plain FP4 E2M1 without block scales cannot be expressed: compressed-tensors stores 4-bit "
+            "floats only as NVFP4 (16-element E4M3 scales) or MXFP4 (32-element E8M0 scales); use NVFP4 "
+            "or MXFP4"
+        )
+    if not weights and gran is Granularity.BLOCK:
+        return None, (
+            "2-D block activation scales cannot be expressed: compressed-tensors quantizes activations "
+            "per tensor, token or group (use granularity 'group', e.g. 1x128 as in FP8_BLOCK)"
+        )
+    dynamic: bool | str = False if weights else bool(spec.dynamic)
+    if fmt.name == "nvfp4":
+        if not weights and spec.dynamic:
+            dynamic = DYNAMIC_LOCAL  # llm-compressor calibrates the fp32 tensor scale, block scales are live
+        return _fp(
+            FP4_BITS, "tensor_group", dynamic=dynamic, group_size=NVFP4_GROUP, scale_dtype=E4M3_SCALE_DTYPE
+        ), None
+    if fmt.name in ("mxfp4", "mxfp8"):
+        return _fp(
+            fmt.bits, "group", dynamic=dynamic, group_size=MX_GROUP, scale_dtype=E8M0_SCALE_DTYPE
+        ), None
+    args: dict[str, Any] = {
+        "num_bits": fmt.bits,
+        "type": "float" if fmt.kind == "float" else "int",
+        "strategy": gran.value,
+        "symmetric": True,
+        "dynamic": dynamic,
+    }
+    if gran is Granularity.GROUP:
+        args["group_size"] = spec.group_size
+    if gran is Granularity.BLOCK:
+        args["block_structure"] = list(spec.block)
+    return args, None
+
+
+def _args_to_spec(args: Mapping[str, Any], role: str) -> tuple[TensorSpec | None, str | None]:
+    """(TensorSpec, None) for a QuantizationArgs dict, or (None, reason quantplan cannot represent it)."""
+    unknown = [k for k in args if k not in _ARG_KEYS and k not in _ARG_KEYS_IGNORED]
+    if unknown:
+        return (
+            None,
+            f"unknown QuantizationArgs field(s) {unknown}; valid: {list(_ARG_KEYS + _ARG_KEYS_IGNORED)}",
+        )
+    try:
+        bits, qtype, strategy, group_size, block, symmetric, dynamic, scale_dtype = _args_key(args)
+    except (TypeError, ValueError) as exc:
+        return None, f"malformed QuantizationArgs {dict(args)!r}: {exc}"
+    if not symmetric:
+        return None, "asymmetric (zero-point) quantization: every quantplan format is symmetric"
+    weights = role == "weights"
+    live = False if weights else dynamic in (True, DYNAMIC_LOCAL)
+    if qtype == "float" and bits == FP4_BITS:
+        if group_size == NVFP4_GROUP and strategy in ("tensor_group", "group"):
+            fmt = "nvfp4"
+        elif group_size == MX_GROUP and strategy == "group":
+            fmt = "mxfp4"
+        else:
+            return None, (
+                f"4-bit float with strategy {strategy!r}, group_size {group_size}: quantplan knows NVFP4 "
+                f"(tensor_group, {NVFP4_GROUP}) and MXFP4 (group, {MX_GROUP})"
+            )
+        return _make_spec(fmt, Granularity.GROUP, live, group_size=group_size)
+    if qtype == "float" and bits == FP8_BITS:
+        if scale_dtype == E8M0_SCALE_DTYPE:
+            if strategy == "group" and group_size == MX_GROUP:
+                return _make_spec("mxfp8", Granularity.GROUP, live, group_size=group_size)
+            return (
+                None,
+                f"8-bit float with E8M0 scales needs strategy 'group' and group_size {MX_GROUP} (MXFP8)",
+            )
+        fmt = "fp8_e4m3"
+    elif qtype == "int" and bits in (8, 4):
+        fmt = f"int{bits}"
+    else:
+        return (
+            None,
+            f"{bits}-bit {qtype}: quantplan's formats are FP8 E4M3, INT8, INT4, NVFP4, MXFP4 and MXFP8",
+        )
+    if strategy == "tensor_group":
+        return None, "strategy 'tensor_group' is only used by NVFP4 (4-bit float, group 16)"
+    if strategy == "attn_head":
+        return (
+            None,
+            "strategy 'attn_head' (per attention head) is not a linear-layer granularity quantplan plans",
+        )
+    try:
+        gran = Granularity(strategy)
+    except ValueError:
+        return None, f"unknown strategy {strategy!r}"
+    return _make_spec(
+        fmt,
+        gran,
+        live,
+        group_size=group_size if gran is Granularity.GROUP else None,
+        block=block if gran is Granularity.BLOCK else None,
+    )
+
+
+def _make_spec(
+    fmt: str,
+    gran: Granularity,
+    dynamic: bool,
+    *,
+    group_size: int | None = None,
+    block: tuple[int, int] | None = None,
+) -> tuple[TensorSpec | None, str | None]:
+    try:
+        return TensorSpec(fmt, gran, dynamic=dynamic, group_size=group_size, block=block), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def _scheme_args(scheme: Scheme) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[str]]:
+    """(weights args, input_activations args, reasons it cannot be expressed)."""
+    problems: list[str] = []
+    w = a = None
+    if scheme.weights is not None:
+        w, why = _spec_to_args(scheme.weights, "weights")
+        if why:
+            problems.append(f"weights: {why}")
+    if scheme.activations is not None:
+        a, why = _spec_to_args(scheme.activations, "activations")
+        if why and not any(why in p for p in problems):  # E5M2 / FP4 give one reason for both operands
+            problems.append(f"activations: {why}")
+    return w, a, problems
+
+
+def ct_preset_name(scheme: Scheme | str) -> str | None:
+    """The compressed-tensors / llm-compressor preset name whose args equal ``scheme``'s, or None.
+
+    Matched by arguments, not by name (``INT8_W8A8`` -> ``"W8A8"``; quantplan's per-channel
+    ``W8A16`` -> None, since compressed-tensors' ``W8A16`` uses groups of 128). The
+    SmoothQuant alpha is not part of the preset (it becomes a SmoothQuantModifier).
+    """
+    s = get_scheme(scheme) if isinstance(scheme, str) else scheme
+    if s.is_identity:
+        return None
+    w, a, problems = _scheme_args(s)
+    if problems:
+        return None
+    return _CT_PRESET_BY_KEY.get(_scheme_args_key(w, a))
+
+
+def ct_args(scheme: Scheme | str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(weights, input_activations) QuantizationArgs dicts of ``scheme``; PlanError when inexpressible.
+
+    BF16 gives ``(None, None)``. The SmoothQuant alpha is not part of the args.
+    """
+    s = get_scheme(scheme) if isinstance(scheme, str) else scheme
+    w, a, problems = _scheme_args(s)
+    if problems:
+        raise PlanError(f"scheme {s.name} cannot be written for compressed-tensors: {'; '.join(problems)}")
+    return w, a
+
+
+def scheme_from_ct_args(
+    weights: Mapping[str, Any] | None,
+    input_activations: Mapping[str, Any] | None,
+    *,
+    alpha: float | None = None,
+) -> Scheme:
+    """The quantplan preset quantizing like these QuantizationArgs (``alpha``: SmoothQuant strength).
+
+    Inverse of :func:`ct_args` for presets (``INT8_W8A8`` with an alpha -> ``INT8_W8A8_SQ``);
+    PlanError when no preset matches.
+    """
+    problems: list[str] = []
+    s = _scheme_for(weights, input_activations, alpha, "these quantization args", problems)
+    if problems or s is None:
+        raise PlanError("; ".join(problems))
+    return s
+
+
+def ct_format(weights: Mapping[str, Any] | None, acts: Mapping[str, Any] | None) -> str | None:
+    """The CompressionFormat compressed-tensors infers for a Linear with these args (None: not quantized)."""
+    if weights is None:
+        return None
+    bits, qtype = int(weights.get("num_bits", 8)), str(weights.get("type", "int"))
+    group = weights.get("group_size")
+    if qtype == "float" and bits == FP4_BITS and group == MX_GROUP:
+        return FORMAT_MXFP4
+    if (
+        qtype == "float"
+        and bits == FP8_BITS
+        and group == MX_GROUP
+        and _norm_dtype(weights.get("scale_dtype")) == E8M0_SCALE_DTYPE
+    ):
+        return FORMAT_MXFP8
+    if qtype == "float" and bits == FP4_BITS and group == NVFP4_GROUP:
+        return FORMAT_NVFP4
+    if qtype == "int" and acts is not None:
+        return FORMAT_INT
+    if qtype == "int" and 1 <= bits <= 8 and (acts is None or acts.get("type") != "float"):
+        return FORMAT_PACK
+    if qtype == "float" and acts is not None:
+        return FORMAT_FLOAT
+    return FORMAT_NAIVE
+
+
+# ------------------------------------------------------------------ plan checks and grouping
+
+
+@dataclass
+class _Group:
+    """Layers sharing one set of quantization args (one config group)."""
+
+    weights: dict[str, Any] | None
+    acts: dict[str, Any] | None
+    layers: list[str]
+    schemes: list[str]  # scheme names, in order of appearance
+
+    @property
+    def preset(self) -> str | None:
+        return _CT_PRESET_BY_KEY.get(_scheme_args_key(self.weights, self.acts))
+
+    @property
+    def format(self) -> str | None:
+        return ct_format(self.weights, self.acts)
+
+
+def _as_plan(plan: Mapping[str, Scheme | str], layer_names: Sequence[str]) -> dict[str, Scheme]:
+    """Check that ``plan`` gives every layer of ``layer_names`` (and nothing else) a scheme."""
+    names = list(layer_names)
+    problems: list[str] = []
+    out: dict[str, Scheme] = {}
+    for layer in names:
+        if layer not in plan:
+            continue
+        s = plan[layer]
+        if isinstance(s, str):
+            try:
+                s = get_scheme(s)
+            except ValueError as exc:
+                problems.append(f"layer {layer!r}: {exc}")
+                continue
+        out[layer] = s
+    missing = [n for n in names if n not in plan]
+    extra = [n for n in plan if n not in set(names)]
+    if missing:
+        problems.append(
+            f"layer(s) without a scheme: {_cut(missing)}; give every linear layer a scheme "
+            "(resolve_plan does) or BF16 to leave it unquantized"
+        )
+    if extra:
+        problems.append(f"plan names layer(s) the model does not have: {_cut(extra)}")
+    if not names:
+        problems.append("the model has no linear layers (layer_names is empty)")
+    if problems:
+        raise PlanError(_format("This plan cannot be exported", problems))
+    return out
+
+
+def _group_plan(plan: Mapping[str, Scheme], layer_names: Sequence[str]) -> tuple[list[_Group], list[str]]:
+    """Config groups (by quantization args) and the BF16 layers; PlanError for what cannot be expressed."""
+    problems: dict[str, list[str]] = {}
+    groups: dict[tuple[Any, Any], _Group] = {}
+    unquantized: list[str] = []
+    for layer in layer_names:
+        s = plan[layer]
+        if s.is_identity:
+            unquantized.append(layer)
+            continue
+        w, a, why = _scheme_args(s)
+        if why:
+            problems.setdefault(f"{s.name}: {'; '.join(why)}", []).append(layer)
+            continue
+        key = _scheme_args_key(w, a)
+        g = groups.setdefault(key, _Group(w, a, [], []))
+        g.layers.append(layer)
+        if s.name not in g.schemes:
+            g.schemes.append(s.name)
+    msgs = [f"{reason} (layers: {_cut(layers)})" for reason, layers in problems.items()]
+    for members in fusion_groups(layer_names):
+        labels = {scheme_label(plan[m]) for m in members}
+        if len(labels) > 1:
+            msgs.append(
+                f"fusion group {group_label(members)} mixes schemes "
+                f"({', '.join(f'{m}={scheme_label(plan[m])}' for m in members)}); a serving engine runs it as "
+                "one GEMM: give its members one scheme"
+            )
+    if msgs:
+        raise PlanError(_format("This plan cannot be written for llm-compressor / compressed-tensors", msgs))
+    return list(groups.values()), unquantized
+
+
+# ------------------------------------------------------------------ target patterns
+
+_NUM_PART = re.compile(r"^\d+$")
+
+
+def _template(name: str) -> tuple[str, str, str] | None:
+    """(prefix, index, suffix) around the first all-digit path component, or None."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if _NUM_PART.match(p) and 0 < i < len(parts) - 1:
+            return ".".join(parts[:i]), p, ".".join(parts[i + 1 :])
+    return None
+
+
+def _re_matches(pattern: str, name: str) -> bool:
+    """compressed-tensors' name matching: exact, or ``re:`` with ``re.match``."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name
+
+
+def compact_targets(members: Sequence[str], universe: Sequence[str]) -> list[str]:
+    """Target strings that match exactly ``members`` among ``universe`` (compressed-tensors matching).
+
+    Layers repeated across decoder blocks collapse into one ``re:`` pattern: the leaf name
+    (``re:.*\\.down_proj$``) when every such layer is a member, a block-index alternation
+    (``re:model\\.layers\\.(?:0|5)\\.mlp\\.down_proj$``) when only some are; anything else is
+    listed by its exact name. Every pattern is checked against ``universe``.
+    """
+    member_set = set(members)
+    universe = list(universe)
+    covered: set[str] = set()
+    out: list[str] = []
+
+    def ok(pattern: str) -> set[str] | None:
+        hits = {u for u in universe if _re_matches(pattern, u)}
+        return hits if hits and hits <= member_set else None
+
+    by_template: dict[tuple[str, str], list[str]] = {}
+    for u in universe:
+        t = _template(u)
+        if t is not None:
+            by_template.setdefault((t[0], t[2]), []).append(u)
+    for name in members:
+        if name in covered:
+            continue
+        t = _template(name)
+        if t is None:
+            out.append(name)
+            covered.add(name)
+            continue
+        prefix, _, suffix = t
+        same = by_template[(prefix, suffix)]
+        chosen = [m for m in same if m in member_set]
+        candidates: list[str] = []
+        if len(chosen) == len(same):
+            leaf = suffix.rsplit(".", 1)[-1]
+            candidates += [
+                f"re:.*\\.{re.escape(leaf)}$",
+                f"re:.*\\.{re.escape(suffix)}$",
+                f"re:{re.escape(prefix)}\\.\\d+\\.{re.escape(suffix)}$",
+            ]
+        if len(chosen) > 1:
+            idx = "|".join(_template(m)[1] for m in chosen)
+            candidates.append(f"re:{re.escape(prefix)}\\.(?:{idx})\\.{re.escape(suffix)}$")
+        for pattern in candidates:
+            hits = ok(pattern)
+            if hits is not None and set(chosen) <= hits:
+                out.append(pattern)
+                covered |= hits
+                break
+        else:
+            out.append(name)
+            covered.add(name)
+    return out
+
+
+def _match_targets(layer: str, targets: Iterable[str]) -> list[str]:
+    """Targets matching a linear layer, most specific first (exact, regex sorted, then class)."""
+    ordered = sorted(targets, key=lambda t: ("re:" in t, t))
+    hits = [t for t in ordered if _re_matches(t, layer)]
+    hits += [t for t in ordered if t == LINEAR_CLASS and t not in hits]
+    return hits
+
+
+# ------------------------------------------------------------------ SmoothQuant mappings
+
+
+def _smoothquant_layers(plan: Mapping[str, Scheme], layer_names: Sequence[str]) -> dict[float, list[str]]:
+    """{alpha: layers smoothed with it}, in order of first appearance."""
+    out: dict[float, list[str]] = {}
+    for layer in layer_names:
+        a = plan[layer].smoothquant_alpha
+        if a is not None:
+            out.setdefault(float(a), []).append(layer)
+    return out
+
+
+def _llama_mappings(
+    smoothed: Sequence[str], layer_names: Sequence[str], mlp_norm: str = MLP_NORM_LLAMA
+) -> tuple[list[list[Any]], list[str]]:
+    """Llama-style SmoothQuant mappings covering exactly ``smoothed``; (mappings, problems)."""
+    problems: list[str] = []
+    by_kind: dict[str, list[str]] = {}
+    for layer in smoothed:
+        kind = SQ_LEAVES.get(layer.rsplit(".", 1)[-1])
+        parts = layer.split(".")
+        if kind is None or len(parts) < 3:
+            why = (
+                "llm-compressor's SmoothQuantModifier divides v_proj rows by one scale per o_proj input "
+                "channel, which breaks with grouped-query attention (quantplan ties the scales across each kv "
+                "head group instead); "
+                if kind is None and layer.endswith("o_proj")
+                else ""
+            )
+            problems.append(
+                f"layer {layer!r} has SmoothQuant, but the Llama-style mappings only smooth q/k/v_proj (into "
+                f"input_layernorm), gate/up_proj (into the MLP input norm) and down_proj (into up_proj); {why}"
+                "give it a scheme without SmoothQuant (e.g. INT8_W8A8 for INT8_W8A8_SQ) or pass smoothquant_mappings"
+            )
+            continue
+        by_kind.setdefault(kind, []).append(layer)
+    mappings: list[list[Any]] = []
+    for kind in (SQ_KIND_ATTN, SQ_KIND_MLP, SQ_KIND_DOWN):
+        members = by_kind.get(kind)
+        if not members:
+            continue
+        all_of_kind = [n for n in layer_names if SQ_LEAVES.get(n.rsplit(".", 1)[-1]) == kind]
+        if set(members) == set(all_of_kind):
+            generic = LLAMA_SQ_MAPPINGS[kind]
+            if kind == SQ_KIND_MLP:
+                generic = [generic[0], f"re:.*{mlp_norm}"]
+            mappings.append(generic)
+            continue
+        by_parent: dict[str, list[str]] = {}
+        for m in members:
+            by_parent.setdefault(m.rsplit(".", 1)[0], []).append(m)
+        for parent, ms in by_parent.items():
+            balance = [f"re:{re.escape(m)}$" for m in ms]
+            if kind == SQ_KIND_DOWN:
+                smooth = f"{parent}.up_proj"
+            else:
+                block = parent.rsplit(".", 1)[0]
+                smooth = f"{block}.input_layernorm" if kind == SQ_KIND_ATTN else f"{block}.{mlp_norm}"
+            mappings.append([balance, f"re:{re.escape(smooth)}$"])
+    return mappings, problems
+
+
+def _expand_mappings(mappings: Sequence[Any], layer_names: Sequence[str]) -> set[str]:
+    """Linear layers named as balance layers by SmoothQuant ``mappings``."""
+    out: set[str] = set()
+    for mapping in mappings:
+        if not isinstance(mapping, (list, tuple)) or len(mapping) != 2:
+            raise PlanError(f"SmoothQuant mapping {mapping!r} must be [[balance layers...], smooth layer]")
+        balance = mapping[0] if isinstance(mapping[0], (list, tuple)) else [mapping[0]]
+        for pattern in balance:
+            out |= {n for n in layer_names if _re_matches(str(pattern), n)}
+    return out
+
+
+# ------------------------------------------------------------------ export
+
+
+class _Flow(list):
+    """A list written in YAML flow style (``[a, b]``): keeps each SmoothQuant mapping on one line."""
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """SafeDumper that writes :class:`_Flow` lists inline."""
+
+
+_RecipeDumper.add_representer(
+    _Flow, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+)
+
+
+def _quant_modifier(
+    groups: Sequence[_Group], unquantized: Sequence[str], layer_names: Sequence[str]
+) -> dict[str, Any]:
+    ignore = compact_targets(unquantized, layer_names)
+    if len(groups) == 1:
+        g = groups[0]
+        body: dict[str, Any] = {"targets": [LINEAR_CLASS]}
+        if g.preset is not None:
+            body["scheme"] = g.preset
+        else:
+            body = {"config_groups": {"group_0": _config_group(g, [LINEAR_CLASS])}}
+        body["ignore"] = ignore
+        return body
+    if all(g.preset is not None for g in groups):
+        return {
+            "scheme": {g.preset: compact_targets(g.layers, layer_names) for g in groups},
+            "ignore": ignore,
+        }
+    return {
+        "config_groups": {
+            f"group_{i}": _config_group(g, compact_targets(g.layers, layer_names))
+            for i, g in enumerate(groups)
+        },
+        "ignore": ignore,
+    }
+
+
+def _config_group(g: _Group, targets: list[str], *, with_format: bool = False) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "targets": targets,
+        "weights": dict(g.weights) if g.weights else None,
+        "input_activations": dict(g.acts) if g.acts else None,
+    }
+    if with_format:
+        d["output_activations"] = None
+        d["format"] = g.format
+    return d
+
+
+def to_llmcompressor_recipe(
+    plan: Mapping[str, Scheme | str],
+    *,
+    layer_names: Sequence[str],
+    smoothquant_mappings: Sequence[Any] | None = None,
+    mlp_norm: str = MLP_NORM_LLAMA,
+) -> str:
+    """An llm-compressor recipe (YAML text) that quantizes the model as ``plan`` says.
+
+    One ``QuantizationModifier``: ``scheme: <preset>`` with ``targets: [Linear]`` when every
+    quantized layer shares one llm-compressor preset; ``scheme: {preset: targets}`` when every
+    group is a preset; else explicit ``config_groups``. BF16 layers go to ``ignore``. Layers
+    with a SmoothQuant alpha get a ``SmoothQuantModifier`` per distinct alpha (its
+    ``smoothing_strength``), placed before the quantization, with Llama-style mappings
+    (q/k/v <- input_layernorm, gate/up <- post_attention_layernorm, down <- up_proj) limited
+    to the smoothed layers, or ``smoothquant_mappings`` verbatim (one alpha only).
+    ``mlp_norm`` names the norm before the MLP: ``post_attention_layernorm`` (Llama,
+    Mistral, Qwen2) or ``pre_feedforward_layernorm`` (Gemma2/3, whose
+    ``post_attention_layernorm`` sits after attention and must not be smoothed).
+
+    Raises PlanError for layers llm-compressor cannot express (FP8 E5M2, plain FP4, 2-D
+    activation blocks), split fusion groups, and SmoothQuant on layers no mapping covers.
+    """
+    names = list(layer_names)
+    if mlp_norm not in MLP_NORMS:
+        raise PlanError(
+            f"mlp_norm {mlp_norm!r} is not a known MLP input norm; use one of {', '.join(MLP_NORMS)}, or "
+            "pass smoothquant_mappings"
+        )
+    resolved = _as_plan(plan, names)
+    groups, unquantized = _group_plan(resolved, names)
+    stage: dict[str, Any] = {}
+    smooth = _smoothquant_layers(resolved, names)
+    problems: list[str] = []
+    if smooth and not groups:
+        problems.append("SmoothQuant without any quantized layer")
+    if smoothquant_mappings is not None and len(smooth) > 1:
+        problems.append(
+            f"custom smoothquant_mappings apply to one alpha, but the plan uses {sorted(smooth)}; give "
+            "the smoothed layers one alpha"
+        )
+    for i, (alpha, layers) in enumerate(smooth.items()):
+        if smoothquant_mappings is not None:
+            mappings = [list(m) for m in smoothquant_mappings]
+            covered = _expand_mappings(mappings, names)
+            if covered != set(layers):
+                problems.append(
+                    f"smoothquant_mappings cover {_cut(sorted(covered - set(layers)) or ['(none extra)'])} beyond "
+                    f"and miss {_cut(sorted(set(layers) - covered)) or '(none)'} of the layers smoothed with "
+                    f"alpha {alpha:g}; make the mappings' balance layers exactly those layers"
+                )
+        else:
+            mappings, why = _llama_mappings(layers, names, mlp_norm)
+            problems += why
+        group = RECIPE_SMOOTH_GROUP if len(smooth) == 1 else f"smoothing_{i}_modifiers"
+        stage[group] = {
+            SMOOTH_MODIFIER: {
+                "smoothing_strength": alpha,
+                "mappings": [_Flow([_Flow(m[0]), m[1]]) for m in mappings],
+            }
+        }
+    if problems:
+        raise PlanError(_format("This plan's SmoothQuant cannot be written for llm-compressor", problems))
+    if groups:
+        stage[RECIPE_QUANT_GROUP] = {QUANT_MODIFIERS[0]: _quant_modifier(groups, unquantized, names)}
+    summary = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
+    header = (
+        f"# quantplan plan export: llm-compressor recipe ({summary})\n"
+        "# apply: from llmcompressor import oneshot; oneshot(model=..., recipe=<this file>, output_dir=...)\n"
+    )
+    if not groups:
+        header += "# every layer stays unquantized: there is nothing for llm-compressor to do\n"
+    body = yaml.dump(
+        {RECIPE_STAGE: stage},
+        Dumper=_RecipeDumper,
+        sort_keys=False,
+        default_flow_style=None,
+        width=100,
+        allow_unicode=True,
+    )
+    return header + body
+
+
+def to_compressed_tensors_config(
+    plan: Mapping[str, Scheme | str], *, layer_names: Sequence[str]
+) -> dict[str, Any]:
+    """The compressed-tensors ``quantization_config`` of the checkpoint llm-compressor makes from ``plan``.
+
+    JSON-able dict: ``quant_method``, ``format`` (one CompressionFormat or
+    ``mixed-precision``), ``quantization_status: compressed``, ``config_groups`` (each with
+    targets, weights, input_activations and its own ``format``), ``ignore`` (BF16 layers),
+    ``kv_cache_scheme: None`` (quantplan does not plan the KV cache). SmoothQuant leaves no
+    trace here: it is folded into the weights before quantization.
+    """
+    names = list(layer_names)
+    resolved = _as_plan(plan, names)
+    groups, unquantized = _group_plan(resolved, names)
+    if len(groups) == 1:
+        config_groups = {"group_0": _config_group(groups[0], [LINEAR_CLASS], with_format=True)}
+    else:
+        config_groups = {
+            f"group_{i}": _config_group(g, compact_targets(g.layers, names), with_format=True)
+            for i, g in enumerate(groups)
+        }
+    formats = {g.format for g in groups}
+    fmt = "dense" if not formats else (formats.pop() if len(formats) == 1 else FORMAT_MIXED)
+    return {
+        "quant_method": CT_QUANT_METHOD,
+        "format": fmt,
+        "quantization_status": CT_STATUS_COMPRESSED,
+        "config_groups": config_groups,
+        "ignore": compact_targets(unquantized, names),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+
+def to_vllm_command(
+    plan: Mapping[str, Scheme | str],
+    *,
+    model_path: str,
+    layer_names: Sequence[str],
+    compressed_path: str | None = None,
+    recipe_path: str = DEFAULT_RECIPE_FILE,
+    kv_cache_dtype: str | None = None,
+) -> str:
+    """The ``vllm serve`` command line for ``plan``, with ``#`` comment lines that say how.
+
+    - every layer but ``lm_head`` in ``FP8_PER_TENSOR``, ``lm_head`` (if any) BF16: vLLM's
+      online dynamic FP8 is exactly that plan: ``vllm serve <model_path> --quantization fp8``;
+    - every layer BF16: ``vllm serve <model_path>``;
+    - anything else needs a compressed checkpoint: comment lines give the llm-compressor
+      step (with ``recipe_path``; whether calibration data is needed), then
+      ``vllm serve <compressed_path> --quantization compressed-tensors``
+      (``compressed_path`` defaults to ``<model_path>-quantplan``).
+
+    ``--kv-cache-dtype`` is added only when ``kv_cache_dtype`` is given (quantplan does not
+    plan the KV cache yet). Raises PlanError for plans llm-compressor cannot express.
+    """
+    names = list(layer_names)
+    resolved = _as_plan(plan, names)
+    groups, unquantized = _group_plan(resolved, names)  # raises for what cannot be expressed
+    if kv_cache_dtype is not None and kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
+        raise PlanError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not a vLLM --kv-cache-dtype; use one of "
+            f"{', '.join(VLLM_KV_CACHE_DTYPES)}"
+        )
+    kv = [] if kv_cache_dtype is None else ["--kv-cache-dtype", kv_cache_dtype]
+    counts = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
+    lines = [f"# quantplan plan for {model_path}: {counts}"]
+    online_fp8 = get_scheme(VLLM_ONLINE_FP8_SCHEME)
+    body = [n for n in names if n != VLLM_UNQUANTIZED_HEAD]
+    if not groups:
+        lines.append("# every layer stays unquantized: serve the model as it is")
+        cmd = ["vllm", "serve", model_path, *kv]
+    elif (
+        body
+        and all(resolved[n] == online_fp8 for n in body)
+        and all(resolved[n].is_identity for n in names if n == VLLM_UNQUANTIZED_HEAD)
+    ):
+        lines.append(
+            "# vLLM applies this plan at load time (online dynamic FP8: E4M3 per-tensor weight scales, "
+            "dynamic per-tensor activation scales, lm_head unquantized); no calibration, no checkpoint"
+        )
+        cmd = ["vllm", "serve", model_path, "--quantization", "fp8", *kv]
+    else:
+        out = compressed_path or model_path.rstrip("/") + COMPRESSED_SUFFIX
+        needs_data = any(
+            s.needs_calibration or (s.activations is not None and s.activations.format == "nvfp4")
+            for s in resolved.values()
+        )
+        lines += [
+            "# vLLM cannot apply this plan at load time: serve the compressed-tensors checkpoint that llm-compressor",
+            f"# makes with the exported recipe ({recipe_path}):",
+            f'#   python -c "from llmcompressor import oneshot; oneshot(model={model_path!r}, '
+            f"recipe={recipe_path!r}, output_dir={out!r}"
+            + (', dataset=..., num_calibration_samples=512)"' if needs_data else ')"'),
+        ]
+        if needs_data:
+            lines.append(
+                "#   (needs calibration data: static activation scales, NVFP4 global scales or SmoothQuant)"
+            )
+        else:
+            lines.append("#   (runs without calibration data: weights only and dynamic activation scales)")
+        cmd = ["vllm", "serve", out, "--quantization", "compressed-tensors", *kv]
+    lines.append(shlex.join(cmd))
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ import
+
+
+def _preset_schemes() -> dict[tuple[Any, Any], list[Scheme]]:
+    """quantplan presets keyed by their (weights, activations) args; several share a key (X / X_SQ)."""
+    out: dict[tuple[Any, Any], list[Scheme]] = {}
+    for name in list_schemes():
+        s = get_scheme(name)
+        if s.is_identity:
+            continue
+        w, a, problems = _scheme_args(s)
+        if not problems:
+            out.setdefault(_scheme_args_key(w, a), []).append(s)
+    return out
+
+
+def _scheme_for(
+    weights: Mapping[str, Any] | None,
+    acts: Mapping[str, Any] | None,
+    alpha: float | None,
+    where: str,
+    problems: list[str],
+) -> Scheme | None:
+    """The quantplan scheme for a config group's args and a SmoothQuant alpha (None after a problem)."""
+    if weights is None and acts is None:
+        return get_scheme("BF16")
+    specs = []
+    for role, args in (("weights", weights), ("activations", acts)):
+        if args is None:
+            specs.append(None)
+            continue
+        if not isinstance(args, Mapping):
+            problems.append(f"{where}: {role} must be a mapping of QuantizationArgs, got {args!r}")
+            return None
+        spec, why = _args_to_spec(args, role)
+        if why:
+            problems.append(f"{where}: {role}: {why}")
+            return None
+        specs.append(spec)
+    w_args, why_w = _spec_to_args(specs[0], "weights") if specs[0] else (None, None)
+    a_args, why_a = _spec_to_args(specs[1], "activations") if specs[1] else (None, None)
+    candidates = _preset_schemes().get(_scheme_args_key(w_args, a_args), []) if not (why_w or why_a) else []
+    if not candidates:
+        text = f"W: {specs[0].describe() if specs[0] else '16-bit'}; A: {specs[1].describe() if specs[1] else '16-bit'}"
+        problems.append(
+            f"{where}: no quantplan scheme quantizes like this ({text}); quantplan's schemes are: "
+            f"{', '.join(list_schemes())}"
+        )
+        return None
+    base = next((s for s in candidates if s.smoothquant_alpha is None), candidates[0])
+    if alpha is None:
+        return base
+    if base.activations is None:
+        problems.append(
+            f"{where}: SmoothQuant covers it, but its scheme {base.name} quantizes no activations; "
+            "remove it from the SmoothQuant mappings"
+        )
+        return None
+    smoothed = next((s for s in candidates if s.smoothquant_alpha is not None), base)
+    return smoothed if smoothed.smoothquant_alpha == alpha else smoothed.with_alpha(alpha)
+
+
+def _assign(
+    layer_names: Sequence[str],
+    groups: Sequence[tuple[str, list[str], Mapping[str, Any] | None, Mapping[str, Any] | None]],
+    ignore: Sequence[str],
+    alphas: Mapping[str, float],
+    problems: list[str],
+) -> dict[str, Scheme]:
+    """Give every layer the scheme of the config group that claims it (compressed-tensors precedence)."""
+    owner: dict[str, int] = {}
+    for gi, (_, targets, _, _) in enumerate(groups):
+        for t in targets:
+            owner.setdefault(t, gi)
+    all_targets = list(owner)
+    for t in all_targets:
+        if "." in t and not t.startswith("re:") and t not in set(layer_names):
+            problems.append(
+                f"target {t!r} names no linear layer of this model; layer names look like "
+                f"{_cut(list(layer_names)[:3])}"
+            )
+    cache: dict[tuple[int, float | None], Scheme | None] = {}
+    out: dict[str, Scheme] = {}
+    bf16 = get_scheme("BF16")
+    for layer in layer_names:
+        ignored = any(_re_matches(i, layer) or i == LINEAR_CLASS for i in ignore)
+        hits = [] if ignored else _match_targets(layer, all_targets)
+        alpha = alphas.get(layer)
+        if not hits:
+            if alpha is not None:
+                problems.append(
+                    f"layer {layer!r} is smoothed (alpha {alpha:g}) but not quantized; remove it from the "
+                    "SmoothQuant mappings or quantize it"
+                )
+            out[layer] = bf16
+            continue
+        gi = owner[hits[0]]
+        key = (gi, alpha)
+        if key not in cache:
+            label, _, w, a = groups[gi]
+            cache[key] = _scheme_for(w, a, alpha, label, problems)
+        scheme = cache[key]
+        if scheme is not None:
+            out[layer] = scheme
+    if not problems:
+        for members in fusion_groups(layer_names):
+            labels = {scheme_label(out[m]) for m in members}
+            if len(labels) > 1:
+                problems.append(
+                    f"fusion group {group_label(members)} gets mixed schemes "
+                    f"({', '.join(f'{m}={scheme_label(out[m])}' for m in members)})"
+                )
+    return out
+
+
+def _targets_list(value: Any, where: str, problems: list[str]) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    problems.append(f"{where} must be a target name or a list of them, got {value!r}")
+    return []
+
+
+def _ct_groups(
+    config_groups: Any, where: str, problems: list[str]
+) -> list[tuple[str, list[str], Mapping[str, Any] | None, Mapping[str, Any] | None]]:
+    """(label, targets, weights args, activation args) for each compressed-tensors config group."""
+    out = []
+    if not isinstance(config_groups, Mapping):
+        problems.append(
+            f"{where}config_groups must be a mapping of group name -> scheme, got {config_groups!r}"
+        )
+        return out
+    for name, g in config_groups.items():
+        label = f"{where}config group {name!r}"
+        if isinstance(g, (list, tuple, str)):  # {PRESET_NAME: targets}
+            preset = CT_PRESETS.get(str(name).upper())
+            if preset is None:
+                problems.append(
+                    f"{label}: a target list needs a preset name as group name; presets: "
+                    f"{', '.join(CT_PRESETS)}"
+                )
+                continue
+            out.append(
+                (
+                    label,
+                    _targets_list(g, f"{label} targets", problems),
+                    preset["weights"],
+                    preset["input_activations"],
+                )
+            )
+            continue
+        if not isinstance(g, Mapping):
+            problems.append(
+                f"{label} must be a mapping with targets / weights / input_activations, got {g!r}"
+            )
+            continue
+        unknown = [k for k in g if k not in _SCHEME_KEYS]
+        if unknown:
+            problems.append(f"{label}: unknown key(s) {unknown}; valid: {list(_SCHEME_KEYS)}")
+            continue
+        if g.get("output_activations") is not None:
+            problems.append(f"{label}: output activation quantization is not something quantplan plans")
+            continue
+        targets = _targets_list(g.get("targets"), f"{label} targets", problems)
+        if not targets:
+            problems.append(f"{label} has no targets")
+            continue
+        out.append((label, targets, g.get("weights"), g.get("input_activations")))
+    return out
+
+
+def from_compressed_tensors_config(
+    cfg: Mapping[str, Any], *, layer_names: Sequence[str]
+) -> dict[str, Scheme]:
+    """The per-layer plan a compressed-tensors ``quantization_config`` describes.
+
+    ``cfg`` is the ``quantization_config`` dict or a whole ``config.json`` holding one.
+    Every layer of ``layer_names`` gets a scheme (BF16 when ignored or not targeted).
+    Raises PlanError naming each config group or layer quantplan cannot represent.
+    """
+    if isinstance(cfg, Mapping) and "quantization_config" in cfg:
+        cfg = cfg["quantization_config"]
+    if not isinstance(cfg, Mapping):
+        raise PlanError(f"a quantization_config must be a mapping, got {type(cfg).__name__}")
+    problems: list[str] = []
+    method = cfg.get("quant_method", CT_QUANT_METHOD)
+    if method != CT_QUANT_METHOD:
+        raise PlanError(f"quant_method is {method!r}; quantplan imports {CT_QUANT_METHOD!r} configs only")
+    if cfg.get("kv_cache_scheme") is not None:
+        problems.append(
+            "kv_cache_scheme is set: quantplan does not plan the KV cache yet; remove it to import the "
+            "layer plan"
+        )
+    if cfg.get("sparsity_config"):
+        problems.append("sparsity_config is set: quantplan plans quantization only")
+    groups = _ct_groups(cfg.get("config_groups", {}), "", problems)
+    ignore = _targets_list(cfg.get("ignore"), "ignore", problems)
+    plan = _assign(list(layer_names), groups, ignore, {}, problems)
+    if problems:
+        raise PlanError(_format("This compressed-tensors config cannot be imported", problems))
+    return plan
+
+
+def _recipe_modifiers(data: Any, problems: list[str]) -> list[tuple[str, str, Mapping[str, Any]]]:
+    """(where, modifier type, args) in recipe order, read the way llm-compressor's Recipe.from_dict does."""
+    out = []
+    if not isinstance(data, Mapping):
+        problems.append(f"a recipe must be a mapping of '<name>_stage' entries, got {type(data).__name__}")
+        return out
+    for stage_key, stage in data.items():
+        if not (isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, Mapping)):
+            continue
+        for group_key, group in stage.items():
+            if not (
+                isinstance(group_key, str) and group_key.endswith("_modifiers") and isinstance(group, Mapping)
+            ):
+                continue
+            for mod_type, args in group.items():
+                out.append((f"{stage_key}.{group_key}.{mod_type}", str(mod_type), args or {}))
+    if not any(
+        isinstance(k, str) and k.endswith("_stage") and isinstance(v, Mapping) for k, v in data.items()
+    ):
+        # a stage without modifiers is an unquantized plan; no stage at all is a malformed file
+        problems.append(
+            "the recipe has no stage, so no modifiers: llm-compressor reads '<name>_stage: "
+            "{<name>_modifiers: {ModifierType: {...}}}'"
+        )
+    return out
+
+
+def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[str, Scheme]:
+    """The per-layer plan an llm-compressor recipe (YAML or JSON text) applies to a model.
+
+    Reads one ``QuantizationModifier`` (or ``GPTQModifier``: same formats, GPTQ rounding)
+    with ``scheme`` (preset name, or ``{preset: targets}``) + ``targets``, or
+    ``config_groups``; ``ignore``; and any ``SmoothQuantModifier`` (``smoothing_strength``,
+    default 0.5; ``mappings``, default llm-compressor's q/k/v and gate/up mappings), whose
+    balance layers get that alpha. Raises PlanError for anything it cannot represent,
+    naming the modifier, group or layer.
+    """
+    names = list(layer_names)
+    problems: list[str] = []
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PlanError(f"the recipe is not valid YAML or JSON: {exc}") from exc
+    modifiers = _recipe_modifiers(data, problems)
+    quant = [(w, t, a) for w, t, a in modifiers if t in QUANT_MODIFIERS]
+    alphas: dict[str, float] = {}
+    for where, mod_type, args in modifiers:
+        if mod_type == SMOOTH_MODIFIER:
+            if not isinstance(args, Mapping):
+                problems.append(f"{where} must be a mapping of arguments")
+                continue
+            strength = args.get("smoothing_strength", SQ_DEFAULT_STRENGTH)
+            if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 <= strength <= 1:
+                problems.append(f"{where}: smoothing_strength must be a number in [0, 1], got {strength!r}")
+                continue
+            if args.get("ignore"):
+                problems.append(
+                    f"{where}: SmoothQuantModifier.ignore is not supported by the importer; list the "
+                    "layers to smooth in its mappings instead"
+                )
+                continue
+            mappings = args.get("mappings") or LLM_COMPRESSOR_DEFAULT_SQ_MAPPINGS
+            try:
+                covered = _expand_mappings(mappings, names)
+            except PlanError as exc:
+                problems.append(f"{where}: {exc}")
+                continue
+            for layer in names:
+                if layer in covered:
+                    if layer in alphas and alphas[layer] != float(strength):
+                        problems.append(
+                            f"layer {layer!r} is smoothed twice (alpha {alphas[layer]:g} and "
+                            f"{float(strength):g})"
+                        )
+                    alphas[layer] = float(strength)
+        elif mod_type not in QUANT_MODIFIERS:
+            problems.append(
+                f"{where}: modifier {mod_type} is not something quantplan plans; supported: "
+                f"{', '.join(QUANT_MODIFIERS + (SMOOTH_MODIFIER,))}"
+            )
+    if len(quant) > 1:
+        problems.append(
+            f"several quantization modifiers ({', '.join(w for w, _, _ in quant)}); merge them into one"
+        )
+    groups: list[tuple[str, list[str], Mapping[str, Any] | None, Mapping[str, Any] | None]] = []
+    ignore: list[str] = []
+    if len(quant) == 1:
+        where, _, args = quant[0]
+        if not isinstance(args, Mapping):
+            args = {}
+            problems.append(f"{where} must be a mapping of arguments")
+        if args.get("kv_cache_scheme") is not None:
+            problems.append(
+                f"{where}: kv_cache_scheme is set; quantplan does not plan the KV cache yet: remove it to "
+                "import the layer plan"
+            )
+        ignore = _targets_list(args.get("ignore"), f"{where} ignore", problems)
+        targets = _targets_list(args.get("targets", [LINEAR_CLASS]), f"{where} targets", problems)
+        scheme = args.get("scheme")
+        if scheme is not None and args.get("config_groups") is not None:
+            problems.append(
+                f"{where}: give either 'scheme' or 'config_groups', not both (llm-compressor refuses both)"
+            )
+        elif isinstance(scheme, str):
+            preset = CT_PRESETS.get(scheme.upper())
+            if preset is None:
+                problems.append(
+                    f"{where}: unknown preset scheme {scheme!r}; presets: {', '.join(CT_PRESETS)}"
+                )
+            else:
+                groups.append(
+                    (f"{where} scheme {scheme}", targets, preset["weights"], preset["input_activations"])
+                )
+        elif isinstance(scheme, Mapping):
+            groups = _ct_groups(scheme, f"{where} ", problems)
+        elif scheme is not None:
+            problems.append(f"{where}: scheme must be a preset name or {{preset: targets}}, got {scheme!r}")
+        elif args.get("config_groups") is not None:
+            groups = _ct_groups(args["config_groups"], f"{where} ", problems)
+    plan = _assign(names, groups, ignore, alphas, problems)
+    if problems:
+        raise PlanError(_format("This llm-compressor recipe cannot be imported", problems))
+    return plan
+
+
+# ------------------------------------------------------------------ helpers
+
+MAX_NAMES_IN_MESSAGE = 8  # long lists of layer names are cut in error messages
+
+
+def _scheme_counts(plan: Mapping[str, Scheme]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in plan.values():
+        label = scheme_label(s)
+        out[label] = out.get(label, 0) + 1
+    return out
+
+
+def _cut(names: Sequence[str]) -> str:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:MAX_NAMES_IN_MESSAGE])
+    rest = len(names) - MAX_NAMES_IN_MESSAGE
+    return shown + (f" and {rest} more" if rest > 0 else "")
+
+
+def _format(title: str, problems: Sequence[str]) -> str:
+    if len(problems) == 1:
+        return f"{title}: {problems[0]}"
+    return f"{title} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+__all__ = [
+    "CT_PRESETS",
+    "compact_targets",
+    "ct_args",
+    "ct_format",
+    "ct_preset_name",
+    "from_compressed_tensors_config",
+    "from_llmcompressor_recipe",
+    "scheme_from_ct_args",
+    "to_compressed_tensors_config",
+    "to_llmcompressor_recipe",
+    "to_vllm_command",
+]

@@ -1,0 +1,220 @@
+"""Exported recipes against the real llm-compressor 0.14.0.1 (in its own virtual environment).
+
+llmcompressor pins transformers<=5.17 while quantplan uses 5.24, so it lives in ``.venv-llmc``
+(``scripts/llmc_env.sh`` creates it, idempotently). ``scripts/llmc_check.py`` runs there: it loads
+every recipe with ``Recipe.create_instance``, applies each quantization modifier's config to a
+tiny random Llama with compressed-tensors' own ``apply_quantization_config`` and resolves each
+SmoothQuantModifier's mappings on it with llm-compressor's own resolver. These tests compare that
+with the plan that was exported: what every layer really gets, which layers are smoothed with
+which strength into which norm, and the preset tables quantplan embeds.
+
+The first run builds the environment (about 1.5 GB, 2-4 minutes here); later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from quantcore.export import (
+    CT_PRESETS,
+    scheme_from_ct_args,
+    to_llmcompressor_recipe,
+    to_vllm_command,
+)
+from quantcore.schemes import Scheme, get_scheme
+from tests.quantcore.test_export import EXPRESSIBLE, LAYERS, N_BLOCKS, uniform
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"
+ENV_TIMEOUT_S = 1800  # a first build on a slow mirror; a warm environment returns at once
+CHECK_TIMEOUT_S = 600  # one llmc_check.py run: ~20 s to import llmcompressor, then milliseconds per recipe
+
+
+def mixed_preset_plan() -> dict[str, Scheme]:
+    plan = uniform("FP8_DYNAMIC")
+    for n in LAYERS:
+        if n.startswith("model.layers.1.self_attn.") and not n.endswith("o_proj"):
+            plan[n] = get_scheme("W4A16")
+        if n.endswith("down_proj"):
+            plan[n] = get_scheme("INT8_W8A8")
+    plan["model.layers.2.mlp.down_proj"] = get_scheme("NVFP4A16")
+    return plan
+
+
+def mixed_explicit_plan() -> dict[str, Scheme]:
+    """W8A16 (per channel) and FP8_PER_TENSOR have no llm-compressor preset: explicit config_groups."""
+    plan = uniform("W8A16")
+    for n in LAYERS:
+        if n.endswith(("gate_proj", "up_proj")):
+            plan[n] = get_scheme("FP8_PER_TENSOR")
+    plan["model.layers.0.self_attn.o_proj"] = get_scheme("BF16")
+    return plan
+
+
+def smoothquant_plan() -> dict[str, Scheme]:
+    """Two strengths; some blocks smoothed, others not: per-block mappings and two SmoothQuantModifiers."""
+    plan = uniform("INT8_W8A8")
+    for n in LAYERS:
+        if n.startswith("model.layers.0.") and not n.endswith("o_proj"):
+            plan[n] = get_scheme("INT8_W8A8_SQ")
+        if n.endswith("down_proj") and ".0." not in n:
+            plan[n] = get_scheme("INT8_W8A8_SQ").with_alpha(0.8)
+    plan["model.layers.2.mlp.gate_proj"] = plan["model.layers.2.mlp.up_proj"] = get_scheme(
+        "FP8_DYNAMIC"
+    ).with_alpha(0.6)
+    return plan
+
+
+def cases() -> dict[str, dict[str, Scheme]]:
+    out = {f"uniform-{name}": uniform(name) for name in EXPRESSIBLE}
+    out["mixed-presets"] = mixed_preset_plan()
+    out["mixed-explicit"] = mixed_explicit_plan()
+    out["smoothquant"] = smoothquant_plan()
+    return out
+
+
+@pytest.fixture(scope="module")
+def llmc(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(cases: name -> (plan, recipe text), llmc_check.py's JSON summary)."""
+    env = subprocess.run(
+        ["bash", str(REPO / "scripts" / "llmc_env.sh")],
+        capture_output=True,
+        text=True,
+        timeout=ENV_TIMEOUT_S,
+        cwd=REPO,
+    )
+    assert env.returncode == 0, f"scripts/llmc_env.sh failed:\n{env.stdout[-3000:]}\n{env.stderr[-3000:]}"
+    folder = tmp_path_factory.mktemp("recipes")
+    made: dict[str, Any] = {}
+    for name, plan in cases().items():
+        text = to_llmcompressor_recipe(plan, layer_names=LAYERS)
+        path = folder / f"{name}.yaml"
+        path.write_text(text, encoding="utf-8")
+        made[name] = (plan, text, str(path))
+    cmd = [
+        str(LLMC_PYTHON),
+        str(REPO / "scripts" / "llmc_check.py"),
+        *(p for _, _, p in made.values()),
+        "--llama-blocks",
+        str(N_BLOCKS),
+        "--presets",
+        *CT_PRESETS,
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
+    assert run.stdout.strip(), f"llmc_check.py printed nothing (rc {run.returncode}):\n{run.stderr[-3000:]}"
+    summary = json.loads(run.stdout)
+    errors = {p: r["error"] for p, r in summary["recipes"].items() if "error" in r}
+    assert not errors and run.returncode == 0, f"llm-compressor refused exported recipes: {errors}"
+    return made, summary
+
+
+def modifiers(summary: dict[str, Any], path: str, kind: str) -> list[dict[str, Any]]:
+    return [m for m in summary["recipes"][path]["modifiers"] if m["type"] == kind]
+
+
+def test_versions_are_the_pinned_ones(llmc) -> None:
+    _, summary = llmc
+    assert summary["versions"]["llmcompressor"] == "0.14.0.1"
+    assert summary["versions"]["compressed-tensors"] == "0.19.0"
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_every_layer_gets_the_planned_quantization(llmc, name: str) -> None:
+    made, summary = llmc
+    plan, _, path = made[name]
+    quant = modifiers(summary, path, "QuantizationModifier")
+    if all(s.is_identity for s in plan.values()):
+        assert quant == []
+        return
+    (mod,) = quant
+    applied = mod["layers"]
+    assert set(applied) == set(LAYERS)
+    for layer in LAYERS:
+        got = applied[layer]
+        want = plan[layer]
+        if want.is_identity:
+            assert got is None, f"{layer} should stay BF16, llm-compressor quantizes it"
+            continue
+        assert got is not None, f"{layer} should be {want.name}, llm-compressor leaves it unquantized"
+        # what compressed-tensors attached to the module, read back as a quantplan scheme
+        real = scheme_from_ct_args(got["weights"], got["input_activations"], alpha=want.smoothquant_alpha)
+        assert real == want, f"{layer}: planned {want.name}, llm-compressor applies {real.name}"
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_smoothing_strengths_and_resolved_mappings(llmc, name: str) -> None:
+    made, summary = llmc
+    plan, text, path = made[name]
+    ours = [
+        g["SmoothQuantModifier"]
+        for k, g in yaml.safe_load(text)["quant_stage"].items()
+        if "SmoothQuantModifier" in g
+    ]
+    theirs = modifiers(summary, path, "SmoothQuantModifier")
+    assert [(m["smoothing_strength"], m["mappings"]) for m in theirs] == [
+        (m["smoothing_strength"], m["mappings"]) for m in ours
+    ]
+    smoothed: dict[str, float] = {}
+    for m in theirs:
+        for smooth, balance in m["resolved_mappings"]:
+            for layer in balance:
+                assert layer not in smoothed, f"{layer} smoothed twice"
+                smoothed[layer] = m["smoothing_strength"]
+                leaf = layer.rsplit(".", 1)[-1]
+                block = layer.rsplit(".", 2)[0]
+                expected = {
+                    "q_proj": f"{block}.input_layernorm",
+                    "k_proj": f"{block}.input_layernorm",
+                    "v_proj": f"{block}.input_layernorm",
+                    "gate_proj": f"{block}.post_attention_layernorm",
+                    "up_proj": f"{block}.post_attention_layernorm",
+                    "down_proj": layer.rsplit(".", 1)[0] + ".up_proj",
+                }[leaf]
+                assert smooth == expected, f"{layer} is smoothed into {smooth}, not {expected}"
+    assert smoothed == {n: s.smoothquant_alpha for n, s in plan.items() if s.smoothquant_alpha is not None}
+
+
+@pytest.mark.parametrize("name", list(CT_PRESETS))
+def test_embedded_preset_table_matches_compressed_tensors(llmc, name: str) -> None:
+    _, summary = llmc
+    real = summary["presets"][name]
+    ours = CT_PRESETS[name]
+    keys = (
+        "num_bits",
+        "type",
+        "strategy",
+        "group_size",
+        "block_structure",
+        "symmetric",
+        "dynamic",
+        "scale_dtype",
+    )
+    for role in ("weights", "input_activations"):
+        if ours[role] is None or real[role] is None:
+            assert ours[role] is None and real[role] is None, f"{name} {role}"
+            continue
+        want = {k: ours[role].get(k) for k in keys}
+        got = {k: real[role].get(k) for k in keys}
+        assert got == want, f"{name} {role}"
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_calibration_note_of_the_vllm_command_agrees_with_llmcompressor(llmc, name: str) -> None:
+    made, summary = llmc
+    plan, _, path = made[name]
+    quant = modifiers(summary, path, "QuantizationModifier")
+    smooth = modifiers(summary, path, "SmoothQuantModifier")
+    needs = bool(smooth) or any(m["requires_calibration_data"] for m in quant)
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS)
+    if "--quantization fp8" in cmd or not quant:
+        assert not needs
+    else:
+        assert ("needs calibration data" in cmd) == needs, cmd
