@@ -47,6 +47,7 @@ case "${1:-}" in
   test)
     setup
     browser
+    bash scripts/llmc_env.sh  # the real llm-compressor, in its own .venv-llmc (its pins clash with ours)
     shift
     exec "$VENV/bin/python" -m pytest "$@"
     ;;

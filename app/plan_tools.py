@@ -2,6 +2,71 @@
 
 from __future__ import annotations
 
+import pandas as pd
+import streamlit as st
 
-def render(model, plans, target) -> None:
-    return None
+from app import services as svc
+
+
+def render(model, plans, target: str) -> None:
+    st.subheader("Automatic plan")
+    sens, _units = svc.sensitivity_map(model)
+    if not sens:
+        st.info("An automatic plan needs per-layer sensitivity: queue sweeps for the candidate schemes on the "
+                "Results page (e.g. FP8_DYNAMIC, INT8_W8A8, W4A16).")
+    else:
+        device_name = svc.measured_device_for(target)
+        st.caption(f"Sensitivity known for: {', '.join(sorted(sens))}. Cost: "
+                   + (f"measured kernel times on {device_name}." if device_name
+                      else f"weight bits × N × K (no {target} timings stored)."))
+        with st.form("auto_plan"):
+            c1, c2 = st.columns(2)
+            budget = c1.number_input("KL budget (nats per token)", 0.0, 10.0, 0.02, step=0.005, format="%.4f",
+                                     key="auto_budget")
+            cands = c2.multiselect("Candidate schemes", sorted(set(sens) | {"BF16"}),
+                                   default=sorted(set(sens) | {"BF16"}), key="auto_cands")
+            if st.form_submit_button("Choose and verify", type="primary"):
+                try:
+                    result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
+                                                      candidates=cands)
+                    st.success(f"Saved {plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
+                               f"{result.cost:.4g} vs {result.baseline_cost:.4g} {result.cost_unit} in BF16. "
+                               f"Verification: score job #{job.id} (Results page shows predicted vs measured).")
+                    for note in result.notes:
+                        st.caption(note)
+                    st.dataframe(pd.Series(result.plan).value_counts().rename("layers"), width="content")
+                except ValueError as exc:
+                    st.error(str(exc))
+    scored = [s for s in svc.list_scores(model.id) if s.predicted_kl is not None]
+    if scored:
+        st.dataframe(pd.DataFrame([{"plan": s.plan_label, "predicted KL": s.predicted_kl, "measured KL": s.kl_mean,
+                                    "top-1": s.top1_agree} for s in scored]), hide_index=True, width="stretch")
+
+    st.subheader("Export")
+    if not plans:
+        st.info("Save a plan first; then export it for llm-compressor, compressed-tensors or vLLM.")
+        return
+    c1, c2 = st.columns(2)
+    ids = [p.id for p in plans]
+    plan_id = c1.selectbox("Plan", ids, index=len(ids) - 1, format_func={p.id: p.label for p in plans}.get,
+                           key="export_plan")
+    fmt = c2.selectbox("Format", list(svc.EXPORT_FORMATS), key="export_fmt")
+    plan = next(p for p in plans if p.id == plan_id)
+    try:
+        text = svc.export_plan(model, plan.body, fmt)
+    except ValueError as exc:
+        st.error(str(exc))
+        return
+    lang = {"llmcompressor": "yaml", "compressed-tensors": "json", "vllm": "bash"}[fmt]
+    st.code(text, language=lang)
+    ext = {"llmcompressor": "recipe.yaml", "compressed-tensors": "quantization_config.json", "vllm": "serve.sh"}[fmt]
+    st.download_button("Download", text, file_name=f"{plan.name}-v{plan.version}-{ext}", key="export_download")
+
+    up = st.file_uploader("Import a plan (.yaml plan or llm-compressor recipe, .json compressed-tensors config)",
+                          type=["yaml", "yml", "json"], key="import_plan")
+    if up is not None and st.button("Import", key="import_btn"):
+        try:
+            rec = svc.import_plan(model, up.name, up.getvalue().decode("utf-8", "replace"))
+            st.success(f"Imported {rec.label}.")
+        except ValueError as exc:
+            st.error(str(exc))

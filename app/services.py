@@ -379,3 +379,133 @@ def plan_diff(model: ModelRecord, a: PlanRecord, b: PlanRecord):
     if err_a or err_b:
         raise ValueError(err_a or err_b)
     return pd.DataFrame(diff_plans(ra, rb), columns=["layer", a.label, b.label])
+
+
+# ----------------------------------------------------------------------------- automatic plans and export
+
+EXPORT_FORMATS = ("llmcompressor", "compressed-tensors", "vllm")
+
+
+def _mlp_norm(model: ModelRecord) -> str:
+    """The norm in front of the MLP: Gemma has a pre-feedforward norm, Llama-style models reuse
+    post_attention_layernorm (the name alone cannot tell them apart)."""
+    from quantcore.export import MLP_NORM_LLAMA
+
+    return "pre_feedforward_layernorm" if model.model_type.startswith("gemma") else MLP_NORM_LLAMA
+
+
+def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
+    """The plan as an llm-compressor recipe (YAML), a compressed-tensors quantization_config (JSON)
+    or the vLLM command line."""
+    import json
+
+    from quantcore import export
+    from quantcore.errors import PlanError
+
+    resolved, problem = resolve(model, body)
+    if problem:
+        raise PlanError(problem)
+    names = layer_names(model)
+    if fmt == "llmcompressor":
+        return export.to_llmcompressor_recipe(resolved, layer_names=names, mlp_norm=_mlp_norm(model))
+    if fmt == "compressed-tensors":
+        return json.dumps(export.to_compressed_tensors_config(resolved, layer_names=names), indent=2) + "\n"
+    if fmt == "vllm":
+        return export.to_vllm_command(resolved, model_path=model.source_name or model.name, layer_names=names)
+    raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
+
+
+def import_plan(model: ModelRecord, filename: str, text: str, name: str | None = None) -> PlanRecord:
+    """Import a plan file (YAML, quantplan's format), an llm-compressor recipe (YAML) or a compressed-tensors
+    quantization_config / config.json (JSON) as a new plan version of `model`."""
+    import json
+
+    import yaml
+
+    from quantcore import export
+    from quantcore.plans import PlanSpec, resolve_plan, spec_from_plan
+
+    names = layer_names(model)
+    stem = Path(filename).stem
+    if filename.lower().endswith(".json"):
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{filename} is not valid JSON: {exc}") from exc
+        spec = spec_from_plan(export.from_compressed_tensors_config(cfg, layer_names=names), model=model.name)
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{filename} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{filename}: expected a YAML mapping (a quantplan plan or an llm-compressor recipe)")
+        if {"default", "rules", "layers"} & set(data):
+            spec = PlanSpec.from_dict(data)
+            resolve_plan(spec, names)  # refuse what does not fit this model, with the reasons
+        else:
+            spec = spec_from_plan(export.from_llmcompressor_recipe(text, layer_names=names), model=model.name)
+    plan_name = name or spec.name or stem
+    spec.name, spec.model = plan_name, model.name
+    return save_plan(model.id, plan_name, spec.to_dict(), note=f"imported from {Path(filename).name}")
+
+
+def sensitivity_map(model: ModelRecord):
+    """{scheme: {unit: KL}} and {unit: layers} over every stored sensitivity sweep of the model."""
+    from quantcore.autoplan import sensitivity_from_rows
+
+    rows = []
+    for job in reversed(sensitivity_jobs(model.id)):  # oldest first: a newer sweep replaces an older one
+        rows.extend(sensitivity_rows(job.id))
+    return sensitivity_from_rows(rows)
+
+
+def measured_device_for(target: str) -> str | None:
+    """A device with stored kernel timings that is the target GPU, if any."""
+    from quantcore.hardware import match_target
+
+    for _kind, name, _torch in kernel_devices():
+        if match_target(name) == target:
+            return name
+    return None
+
+
+def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 2048,
+              candidates: list[str] | None = None, verify: bool = True, device: str = "cpu"):
+    """Choose the cheapest plan under the KL budget from the stored sensitivity sweeps (and the target's
+    measured kernel times when stored), save it as a plan version, and queue a score job that checks
+    the prediction. Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
+    from quantcore.autoplan import auto_plan as solve
+    from quantcore.autoplan import cost_from_kernel_records
+    from quantcore.kernels import KernelRecord
+    from quantcore.plans import spec_from_plan
+
+    sens, unit_layers = sensitivity_map(model)
+    if not sens:
+        raise ValueError(f"{model.name} has no sensitivity sweep yet: run one per candidate scheme first "
+                         f"(Results page, or `quantplan sensitivity {model.name} --scheme FP8_DYNAMIC`)")
+    cands = candidates or sorted(set(sens) | {"BF16"})
+    shapes = {lin["name"]: (lin["out_features"], lin["in_features"]) for lin in model.linears}
+    cost = None
+    device_name = measured_device_for(target)
+    if device_name:
+        frame = kernel_frame(device_name)
+        fields = set(KernelRecord.__dataclass_fields__)
+        records = [KernelRecord.from_dict({k: v for k, v in r.items() if k in fields})
+                   for r in frame.to_dict("records")]
+        cost = cost_from_kernel_records(records, shapes, cands, m=m, target=target)
+        if not cost.get("BF16"):
+            cost = None
+    result = solve(layer_names(model), sens, kl_budget=kl_budget, target=target, candidates=cands, cost=cost,
+                   layer_shapes=shapes, unit_layers=unit_layers)
+    if device_name is None or cost is None:
+        result.notes.append(f"no kernel timings of a {target} are stored: cost is weight bits × N × K")
+    name = f"auto-{target}-kl{kl_budget:g}"
+    spec = spec_from_plan(result.plan, model=model.name, name=name)
+    plan = save_plan(model.id, name, spec.to_dict(),
+                     note=f"auto: predicted KL {result.predicted_kl:.4g} ≤ {kl_budget:g} on {target}")
+    job = None
+    if verify:
+        job = submit("score", {"predicted_kl": result.predicted_kl, "label": plan.label, "device": device},
+                     model_id=model.id, plan_id=plan.id)
+    return result, plan, job

@@ -2,6 +2,132 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+from quantplan.cli import CliError, _checked_settings, _model, _print_json, _progress_printer
+
+
+def _stored_or_file(ref: str, model_ref: str | None):
+    """(model, plan body, label) from a stored plan id/name or a plan YAML file."""
+    from app import services as svc
+    from quantcore.plans import load_plan_file
+    from store.repo import NotFound
+
+    path = Path(ref)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        spec = load_plan_file(path)
+        mref = model_ref or spec.model
+        if not mref:
+            raise CliError(f"{path} names no model: add `model: NAME` to it or pass --model")
+        return _model(str(mref)), spec.to_dict(), spec.name or path.stem
+    try:
+        plan = svc.get_plan(ref)
+    except NotFound as exc:
+        raise CliError(f"{exc} (and {ref} is not a plan .yaml file)") from exc
+    return svc.get_model(plan.model_id), plan.body, plan.label
+
+
+def cmd_plan_export(args) -> int:
+    from app import services as svc
+
+    _checked_settings()
+    model, body, _label = _stored_or_file(args.plan, args.model)
+    text = svc.export_plan(model, body, args.format)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def cmd_plan_import(args) -> int:
+    from app import services as svc
+
+    _checked_settings()
+    path = Path(args.file)
+    if not path.exists():
+        raise CliError(f"{path} does not exist")
+    text = path.read_text()
+    model_ref = args.model
+    if model_ref is None and path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+        model_ref = data.get("model") if isinstance(data, dict) else None
+    if model_ref is None:
+        raise CliError("say which model the plan is for: --model NAME (or `model:` in the plan file)")
+    model = _model(str(model_ref))
+    plan = svc.import_plan(model, path.name, text, name=args.name)
+    if args.json:
+        _print_json({"id": plan.id, "name": plan.name, "version": plan.version, "model": model.name,
+                     "body": plan.body})
+    else:
+        print(f"imported plan #{plan.id} {plan.label} for {model.name}")
+    return 0
+
+
+def cmd_plan_auto(args) -> int:
+    from app import services as svc
+    from worker.client import wait_for
+
+    s = _checked_settings()
+    model = _model(args.model)
+    cands = args.candidates.split(",") if args.candidates else None
+    result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
+                                      candidates=cands, verify=not args.no_verify, device=args.device or "cpu")
+    out = {"plan_id": plan.id, "plan": plan.label, **result.to_dict()}
+    if job is not None and args.wait:
+        done = wait_for(job.id, on_update=_progress_printer(args.json), settings=s)
+        out["verify_job"] = done.id
+        out["measured_kl"] = (done.result or {}).get("kl_mean")
+        out["verify_status"] = done.status
+    elif job is not None:
+        out["verify_job"] = job.id
+    if args.json:
+        _print_json(out)
+    else:
+        print(f"saved {plan.label}: predicted KL {result.predicted_kl:.5f} ≤ {args.kl_budget:g}; cost "
+              f"{result.cost:.4g} vs {result.baseline_cost:.4g} {result.cost_unit} all-BF16 on {args.target}")
+        counts: dict[str, int] = {}
+        for sch in result.plan.values():
+            counts[sch] = counts.get(sch, 0) + 1
+        print("  " + ", ".join(f"{n} layers {sch}" for sch, n in sorted(counts.items())))
+        for note in result.notes:
+            print(f"  note: {note}")
+        if "measured_kl" in out:
+            print(f"  verified by score job #{out['verify_job']}: measured KL {out['measured_kl']}")
+        elif job is not None:
+            print(f"  verification queued: score job #{job.id}")
+    return 0
+
 
 def add_commands(sub) -> None:
-    return None
+    plan = sub.add_parser("plan", help="automatic plans, export and import").add_subparsers(dest="action",
+                                                                                            required=True)
+    sp = plan.add_parser("auto", help="cheapest plan whose predicted KL stays under a budget")
+    sp.add_argument("model")
+    sp.add_argument("--kl-budget", type=float, required=True, help="nats per token, e.g. 0.02")
+    sp.add_argument("--target", required=True, help="target GPU: a100, l40s, h100, h100-pcie, h200, b200")
+    sp.add_argument("--candidates", help="comma-separated schemes (default: every scheme with a sensitivity sweep)")
+    sp.add_argument("--m", type=int, default=2048, help="tokens per step whose kernel time is the cost")
+    sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
+    sp.add_argument("--wait", action="store_true", help="wait for the verifying score job")
+    sp.add_argument("--device", default=None)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_plan_auto)
+
+    sp = plan.add_parser("export", help="an llm-compressor recipe, a compressed-tensors config or a vLLM command")
+    sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")
+    sp.add_argument("--format", required=True, choices=["llmcompressor", "compressed-tensors", "vllm"])
+    sp.add_argument("--model", help="model of a plan file that does not name one")
+    sp.add_argument("--output", "-o")
+    sp.set_defaults(func=cmd_plan_export)
+
+    sp = plan.add_parser("import", help="store a plan file, llm-compressor recipe or compressed-tensors config")
+    sp.add_argument("file")
+    sp.add_argument("--model")
+    sp.add_argument("--name")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_plan_import)

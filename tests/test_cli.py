@@ -1,0 +1,111 @@
+"""The `quantplan` command end to end in-process (--local job bodies, real database), on a tiny Llama
+checkpoint saved to disk: register → calibrate → score → sensitivity → auto plan → export → import →
+bench; and the clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantplan.cli import main
+from tests.quantcore.test_checkpoint import save_tiny_llama
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv: str):
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture
+def tiny_model(qp_settings, tmp_path, capsys):
+    folder = save_tiny_llama(tmp_path / "tiny-llama")
+    res = run_json(capsys, "models", "add", str(folder), "--name", "tiny", "--json")
+    assert res["name"] == "tiny" and res["linears"] == 2 * 7 + 1
+    return res
+
+
+def test_cli_flow(tiny_model, capsys, tmp_path):
+    cal = run_json(capsys, "calibrate", "tiny", "--local", "--samples", "4", "--seq-len", "32", "--json")
+    layers = {r["name"]: r for r in cal["layers"]}
+    assert len(layers) == 15 and layers["model.layers.0.mlp.down_proj"]["in_features"] == 128
+    assert all(r["outlier_ratio"] >= 1 for r in layers.values())
+
+    bf16 = run_json(capsys, "score", "tiny", "--scheme", "BF16", "--local", "--samples", "2", "--seq-len", "32",
+                    "--json")
+    assert bf16["kl_mean"] == 0.0 and bf16["top1_agree"] == 1.0 and bf16["ppl"] == bf16["ppl_ref"]
+    fp8 = run_json(capsys, "score", "tiny", "--scheme", "INT8_PER_TENSOR", "--local", "--samples", "2",
+                   "--seq-len", "32", "--json")
+    for key in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl", "tokens"):
+        assert key in fp8
+    assert fp8["kl_mean"] > 0 and fp8["tokens"] == 2 * 31
+
+    sens = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", "--local", "--samples", "2",
+                    "--seq-len", "32", "--json")
+    assert sens["layers"] and {"layer", "kl_mean", "top1_agree", "sqnr_db"} <= set(sens["layers"][0])
+    kls = [r["kl_mean"] for r in sens["layers"]]
+    assert kls == sorted(kls, reverse=True)
+
+    auto = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--no-verify",
+                    "--json")
+    assert set(auto["plan"].values()) <= {"BF16", "INT8_PER_TENSOR"}
+    assert auto["predicted_kl"] <= 1000
+    zero = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "0", "--target", "h100", "--no-verify",
+                    "--json")
+    assert set(zero["plan"].values()) == {"BF16"} and zero["predicted_kl"] == 0
+
+    # a plan file → stored → exported as a recipe → imported again: the same resolved plan
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text("model: tiny\nname: mixed\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'lm_head', scheme: BF16}\n"
+                         "  - {match: 'down_proj', scheme: INT8_W8A8}\n")
+    imported = run_json(capsys, "plan", "import", str(plan_file), "--json")
+    recipe = tmp_path / "recipe.yaml"
+    code, _, err = run(capsys, "plan", "export", "mixed", "--format", "llmcompressor", "-o", str(recipe))
+    assert code == 0, err
+    again = run_json(capsys, "plan", "import", str(recipe), "--model", "tiny", "--name", "from-recipe", "--json")
+    from app import services as svc
+
+    model = svc.get_model("tiny")
+    a, _ = svc.resolve(model, imported["body"])
+    b, _ = svc.resolve(model, again["body"])
+    assert a == b
+    code, out, _ = run(capsys, "plan", "export", "mixed", "--format", "vllm")
+    assert code == 0 and "vllm serve" in out
+    code, out, _ = run(capsys, "plan", "export", "mixed", "--format", "compressed-tensors")
+    assert json.loads(out)["quant_method"] == "compressed-tensors"
+
+    records = run_json(capsys, "bench", "tiny", "--local", "--m", "1,32", "--budget", "20", "--json")
+    keys = {"device", "m", "n", "k", "path", "ms", "tflops", "speedup", "native", "max_rel_err"}
+    assert records and all(keys <= set(r) for r in records)
+    assert {(r["n"], r["k"]) for r in records} == {(64, 64), (32, 64), (128, 64), (64, 128), (23, 64)}
+    again = run_json(capsys, "bench", "tiny", "--local", "--m", "1,32", "--budget", "20", "--json")
+    assert len(again) == len(records)  # stored results reused for the same device
+
+    code, out, _ = run(capsys, "jobs", "--json")
+    kinds = {j["kind"] for j in json.loads(out)}
+    assert {"register", "calibrate", "score", "sensitivity", "bench"} <= kinds
+
+
+def test_cli_errors_are_clear(tiny_model, capsys, tmp_path):
+    code, _, err = run(capsys, "calibrate", "nope", "--local")
+    assert code == 1 and "no model 'nope'" in err and "tiny" in err
+    code, _, err = run(capsys, "score", "tiny", "--scheme", "FP9", "--local", "--samples", "1", "--seq-len", "16")
+    assert code == 1 and "FP9" in err and "FP8_DYNAMIC" in err
+    pickle = tmp_path / "model.bin"
+    pickle.write_bytes(b"\x80\x04not really")
+    code, _, err = run(capsys, "models", "add", str(pickle))
+    assert code == 1 and "pickle" in err
+    code, _, err = run(capsys, "calibrate", "demo", "--local")
+    assert code == 1 and "models add --demo" in err
+
+
+def test_entry_points_refuse_an_outdated_schema(qp_env, capsys):
+    code, _, err = run(capsys, "models", "list")
+    assert code == 1 and "quantplan migrate" in err
