@@ -1,0 +1,479 @@
+"""Per-layer sensitivity: quantize one layer (or one fusion group) at a time and measure the damage.
+
+For every *unit* — a linear layer, or with ``groups=True`` a fusion group (q/k/v,
+gate/up of one block) that a serving engine runs as one GEMM — the sweep reports
+the mean per-token KL(p_ref || p_quant) of the whole model with only that unit
+quantized, the top-1 agreement, and the unit's *local* output SQNR (its quantized
+output against its unquantized output on the very same input).
+
+How it stays cheap
+    For each batch of evaluation sequences the unquantized model runs once with a
+    forward hook on every decoder block, keeping each block's output (= the next
+    block's input: the hidden states at every block boundary). A unit in block b
+    then re-runs only blocks b..N-1, the final norm and the head: blocks 0..b-1 are
+    *replayed* — their ``forward`` is temporarily replaced by one that returns the
+    kept output — while the model's own ``forward`` still computes the attention
+    masks, position embeddings and per-layer arguments (Gemma3's sliding-window vs
+    global layers get their own masks and rotary tables this way, with no
+    architecture-specific code) and its own tail (Gemma3's final logit
+    softcapping). A unit outside the decoder blocks that runs after them
+    (``lm_head``) replays every block and runs only the head.
+
+    The reference log-probs for the KL come from that same unquantized pass in
+    float32, so a unit whose quantization leaves its logits unchanged gets a KL of
+    exactly 0, and no float16 storage error enters the per-layer numbers (which are
+    much smaller than a whole plan's). KL is computed without materializing log-probs:
+    KL = (lse_q - lse_ref) - sum_v p_ref(v) (z_q(v) - z_ref(v)), with z the logits.
+    The :class:`~quantcore.scoring.ReferenceCache` fixes the evaluation tokens and
+    guards against a cache made with other weights (the recomputed reference NLL
+    must match it).
+
+Supported architectures
+    Causal LMs whose decoder blocks form one ``nn.ModuleList`` that the model's
+    ``forward`` calls in order, and whose blocks have no side effects (no KV cache:
+    every pass runs with ``use_cache=False``): Llama, Mistral, Qwen2/Qwen3, Gemma,
+    Gemma2, Gemma3 (text) — ``model.model.layers`` — and the same list under
+    ``model.model.language_model.layers``, ``model.transformer.h`` (GPT-2 style)
+    or ``model.gpt_neox.layers``. Anything else raises a PlanError naming the
+    places looked at.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quantcore.errors import PlanError
+from quantcore.plans import group_label
+from quantcore.schemes import Scheme, fusion_groups, get_scheme
+from quantcore.scoring import (
+    Progress,
+    ReferenceCache,
+    ReferenceMismatch,
+    ShouldCancel,
+    as_token_batch,
+    batch_ranges,
+    check_cancel,
+    chunk_rows,
+    forward_logits,
+    plan_applied,
+    report_progress,
+)
+
+# candidate attribute paths of the decoder-block ModuleList, most common first
+DECODER_BLOCK_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers")
+# the recomputed reference NLL must match the cache to this mean |difference| (nats/token); a
+# different model or weights differ by orders of magnitude more, run-to-run noise by far less
+REFERENCE_NLL_TOL = 1e-3
+SQNR_ROW_CHUNK = 4096  # rows of a linear's input processed at a time when computing its local SQNR
+
+
+@dataclass
+class SensitivityRow:
+    """One unit of a sensitivity sweep.
+
+    layer:      unit label: the layer name, or a group label like ``model.layers.3.self_attn.{q,k,v}_proj``
+    layers:     the linear layers quantized together in this unit
+    kl_mean:    mean per-token KL(p_ref || p_quant) with only this unit quantized (nats)
+    top1_agree: share of positions whose argmax token equals the reference's
+    sqnr_db:    local output SQNR of the unit, 10 log10(sum y^2 / sum (y - y_q)^2) over all its
+                members and tokens; +inf when its output is unchanged
+    note:       for people: e.g. SmoothQuant could not be applied to this unit
+    """
+
+    layer: str
+    layers: list[str]
+    kl_mean: float
+    top1_agree: float
+    sqnr_db: float
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict; an infinite SQNR (no noise at all) becomes ``None``."""
+        return {
+            "layer": self.layer,
+            "layers": list(self.layers),
+            "kl_mean": self.kl_mean,
+            "top1_agree": self.top1_agree,
+            "sqnr_db": self.sqnr_db if math.isfinite(self.sqnr_db) else None,
+            "note": self.note,
+        }
+
+
+# ---------------------------------------------------------------------- model structure
+
+
+@dataclass
+class DecoderStack:
+    """The decoder blocks of a causal LM: ``blocks[i]`` is module ``f"{prefix}.{i}"``."""
+
+    prefix: str
+    blocks: nn.ModuleList
+
+    def block_of(self, layer_name: str) -> int | None:
+        """Index of the block that contains ``layer_name``, or ``None`` when it is outside every block."""
+        head = self.prefix + "."
+        if not layer_name.startswith(head):
+            return None
+        index = layer_name[len(head) :].split(".", 1)[0]
+        return int(index) if index.isdigit() and int(index) < len(self.blocks) else None
+
+
+def find_decoder_blocks(model: nn.Module) -> DecoderStack:
+    """Locate the decoder-block ModuleList (see the module docstring for where it is looked for)."""
+    for path in DECODER_BLOCK_PATHS:
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            return DecoderStack(prefix=path, blocks=mod)
+    raise PlanError(
+        f"cannot find the decoder blocks of {type(model).__name__}: looked for an nn.ModuleList at "
+        f"{', '.join(DECODER_BLOCK_PATHS)}. Sensitivity supports Llama, Mistral, Qwen2/3 and Gemma/Gemma2/Gemma3 "
+        "causal LMs; for another architecture score one-layer plans with quantcore.scoring.score_plan instead"
+    )
+
+
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """Names of every ``nn.Linear`` in ``model``, in module order."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def sweep_units(
+    layer_names: Sequence[str], *, groups: bool = True, only: Sequence[str] | None = None
+) -> list[list[str]]:
+    """The units of a sweep over ``layer_names`` (model order), each a list of layer names.
+
+    With ``groups``, the members of a fusion group form one unit. ``only`` restricts the
+    sweep to these layers; with ``groups``, a unit is kept when any of its members is
+    named, so naming ``q_proj`` sweeps the whole q/k/v group (they are served as one GEMM).
+    Unknown names in ``only`` raise PlanError naming them.
+    """
+    names = list(layer_names)
+    if only is not None:
+        unknown = [n for n in only if n not in set(names)]
+        if unknown:
+            raise PlanError(
+                f"layer name(s) the model does not have: {', '.join(map(repr, unknown[:10]))}"
+                f"{' ...' if len(unknown) > 10 else ''}; names look like {', '.join(map(repr, names[:3]))}"
+            )
+    group_of: dict[str, list[str]] = {}
+    if groups:
+        for g in fusion_groups(names):
+            for m in g:
+                group_of[m] = g
+    units: list[list[str]] = []
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            continue
+        unit = group_of.get(n, [n])
+        seen.update(unit)
+        units.append(list(unit))
+    if only is not None:
+        wanted = set(only)
+        units = [u for u in units if wanted.intersection(u)]
+    return units
+
+
+# ---------------------------------------------------------------------- replay and capture
+
+
+@contextmanager
+def _replayed(blocks: Sequence[nn.Module], outputs: Sequence[Any]) -> Iterator[None]:
+    """Make ``blocks[i]`` return ``outputs[i]`` without computing anything, for the block."""
+    saved: list[tuple[nn.Module, bool, Any]] = []
+    try:
+        for block, out in zip(blocks, outputs, strict=True):
+            saved.append((block, "forward" in block.__dict__, block.__dict__.get("forward")))
+
+            def replay(*args: Any, _out: Any = out, **kwargs: Any) -> Any:
+                return _out
+
+            block.forward = replay  # an instance attribute shadows the class's forward
+        yield
+    finally:
+        _unreplay(saved)
+
+
+def _unreplay(saved: list[tuple[nn.Module, bool, Any]]) -> None:
+    for block, had, old in saved:
+        if had:
+            block.forward = old
+        else:
+            del block.forward
+
+
+def _block_outputs(model: nn.Module, stack: DecoderStack, input_ids: Tensor) -> tuple[Tensor, list[Any]]:
+    """Unquantized logits ``[B, L, V]`` and the output of every decoder block for ``input_ids``."""
+    outputs: list[Any] = [None] * len(stack.blocks)
+    handles = []
+    for i, block in enumerate(stack.blocks):
+
+        def keep(_mod: nn.Module, _args: Any, out: Any, _i: int = i) -> None:
+            outputs[_i] = out
+
+        handles.append(block.register_forward_hook(keep))
+    try:
+        logits = forward_logits(model, input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [i for i, o in enumerate(outputs) if o is None]
+    if missing:
+        raise PlanError(
+            f"{type(model).__name__}.forward did not call decoder block(s) {missing} of {stack.prefix}; "
+            "sensitivity needs a model that runs every block on every pass"
+        )
+    return logits, outputs
+
+
+class _LocalError:
+    """Accumulates sum y^2 and sum (y - y_q)^2 of a unit's members over every call (float64).
+
+    Hooks on each member: a forward pre-hook placed *first* keeps the unquantized
+    input (activation fake-quant hooks run after it), a forward hook takes the
+    quantized output; the unquantized output is recomputed with the member's weight
+    as it was before fake quantization (after smoothing, so that the same input
+    gives the same exact product).
+    """
+
+    def __init__(self) -> None:
+        self.signal = 0.0
+        self.noise = 0.0
+        self._weights: dict[str, tuple[Tensor, Tensor | None]] = {}
+        self._handles: list[Any] = []
+
+    def snapshot(self, model: nn.Module, names: Sequence[str]) -> None:
+        for n in names:
+            m = model.get_submodule(n)
+            bias = getattr(m, "bias", None)
+            self._weights[n] = (m.weight.detach().clone(), None if bias is None else bias.detach().clone())
+
+    def attach(self, model: nn.Module, names: Sequence[str]) -> None:
+        for n in names:
+            m = model.get_submodule(n)
+            weight, bias = self._weights[n]
+            pending: list[Tensor] = []
+
+            def pre(_mod: nn.Module, args: Any, _pending: list[Tensor] = pending) -> None:
+                _pending.append(args[0].detach())
+
+            def post(
+                _mod: nn.Module,
+                _args: Any,
+                out: Tensor,
+                _pending: list[Tensor] = pending,
+                _w: Tensor = weight,
+                _b: Tensor | None = bias,
+            ) -> None:
+                self._add(_pending.pop(), out.detach(), _w, _b)
+
+            self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
+            self._handles.append(m.register_forward_hook(post))
+
+    def _add(self, x: Tensor, y_q: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+        x2 = x.reshape(-1, x.shape[-1])
+        yq2 = y_q.reshape(-1, y_q.shape[-1])
+        for s in range(0, x2.shape[0], SQNR_ROW_CHUNK):
+            y = F.linear(x2[s : s + SQNR_ROW_CHUNK].to(weight.dtype), weight, bias).double()
+            self.signal += float(y.square().sum())
+            self.noise += float((y - yq2[s : s + SQNR_ROW_CHUNK].double()).square().sum())
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.noise == 0.0:
+            return math.inf
+        if self.signal == 0.0:
+            return -math.inf
+        return 10.0 * math.log10(self.signal / self.noise)
+
+
+# ---------------------------------------------------------------------- KL against the in-batch reference
+
+
+@dataclass
+class _BatchReference:
+    """Reference quantities of one batch, flattened over all B*L positions (the last one of each
+    sequence is computed and dropped, which keeps every tensor a contiguous view)."""
+
+    logits: Tensor  # [B*L, V] float32
+    probs: Tensor  # [B*L, V] float32, softmax(logits)
+    lse: Tensor  # [B*L]
+    argmax: Tensor  # [B*L]
+    keep: Tensor  # [B*L] bool, False at each sequence's last position
+
+
+def _batch_reference(logits: Tensor) -> _BatchReference:
+    b, length, vocab = logits.shape
+    flat = logits.reshape(b * length, vocab)
+    lse = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    probs = torch.empty_like(flat)
+    step = chunk_rows(vocab)
+    for s in range(0, flat.shape[0], step):
+        e = min(s + step, flat.shape[0])
+        lse[s:e] = torch.logsumexp(flat[s:e], dim=-1)
+        torch.exp(flat[s:e] - lse[s:e, None], out=probs[s:e])
+    keep = torch.ones(b, length, dtype=torch.bool, device=flat.device)
+    keep[:, -1] = False
+    return _BatchReference(
+        logits=flat, probs=probs, lse=lse, argmax=flat.argmax(dim=-1), keep=keep.reshape(-1)
+    )
+
+
+def _kl_and_agree(ref: _BatchReference, logits: Tensor) -> tuple[float, float, int]:
+    """Sum of per-position KL(p_ref || p_q), number of top-1 agreements, positions (kept ones only).
+
+    KL = (lse_q - lse_ref) - sum_v p_ref (z_q - z_ref): no log-softmax is materialized;
+    equal logits give exactly 0 per position (z_q - z_ref = 0, lse_q = lse_ref).
+    """
+    flat = logits.reshape(ref.logits.shape)
+    kl = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    agree = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
+    step = chunk_rows(flat.shape[1])
+    for s in range(0, flat.shape[0], step):
+        e = min(s + step, flat.shape[0])
+        z = flat[s:e]
+        agree[s:e] = z.argmax(dim=-1) == ref.argmax[s:e]
+        lse_q = torch.logsumexp(z, dim=-1)
+        diff = z - ref.logits[s:e]
+        kl[s:e] = (lse_q - ref.lse[s:e]) - diff.mul_(ref.probs[s:e]).sum(dim=-1)
+    kl.clamp_min_(0.0)  # rounding of two nearly equal distributions; the true KL is >= 0
+    kept = kl[ref.keep]
+    return float(kept.double().sum()), float(agree[ref.keep].sum()), int(kept.numel())
+
+
+def _check_reference(ref_logits: Tensor, ids: Tensor, reference: ReferenceCache, s: int, e: int) -> None:
+    lp = torch.log_softmax(ref_logits[:, :-1], dim=-1)
+    nll = -lp.gather(-1, ids[:, 1:].to(lp.device).unsqueeze(-1)).squeeze(-1).cpu()
+    gap = float((nll - reference.nll[s:e]).abs().mean())
+    if gap > REFERENCE_NLL_TOL:
+        raise ReferenceMismatch(
+            f"the reference cache (model {reference.model_sha or 'unknown'}) does not match this model: its "
+            f"per-token NLL differs by {gap:.3g} nats on average (tolerance {REFERENCE_NLL_TOL}); the model "
+            "weights changed since it was computed - recompute the reference"
+        )
+
+
+# ---------------------------------------------------------------------- the sweep
+
+
+def sensitivity_sweep(
+    model: nn.Module,
+    scheme: Scheme | str,
+    input_ids: Tensor,
+    reference: ReferenceCache,
+    *,
+    groups: bool = True,
+    layers: Sequence[str] | None = None,
+    act_amax: Mapping[str, float] | None = None,
+    act_channel_max: Mapping[str, Any] | None = None,
+    batch_size: int | None = None,
+    progress: Progress | None = None,
+    should_cancel: ShouldCancel | None = None,
+) -> list[SensitivityRow]:
+    """Quantize one unit at a time with ``scheme``; rows sorted by ``kl_mean``, largest first.
+
+    input_ids:  evaluation tokens ``[S, L]``, the ones ``reference`` was computed on
+    groups:     sweep fusion groups (q/k/v, gate/up) as one unit each (default) or every layer alone
+    layers:     restrict the sweep to these linear layers (default: every ``nn.Linear``)
+    act_amax, act_channel_max: calibration statistics for static activation scales and
+                SmoothQuant (see :func:`quantcore.scoring.plan_applied`)
+    batch_size: sequences per pass (default: the reference's)
+
+    The model is restored exactly after every unit, also on error or cancel.
+    """
+    scheme = get_scheme(scheme)
+    ids = as_token_batch(input_ids)
+    reference.check_tokens(ids)
+    stack = find_decoder_blocks(model)
+    all_linears = linear_layer_names(model)
+    units = sweep_units(all_linears, groups=groups, only=layers)
+    if not units:
+        raise PlanError("the sweep has no layer to quantize: the model has no nn.Linear layers")
+
+    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_names = {
+        n for n, m in model.named_modules() if output_embeddings is not None and m is output_embeddings
+    }
+
+    def start_block(unit: Sequence[str]) -> int:
+        idx = [stack.block_of(n) for n in unit]
+        inside = [i for i in idx if i is not None]
+        if len(inside) == len(unit):
+            return min(inside)
+        if all(i is not None or n in head_names for n, i in zip(unit, idx, strict=True)):
+            return min(inside) if inside else len(stack.blocks)
+        return 0  # position unknown (e.g. a projection before the blocks): run everything
+
+    starts = [start_block(u) for u in units]
+    ranges = batch_ranges(ids.shape[0], reference.batch_size if batch_size is None else batch_size)
+    kl_sum = [0.0] * len(units)
+    agree_sum = [0.0] * len(units)
+    positions = [0] * len(units)
+    local = [_LocalError() for _ in units]
+    notes: list[list[str]] = [[] for _ in units]
+    total = len(ranges) * len(units)
+    done = 0
+    for bi, (s, e) in enumerate(ranges):
+        check_cancel(should_cancel, f"sensitivity sweep (batch {bi + 1} of {len(ranges)}, reference pass)")
+        ref_logits, outputs = _block_outputs(model, stack, ids[s:e])
+        _check_reference(ref_logits, ids[s:e], reference, s, e)
+        ref = _batch_reference(ref_logits)
+        del ref_logits
+        for ui, unit in enumerate(units):
+            check_cancel(
+                should_cancel, f"sensitivity sweep (unit {ui + 1} of {len(units)}: {group_label(unit)})"
+            )
+            err = local[ui]
+            with ExitStack() as stack_ctx:
+                plan = {n: scheme for n in unit}
+                applied = stack_ctx.enter_context(
+                    plan_applied(
+                        model,
+                        plan,
+                        act_amax=act_amax,
+                        act_channel_max=act_channel_max,
+                        before_quantize=lambda m, _u=unit, _err=err: _err.snapshot(m, _u),
+                    )
+                )
+                if bi == 0:
+                    notes[ui] = list(applied.notes)
+                err.attach(model, unit)
+                stack_ctx.callback(err.detach)
+                stack_ctx.enter_context(_replayed(stack.blocks[: starts[ui]], outputs[: starts[ui]]))
+                logits = forward_logits(model, ids[s:e])
+            k, a, n = _kl_and_agree(ref, logits)
+            del logits
+            kl_sum[ui] += k
+            agree_sum[ui] += a
+            positions[ui] += n
+            done += 1
+            report_progress(progress, done / total, f"{group_label(unit)} ({done} of {total})")
+        del ref, outputs
+    rows = [
+        SensitivityRow(
+            layer=group_label(unit),
+            layers=list(unit),
+            kl_mean=kl_sum[i] / positions[i],
+            top1_agree=agree_sum[i] / positions[i],
+            sqnr_db=local[i].sqnr_db,
+            note="; ".join(notes[i]),
+        )
+        for i, unit in enumerate(units)
+    ]
+    rows.sort(key=lambda r: r.kl_mean, reverse=True)
+    return rows

@@ -1,0 +1,193 @@
+"""Sensitivity sweep: a planted outlier layer ranks first, block replay equals a full forward,
+identity is exactly 0, cancel raises and restores, unsupported models are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from quantcore.errors import Cancelled, PlanError
+from quantcore.quantize import sqnr_db
+from quantcore.scoring import ReferenceMismatch, compute_reference, plan_applied
+from quantcore.sensitivity import (
+    find_decoder_blocks,
+    linear_layer_names,
+    sensitivity_sweep,
+    sweep_units,
+)
+
+SEQS, LENGTH = 4, 20  # evaluation tokens: 4 sequences of 20 tokens
+HEAD_SHARPEN = 15.0  # lm_head scale: next-token entropy ~2.5 nats, like a trained LM
+PLANT_CHANNEL = 5  # intermediate channel planted as an outlier
+PLANT_FACTOR = 1000.0  # its size relative to the other channels of that down_proj input
+
+
+def sharp_model(factory, arch: str, **kw):
+    model = factory(arch, **kw)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(HEAD_SHARPEN)
+    return model
+
+
+def eval_ids(seed: int = 11) -> torch.Tensor:
+    return torch.randint(0, 128, (SEQS, LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+def plant_down_proj_outlier(model, block: int) -> str:
+    """Make one input channel of ``block``'s down_proj PLANT_FACTOR x larger, function unchanged.
+
+    up_proj's output row c is multiplied by F and down_proj's input column c divided by F:
+    the product is the same (up to rounding), but a per-tensor activation scale of that
+    down_proj input is now set by channel c, which flushes every other channel.
+    """
+    mlp = model.model.layers[block].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight[PLANT_CHANNEL] *= PLANT_FACTOR
+        mlp.down_proj.weight[:, PLANT_CHANNEL] /= PLANT_FACTOR
+    return f"model.layers.{block}.mlp.down_proj"
+
+
+def assert_clean(model, before) -> None:
+    after = model.state_dict()
+    for k in before:
+        assert torch.equal(before[k], after[k]), f"{k} changed"
+    for name, m in model.named_modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks, f"hook left on {name}"
+        assert "forward" not in m.__dict__, f"replayed forward left on {name}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_planted_outlier_layer_ranks_first(arch, tiny_model_factory):
+    model = sharp_model(tiny_model_factory, arch, plant_outliers=False)
+    planted = plant_down_proj_outlier(model, block=0)
+    ids = eval_ids()
+    ref = compute_reference(model, ids, batch_size=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = sensitivity_sweep(model, "INT8_PER_TENSOR", ids, ref)
+    assert_clean(model, before)
+    assert rows[0].layer == planted, [(r.layer, round(r.kl_mean, 4)) for r in rows]
+    assert rows[0].kl_mean > 3 * rows[1].kl_mean
+    assert rows[0].sqnr_db == min(r.sqnr_db for r in rows)
+    assert all(r.kl_mean > 0 and 0 <= r.top1_agree <= 1 for r in rows)
+    assert [r.kl_mean for r in rows] == sorted((r.kl_mean for r in rows), reverse=True)
+    # 2 blocks x (qkv, o, gate/up, down) + lm_head
+    assert len(rows) == 9
+    assert "model.layers.1.self_attn.{q,k,v}_proj" in {r.layer for r in rows}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sweep_equals_full_forward_of_one_unit_plans(arch, tiny_model_factory):
+    """Replaying blocks 0..b-1 must give the same logits as running the whole model."""
+    model = sharp_model(tiny_model_factory, arch)
+    ids = eval_ids()
+    ref = compute_reference(model, ids)
+    scheme = "FP8_DYNAMIC"
+    rows = {r.layer: r for r in sensitivity_sweep(model, scheme, ids, ref, groups=False)}
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids, use_cache=False).logits[:, :-1].double()
+    lr = torch.log_softmax(ref_logits, -1)
+    for layer in ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.k_proj", "lm_head"):
+        with plan_applied(model, {layer: scheme}), torch.no_grad():
+            q = model(input_ids=ids, use_cache=False).logits[:, :-1].double()
+        lq = torch.log_softmax(q, -1)
+        golden = float((lr.exp() * (lr - lq)).sum(-1).mean())
+        agree = float((q.argmax(-1) == ref_logits.argmax(-1)).double().mean())
+        assert rows[layer].kl_mean == pytest.approx(golden, rel=1e-4, abs=1e-7), layer
+        assert rows[layer].top1_agree == agree
+        assert rows[layer].layers == [layer]
+
+
+def test_local_sqnr_matches_direct_computation(tiny_model_factory):
+    model = sharp_model(tiny_model_factory, "llama")
+    ids = eval_ids()
+    ref = compute_reference(model, ids, batch_size=SEQS)  # one batch: one SQNR over all tokens
+    row = next(r for r in sensitivity_sweep(model, "INT8_W8A8", ids, ref, layers=["lm_head"]))
+    captured = {}
+    hook = model.lm_head.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0].detach()))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    hook.remove()
+    x = captured["x"]
+    with torch.no_grad():
+        y = model.lm_head(x)
+        with plan_applied(model, {"lm_head": "INT8_W8A8"}):
+            y_q = model.lm_head(x)
+    assert row.sqnr_db == pytest.approx(sqnr_db(y, y_q), abs=1e-6)
+    assert 20 < row.sqnr_db < 60
+
+
+def test_identity_scheme_is_exactly_zero(tiny_model_factory):
+    model = sharp_model(tiny_model_factory, "gemma3")
+    ids = eval_ids()
+    ref = compute_reference(model, ids, batch_size=3)
+    rows = sensitivity_sweep(model, "BF16", ids, ref, groups=False)
+    assert len(rows) == 2 * 7 + 1
+    assert all(r.kl_mean == 0.0 and r.top1_agree == 1.0 and r.sqnr_db == math.inf for r in rows)
+    assert rows[0].to_dict()["sqnr_db"] is None
+
+
+def test_cancel_raises_and_restores(tiny_model_factory):
+    model = sharp_model(tiny_model_factory, "qwen2")
+    ids = eval_ids()
+    ref = compute_reference(model, ids)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def cancel_at_fourth_check() -> bool:
+        calls.append(1)
+        return len(calls) >= 4
+
+    with pytest.raises(Cancelled, match="unit 3 of 9"):
+        sensitivity_sweep(model, "INT8_W8A8", ids, ref, should_cancel=cancel_at_fourth_check)
+    assert_clean(model, before)
+
+
+def test_progress_and_layer_selection(tiny_model_factory):
+    model = sharp_model(tiny_model_factory, "llama")
+    ids = eval_ids()
+    ref = compute_reference(model, ids, batch_size=2)
+    seen: list[float] = []
+    rows = sensitivity_sweep(
+        model,
+        "FP8_DYNAMIC",
+        ids,
+        ref,
+        layers=["model.layers.0.self_attn.q_proj", "lm_head"],
+        progress=lambda f, m: seen.append(f),
+    )
+    assert {r.layer for r in rows} == {"model.layers.0.self_attn.{q,k,v}_proj", "lm_head"}
+    assert seen == sorted(seen) and seen[-1] == 1.0 and len(seen) == 2 * 2  # 2 batches x 2 units
+    with pytest.raises(PlanError, match="model.layers.9.mlp.down_proj"):
+        sensitivity_sweep(model, "FP8_DYNAMIC", ids, ref, layers=["model.layers.9.mlp.down_proj"])
+
+
+def test_reference_of_other_weights_is_refused(tiny_model_factory):
+    ids = eval_ids()
+    ref = compute_reference(sharp_model(tiny_model_factory, "llama", seed=1), ids)
+    with pytest.raises(ReferenceMismatch, match="recompute"):
+        sensitivity_sweep(sharp_model(tiny_model_factory, "llama", seed=2), "FP8_DYNAMIC", ids, ref)
+
+
+def test_units_and_blocks(tiny_model_factory):
+    model = tiny_model_factory("gemma3")
+    names = linear_layer_names(model)
+    assert names[-1] == "lm_head" and len(names) == 15
+    grouped = sweep_units(names)
+    assert grouped[0] == [f"model.layers.0.self_attn.{x}_proj" for x in "qkv"]
+    assert len(grouped) == 9 and len(sweep_units(names, groups=False)) == 15
+    stack = find_decoder_blocks(model)
+    assert stack.prefix == "model.layers" and len(stack.blocks) == 2
+    assert stack.block_of("model.layers.1.mlp.up_proj") == 1 and stack.block_of("lm_head") is None
+
+
+def test_unsupported_architecture_is_named(tiny_model_factory):
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    with pytest.raises(PlanError, match="Plain.*model.layers"):
+        find_decoder_blocks(Plain())
