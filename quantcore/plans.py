@@ -174,7 +174,9 @@ class PlanSpec:
         layer_alpha: dict[str, float] = {}
         raw_layers = data.get("layers") or {}
         if not isinstance(raw_layers, Mapping):
-            problems.append("'layers' must be a mapping {<layer name>: <scheme> | {scheme, smoothquant_alpha}}")
+            problems.append(
+                "'layers' must be a mapping {<layer name>: <scheme> | {scheme, smoothquant_alpha}}"
+            )
             raw_layers = {}
         for layer, entry in raw_layers.items():
             if not isinstance(layer, str):
@@ -185,11 +187,15 @@ class PlanSpec:
             elif isinstance(entry, Mapping) and entry and set(entry) <= set(_LAYER_KEYS):
                 if "scheme" in entry:
                     if not isinstance(entry["scheme"], str):
-                        problems.append(f"layer {layer!r}: 'scheme' must be a string, got {entry['scheme']!r}")
+                        problems.append(
+                            f"layer {layer!r}: 'scheme' must be a string, got {entry['scheme']!r}"
+                        )
                     else:
                         layers[layer] = entry["scheme"]
                 if "smoothquant_alpha" in entry:
-                    a = _parse_alpha(entry["smoothquant_alpha"], f"layer {layer!r} smoothquant_alpha", problems)
+                    a = _parse_alpha(
+                        entry["smoothquant_alpha"], f"layer {layer!r} smoothquant_alpha", problems
+                    )
                     if a is not None:
                         layer_alpha[layer] = a
             else:
@@ -283,7 +289,9 @@ def resolve_plan(
         try:
             pattern: re.Pattern[str] | None = re.compile(rule.match)
         except re.error as exc:
-            problems.append(f"rule {i}: {rule.match!r} is not a valid regular expression ({exc}); fix or remove it")
+            problems.append(
+                f"rule {i}: {rule.match!r} is not a valid regular expression ({exc}); fix or remove it"
+            )
             pattern = None
         compiled.append((i, rule, pattern, scheme))
 
@@ -429,7 +437,9 @@ def scheme_label(scheme: Scheme | str) -> str:
         preset = get_scheme(scheme.name)
     except (KeyError, ValueError):
         preset = None
-    if scheme.smoothquant_alpha is not None and (preset is None or preset.smoothquant_alpha != scheme.smoothquant_alpha):
+    if scheme.smoothquant_alpha is not None and (
+        preset is None or preset.smoothquant_alpha != scheme.smoothquant_alpha
+    ):
         return f"{scheme.name} (alpha={scheme.smoothquant_alpha:g})"
     return scheme.name
 
@@ -443,8 +453,8 @@ def group_label(group: Sequence[str]) -> str:
     if len(group) == 1:
         return group[0]
     prefix = _common_prefix(group)
-    suffix = _common_prefix([g[len(prefix):][::-1] for g in group])[::-1]
-    middles = [g[len(prefix): len(g) - len(suffix)] for g in group]
+    suffix = _common_prefix([g[len(prefix) :][::-1] for g in group])[::-1]
+    middles = [g[len(prefix) : len(g) - len(suffix)] for g in group]
     if any(not m for m in middles):
         return "{" + ",".join(group) + "}"
     return f"{prefix}{{{','.join(middles)}}}{suffix}"
