@@ -284,9 +284,10 @@ class _LocalError:
         x2 = x.reshape(-1, x.shape[-1])
         yq2 = y_q.reshape(-1, y_q.shape[-1])
         for s in range(0, x2.shape[0], SQNR_ROW_CHUNK):
-            y = F.linear(x2[s : s + SQNR_ROW_CHUNK].to(weight.dtype), weight, bias).double()
-            self.signal += float(y.square().sum())
-            self.noise += float((y - yq2[s : s + SQNR_ROW_CHUNK].double()).square().sum())
+            y = F.linear(x2[s : s + SQNR_ROW_CHUNK].to(weight.dtype), weight, bias).float()
+            # squares in float32 (relative error 1e-7), sums accumulated in float64
+            self.signal += float(y.square().sum(dtype=torch.float64))
+            self.noise += float(y.sub_(yq2[s : s + SQNR_ROW_CHUNK]).square_().sum(dtype=torch.float64))
 
     def detach(self) -> None:
         for h in self._handles:

@@ -191,3 +191,32 @@ def test_unsupported_architecture_is_named(tiny_model_factory):
 
     with pytest.raises(PlanError, match="Plain.*model.layers"):
         find_decoder_blocks(Plain())
+
+
+def test_smoothquant_sweep_tames_the_planted_outlier(tiny_model_factory):
+    """SmoothQuant folds 1/s into up_proj's rows: the planted down_proj outlier stops dominating."""
+    from quantcore.calibrate import calibrate
+
+    model = sharp_model(tiny_model_factory, "llama", plant_outliers=False)
+    planted = plant_down_proj_outlier(model, block=0)
+    ids = eval_ids()
+    ref = compute_reference(model, ids)
+    stats = calibrate(model, ids)
+    channel_max = {n: s.channel_max for n, s in stats.items()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = {
+        r.layer: r for r in sensitivity_sweep(model, "INT8_PER_TENSOR", ids, ref, layers=[planted, "lm_head"])
+    }
+    smooth = {
+        r.layer: r
+        for r in sensitivity_sweep(
+            model, "INT8_PER_TENSOR_SQ", ids, ref, layers=[planted, "lm_head"], act_channel_max=channel_max
+        )
+    }
+    assert_clean(model, before)
+    assert smooth[planted].kl_mean < 0.2 * plain[planted].kl_mean, (smooth[planted], plain[planted])
+    assert smooth[planted].sqnr_db > plain[planted].sqnr_db + 10
+    assert smooth[planted].note == ""
+    assert "SmoothQuant not applied" in smooth["lm_head"].note
+    with pytest.raises(PlanError, match="calibrat"):
+        sensitivity_sweep(model, "INT8_PER_TENSOR_SQ", ids, ref, layers=[planted])

