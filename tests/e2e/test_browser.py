@@ -36,7 +36,7 @@ def app_url(qp_settings, worker, tmp_path, monkeypatch):
     env = dict(os.environ, QUANTPLAN_UI_PORT=str(port))
     proc = Proc([sys.executable, "-m", "quantplan", "app"], env, tmp_path / "app.log")
     try:
-        proc.wait_for("Local URL", timeout=60)
+        proc.wait_for("URL: http", timeout=90)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.stop()
@@ -89,7 +89,7 @@ def _wait_job(settings, kind: str, timeout: float = 300):
 
 
 def test_first_visit_demo_to_outliers(app_url, page, qp_settings):
-    page.goto(app_url + "/models")
+    page.goto(app_url + "/")  # Models is the default page: it lives at the root URL
     _settle(page)
     _no_exception(page)
     page.get_by_role("button", name="Register the demo model").click()
