@@ -20,6 +20,11 @@ drift on a shared machine hits both alike):
 
 ratio = score / plain. The BF16 row is the scoring machinery alone (no fake
 quantization); the other rows add the fake-quant cost of ``quantcore.apply``.
+
+Measured (2 shared CPU cores, one torch thread, SmolLM2 real weights, 8 x 256 tokens):
+plain 9.4 s; BF16 1.08; FP8_DYNAMIC 1.88 (0.41 of it the one-time weight fake-quant,
+the rest fake-quantized activations); INT8_W8A8 1.58. The KL / top-1 / NLL machinery
+costs about 8 % of a forward; the rest is fake quantization on a CPU.
 """
 
 from __future__ import annotations

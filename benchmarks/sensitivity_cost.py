@@ -18,6 +18,12 @@ cached block outputs makes a unit in block b cost blocks b..N plus the head, so 
 ideal ratio is about (N + 1) / 2N of the block time plus the head's share.
 The plain passes are timed before and after the sweep (median), so drift on a
 shared machine shows up as a spread, which is printed.
+
+Measured (2 shared CPU cores, one torch thread, SmolLM2 real weights, 2 x 64 tokens,
+FP8_DYNAMIC): 121 grouped units 0.74 (0.42 per linear layer), 211 single-layer units
+0.72. SmolLM2's tied 49k-row head is ~25 % of a CPU forward and every unit needs it,
+so replay alone bottoms out near 0.26 + 0.74 x 31/60 = 0.64 here; the rest is the
+unit's weight fake-quant (~5 %) and the KL over the vocabulary (~7 %).
 """
 
 from __future__ import annotations
