@@ -80,6 +80,7 @@ def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
         return scoring.ReferenceCache.load(path)
     ctx.progress(0.05, "computing reference log-probs (once per model and text)")
     ref = scoring.compute_reference(model, ids, batch_size=int(ctx.params.get("batch_size") or 4),
+                                    model_sha=model_rec.sha256, eval_key=key,
                                     progress=lambda f, m: ctx.progress(0.05 + 0.25 * f, m),
                                     should_cancel=ctx.should_cancel)
     ref.save(path)
@@ -115,8 +116,9 @@ def score(ctx: JobContext) -> Outcome:
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
+    # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
-                        batch_size=int(ctx.params.get("batch_size") or 4),
+                        batch_size=None,
                         progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
     rep = report.to_dict()
     plan_label = ctx.params.get("label") or spec.name or spec.default
