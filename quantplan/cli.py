@@ -189,9 +189,25 @@ def cmd_jobs(args) -> int:
     return 0
 
 
+def advertised_queues(configured: str) -> str:
+    """The configured queues plus the device class this machine serves: a worker on an H100 also takes
+    'gpu' and 'gpu.sm90', so a job routed to the hardware it must measure lands on that hardware."""
+    from quantcore.hardware import probe_device
+
+    queues = [q.strip() for q in configured.split(",") if q.strip()]
+    try:
+        info = probe_device("cuda")
+    except Exception:  # no CUDA device (or no driver): a CPU worker
+        info = None
+    if info is not None and "gpu" in queues and info.device_class not in queues:
+        queues.append(info.device_class)
+    return ",".join(dict.fromkeys(queues))
+
+
 def cmd_worker(args) -> int:
     s = _checked_settings()
-    queues = args.queues or s.worker_queues
+    queues = advertised_queues(args.queues or s.worker_queues)
+    print(f"quantplan worker: consuming queues {queues}", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app:celery_app", "worker", "-P", "solo",
            "-Q", queues, "-n", f"quantplan-{queues.replace(',', '-')}@%h", "--loglevel", args.loglevel]
     os.execvp(cmd[0], cmd)
