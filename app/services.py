@@ -254,7 +254,8 @@ def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str 
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,
                   m_decode: int) -> dict[str, Any]:
     """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings."""
-    from quantcore.kernels import KernelRecord, step_estimate as estimate
+    from quantcore.kernels import KernelRecord
+    from quantcore.kernels import step_estimate as estimate
 
     frame = kernel_frame(device_name)
     fields = set(KernelRecord.__dataclass_fields__)

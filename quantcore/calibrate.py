@@ -194,22 +194,46 @@ def _finish(acc: _LayerAccumulator, summaries: dict[tuple[int, ...], dict[str, f
     )
 
 
-class _Recorder:
-    """Forward pre-hooks on every linear; consecutive linears fed the same tensor share one reduction."""
+def _forward_kwargs(model: nn.Module) -> dict[str, object]:
+    """``use_cache=False`` where the model's forward takes it (a KV cache is useless here)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in parameters else {}
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+class Calibration:
+    """Statistics of every nn.Linear of a model, accumulated batch by batch.
+
+    Hooks are attached only while :meth:`run` executes, so the same model can
+    run plain forwards in between (the benchmark times both side by side).
+    Consecutive linears fed the very same, unmodified tensor (q/k/v, gate/up)
+    share one reduction.
+
+        cal = Calibration(model)
+        for batch in batches:
+            cal.run(batch)
+        stats = cal.results()
+    """
 
     def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self.layers = {
             name: _LayerAccumulator.for_module(name, module)
             for name, module in model.named_modules()
             if isinstance(module, nn.Linear)
         }
+        self._device = _model_device(model)
+        self._kwargs = _forward_kwargs(model)
         self._last_input: torch.Tensor | None = None
         self._last_version = -1
         self._last_stats: _InputStats | None = None
-        self._handles = [
-            acc.module.register_forward_pre_hook(self._hook_for(acc), with_kwargs=True)
-            for acc in self.layers.values()
-        ]
 
     def _hook_for(self, acc: _LayerAccumulator) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -228,28 +252,29 @@ class _Recorder:
         self._last_input, self._last_version, self._last_stats = x, x._version, stats
         return stats
 
-    def end_batch(self) -> None:
-        """Drop the reference to the last input so its memory can go."""
-        self._last_input, self._last_stats = None, None
+    def run(self, input_ids: torch.Tensor) -> None:
+        """One forward of input_ids [batch, seq_len] with the hooks on: eval mode, no grad.
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        The model's train/eval mode is restored and the hooks removed afterwards,
+        also when the forward raises.
+        """
+        was_training = self.model.training
+        handles = [acc.module.register_forward_pre_hook(self._hook_for(acc), with_kwargs=True)
+                   for acc in self.layers.values()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                self.model(input_ids=input_ids.to(self._device), **self._kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._last_input, self._last_stats = None, None  # let the last input's memory go
+            self.model.train(was_training)
 
-
-def _forward_kwargs(model: nn.Module) -> dict[str, object]:
-    """``use_cache=False`` where the model's forward takes it (a KV cache is useless here)."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"use_cache": False} if "use_cache" in parameters else {}
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
+    def results(self) -> dict[str, LayerStats]:
+        """The statistics so far, on the host, keyed by module name (also for layers never reached)."""
+        summaries: dict[tuple[int, ...], dict[str, float]] = {}
+        return {name: _finish(acc, summaries) for name, acc in self.layers.items()}
 
 
 def calibrate(
@@ -267,31 +292,19 @@ def calibrate(
     its previous train/eval mode is restored afterwards.  ``progress(fraction,
     message)`` is called after each batch; ``should_cancel()`` is checked before
     each batch and, when it returns True, :class:`quantcore.errors.Cancelled` is
-    raised (the hooks are removed either way).
+    raised (no hook stays attached either way).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be [n_sequences, seq_len] with n >= 1, got shape {tuple(input_ids.shape)}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     n_sequences = input_ids.shape[0]
-    device = _model_device(model)
-    kwargs = _forward_kwargs(model)
-    was_training = model.training
-    recorder = _Recorder(model)
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, n_sequences, batch_size):
-                if should_cancel is not None and should_cancel():
-                    raise Cancelled(f"calibration cancelled after {start} of {n_sequences} sequences")
-                batch = input_ids[start: start + batch_size].to(device)
-                model(input_ids=batch, **kwargs)
-                recorder.end_batch()
-                done = min(start + batch_size, n_sequences)
-                if progress is not None:
-                    progress(done / n_sequences, f"calibrated {done}/{n_sequences} sequences")
-            summaries: dict[tuple[int, ...], dict[str, float]] = {}
-            return {name: _finish(acc, summaries) for name, acc in recorder.layers.items()}
-    finally:
-        recorder.remove()
-        model.train(was_training)
+    calibration = Calibration(model)
+    for start in range(0, n_sequences, batch_size):
+        if should_cancel is not None and should_cancel():
+            raise Cancelled(f"calibration cancelled after {start} of {n_sequences} sequences")
+        calibration.run(input_ids[start: start + batch_size])
+        done = min(start + batch_size, n_sequences)
+        if progress is not None:
+            progress(done / n_sequences, f"calibrated {done}/{n_sequences} sequences")
+    return calibration.results()

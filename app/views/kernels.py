@@ -7,9 +7,8 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from app import charts
+from app import charts, state
 from app import services as svc
-from app import state
 from quantcore.schemes import list_schemes
 
 st.title("Kernels")

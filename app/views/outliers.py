@@ -6,9 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import charts
+from app import charts, state
 from app import services as svc
-from app import state
 from quantcore import outliers as ol
 from quantcore.formats import list_formats
 

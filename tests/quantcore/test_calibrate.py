@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from torch import nn
 
-from quantcore.calibrate import calibrate, fold_exponent_counts, reduce_input
+from quantcore.calibrate import Calibration, calibrate, fold_exponent_counts, reduce_input
 from quantcore.errors import Cancelled
 from quantcore.stats import HIST_BINS, hist_edges
 
@@ -197,6 +197,20 @@ def test_cancel_stops_between_batches_and_removes_the_hooks(model, input_ids):
     assert all(not m._forward_pre_hooks for m in model.modules())
     assert model.training, "the caller's train/eval mode is restored"
     model.eval()
+
+
+def test_calibration_accumulates_runs_and_leaves_plain_forwards_alone(model, input_ids):
+    calibration = Calibration(model)
+    for start in (0, 2, 4):
+        calibration.run(input_ids[start: start + 2])
+        assert all(not m._forward_pre_hooks for m in model.modules()), "hooks only while run() executes"
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 3, dtype=torch.long))  # not recorded
+    streamed, at_once = calibration.results(), calibrate(model, input_ids)
+    for name, layer in at_once.items():
+        assert streamed[name].n_tokens == layer.n_tokens
+        np.testing.assert_array_equal(streamed[name].channel_max, layer.channel_max)
+        np.testing.assert_array_equal(streamed[name].hist_counts, layer.hist_counts)
 
 
 def test_layers_never_called_report_zero_tokens():
