@@ -601,7 +601,7 @@ def _check_declared(members: list[_Member], max_bytes: int) -> None:
     declared = sum(member.size for member in members if not member.is_dir)
     if declared > max_bytes:
         raise CheckpointError(f"the archive would expand to {_human(declared)}, above the {_human(max_bytes)} "
-                              "limit: upload a smaller checkpoint or raise the limit (QUANTPLAN_MAX_UPLOAD_BYTES)")
+                              "limit: upload a smaller checkpoint or raise the limit (QUANTPLAN_UPLOAD_LIMIT_MB)")
 
 
 class _Budget:
@@ -685,7 +685,8 @@ def safe_extract(archive: Path, dest: Path, *, max_bytes: int) -> Path:
                 _extract_members(pairs, handle.extractfile, dest, max_bytes)
         else:
             raise CheckpointError(f"{archive.name} is not a supported archive ({', '.join(ARCHIVE_SUFFIXES)})")
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, ValueError) as exc:
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, ValueError, RuntimeError,
+            NotImplementedError) as exc:  # RuntimeError: encrypted zip; NotImplementedError: unknown compression
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"cannot extract {archive.name} ({type(exc).__name__}: {exc}): the archive is "
@@ -792,7 +793,7 @@ def _stage_folder(source: Path, target: Path, *, max_bytes: int, move: bool) -> 
     total = sum(p.stat().st_size for p in files)
     if total > max_bytes:
         raise CheckpointError(f"the checkpoint's files total {_human(total)}, above the {_human(max_bytes)} "
-                              "limit: upload a smaller checkpoint or raise the limit (QUANTPLAN_MAX_UPLOAD_BYTES)")
+                              "limit: upload a smaller checkpoint or raise the limit (QUANTPLAN_UPLOAD_LIMIT_MB)")
     target.mkdir(parents=True)
     for file in files:
         if move:
