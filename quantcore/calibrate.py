@@ -13,15 +13,17 @@ and once per layer its weight's per-input-channel max |W[:, j]| (the
 SmoothQuant denominator).
 
 Cost.  The statistics are accumulated on the model's device in float32 and
-never synchronised with the host until the end (no ``.item()`` in a hook).
+never wait on an accelerator until the end (no ``.item()`` on a device tensor in a hook).
 Linears fed the very same tensor (q/k/v, gate/up) share one reduction.  The
 histogram avoids ``log2`` and ``histc``: raising |x| to the power
 ``HIST_BINS_PER_OCTAVE`` (two squarings for quarter octaves) multiplies log2|x|
 by that power, so the float32 exponent field of |x|**4 *is* the bin index
 floor(4·log2|x|) up to an offset.  Two in-place multiplies, one shift and one
 ``bincount`` over 256 exponent values replace a transcendental per element.
-Exactness: each multiply rounds to nearest, so a value within ~1e-6 (relative)
-of a bin edge may land in the neighbouring bin; everything else is exact.
+Exactness: each multiply rounds to nearest, so a value within one float32 ulp
+of a bin edge may land in the neighbouring bin; everything else is binned
+exactly as a binary search over ``quantcore.stats.hist_edges()`` would (tested
+one ulp either side of every edge).  Zeros are counted apart.
 """
 
 from __future__ import annotations
