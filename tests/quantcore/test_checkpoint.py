@@ -182,6 +182,22 @@ def test_archives_register_to_the_same_content_as_the_folder(src, root, tmp_path
     assert [p.name for p in root.iterdir()] == [sha]
 
 
+def test_sharded_checkpoint_is_registered_and_loads(tmp_path, root):
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "sharded"
+    save_tiny_llama(source)
+    AutoModelForCausalLM.from_pretrained(source).save_pretrained(source, max_shard_size="100KB")
+    (source / "model.safetensors").unlink(missing_ok=True)
+    shards = sorted(p.name for p in source.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (source / "model.safetensors.index.json").is_file()
+    _, folder, summary = register(source, root)
+    assert sorted(p.name for p in folder.glob("model-*.safetensors")) == shards
+    assert summary.num_layers == LAYERS
+    model, _ = load_model(folder)
+    assert model.lm_head.weight.shape == (len(WORDS) + 3, HIDDEN)
+
+
 def test_encoder_checkpoint_is_registered_and_loaded_as_its_base_model(tmp_path, root):
     source = save_tiny_bert(tmp_path / "bert")
     _, folder, summary = register(source, root)
