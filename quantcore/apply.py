@@ -7,7 +7,9 @@ A plan maps ``nn.Linear`` names to schemes. For every targeted layer :func:`appl
   weights stay intact and the restore is bit-exact);
 * registers a forward pre-hook that fake-quantizes the layer's input on every call, with a
   dynamic scale or a static one from the calibrated ``act_amax[layer]``, and counts
-  saturation / underflow on the device (no host sync per call).
+  saturation / underflow on the device (no host sync per call). Layers that read the same
+  input tensor with the same activation spec (q/k/v, gate/up) share one quantization of it
+  (bit-identical to quantizing it per layer; see :class:`_SharedInputs`).
 
 Module names and the model's structure are unchanged, so hooks that others register by
 name (calibration, scoring) still find the layers.
@@ -25,6 +27,7 @@ and the α are ignored here.
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -86,6 +89,7 @@ class AppliedPlan:
     smoothing: SmoothingHandle | None = None
     _states: dict[str, _LayerState] = field(default_factory=dict, repr=False)
     _active: bool = True
+    _shared: _SharedInputs | None = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
@@ -110,6 +114,8 @@ class AppliedPlan:
         """Zero the activation counters (e.g. after a warm-up batch)."""
         for st in self._states.values():
             st.counts, st.calls = None, 0
+        if self._shared is not None:
+            self._shared.clear()
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -122,6 +128,8 @@ class AppliedPlan:
             st.module.weight = st.original_weight
             if hasattr(st.module, _MARKER):
                 delattr(st.module, _MARKER)
+        if self._shared is not None:
+            self._shared.clear()
         if self.smoothing is not None:
             self.smoothing.restore()
         self._active = False
@@ -218,9 +226,72 @@ def _spec_kwargs(spec: TensorSpec) -> dict[str, Any]:
     return {"granularity": spec.granularity, "group_size": spec.group_size, "block": spec.block}
 
 
-def _make_hook(state: _LayerState, track_stats: bool):
+class _SharedInputs:
+    """The fake-quantized input of the last hook call, for the next layer that reads the same tensor.
+
+    Fusion groups read one tensor object: HF models call q_proj, k_proj and v_proj (and gate_proj,
+    up_proj) one after another on the same ``hidden_states``. With the same activation spec and
+    static scale the fake quantization is the same pure function of the same data, so computing it
+    once per group gives bit-identical outputs and counts (about a third of the per-call work on a
+    Llama). The entry is trusted only while all of these hold:
+
+    * ``x`` is the very object seen before (held weakly: a dead reference never matches, and a
+      live one cannot share its id with a new tensor);
+    * neither ``x`` nor the cached result was modified in place since (``_version`` counters, shared
+      with every view; a later pre-hook may edit what we returned);
+    * its storage, shape, strides and dtype are unchanged.
+
+    Inference-mode tensors carry no version counter, so they are never cached. One input is kept
+    (several results when layers of a group use different specs), so the memory held is one
+    activation, released by ``clear()`` (restore, reset_stats).
+    """
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref | None = None
+        self._signature: tuple | None = None
+        self._results: dict[tuple, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
+
+    @staticmethod
+    def _signature_of(x: torch.Tensor) -> tuple | None:
+        """What must not change between calls; None for tensors we cannot track (never cached)."""
+        if x.is_inference():
+            return None
+        try:
+            return (x._version, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device)
+        except RuntimeError:  # tensors without plain storage (e.g. traced fakes) have no data_ptr
+            return None
+
+    def get(self, x: torch.Tensor, key: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(xq, counts) cached for this exact input and key, or None."""
+        if self._ref is None or self._ref() is not x or self._signature_of(x) != self._signature:
+            return None
+        hit = self._results.get(key)
+        if hit is None:
+            return None
+        xq, version, counts = hit
+        if xq._version != version:  # someone wrote into the result we handed out
+            del self._results[key]
+            return None
+        return xq, counts
+
+    def put(self, x: torch.Tensor, key: tuple, xq: torch.Tensor, counts: torch.Tensor | None) -> None:
+        signature = self._signature_of(x)
+        if signature is None or xq.is_inference():
+            return
+        if self._ref is None or self._ref() is not x or signature != self._signature:
+            self._ref, self._signature, self._results = weakref.ref(x), signature, {}
+        self._results[key] = (xq, xq._version, counts)
+
+    def clear(self) -> None:
+        self._ref, self._signature, self._results = None, None, {}
+
+
+def _make_hook(state: _LayerState, track_stats: bool, shared: _SharedInputs | None):
     spec = state.scheme.activations
     kwargs = _spec_kwargs(spec)
+    # everything the hook's result depends on besides x (a smoothed layer's input arrives already
+    # divided by its factors, folded into the norm before it, so smoothing adds nothing here)
+    key = (spec, state.static_scale, track_stats)
 
     def hook(module: nn.Module, args: tuple, kw: dict):
         if args:
@@ -229,11 +300,18 @@ def _make_hook(state: _LayerState, track_stats: bool):
             x, rest = kw["input"], ()
         else:
             return None
-        if track_stats:
+        hit = shared.get(x, key) if shared is not None else None
+        if hit is not None:
+            xq, counts = hit
+        elif track_stats:
             xq, counts = fake_quantize_with_counts(x, spec.format, scale=state.static_scale, **kwargs)
-            state.counts = counts if state.counts is None else state.counts + counts
         else:
-            xq = fake_quantize(x, spec.format, scale=state.static_scale, **kwargs)
+            xq, counts = fake_quantize(x, spec.format, scale=state.static_scale, **kwargs), None
+        if hit is None and shared is not None:
+            shared.put(x, key, xq, counts)
+        if counts is not None:
+            # never in place: the counts tensor may be shared with other layers through the cache
+            state.counts = counts if state.counts is None else state.counts + counts
         state.calls += 1
         if args:
             return (xq, *rest), kw
@@ -250,6 +328,7 @@ def apply_plan(
     act_amax: Mapping[str, float] | None = None,
     act_channel_max: Mapping[str, Any] | None = None,
     track_stats: bool = True,
+    share_inputs: bool = True,
 ) -> AppliedPlan:
     """Fake-quantize the layers named in ``plan`` in place; ``AppliedPlan.restore()`` undoes it exactly.
 
@@ -260,6 +339,9 @@ def apply_plan(
                      is folded first (all layers with an α must be present). When omitted, α is
                      ignored: smooth the model yourself with smooth_model() beforehand.
     track_stats:     count activation saturation / underflow on every call (a few extra passes)
+    share_inputs:    quantize an input once for consecutive layers that read the same tensor with
+                     the same activation spec and scale (q/k/v, gate/up); the results are
+                     bit-identical either way, False only recomputes them per layer
 
     Raises PlanError for unknown layers or schemes, non-linear targets, missing calibration,
     or layers already carrying an applied plan.
@@ -287,7 +369,12 @@ def apply_plan(
         for n, a in static_amax.items()
     }
 
-    applied = AppliedPlan(layers=dict(active), untouched=untouched, smoothing=smoothing)
+    applied = AppliedPlan(
+        layers=dict(active),
+        untouched=untouched,
+        smoothing=smoothing,
+        _shared=_SharedInputs() if share_inputs else None,
+    )
     modules = dict(model.named_modules())
     try:
         for name, scheme in active.items():
@@ -302,7 +389,7 @@ def apply_plan(
             applied._states[name] = state
             if scheme.activations is not None:
                 state.hook = module.register_forward_pre_hook(
-                    _make_hook(state, track_stats), with_kwargs=True
+                    _make_hook(state, track_stats, applied._shared), with_kwargs=True
                 )
     except Exception:
         applied.restore()

@@ -281,3 +281,111 @@ def test_static_scale_follows_smoothing(tiny_llama, tiny_input_ids):
     # calibrated on this very input, the static scales are about as good as live per-tensor ones
     # (later layers differ a little: calibration saw unquantized upstream activations)
     assert static_kl < 2 * dynamic_kl
+
+
+# ------------------------------------------------------------------ one quantization per shared input
+
+
+def _counting(monkeypatch):
+    """Count the activation fake-quantizations the hooks compute (cache hits are not counted)."""
+    import quantcore.apply as apply_mod
+
+    calls = {"n": 0}
+    for fn_name in ("fake_quantize", "fake_quantize_with_counts"):
+        real = getattr(apply_mod, fn_name)
+
+        def counted(*args, _real=real, **kwargs):
+            calls["n"] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(apply_mod, fn_name, counted)
+    return calls
+
+
+def _stats_tuple(applied):
+    out = {}
+    for name, st in applied.stats().items():
+        a = st.activations
+        out[name] = (
+            st.calls,
+            None if a is None else (a.n_elements, a.n_nonzero, a.n_saturated, a.n_underflow, a.n_nan),
+        )
+    return out
+
+
+@pytest.mark.parametrize("track_stats", [True, False])
+def test_shared_inputs_quantized_once_with_identical_results(
+    tiny_model, tiny_input_ids, monkeypatch, track_stats
+):
+    names = block_linears(tiny_model)
+    act_amax, _ = calibration(tiny_model, tiny_input_ids)
+    # q/k/v and gate/up read one tensor each; a mix of dynamic and static (calibrated) specs, and a
+    # group whose members disagree (k_proj INT8), which must not share with q/v
+    plan = {n: ("FP8" if ".mlp." in n else "FP8_DYNAMIC") for n in names}
+    plan["model.layers.1.self_attn.k_proj"] = "INT8_W8A8"
+    results = {}
+    for share in (False, True):
+        calls = _counting(monkeypatch)
+        with quantized_model(
+            tiny_model, plan, act_amax=act_amax, track_stats=track_stats, share_inputs=share
+        ) as applied:
+            out = logits(tiny_model, tiny_input_ids)
+            out2 = logits(tiny_model, tiny_input_ids)  # a second forward: new tensors, no stale hits
+            results[share] = (out, out2, _stats_tuple(applied), calls["n"])
+        monkeypatch.undo()
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    assert torch.equal(results[True][0], results[True][1])
+    assert results[True][2] == results[False][2]  # calls and counts per layer, as if computed per layer
+    # without sharing: 7 per block per forward; with: q/k/v once, o, gate/up once, down (+1 for k in
+    # block 1, whose spec differs): 4 per block, 5 in block 1
+    assert results[False][3] == 2 * 7 * len(tiny_model.model.layers)
+    assert results[True][3] == 2 * (4 * len(tiny_model.model.layers) + 1)
+
+
+class _ThreeReaders(nn.Module):
+    """Three linears reading one tensor, which is scaled in place between the second and third."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(32, 8), nn.Linear(32, 8), nn.Linear(32, 8)
+
+    def forward(self, x):
+        ya, yb = self.a(x), self.b(x)
+        x.mul_(3.0)  # in place: the cached quantization of x is stale now
+        return ya, yb, self.c(x)
+
+
+def test_shared_inputs_respect_in_place_changes():
+    model = _ThreeReaders().eval()
+    x0 = torch.randn(4, 32) * 5
+    plan = {"a": "FP8_DYNAMIC", "b": "FP8_DYNAMIC", "c": "FP8_DYNAMIC"}
+
+    # a pre-hook that writes into the quantized input it receives: later readers must not see it
+    def vandal(module, args):
+        args[0].add_(1.0)
+
+    with quantized_model(model, plan) as applied:
+        handle = model.a.register_forward_pre_hook(vandal)  # runs after the quantizing hook
+        with torch.no_grad():
+            ya, yb, yc = model(x0.clone())
+        handle.remove()
+        assert applied.stats()["c"].calls == 1
+        w = {n: getattr(model, n).weight for n in "abc"}
+    xq = fake_quantize(x0, "fp8_e4m3", "token")
+    assert torch.equal(ya, F.linear(xq + 1.0, w["a"], model.a.bias))
+    assert torch.equal(yb, F.linear(xq, w["b"], model.b.bias))  # not a's vandalised copy
+    assert torch.equal(yc, F.linear(fake_quantize(x0 * 3.0, "fp8_e4m3", "token"), w["c"], model.c.bias))
+
+
+def test_shared_inputs_under_inference_mode(tiny_llama, tiny_input_ids, monkeypatch):
+    # inference tensors carry no version counter: nothing is cached, results are unchanged
+    plan = {n: "FP8_DYNAMIC" for n in block_linears(tiny_llama)}
+    with quantized_model(tiny_llama, plan):
+        expected = logits(tiny_llama, tiny_input_ids)
+        calls = _counting(monkeypatch)
+        with torch.inference_mode():
+            got = tiny_llama(tiny_input_ids).logits
+    assert torch.equal(got, expected)
+    assert calls["n"] == len(plan)

@@ -421,6 +421,130 @@ def test_signed_zero_preserved():
         assert math.copysign(1.0, y[0].item()) == -1.0, fmt
 
 
+# ------------------------------------------------------------------ CPU fast paths == the reference formulas
+
+# The CPU shortcuts in quantcore.quantize (amax from max/min, rounding by exponent bits instead of
+# float8 casts, read-only report counts) must give the very same bits as the branch-free formulas
+# accelerators run; _may_branch switches between the two.
+MINIFLOATS = ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1"]
+
+
+def _int_bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (NaN payloads and signs of zero compare exactly)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _grid_points_midpoints_neighbours(fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    grid = torch.tensor(representable_values(fmt), dtype=torch.float64)
+    pts = torch.cat([grid, (grid[1:] + grid[:-1]) / 2]).to(dtype)
+    pts = torch.cat(
+        [
+            pts,
+            torch.nextafter(pts, torch.tensor(INF, dtype=dtype)),
+            torch.nextafter(pts, torch.tensor(-INF, dtype=dtype)),
+        ]
+    )
+    tiny = torch.tensor([torch.finfo(dtype).tiny, torch.finfo(dtype).smallest_normal / 3, 1e-45], dtype=dtype)
+    pts = torch.cat([pts, tiny, _wide_range(4000, seed=21, lo=-30, hi=12).to(dtype)])
+    fmax = get_format(fmt).max
+    return torch.cat([pts, -pts]).clamp(-fmax, fmax)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", MINIFLOATS)
+def test_in_place_minifloat_rounding_matches_torch_casts_and_reference(fmt, dtype, monkeypatch):
+    # (every float32 in [-max, max] was also checked once, offline: 2.3e9 values per format, all equal)
+    from quantcore import quantize as qmod
+
+    e = get_format(fmt)
+    pts = _grid_points_midpoints_neighbours(fmt, dtype)
+    reference = round_minifloat(pts, e.man_bits, e.emin, e.max)
+    monkeypatch.setattr(qmod, "_ROUND_CHUNK", 1000)  # several slices, a partial last one
+    ours = qmod._round_minifloat_(pts.clone(), e.man_bits, e.emin)
+    assert torch.equal(_int_bits(ours), _int_bits(reference))
+    strided = pts.clone().reshape(-1, 2).t()  # a non-contiguous view is rounded in one piece
+    assert torch.equal(
+        _int_bits(qmod._round_minifloat_(strided, e.man_bits, e.emin).t().reshape(-1)), _int_bits(reference)
+    )
+    if fmt in TORCH_FP8:
+        cast = pts.to(TORCH_FP8[fmt]).to(dtype)
+        # round_to_format (what quantize runs) is torch's cast bit for bit in both dtypes; torch casts
+        # float64 through float32 (two roundings), so float64 keeps the cast, and the emulation,
+        # which rounds once, equals it on float32 only
+        assert torch.equal(_int_bits(round_to_format(pts, fmt)), _int_bits(cast))
+        if dtype == torch.float32:
+            assert torch.equal(_int_bits(ours), _int_bits(cast))
+
+
+def _special_inputs(shape, dtype) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 3)
+    special = base.clone().flatten()
+    special[:8] = torch.tensor([NAN, INF, -INF, -0.0, 0.0, 1e-30, -1e-42, 3.0])
+    zeros = torch.zeros(shape)
+    zeros.view(-1)[::3] = -0.0
+    infs = base.clone()
+    infs.view(-1)[::7] = INF
+    cases = [("wide", base), ("special", special.reshape(shape)), ("zeros", zeros), ("infs", infs)]
+    return [(name, x.to(dtype)) for name, x in cases]
+
+
+def _scales_for(fmt: str):
+    if get_format(fmt).scale == "e8m0":
+        return [None]
+    return [None, 1.0, 1e-3]  # dynamic; static, saturating inputs above max; static, tiny
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_cpu_shortcuts_match_branch_free_formulas(fmt, dtype, monkeypatch):
+    from quantcore import quantize as qmod
+
+    def run_all(x, gran, kw, scale):
+        y, rep = fake_quantize_with_report(x, fmt, gran, scale=scale, **kw)
+        q = quantize(x, fmt, gran, scale=scale, **kw) if not torch.isnan(x).any() else None
+        return (
+            fake_quantize(x, fmt, gran, scale=scale, **kw),
+            y,
+            (rep.n_elements, rep.n_nonzero, rep.n_saturated, rep.n_underflow, rep.n_nan),
+            rep.scale,
+            None
+            if q is None
+            else (q.codes.view(torch.uint8) if q.codes.element_size() == 1 else q.codes, q.scale),
+            compute_amax(x, "tensor"),
+        )
+
+    grans = [("tensor", {})] if get_format(fmt).is_block else [*GRANULARITIES, ("group", {"group_size": 7})]
+    checked = 0
+    for name, x in _special_inputs((12, 40), dtype):
+        for gran, kw in grans:
+            for scale in _scales_for(fmt):
+                if scale is not None and gran != "tensor":
+                    continue
+                fast = run_all(x, gran, kw, scale)
+                monkeypatch.setattr(qmod, "_may_branch", lambda t: False)
+                slow = run_all(x, gran, kw, scale)
+                monkeypatch.undo()
+                for a, b in zip(fast, slow, strict=True):
+                    if isinstance(a, torch.Tensor):
+                        assert torch.equal(_int_bits(a), _int_bits(b)), (name, gran, scale)
+                    elif isinstance(a, tuple) and a and isinstance(a[0], torch.Tensor):
+                        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True)), (name, gran, scale)
+                    else:
+                        assert a == b, (name, gran, scale)
+                checked += 1
+    assert checked >= 4  # every input case ran (MX formats: one granularity, dynamic scales only)
+
+
+def test_fast_report_counts_on_a_worked_case():
+    # [0, -0, nan, inf, 1e-6 (flushed by int8), 1, 200 (saturates at scale 1: |200| > 127.5), -3]
+    x = torch.tensor([0.0, -0.0, NAN, INF, 1e-6, 1.0, 200.0, -3.0])
+    _, rep = fake_quantize_with_report(x, "int8", scale=1.0)
+    assert (rep.n_elements, rep.n_nonzero, rep.n_saturated, rep.n_underflow, rep.n_nan) == (8, 5, 2, 1, 1)
+    _, rep = fake_quantize_with_report(x[[0, 1, 4, 5, 7]], "int8", scale=1.0)  # no NaN, nothing clipped
+    assert (rep.n_elements, rep.n_nonzero, rep.n_saturated, rep.n_underflow, rep.n_nan) == (5, 3, 0, 1, 0)
+
+
 # ------------------------------------------------------------------ reports, static and delayed scales
 
 
