@@ -90,3 +90,17 @@ def test_outlier_ratios_over_all_linears_are_sane(stats):
     for layer in stats.values():
         assert layer.hist_counts.sum() + layer.zeros == layer.n_tokens * layer.in_features
         assert 0 < layer.token_max["p50"] <= layer.token_max["p99"] <= layer.token_max["max"] == layer.amax
+
+
+def test_gguf_converts_from_an_empty_cache(tmp_path, loaded):
+    """A new machine has no conversion cache: the GGUF → safetensors path itself must work with the
+    project's pinned dependencies (it once needed `accelerate`, which only a warm cache hid)."""
+    from quantcore.checkpoint import converted_gguf_folder
+
+    folder = converted_gguf_folder(demo_gguf_path(), cache_dir=tmp_path)
+    assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors"))
+    fresh, _ = load_model(folder)
+    model, _ = loaded
+    ids = torch.tensor([[1, 504, 3458, 282, 4797, 314]])
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, model(ids).logits, rtol=0, atol=0)
