@@ -61,9 +61,11 @@ from typing import Any
 import numpy as np
 
 from quantcore.errors import PlanError
+from quantcore.errors import format_problems as _format
+from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
 from quantcore.plans import group_label, scheme_label
-from quantcore.schemes import IDENTITY_BITS, Scheme, fusion_groups, get_scheme, list_schemes
+from quantcore.schemes import IDENTITY_BITS, Scheme, fusion_units, get_scheme, list_schemes
 
 BASELINE_SCHEME = "BF16"  # always available, KL 0
 DEFAULT_CANDIDATES: tuple[str, ...] = (
@@ -187,20 +189,7 @@ class AutoPlanResult:
 
 def plan_units(layer_names: Sequence[str]) -> list[list[str]]:
     """The units of a model: fusion groups and single layers, in model order (first member's position)."""
-    names = list(dict.fromkeys(layer_names))
-    group_of: dict[str, list[str]] = {}
-    for g in fusion_groups(names):
-        for m in g:
-            group_of[m] = g
-    units: list[list[str]] = []
-    seen: set[str] = set()
-    for n in names:
-        if n in seen:
-            continue
-        unit = group_of.get(n, [n])
-        seen.update(unit)
-        units.append(list(unit))
-    return units
+    return fusion_units(layer_names)
 
 
 def sensitivity_from_rows(rows: Iterable[Any]) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
@@ -718,20 +707,8 @@ def _kls_for_units(
 
 # ------------------------------------------------------------------ helpers
 
-MAX_NAMES_IN_MESSAGE = 8
 
 
-def _cut(names: Sequence[str]) -> str:
-    names = list(names)
-    shown = ", ".join(repr(n) for n in names[:MAX_NAMES_IN_MESSAGE])
-    rest = len(names) - MAX_NAMES_IN_MESSAGE
-    return shown + (f" and {rest} more" if rest > 0 else "")
-
-
-def _format(title: str, problems: Sequence[str]) -> str:
-    if len(problems) == 1:
-        return f"{title}: {problems[0]}"
-    return f"{title} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)
 
 
 __all__ = [

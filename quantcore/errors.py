@@ -19,3 +19,22 @@ class Cancelled(QuantcoreError):
 
 class UnsupportedOnDevice(QuantcoreError):
     """A kernel or format that the chosen device cannot run natively."""
+
+
+MAX_NAMES_IN_MESSAGE = 12  # long lists of layer names are cut in error messages
+
+
+def name_list(names, limit: int = MAX_NAMES_IN_MESSAGE) -> str:
+    """'a', 'b', 'c' and 5 more: a readable, bounded list of names for a message."""
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    rest = len(names) - limit
+    return shown + (f" and {rest} more" if rest > 0 else "")
+
+
+def format_problems(title: str, problems) -> str:
+    """One message for every problem found at once: 'title: p' or 'title (n problems):' and a list."""
+    problems = list(problems)
+    if len(problems) == 1:
+        return f"{title}: {problems[0]}"
+    return f"{title} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)

@@ -57,6 +57,8 @@ from typing import Any
 import yaml
 
 from quantcore.errors import PlanError
+from quantcore.errors import format_problems as _format
+from quantcore.errors import name_list as _cut
 from quantcore.formats import get_format
 from quantcore.plans import group_label, scheme_label
 from quantcore.schemes import Granularity, Scheme, TensorSpec, fusion_groups, get_scheme, list_schemes
@@ -1359,7 +1361,6 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
 
 # ------------------------------------------------------------------ helpers
 
-MAX_NAMES_IN_MESSAGE = 8  # long lists of layer names are cut in error messages
 
 
 def _scheme_counts(plan: Mapping[str, Scheme]) -> dict[str, int]:
@@ -1370,17 +1371,6 @@ def _scheme_counts(plan: Mapping[str, Scheme]) -> dict[str, int]:
     return out
 
 
-def _cut(names: Sequence[str]) -> str:
-    names = list(names)
-    shown = ", ".join(repr(n) for n in names[:MAX_NAMES_IN_MESSAGE])
-    rest = len(names) - MAX_NAMES_IN_MESSAGE
-    return shown + (f" and {rest} more" if rest > 0 else "")
-
-
-def _format(title: str, problems: Sequence[str]) -> str:
-    if len(problems) == 1:
-        return f"{title}: {problems[0]}"
-    return f"{title} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)
 
 
 __all__ = [

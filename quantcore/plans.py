@@ -47,12 +47,13 @@ from typing import Any
 import yaml
 
 from quantcore.errors import PlanError
+from quantcore.errors import format_problems as _format_problems
+from quantcore.errors import name_list as _cut
 from quantcore.schemes import Scheme, fusion_groups, get_scheme, list_schemes
 
 DEFAULT_SCHEME = "BF16"  # the identity scheme: the layer stays in the model's own precision
 ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ...
 ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
-MAX_NAMES_IN_MESSAGE = 12  # long lists of layer names are cut in error messages
 
 _TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "rules", "layers")
 _RULE_KEYS = ("match", "scheme")
@@ -488,11 +489,6 @@ def _ordered_union(*mappings: Mapping[str, Any]) -> list[str]:
     return list(seen)
 
 
-def _cut(names: Sequence[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:MAX_NAMES_IN_MESSAGE])
-    rest = len(names) - MAX_NAMES_IN_MESSAGE
-    return shown + (f" and {rest} more" if rest > 0 else "")
-
 
 def _example_names(names: Sequence[str]) -> str:
     return _cut(list(names)[:3]) if names else "(the model has no quantizable layers)"
@@ -504,8 +500,3 @@ def _plan_title(spec: PlanSpec) -> str:
         label += f" for {spec.model}"
     return label[0].upper() + label[1:] + " cannot be applied"
 
-
-def _format_problems(title: str, problems: Sequence[str]) -> str:
-    if len(problems) == 1:
-        return f"{title}: {problems[0]}"
-    return f"{title} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)

@@ -483,3 +483,22 @@ def fusion_group_of(name: str, layer_names: Iterable[str]) -> list[str]:
         if name in group:
             return group
     return [name]
+
+
+def fusion_units(layer_names: Iterable[str]) -> list[list[str]]:
+    """The units a plan is made of: every fusion group, and every other layer alone, in model order
+    (a group sits at its first member's position)."""
+    names = list(dict.fromkeys(layer_names))
+    group_of: dict[str, list[str]] = {}
+    for g in fusion_groups(names):
+        for m in g:
+            group_of[m] = g
+    units: list[list[str]] = []
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            continue
+        unit = group_of.get(n, [n])
+        seen.update(unit)
+        units.append(list(unit))
+    return units

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from quantcore.errors import PlanError
 from quantcore.plans import group_label
-from quantcore.schemes import Scheme, fusion_groups, get_scheme
+from quantcore.schemes import Scheme, fusion_units, get_scheme
 from quantcore.scoring import (
     Progress,
     ReferenceCache,
@@ -165,19 +165,7 @@ def sweep_units(
                 f"layer name(s) the model does not have: {', '.join(map(repr, unknown[:10]))}"
                 f"{' ...' if len(unknown) > 10 else ''}; names look like {', '.join(map(repr, names[:3]))}"
             )
-    group_of: dict[str, list[str]] = {}
-    if groups:
-        for g in fusion_groups(names):
-            for m in g:
-                group_of[m] = g
-    units: list[list[str]] = []
-    seen: set[str] = set()
-    for n in names:
-        if n in seen:
-            continue
-        unit = group_of.get(n, [n])
-        seen.update(unit)
-        units.append(list(unit))
+    units = fusion_units(names) if groups else [[n] for n in names]
     if only is not None:
         wanted = set(only)
         units = [u for u in units if wanted.intersection(u)]
