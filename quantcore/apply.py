@@ -55,7 +55,8 @@ _N_COUNTS = 5  # [elements, nonzero, saturated, underflow, nan], as quantcore.qu
 class LayerQuantStats:
     """What quantization did to one layer.
 
-    weight:      report of the one-time weight quantization
+    weight:      report of the one-time weight quantization (all counts 0 when applied with
+                 track_stats=False: not counted, as for the activations)
     activations: report summed over every forward since apply (None for weight-only schemes)
     calls:       forward calls seen
     """
@@ -338,7 +339,8 @@ def apply_plan(
     act_channel_max: {layer: (K,) calibrated max |x_j|}; when given, SmoothQuant α of the schemes
                      is folded first (all layers with an α must be present). When omitted, α is
                      ignored: smooth the model yourself with smooth_model() beforehand.
-    track_stats:     count activation saturation / underflow on every call (a few extra passes)
+    track_stats:     count activation saturation / underflow on every call (a few extra passes),
+                     and report the weight quantization; False skips both (reports of zero counts)
     share_inputs:    quantize an input once for consecutive layers that read the same tensor with
                      the same activation spec and scale (q/k/v, gate/up); the results are
                      bit-identical either way, False only recomputes them per layer
@@ -380,9 +382,11 @@ def apply_plan(
         for name, scheme in active.items():
             module = modules[name]
             original = module.weight
-            wq, report = fake_quantize_with_report(
-                original.detach(), scheme.weights.format, **_spec_kwargs(scheme.weights)
-            )
+            w, fmt, kw = original.detach(), scheme.weights.format, _spec_kwargs(scheme.weights)
+            if track_stats:
+                wq, report = fake_quantize_with_report(w, fmt, **kw)
+            else:  # the same weights; the report's counting passes over every weight are skipped
+                wq, report = fake_quantize(w, fmt, **kw), QuantReport(0, 0, 0, 0, 0)
             state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name))
             module.weight = nn.Parameter(wq, requires_grad=False)
             setattr(module, _MARKER, True)
