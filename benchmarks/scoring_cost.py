@@ -21,10 +21,28 @@ drift on a shared machine hits both alike):
 ratio = score / plain. The BF16 row is the scoring machinery alone (no fake
 quantization); the other rows add the fake-quant cost of ``quantcore.apply``.
 
-Measured (2 shared CPU cores, one torch thread, SmolLM2 real weights, 8 x 256 tokens):
-plain 9.4 s; BF16 1.08; FP8_DYNAMIC 1.88 (0.41 of it the one-time weight fake-quant,
-the rest fake-quantized activations); INT8_W8A8 1.58. The KL / top-1 / NLL machinery
-costs about 8 % of a forward; the rest is fake quantization on a CPU.
+Measured (2 shared CPU cores, one torch thread, SmolLM2 real weights, 8 x 256 tokens;
+the machine is shared, so single runs move by about +-0.1: compare rows of one run):
+
+=============  ==========================  ==================================
+plan           before (05cbe9f), 3 runs     after (315cf85 x2, f83d28b x2), 4 runs
+=============  ==========================  ==================================
+BF16           1.11 / 1.19 / 1.20          1.22 / 1.10 / 1.21 / 1.11
+FP8_DYNAMIC    1.88 / 2.04 / 1.93          1.37 / 1.31 / 1.33 / 1.38
+               (apply 3.2-3.9 s)           (apply 0.65-0.67 s; 0.8-1.0 s with the weight report)
+INT8_W8A8      1.67 / 1.71 / 1.59          1.32 / 1.28 / 1.23 / 1.23
+               (apply 2.4-3.2 s)           (apply 0.38-0.56 s; 0.64-0.68 s with the report)
+=============  ==========================  ==================================
+
+So fake quantization now adds about 0.12 (FP8_DYNAMIC) and 0.05-0.1 (INT8_W8A8) to the
+BF16 row, which is the KL / top-1 / NLL machinery (0.1-0.2 of a forward). Where the time
+went before: torch's CPU float8 -> float32 cast (element by element, ~6 ns per element),
+boolean masks summed through int64 copies for the weight report, fresh full-size
+temporaries (page faults), and q/k/v and gate/up each quantizing the same input. What is
+left: about 0.3 s of page faults for the fresh quantized weights (537 MB; the environment
+variable THP_MEM_ALLOC_ENABLE=1 lets torch use huge pages: apply 0.48 s) and about ten
+elementwise passes per activation element (paired forwards: +6 % per forward for both
+schemes, +29 % and +13 % before).
 """
 
 from __future__ import annotations
