@@ -254,15 +254,24 @@ def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str 
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,
                   m_decode: int) -> dict[str, Any]:
     """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings."""
-    from quantcore.kernels import KernelRecord
     from quantcore.kernels import step_estimate as estimate
 
-    frame = kernel_frame(device_name)
+    return estimate(kernel_records(device_name), layer_shapes(model), layer_paths(model, plan_body),
+                    m_prefill=m_prefill, m_decode=m_decode)
+
+
+def kernel_records(device_name: str):
+    """The newest timing per case on one device, as quantcore.kernels.KernelRecord objects."""
+    from quantcore.kernels import KernelRecord
+
     fields = set(KernelRecord.__dataclass_fields__)
-    records = [KernelRecord.from_dict({k: v for k, v in row.items() if k in fields})
-               for row in frame.to_dict("records")]
-    shapes = {lin["name"]: (lin["out_features"], lin["in_features"]) for lin in model.linears}
-    return estimate(records, shapes, layer_paths(model, plan_body), m_prefill=m_prefill, m_decode=m_decode)
+    return [KernelRecord.from_dict({k: v for k, v in row.items() if k in fields})
+            for row in kernel_frame(device_name).to_dict("records")]
+
+
+def layer_shapes(model: ModelRecord) -> dict[str, tuple[int, int]]:
+    """{layer: (N, K)} of every linear of the model."""
+    return {lin["name"]: (lin["out_features"], lin["in_features"]) for lin in model.linears}
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -478,7 +487,6 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     the prediction. Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
     from quantcore.autoplan import auto_plan as solve
     from quantcore.autoplan import cost_from_kernel_records
-    from quantcore.kernels import KernelRecord
     from quantcore.plans import spec_from_plan
 
     sens, unit_layers = sensitivity_map(model)
@@ -486,15 +494,11 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         raise ValueError(f"{model.name} has no sensitivity sweep yet: run one per candidate scheme first "
                          f"(Results page, or `quantplan sensitivity {model.name} --scheme FP8_DYNAMIC`)")
     cands = candidates or sorted(set(sens) | {"BF16"})
-    shapes = {lin["name"]: (lin["out_features"], lin["in_features"]) for lin in model.linears}
+    shapes = layer_shapes(model)
     cost = None
     device_name = measured_device_for(target)
     if device_name:
-        frame = kernel_frame(device_name)
-        fields = set(KernelRecord.__dataclass_fields__)
-        records = [KernelRecord.from_dict({k: v for k, v in r.items() if k in fields})
-                   for r in frame.to_dict("records")]
-        cost = cost_from_kernel_records(records, shapes, cands, m=m, target=target)
+        cost = cost_from_kernel_records(kernel_records(device_name), shapes, cands, m=m, target=target)
         if not cost.get("BF16"):
             cost = None
     result = solve(layer_names(model), sens, kl_budget=kl_budget, target=target, candidates=cands, cost=cost,
