@@ -1,13 +1,17 @@
-"""Benchmark FP8 / INT8 GEMM kernels on SmolLM2-135M-like linear shapes.
+"""Benchmark FP8 / INT8 GEMM kernels on a model's linear shapes (SmolLM2-135M by default).
 
 Usage:
     python benchmarks/kernel_gemm.py                       # CPU, M = 1 16 128 2048
     python benchmarks/kernel_gemm.py --device cuda --m 1 16 128 2048 8192
     python benchmarks/kernel_gemm.py --budget 20 --json out.json
+    python benchmarks/kernel_gemm.py --device cuda --model llama-3-8b --markdown table.md
 
 Prints the device probe, which paths run natively, the table of every (M, N, K, path)
 case (time, TFLOP/s, % of peak, speed-up over the baseline, kernel-vs-emulation error)
-and the per-step GEMM time of a 30-layer SmolLM2-135M under a few uniform plans.
+and the per-step GEMM time of the whole model under a few uniform plans. ``--model``
+picks the shapes: the demo model (SmolLM2-135M) or a Llama-3-8B, whose larger GEMMs
+are where FP8 / INT8 tensor cores pay off. ``--markdown`` writes the speed-up table
+as it appears in the README.
 On CPU the default per-shape budget keeps the whole run to a few minutes: cases that
 would not fit are reported as skipped, not guessed.
 """
@@ -18,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,17 +30,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quantcore import kernels as kn  # noqa: E402
 from quantcore.hardware import device_paths, probe_device  # noqa: E402
 
-# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json): hidden 576, intermediate 1536,
-# 9 query heads and 3 KV heads of width 64 (k/v_proj: 576 -> 192), 30 decoder layers.
-HIDDEN, INTERMEDIATE, KV_WIDTH, N_LAYERS = 576, 1536, 192, 30
-LAYER_SHAPES: dict[str, tuple[int, int]] = {  # projection -> (N, K)
-    "q_proj": (HIDDEN, HIDDEN),
-    "k_proj": (KV_WIDTH, HIDDEN),
-    "v_proj": (KV_WIDTH, HIDDEN),
-    "o_proj": (HIDDEN, HIDDEN),
-    "gate_proj": (INTERMEDIATE, HIDDEN),
-    "up_proj": (INTERMEDIATE, HIDDEN),
-    "down_proj": (HIDDEN, INTERMEDIATE),
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The linear layers of a Llama-style decoder: q/k/v/o, gate/up/down, repeated per layer."""
+
+    label: str
+    hidden: int
+    intermediate: int
+    kv_width: int  # k_proj / v_proj output width = KV heads x head width
+    n_layers: int
+
+    def layer_shapes(self) -> dict[str, tuple[int, int]]:
+        """projection -> (N, K)"""
+        h, i, kv = self.hidden, self.intermediate, self.kv_width
+        return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
+                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+MODELS: dict[str, ModelShapes] = {
+    # HuggingFaceTB/SmolLM2-135M config.json: hidden 576, intermediate 1536, 9 query heads and
+    # 3 KV heads of width 64 (k/v_proj: 576 -> 192), 30 decoder layers. The demo model.
+    "smollm2-135m": ModelShapes("SmolLM2-135M", 576, 1536, 192, 30),
+    # meta-llama/Llama-3.1-8B config.json: hidden 4096, intermediate 14336, 32 query heads and
+    # 8 KV heads of width 128 (k/v_proj: 4096 -> 1024), 32 decoder layers.
+    "llama-3-8b": ModelShapes("Llama-3-8B", 4096, 14336, 1024, 32),
 }
 DEFAULT_BUDGET_S = {"cpu": 40.0, "cuda": 60.0}  # CPU: 4 shapes x 40 s, about 3 minutes in all
 
@@ -48,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per case (median)")
     ap.add_argument("--paths", nargs="+", default=None, choices=kn.PATHS, help="paths to time")
     ap.add_argument("--json", type=Path, default=None, help="also write the records here")
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS), help="whose shapes")
+    ap.add_argument("--markdown", type=Path, default=None, help="also write the speed-up table (Markdown)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -71,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  {p.path:<11} runs={'yes' if p.runs else 'no ':<3} native={'yes' if p.native else 'no ':<3} {p.note}"
         )
 
-    shapes = list(dict.fromkeys(LAYER_SHAPES.values()))
+    model = MODELS[args.model]
+    layer_shapes = model.layer_shapes()
+    shapes = list(dict.fromkeys(layer_shapes.values()))
     kind = "cuda" if info.kind == "cuda" else "cpu"
     budget = args.budget if args.budget is not None else DEFAULT_BUDGET_S[kind]
-    print(f"\nshapes (N, K): {shapes}; M: {args.m}; budget {budget:g} s per shape\n")
+    print(f"\n{model.label} shapes (N, K): {shapes}; M: {args.m}; budget {budget:g} s per shape\n")
 
     t0 = time.perf_counter()
 
@@ -94,15 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     print(kn.format_records(records))
     print(f"\nwall time: {time.perf_counter() - t0:.1f} s")
 
-    # Per-step GEMM time of the whole model for uniform plans (30 layers x 7 projections).
-    layer_shapes = {f"layers.{i}.{p}": s for i in range(N_LAYERS) for p, s in LAYER_SHAPES.items()}
+    # Per-step GEMM time of the whole model for uniform plans (every layer x 7 projections).
+    all_layers = {f"layers.{i}.{p}": s for i in range(model.n_layers) for p, s in layer_shapes.items()}
     m_prefill, m_decode = max(args.m), min(args.m)
-    print(f"\nSmolLM2-135M GEMM time per step (prefill M={m_prefill}, decode M={m_decode}):")
+    print(f"\n{model.label} GEMM time per step (prefill M={m_prefill}, decode M={m_decode}):")
     for plan in ("baseline", "fp8_tensor", "fp8_row", "int8_row"):
         est = kn.step_estimate(
             records,
-            layer_shapes,
-            {name: plan for name in layer_shapes},
+            all_layers,
+            {name: plan for name in all_layers},
             m_prefill=m_prefill,
             m_decode=m_decode,
         )
@@ -117,9 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         label = plan if plan == "baseline" else plan + kn.QUANT_ACT_SUFFIX
         print(f"  {label:<13} " + "   ".join(cells))
 
+    if args.markdown:
+        args.markdown.write_text(f"{model.label} shapes, M = {', '.join(map(str, args.m))}; "
+                                 + kn.format_markdown(records) + "\n")
+        print(f"\nMarkdown table written to {args.markdown}")
     if args.json:
         args.json.write_text(
-            json.dumps({"device": info.to_dict(), "records": [r.to_dict() for r in records]}, indent=1)
+            json.dumps({"device": info.to_dict(), "model": args.model, "records": [r.to_dict() for r in records]}, indent=1)
         )
         print(f"\nrecords written to {args.json}")
     return 0

@@ -789,3 +789,59 @@ def format_records(records: Iterable[KernelRecord]) -> str:
             f"{f(r.max_rel_err, '.2e'):>11} {','.join(pad) or '-':>8}  {r.skipped or ''}"
         )
     return "\n".join(lines)
+
+
+def _fmt_ratio(x: float) -> str:
+    """Two decimals, or two significant digits below 0.1 (a CPU's FP8 path can be 0.0021×)."""
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def format_markdown(records: Iterable[KernelRecord]) -> str:
+    """Speed-ups as a Markdown table (one row per shape and M), for the README and reports.
+
+    Each path cell reads ``1.52× · 41%``: speed-up over the baseline at that shape, then
+    percent of the device's dense peak for the path's dtype (left out where the device is
+    not in the peak table); ``skip`` where the case has no time. The baseline column gives
+    its own time and percent of peak. A last line gives the largest kernel-vs-emulation
+    difference per path. Records from more than one device raise ValueError.
+    """
+    recs = list(records)
+    if not recs:
+        return "(no records)"
+    names = sorted({r.device_name for r in recs})
+    if len(names) > 1:
+        raise ValueError(f"records come from several devices ({', '.join(names)}); one table per device")
+    paths = [p for p in PATHS if any(r.path == p for r in recs)]
+    by_case = {(r.n, r.k, r.m, r.path): r for r in recs}
+    rows = sorted({(r.n, r.k, r.m) for r in recs}, key=lambda t: (t[1], t[0], t[2]))
+
+    def pct(r: KernelRecord) -> str:
+        return "" if r.pct_peak is None else f" · {r.pct_peak:.0f}%"
+
+    def cell(r: KernelRecord | None) -> str:
+        if r is None:
+            return ""
+        if r.ms is None:
+            return "skip"
+        if r.path == PATH_BASELINE:
+            return f"{r.ms:.4f} ms{pct(r)}"
+        return ("-" if r.speedup is None else f"{_fmt_ratio(r.speedup)}×") + pct(r)
+
+    head = ["N × K", "M"] + [p if p != PATH_BASELINE else "baseline ms" for p in paths]
+    lines = [
+        f"{names[0]} · torch {recs[0].torch_version}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---:" if i else "---" for i in range(len(head))) + "|",
+    ]
+    for n, k, m in rows:
+        cells = [f"{n} × {k}", str(m)] + [cell(by_case.get((n, k, m, p))) for p in paths]
+        lines.append("| " + " | ".join(cells) + " |")
+    errs = []
+    for p in paths:
+        vals = [r.max_rel_err for r in recs if r.path == p and r.max_rel_err is not None]
+        if vals:
+            errs.append(f"{p} {max(vals):.1e}")
+    if errs:
+        lines += ["", "max kernel-vs-emulation difference: " + ", ".join(errs)]
+    return "\n".join(lines)

@@ -1,3 +1,5 @@
+"""`python -m quantplan ...`: the same as the `quantplan` command."""
+
 import sys
 
 from quantplan.cli import main

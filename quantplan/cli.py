@@ -329,4 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m quantplan.cli` runs this file as __main__; the subcommands import quantplan.cli, a
+    # second copy whose CliError the handler above would not catch. Run that copy's main instead.
+    from quantplan.cli import main as _main
+
+    sys.exit(_main())

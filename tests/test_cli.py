@@ -109,3 +109,16 @@ def test_cli_errors_are_clear(tiny_model, capsys, tmp_path):
 def test_entry_points_refuse_an_outdated_schema(qp_env, capsys):
     code, _, err = run(capsys, "models", "list")
     assert code == 1 and "quantplan migrate" in err
+
+
+@pytest.mark.parametrize("module", ["quantplan", "quantplan.cli"])
+def test_python_dash_m_reports_errors_like_the_command(qp_settings, module):
+    # `python -m quantplan.cli` once ran the file twice over, so a subcommand's CliError escaped
+    # as a traceback; both module forms must answer like the `quantplan` command does.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, "calibrate", "nope", "--local"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "quantplan: no model 'nope'" in proc.stderr and "Traceback" not in proc.stderr

@@ -401,6 +401,37 @@ def test_format_records(tiny_records: list[kn.KernelRecord]) -> None:
     assert any("int8_row+q" in line for line in lines)
 
 
+def test_format_markdown_cells(hand_records: list[kn.KernelRecord]) -> None:
+    recs = [kn.KernelRecord(**{**r.to_dict()}) for r in hand_records]
+    for r in recs:
+        if r.path == "fp8_row+q" and r.m == 128:
+            r.pct_peak, r.max_rel_err = 41.4, 2.5e-3
+        if r.path == "baseline" and r.m == 128 and r.n == 64:
+            r.pct_peak = 12.0
+    kn._fill_speedups(recs)
+    text = kn.format_markdown(recs)
+    lines = text.splitlines()
+    assert lines[0] == "GPU X · torch t"
+    head = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert head == ["N × K", "M", "baseline ms", "fp8_row", "fp8_row+q", "int8_row+q"]
+    rows = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]: [c.strip() for c in line.strip("|").split("|")]
+            for line in lines[4:] if line.startswith("| ")}
+    assert set(rows) == {("64 × 32", "1"), ("64 × 32", "128"), ("16 × 32", "1"), ("16 × 32", "128")}
+    big = rows[("64 × 32", "128")]
+    assert big[2] == "4.0000 ms · 12%"
+    assert big[3] == "2.67×"  # 4.0 / 1.5, no peak known for this record
+    assert big[4] == "2.00× · 41%"
+    assert big[5] == ""  # int8 not measured at this shape
+    assert rows[("16 × 32", "1")][5] == "skip"
+    assert lines[-1] == "max kernel-vs-emulation difference: fp8_row+q 2.5e-03"
+
+
+def test_format_markdown_refuses_mixed_devices() -> None:
+    with pytest.raises(ValueError, match="several devices"):
+        kn.format_markdown([_rec(1, 16, 16, "baseline", 1.0), _rec(1, 16, 16, "baseline", 1.0, name="GPU Y")])
+    assert kn.format_markdown([]) == "(no records)"
+
+
 # --------------------------------------------------------------------------- GPU
 
 

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared run for a lent GPU machine (issue #5, README "GPU figures").
+#
+#   here:           bash scripts/gpu_wheels.sh          # fetches .whl/ for step 4 (that machine has no PyPI)
+#   device tool:    run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   any GPU box:    bash scripts/gpu_check.sh           # with a python3 that has CUDA torch
+#
+# Steps, each logged and each allowed to fail without stopping the others:
+#   1. the device: nvidia-smi, torch / CUDA versions
+#   2. the `gpu` tests (pytest -m gpu): native flags, kernel vs emulation, FP8 faster than bf16
+#      at 2048 x 4096 x 4096 on sm90, CUDA fake-quant bit-identical to CPU
+#   3. benchmarks/kernel_gemm.py on the demo model's shapes (SmolLM2-135M) and on Llama-3-8B's,
+#      M = 1 16 128 2048 8192: JSON records + the Markdown tables for the README
+#   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
+#      into a fresh SQLite home: measured and stored, then reused from the database
+# Writes into $OUT (the device tool's folder) or var/gpu-check: gpu_check.log, summary.txt,
+# kernel_smollm2.{json,md}, kernel_llama8b.{json,md}, quantplan_bench.json (7 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-var/gpu-check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG="$OUT/gpu_check.log"
+SUMMARY="$OUT/summary.txt"
+: >"$LOG"
+: >"$SUMMARY"
+DEVICE=${DEVICE:-cuda}  # DEVICE=cpu BUDGET=1 MS="1 16" bash scripts/gpu_check.sh: a quick dry run on a CPU
+read -r -a MS <<<"${MS:-1 16 128 2048 8192}"
+BUDGET_ARGS=()
+[ -n "${BUDGET:-}" ] && BUDGET_ARGS=(--budget "$BUDGET")
+M_CSV=$(IFS=,; echo "${MS[*]}")
+
+step() {  # step NAME CMD...: run, log, and note the exit status in summary.txt
+  local name=$1 t0 rc
+  shift
+  t0=$(date +%s)
+  echo "===== $name: $*" | tee -a "$LOG"
+  "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  echo "$name: rc=$rc in $(($(date +%s) - t0)) s" | tee -a "$SUMMARY" "$LOG"
+  return 0
+}
+
+step device bash -c "nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version,clocks.max.sm \
+  --format=csv; $PY -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, \
+  torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))'"
+
+step gpu-tests "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
+  tests/quantcore/test_kernels.py tests/quantcore/test_hardware.py tests/quantcore/test_quantize.py \
+  tests/quantcore/test_apply.py tests/quantcore/test_smoothquant.py
+
+step kernels-smollm2 "$PY" benchmarks/kernel_gemm.py --device "$DEVICE" --model smollm2-135m --m "${MS[@]}" "${BUDGET_ARGS[@]}" \
+  --json "$OUT/kernel_smollm2.json" --markdown "$OUT/kernel_smollm2.md"
+step kernels-llama8b "$PY" benchmarks/kernel_gemm.py --device "$DEVICE" --model llama-3-8b --m "${MS[@]}" "${BUDGET_ARGS[@]}" \
+  --json "$OUT/kernel_llama8b.json" --markdown "$OUT/kernel_llama8b.md"
+
+if ! "$PY" -c "import sqlalchemy, alembic, celery, pydantic_settings" 2>/dev/null && [ -d .whl ]; then
+  SITE=/tmp/quantplan-site
+  step wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:$SITE"
+fi
+export QUANTPLAN_HOME=${GPU_CHECK_HOME:-/tmp/quantplan-gpu-home} QUANTPLAN_USER=gpu-check  # a fresh home
+rm -rf "$QUANTPLAN_HOME"
+step migrate "$PY" -m quantplan migrate
+step bench-measure bash -c "$PY -m quantplan bench --device $DEVICE --m $M_CSV ${BUDGET:+--budget $BUDGET} \
+  --local --json >'$OUT/quantplan_bench.json' \
+  && $PY -c 'import json; r = json.load(open(\"$OUT/quantplan_bench.json\")); \
+print(len(r), \"records on\", {x[\"device_name\"] for x in r})'"
+step bench-reuse "$PY" -m quantplan bench --device "$DEVICE" --m "$M_CSV" ${BUDGET:+--budget "$BUDGET"} --local
+step jobs "$PY" -m quantplan jobs
+
+echo "===== summary" | tee -a "$LOG"
+cat "$SUMMARY" | tee -a "$LOG"

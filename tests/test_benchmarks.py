@@ -1,0 +1,71 @@
+"""The benchmark scripts run and write what they say (timings are not checked: that is their job)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_model_shapes_follow_the_configs() -> None:
+    kg = _load("kernel_gemm")
+    smol = kg.MODELS["smollm2-135m"].layer_shapes()
+    assert smol["k_proj"] == (192, 576) and smol["down_proj"] == (576, 1536)
+    llama = kg.MODELS["llama-3-8b"].layer_shapes()
+    assert llama["gate_proj"] == (14336, 4096) and llama["v_proj"] == (1024, 4096)
+    assert len(set(llama.values())) == 4  # q/o, k/v, gate/up, down
+
+
+def test_kernel_gemm_writes_json_and_markdown(tmp_path: Path, capsys) -> None:
+    kg = _load("kernel_gemm")
+    out_json, out_md = tmp_path / "k.json", tmp_path / "k.md"
+    rc = kg.main(["--m", "1", "--budget", "2", "--repeats", "3", "--paths", "int8_row",
+                  "--json", str(out_json), "--markdown", str(out_md)])
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert data["model"] == "smollm2-135m" and data["device"]["kind"] == "cpu"
+    shapes = {(r["n"], r["k"]) for r in data["records"]}
+    assert shapes == {(576, 576), (192, 576), (1536, 576), (576, 1536)}
+    assert {r["path"] for r in data["records"]} == {"baseline", "int8_row"}
+    md = out_md.read_text().splitlines()
+    assert md[0].startswith("SmolLM2-135M shapes, M = 1;")
+    assert sum(line.startswith("| ") for line in md) == 1 + 4  # header + one row per shape
+    assert "GEMM time per step" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
+    # scripts/gpu_check.sh is what a session with a lent GPU runs, once, in a few minutes of device
+    # time: keep it working here, where DEVICE=cpu runs every step but the nvidia-smi one.
+    out = tmp_path / "out"
+    env = {**os.environ, "DEVICE": "cpu", "BUDGET": "0.5", "MS": "1", "PYTHON": sys.executable,
+           "OUT": str(out), "GPU_CHECK_HOME": str(tmp_path / "home"), "QUANTPLAN_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rcs = dict(line.split(": rc=") for line in (out / "summary.txt").read_text().splitlines())
+    rcs = {k: v.split()[0] for k, v in rcs.items()}
+    for step in ("gpu-tests", "kernels-smollm2", "kernels-llama8b", "migrate", "bench-measure",
+                 "bench-reuse", "jobs"):
+        assert rcs[step] == "0", (step, (out / "gpu_check.log").read_text()[-3000:])
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_check.log", "kernel_llama8b.json", "kernel_llama8b.md", "kernel_smollm2.json",
+        "kernel_smollm2.md", "quantplan_bench.json", "summary.txt"]
+    bench = json.loads((out / "quantplan_bench.json").read_text())
+    assert {(r["n"], r["k"]) for r in bench} == {(576, 576), (192, 576), (1536, 576), (576, 1536)}
+    assert "Llama-3-8B shapes" in (out / "kernel_llama8b.md").read_text()
