@@ -227,12 +227,9 @@ def kernel_frame(device_name: str, torch_version: str | None = None):
     """Newest timing per (M, N, K, path) on one device, as a DataFrame with a readable shape label."""
     import pandas as pd
 
-    rows = kernel_rows(device_name=device_name)
-    seen: dict[tuple[int, int, int, str], Any] = {}
-    for r in rows:  # newest job first
-        if torch_version is None or r.torch_version == torch_version:
-            seen.setdefault((r.m, r.n, r.k, r.path), r)
-    return pd.DataFrame([r.__dict__ for r in seen.values()])
+    with session_scope(settings()) as s:
+        rows = repo.newest_kernel_results(s, device_name=device_name, torch_version=torch_version)
+    return pd.DataFrame([r.__dict__ for r in rows])
 
 
 def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str | None]:

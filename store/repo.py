@@ -271,6 +271,12 @@ def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
     return stale
 
 
+def pending_cleanup_dirs(session: Session) -> set[str]:
+    """Upload folders that a queued or running job will still read (its ``params['cleanup_dir']``)."""
+    rows = session.scalars(select(m.Job.params).where(m.Job.status.in_(("queued", "running"))))
+    return {str(p["cleanup_dir"]) for p in rows if isinstance(p, dict) and p.get("cleanup_dir")}
+
+
 # ----------------------------------------------------------------------------- activation statistics
 
 
@@ -468,6 +474,21 @@ def kernel_results(session: Session, *, device_name: str | None = None, torch_ve
         q = q.where(m.KernelResult.job_id == job_id)
     return [KernelRecordRow(job_id=r.job_id, **{k: getattr(r, k) for k in _KERNEL_FIELDS})
             for r in session.scalars(q)]
+
+
+def newest_kernel_results(session: Session, *, device_name: str, torch_version: str | None = None,
+                          usable_only: bool = False) -> list[KernelRecordRow]:
+    """The newest timing per (M, N, K, path) on one device (and torch version, when given).
+
+    usable_only: pass over records skipped "over budget" or "failed" (a later run measures those
+    again), so an older time for the same case, or none, stands; "not supported" records count.
+    """
+    newest: dict[tuple[int, int, int, str], KernelRecordRow] = {}
+    for r in kernel_results(session, device_name=device_name, torch_version=torch_version):  # newest first
+        if usable_only and r.skipped and not r.skipped.startswith("not supported"):
+            continue
+        newest.setdefault((r.m, r.n, r.k, r.path), r)
+    return list(newest.values())
 
 
 def kernel_devices(session: Session) -> list[tuple[str, str, str]]:

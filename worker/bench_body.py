@@ -37,13 +37,10 @@ def bench(ctx: JobContext) -> Outcome:
     reused: list[dict[str, Any]] = []
     todo = shapes
     if not p.get("force"):
-        with session_scope(ctx.settings) as s:
-            stored = repo.kernel_results(s, device_name=info.name, torch_version=info.torch_version)
-        newest: dict[tuple[int, int, int, str], dict[str, Any]] = {}
-        for r in stored:  # newest job first; a case skipped for time or a failure is measured again
-            if r.skipped and not r.skipped.startswith("not supported"):
-                continue
-            newest.setdefault((r.m, r.n, r.k, r.path), {**r.__dict__})
+        with session_scope(ctx.settings) as s:  # a case skipped for time or a failure is measured again
+            stored = repo.newest_kernel_results(s, device_name=info.name, torch_version=info.torch_version,
+                                                usable_only=True)
+        newest = {(r.m, r.n, r.k, r.path): {**r.__dict__} for r in stored}
         todo = []
         for n, k in shapes:
             have = [newest.get((m, n, k, path)) for m in ms for path in (wanted_paths or kernels.PATHS)]

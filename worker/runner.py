@@ -9,11 +9,14 @@ returns a :class:`Outcome` whose ``write`` stores the results; results and the
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import socket
 import time
 import traceback as tb
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -135,3 +138,53 @@ def sweep(settings: Settings | None = None) -> list[int]:
     if stale:
         log.warning("failed stale jobs: %s", stale)
     return stale
+
+
+STAGING_IDLE_S = 3600  # an intake copy nobody has written to for an hour: its process died
+UPLOAD_IDLE_S = 24 * 3600  # an app upload no queued or running job will read, a day old
+
+
+def _newest_mtime(root: Path) -> float:
+    newest = root.lstat().st_mtime
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            try:
+                newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+            except FileNotFoundError:  # removed while we looked
+                pass
+    return newest
+
+
+def sweep_leftovers(settings: Settings | None = None, *, now: float | None = None) -> list[Path]:
+    """Remove intake folders nothing will finish; returns what was removed.
+
+    - ``models/.staging-*``: a checkpoint copy in progress; left behind when the process doing
+      the intake was killed. Removed once nothing in it has been written for STAGING_IDLE_S.
+    - ``uploads/<id>``: a file uploaded through the app for a register job; the job removes it
+      when it ends, but a job cancelled before it ran, or a lost message, leaves it. Removed
+      when no queued or running job names it and it is older than UPLOAD_IDLE_S.
+    """
+    from quantcore.checkpoint import STAGING_PREFIX
+
+    settings = settings or get_settings()
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        candidates = [(d, STAGING_IDLE_S) for d in Path(settings.models_dir).glob(STAGING_PREFIX + "*")
+                      if d.is_dir()]
+        uploads = Path(str(settings.artifact_dir)) / "uploads"
+        if uploads.is_dir():
+            with session_scope(settings) as s:
+                pending = {str(Path(p).resolve()) for p in repo.pending_cleanup_dirs(s)}
+            candidates += [(d, UPLOAD_IDLE_S) for d in uploads.iterdir()
+                           if d.is_dir() and str(d.resolve()) not in pending]
+        for d, idle_s in candidates:
+            if now - _newest_mtime(d) > idle_s:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+    except Exception:  # the sweep must never take a worker down
+        log.exception("leftover sweep failed")
+        return removed
+    if removed:
+        log.warning("removed abandoned intake folders: %s", ", ".join(str(d) for d in removed))
+    return removed

@@ -6,7 +6,7 @@ from celery.signals import worker_ready
 
 from worker import bodies
 from worker.celery_app import TASK_NAMES, celery_app
-from worker.runner import run_job, sweep
+from worker.runner import run_job, sweep, sweep_leftovers
 
 
 @celery_app.task(name=TASK_NAMES["register"])
@@ -37,3 +37,4 @@ def bench_task(job_id: int) -> str:
 @worker_ready.connect
 def _on_worker_ready(**_kwargs) -> None:
     sweep()
+    sweep_leftovers()

@@ -96,3 +96,32 @@ def test_plans_are_versioned_with_parents(qp_settings):
         assert repo.get_plan(s, "p").id == v2.id
         assert repo.get_plan(s, "p@v1").id == v1.id
         assert v2.author == "bob"
+
+
+def test_newest_kernel_results_per_case(qp_settings):
+    def rec(path, ms, skipped=None, torch_version="2.13"):
+        return {"device": "cuda", "device_name": "GPU X", "torch_version": torch_version, "m": 16, "n": 64,
+                "k": 32, "path": path, "ms": ms, "tflops": None, "pct_peak": None, "speedup": None,
+                "native": True, "max_rel_err": None, "padded_m": None, "skipped": skipped}
+
+    with session_scope(qp_settings) as s:
+        old = repo.create_job(s, kind="bench", params={}, queue="gpu", user="ann")
+        new = repo.create_job(s, kind="bench", params={}, queue="gpu", user="ann")
+        other = repo.create_job(s, kind="bench", params={}, queue="gpu", user="ann")
+        repo.save_kernel_results(s, job_id=old.id, records=[
+            rec("baseline", 2.0), rec("fp8_row", 1.0), rec("int8_row", None, "not supported on cuda: sm80")])
+        repo.save_kernel_results(s, job_id=new.id, records=[
+            rec("baseline", 1.9), rec("fp8_row", None, "over budget: 60 s"), rec("fp8_tensor", None, "failed on cuda: x")])
+        repo.save_kernel_results(s, job_id=other.id, records=[rec("baseline", 5.0, torch_version="2.11")])
+
+        every = {r.path: r for r in repo.newest_kernel_results(s, device_name="GPU X", torch_version="2.13")}
+        assert (every["baseline"].ms, every["baseline"].job_id) == (1.9, new.id)
+        assert every["fp8_row"].skipped.startswith("over budget") and every["fp8_tensor"].skipped
+        usable = {r.path: r for r in repo.newest_kernel_results(s, device_name="GPU X", torch_version="2.13",
+                                                                usable_only=True)}
+        assert usable["fp8_row"].ms == 1.0 and usable["fp8_row"].job_id == old.id  # the older time stands
+        assert "fp8_tensor" not in usable  # failed: measured again, nothing to reuse
+        assert usable["int8_row"].skipped.startswith("not supported")  # final answers are kept
+        any_torch = repo.newest_kernel_results(s, device_name="GPU X")
+        assert [r.ms for r in any_torch if r.path == "baseline"] == [5.0]  # newest job, any torch version
+        assert repo.newest_kernel_results(s, device_name="GPU Y") == []

@@ -96,3 +96,39 @@ def test_worker_refuses_outdated_schema(qp_env):
     s.ensure_dirs()
     with pytest.raises((SchemaOutdated, StoreError), match="quantplan migrate"):
         run_job(1, lambda ctx: Outcome(), settings=s)
+
+
+def test_sweep_leftovers_removes_only_abandoned_intake_folders(qp_settings):
+    import os
+    import time
+    from pathlib import Path
+
+    from worker.runner import STAGING_IDLE_S, UPLOAD_IDLE_S, sweep_leftovers
+
+    def folder(path: Path, age_s: float) -> Path:
+        (path / "sub").mkdir(parents=True)
+        f = path / "sub" / "part.safetensors"
+        f.write_bytes(b"x")
+        old = time.time() - age_s
+        for p in (f, path / "sub", path):
+            os.utime(p, (old, old))
+        return path
+
+    models = Path(qp_settings.models_dir)
+    uploads = Path(str(qp_settings.artifact_dir)) / "uploads"
+    dead_staging = folder(models / ".staging-dead", STAGING_IDLE_S + 60)
+    live_staging = folder(models / ".staging-live", STAGING_IDLE_S + 60)
+    (live_staging / "sub" / "part.safetensors").write_bytes(b"still copying")  # written just now
+    registered = folder(models / ("a" * 64), 10 * STAGING_IDLE_S)  # a finished model: never touched
+    old_upload = folder(uploads / "old", UPLOAD_IDLE_S + 60)
+    queued_upload = folder(uploads / "queued", UPLOAD_IDLE_S + 60)
+    new_upload = folder(uploads / "new", 60)
+    with session_scope(qp_settings) as s:
+        repo.create_job(s, kind="register", params={"cleanup_dir": str(queued_upload)}, queue="cpu", user="t")
+
+    removed = sweep_leftovers(qp_settings)
+    assert sorted(removed) == sorted([dead_staging, old_upload])
+    for kept in (live_staging, registered, queued_upload, new_upload):
+        assert kept.is_dir(), kept
+    assert not dead_staging.exists() and not old_upload.exists()
+    assert sweep_leftovers(qp_settings) == []
