@@ -346,7 +346,8 @@ def channels_chart(
             tooltip=[alt.Tooltip("label:N"), alt.Tooltip("value:Q", format=".4g")],
         )
     )
-    return alt.layer(points, labels, rules, height=height, title=title or "Per-channel max |x|")
+    chart = alt.layer(points, labels, rules, height=height)
+    return chart.properties(title=title) if title else chart  # a page heading usually names the layer
 
 
 def depth_heatmap(df: pd.DataFrame, proj: str | None = None, height: int = CHART_HEIGHT) -> alt.Chart:
@@ -622,7 +623,7 @@ def kl_by_position_chart(
     )
 
 
-def sensitivity_chart(df: pd.DataFrame, top_n: int = SENSITIVITY_TOP_N, bar_height: int = 14) -> alt.Chart:
+def sensitivity_chart(df: pd.DataFrame, top_n: int = SENSITIVITY_TOP_N, bar_height: int = 16) -> alt.Chart:
     """Per-layer sensitivity as horizontal bars, most sensitive first (the ``top_n`` largest).
 
     Input columns: layer, kl (mean KL with only that layer quantized)[, proj]. Bars are
@@ -632,13 +633,14 @@ def sensitivity_chart(df: pd.DataFrame, top_n: int = SENSITIVITY_TOP_N, bar_heig
     top = df.nlargest(min(top_n, MAX_MARKS), "kl")
     encodings = {
         "x": alt.X("kl:Q", title="mean KL with only this layer quantized"),
-        "y": alt.Y("layer:N", title="", sort="-x"),
+        # every bar labelled in full: layer names are long and each one is the point of a row
+        "y": alt.Y("layer:N", title="", sort="-x", axis=alt.Axis(labelLimit=360, labelOverlap=False)),
         "tooltip": ["layer:N", alt.Tooltip("kl:Q", format=".4g")],
     }
     if "proj" in top.columns:
         encodings["color"] = alt.Color("proj:N", title="projection", sort=_proj_sort(top["proj"]))
     return (
-        alt.Chart(top, height=max(bar_height * len(top), 60), title=f"Most sensitive layers (top {len(top)})")
+        alt.Chart(top, height=alt.Step(bar_height), title=f"Most sensitive layers (top {len(top)})")
         .mark_bar()
         .encode(**encodings)
     )
@@ -668,7 +670,7 @@ def kernel_heatmap(df: pd.DataFrame, height: int | None = None) -> alt.LayerChar
     )
     base = alt.Chart(df).encode(
         x=alt.X("path:N", title="kernel path"),
-        y=alt.Y("shape:N", title="GEMM shape", sort=None),
+        y=alt.Y("shape:N", title="GEMM shape", sort=None, axis=alt.Axis(labelLimit=260)),
     )
     rects = base.mark_rect().encode(
         color=alt.Color(
@@ -679,11 +681,11 @@ def kernel_heatmap(df: pd.DataFrame, height: int | None = None) -> alt.LayerChar
         tooltip=["shape:N", "path:N", "text:N"],
     )
     text = base.mark_text(fontSize=11).encode(text="text:N", color=alt.Color("text_color:N", scale=None))
-    n_shapes = df["shape"].nunique()
     return alt.layer(
         rects,
         text,
-        height=height or max(KERNEL_ROW_PX * n_shapes, 80),
+        # a step per row, not a total height: Streamlit's theme shrinks a fixed-height band chart
+        height=height or alt.Step(KERNEL_ROW_PX),
         width=alt.Step(KERNEL_COLUMN_PX),
         title="Speed-up over baseline",
     ).resolve_scale(color="independent")  # the text colours are literal, not on the speed-up scale
@@ -699,11 +701,11 @@ def peak_bars(df: pd.DataFrame, height: int | None = None) -> alt.LayerChart:
         raise ValueError(f"peak_bars got {len(df)} rows (limit {MAX_MARKS})")
     encodings = {
         "x": alt.X("pct_peak:Q", title="% of peak", scale=alt.Scale(domainMin=0)),
-        "y": alt.Y("label:N", title="", sort="-x"),
+        "y": alt.Y("label:N", title="", sort="-x", axis=alt.Axis(labelLimit=320)),
         "tooltip": ["label:N", alt.Tooltip("pct_peak:Q", format=".1f")],
     }
     if "path" in df.columns:
         encodings["color"] = alt.Color("path:N", title="path")
     bars = alt.Chart(df).mark_bar().encode(**encodings)
     full = alt.Chart(pd.DataFrame({"pct_peak": [100.0]})).mark_rule(strokeDash=[4, 3]).encode(x="pct_peak:Q")
-    return alt.layer(bars, full, height=height or max(18 * len(df), 60), title="Share of peak throughput")
+    return alt.layer(bars, full, height=height or alt.Step(18), title="Share of peak throughput")

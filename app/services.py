@@ -257,13 +257,32 @@ def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: st
                     m_prefill=m_prefill, m_decode=m_decode)
 
 
+def step_breakdown(est: dict[str, Any]):
+    """A step estimate's layers summed per projection type and kernel path (one row each).
+
+    Columns: projection, path, layers, prefill_ms, decode_ms (None where a layer of the row lacks a
+    time at that M, so a partial sum is never shown as a total).
+    """
+    import pandas as pd
+
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for name, entry in est["per_layer"].items():
+        key = (name.rsplit(".", 1)[-1], entry["path"])
+        row = rows.setdefault(key, {"projection": key[0], "path": key[1], "layers": 0,
+                                    "prefill_ms": 0.0, "decode_ms": 0.0})
+        row["layers"] += 1
+        for step in ("prefill_ms", "decode_ms"):
+            row[step] = None if row[step] is None or entry[step] is None else row[step] + entry[step]
+    return pd.DataFrame(list(rows.values()), columns=["projection", "path", "layers", "prefill_ms", "decode_ms"])
+
+
 def kernel_records(device_name: str):
     """The newest timing per case on one device, as quantcore.kernels.KernelRecord objects."""
     from quantcore.kernels import KernelRecord
 
-    fields = set(KernelRecord.__dataclass_fields__)
-    return [KernelRecord.from_dict({k: v for k, v in row.items() if k in fields})
-            for row in kernel_frame(device_name).to_dict("records")]
+    with session_scope(settings()) as s:  # straight from the rows: a DataFrame would turn a missing time into NaN
+        rows = repo.newest_kernel_results(s, device_name=device_name)
+    return [KernelRecord.from_dict(r.__dict__) for r in rows]
 
 
 def layer_shapes(model: ModelRecord) -> dict[str, tuple[int, int]]:
@@ -338,8 +357,8 @@ def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, sche
 
 
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
-    """Every linear: name, N, K, outlier ratio (newest calibration), sensitivity KL (newest sweep),
-    scheme, support on the target GPU."""
+    """Every linear: name, N, K, outlier ratio (newest calibration), the sensitivity KL of the layer's
+    own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU."""
     import pandas as pd
 
     from quantcore.hardware import support_on_target
@@ -351,12 +370,8 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     if cals:
         with session_scope(settings()) as s:
             ratios = {r["name"]: r["outlier_ratio"] for r in repo.stats_overview(s, cals[0].id)}
-    sens: dict[str, float] = {}
-    sweeps = sensitivity_jobs(model.id)
-    if sweeps:
-        for r in sensitivity_rows(sweeps[0].id):
-            for layer in r.layers:
-                sens[layer] = r.kl_mean
+    sens, unit_layers = sensitivity_map(model)  # {scheme: {unit: KL}}: a layer's KL depends on its scheme
+    unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
     names = layer_names(model)
     rows = []
     for lin in model.linears:
@@ -368,9 +383,11 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             a = scheme.activations.format if scheme.activations else None
             support = support_on_target(target, w, a)
         group = fusion_group_of(name, names)
+        scheme_name = scheme.name if scheme else body.get("default")
         rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"],
-                     "outlier_ratio": ratios.get(name), "sensitivity_kl": sens.get(name),
-                     "scheme": scheme.name if scheme else body.get("default"),
+                     "outlier_ratio": ratios.get(name),
+                     "sensitivity_kl": sens.get(str(scheme_name), {}).get(unit_of.get(name, name)),
+                     "scheme": scheme_name,
                      "alpha": scheme.smoothquant_alpha if scheme else None,
                      "on_target": support, "fused_with": len(group) - 1})
     return pd.DataFrame(rows)

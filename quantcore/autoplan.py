@@ -377,7 +377,7 @@ def cost_from_kernel_records(
     forbids them. With ``target``, records from a GPU that is not that target raise
     PlanError: times from one GPU say nothing about another.
     """
-    from quantcore.kernels import PATH_BASELINE, QUANT_ACT_SUFFIX, KernelRecord, scheme_to_path
+    from quantcore.kernels import PATH_BASELINE, QUANT_ACT_SUFFIX, KernelRecord, has_time, scheme_to_path
 
     recs = [r if isinstance(r, KernelRecord) else KernelRecord.from_dict(r) for r in records]
     devices = {(r.device, r.device_name) for r in recs}
@@ -396,7 +396,7 @@ def cost_from_kernel_records(
                 f"the kernel times were measured on {name!r} ({device}), not on target {target!r}; "
                 f"benchmark on a {TARGETS[target].name}, or plan with the bits proxy (no kernel times)"
             )
-    times = {(r.m, r.n, r.k, r.path): r.ms for r in recs if r.ms is not None}
+    times = {(r.m, r.n, r.k, r.path): r.ms for r in recs if has_time(r)}
     out: dict[str, dict[str, float]] = {}
     for s in schemes:
         scheme = get_scheme(s)

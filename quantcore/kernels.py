@@ -625,6 +625,11 @@ def run_benchmarks(
     return records
 
 
+def has_time(record: KernelRecord) -> bool:
+    """Whether a record carries a usable time (not skipped; a NaN from a table counts as none)."""
+    return record.ms is not None and math.isfinite(record.ms) and record.ms > 0
+
+
 def _fill_speedups(records: list[KernelRecord]) -> None:
     base = {
         (r.device_name, r.m, r.n, r.k): r.ms for r in records if r.path == PATH_BASELINE and r.ms is not None
@@ -716,7 +721,7 @@ def step_estimate(
     if len(devices) > 1:
         names = ", ".join(sorted(d[1] for d in devices))
         raise ValueError(f"records come from several devices ({names}); estimate one device at a time")
-    times = {(r.m, r.n, r.k, r.path): r.ms for r in recs if r.ms is not None}
+    times = {(r.m, r.n, r.k, r.path): r.ms for r in recs if has_time(r)}
     valid = set(PATHS)
 
     out: dict[str, Any] = {"m_prefill": int(m_prefill), "m_decode": int(m_decode), "per_layer": {}}

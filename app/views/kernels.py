@@ -4,7 +4,6 @@ prefill and decode steps would cost."""
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import streamlit as st
 
 from app import charts, state
@@ -96,13 +95,21 @@ m_decode = c2.selectbox("Decode M (batch)", available_m, index=0, key="kernels_m
 body = ({"default": choice.split(":", 1)[1]} if choice.startswith("preset:")
         else next(p.body for p in plans if f"plan:{p.id}" == choice))
 est = svc.step_estimate(model, body, device_name, m_prefill=m_prefill, m_decode=m_decode)
-c1, c2 = st.columns(2)
-c1.metric(f"Prefill (M={m_prefill})", f"{est['prefill_ms']:.3f} ms",
-          f"baseline {est['baseline_prefill_ms']:.3f} ms", delta_color="off")
-c2.metric(f"Decode (M={m_decode})", f"{est['decode_ms']:.3f} ms",
-          f"baseline {est['baseline_decode_ms']:.3f} ms", delta_color="off")
-missing = sorted(set(est.get("missing_prefill", [])) | set(est.get("missing_decode", [])))
+n_layers = len(est["per_layer"])
+cols = st.columns(2)
+for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_decode)):
+    missing = est[f"missing_{step}"]
+    speedup = est[f"speedup_{step}"]
+    label = f"{step.capitalize()} (M={m})" + (f", {n_layers - len(missing)} of {n_layers} layers measured"
+                                              if missing else "")
+    col.metric(label, f"{est[f'{step}_ms']:.3f} ms",
+               (f"×{speedup:.2f} vs baseline {est[f'baseline_{step}_ms']:.3f} ms" if speedup else "no baseline"),
+               delta_color="normal" if speedup and speedup >= 1 else "inverse", delta_arrow="off")
+missing = sorted(set(est["missing_prefill"]) | set(est["missing_decode"]))
 if missing:
-    st.caption(f"{len(missing)} layer(s) have no measurement at these M values and are left out of the sums.")
-st.dataframe(pd.DataFrame([est]).drop(columns=[c for c in ("missing_prefill", "missing_decode") if c in est]),
-             hide_index=True)
+    st.caption(f"{len(missing)} layer(s) have no time for their path at these M values (skipped over budget, "
+               "not supported, or not measured): the sums and speed-ups above leave them out. Queue a "
+               "benchmark with these M values to fill them in.")
+st.dataframe(svc.step_breakdown(est), hide_index=True, width="stretch",
+             column_config={"prefill_ms": st.column_config.NumberColumn(f"prefill ms (M={m_prefill})", format="%.4f"),
+                            "decode_ms": st.column_config.NumberColumn(f"decode ms (M={m_decode})", format="%.4f")})

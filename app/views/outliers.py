@@ -67,8 +67,8 @@ stat = by_name[layer]
 st.subheader(f"Channels of {layer}")
 st.caption(f"per-channel max|x| over {stat.n_tokens:,} tokens; below the red line INT8 per-tensor rounds a "
            "channel's largest value to zero, below the green one even FP8 E4M3 cannot represent it.")
-st.altair_chart(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax),
-                                      title=layer), width="stretch")
+st.altair_chart(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax)),
+                width="stretch")
 
 # ----------------------------------------------------------------------------- 3. depth heatmap
 st.subheader("Across depth")

@@ -61,7 +61,10 @@ edited = st.data_editor(
     column_config={
         "scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES, required=True),
         "outlier_ratio": st.column_config.NumberColumn("outlier ratio", format="%.1f"),
-        "sensitivity_kl": st.column_config.NumberColumn("sensitivity KL", format="%.5f"),
+        "sensitivity_kl": st.column_config.NumberColumn(
+            "sensitivity KL", format="%.5f",
+            help="KL against the unquantized model when only this layer (its fusion group) uses the scheme "
+                 "of this row, from the newest sensitivity sweep of that scheme; empty: no sweep of it yet"),
         "on_target": st.column_config.TextColumn(f"on {target}"),
     },
 )

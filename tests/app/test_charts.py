@@ -377,6 +377,19 @@ def test_peak_bars() -> None:
     assert data_rows(spec, view_with(spec, "rule")) == [{"pct_peak": 100.0}]
 
 
+def test_band_charts_size_by_row_not_by_total_height() -> None:
+    # a fixed total height is shrunk by Streamlit's theme until row labels overlap and drop out;
+    # a step per row keeps every shape / layer readable however many rows there are
+    heat = pd.DataFrame({"shape": [f"s{i} M=1" for i in range(40)], "path": "fp8_row", "speedup": 1.5})
+    assert spec_of(charts.kernel_heatmap(heat))["height"] == {"step": charts.KERNEL_ROW_PX}
+    bars = pd.DataFrame({"label": [f"case {i}" for i in range(40)], "pct_peak": 50.0})
+    assert spec_of(charts.peak_bars(bars))["height"] == {"step": 18}
+    sens = pd.DataFrame({"layer": [f"model.layers.{i}.mlp.down_proj" for i in range(40)], "kl": 0.1})
+    spec = spec_of(charts.sensitivity_chart(sens))
+    assert spec["height"] == {"step": 16}
+    assert spec["encoding"]["y"]["axis"] == {"labelLimit": 360, "labelOverlap": False}
+
+
 # --------------------------------------------------------------------------- page bound
 def test_every_outlier_chart_is_bounded_for_a_large_model() -> None:
     stats = synthetic_model(n_blocks=80, hidden=4096, mlp=14336)

@@ -125,3 +125,44 @@ def test_models_page_follows_its_jobs(qp_settings):
     bars = [p.proto.text for p in at.get("progress")]
     assert any(f"Registration job #{queued.id} queued" in t for t in bars), bars
     assert not at.error  # the failure was followed by a new try: no longer shown
+
+
+def test_plan_table_shows_the_sensitivity_of_each_layers_own_scheme(seeded):
+    from app import services as svc
+    from tests.app.conftest import linears
+
+    first, last = linears()[0]["name"], linears()[-1]["name"]
+    int8 = svc.layer_table(seeded, {"default": "INT8_PER_TENSOR"}, "h100").set_index("layer")
+    assert int8.loc[first, "sensitivity_kl"] == 0.0 and int8.loc[last, "sensitivity_kl"] == (len(linears()) - 1) / 100
+    # no sweep of FP8_DYNAMIC: no number, rather than INT8's numbers under an FP8 scheme
+    mixed = svc.layer_table(seeded, {"default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "INT8_PER_TENSOR"}]},
+                            "h100").set_index("layer")
+    assert mixed.drop(index="lm_head")["sensitivity_kl"].isna().all()
+    assert mixed.loc["lm_head", "sensitivity_kl"] == int8.loc["lm_head", "sensitivity_kl"]
+
+
+def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
+    import math
+
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+    from tests.app.conftest import linears
+
+    lm = next(lin for lin in linears() if lin["name"] == "lm_head")
+    n, k = lm["out_features"], lm["in_features"]
+    with session_scope() as s:  # a newer run whose fp8_row+q case at M=16 went over budget
+        job = repo.create_job(s, kind="bench", params={"device": "cpu"}, queue="cpu", user=None)
+        repo.save_kernel_results(s, job_id=job.id, records=[dict(
+            device="cpu", device_name="Test CPU", torch_version="2.13.0", m=16, n=n, k=k, path="fp8_row+q",
+            ms=None, tflops=None, pct_peak=None, speedup=None, native=False, max_rel_err=None, padded_m=None,
+            skipped="over budget: test")])
+    est = svc.step_estimate(seeded, {"default": "FP8_DYNAMIC"}, "Test CPU", m_prefill=16, m_decode=1)
+    assert math.isfinite(est["prefill_ms"]) and est["missing_prefill"] == ["lm_head"]
+    table = svc.step_breakdown(est).set_index("projection")
+    assert table.loc["lm_head", "prefill_ms"] is None or math.isnan(table.loc["lm_head", "prefill_ms"])
+    assert table.loc["lm_head", "decode_ms"] == 2.0 and table.loc["lm_head", "path"] == "fp8_row+q"
+    assert table["layers"].sum() == len(linears())
+    at = _run("kernels", seeded.id)
+    assert not at.exception
+    assert any("of" in m.label and "layers measured" in m.label for m in at.metric)

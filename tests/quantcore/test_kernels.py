@@ -481,3 +481,11 @@ def test_gpu_fp8_is_faster_than_bf16_at_large_m_on_hopper() -> None:
     recs = kn.run_benchmarks([(4096, 4096)], ms=(2048,), device="cuda", paths=["fp8_tensor"])
     fp8 = next(r for r in recs if r.path == "fp8_tensor")
     assert fp8.speedup is not None and fp8.speedup > 1.2, fp8
+
+
+def test_step_estimate_counts_a_nan_time_as_missing(hand_records: list[kn.KernelRecord]) -> None:
+    # records that went through a DataFrame carry NaN, not None, for a skipped case
+    recs = [kn.KernelRecord(**{**r.to_dict(), "ms": math.nan if r.ms is None else r.ms}) for r in hand_records]
+    est = kn.step_estimate(recs, {"c": (16, 32)}, {"c": "int8_row"}, m_prefill=128, m_decode=1)
+    assert est["decode_ms"] == 0.0 and est["missing_decode"] == ["c"]
+    assert est["prefill_ms"] == pytest.approx(1.0) and math.isfinite(est["speedup_prefill"])
