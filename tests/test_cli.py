@@ -122,3 +122,21 @@ def test_python_dash_m_reports_errors_like_the_command(qp_settings, module):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "quantplan: no model 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    import argparse
+
+    from quantplan.cli import build_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, path + [name])
+            elif not isinstance(action, argparse._HelpAction):
+                yield " ".join(path), action
+
+    silent = [f"{cmd}: {a.dest}" for cmd, a in walk(build_parser(), ["quantplan"])
+              if not a.help]
+    assert silent == []
