@@ -73,9 +73,13 @@ PROJ_ORDER = (
 
 
 def _proj_sort(projs: Iterable[str]) -> list[str]:
-    present = sorted(set(projs))
-    known = [p for p in PROJ_ORDER if p in present]
-    return known + [p for p in present if p not in PROJ_ORDER]
+    """Projection types in model order; a fusion group ("q_proj/k_proj/v_proj") sorts as its first member."""
+
+    def key(p: str) -> tuple[int, str]:
+        first = p.split("/")[0]
+        return (PROJ_ORDER.index(first) if first in PROJ_ORDER else len(PROJ_ORDER), p)
+
+    return sorted(set(projs), key=key)
 
 
 def _check_columns(df: pd.DataFrame, required: Sequence[str], what: str) -> None:

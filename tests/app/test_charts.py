@@ -408,3 +408,8 @@ def test_every_outlier_chart_is_bounded_for_a_large_model() -> None:
 def test_charts_module_is_torch_free() -> None:
     code = "import sys, app.charts; assert 'torch' not in sys.modules and 'streamlit' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_projection_order_puts_fusion_groups_with_their_first_member() -> None:
+    got = charts._proj_sort(["lm_head", "down_proj", "gate_proj/up_proj", "q_proj/k_proj/v_proj", "o_proj", "zz"])
+    assert got == ["q_proj/k_proj/v_proj", "o_proj", "gate_proj/up_proj", "down_proj", "lm_head", "zz"]
