@@ -60,7 +60,7 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.formats import get_format
-from quantcore.plans import group_label, scheme_label
+from quantcore.plans import TextDumper, group_label, scheme_label
 from quantcore.schemes import Granularity, Scheme, TensorSpec, fusion_groups, get_scheme, list_schemes
 
 # ------------------------------------------------------------------ constants (compressed-tensors)
@@ -790,8 +790,8 @@ class _Flow(list):
     """A list written in YAML flow style (``[a, b]``): keeps each SmoothQuant mapping on one line."""
 
 
-class _RecipeDumper(yaml.SafeDumper):
-    """SafeDumper that writes :class:`_Flow` lists inline."""
+class _RecipeDumper(TextDumper):
+    """The plan files' dumper, writing :class:`_Flow` lists inline."""
 
 
 _RecipeDumper.add_representer(

@@ -51,6 +51,22 @@ from quantcore.errors import format_problems as _format_problems
 from quantcore.errors import name_list as _cut
 from quantcore.schemes import Scheme, fusion_groups, get_scheme, list_schemes
 
+# Unicode line breaks that PyYAML writes raw inside a quoted scalar and reads back as a space
+_YAML_BREAKS = ("\x85", "\u2028", "\u2029")
+
+
+def _represent_text(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = '"' if any(b in data for b in _YAML_BREAKS) else None  # double quotes escape them: \N \L \P
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+class TextDumper(yaml.SafeDumper):
+    """SafeDumper whose strings survive a round trip whatever they hold (found by Hypothesis:
+    a description of "\\x85" came back as " ")."""
+
+
+TextDumper.add_representer(str, _represent_text)
+
 DEFAULT_SCHEME = "BF16"  # the identity scheme: the layer stays in the model's own precision
 ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ...
 ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
@@ -219,7 +235,8 @@ class PlanSpec:
 
     def to_yaml(self) -> str:
         """The plan file's text (block style, keys in canonical order)."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True)
+        return yaml.dump(self.to_dict(), Dumper=TextDumper, sort_keys=False, default_flow_style=False,
+                         allow_unicode=True)
 
     @classmethod
     def from_yaml(cls, text: str) -> PlanSpec:

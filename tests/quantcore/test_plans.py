@@ -193,6 +193,14 @@ def plan_specs(draw):
     )
 
 
+@pytest.mark.parametrize("text", ["\x85", "a\u2028b", "x\u2029", " \x85 ", "a\x85\nb", "é × ü", "plain"])
+def test_text_with_unicode_line_breaks_round_trips(text):
+    # PyYAML writes these breaks raw inside a quoted scalar and reads them back as a space
+    spec = PlanSpec(default="FP8_DYNAMIC", name="p", description=text)
+    assert PlanSpec.from_yaml(spec.to_yaml()).description == text
+    assert ("\\N" in spec.to_yaml()) == ("\x85" in text)
+
+
 @settings(max_examples=60, deadline=None)
 @given(plan_specs())
 def test_round_trip_is_exact_for_any_spec(spec):
