@@ -12,7 +12,8 @@
 #   3. benchmarks/kernel_gemm.py on the demo model's shapes (SmolLM2-135M) and on Llama-3-8B's,
 #      M = 1 16 128 2048 8192: JSON records + the Markdown tables for the README
 #   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
-#      into a fresh SQLite home: measured and stored, then reused from the database
+#      into a fresh SQLite home: measured and stored, then reused from the database; then a tiny
+#      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC) and swept (INT8_W8A8) on cuda
 # Writes into $OUT (the device tool's folder) or var/gpu-check: gpu_check.log, summary.txt,
 # kernel_smollm2.{json,md}, kernel_llama8b.{json,md}, quantplan_bench.json (7 files).
 set -uo pipefail
@@ -70,6 +71,19 @@ step bench-measure bash -c "$PY -m quantplan bench --device $DEVICE --m $M_CSV $
   && $PY -c 'import json; r = json.load(open(\"$OUT/quantplan_bench.json\")); \
 print(len(r), \"records on\", {x[\"device_name\"] for x in r})'"
 step bench-reuse "$PY" -m quantplan bench --device "$DEVICE" --m "$M_CSV" ${BUDGET:+--budget "$BUDGET"} --local
+
+# The other job bodies on the device, end to end through the store, on a tiny random-weight Llama made
+# here (no weights travel) and a few paragraphs of this README as text (gensim's corpus does not travel).
+TINY="$QUANTPLAN_HOME/tiny-llama"
+TEXT="$QUANTPLAN_HOME/text.txt"
+cp README.md "$TEXT"
+step tiny-model "$PY" -c "from pathlib import Path; from tests.quantcore.test_checkpoint import save_tiny_llama; \
+save_tiny_llama(Path('$TINY'))"
+step models-add "$PY" -m quantplan models add "$TINY" --name tiny
+JOB_ARGS=(--text "$TEXT" --samples 4 --seq-len 32 --device "$DEVICE" --local)
+step calibrate "$PY" -m quantplan calibrate tiny "${JOB_ARGS[@]}"
+step score "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}"
+step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
 step jobs "$PY" -m quantplan jobs
 
 echo "===== summary" | tee -a "$LOG"

@@ -61,7 +61,7 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     rcs = dict(line.split(": rc=") for line in (out / "summary.txt").read_text().splitlines())
     rcs = {k: v.split()[0] for k, v in rcs.items()}
     for step in ("gpu-tests", "kernels-smollm2", "kernels-llama8b", "migrate", "bench-measure",
-                 "bench-reuse", "jobs"):
+                 "bench-reuse", "tiny-model", "models-add", "calibrate", "score", "sensitivity", "jobs"):
         assert rcs[step] == "0", (step, (out / "gpu_check.log").read_text()[-3000:])
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu_check.log", "kernel_llama8b.json", "kernel_llama8b.md", "kernel_smollm2.json",
@@ -69,3 +69,5 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     bench = json.loads((out / "quantplan_bench.json").read_text())
     assert {(r["n"], r["k"]) for r in bench} == {(576, 576), (192, 576), (1536, 576), (576, 1536)}
     assert "Llama-3-8B shapes" in (out / "kernel_llama8b.md").read_text()
+    log = (out / "gpu_check.log").read_text()
+    assert "FP8_DYNAMIC on tiny: KL mean" in log and "INT8_W8A8 one unit at a time on tiny" in log
