@@ -72,7 +72,12 @@ LOGPROB_DTYPE = torch.float16  # storage dtype of the reference log-probs (see m
 LOGPROB_FLOOR = -1.0e4
 DEFAULT_BATCH_SIZE = 4  # sequences per forward pass
 DEFAULT_POSITION_BUCKETS = 8  # equal-width buckets of the position in the sequence
-KL_CHUNK_ELEMENTS = 1 << 22  # logits processed ~4M elements (16 MB fp32) at a time: bounds temporaries
+# logits are processed a block of rows at a time, which bounds the temporaries: on a GPU ~4M elements
+# (16 MB fp32) per block; on a CPU 256K (1 MB), so that the ten-odd passes over a block stay in the
+# core's L2 cache (measured on SmolLM2's 49k vocabulary: 30 % less time than 16 MB blocks). The
+# results are the same for any block size: every reduction runs along one row.
+KL_CHUNK_ELEMENTS = 1 << 22
+KL_CHUNK_ELEMENTS_CPU = 1 << 18
 # KL histogram edges (nats): 0, then 1e-6 .. 1e2 at 4 bins per decade; KL >= 1e2 counts in the last bin.
 KL_HIST_EDGES: tuple[float, ...] = (0.0, *(10.0 ** (k / 4) for k in range(-24, 9)))
 # a static scale that clips more than this share of a layer's inputs gets a note in the report; below
@@ -154,9 +159,10 @@ def expand_logprobs(stored: Tensor) -> Tensor:
     return x - torch.logsumexp(x, dim=-1, keepdim=True)
 
 
-def chunk_rows(vocab: int) -> int:
-    """Rows of a ``[rows, vocab]`` float32 block of about KL_CHUNK_ELEMENTS elements."""
-    return max(1, KL_CHUNK_ELEMENTS // max(1, vocab))
+def chunk_rows(vocab: int, device: torch.device | str = "cpu") -> int:
+    """Rows of a ``[rows, vocab]`` float32 block of about KL_CHUNK_ELEMENTS(_CPU) elements."""
+    budget = KL_CHUNK_ELEMENTS_CPU if torch.device(device).type == "cpu" else KL_CHUNK_ELEMENTS
+    return max(1, budget // max(1, vocab))
 
 
 @dataclass
@@ -208,19 +214,24 @@ def token_stats(
             f"do not match logits {tuple(logits.shape)}"
         )
     store_dtype = ref_stored.dtype if with_ref else dtype
-    step = chunk_rows(vocab)
+    step = chunk_rows(vocab, dev)
+    rows = min(n, step)
     # the storage form is kept for a reference; when scoring, one chunk-sized buffer is reused
-    stored = torch.empty((n if not with_ref else min(n, step), vocab), dtype=store_dtype, device=dev)
+    stored = torch.empty((n if not with_ref else rows, vocab), dtype=store_dtype, device=dev)
     lognorm = torch.empty(n, dtype=torch.float32, device=dev)
     nll = torch.empty(n, dtype=torch.float32, device=dev)
     argmax = torch.empty(n, dtype=torch.int64, device=dev)
     kl = torch.empty(n, dtype=torch.float32, device=dev) if with_ref else None
+    # Work buffers, allocated once: a fresh 16 MB block per chunk costs page faults on every chunk.
+    work = torch.empty((rows, vocab), dtype=torch.float32, device=dev)
+    ref_work = torch.empty((rows, vocab), dtype=torch.float32, device=dev) if with_ref else None
     targets = targets.to(dev)
     for s in range(0, n, step):
         e = min(s + step, n)
         chunk = logits[s:e].float()
-        argmax[s:e] = chunk.argmax(dim=-1)
-        lp = chunk - torch.logsumexp(chunk, dim=-1, keepdim=True)  # full-precision log-probs
+        # .max(dim).indices is the first maximal index, as argmax, and about 3x cheaper on CPU
+        argmax[s:e] = chunk.max(dim=-1).indices
+        lp = torch.sub(chunk, torch.logsumexp(chunk, dim=-1, keepdim=True), out=work[: e - s])  # full precision
         nll[s:e] = -lp.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1)
         store = stored[s:e] if not with_ref else stored[: e - s]
         store.copy_(lp.clamp_min_(LOGPROB_FLOOR))  # compress (cast on copy)
@@ -228,10 +239,9 @@ def token_stats(
         norm = torch.logsumexp(lq, dim=-1)
         lognorm[s:e] = norm
         if with_ref:
+            assert ref_work is not None and kl is not None
             lq.sub_(norm.unsqueeze(-1))
-            lr = (
-                ref_stored[s:e].to(dev, torch.float32, copy=True).sub_(ref_lognorm[s:e].to(dev).unsqueeze(-1))
-            )
+            lr = ref_work[: e - s].copy_(ref_stored[s:e]).sub_(ref_lognorm[s:e].to(dev).unsqueeze(-1))
             diff = torch.sub(lr, lq, out=lq)  # log p_ref - log p_q
             kl[s:e] = lr.exp_().mul_(diff).sum(dim=-1)
     if kl is not None:

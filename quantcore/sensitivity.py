@@ -311,15 +311,15 @@ def _batch_reference(logits: Tensor) -> _BatchReference:
     flat = logits.reshape(b * length, vocab)
     lse = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
     probs = torch.empty_like(flat)
-    step = chunk_rows(vocab)
+    step = chunk_rows(vocab, flat.device)
     for s in range(0, flat.shape[0], step):
         e = min(s + step, flat.shape[0])
         lse[s:e] = torch.logsumexp(flat[s:e], dim=-1)
-        torch.exp(flat[s:e] - lse[s:e, None], out=probs[s:e])
+        torch.sub(flat[s:e], lse[s:e, None], out=probs[s:e]).exp_()
     keep = torch.ones(b, length, dtype=torch.bool, device=flat.device)
     keep[:, -1] = False
     return _BatchReference(
-        logits=flat, probs=probs, lse=lse, argmax=flat.argmax(dim=-1), keep=keep.reshape(-1)
+        logits=flat, probs=probs, lse=lse, argmax=flat.max(dim=-1).indices, keep=keep.reshape(-1)
     )
 
 
@@ -332,13 +332,14 @@ def _kl_and_agree(ref: _BatchReference, logits: Tensor) -> tuple[float, float, i
     flat = logits.reshape(ref.logits.shape)
     kl = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
     agree = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
-    step = chunk_rows(flat.shape[1])
+    step = chunk_rows(flat.shape[1], flat.device)
+    work = torch.empty((min(step, flat.shape[0]), flat.shape[1]), dtype=flat.dtype, device=flat.device)
     for s in range(0, flat.shape[0], step):
         e = min(s + step, flat.shape[0])
         z = flat[s:e]
-        agree[s:e] = z.argmax(dim=-1) == ref.argmax[s:e]
+        agree[s:e] = z.max(dim=-1).indices == ref.argmax[s:e]  # first maximal index, as argmax; cheaper
         lse_q = torch.logsumexp(z, dim=-1)
-        diff = z - ref.logits[s:e]
+        diff = torch.sub(z, ref.logits[s:e], out=work[: e - s])
         kl[s:e] = (lse_q - ref.lse[s:e]) - diff.mul_(ref.probs[s:e]).sum(dim=-1)
     kl.clamp_min_(0.0)  # rounding of two nearly equal distributions; the true KL is >= 0
     kept = kl[ref.keep]

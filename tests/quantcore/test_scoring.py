@@ -340,3 +340,27 @@ def test_static_scales_that_clip_are_reported(tiny_model_factory):
     assert any("clipped live traffic" in n for n in clipped.notes)
     dynamic = score_plan(model, whole_plan(model, "FP8_DYNAMIC"), ids, ref)
     assert dynamic.act_saturation == {}
+
+
+def test_token_stats_do_not_depend_on_the_block_size(monkeypatch):
+    # blocks are a speed choice (cache-sized on a CPU); every reduction runs along one row, so the
+    # stored form, NLL, argmax (ties included) and KL must be bit-identical for any block size
+    from quantcore import scoring
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, n = 1000, 37
+    ref_logits = torch.randn(n, vocab, generator=gen) * 4
+    ref_logits[:, 5:9] = 30.0  # ties: the first maximal index wins
+    logits = ref_logits + 0.1 * torch.randn(n, vocab, generator=gen)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    results = []
+    for elements in (1, 3 * vocab, 1 << 22):
+        monkeypatch.setattr(scoring, "KL_CHUNK_ELEMENTS_CPU", elements)
+        ref = scoring.token_stats(ref_logits, targets)
+        results.append((ref, scoring.token_stats(logits, targets, ref.stored, ref.lognorm)))
+    for ref, got in results[1:]:
+        for field in ("stored", "lognorm", "nll", "argmax"):
+            assert torch.equal(getattr(ref, field), getattr(results[0][0], field)), field
+        assert torch.equal(got.kl, results[0][1].kl) and torch.equal(got.argmax, results[0][1].argmax)
+    assert torch.equal(results[0][0].argmax, ref_logits.argmax(dim=-1))
+    assert (results[0][0].argmax == 5).all()
