@@ -88,13 +88,18 @@ def _wait_job(settings, kind: str, timeout: float = 300):
     raise TimeoutError(f"no finished {kind} job after {timeout} s")
 
 
-def test_first_visit_demo_to_outliers(app_url, page, qp_settings):
+def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
+    from playwright.sync_api import expect
+
+    from tests.quantcore.test_checkpoint import save_tiny_llama
+
     page.goto(app_url + "/")  # Models is the default page: it lives at the root URL
     _settle(page)
     _no_exception(page)
     page.get_by_role("button", name="Register the demo model").click()
     _wait_job(qp_settings, "register")
-    page.reload()
+    # no reload: the page follows its job and redraws itself when it ends
+    expect(page.get_by_text("is done: registered SmolLM2-135M-Instruct")).to_be_visible(timeout=30_000)
     _settle(page)
     _no_exception(page)
     assert page.get_by_text("SmolLM2-135M-Instruct").count() > 0
@@ -117,3 +122,19 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings):
             charts = page.locator("[data-testid='stVegaLiteChart']")
             assert charts.count() >= 2
             assert page.get_by_text("model.layers.11.mlp.down_proj").count() > 0
+
+    # an upload through the browser's file picker: a zipped Hugging Face folder
+    archive = shutil.make_archive(str(tmp_path / "tiny-llama"), "zip", save_tiny_llama(tmp_path / "up" / "tiny-llama").parent)
+    page.goto(app_url + "/")
+    _settle(page)
+    page.locator("[data-testid='stFileUploaderDropzoneInput']").first.set_input_files(archive)
+    _settle(page)
+    page.get_by_label("Name (optional)").fill("tiny-upload")
+    page.keyboard.press("Tab")
+    _settle(page)
+    page.get_by_role("button", name="Register upload").click()
+    expect(page.get_by_text("is done: registered tiny-upload")).to_be_visible(timeout=60_000)
+    _no_exception(page)
+    with session_scope(qp_settings) as s:
+        assert "tiny-upload" in [m.name for m in repo.list_models(s)]
+    _shot(page, "02-upload")
