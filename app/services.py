@@ -210,11 +210,6 @@ def sensitivity_rows(job_id: int) -> list[SensitivityRecord]:
         return repo.list_sensitivity(s, job_id)
 
 
-def kernel_rows(job_id: int | None = None, device_name: str | None = None):
-    with session_scope(settings()) as s:
-        return repo.kernel_results(s, job_id=job_id, device_name=device_name)
-
-
 def kernel_devices() -> list[tuple[str, str, str]]:
     with session_scope(settings()) as s:
         return repo.kernel_devices(s)
