@@ -89,8 +89,12 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert len(again) == len(records)  # stored results reused for the same device
 
     code, out, _ = run(capsys, "jobs", "--json")
-    kinds = {j["kind"] for j in json.loads(out)}
+    jobs = json.loads(out)
+    kinds = {j["kind"] for j in jobs}
     assert {"register", "calibrate", "score", "sensitivity", "bench"} <= kinds
+    messages = {j["message"] for j in jobs}  # the jobs list says what each job was about
+    assert any(m.startswith("INT8_PER_TENSOR: KL ") for m in messages)
+    assert any(m.startswith("INT8_PER_TENSOR: ") and m.endswith(" units swept") for m in messages)
 
 
 def test_cli_errors_are_clear(tiny_model, capsys, tmp_path):

@@ -132,7 +132,7 @@ def score(ctx: JobContext) -> Outcome:
                         predicted_kl=ctx.params.get("predicted_kl"))
 
     return Outcome(result=result, write=write,
-                   message=f"KL {rep['kl_mean']:.4g}, top-1 {rep['top1_agree']:.3f}")
+                   message=f"{plan_label}: KL {rep['kl_mean']:.4g}, top-1 {rep['top1_agree']:.3f}")
 
 
 def sensitivity(ctx: JobContext) -> Outcome:
@@ -156,4 +156,4 @@ def sensitivity(ctx: JobContext) -> Outcome:
     def write(s: Session) -> None:
         repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=scheme.name, rows=dicts)
 
-    return Outcome(result=result, write=write, message=f"{len(dicts)} units swept")
+    return Outcome(result=result, write=write, message=f"{scheme.name}: {len(dicts)} units swept")
