@@ -653,13 +653,20 @@ def sensitivity_chart(df: pd.DataFrame, top_n: int = SENSITIVITY_TOP_N, bar_heig
 # =============================================================================================
 # Kernels page
 # =============================================================================================
-def kernel_heatmap(df: pd.DataFrame, height: int | None = None) -> alt.LayerChart:
+def kernel_heatmap(
+    df: pd.DataFrame,
+    height: int | None = None,
+    column: str = "path",
+    column_title: str = "kernel path",
+    title: str = "Speed-up over baseline",
+) -> alt.LayerChart:
     """Speed-up over the baseline GEMM, GEMM shape x kernel path; 1x is white, faster blue, slower red.
 
-    Input columns: shape (a label such as "down_proj 576x1536 M=512"), path, speedup
-    (NaN where the device does not run the path natively: drawn as "n/a", never as a speed-up).
+    Input columns: shape (a label such as "down_proj 576x1536 M=512"), ``column`` (default
+    path; e.g. "device" to compare devices on one path), speedup (NaN where the device does
+    not run the path natively: drawn as "n/a", never as a speed-up).
     """
-    _check_columns(df, ["shape", "path", "speedup"], "kernel_heatmap")
+    _check_columns(df, ["shape", column, "speedup"], "kernel_heatmap")
     if len(df) > MAX_MARKS // 2:  # one rect and one text mark per cell
         raise ValueError(f"kernel_heatmap got {len(df)} cells (limit {MAX_MARKS // 2})")
     speedup = df["speedup"].to_numpy(dtype=np.float64)
@@ -673,7 +680,7 @@ def kernel_heatmap(df: pd.DataFrame, height: int | None = None) -> alt.LayerChar
         text_color=np.where(dark, "white", "black"),
     )
     base = alt.Chart(df).encode(
-        x=alt.X("path:N", title="kernel path"),
+        x=alt.X(f"{column}:N", title=column_title, axis=alt.Axis(labelLimit=260)),
         y=alt.Y("shape:N", title="GEMM shape", sort=None, axis=alt.Axis(labelLimit=260)),
     )
     rects = base.mark_rect().encode(
@@ -682,7 +689,7 @@ def kernel_heatmap(df: pd.DataFrame, height: int | None = None) -> alt.LayerChar
             title="speed-up",
             scale=alt.Scale(type="log", scheme="redblue", domain=[1 / extent, extent], domainMid=1.0),
         ),
-        tooltip=["shape:N", "path:N", "text:N"],
+        tooltip=["shape:N", f"{column}:N", "text:N"],
     )
     text = base.mark_text(fontSize=11).encode(text="text:N", color=alt.Color("text_color:N", scale=None))
     return alt.layer(
@@ -691,7 +698,7 @@ def kernel_heatmap(df: pd.DataFrame, height: int | None = None) -> alt.LayerChar
         # a step per row, not a total height: Streamlit's theme shrinks a fixed-height band chart
         height=height or alt.Step(KERNEL_ROW_PX),
         width=alt.Step(KERNEL_COLUMN_PX),
-        title="Speed-up over baseline",
+        title=title,
     ).resolve_scale(color="independent")  # the text colours are literal, not on the speed-up scale
 
 

@@ -227,6 +227,40 @@ def kernel_frame(device_name: str, torch_version: str | None = None):
     return pd.DataFrame([r.__dict__ for r in rows])
 
 
+def shape_labels(model: ModelRecord) -> dict[tuple[int, int], str]:
+    """{(N, K): "down_proj 576×1536"}: each distinct GEMM shape named after the first layer type that has it."""
+    out: dict[tuple[int, int], str] = {}
+    for lin in model.linears:
+        n, k = lin["out_features"], lin["in_features"]
+        out.setdefault((n, k), f"{lin['name'].rsplit('.', 1)[-1]} {n}×{k}")
+    return out
+
+
+def device_comparison(model: ModelRecord, path: str, m: int):
+    """One kernel path at one M on every device that timed the model's shapes.
+
+    Columns: shape, device, speedup (NaN where the device does not run the path natively or has
+    no time for it), ms. Empty when fewer than two devices have any of the shapes.
+    """
+    import math
+
+    import pandas as pd
+
+    labels = shape_labels(model)
+    rows = []
+    names = sorted({d[1] for d in kernel_devices()})
+    for name in names:
+        with session_scope(settings()) as s:
+            recs = [r for r in repo.newest_kernel_results(s, device_name=name)
+                    if (r.n, r.k) in labels and r.m == m and r.path == path]
+        for r in recs:
+            timed = r.ms is not None and math.isfinite(r.ms) and r.speedup is not None
+            rows.append({"shape": labels[(r.n, r.k)], "device": name, "ms": r.ms,
+                         "speedup": r.speedup if timed and r.native else math.nan})
+    frame = pd.DataFrame(rows, columns=["shape", "device", "ms", "speedup"])
+    return frame if frame["device"].nunique() >= 2 else frame.iloc[0:0]
+
+
 def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str | None]:
     """The kernel path each layer of a plan would run on (None: baseline speed / emulated)."""
     from quantcore.kernels import scheme_to_path

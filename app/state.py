@@ -7,6 +7,7 @@ import streamlit as st
 from app import services as svc
 
 MODEL_KEY = "model_id"
+URL_MODEL = "model"  # query parameter: /kernels?model=3
 
 
 def sidebar() -> None:
@@ -22,13 +23,28 @@ def sidebar() -> None:
             return
         ids = [m.id for m in models]
         names = {m.id: f"#{m.id} {m.name}" for m in models}
-        current = st.session_state.get(MODEL_KEY)
+        current = _model_from_url(ids)
+        if current is not None and current != st.session_state.get(MODEL_KEY):
+            st.session_state.pop("sidebar_model", None)  # a link to another model wins over the widget's memory
+        else:
+            current = st.session_state.get(MODEL_KEY)
         index = ids.index(current) if current in ids else len(ids) - 1
         chosen = st.selectbox("Model", ids, index=index, format_func=names.get, key="sidebar_model")
         st.session_state[MODEL_KEY] = chosen
+        st.query_params[URL_MODEL] = str(chosen)  # the address names the model: links can be shared
         active = [j for j in svc.list_jobs(limit=50) if not j.finished]
         if active:
             st.caption(f"{len(active)} job(s) queued or running: see Jobs.")
+
+
+def _model_from_url(ids: list[int]) -> int | None:
+    """The model id in the address (``?model=3``), when it names a registered model."""
+    raw = st.query_params.get(URL_MODEL)
+    try:
+        value = int(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value in ids else None
 
 
 def current_model():

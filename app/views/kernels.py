@@ -8,6 +8,7 @@ import streamlit as st
 
 from app import charts, state
 from app import services as svc
+from quantcore.kernels import PATHS as KERNEL_PATHS
 from quantcore.schemes import list_schemes
 
 st.title("Kernels")
@@ -53,10 +54,8 @@ if frame.empty:
     st.info(f"No timings of {model.name}'s shapes on {device_name} yet.")
     st.stop()
 
-proj_of = {}
-for lin in model.linears:
-    proj_of.setdefault((lin["out_features"], lin["in_features"]), lin["name"].rsplit(".", 1)[-1])
-frame = frame.assign(shape=[f"{proj_of.get((n, k), '?')} {n}×{k} M={m}" for n, k, m in
+labels = svc.shape_labels(model)
+frame = frame.assign(shape=[f"{labels.get((n, k), f'? {n}×{k}')} M={m}" for n, k, m in
                             zip(frame["n"], frame["k"], frame["m"], strict=True)])
 native_any = bool(frame.loc[frame["path"] != "baseline", "native"].any())
 if not native_any:
@@ -79,6 +78,22 @@ st.subheader("Every case")
 st.dataframe(frame[["shape", "m", "n", "k", "path", "ms", "tflops", "pct_peak", "speedup", "native",
                     "max_rel_err", "padded_m", "skipped"]].sort_values(["n", "k", "m", "path"]),
              hide_index=True, width="stretch")
+
+if len({d[1] for d in devices}) >= 2:
+    st.subheader("Compare devices")
+    st.caption("One kernel path at one M on every device that measured this model's shapes: where FP8 or "
+               "INT8 pays off depends on the GPU as much as on the shape.")
+    c1, c2 = st.columns(2)
+    cmp_path = c1.selectbox("Path", [p for p in KERNEL_PATHS if p != "baseline"],
+                            index=[p for p in KERNEL_PATHS if p != "baseline"].index("fp8_row+q"), key="cmp_path")
+    all_m = sorted(set(int(m) for m in svc.kernel_frame(device_name)["m"]))
+    cmp_m = c2.selectbox("M (batch × tokens)", all_m, index=len(all_m) - 1, key="cmp_m")
+    cmp = svc.device_comparison(model, cmp_path, cmp_m)
+    if cmp.empty:
+        st.info(f"Fewer than two devices have {cmp_path} timings of this model's shapes at M={cmp_m}.")
+    else:
+        st.altair_chart(charts.kernel_heatmap(cmp, column="device", column_title="device",
+                                              title=f"Speed-up of {cmp_path} at M={cmp_m}"), width="content")
 
 st.subheader("A plan's prefill and decode step")
 plans = svc.list_plans(model.id)

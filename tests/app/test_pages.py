@@ -166,3 +166,49 @@ def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
     at = _run("kernels", seeded.id)
     assert not at.exception
     assert any("of" in m.label and "layers measured" in m.label for m in at.metric)
+
+
+def test_kernels_page_compares_devices(seeded):
+    import math
+
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+    from tests.app.conftest import linears
+
+    shapes = {(lin["out_features"], lin["in_features"]) for lin in linears()}
+    assert svc.device_comparison(seeded, "fp8_row+q", 16).empty  # one device: nothing to compare
+    with session_scope() as s:
+        job = repo.create_job(s, kind="bench", params={"device": "cuda"}, queue="gpu.sm90", user=None)
+        repo.save_kernel_results(s, job_id=job.id, records=[dict(
+            device="cuda", device_name="NVIDIA H200", torch_version="2.11.0", m=16, n=n, k=k, path="fp8_row+q",
+            ms=0.5, tflops=1.0, pct_peak=1.0, speedup=1.6, native=True, max_rel_err=1e-3, padded_m=None,
+            skipped=None) for n, k in shapes])
+    cmp = svc.device_comparison(seeded, "fp8_row+q", 16)
+    assert set(cmp["device"]) == {"NVIDIA H200", "Test CPU"} and len(cmp) == 2 * len(shapes)
+    gpu, cpu = cmp[cmp["device"] == "NVIDIA H200"], cmp[cmp["device"] == "Test CPU"]
+    assert (gpu["speedup"] == 1.6).all()
+    assert all(math.isnan(v) for v in cpu["speedup"])  # not native on a CPU: n/a, never a speed-up
+    assert set(cmp["shape"]) == set(svc.shape_labels(seeded).values())
+    at = _run("kernels", seeded.id)
+    assert any(h.value == "Compare devices" for h in at.subheader)
+
+
+def test_the_address_names_the_model(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        other = repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="o",
+                               path="models/o", user="t",
+                               summary={"architecture": "LlamaForCausalLM", "model_type": "llama", "num_layers": 1,
+                                        "num_params": 1, "dtype": "float32", "total_bytes": 4, "linears": []})
+    at = AppTest.from_file(MAIN, default_timeout=120)
+    at.query_params["model"] = str(seeded.id)  # a shared link to the older model
+    at.run()
+    assert not at.exception
+    assert at.selectbox(key="sidebar_model").value == seeded.id
+    assert at.query_params["model"] in (str(seeded.id), [str(seeded.id)])
+    fresh = AppTest.from_file(MAIN, default_timeout=120).run()  # no link: the newest model
+    assert fresh.selectbox(key="sidebar_model").value == other.id
+    assert fresh.query_params["model"] in (str(other.id), [str(other.id)])
