@@ -127,6 +127,24 @@ def cancel_job(job_id: int) -> JobRecord:
         return repo.request_cancel(s, job_id)
 
 
+def live_workers():
+    from worker import presence
+
+    return presence.live_workers(settings())
+
+
+def all_workers():
+    with session_scope(settings()) as s:
+        return repo.list_workers(s)
+
+
+def no_worker_note(queue: str) -> str | None:
+    """A warning when no live worker consumes ``queue`` (the job would wait), else None."""
+    from worker import presence
+
+    return presence.no_worker_note(queue, settings())
+
+
 def sweep_stale() -> list[int]:
     s = settings()
     with session_scope(s) as session:

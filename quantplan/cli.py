@@ -72,6 +72,11 @@ def _run(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: in
         job = submit_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
         print(f"job #{job.id}: queued {kind} on queue '{job.queue}' (Ctrl-C stops waiting, not the job)",
               file=sys.stderr)
+        from worker.presence import no_worker_note
+
+        note = no_worker_note(job.queue, s)
+        if note:
+            print(f"quantplan: {note} (or run it here with --local)", file=sys.stderr)
     job = wait_for(job.id, on_update=_progress_printer(quiet), settings=s)
     if job.status != "succeeded":
         raise CliError(f"job #{job.id} {job.status}: {job.error or job.message}")

@@ -249,3 +249,23 @@ class KernelResult(Base):
     __table_args__ = (
         Index("ix_kernel_results_lookup", "device_name", "torch_version", "m", "n", "k", "path"),
     )
+
+
+class Worker(Base):
+    """A worker process as it last reported itself: the queues it consumes and the device it runs on.
+
+    Written when a worker starts and refreshed every WORKER_HEARTBEAT_S while it lives, so the app
+    can say when a queued job has no live worker to take it.
+    """
+
+    __tablename__ = "workers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)  # Celery node name, e.g. quantplan-gpu@host
+    host: Mapped[str] = mapped_column(String(200))
+    queues: Mapped[str] = mapped_column(String(500))  # comma-separated
+    device: Mapped[str] = mapped_column(String(200))  # "cpu" / "cuda"
+    device_name: Mapped[str] = mapped_column(String(200))
+    device_class: Mapped[str] = mapped_column(String(50))  # cpu, gpu, gpu.sm90...
+    torch_version: Mapped[str | None] = mapped_column(String(50), nullable=True)
+    started_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    seen_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)

@@ -160,3 +160,17 @@ class KernelRecordRow:
     padded_k: int | None
     padded_n: int | None
     skipped: str | None
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    id: int
+    name: str
+    host: str
+    queues: list[str]
+    device: str
+    device_name: str
+    device_class: str
+    torch_version: str | None
+    started_at: dt.datetime
+    seen_at: dt.datetime

@@ -25,6 +25,7 @@ from store.records import (
     PlanRecord,
     ScoreRecord,
     SensitivityRecord,
+    WorkerRecord,
 )
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -269,6 +270,55 @@ def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
             stale.append(row.id)
     session.flush()
     return stale
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _aware(t: dt.datetime) -> dt.datetime:
+    return t.replace(tzinfo=dt.UTC) if t.tzinfo is None else t  # SQLite hands back naive datetimes
+
+
+def _worker_record(row: m.Worker) -> WorkerRecord:
+    return WorkerRecord(id=row.id, name=row.name, host=row.host,
+                        queues=[q for q in row.queues.split(",") if q], device=row.device,
+                        device_name=row.device_name, device_class=row.device_class,
+                        torch_version=row.torch_version, started_at=_aware(row.started_at),
+                        seen_at=_aware(row.seen_at))
+
+
+def worker_started(session: Session, *, name: str, host: str, queues: Sequence[str], device: str,
+                   device_name: str, device_class: str, torch_version: str | None) -> WorkerRecord:
+    """Record (or re-record, after a restart) a worker process and the queues it consumes."""
+    row = session.scalars(select(m.Worker).where(m.Worker.name == name)).first()
+    now = m.utcnow()
+    if row is None:
+        row = m.Worker(name=name)
+        session.add(row)
+    row.host, row.queues, row.device = host, ",".join(queues), device
+    row.device_name, row.device_class, row.torch_version = device_name, device_class, torch_version
+    row.started_at = row.seen_at = now
+    session.flush()
+    return _worker_record(row)
+
+
+def worker_seen(session: Session, name: str) -> bool:
+    """Refresh a worker's seen_at; False when no such worker was recorded."""
+    res = session.execute(update(m.Worker).where(m.Worker.name == name).values(seen_at=m.utcnow()))
+    return bool(res.rowcount)
+
+
+def forget_worker(session: Session, name: str) -> None:
+    session.execute(delete(m.Worker).where(m.Worker.name == name))
+
+
+def list_workers(session: Session, *, seen_within_s: float | None = None) -> list[WorkerRecord]:
+    """Workers, most recently seen first; only those seen in the last seen_within_s seconds when given."""
+    rows = [_worker_record(r) for r in session.scalars(select(m.Worker).order_by(m.Worker.seen_at.desc(), m.Worker.id))]
+    if seen_within_s is not None:  # compared here: SQLite keeps no time zone to compare with
+        cutoff = m.utcnow() - dt.timedelta(seconds=seen_within_s)
+        rows = [r for r in rows if r.seen_at >= cutoff]
+    return rows
 
 
 def pending_cleanup_dirs(session: Session) -> set[str]:

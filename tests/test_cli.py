@@ -144,3 +144,21 @@ def test_every_option_of_every_command_says_what_it_does():
     silent = [f"{cmd}: {a.dest}" for cmd, a in walk(build_parser(), ["quantplan"])
               if not a.help]
     assert silent == []
+
+
+def test_a_job_for_a_queue_without_a_worker_says_so(tiny_model):
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "quantplan", "calibrate", "tiny", "--device", "cuda"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        seen, deadline = "", time.monotonic() + 120
+        while "quantplan worker --queues gpu" not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            seen += proc.stderr.readline()
+        assert "queued calibrate on queue 'gpu'" in seen and "--local" in seen
+    finally:
+        proc.kill()
+        proc.wait()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from celery.signals import worker_ready
+import os
+import socket
+from typing import Any
 
-from worker import bodies
+from celery.signals import worker_ready, worker_shutdown
+
+from store.settings import get_settings
+from worker import bodies, presence
 from worker.celery_app import TASK_NAMES, celery_app
 from worker.runner import run_job, sweep, sweep_leftovers
 
@@ -34,7 +39,35 @@ def bench_task(job_id: int) -> str:
     return run_job(job_id, bodies.bench)
 
 
+_NODE: dict[str, str] = {}  # this process's Celery node name, once ready
+
+
+def _consumed_queues(sender: Any) -> list[str]:
+    """The queues this worker consumes (-Q), else the configured ones."""
+    try:
+        consume = sender.app.amqp.queues.consume_from
+        if consume:
+            return list(consume)
+    except AttributeError:
+        pass
+    return get_settings().queues
+
+
 @worker_ready.connect
-def _on_worker_ready(**_kwargs) -> None:
+def _on_worker_ready(sender: Any = None, **_kwargs) -> None:
     sweep()
     sweep_leftovers()
+    name = getattr(sender, "hostname", None) or f"{os.getpid()}@{socket.gethostname()}"
+    queues = _consumed_queues(sender)
+    try:
+        presence.announce(name, queues)
+    except Exception:  # being listed is a convenience: the worker works without it
+        presence.log.exception("could not record worker %s in the store", name)
+    presence.start_heartbeat(name, queues)
+    _NODE["name"] = name
+
+
+@worker_shutdown.connect
+def _on_worker_shutdown(**_kwargs) -> None:
+    if "name" in _NODE:
+        presence.forget(_NODE["name"])

@@ -32,6 +32,9 @@ def job_table() -> None:
             a.markdown(f"**#{job.id} {job.kind}** · {job.status} · {job.device or job.queue} · "
                        f"asked by {job.requested_by or '?'}")
             a.progress(job.progress, text=job.message or job.status)
+            note = svc.no_worker_note(job.queue) if job.status == "queued" else None
+            if note:
+                a.warning(note)
             if job.cancel_requested:
                 b.caption("cancel requested")
             elif b.button("Cancel", key=f"cancel_{job.id}"):
@@ -53,3 +56,18 @@ def job_table() -> None:
 
 
 job_table()
+
+
+st.subheader("Workers")
+workers = svc.all_workers()
+live = {w.name for w in svc.live_workers()}
+if not workers:
+    st.info("No worker has reported yet. `quantplan up` starts one; `quantplan worker --queues gpu` on a GPU host "
+            "adds another.")
+else:
+    st.dataframe(pd.DataFrame([{
+        "worker": w.name, "live": w.name in live, "queues": ", ".join(w.queues), "device": w.device_name,
+        "class": w.device_class, "torch": w.torch_version, "started": w.started_at, "last seen": w.seen_at,
+    } for w in workers]), hide_index=True, width="stretch")
+    st.caption("A worker reports every 30 s; one not seen for 90 s is not live. Jobs wait in their queue until a "
+               "live worker consumes it.")

@@ -36,12 +36,12 @@ with st.form("score_form"):
             job = svc.submit("score", {**params, "scheme": what.split(":", 1)[1]}, model_id=model.id)
         else:
             job = svc.submit("score", params, model_id=model.id, plan_id=int(what.split(":", 1)[1]))
-        st.success(f"Queued score job #{job.id}.")
+        state.queued(job, f"Queued score job #{job.id}.")
         if sens:
             if what.startswith("preset:"):
                 sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8),
                                                 "scheme": what.split(":", 1)[1]}, model_id=model.id)
-                st.success(f"Queued sensitivity job #{sj.id}.")
+                state.queued(sj, f"Queued sensitivity job #{sj.id}.")
             else:
                 st.warning("A sensitivity sweep takes one preset; choose a preset to sweep.")
 

@@ -212,3 +212,23 @@ def test_the_address_names_the_model(seeded):
     fresh = AppTest.from_file(MAIN, default_timeout=120).run()  # no link: the newest model
     assert fresh.selectbox(key="sidebar_model").value == other.id
     assert fresh.query_params["model"] in (str(other.id), [str(other.id)])
+
+
+def test_jobs_page_warns_when_no_worker_takes_a_queue(seeded):
+    from store import repo
+    from store.db import session_scope
+    from worker import presence
+
+    with session_scope() as s:
+        job = repo.create_job(s, kind="calibrate", params={"device": "cuda"}, queue="gpu", user="t",
+                              model_id=seeded.id)
+    at = _run("jobs", seeded.id)
+    assert any("No worker consuming queue 'gpu'" in w.value for w in at.warning)
+    assert any("No worker has reported yet" in i.value for i in at.info)
+
+    presence.announce("gpu-box@host", ["gpu"])  # a GPU worker comes up: the job will be taken
+    at = _run("jobs", seeded.id)
+    assert not any("No worker consuming queue" in w.value for w in at.warning)
+    workers = at.dataframe[-1].value
+    assert workers["worker"].tolist() == ["gpu-box@host"] and bool(workers["live"].iloc[0])
+    assert job.status == "queued"

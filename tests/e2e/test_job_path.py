@@ -17,6 +17,14 @@ OUTLIER_LAYER = "model.layers.11.mlp.down_proj"
 
 
 def _spine(settings) -> None:
+    from worker import presence
+
+    # the worker process recorded itself: its queue and device, seen just now
+    live = presence.live_workers(settings)
+    assert len(live) == 1 and live[0].queues == ["cpu"] and live[0].device == "cpu"
+    assert presence.no_worker_note("cpu", settings) is None
+    assert "quantplan worker --queues gpu" in presence.no_worker_note("gpu", settings)
+
     reg = submit_job("register", {"demo": True}, settings=settings)
     reg = wait_for(reg.id, timeout_s=300, settings=settings)
     assert reg.status == "succeeded", reg.error

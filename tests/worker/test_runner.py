@@ -132,3 +132,41 @@ def test_sweep_leftovers_removes_only_abandoned_intake_folders(qp_settings):
         assert kept.is_dir(), kept
     assert not dead_staging.exists() and not old_upload.exists()
     assert sweep_leftovers(qp_settings) == []
+
+
+def test_worker_presence(qp_settings):
+    import datetime as dt
+    import time
+
+    from store import models as m
+    from worker import presence
+
+    assert presence.live_workers(qp_settings) == []
+    note = presence.no_worker_note("gpu", qp_settings)
+    assert "No worker consuming queue 'gpu'" in note and "quantplan worker --queues gpu" in note
+    assert presence.no_worker_note("local", qp_settings) is None  # --local jobs need no worker
+
+    rec = presence.announce("w1@host", ["cpu", "gpu"], qp_settings)  # no CUDA here: described by its CPU
+    assert rec.queues == ["cpu", "gpu"] and rec.device == "cpu" and rec.device_class == "cpu"
+    assert presence.no_worker_note("gpu", qp_settings) is None and presence.no_worker_note("cpu", qp_settings) is None
+    assert presence.no_worker_note("gpu.sm90", qp_settings) is not None
+
+    old = m.utcnow() - dt.timedelta(seconds=presence.LIVE_WITHIN_S + 5)
+    with session_scope(qp_settings) as s:  # it stopped reporting
+        s.query(m.Worker).update({m.Worker.seen_at: old})
+    assert presence.live_workers(qp_settings) == [] and presence.no_worker_note("cpu", qp_settings)
+    with session_scope(qp_settings) as s:
+        assert repo.worker_seen(s, "w1@host") and not repo.worker_seen(s, "nobody@host")
+        assert [w.name for w in repo.list_workers(s)] == ["w1@host"]
+    assert [w.name for w in presence.live_workers(qp_settings)] == ["w1@host"]
+
+    stop = presence.start_heartbeat("w2@host", ["cpu"], qp_settings, interval_s=0.05)  # unknown: recorded
+    try:
+        deadline = time.monotonic() + 10
+        while "w2@host" not in [w.name for w in presence.live_workers(qp_settings)]:
+            assert time.monotonic() < deadline, "the heartbeat never recorded the worker"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+    presence.forget("w1@host", qp_settings)
+    assert [w.name for w in presence.live_workers(qp_settings)] == ["w2@host"]
