@@ -29,7 +29,7 @@ def render(model, plans, target: str) -> None:
                 try:
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
                                                       candidates=cands)
-                    st.success(f"Saved {plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
+                    st.success(f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
                                f"{result.cost:.4g} vs {result.baseline_cost:.4g} {result.cost_unit} in BF16. "
                                f"Verification: score job #{job.id} (Results page shows predicted vs measured).")
                     for note in result.notes:

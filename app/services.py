@@ -567,11 +567,18 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     if device_name is None or cost is None:
         result.notes.append(f"no kernel timings of a {target} are stored: cost is weight bits × N × K")
     name = f"auto-{target}-kl{kl_budget:g}"
-    spec = spec_from_plan(result.plan, model=model.name, name=name)
-    plan = save_plan(model.id, name, spec.to_dict(),
-                     note=f"auto: predicted KL {result.predicted_kl:.4g} ≤ {kl_budget:g} on {target}")
+    body = spec_from_plan(result.plan, model=model.name, name=name).to_dict()
+    versions = [p for p in list_plans(model.id) if p.name == name]
     job = None
-    if verify:
+    if versions and versions[-1].body == body:  # asked again with nothing new: the same plan, no new version
+        plan = versions[-1]
+        result.notes.append(f"the same plan as {plan.label}: no new version saved")
+        job = next((j for j in list_jobs(limit=500, kind="score")
+                    if j.plan_id == plan.id and j.status in ("queued", "running", "succeeded")), None)
+    else:
+        plan = save_plan(model.id, name, body,
+                         note=f"auto: predicted KL {result.predicted_kl:.4g} ≤ {kl_budget:g} on {target}")
+    if verify and job is None:
         job = submit("score", {"predicted_kl": result.predicted_kl, "label": plan.label, "device": device},
                      model_id=model.id, plan_id=plan.id)
     return result, plan, job

@@ -77,7 +77,7 @@ def cmd_plan_auto(args) -> int:
     cands = args.candidates.split(",") if args.candidates else None
     result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
                                       candidates=cands, verify=not args.no_verify, device=args.device or "cpu")
-    out = {"plan_id": plan.id, "plan": plan.label, **result.to_dict()}
+    out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
     if job is not None and args.wait:
         done = wait_for(job.id, on_update=_progress_printer(args.json), settings=s)
         out["verify_job"] = done.id
@@ -88,7 +88,7 @@ def cmd_plan_auto(args) -> int:
     if args.json:
         _print_json(out)
     else:
-        print(f"saved {plan.label}: predicted KL {result.predicted_kl:.5f} ≤ {args.kl_budget:g}; cost "
+        print(f"{plan.label}: predicted KL {result.predicted_kl:.5f} ≤ {args.kl_budget:g}; cost "
               f"{result.cost:.4g} vs {result.baseline_cost:.4g} {result.cost_unit} all-BF16 on {args.target}")
         counts: dict[str, int] = {}
         for sch in result.plan.values():

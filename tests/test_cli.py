@@ -162,3 +162,17 @@ def test_a_job_for_a_queue_without_a_worker_says_so(tiny_model):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_asking_the_same_automatic_plan_twice_keeps_one_version(tiny_model, capsys):
+    run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", "--local", "--samples", "2",
+             "--seq-len", "32", "--json")
+    args = ("plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--json")
+    first = run_json(capsys, *args)  # queues its verification (no worker here: it stays queued)
+    second = run_json(capsys, *args)
+    assert second["plan_id"] == first["plan_id"] and second["plan_label"] == first["plan_label"] == "auto-h100-kl1000 v1"
+    assert second["verify_job"] == first["verify_job"]  # the verification already asked for is reused
+    assert any("no new version" in n for n in second["notes"])
+    from app import services as svc
+
+    assert [p.version for p in svc.list_plans(svc.get_model("tiny").id) if p.name == "auto-h100-kl1000"] == [1]
