@@ -680,7 +680,9 @@ def kernel_heatmap(
         text_color=np.where(dark, "white", "black"),
     )
     base = alt.Chart(df).encode(
-        x=alt.X(f"{column}:N", title=column_title, axis=alt.Axis(labelLimit=260)),
+        # kernel paths are short and read upright; device names are long and slant
+        x=alt.X(f"{column}:N", title=column_title,
+                axis=alt.Axis(labelLimit=260, labelAngle=-30 if column != "path" else -90)),
         y=alt.Y("shape:N", title="GEMM shape", sort=None, axis=alt.Axis(labelLimit=260)),
     )
     rects = base.mark_rect().encode(

@@ -40,9 +40,10 @@ def job_table() -> None:
             elif b.button("Cancel", key=f"cancel_{job.id}"):
                 svc.cancel_job(job.id)
                 st.rerun()
+    model_names = {m.id: m.name for m in svc.list_models()}
     st.dataframe(pd.DataFrame([{
         "id": j.id, "kind": j.kind, "status": j.status, "progress": j.progress, "message": j.message,
-        "model": j.model_id, "queue": j.queue, "device": j.device, "worker": j.worker_host,
+        "model": model_names.get(j.model_id, j.model_id), "queue": j.queue, "device": j.device, "worker": j.worker_host,
         "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
         "error": j.error or "",
     } for j in jobs]), hide_index=True, width="stretch",
