@@ -35,6 +35,11 @@ def sidebar() -> None:
         active = [j for j in svc.list_jobs(limit=50) if not j.finished]
         if active:
             st.caption(f"{len(active)} job(s) queued or running: see Jobs.")
+            live = {q for w in svc.live_workers() for q in w.queues}
+            orphans = sorted({j.queue for j in active if j.status == "queued" and j.queue not in live})
+            if orphans:
+                st.warning(f"No live worker consumes queue {', '.join(repr(q) for q in orphans)}: "
+                           "those jobs wait. See Jobs.")
 
 
 def _model_from_url(ids: list[int]) -> int | None:

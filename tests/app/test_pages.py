@@ -232,3 +232,13 @@ def test_jobs_page_warns_when_no_worker_takes_a_queue(seeded):
     workers = at.dataframe[-1].value
     assert workers["worker"].tolist() == ["gpu-box@host"] and bool(workers["live"].iloc[0])
     assert job.status == "queued"
+
+
+def test_sidebar_flags_jobs_no_worker_will_take(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        repo.create_job(s, kind="bench", params={"device": "cuda"}, queue="gpu.sm90", user="t")
+    at = _run("outliers", seeded.id)
+    assert any("No live worker consumes queue 'gpu.sm90'" in w.value for w in at.sidebar.warning)
