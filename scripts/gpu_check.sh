@@ -14,6 +14,7 @@
 #   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
 #      into a fresh SQLite home: measured and stored, then reused from the database; then a tiny
 #      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC) and swept (INT8_W8A8) on cuda
+# Afterwards `python scripts/gpu_figures.py OUT_DIR` writes the figures into the README.
 # Writes into $OUT (the device tool's folder) or var/gpu-check: gpu_check.log, summary.txt,
 # kernel_smollm2.{json,md}, kernel_llama8b.{json,md}, quantplan_bench.json (7 files).
 set -uo pipefail

@@ -14,8 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+def _load_script(name: str):
+    return _load(name, folder="scripts")
+
+
+def _load(name: str, folder: str = "benchmarks"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -71,3 +75,25 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert "Llama-3-8B shapes" in (out / "kernel_llama8b.md").read_text()
     log = (out / "gpu_check.log").read_text()
     assert "FP8_DYNAMIC on tiny: KL mean" in log and "INT8_W8A8 one unit at a time on tiny" in log
+
+    # and scripts/gpu_figures.py turns the run into the README's block, the same way twice
+    figures = _load_script("gpu_figures")
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n" + figures.START + "\n(no GPU run yet)\n" + figures.END + "\nafter\n")
+    assert figures.main([str(out), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "(no GPU run yet)" not in text
+    assert "`pytest -m gpu`: " in text and "skipped" in text.split("`pytest -m gpu`: ")[1].splitlines()[0]
+    assert "kernels-llama8b ok" in text and "**Llama-3-8B**" in text and "| N × K | M |" in text
+    assert figures.main([str(out), "--readme", str(readme)]) == 0 and readme.read_text() == text
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("no block here\n")
+    with pytest.raises(SystemExit, match="no <!-- gpu-figures:start -->"):
+        figures.update_readme(plain, out)
+
+
+def test_the_readme_has_the_block_gpu_figures_fills() -> None:
+    figures = _load_script("gpu_figures")
+    text = (ROOT / "README.md").read_text()
+    assert text.count(figures.START) == 1 and text.count(figures.END) == 1
+    assert text.index(figures.START) < text.index(figures.END)
