@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantcore.errors import PlanError
+from quantcore.errors import PlanError, name_list
 from quantcore.quantize import (
     QuantReport,
     fake_quantize,
@@ -169,7 +169,7 @@ def _check_layers(model: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
         hint = f" ({'; '.join(hints)})" if hints else ""
         raise PlanError(
             f"the plan names {len(unknown)} layer(s) the model does not have: "
-            f"{', '.join(repr(n) for n in unknown[:8])}{' ...' if len(unknown) > 8 else ''}{hint}; "
+            f"{name_list(unknown)}{hint}; "
             "use names from model.named_modules()"
         )
     not_linear = [
@@ -180,7 +180,7 @@ def _check_layers(model: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
     already = [n for n in names if getattr(modules[n], _MARKER, False)]
     if already:
         raise PlanError(
-            f"layer(s) {', '.join(already[:5])} already carry an applied plan; call restore() on it first"
+            f"layer(s) {name_list(already)} already carry an applied plan; call restore() on it first"
         )
     return {n: modules[n] for n in names}
 
@@ -192,7 +192,7 @@ def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] 
     if missing:
         raise PlanError(
             f"{len(missing)} layer(s) use static activation scales but have no calibrated amax: "
-            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; run calibration and pass "
+            f"{name_list(missing)}; run calibration and pass "
             "act_amax={layer: max|x|}, or choose a dynamic scheme (e.g. FP8_DYNAMIC) for them"
         )
     out = {}
@@ -360,8 +360,8 @@ def apply_plan(
         missing = [n for n in alphas if n not in act_channel_max]
         if missing:
             raise PlanError(
-                f"SmoothQuant needs act_channel_max for {', '.join(missing[:5])}"
-                f"{' ...' if len(missing) > 5 else ''}; pass per-input-channel max|x| from calibration"
+                f"SmoothQuant needs act_channel_max for {name_list(missing)}; pass per-input-channel max|x| "
+                "from calibration"
             )
         smoothing = smooth_model(model, {n: act_channel_max[n] for n in alphas}, alphas, layers=list(alphas))
     static = {

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from quantcore.errors import Cancelled, PlanError, QuantcoreError
+from quantcore.errors import Cancelled, PlanError, QuantcoreError, name_list
 from quantcore.schemes import Scheme, get_scheme
 
 Progress = Callable[[float, str], None]
@@ -606,7 +606,7 @@ def plan_applied(
         if missing:
             raise PlanError(
                 f"SmoothQuant needs calibrated per-channel activation maxima for {len(missing)} layer(s) "
-                f"({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}); run a calibration job for "
+                f"({name_list(missing)}); run a calibration job for "
                 "this model first, or choose schemes without SmoothQuant for these layers"
             )
     smoothing = None

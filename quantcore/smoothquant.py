@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quantcore.errors import PlanError
+from quantcore.errors import PlanError, name_list
 from quantcore.schemes import fusion_groups
 
 SQ_EPS = (
@@ -304,8 +304,8 @@ def smooth_model(
     unknown = [n for n in requested if n not in linears]
     if unknown:
         raise PlanError(
-            f"smooth_model: {len(unknown)} name(s) are not nn.Linear layers of this model: {', '.join(unknown[:5])}"
-            f"{' ...' if len(unknown) > 5 else ''}; use names from model.named_modules()"
+            f"smooth_model: {len(unknown)} name(s) are not nn.Linear layers of this model: {name_list(unknown)}; "
+            "use names from model.named_modules()"
         )
     if not isinstance(alpha, Mapping):
         smoothing_factors(torch.ones(1), torch.ones(1), alpha)  # validates alpha early
