@@ -127,7 +127,8 @@ VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # values of --kv
 DEFAULT_RECIPE_FILE = "recipe.yaml"
 COMPRESSED_SUFFIX = "-quantplan"  # default output folder of the compression step: <model><suffix>
 
-_ARG_KEYS = (
+# the QuantizationArgs fields that define a stored format (compressed-tensors)
+CT_ARG_KEYS = (
     "num_bits",
     "type",
     "strategy",
@@ -375,11 +376,11 @@ def _spec_to_args(spec: TensorSpec, role: str) -> tuple[dict[str, Any] | None, s
 
 def _args_to_spec(args: Mapping[str, Any], role: str) -> tuple[TensorSpec | None, str | None]:
     """(TensorSpec, None) for a QuantizationArgs dict, or (None, reason quantplan cannot represent it)."""
-    unknown = [k for k in args if k not in _ARG_KEYS and k not in _ARG_KEYS_IGNORED]
+    unknown = [k for k in args if k not in CT_ARG_KEYS and k not in _ARG_KEYS_IGNORED]
     if unknown:
         return (
             None,
-            f"unknown QuantizationArgs field(s) {unknown}; valid: {list(_ARG_KEYS + _ARG_KEYS_IGNORED)}",
+            f"unknown QuantizationArgs field(s) {unknown}; valid: {list(CT_ARG_KEYS + _ARG_KEYS_IGNORED)}",
         )
     try:
         bits, qtype, strategy, group_size, block, symmetric, dynamic, scale_dtype = _args_key(args)

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from quantcore.export import (
+    CT_ARG_KEYS,
     CT_PRESETS,
     scheme_from_ct_args,
     to_llmcompressor_recipe,
@@ -187,16 +188,7 @@ def test_embedded_preset_table_matches_compressed_tensors(llmc, name: str) -> No
     _, summary = llmc
     real = summary["presets"][name]
     ours = CT_PRESETS[name]
-    keys = (
-        "num_bits",
-        "type",
-        "strategy",
-        "group_size",
-        "block_structure",
-        "symmetric",
-        "dynamic",
-        "scale_dtype",
-    )
+    keys = CT_ARG_KEYS
     for role in ("weights", "input_activations"):
         if ours[role] is None or real[role] is None:
             assert ours[role] is None and real[role] is None, f"{name} {role}"
