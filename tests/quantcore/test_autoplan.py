@@ -19,9 +19,9 @@ from quantcore.autoplan import (
     solve_mck,
 )
 from quantcore.errors import PlanError
-from quantcore.kernels import KernelRecord
 from quantcore.plans import group_label, resolve_plan, spec_from_plan
 from quantcore.schemes import fusion_groups, get_scheme
+from tests.quantcore.test_kernels import _rec
 
 BLOCK = (
     [f"model.layers.0.self_attn.{x}_proj" for x in "qkvo"]
@@ -279,23 +279,7 @@ def test_predicted_kl_of_a_split_group_uses_layer_entries() -> None:
 
 
 def record(m, n, k, path, ms, device_name="NVIDIA H100 80GB HBM3"):
-    return KernelRecord(
-        device="cuda",
-        device_name=device_name,
-        torch_version="2.13.0",
-        m=m,
-        n=n,
-        k=k,
-        path=path,
-        ms=ms,
-        tflops=None,
-        pct_peak=None,
-        speedup=None,
-        native=True,
-        max_rel_err=0.0,
-        padded_m=None,
-        skipped=None,
-    )
+    return _rec(m, n, k, path, ms, name=device_name)
 
 
 def measured_records(m=2048):
