@@ -264,17 +264,17 @@ def device_comparison(model: ModelRecord, path: str, m: int):
 
     import pandas as pd
 
+    from quantcore.kernels import has_time
+
     labels = shape_labels(model)
     rows = []
-    names = sorted({d[1] for d in kernel_devices()})
-    for name in names:
-        with session_scope(settings()) as s:
-            recs = [r for r in repo.newest_kernel_results(s, device_name=name)
-                    if (r.n, r.k) in labels and r.m == m and r.path == path]
-        for r in recs:
-            timed = r.ms is not None and math.isfinite(r.ms) and r.speedup is not None
-            rows.append({"shape": labels[(r.n, r.k)], "device": name, "ms": r.ms,
-                         "speedup": r.speedup if timed and r.native else math.nan})
+    with session_scope(settings()) as s:
+        for name in sorted({d[1] for d in repo.kernel_devices(s)}):
+            for r in repo.newest_kernel_results(s, device_name=name):
+                if (r.n, r.k) in labels and r.m == m and r.path == path:
+                    timed = has_time(r) and r.speedup is not None and r.native
+                    rows.append({"shape": labels[(r.n, r.k)], "device": name, "ms": r.ms,
+                                 "speedup": r.speedup if timed else math.nan})
     frame = pd.DataFrame(rows, columns=["shape", "device", "ms", "speedup"])
     return frame if frame["device"].nunique() >= 2 else frame.iloc[0:0]
 

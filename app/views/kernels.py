@@ -79,6 +79,7 @@ st.dataframe(frame[["shape", "m", "n", "k", "path", "ms", "tflops", "pct_peak", 
                     "max_rel_err", "padded_m", "skipped"]].sort_values(["n", "k", "m", "path"]),
              hide_index=True, width="stretch")
 
+available_m = sorted(set(int(m) for m in frame["m"]))  # this device's timings of the model's shapes
 if len({d[1] for d in devices}) >= 2:
     st.subheader("Compare devices")
     st.caption("One kernel path at one M on every device that measured this model's shapes: where FP8 or "
@@ -86,8 +87,7 @@ if len({d[1] for d in devices}) >= 2:
     c1, c2 = st.columns(2)
     cmp_path = c1.selectbox("Path", [p for p in KERNEL_PATHS if p != "baseline"],
                             index=[p for p in KERNEL_PATHS if p != "baseline"].index("fp8_row+q"), key="cmp_path")
-    all_m = sorted(set(int(m) for m in svc.kernel_frame(device_name)["m"]))
-    cmp_m = c2.selectbox("M (batch × tokens)", all_m, index=len(all_m) - 1, key="cmp_m")
+    cmp_m = c2.selectbox("M (batch × tokens)", available_m, index=len(available_m) - 1, key="cmp_m")
     cmp = svc.device_comparison(model, cmp_path, cmp_m)
     if cmp.empty:
         st.info(f"Fewer than two devices have {cmp_path} timings of this model's shapes at M={cmp_m}.")
@@ -102,7 +102,6 @@ plan_labels = {f"preset:{s}": f"{s} on every layer" for s in list_schemes()} | {
     f"plan:{p.id}": f"plan {p.label}" for p in plans}
 choice = st.selectbox("Plan", options, index=options.index("preset:FP8_DYNAMIC"), format_func=plan_labels.get,
                       key="kernels_plan")
-available_m = sorted(set(int(m) for m in frame["m"]))
 c1, c2 = st.columns(2)
 m_prefill = c1.selectbox("Prefill M (batch × prompt tokens)", available_m, index=len(available_m) - 1,
                          key="kernels_m_prefill")
