@@ -133,6 +133,13 @@ def live_workers():
     return presence.live_workers(settings())
 
 
+def idle_queues(queues) -> list[str]:
+    """Queues among ``queues`` that no live worker consumes."""
+    from worker import presence
+
+    return presence.idle_queues(queues, settings())
+
+
 def all_workers():
     with session_scope(settings()) as s:
         return repo.list_workers(s)

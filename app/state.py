@@ -35,8 +35,7 @@ def sidebar() -> None:
         active = [j for j in svc.list_jobs(limit=50) if not j.finished]
         if active:
             st.caption(f"{len(active)} job(s) queued or running: see Jobs.")
-            live = {q for w in svc.live_workers() for q in w.queues}
-            orphans = sorted({j.queue for j in active if j.status == "queued" and j.queue not in live})
+            orphans = svc.idle_queues(j.queue for j in active if j.status == "queued")
             if orphans:
                 st.warning(f"No live worker consumes queue {', '.join(repr(q) for q in orphans)}: "
                            "those jobs wait. See Jobs.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from store import repo
 from store.db import session_scope
@@ -85,9 +85,18 @@ def live_workers(settings: Settings | None = None) -> list[WorkerRecord]:
         return repo.list_workers(session, seen_within_s=LIVE_WITHIN_S)
 
 
+def idle_queues(queues: Iterable[str], settings: Settings | None = None) -> list[str]:
+    """The queues among ``queues`` that no live worker consumes (``local``, the CLI's in-process runs, never)."""
+    wanted = sorted({q for q in queues if q != "local"})
+    if not wanted:
+        return []
+    served = {q for w in live_workers(settings) for q in w.queues}
+    return [q for q in wanted if q not in served]
+
+
 def no_worker_note(queue: str, settings: Settings | None = None) -> str | None:
     """A sentence for a person when no live worker consumes ``queue``; None when one does."""
-    if queue == "local" or any(queue in w.queues for w in live_workers(settings)):
+    if not idle_queues([queue], settings):
         return None
     where = "a GPU host" if queue.startswith("gpu") else "a machine that can reach the broker"
     return (f"No worker consuming queue '{queue}' has reported in the last {LIVE_WITHIN_S:.0f} s: the job waits "
