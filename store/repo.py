@@ -254,15 +254,18 @@ def finish_job(session: Session, job_id: int, *, status: str, message: str = "",
     session.execute(update(m.Job).where(m.Job.id == job_id).values(**values))
 
 
+def _aware(t: dt.datetime) -> dt.datetime:
+    """A UTC datetime with its time zone: SQLite hands back naive ones."""
+    return t.replace(tzinfo=dt.UTC) if t.tzinfo is None else t
+
+
 def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
     """Fail running jobs whose heartbeat is older than stale_after_s (their worker died)."""
     cutoff = m.utcnow() - dt.timedelta(seconds=stale_after_s)
     rows = list(session.scalars(select(m.Job).where(m.Job.status == "running")))
     stale = []
     for row in rows:
-        hb = row.heartbeat_at or row.started_at or row.created_at
-        if hb.tzinfo is None:  # SQLite hands back naive datetimes
-            hb = hb.replace(tzinfo=dt.UTC)
+        hb = _aware(row.heartbeat_at or row.started_at or row.created_at)
         if hb < cutoff:
             row.status, row.finished_at = "failed", m.utcnow()
             row.error = (f"the worker stopped reporting (no heartbeat for over {stale_after_s} s; "
@@ -273,10 +276,6 @@ def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- workers
-
-
-def _aware(t: dt.datetime) -> dt.datetime:
-    return t.replace(tzinfo=dt.UTC) if t.tzinfo is None else t  # SQLite hands back naive datetimes
 
 
 def _worker_record(row: m.Worker) -> WorkerRecord:
