@@ -197,16 +197,13 @@ def cmd_jobs(args) -> int:
 def advertised_queues(configured: str) -> str:
     """The configured queues plus the device class this machine serves: a worker on an H100 also takes
     'gpu' and 'gpu.sm90', so a job routed to the hardware it must measure lands on that hardware."""
-    from quantcore.hardware import probe_device
+    from worker.presence import describe_device
 
-    queues = [q.strip() for q in configured.split(",") if q.strip()]
-    try:
-        info = probe_device("cuda")
-    except Exception:  # no CUDA device (or no driver): a CPU worker
-        info = None
-    if info is not None and "gpu" in queues and info.device_class not in queues:
-        queues.append(info.device_class)
-    return ",".join(dict.fromkeys(queues))
+    queues = list(dict.fromkeys(q.strip() for q in configured.split(",") if q.strip()))
+    device, _, device_class, _ = describe_device(queues)  # a GPU only when a gpu queue asks for one
+    if device == "cuda" and "gpu" in queues and device_class not in queues:
+        queues.append(device_class)
+    return ",".join(queues)
 
 
 def cmd_worker(args) -> int:
