@@ -632,11 +632,11 @@ def has_time(record: KernelRecord) -> bool:
 
 def _fill_speedups(records: list[KernelRecord]) -> None:
     base = {
-        (r.device_name, r.m, r.n, r.k): r.ms for r in records if r.path == PATH_BASELINE and r.ms is not None
+        (r.device_name, r.m, r.n, r.k): r.ms for r in records if r.path == PATH_BASELINE and has_time(r)
     }
     for r in records:
         b = base.get((r.device_name, r.m, r.n, r.k))
-        if r.ms is not None and b is not None and r.ms > 0:
+        if b is not None and has_time(r):
             r.speedup = b / r.ms
 
 
@@ -826,7 +826,7 @@ def format_markdown(records: Iterable[KernelRecord]) -> str:
     def cell(r: KernelRecord | None) -> str:
         if r is None:
             return ""
-        if r.ms is None:
+        if not has_time(r):
             return "skip"
         if r.path == PATH_BASELINE:
             return f"{r.ms:.4f} ms{pct(r)}"
