@@ -222,7 +222,7 @@ def token_stats(
     nll = torch.empty(n, dtype=torch.float32, device=dev)
     argmax = torch.empty(n, dtype=torch.int64, device=dev)
     kl = torch.empty(n, dtype=torch.float32, device=dev) if with_ref else None
-    # Work buffers, allocated once: a fresh 16 MB block per chunk costs page faults on every chunk.
+    # Work buffers, allocated once: a fresh block per chunk costs an allocation (page faults) every time.
     work = torch.empty((rows, vocab), dtype=torch.float32, device=dev)
     ref_work = torch.empty((rows, vocab), dtype=torch.float32, device=dev) if with_ref else None
     targets = targets.to(dev)
