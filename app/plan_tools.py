@@ -18,7 +18,7 @@ def render(model, plans, target: str) -> None:
         device_name = svc.measured_device_for(target)
         st.caption(f"Sensitivity known for: {', '.join(sorted(sens))}. Cost: "
                    + (f"measured kernel times on {device_name}." if device_name
-                      else f"weight bits × N × K (no {target} timings stored)."))
+                      else f"stored weight bits, scales included (no {target} timings stored)."))
         with st.form("auto_plan"):
             c1, c2 = st.columns(2)
             budget = c1.number_input("KL budget (nats per token)", 0.0, 10.0, 0.02, step=0.005, format="%.4f",

@@ -20,6 +20,7 @@ from store.settings import Settings, get_settings
 from worker.client import submit_job
 
 UPLOAD_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar", ".gguf")
+MIB = 2**20
 
 
 def settings() -> Settings:
@@ -77,7 +78,7 @@ def register_upload(filename: str, data: bytes, name: str | None = None) -> JobR
                              ".zip/.tar.gz of the folder.")
         raise ValueError(f"{safe}: upload a .zip or .tar.gz of a Hugging Face folder, or a .gguf file")
     if len(data) > s.upload_limit_bytes:
-        raise ValueError(f"{safe} is {len(data) / 2**20:.0f} MiB, over the {s.upload_limit_mb} MiB limit")
+        raise ValueError(f"{safe} is {len(data) / MIB:.0f} MiB, over the {s.upload_limit_mb} MiB limit")
     staging = Path(str(s.artifact_dir)) / "uploads" / uuid.uuid4().hex
     staging.mkdir(parents=True)
     try:
@@ -447,6 +448,26 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     return pd.DataFrame(rows)
 
 
+def plan_footprint(model: ModelRecord, body: dict[str, Any]):
+    """quantcore.plans.Footprint of a plan body on the model (linear weights, scales included);
+    ValueError with the plan's problems when it does not resolve."""
+    from quantcore.plans import plan_footprint as footprint
+
+    resolved, problem = resolve(model, body)
+    if problem:
+        raise ValueError(problem)
+    return footprint(resolved, layer_shapes(model))
+
+
+def footprint_frame(fp):
+    """One row per scheme of a Footprint: layers, weights, MiB, bits per weight, share of the plan's bytes."""
+    import pandas as pd
+
+    return pd.DataFrame([{"scheme": r.scheme, "layers": r.layers, "weights (M)": r.params / 1e6,
+                          "MiB": r.bits / 8 / MIB, "bits / weight": r.bits_per_weight,
+                          "share": r.bits / fp.bits if fp.bits else 0.0} for r in fp.rows])
+
+
 def plan_diff(model: ModelRecord, a: PlanRecord, b: PlanRecord):
     import pandas as pd
 
@@ -572,7 +593,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     result = solve(layer_names(model), sens, kl_budget=kl_budget, target=target, candidates=cands, cost=cost,
                    layer_shapes=shapes, unit_layers=unit_layers)
     if device_name is None or cost is None:
-        result.notes.append(f"no kernel timings of a {target} are stored: cost is weight bits × N × K")
+        result.notes.append(f"no kernel timings of a {target} are stored: cost is the stored weight bits, scales included")
     name = f"auto-{target}-kl{kl_budget:g}"
     body = spec_from_plan(result.plan, model=model.name, name=name).to_dict()
     versions = [p for p in list_plans(model.id) if p.name == name]

@@ -29,8 +29,10 @@ Sensitivity input
     builds both maps from stored sweep rows.
 
 Cost
-    - ``cost=None``: a bits proxy, ``weight_bits * N * K`` (the weight memory in bits; the
-      bytes a decode step reads), needing ``layer_shapes`` {layer: (N, K)}.
+    - ``cost=None``: a bits proxy, the stored weight bits of each layer, scales included
+      (:func:`quantcore.schemes.weight_storage_bits`: the weight memory, and the bytes a decode
+      step reads), needing ``layer_shapes`` {layer: (N, K)}. It is the plan's
+      :func:`quantcore.plans.plan_footprint`, so W4A16 (4.125 bits) beats NVFP4A16 (4.5) on it.
     - ``cost={scheme: {layer: ms}}``: measured GEMM times on the target (see
       :func:`cost_from_kernel_records`). ``cost["BF16"]`` must time every layer (the
       baseline); a scheme without a time for a layer is *estimated* as the layer's BF16 time
@@ -65,7 +67,14 @@ from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
 from quantcore.plans import group_label, scheme_label
-from quantcore.schemes import IDENTITY_BITS, Scheme, fusion_units, get_scheme, list_schemes
+from quantcore.schemes import (
+    IDENTITY_BITS,
+    Scheme,
+    fusion_units,
+    get_scheme,
+    list_schemes,
+    weight_storage_bits,
+)
 
 BASELINE_SCHEME = "BF16"  # always available, KL 0
 DEFAULT_CANDIDATES: tuple[str, ...] = (
@@ -86,7 +95,7 @@ COST_TIE_RTOL = 1e-12  # plans whose costs differ by less than this (relative) c
 
 COST_MEASURED = "measured"  # a kernel time from the benchmark table
 COST_ESTIMATED = "estimated"  # BF16 time x weight_bits / 16
-COST_BITS = "bits"  # weight_bits x N x K
+COST_BITS = "bits"  # stored weight bits, scales included (weight_storage_bits)
 UNIT_MS = "ms"
 UNIT_BITS = "weight bits"
 
@@ -295,8 +304,7 @@ def _check_kl(value: Any, where: str, problems: list[str]) -> float | None:
 
 
 def _bits_cost(scheme: Scheme, shape: tuple[int, int]) -> float:
-    n, k = shape
-    return float(scheme.weight_bits) * float(n) * float(k)
+    return float(weight_storage_bits(scheme, *shape))
 
 
 def _layer_costs(

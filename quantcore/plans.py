@@ -49,7 +49,14 @@ import yaml
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format_problems
 from quantcore.errors import name_list as _cut
-from quantcore.schemes import Scheme, fusion_groups, get_scheme, list_schemes
+from quantcore.schemes import (
+    IDENTITY_BITS,
+    Scheme,
+    fusion_groups,
+    get_scheme,
+    list_schemes,
+    weight_storage_bits,
+)
 
 # Unicode line breaks that PyYAML writes raw inside a quoted scalar and reads back as a space
 _YAML_BREAKS = ("\x85", "\u2028", "\u2029")
@@ -445,6 +452,80 @@ def diff_plans(
         if la != lb:
             out.append((layer, la, lb))
     return out
+
+
+@dataclass(frozen=True)
+class FootprintRow:
+    """The weights of the layers that share one scheme: how many, and the bits they are stored in."""
+
+    scheme: str
+    layers: int
+    params: int
+    bits: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight element, scales included (4.5 for NVFP4: 4 + an 8-bit scale per 16)."""
+        return self.bits / self.params if self.params else 0.0
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Linear-weight memory of a resolved plan (:func:`plan_footprint`).
+
+    rows:      one per scheme, the largest stored size first
+    params:    weight elements of every layer counted
+    bits:      their stored bits under the plan (elements + scales)
+    bf16_bits: the same weights unquantized, 16 bits each
+    """
+
+    rows: list[FootprintRow]
+    params: int
+    bits: int
+    bf16_bits: int
+
+    @property
+    def ratio(self) -> float:
+        """Stored size as a share of BF16 (0.53: the plan keeps 53 % of the 16-bit weight memory)."""
+        return self.bits / self.bf16_bits if self.bf16_bits else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe summary: totals in bytes and each scheme's share."""
+        return {
+            "params": self.params,
+            "bytes": self.bits / 8,
+            "bf16_bytes": self.bf16_bits / 8,
+            "ratio": self.ratio,
+            "schemes": [
+                {"scheme": r.scheme, "layers": r.layers, "params": r.params, "bytes": r.bits / 8,
+                 "bits_per_weight": r.bits_per_weight}
+                for r in self.rows
+            ],
+        }
+
+
+def plan_footprint(
+    resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]
+) -> Footprint:
+    """Weight memory of a resolved plan, per scheme and in total, next to BF16.
+
+    ``shapes`` maps each layer to its (N, K); every layer of ``resolved`` needs one (a
+    ValueError names those without). Sizes come from :func:`quantcore.schemes.weight_storage_bits`:
+    the linear weights only (embeddings, norms and biases are not the plan's to change).
+    """
+    missing = [layer for layer in resolved if layer not in shapes]
+    if missing:
+        raise ValueError(f"no (N, K) shape for {len(missing)} layer(s): {_cut(missing)}")
+    per: dict[str, list[int]] = {}
+    for layer, scheme in resolved.items():
+        n, k = shapes[layer]
+        row = per.setdefault(scheme_label(scheme), [0, 0, 0])
+        row[0] += 1
+        row[1] += n * k
+        row[2] += weight_storage_bits(scheme, n, k)
+    rows = sorted((FootprintRow(label, *v) for label, v in per.items()), key=lambda r: (-r.bits, r.scheme))
+    params = sum(r.params for r in rows)
+    return Footprint(rows, params, sum(r.bits for r in rows), IDENTITY_BITS * params)
 
 
 def scheme_label(scheme: Scheme | str) -> str:

@@ -426,6 +426,52 @@ def get_scheme(name: str | Scheme) -> Scheme:
         raise ValueError(f"unknown scheme {name!r}{hint}; valid schemes are: {valid}") from None
 
 
+# ---------------------------------------------------------------- weight storage
+
+#: Bits of one stored weight scale. compressed-tensors creates weight scales in the checkpoint's own
+#: dtype (``initialize_qparams``: bf16 / fp16 for a 16-bit model), whatever the granularity; the block
+#: formats instead carry their own scale type (E8M0 for MX, E4M3 for NVFP4).
+SCALE_BITS = IDENTITY_BITS
+BLOCK_SCALE_BITS = {"e8m0": 8, "fp8_e4m3": 8}
+GLOBAL_SCALE_BITS = 32  # NVFP4's fp32 per-tensor scale on top of its E4M3 block scales
+
+
+def weight_scale_count(spec: TensorSpec, n: int, k: int) -> int:
+    """Number of scales stored for an (N, K) weight quantized with ``spec`` (module docstring table)."""
+    gran = spec.granularity
+    if gran is Granularity.TENSOR:
+        return 1
+    if gran is Granularity.CHANNEL:
+        return n
+    if gran is Granularity.GROUP:
+        return n * -(-k // spec.group_size)
+    if gran is Granularity.BLOCK:
+        rows, cols = spec.block
+        return -(-n // rows) * -(-k // cols)
+    raise ValueError(f"granularity {gran.value!r} is an activation granularity: a weight has no tokens")
+
+
+def weight_storage_bits(scheme: Scheme | str, n: int, k: int) -> int:
+    """Bits a serving checkpoint stores for one (N, K) linear weight under ``scheme``.
+
+    Elements at the format's width, plus the scales (:data:`SCALE_BITS` each, or the block
+    format's own scale type), plus NVFP4's fp32 tensor scale. An unquantized weight is 16 bits
+    per element. SmoothQuant changes no storage (the factors fold into the previous layer), and
+    biases are left out (they stay 16-bit whatever the scheme). This is the weight memory a GPU
+    holds and, in a memory-bound decode step, the bytes it reads per token.
+    """
+    scheme = get_scheme(scheme)
+    spec = scheme.weights
+    if spec is None:
+        return IDENTITY_BITS * n * k
+    fmt = get_format(spec.format)
+    scales = weight_scale_count(spec, n, k)
+    if fmt.is_block:
+        extra = GLOBAL_SCALE_BITS if fmt.scale == "fp8_e4m3" else 0
+        return fmt.bits * n * k + BLOCK_SCALE_BITS[fmt.scale] * scales + extra
+    return fmt.bits * n * k + SCALE_BITS * scales
+
+
 # ---------------------------------------------------------------- fusion groups
 
 # (leaf name pattern, group kind, canonical member order). A layer "a.b.q_proj" belongs to the

@@ -330,10 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "device", "unset") is None:
         args.device = _settings().default_device
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here, where it is handled, not at interpreter exit
+        return code
     except CliError as exc:
         print(f"quantplan: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # the reader went away (`quantplan jobs --json | head`): stop quietly, as other Unix tools do;
+        # point stdout at devnull so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool ended by a closed pipe
     except Exception as exc:
         from store.db import StoreError
 

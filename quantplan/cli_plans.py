@@ -1,4 +1,4 @@
-"""`quantplan plan ...`: automatic plans, export to serving tools, import of plan files."""
+"""`quantplan plan ...`: automatic plans, a plan's weight memory, export to serving tools, import of plan files."""
 
 from __future__ import annotations
 
@@ -26,6 +26,27 @@ def _stored_or_file(ref: str, model_ref: str | None):
     except NotFound as exc:
         raise CliError(f"{exc} (and {ref} is not a plan .yaml file)") from exc
     return svc.get_model(plan.model_id), plan.body, plan.label
+
+
+def cmd_plan_show(args) -> int:
+    from app import services as svc
+
+    _checked_settings()
+    model, body, label = _stored_or_file(args.plan, args.model)
+    try:
+        fp = svc.plan_footprint(model, body)
+    except ValueError as exc:
+        raise CliError(f"{label} does not resolve on {model.name}: {exc}") from exc
+    if args.json:
+        _print_json({"plan": label, "model": model.name, **fp.to_dict()})
+        return 0
+    print(f"{label} on {model.name}: linear weights {fp.bits / 8 / svc.MIB:,.1f} MiB, {fp.ratio:.1%} of "
+          f"BF16 ({fp.bf16_bits / 8 / svc.MIB:,.1f} MiB)")
+    width = max(len(r.scheme) for r in fp.rows)
+    for r in fp.rows:
+        print(f"  {r.scheme:<{width}}  {r.layers:>5} layers  {r.params / 1e6:>10,.2f} M weights  "
+              f"{r.bits / 8 / svc.MIB:>10,.1f} MiB  {r.bits_per_weight:6.3f} bits/weight")
+    return 0
 
 
 def cmd_plan_export(args) -> int:
@@ -104,7 +125,7 @@ def cmd_plan_auto(args) -> int:
 
 
 def add_commands(sub) -> None:
-    plan = sub.add_parser("plan", help="automatic plans, export and import").add_subparsers(dest="action",
+    plan = sub.add_parser("plan", help="automatic plans, summaries, export and import").add_subparsers(dest="action",
                                                                                             required=True)
     sp = plan.add_parser("auto", help="cheapest plan whose predicted KL stays under a budget")
     sp.add_argument("model", help="registered model id or name, or 'demo'")
@@ -117,6 +138,12 @@ def add_commands(sub) -> None:
     sp.add_argument("--device", default=None, help="device of the verifying score job (default: cpu)")
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
     sp.set_defaults(func=cmd_plan_auto)
+
+    sp = plan.add_parser("show", help="a plan's schemes and the memory of its linear weights")
+    sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")
+    sp.add_argument("--model", help="model of a plan file that does not name one")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sp.set_defaults(func=cmd_plan_show)
 
     sp = plan.add_parser("export", help="an llm-compressor recipe, a compressed-tensors config or a vLLM command")
     sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")

@@ -176,3 +176,41 @@ def test_asking_the_same_automatic_plan_twice_keeps_one_version(tiny_model, caps
     from app import services as svc
 
     assert [p.version for p in svc.list_plans(svc.get_model("tiny").id) if p.name == "auto-h100-kl1000"] == [1]
+
+
+def test_plan_show_prints_the_weight_memory_of_a_plan(tiny_model, capsys, tmp_path):
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text("model: tiny\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'lm_head', scheme: BF16}\n"
+                         "  - {match: 'mlp', scheme: W4A16}\n")
+    shown = run_json(capsys, "plan", "show", str(plan_file), "--json")
+    from app import services as svc
+
+    shapes = svc.layer_shapes(svc.get_model("tiny"))
+    assert shown["model"] == "tiny" and shown["params"] == sum(n * k for n, k in shapes.values())
+    assert shown["bf16_bytes"] == 2 * shown["params"] and shown["bytes"] < shown["bf16_bytes"]
+    by = {r["scheme"]: r for r in shown["schemes"]}
+    assert by["BF16"]["layers"] == 1 and by["W4A16"]["layers"] == 2 * 3 and by["FP8_DYNAMIC"]["layers"] == 2 * 4
+    assert sum(r["bytes"] for r in shown["schemes"]) == shown["bytes"]
+
+    imported = run_json(capsys, "plan", "import", str(plan_file), "--name", "w4", "--json")
+    code, out, err = run(capsys, "plan", "show", f"w4@v{imported['version']}")
+    assert code == 0, err
+    assert "of BF16" in out and "W4A16" in out and "bits/weight" in out
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: tiny\ndefault: FP9\n")
+    code, _, err = run(capsys, "plan", "show", str(bad))
+    assert code == 1 and "FP9" in err and "does not resolve" in err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(qp_settings):
+    """`quantplan schemes | head -1`: the closed pipe ends the command with 141 and no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "quantplan", "schemes"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -53,7 +53,7 @@ except (AttributeError, IndexError, KeyError, TypeError):
     picked = None
 top = overview.sort_values("outlier_ratio", ascending=False)
 c1, c2, c3 = st.columns(3)
-c1.metric("Largest ratio", f"{top.iloc[0]['outlier_ratio']:,.0f}×", top.iloc[0]["layer"], delta_color="off")
+c1.metric("Largest ratio", f"{top.iloc[0]['outlier_ratio']:,.0f}×", top.iloc[0]["layer"], delta_color="off", delta_arrow="off")
 c2.metric("Median ratio", f"{overview['outlier_ratio'].median():,.1f}×")
 c3.metric("Layers above 100×", int((overview["outlier_ratio"] > 100).sum()))
 

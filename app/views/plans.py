@@ -89,6 +89,24 @@ if body.get("layers"):
             st.session_state[EDIT] = {**body, "layers": {}}
             st.rerun()
 
+# ----------------------------------------------------------------------------- weight memory
+if resolved is not None:
+    fp = svc.plan_footprint(model, body)
+    st.subheader("Weight memory")
+    c1, c2 = st.columns([1, 2])
+    c1.metric("Linear weights", f"{fp.bits / 8 / svc.MIB:,.1f} MiB",
+              f"{fp.ratio:.0%} of BF16 ({fp.bf16_bits / 8 / svc.MIB:,.1f} MiB)", delta_color="off", delta_arrow="off")
+    c2.dataframe(svc.footprint_frame(fp), hide_index=True, width="stretch",
+                 column_config={"weights (M)": st.column_config.NumberColumn(format="%.2f"),
+                                "MiB": st.column_config.NumberColumn(format="%.1f"),
+                                "bits / weight": st.column_config.NumberColumn(format="%.3f"),
+                                "share": st.column_config.ProgressColumn(min_value=0.0, max_value=1.0,
+                                                                         format="percent")})
+    st.caption("Stored size of the linear weights: elements at the format's width plus their scales "
+               "(16-bit per tensor, channel, group or block, as compressed-tensors saves them; E8M0 per 32 "
+               "for MX; E4M3 per 16 plus one fp32 for NVFP4). Embeddings, norms and biases are not counted. "
+               "In a memory-bound decode step this is also the weight traffic per generated token.")
+
 # ----------------------------------------------------------------------------- save
 with st.form("plan_save"):
     c1, c2 = st.columns([1, 2])
@@ -116,6 +134,10 @@ if plans:
             st.caption("Same scheme on every layer.")
         else:
             st.dataframe(diff, hide_index=True, width="stretch")
+            sizes = [svc.plan_footprint(model, next(p for p in plans if p.id == i).body) for i in (a, b)]
+            st.caption(f"Linear weights: {lab[a]} {sizes[0].bits / 8 / svc.MIB:,.1f} MiB → {lab[b]} "
+                       f"{sizes[1].bits / 8 / svc.MIB:,.1f} MiB ({sizes[0].ratio:.0%} → {sizes[1].ratio:.0%} "
+                       "of BF16).")
 
 from app import plan_tools  # noqa: E402  (auto plan + export sections)
 

@@ -62,7 +62,7 @@ else:
     if chosen:
         cols = st.columns(len(chosen[:4]))
         for col, s in zip(cols, chosen[:4], strict=False):
-            col.metric(s.plan_label, f"KL {s.kl_mean:.4g}", f"top-1 {s.top1_agree:.3f}", delta_color="off")
+            col.metric(s.plan_label, f"KL {s.kl_mean:.4g}", f"top-1 {s.top1_agree:.3f}", delta_color="off", delta_arrow="off")
             col.caption(f"perplexity {s.ppl_ref:.2f} → {s.ppl:.2f} · p99 KL {s.kl_p99:.3g} · max {s.kl_max:.3g}")
         hist, pos = svc.score_frames(chosen)
         if not hist.empty:

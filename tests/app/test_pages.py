@@ -93,6 +93,19 @@ def test_plans_page_resolves_and_saves_a_version(seeded):
     assert plans and plans[-1].body["default"] == "FP8_DYNAMIC"
 
 
+def test_plans_page_shows_the_weight_memory_of_the_plan(seeded):
+    from app import services as svc
+
+    at = _run("plans", seeded.id)
+    metric = next(m for m in at.metric if m.label == "Linear weights")
+    body = {"model": seeded.name, "default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}]}
+    fp = svc.plan_footprint(svc.get_model(seeded.id), body)  # the page's starting plan
+    assert metric.value == f"{fp.bits / 8 / svc.MIB:,.1f} MiB"
+    assert f"{fp.ratio:.0%} of BF16" in metric.proto.delta
+    frame = next(d.value for d in at.dataframe if "bits / weight" in d.value.columns)
+    assert set(frame["scheme"]) == {"FP8_DYNAMIC", "BF16"} and frame["layers"].sum() == len(seeded.linears)
+
+
 def test_the_app_never_imports_torch(qp_settings):
     code = ("import sys, runpy; sys.path.insert(0, '.');"
             "import app.services, app.charts, app.state, quantcore.outliers, quantcore.plans, quantcore.kernels,"

@@ -20,7 +20,7 @@ from quantcore.autoplan import (
 )
 from quantcore.errors import PlanError
 from quantcore.plans import group_label, resolve_plan, spec_from_plan
-from quantcore.schemes import fusion_groups, get_scheme
+from quantcore.schemes import fusion_groups, get_scheme, weight_storage_bits
 from tests.quantcore.test_kernels import _rec
 
 BLOCK = (
@@ -44,8 +44,7 @@ def brute_force(options, budget):
 
 
 def bits_cost(scheme, layer):
-    n, k = SHAPES[layer]
-    return get_scheme(scheme).weight_bits * n * k
+    return weight_storage_bits(scheme, *SHAPES[layer])
 
 
 # ----------------------------------------------------------------- the knapsack

@@ -17,13 +17,14 @@ from quantcore.plans import (
     diff_plans,
     group_label,
     load_plan_file,
+    plan_footprint,
     plan_from_scheme,
     resolve_plan,
     save_plan_file,
     scheme_label,
     spec_from_plan,
 )
-from quantcore.schemes import get_scheme, list_schemes
+from quantcore.schemes import get_scheme, list_schemes, weight_storage_bits
 
 
 def llama_layer_names(n_blocks: int = 2) -> list[str]:
@@ -246,3 +247,46 @@ def test_group_label():
 def test_plans_module_is_torch_free():
     code = "import sys, quantcore.plans; assert 'torch' not in sys.modules, 'plans imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------- weight footprint
+
+
+def _llama_shapes(names):
+    """(N, K) of a small Llama: hidden 64, kv 32, intermediate 128, vocab 100."""
+    leaf = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+            "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128), "lm_head": (100, 64)}
+    return {n: leaf[n.rsplit(".", 1)[-1]] for n in names}
+
+
+def test_plan_footprint_sums_every_layer_by_scheme():
+    shapes = _llama_shapes(LAYERS)
+    spec = PlanSpec.from_dict({"default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"},
+                                                                   {"match": "mlp", "scheme": "NVFP4A16"}],
+                               "layers": {"model.layers.1.mlp.down_proj": {"scheme": "INT8_W8A8_SQ",
+                                                                           "smoothquant_alpha": 0.7}}})
+    resolved = resolve_plan(spec, LAYERS)
+    fp = plan_footprint(resolved, shapes)
+    rows = {r.scheme: r for r in fp.rows}
+    assert set(rows) == {"FP8_DYNAMIC", "NVFP4A16", "BF16", "INT8_W8A8_SQ (alpha=0.7)"}
+    assert rows["FP8_DYNAMIC"].layers == 8 and rows["NVFP4A16"].layers == 5 and rows["BF16"].layers == 1
+    assert sum(r.layers for r in fp.rows) == len(LAYERS)
+    assert fp.params == sum(n * k for n, k in shapes.values())
+    assert fp.bf16_bits == 16 * fp.params
+    expected = sum(weight_storage_bits(resolved[n], *shapes[n]) for n in LAYERS)
+    assert fp.bits == expected and fp.ratio == pytest.approx(expected / fp.bf16_bits)
+    assert [r.bits for r in fp.rows] == sorted((r.bits for r in fp.rows), reverse=True)
+    assert rows["BF16"].bits_per_weight == 16.0
+    d = fp.to_dict()
+    assert d["bytes"] == fp.bits / 8 and [x["scheme"] for x in d["schemes"]] == [r.scheme for r in fp.rows]
+    # an all-BF16 plan keeps everything; a 4-bit one keeps about a quarter plus the scales
+    assert plan_footprint(dict.fromkeys(LAYERS, get_scheme("BF16")), shapes).ratio == 1.0
+    nv = plan_footprint(dict.fromkeys(LAYERS, get_scheme("NVFP4")), shapes)
+    assert 4 / 16 < nv.ratio < 4.6 / 16
+
+
+def test_plan_footprint_names_layers_without_a_shape():
+    shapes = _llama_shapes(LAYERS)
+    del shapes["lm_head"]
+    with pytest.raises(ValueError, match="lm_head"):
+        plan_footprint(dict.fromkeys(LAYERS, get_scheme("FP8")), shapes)

@@ -14,6 +14,8 @@ from quantcore.schemes import (
     fusion_groups,
     get_scheme,
     list_schemes,
+    weight_scale_count,
+    weight_storage_bits,
 )
 
 ISSUE_PRESETS = [
@@ -201,3 +203,46 @@ def test_fusion_groups_match_a_real_model(tiny_gemma3):
     groups = fusion_groups(names)
     assert len(groups) == 4  # 2 blocks x (qkv, gate/up)
     assert sum(len(g) for g in groups) == 2 * (3 + 2)
+
+
+# ---------------------------------------------------------------- weight storage
+
+STORAGE_SHAPES = [(64, 256), (48, 200), (130, 129), (1, 16)]  # K not a multiple of 128 / 32 / 16 too
+
+
+@pytest.mark.parametrize("name", [s for s in list_schemes() if get_scheme(s).weights is not None])
+@pytest.mark.parametrize("shape", STORAGE_SHAPES)
+def test_weight_scale_count_is_the_number_of_scales_quantize_makes(name, shape):
+    """The footprint counts exactly the scales quantcore.quantize produces for that weight."""
+    import torch
+
+    from quantcore.quantize import quantize
+
+    spec = get_scheme(name).weights
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    q = quantize(w, spec.format, spec.granularity.value, group_size=spec.group_size, block=spec.block)
+    assert weight_scale_count(spec, *shape) == q.scale.numel()
+    assert (q.tensor_scale is not None) == (spec.format == "nvfp4")  # the extra fp32 NVFP4 stores
+
+
+def test_weight_storage_bits_counts_elements_and_scales():
+    n, k = 16, 40
+    assert weight_storage_bits("BF16", n, k) == 16 * n * k
+    assert weight_storage_bits("FP8", n, k) == 8 * n * k + 16  # one per-tensor scale
+    assert weight_storage_bits("FP8_DYNAMIC", n, k) == 8 * n * k + 16 * n  # a scale per output row
+    assert weight_storage_bits("INT8_W8A8_SQ", n, k) == weight_storage_bits("INT8_W8A8", n, k)  # smoothing folds
+    assert weight_storage_bits("W4A16", n, k) == 4 * n * k + 16 * n * 1  # K=40: one group of 128 per row
+    assert weight_storage_bits("FP8_BLOCK", 200, 300) == 8 * 200 * 300 + 16 * 2 * 3  # 128x128 tiles, ceil
+    assert weight_storage_bits("MXFP4", n, k) == 4 * n * k + 8 * n * 2  # E8M0 per 32: ceil(40/32) = 2
+    assert weight_storage_bits("NVFP4", n, k) == 4 * n * k + 8 * n * 3 + 32  # E4M3 per 16 + fp32 tensor scale
+    assert weight_storage_bits("NVFP4A16", n, k) == weight_storage_bits("NVFP4", n, k)  # weights alike
+    # bits per weight on a large layer: the overheads a serving engineer knows
+    big = 4096 * 4096
+    assert weight_storage_bits("W4A16", 4096, 4096) / big == pytest.approx(4.125)
+    assert weight_storage_bits("MXFP4", 4096, 4096) / big == pytest.approx(4.25)
+    assert weight_storage_bits("NVFP4", 4096, 4096) / big == pytest.approx(4.5, abs=1e-5)
+
+
+def test_a_token_granularity_weight_has_no_scale_count():
+    with pytest.raises(ValueError, match="activation granularity"):
+        weight_scale_count(TensorSpec("int8", Granularity.TOKEN), 4, 4)
