@@ -650,6 +650,47 @@ def sensitivity_chart(df: pd.DataFrame, top_n: int = SENSITIVITY_TOP_N, bar_heig
     )
 
 
+HEAD_BLOCK = "head"  # the column of layers outside the decoder blocks (lm_head) in sensitivity_by_scheme
+
+
+def sensitivity_by_scheme(df: pd.DataFrame, cell: int = 18) -> alt.Chart:
+    """Per-unit KL of every swept scheme at once: one panel per scheme, block x projection cells.
+
+    Input columns: scheme, block (int; None/NaN for layers outside the blocks, drawn in a last
+    "head" column), proj (e.g. "q_proj/k_proj/v_proj"), kl[, unit]. The colour is log KL on one
+    scale shared by every panel, so a site that only one format cannot take (a down_proj that
+    breaks INT8 per-tensor and barely moves FP8) stands out in that format's panel alone.
+    """
+    _check_columns(df, ["scheme", "block", "proj", "kl"], "sensitivity_by_scheme")
+    if len(df) > MAX_MARKS:
+        raise ValueError(f"sensitivity_by_scheme got {len(df)} cells (limit {MAX_MARKS})")
+    blocks = pd.to_numeric(df["block"], errors="coerce")
+    order = [str(b) for b in sorted(blocks.dropna().astype(int).unique())]
+    df = df.assign(
+        col=[str(int(b)) if pd.notna(b) else HEAD_BLOCK for b in blocks],
+        kl_plot=df["kl"].clip(lower=KL_FLOOR),
+    )
+    if (df["col"] == HEAD_BLOCK).any():
+        order.append(HEAD_BLOCK)
+    tooltip = ["scheme:N"] + (["unit:N"] if "unit" in df.columns else ["col:N", "proj:N"])
+    tooltip.append(alt.Tooltip("kl:Q", format=".4g", title="KL"))
+    return (
+        alt.Chart(df, width=alt.Step(cell), height=alt.Step(cell))
+        .mark_rect()
+        .encode(
+            x=alt.X("col:O", title="block", sort=order),
+            # every projection labelled: the default overlap rule drops every other one
+            y=alt.Y("proj:N", title="", sort=_proj_sort(df["proj"]),
+                    axis=alt.Axis(labelOverlap=False, labelLimit=240)),
+            color=alt.Color("kl_plot:Q", title="KL (nats)", scale=alt.Scale(type="log", scheme="inferno"),
+                            legend=alt.Legend(format=".1e")),
+            row=alt.Row("scheme:N", title=None, header=alt.Header(labelAngle=0, labelAlign="left")),
+            tooltip=tooltip,
+        )
+        .properties(title="KL with one unit quantized, per swept scheme")
+    )
+
+
 # =============================================================================================
 # Kernels page
 # =============================================================================================

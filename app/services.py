@@ -559,6 +559,22 @@ def sensitivity_map(model: ModelRecord):
     return sensitivity_from_rows(rows)
 
 
+def sensitivity_by_scheme(model: ModelRecord):
+    """Frame [scheme, unit, block, proj, kl]: the newest sweep's KL of every unit, for every swept scheme."""
+    import pandas as pd
+
+    from quantcore.outliers import parse_layer_name
+
+    sens, unit_layers = sensitivity_map(model)
+    rows = []
+    for scheme, kls in sorted(sens.items()):
+        for unit, kl in kls.items():
+            parsed = [parse_layer_name(x) for x in unit_layers.get(unit, [unit])]
+            rows.append({"scheme": scheme, "unit": unit, "block": parsed[0][0],
+                         "proj": "/".join(dict.fromkeys(p for _, p in parsed)), "kl": kl})
+    return pd.DataFrame(rows, columns=["scheme", "unit", "block", "proj", "kl"])
+
+
 def measured_device_for(target: str) -> str | None:
     """A device with stored kernel timings that is the target GPU, if any."""
     from quantcore.hardware import match_target

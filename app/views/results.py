@@ -89,3 +89,12 @@ df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "top1_agree": r.top1_agree
                     "proj": "/".join(dict.fromkeys(parse_layer_name(x)[1] for x in r.layers))} for r in rows])
 st.altair_chart(charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
 st.dataframe(df, hide_index=True, width="stretch")
+
+by_scheme = svc.sensitivity_by_scheme(model)
+if by_scheme["scheme"].nunique() >= 2:
+    st.subheader("Every swept scheme side by side")
+    st.caption("The newest sweep of each scheme: one cell per unit (block × projection), colour = KL with only that "
+               "unit quantized, on one log scale for every panel. A cell bright in one panel and dark in another "
+               "is a layer to give the other format; the Plans page's automatic plan makes that choice for every "
+               "layer under a KL budget.")
+    st.altair_chart(charts.sensitivity_by_scheme(by_scheme), width="content")

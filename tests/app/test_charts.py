@@ -346,6 +346,32 @@ def test_sensitivity_chart_sorted_top_n() -> None:
     assert {r["layer"] for r in rows} == {f"model.layers.{i}.mlp.down_proj" for i in range(90, 100)}
 
 
+def test_sensitivity_by_scheme_one_panel_per_scheme_with_the_head_last() -> None:
+    df = pd.DataFrame(
+        {
+            "scheme": ["INT8_PER_TENSOR"] * 4 + ["FP8_DYNAMIC"] * 4,
+            "unit": ["model.layers.10.mlp.down_proj", "model.layers.2.mlp.down_proj",
+                     "model.layers.2.self_attn.{q,k,v}_proj", "lm_head"] * 2,
+            "block": [10, 2, 2, None] * 2,
+            "proj": ["down_proj", "down_proj", "q_proj/k_proj/v_proj", "lm_head"] * 2,
+            "kl": [0.3, 0.0, 0.01, 0.02, 0.001, 0.002, 0.003, 0.004],
+        }
+    )
+    spec = spec_of(charts.sensitivity_by_scheme(df))
+    enc = spec["encoding"]
+    assert mark_type(spec) == "rect" and enc["row"]["field"] == "scheme"
+    assert enc["x"]["sort"] == ["2", "10", charts.HEAD_BLOCK]  # blocks numerically, the head column last
+    assert enc["y"]["sort"] == ["q_proj/k_proj/v_proj", "down_proj", "lm_head"]  # projections in model order
+    assert enc["color"]["scale"]["type"] == "log"
+    rows = data_rows(spec, spec)
+    assert len(rows) == 8
+    zero = next(r for r in rows if r["scheme"] == "INT8_PER_TENSOR" and r["col"] == "2" and r["proj"] == "down_proj")
+    assert zero["kl"] == 0.0 and zero["kl_plot"] == charts.KL_FLOOR  # a log scale cannot draw 0
+    assert {r["col"] for r in rows if r["proj"] == "lm_head"} == {charts.HEAD_BLOCK}
+    with pytest.raises(ValueError, match="needs columns"):
+        charts.sensitivity_by_scheme(df.drop(columns=["proj"]))
+
+
 # --------------------------------------------------------------------------- kernels page
 def test_kernel_heatmap_speedup_and_unsupported() -> None:
     df = pd.DataFrame(

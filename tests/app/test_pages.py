@@ -106,6 +106,32 @@ def test_plans_page_shows_the_weight_memory_of_the_plan(seeded):
     assert set(frame["scheme"]) == {"FP8_DYNAMIC", "BF16"} and frame["layers"].sum() == len(seeded.linears)
 
 
+def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    at = _run("results", seeded.id)
+    assert not any("side by side" in h.value for h in at.subheader)  # one scheme swept: nothing to set beside it
+    names = [lin["name"] for lin in seeded.linears]
+    with session_scope() as s:
+        sj = repo.create_job(s, kind="sensitivity", params={"scheme": "FP8_DYNAMIC"}, queue="cpu", user=None,
+                             model_id=seeded.id)
+        repo.save_sensitivity(s, job_id=sj.id, model_id=seeded.id, scheme="FP8_DYNAMIC",
+                              rows=[{"layer": n, "layers": [n], "kl_mean": 1e-3, "top1_agree": 0.99,
+                                     "sqnr_db": 30.0} for n in names])
+        repo.finish_job(s, sj.id, status="succeeded", result={"units": len(names)})
+    at = _run("results", seeded.id)
+    assert not at.exception
+    assert any("side by side" in h.value for h in at.subheader)
+    from app import services as svc
+
+    frame = svc.sensitivity_by_scheme(svc.get_model(seeded.id))
+    assert set(frame["scheme"]) == {"FP8_DYNAMIC", "INT8_PER_TENSOR"} and len(frame) == 2 * len(names)
+    assert (frame[frame["scheme"] == "FP8_DYNAMIC"]["kl"] == 1e-3).all()
+    head = frame[frame["unit"] == "lm_head"]
+    assert head["block"].isna().all() and set(head["proj"]) == {"lm_head"}
+
+
 def test_the_app_never_imports_torch(qp_settings):
     code = ("import sys, runpy; sys.path.insert(0, '.');"
             "import app.services, app.charts, app.state, quantcore.outliers, quantcore.plans, quantcore.kernels,"
