@@ -439,6 +439,32 @@ def device_class(kind: str, compute_capability: tuple[int, int] | None = None) -
     return f"gpu.sm{major}{minor}"
 
 
+#: CPU instruction-set extensions that multiply INT8 with INT32 accumulation in hardware, as Linux
+#: names them in /proc/cpuinfo, best first: Intel AMX tiles, AVX-512 VNNI (Cascade Lake+, AMD Zen 4+),
+#: AVX-VNNI (Alder Lake+), Arm's int8 matrix multiply and dot product. oneDNN, which serves
+#: ``torch._int_mm`` on a CPU, uses them when present.
+CPU_INT8_ISAS = ("amx_int8", "avx512_vnni", "avx_vnni", "i8mm", "asimddp")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (x86 ``flags``, Arm ``Features``); empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def int8_dot_isa(flags: set[str] | None = None) -> str | None:
+    """The best INT8 dot-product extension among ``flags`` (default: this CPU's), or None."""
+    flags = cpu_flags() if flags is None else flags
+    return next((isa for isa in CPU_INT8_ISAS if isa in flags), None)
+
+
 def _cpu_name() -> str:
     import platform
 
@@ -562,31 +588,37 @@ def _try_tiny(device: str, path: str) -> str | None:
     return None
 
 
-def device_paths(info: DeviceInfo) -> dict[str, PathSupport]:
+def device_paths(info: DeviceInfo, *, flags: set[str] | None = None) -> dict[str, PathSupport]:
     """For each of ``DEVICE_PATHS``: does it run on the probed device, and is it accelerated?
 
     "runs" is established by executing a tiny instance (32×32×32) of the kernel on the
     device; "native" comes from the capability rules (FP8 tensor cores from sm89,
-    INT8 from sm75, FP4 from sm100). On a CPU nothing low-precision is accelerated:
-    FP8 and INT8 run through torch's CPU fallbacks and are reported as "runs, not
-    accelerated" — the measured times are the honest answer.
+    INT8 from sm75, FP4 from sm100). On a CPU, FP8 is never accelerated (no CPU has FP8
+    matrix units that torch uses) and INT8 is native only where the CPU has INT8
+    dot-product instructions (:data:`CPU_INT8_ISAS`, from ``cpu_flags``: VNNI, AMX, i8mm);
+    a path that only runs is reported as "runs, not accelerated", and the measured times
+    are the honest answer either way.
     """
     out: dict[str, PathSupport] = {}
     dev = info.device
     if info.kind == "cpu":
         out["baseline"] = PathSupport("baseline", True, True, "fp32 matmul: the CPU baseline")
-        for path, what in (
-            ("fp8_tensor", "torch._scaled_mm with per-tensor scales; CPUs have no FP8 matrix units"),
-            ("fp8_row", "torch._scaled_mm with row-wise scales; CPUs have no FP8 matrix units"),
+        isa = int8_dot_isa(flags)  # flags: a CPU's feature flags, this one's by default
+        int8_native = isa is not None
+        for path, what, native in (
+            ("fp8_tensor", "torch._scaled_mm with per-tensor scales; CPUs have no FP8 matrix units", False),
+            ("fp8_row", "torch._scaled_mm with row-wise scales; CPUs have no FP8 matrix units", False),
             (
                 "int8_row",
-                "torch._int_mm on CPU is not counted as accelerated; the measured TFLOP/s "
-                "against fp32 shows what this CPU does",
+                f"torch._int_mm on this CPU's {isa} INT8 dot-product instructions" if int8_native
+                else "torch._int_mm; this CPU has no INT8 dot-product instructions (VNNI, AMX, i8mm)",
+                int8_native,
             ),
         ):
             err = _try_tiny(dev, path)
             if err is None:
-                out[path] = PathSupport(path, True, False, f"runs, not accelerated: {what}")
+                out[path] = PathSupport(path, True, native, f"native: {what}" if native
+                                        else f"runs, not accelerated: {what}")
             else:
                 out[path] = PathSupport(path, False, False, f"does not run on this CPU: {err}")
         out["fp4"] = PathSupport("fp4", False, False, "FP4 matmul needs Blackwell (sm100) tensor cores")

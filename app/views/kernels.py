@@ -61,6 +61,11 @@ native_any = bool(frame.loc[frame["path"] != "baseline", "native"].any())
 if not native_any:
     st.warning(f"{device_name} runs none of the low-precision paths natively: their times are shown in the "
                "table for completeness, and the heatmap marks them n/a.")
+else:
+    emulated = sorted(set(frame.loc[(frame["path"] != "baseline") & ~frame["native"], "path"]))
+    if emulated:
+        st.caption(f"Not native on {device_name}: {', '.join(emulated)}. Their cells read n/a; their times are "
+                   "in the table below.")
 heat = frame[frame["path"] != "baseline"].copy()
 heat["speedup"] = np.where(heat["native"] & heat["ms"].notna(), heat["speedup"], np.nan)
 st.subheader("Speed-up over the baseline GEMM")

@@ -79,6 +79,27 @@ def test_kernels_page_marks_non_native_paths(seeded):
     assert any("Prefill" in m.label for m in at.metric)
 
 
+def test_kernels_page_names_the_paths_a_device_does_not_run_natively(seeded):
+    """A CPU with VNNI runs INT8 natively but not FP8: the page says which cells read n/a and why."""
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        bj = repo.create_job(s, kind="bench", params={"device": "cpu"}, queue="cpu", user=None)
+        recs = [dict(device="cpu", device_name="VNNI CPU", torch_version="2.13.0", m=16, n=lin["out_features"],
+                     k=lin["in_features"], path=path, ms=1.0 if path == "baseline" else 0.5, tflops=0.01,
+                     pct_peak=None, speedup=1.0 if path == "baseline" else 2.0, native=path != "fp8_tensor",
+                     max_rel_err=None, padded_m=None, skipped=None)
+                for lin in seeded.linears[:1] for path in ("baseline", "fp8_tensor", "int8_row")]
+        repo.save_kernel_results(s, job_id=bj.id, records=recs)
+        repo.finish_job(s, bj.id, status="succeeded")
+    at = _run("kernels", seeded.id)
+    at.selectbox(key="kernels_device").set_value("VNNI CPU").run()
+    assert not at.exception
+    assert not any("natively" in w.value for w in at.warning)
+    assert any("Not native on VNNI CPU: fp8_tensor" in c.value for c in at.caption)
+
+
 def test_plans_page_resolves_and_saves_a_version(seeded):
     from store import repo
     from store.db import session_scope

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,16 +181,35 @@ def test_probe_cpu() -> None:
     assert d["kind"] == "cpu" and d["compute_capability"] is None
 
 
-def test_device_paths_on_cpu_say_runs_but_not_accelerated() -> None:
-    paths = hw.device_paths(hw.probe_device("cpu"))
+@pytest.mark.parametrize("flags, isa", [
+    ({"sse2", "avx2", "fma"}, None),  # an AVX2-only x86 (the EPYC of SEEN-HERE: _int_mm 34 s for one shape)
+    ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, "avx512_vnni"),  # Zen 4, Cascade Lake and later
+    ({"avx512_vnni", "amx_tile", "amx_int8"}, "amx_int8"),  # Sapphire Rapids: the best one is named
+    ({"fp", "asimd", "asimddp"}, "asimddp"),  # Arm with the dot-product extension
+])
+def test_device_paths_on_cpu_say_what_runs_and_what_is_accelerated(flags, isa) -> None:
+    assert hw.int8_dot_isa(flags) == isa
+    paths = hw.device_paths(hw.probe_device("cpu"), flags=flags)
     assert set(paths) == set(hw.DEVICE_PATHS)
     assert paths["baseline"].runs and paths["baseline"].native
     for p in ("fp8_tensor", "fp8_row", "int8_row"):
-        # torch 2.13 CPU: _scaled_mm (E4M3) and _int_mm both execute, without acceleration
-        assert paths[p].runs, paths[p].note
-        assert not paths[p].native
-        assert "not accelerated" in paths[p].note
+        assert paths[p].runs, paths[p].note  # torch 2.13 CPU: _scaled_mm (E4M3) and _int_mm both execute
+    for p in ("fp8_tensor", "fp8_row"):  # no CPU has FP8 matrix units
+        assert not paths[p].native and "not accelerated" in paths[p].note
+    int8 = paths["int8_row"]
+    if isa is None:
+        assert not int8.native and "not accelerated" in int8.note and "no INT8 dot-product" in int8.note
+    else:
+        assert int8.native and isa in int8.note
     assert not paths["fp4"].runs and not paths["fp4"].native
+
+
+def test_this_cpus_flags_are_read() -> None:
+    flags = hw.cpu_flags()
+    if not Path("/proc/cpuinfo").exists():
+        pytest.skip("no /proc/cpuinfo")
+    assert flags, "/proc/cpuinfo has a flags / Features line on Linux"
+    assert hw.device_paths(hw.probe_device("cpu"))["int8_row"].native == (hw.int8_dot_isa(flags) is not None)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where there is no CUDA")
