@@ -284,7 +284,8 @@ def overview_chart(df: pd.DataFrame, height: int = CHART_HEIGHT, width: int = OV
             y=alt.Y(
                 "outlier_ratio:Q", title="max channel max / median channel max", scale=alt.Scale(type="log")
             ),
-            color=alt.Color("block:Q", title="block", scale=alt.Scale(scheme="viridis")),
+            # the legend runs over the blocks; lm_head (block -1) takes the first colour, not a "-1" tick
+            color=alt.Color("block:Q", title="block", scale=alt.Scale(scheme="viridis", domainMin=0, clamp=True)),
             opacity=alt.condition(pick, alt.value(1.0), alt.value(0.35)),
             size=alt.condition(pick, alt.value(140), alt.value(60)),
             tooltip=tooltip,

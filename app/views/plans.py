@@ -66,6 +66,9 @@ edited = st.data_editor(
             help="KL against the unquantized model when only this layer (its fusion group) uses the scheme "
                  "of this row, from the newest sensitivity sweep of that scheme; empty: no sweep of it yet"),
         "on_target": st.column_config.TextColumn(f"on {target}"),
+        "fused_with": st.column_config.NumberColumn(
+            "fused with", help="other layers served in one GEMM with this one (q/k/v, gate/up): they share its "
+                               "scheme"),
     },
 )
 changed = edited[edited["scheme"] != table["scheme"]]

@@ -119,6 +119,7 @@ def test_overview_chart_encodings_and_selection() -> None:
     assert enc["y"]["field"] == "outlier_ratio" and enc["y"]["scale"]["type"] == "log"
     assert enc["x"]["field"] == "proj" and enc["x"]["sort"] == ["q_proj", "o_proj", "down_proj", "lm_head"]
     assert enc["color"]["field"] == "block" and enc["color"]["type"] == "quantitative"
+    assert enc["color"]["scale"]["domainMin"] == 0 and enc["color"]["scale"]["clamp"]  # lm_head is block -1
     assert enc["xOffset"]["field"] == "block"
     (param,) = spec["params"]
     assert param["name"] == "layer_pick"
