@@ -14,7 +14,8 @@ from quantcore.schemes import list_schemes
 st.title("Kernels")
 st.caption("Measured, not assumed: each low-precision path is timed against the baseline GEMM (bf16 on GPU, "
            "fp32 on CPU) for every (N, K) of the model's linear layers; '+q' includes quantizing the "
-           "activation on the fly. A path the device does not accelerate is marked so, never shown as a "
+           "activation on the fly, in eager unfused PyTorch (a serving engine's fused kernel pays less, so the "
+           "truth lies between a path and its '+q'). A path the device does not accelerate is marked so, never shown as a "
            "speed-up.")
 model = state.current_model()
 if model is None:
