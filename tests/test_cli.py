@@ -214,3 +214,28 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(qp_settings):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_a_stored_timing_whose_native_flag_is_outdated_is_measured_again(tiny_model, capsys):
+    """Records stored under other rules for this device (INT8 on a VNNI CPU was once 'not native') are
+    re-measured, so the Kernels page shows the flag the device's probe gives now; the others are reused."""
+    from sqlalchemy import update
+
+    from store import models as m
+    from store.db import session_scope
+
+    first = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--json")
+    with session_scope() as s:
+        n, k = first[0]["n"], first[0]["k"]  # one shape's INT8 record, as an older quantplan stored it
+        s.execute(update(m.KernelResult).where(m.KernelResult.path == "int8_row", m.KernelResult.n == n,
+                                               m.KernelResult.k == k).values(native=~m.KernelResult.native))
+    again = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--json")
+    assert len(again) == len(first)
+    assert {(r["n"], r["k"], r["path"]): r["native"] for r in again} == \
+        {(r["n"], r["k"], r["path"]): r["native"] for r in first}  # the probe's flags, not the tampered ones
+    code, out, _ = run(capsys, "jobs", "--json")
+    bench_jobs = [j for j in json.loads(out) if j["kind"] == "bench"]
+    newest = max(bench_jobs, key=lambda j: j["id"])
+    per_shape = sum((r["n"], r["k"]) == (n, k) for r in first)  # a shape is measured again as a whole
+    assert newest["message"].startswith(f"{per_shape} cases measured, {len(first) - per_shape} reused"), \
+        newest["message"]

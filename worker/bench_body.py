@@ -1,7 +1,8 @@
 """Kernel benchmark job body: time the real GEMMs of the model's linear shapes on this worker's device.
 
 Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same
-device again measures only what is missing (unless params['force']).
+device again measures only what is missing (unless params['force']), or what was stored with a native
+flag that the device's probe no longer gives.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ def bench(ctx: JobContext) -> Outcome:
         with session_scope(ctx.settings) as s:  # a case skipped for time or a failure is measured again
             stored = repo.newest_kernel_results(s, device_name=info.name, torch_version=info.torch_version,
                                                 usable_only=True)
-        newest = {(r.m, r.n, r.k, r.path): {**r.__dict__} for r in stored}
+        # a record whose native flag is not what this worker's probe says now (quantplan's rules for the
+        # device changed, e.g. INT8 on a VNNI CPU) is measured again, so the Kernels page shows the new flag
+        native = {path: sup.native for path, sup in hardware.device_paths(info).items()}
+        newest = {(r.m, r.n, r.k, r.path): {**r.__dict__} for r in stored
+                  if r.native == native.get(kernels.base_path(r.path), r.native)}
         todo = []
         for n, k in shapes:
             have = [newest.get((m, n, k, path)) for m in ms for path in (wanted_paths or kernels.PATHS)]
