@@ -49,6 +49,38 @@ def get_model(ref: int | str) -> ModelRecord:
         return repo.get_model(s, ref)
 
 
+def model_usage(model_id: int) -> dict[str, int]:
+    """Counts of what is stored about a model (see store.repo.model_usage)."""
+    with session_scope(settings()) as s:
+        return repo.model_usage(s, model_id)
+
+
+def remove_model(ref: int | str) -> ModelRecord:
+    """Delete a model, everything measured on it and its files; return what was removed.
+
+    Its calibrations, scores, sensitivity sweeps and plan versions go with the row; its jobs stay in the
+    history without it; kernel timings (per device, not per model) stay. The checkpoint folder and its
+    cached reference log-probs are deleted after the rows are gone, so a failure leaves stray files,
+    never rows that point at missing ones. Refused while one of its jobs is queued or running.
+    """
+    s = settings()
+    with session_scope(s) as db:
+        rec = repo.get_model(db, ref)
+        active = repo.list_jobs(db, model_id=rec.id, status=("queued", "running"))
+        if active:
+            ids = ", ".join(f"#{j.id} {j.kind}" for j in active)
+            raise ValueError(f"{rec.name} has jobs queued or running ({ids}): cancel them or let them finish, "
+                             "then remove it")
+        repo.delete_model(db, rec.id)
+    artifacts = Path(str(s.artifact_dir)).resolve()
+    for folder in (artifacts / rec.path, s.model_reference_dir(rec.sha256)):
+        folder = folder.resolve()
+        # only ever below the artifact folder, and never the folder itself (a damaged row cannot aim higher)
+        if folder != artifacts and artifacts in folder.parents:
+            shutil.rmtree(folder, ignore_errors=True)
+    return rec
+
+
 def register_demo() -> JobRecord:
     return submit_job("register", {"demo": True, "user": settings().user}, settings=settings())
 

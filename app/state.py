@@ -20,6 +20,7 @@ def sidebar() -> None:
         st.markdown("### quantplan")
         if not models:
             st.caption("No model registered yet: start on the Models page.")
+            st.session_state.pop(MODEL_KEY, None)
             return
         ids = [m.id for m in models]
         names = {m.id: f"#{m.id} {m.name}" for m in models}
@@ -57,7 +58,12 @@ def current_model():
     if model_id is None:
         st.info("Register a model on the Models page first (the demo model is one click).")
         return None
-    return svc.get_model(model_id)
+    try:
+        return svc.get_model(model_id)
+    except LookupError:  # removed since (by this session or a colleague's)
+        st.session_state.pop(MODEL_KEY, None)
+        st.info(f"Model #{model_id} was removed: choose another in the sidebar, or register one on the Models page.")
+        return None
 
 
 def fmt_params(n: int) -> str:

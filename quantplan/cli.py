@@ -149,6 +149,24 @@ def cmd_models_list(args) -> int:
     return 0
 
 
+def cmd_models_remove(args) -> int:
+    from app import services as svc
+
+    _checked_settings()
+    model = _model(args.model)
+    usage = {k: v for k, v in svc.model_usage(model.id).items() if k != "active"}
+    what = ", ".join(f"{v} {k}" for k, v in usage.items())
+    if not args.yes:
+        raise CliError(f"this deletes {model.name} (#{model.id}), its files and {what}; "
+                       "run again with --yes to do it")
+    svc.remove_model(model.id)
+    if args.json:
+        _print_json({"removed": model.id, "name": model.name, **usage})
+    else:
+        print(f"removed model #{model.id} {model.name} ({what}); its jobs stay in the history")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     _checked_settings()
     model = _model(args.model)
@@ -291,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_worker)
     sub.add_parser("app", help="start the Streamlit app").set_defaults(func=cmd_app)
 
-    models = sub.add_parser("models", help="register and list checkpoints").add_subparsers(dest="action",
+    models = sub.add_parser("models", help="register, list and remove checkpoints").add_subparsers(dest="action",
                                                                                           required=True)
     sp = models.add_parser("add", help="register a HF folder, .zip/.tar.gz of one, or a .gguf file")
     sp.add_argument("path", nargs="?", help="a Hugging Face folder, a .zip / .tar.gz of one, or a .gguf file")
@@ -302,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = models.add_parser("list", help="the registered models")
     sp.add_argument("--json", action="store_true", help="print them as JSON")
     sp.set_defaults(func=cmd_models_list)
+    sp = models.add_parser("remove", help="delete a model, its files and everything measured on it")
+    sp.add_argument("model", help="registered model id or name")
+    sp.add_argument("--yes", action="store_true", help="do it (without: say what would be deleted)")
+    sp.add_argument("--json", action="store_true", help="print what was removed as JSON")
+    sp.set_defaults(func=cmd_models_remove)
 
     sp = sub.add_parser("calibrate", help="collect activation statistics of every linear layer")
     add_text_job_options(sp, text="calibration text (.txt or .jsonl); default: gensim's lee_background.cor",

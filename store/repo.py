@@ -113,7 +113,31 @@ def get_model(session: Session, ref: int | str) -> ModelRecord:
     return _model_record(row)
 
 
+def model_usage(session: Session, model_id: int) -> dict[str, int]:
+    """How much is stored about one model: calibrations, scores, sensitivity sweeps, plan versions, and
+    its jobs that are still queued or running (``active``)."""
+
+    def count(q) -> int:
+        return int(session.scalar(select(func.count()).select_from(q.subquery())) or 0)
+
+    return {
+        "calibrations": count(select(m.ActivationStat.job_id).where(m.ActivationStat.model_id == model_id)
+                              .distinct()),
+        "scores": count(select(m.ScoreResult.id).where(m.ScoreResult.model_id == model_id)),
+        "sensitivity sweeps": count(select(m.SensitivityResult.job_id)
+                                    .where(m.SensitivityResult.model_id == model_id).distinct()),
+        "plan versions": count(select(m.Plan.id).where(m.Plan.model_id == model_id)),
+        "active": count(select(m.Job.id).where(m.Job.model_id == model_id,
+                                               m.Job.status.in_(("queued", "running")))),
+    }
+
+
 def delete_model(session: Session, model_id: int) -> None:
+    """Delete a model row: its statistics, scores, sensitivity rows and plans go with it (ON DELETE
+    CASCADE); its jobs stay in the history with no model (SET NULL)."""
+    # plans of one model point at each other (parent_id): unlink them first, so no database has to
+    # order the cascade within the table
+    session.execute(update(m.Plan).where(m.Plan.model_id == model_id).values(parent_id=None))
     session.execute(delete(m.Model).where(m.Model.id == model_id))
 
 

@@ -239,3 +239,51 @@ def test_a_stored_timing_whose_native_flag_is_outdated_is_measured_again(tiny_mo
     per_shape = sum((r["n"], r["k"]) == (n, k) for r in first)  # a shape is measured again as a whole
     assert newest["message"].startswith(f"{per_shape} cases measured, {len(first) - per_shape} reused"), \
         newest["message"]
+
+
+def test_models_remove_deletes_the_model_its_results_and_its_files(tiny_model, capsys, qp_settings):
+    from pathlib import Path
+
+    from app import services as svc
+    from quantcore import scoring
+
+    run_json(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--local", "--samples", "1", "--seq-len", "16",
+             "--json")
+    model = svc.get_model("tiny")
+    folder = Path(qp_settings.artifact_dir) / model.path
+    refs = qp_settings.model_reference_dir(model.sha256)
+    assert folder.is_dir() and any(refs.glob("*.safetensors"))  # the score job cached its reference there
+    assert scoring.reference_cache_path(qp_settings.reference_root, model.sha256, "k").parent == refs
+
+    code, _, err = run(capsys, "models", "remove", "tiny")  # without --yes: says what it would delete
+    assert code == 1 and "--yes" in err and "1 scores" in err and folder.is_dir()
+    assert svc.get_model("tiny").id == model.id
+
+    with svc.session_scope(qp_settings) as s:  # a job still queued on it: refused, nothing deleted
+        queued = svc.repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=model.id)
+    code, _, err = run(capsys, "models", "remove", "tiny", "--yes")
+    assert code == 1 and f"#{queued.id} calibrate" in err and folder.is_dir() and refs.is_dir()
+    svc.cancel_job(queued.id)
+
+    removed = run_json(capsys, "models", "remove", "tiny", "--yes", "--json")
+    assert removed["name"] == "tiny" and removed["scores"] == 1
+    assert not folder.exists() and not refs.exists()
+    assert Path(qp_settings.artifact_dir).is_dir() and Path(qp_settings.models_dir).is_dir()
+    code, _, err = run(capsys, "calibrate", "tiny", "--local")
+    assert code == 1 and "no model 'tiny'" in err
+    assert any(j["kind"] == "score" and j["model_id"] is None for j in run_json(capsys, "jobs", "--json"))
+
+
+def test_a_damaged_model_path_never_deletes_outside_the_artifacts(tiny_model, qp_settings, tmp_path):
+    from pathlib import Path
+
+    from app import services as svc
+    from store import models as m
+
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    with svc.session_scope(qp_settings) as s:
+        row = s.get(m.Model, tiny_model["model_id"])
+        row.path = str(Path("..") / ".." / outside.name)  # relative to artifact_dir: points outside it
+    svc.remove_model("tiny")
+    assert outside.is_dir()

@@ -74,7 +74,7 @@ def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
     key = hashlib.sha256(json.dumps({"text": eval_label, "shape": list(ids.shape),
                                      "ids": hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()},
                                     sort_keys=True).encode()).hexdigest()[:24]
-    path = scoring.reference_cache_path(Path(str(ctx.settings.artifact_dir)) / "reference", model_rec.sha256, key)
+    path = scoring.reference_cache_path(ctx.settings.reference_root, model_rec.sha256, key)
     if Path(path).exists():
         ctx.progress(0.1, "reference log-probs from the cache")
         return scoring.ReferenceCache.load(path)

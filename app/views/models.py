@@ -10,6 +10,9 @@ from app import state
 
 st.title("Models")
 st.caption("Register a Hugging Face checkpoint, then calibrate it to see its activation outliers.")
+REMOVED = "models_removed"  # what the last removal deleted, said once after the page reruns
+if REMOVED in st.session_state:
+    st.success(st.session_state.pop(REMOVED))
 
 with st.container(border=True):
     st.subheader("Register a model")
@@ -128,3 +131,24 @@ cals = svc.calibrations(model.id)
 if cals:
     st.caption(f"{len(cals)} calibration(s) stored; newest is job #{cals[0].id} "
                f"({cals[0].result.get('tokens', '?') if cals[0].result else '?'} tokens).")
+
+with st.expander(f"Remove {model.name}"):
+    usage = svc.model_usage(model.id)
+    stored = ", ".join(f"{v} {k}" for k, v in usage.items() if k != "active")
+    st.markdown(f"Deletes its checkpoint files, its cached reference log-probs and everything measured on it "
+                f"({stored}). Its jobs stay in the history; kernel timings, kept per device, stay too.")
+    if usage["active"]:
+        st.warning(f"{usage['active']} of its jobs are queued or running: cancel them on the Jobs page or let "
+                   "them finish first.")
+    sure = st.checkbox(f"Yes, remove {model.name} and all of the above", key=f"remove_sure_{model.id}")
+    if st.button("Remove model", disabled=not sure or bool(usage["active"]), key=f"remove_{model.id}"):
+        try:
+            svc.remove_model(model.id)
+        except (ValueError, LookupError) as exc:
+            st.error(str(exc))
+        else:
+            st.session_state[REMOVED] = f"Removed {model.name} ({stored})."
+            st.session_state.pop(state.MODEL_KEY, None)
+            st.session_state.pop("sidebar_model", None)
+            st.query_params.pop(state.URL_MODEL, None)
+            st.rerun()

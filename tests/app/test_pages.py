@@ -153,6 +153,48 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
     assert head["block"].isna().all() and set(head["proj"]) == {"lm_head"}
 
 
+def test_models_page_removes_a_model_after_a_confirmation(seeded, qp_settings):
+    from pathlib import Path
+
+    from app import services as svc
+
+    folder = Path(qp_settings.artifact_dir) / seeded.path
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    at = _run("models", seeded.id)
+    button = at.button(key=f"remove_{seeded.id}")
+    assert button.disabled  # nothing happens before the box is ticked
+    warning = next(md.value for md in at.markdown if "Deletes its checkpoint files" in md.value)
+    assert "1 calibrations" in warning and "1 scores" in warning and "1 sensitivity sweeps" in warning
+    at.checkbox(key=f"remove_sure_{seeded.id}").check().run()
+    at.button(key=f"remove_{seeded.id}").click().run()
+    assert not at.exception
+    assert any(f"Removed {seeded.name}" in m.value for m in at.success)
+    assert not folder.exists()
+    assert svc.list_models() == []
+    assert any("No model yet" in i.value for i in at.info)
+    for page in ("outliers", "results", "kernels", "plans", "jobs"):  # every page copes with the model gone
+        at.switch_page(f"views/{page}.py").run()
+        assert not at.exception, (page, [e.value for e in at.exception])
+
+
+def test_a_session_whose_model_was_removed_elsewhere_moves_on(seeded):
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        other = repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="other",
+                               path="models/other", summary={**svc.get_model(seeded.id).summary}, user="t")
+    at = _run("outliers", seeded.id)
+    at.selectbox(key="sidebar_model").set_value(seeded.id).run()
+    assert at.session_state["model_id"] == seeded.id
+    svc.remove_model(seeded.id)  # a colleague removes it while this session still shows it
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.session_state["model_id"] == other.id
+
+
 def test_the_app_never_imports_torch(qp_settings):
     code = ("import sys, runpy; sys.path.insert(0, '.');"
             "import app.services, app.charts, app.state, quantcore.outliers, quantcore.plans, quantcore.kernels,"

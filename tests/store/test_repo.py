@@ -125,3 +125,67 @@ def test_newest_kernel_results_per_case(qp_settings):
         any_torch = repo.newest_kernel_results(s, device_name="GPU X")
         assert [r.ms for r in any_torch if r.path == "baseline"] == [5.0]  # newest job, any torch version
         assert repo.newest_kernel_results(s, device_name="GPU Y") == []
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_db(request, qp_env, monkeypatch):
+    """Migrated settings on the embedded SQLite file, then on PostgreSQL (skipped when it does not answer)."""
+    from store.db import upgrade
+    from store.settings import get_settings
+    from tests.conftest import clear_settings_cache
+
+    if request.param == "postgresql":
+        monkeypatch.setenv("QUANTPLAN_DATABASE_URL", request.getfixturevalue("pg_database"))
+        clear_settings_cache()
+    s = get_settings()
+    upgrade(s)
+    return s
+
+
+def test_deleting_a_model_takes_what_was_measured_on_it_and_keeps_the_jobs(any_db):
+    import uuid
+
+    rng = np.random.default_rng(1)
+    stat = LayerStats(name="a", in_features=4, out_features=8, n_tokens=3, channel_max=rng.random(4).astype(np.float32),
+                      weight_channel_max=rng.random(4).astype(np.float32), token_max={"max": 1.0},
+                      hist_counts=np.zeros(HIST_BINS, dtype=np.int64), zeros=0)
+    tag = uuid.uuid4().hex[:6]  # the PostgreSQL database is shared by the session's tests
+    with session_scope(any_db) as s:
+        gone, kept = _model(s, f"gone{tag}"), _model(s, f"kept{tag}")
+        jobs = {}
+        for mod in (gone, kept):
+            cal = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=mod.id)
+            repo.save_activation_stats(s, job_id=cal.id, model_id=mod.id, stats=[stat])
+            repo.finish_job(s, cal.id, status="succeeded")
+            v1 = repo.save_plan(s, model_id=mod.id, name="p", body={"default": "FP8"}, user=None)
+            v2 = repo.save_plan(s, model_id=mod.id, name="p", body={"default": "BF16"}, user=None)
+            assert v2.parent_id == v1.id  # versions point at each other
+            sc = repo.create_job(s, kind="score", params={}, queue="cpu", user=None, model_id=mod.id)
+            repo.save_score(s, job_id=sc.id, model_id=mod.id, plan_id=v2.id, plan_label="p@v2", plan_body={},
+                            dataset="d", report={"kl_mean": 0.1, "kl_p50": 0.1, "kl_p90": 0.1, "kl_p99": 0.1,
+                                                 "kl_max": 0.1, "top1_agree": 0.9, "ppl_ref": 1.0, "ppl": 1.1,
+                                                 "tokens": 10})
+            repo.finish_job(s, sc.id, status="succeeded")
+            sj = repo.create_job(s, kind="sensitivity", params={"scheme": "FP8"}, queue="cpu", user=None,
+                                 model_id=mod.id)
+            repo.save_sensitivity(s, job_id=sj.id, model_id=mod.id, scheme="FP8",
+                                  rows=[{"layer": "a", "layers": ["a"], "kl_mean": 0.1, "top1_agree": 0.9,
+                                         "sqnr_db": 20.0}])
+            repo.finish_job(s, sj.id, status="succeeded")
+            jobs[mod.id] = [cal.id, sc.id, sj.id]
+        busy = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=gone.id)
+    with session_scope(any_db) as s:
+        usage = repo.model_usage(s, gone.id)
+        assert usage == {"calibrations": 1, "scores": 1, "sensitivity sweeps": 1, "plan versions": 2, "active": 1}
+        repo.finish_job(s, busy.id, status="cancelled")
+        repo.delete_model(s, gone.id)
+    with session_scope(any_db) as s:
+        with pytest.raises(repo.NotFound):
+            repo.get_model(s, gone.id)
+        assert repo.model_usage(s, gone.id) == dict.fromkeys(usage, 0)
+        for job_id in jobs[gone.id]:  # the history stays, without the model
+            assert repo.get_job(s, job_id).model_id is None
+        # the other model is untouched
+        assert repo.model_usage(s, kept.id) == {"calibrations": 1, "scores": 1, "sensitivity sweeps": 1,
+                                                "plan versions": 2, "active": 0}
+        assert [p.version for p in repo.list_plans(s, kept.id)] and len(repo.load_activation_stats(s, jobs[kept.id][0])) == 1
