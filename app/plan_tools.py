@@ -6,9 +6,10 @@ import pandas as pd
 import streamlit as st
 
 from app import services as svc
+from quantcore.autoplan import UNIT_BITS
 
 
-def render(model, plans, target: str) -> None:
+def render(model, target: str) -> None:
     st.subheader("Automatic plan")
     sens, _units = svc.sensitivity_map(model)
     if not sens:
@@ -30,8 +31,10 @@ def render(model, plans, target: str) -> None:
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
                                                       candidates=cands)
                     st.success(f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
-                               f"{result.cost:.4g} vs {result.baseline_cost:.4g} {result.cost_unit} in BF16. "
-                               f"Verification: score job #{job.id} (Results page shows predicted vs measured).")
+                               f"{_cost(result.cost, result.cost_unit)} vs "
+                               f"{_cost(result.baseline_cost, result.cost_unit)} in BF16 "
+                               f"({result.cost / result.baseline_cost:.0%}). Verification: score job #{job.id} "
+                               "(Results page shows predicted vs measured).")
                     for note in result.notes:
                         st.caption(note)
                     st.dataframe(pd.Series(result.plan).value_counts().rename("layers"), width="content")
@@ -43,9 +46,22 @@ def render(model, plans, target: str) -> None:
                                     "top-1": s.top1_agree} for s in scored]), hide_index=True, width="stretch")
 
     st.subheader("Export")
+    plans = svc.list_plans(model.id)  # again: the automatic plan above may have saved one in this run
     if not plans:
         st.info("Save a plan first; then export it for llm-compressor, compressed-tensors or vLLM.")
-        return
+    else:
+        _export(model, plans)
+    _import(model)
+
+
+def _cost(value: float, unit: str) -> str:
+    """A plan's cost as a person reads it: weight bits in MiB, times in ms."""
+    if unit == UNIT_BITS:
+        return f"{value / 8 / svc.MIB:,.1f} MiB of weights"
+    return f"{value:.4g} {unit}"
+
+
+def _export(model, plans) -> None:
     c1, c2 = st.columns(2)
     ids = [p.id for p in plans]
     plan_id = c1.selectbox("Plan", ids, index=len(ids) - 1, format_func={p.id: p.label for p in plans}.get,
@@ -62,6 +78,8 @@ def render(model, plans, target: str) -> None:
     ext = {"llmcompressor": "recipe.yaml", "compressed-tensors": "quantization_config.json", "vllm": "serve.sh"}[fmt]
     st.download_button("Download", text, file_name=f"{plan.name}-v{plan.version}-{ext}", key="export_download")
 
+
+def _import(model) -> None:
     up = st.file_uploader("Import a plan (.yaml plan or llm-compressor recipe, .json compressed-tensors config)",
                           type=["yaml", "yml", "json"], key="import_plan")
     if up is not None and st.button("Import", key="import_btn"):

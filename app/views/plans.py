@@ -144,4 +144,4 @@ if plans:
 
 from app import plan_tools  # noqa: E402  (auto plan + export sections)
 
-plan_tools.render(model, plans, target)
+plan_tools.render(model, target)

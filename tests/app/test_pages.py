@@ -195,6 +195,19 @@ def test_a_session_whose_model_was_removed_elsewhere_moves_on(seeded):
     assert at.session_state["model_id"] == other.id
 
 
+def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
+    at = _run("plans", seeded.id)
+    assert any("Save a plan first" in i.value for i in at.info)
+    assert at.get("file_uploader"), "a plan can be imported before any plan is saved"
+    at.number_input(key="auto_budget").set_value(0.5)
+    next(b for b in at.button if b.label == "Choose and verify").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    done = next(m.value for m in at.success if "predicted KL" in m.value)
+    assert "MiB of weights" in done and "% )" not in done and "in BF16 (" in done
+    assert not any("Save a plan first" in i.value for i in at.info)  # the new plan is exportable at once
+    assert "auto-h100-kl0.5" in str(at.selectbox(key="export_plan").options)
+
+
 def test_the_app_never_imports_torch(qp_settings):
     code = ("import sys, runpy; sys.path.insert(0, '.');"
             "import app.services, app.charts, app.state, quantcore.outliers, quantcore.plans, quantcore.kernels,"
