@@ -6,7 +6,6 @@ import pandas as pd
 import streamlit as st
 
 from app import services as svc
-from quantcore.autoplan import UNIT_BITS
 
 
 def render(model, target: str) -> None:
@@ -31,8 +30,8 @@ def render(model, target: str) -> None:
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
                                                       candidates=cands)
                     st.success(f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
-                               f"{_cost(result.cost, result.cost_unit)} vs "
-                               f"{_cost(result.baseline_cost, result.cost_unit)} in BF16 "
+                               f"{svc.cost_text(result.cost, result.cost_unit)} vs "
+                               f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "
                                f"({result.cost / result.baseline_cost:.0%}). Verification: score job #{job.id} "
                                "(Results page shows predicted vs measured).")
                     for note in result.notes:
@@ -52,13 +51,6 @@ def render(model, target: str) -> None:
     else:
         _export(model, plans)
     _import(model)
-
-
-def _cost(value: float, unit: str) -> str:
-    """A plan's cost as a person reads it: weight bits in MiB, times in ms."""
-    if unit == UNIT_BITS:
-        return f"{value / 8 / svc.MIB:,.1f} MiB of weights"
-    return f"{value:.4g} {unit}"
 
 
 def _export(model, plans) -> None:

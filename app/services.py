@@ -491,6 +491,15 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
     return footprint(resolved, layer_shapes(model))
 
 
+def cost_text(value: float, unit: str) -> str:
+    """An automatic plan's cost as a person reads it: weight bits in MiB, times in ms."""
+    from quantcore.autoplan import UNIT_BITS
+
+    if unit == UNIT_BITS:
+        return f"{value / 8 / MIB:,.1f} MiB of weights"
+    return f"{value:.4g} {unit}"
+
+
 def footprint_frame(fp):
     """One row per scheme of a Footprint: layers, weights, MiB, bits per weight, share of the plan's bytes."""
     import pandas as pd

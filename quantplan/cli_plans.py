@@ -110,7 +110,9 @@ def cmd_plan_auto(args) -> int:
         _print_json(out)
     else:
         print(f"{plan.label}: predicted KL {result.predicted_kl:.5f} ≤ {args.kl_budget:g}; cost "
-              f"{result.cost:.4g} vs {result.baseline_cost:.4g} {result.cost_unit} all-BF16 on {args.target}")
+              f"{svc.cost_text(result.cost, result.cost_unit)} vs "
+              f"{svc.cost_text(result.baseline_cost, result.cost_unit)} all-BF16 on {args.target} "
+              f"({result.cost / result.baseline_cost:.0%})")
         counts: dict[str, int] = {}
         for sch in result.plan.values():
             counts[sch] = counts.get(sch, 0) + 1
