@@ -153,25 +153,53 @@ def _token_stream(tokenizer: Any, documents: Iterable[str], needed: int) -> list
     return stream
 
 
-def token_batches(tokenizer: Any, documents: Sequence[str], *, n_samples: int, seq_len: int) -> torch.Tensor:
-    """``n_samples`` consecutive windows of ``seq_len`` tokens: a LongTensor [n, seq_len].
+def prefix_ids(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before any text it encodes: BOS for Gemma, Llama 3 or
+    Mistral, [CLS] for BERT, nothing for Qwen2 or SmolLM2.
 
-    Deterministic: the documents are tokenized in order (no special tokens),
-    joined by the tokenizer's eos (or sep) id, and cut into consecutive
-    non-overlapping windows; the remainder is dropped.  Text too short for a
-    single window raises ValueError; text for fewer than ``n_samples`` windows
-    returns what there is and emits a :class:`ShortTextWarning`.
+    Found by encoding a probe with and without special tokens, so it follows the tokenizer's own
+    settings (its post-processor, ``add_bos_token``) rather than a list of model families. A served
+    request starts with these tokens, and some models depend on them: Gemma-3-270M's perplexity on
+    lee.cor is 24 with its BOS and 387 without, and its first-token activations differ.
+    """
+    probe = "the"
+    plain = list(tokenizer(probe, add_special_tokens=False, verbose=False)["input_ids"])
+    full = list(tokenizer(probe, add_special_tokens=True, verbose=False)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []  # the probe encodes differently with special tokens: add none rather than guess
+
+
+def token_batches(tokenizer: Any, documents: Sequence[str], *, n_samples: int, seq_len: int) -> torch.Tensor:
+    """``n_samples`` windows of ``seq_len`` tokens: a LongTensor [n, seq_len].
+
+    Deterministic: the documents are tokenized in order (no special tokens), joined by the
+    tokenizer's eos (or sep) id, and cut into consecutive non-overlapping pieces, each placed
+    after the tokenizer's :func:`prefix_ids` (its BOS, where it has one), so that every window
+    starts the way a served request does; the remainder is dropped. Text too short for a
+    single window raises ValueError; text for fewer than ``n_samples`` windows returns what
+    there is and emits a :class:`ShortTextWarning`.
     """
     import torch
 
     if n_samples < 1 or seq_len < 1:
         raise ValueError(f"n_samples and seq_len must be at least 1 (got {n_samples} and {seq_len})")
-    stream = _token_stream(tokenizer, documents, n_samples * seq_len)
-    windows = min(n_samples, len(stream) // seq_len)
+    prefix = prefix_ids(tokenizer)
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise ValueError(f"a window of {seq_len} tokens has no room for text after the tokenizer's "
+                         f"{len(prefix)} leading special token(s): choose a longer sequence length")
+    stream = _token_stream(tokenizer, documents, n_samples * body)
+    windows = min(n_samples, len(stream) // body)
     if windows == 0:
-        raise ValueError(f"the text has only {len(stream)} tokens, fewer than one window of {seq_len}: "
+        raise ValueError(f"the text has only {len(stream)} tokens, fewer than one window of {body}"
+                         f"{f' after {len(prefix)} leading special token(s)' if prefix else ''}: "
                          "upload more text or choose a shorter sequence length")
     if windows < n_samples:
         warnings.warn(f"the text has {len(stream)} tokens: {windows} windows of {seq_len} tokens "
                       f"instead of the {n_samples} asked for", ShortTextWarning, stacklevel=2)
-    return torch.tensor(stream[: windows * seq_len], dtype=torch.long).view(windows, seq_len)
+    pieces = torch.tensor(stream[: windows * body], dtype=torch.long).view(windows, body)
+    if not prefix:
+        return pieces
+    return torch.cat([torch.tensor(prefix, dtype=torch.long).expand(windows, -1), pieces], dim=1)

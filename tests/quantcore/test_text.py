@@ -16,10 +16,12 @@ from quantcore.text import (
     default_calibration_text,
     default_eval_text,
     load_documents,
+    prefix_ids,
     token_batches,
 )
 
 WORDS = "the a of to and in is it that was for on are with as at by this from news said year".split()
+BOS_ID = 1
 EOS_ID = 2
 
 
@@ -189,7 +191,7 @@ def test_only_the_needed_documents_are_tokenized(tokenizer):
             self.calls = 0
 
         def __call__(self, document, **kwargs):
-            self.calls += 1
+            self.calls += kwargs.get("add_special_tokens") is False and document != "the"  # not prefix_ids' probe
             return tokenizer(document, **kwargs)
 
     counting = Counting()
@@ -200,3 +202,33 @@ def test_only_the_needed_documents_are_tokenized(tokenizer):
 def test_lee_background_fills_many_windows(tokenizer, tmp_path: Path):
     ids = token_batches(tokenizer, load_documents(default_calibration_text()), n_samples=64, seq_len=128)
     assert ids.shape == (64, 128)
+
+
+def bos_tokenizer(*, cls_sep: bool = False):
+    """The tiny tokenizer with a post-processor that adds <s> before every text (as Gemma's, Llama 3's
+    do), or BERT-style <s> ... </s> around it."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    single = "<s> $A </s>" if cls_sep else "<s> $A"
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, special_tokens=[("<s>", BOS_ID), ("</s>", EOS_ID)])
+    return tok
+
+
+def test_windows_start_with_the_tokenizers_own_leading_tokens(tokenizer):
+    """Each window begins as a served request does (BOS where the tokenizer adds one), and the text
+    continues across windows without losing a token."""
+    documents = ["the news of the year", "it was said", "this is a year"]
+    assert prefix_ids(tokenizer) == []  # no post-processor: nothing is added
+    plain = token_batches(tokenizer, documents, n_samples=2, seq_len=6)
+    for tok in (bos_tokenizer(), bos_tokenizer(cls_sep=True)):
+        assert tok("the year").input_ids[0] == BOS_ID
+        assert prefix_ids(tok) == [BOS_ID]  # a trailing </s> is not a prefix
+        ids = token_batches(tok, documents, n_samples=2, seq_len=6)
+        assert ids.shape == (2, 6) and ids[:, 0].tolist() == [BOS_ID, BOS_ID]
+        assert ids[:, 1:].flatten().tolist() == plain.flatten().tolist()[:10]  # the same stream, 5 per window
+    with pytest.raises(ValueError, match="no room for text after the tokenizer's 1 leading special token"):
+        token_batches(bos_tokenizer(), documents, n_samples=1, seq_len=1)
+    with pytest.raises(ValueError, match="fewer than one window of 15 after 1 leading special token"):
+        token_batches(bos_tokenizer(), ["the a of to"], n_samples=1, seq_len=16)
