@@ -551,8 +551,20 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
     if fmt == "compressed-tensors":
         return json.dumps(export.to_compressed_tensors_config(resolved, layer_names=names), indent=2) + "\n"
     if fmt == "vllm":
-        return export.to_vllm_command(resolved, model_path=model.source_name or model.name, layer_names=names)
+        # the folder quantplan stored is a loadable HF checkpoint (a GGUF or an archive upload is not)
+        folder = Path(str(settings().artifact_dir)) / model.path
+        return (f"# {model.name}: {folder} holds the checkpoint quantplan analysed (safetensors + tokenizer, "
+                f"from {model.source_name}); use your own copy or hub id where you serve from elsewhere\n"
+                + export.to_vllm_command(resolved, model_path=str(folder), layer_names=names,
+                                         compressed_path=_safe_name(model.name) + export.COMPRESSED_SUFFIX))
     raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
+
+
+def _safe_name(name: str) -> str:
+    """A model name as a relative folder name: letters, digits, '.', '_' and '-' only."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-") or "model"
 
 
 def import_plan(model: ModelRecord, filename: str, text: str, name: str | None = None) -> PlanRecord:

@@ -5,6 +5,7 @@ bench; and the clear errors for bad input."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -77,7 +78,13 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     b, _ = svc.resolve(model, again["body"])
     assert a == b
     code, out, _ = run(capsys, "plan", "export", "mixed", "--format", "vllm")
-    assert code == 0 and "vllm serve" in out
+    assert code == 0 and "vllm serve tiny-quantplan --quantization compressed-tensors" in out
+    from pathlib import Path
+
+    from store.settings import get_settings
+
+    src = re.search(r"oneshot\(model='([^']+)'", out).group(1)  # the checkpoint llm-compressor should load
+    assert (Path(src) / "config.json").is_file() and Path(src).parent == Path(get_settings().models_dir)
     code, out, _ = run(capsys, "plan", "export", "mixed", "--format", "compressed-tensors")
     assert json.loads(out)["quant_method"] == "compressed-tensors"
 
