@@ -467,7 +467,7 @@ def weight_storage_bits(scheme: Scheme | str, n: int, k: int) -> int:
     fmt = get_format(spec.format)
     scales = weight_scale_count(spec, n, k)
     if fmt.is_block:
-        extra = GLOBAL_SCALE_BITS if fmt.scale == "fp8_e4m3" else 0
+        extra = GLOBAL_SCALE_BITS if fmt.name == "nvfp4" else 0
         return fmt.bits * n * k + BLOCK_SCALE_BITS[fmt.scale] * scales + extra
     return fmt.bits * n * k + SCALE_BITS * scales
 
