@@ -491,12 +491,17 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
     return footprint(resolved, layer_shapes(model))
 
 
+def mib_text(bits: float) -> str:
+    """A size in bits as a person reads it: "128.6 MiB"."""
+    return f"{bits / 8 / MIB:,.1f} MiB"
+
+
 def cost_text(value: float, unit: str) -> str:
     """An automatic plan's cost as a person reads it: weight bits in MiB, times in ms."""
     from quantcore.autoplan import UNIT_BITS
 
     if unit == UNIT_BITS:
-        return f"{value / 8 / MIB:,.1f} MiB of weights"
+        return f"{mib_text(value)} of weights"
     return f"{value:.4g} {unit}"
 
 

@@ -40,12 +40,12 @@ def cmd_plan_show(args) -> int:
     if args.json:
         _print_json({"plan": label, "model": model.name, **fp.to_dict()})
         return 0
-    print(f"{label} on {model.name}: linear weights {fp.bits / 8 / svc.MIB:,.1f} MiB, {fp.ratio:.1%} of "
-          f"BF16 ({fp.bf16_bits / 8 / svc.MIB:,.1f} MiB)")
+    print(f"{label} on {model.name}: linear weights {svc.mib_text(fp.bits)}, {fp.ratio:.1%} of "
+          f"BF16 ({svc.mib_text(fp.bf16_bits)})")
     width = max(len(r.scheme) for r in fp.rows)
     for r in fp.rows:
         print(f"  {r.scheme:<{width}}  {r.layers:>5} layers  {r.params / 1e6:>10,.2f} M weights  "
-              f"{r.bits / 8 / svc.MIB:>10,.1f} MiB  {r.bits_per_weight:6.3f} bits/weight")
+              f"{svc.mib_text(r.bits):>14}  {r.bits_per_weight:6.3f} bits/weight")
     return 0
 
 

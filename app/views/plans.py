@@ -97,8 +97,8 @@ if resolved is not None:
     fp = svc.plan_footprint(model, body)
     st.subheader("Weight memory")
     c1, c2 = st.columns([1, 2])
-    c1.metric("Linear weights", f"{fp.bits / 8 / svc.MIB:,.1f} MiB",
-              f"{fp.ratio:.0%} of BF16 ({fp.bf16_bits / 8 / svc.MIB:,.1f} MiB)", delta_color="off", delta_arrow="off")
+    c1.metric("Linear weights", svc.mib_text(fp.bits), f"{fp.ratio:.0%} of BF16 ({svc.mib_text(fp.bf16_bits)})",
+              delta_color="off", delta_arrow="off")
     c2.dataframe(svc.footprint_frame(fp), hide_index=True, width="stretch",
                  column_config={"weights (M)": st.column_config.NumberColumn(format="%.2f"),
                                 "MiB": st.column_config.NumberColumn(format="%.1f"),
@@ -138,9 +138,8 @@ if plans:
         else:
             st.dataframe(diff, hide_index=True, width="stretch")
             sizes = [svc.plan_footprint(model, next(p for p in plans if p.id == i).body) for i in (a, b)]
-            st.caption(f"Linear weights: {lab[a]} {sizes[0].bits / 8 / svc.MIB:,.1f} MiB → {lab[b]} "
-                       f"{sizes[1].bits / 8 / svc.MIB:,.1f} MiB ({sizes[0].ratio:.0%} → {sizes[1].ratio:.0%} "
-                       "of BF16).")
+            st.caption(f"Linear weights: {lab[a]} {svc.mib_text(sizes[0].bits)} → {lab[b]} "
+                       f"{svc.mib_text(sizes[1].bits)} ({sizes[0].ratio:.0%} → {sizes[1].ratio:.0%} of BF16).")
 
 from app import plan_tools  # noqa: E402  (auto plan + export sections)
 
