@@ -23,27 +23,30 @@ with st.form("score_form"):
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     options = [f"preset:{p}" for p in presets] + [f"plan:{p.id}" for p in plans]
     labels = {f"preset:{k}": v for k, v in presets.items()} | {f"plan:{p.id}": f"plan {p.label}" for p in plans}
-    what = c1.selectbox("Plan", options, index=options.index("preset:FP8_DYNAMIC"), format_func=labels.get,
-                        key="score_what")
+    chosen_plans = c1.multiselect("Plans (one score job each, scored on the same tokens)", options,
+                                  default=["preset:FP8_DYNAMIC"], format_func=labels.get, key="score_what")
     samples = c2.number_input("Sequences", 1, 1024, 16, key="score_samples")
     seq_len = c3.number_input("Tokens each", 16, 8192, 256, step=16, key="score_seq_len")
     device = c4.selectbox("Device", ["cpu", "cuda"], key="score_device")
-    sens = st.checkbox("Also run a per-layer sensitivity sweep with this preset (one fusion group at a time)",
-                       key="score_sens")
+    sens = st.checkbox("Also run a per-layer sensitivity sweep with each chosen preset (one fusion group at a "
+                       "time)", key="score_sens")
     if st.form_submit_button("Queue", type="primary"):
+        if not chosen_plans:
+            st.error("Choose at least one plan or preset to score.")
         params = {"samples": int(samples), "seq_len": int(seq_len), "device": device}
-        if what.startswith("preset:"):
-            job = svc.submit("score", {**params, "scheme": what.split(":", 1)[1]}, model_id=model.id)
-        else:
-            job = svc.submit("score", params, model_id=model.id, plan_id=int(what.split(":", 1)[1]))
-        state.queued(job, f"Queued score job #{job.id}.")
-        if sens:
-            if what.startswith("preset:"):
-                sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8),
-                                                "scheme": what.split(":", 1)[1]}, model_id=model.id)
-                state.queued(sj, f"Queued sensitivity job #{sj.id}.")
+        for what in chosen_plans:
+            kind, _, ref = what.partition(":")
+            if kind == "preset":
+                job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
             else:
-                st.warning("A sensitivity sweep takes one preset; choose a preset to sweep.")
+                job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
+            state.queued(job, f"Queued score job #{job.id} ({ref if kind == 'preset' else labels[what]}).")
+            if sens and kind == "preset":
+                sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
+                                model_id=model.id)
+                state.queued(sj, f"Queued sensitivity job #{sj.id} ({ref}).")
+        if sens and any(not w.startswith("preset:") for w in chosen_plans):
+            st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
 
 scores = svc.list_scores(model.id)
 st.subheader(f"Scored plans ({len(scores)})")

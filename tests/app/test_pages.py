@@ -209,6 +209,25 @@ def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
     assert "auto-h100-kl0.5" in str(at.selectbox(key="export_plan").options)
 
 
+def test_results_page_queues_one_score_job_per_chosen_plan(seeded):
+    from app import services as svc
+
+    plan = svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "FP8_DYNAMIC"})
+    at = _run("results", seeded.id)
+    at.multiselect(key="score_what").set_value(["preset:FP8_DYNAMIC", "preset:INT8_W8A8", f"plan:{plan.id}"])
+    at.checkbox(key="score_sens").check()
+    at.button[0].click().run()
+    assert not at.exception
+    jobs = svc.list_jobs(limit=10)
+    scores = [j for j in jobs if j.kind == "score" and j.status == "queued"]
+    sweeps = [j for j in jobs if j.kind == "sensitivity" and j.status == "queued"]
+    assert sorted(j.params.get("scheme") or f"plan {j.plan_id}" for j in scores) == \
+        ["FP8_DYNAMIC", "INT8_W8A8", f"plan {plan.id}"]
+    assert sorted(j.params["scheme"] for j in sweeps) == ["FP8_DYNAMIC", "INT8_W8A8"]  # a stored plan is not swept
+    assert len({(j.params["samples"], j.params["seq_len"]) for j in scores}) == 1  # the same tokens for each
+    assert any("stored plans were scored, not swept" in w.value for w in at.warning)
+
+
 def test_the_app_never_imports_torch(qp_settings):
     code = ("import sys, runpy; sys.path.insert(0, '.');"
             "import app.services, app.charts, app.state, quantcore.outliers, quantcore.plans, quantcore.kernels,"
