@@ -7,6 +7,7 @@ import streamlit as st
 from app import services as svc
 
 MODEL_KEY = "model_id"
+WIDGET_KEY = "sidebar_model"  # the sidebar's model selectbox
 URL_MODEL = "model"  # query parameter: /kernels?model=3
 
 
@@ -26,11 +27,18 @@ def sidebar() -> None:
         names = {m.id: f"#{m.id} {m.name}" for m in models}
         current = _model_from_url(ids)
         if current is not None and current != st.session_state.get(MODEL_KEY):
-            st.session_state.pop("sidebar_model", None)  # a link to another model wins over the widget's memory
+            st.session_state.pop(WIDGET_KEY, None)  # a link to another model wins over the widget's memory
         else:
             current = st.session_state.get(MODEL_KEY)
         index = ids.index(current) if current in ids else len(ids) - 1
-        chosen = st.selectbox("Model", ids, index=index, format_func=names.get, key="sidebar_model")
+        # the widget still holds a model that was removed (here or by a colleague): give it the model the
+        # page will use through Session State, which the browser's widget follows (a default index would
+        # leave it showing the removed one)
+        stale = st.session_state.get(WIDGET_KEY) not in (None, *ids)
+        if stale:
+            st.session_state[WIDGET_KEY] = ids[index]
+        chosen = st.selectbox("Model", ids, **({} if stale else {"index": index}), format_func=names.get,
+                              key=WIDGET_KEY)
         st.session_state[MODEL_KEY] = chosen
         st.query_params[URL_MODEL] = str(chosen)  # the address names the model: links can be shared
         active = [j for j in svc.list_jobs(limit=50) if not j.finished]

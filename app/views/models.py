@@ -12,7 +12,9 @@ st.title("Models")
 st.caption("Register a Hugging Face checkpoint, then calibrate it to see its activation outliers.")
 REMOVED = "models_removed"  # what the last removal deleted, said once after the page reruns
 if REMOVED in st.session_state:
-    st.success(st.session_state.pop(REMOVED))
+    removed_note = st.session_state.pop(REMOVED)
+    st.success(removed_note)
+    st.toast(removed_note)  # seen wherever the page is scrolled to
 
 with st.container(border=True):
     st.subheader("Register a model")
@@ -148,7 +150,6 @@ with st.expander(f"Remove {model.name}"):
             st.error(str(exc))
         else:
             st.session_state[REMOVED] = f"Removed {model.name} ({stored})."
-            st.session_state.pop(state.MODEL_KEY, None)
-            st.session_state.pop("sidebar_model", None)
+            st.session_state.pop(state.MODEL_KEY, None)  # the sidebar moves to another model, or none
             st.query_params.pop(state.URL_MODEL, None)
             st.rerun()

@@ -138,3 +138,23 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     with session_scope(qp_settings) as s:
         assert "tiny-upload" in [m.name for m in repo.list_models(s)]
     _shot(page, "02-upload")
+
+    # remove it again on its page: the sidebar moves to the model that is left, not the removed one
+    with session_scope(qp_settings) as s:
+        models = {m.name: m for m in repo.list_models(s)}
+    tiny, smol = models["tiny-upload"], models["SmolLM2-135M-Instruct"]
+    page.goto(app_url + f"/?model={tiny.id}")
+    _settle(page)
+    sidebar_model = page.locator("[data-testid='stSidebar'] [data-testid='stSelectbox'] input").first
+    assert sidebar_model.input_value() == f"#{tiny.id} tiny-upload"
+    page.get_by_text("Remove tiny-upload").first.click()
+    _settle(page, 1)
+    page.get_by_text("Yes, remove tiny-upload").first.click()
+    _settle(page, 1)
+    page.get_by_role("button", name="Remove model").click()
+    _settle(page, 3)
+    _no_exception(page)
+    expect(page.get_by_text("Removed tiny-upload")).to_be_visible()
+    assert sidebar_model.input_value() == f"#{smol.id} SmolLM2-135M-Instruct"
+    assert not (Path(qp_settings.artifact_dir) / tiny.path).exists()
+    _shot(page, "03-removed")
