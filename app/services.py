@@ -380,6 +380,23 @@ def layer_shapes(model: ModelRecord) -> dict[str, tuple[int, int]]:
 # ----------------------------------------------------------------------------- scoring
 
 
+REFERENCE_BYTES_PER_LOGPROB = 2  # quantcore.scoring.LOGPROB_DTYPE is float16 (a test keeps the two equal)
+
+
+def vocab_size(model: ModelRecord) -> int | None:
+    """The model's vocabulary: from its config, else the rows of its lm_head; None for an encoder."""
+    return model.vocab_size or next((lin["out_features"] for lin in model.linears if lin["name"] == "lm_head"),
+                                    None)
+
+
+def reference_cache_bytes(model: ModelRecord, samples: int, seq_len: int) -> int | None:
+    """Disk size of the reference log-probs a score or sweep caches for this evaluation size: every
+    predicted position (seq_len - 1 per sequence) times the vocabulary, in float16; None when the
+    vocabulary is unknown."""
+    vocab = vocab_size(model)
+    return None if not vocab else samples * (seq_len - 1) * vocab * REFERENCE_BYTES_PER_LOGPROB
+
+
 def score_frames(scores: list[ScoreRecord]):
     """(KL histogram frame [label, center, share], KL-by-position frame [position, kl, label]) of scores."""
     import numpy as np

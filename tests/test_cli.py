@@ -261,6 +261,12 @@ def test_models_remove_deletes_the_model_its_results_and_its_files(tiny_model, c
     refs = qp_settings.model_reference_dir(model.sha256)
     assert folder.is_dir() and any(refs.glob("*.safetensors"))  # the score job cached its reference there
     assert scoring.reference_cache_path(qp_settings.reference_root, model.sha256, "k").parent == refs
+    from safetensors import safe_open
+
+    with safe_open(str(next(refs.glob("*.safetensors"))), "pt") as cache:  # the size the Results page announces
+        logprobs = cache.get_tensor("logprobs")
+    assert logprobs.dtype == scoring.LOGPROB_DTYPE
+    assert logprobs.numel() * logprobs.element_size() == svc.reference_cache_bytes(model, 1, 16)
 
     code, _, err = run(capsys, "models", "remove", "tiny")  # without --yes: says what it would delete
     assert code == 1 and "--yes" in err and "1 scores" in err and folder.is_dir()

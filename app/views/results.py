@@ -48,6 +48,13 @@ with st.form("score_form"):
         if sens and any(not w.startswith("preset:") for w in chosen_plans):
             st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
 
+size = svc.reference_cache_bytes(model, int(samples), int(seq_len))
+if size:
+    st.caption(f"The unquantized model's log-probabilities on these {int(samples)} × {int(seq_len)} tokens are "
+               f"computed once per model and text and cached: {size / 2**30:,.2f} GiB on disk "
+               f"({int(samples) * (int(seq_len) - 1):,} positions × a {svc.vocab_size(model):,}-token vocabulary × "
+               "2 bytes). Large vocabularies (Gemma's 262k) make this the size to watch.")
+
 scores = svc.list_scores(model.id)
 st.subheader(f"Scored plans ({len(scores)})")
 if not scores:
