@@ -154,7 +154,8 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     page.get_by_role("button", name="Remove model").click()
     _settle(page, 3)
     _no_exception(page)
-    expect(page.get_by_text("Removed tiny-upload")).to_be_visible()
+    expect(page.get_by_test_id("stAlertContentSuccess").get_by_text("Removed tiny-upload")).to_be_visible()
+    expect(page.get_by_test_id("stToastText").get_by_text("Removed tiny-upload")).to_be_visible()
     assert sidebar_model.input_value() == f"#{smol.id} SmolLM2-135M-Instruct"
     assert not (Path(qp_settings.artifact_dir) / tiny.path).exists()
     _shot(page, "03-removed")
