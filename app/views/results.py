@@ -22,12 +22,14 @@ with st.form("score_form"):
                 "50 news articles). The reference log-probabilities are computed once and cached.")
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     options = [f"preset:{p}" for p in presets] + [f"plan:{p.id}" for p in plans]
-    labels = {f"preset:{k}": v for k, v in presets.items()} | {f"plan:{p.id}": f"plan {p.label}" for p in plans}
+    labels = {f"preset:{k}": k for k in presets} | {f"plan:{p.id}": f"plan {p.label}" for p in plans}
     chosen_plans = c1.multiselect("Plans (one score job each, scored on the same tokens)", options,
                                   default=["preset:FP8_DYNAMIC"], format_func=labels.get, key="score_what")
     samples = c2.number_input("Sequences", 1, 1024, 16, key="score_samples")
     seq_len = c3.number_input("Tokens each", 16, 8192, 256, step=16, key="score_seq_len")
     device = c4.selectbox("Device", ["cpu", "cuda"], key="score_device")
+    with st.expander("What each preset does"):
+        st.markdown("\n".join(f"- {text}" for text in presets.values()))
     sens = st.checkbox("Also run a per-layer sensitivity sweep with each chosen preset (one fusion group at a "
                        "time)", key="score_sens")
     if st.form_submit_button("Queue", type="primary"):
@@ -40,7 +42,7 @@ with st.form("score_form"):
                 job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
             else:
                 job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
-            state.queued(job, f"Queued score job #{job.id} ({ref if kind == 'preset' else labels[what]}).")
+            state.queued(job, f"Queued score job #{job.id} ({labels[what]}).")
             if sens and kind == "preset":
                 sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
                                 model_id=model.id)
