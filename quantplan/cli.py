@@ -129,7 +129,8 @@ def cmd_models_add(args) -> int:
     if args.json:
         _print_json(job.result)
     else:
-        print(f"registered model #{job.result['model_id']} {job.result['name']} ({job.result['linears']} linears)")
+        print(f"{'already registered' if job.result.get('already') else 'registered'} model "
+              f"#{job.result['model_id']} {job.result['name']} ({job.result['linears']} linears)")
     return 0
 
 

@@ -69,12 +69,18 @@ def _model_record(row: m.Model) -> ModelRecord:
     )
 
 
+def model_by_sha(session: Session, sha256: str) -> ModelRecord | None:
+    """The model registered with this checkpoint content, if any."""
+    row = session.scalar(select(m.Model).where(m.Model.sha256 == sha256))
+    return None if row is None else _model_record(row)
+
+
 def add_model(session: Session, *, name: str, sha256: str, source_kind: str, source_name: str, path: str,
               summary: dict[str, Any], user: str | None) -> ModelRecord:
     """Register a stored checkpoint. The same content registered twice returns the first record."""
-    existing = session.scalar(select(m.Model).where(m.Model.sha256 == sha256))
+    existing = model_by_sha(session, sha256)
     if existing is not None:
-        return _model_record(existing)
+        return existing
     base, n = name, 1
     while session.scalar(select(m.Model.id).where(m.Model.name == name)) is not None:
         n += 1

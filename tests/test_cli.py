@@ -300,3 +300,15 @@ def test_a_damaged_model_path_never_deletes_outside_the_artifacts(tiny_model, qp
         row.path = str(Path("..") / ".." / outside.name)  # relative to artifact_dir: points outside it
     svc.remove_model("tiny")
     assert outside.is_dir()
+
+
+def test_registering_the_same_checkpoint_again_says_it_is_the_same_model(tiny_model, capsys, tmp_path):
+    again = run_json(capsys, "models", "add", str(tmp_path / "tiny-llama"), "--name", "tiny-again", "--json")
+    assert again["model_id"] == tiny_model["model_id"] and again["name"] == "tiny" and again["already"] is True
+    assert tiny_model["already"] is False
+    jobs = run_json(capsys, "jobs", "--json")
+    newest = max((j for j in jobs if j["kind"] == "register"), key=lambda j: j["id"])
+    assert newest["message"] == f"already registered as tiny (#{tiny_model['model_id']}): same checkpoint content"
+    assert [m["name"] for m in run_json(capsys, "models", "list", "--json")] == ["tiny"]
+    code, out, _ = run(capsys, "models", "add", str(tmp_path / "tiny-llama"))
+    assert code == 0 and out.startswith(f"already registered model #{tiny_model['model_id']} tiny")

@@ -106,12 +106,18 @@ def register(ctx: JobContext) -> Outcome:
     result: dict[str, Any] = {}
 
     def write(s: Session) -> None:
-        rec = repo.add_model(s, name=name, sha256=sha, source_kind=kind, source_name=p.get("source_name") or src.name,
-                             path=rel, summary=summary.to_dict(), user=p.get("user"))
+        known = repo.model_by_sha(s, sha)
+        rec = known or repo.add_model(s, name=name, sha256=sha, source_kind=kind,
+                                      source_name=p.get("source_name") or src.name, path=rel,
+                                      summary=summary.to_dict(), user=p.get("user"))
         repo.set_job_model(s, ctx.job_id, rec.id)
-        result.update(model_id=rec.id, name=rec.name, linears=len(summary.linears))
+        result.update(model_id=rec.id, name=rec.name, linears=len(summary.linears), already=known is not None)
+        # the same content registered twice is one model: say so, under the name it has
+        outcome.message = (f"already registered as {rec.name} (#{rec.id}): same checkpoint content" if known
+                           else f"registered {rec.name}")
 
-    return Outcome(result=result, write=write, message=f"registered {name}")
+    outcome = Outcome(result=result, write=write, message=f"registered {name}")
+    return outcome
 
 
 def _default_name(src: Path, summary) -> str:
