@@ -634,19 +634,25 @@ def sensitivity_map(model: ModelRecord):
     return sensitivity_from_rows(rows)
 
 
+def unit_block_proj(layers: list[str]) -> tuple[int | None, str]:
+    """(block, projection label) of a sensitivity unit: a fusion group reads "q_proj/k_proj/v_proj", not
+    its first member's type; lm_head has no block."""
+    from quantcore.outliers import parse_layer_name
+
+    parsed = [parse_layer_name(x) for x in layers]
+    return parsed[0][0], "/".join(dict.fromkeys(p for _, p in parsed))
+
+
 def sensitivity_by_scheme(model: ModelRecord):
     """Frame [scheme, unit, block, proj, kl]: the newest sweep's KL of every unit, for every swept scheme."""
     import pandas as pd
-
-    from quantcore.outliers import parse_layer_name
 
     sens, unit_layers = sensitivity_map(model)
     rows = []
     for scheme, kls in sorted(sens.items()):
         for unit, kl in kls.items():
-            parsed = [parse_layer_name(x) for x in unit_layers.get(unit, [unit])]
-            rows.append({"scheme": scheme, "unit": unit, "block": parsed[0][0],
-                         "proj": "/".join(dict.fromkeys(p for _, p in parsed)), "kl": kl})
+            block, proj = unit_block_proj(unit_layers.get(unit, [unit]))
+            rows.append({"scheme": scheme, "unit": unit, "block": block, "proj": proj, "kl": kl})
     return pd.DataFrame(rows, columns=["scheme", "unit", "block", "proj", "kl"])
 
 

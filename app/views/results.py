@@ -8,7 +8,6 @@ import streamlit as st
 
 from app import charts, state
 from app import services as svc
-from quantcore.outliers import parse_layer_name
 
 st.title("Results")
 model = state.current_model()
@@ -97,8 +96,7 @@ sweep_id = st.selectbox("Sweep", [j.id for j in sweeps],
                                                    if j.id == i), key="results_sweep")
 rows = svc.sensitivity_rows(sweep_id)
 df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db,
-                    # a fusion group's bars say so: "q_proj/k_proj/v_proj", not its first member's type
-                    "proj": "/".join(dict.fromkeys(parse_layer_name(x)[1] for x in r.layers))} for r in rows])
+                    "proj": svc.unit_block_proj(r.layers)[1]} for r in rows])
 st.altair_chart(charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
 st.dataframe(df, hide_index=True, width="stretch")
 
