@@ -160,6 +160,24 @@ def cancel_job(job_id: int) -> JobRecord:
         return repo.request_cancel(s, job_id)
 
 
+def retry_job(job_id: int) -> JobRecord:
+    """Queue a failed or cancelled job again: same kind, parameters, model and plan, asked by this user.
+
+    Refused, with the reason, for a job still queued / running / done, an upload whose staged copy is
+    gone, and a job whose model or plan was removed since."""
+    job = get_job(job_id)
+    if job.status not in ("failed", "cancelled"):
+        raise ValueError(f"job #{job.id} is {job.status}: only a failed or cancelled job is queued again")
+    if job.kind == "register" and job.params.get("cleanup_dir"):
+        raise ValueError(f"job #{job.id} registered an upload whose staged copy is gone: upload the file again")
+    if job.kind in ("calibrate", "score", "sensitivity") and job.model_id is None:
+        raise ValueError(f"job #{job.id}'s model was removed: there is nothing to run it on")
+    if job.kind == "score" and "scheme" not in job.params and job.plan_id is None:
+        raise ValueError(f"job #{job.id} scored a plan that was removed")
+    params = {k: v for k, v in job.params.items() if k != "user"}
+    return submit(job.kind, params, model_id=job.model_id, plan_id=job.plan_id)
+
+
 def live_workers():
     from worker import presence
 

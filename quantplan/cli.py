@@ -194,14 +194,24 @@ def cmd_jobs(args) -> int:
     from store.db import session_scope
 
     s = _checked_settings()
+    if args.action != "list" and args.id is None:
+        raise CliError(f"say which job: quantplan jobs {args.action} ID")
+    if args.action == "retry":
+        from app import services as svc
+
+        job = svc.retry_job(args.id)
+        print(f"job #{args.id} queued again as job #{job.id} on queue '{job.queue}'")
+        note = svc.no_worker_note(job.queue)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+        return 0
     with session_scope(s) as session:
         if args.action == "cancel":
             job = repo.request_cancel(session, args.id)
             print(f"job #{job.id}: {job.status} ({job.message})")
             return 0
         if args.action == "show":
-            job = repo.get_job(session, args.id)
-            _print_json(job.__dict__)
+            _print_json(repo.get_job(session, args.id).__dict__)
             return 0
         jobs = repo.list_jobs(session, limit=args.limit)
     if args.json:
@@ -332,10 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                          samples=32)
     sp.set_defaults(func=cmd_calibrate)
 
-    sp = sub.add_parser("jobs", help="list, show or cancel jobs")
-    sp.add_argument("action", nargs="?", default="list", choices=["list", "show", "cancel"],
-                    help="list (default), show ID or cancel ID")
-    sp.add_argument("id", nargs="?", type=int, help="job id (show, cancel)")
+    sp = sub.add_parser("jobs", help="list, show, cancel or retry jobs")
+    sp.add_argument("action", nargs="?", default="list", choices=["list", "show", "cancel", "retry"],
+                    help="list (default), show ID, cancel ID, or retry ID (queue a failed / cancelled job again)")
+    sp.add_argument("id", nargs="?", type=int, help="job id (show, cancel, retry)")
     sp.add_argument("--limit", type=int, default=30, help="newest jobs listed (default 30)")
     sp.add_argument("--json", action="store_true", help="print as JSON")
     sp.set_defaults(func=cmd_jobs)

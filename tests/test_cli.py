@@ -312,3 +312,41 @@ def test_registering_the_same_checkpoint_again_says_it_is_the_same_model(tiny_mo
     assert [m["name"] for m in run_json(capsys, "models", "list", "--json")] == ["tiny"]
     code, out, _ = run(capsys, "models", "add", str(tmp_path / "tiny-llama"))
     assert code == 0 and out.startswith(f"already registered model #{tiny_model['model_id']} tiny")
+
+
+def test_jobs_retry_queues_a_failed_job_again_or_says_why_not(tiny_model, capsys, qp_settings):
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope(qp_settings) as s:
+        failed = repo.create_job(s, kind="calibrate", params={"samples": 3, "seq_len": 16, "device": "cpu",
+                                                              "user": "ann"}, queue="cpu", user="ann",
+                                 model_id=tiny_model["model_id"])
+        repo.finish_job(s, failed.id, status="failed", error="out of memory")
+        upload = repo.create_job(s, kind="register", params={"source": "/gone/x.zip", "cleanup_dir": "/gone"},
+                                 queue="cpu", user="ann")
+        repo.finish_job(s, upload.id, status="failed", error="boom")
+        done = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user="ann",
+                               model_id=tiny_model["model_id"])
+        repo.finish_job(s, done.id, status="succeeded")
+
+    code, out, err = run(capsys, "jobs", "retry", str(failed.id))
+    assert code == 0, err
+    new_id = int(re.search(r"queued again as job #(\d+)", out).group(1))
+    again = svc.get_job(new_id)
+    assert again.kind == "calibrate" and again.status == "queued" and again.model_id == tiny_model["model_id"]
+    assert {k: again.params[k] for k in ("samples", "seq_len", "device")} == {"samples": 3, "seq_len": 16,
+                                                                              "device": "cpu"}
+    assert again.requested_by == "tester" and again.params["user"] == "tester"  # asked again by this user
+
+    for job_id, reason in ((done.id, "is succeeded: only a failed or cancelled job"),
+                           (upload.id, "upload the file again")):
+        code, _, err = run(capsys, "jobs", "retry", str(job_id))
+        assert code == 1 and reason in err, err
+    code, _, err = run(capsys, "jobs", "retry")
+    assert code == 1 and "say which job" in err
+    svc.cancel_job(new_id)
+    svc.remove_model("tiny")
+    code, _, err = run(capsys, "jobs", "retry", str(failed.id))
+    assert code == 1 and "model was removed" in err

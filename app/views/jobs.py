@@ -10,6 +10,11 @@ from app import services as svc
 st.title("Jobs")
 st.caption("Every calibration, scoring, sensitivity and benchmark job, newest first. Running jobs update live.")
 
+RETRIED = "jobs_retried"  # what the last "Queue it again" did, said once after the rerun
+if RETRIED in st.session_state:
+    note = st.session_state.pop(RETRIED)
+    (st.success if "queued again as" in note else st.error)(note)
+
 stale = svc.sweep_stale()
 if stale:
     st.warning(f"Jobs {stale} had a worker that stopped reporting; they were marked failed.")
@@ -54,6 +59,13 @@ def job_table() -> None:
             st.error(j.error)
             if j.traceback:
                 st.code(j.traceback, language="text")
+            if st.button("Queue it again", key=f"retry_{j.id}", help="same kind, parameters, model and plan"):
+                try:
+                    again = svc.retry_job(j.id)
+                    st.session_state[RETRIED] = f"Job #{j.id} queued again as job #{again.id}."
+                except (ValueError, LookupError) as exc:
+                    st.session_state[RETRIED] = f"Job #{j.id} cannot be queued again: {exc}"
+                st.rerun()
 
 
 job_table()

@@ -42,6 +42,18 @@ def test_jobs_page_shows_failures_with_their_message(seeded):
     assert any("boom: a readable message" in e.value for e in at.error)
 
 
+def test_jobs_page_queues_a_failed_job_again(seeded):
+    from app import services as svc
+
+    failed = next(j for j in svc.list_jobs() if j.status == "failed")
+    at = _run("jobs", seeded.id)
+    at.button(key=f"retry_{failed.id}").click().run()
+    assert not at.exception
+    note = next(m.value for m in at.success if "queued again as job #" in m.value)
+    again = svc.get_job(int(note.rsplit("#", 1)[1].rstrip(".")))
+    assert (again.kind, again.status, again.model_id) == (failed.kind, "queued", failed.model_id)
+
+
 def test_outliers_page_ranks_the_planted_outlier_first(seeded):
     at = _run("outliers", seeded.id)
     assert at.selectbox(key="outliers_layer").value == OUTLIER_LAYER
