@@ -170,11 +170,13 @@ def retry_job(job_id: int) -> JobRecord:
         raise ValueError(f"job #{job.id} is {job.status}: only a failed or cancelled job is queued again")
     if job.kind == "register" and job.params.get("cleanup_dir"):
         raise ValueError(f"job #{job.id} registered an upload whose staged copy is gone: upload the file again")
-    if job.kind in ("calibrate", "score", "sensitivity") and job.model_id is None:
-        raise ValueError(f"job #{job.id}'s model was removed: there is nothing to run it on")
+    removed = job.params.get(repo.REMOVED_MODEL_KEY)
+    if removed or (job.kind in ("calibrate", "score", "sensitivity") and job.model_id is None):
+        which = f"model {removed}" if removed else "model"
+        raise ValueError(f"job #{job.id}'s {which} was removed: there is nothing to run it on")
     if job.kind == "score" and "scheme" not in job.params and job.plan_id is None:
         raise ValueError(f"job #{job.id} scored a plan that was removed")
-    params = {k: v for k, v in job.params.items() if k != "user"}
+    params = {k: v for k, v in job.params.items() if k != "user"}  # submit() adds the current user
     return submit(job.kind, params, model_id=job.model_id, plan_id=job.plan_id)
 
 

@@ -138,12 +138,22 @@ def model_usage(session: Session, model_id: int) -> dict[str, int]:
     }
 
 
+REMOVED_MODEL_KEY = "removed_model"  # job params: the name of the model a job ran on, once it is removed
+
+
 def delete_model(session: Session, model_id: int) -> None:
     """Delete a model row: its statistics, scores, sensitivity rows and plans go with it (ON DELETE
-    CASCADE); its jobs stay in the history with no model (SET NULL)."""
+    CASCADE); its jobs stay in the history with no model (SET NULL), their params naming the model
+    they ran on (``removed_model``), so the history still says what they were about."""
+    row = session.get(m.Model, model_id)
+    if row is None:
+        return
+    for job in session.scalars(select(m.Job).where(m.Job.model_id == model_id)):
+        job.params = {**(job.params or {}), REMOVED_MODEL_KEY: row.name}  # a new dict: JSON columns track assignment
     # plans of one model point at each other (parent_id): unlink them first, so no database has to
     # order the cascade within the table
     session.execute(update(m.Plan).where(m.Plan.model_id == model_id).values(parent_id=None))
+    session.flush()
     session.execute(delete(m.Model).where(m.Model.id == model_id))
 
 

@@ -316,6 +316,7 @@ def test_registering_the_same_checkpoint_again_says_it_is_the_same_model(tiny_mo
 
 def test_jobs_retry_queues_a_failed_job_again_or_says_why_not(tiny_model, capsys, qp_settings):
     from app import services as svc
+    from store import models as m
     from store import repo
     from store.db import session_scope
 
@@ -349,4 +350,10 @@ def test_jobs_retry_queues_a_failed_job_again_or_says_why_not(tiny_model, capsys
     svc.cancel_job(new_id)
     svc.remove_model("tiny")
     code, _, err = run(capsys, "jobs", "retry", str(failed.id))
-    assert code == 1 and "model was removed" in err
+    assert code == 1 and "model tiny was removed" in err
+    with session_scope(qp_settings) as s:  # a bench job of the removed model is not rerun on other shapes
+        bench = repo.create_job(s, kind="bench", params={"device": "cpu"}, queue="cpu", user="ann")
+        repo.finish_job(s, bench.id, status="failed", error="boom")
+        s.get(m.Job, bench.id).params = {"device": "cpu", repo.REMOVED_MODEL_KEY: "tiny"}
+    code, _, err = run(capsys, "jobs", "retry", str(bench.id))
+    assert code == 1 and "model tiny was removed" in err

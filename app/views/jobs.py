@@ -24,6 +24,11 @@ kind = c1.selectbox("Kind", [None, "register", "calibrate", "score", "sensitivit
                     format_func=lambda k: "all" if k is None else k, key="jobs_kind")
 
 
+def _removed(job) -> str | None:
+    name = job.params.get(svc.repo.REMOVED_MODEL_KEY)
+    return f"{name} (removed)" if name else None
+
+
 @st.fragment(run_every=2.0)
 def job_table() -> None:
     jobs = svc.list_jobs(limit=100, kind=kind)
@@ -48,7 +53,7 @@ def job_table() -> None:
     model_names = {m.id: m.name for m in svc.list_models()}
     st.dataframe(pd.DataFrame([{
         "id": j.id, "kind": j.kind, "status": j.status, "progress": j.progress, "message": j.message,
-        "model": model_names.get(j.model_id, j.model_id), "queue": j.queue, "device": j.device, "worker": j.worker_host,
+        "model": model_names.get(j.model_id) or _removed(j), "queue": j.queue, "device": j.device, "worker": j.worker_host,
         "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
         "error": j.error or "",
     } for j in jobs]), hide_index=True, width="stretch",

@@ -189,6 +189,8 @@ def test_models_page_removes_a_model_after_a_confirmation(seeded, qp_settings):
     for page in ("outliers", "results", "kernels", "plans", "jobs"):  # every page copes with the model gone
         at.switch_page(f"views/{page}.py").run()
         assert not at.exception, (page, [e.value for e in at.exception])
+    history = next(d.value for d in at.dataframe if "model" in d.value.columns)  # the Jobs page
+    assert f"{seeded.name} (removed)" in set(history["model"])
 
 
 def test_a_session_whose_model_was_removed_elsewhere_moves_on(seeded):

@@ -183,8 +183,10 @@ def test_deleting_a_model_takes_what_was_measured_on_it_and_keeps_the_jobs(any_d
         with pytest.raises(repo.NotFound):
             repo.get_model(s, gone.id)
         assert repo.model_usage(s, gone.id) == dict.fromkeys(usage, 0)
-        for job_id in jobs[gone.id]:  # the history stays, without the model
-            assert repo.get_job(s, job_id).model_id is None
+        for job_id in jobs[gone.id]:  # the history stays, without the model but naming it
+            job = repo.get_job(s, job_id)
+            assert job.model_id is None and job.params[repo.REMOVED_MODEL_KEY] == f"gone{tag}"
+        assert all(repo.REMOVED_MODEL_KEY not in repo.get_job(s, j).params for j in jobs[kept.id])
         # the other model is untouched
         assert repo.model_usage(s, kept.id) == {"calibrations": 1, "scores": 1, "sensitivity sweeps": 1,
                                                 "plan versions": 2, "active": 0}
