@@ -59,7 +59,7 @@ def remove_model(ref: int | str) -> ModelRecord:
     """Delete a model, everything measured on it and its files; return what was removed.
 
     Its calibrations, scores, sensitivity sweeps and plan versions go with the row; its jobs stay in the
-    history without it; kernel timings (per device, not per model) stay. The checkpoint folder and its
+    history, naming it (store.repo.delete_model); kernel timings (per device, not per model) stay. The checkpoint folder and its
     cached reference log-probs are deleted after the rows are gone, so a failure leaves stray files,
     never rows that point at missing ones. Refused while one of its jobs is queued or running.
     """

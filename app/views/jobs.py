@@ -12,8 +12,8 @@ st.caption("Every calibration, scoring, sensitivity and benchmark job, newest fi
 
 RETRIED = "jobs_retried"  # what the last "Queue it again" did, said once after the rerun
 if RETRIED in st.session_state:
-    note = st.session_state.pop(RETRIED)
-    (st.success if "queued again as" in note else st.error)(note)
+    ok, note = st.session_state.pop(RETRIED)
+    (st.success if ok else st.error)(note)
 
 stale = svc.sweep_stale()
 if stale:
@@ -67,9 +67,9 @@ def job_table() -> None:
             if st.button("Queue it again", key=f"retry_{j.id}", help="same kind, parameters, model and plan"):
                 try:
                     again = svc.retry_job(j.id)
-                    st.session_state[RETRIED] = f"Job #{j.id} queued again as job #{again.id}."
+                    st.session_state[RETRIED] = (True, f"Job #{j.id} queued again as job #{again.id}.")
                 except (ValueError, LookupError) as exc:
-                    st.session_state[RETRIED] = f"Job #{j.id} cannot be queued again: {exc}"
+                    st.session_state[RETRIED] = (False, f"Job #{j.id} cannot be queued again: {exc}")
                 st.rerun()
 
 
