@@ -18,7 +18,7 @@ Outliers page (issue 6):
     breakage_frame                       the "what will break" table (shown with st.dataframe)
 Scoring and kernel pages:
     kl_histogram_frame / kl_distribution_chart, kl_by_position_chart, sensitivity_chart,
-    kernel_heatmap, peak_bars
+    kernel_heatmap, peak_bars, tradeoff_chart (KL of each scored plan against its cost)
 """
 
 from __future__ import annotations
@@ -764,3 +764,40 @@ def peak_bars(df: pd.DataFrame, height: int | None = None) -> alt.LayerChart:
     bars = alt.Chart(df).mark_bar().encode(**encodings)
     full = alt.Chart(pd.DataFrame({"pct_peak": [100.0]})).mark_rule(strokeDash=[4, 3]).encode(x="pct_peak:Q")
     return alt.layer(bars, full, height=height or alt.Step(18), title="Share of peak throughput")
+
+
+# =============================================================================================
+# Results page: quality against cost
+# =============================================================================================
+FRONT_COLORS = {"on the front": "#d62728", "beaten": "#9e9e9e"}
+
+
+def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = CHART_HEIGHT) -> alt.LayerChart:
+    """KL of each scored plan (log y) against what it costs (x), the Pareto front joined and labelled.
+
+    Input columns: plan, kl_mean, ``cost``, front (bool: no other plan has both a lower cost and a
+    lower KL)[, top1_agree]. Rows without a cost are left out (the page names them). A KL of 0
+    (BF16) is drawn at :data:`KL_FLOOR`; the tooltip keeps the true value. The front is a step
+    line: from each front plan, the best KL available for no more cost.
+    """
+    _check_columns(df, ["plan", "kl_mean", cost, "front"], "tradeoff_chart")
+    keep = ["plan", "kl_mean", cost, "front"] + (["top1_agree"] if "top1_agree" in df.columns else [])
+    df = df.loc[df[cost].notna(), keep].head(MAX_MARKS // 3).copy()  # three marks per row
+    df["kl_plot"] = df["kl_mean"].clip(lower=KL_FLOOR)
+    df["where"] = np.where(df["front"], "on the front", "beaten")
+    x = alt.X(f"{cost}:Q", title=cost_title, scale=alt.Scale(zero=False))
+    y = alt.Y("kl_plot:Q", title="KL mean (nats, log)", scale=alt.Scale(type="log"))
+    tooltip = ["plan:N", alt.Tooltip("kl_mean:Q", title="KL mean", format=".4g"),
+               alt.Tooltip(f"{cost}:Q", title=cost_title, format=".4g")]
+    if "top1_agree" in df.columns:
+        tooltip.append(alt.Tooltip("top1_agree:Q", title="top-1 agree", format=".3f"))
+    color = alt.Color("where:N", title="", scale=alt.Scale(domain=list(FRONT_COLORS),
+                                                           range=list(FRONT_COLORS.values())))
+    base = alt.Chart(df)
+    points = base.mark_circle(size=90).encode(x=x, y=y, color=color, tooltip=tooltip)
+    front = df[df["front"]].sort_values(cost)
+    line = (alt.Chart(front).mark_line(interpolate="step-after", color=FRONT_COLORS["on the front"], opacity=0.5)
+            .encode(x=x, y=y))
+    labels = base.mark_text(align="left", dx=7, dy=-6, fontSize=11).encode(
+        x=x, y=y, text="plan:N", color=alt.value("#333333"))
+    return alt.layer(line, points, labels, height=height, title=f"KL against {cost_title}")

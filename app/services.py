@@ -356,11 +356,13 @@ def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str 
 
 
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,
-                  m_decode: int) -> dict[str, Any]:
-    """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings."""
+                  m_decode: int, records=None) -> dict[str, Any]:
+    """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings (``records``:
+    that device's :func:`kernel_records`, when the caller already has them)."""
     from quantcore.kernels import step_estimate as estimate
 
-    return estimate(kernel_records(device_name), layer_shapes(model), layer_paths(model, plan_body),
+    records = kernel_records(device_name) if records is None else records
+    return estimate(records, layer_shapes(model), layer_paths(model, plan_body),
                     m_prefill=m_prefill, m_decode=m_decode)
 
 
@@ -437,6 +439,73 @@ def score_frames(scores: list[ScoreRecord]):
                               "label": label})
     hist = pd.concat(hist_parts, ignore_index=True) if hist_parts else pd.DataFrame()
     return hist, pd.DataFrame(pos_parts)
+
+
+def score_sets(scores: list[ScoreRecord]) -> list[tuple[str, int]]:
+    """The evaluation sets among ``scores`` as (text, positions scored), the set with most scores first.
+    Scores on different sets are not comparable: a trade-off is drawn within one set."""
+    from collections import Counter
+
+    return [key for key, _ in Counter((s.dataset, s.tokens) for s in scores).most_common()]
+
+
+TRADEOFF_COSTS = ("weight_mib", "prefill_ms", "decode_ms")
+
+
+def measured_ms(model: ModelRecord, records) -> list[int]:
+    """The M values at which ``records`` (one device's kernel timings) timed any of the model's shapes."""
+    shapes = set(layer_shapes(model).values())
+    return sorted({r.m for r in records if (r.n, r.k) in shapes})
+
+
+def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name: str | None = None,
+                   m_prefill: int | None = None, m_decode: int | None = None):
+    """What each scored plan costs next to what it loses: the newest score of each plan among ``scores``.
+
+    Columns: job, plan, kl_mean, top1_agree, ppl, weight_mib (the plan's linear weights, scales
+    included), weight_ratio (share of BF16), and with ``device_name`` prefill_ms / decode_ms, the
+    plan's GEMM time of one step at ``m_prefill`` / ``m_decode`` from that device's stored timings.
+    A time is NaN unless every layer has one at that M: a partial sum is never shown as a cost.
+    Rows sorted by KL, lowest first.
+    """
+    import math
+
+    import pandas as pd
+
+    newest: dict[tuple[int | None, str], ScoreRecord] = {}
+    for sc in sorted(scores, key=lambda s: s.job_id):
+        newest[(sc.plan_id, sc.plan_label)] = sc
+    records = kernel_records(device_name) if device_name else None
+    rows = []
+    for sc in sorted(newest.values(), key=lambda s: (s.kl_mean, s.job_id)):
+        row = {"job": sc.job_id, "plan": sc.plan_label, "kl_mean": sc.kl_mean, "top1_agree": sc.top1_agree,
+               "ppl": sc.ppl, "weight_mib": math.nan, "weight_ratio": math.nan,
+               "prefill_ms": math.nan, "decode_ms": math.nan}
+        try:
+            fp = plan_footprint(model, sc.plan_body)
+            row.update(weight_mib=fp.bits / 8 / MIB, weight_ratio=fp.ratio)
+            if records is not None and m_prefill is not None and m_decode is not None:
+                est = step_estimate(model, sc.plan_body, device_name, m_prefill=m_prefill, m_decode=m_decode,
+                                    records=records)
+                for step in ("prefill", "decode"):
+                    if not est[f"missing_{step}"]:
+                        row[f"{step}_ms"] = est[f"{step}_ms"]
+        except ValueError:  # a plan the model no longer resolves (its layers changed): no cost, still listed
+            pass
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib",
+                                       "weight_ratio", "prefill_ms", "decode_ms"])
+
+
+def with_front(frame, cost: str):
+    """``frame`` (a :func:`tradeoff_frame`) with a ``front`` column: True for the plans no other plan beats
+    on both ``cost`` and KL (quantcore.plans.pareto_front); a plan without that cost is never on it."""
+    from quantcore.plans import pareto_front
+
+    if cost not in TRADEOFF_COSTS:
+        raise ValueError(f"unknown cost {cost!r}; choose from {', '.join(TRADEOFF_COSTS)}")
+    points = [(float(c), float(k)) for c, k in zip(frame[cost], frame["kl_mean"], strict=True)]
+    return frame.assign(front=pareto_front(points))
 
 
 def preset_options(model: ModelRecord) -> dict[str, str]:

@@ -528,6 +528,27 @@ def plan_footprint(
     return Footprint(rows, params, sum(r.bits for r in rows), IDENTITY_BITS * params)
 
 
+def pareto_front(points: Sequence[tuple[float | None, float]]) -> list[bool]:
+    """Which ``(cost, loss)`` points no other point beats (both lower is better).
+
+    A point is on the front when no other point has a cost and a loss each at most its own
+    and one of them strictly lower. Equal points are all on the front (neither beats the
+    other). A point without a cost (``None`` or NaN: say, a plan with no measured kernel
+    time) is never on the front and beats nothing.
+    """
+
+    def known(cost: float | None) -> bool:
+        return cost is not None and cost == cost  # NaN != NaN
+
+    out = []
+    for i, (cost, loss) in enumerate(points):
+        out.append(known(cost) and not any(
+            known(c) and c <= cost and q <= loss and (c < cost or q < loss)
+            for j, (c, q) in enumerate(points) if j != i
+        ))
+    return out
+
+
 def scheme_label(scheme: Scheme | str) -> str:
     """Scheme name, plus ``(alpha=a)`` when its SmoothQuant alpha differs from the preset's."""
     if isinstance(scheme, str):

@@ -114,6 +114,72 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_scores(args) -> int:
+    """The stored scores of a model on one evaluation set, with each plan's weight memory (and step times on
+    a device that has kernel timings), marking the plans on the KL / cost front."""
+    import math
+
+    from app import services as svc
+
+    _checked_settings()
+    model = _model(args.model)
+    scores = svc.list_scores(model.id)
+    if not scores:
+        raise CliError(f"nothing scored on {model.name} yet: `quantplan score {model.name} --scheme FP8_DYNAMIC`")
+    sets = svc.score_sets(scores)
+    eval_set = sets[0]
+    if args.text:
+        matches = [t for t in sets if t[0] == args.text]
+        if not matches:
+            raise CliError(f"no score of {model.name} on {args.text!r}; scored on: "
+                           + ", ".join(f"{t[0]} ({t[1]} positions)" for t in sets))
+        eval_set = matches[0]
+    m_prefill = m_decode = None
+    if args.timings:
+        measured = svc.measured_ms(model, svc.kernel_records(args.timings))
+        if not measured:
+            known = sorted({d[1] for d in svc.kernel_devices()})
+            raise CliError(f"no kernel timings of {model.name}'s shapes on {args.timings!r}; devices with "
+                           f"timings: {', '.join(known) or 'none (run `quantplan bench`)'}")
+        m_prefill, m_decode = args.m_prefill or max(measured), args.m_decode or min(measured)
+        unmeasured = sorted({m for m in (m_prefill, m_decode) if m not in measured})
+        if unmeasured:
+            raise CliError(f"{args.timings} has no timings at M={', '.join(map(str, unmeasured))} for "
+                           f"{model.name}'s shapes; measured M: {', '.join(map(str, measured))}")
+    frame = svc.tradeoff_frame(model, [s for s in scores if (s.dataset, s.tokens) == eval_set],
+                               device_name=args.timings, m_prefill=m_prefill, m_decode=m_decode)
+    costs = ["weight_mib"] + (["prefill_ms", "decode_ms"] if args.timings else [])
+    for cost in costs:
+        frame[f"front_{cost}"] = svc.with_front(frame, cost)["front"]
+    rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            for row in frame.to_dict("records")]
+    if args.json:
+        _print_json({"model": model.name, "text": eval_set[0], "positions": eval_set[1], "timings": args.timings,
+                     "m_prefill": m_prefill, "m_decode": m_decode, "plans": rows})
+        return 0
+    print(f"{model.name}: {len(rows)} plan(s) scored on {eval_set[0]} ({eval_set[1]:,} positions), lowest KL first; "
+          "* = on the front (no other plan has both a lower KL and a lower cost)")
+    if len(sets) > 1:
+        print(f"  also scored on: {', '.join(f'{t[0]} ({t[1]:,})' for t in sets if t != eval_set)} (--text)")
+    width = max(len(r["plan"]) for r in rows)
+    head = f"  {'plan':<{width}}  {'KL mean':>9}  {'top-1':>6}  {'weights MiB':>13}"
+    if args.timings:
+        head += f"  {f'prefill ms (M={m_prefill})':>20}  {f'decode ms (M={m_decode})':>18}"
+    print(head)
+
+    def cell(row: dict[str, Any], cost: str, fmt: str, w: int) -> str:
+        value = row[cost]
+        text = "n/a" if value is None else format(value, fmt) + ("*" if row[f"front_{cost}"] else " ")
+        return f"{text:>{w}}"
+
+    for r in rows:
+        line = f"  {r['plan']:<{width}}  {r['kl_mean']:9.5f}  {r['top1_agree']:6.3f}  {cell(r, 'weight_mib', ',.1f', 13)}"
+        if args.timings:
+            line += f"  {cell(r, 'prefill_ms', '.4f', 20)}  {cell(r, 'decode_ms', '.4f', 18)}"
+        print(line)
+    return 0
+
+
 def add_commands(sub) -> None:
     eval_text = "evaluation text (.txt / .jsonl); default: gensim's lee.cor"
     sp = sub.add_parser("score", help="KL / top-1 / perplexity of a plan against the unquantized model")
@@ -137,6 +203,16 @@ def add_commands(sub) -> None:
     sp.add_argument("--force", action="store_true", help="measure again even where results are stored")
     add_run_options(sp)
     sp.set_defaults(func=cmd_bench)
+
+    sp = sub.add_parser("scores", help="stored scores with each plan's weight memory and step time; the KL / cost front")
+    sp.add_argument("model", help="registered model (name or id)")
+    sp.add_argument("--text", help="evaluation text the scores were measured on (default: the one with most scores)")
+    sp.add_argument("--timings", metavar="DEVICE", help="add prefill / decode step times from this device's "
+                    "kernel timings (its name as the Kernels page and `quantplan bench` show it)")
+    sp.add_argument("--m-prefill", type=int, help="M of the prefill step (default: the largest measured)")
+    sp.add_argument("--m-decode", type=int, help="M of the decode step (default: the smallest measured)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=cmd_scores)
 
     sp = sub.add_parser("schemes", help="list the preset schemes")
     sp.set_defaults(func=cmd_schemes)

@@ -95,6 +95,8 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     again = run_json(capsys, "bench", "tiny", "--local", "--m", "1,32", "--budget", "20", "--json")
     assert len(again) == len(records)  # stored results reused for the same device
 
+    check_scores_command(capsys, again)
+
     code, out, _ = run(capsys, "jobs", "--json")
     jobs = json.loads(out)
     kinds = {j["kind"] for j in jobs}
@@ -102,6 +104,46 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     messages = {j["message"] for j in jobs}  # the jobs list says what each job was about
     assert any(m.startswith("INT8_PER_TENSOR: KL ") for m in messages)
     assert any(m.startswith("INT8_PER_TENSOR: ") and m.endswith(" units swept") for m in messages)
+
+
+def check_scores_command(capsys, bench_records: list[dict]) -> None:
+    """`quantplan scores`: the BF16 and INT8_PER_TENSOR scores of test_cli_flow with their weight memory and,
+    from the stored timings, their step times (each the sum of the layers' measured GEMMs)."""
+    from app import services as svc
+
+    model = svc.get_model("tiny")
+    listed = run_json(capsys, "scores", "tiny", "--json")
+    assert listed["positions"] == 2 * 31 and listed["timings"] is None
+    plans = {p["plan"]: p for p in listed["plans"]}
+    assert [p["plan"] for p in listed["plans"]] == ["BF16", "INT8_PER_TENSOR"]  # lowest KL first
+    bf16, int8 = plans["BF16"], plans["INT8_PER_TENSOR"]
+    params = sum(n * k for n, k in svc.layer_shapes(model).values())
+    assert bf16["kl_mean"] == 0.0 and bf16["weight_ratio"] == 1.0 and bf16["weight_mib"] == 2 * params / 2**20
+    assert int8["weight_mib"] == svc.plan_footprint(model, {"default": "INT8_PER_TENSOR"}).bits / 8 / 2**20
+    assert 0.5 < int8["weight_ratio"] < 0.6  # 8 of 16 bits, plus one scale per tensor
+    # each is best at one thing (BF16: KL, INT8: memory), so both are on the front
+    assert bf16["front_weight_mib"] and int8["front_weight_mib"]
+    assert bf16["prefill_ms"] is None and "front_decode_ms" not in bf16
+
+    device = svc.kernel_devices()[0][1]
+    timed = run_json(capsys, "scores", "tiny", "--timings", device, "--json")
+    assert (timed["m_prefill"], timed["m_decode"]) == (32, 1)
+    ms = {(r["m"], r["n"], r["k"], r["path"]): r["ms"] for r in bench_records}
+    shapes = svc.layer_shapes(model).values()
+    for plan, path in (("BF16", "baseline"), ("INT8_PER_TENSOR", "int8_row+q")):
+        row = next(p for p in timed["plans"] if p["plan"] == plan)
+        for step, m in (("prefill_ms", 32), ("decode_ms", 1)):
+            assert row[step] == pytest.approx(sum(ms[(m, n, k, path)] for n, k in shapes)), (plan, step)
+    code, out, err = run(capsys, "scores", "tiny", "--timings", device)
+    assert code == 0, err
+    assert "BF16" in out and "INT8_PER_TENSOR" in out and "prefill ms (M=32)" in out and "*" in out
+
+    code, _, err = run(capsys, "scores", "tiny", "--timings", "no such GPU")
+    assert code == 1 and "no kernel timings" in err and device in err
+    code, _, err = run(capsys, "scores", "tiny", "--timings", device, "--m-decode", "7")
+    assert code == 1 and "M=7" in err and "1, 32" in err
+    code, _, err = run(capsys, "scores", "tiny", "--text", "nope.txt")
+    assert code == 1 and "nope.txt" in err and "builtin:lee.cor" in err
 
 
 def test_cli_errors_are_clear(tiny_model, capsys, tmp_path):

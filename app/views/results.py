@@ -85,6 +85,45 @@ else:
             st.caption(f"#{s.job_id} {s.plan_label}: predicted KL (sum of per-layer KL) {s.predicted_kl:.4g}, "
                        f"measured {s.kl_mean:.4g}")
 
+    st.subheader("Quality against cost")
+    sets = svc.score_sets(scores)
+    eval_set = sets[0]
+    if len(sets) > 1:
+        eval_set = st.selectbox("Scored on", sets, format_func=lambda t: f"{t[0]} · {t[1]:,} positions",
+                                key="tradeoff_set")
+    costs = {"weight_mib": "linear weights (MiB)"}
+    device_name = m_prefill = m_decode = None
+    kernel_names = sorted({d[1] for d in svc.kernel_devices()})
+    if kernel_names:
+        c1, c2 = st.columns(2)
+        device_name = c1.selectbox("Step times from the kernel timings of", [None, *kernel_names],
+                                   format_func=lambda d: "(none: weight memory only)" if d is None else d,
+                                   key="tradeoff_device")
+        measured = svc.measured_ms(model, svc.kernel_records(device_name)) if device_name else []
+        if measured:
+            m_prefill, m_decode = max(measured), min(measured)
+            costs |= {"decode_ms": f"decode step on {device_name}, M={m_decode} (ms)",
+                      "prefill_ms": f"prefill step on {device_name}, M={m_prefill} (ms)"}
+        elif device_name:
+            c2.caption(f"{device_name} has no timings of {model.name}'s shapes.")
+    cost = st.radio("Cost", list(costs), format_func=costs.get, horizontal=True, key="tradeoff_cost")
+    trade = svc.with_front(svc.tradeoff_frame(model, [s for s in scores if (s.dataset, s.tokens) == eval_set],
+                                              device_name=device_name, m_prefill=m_prefill, m_decode=m_decode),
+                           cost)
+    st.caption("The newest score of each plan on this text. A plan is **on the front** when no other plan has "
+               "both a lower KL and a lower cost: the plans worth choosing between. Times are the sum of the "
+               "plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M.")
+    st.altair_chart(charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
+    no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
+    if no_cost:
+        st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}.")
+    st.dataframe(trade, hide_index=True, width="stretch",
+                 column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
+                                "weight_mib": st.column_config.NumberColumn("weights MiB", format="%.1f"),
+                                "weight_ratio": st.column_config.NumberColumn("of BF16", format="%.3f"),
+                                "prefill_ms": st.column_config.NumberColumn("prefill ms", format="%.4f"),
+                                "decode_ms": st.column_config.NumberColumn("decode ms", format="%.4f")})
+
 st.subheader("Per-layer sensitivity")
 sweeps = svc.sensitivity_jobs(model.id)
 if not sweeps:

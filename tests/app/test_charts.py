@@ -440,3 +440,26 @@ def test_charts_module_is_torch_free() -> None:
 def test_projection_order_puts_fusion_groups_with_their_first_member() -> None:
     got = charts._proj_sort(["lm_head", "down_proj", "gate_proj/up_proj", "q_proj/k_proj/v_proj", "o_proj", "zz"])
     assert got == ["q_proj/k_proj/v_proj", "o_proj", "gate_proj/up_proj", "down_proj", "lm_head", "zz"]
+
+
+def test_tradeoff_chart_draws_costed_plans_and_joins_the_front() -> None:
+    df = pd.DataFrame({"plan": ["BF16", "FP8_DYNAMIC", "W4A16", "INT8_PER_TENSOR", "NVFP4"],
+                       "kl_mean": [0.0, 0.05, 0.9, 1.0, 0.7],
+                       "decode_ms": [30.0, 20.0, 30.0, 21.0, np.nan],
+                       "prefill_ms": [np.nan] * 5,
+                       "front": [True, True, False, False, False],
+                       "top1_agree": [1.0, 0.9, 0.5, 0.48, 0.55]})
+    spec = spec_of(charts.tradeoff_chart(df, "decode_ms", "decode step (ms)"))
+    points = view_with(spec, "circle")
+    rows = data_rows(spec, points)
+    assert [r["plan"] for r in rows] == ["BF16", "FP8_DYNAMIC", "W4A16", "INT8_PER_TENSOR"]  # NVFP4: no time
+    assert all("prefill_ms" not in r for r in rows)  # only what the chart draws is embedded
+    assert rows[0]["kl_mean"] == 0.0 and rows[0]["kl_plot"] == charts.KL_FLOOR  # log axis; tooltip keeps 0
+    assert points["encoding"]["y"]["scale"]["type"] == "log"
+    assert {r["where"] for r in rows if r["plan"] in ("BF16", "FP8_DYNAMIC")} == {"on the front"}
+    line = view_with(spec, "line")
+    assert [r["plan"] for r in data_rows(spec, line)] == ["FP8_DYNAMIC", "BF16"]  # the front, by cost
+    assert line["mark"]["interpolate"] == "step-after"
+    assert [r["plan"] for r in data_rows(spec, view_with(spec, "text"))] == [r["plan"] for r in rows]
+    with pytest.raises(ValueError, match="front"):
+        charts.tradeoff_chart(df.drop(columns="front"), "decode_ms", "decode step (ms)")

@@ -166,6 +166,76 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
     assert head["block"].isna().all() and set(head["proj"]) == {"lm_head"}
 
 
+def _add_score(model_id: int, label: str, body: dict, kl: float, *, dataset: str = "builtin:lee.cor",
+               plan_id: int | None = None) -> int:
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        job = repo.create_job(s, kind="score", params={}, queue="cpu", user=None, model_id=model_id, plan_id=plan_id)
+        repo.save_score(s, job_id=job.id, model_id=model_id, plan_id=plan_id, plan_label=label, plan_body=body,
+                        dataset=dataset, report={"kl_mean": kl, "kl_p50": kl, "kl_p90": kl, "kl_p99": kl,
+                                                 "kl_max": kl, "top1_agree": 1 - kl / 2, "ppl_ref": 18.0,
+                                                 "ppl": 18.0 + kl, "tokens": 1000})
+        repo.finish_job(s, job.id, status="succeeded", result={"kl_mean": kl})
+        return job.id
+
+
+def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
+    """Quality against cost: the newest score of each plan on one text, its weight memory and its step times
+    from the stored kernel timings, and the plans no other plan beats on both."""
+    import math
+
+    from app import services as svc
+    from quantcore.plans import plan_footprint
+    from tests.app.conftest import linears
+
+    # seeded: FP8_DYNAMIC at KL 0.02; a rescore replaces it, and a score on another text stays out
+    newest_fp8 = _add_score(seeded.id, "FP8_DYNAMIC", {"default": "FP8_DYNAMIC"}, 0.03)
+    _add_score(seeded.id, "BF16", {"default": "BF16"}, 0.0)
+    _add_score(seeded.id, "INT8_PER_TENSOR", {"default": "INT8_PER_TENSOR"}, 1.0)
+    _add_score(seeded.id, "W4A16", {"default": "W4A16"}, 0.9)
+    _add_score(seeded.id, "MXFP4", {"default": "MXFP4"}, 0.001, dataset="upload:other.txt")
+    model = svc.get_model(seeded.id)
+    scores = svc.list_scores(seeded.id)
+    assert svc.score_sets(scores) == [("builtin:lee.cor", 1000), ("upload:other.txt", 1000)]
+    on_lee = [s for s in scores if s.dataset == "builtin:lee.cor"]
+    frame = svc.tradeoff_frame(model, on_lee, device_name="Test CPU", m_prefill=16, m_decode=1)
+    assert list(frame["plan"]) == ["BF16", "FP8_DYNAMIC", "W4A16", "INT8_PER_TENSOR"]  # lowest KL first
+    row = frame.set_index("plan")
+    assert row.loc["FP8_DYNAMIC", "job"] == newest_fp8 and row.loc["FP8_DYNAMIC", "kl_mean"] == 0.03
+    shapes = svc.layer_shapes(model)
+    for plan in frame["plan"]:
+        assert row.loc[plan, "weight_mib"] == plan_footprint({n: plan for n in shapes}, shapes).bits / 8 / 2**20
+    assert row.loc["BF16", "weight_ratio"] == 1.0
+    # conftest times: baseline 1 ms per layer, fp8_row+q 2 ms; no int8 +q case, so INT8 has no time
+    assert row.loc["BF16", "decode_ms"] == len(linears()) == row.loc["W4A16", "decode_ms"]
+    assert row.loc["FP8_DYNAMIC", "prefill_ms"] == 2 * len(linears())
+    assert math.isnan(row.loc["INT8_PER_TENSOR", "decode_ms"])
+
+    by_memory = svc.with_front(frame, "weight_mib").set_index("plan")["front"]
+    # W4A16 beats INT8 per-tensor on both; BF16 (best KL), FP8 and W4A16 (least memory) are each best somewhere
+    assert by_memory.to_dict() == {"BF16": True, "FP8_DYNAMIC": True, "W4A16": True, "INT8_PER_TENSOR": False}
+    by_decode = svc.with_front(frame, "decode_ms").set_index("plan")["front"]
+    assert by_decode.to_dict() == {"BF16": True, "FP8_DYNAMIC": False, "W4A16": False, "INT8_PER_TENSOR": False}
+    with pytest.raises(ValueError, match="unknown cost"):
+        svc.with_front(frame, "kl_mean")
+
+    at = _run("results", seeded.id)
+    assert any(h.value == "Quality against cost" for h in at.subheader)
+    at.selectbox(key="tradeoff_device").set_value("Test CPU").run()
+    assert not at.exception
+    at.radio(key="tradeoff_cost").set_value("decode_ms").run()
+    assert not at.exception
+    assert any("Not drawn" in c.value and "INT8_PER_TENSOR" in c.value for c in at.caption)
+    tables = [d.value for d in at.dataframe if "weight_mib" in d.value.columns]
+    assert len(tables) == 1 and list(tables[0]["plan"]) == ["BF16", "FP8_DYNAMIC", "W4A16", "INT8_PER_TENSOR"]
+    at.selectbox(key="tradeoff_set").set_value(("upload:other.txt", 1000)).run()
+    assert not at.exception
+    tables = [d.value for d in at.dataframe if "weight_mib" in d.value.columns]
+    assert list(tables[0]["plan"]) == ["MXFP4"]  # only what was scored on that text
+
+
 def test_models_page_removes_a_model_after_a_confirmation(seeded, qp_settings):
     from pathlib import Path
 

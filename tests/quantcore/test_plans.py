@@ -290,3 +290,17 @@ def test_plan_footprint_names_layers_without_a_shape():
     del shapes["lm_head"]
     with pytest.raises(ValueError, match="lm_head"):
         plan_footprint(dict.fromkeys(LAYERS, get_scheme("FP8")), shapes)
+
+
+def test_pareto_front_keeps_the_plans_no_other_plan_beats():
+    from quantcore.plans import pareto_front
+
+    # (cost, KL): BF16 is the best KL, W4 the cheapest, FP8 in between; INT8 costs more than FP8 for more KL
+    points = [(100.0, 0.0), (50.0, 0.05), (52.0, 0.9), (25.0, 0.95)]
+    assert pareto_front(points) == [True, True, False, True]
+    assert pareto_front([(1.0, 1.0), (1.0, 1.0)]) == [True, True]  # equal points: neither beats the other
+    assert pareto_front([(1.0, 2.0), (1.0, 1.0)]) == [False, True]  # same cost, lower KL wins
+    assert pareto_front([(2.0, 1.0), (1.0, 1.0)]) == [False, True]  # same KL, lower cost wins
+    # no cost (no kernel time measured): never on the front, and beats nothing
+    assert pareto_front([(None, 0.0), (float("nan"), 0.0), (5.0, 1.0)]) == [False, False, True]
+    assert pareto_front([]) == []
