@@ -472,7 +472,10 @@ def run_benchmarks(
     """Time every path on every (M, N, K) with (N, K) from ``shapes`` and M from ``ms``.
 
     The baseline is always timed (speed-ups need it), whatever ``paths`` says. Cases run
-    shape by shape, M ascending, baseline first, so a budget cuts the largest M first.
+    shape by shape; within a shape's budget the baselines of every M come first, then the
+    paths the device runs natively, then the emulated ones, each M ascending: a budget
+    cuts the emulated paths and the largest M first. Records come back in (shape, M,
+    path) order whatever order they ran in.
     Repeats and warm-up default to 50 / 10 on CUDA and 5 / 1 on CPU; fewer repeats are
     run when the budget is tight, never fewer than MIN_REPEATS (the case is skipped).
 
@@ -574,6 +577,14 @@ def run_benchmarks(
             "max_rel_err": err,
         }
 
+    def case_order(case: tuple[int, str]) -> tuple[int, int, int]:
+        """Within a shape's budget: every baseline first (each speed-up needs one), then the paths the
+        device accelerates, then the ones it only emulates, each M ascending; so a slow emulated path
+        can never starve the cases that serve a step estimate, and a budget cuts the largest M first."""
+        m, path = case
+        phase = 0 if path == PATH_BASELINE else 1 if support[base_path(path)].native else 2
+        return phase, m, PATHS.index(path)
+
     with torch.inference_mode():
         for n, k in shape_list:
             t_shape = time.perf_counter()
@@ -583,39 +594,42 @@ def run_benchmarks(
 
             gen = torch.Generator().manual_seed(seed + 1_000_003 * n + k)
             ops = _ShapeOperands(n, k, dev, dtype, gen)
-            for m in m_list:
-                x = torch.randn(m, k, generator=gen).to(device=dev, dtype=dtype)
-                for path in want:
-                    if should_cancel is not None and should_cancel():
-                        raise Cancelled("kernel benchmark cancelled")
-                    if progress is not None:
-                        progress(done / total, f"N={n} K={k} M={m} {path}")
-                    done += 1
-                    fields = measure(ops, x, path, left_s)
-                    pm, pk, pn = kernel_padding(path, m, k, n, kind)
-                    records.append(
-                        KernelRecord(
-                            device=kind,
-                            device_name=info.name,
-                            torch_version=info.torch_version,
-                            m=m,
-                            n=n,
-                            k=k,
-                            path=path,
-                            ms=fields.get("ms"),
-                            tflops=fields.get("tflops"),
-                            pct_peak=fields.get("pct_peak"),
-                            speedup=None,  # filled in once the baselines are known
-                            native=bool(fields["native"]),
-                            max_rel_err=fields.get("max_rel_err"),
-                            padded_m=pm if pm != m else None,
-                            skipped=fields.get("skipped"),
-                            padded_k=pk if pk != k else None,
-                            padded_n=pn if pn != n else None,
-                        )
+            xs: dict[int, torch.Tensor] = {}
+            shape_records = []
+            for m, path in sorted(((m, p) for m in m_list for p in want), key=case_order):
+                if should_cancel is not None and should_cancel():
+                    raise Cancelled("kernel benchmark cancelled")
+                if progress is not None:
+                    progress(done / total, f"N={n} K={k} M={m} {path}")
+                done += 1
+                if m not in xs:  # activations ~ N(0, 1), the same for every path at this M
+                    xs[m] = torch.randn(m, k, generator=torch.Generator().manual_seed(gen.initial_seed() + m))
+                    xs[m] = xs[m].to(device=dev, dtype=dtype)
+                fields = measure(ops, xs[m], path, left_s)
+                pm, pk, pn = kernel_padding(path, m, k, n, kind)
+                shape_records.append(
+                    KernelRecord(
+                        device=kind,
+                        device_name=info.name,
+                        torch_version=info.torch_version,
+                        m=m,
+                        n=n,
+                        k=k,
+                        path=path,
+                        ms=fields.get("ms"),
+                        tflops=fields.get("tflops"),
+                        pct_peak=fields.get("pct_peak"),
+                        speedup=None,  # filled in once the baselines are known
+                        native=bool(fields["native"]),
+                        max_rel_err=fields.get("max_rel_err"),
+                        padded_m=pm if pm != m else None,
+                        skipped=fields.get("skipped"),
+                        padded_k=pk if pk != k else None,
+                        padded_n=pn if pn != n else None,
                     )
-                del x
-            del ops
+                )
+            records.extend(sorted(shape_records, key=lambda r: (r.m, PATHS.index(r.path))))
+            del xs, ops
             if kind == "cuda":
                 torch.cuda.empty_cache()
 

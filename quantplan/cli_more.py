@@ -177,6 +177,10 @@ def cmd_scores(args) -> int:
         if args.timings:
             line += f"  {cell(r, 'prefill_ms', '.4f', 20)}  {cell(r, 'decode_ms', '.4f', 18)}"
         print(line)
+    if args.timings and any(r[c] is None for r in rows for c in ("prefill_ms", "decode_ms")):
+        print(f"  n/a: a layer of the plan has no time at that M on {args.timings} (skipped over budget, not "
+              "supported, or not measured); a partial sum is never shown. `quantplan bench` with a larger "
+              "--budget fills it in.")
     return 0
 
 

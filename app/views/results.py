@@ -116,7 +116,9 @@ else:
     st.altair_chart(charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
     no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
     if no_cost:
-        st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}.")
+        why = (" (a layer of the plan has no timing at that M: skipped over budget, not supported or not "
+               "measured; the Kernels page lists the cases)") if cost != "weight_mib" else ""
+        st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}{why}.")
     st.dataframe(trade, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
                                 "weight_mib": st.column_config.NumberColumn("weights MiB", format="%.1f"),

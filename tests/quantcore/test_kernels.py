@@ -258,6 +258,29 @@ def test_budget_skips_what_does_not_fit() -> None:
         assert r.ms is None and r.tflops is None and r.speedup is None and r.max_rel_err is None
 
 
+def test_baselines_then_native_paths_then_emulated_ones_within_a_shape() -> None:
+    """A slow emulated path (FP8 on a CPU) runs last in its shape's budget, so it can never starve the
+    baselines and native paths a step estimate needs; records still come back in (M, path) order."""
+    from quantcore.hardware import device_paths, probe_device
+
+    support = device_paths(probe_device("cpu"))
+    ran: list[tuple[int, str]] = []
+
+    def seen(_f: float, msg: str) -> None:
+        if msg.startswith("N="):
+            m, path = msg.split(" ")[2:4]
+            ran.append((int(m[2:]), path))
+
+    recs = kn.run_benchmarks([(32, 32)], ms=(4, 2), repeats=3, progress=seen)
+    phase = [0 if p == "baseline" else 1 if support[kn.base_path(p)].native else 2 for _, p in ran]
+    assert phase == sorted(phase) and ran[:2] == [(2, "baseline"), (4, "baseline")]
+    assert 2 in phase  # FP8 is never native on a CPU: it runs, last
+    for ph in set(phase):  # each phase runs M ascending
+        ms = [m for (m, _), p in zip(ran, phase, strict=True) if p == ph]
+        assert ms == sorted(ms)
+    assert [(r.m, r.path) for r in recs] == [(m, p) for m in (2, 4) for p in kn.PATHS]
+
+
 def test_progress_and_cancel() -> None:
     seen: list[float] = []
     kn.run_benchmarks(
