@@ -777,13 +777,17 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
 
     Input columns: plan, kl_mean, ``cost``, front (bool: no other plan has both a lower cost and a
     lower KL)[, top1_agree]. Rows without a cost are left out (the page names them). A KL of 0
-    (BF16) is drawn at :data:`KL_FLOOR`; the tooltip keeps the true value. The front is a step
-    line: from each front plan, the best KL available for no more cost.
+    (BF16) is drawn a decade below the smallest positive KL (never below :data:`KL_FLOOR`); the
+    tooltip keeps the true value. The front is a step line, its plans labelled: from each, the
+    best KL available for no more cost.
     """
     _check_columns(df, ["plan", "kl_mean", cost, "front"], "tradeoff_chart")
     keep = ["plan", "kl_mean", cost, "front"] + (["top1_agree"] if "top1_agree" in df.columns else [])
     df = df.loc[df[cost].notna(), keep].head(MAX_MARKS // 3).copy()  # three marks per row
-    df["kl_plot"] = df["kl_mean"].clip(lower=KL_FLOOR)
+    # a KL of 0 (BF16) sits a decade below the smallest positive KL, not at KL_FLOOR: the plans worth
+    # comparing keep the height of the chart
+    floor = max(_positive_floor(df["kl_mean"], default=KL_FLOOR) / 10, KL_FLOOR)
+    df["kl_plot"] = df["kl_mean"].clip(lower=floor)
     df["where"] = np.where(df["front"], "on the front", "beaten")
     x = alt.X(f"{cost}:Q", title=cost_title, scale=alt.Scale(zero=False))
     y = alt.Y("kl_plot:Q", title="KL mean (nats, log)", scale=alt.Scale(type="log"))
@@ -798,6 +802,6 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
     front = df[df["front"]].sort_values(cost)
     line = (alt.Chart(front).mark_line(interpolate="step-after", color=FRONT_COLORS["on the front"], opacity=0.5)
             .encode(x=x, y=y))
-    labels = base.mark_text(align="left", dx=7, dy=-6, fontSize=11).encode(
-        x=x, y=y, text="plan:N", color=alt.value("#333333"))
+    labels = alt.Chart(front).mark_text(align="left", dx=7, dy=-6, fontSize=11).encode(
+        x=x, y=y, text="plan:N", color=alt.value("#333333"))  # the beaten ones crowd: they have tooltips
     return alt.layer(line, points, labels, height=height, title=f"KL against {cost_title}")

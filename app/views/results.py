@@ -112,15 +112,20 @@ else:
                            cost)
     st.caption("The newest score of each plan on this text. A plan is **on the front** when no other plan has "
                "both a lower KL and a lower cost: the plans worth choosing between. Times are the sum of the "
-               "plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M.")
+               "plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a scheme "
+               "with no kernel path measured here (weight-only, MX, NVFP4) counts at the baseline GEMM's time.")
     st.altair_chart(charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
     no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
     if no_cost:
         why = (" (a layer of the plan has no timing at that M: skipped over budget, not supported or not "
                "measured; the Kernels page lists the cases)") if cost != "weight_mib" else ""
         st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}{why}.")
-    st.dataframe(trade, hide_index=True, width="stretch",
+    shown = trade if device_name else trade.drop(columns=["prefill_ms", "decode_ms"])
+    st.dataframe(shown, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
+                                "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
+                                "ppl": st.column_config.NumberColumn("perplexity", format="%.2f"),
+                                "front": st.column_config.CheckboxColumn("on the front"),
                                 "weight_mib": st.column_config.NumberColumn("weights MiB", format="%.1f"),
                                 "weight_ratio": st.column_config.NumberColumn("of BF16", format="%.3f"),
                                 "prefill_ms": st.column_config.NumberColumn("prefill ms", format="%.4f"),

@@ -454,12 +454,15 @@ def test_tradeoff_chart_draws_costed_plans_and_joins_the_front() -> None:
     rows = data_rows(spec, points)
     assert [r["plan"] for r in rows] == ["BF16", "FP8_DYNAMIC", "W4A16", "INT8_PER_TENSOR"]  # NVFP4: no time
     assert all("prefill_ms" not in r for r in rows)  # only what the chart draws is embedded
-    assert rows[0]["kl_mean"] == 0.0 and rows[0]["kl_plot"] == charts.KL_FLOOR  # log axis; tooltip keeps 0
+    assert rows[0]["kl_mean"] == 0.0 and rows[0]["kl_plot"] == pytest.approx(0.005)  # log axis: a decade
+    assert rows[1]["kl_plot"] == 0.05  # below the smallest positive KL; the tooltip keeps 0
     assert points["encoding"]["y"]["scale"]["type"] == "log"
     assert {r["where"] for r in rows if r["plan"] in ("BF16", "FP8_DYNAMIC")} == {"on the front"}
     line = view_with(spec, "line")
     assert [r["plan"] for r in data_rows(spec, line)] == ["FP8_DYNAMIC", "BF16"]  # the front, by cost
     assert line["mark"]["interpolate"] == "step-after"
-    assert [r["plan"] for r in data_rows(spec, view_with(spec, "text"))] == [r["plan"] for r in rows]
+    assert [r["plan"] for r in data_rows(spec, view_with(spec, "text"))] == ["FP8_DYNAMIC", "BF16"]  # labelled
+    only_zero = spec_of(charts.tradeoff_chart(df.head(1), "decode_ms", "decode step (ms)"))
+    assert data_rows(only_zero, view_with(only_zero, "circle"))[0]["kl_plot"] == charts.KL_FLOOR
     with pytest.raises(ValueError, match="front"):
         charts.tradeoff_chart(df.drop(columns="front"), "decode_ms", "decode step (ms)")
