@@ -133,6 +133,7 @@ class CheckpointSummary:
     vocab_size: int | None
     linears: list[LinearInfo] = field(default_factory=list)
     total_bytes: int = 0
+    causal_lm: bool | None = None  # has a next-token head (scoring needs one); None: summarised before this was kept
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (linears as a list of dicts)."""
@@ -534,6 +535,7 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         vocab_size=_first_attr(text_config, ("vocab_size",)),
         linears=_linears(model),
         total_bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
+        causal_lm=_is_causal_lm(config),
     )
 
 

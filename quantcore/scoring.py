@@ -134,8 +134,13 @@ def forward_logits(model: nn.Module, input_ids: Tensor) -> Tensor:
     """Logits ``[B, L, V]`` (float32) of a causal LM for ``input_ids`` ``[B, L]``, no KV cache."""
     with torch.no_grad():
         out = model(input_ids=input_ids.to(model_device(model)), use_cache=False)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits.float()
+    if getattr(out, "logits", None) is None:
+        raise PlanError(
+            f"{type(model).__name__} returns no next-token logits: it is not a causal language model (an encoder "
+            "such as BERT, or a base model without its head). KL scoring and sensitivity compare next-token "
+            "distributions, so they need the ...ForCausalLM checkpoint; calibration and outliers work as they are"
+        )
+    return out.logits.float()
 
 
 def batch_ranges(n: int, batch_size: int) -> list[tuple[int, int]]:

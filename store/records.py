@@ -37,6 +37,12 @@ class ModelRecord:
         """[{name, in_features, out_features}] of every nn.Linear, from the intake summary."""
         return list(self.summary.get("linears", []))
 
+    @property
+    def causal_lm(self) -> bool | None:
+        """Whether the model predicts next tokens (scoring and sensitivity need it); None when its intake
+        summary predates this field (the job itself then says so if it is not)."""
+        return self.summary.get("causal_lm")
+
 
 @dataclass(frozen=True)
 class DatasetRecord:

@@ -399,3 +399,22 @@ def test_jobs_retry_queues_a_failed_job_again_or_says_why_not(tiny_model, capsys
         s.get(m.Job, bench.id).params = {"device": "cpu", repo.REMOVED_MODEL_KEY: "tiny"}
     code, _, err = run(capsys, "jobs", "retry", str(bench.id))
     assert code == 1 and "model tiny was removed" in err
+
+
+def test_an_encoder_is_calibrated_but_never_queued_for_scoring(qp_settings, capsys, tmp_path):
+    """A BERT encoder registers and calibrates; a score or sensitivity job, which needs next-token logits, is
+    refused when asked (locally or on the queue) with the reason, and no job row is left behind."""
+    from app import services as svc
+    from tests.quantcore.test_checkpoint import save_tiny_bert
+
+    folder = save_tiny_bert(tmp_path / "bert")
+    assert run_json(capsys, "models", "add", str(folder), "--name", "enc", "--json")["name"] == "enc"
+    assert svc.get_model("enc").causal_lm is False
+    cal = run_json(capsys, "calibrate", "enc", "--local", "--samples", "2", "--seq-len", "16", "--json")
+    assert cal["layers"]
+    before = len(svc.list_jobs())
+    for argv in (("score", "enc", "--scheme", "FP8_DYNAMIC", "--local"), ("score", "enc", "--scheme", "FP8_DYNAMIC"),
+                 ("sensitivity", "enc", "--scheme", "FP8_DYNAMIC", "--local")):
+        code, _, err = run(capsys, *argv, "--samples", "1", "--seq-len", "16")
+        assert code == 1 and "not a causal language model" in err and "BertModel" in err, (argv, err)
+    assert len(svc.list_jobs()) == before  # nothing queued, nothing half-written

@@ -30,12 +30,30 @@ def queue_for(kind: str, params: dict[str, Any]) -> str:
     return "gpu" if device.startswith("cuda") else "cpu"
 
 
+NEEDS_CAUSAL_LM = ("score", "sensitivity")  # job kinds that compare next-token distributions
+
+
+def refuse_unfit(session, kind: str, model_id: int | None) -> None:
+    """Refuse (ValueError, nothing queued) a job its model cannot run: a score or sensitivity sweep of a
+    model that predicts no next token (an encoder), which would only fail on the worker."""
+    if model_id is None or kind not in NEEDS_CAUSAL_LM:
+        return
+    model = repo.get_model(session, model_id)
+    if model.causal_lm is False:
+        raise ValueError(
+            f"{model.name} is a {model.architecture} ({model.model_type}), not a causal language model: a {kind} "
+            "job compares its next-token distributions with the unquantized model's, and an encoder has none. "
+            "Its calibration, outliers, plans and export work; for KL scoring register a ...ForCausalLM checkpoint"
+        )
+
+
 def submit_job(kind: str, params: dict[str, Any], *, model_id: int | None = None, plan_id: int | None = None,
                user: str | None = None, settings: Settings | None = None) -> JobRecord:
     """Write a queued job row and send its task; returns the job."""
     s = settings or get_settings()
     queue = queue_for(kind, params)
     with session_scope(s) as session:
+        refuse_unfit(session, kind, model_id)
         job = repo.create_job(session, kind=kind, params=params, queue=queue, user=user or s.user,
                               model_id=model_id, plan_id=plan_id)
     res = celery_client(s).send_task(TASK_NAMES[kind], args=[job.id], queue=queue)
@@ -50,6 +68,7 @@ def create_local_job(kind: str, params: dict[str, Any], *, model_id: int | None 
     """A job row for a run in this process (CLI --local): same row, no broker."""
     s = settings or get_settings()
     with session_scope(s) as session:
+        refuse_unfit(session, kind, model_id)
         return repo.create_job(session, kind=kind, params=params, queue="local", user=user or s.user,
                                model_id=model_id, plan_id=plan_id)
 

@@ -13,6 +13,11 @@ st.title("Results")
 model = state.current_model()
 if model is None:
     st.stop()
+if model.causal_lm is False:
+    st.info(f"{model.name} is a {model.architecture} ({model.model_type}), not a causal language model: scores and "
+            "sensitivity sweeps compare next-token distributions with the unquantized model's, and it predicts no "
+            "next token. Its calibration statistics (Outliers), plans and export work as for any model.")
+    st.stop()
 
 presets = svc.preset_options(model)
 plans = svc.list_plans(model.id)

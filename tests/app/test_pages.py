@@ -461,3 +461,18 @@ def test_sidebar_flags_jobs_no_worker_will_take(seeded):
         repo.create_job(s, kind="bench", params={"device": "cuda"}, queue="gpu.sm90", user="t")
     at = _run("outliers", seeded.id)
     assert any("No live worker consumes queue 'gpu.sm90'" in w.value for w in at.sidebar.warning)
+
+
+def test_results_page_of_an_encoder_says_scoring_does_not_apply(qp_settings):
+    from store import repo
+    from store.db import session_scope
+
+    summary = {"architecture": "BertModel", "model_type": "bert", "num_layers": 2, "num_params": 1000,
+               "dtype": "float32", "total_bytes": 4000, "causal_lm": False,
+               "linears": [{"name": "encoder.layer.0.output.dense", "in_features": 64, "out_features": 32}]}
+    with session_scope(qp_settings) as s:
+        enc = repo.add_model(s, name="enc", sha256="cd" * 32, source_kind="folder", source_name="enc",
+                             path="models/enc", summary=summary, user="tester")
+    at = _run("results", enc.id)
+    assert any("not a causal language model" in i.value for i in at.info)
+    assert not at.button  # no form to queue a score that could only fail

@@ -193,7 +193,7 @@ def test_sharded_checkpoint_is_registered_and_loads(tmp_path, root):
     assert len(shards) > 1 and (source / "model.safetensors.index.json").is_file()
     _, folder, summary = register(source, root)
     assert sorted(p.name for p in folder.glob("model-*.safetensors")) == shards
-    assert summary.num_layers == LAYERS
+    assert summary.num_layers == LAYERS and summary.causal_lm is True
     model, _ = load_model(folder)
     assert model.lm_head.weight.shape == (len(WORDS) + 3, HIDDEN)
 
@@ -202,10 +202,17 @@ def test_encoder_checkpoint_is_registered_and_loaded_as_its_base_model(tmp_path,
     source = save_tiny_bert(tmp_path / "bert")
     _, folder, summary = register(source, root)
     assert summary.architecture == "BertModel" and summary.model_type == "bert"
+    assert summary.causal_lm is False and summary.to_dict()["causal_lm"] is False
     names = {info.name for info in summary.linears}
     assert "encoder.layer.0.attention.self.query" in names and "encoder.layer.1.output.dense" in names
     model, _ = load_model(folder)
     assert type(model).__name__ == "BertModel"
+    # scoring needs next-token logits: a clear refusal, not an index error deep in the KL
+    from quantcore.errors import PlanError
+    from quantcore.scoring import forward_logits
+
+    with pytest.raises(PlanError, match="not a causal language model"):
+        forward_logits(model, torch.tensor([[1, 2, 3]]))
 
 
 def test_load_model_reproduces_the_saved_model(src, root):
