@@ -36,6 +36,8 @@ COR_ENCODING = "latin-1"  # the Lee corpora are latin-1, not UTF-8
 
 TEXT_SUFFIXES = (".txt", ".cor", ".jsonl")
 JSONL_TEXT_KEY = "text"
+MAX_CONTROL_SHARE = 0.01  # more control characters than this (tab and newlines aside): not text
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # Unicode category Cc but \t \n \r
 _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
@@ -120,6 +122,7 @@ def load_documents(path: Path) -> list[str]:
                          f"(plain text, or JSON lines with a {JSONL_TEXT_KEY!r} field)")
     if not path.is_file():
         raise ValueError(f"text file {path} does not exist")
+    _check_not_binary(path)
     if suffix == ".cor":
         documents = path.read_text(encoding=COR_ENCODING).splitlines()
     elif suffix == ".jsonl":
@@ -129,7 +132,22 @@ def load_documents(path: Path) -> list[str]:
     documents = [doc.strip() for doc in documents if doc.strip()]
     if not documents:
         raise ValueError(f"{path.name} holds no text: calibration needs at least one non-empty document")
+    chars = sum(len(doc) for doc in documents)
+    control = sum(len(_CONTROL.findall(doc)) for doc in documents)
+    if control > MAX_CONTROL_SHARE * chars:
+        raise ValueError(f"{path.name} does not look like text: {control / chars:.0%} of its characters are control "
+                         "characters (a binary file renamed?). Upload plain UTF-8 text, or JSON lines")
     return documents
+
+
+def _check_not_binary(path: Path) -> None:
+    """Refuse a file with NUL bytes: a binary file, or UTF-16 text, which would otherwise be read as latin-1
+    garbage and give statistics of noise."""
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            if b"\x00" in chunk:
+                raise ValueError(f"{path.name} contains NUL bytes: it is a binary file or UTF-16 text. Upload "
+                                 "plain UTF-8 text (.txt), JSON lines (.jsonl) or a .cor corpus")
 
 
 def _separator_ids(tokenizer: Any) -> list[int]:

@@ -232,3 +232,26 @@ def test_windows_start_with_the_tokenizers_own_leading_tokens(tokenizer):
         token_batches(bos_tokenizer(), documents, n_samples=1, seq_len=1)
     with pytest.raises(ValueError, match="fewer than one window of 15 after 1 leading special token"):
         token_batches(bos_tokenizer(), ["the a of to"], n_samples=1, seq_len=16)
+
+
+def test_load_documents_refuses_what_is_not_text(tmp_path):
+    """A binary file (or UTF-16 text) renamed .txt would be read as latin-1 noise and calibrate on garbage."""
+    import random
+
+    rng = random.Random(0)
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(bytes(rng.randrange(256) for _ in range(4096)))
+    with pytest.raises(ValueError, match="NUL bytes"):
+        load_documents(binary)
+    utf16 = tmp_path / "notes.jsonl"
+    utf16.write_text('{"text": "hello"}\n', encoding="utf-16")
+    with pytest.raises(ValueError, match="UTF-16"):
+        load_documents(utf16)
+    noisy = tmp_path / "noisy.cor"  # no NUL, but 1 character in 20 is a control character
+    noisy.write_bytes(bytes(0x1b if i % 20 == 0 else 97 for i in range(3000)))  # ESC
+    with pytest.raises(ValueError, match="5% of its characters are control characters"):
+        load_documents(noisy)
+    # text with tabs, Windows line ends and the odd form feed stays text
+    fine = tmp_path / "fine.txt"
+    fine.write_bytes(b"col1\tcol2\r\n" * 200 + b"\x0cnext page\r\n")
+    assert load_documents(fine)
