@@ -52,8 +52,8 @@ def cmd_score(args) -> int:
         _print_json({"job": job.id, **job.result})
     else:
         r = job.result
-        print(f"job #{job.id} {r['plan']} on {model.name}: KL mean {r['kl_mean']:.5f} (p50 {r['kl_p50']:.5f}, "
-              f"p99 {r['kl_p99']:.4f}, max {r['kl_max']:.3f}), top-1 agreement {r['top1_agree']:.4f}, "
+        print(f"job #{job.id} {r['plan']} on {model.name}: KL mean {r['kl_mean']:.4g} (p50 {r['kl_p50']:.4g}, "
+              f"p99 {r['kl_p99']:.4g}, max {r['kl_max']:.4g}), top-1 agreement {r['top1_agree']:.4f}, "
               f"perplexity {r['ppl_ref']:.2f} → {r['ppl']:.2f} over {r['tokens']} tokens")
     return 0
 
@@ -86,7 +86,7 @@ def cmd_sensitivity(args) -> int:
         print(f"job #{job.id}: {args.scheme} one unit at a time on {model.name}, most sensitive first:")
         for r in out[:20]:
             sq = "" if r["sqnr_db"] is None else f"  SQNR {r['sqnr_db']:6.1f} dB"
-            print(f"  {r['layer']:56s} KL {r['kl_mean']:.5f}  top-1 {r['top1_agree']:.4f}{sq}")
+            print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g}  top-1 {r['top1_agree']:.4f}{sq}")
     return 0
 
 
