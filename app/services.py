@@ -341,18 +341,12 @@ def device_comparison(model: ModelRecord, path: str, m: int):
 
 def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str | None]:
     """The kernel path each layer of a plan would run on (None: baseline speed / emulated)."""
-    from quantcore.kernels import scheme_to_path
+    from quantcore.kernels import scheme_path
     from quantcore.plans import PlanSpec, resolve_plan
 
     names = [lin["name"] for lin in model.linears]
     plan = resolve_plan(PlanSpec.from_dict(plan_body), names)
-    out: dict[str, str | None] = {}
-    for name, scheme in plan.items():
-        w = scheme.weights.format if scheme.weights else None
-        a = scheme.activations.format if scheme.activations else None
-        g = scheme.activations.granularity.value if scheme.activations else None
-        out[name] = scheme_to_path(w, a, g)
-    return out
+    return {name: scheme_path(scheme) for name, scheme in plan.items()}
 
 
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,

@@ -1,4 +1,5 @@
-"""Benchmark FP8 / INT8 GEMM kernels on a model's linear shapes (SmolLM2-135M by default).
+"""Benchmark FP8 / INT8 GEMM kernels and the INT8 / INT4 weight-only ones on a model's linear shapes
+(SmolLM2-135M by default).
 
 Usage:
     python benchmarks/kernel_gemm.py                       # CPU, M = 1 16 128 2048
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     all_layers = {f"layers.{i}.{p}": s for i in range(model.n_layers) for p, s in layer_shapes.items()}
     m_prefill, m_decode = max(args.m), min(args.m)
     print(f"\n{model.label} GEMM time per step (prefill M={m_prefill}, decode M={m_decode}):")
-    for plan in ("baseline", "fp8_tensor", "fp8_row", "int8_row"):
+    for plan in kn.BASE_PATHS:
         est = kn.step_estimate(
             records,
             all_layers,
@@ -137,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 sp = est[f"speedup_{step}"]
                 cells.append(f"{step} {est[f'{step}_ms']:9.3f} ms (x{sp:.2f} vs baseline)")
-        label = plan if plan == "baseline" else plan + kn.QUANT_ACT_SUFFIX
-        print(f"  {label:<13} " + "   ".join(cells))
+        print(f"  {kn.timed_path(plan):<13} " + "   ".join(cells))
 
     if args.markdown:
         args.markdown.write_text(f"{model.label} shapes, M = {', '.join(map(str, args.m))}; "

@@ -379,13 +379,13 @@ def cost_from_kernel_records(
 
     ``records`` are :class:`quantcore.kernels.KernelRecord` or their dicts, from one device.
     BF16 takes the ``baseline`` path; another scheme takes the path
-    :func:`quantcore.kernels.scheme_to_path` gives it, timed with on-the-fly activation
-    quantization (``+q``) as serving pays it. Schemes without a path (weight-only, FP4,
-    block scales) and shapes not measured are left out; :func:`auto_plan` estimates or
+    :func:`quantcore.kernels.scheme_path` gives it, timed with on-the-fly activation
+    quantization (``+q``) as serving pays it (weight-only paths have none). Schemes without
+    a path (FP4, MX, block scales) and shapes not measured are left out; :func:`auto_plan` estimates or
     forbids them. With ``target``, records from a GPU that is not that target raise
     PlanError: times from one GPU say nothing about another.
     """
-    from quantcore.kernels import PATH_BASELINE, QUANT_ACT_SUFFIX, KernelRecord, has_time, scheme_to_path
+    from quantcore.kernels import PATH_BASELINE, KernelRecord, has_time, scheme_path, timed_path
 
     recs = [r if isinstance(r, KernelRecord) else KernelRecord.from_dict(r) for r in records]
     devices = {(r.device, r.device_name) for r in recs}
@@ -411,11 +411,8 @@ def cost_from_kernel_records(
         if scheme.is_identity:
             path: str | None = PATH_BASELINE
         else:
-            w = scheme.weights.format if scheme.weights else None
-            a = scheme.activations.format if scheme.activations else None
-            g = scheme.activations.granularity.value if scheme.activations else None
-            base = scheme_to_path(w, a, g)
-            path = base + QUANT_ACT_SUFFIX if base else None
+            base = scheme_path(scheme)
+            path = timed_path(base) if base else None
         if path is None:
             continue
         row = {}

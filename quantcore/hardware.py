@@ -22,6 +22,7 @@ Integer rates (``int8``) are tera-operations per second, counted like FLOP/s.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # --------------------------------------------------------------------------- formats
@@ -49,6 +50,7 @@ SM_INT8_MMA = 75  # Turing: INT8 tensor cores (IMMA); torch._int_mm's cuBLASLt p
 SM_WEIGHT_ONLY = 80  # Ampere: Marlin-style mixed-input kernels (INT4/INT8/FP8 weights × bf16)
 SM_FP8_MMA = 89  # Ada / Hopper: FP8 tensor cores; torch._scaled_mm refuses below sm89
 SM_BLOCK_SCALED = 100  # Blackwell: FP4 tensor cores and MX / NVFP4 block-scaled MMA
+SM_INT4_TINYGEMM = 80  # Ampere: torch._weight_int4pack_mm's tinygemm kernel (bf16 mma) needs sm80+
 
 
 # --------------------------------------------------------------------------- targets
@@ -555,7 +557,11 @@ class PathSupport:
 
 #: Kernel paths reported by :func:`device_paths` (the benchmark paths of
 #: ``quantcore.kernels`` plus FP4, which is reported but not benchmarked).
-DEVICE_PATHS: tuple[str, ...] = ("baseline", "fp8_tensor", "fp8_row", "int8_row", "fp4")
+DEVICE_PATHS: tuple[str, ...] = ("baseline", "fp8_tensor", "fp8_row", "int8_row", "w8_row", "w4_g128", "fp4")
+WEIGHT_ONLY_NOTE = {  # what a weight-only kernel does, for the notes of device_paths
+    "w8_row": "torch._weight_int8pack_mm reads INT8 weights and dequantizes them inside the kernel",
+    "w4_g128": "the INT4 weight-only kernel reads packed 4-bit weights and dequantizes them inside the kernel",
+}
 
 
 def _try_tiny(device: str, path: str) -> str | None:
@@ -581,11 +587,37 @@ def _try_tiny(device: str, path: str) -> str | None:
                 a = torch.ones(m, k, device=device, dtype=torch.int8)
                 b = torch.ones(n, k, device=device, dtype=torch.int8)
                 torch._int_mm(a, b.t())
+            elif path in ("w8_row", "w4_g128"):
+                from quantcore.kernels import W4_GROUP, int4_weight_mm, pack_int4
+
+                kind = "cuda" if device.startswith("cuda") else "cpu"
+                dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+                x = torch.ones(m, W4_GROUP, device=device, dtype=dtype)
+                codes = torch.ones(n, W4_GROUP, device=device, dtype=torch.int8)
+                if path == "w8_row":
+                    torch._weight_int8pack_mm(x, codes, torch.ones(n, device=device, dtype=dtype))
+                else:
+                    sz = torch.zeros(1, n, 2, device=device, dtype=dtype)
+                    int4_weight_mm(x, pack_int4(codes, kind), sz, kind)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
     except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
         return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return None
+
+
+def _weight_only(out: dict[str, PathSupport], dev: str, where: str,
+                 sm_ok: Mapping[str, tuple[bool, str]] | None = None) -> None:
+    """The weight-only paths: native wherever their kernel runs (the math stays in the baseline dtype,
+    so no low-precision unit is needed; what they save is weight traffic)."""
+    for path, what in WEIGHT_ONLY_NOTE.items():
+        ok, need = (sm_ok or {}).get(path, (True, ""))
+        if not ok:
+            out[path] = PathSupport(path, False, False, f"not supported {where}: {need}")
+            continue
+        err = _try_tiny(dev, path)
+        out[path] = (PathSupport(path, True, True, f"native {where}: {what}") if err is None
+                     else PathSupport(path, False, False, f"does not run {where}: {err}"))
 
 
 def device_paths(info: DeviceInfo, *, flags: set[str] | None = None) -> dict[str, PathSupport]:
@@ -621,6 +653,7 @@ def device_paths(info: DeviceInfo, *, flags: set[str] | None = None) -> dict[str
                                         else f"runs, not accelerated: {what}")
             else:
                 out[path] = PathSupport(path, False, False, f"does not run on this CPU: {err}")
+        _weight_only(out, dev, "on this CPU")
         out["fp4"] = PathSupport("fp4", False, False, "FP4 matmul needs Blackwell (sm100) tensor cores")
         return out
 
@@ -642,6 +675,8 @@ def device_paths(info: DeviceInfo, *, flags: set[str] | None = None) -> dict[str
             out[path] = PathSupport(
                 path, False, False, f"hardware has it, but this torch build refused it: {err}"
             )
+    _weight_only(out, dev, f"on sm{sm}", sm_ok={"w4_g128": (sm >= SM_INT4_TINYGEMM,
+                                                              f"tinygemm needs sm{SM_INT4_TINYGEMM}+")})
     if sm >= SM_BLOCK_SCALED:
         out["fp4"] = PathSupport(
             "fp4", False, True, f"native FP4 tensor cores on sm{sm}; not benchmarked by quantplan yet"

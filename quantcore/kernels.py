@@ -14,11 +14,22 @@ Paths (string constants; a ``+q`` suffix adds on-the-fly activation quantization
                     scales [1,N]
 ``int8_row``        ``torch._int_mm`` (int8 x int8 -> int32) plus the scale epilogue
                     ``acc * s_x[M,1] * s_w[1,N]``, symmetric codes in [-127, 127]
+``w8_row``          weight-only INT8 (W8A16): ``torch._weight_int8pack_mm``, per-channel INT8
+                    weights dequantized inside the kernel, activations in the baseline dtype
+``w4_g128``         weight-only INT4 (W4A16): ``torch._weight_int4pack_mm`` (CUDA tinygemm, bf16)
+                    or ``torch._weight_int4pack_mm_for_cpu``, symmetric codes in [-7, 7] in
+                    groups of 128 along K, packed two per byte offline
 ``<path>+q``        the same, with the activation quantized inside the timed region
                     (amax, scale, divide, clamp, cast, and any row padding); without ``+q``
                     the activation codes are prepared beforehand and only the GEMM (and,
-                    for INT8, its epilogue) is timed
+                    for INT8, its epilogue) is timed. The weight-only paths have no ``+q``:
+                    their activations are never quantized
 ==================  =====================================================================
+
+Weight-only kernels do the same FLOPs as the baseline; what they save is the weight
+traffic, which is what bounds a decode step (small M). That is why they win at batch 1
+and lose nothing but dequantization work at large M, and why they are timed here rather
+than assumed to run at the baseline's speed.
 
 Weights are always quantized offline (not timed), as at serving time. Everything runs
 in eager PyTorch: the INT8 epilogue and the activation quantization are separate,
@@ -55,9 +66,13 @@ PATH_BASELINE = "baseline"
 PATH_FP8_TENSOR = "fp8_tensor"
 PATH_FP8_ROW = "fp8_row"
 PATH_INT8_ROW = "int8_row"
+PATH_W8_ROW = "w8_row"
+PATH_W4_G128 = "w4_g128"
 QUANT_ACT_SUFFIX = "+q"
 
-BASE_PATHS: tuple[str, ...] = (PATH_BASELINE, PATH_FP8_TENSOR, PATH_FP8_ROW, PATH_INT8_ROW)
+#: Paths whose activations stay in the baseline dtype (no ``+q`` variant).
+WEIGHT_ONLY_PATHS: tuple[str, ...] = (PATH_W8_ROW, PATH_W4_G128)
+BASE_PATHS: tuple[str, ...] = (PATH_BASELINE, PATH_FP8_TENSOR, PATH_FP8_ROW, PATH_INT8_ROW, *WEIGHT_ONLY_PATHS)
 #: Every benchmark path, baseline first.
 PATHS: tuple[str, ...] = (
     PATH_BASELINE,
@@ -67,14 +82,19 @@ PATHS: tuple[str, ...] = (
     PATH_FP8_ROW + QUANT_ACT_SUFFIX,
     PATH_INT8_ROW,
     PATH_INT8_ROW + QUANT_ACT_SUFFIX,
+    PATH_W8_ROW,
+    PATH_W4_G128,
 )
 
-#: Peak-table key (``quantcore.hardware.GpuTarget.peak_tflops``) of each base path on CUDA.
+#: Peak-table key (``quantcore.hardware.GpuTarget.peak_tflops``) of each base path on CUDA: the
+#: weight-only kernels do their math in bf16.
 PEAK_KEY: dict[str, str] = {
     PATH_BASELINE: "bf16",
     PATH_FP8_TENSOR: "fp8",
     PATH_FP8_ROW: "fp8",
     PATH_INT8_ROW: "int8",
+    PATH_W8_ROW: "bf16",
+    PATH_W4_G128: "bf16",
 }
 
 # --------------------------------------------------------------------------- constants
@@ -88,7 +108,12 @@ INT_MM_MIN_M_CUDA = 17  # _int_mm_out_cuda: "self.size(0) needs to be greater th
 INT_MM_MULTIPLE_CUDA = 8  # _int_mm_out_cuda: K and N "a multiple of 8"
 SCALED_MM_MULTIPLE_CUDA = 16  # _scaled_mm: "trailing dimension of mat1 ... divisible by 16",
 #                               "mat2 shape (KxN) must be divisible by 16"
-# torch's CPU kernels have no such limits (checked here with torch 2.13: M=1, K=63, N=30 run).
+# torch's CPU kernels have no such limits (checked here with torch 2.13: M=1, K=63, N=30 run),
+# except the INT4 weight-only one:
+W4_GROUP = 128  # the group of the W4A16 preset (quantcore.schemes.W4_GROUP_SIZE); K must be a multiple
+W4_INNER_K_TILES = 8  # tinygemm's packing: K a multiple of 8 x 16 = 128 on CUDA
+W4_N_MULTIPLE = {"cpu": 16, "cuda": 8}  # "_convert_weight_to_int4pack_cpu: expect N to be dividable by 16"
+INT4_QMAX = 7  # symmetric INT4 grid [-7, 7] (quantcore's int4), stored as q + 8 in [1, 15]
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes a 256 MB buffer to clear L2
 ERR_MAX_ROWS = 256  # rows of the output compared with the float64 emulation (evenly spaced)
@@ -191,13 +216,17 @@ def kernel_padding(path: str, m: int, k: int, n: int, device_kind: str) -> tuple
     """(M, K, N) after the padding ``path`` needs on ``device_kind`` (``"cpu"`` or ``"cuda"``).
 
     CUDA: ``torch._int_mm`` needs M > 16 and K, N multiples of 8; ``torch._scaled_mm``
-    needs K and N multiples of 16. Zero padding of K leaves the product unchanged; extra
-    rows / columns of the output are dropped. CPU kernels need no padding.
+    needs K and N multiples of 16. The INT4 weight-only kernels need K a multiple of the
+    group (128) on both devices, and N a multiple of 16 on a CPU, 8 on CUDA. Zero padding
+    of K leaves the product unchanged; extra rows / columns of the output are dropped.
+    Other CPU kernels need no padding.
     """
-    if device_kind == "cpu" or base_path(path) == PATH_BASELINE:
-        return m, k, n
-    if device_kind != "cuda":
+    if device_kind not in ("cpu", "cuda"):
         raise ValueError(f"unknown device kind {device_kind!r}; use 'cpu' or 'cuda'")
+    if base_path(path) == PATH_W4_G128:
+        return m, _round_up(k, W4_GROUP), _round_up(n, W4_N_MULTIPLE[device_kind])
+    if device_kind == "cpu" or base_path(path) in (PATH_BASELINE, PATH_W8_ROW):
+        return m, k, n
     if base_path(path) == PATH_INT8_ROW:
         mult = INT_MM_MULTIPLE_CUDA
         return max(m, INT_MM_MIN_M_CUDA), _round_up(k, mult), _round_up(n, mult)
@@ -241,6 +270,39 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=SCALE_EPS) / INT8_QMAX
     codes = torch.round(xf / scale).clamp(-INT8_QMAX, INT8_QMAX).to(torch.int8)
     return codes, scale
+
+
+def quantize_int4_groups(w: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 codes in [-7, 7] of ``w`` [N, K] in groups of :data:`W4_GROUP` along K, zero-padded
+    to ``kp`` columns (a multiple of the group), and fp32 scales [kp / group, N] (``amax / 7``)."""
+    import torch
+
+    n, k = w.shape
+    wf = _pad2(w.float(), n, kp).reshape(n, kp // W4_GROUP, W4_GROUP)
+    scale = wf.abs().amax(dim=2).clamp(min=SCALE_EPS) / INT4_QMAX  # [N, groups]
+    codes = torch.round(wf / scale[:, :, None]).clamp(-INT4_QMAX, INT4_QMAX).to(torch.int8)
+    return codes.reshape(n, kp), scale.t().contiguous()
+
+
+def pack_int4(codes: torch.Tensor, device_kind: str) -> torch.Tensor:
+    """INT4 codes [N, K] in [-7, 7] in the layout of the device's weight-only INT4 kernel (stored as q + 8)."""
+    import torch
+
+    q = codes.to(torch.int32) + 8
+    if device_kind == "cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(q, W4_INNER_K_TILES)
+    # tinygemm: two codes a byte, the even column in the high nibble
+    return torch._convert_weight_to_int4pack((q[:, 1::2] | (q[:, 0::2] << 4)).to(torch.uint8), W4_INNER_K_TILES)
+
+
+def int4_weight_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                   device_kind: str) -> torch.Tensor:
+    """``x @ W^T`` with ``W`` = (q - 8) * scale + zero per group of :data:`W4_GROUP`, from :func:`pack_int4`."""
+    import torch
+
+    if device_kind == "cpu":
+        return torch._weight_int4pack_mm_for_cpu(x, packed, W4_GROUP, scales_and_zeros)
+    return torch._weight_int4pack_mm(x, packed, W4_GROUP, scales_and_zeros)
 
 
 def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -293,6 +355,11 @@ class _ShapeOperands:
             elif bp == PATH_INT8_ROW:
                 codes, scale = quantize_int8_rows(self.w)
                 codes, scale = _pad2(codes, np_, kp), _pad2(scale, np_, 1).t()
+            elif bp == PATH_W8_ROW:  # scales [N] in the activations' dtype, as _weight_int8pack_mm wants
+                codes, scale = quantize_int8_rows(self.w)
+                scale = scale.reshape(-1).to(self.dtype)
+            elif bp == PATH_W4_G128:  # scales [K/128, N]; padded rows get code 0, scale SCALE_EPS / 7
+                codes, scale = quantize_int4_groups(_pad2(self.w, np_, self.k), kp)
             else:
                 raise ValueError(f"no weight codes for path {path!r}")
             self._cache[key] = (codes.contiguous(), scale.contiguous())
@@ -322,6 +389,8 @@ def _build_case(ops: _ShapeOperands, path: str, x: torch.Tensor, device_kind: st
         return _Case(fn, emulate, (m, k, n))
 
     wq, sw = ops.weight_codes(path, kp, np_)
+    if bp in WEIGHT_ONLY_PATHS:
+        return _weight_only_case(bp, x, wq, sw, (mp, kp, np_), n, device_kind)
     wq_t = wq.t()  # [Kp, Np] column-major view, the layout cuBLASLt wants for mat2
 
     if bp in (PATH_FP8_TENSOR, PATH_FP8_ROW):
@@ -369,6 +438,38 @@ def _build_case(ops: _ShapeOperands, path: str, x: torch.Tensor, device_kind: st
         return (a @ b.t()) * sa * sb
 
     return _Case(fn, emulate, (mp, kp, np_))
+
+
+def _weight_only_case(bp: str, x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                      padded: tuple[int, int, int], n: int, device_kind: str) -> _Case:
+    """A weight-only path: 16-bit (CPU: fp32) activations times weights dequantized inside the kernel."""
+    import torch
+
+    m, k = x.shape
+    _, kp, _ = padded
+    if bp == PATH_W8_ROW:
+
+        def fn() -> torch.Tensor:
+            return torch._weight_int8pack_mm(x, wq, sw)
+
+        def emulate(rows: torch.Tensor) -> torch.Tensor:
+            return x[rows].double() @ (wq.double() * sw.double()[:, None]).t()
+
+        return _Case(fn, emulate, padded)
+
+    scale = sw.to(x.dtype)  # the kernel reads its scales in the activations' dtype: emulate those
+    scales_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous()
+    packed = pack_int4(wq, device_kind)
+    xp = _pad2(x, m, kp)  # zero columns times padded weights add nothing; prepared outside the timing
+
+    def fn() -> torch.Tensor:
+        return int4_weight_mm(xp, packed, scales_and_zeros, device_kind)[:, :n]
+
+    def emulate(rows: torch.Tensor) -> torch.Tensor:
+        w = wq.double() * scale.double().t().repeat_interleave(W4_GROUP, dim=1)  # [Np, Kp]
+        return (xp[rows].double() @ w.t())[:, :n]
+
+    return _Case(fn, emulate, padded)
 
 
 # --------------------------------------------------------------------------- timing
@@ -665,7 +766,12 @@ def _norm_gran(g: str | None) -> str | None:
 
 
 def scheme_to_path(
-    weight_format: str | None, act_format: str | None, act_granularity: str | None
+    weight_format: str | None,
+    act_format: str | None,
+    act_granularity: str | None,
+    *,
+    weight_granularity: str | None = None,
+    group_size: int | None = None,
 ) -> str | None:
     """The benchmark path that would serve a scheme, or None (baseline speed / emulated).
 
@@ -674,15 +780,25 @@ def scheme_to_path(
     - INT8 weights and INT8 activations, per-token or per-tensor activation scales ->
       ``int8_row`` (a per-tensor scale is a constant column of per-token scales: same
       kernel, same time).
-    - Anything else -> None: weight-only schemes, per-group / block scales (they do not
+    - Weight-only (no activation format): INT8 per-channel weights -> ``w8_row``; INT4
+      weights in groups of 128 -> ``w4_g128``. Both need ``weight_granularity`` (and
+      ``group_size``) to say so; without them a weight-only scheme gets None.
+    - Anything else -> None: per-group / block activation or weight scales (they do not
       factor out of the GEMM, so ``_scaled_mm`` / ``_int_mm`` cannot serve them), FP4
       and MX formats, mixed formats.
 
-    The weight granularity does not change the kernel: its scales are applied in the
-    epilogue either way. Granularity spellings ``per_token``, ``per-token``, ``token`` are
-    all accepted.
+    Otherwise the weight granularity does not change the kernel: its scales are applied
+    in the epilogue either way. Granularity spellings ``per_token``, ``per-token``,
+    ``token`` are all accepted.
     """
     g = _norm_gran(act_granularity)
+    if act_format is None:
+        wg = _norm_gran(weight_granularity)
+        if weight_format == "int8" and wg == "channel":
+            return PATH_W8_ROW
+        if weight_format == "int4" and wg == "group" and group_size == W4_GROUP:
+            return PATH_W4_G128
+        return None
     fp8 = ("fp8_e4m3", "fp8_e5m2")
     if weight_format in fp8 and act_format in fp8:
         if weight_format == "fp8_e5m2" and act_format == "fp8_e5m2":
@@ -695,6 +811,24 @@ def scheme_to_path(
     if weight_format == "int8" and act_format == "int8" and g in ("token", "tensor"):
         return PATH_INT8_ROW
     return None
+
+
+def scheme_path(scheme: Any) -> str | None:
+    """:func:`scheme_to_path` of a :class:`quantcore.schemes.Scheme` (``None`` weights: identity)."""
+    w, a = scheme.weights, scheme.activations
+    if w is None:
+        return None
+    return scheme_to_path(w.format, a.format if a else None, a.granularity.value if a else None,
+                          weight_granularity=w.granularity.value, group_size=w.group_size)
+
+
+def timed_path(path: str, quant_act: bool = True) -> str:
+    """The path a layer is timed on at serving: with ``quant_act``, a path that quantizes its
+    activations takes its ``+q`` variant (serving pays for that); the baseline and the
+    weight-only paths, whose activations stay 16-bit, are their own."""
+    if quant_act and path != PATH_BASELINE and path not in WEIGHT_ONLY_PATHS and not quantizes_activation(path):
+        return path + QUANT_ACT_SUFFIX
+    return path
 
 
 def step_estimate(
@@ -746,8 +880,7 @@ def step_estimate(
         path = layer_paths.get(name) or PATH_BASELINE
         if path not in valid:
             raise ValueError(f"layer {name!r}: unknown kernel path {path!r}; choose from: {', '.join(PATHS)}")
-        if quant_act and path != PATH_BASELINE and not quantizes_activation(path):
-            path = path + QUANT_ACT_SUFFIX
+        path = timed_path(path, quant_act)
         entry: dict[str, Any] = {"path": path}
         for step, m in (("prefill", m_prefill), ("decode", m_decode)):
             t = times.get((int(m), int(n), int(k), path))

@@ -52,9 +52,15 @@ def test_path_names() -> None:
         "fp8_row+q",
         "int8_row",
         "int8_row+q",
+        "w8_row",
+        "w4_g128",
     }
     assert kn.base_path("fp8_row+q") == "fp8_row" and kn.base_path("int8_row") == "int8_row"
     assert kn.quantizes_activation("int8_row+q") and not kn.quantizes_activation("fp8_tensor")
+    # serving times a path with its activation quantization; weight-only paths have none to add
+    assert kn.timed_path("fp8_row") == "fp8_row+q" and kn.timed_path("fp8_row", quant_act=False) == "fp8_row"
+    assert [kn.timed_path(p) for p in ("baseline", "w8_row", "w4_g128", "int8_row+q")] == \
+        ["baseline", "w8_row", "w4_g128", "int8_row+q"]
 
 
 def test_import_is_torch_free() -> None:
@@ -77,6 +83,12 @@ def test_import_is_torch_free() -> None:
         ("fp8_tensor", (1, 576, 1536), "cuda", (1, 576, 1536)),
         ("baseline", (1, 60, 30), "cuda", (1, 60, 30)),
         ("int8_row", (1, 60, 30), "cpu", (1, 60, 30)),  # CPU kernels need no padding
+        ("w8_row", (1, 60, 30), "cpu", (1, 60, 30)),
+        ("w8_row", (1, 60, 30), "cuda", (1, 60, 30)),
+        # INT4 weight-only: K a multiple of the group (128); N of 16 on a CPU, 8 on CUDA
+        ("w4_g128", (1, 576, 1536), "cpu", (1, 640, 1536)),
+        ("w4_g128", (3, 63, 30), "cpu", (3, 128, 32)),
+        ("w4_g128", (3, 4096, 30), "cuda", (3, 4096, 32)),
     ],
 )
 def test_kernel_padding(
@@ -136,7 +148,8 @@ def test_every_path_every_m_is_timed_on_cpu(tiny_records: list[kn.KernelRecord])
         assert r.ms is not None and r.ms > 0
         assert r.tflops == pytest.approx(2 * r.m * r.n * r.k / (r.ms * 1e-3) / 1e12)
         assert r.pct_peak is None  # no peak table for a CPU: measured figures only
-        assert r.padded_m is None and r.padded_k is None and r.padded_n is None  # CPU: no padding
+        # CPU: no padding, but for the INT4 weight-only kernel, whose K must be a multiple of its group
+        assert (r.padded_m, r.padded_k, r.padded_n) == ((None, 128, None) if r.path == "w4_g128" else (None,) * 3)
         assert r.speedup is not None
 
 
@@ -146,7 +159,9 @@ def test_native_flags_on_cpu(tiny_records: list[kn.KernelRecord]) -> None:
 
     int8_native = int8_dot_isa() is not None
     for r in tiny_records:
-        expected = r.path == "baseline" or (kn.base_path(r.path) == "int8_row" and int8_native)
+        # a weight-only kernel's math is fp32: it is native wherever it runs (what it saves is weight traffic)
+        expected = r.path in ("baseline", *kn.WEIGHT_ONLY_PATHS) or (kn.base_path(r.path) == "int8_row"
+                                                                     and int8_native)
         assert r.native == expected, r.path
 
 
@@ -163,6 +178,8 @@ def test_kernels_agree_with_emulation(tiny_records: list[kn.KernelRecord]) -> No
         assert r.max_rel_err is not None and math.isfinite(r.max_rel_err)
         if kn.base_path(r.path) == "int8_row":
             # integer products are exact; only the fp32 epilogue rounds
+            assert r.max_rel_err < 1e-5, r
+        elif r.path in kn.WEIGHT_ONLY_PATHS:  # fp32 math on dequantized weights, against float64
             assert r.max_rel_err < 1e-5, r
         elif r.path.startswith("fp8"):
             assert r.max_rel_err < 1e-2, r
@@ -326,7 +343,7 @@ def test_cuda_without_cuda() -> None:
         ("fp8_e4m3", "fp8_e4m3", "per_group", None),
         ("int8", "int8", "per_token", "int8_row"),
         ("int8", "int8", "per_tensor", "int8_row"),
-        ("int8", None, None, None),
+        ("int8", None, None, None),  # weight-only without its weight granularity: unknown
         ("int4", None, None, None),
         ("nvfp4", "nvfp4", "per_group", None),
         (None, None, None, None),
@@ -334,6 +351,34 @@ def test_cuda_without_cuda() -> None:
 )
 def test_scheme_to_path(w: str | None, a: str | None, g: str | None, path: str | None) -> None:
     assert kn.scheme_to_path(w, a, g) == path
+
+
+@pytest.mark.parametrize(
+    ("scheme", "path"),
+    [("BF16", None), ("FP8_DYNAMIC", "fp8_row"), ("FP8", "fp8_tensor"), ("INT8_W8A8", "int8_row"),
+     ("INT8_PER_TENSOR", "int8_row"), ("W8A16", "w8_row"), ("W4A16", "w4_g128"), ("NVFP4A16", None),
+     ("MXFP4", None), ("FP8_BLOCK", None)],
+)
+def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:
+    from quantcore.schemes import get_scheme
+
+    assert kn.scheme_path(get_scheme(scheme)) == path
+
+
+def test_int4_weight_only_kernel_agrees_with_the_int4_emulation() -> None:
+    """The packed INT4 kernel computes x @ (q * scale)^T for quantcore's own INT4 per-group codes: the same
+    numbers as fake-quantizing the weight with W4A16's spec (``quantcore.quantize``)."""
+    from quantcore.quantize import fake_quantize
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 256, generator=g) / 16
+    x = torch.randn(5, 256, generator=g)
+    codes, scales = kn.quantize_int4_groups(w, 256)
+    assert codes.abs().max() <= 7 and scales.shape == (2, 48)
+    sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
+    out = kn.int4_weight_mm(x, kn.pack_int4(codes, "cpu"), sz, "cpu")
+    w_q = fake_quantize(w, "int4", "group", group_size=kn.W4_GROUP)
+    torch.testing.assert_close(out, x @ w_q.t(), rtol=1e-5, atol=1e-5)
 
 
 def _rec(m: int, n: int, k: int, path: str, ms: float | None, name: str = "GPU X") -> kn.KernelRecord:
@@ -466,10 +511,11 @@ def test_format_markdown_refuses_mixed_devices() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
-    from quantcore.hardware import SM_FP8_MMA, SM_INT8_MMA, probe_device
+    from quantcore.hardware import SM_FP8_MMA, SM_INT4_TINYGEMM, SM_INT8_MMA, device_paths, probe_device
 
     info = probe_device("cuda")
     sm = info.sm or 0
+    w8_runs = device_paths(info)["w8_row"].runs  # a CUDA _weight_int8pack_mm depends on the torch build
     recs = kn.run_benchmarks([(576, 576), (192, 576)], ms=(1, 32, 256), device="cuda", budget_s_per_shape=60)
     assert len(recs) == 2 * 3 * len(kn.PATHS)
     for r in recs:
@@ -480,6 +526,8 @@ def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
             "fp8_tensor": sm >= SM_FP8_MMA,
             "fp8_row": sm >= SM_FP8_MMA,
             "int8_row": sm >= SM_INT8_MMA,
+            "w8_row": w8_runs,
+            "w4_g128": sm >= SM_INT4_TINYGEMM,
         }[base]
         if not expect_native:
             assert r.skipped is not None and r.skipped.startswith("not supported on cuda")
@@ -496,6 +544,20 @@ def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
             assert r.padded_m == kn.INT_MM_MIN_M_CUDA
         else:
             assert r.padded_m is None
+        assert r.padded_k == (640 if base == "w4_g128" else None)  # K=576: INT4 groups of 128
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_int4_weights_beat_bf16_at_decode() -> None:
+    """A decode step (M=1) reads every weight once: 4-bit weights move a quarter of bf16's bytes."""
+    from quantcore.hardware import SM_INT4_TINYGEMM, probe_device
+
+    if (probe_device("cuda").sm or 0) < SM_INT4_TINYGEMM:
+        pytest.skip("the INT4 weight-only kernel needs sm80+")
+    recs = kn.run_benchmarks([(4096, 4096)], ms=(1,), device="cuda", paths=["w4_g128"])
+    w4 = next(r for r in recs if r.path == "w4_g128")
+    assert w4.speedup is not None and w4.speedup > 1.2, w4
 
 
 @pytest.mark.gpu
