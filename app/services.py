@@ -443,7 +443,9 @@ def score_sets(scores: list[ScoreRecord]) -> list[tuple[str, int]]:
     return [key for key, _ in Counter((s.dataset, s.tokens) for s in scores).most_common()]
 
 
-TRADEOFF_COSTS = ("weight_mib", "prefill_ms", "decode_ms")
+TRADEOFF_COSTS = ("weight_mib", "prefill_ms", "decode_ms", "ideal_prefill_ms", "ideal_decode_ms")
+TRADEOFF_COLUMNS = ["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib", "weight_ratio", "prefill_ms",
+                    "decode_ms", "ideal_prefill_ms", "ideal_decode_ms"]
 
 
 def measured_ms(model: ModelRecord, records) -> list[int]:
@@ -453,13 +455,16 @@ def measured_ms(model: ModelRecord, records) -> list[int]:
 
 
 def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name: str | None = None,
-                   m_prefill: int | None = None, m_decode: int | None = None):
+                   m_prefill: int | None = None, m_decode: int | None = None, target: str | None = None,
+                   ideal_m_prefill: int = 2048, ideal_m_decode: int = 1):
     """What each scored plan costs next to what it loses: the newest score of each plan among ``scores``.
 
-    Columns: job, plan, kl_mean, top1_agree, ppl, weight_mib (the plan's linear weights, scales
-    included), weight_ratio (share of BF16), and with ``device_name`` prefill_ms / decode_ms, the
-    plan's GEMM time of one step at ``m_prefill`` / ``m_decode`` from that device's stored timings.
-    A time is NaN unless every layer has one at that M: a partial sum is never shown as a cost.
+    Columns (:data:`TRADEOFF_COLUMNS`): job, plan, kl_mean, top1_agree, ppl, weight_mib (the plan's
+    linear weights, scales included), weight_ratio (share of BF16); with ``device_name``
+    prefill_ms / decode_ms, the plan's GEMM time of one step at ``m_prefill`` / ``m_decode`` from
+    that device's stored timings (NaN unless every layer has one at that M: a partial sum is never
+    shown as a cost); with ``target``, ideal_prefill_ms / ideal_decode_ms, the roofline bound of a
+    step on that GPU at ``ideal_m_prefill`` / ``ideal_m_decode`` tokens (quantcore.roofline).
     Rows sorted by KL, lowest first.
     """
     import math
@@ -474,10 +479,14 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     for sc in sorted(newest.values(), key=lambda s: (s.kl_mean, s.job_id)):
         row = {"job": sc.job_id, "plan": sc.plan_label, "kl_mean": sc.kl_mean, "top1_agree": sc.top1_agree,
                "ppl": sc.ppl, "weight_mib": math.nan, "weight_ratio": math.nan,
-               "prefill_ms": math.nan, "decode_ms": math.nan}
+               "prefill_ms": math.nan, "decode_ms": math.nan, "ideal_prefill_ms": math.nan,
+               "ideal_decode_ms": math.nan}
         try:
             fp = plan_footprint(model, sc.plan_body)
             row.update(weight_mib=fp.bits / 8 / MIB, weight_ratio=fp.ratio)
+            if target is not None:
+                row.update(ideal_prefill_ms=step_bound(model, sc.plan_body, target, ideal_m_prefill).ms,
+                           ideal_decode_ms=step_bound(model, sc.plan_body, target, ideal_m_decode).ms)
             if records is not None and m_prefill is not None and m_decode is not None:
                 est = step_estimate(model, sc.plan_body, device_name, m_prefill=m_prefill, m_decode=m_decode,
                                     records=records)
@@ -487,8 +496,7 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
         except ValueError:  # a plan the model no longer resolves (its layers changed): no cost, still listed
             pass
         rows.append(row)
-    return pd.DataFrame(rows, columns=["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib",
-                                       "weight_ratio", "prefill_ms", "decode_ms"])
+    return pd.DataFrame(rows, columns=TRADEOFF_COLUMNS)
 
 
 def with_front(frame, cost: str):
@@ -589,6 +597,31 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
     if problem:
         raise ValueError(problem)
     return footprint(resolved, layer_shapes(model))
+
+
+def target_names() -> dict[str, str]:
+    """{target key: GPU name} of the GPUs in quantcore.hardware's table."""
+    from quantcore.hardware import list_targets
+
+    return {t.key: t.name for t in list_targets()}
+
+
+def target_bandwidth(target: str) -> float:
+    """Memory bandwidth of a target GPU in TB/s, from its datasheet."""
+    from quantcore.hardware import get_target
+
+    return get_target(target).memory_tbs
+
+
+def step_bound(model: ModelRecord, body: dict[str, Any], target: str, m: int):
+    """quantcore.roofline.StepBound of a plan body on a target GPU at ``m`` tokens per step (the ideal
+    time where nothing was measured); ValueError with the plan's problems when it does not resolve."""
+    from quantcore.roofline import step_bound as bound
+
+    resolved, problem = resolve(model, body)
+    if problem:
+        raise ValueError(problem)
+    return bound(resolved, layer_shapes(model), target, m)
 
 
 def mib_text(bits: float) -> str:

@@ -67,6 +67,8 @@ class GpuTarget:
                  ``int8`` [TOPS], ``fp4``); a dtype the GPU has no tensor-core mode for is absent
     fp8, int8, fp4: whether W8A8 FP8, W8A8 INT8, W4A4 FP4 tensor-core math exists on it
     memory_gb:   device memory from the datasheet (GB, 10^9 bytes)
+    memory_tbs:  memory bandwidth from the datasheet (TB/s, 10^12 bytes per second): what bounds a
+                 decode step (quantcore.roofline)
     """
 
     key: str
@@ -77,6 +79,7 @@ class GpuTarget:
     int8: bool = False
     fp4: bool = False
     memory_gb: float = 0.0
+    memory_tbs: float = 0.0
 
 
 TARGETS: dict[str, GpuTarget] = {
@@ -92,6 +95,7 @@ TARGETS: dict[str, GpuTarget] = {
         int8=True,
         fp4=False,
         memory_gb=80.0,
+        memory_tbs=2.039,  # A100 80GB SXM: 2,039 GB/s HBM2e (the 80GB PCIe card: 1,935 GB/s).
     ),
     # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16/FP16 362.05, FP8 733, INT8 733 TOPS
     # dense (366 / 733 / 1,466 / 1,466 with sparsity). 48 GB GDDR6.
@@ -111,6 +115,7 @@ TARGETS: dict[str, GpuTarget] = {
         int8=True,
         fp4=False,
         memory_gb=48.0,
+        memory_tbs=0.864,  # L40S: 864 GB/s GDDR6.
     ),
     # NVIDIA H100 Tensor Core GPU datasheet, SXM column: FP32 67, TF32 989, BF16/FP16 1,979,
     # FP8 3,958, INT8 3,958 TOPS "with sparsity" -> dense 494.7 / 989.4 / 1,978.9 / 1,978.9.
@@ -130,6 +135,7 @@ TARGETS: dict[str, GpuTarget] = {
         int8=True,
         fp4=False,
         memory_gb=80.0,
+        memory_tbs=3.35,  # H100 SXM: 3.35 TB/s HBM3.
     ),
     # Same datasheet, PCIe column: FP32 51, TF32 756, BF16/FP16 1,513, FP8 3,026,
     # INT8 3,026 TOPS with sparsity -> dense 378 / 756.5 / 1,513 / 1,513.
@@ -149,6 +155,7 @@ TARGETS: dict[str, GpuTarget] = {
         int8=True,
         fp4=False,
         memory_gb=80.0,
+        memory_tbs=2.0,  # H100 PCIe: 2.0 TB/s HBM2e.
     ),
     # NVIDIA H200 Tensor Core GPU datasheet, SXM column: FP32 67, TF32 989, BF16/FP16 1,979,
     # FP8 3,958, INT8 3,958 TOPS with sparsity (same GH100 compute as H100 SXM) -> dense
@@ -169,6 +176,7 @@ TARGETS: dict[str, GpuTarget] = {
         int8=True,
         fp4=False,
         memory_gb=141.0,
+        memory_tbs=4.8,  # H200 SXM: 4.8 TB/s HBM3e.
     ),
     # NVIDIA HGX B200 datasheet, "individual Blackwell GPU" column (1,000 W): FP4 18 PF,
     # FP8/FP6 9 PF, INT8 9 POPS, BF16/FP16 4.5 PF, TF32 2.2 PF "with sparsity"; FP32 75 TF.
@@ -190,6 +198,7 @@ TARGETS: dict[str, GpuTarget] = {
         int8=True,
         fp4=True,
         memory_gb=180.0,
+        memory_tbs=8.0,  # HGX B200: 8 TB/s HBM3e per GPU (64 TB/s for eight).
     ),
 }
 

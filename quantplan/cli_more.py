@@ -146,37 +146,46 @@ def cmd_scores(args) -> int:
         if unmeasured:
             raise CliError(f"{args.timings} has no timings at M={', '.join(map(str, unmeasured))} for "
                            f"{model.name}'s shapes; measured M: {', '.join(map(str, measured))}")
+    if args.target and args.target not in svc.target_names():
+        raise CliError(f"unknown GPU target {args.target!r}; choose one of: {', '.join(svc.target_names())}")
     frame = svc.tradeoff_frame(model, [s for s in scores if (s.dataset, s.tokens) == eval_set],
-                               device_name=args.timings, m_prefill=m_prefill, m_decode=m_decode)
-    costs = ["weight_mib"] + (["prefill_ms", "decode_ms"] if args.timings else [])
-    for cost in costs:
+                               device_name=args.timings, m_prefill=m_prefill, m_decode=m_decode,
+                               target=args.target, ideal_m_prefill=args.prompt, ideal_m_decode=args.batch)
+    # (column, header, format, width) of each cost shown
+    costs = [("weight_mib", "weights MiB", ",.1f", 13)]
+    if args.timings:
+        costs += [("prefill_ms", f"prefill ms (M={m_prefill})", ".4f", 20),
+                  ("decode_ms", f"decode ms (M={m_decode})", ".4f", 18)]
+    if args.target:
+        costs += [("ideal_prefill_ms", f"ideal prefill ms (M={args.prompt})", ".4f", 26),
+                  ("ideal_decode_ms", f"ideal decode ms (M={args.batch})", ".4f", 24)]
+    for cost, *_ in costs:
         frame[f"front_{cost}"] = svc.with_front(frame, cost)["front"]
     rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
             for row in frame.to_dict("records")]
     if args.json:
         _print_json({"model": model.name, "text": eval_set[0], "positions": eval_set[1], "timings": args.timings,
-                     "m_prefill": m_prefill, "m_decode": m_decode, "plans": rows})
+                     "m_prefill": m_prefill, "m_decode": m_decode, "target": args.target,
+                     "ideal_m_prefill": args.prompt, "ideal_m_decode": args.batch, "plans": rows})
         return 0
     print(f"{model.name}: {len(rows)} plan(s) scored on {eval_set[0]} ({eval_set[1]:,} positions), lowest KL first; "
           "* = on the front (no other plan has both a lower KL and a lower cost)")
     if len(sets) > 1:
         print(f"  also scored on: {', '.join(f'{t[0]} ({t[1]:,})' for t in sets if t != eval_set)} (--text)")
     width = max(len(r["plan"]) for r in rows)
-    head = f"  {'plan':<{width}}  {'KL mean':>9}  {'top-1':>6}  {'weights MiB':>13}"
-    if args.timings:
-        head += f"  {f'prefill ms (M={m_prefill})':>20}  {f'decode ms (M={m_decode})':>18}"
-    print(head)
+    print(f"  {'plan':<{width}}  {'KL mean':>9}  {'top-1':>6}" + "".join(f"  {h:>{w}}" for _, h, _, w in costs))
 
     def cell(row: dict[str, Any], cost: str, fmt: str, w: int) -> str:
         value = row[cost]
         text = "n/a" if value is None else format(value, fmt) + ("*" if row[f"front_{cost}"] else " ")
-        return f"{text:>{w}}"
+        return f"  {text:>{w}}"
 
     for r in rows:
-        line = f"  {r['plan']:<{width}}  {r['kl_mean']:9.5f}  {r['top1_agree']:6.3f}  {cell(r, 'weight_mib', ',.1f', 13)}"
-        if args.timings:
-            line += f"  {cell(r, 'prefill_ms', '.4f', 20)}  {cell(r, 'decode_ms', '.4f', 18)}"
-        print(line)
+        print(f"  {r['plan']:<{width}}  {r['kl_mean']:9.5f}  {r['top1_agree']:6.3f}"
+              + "".join(cell(r, c, f, w) for c, _, f, w in costs))
+    if args.target:
+        print(f"  ideal: the roofline bound on {svc.target_names()[args.target]} from its datasheet (weights read at "
+              f"{svc.target_bandwidth(args.target):g} TB/s or math at the native peak, whichever is longer)")
     if args.timings and any(r[c] is None for r in rows for c in ("prefill_ms", "decode_ms")):
         print(f"  n/a: a layer of the plan has no time at that M on {args.timings} (skipped over budget, not "
               "supported, or not measured); a partial sum is never shown. `quantplan bench` with a larger "
@@ -215,6 +224,10 @@ def add_commands(sub) -> None:
                     "kernel timings (its name as the Kernels page and `quantplan bench` show it)")
     sp.add_argument("--m-prefill", type=int, help="M of the prefill step (default: the largest measured)")
     sp.add_argument("--m-decode", type=int, help="M of the decode step (default: the smallest measured)")
+    sp.add_argument("--target", help="add the ideal (roofline) step times on this GPU: a100, l40s, h100, h100-pcie, "
+                    "h200, b200")
+    sp.add_argument("--batch", type=int, default=1, help="tokens of the ideal decode step (default 1)")
+    sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=cmd_scores)
 

@@ -37,8 +37,18 @@ def cmd_plan_show(args) -> int:
         fp = svc.plan_footprint(model, body)
     except ValueError as exc:
         raise CliError(f"{label} does not resolve on {model.name}: {exc}") from exc
+    ideal = []
+    if args.target:
+        if args.target not in svc.target_names():
+            raise CliError(f"unknown GPU target {args.target!r}; choose one of: {', '.join(svc.target_names())}")
+        for step, m in (("decode", args.batch), ("prefill", args.prompt)):
+            bound = svc.step_bound(model, body, args.target, m)
+            bf16 = svc.step_bound(model, {"default": "BF16"}, args.target, m)
+            ideal.append({"step": step, "m": m, "ms": bound.ms, "bf16_ms": bf16.ms, "memory_bound": bound.memory_bound,
+                          "layers": bound.layers, "not_native": len(bound.not_native)})
     if args.json:
-        _print_json({"plan": label, "model": model.name, **fp.to_dict()})
+        extra = {"target": args.target, "ideal": ideal} if args.target else {}
+        _print_json({"plan": label, "model": model.name, **fp.to_dict(), **extra})
         return 0
     print(f"{label} on {model.name}: linear weights {svc.mib_text(fp.bits)}, {fp.ratio:.1%} of "
           f"BF16 ({svc.mib_text(fp.bf16_bits)})")
@@ -46,6 +56,15 @@ def cmd_plan_show(args) -> int:
     for r in fp.rows:
         print(f"  {r.scheme:<{width}}  {r.layers:>5} layers  {r.params / 1e6:>10,.2f} M weights  "
               f"{svc.mib_text(r.bits):>14}  {r.bits_per_weight:6.3f} bits/weight")
+    if ideal:
+        print(f"ideal step on {svc.target_names()[args.target]} (roofline: weights at "
+              f"{svc.target_bandwidth(args.target):g} TB/s or math at the native peak, whichever is longer):")
+        for b in ideal:
+            print(f"  {b['step']:<7} M={b['m']:<6} {b['ms']:9.4f} ms  x{b['bf16_ms'] / b['ms']:.2f} vs BF16 "
+                  f"({b['bf16_ms']:.4f} ms); {b['memory_bound']} of {b['layers']} layers bound by their weight read")
+        if ideal[0]["not_native"]:
+            print(f"  {ideal[0]['not_native']} layer(s) use a scheme {args.target} does not run natively: their math "
+                  "counts at bf16")
     return 0
 
 
@@ -144,6 +163,10 @@ def add_commands(sub) -> None:
     sp = plan.add_parser("show", help="a plan's schemes and the memory of its linear weights")
     sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")
     sp.add_argument("--model", help="model of a plan file that does not name one")
+    sp.add_argument("--target", help="add the ideal (roofline) decode and prefill step on this GPU: a100, l40s, "
+                    "h100, h100-pcie, h200, b200")
+    sp.add_argument("--batch", type=int, default=1, help="tokens of the ideal decode step (default 1)")
+    sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_plan_show)
 

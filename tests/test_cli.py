@@ -138,6 +138,21 @@ def check_scores_command(capsys, bench_records: list[dict]) -> None:
     assert code == 0, err
     assert "BF16" in out and "INT8_PER_TENSOR" in out and "prefill ms (M=32)" in out and "*" in out
 
+    ideal = run_json(capsys, "scores", "tiny", "--target", "h100", "--batch", "4", "--prompt", "512", "--json")
+    assert (ideal["target"], ideal["ideal_m_decode"], ideal["ideal_m_prefill"]) == ("h100", 4, 512)
+    from quantcore.roofline import step_bound
+
+    for row in ideal["plans"]:  # the roofline of each plan's own layers, uniform plans here
+        plan = {name: row["plan"] for name in svc.layer_shapes(model)}
+        assert row["ideal_decode_ms"] == pytest.approx(step_bound(plan, svc.layer_shapes(model), "h100", 4).ms)
+        assert row["ideal_prefill_ms"] == pytest.approx(step_bound(plan, svc.layer_shapes(model), "h100", 512).ms)
+    by = {r["plan"]: r for r in ideal["plans"]}
+    # a decode step reads the weights: INT8's half-size weights halve it (nearly: it keeps 16-bit scales)
+    assert 0.5 < by["INT8_PER_TENSOR"]["ideal_decode_ms"] / by["BF16"]["ideal_decode_ms"] < 0.52
+    code, out, _ = run(capsys, "scores", "tiny", "--target", "h100")
+    assert code == 0 and "ideal decode ms (M=1)" in out and "roofline" in out
+    code, _, err = run(capsys, "scores", "tiny", "--target", "h900")
+    assert code == 1 and "unknown GPU target 'h900'" in err and "h200" in err
     code, _, err = run(capsys, "scores", "tiny", "--timings", "no such GPU")
     assert code == 1 and "no kernel timings" in err and device in err
     code, _, err = run(capsys, "scores", "tiny", "--timings", device, "--m-decode", "7")
@@ -245,6 +260,17 @@ def test_plan_show_prints_the_weight_memory_of_a_plan(tiny_model, capsys, tmp_pa
     code, out, err = run(capsys, "plan", "show", f"w4@v{imported['version']}")
     assert code == 0, err
     assert "of BF16" in out and "W4A16" in out and "bits/weight" in out
+
+    bounds = run_json(capsys, "plan", "show", str(plan_file), "--target", "a100", "--prompt", "4096", "--json")
+    decode, prefill = bounds["ideal"]
+    assert (decode["step"], decode["m"], prefill["step"], prefill["m"]) == ("decode", 1, "prefill", 4096)
+    assert decode["ms"] < decode["bf16_ms"] and decode["memory_bound"] == decode["layers"] == len(shapes)
+    assert prefill["ms"] == pytest.approx(prefill["bf16_ms"])  # an A100 runs FP8 as weight-only: bf16 math
+    assert decode["not_native"] == 2 * 4  # the FP8_DYNAMIC layers: no FP8 tensor cores on an A100
+    code, out, _ = run(capsys, "plan", "show", str(plan_file), "--target", "h100")
+    assert code == 0 and "ideal step on NVIDIA H100" in out and "vs BF16" in out
+    code, _, err = run(capsys, "plan", "show", str(plan_file), "--target", "v100")
+    assert code == 1 and "unknown GPU target 'v100'" in err
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: tiny\ndefault: FP9\n")

@@ -110,6 +110,21 @@ if resolved is not None:
                "for MX; E4M3 per 16 plus one fp32 for NVFP4). Embeddings, norms and biases are not counted. "
                "In a memory-bound decode step this is also the weight traffic per generated token.")
 
+    gpu = svc.target_names()[target]
+    cols = st.columns(2)
+    for col, (step, m) in zip(cols, (("decode step, batch 1", 1), ("prefill step, 2,048 tokens", 2048)), strict=True):
+        bound = svc.step_bound(model, body, target, m)
+        bf16 = svc.step_bound(model, {"default": "BF16"}, target, m)
+        col.metric(f"Ideal {step} on {gpu}", f"{bound.ms:.3f} ms", f"×{bf16.ms / bound.ms:.2f} vs BF16 "
+                   f"({bf16.ms:.3f} ms)", delta_color="off", delta_arrow="off")
+    not_native = len(svc.step_bound(model, body, target, 1).not_native)
+    st.caption(f"The roofline bound of the plan's linear layers on a {gpu} from its datasheet: each layer's "
+               f"weight read at {svc.target_bandwidth(target):g} TB/s or its math at the peak of the precision "
+               "the GPU runs natively, whichever is longer (decode is bound by the weights, prefill by the math). "
+               "A real engine gets less; measured times are on the Kernels page."
+               + (f" {not_native} layer(s) use a scheme {target} does not run natively: their math counts at "
+                  "bf16." if not_native else ""))
+
 # ----------------------------------------------------------------------------- save
 with st.form("plan_save"):
     c1, c2 = st.columns([1, 2])

@@ -98,34 +98,44 @@ else:
                                 key="tradeoff_set")
     costs = {"weight_mib": "linear weights (MiB)"}
     device_name = m_prefill = m_decode = None
+    c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
+    target = c2.selectbox("Ideal step times (roofline) on", [None, *svc.target_names()],
+                          format_func=lambda k: "(none)" if k is None else svc.target_names()[k], key="tradeoff_target")
+    ideal_decode = int(c3.number_input("decode batch", 1, 65536, 1, key="tradeoff_ideal_decode"))
+    ideal_prefill = int(c4.number_input("prefill tokens", 1, 1 << 20, 2048, key="tradeoff_ideal_prefill"))
+    if target:
+        costs |= {"ideal_decode_ms": f"ideal decode step on {target}, M={ideal_decode} (ms)",
+                  "ideal_prefill_ms": f"ideal prefill step on {target}, M={ideal_prefill} (ms)"}
     kernel_names = sorted({d[1] for d in svc.kernel_devices()})
-    if kernel_names:
-        c1, c2 = st.columns(2)
-        device_name = c1.selectbox("Step times from the kernel timings of", [None, *kernel_names],
-                                   format_func=lambda d: "(none: weight memory only)" if d is None else d,
-                                   key="tradeoff_device")
-        measured = svc.measured_ms(model, svc.kernel_records(device_name)) if device_name else []
-        if measured:
-            m_prefill, m_decode = max(measured), min(measured)
-            costs |= {"decode_ms": f"decode step on {device_name}, M={m_decode} (ms)",
-                      "prefill_ms": f"prefill step on {device_name}, M={m_prefill} (ms)"}
-        elif device_name:
-            c2.caption(f"{device_name} has no timings of {model.name}'s shapes.")
+    device_name = c1.selectbox("Measured step times from the kernel timings of", [None, *kernel_names],
+                               format_func=lambda d: "(none)" if d is None else d, key="tradeoff_device")
+    measured = svc.measured_ms(model, svc.kernel_records(device_name)) if device_name else []
+    if measured:
+        m_prefill, m_decode = max(measured), min(measured)
+        costs |= {"decode_ms": f"decode step on {device_name}, M={m_decode} (ms)",
+                  "prefill_ms": f"prefill step on {device_name}, M={m_prefill} (ms)"}
+    elif device_name:
+        st.caption(f"{device_name} has no timings of {model.name}'s shapes.")
     cost = st.radio("Cost", list(costs), format_func=costs.get, horizontal=True, key="tradeoff_cost")
     trade = svc.with_front(svc.tradeoff_frame(model, [s for s in scores if (s.dataset, s.tokens) == eval_set],
-                                              device_name=device_name, m_prefill=m_prefill, m_decode=m_decode),
-                           cost)
+                                              device_name=device_name, m_prefill=m_prefill, m_decode=m_decode,
+                                              target=target, ideal_m_prefill=ideal_prefill,
+                                              ideal_m_decode=ideal_decode), cost)
     st.caption("The newest score of each plan on this text. A plan is **on the front** when no other plan has "
-               "both a lower KL and a lower cost: the plans worth choosing between. Times are the sum of the "
-               "plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a scheme "
-               "with no kernel path measured here (weight-only, MX, NVFP4) counts at the baseline GEMM's time.")
+               "both a lower KL and a lower cost: the plans worth choosing between. Measured times are the sum of "
+               "the plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a "
+               "scheme with no kernel path measured (MX, NVFP4) counts at the baseline GEMM's time. Ideal times "
+               "are the roofline bound on a GPU from its datasheet: each linear's weight read at the memory "
+               "bandwidth or its math at the peak of the precision the GPU runs natively, whichever is longer "
+               "(a decode step is bound by the weights, a prefill by the math); a real engine gets less.")
     st.altair_chart(charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
     no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
     if no_cost:
         why = (" (a layer of the plan has no timing at that M: skipped over budget, not supported or not "
-               "measured; the Kernels page lists the cases)") if cost != "weight_mib" else ""
+               "measured; the Kernels page lists the cases)") if cost in ("prefill_ms", "decode_ms") else ""
         st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}{why}.")
-    shown = trade if device_name else trade.drop(columns=["prefill_ms", "decode_ms"])
+    shown = trade.drop(columns=([] if device_name else ["prefill_ms", "decode_ms"])
+                       + ([] if target else ["ideal_prefill_ms", "ideal_decode_ms"]))
     st.dataframe(shown, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
                                 "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
@@ -134,7 +144,11 @@ else:
                                 "weight_mib": st.column_config.NumberColumn("weights MiB", format="%.1f"),
                                 "weight_ratio": st.column_config.NumberColumn("of BF16", format="%.3f"),
                                 "prefill_ms": st.column_config.NumberColumn("prefill ms", format="%.4f"),
-                                "decode_ms": st.column_config.NumberColumn("decode ms", format="%.4f")})
+                                "decode_ms": st.column_config.NumberColumn("decode ms", format="%.4f"),
+                                "ideal_prefill_ms": st.column_config.NumberColumn(
+                                    f"ideal prefill ms (M={ideal_prefill})", format="%.4f"),
+                                "ideal_decode_ms": st.column_config.NumberColumn(
+                                    f"ideal decode ms (M={ideal_decode})", format="%.4f")})
 
 st.subheader("Per-layer sensitivity")
 sweeps = svc.sensitivity_jobs(model.id)

@@ -138,6 +138,16 @@ def test_plans_page_shows_the_weight_memory_of_the_plan(seeded):
     assert f"{fp.ratio:.0%} of BF16" in metric.proto.delta
     frame = next(d.value for d in at.dataframe if "bits / weight" in d.value.columns)
     assert set(frame["scheme"]) == {"FP8_DYNAMIC", "BF16"} and frame["layers"].sum() == len(seeded.linears)
+    # the ideal step on the page's target GPU (an H100 by default), from quantcore.roofline
+    from quantcore.roofline import step_bound
+
+    resolved, _ = svc.resolve(svc.get_model(seeded.id), body)
+    decode = next(m for m in at.metric if m.label.startswith("Ideal decode step, batch 1 on NVIDIA H100"))
+    assert decode.value == f"{step_bound(resolved, svc.layer_shapes(seeded), 'h100', 1).ms:.3f} ms"
+    assert "vs BF16" in decode.proto.delta
+    assert any(m.label.startswith("Ideal prefill step, 2,048 tokens") for m in at.metric)
+    at.selectbox(key="plan_target").set_value("a100").run()  # no FP8 tensor cores: the caption says so
+    assert any("do" in c.value and "not run natively" in c.value for c in at.caption)
 
 
 def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
@@ -239,6 +249,15 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
     assert any("Not drawn" in c.value and "INT8_PER_TENSOR" in c.value for c in at.caption)
     tables = [d.value for d in at.dataframe if "weight_mib" in d.value.columns]
     assert len(tables) == 1 and list(tables[0]["plan"]) == ["BF16", "FP8_DYNAMIC", "W4A16", "INT8_PER_TENSOR"]
+    at.selectbox(key="tradeoff_target").set_value("h100").run()
+    at.radio(key="tradeoff_cost").set_value("ideal_decode_ms").run()
+    assert not at.exception
+    table = next(d.value for d in at.dataframe if "ideal_decode_ms" in d.value.columns).set_index("plan")
+    from quantcore.roofline import step_bound
+
+    assert table.loc["W4A16", "ideal_decode_ms"] == pytest.approx(
+        step_bound({n: "W4A16" for n in shapes}, shapes, "h100", 1).ms)
+    assert table["front"].to_dict() == {"BF16": True, "FP8_DYNAMIC": True, "W4A16": True, "INT8_PER_TENSOR": False}
     at.selectbox(key="tradeoff_set").set_value(("upload:other.txt", 1000)).run()
     assert not at.exception
     tables = [d.value for d in at.dataframe if "weight_mib" in d.value.columns]

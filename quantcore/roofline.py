@@ -1,0 +1,97 @@
+"""The ideal step time of a plan on a GPU nobody has measured it on: the roofline bound.
+
+A linear layer with P weights processing B tokens does 2PB FLOPs and reads at least
+P * b_w / 8 bytes of weights (b_w: stored bits per weight, scales included). With memory
+bandwidth beta and the peak pi of the precision its math runs at, its time is bounded
+below by::
+
+    t >= max(P * b_w / (8 * beta), 2 * P * B / pi)
+
+(the reference text's bound, ``shared/reference/fp8-fp4-smoothquant.txt``). Weight-only
+INT4 shrinks the first term and leaves the second; FP8 W8A8 halves both on a GPU whose
+FP8 tensor cores run at twice the bf16 rate. A decode step (B = the batch) is bound by
+the weight read, a prefill (B = batch x prompt tokens) by the math.
+
+What the bound counts: the plan's linear layers only (embeddings, attention over the KV
+cache, norms and activations are left out), weights at their stored size
+(:func:`quantcore.schemes.weight_storage_bits`), and the math at the peak of the
+precision that runs natively on the target (:func:`quantcore.hardware.support_on_target`):
+FP8 / INT8 / FP4 tensor cores where the scheme's activations use them, bf16 otherwise
+(weight-only schemes, and schemes the target only emulates). A real engine gets less
+than the bound; it is the shape to plan with, where no measured kernel time exists.
+Torch-free: the app imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from quantcore.hardware import get_target, support_on_target
+from quantcore.plans import scheme_label
+from quantcore.schemes import Scheme, get_scheme, weight_storage_bits
+
+BF16_KEY = "bf16"
+# activation format -> the peak-table key of the tensor cores that run it natively
+MATH_KEY = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "mxfp8": "fp8", "int8": "int8",
+            "fp4_e2m1": "fp4", "mxfp4": "fp4", "nvfp4": "fp4"}
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """The roofline bound of one step of a plan on one target at ``m`` tokens.
+
+    ms:           sum over layers of max(weight read, math): the bound
+    memory_ms:    the weight reads alone (the bound with unlimited compute)
+    compute_ms:   the math alone (the bound with unlimited bandwidth)
+    memory_bound: layers whose bound is their weight read
+    per_scheme:   ms of the bound per scheme label
+    not_native:   layers whose scheme the target does not run natively (their math counts at bf16;
+                  "unsupported" ones have no serving kernel there at all)
+    """
+
+    target: str
+    m: int
+    ms: float
+    memory_ms: float
+    compute_ms: float
+    memory_bound: int
+    layers: int
+    per_scheme: dict[str, float] = field(default_factory=dict)
+    not_native: list[str] = field(default_factory=list)
+
+
+def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], target_key: str,
+               m: int) -> StepBound:
+    """The roofline bound of a resolved plan ({layer: scheme}) with ``shapes`` {layer: (N, K)} on a target
+    GPU at ``m`` tokens per step (decode: the batch; prefill: batch x prompt tokens)."""
+    if m < 1:
+        raise ValueError(f"m must be a positive number of tokens, got {m}")
+    target = get_target(target_key)
+    missing = [layer for layer in resolved if layer not in shapes]
+    if missing:
+        raise ValueError(f"no (N, K) shape for {len(missing)} layer(s): {', '.join(missing[:5])}")
+    beta = target.memory_tbs * 1e12  # bytes / s
+    total = mem_total = math_total = 0.0
+    memory_bound = 0
+    per_scheme: dict[str, float] = {}
+    not_native = []
+    for layer, scheme in resolved.items():
+        scheme = get_scheme(scheme)
+        n, k = shapes[layer]
+        w, a = scheme.weights, scheme.activations
+        native = w is None or support_on_target(target_key, w.format, a.format if a else None) == "native"
+        if not native:
+            not_native.append(layer)
+        # the math runs on the low-precision tensor cores only where the activations are quantized natively
+        key = MATH_KEY.get(a.format, BF16_KEY) if (a is not None and native) else BF16_KEY
+        t_mem = weight_storage_bits(scheme, n, k) / 8 / beta * 1e3
+        t_math = 2.0 * m * n * k / (target.peak_tflops[key] * 1e12) * 1e3
+        total += max(t_mem, t_math)
+        mem_total += t_mem
+        math_total += t_math
+        memory_bound += t_mem >= t_math
+        label = scheme_label(scheme)
+        per_scheme[label] = per_scheme.get(label, 0.0) + max(t_mem, t_math)
+    return StepBound(target=target_key, m=int(m), ms=total, memory_ms=mem_total, compute_ms=math_total,
+                     memory_bound=memory_bound, layers=len(resolved), per_scheme=per_scheme, not_native=not_native)

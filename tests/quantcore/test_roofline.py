@@ -1,0 +1,76 @@
+"""The roofline bound of a plan's step on a target GPU, checked against the reference text's own figures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from quantcore.hardware import TARGETS
+from quantcore.roofline import step_bound
+
+# an "8B model" as the reference counts it: 8e9 weights, here in eight 31,250 x 32,000 linears
+SHAPES = {f"layers.{i}": (31_250, 32_000) for i in range(8)}
+
+
+def uniform(scheme: str) -> dict[str, str]:
+    return {name: scheme for name in SHAPES}
+
+
+@pytest.mark.parametrize(("scheme", "m", "ms"), [
+    # "For an 8B model the ideal bound at batch 1 is 4.78 ms per step in bf16, ... 2.39 ms with FP8.
+    #  At batch 512 the order flips: bf16 and W4A16 both need 8.28 ms, FP8 needs 4.14 ms." (H100 SXM)
+    ("BF16", 1, 4.78), ("FP8_DYNAMIC", 1, 2.39), ("BF16", 512, 8.28), ("W4A16", 512, 8.28), ("FP8_DYNAMIC", 512, 4.14),
+    ("INT8_W8A8", 512, 4.14),  # INT8 tensor cores run at the FP8 rate on Hopper
+])
+def test_the_reference_texts_8b_bounds_on_an_h100(scheme: str, m: int, ms: float) -> None:
+    bound = step_bound(uniform(scheme), SHAPES, "h100", m)
+    assert bound.ms == pytest.approx(ms, abs=0.005)
+    assert bound.memory_bound == (8 if m == 1 else 0) and bound.layers == 8 and not bound.not_native
+
+
+def test_int4_weights_cost_their_stored_bits() -> None:
+    # the reference's 1.27 ms is 4.25 bits a weight; W4A16's groups of 128 with a 16-bit scale store 4.125
+    bound = step_bound(uniform("W4A16"), SHAPES, "h100", 1)
+    assert bound.ms == pytest.approx(8e9 * 4.125 / 8 / 3.35e12 * 1e3, rel=1e-6)
+    assert bound.ms == pytest.approx(1.27 * 4.125 / 4.25, abs=0.005)
+    assert bound.compute_ms < bound.memory_ms == pytest.approx(bound.ms)
+
+
+def test_a_mixed_plan_sums_each_layers_own_bound() -> None:
+    plan = {**uniform("FP8_DYNAMIC"), "layers.0": "BF16", "layers.1": "W4A16"}
+    bound = step_bound(plan, SHAPES, "h100", 1)
+    parts = {s: step_bound(uniform(s), SHAPES, "h100", 1).ms / 8 for s in ("BF16", "W4A16", "FP8_DYNAMIC")}
+    assert bound.per_scheme == pytest.approx({"BF16": parts["BF16"], "W4A16": parts["W4A16"],
+                                              "FP8_DYNAMIC": 6 * parts["FP8_DYNAMIC"]})
+    assert bound.ms == pytest.approx(sum(bound.per_scheme.values()))
+
+
+def test_math_runs_at_bf16_where_the_target_only_emulates_the_scheme() -> None:
+    # an A100 has INT8 tensor cores but no FP8 ones: FP8 W8A8 is served as FP8 weights with bf16 math
+    a100 = TARGETS["a100"]
+    fp8 = step_bound(uniform("FP8_DYNAMIC"), SHAPES, "a100", 2048)
+    int8 = step_bound(uniform("INT8_W8A8"), SHAPES, "a100", 2048)
+    assert fp8.not_native == list(SHAPES) and not int8.not_native
+    assert fp8.ms == pytest.approx(2 * 2048 * 8e9 / (a100.peak_tflops["bf16"] * 1e12) * 1e3)
+    assert int8.ms == pytest.approx(fp8.ms / 2)  # 624 INT8 TOPS vs 312 bf16 TFLOP/s
+    # FP4 math doubles FP8's rate only where FP4 tensor cores exist
+    b200 = step_bound(uniform("NVFP4"), SHAPES, "b200", 2048)
+    assert not b200.not_native and b200.ms == pytest.approx(2 * 2048 * 8e9 / 9000e12 * 1e3)
+    assert step_bound(uniform("NVFP4"), SHAPES, "h100", 2048).not_native == list(SHAPES)
+
+
+def test_every_target_has_a_bandwidth_and_bad_input_is_refused() -> None:
+    assert all(t.memory_tbs > 0 for t in TARGETS.values())
+    with pytest.raises(ValueError, match="unknown GPU target"):
+        step_bound(uniform("BF16"), SHAPES, "tpu-v9", 1)
+    with pytest.raises(ValueError, match="no \\(N, K\\) shape"):
+        step_bound({"nope": "BF16"}, SHAPES, "h100", 1)
+    with pytest.raises(ValueError, match="positive"):
+        step_bound(uniform("BF16"), SHAPES, "h100", 0)
+
+
+def test_import_is_torch_free() -> None:
+    code = "import sys, quantcore.roofline; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
