@@ -350,13 +350,11 @@ def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str 
 
 
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,
-                  m_decode: int, records=None) -> dict[str, Any]:
-    """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings (``records``:
-    that device's :func:`kernel_records`, when the caller already has them)."""
+                  m_decode: int) -> dict[str, Any]:
+    """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings."""
     from quantcore.kernels import step_estimate as estimate
 
-    records = kernel_records(device_name) if records is None else records
-    return estimate(records, layer_shapes(model), layer_paths(model, plan_body),
+    return estimate(kernel_records(device_name), layer_shapes(model), layer_paths(model, plan_body),
                     m_prefill=m_prefill, m_decode=m_decode)
 
 
@@ -471,30 +469,35 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
 
     import pandas as pd
 
+    from quantcore.kernels import scheme_path
+    from quantcore.kernels import step_estimate as estimate
+    from quantcore.plans import plan_footprint as footprint
+    from quantcore.roofline import step_bound as bound
+
     newest: dict[tuple[int | None, str], ScoreRecord] = {}
     for sc in sorted(scores, key=lambda s: s.job_id):
         newest[(sc.plan_id, sc.plan_label)] = sc
     records = kernel_records(device_name) if device_name else None
+    shapes = layer_shapes(model)
     rows = []
     for sc in sorted(newest.values(), key=lambda s: (s.kl_mean, s.job_id)):
         row = {"job": sc.job_id, "plan": sc.plan_label, "kl_mean": sc.kl_mean, "top1_agree": sc.top1_agree,
                "ppl": sc.ppl, "weight_mib": math.nan, "weight_ratio": math.nan,
                "prefill_ms": math.nan, "decode_ms": math.nan, "ideal_prefill_ms": math.nan,
                "ideal_decode_ms": math.nan}
-        try:
-            fp = plan_footprint(model, sc.plan_body)
+        resolved, _ = resolve(model, sc.plan_body)
+        if resolved is not None:  # a plan the model no longer resolves (its layers changed): no cost, still listed
+            fp = footprint(resolved, shapes)
             row.update(weight_mib=fp.bits / 8 / MIB, weight_ratio=fp.ratio)
             if target is not None:
-                row.update(ideal_prefill_ms=step_bound(model, sc.plan_body, target, ideal_m_prefill).ms,
-                           ideal_decode_ms=step_bound(model, sc.plan_body, target, ideal_m_decode).ms)
+                row.update(ideal_prefill_ms=bound(resolved, shapes, target, ideal_m_prefill).ms,
+                           ideal_decode_ms=bound(resolved, shapes, target, ideal_m_decode).ms)
             if records is not None and m_prefill is not None and m_decode is not None:
-                est = step_estimate(model, sc.plan_body, device_name, m_prefill=m_prefill, m_decode=m_decode,
-                                    records=records)
+                est = estimate(records, shapes, {n: scheme_path(s) for n, s in resolved.items()},
+                               m_prefill=m_prefill, m_decode=m_decode)
                 for step in ("prefill", "decode"):
                     if not est[f"missing_{step}"]:
                         row[f"{step}_ms"] = est[f"{step}_ms"]
-        except ValueError:  # a plan the model no longer resolves (its layers changed): no cost, still listed
-            pass
         rows.append(row)
     return pd.DataFrame(rows, columns=TRADEOFF_COLUMNS)
 
@@ -537,6 +540,14 @@ def resolve(model: ModelRecord, body: dict[str, Any]):
         return resolve_plan(PlanSpec.from_dict(body), layer_names(model)), None
     except (PlanError, ValueError) as exc:
         return None, str(exc)
+
+
+def resolved_or_raise(model: ModelRecord, body: dict[str, Any]):
+    """The resolved plan {layer: Scheme}; ValueError with the plan's problems when it does not resolve."""
+    resolved, problem = resolve(model, body)
+    if problem:
+        raise ValueError(problem)
+    return resolved
 
 
 def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, scheme: str) -> tuple[dict, list]:
@@ -593,10 +604,7 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
     ValueError with the plan's problems when it does not resolve."""
     from quantcore.plans import plan_footprint as footprint
 
-    resolved, problem = resolve(model, body)
-    if problem:
-        raise ValueError(problem)
-    return footprint(resolved, layer_shapes(model))
+    return footprint(resolved_or_raise(model, body), layer_shapes(model))
 
 
 def target_names() -> dict[str, str]:
@@ -618,10 +626,7 @@ def step_bound(model: ModelRecord, body: dict[str, Any], target: str, m: int):
     time where nothing was measured); ValueError with the plan's problems when it does not resolve."""
     from quantcore.roofline import step_bound as bound
 
-    resolved, problem = resolve(model, body)
-    if problem:
-        raise ValueError(problem)
-    return bound(resolved, layer_shapes(model), target, m)
+    return bound(resolved_or_raise(model, body), layer_shapes(model), target, m)
 
 
 def mib_text(bits: float) -> str:

@@ -117,7 +117,7 @@ if resolved is not None:
         bf16 = svc.step_bound(model, {"default": "BF16"}, target, m)
         col.metric(f"Ideal {step} on {gpu}", f"{bound.ms:.3f} ms", f"×{bf16.ms / bound.ms:.2f} vs BF16 "
                    f"({bf16.ms:.3f} ms)", delta_color="off", delta_arrow="off")
-    not_native = len(svc.step_bound(model, body, target, 1).not_native)
+    not_native = len(bound.not_native)  # the same layers at any M
     st.caption(f"The roofline bound of the plan's linear layers on a {gpu} from its datasheet: each layer's "
                f"weight read at {svc.target_bandwidth(target):g} TB/s or its math at the peak of the precision "
                "the GPU runs natively, whichever is longer (decode is bound by the weights, prefill by the math). "
