@@ -16,19 +16,23 @@ def render(model, target: str) -> None:
                 "Results page (e.g. FP8_DYNAMIC, INT8_W8A8, W4A16).")
     else:
         device_name = svc.measured_device_for(target)
-        st.caption(f"Sensitivity known for: {', '.join(sorted(sens))}. Cost: "
-                   + (f"measured kernel times on {device_name}." if device_name
-                      else f"stored weight bits, scales included (no {target} timings stored)."))
+        st.caption(f"Sensitivity known for: {', '.join(sorted(sens))}. "
+                   + (f"Kernel timings of this GPU are stored (from {device_name})." if device_name
+                      else f"No {target} kernel timings are stored: the first cost falls back to weight memory."))
         with st.form("auto_plan"):
             c1, c2 = st.columns(2)
             budget = c1.number_input("KL budget (nats per token)", 0.0, 10.0, 0.02, step=0.005, format="%.4f",
                                      key="auto_budget")
             cands = c2.multiselect("Candidate schemes", sorted(set(sens) | {"BF16"}),
                                    default=sorted(set(sens) | {"BF16"}), key="auto_cands")
+            c1, c2 = st.columns([3, 1])
+            cost = c1.radio("Minimise", list(svc.AUTO_COSTS), format_func=svc.AUTO_COSTS.get, key="auto_cost")
+            m = c2.number_input("M (tokens per step)", 1, 1 << 20, 2048, key="auto_m",
+                                help="1 for a decode step at batch 1; batch × prompt tokens for a prefill")
             if st.form_submit_button("Choose and verify", type="primary"):
                 try:
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
-                                                      candidates=cands)
+                                                      candidates=cands, cost=cost, m=int(m))
                     st.success(f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
                                f"{svc.cost_text(result.cost, result.cost_unit)} vs "
                                f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "

@@ -787,31 +787,48 @@ def measured_device_for(target: str) -> str | None:
     return None
 
 
+AUTO_COSTS = {  # what an automatic plan minimises
+    "auto": "measured step time on the target where its kernel timings are stored, else weight memory",
+    "bits": "weight memory (stored bits, scales included)",
+    "ideal": "ideal (roofline) step time on the target at M tokens",
+}
+
+
 def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 2048,
-              candidates: list[str] | None = None, verify: bool = True, device: str = "cpu"):
-    """Choose the cheapest plan under the KL budget from the stored sensitivity sweeps (and the target's
-    measured kernel times when stored), save it as a plan version, and queue a score job that checks
-    the prediction. Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
+              candidates: list[str] | None = None, verify: bool = True, device: str = "cpu", cost: str = "auto"):
+    """Choose the cheapest plan under the KL budget from the stored sensitivity sweeps, save it as a plan
+    version, and queue a score job that checks the prediction. ``cost`` (:data:`AUTO_COSTS`): the target's
+    measured kernel times at M = ``m`` when stored, else weight bits (``"auto"``); weight bits; or the
+    roofline bound at ``m`` on the target's datasheet (``"ideal"``). Returns (AutoPlanResult, PlanRecord,
+    JobRecord | None)."""
+    from quantcore.autoplan import COST_IDEAL, COST_MEASURED, cost_from_kernel_records
     from quantcore.autoplan import auto_plan as solve
-    from quantcore.autoplan import cost_from_kernel_records
     from quantcore.plans import spec_from_plan
+    from quantcore.roofline import cost_from_roofline
 
     sens, unit_layers = sensitivity_map(model)
     if not sens:
         raise ValueError(f"{model.name} has no sensitivity sweep yet: run one per candidate scheme first "
                          f"(Results page, or `quantplan sensitivity {model.name} --scheme FP8_DYNAMIC`)")
+    if cost not in AUTO_COSTS:
+        raise ValueError(f"unknown cost {cost!r}; choose one of: {', '.join(AUTO_COSTS)}")
     cands = candidates or sorted(set(sens) | {"BF16"})
     shapes = layer_shapes(model)
-    cost = None
-    device_name = measured_device_for(target)
+    table, source = None, COST_MEASURED
+    device_name = measured_device_for(target) if cost == "auto" else None
     if device_name:
-        cost = cost_from_kernel_records(kernel_records(device_name), shapes, cands, m=m, target=target)
-        if not cost.get("BF16"):
-            cost = None
-    result = solve(layer_names(model), sens, kl_budget=kl_budget, target=target, candidates=cands, cost=cost,
-                   layer_shapes=shapes, unit_layers=unit_layers)
-    if device_name is None or cost is None:
-        result.notes.append(f"no kernel timings of a {target} are stored: cost is the stored weight bits, scales included")
+        table = cost_from_kernel_records(kernel_records(device_name), shapes, cands, m=m, target=target)
+        if not table.get("BF16"):
+            table = None
+    if cost == "ideal":
+        table, source = cost_from_roofline(sorted(set(cands) | {"BF16"}), shapes, target, m), COST_IDEAL
+    result = solve(layer_names(model), sens, kl_budget=kl_budget, target=target, candidates=cands, cost=table,
+                   layer_shapes=shapes, unit_layers=unit_layers, cost_source=source)
+    if cost == "ideal":
+        result.notes.append(f"cost: the ideal (roofline) step time at M={m} on a {target}, from its datasheet")
+    elif table is None:
+        result.notes.append(f"no kernel timings of a {target} are stored: cost is the stored weight bits, scales included"
+                            if cost == "auto" else "cost: the stored weight bits, scales included")
     name = f"auto-{target}-kl{kl_budget:g}"
     body = spec_from_plan(result.plan, model=model.name, name=name).to_dict()
     versions = [p for p in list_plans(model.id) if p.name == name]

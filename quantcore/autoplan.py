@@ -37,7 +37,10 @@ Cost
       :func:`cost_from_kernel_records`). ``cost["BF16"]`` must time every layer (the
       baseline); a scheme without a time for a layer is *estimated* as the layer's BF16 time
       times ``weight_bits / 16`` — the same proxy, in milliseconds — and marked
-      ``"estimated"`` in ``per_unit`` (``estimate_missing=False`` forbids instead).
+      ``"estimated"`` in ``per_unit`` (``estimate_missing=False`` forbids instead). The same table
+      filled from the target's datasheet (:func:`quantcore.roofline.cost_from_roofline`, with
+      ``cost_source="ideal"``) plans for a GPU nobody has measured: at M = 1 it follows the weight
+      bytes, at a prefill's M the native math rate.
     Equal costs are broken towards the lower KL.
 
 Solver
@@ -94,6 +97,7 @@ MAX_KL_STEPS = 1_000_000  # beyond this the DP tables grow past ~100 MB for larg
 COST_TIE_RTOL = 1e-12  # plans whose costs differ by less than this (relative) count as equally cheap
 
 COST_MEASURED = "measured"  # a kernel time from the benchmark table
+COST_IDEAL = "ideal"  # the roofline bound on the target's datasheet (quantcore.roofline.cost_from_roofline)
 COST_ESTIMATED = "estimated"  # BF16 time x weight_bits / 16
 COST_BITS = "bits"  # stored weight bits, scales included (weight_storage_bits)
 UNIT_MS = "ms"
@@ -123,7 +127,7 @@ class UnitChoice:
     kl:            predicted KL of this unit in ``scheme`` (0 for BF16)
     cost:          cost of the unit in ``scheme`` (same unit as the plan's cost)
     baseline_cost: cost of the unit in BF16
-    cost_source:   ``"measured"``, ``"estimated"``, ``"bits"``, or ``"mixed"`` when members differ
+    cost_source:   ``"measured"``, ``"ideal"``, ``"estimated"``, ``"bits"``, or ``"mixed"`` when members differ
     support:       ``"native"`` | ``"emulated"`` on the target
     options:       number of schemes this unit could take (BF16 included)
     """
@@ -313,6 +317,7 @@ def _layer_costs(
     cost: Mapping[str, Mapping[str, float]] | None,
     layer_shapes: Mapping[str, tuple[int, int]] | None,
     estimate_missing: bool,
+    source: str = COST_MEASURED,
 ) -> dict[str, dict[str, LayerCost]]:
     """{scheme: {layer: LayerCost}}; a layer missing under a scheme cannot take it."""
     problems: list[str] = []
@@ -358,7 +363,7 @@ def _layer_costs(
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                     problems.append(f"cost[{s!r}][{n!r}] must be a time in ms >= 0, got {v!r}")
                     continue
-                row[n] = LayerCost(n, s, float(v), COST_MEASURED)
+                row[n] = LayerCost(n, s, float(v), source)
             elif estimate_missing:
                 row[n] = LayerCost(n, s, float(base[n]) * scheme.weight_bits / IDENTITY_BITS, COST_ESTIMATED)
         out[s] = row
@@ -506,6 +511,7 @@ def auto_plan(
     unit_layers: Mapping[str, Sequence[str]] | None = None,
     resolution: int = DEFAULT_KL_STEPS,
     estimate_missing: bool = True,
+    cost_source: str = COST_MEASURED,
 ) -> AutoPlanResult:
     """The cheapest plan whose predicted KL (sum of unit KLs) is <= ``kl_budget``.
 
@@ -514,7 +520,8 @@ def auto_plan(
     kl_budget:    nats per token, >= 0
     target:       GPU key of ``quantcore.hardware.TARGETS``; schemes it cannot serve are never chosen
     candidates:   scheme names to consider; BF16 is always added
-    cost:         {scheme: {layer: ms}} measured on the target, or None for the bits proxy
+    cost:         {scheme: {layer: ms}} measured on the target (or its roofline bound, with
+                  ``cost_source="ideal"``), or None for the bits proxy
     layer_shapes: {layer: (N, K)}, needed by the bits proxy
     unit_layers:  {unit label: member layers} for sensitivity keys that are not this module's labels
     resolution:   budget steps of the DP (conservative rounding, see the module docstring)
@@ -564,7 +571,7 @@ def auto_plan(
     units = plan_units(names)
     kls = _unit_kls(units, sensitivity, unit_layers, [s for s in usable if s != BASELINE_SCHEME])
     kls[BASELINE_SCHEME] = {i: 0.0 for i in range(len(units))}
-    costs = _layer_costs(names, usable, cost, layer_shapes, estimate_missing)
+    costs = _layer_costs(names, usable, cost, layer_shapes, estimate_missing, cost_source)
 
     notes: list[str] = []
     unit_opts: list[list[tuple[str, float, float, str]]] = []  # (scheme, kl, cost, source)

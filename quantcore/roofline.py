@@ -24,7 +24,7 @@ Torch-free: the app imports it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from quantcore.hardware import get_target, support_on_target
@@ -61,37 +61,65 @@ class StepBound:
     not_native: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LayerBound:
+    """One linear's roofline terms (ms) on a target: the weight read, the math, and whether the target
+    runs its scheme natively (else its math counts at bf16)."""
+
+    memory_ms: float
+    compute_ms: float
+    native: bool
+
+    @property
+    def ms(self) -> float:
+        return max(self.memory_ms, self.compute_ms)
+
+
+def layer_bound(scheme: Scheme | str, n: int, k: int, target_key: str, m: int) -> LayerBound:
+    """The roofline terms of one (N, K) linear under ``scheme`` at ``m`` tokens on a target GPU."""
+    target = get_target(target_key)
+    scheme = get_scheme(scheme)
+    w, a = scheme.weights, scheme.activations
+    native = w is None or support_on_target(target_key, w.format, a.format if a else None) == "native"
+    # the math runs on the low-precision tensor cores only where the activations are quantized natively
+    key = MATH_KEY.get(a.format, BF16_KEY) if (a is not None and native) else BF16_KEY
+    return LayerBound(memory_ms=weight_storage_bits(scheme, n, k) / 8 / (target.memory_tbs * 1e12) * 1e3,
+                      compute_ms=2.0 * m * n * k / (target.peak_tflops[key] * 1e12) * 1e3, native=native)
+
+
+def cost_from_roofline(schemes: Sequence[str], shapes: Mapping[str, tuple[int, int]], target_key: str,
+                       m: int) -> dict[str, dict[str, float]]:
+    """{scheme: {layer: ideal ms}} at ``m`` tokens on a target: the cost table of
+    :func:`quantcore.autoplan.auto_plan` for a GPU nobody has measured."""
+    if m < 1:
+        raise ValueError(f"m must be a positive number of tokens, got {m}")
+    return {s: {layer: layer_bound(s, n, k, target_key, m).ms for layer, (n, k) in shapes.items()}
+            for s in schemes}
+
+
 def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], target_key: str,
                m: int) -> StepBound:
     """The roofline bound of a resolved plan ({layer: scheme}) with ``shapes`` {layer: (N, K)} on a target
     GPU at ``m`` tokens per step (decode: the batch; prefill: batch x prompt tokens)."""
     if m < 1:
         raise ValueError(f"m must be a positive number of tokens, got {m}")
-    target = get_target(target_key)
+    get_target(target_key)  # an unknown key: ValueError naming the valid ones
     missing = [layer for layer in resolved if layer not in shapes]
     if missing:
         raise ValueError(f"no (N, K) shape for {len(missing)} layer(s): {', '.join(missing[:5])}")
-    beta = target.memory_tbs * 1e12  # bytes / s
     total = mem_total = math_total = 0.0
     memory_bound = 0
     per_scheme: dict[str, float] = {}
     not_native = []
     for layer, scheme in resolved.items():
-        scheme = get_scheme(scheme)
-        n, k = shapes[layer]
-        w, a = scheme.weights, scheme.activations
-        native = w is None or support_on_target(target_key, w.format, a.format if a else None) == "native"
-        if not native:
+        b = layer_bound(scheme, *shapes[layer], target_key, m)
+        if not b.native:
             not_native.append(layer)
-        # the math runs on the low-precision tensor cores only where the activations are quantized natively
-        key = MATH_KEY.get(a.format, BF16_KEY) if (a is not None and native) else BF16_KEY
-        t_mem = weight_storage_bits(scheme, n, k) / 8 / beta * 1e3
-        t_math = 2.0 * m * n * k / (target.peak_tflops[key] * 1e12) * 1e3
-        total += max(t_mem, t_math)
-        mem_total += t_mem
-        math_total += t_math
-        memory_bound += t_mem >= t_math
-        label = scheme_label(scheme)
-        per_scheme[label] = per_scheme.get(label, 0.0) + max(t_mem, t_math)
+        total += b.ms
+        mem_total += b.memory_ms
+        math_total += b.compute_ms
+        memory_bound += b.memory_ms >= b.compute_ms
+        label = scheme_label(get_scheme(scheme))
+        per_scheme[label] = per_scheme.get(label, 0.0) + b.ms
     return StepBound(target=target_key, m=int(m), ms=total, memory_ms=mem_total, compute_ms=math_total,
                      memory_bound=memory_bound, layers=len(resolved), per_scheme=per_scheme, not_native=not_native)

@@ -116,7 +116,8 @@ def cmd_plan_auto(args) -> int:
     model = _model(args.model)
     cands = args.candidates.split(",") if args.candidates else None
     result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
-                                      candidates=cands, verify=not args.no_verify, device=args.device or "cpu")
+                                      candidates=cands, verify=not args.no_verify, device=args.device or "cpu",
+                                      cost=args.cost)
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
     if job is not None and args.wait:
         done = wait_for(job.id, on_update=_progress_printer(args.json), settings=s)
@@ -153,7 +154,10 @@ def add_commands(sub) -> None:
     sp.add_argument("--kl-budget", type=float, required=True, help="nats per token, e.g. 0.02")
     sp.add_argument("--target", required=True, help="target GPU: a100, l40s, h100, h100-pcie, h200, b200")
     sp.add_argument("--candidates", help="comma-separated schemes (default: every scheme with a sensitivity sweep)")
-    sp.add_argument("--m", type=int, default=2048, help="tokens per step whose kernel time is the cost")
+    sp.add_argument("--m", type=int, default=2048, help="tokens per step whose (measured or ideal) time is the cost")
+    sp.add_argument("--cost", default="auto", choices=["auto", "bits", "ideal"],
+                    help="what to minimise: auto = measured kernel times of the target where stored, else weight "
+                         "bits; bits = weight memory; ideal = the roofline step time at --m on the target")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     sp.add_argument("--wait", action="store_true", help="wait for the verifying score job")
     sp.add_argument("--device", default=None, help="device of the verifying score job (default: cpu)")

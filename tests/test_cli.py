@@ -61,6 +61,19 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     zero = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "0", "--target", "h100", "--no-verify",
                     "--json")
     assert set(zero["plan"].values()) == {"BF16"} and zero["predicted_kl"] == 0
+    # for an H100 nobody measured: the roofline of a decode step as the cost
+    ideal = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--cost", "ideal",
+                     "--m", "1", "--no-verify", "--json")
+    from app import services as svc
+    from quantcore.roofline import step_bound
+
+    shapes = svc.layer_shapes(svc.get_model("tiny"))
+    assert ideal["cost_unit"] == "ms" and any("roofline" in n and "M=1" in n for n in ideal["notes"])
+    assert ideal["cost"] == pytest.approx(step_bound(ideal["plan"], shapes, "h100", 1).ms)
+    assert ideal["baseline_cost"] == pytest.approx(step_bound({n: "BF16" for n in shapes}, shapes, "h100", 1).ms)
+    code, _, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1", "--target", "h100", "--cost", "ideal",
+                       "--m", "0", "--no-verify")
+    assert code == 1 and "positive" in err
 
     # a plan file → stored → exported as a recipe → imported again: the same resolved plan
     plan_file = tmp_path / "plan.yaml"

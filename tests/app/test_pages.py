@@ -319,6 +319,14 @@ def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
     assert re.search(r"MiB of weights vs [\d,.]+ MiB of weights in BF16 \(\d+%\)", done), done
     assert not any("Save a plan first" in i.value for i in at.info)  # the new plan is exportable at once
     assert "auto-h100-kl0.5" in str(at.selectbox(key="export_plan").options)
+    # the same, minimising the ideal decode step of an H100 (no H100 timings are stored)
+    at.radio(key="auto_cost").set_value("ideal")
+    at.number_input(key="auto_m").set_value(1)
+    next(b for b in at.button if b.label == "Choose and verify").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    done = next(m.value for m in at.success if "predicted KL" in m.value)
+    assert re.search(r"cost [\d.]+ ms vs [\d.]+ ms in BF16", done), done
+    assert any("roofline" in c.value and "M=1" in c.value for c in at.caption)
 
 
 def test_results_page_queues_one_score_job_per_chosen_plan(seeded):

@@ -373,3 +373,24 @@ def test_realistic_size_runs_fast() -> None:
     r = auto_plan(names, sens, kl_budget=0.2, target="h100", layer_shapes=shapes)
     assert time.perf_counter() - t0 < 30
     assert r.predicted_kl <= 0.2 and len(r.per_unit) == len(units)
+
+
+def test_an_ideal_cost_plans_decode_and_prefill_differently_on_a_gpu_nobody_measured() -> None:
+    """With the roofline of an H100 as the cost and the same KL for FP8 W8A8 and INT4 weights, a decode step
+    (M=1, bound by the weight read) takes W4A16 and a prefill (M=2048, bound by the math) takes FP8."""
+    from quantcore.autoplan import COST_IDEAL
+    from quantcore.roofline import cost_from_roofline
+
+    shapes = {n: (4096, 4096) for n in BLOCK}
+    sens = {s: {label: 1e-4 for label in LABELS} for s in ("FP8_DYNAMIC", "W4A16")}
+    chosen = {}
+    for m in (1, 2048):
+        cost = cost_from_roofline(["BF16", "FP8_DYNAMIC", "W4A16"], shapes, "h100", m)
+        res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["FP8_DYNAMIC", "W4A16"], cost=cost,
+                        layer_shapes=shapes, cost_source=COST_IDEAL)
+        assert res.cost_unit == "ms" and {p.cost_source for p in res.per_unit} == {COST_IDEAL}
+        assert res.cost == pytest.approx(sum(cost[res.plan[n]][n] for n in BLOCK))
+        chosen[m] = set(res.plan.values())
+    assert chosen == {1: {"W4A16"}, 2048: {"FP8_DYNAMIC"}}
+    with pytest.raises(ValueError, match="positive"):
+        cost_from_roofline(["BF16"], shapes, "h100", 0)
