@@ -308,6 +308,21 @@ def add_run_options(sp) -> None:
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def add_ideal_options(sp, what: str) -> None:
+    """--target / --batch / --prompt: the ideal (roofline) step times on a GPU of the table."""
+    sp.add_argument("--target", help=f"add {what} on this GPU: a100, l40s, h100, h100-pcie, h200, b200")
+    sp.add_argument("--batch", type=int, default=1, help="tokens of the ideal decode step (default 1)")
+    sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")
+
+
+def check_target(target: str | None) -> None:
+    """A GPU key of the target table, or a CliError naming the valid ones."""
+    from quantcore.hardware import TARGETS
+
+    if target is not None and target not in TARGETS:
+        raise CliError(f"unknown GPU target {target!r}; choose one of: {', '.join(TARGETS)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quantplan", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)

@@ -13,8 +13,10 @@ from quantplan.cli import (
     _print_json,
     _run,
     _settings,
+    add_ideal_options,
     add_run_options,
     add_text_job_options,
+    check_target,
 )
 
 
@@ -146,8 +148,7 @@ def cmd_scores(args) -> int:
         if unmeasured:
             raise CliError(f"{args.timings} has no timings at M={', '.join(map(str, unmeasured))} for "
                            f"{model.name}'s shapes; measured M: {', '.join(map(str, measured))}")
-    if args.target and args.target not in svc.target_names():
-        raise CliError(f"unknown GPU target {args.target!r}; choose one of: {', '.join(svc.target_names())}")
+    check_target(args.target)
     frame = svc.tradeoff_frame(model, [s for s in scores if (s.dataset, s.tokens) == eval_set],
                                device_name=args.timings, m_prefill=m_prefill, m_decode=m_decode,
                                target=args.target, ideal_m_prefill=args.prompt, ideal_m_decode=args.batch)
@@ -224,10 +225,7 @@ def add_commands(sub) -> None:
                     "kernel timings (its name as the Kernels page and `quantplan bench` show it)")
     sp.add_argument("--m-prefill", type=int, help="M of the prefill step (default: the largest measured)")
     sp.add_argument("--m-decode", type=int, help="M of the decode step (default: the smallest measured)")
-    sp.add_argument("--target", help="add the ideal (roofline) step times on this GPU: a100, l40s, h100, h100-pcie, "
-                    "h200, b200")
-    sp.add_argument("--batch", type=int, default=1, help="tokens of the ideal decode step (default 1)")
-    sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")
+    add_ideal_options(sp, "the ideal (roofline) step times")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=cmd_scores)
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from quantplan.cli import CliError, _checked_settings, _model, _print_json, _progress_printer
+from quantplan.cli import (
+    CliError,
+    _checked_settings,
+    _model,
+    _print_json,
+    _progress_printer,
+    add_ideal_options,
+    check_target,
+)
 
 
 def _stored_or_file(ref: str, model_ref: str | None):
@@ -38,9 +46,8 @@ def cmd_plan_show(args) -> int:
     except ValueError as exc:
         raise CliError(f"{label} does not resolve on {model.name}: {exc}") from exc
     ideal = []
+    check_target(args.target)
     if args.target:
-        if args.target not in svc.target_names():
-            raise CliError(f"unknown GPU target {args.target!r}; choose one of: {', '.join(svc.target_names())}")
         for step, m in (("decode", args.batch), ("prefill", args.prompt)):
             bound = svc.step_bound(model, body, args.target, m)
             bf16 = svc.step_bound(model, {"default": "BF16"}, args.target, m)
@@ -167,10 +174,7 @@ def add_commands(sub) -> None:
     sp = plan.add_parser("show", help="a plan's schemes and the memory of its linear weights")
     sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")
     sp.add_argument("--model", help="model of a plan file that does not name one")
-    sp.add_argument("--target", help="add the ideal (roofline) decode and prefill step on this GPU: a100, l40s, "
-                    "h100, h100-pcie, h200, b200")
-    sp.add_argument("--batch", type=int, default=1, help="tokens of the ideal decode step (default 1)")
-    sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")
+    add_ideal_options(sp, "the ideal (roofline) decode and prefill step")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_plan_show)
 
