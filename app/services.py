@@ -462,7 +462,8 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     prefill_ms / decode_ms, the plan's GEMM time of one step at ``m_prefill`` / ``m_decode`` from
     that device's stored timings (NaN unless every layer has one at that M: a partial sum is never
     shown as a cost); with ``target``, ideal_prefill_ms / ideal_decode_ms, the roofline bound of a
-    step on that GPU at ``ideal_m_prefill`` / ``ideal_m_decode`` tokens (quantcore.roofline).
+    step on that GPU at ``ideal_m_prefill`` / ``ideal_m_decode`` tokens (quantcore.roofline; NaN for
+    a plan with a scheme the target cannot serve at all).
     Rows sorted by KL, lowest first.
     """
     import math
@@ -490,8 +491,9 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
             fp = footprint(resolved, shapes)
             row.update(weight_mib=fp.bits / 8 / MIB, weight_ratio=fp.ratio)
             if target is not None:
-                row.update(ideal_prefill_ms=bound(resolved, shapes, target, ideal_m_prefill).ms,
-                           ideal_decode_ms=bound(resolved, shapes, target, ideal_m_decode).ms)
+                prefill, decode = (bound(resolved, shapes, target, m) for m in (ideal_m_prefill, ideal_m_decode))
+                if not decode.unsupported:  # a plan the target cannot serve has no step time there
+                    row.update(ideal_prefill_ms=prefill.ms, ideal_decode_ms=decode.ms)
             if records is not None and m_prefill is not None and m_decode is not None:
                 est = estimate(records, shapes, {n: scheme_path(s) for n, s in resolved.items()},
                                m_prefill=m_prefill, m_decode=m_decode)

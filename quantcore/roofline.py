@@ -46,8 +46,9 @@ class StepBound:
     compute_ms:   the math alone (the bound with unlimited bandwidth)
     memory_bound: layers whose bound is their weight read
     per_scheme:   ms of the bound per scheme label
-    not_native:   layers whose scheme the target does not run natively (their math counts at bf16;
-                  "unsupported" ones have no serving kernel there at all)
+    not_native:   layers whose scheme the target does not run natively (their math counts at bf16)
+    unsupported:  those of them that have no serving kernel on the target at all (FP4 W4A4 before
+                  Blackwell): the plan cannot be served there, and its bound is only arithmetic
     """
 
     target: str
@@ -59,16 +60,17 @@ class StepBound:
     layers: int
     per_scheme: dict[str, float] = field(default_factory=dict)
     not_native: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class LayerBound:
-    """One linear's roofline terms (ms) on a target: the weight read, the math, and whether the target
-    runs its scheme natively (else its math counts at bf16)."""
+    """One linear's roofline terms (ms) on a target: the weight read, the math, and how the target runs
+    its scheme (quantcore.hardware.support_on_target: only "native" math runs at the low precision)."""
 
     memory_ms: float
     compute_ms: float
-    native: bool
+    support: str
 
     @property
     def ms(self) -> float:
@@ -80,11 +82,11 @@ def layer_bound(scheme: Scheme | str, n: int, k: int, target_key: str, m: int) -
     target = get_target(target_key)
     scheme = get_scheme(scheme)
     w, a = scheme.weights, scheme.activations
-    native = w is None or support_on_target(target_key, w.format, a.format if a else None) == "native"
+    support = "native" if w is None else support_on_target(target_key, w.format, a.format if a else None)
     # the math runs on the low-precision tensor cores only where the activations are quantized natively
-    key = MATH_KEY.get(a.format, BF16_KEY) if (a is not None and native) else BF16_KEY
+    key = MATH_KEY.get(a.format, BF16_KEY) if (a is not None and support == "native") else BF16_KEY
     return LayerBound(memory_ms=weight_storage_bits(scheme, n, k) / 8 / (target.memory_tbs * 1e12) * 1e3,
-                      compute_ms=2.0 * m * n * k / (target.peak_tflops[key] * 1e12) * 1e3, native=native)
+                      compute_ms=2.0 * m * n * k / (target.peak_tflops[key] * 1e12) * 1e3, support=support)
 
 
 def cost_from_roofline(schemes: Sequence[str], shapes: Mapping[str, tuple[int, int]], target_key: str,
@@ -110,11 +112,13 @@ def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[
     total = mem_total = math_total = 0.0
     memory_bound = 0
     per_scheme: dict[str, float] = {}
-    not_native = []
+    not_native, unsupported = [], []
     for layer, scheme in resolved.items():
         b = layer_bound(scheme, *shapes[layer], target_key, m)
-        if not b.native:
+        if b.support != "native":
             not_native.append(layer)
+        if b.support == "unsupported":
+            unsupported.append(layer)
         total += b.ms
         mem_total += b.memory_ms
         math_total += b.compute_ms
@@ -122,4 +126,5 @@ def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[
         label = scheme_label(get_scheme(scheme))
         per_scheme[label] = per_scheme.get(label, 0.0) + b.ms
     return StepBound(target=target_key, m=int(m), ms=total, memory_ms=mem_total, compute_ms=math_total,
-                     memory_bound=memory_bound, layers=len(resolved), per_scheme=per_scheme, not_native=not_native)
+                     memory_bound=memory_bound, layers=len(resolved), per_scheme=per_scheme, not_native=not_native,
+                     unsupported=unsupported)

@@ -52,7 +52,8 @@ def cmd_plan_show(args) -> int:
             bound = svc.step_bound(model, body, args.target, m)
             bf16 = svc.step_bound(model, {"default": "BF16"}, args.target, m)
             ideal.append({"step": step, "m": m, "ms": bound.ms, "bf16_ms": bf16.ms, "memory_bound": bound.memory_bound,
-                          "layers": bound.layers, "not_native": len(bound.not_native)})
+                          "layers": bound.layers, "not_native": len(bound.not_native),
+                          "unsupported": len(bound.unsupported)})
     if args.json:
         extra = {"target": args.target, "ideal": ideal} if args.target else {}
         _print_json({"plan": label, "model": model.name, **fp.to_dict(), **extra})
@@ -72,6 +73,9 @@ def cmd_plan_show(args) -> int:
         if ideal[0]["not_native"]:
             print(f"  {ideal[0]['not_native']} layer(s) use a scheme {args.target} does not run natively: their math "
                   "counts at bf16")
+        if ideal[0]["unsupported"]:
+            print(f"  {ideal[0]['unsupported']} of them have no serving kernel on {args.target} at all: the plan "
+                  "cannot be served there as it stands")
     return 0
 
 

@@ -117,13 +117,15 @@ if resolved is not None:
         bf16 = svc.step_bound(model, {"default": "BF16"}, target, m)
         col.metric(f"Ideal {step} on {gpu}", f"{bound.ms:.3f} ms", f"×{bf16.ms / bound.ms:.2f} vs BF16 "
                    f"({bf16.ms:.3f} ms)", delta_color="off", delta_arrow="off")
-    not_native = len(bound.not_native)  # the same layers at any M
+    not_native, unsupported = len(bound.not_native), len(bound.unsupported)  # the same layers at any M
     st.caption(f"The roofline bound of the plan's linear layers on a {gpu} from its datasheet: each layer's "
                f"weight read at {svc.target_bandwidth(target):g} TB/s or its math at the peak of the precision "
                "the GPU runs natively, whichever is longer (decode is bound by the weights, prefill by the math). "
                "A real engine gets less; measured times are on the Kernels page."
                + (f" {not_native} layer(s) use a scheme {target} does not run natively: their math counts at "
-                  "bf16." if not_native else ""))
+                  "bf16." if not_native else "")
+               + (f" **{unsupported} of them have no serving kernel on {target} at all**: the plan cannot be served "
+                  "there as it stands." if unsupported else ""))
 
 # ----------------------------------------------------------------------------- save
 with st.form("plan_save"):

@@ -131,9 +131,11 @@ else:
     st.altair_chart(charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
     no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
     if no_cost:
-        why = (" (a layer of the plan has no timing at that M: skipped over budget, not supported or not "
-               "measured; the Kernels page lists the cases)") if cost in ("prefill_ms", "decode_ms") else ""
-        st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}{why}.")
+        why = {"prefill_ms": " (a layer of the plan has no timing at that M: skipped over budget, not supported or "
+                             "not measured; the Kernels page lists the cases)",
+               "ideal_prefill_ms": f" (a scheme {target} cannot serve, such as FP4 W4A4 before Blackwell)"}
+        why["decode_ms"], why["ideal_decode_ms"] = why["prefill_ms"], why["ideal_prefill_ms"]
+        st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}{why.get(cost, '')}.")
     shown = trade.drop(columns=([] if device_name else ["prefill_ms", "decode_ms"])
                        + ([] if target else ["ideal_prefill_ms", "ideal_decode_ms"]))
     st.dataframe(shown, hide_index=True, width="stretch",

@@ -58,7 +58,9 @@ def test_math_runs_at_bf16_where_the_target_only_emulates_the_scheme() -> None:
     # FP4 math doubles FP8's rate only where FP4 tensor cores exist
     b200 = step_bound(uniform("NVFP4"), SHAPES, "b200", 2048)
     assert not b200.not_native and b200.ms == pytest.approx(2 * 2048 * 8e9 / 9000e12 * 1e3)
-    assert step_bound(uniform("NVFP4"), SHAPES, "h100", 2048).not_native == list(SHAPES)
+    hopper = step_bound(uniform("NVFP4"), SHAPES, "h100", 2048)
+    assert hopper.not_native == hopper.unsupported == list(SHAPES)  # no FP4 W4A4 kernel before Blackwell
+    assert not fp8.unsupported  # FP8 on an A100: served as FP8 weights with bf16 math, emulated not unsupported
 
 
 def test_every_target_has_a_bandwidth_and_bad_input_is_refused() -> None:
