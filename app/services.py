@@ -827,7 +827,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     result = solve(layer_names(model), sens, kl_budget=kl_budget, target=target, candidates=cands, cost=table,
                    layer_shapes=shapes, unit_layers=unit_layers, cost_source=source)
     if cost == "ideal":
-        result.notes.append(f"cost: the ideal (roofline) step time at M={m} on a {target}, from its datasheet")
+        result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet")
     elif table is None:
         result.notes.append(f"no kernel timings of a {target} are stored: cost is the stored weight bits, scales included"
                             if cost == "auto" else "cost: the stored weight bits, scales included")
