@@ -7,8 +7,10 @@
 #
 # Steps, each logged and each allowed to fail without stopping the others:
 #   1. the device: nvidia-smi, torch / CUDA versions
-#   2. the `gpu` tests (pytest -m gpu): native flags, kernel vs emulation, FP8 faster than bf16
-#      at 2048 x 4096 x 4096 on sm90, CUDA fake-quant bit-identical to CPU
+#   2. the `gpu` tests (pytest -m gpu): native flags, kernel vs emulation (FP8, INT8, weight-only
+#      INT8 / INT4), FP8 faster than bf16
+#      at 2048 x 4096 x 4096 on sm90, INT4 weights faster than bf16 at a 1 x 4096 x 4096 decode GEMM,
+#      CUDA fake-quant bit-identical to CPU
 #   3. benchmarks/kernel_gemm.py on the demo model's shapes (SmolLM2-135M) and on Llama-3-8B's,
 #      M = 1 16 128 2048 8192: JSON records + the Markdown tables for the README
 #   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
