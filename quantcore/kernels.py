@@ -27,8 +27,9 @@ Paths (string constants; a ``+q`` suffix adds on-the-fly activation quantization
 ==================  =====================================================================
 
 Weight-only kernels do the same FLOPs as the baseline; what they save is the weight
-traffic, which is what bounds a decode step (small M). That is why they win at batch 1
-and lose nothing but dequantization work at large M, and why they are timed here rather
+traffic, which is what bounds a decode step (small M). That is why, on a GPU, they are
+expected to win at batch 1 and to pay their dequantization work at large M; on a CPU
+whose fp32 GEMM is strong they may not win at all. Either way they are timed here rather
 than assumed to run at the baseline's speed.
 
 Weights are always quantized offline (not timed), as at serving time. Everything runs
