@@ -779,6 +779,13 @@ def sensitivity_by_scheme(model: ModelRecord):
     return pd.DataFrame(rows, columns=["scheme", "unit", "block", "proj", "kl"])
 
 
+def target_of_device(device_name: str) -> str | None:
+    """The target-table key of a measured device (a GPU of the table), else None (a CPU, an unlisted GPU)."""
+    from quantcore.hardware import match_target
+
+    return match_target(device_name)
+
+
 def measured_device_for(target: str) -> str | None:
     """A device with stored kernel timings that is the target GPU, if any."""
     from quantcore.hardware import match_target

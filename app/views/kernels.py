@@ -127,6 +127,15 @@ for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_deco
     col.metric(label, f"{est[f'{step}_ms']:.3f} ms",
                (f"×{speedup:.2f} vs baseline {est[f'baseline_{step}_ms']:.3f} ms" if speedup else "no baseline"),
                delta_color="normal" if speedup and speedup >= 1 else "inverse", delta_arrow="off")
+target = svc.target_of_device(device_name)
+if target:  # a GPU of the table: how far the measured eager kernels are from the roofline bound
+    ideal = {step: svc.step_bound(model, body, target, m).ms for step, m in (("prefill", m_prefill),
+                                                                             ("decode", m_decode))}
+    st.caption("Ideal (roofline) step on this GPU's datasheet: " + "; ".join(
+        f"{step} {ideal[step]:.4f} ms" + (f", the measured sum is {est[f'{step}_ms'] / ideal[step]:.1f}× that"
+                                          if not est[f"missing_{step}"] else "")
+        for step in ("prefill", "decode")) + ". Eager PyTorch kernels with unfused quantization pay the gap; "
+        "the bound is what fused serving kernels approach.")
 missing = sorted(set(est["missing_prefill"]) | set(est["missing_decode"]))
 if missing:
     st.caption(f"{len(missing)} layer(s) have no time for their path at these M values (skipped over budget, "

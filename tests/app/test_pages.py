@@ -532,3 +532,31 @@ def test_a_plan_the_target_cannot_serve_has_no_ideal_step_there(seeded):
     at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("NVFP4").run()
     assert not at.exception
     assert any("no serving kernel on h100 at all" in c.value for c in at.caption)
+
+
+def test_kernels_page_sets_a_gpus_measured_step_against_its_roofline(seeded):
+    from app import services as svc
+    from quantcore.roofline import step_bound
+    from store import repo
+    from store.db import session_scope
+    from tests.app.conftest import linears
+
+    shapes = {(lin["out_features"], lin["in_features"]) for lin in linears()}
+    with session_scope() as s:  # an H100's timings: 0.01 ms a GEMM for every path the plan needs
+        job = repo.create_job(s, kind="bench", params={"device": "cuda"}, queue="gpu.sm90", user=None)
+        repo.save_kernel_results(s, job_id=job.id, records=[dict(
+            device="cuda", device_name="NVIDIA H100 80GB HBM3", torch_version="2.13.0", m=m, n=n, k=k, path=path,
+            ms=0.01, tflops=1.0, pct_peak=1.0, speedup=1.0, native=True, max_rel_err=1e-3, padded_m=None,
+            skipped=None) for n, k in shapes for m in (1, 16) for path in ("baseline", "fp8_row+q")])
+    assert svc.target_of_device("NVIDIA H100 80GB HBM3") == "h100" and svc.target_of_device("Test CPU") is None
+    at = _run("kernels", seeded.id)
+    at.selectbox(key="kernels_device").set_value("NVIDIA H100 80GB HBM3").run()
+    assert not at.exception
+    model = svc.get_model(seeded.id)
+    resolved, _ = svc.resolve(model, {"default": "FP8_DYNAMIC"})
+    decode = step_bound(resolved, svc.layer_shapes(model), "h100", 1).ms
+    measured = 0.01 * len(linears())
+    caption = next(c.value for c in at.caption if c.value.startswith("Ideal (roofline) step"))
+    assert f"decode {decode:.4f} ms, the measured sum is {measured / decode:.1f}× that" in caption
+    at.selectbox(key="kernels_device").set_value("Test CPU").run()  # a CPU has no datasheet bound
+    assert not any(c.value.startswith("Ideal (roofline) step") for c in at.caption)
