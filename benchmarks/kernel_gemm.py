@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantcore import kernels as kn  # noqa: E402
 from quantcore.hardware import device_paths, probe_device  # noqa: E402
+from quantcore.roofline import step_bound  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ MODELS: dict[str, ModelShapes] = {
     # 8 KV heads of width 128 (k/v_proj: 4096 -> 1024), 32 decoder layers.
     "llama-3-8b": ModelShapes("Llama-3-8B", 4096, 14336, 1024, 32),
 }
+# the preset each path serves, for its roofline bound (quantcore.roofline) on a GPU of the table
+PATH_SCHEME = {"baseline": "BF16", "fp8_tensor": "FP8_PER_TENSOR", "fp8_row": "FP8_DYNAMIC", "int8_row": "INT8_W8A8",
+               "w8_row": "W8A16", "w4_g128": "W4A16"}
 DEFAULT_BUDGET_S = {"cpu": 40.0, "cuda": 60.0}  # CPU: 4 shapes x 40 s, about 3 minutes in all
 
 
@@ -132,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         cells = []
-        for step in ("prefill", "decode"):
+        for step, m in (("prefill", m_prefill), ("decode", m_decode)):
             if est[f"missing_{step}"]:
                 cells.append(f"{step} not measured ({len(est[f'missing_{step}'])} layers skipped)")
             else:
                 sp = est[f"speedup_{step}"]
                 cells.append(f"{step} {est[f'{step}_ms']:9.3f} ms (x{sp:.2f} vs baseline)")
+                if info.target_key:  # a GPU of the table: the same step's roofline bound from its datasheet
+                    ideal = step_bound({n: PATH_SCHEME[plan] for n in all_layers}, all_layers, info.target_key, m).ms
+                    cells[-1] += f" [{est[f'{step}_ms'] / ideal:.1f}x the roofline {ideal:.3f} ms]"
         print(f"  {kn.timed_path(plan):<13} " + "   ".join(cells))
 
     if args.markdown:

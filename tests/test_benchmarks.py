@@ -52,6 +52,29 @@ def test_kernel_gemm_writes_json_and_markdown(tmp_path: Path, capsys) -> None:
     assert "GEMM time per step" in capsys.readouterr().out
 
 
+def test_kernel_gemm_sets_each_step_against_the_roofline_of_a_gpu_of_the_table(monkeypatch, capsys) -> None:
+    """On a GPU of the table each whole-model step also reads as a multiple of its roofline bound. The probe
+    is told it is an H100 (only the printing is under test: the timings are this CPU's)."""
+    import dataclasses
+    import re
+
+    from quantcore.hardware import probe_device
+    from quantcore.roofline import step_bound
+
+    kg = _load("kernel_gemm")
+    monkeypatch.setattr(kg, "probe_device", lambda device: dataclasses.replace(probe_device("cpu"), target_key="h100"))
+    assert kg.main(["--m", "1", "--budget", "2", "--repeats", "3", "--paths", "int8_row"]) == 0
+    out = capsys.readouterr().out
+    model = kg.MODELS["smollm2-135m"]
+    layers = {f"layers.{i}.{p}": s for i in range(model.n_layers) for p, s in model.layer_shapes().items()}
+    line = next(x for x in out.splitlines() if x.strip().startswith("baseline") and "decode" in x)
+    measured = float(re.search(r"decode\s+([\d.]+) ms", line).group(1))
+    ideal = step_bound({n: "BF16" for n in layers}, layers, "h100", 1).ms
+    ratio = float(re.search(r"\[([\d.]+)x the roofline ([\d.]+) ms\]", line).group(1))
+    assert f"the roofline {ideal:.3f} ms]" in line
+    assert ratio == pytest.approx(measured / ideal, abs=0.051)  # printed from the unrounded time
+
+
 @pytest.mark.slow
 def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     # scripts/gpu_check.sh is what a session with a lent GPU runs, once, in a few minutes of device
