@@ -69,6 +69,8 @@ def _export(model, plans) -> None:
     except ValueError as exc:
         st.error(str(exc))
         return
+    for warning in svc.serving_warnings(model, plan.body):
+        st.warning(warning)
     lang = {"llmcompressor": "yaml", "compressed-tensors": "json", "vllm": "bash"}[fmt]
     st.code(text, language=lang)
     ext = {"llmcompressor": "recipe.yaml", "compressed-tensors": "quantization_config.json", "vllm": "serve.sh"}[fmt]

@@ -679,6 +679,14 @@ def _mlp_norm(model: ModelRecord) -> str:
     return "pre_feedforward_layernorm" if model.model_type.startswith("gemma") else MLP_NORM_LLAMA
 
 
+def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
+    """What serving this plan will run into though it resolves (quantcore.plans.group_misfits)."""
+    from quantcore.plans import group_misfits
+
+    resolved, problem = resolve(model, body)
+    return [] if problem else group_misfits(resolved, layer_shapes(model))
+
+
 def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
     """The plan as an llm-compressor recipe (YAML), a compressed-tensors quantization_config (JSON)
     or the vLLM command line."""

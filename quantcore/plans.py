@@ -528,6 +528,33 @@ def plan_footprint(
     return Footprint(rows, params, sum(r.bits for r in rows), IDENTITY_BITS * params)
 
 
+def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
+    """What a serving stack will complain about: layers whose K is not a whole number of the scheme's groups.
+
+    quantcore quantizes a last, partial group as it is; compressed-tensors warns ("group quantization
+    strategy requires strict division ... consider reducing the group size or ignoring modules") and
+    group kernels such as vLLM's Marlin need K divisible by the group. One message per (scheme, group),
+    naming how many layers and which K; an empty list when every group fits.
+    """
+    misfit: dict[tuple[str, int], dict[str, Any]] = {}
+    for layer, scheme in resolved.items():
+        scheme = get_scheme(scheme)
+        _, k = shapes[layer]
+        for spec in (scheme.weights, scheme.activations):
+            g = spec.group_size if spec is not None and spec.granularity.value == "group" else None
+            if g and k % g:
+                entry = misfit.setdefault((scheme_label(scheme), g), {"layers": [], "ks": set()})
+                if layer not in entry["layers"]:
+                    entry["layers"].append(layer)
+                    entry["ks"].add(k)
+    return [
+        f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
+        f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); compressed-tensors warns and group "
+        "kernels (vLLM's Marlin) need K divisible by the group: keep those layers in another scheme"
+        for (label, g), e in misfit.items()
+    ]
+
+
 def pareto_front(points: Sequence[tuple[float | None, float]]) -> list[bool]:
     """Which ``(cost, loss)`` points no other point beats (both lower is better).
 

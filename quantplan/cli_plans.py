@@ -85,6 +85,8 @@ def cmd_plan_export(args) -> int:
     _checked_settings()
     model, body, _label = _stored_or_file(args.plan, args.model)
     text = svc.export_plan(model, body, args.format)
+    for warning in svc.serving_warnings(model, body):
+        print(f"quantplan: warning: {warning}", file=sys.stderr)
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.output}", file=sys.stderr)

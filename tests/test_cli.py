@@ -98,8 +98,14 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
 
     src = re.search(r"oneshot\(model='([^']+)'", out).group(1)  # the checkpoint llm-compressor should load
     assert (Path(src) / "config.json").is_file() and Path(src).parent == Path(get_settings().models_dir)
-    code, out, _ = run(capsys, "plan", "export", "mixed", "--format", "compressed-tensors")
+    code, out, err = run(capsys, "plan", "export", "mixed", "--format", "compressed-tensors")
     assert json.loads(out)["quant_method"] == "compressed-tensors"
+    assert "warning" not in err  # FP8 / INT8 per channel: no group to misfit
+    w4 = tmp_path / "w4.yaml"
+    w4.write_text("model: tiny\ndefault: W4A16\n")
+    code, out, err = run(capsys, "plan", "export", str(w4), "--format", "llmcompressor")
+    assert code == 0 and "W4A16" in out  # exported all the same, with the warning on stderr
+    assert "quantplan: warning: W4A16: groups of 128 do not divide K of 13 layer(s) (K = 64" in err
 
     records = run_json(capsys, "bench", "tiny", "--local", "--m", "1,32", "--budget", "20", "--json")
     keys = {"device", "m", "n", "k", "path", "ms", "tflops", "speedup", "native", "max_rel_err"}

@@ -85,6 +85,8 @@ if len(changed):
 counts = table["on_target"].value_counts().to_dict()
 if counts:
     st.caption(" · ".join(f"{v} layers {k}" for k, v in counts.items()) + f" on {target}.")
+for warning in svc.serving_warnings(model, body):
+    st.warning(warning)
 if body.get("layers"):
     with st.expander(f"{len(body['layers'])} per-layer overrides"):
         st.json(body["layers"])

@@ -560,3 +560,12 @@ def test_kernels_page_sets_a_gpus_measured_step_against_its_roofline(seeded):
     assert f"decode {decode:.4f} ms, the measured sum is {measured / decode:.1f}× that" in caption
     at.selectbox(key="kernels_device").set_value("Test CPU").run()  # a CPU has no datasheet bound
     assert not any(c.value.startswith("Ideal (roofline) step") for c in at.caption)
+
+
+def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
+    at = _run("plans", seeded.id)
+    assert not any("groups of" in w.value for w in at.warning)
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("W4A16").run()
+    assert not at.exception
+    warning = next(w.value for w in at.warning if "groups of 128" in w.value)
+    assert "W4A16: groups of 128 do not divide K of 24 layer(s) (K = 576" in warning  # 4 blocks x 6; not down_proj

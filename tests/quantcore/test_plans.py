@@ -304,3 +304,21 @@ def test_pareto_front_keeps_the_plans_no_other_plan_beats():
     # no cost (no kernel time measured): never on the front, and beats nothing
     assert pareto_front([(None, 0.0), (float("nan"), 0.0), (5.0, 1.0)]) == [False, False, True]
     assert pareto_front([]) == []
+
+
+def test_group_misfits_name_the_layers_a_group_kernel_cannot_serve():
+    from quantcore.plans import group_misfits
+
+    shapes = {"a.q_proj": (576, 576), "a.down_proj": (576, 1536), "lm_head": (49152, 576)}
+    # W4A16 groups of 128: 576 = 4.5 groups (a partial one), 1536 = 12 groups
+    [msg] = group_misfits({n: "W4A16" for n in shapes}, shapes)
+    assert msg.startswith("W4A16: groups of 128 do not divide K of 2 layer(s) (K = 576, e.g. a.q_proj)")
+    assert "another scheme" in msg
+    # NVFP4's groups of 16 (weights and activations) and per-channel schemes fit every K here
+    assert group_misfits({n: "NVFP4" for n in shapes}, shapes) == []
+    assert group_misfits({n: "FP8_DYNAMIC" for n in shapes}, shapes) == []
+    mixed = {"a.q_proj": "FP8_DYNAMIC", "a.down_proj": "W4A16", "lm_head": "W4A16"}
+    [msg] = group_misfits(mixed, shapes)
+    assert "of 1 layer(s) (K = 576, e.g. lm_head)" in msg
+    # a K smaller than the group is not a whole group either
+    assert group_misfits({"tiny": "W4A16"}, {"tiny": (64, 64)})
