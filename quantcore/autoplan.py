@@ -69,7 +69,7 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
-from quantcore.plans import group_label, scheme_label
+from quantcore.plans import group_label, group_misfits, scheme_label
 from quantcore.schemes import (
     IDENTITY_BITS,
     Scheme,
@@ -574,11 +574,15 @@ def auto_plan(
     costs = _layer_costs(names, usable, cost, layer_shapes, estimate_missing, cost_source)
 
     notes: list[str] = []
+    misfit: dict[str, int] = {}  # scheme -> units it cannot take because its groups do not divide their K
     unit_opts: list[list[tuple[str, float, float, str]]] = []  # (scheme, kl, cost, source)
     for i, u in enumerate(units):
         opts = []
         for s in usable:
             if i not in kls.get(s, {}) or not all(m in costs[s] for m in u):
+                continue
+            if layer_shapes and group_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u}):
+                misfit[s] = misfit.get(s, 0) + 1
                 continue
             lc = [costs[s][m] for m in u]
             sources = {c.source for c in lc}
@@ -586,6 +590,9 @@ def auto_plan(
                 (s, kls[s][i], math.fsum(c.cost for c in lc), sources.pop() if len(sources) == 1 else "mixed")
             )
         unit_opts.append(opts)
+    for s, n_units in misfit.items():
+        notes.append(f"{s} was not offered to {n_units} unit(s) whose K its groups do not divide: group kernels "
+                     "cannot serve them (quantcore.plans.group_misfits)")
     for s in usable:
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (

@@ -30,7 +30,7 @@ BLOCK = (
 )
 UNITS = plan_units(BLOCK)  # qkv, o, gate_up, down, lm_head
 LABELS = [group_label(u) for u in UNITS]
-SHAPES = {n: (64 * (i + 1), 32) for i, n in enumerate(BLOCK)}
+SHAPES = {n: (64 * (i + 1), 128) for i, n in enumerate(BLOCK)}  # K a whole number of W4A16 groups
 SCHEMES = ("FP8_DYNAMIC", "INT8_W8A8", "W4A16")
 
 
@@ -394,3 +394,15 @@ def test_an_ideal_cost_plans_decode_and_prefill_differently_on_a_gpu_nobody_meas
     assert chosen == {1: {"W4A16"}, 2048: {"FP8_DYNAMIC"}}
     with pytest.raises(ValueError, match="positive"):
         cost_from_roofline(["BF16"], shapes, "h100", 0)
+
+
+def test_a_scheme_whose_groups_do_not_divide_k_is_not_offered_to_that_unit() -> None:
+    """W4A16 (groups of 128) cannot be served on K = 576: the planner keeps those units in another scheme and
+    says so, and still uses W4A16 where K = 1536 fits."""
+    shapes = {n: (576, 1536) if n.endswith("down_proj") else (576, 576) for n in BLOCK}
+    sens = {"W4A16": {label: 1e-6 for label in LABELS}, "FP8_DYNAMIC": {label: 1e-3 for label in LABELS}}
+    res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["W4A16", "FP8_DYNAMIC"],
+                    layer_shapes=shapes)
+    assert res.plan["model.layers.0.mlp.down_proj"] == "W4A16"  # the cheapest, and its groups fit
+    assert {s for n, s in res.plan.items() if not n.endswith("down_proj")} == {"FP8_DYNAMIC"}
+    assert any(n.startswith("W4A16 was not offered to 4 unit(s)") for n in res.notes), res.notes
