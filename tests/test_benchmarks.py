@@ -72,7 +72,8 @@ def test_kernel_gemm_sets_each_step_against_the_roofline_of_a_gpu_of_the_table(m
     ideal = step_bound({n: "BF16" for n in layers}, layers, "h100", 1).ms
     ratio = float(re.search(r"\[([\d.]+)x the roofline ([\d.]+) ms\]", line).group(1))
     assert f"the roofline {ideal:.3f} ms]" in line
-    assert ratio == pytest.approx(measured / ideal, abs=0.051)  # printed from the unrounded time
+    # the ratio is printed to 0.1 from the unrounded time; the time is printed to 0.001 ms
+    assert ratio == pytest.approx(measured / ideal, abs=0.05 + 0.0005 / ideal + 1e-9)
 
 
 @pytest.mark.slow
