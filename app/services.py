@@ -846,7 +846,8 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     elif table is None:
         result.notes.append(f"no kernel timings of a {target} are stored: cost is the stored weight bits, scales included"
                             if cost == "auto" else "cost: the stored weight bits, scales included")
-    name = f"auto-{target}-kl{kl_budget:g}"
+    # one plan name per question asked: the cost minimised is part of it (auto-h100-kl0.05-ideal-m1)
+    name = f"auto-{target}-kl{kl_budget:g}" + {"auto": "", "bits": "-bits", "ideal": f"-ideal-m{m}"}[cost]
     body = spec_from_plan(result.plan, model=model.name, name=name).to_dict()
     versions = [p for p in list_plans(model.id) if p.name == name]
     job = None

@@ -69,6 +69,7 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
 
     shapes = svc.layer_shapes(svc.get_model("tiny"))
     assert ideal["cost_unit"] == "ms" and any("roofline" in n and "M=1" in n for n in ideal["notes"])
+    assert ideal["plan_label"].startswith("auto-h100-kl1000-ideal-m1 ")  # its own plan, not a new version of auto
     assert ideal["cost"] == pytest.approx(step_bound(ideal["plan"], shapes, "h100", 1).ms)
     assert ideal["baseline_cost"] == pytest.approx(step_bound({n: "BF16" for n in shapes}, shapes, "h100", 1).ms)
     code, _, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1", "--target", "h100", "--cost", "ideal",
