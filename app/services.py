@@ -566,10 +566,12 @@ def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, sche
 
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     """Every linear: name, N, K, outlier ratio (newest calibration), the sensitivity KL of the layer's
-    own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU."""
+    own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU
+    (with ", partial group" where the scheme's groups do not divide K: quantcore.plans.group_misfits)."""
     import pandas as pd
 
     from quantcore.hardware import support_on_target
+    from quantcore.plans import group_misfits
     from quantcore.schemes import fusion_group_of
 
     resolved, _ = resolve(model, body)
@@ -590,6 +592,8 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             w = scheme.weights.format if scheme.weights else None
             a = scheme.activations.format if scheme.activations else None
             support = support_on_target(target, w, a)
+            if group_misfits({name: scheme}, {name: (lin["out_features"], lin["in_features"])}):
+                support += ", partial group"
         group = fusion_group_of(name, names)
         scheme_name = scheme.name if scheme else body.get("default")
         rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"],

@@ -569,3 +569,6 @@ def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
     assert not at.exception
     warning = next(w.value for w in at.warning if "groups of 128" in w.value)
     assert "W4A16: groups of 128 do not divide K of 24 layer(s) (K = 576" in warning  # 4 blocks x 6; not down_proj
+    table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
+    assert table.loc["model.layers.0.self_attn.q_proj", "on_target"] == "native, partial group"
+    assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"  # K = 1536: twelve whole groups
