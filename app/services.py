@@ -800,12 +800,7 @@ def target_of_device(device_name: str) -> str | None:
 
 def measured_device_for(target: str) -> str | None:
     """A device with stored kernel timings that is the target GPU, if any."""
-    from quantcore.hardware import match_target
-
-    for _kind, name, _torch in kernel_devices():
-        if match_target(name) == target:
-            return name
-    return None
+    return next((name for _kind, name, _torch in kernel_devices() if target_of_device(name) == target), None)
 
 
 AUTO_COSTS = {  # what an automatic plan minimises
