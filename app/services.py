@@ -613,6 +613,32 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
     return footprint(resolved_or_raise(model, body), layer_shapes(model))
 
 
+def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = None) -> dict[str, Any] | None:
+    """The plan's KV cache next to BF16: bytes per token, and with a target GPU how many tokens of cache fit
+    beside the weights (quantcore.kvcache.kv_token_capacity: vLLM's 90 % memory share, activations not
+    counted). Weights = the plan's linear weights + every other parameter in BF16. None when the model
+    has no separate k_proj / v_proj to count the cache from."""
+    from quantcore.hardware import get_target
+    from quantcore.kvcache import get_kv_format, kv_bytes_per_token, kv_token_capacity
+    from quantcore.plans import PlanSpec
+
+    kv = get_kv_format(PlanSpec.from_dict(body).kv_cache)
+    per_token = kv_bytes_per_token(model.linears, kv)
+    bf16 = kv_bytes_per_token(model.linears, "AUTO")
+    if per_token is None or bf16 is None:
+        return None
+    out: dict[str, Any] = {"kv_cache": kv.name, "bytes_per_token": per_token, "bf16_bytes_per_token": bf16}
+    if target:
+        fp = plan_footprint(model, body)
+        other = max(0, model.num_params - fp.params) * 2  # embeddings, norms, biases: BF16
+        weights, bf16_weights = fp.bits / 8 + other, fp.bf16_bits / 8 + other
+        gpu = get_target(target)
+        out.update(target=target, memory_gb=gpu.memory_gb, weight_bytes=weights, bf16_weight_bytes=bf16_weights,
+                   tokens=kv_token_capacity(gpu.memory_gb, weights, per_token),
+                   bf16_tokens=kv_token_capacity(gpu.memory_gb, bf16_weights, bf16))
+    return out
+
+
 def target_names() -> dict[str, str]:
     """{target key: GPU name} of the GPUs in quantcore.hardware's table."""
     from quantcore.hardware import list_targets
@@ -698,22 +724,26 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
 
     from quantcore import export
     from quantcore.errors import PlanError
+    from quantcore.plans import PlanSpec
 
     resolved, problem = resolve(model, body)
     if problem:
         raise PlanError(problem)
+    kv = PlanSpec.from_dict(body).kv_cache
     names = layer_names(model)
     if fmt == "llmcompressor":
-        return export.to_llmcompressor_recipe(resolved, layer_names=names, mlp_norm=_mlp_norm(model))
+        return export.to_llmcompressor_recipe(resolved, layer_names=names, mlp_norm=_mlp_norm(model), kv_cache=kv)
     if fmt == "compressed-tensors":
-        return json.dumps(export.to_compressed_tensors_config(resolved, layer_names=names), indent=2) + "\n"
+        return json.dumps(export.to_compressed_tensors_config(resolved, layer_names=names, kv_cache=kv),
+                          indent=2) + "\n"
     if fmt == "vllm":
         # the folder quantplan stored is a loadable HF checkpoint (a GGUF or an archive upload is not)
         folder = Path(str(settings().artifact_dir)) / model.path
         return (f"# {model.name}: {folder} holds the checkpoint quantplan analysed (safetensors + tokenizer, "
                 f"from {model.source_name}); use your own copy or hub id where you serve from elsewhere\n"
                 + export.to_vllm_command(resolved, model_path=str(folder), layer_names=names,
-                                         compressed_path=_safe_name(model.name) + export.COMPRESSED_SUFFIX))
+                                         compressed_path=_safe_name(model.name) + export.COMPRESSED_SUFFIX,
+                                         kv_cache=kv))
     raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
 
 
@@ -742,6 +772,7 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
         except json.JSONDecodeError as exc:
             raise ValueError(f"{filename} is not valid JSON: {exc}") from exc
         spec = spec_from_plan(export.from_compressed_tensors_config(cfg, layer_names=names), model=model.name)
+        spec.kv_cache = export.kv_cache_of_config(cfg)
     else:
         try:
             data = yaml.safe_load(text)
@@ -754,6 +785,7 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
             resolve_plan(spec, names)  # refuse what does not fit this model, with the reasons
         else:
             spec = spec_from_plan(export.from_llmcompressor_recipe(text, layer_names=names), model=model.name)
+            spec.kv_cache = export.kv_cache_of_recipe(text)
     plan_name = name or spec.name or stem
     spec.name, spec.model = plan_name, model.name
     return save_plan(model.id, plan_name, spec.to_dict(), note=f"imported from {Path(filename).name}")

@@ -60,6 +60,8 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.formats import get_format
+from quantcore.kvcache import AUTO as KV_AUTO
+from quantcore.kvcache import KvCacheFormat, get_kv_format
 from quantcore.plans import TextDumper, group_label, scheme_label
 from quantcore.schemes import Granularity, Scheme, TensorSpec, fusion_groups, get_scheme, list_schemes
 
@@ -123,7 +125,10 @@ LLM_COMPRESSOR_DEFAULT_SQ_MAPPINGS = [LLAMA_SQ_MAPPINGS[SQ_KIND_ATTN], LLAMA_SQ_
 VLLM_ONLINE_FP8_SCHEME = "FP8_PER_TENSOR"  # `--quantization fp8`: E4M3 per-tensor weights, dynamic
 #                                            per-tensor activations, every Linear except lm_head
 VLLM_UNQUANTIZED_HEAD = "lm_head"  # vLLM's online FP8 never quantizes the output head
-VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # values of --kv-cache-dtype
+# llm-compressor / compressed-tensors kv_cache_scheme of quantplan's FP8 KV cache: E4M3, one static
+# (calibrated) scale per layer for K and for V; vLLM reads the k_scale / v_scale it writes
+KV_CACHE_FP8_ARGS: dict[str, Any] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                     "symmetric": True}
 DEFAULT_RECIPE_FILE = "recipe.yaml"
 COMPRESSED_SUFFIX = "-quantplan"  # default output folder of the compression step: <model><suffix>
 
@@ -326,6 +331,34 @@ for _name, _preset in CT_PRESETS.items():
         _scheme_args_key(_preset["weights"], _preset["input_activations"]),
         _CT_PRESET_ALIASES.get(_name, _name),
     )
+
+
+def kv_cache_scheme(kv: str | KvCacheFormat | None) -> dict[str, Any] | None:
+    """The ``kv_cache_scheme`` llm-compressor needs for a KV cache format: the FP8 args for ``FP8``
+    (calibrated scales live in the checkpoint), None for the others (AUTO quantizes nothing; the
+    unscaled formats are a vLLM flag alone)."""
+    return dict(KV_CACHE_FP8_ARGS) if get_kv_format(kv).calibrated else None
+
+
+def kv_cache_from_args(args: Any, where: str, problems: list[str]) -> str:
+    """The KV cache format a ``kv_cache_scheme`` stands for: AUTO when absent, FP8 for static per-tensor
+    FP8 E4M3; anything else is a problem (and AUTO is returned)."""
+    if args is None:
+        return KV_AUTO
+    if not isinstance(args, Mapping):
+        problems.append(f"{where}: kv_cache_scheme must be a mapping of QuantizationArgs, got {args!r}")
+        return KV_AUTO
+    try:
+        same = _args_key(args) == _args_key(KV_CACHE_FP8_ARGS)
+    except (TypeError, ValueError):
+        same = False
+    if same:
+        return "FP8"
+    problems.append(
+        f"{where}: kv_cache_scheme {dict(args)!r} is not one quantplan represents; it plans the KV cache as "
+        f"FP8 with static per-tensor scales ({KV_CACHE_FP8_ARGS}) or leaves it unquantized"
+    )
+    return KV_AUTO
 
 
 def _spec_to_args(spec: TensorSpec, role: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -845,6 +878,7 @@ def to_llmcompressor_recipe(
     layer_names: Sequence[str],
     smoothquant_mappings: Sequence[Any] | None = None,
     mlp_norm: str = MLP_NORM_LLAMA,
+    kv_cache: str | KvCacheFormat | None = None,
 ) -> str:
     """An llm-compressor recipe (YAML text) that quantizes the model as ``plan`` says.
 
@@ -858,6 +892,9 @@ def to_llmcompressor_recipe(
     ``mlp_norm`` names the norm before the MLP: ``post_attention_layernorm`` (Llama,
     Mistral, Qwen2) or ``pre_feedforward_layernorm`` (Gemma2/3, whose
     ``post_attention_layernorm`` sits after attention and must not be smoothed).
+    ``kv_cache`` ``FP8`` adds ``kv_cache_scheme`` (static per-tensor E4M3, calibrated: the
+    recipe then needs calibration data); the unscaled KV formats are a vLLM flag, not a recipe
+    entry, and are named in the header.
 
     Raises PlanError for layers llm-compressor cannot express (FP8 E5M2, plain FP4, 2-D
     activation blocks), split fusion groups, and SmoothQuant on layers no mapping covers.
@@ -902,14 +939,28 @@ def to_llmcompressor_recipe(
         }
     if problems:
         raise PlanError(_format("This plan's SmoothQuant cannot be written for llm-compressor", problems))
+    kv = get_kv_format(kv_cache)
+    kv_args = kv_cache_scheme(kv)
     if groups:
         stage[RECIPE_QUANT_GROUP] = {QUANT_MODIFIERS[0]: _quant_modifier(groups, unquantized, names)}
+        if kv_args is not None:
+            stage[RECIPE_QUANT_GROUP][QUANT_MODIFIERS[0]]["kv_cache_scheme"] = kv_args
+    elif kv_args is not None:
+        stage[RECIPE_QUANT_GROUP] = {QUANT_MODIFIERS[0]: {"kv_cache_scheme": kv_args}}
     summary = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
+    if not kv.is_identity:
+        summary += f"; KV cache {kv.name}"
     header = (
         f"# quantplan plan export: llm-compressor recipe ({summary})\n"
         "# apply: from llmcompressor import oneshot; oneshot(model=..., recipe=<this file>, output_dir=...)\n"
     )
-    if not groups:
+    if kv_args is not None:
+        header += ("# the KV cache scales are calibrated: oneshot needs calibration data (dataset=..., "
+                   "num_calibration_samples=...); serve with --kv-cache-dtype fp8\n")
+    elif not kv.is_identity:
+        header += (f"# KV cache {kv.name} is not in the recipe: it is vLLM's --kv-cache-dtype {kv.vllm_dtype} "
+                   "(scale 1.0)\n")
+    if not groups and kv_args is None:
         header += "# every layer stays unquantized: there is nothing for llm-compressor to do\n"
     body = yaml.dump(
         {RECIPE_STAGE: stage},
@@ -923,15 +974,15 @@ def to_llmcompressor_recipe(
 
 
 def to_compressed_tensors_config(
-    plan: Mapping[str, Scheme | str], *, layer_names: Sequence[str]
+    plan: Mapping[str, Scheme | str], *, layer_names: Sequence[str], kv_cache: str | KvCacheFormat | None = None
 ) -> dict[str, Any]:
     """The compressed-tensors ``quantization_config`` of the checkpoint llm-compressor makes from ``plan``.
 
     JSON-able dict: ``quant_method``, ``format`` (one CompressionFormat or
     ``mixed-precision``), ``quantization_status: compressed``, ``config_groups`` (each with
     targets, weights, input_activations and its own ``format``), ``ignore`` (BF16 layers),
-    ``kv_cache_scheme: None`` (quantplan does not plan the KV cache). SmoothQuant leaves no
-    trace here: it is folded into the weights before quantization.
+    ``kv_cache_scheme`` (the FP8 args for a calibrated FP8 KV cache, else None). SmoothQuant
+    leaves no trace here: it is folded into the weights before quantization.
     """
     names = list(layer_names)
     resolved = _as_plan(plan, names)
@@ -951,7 +1002,7 @@ def to_compressed_tensors_config(
         "quantization_status": CT_STATUS_COMPRESSED,
         "config_groups": config_groups,
         "ignore": compact_targets(unquantized, names),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme(kv_cache),
         "global_compression_ratio": None,
     }
 
@@ -963,7 +1014,7 @@ def to_vllm_command(
     layer_names: Sequence[str],
     compressed_path: str | None = None,
     recipe_path: str = DEFAULT_RECIPE_FILE,
-    kv_cache_dtype: str | None = None,
+    kv_cache: str | KvCacheFormat | None = None,
 ) -> str:
     """The ``vllm serve`` command line for ``plan``, with ``#`` comment lines that say how.
 
@@ -975,27 +1026,31 @@ def to_vllm_command(
       ``vllm serve <compressed_path> --quantization compressed-tensors``
       (``compressed_path`` defaults to ``<model_path>-quantplan``).
 
-    ``--kv-cache-dtype`` is added only when ``kv_cache_dtype`` is given (quantplan does not
-    plan the KV cache yet). Raises PlanError for plans llm-compressor cannot express.
+    ``kv_cache`` (:mod:`quantcore.kvcache`) adds ``--kv-cache-dtype``: ``FP8_UNSCALED`` and
+    ``FP8_E5M2`` are that flag alone (scale 1.0); ``FP8``'s calibrated scales come from the
+    llm-compressor checkpoint, so a plan with it always goes through the compression step.
+    Raises PlanError for plans llm-compressor cannot express.
     """
     names = list(layer_names)
     resolved = _as_plan(plan, names)
     groups, unquantized = _group_plan(resolved, names)  # raises for what cannot be expressed
-    if kv_cache_dtype is not None and kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
-        raise PlanError(
-            f"kv_cache_dtype {kv_cache_dtype!r} is not a vLLM --kv-cache-dtype; use one of "
-            f"{', '.join(VLLM_KV_CACHE_DTYPES)}"
-        )
-    kv = [] if kv_cache_dtype is None else ["--kv-cache-dtype", kv_cache_dtype]
+    kvf = get_kv_format(kv_cache)
+    kv = [] if kvf.is_identity else ["--kv-cache-dtype", kvf.vllm_dtype]
     counts = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
+    if not kvf.is_identity:
+        counts += f"; KV cache {kvf.name}"
     lines = [f"# quantplan plan for {model_path}: {counts}"]
+    if kvf.name == "FP8_UNSCALED":
+        lines.append("# FP8 KV cache without calibrated scales: vLLM's K and V scales default to 1.0, so |K|, |V| "
+                     "above 448 saturate (the plan's score shows whether they do)")
     online_fp8 = get_scheme(VLLM_ONLINE_FP8_SCHEME)
     body = [n for n in names if n != VLLM_UNQUANTIZED_HEAD]
-    if not groups:
+    if not groups and not kvf.calibrated:
         lines.append("# every layer stays unquantized: serve the model as it is")
         cmd = ["vllm", "serve", model_path, *kv]
     elif (
-        body
+        not kvf.calibrated
+        and body
         and all(resolved[n] == online_fp8 for n in body)
         and all(resolved[n].is_identity for n in names if n == VLLM_UNQUANTIZED_HEAD)
     ):
@@ -1006,7 +1061,7 @@ def to_vllm_command(
         cmd = ["vllm", "serve", model_path, "--quantization", "fp8", *kv]
     else:
         out = compressed_path or model_path.rstrip("/") + COMPRESSED_SUFFIX
-        needs_data = any(
+        needs_data = kvf.calibrated or any(
             s.needs_calibration or (s.activations is not None and s.activations.format == "nvfp4")
             for s in resolved.values()
         )
@@ -1019,7 +1074,8 @@ def to_vllm_command(
         ]
         if needs_data:
             lines.append(
-                "#   (needs calibration data: static activation scales, NVFP4 global scales or SmoothQuant)"
+                "#   (needs calibration data: static activation or KV cache scales, NVFP4 global scales or "
+                "SmoothQuant)"
             )
         else:
             lines.append("#   (runs without calibration data: weights only and dynamic activation scales)")
@@ -1220,11 +1276,7 @@ def from_compressed_tensors_config(
     method = cfg.get("quant_method", CT_QUANT_METHOD)
     if method != CT_QUANT_METHOD:
         raise PlanError(f"quant_method is {method!r}; quantplan imports {CT_QUANT_METHOD!r} configs only")
-    if cfg.get("kv_cache_scheme") is not None:
-        problems.append(
-            "kv_cache_scheme is set: quantplan does not plan the KV cache yet; remove it to import the "
-            "layer plan"
-        )
+    kv_cache_from_args(cfg.get("kv_cache_scheme"), "quantization_config", problems)
     if cfg.get("sparsity_config"):
         problems.append("sparsity_config is set: quantplan plans quantization only")
     groups = _ct_groups(cfg.get("config_groups", {}), "", problems)
@@ -1233,6 +1285,28 @@ def from_compressed_tensors_config(
     if problems:
         raise PlanError(_format("This compressed-tensors config cannot be imported", problems))
     return plan
+
+
+def kv_cache_of_config(cfg: Mapping[str, Any]) -> str:
+    """The KV cache format of a compressed-tensors ``quantization_config`` (or a ``config.json`` holding
+    one): ``FP8`` for static per-tensor E4M3 K/V scales, else ``AUTO``. Check the layers with
+    :func:`from_compressed_tensors_config`, which refuses a kv_cache_scheme quantplan cannot represent."""
+    if isinstance(cfg, Mapping) and "quantization_config" in cfg:
+        cfg = cfg["quantization_config"]
+    return kv_cache_from_args(cfg.get("kv_cache_scheme") if isinstance(cfg, Mapping) else None, "", [])
+
+
+def kv_cache_of_recipe(text: str) -> str:
+    """The KV cache format an llm-compressor recipe asks for (``FP8`` or ``AUTO``), read like
+    :func:`from_llmcompressor_recipe`, which refuses what quantplan cannot represent."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return KV_AUTO
+    for _, mod_type, args in _recipe_modifiers(data, []):
+        if mod_type in QUANT_MODIFIERS and isinstance(args, Mapping):
+            return kv_cache_from_args(args.get("kv_cache_scheme"), "", [])
+    return KV_AUTO
 
 
 def _recipe_modifiers(data: Any, problems: list[str]) -> list[tuple[str, str, Mapping[str, Any]]]:
@@ -1326,11 +1400,7 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
         if not isinstance(args, Mapping):
             args = {}
             problems.append(f"{where} must be a mapping of arguments")
-        if args.get("kv_cache_scheme") is not None:
-            problems.append(
-                f"{where}: kv_cache_scheme is set; quantplan does not plan the KV cache yet: remove it to "
-                "import the layer plan"
-            )
+        kv_cache_from_args(args.get("kv_cache_scheme"), where, problems)
         ignore = _targets_list(args.get("ignore"), f"{where} ignore", problems)
         targets = _targets_list(args.get("targets", [LINEAR_CLASS]), f"{where} targets", problems)
         scheme = args.get("scheme")

@@ -10,6 +10,7 @@ The plan file is YAML, the same format the UI saves and exports::
     description: FP8 everywhere, lm_head in BF16 # optional
     default: FP8                                 # scheme of every layer no rule names
     smoothquant_alpha: 0.5                       # optional; alpha of every SmoothQuant scheme
+    kv_cache: FP8                                # optional; how K and V are cached (default AUTO)
     rules:                                       # in order; the LAST matching rule wins
       - match: 'mlp\\.down_proj$'                # Python regular expression, re.search on the layer name
         scheme: INT8_W8A8_SQ
@@ -49,6 +50,8 @@ import yaml
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format_problems
 from quantcore.errors import name_list as _cut
+from quantcore.kvcache import AUTO as KV_AUTO
+from quantcore.kvcache import get_kv_format
 from quantcore.schemes import (
     IDENTITY_BITS,
     Scheme,
@@ -78,7 +81,7 @@ DEFAULT_SCHEME = "BF16"  # the identity scheme: the layer stays in the model's o
 ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ...
 ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
 
-_TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "rules", "layers")
+_TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "kv_cache", "rules", "layers")
 _RULE_KEYS = ("match", "scheme")
 _LAYER_KEYS = ("scheme", "smoothquant_alpha")
 
@@ -104,6 +107,8 @@ class PlanSpec:
     layers:            ``{layer name: scheme name}`` overrides; win over rules
     smoothquant_alpha: global alpha for every scheme that smooths (``None``: each preset's own)
     layer_alpha:       ``{layer name: alpha}``; wins over the global alpha for that layer
+    kv_cache:          how the serving engine stores K and V (:mod:`quantcore.kvcache`: ``AUTO``,
+                       ``FP8``, ``FP8_UNSCALED``, ``FP8_E5M2``); not a linear layer, one per plan
     name, description: free text for people
     """
 
@@ -113,6 +118,7 @@ class PlanSpec:
     layers: dict[str, str] = field(default_factory=dict)
     smoothquant_alpha: float | None = None
     layer_alpha: dict[str, float] = field(default_factory=dict)
+    kv_cache: str = KV_AUTO
     name: str | None = None
     description: str = ""
 
@@ -121,7 +127,8 @@ class PlanSpec:
     def to_dict(self) -> dict[str, Any]:
         """Canonical plain-data form (the YAML file's content); ``from_dict`` inverts it exactly.
 
-        Optional keys (``name``, ``description``, ``smoothquant_alpha``) appear only when set;
+        Optional keys (``name``, ``description``, ``smoothquant_alpha``, ``kv_cache``) appear only
+        when set (``kv_cache`` when not ``AUTO``);
         a layer with an alpha is written ``{scheme: X, smoothquant_alpha: a}`` (or
         ``{smoothquant_alpha: a}`` when only the alpha is overridden).
         """
@@ -133,6 +140,8 @@ class PlanSpec:
         out["default"] = self.default
         if self.smoothquant_alpha is not None:
             out["smoothquant_alpha"] = self.smoothquant_alpha
+        if self.kv_cache != KV_AUTO:
+            out["kv_cache"] = self.kv_cache
         out["rules"] = [r.to_dict() for r in self.rules]
         layers: dict[str, Any] = {}
         for layer in _ordered_union(self.layers, self.layer_alpha):
@@ -179,6 +188,12 @@ class PlanSpec:
         if not isinstance(default, str) or not default:
             problems.append(f"'default' must be a scheme name such as 'FP8', got {default!r}")
         alpha = _parse_alpha(data.get("smoothquant_alpha"), "smoothquant_alpha", problems)
+        kv_cache = KV_AUTO
+        if data.get("kv_cache") is not None:
+            try:
+                kv_cache = get_kv_format(data["kv_cache"]).name
+            except PlanError as exc:
+                problems.append(f"'kv_cache': {exc}")
 
         rules: list[Rule] = []
         raw_rules = data.get("rules") or []
@@ -236,6 +251,7 @@ class PlanSpec:
             layers=layers,
             smoothquant_alpha=alpha,
             layer_alpha=layer_alpha,
+            kv_cache=kv_cache,
             name=name,
             description=description,
         )

@@ -467,6 +467,8 @@ class ScoreReport:
     kl_hist:        ``{edges: [...], counts: [...]}`` on KL_HIST_EDGES (first bin holds exact zeros)
     act_saturation: ``{layer: fraction of input elements clipped}`` for layers with static
                     (calibrated) activation scales: a static scale that clips live traffic shows here
+    kv_cache:       the KV cache format scored (:mod:`quantcore.kvcache`; ``AUTO``: not quantized)
+    kv_saturation:  ``{attention layer: fraction of K and V elements clipped}`` under that format
     notes:          messages for people about how the plan was applied (e.g. smoothing skipped)
     """
 
@@ -482,6 +484,8 @@ class ScoreReport:
     kl_by_position: list[dict[str, float]] = field(default_factory=list)
     kl_hist: dict[str, list[float]] = field(default_factory=dict)
     act_saturation: dict[str, float] = field(default_factory=dict)
+    kv_cache: str = "AUTO"
+    kv_saturation: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -656,6 +660,31 @@ def plan_applied(
 # ---------------------------------------------------------------------- scoring
 
 
+def calibrate_kv_cache(
+    model: nn.Module,
+    plan: Mapping[str, Scheme | str],
+    input_ids: Tensor,
+    *,
+    act_amax: Mapping[str, float] | None = None,
+    act_channel_max: Mapping[str, Any] | None = None,
+    batch_size: int = 4,
+    should_cancel: ShouldCancel | None = None,
+) -> Any:
+    """Per attention layer max |K| and |V| on calibration tokens, with ``plan`` applied as it will be
+    served (K and V come out of the quantized k_proj / v_proj): what calibrated KV cache scales
+    (amax / 448) are made of. Returns a :class:`quantcore.kvcache.KvAmax`."""
+    from quantcore.kvcache import kv_amax_observed
+
+    ids = as_token_batch(input_ids)
+    ranges = batch_ranges(ids.shape[0], batch_size)
+    with plan_applied(model, plan, act_amax=act_amax, act_channel_max=act_channel_max), \
+            kv_amax_observed(model) as amax:
+        for i, (s, e) in enumerate(ranges):
+            check_cancel(should_cancel, f"KV cache calibration (batch {i + 1} of {len(ranges)})")
+            forward_logits(model, ids[s:e])
+    return amax
+
+
 def score_plan(
     model: nn.Module,
     plan: Mapping[str, Scheme | str],
@@ -668,6 +697,8 @@ def score_plan(
     position_buckets: int = DEFAULT_POSITION_BUCKETS,
     progress: Progress | None = None,
     should_cancel: ShouldCancel | None = None,
+    kv_cache: str | None = None,
+    kv_amax: Any = None,
 ) -> ScoreReport:
     """Score ``plan`` (``{layer: Scheme}``) on ``input_ids`` ``[S, L]`` against ``reference``.
 
@@ -675,7 +706,13 @@ def score_plan(
     (``batch_size`` defaults to the reference's, which keeps an identity plan
     bit-identical to the reference), and restores the model exactly afterwards, also
     on error or cancel. Layers missing from ``plan`` stay unquantized.
+
+    kv_cache: a KV cache format (:mod:`quantcore.kvcache`) to store K and V in as well; a calibrated
+        one (``FP8``) needs ``kv_amax`` (:func:`calibrate_kv_cache`).
     """
+    from quantcore.kvcache import get_kv_format, kv_cache_quantized
+
+    kv = get_kv_format(kv_cache)
     ids = as_token_batch(input_ids)
     reference.check_tokens(ids)
     static_layers = {
@@ -690,7 +727,7 @@ def score_plan(
     agree = torch.empty(reference.nll.shape, dtype=torch.bool)
     with plan_applied(
         model, plan, act_amax=act_amax, act_channel_max=act_channel_max, track_saturation=True
-    ) as ctx:
+    ) as ctx, kv_cache_quantized(model, kv, amax=kv_amax) as kv_ctx:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"scoring (batch {i + 1} of {len(ranges)})")
             logits = forward_logits(model, ids[s:e])
@@ -711,7 +748,18 @@ def score_plan(
         }
     report = summarize(kl, agree, nll, reference.nll, position_buckets=position_buckets)
     report.act_saturation = saturation
+    report.kv_cache = kv.name
+    report.kv_saturation = kv_ctx.saturation
     report.notes = list(ctx.notes)
+    kv_clipped = {k: v for k, v in report.kv_saturation.items() if v > SATURATION_NOTE}
+    if kv_clipped:
+        worst = max(kv_clipped, key=kv_clipped.__getitem__)
+        fix = ("calibrate on text like this" if kv.calibrated else
+               "calibrated K/V scales (kv_cache FP8) or FP8_E5M2 avoid this")
+        report.notes.append(
+            f"the {kv.name} KV cache clipped K or V in {len(kv_clipped)} attention layer(s), worst {worst} "
+            f"({kv_clipped[worst]:.3%} of its elements): {fix}"
+        )
     clipped = {k: v for k, v in saturation.items() if v > SATURATION_NOTE}
     if clipped:
         worst = max(clipped, key=clipped.__getitem__)

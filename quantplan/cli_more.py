@@ -34,13 +34,21 @@ def cmd_score(args) -> int:
     model = _model(args.model)
     base: dict[str, Any] = {"samples": args.samples, "seq_len": args.seq_len, "device": args.device,
                             **_dataset_param(args.text, "evaluation")}
+    if args.kv_cache:
+        from quantcore.errors import PlanError
+        from quantcore.kvcache import get_kv_format
+
+        try:
+            base["kv_cache"] = get_kv_format(args.kv_cache).name
+        except PlanError as exc:
+            raise CliError(str(exc)) from exc
     if args.all_presets:
         from quantcore.schemes import list_schemes
 
         rows = []
         for name in list_schemes():
             job = _run("score", {**base, "scheme": name}, model_id=model.id, local=args.local, quiet=args.json)
-            rows.append({"scheme": name, "job": job.id, **job.result})
+            rows.append({**job.result, "scheme": name, "job": job.id})
         if args.json:
             _print_json(rows)
         else:
@@ -54,14 +62,17 @@ def cmd_score(args) -> int:
         _print_json({"job": job.id, **job.result})
     else:
         r = job.result
-        print(f"job #{job.id} {r['plan']} on {model.name}: KL mean {r['kl_mean']:.4g} (p50 {r['kl_p50']:.4g}, "
+        kv = f" (KV cache {r['kv_cache']})" if r.get("kv_cache", "AUTO") != "AUTO" else ""
+        print(f"job #{job.id} {r['plan']}{kv} on {model.name}: KL mean {r['kl_mean']:.4g} (p50 {r['kl_p50']:.4g}, "
               f"p99 {r['kl_p99']:.4g}, max {r['kl_max']:.4g}), top-1 agreement {r['top1_agree']:.4f}, "
               f"perplexity {r['ppl_ref']:.2f} → {r['ppl']:.2f} over {r['tokens']} tokens")
     return 0
 
 
 def preset_table(rows: list[dict[str, Any]], model_name: str) -> str:
-    lines = [f"Every preset on {model_name} (all linear layers, lm_head included):", "",
+    kv = {r.get("kv_cache", "AUTO") for r in rows} - {"AUTO"}
+    also = f", KV cache {', '.join(sorted(kv))}" if kv else ""
+    lines = [f"Every preset on {model_name} (all linear layers, lm_head included{also}):", "",
              "| scheme | KL mean | KL p99 | top-1 agree | perplexity |", "|---|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r["kl_mean"]):
         lines.append(f"| {r['scheme']} | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | {r['top1_agree']:.3f} | "
@@ -201,6 +212,8 @@ def add_commands(sub) -> None:
     sp.add_argument("--scheme", help="one preset for every linear layer (see `quantplan schemes`)")
     sp.add_argument("--plan", help="a plan YAML file")
     sp.add_argument("--all-presets", action="store_true", help="score every preset and print the table")
+    sp.add_argument("--kv-cache", metavar="FORMAT", help="store K and V in this format too (AUTO, FP8, "
+                    "FP8_UNSCALED, FP8_E5M2; see `quantplan schemes`); replaces the plan file's kv_cache")
     sp.set_defaults(func=cmd_score)
 
     sp = sub.add_parser("sensitivity", help="KL of quantizing one layer (or fusion group) at a time")
@@ -238,9 +251,13 @@ def add_commands(sub) -> None:
 
 
 def cmd_schemes(args) -> int:
+    from quantcore.kvcache import KV_FORMATS
     from quantcore.schemes import get_scheme, list_schemes
 
     for name in list_schemes():
         print(f"{name:20s} {get_scheme(name).describe()}")
+    print("\nKV cache formats (a plan's kv_cache, `score --kv-cache`):")
+    for name, fmt in KV_FORMATS.items():
+        print(f"{name:20s} {fmt.description}")
     return 0
 

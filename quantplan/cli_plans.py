@@ -54,9 +54,10 @@ def cmd_plan_show(args) -> int:
             ideal.append({"step": step, "m": m, "ms": bound.ms, "bf16_ms": bf16.ms, "memory_bound": bound.memory_bound,
                           "layers": bound.layers, "not_native": len(bound.not_native),
                           "unsupported": len(bound.unsupported)})
+    kvm = svc.kv_memory(model, body, args.target)
     if args.json:
         extra = {"target": args.target, "ideal": ideal} if args.target else {}
-        _print_json({"plan": label, "model": model.name, **fp.to_dict(), **extra})
+        _print_json({"plan": label, "model": model.name, **fp.to_dict(), **extra, "kv_cache": kvm})
         return 0
     print(f"{label} on {model.name}: linear weights {svc.mib_text(fp.bits)}, {fp.ratio:.1%} of "
           f"BF16 ({svc.mib_text(fp.bf16_bits)})")
@@ -64,6 +65,13 @@ def cmd_plan_show(args) -> int:
     for r in fp.rows:
         print(f"  {r.scheme:<{width}}  {r.layers:>5} layers  {r.params / 1e6:>10,.2f} M weights  "
               f"{svc.mib_text(r.bits):>14}  {r.bits_per_weight:6.3f} bits/weight")
+    if kvm is not None:
+        print(f"KV cache {kvm['kv_cache']}: {kvm['bytes_per_token'] / 1024:,.1f} KiB per token "
+              f"(BF16 {kvm['bf16_bytes_per_token'] / 1024:,.1f} KiB)")
+        if args.target:
+            print(f"  tokens of cache that fit on {svc.target_names()[args.target]} beside the weights (90 % of "
+                  f"{kvm['memory_gb']:g} GB, activations not counted): {kvm['tokens']:,} (all-BF16: "
+                  f"{kvm['bf16_tokens']:,})")
     if ideal:
         print(f"ideal step on {svc.target_names()[args.target]} (roofline: weights at "
               f"{svc.target_bandwidth(args.target):g} TB/s or math at the native peak, whichever is longer):")
@@ -177,7 +185,7 @@ def add_commands(sub) -> None:
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
     sp.set_defaults(func=cmd_plan_auto)
 
-    sp = plan.add_parser("show", help="a plan's schemes and the memory of its linear weights")
+    sp = plan.add_parser("show", help="a plan's schemes, the memory of its linear weights and of its KV cache")
     sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")
     sp.add_argument("--model", help="model of a plan file that does not name one")
     add_ideal_options(sp, "the ideal (roofline) decode and prefill step")

@@ -126,6 +126,16 @@ class ScoreRecord:
     details: dict[str, Any] = field(default_factory=dict)
     created_at: dt.datetime | None = None
 
+    @property
+    def kv_cache(self) -> str:
+        """The KV cache format the plan was scored with (quantcore.kvcache; AUTO: not quantized)."""
+        return str(self.plan_body.get("kv_cache") or "AUTO")
+
+    @property
+    def notes(self) -> list[str]:
+        """What scoring noticed for people: smoothing skipped, static or KV cache scales clipping live traffic."""
+        return list(self.details.get("notes") or [])
+
     def metrics(self) -> dict[str, Any]:
         return {
             "kl_mean": self.kl_mean, "kl_p50": self.kl_p50, "kl_p90": self.kl_p90, "kl_p99": self.kl_p99,

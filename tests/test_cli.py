@@ -471,3 +471,43 @@ def test_an_encoder_is_calibrated_but_never_queued_for_scoring(qp_settings, caps
         code, _, err = run(capsys, *argv, "--samples", "1", "--seq-len", "16")
         assert code == 1 and "not a causal language model" in err and "BertModel" in err, (argv, err)
     assert len(svc.list_jobs()) == before  # nothing queued, nothing half-written
+
+
+def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_model, capsys, tmp_path):
+    from app import services as svc
+
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
+    plain = run_json(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", *args)
+    assert plain["kv_cache"] == "AUTO" and plain["plan"] == "FP8_DYNAMIC"
+    e5m2 = run_json(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--kv-cache", "fp8_e5m2", *args)
+    assert e5m2["kv_cache"] == "FP8_E5M2" and e5m2["plan"] == "FP8_DYNAMIC + KV FP8_E5M2"
+    assert e5m2["kl_mean"] != plain["kl_mean"]  # same tokens, same reference: the cache format changed the logits
+    code, _, err = run(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--kv-cache", "int4", *args)
+    assert code == 1 and "unknown KV cache format 'int4'" in err and "FP8_E5M2" in err
+
+    plan_file = tmp_path / "kv.yaml"
+    plan_file.write_text("model: tiny\nname: fp8-kv\ndefault: FP8_DYNAMIC\nkv_cache: FP8\n"
+                         "rules:\n  - {match: 'lm_head', scheme: BF16}\n")
+    # a calibrated KV cache: the job calibrates the K/V scales on the calibration text, then scores
+    fp8 = run_json(capsys, "score", "tiny", "--plan", str(plan_file), *args)
+    assert fp8["kv_cache"] == "FP8" and fp8["plan"] == "fp8-kv" and fp8["kl_mean"] > 0
+    stored = next(s for s in svc.list_scores(svc.get_model("tiny").id) if s.job_id == fp8["job"])
+    assert stored.kv_cache == "FP8" and stored.plan_body["kv_cache"] == "FP8"
+    assert set(stored.details["kv_saturation"]) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+
+    shown = run_json(capsys, "plan", "show", str(plan_file), "--target", "h100", "--json")["kv_cache"]
+    elements = 2 * 2 * (2 * 16)  # 2 blocks × (K and V) × 2 KV heads of head_dim 16
+    assert shown["kv_cache"] == "FP8" and shown["bytes_per_token"] == elements  # one byte each
+    assert shown["bf16_bytes_per_token"] == 2 * shown["bytes_per_token"]
+    assert shown["tokens"] > shown["bf16_tokens"] > 0
+    code, out, _ = run(capsys, "plan", "show", str(plan_file), "--target", "h100")
+    assert code == 0 and "KV cache FP8: 0.1 KiB per token (BF16 0.2 KiB)" in out and "tokens of cache" in out
+
+    code, recipe, _ = run(capsys, "plan", "export", str(plan_file), "--format", "llmcompressor")
+    assert code == 0 and "kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor" in recipe
+    code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
+    assert code == 0 and vllm.rstrip().endswith("--kv-cache-dtype fp8")
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe)
+    back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "tiny", "--name", "from-recipe", "--json")
+    assert back["body"]["kv_cache"] == "FP8" and back["body"]["default"] == "FP8_DYNAMIC"

@@ -95,7 +95,7 @@ def _prepare(ctx: JobContext):
     seq_len = int(ctx.params.get("seq_len") or DEFAULT_EVAL_SEQ_LEN)
     ids, label = token_ids(ctx, tok, "evaluation", samples=samples, seq_len=seq_len)
     ids = ids.to(device)
-    return rec, model, ids, label
+    return rec, model, tok, ids, label
 
 
 def _calibration_maps(cal) -> tuple[dict[str, float] | None, dict[str, Any] | None]:
@@ -106,24 +106,37 @@ def _calibration_maps(cal) -> tuple[dict[str, float] | None, dict[str, Any] | No
 
 
 def score(ctx: JobContext) -> Outcome:
+    from quantcore.kvcache import get_kv_format
     from quantcore.plans import resolve_plan
-    from quantcore.scoring import score_plan
+    from quantcore.scoring import calibrate_kv_cache, score_plan
 
-    rec, model, ids, label = _prepare(ctx)
+    rec, model, tok, ids, label = _prepare(ctx)
     names = linear_names(rec)
     spec = plan_spec(ctx, names)
+    if ctx.params.get("kv_cache"):  # the job's KV cache format replaces the plan's
+        spec.kv_cache = get_kv_format(ctx.params["kv_cache"]).name
+    kv = get_kv_format(spec.kv_cache)
     plan = resolve_plan(spec, names)
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
+    kv_amax = None
+    if kv.calibrated:
+        ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
+        cal_ids, _ = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
+                               seq_len=int(ctx.params.get("cal_seq_len") or 256))
+        kv_amax = calibrate_kv_cache(model, plan, cal_ids.to(ids.device), act_amax=act_amax,
+                                     act_channel_max=act_channel_max, should_cancel=ctx.should_cancel)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
-                        batch_size=None,
+                        batch_size=None, kv_cache=kv.name, kv_amax=kv_amax,
                         progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
     rep = report.to_dict()
     plan_label = ctx.params.get("label") or spec.name or spec.default
+    if ctx.params.get("kv_cache") and not ctx.params.get("label") and not kv.is_identity:
+        plan_label = f"{plan_label} + KV {kv.name}"
     result = {k: rep[k] for k in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl",
-                                  "tokens")}
+                                  "tokens", "kv_cache")}
     result.update(plan=plan_label, calibration_job=cal[0] if cal else None)
 
     def write(s: Session) -> None:
@@ -139,7 +152,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
     from quantcore.schemes import get_scheme
     from quantcore.sensitivity import sensitivity_sweep
 
-    rec, model, ids, label = _prepare(ctx)
+    rec, model, _, ids, label = _prepare(ctx)
     scheme = get_scheme(ctx.params["scheme"])
     if ctx.params.get("alpha") is not None:
         scheme = scheme.with_alpha(float(ctx.params["alpha"]))

@@ -9,6 +9,7 @@ import streamlit as st
 from app import services as svc
 from app import state
 from quantcore.hardware import list_targets
+from quantcore.kvcache import KV_FORMATS
 from quantcore.schemes import list_schemes
 
 st.title("Plans")
@@ -35,14 +36,22 @@ body = st.session_state[EDIT]
 with st.container(border=True):
     st.markdown("**Preset for all layers, then rules** (regular expressions on layer names; the last "
                 "matching rule wins; per-row choices below win over rules).")
-    default = st.selectbox("Default scheme", SCHEMES, index=SCHEMES.index(body.get("default", "BF16")),
+    c1, c2 = st.columns(2)
+    default = c1.selectbox("Default scheme", SCHEMES, index=SCHEMES.index(body.get("default", "BF16")),
                            key=f"plan_default_{model.id}_{start}")
+    kv_names = list(KV_FORMATS)
+    kv_cache = c2.selectbox("KV cache", kv_names, index=kv_names.index(body.get("kv_cache", "AUTO")),
+                            key=f"plan_kv_{model.id}_{start}",
+                            format_func=lambda k: "AUTO (model dtype)" if k == "AUTO" else k,
+                            help="How the serving engine stores K and V (vLLM --kv-cache-dtype). "
+                                 + " ".join(f"{k}: {f.description}." for k, f in KV_FORMATS.items()))
     rules = st.data_editor(pd.DataFrame(body.get("rules") or [], columns=["match", "scheme"]),
                            num_rows="dynamic", key=f"plan_rules_{model.id}_{start}", width="stretch",
                            column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES,
                                                                                      required=True)})
     st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
-    body = {**body, "default": default,
+    body = {**{k: v for k, v in body.items() if k != "kv_cache"}, "default": default,
+            **({"kv_cache": kv_cache} if kv_cache != "AUTO" else {}),
             "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
                       for r in rules.to_dict("records") if r.get("match") and r.get("scheme")]}
     st.session_state[EDIT] = body
@@ -129,6 +138,25 @@ if resolved is not None:
                + (f" **{unsupported} of them have no serving kernel on {target} at all**: the plan cannot be served "
                   "there as it stands." if unsupported else ""))
 
+    kvm = svc.kv_memory(model, body, target)
+    if kvm is not None:
+        st.subheader("KV cache")
+        c1, c2 = st.columns(2)
+        c1.metric(f"Per token ({kvm['kv_cache']})", f"{kvm['bytes_per_token'] / 1024:,.1f} KiB",
+                  f"{kvm['bytes_per_token'] / kvm['bf16_bytes_per_token']:.0%} of BF16 "
+                  f"({kvm['bf16_bytes_per_token'] / 1024:,.1f} KiB)", delta_color="off", delta_arrow="off")
+        c2.metric(f"Tokens of cache that fit on a {gpu}", f"{kvm['tokens']:,}",
+                  f"×{kvm['tokens'] / kvm['bf16_tokens']:.2f} vs all-BF16 ({kvm['bf16_tokens']:,})"
+                  if kvm["bf16_tokens"] else "all-BF16: the weights do not fit", delta_color="off", delta_arrow="off")
+        st.caption(f"K and V of every layer for one token (k_proj + v_proj widths, so grouped-query attention is "
+                   f"counted). Tokens that fit: {kvm['memory_gb']:g} GB × 90 % (vLLM's default memory share) minus "
+                   "the weights (the plan's linear weights, everything else in BF16); activations and CUDA graphs "
+                   "take some of it, so this is an upper bound. Every token of every running sequence sits here: "
+                   "it bounds the batch × context a server holds. The accuracy cost of a KV format shows when the "
+                   "plan is scored (Results)."
+                   + (" FP8_UNSCALED keeps vLLM's default scale 1.0: a |K| or |V| above 448 saturates."
+                      if kvm["kv_cache"] == "FP8_UNSCALED" else ""))
+
 # ----------------------------------------------------------------------------- save
 with st.form("plan_save"):
     c1, c2 = st.columns([1, 2])
@@ -152,6 +180,9 @@ if plans:
         a = c1.selectbox("Compare", ids, index=len(ids) - 2, format_func=lab.get, key="diff_a")
         b = c2.selectbox("with", ids, index=len(ids) - 1, format_func=lab.get, key="diff_b")
         diff = svc.plan_diff(model, next(p for p in plans if p.id == a), next(p for p in plans if p.id == b))
+        kv_a, kv_b = (next(p for p in plans if p.id == i).body.get("kv_cache", "AUTO") for i in (a, b))
+        if kv_a != kv_b:
+            st.caption(f"KV cache: {lab[a]} {kv_a} → {lab[b]} {kv_b}.")
         if diff.empty:
             st.caption("Same scheme on every layer.")
         else:

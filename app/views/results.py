@@ -8,6 +8,7 @@ import streamlit as st
 
 from app import charts, state
 from app import services as svc
+from quantcore.kvcache import KV_FORMATS
 
 st.title("Results")
 model = state.current_model()
@@ -34,12 +35,18 @@ with st.form("score_form"):
     device = c4.selectbox("Device", ["cpu", "cuda"], key="score_device")
     with st.expander("What each preset does"):
         st.markdown("\n".join(f"- {text}" for text in presets.values()))
+    kv_choice = st.selectbox(
+        "KV cache", ["(as planned)", *KV_FORMATS], key="score_kv",
+        help="Also store K and V in this format while scoring (replaces a plan's own kv_cache; presets plan none). "
+             + " ".join(f"{k}: {f.description}." for k, f in KV_FORMATS.items()))
     sens = st.checkbox("Also run a per-layer sensitivity sweep with each chosen preset (one fusion group at a "
                        "time)", key="score_sens")
     if st.form_submit_button("Queue", type="primary"):
         if not chosen_plans:
             st.error("Choose at least one plan or preset to score.")
         params = {"samples": int(samples), "seq_len": int(seq_len), "device": device}
+        if kv_choice != "(as planned)":
+            params["kv_cache"] = kv_choice
         for what in chosen_plans:
             kind, _, ref = what.partition(":")
             if kind == "preset":
@@ -66,7 +73,8 @@ st.subheader(f"Scored plans ({len(scores)})")
 if not scores:
     st.info("Nothing scored yet for this model.")
 else:
-    table = pd.DataFrame([{"job": s.job_id, "plan": s.plan_label, **s.metrics(), "predicted KL": s.predicted_kl,
+    table = pd.DataFrame([{"job": s.job_id, "plan": s.plan_label, "KV cache": s.kv_cache, **s.metrics(),
+                           "predicted KL": s.predicted_kl,
                            "text": s.dataset, "scored": s.created_at} for s in scores])
     st.dataframe(table, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
@@ -79,7 +87,11 @@ else:
         cols = st.columns(len(chosen[:4]))
         for col, s in zip(cols, chosen[:4], strict=False):
             col.metric(s.plan_label, f"KL {s.kl_mean:.4g}", f"top-1 {s.top1_agree:.3f}", delta_color="off", delta_arrow="off")
-            col.caption(f"perplexity {s.ppl_ref:.2f} → {s.ppl:.2f} · p99 KL {s.kl_p99:.3g} · max {s.kl_max:.3g}")
+            col.caption(f"perplexity {s.ppl_ref:.2f} → {s.ppl:.2f} · p99 KL {s.kl_p99:.3g} · max {s.kl_max:.3g}"
+                        + (f" · KV cache {s.kv_cache}" if s.kv_cache != "AUTO" else ""))
+        for s in chosen:
+            for note in s.notes:
+                st.warning(f"#{s.job_id} {s.plan_label}: {note}")
         hist, pos = svc.score_frames(chosen)
         if not hist.empty:
             st.altair_chart(charts.kl_distribution_chart(hist), width="stretch")

@@ -177,7 +177,7 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
 
 
 def _add_score(model_id: int, label: str, body: dict, kl: float, *, dataset: str = "builtin:lee.cor",
-               plan_id: int | None = None) -> int:
+               plan_id: int | None = None, notes: list[str] | None = None) -> int:
     from store import repo
     from store.db import session_scope
 
@@ -186,7 +186,7 @@ def _add_score(model_id: int, label: str, body: dict, kl: float, *, dataset: str
         repo.save_score(s, job_id=job.id, model_id=model_id, plan_id=plan_id, plan_label=label, plan_body=body,
                         dataset=dataset, report={"kl_mean": kl, "kl_p50": kl, "kl_p90": kl, "kl_p99": kl,
                                                  "kl_max": kl, "top1_agree": 1 - kl / 2, "ppl_ref": 18.0,
-                                                 "ppl": 18.0 + kl, "tokens": 1000})
+                                                 "ppl": 18.0 + kl, "tokens": 1000, "notes": notes or []})
         repo.finish_job(s, job.id, status="succeeded", result={"kl_mean": kl})
         return job.id
 
@@ -572,3 +572,48 @@ def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
     assert table.loc["model.layers.0.self_attn.q_proj", "on_target"] == "native, partial group"
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"  # K = 1536: twelve whole groups
+
+
+def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
+    from app import services as svc
+    from quantcore.kvcache import kv_bytes_per_token
+
+    at = _run("plans", seeded.id)
+    assert not at.exception
+    assert any(h.value == "KV cache" for h in at.subheader)
+    per_token = next(m for m in at.metric if m.label == "Per token (AUTO)")
+    bf16 = kv_bytes_per_token(seeded.linears, "AUTO")
+    assert per_token.value == f"{bf16 / 1024:,.1f} KiB" and "100% of BF16" in per_token.proto.delta
+    at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8").run()
+    assert not at.exception
+    per_token = next(m for m in at.metric if m.label == "Per token (FP8)")
+    assert "50% of BF16" in per_token.proto.delta
+    fit = next(m for m in at.metric if m.label.startswith("Tokens of cache that fit on a NVIDIA H100"))
+    body = {"model": seeded.name, "default": "FP8_DYNAMIC", "kv_cache": "FP8",
+            "rules": [{"match": "lm_head", "scheme": "BF16"}]}
+    kvm = svc.kv_memory(svc.get_model(seeded.id), body, "h100")
+    assert fit.value == f"{kvm['tokens']:,}" and kvm["tokens"] > kvm["bf16_tokens"]
+    at.text_input(key="plan_name").set_value("with-kv")
+    next(b for b in at.button if "Save as a new version" in b.label).click().run()
+    assert not at.exception
+    saved = next(p for p in svc.list_plans(seeded.id) if p.name == "with-kv")
+    assert saved.body["kv_cache"] == "FP8"
+    assert "--kv-cache-dtype fp8" in svc.export_plan(svc.get_model(seeded.id), saved.body, "vllm")
+
+
+def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
+    from app import services as svc
+
+    _add_score(seeded.id, "FP8_DYNAMIC + KV FP8_UNSCALED", {"default": "FP8_DYNAMIC", "kv_cache": "FP8_UNSCALED"},
+               0.02, notes=["the FP8_UNSCALED KV cache clipped K or V in 3 layers"])  # as a score job writes it
+    at = _run("results", seeded.id)
+    assert not at.exception
+    table = next(d.value for d in at.dataframe if "KV cache" in d.value.columns)
+    kv = dict(zip(table["plan"], table["KV cache"], strict=True))
+    assert kv.pop("FP8_DYNAMIC + KV FP8_UNSCALED") == "FP8_UNSCALED" and set(kv.values()) == {"AUTO"}
+    assert any("clipped K or V in 3 layers" in w.value for w in at.warning)
+    at.selectbox(key="score_kv").set_value("FP8_E5M2")
+    at.button[0].click().run()
+    assert not at.exception
+    job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
+    assert job.params["kv_cache"] == "FP8_E5M2"

@@ -20,12 +20,15 @@ from hypothesis import strategies as st
 from quantcore.errors import PlanError
 from quantcore.export import (
     CT_PRESETS,
+    KV_CACHE_FP8_ARGS,
     LLAMA_SQ_MAPPINGS,
     compact_targets,
     ct_args,
     ct_preset_name,
     from_compressed_tensors_config,
     from_llmcompressor_recipe,
+    kv_cache_of_config,
+    kv_cache_of_recipe,
     scheme_from_ct_args,
     to_compressed_tensors_config,
     to_llmcompressor_recipe,
@@ -563,13 +566,68 @@ def test_vllm_compressed_checkpoint_for_calibrated_plans() -> None:
     assert "without calibration data" in dyn and "needs calibration data" not in dyn
 
 
-def test_vllm_kv_cache_flag_only_when_asked() -> None:
+def test_vllm_kv_cache_flag_follows_the_plans_kv_cache() -> None:
     plan = uniform("FP8_PER_TENSOR")
     assert "--kv-cache-dtype" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS)
-    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache_dtype="fp8")
+    assert "--kv-cache-dtype" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="AUTO")
+    # unscaled formats are the flag alone: vLLM's online FP8 still applies the layer plan at load time
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_UNSCALED")
     assert cmd.splitlines()[-1] == "vllm serve /m --quantization fp8 --kv-cache-dtype fp8"
-    with pytest.raises(PlanError, match="kv-cache-dtype"):
-        to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache_dtype="int4")
+    assert "default to 1.0" in cmd and "448" in cmd
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="fp8_e5m2")
+    assert cmd.splitlines()[-1] == "vllm serve /m --quantization fp8 --kv-cache-dtype fp8_e5m2"
+    # calibrated K/V scales live in the checkpoint: the compression step, with calibration data
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8")
+    assert cmd.splitlines()[-1] == "vllm serve /m-quantplan --quantization compressed-tensors --kv-cache-dtype fp8"
+    assert "needs calibration data" in cmd
+    bf16 = to_vllm_command(uniform("BF16"), model_path="/m", layer_names=LAYERS, kv_cache="FP8")
+    assert bf16.splitlines()[-1].startswith("vllm serve /m-quantplan ") and "needs calibration data" in bf16
+    with pytest.raises(PlanError, match="unknown KV cache format 'int4'"):
+        to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="int4")
+
+
+def test_recipe_kv_cache_scheme_round_trips() -> None:
+    plan = uniform("FP8_DYNAMIC")
+    text = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8")
+    mod = quant_modifier(text)
+    assert mod["kv_cache_scheme"] == KV_CACHE_FP8_ARGS and mod["scheme"] == "FP8_DYNAMIC"
+    assert "calibration data" in text.split("quant_stage")[0]
+    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == plan
+    assert kv_cache_of_recipe(text) == "FP8"
+    assert kv_cache_of_recipe(to_llmcompressor_recipe(plan, layer_names=LAYERS)) == "AUTO"
+    # a KV cache alone is a quantization modifier with nothing but kv_cache_scheme
+    only = yaml.safe_load(to_llmcompressor_recipe(uniform("BF16"), layer_names=LAYERS, kv_cache="FP8"))
+    assert only["quant_stage"]["quant_modifiers"]["QuantizationModifier"] == {"kv_cache_scheme": KV_CACHE_FP8_ARGS}
+    # unscaled formats are a vLLM flag: no recipe entry, a header line that says so
+    e5 = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8_E5M2")
+    assert "kv_cache_scheme" not in quant_modifier(e5) and "--kv-cache-dtype fp8_e5m2" in e5
+
+
+def test_compressed_tensors_kv_cache_scheme_round_trips() -> None:
+    cfg = json.loads(json.dumps(to_compressed_tensors_config(uniform("W4A16"), layer_names=LAYERS, kv_cache="FP8")))
+    assert cfg["kv_cache_scheme"] == KV_CACHE_FP8_ARGS
+    assert kv_cache_of_config(cfg) == kv_cache_of_config({"quantization_config": cfg}) == "FP8"
+    assert from_compressed_tensors_config(cfg, layer_names=LAYERS) == uniform("W4A16")
+    assert to_compressed_tensors_config(uniform("W4A16"), layer_names=LAYERS)["kv_cache_scheme"] is None
+    # compressed-tensors writes every QuantizationArgs field; the ones that do not change the format are ignored
+    full = {**KV_CACHE_FP8_ARGS, "group_size": None, "block_structure": None, "observer": "minmax",
+            "observer_kwargs": {}, "actorder": None}
+    assert kv_cache_of_config({**cfg, "kv_cache_scheme": full}) == "FP8"
+
+
+@pytest.mark.parametrize("args", [
+    {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True},
+    {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+    {"num_bits": 4, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True},
+    "fp8",
+])
+def test_kv_cache_schemes_quantplan_cannot_represent_are_refused(args) -> None:
+    cfg = {**to_compressed_tensors_config(uniform("FP8_DYNAMIC"), layer_names=LAYERS), "kv_cache_scheme": args}
+    with pytest.raises(PlanError, match="kv_cache_scheme"):
+        from_compressed_tensors_config(cfg, layer_names=LAYERS)
+    recipe = {"q_stage": {"q_modifiers": {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "kv_cache_scheme": args}}}}
+    with pytest.raises(PlanError, match="kv_cache_scheme"):
+        from_llmcompressor_recipe(yaml.safe_dump(recipe), layer_names=LAYERS)
 
 
 def test_vllm_unquantized_plan() -> None:

@@ -24,6 +24,7 @@ import yaml
 from quantcore.export import (
     CT_ARG_KEYS,
     CT_PRESETS,
+    KV_CACHE_FP8_ARGS,
     scheme_from_ct_args,
     to_llmcompressor_recipe,
     to_vllm_command,
@@ -74,11 +75,18 @@ def smoothquant_plan() -> dict[str, Scheme]:
     return plan
 
 
+# cases exported with a KV cache format: FP8's calibrated scales are a kv_cache_scheme in the recipe
+KV_CASES = {"kv-fp8-with-fp8-dynamic": "FP8", "kv-fp8-alone": "FP8", "kv-e5m2-with-w4a16": "FP8_E5M2"}
+
+
 def cases() -> dict[str, dict[str, Scheme]]:
     out = {f"uniform-{name}": uniform(name) for name in EXPRESSIBLE}
     out["mixed-presets"] = mixed_preset_plan()
     out["mixed-explicit"] = mixed_explicit_plan()
     out["smoothquant"] = smoothquant_plan()
+    out["kv-fp8-with-fp8-dynamic"] = uniform("FP8_DYNAMIC")
+    out["kv-fp8-alone"] = uniform("BF16")
+    out["kv-e5m2-with-w4a16"] = uniform("W4A16")
     return out
 
 
@@ -96,7 +104,7 @@ def llmc(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict
     folder = tmp_path_factory.mktemp("recipes")
     made: dict[str, Any] = {}
     for name, plan in cases().items():
-        text = to_llmcompressor_recipe(plan, layer_names=LAYERS)
+        text = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache=KV_CASES.get(name))
         path = folder / f"{name}.yaml"
         path.write_text(text, encoding="utf-8")
         made[name] = (plan, text, str(path))
@@ -132,7 +140,7 @@ def test_every_layer_gets_the_planned_quantization(llmc, name: str) -> None:
     made, summary = llmc
     plan, _, path = made[name]
     quant = modifiers(summary, path, "QuantizationModifier")
-    if all(s.is_identity for s in plan.values()):
+    if all(s.is_identity for s in plan.values()) and name not in KV_CASES:
         assert quant == []
         return
     (mod,) = quant
@@ -142,7 +150,9 @@ def test_every_layer_gets_the_planned_quantization(llmc, name: str) -> None:
         got = applied[layer]
         want = plan[layer]
         if want.is_identity:
-            assert got is None, f"{layer} should stay BF16, llm-compressor quantizes it"
+            # a KV-cache-only recipe attaches an empty scheme (no weights, no activations) to the linears
+            assert got is None or got == {"weights": None, "input_activations": None}, \
+                f"{layer} should stay BF16, llm-compressor quantizes it"
             continue
         assert got is not None, f"{layer} should be {want.name}, llm-compressor leaves it unquantized"
         # what compressed-tensors attached to the module, read back as a quantplan scheme
@@ -205,8 +215,22 @@ def test_calibration_note_of_the_vllm_command_agrees_with_llmcompressor(llmc, na
     quant = modifiers(summary, path, "QuantizationModifier")
     smooth = modifiers(summary, path, "SmoothQuantModifier")
     needs = bool(smooth) or any(m["requires_calibration_data"] for m in quant)
-    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS)
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache=KV_CASES.get(name))
     if "--quantization fp8" in cmd or not quant:
         assert not needs
     else:
         assert ("needs calibration data" in cmd) == needs, cmd
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_kv_cache_scheme_is_what_llm_compressor_calibrates(llmc, name: str) -> None:
+    made, summary = llmc
+    _, _, path = made[name]
+    quant = modifiers(summary, path, "QuantizationModifier")
+    kv = KV_CASES.get(name)
+    got = quant[0]["kv_cache_scheme"] if quant else None
+    if kv != "FP8":  # AUTO, or a scale-1.0 format that is vLLM's flag alone
+        assert got is None
+        return
+    assert {k: got[k] for k in KV_CACHE_FP8_ARGS} == KV_CACHE_FP8_ARGS
+    assert quant[0]["requires_calibration_data"], "static K/V scales need calibration data"

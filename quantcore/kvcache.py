@@ -1,0 +1,350 @@
+"""KV cache formats: what attention reads back when the serving engine stores K and V in FP8.
+
+A plan chooses a number format for every linear layer; the KV cache is the other big
+low-precision decision of an LLM server (vLLM's ``--kv-cache-dtype``). It halves the
+memory of every cached token against BF16, so twice the tokens fit next to the weights,
+and it costs accuracy where K or V carry magnitudes the format or its scale cannot hold.
+
+The formats (what vLLM stores, reference text ``fp8-fp4-smoothquant.txt``):
+
+- ``AUTO``:          the model's own dtype (``--kv-cache-dtype auto``), nothing quantized.
+- ``FP8``:           E4M3 with one static scale per layer for K and one for V, calibrated as
+                     amax / 448 over the calibration text. llm-compressor writes them into the
+                     checkpoint (recipe ``kv_cache_scheme``) and vLLM reads them
+                     (``--kv-cache-dtype fp8``).
+- ``FP8_UNSCALED``:  E4M3 with scale 1.0: what ``--kv-cache-dtype fp8`` does with a checkpoint
+                     that carries no K/V scales. A K or V value beyond ±448 saturates.
+- ``FP8_E5M2``:      E5M2 with scale 1.0 (``--kv-cache-dtype fp8_e5m2``): range to ±57344,
+                     one mantissa bit fewer than E4M3.
+
+Emulation. The cache holds K *after* the rotary embedding, so the K and V that transformers
+hands its attention function are quantized there, once per layer and forward, before
+grouped-query heads are repeated: exactly the tensors a serving engine writes into its
+cache. :func:`kv_cache_quantized` registers a wrapper around the model's own attention
+function (``sdpa`` or ``eager``) for the duration of a ``with`` block and restores the
+model's setting afterwards; :func:`kv_amax_observed` records the per-layer amax the FP8
+scales are calibrated from. A model whose attention does not go through transformers'
+attention interface is refused with a clear error, never scored unquantized.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from quantcore.errors import PlanError, name_list
+from quantcore.formats import get_format
+
+if TYPE_CHECKING:  # torch-free at import: the app reads the format registry and the memory figures
+    import torch
+    from torch import nn
+
+AUTO = "AUTO"
+GIB = 1024**3
+# vLLM's default --gpu-memory-utilization: the share of device memory it may claim for weights,
+# activations and the KV cache together
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
+_WRAPPER_PREFIX = "quantplan_kv_"
+_STATE_ATTR = "_quantplan_kv_state"
+KV_PROJ_SUFFIXES = ("k_proj", "v_proj")  # linears whose outputs are the cached K and V
+
+
+@dataclass(frozen=True)
+class KvCacheFormat:
+    """One way to store the KV cache.
+
+    name:        plan key value, e.g. ``"FP8"``
+    element:     quantcore format of a stored element (``"fp8_e4m3"``), None for the model's dtype
+    calibrated:  per-layer static K and V scales from calibration (False: scale 1.0)
+    vllm_dtype:  the value of vLLM's ``--kv-cache-dtype``
+    description: one line for people
+    """
+
+    name: str
+    element: str | None
+    calibrated: bool
+    vllm_dtype: str
+    description: str
+
+    @property
+    def is_identity(self) -> bool:
+        return self.element is None
+
+    def bytes_per_element(self, model_bytes: float) -> float:
+        """Bytes of one cached element; ``model_bytes`` for AUTO (the serving dtype, 2 for BF16)."""
+        return model_bytes if self.element is None else get_format(self.element).bits / 8
+
+
+KV_FORMATS: dict[str, KvCacheFormat] = {
+    f.name: f
+    for f in (
+        KvCacheFormat(AUTO, None, False, "auto", "the model's dtype (BF16 when served in BF16): nothing quantized"),
+        KvCacheFormat("FP8", "fp8_e4m3", True, "fp8",
+                      "FP8 E4M3, one calibrated scale per layer for K and for V (llm-compressor kv_cache_scheme)"),
+        KvCacheFormat("FP8_UNSCALED", "fp8_e4m3", False, "fp8",
+                      "FP8 E4M3 with scale 1.0: vLLM --kv-cache-dtype fp8 on a checkpoint without K/V scales; "
+                      "|K|, |V| > 448 saturate"),
+        KvCacheFormat("FP8_E5M2", "fp8_e5m2", False, "fp8_e5m2",
+                      "FP8 E5M2 with scale 1.0 (vLLM --kv-cache-dtype fp8_e5m2): wide range, 2 mantissa bits"),
+    )
+}
+
+
+def list_kv_formats() -> list[str]:
+    return list(KV_FORMATS)
+
+
+def get_kv_format(name: str | KvCacheFormat | None) -> KvCacheFormat:
+    """The format of that name (case-insensitive; None is AUTO); PlanError names the known ones."""
+    if isinstance(name, KvCacheFormat):
+        return name
+    if name is None:
+        return KV_FORMATS[AUTO]
+    key = str(name).strip().upper()
+    if key not in KV_FORMATS:
+        raise PlanError(f"unknown KV cache format {name!r}; known: {', '.join(KV_FORMATS)}")
+    return KV_FORMATS[key]
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def kv_elements_per_token(linears: Iterable[Mapping[str, Any]]) -> int | None:
+    """Cached elements per token over all layers: the summed output widths of every k_proj and v_proj
+    (``num_kv_heads × head_dim`` each, so grouped-query attention is counted right).
+
+    ``linears``: ``[{name, out_features, ...}]`` as the model's intake summary lists them. None when
+    the model has no separate k_proj / v_proj (a fused qkv projection): the split is not known then.
+    """
+    total = 0
+    k = v = 0
+    for lin in linears:
+        leaf = str(lin["name"]).rsplit(".", 1)[-1]
+        if leaf in KV_PROJ_SUFFIXES:
+            total += int(lin["out_features"])
+            k += leaf == "k_proj"
+            v += leaf == "v_proj"
+    if k == 0 or k != v:
+        return None
+    return total
+
+
+def kv_bytes_per_token(linears: Iterable[Mapping[str, Any]], fmt: str | KvCacheFormat | None,
+                       *, model_bytes: float = 2.0) -> float | None:
+    """Bytes the cache holds per token in that format (the per-layer scales are a few bytes in all and
+    left out); None where :func:`kv_elements_per_token` is."""
+    n = kv_elements_per_token(linears)
+    return None if n is None else n * get_kv_format(fmt).bytes_per_element(model_bytes)
+
+
+def kv_token_capacity(memory_gb: float, weight_bytes: float, bytes_per_token: float,
+                      *, utilization: float = VLLM_GPU_MEMORY_UTILIZATION) -> int:
+    """Tokens of KV cache that fit on a device of ``memory_gb`` (10^9 bytes) once the weights are
+    loaded, at vLLM's memory utilization; activations and the CUDA graph pool are not counted, so this
+    is an upper bound. 0 when the weights alone do not fit."""
+    free = memory_gb * 1e9 * utilization - weight_bytes
+    if bytes_per_token <= 0:
+        raise ValueError("bytes_per_token must be positive")
+    return max(0, int(free // bytes_per_token))
+
+
+# ---------------------------------------------------------------------- emulation
+
+
+@dataclass
+class KvAmax:
+    """Per attention layer (module name) the largest |K| and |V| seen: what calibrated scales come from."""
+
+    k: dict[str, float] = field(default_factory=dict)
+    v: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {"k": dict(self.k), "v": dict(self.v)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Mapping[str, float]]) -> KvAmax:
+        return cls(k={str(a): float(b) for a, b in data.get("k", {}).items()},
+                   v={str(a): float(b) for a, b in data.get("v", {}).items()})
+
+
+@dataclass
+class KvApplied:
+    """What :func:`kv_cache_quantized` did: ``saturation`` ``{layer: share of K and V elements that
+    clipped}`` (read it after the block's forwards) and the scales it used."""
+
+    fmt: KvCacheFormat
+    k_scale: dict[str, float] = field(default_factory=dict)
+    v_scale: dict[str, float] = field(default_factory=dict)
+    _counts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def saturation(self) -> dict[str, float]:
+        out = {}
+        for layer, (n, clipped) in self._counts.items():
+            total = int(n.item())
+            if total:
+                out[layer] = int(clipped.item()) / total
+        return out
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of every attention module whose K and V come from ``k_proj`` / ``v_proj``."""
+    from torch import nn
+
+    return {name: m for name, m in model.named_modules()
+            if all(isinstance(getattr(m, s, None), nn.Module) for s in KV_PROJ_SUFFIXES)}
+
+
+def _module_eager(module: nn.Module) -> Callable[..., Any]:
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise PlanError(f"{type(module).__name__} has no eager attention function quantplan can wrap")
+    return fn
+
+
+def _wrapped_attention(base: str) -> Callable[..., Any]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        state = getattr(module, _STATE_ATTR, None)
+        if state is not None:
+            key, value = state(key, value)
+        fn = _module_eager(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
+        return fn(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def _register(base: str) -> str:
+    """Register the wrapper of ``base`` with transformers' attention and mask interfaces; its name."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    name = _WRAPPER_PREFIX + base
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _wrapped_attention(base))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+@contextmanager
+def _attention_wrapped(model: nn.Module, states: Mapping[str, Callable[[torch.Tensor, torch.Tensor],
+                                                                         tuple[torch.Tensor, torch.Tensor]]],
+                       what: str) -> Iterator[dict[str, nn.Module]]:
+    modules = attention_modules(model)
+    if not modules:
+        raise PlanError(f"{what}: this model has no attention module with k_proj and v_proj; quantplan cannot "
+                        "emulate a KV cache format for it")
+    config = model.config
+    base = config._attn_implementation or "eager"
+    if base.startswith(_WRAPPER_PREFIX):
+        raise PlanError(f"{what}: a KV cache format is already applied to this model")
+    if base not in ("sdpa", "eager"):
+        raise PlanError(f"{what}: the model runs {base!r} attention; KV cache emulation wraps 'sdpa' or 'eager' "
+                        "(load the model with one of them)")
+    wrapper = _register(base)
+    called: set[str] = set()  # attention modules whose K and V went through the wrapper
+    projected: set[str] = set()  # attention modules whose k_proj ran
+
+    def tracking(name, fn):
+        def state(key, value):
+            called.add(name)
+            return fn(key, value)
+        return state
+
+    hooks = [m.k_proj.register_forward_hook(lambda *_, n=name: projected.add(n)) for name, m in modules.items()]
+    try:
+        for name, m in modules.items():
+            setattr(m, _STATE_ATTR, tracking(name, states[name]))
+        config._attn_implementation = wrapper
+        yield modules
+        missed = sorted(projected - called)
+        if missed:
+            raise PlanError(f"{what}: the attention of {len(missed)} layer(s) ({name_list(missed)}) does not go "
+                            "through transformers' attention interface, so quantplan cannot emulate a KV cache "
+                            "format for it")
+    finally:
+        config._attn_implementation = base
+        for h in hooks:
+            h.remove()
+        for m in modules.values():
+            if hasattr(m, _STATE_ATTR):
+                delattr(m, _STATE_ATTR)
+
+
+@contextmanager
+def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
+    """Record per-layer max |K| and max |V| (post-rotary, as cached) over every forward in the block.
+
+    The yielded :class:`KvAmax` is filled when the block ends; reductions stay on the model's device
+    until then (no host sync per forward).
+    """
+    import torch
+
+    acc: dict[str, list[torch.Tensor | None]] = {}
+
+    def observer(name):
+        def state(key, value):
+            k, v = key.detach().abs().amax().float(), value.detach().abs().amax().float()
+            slot = acc.setdefault(name, [None, None])
+            slot[0] = k if slot[0] is None else torch.maximum(slot[0], k)
+            slot[1] = v if slot[1] is None else torch.maximum(slot[1], v)
+            return key, value
+        return state
+
+    result = KvAmax()
+    names = list(attention_modules(model))
+    with _attention_wrapped(model, {n: observer(n) for n in names}, "KV calibration"):
+        yield result
+    for name, (k, v) in acc.items():
+        result.k[name] = float(k.item()) if k is not None else 0.0
+        result.v[name] = float(v.item()) if v is not None else 0.0
+
+
+@contextmanager
+def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *,
+                       amax: KvAmax | None = None) -> Iterator[KvApplied]:
+    """Store K and V in ``fmt`` for every forward in the block: fake-quantize them per layer, per tensor.
+
+    ``amax``: per-layer K/V amax from :func:`kv_amax_observed`, needed by calibrated formats (FP8).
+    AUTO yields without touching the model. The model's attention setting is restored on exit.
+    """
+    from quantcore.quantize import fake_quantize_with_counts, scale_from_amax
+
+    kv = get_kv_format(fmt)
+    applied = KvApplied(fmt=kv)
+    if kv.is_identity:
+        yield applied
+        return
+    elem = get_format(kv.element)
+    modules = attention_modules(model)
+    if kv.calibrated:
+        missing = [n for n in modules if amax is None or n not in amax.k or n not in amax.v]
+        if missing:
+            raise PlanError(f"KV cache {kv.name} needs calibrated K/V amax for {len(missing)} attention layer(s) "
+                            f"({name_list(missing)})")
+        assert amax is not None
+        applied.k_scale = {n: float(scale_from_amax(amax.k[n], elem)) for n in modules}
+        applied.v_scale = {n: float(scale_from_amax(amax.v[n], elem)) for n in modules}
+    else:
+        applied.k_scale = dict.fromkeys(modules, 1.0)
+        applied.v_scale = dict.fromkeys(modules, 1.0)
+
+    def quantizer(name):
+        ks, vs = applied.k_scale[name], applied.v_scale[name]
+
+        def state(key, value):
+            kq, kc = fake_quantize_with_counts(key, elem, "tensor", scale=ks)
+            vq, vc = fake_quantize_with_counts(value, elem, "tensor", scale=vs)
+            n = kc[0] + vc[0]
+            clipped = kc[2] + vc[2]
+            slot = applied._counts.get(name)
+            applied._counts[name] = [n, clipped] if slot is None else [slot[0] + n, slot[1] + clipped]
+            return kq, vq
+        return state
+
+    with _attention_wrapped(model, {n: quantizer(n) for n in modules}, f"KV cache {kv.name}"):
+        yield applied

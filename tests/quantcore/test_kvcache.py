@@ -1,0 +1,241 @@
+"""KV cache formats: the registry, the memory arithmetic, and the emulation inside transformers' attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantcore import kvcache
+from quantcore.errors import PlanError
+from quantcore.kvcache import (
+    KV_FORMATS,
+    KvAmax,
+    get_kv_format,
+    kv_amax_observed,
+    kv_bytes_per_token,
+    kv_cache_quantized,
+    kv_elements_per_token,
+    kv_token_capacity,
+)
+from quantcore.plans import PlanSpec
+from quantcore.scoring import calibrate_kv_cache, compute_reference, score_plan
+from tests.quantcore.conftest import TINY_ARCHS, TINY_HEAD_DIM, TINY_KV_HEADS, TINY_LAYERS, build_tiny_model
+
+E4M3_MAX = 448.0
+
+# ---------------------------------------------------------------------- registry and plan files
+
+
+def test_format_names_and_errors() -> None:
+    assert list(KV_FORMATS) == ["AUTO", "FP8", "FP8_UNSCALED", "FP8_E5M2"]
+    assert get_kv_format(None).name == get_kv_format("auto").name == "AUTO"
+    assert get_kv_format(" fp8_e5m2 ").vllm_dtype == "fp8_e5m2"
+    assert get_kv_format("FP8").calibrated and not get_kv_format("FP8_UNSCALED").calibrated
+    assert {f.vllm_dtype for f in KV_FORMATS.values()} == {"auto", "fp8", "fp8_e5m2"}
+    with pytest.raises(PlanError, match=r"unknown KV cache format 'int8'; known: AUTO, FP8, FP8_UNSCALED, FP8_E5M2"):
+        get_kv_format("int8")
+
+
+def test_plan_files_carry_the_kv_cache() -> None:
+    spec = PlanSpec.from_yaml("default: FP8_DYNAMIC\nkv_cache: fp8\n")
+    assert spec.kv_cache == "FP8" and spec.to_dict()["kv_cache"] == "FP8"
+    assert PlanSpec.from_yaml(spec.to_yaml()) == spec
+    # AUTO is the default and is not written, so plans saved before KV formats existed read the same
+    plain = PlanSpec.from_yaml("default: FP8_DYNAMIC\n")
+    assert plain.kv_cache == "AUTO" and "kv_cache" not in plain.to_dict()
+    with pytest.raises(PlanError, match="'kv_cache': unknown KV cache format 'fp4'"):
+        PlanSpec.from_yaml("default: FP8\nkv_cache: fp4\n")
+
+
+def test_module_is_torch_free_at_import() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, quantcore.kvcache, quantcore.plans; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def _linears(blocks: int, kv_width: int, *, fused: bool = False) -> list[dict]:
+    out = []
+    for b in range(blocks):
+        p = f"model.layers.{b}.self_attn."
+        if fused:
+            out.append({"name": p + "qkv_proj", "out_features": 3 * kv_width})
+        else:
+            out += [{"name": p + "q_proj", "out_features": 4 * kv_width},
+                    {"name": p + "k_proj", "out_features": kv_width},
+                    {"name": p + "v_proj", "out_features": kv_width}]
+        out.append({"name": f"model.layers.{b}.mlp.down_proj", "out_features": 999})
+    return out
+
+
+def test_bytes_per_token_counts_k_and_v_of_every_layer() -> None:
+    # Llama 3 8B: 32 layers, 8 KV heads × 128: 128 KiB per token in BF16 (the figure vLLM users quote)
+    lin = _linears(32, 8 * 128)
+    assert kv_elements_per_token(lin) == 32 * 2 * 8 * 128
+    assert kv_bytes_per_token(lin, "AUTO") == 128 * 1024
+    assert kv_bytes_per_token(lin, "FP8") == kv_bytes_per_token(lin, "FP8_E5M2") == 64 * 1024
+    assert kv_bytes_per_token(lin, "AUTO", model_bytes=4) == 256 * 1024
+    assert kv_elements_per_token(_linears(4, 64, fused=True)) is None  # the split of a fused qkv is unknown
+    assert kv_bytes_per_token([], "FP8") is None
+
+
+def test_token_capacity() -> None:
+    # 80 GB at 90 %: 72e9 bytes; 16e9 of weights leave 56e9 for 128 KiB tokens
+    assert kv_token_capacity(80, 16e9, 131072) == int(56e9 // 131072)
+    assert kv_token_capacity(80, 16e9, 65536) == int(56e9 // 65536)  # FP8: twice the tokens, up to rounding
+    assert kv_token_capacity(24, 30e9, 1024) == 0  # the weights alone do not fit
+    with pytest.raises(ValueError):
+        kv_token_capacity(80, 0, 0)
+
+
+# ---------------------------------------------------------------------- emulation
+
+
+def _ids(seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Record the K and V that reach the model's own sdpa attention function (inside our wrapper)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.append((key.detach().clone(), value.detach().clone()))
+        return real(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", recording)
+    return seen
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_auto_and_observation_leave_the_model_bit_identical(arch: str) -> None:
+    model = build_tiny_model(arch)
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        with kv_cache_quantized(model, "AUTO"):
+            assert torch.equal(model(ids).logits, ref)
+        with kv_amax_observed(model) as amax:
+            assert torch.equal(model(ids).logits, ref)
+    assert model.config._attn_implementation == "sdpa"
+    assert set(amax.k) == set(amax.v) == {f"model.layers.{i}.self_attn" for i in range(TINY_LAYERS)}
+    assert all(v > 0 for v in [*amax.k.values(), *amax.v.values()])
+
+
+def test_observed_amax_is_the_max_of_the_cached_k_and_v(spy) -> None:
+    model = build_tiny_model("llama")
+    with torch.no_grad(), kv_amax_observed(model) as amax:
+        model(_ids(1))
+        model(_ids(2))
+    assert len(spy) == 2 * TINY_LAYERS
+    for i in range(TINY_LAYERS):
+        ks = [k for n, (k, _) in enumerate(spy) if n % TINY_LAYERS == i]
+        vs = [v for n, (_, v) in enumerate(spy) if n % TINY_LAYERS == i]
+        assert ks[0].shape == (2, TINY_KV_HEADS, 16, TINY_HEAD_DIM)  # post-rotary, before the GQA repeat
+        assert amax.k[f"model.layers.{i}.self_attn"] == max(float(k.abs().max()) for k in ks)
+        assert amax.v[f"model.layers.{i}.self_attn"] == max(float(v.abs().max()) for v in vs)
+
+
+@pytest.mark.parametrize("name, element", [("FP8_UNSCALED", torch.float8_e4m3fn), ("FP8_E5M2", torch.float8_e5m2)])
+def test_unscaled_formats_put_k_and_v_on_the_fp8_grid(spy, name: str, element) -> None:
+    model = build_tiny_model("qwen2")
+    with torch.no_grad():
+        model(_ids())
+        plain = list(spy)
+        spy.clear()
+        with kv_cache_quantized(model, name) as applied:
+            model(_ids())
+    assert applied.k_scale == dict.fromkeys(applied.k_scale, 1.0)
+    assert len(spy) == len(plain) == TINY_LAYERS
+    # the first layer sees the same K and V as without the format: it gets the very values torch's own cast
+    # gives (round to nearest even, scale 1); later layers see inputs the format already changed
+    (k0, v0), (k, v) = plain[0], spy[0]
+    assert torch.equal(k, k0.to(element).float()) and torch.equal(v, v0.to(element).float())
+    assert not torch.equal(k, k0)
+    for k, v in spy:
+        assert torch.equal(k, k.to(element).float()) and torch.equal(v, v.to(element).float())
+    assert applied.saturation == dict.fromkeys(applied.k_scale, 0.0)
+
+
+def test_calibrated_fp8_uses_amax_over_448_and_counts_clipping(spy) -> None:
+    model = build_tiny_model("llama")
+    ids = _ids()
+    with torch.no_grad(), kv_amax_observed(model) as amax:
+        model(ids)
+    spy.clear()
+    halved = KvAmax(k={n: a / 2 for n, a in amax.k.items()}, v=dict(amax.v))
+    with torch.no_grad(), kv_cache_quantized(model, "FP8", amax=halved) as applied:
+        model(ids)
+    for i, (k, v) in enumerate(spy):
+        layer = f"model.layers.{i}.self_attn"
+        ks, vs = applied.k_scale[layer], applied.v_scale[layer]
+        assert ks == pytest.approx(halved.k[layer] / E4M3_MAX) and vs == pytest.approx(amax.v[layer] / E4M3_MAX)
+        assert float(k.abs().max()) == pytest.approx(E4M3_MAX * ks)  # K beyond the halved amax saturates
+        assert torch.equal((k / ks).to(torch.float8_e4m3fn).float() * ks, k)
+        assert torch.equal((v / vs).to(torch.float8_e4m3fn).float() * vs, v)
+    assert all(0 < s < 0.5 for s in applied.saturation.values())  # only K's top half clipped, V never
+    with pytest.raises(PlanError, match="needs calibrated K/V amax"):
+        with kv_cache_quantized(model, "FP8"):
+            pass
+
+
+def test_refusals_restore_the_model() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).eval()
+    with pytest.raises(PlanError, match="no attention module with k_proj and v_proj"):
+        with kv_cache_quantized(gpt2, "FP8_UNSCALED"):
+            pass
+    model = build_tiny_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(PlanError, match="'flex_attention' attention"):
+        with kv_cache_quantized(model, "FP8_E5M2"):
+            pass
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(RuntimeError, match="boom"):
+        with kv_cache_quantized(model, "FP8_E5M2"):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(m, kvcache._STATE_ATTR) for m in model.modules())
+    assert not any(m.k_proj._forward_hooks for m in kvcache.attention_modules(model).values())
+
+
+def test_attention_that_bypasses_the_interface_is_refused(monkeypatch) -> None:
+    """A model whose attention never calls the interface would be scored unquantized: refused instead."""
+    model = build_tiny_model("llama")
+    attn = model.model.layers[1].self_attn
+    monkeypatch.setattr(attn, "forward", lambda hidden_states, *a, **kw: (attn.o_proj(attn.v_proj(hidden_states)
+                                                                                      .repeat(1, 1, 2)), None))
+    with pytest.raises(PlanError, match=r"1 layer\(s\) \('model.layers.1.self_attn'\)"):
+        with torch.no_grad(), kv_cache_quantized(model, "FP8_E5M2"):
+            attn.k_proj(torch.zeros(1, 1, attn.k_proj.in_features))  # its k_proj runs, the interface never does
+            model(_ids())
+
+
+def test_scores_see_the_kv_cache_and_its_saturation() -> None:
+    model = build_tiny_model("llama")
+    ids = _ids()
+    ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
+    none = score_plan(model, {}, ids, ref)
+    assert none.kl_mean == 0 and none.kv_cache == "AUTO" and none.kv_saturation == {}
+    amax = calibrate_kv_cache(model, {}, _ids(7))
+    fp8 = score_plan(model, {}, ids, ref, kv_cache="FP8", kv_amax=amax)
+    assert fp8.kl_mean > 0 and fp8.kv_cache == "FP8" and set(fp8.kv_saturation) == set(amax.k)
+    # K projections scaled far beyond E4M3's range: scale 1.0 clips, and the report says so
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(2000.0)
+    ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
+    clipped = score_plan(model, {}, ids, ref, kv_cache="FP8_UNSCALED")
+    assert max(clipped.kv_saturation.values()) > 0.01
+    assert any("FP8_UNSCALED KV cache clipped K or V" in n and "calibrated K/V scales" in n for n in clipped.notes)
+    calibrated = score_plan(model, {}, ids, ref, kv_cache="FP8", kv_amax=calibrate_kv_cache(model, {}, ids))
+    assert max(calibrated.kv_saturation.values()) == 0 and calibrated.kl_mean < clipped.kl_mean
