@@ -488,9 +488,13 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     plan_file = tmp_path / "kv.yaml"
     plan_file.write_text("model: tiny\nname: fp8-kv\ndefault: FP8_DYNAMIC\nkv_cache: FP8\n"
                          "rules:\n  - {match: 'lm_head', scheme: BF16}\n")
-    # a calibrated KV cache: the job calibrates the K/V scales on the calibration text, then scores
-    fp8 = run_json(capsys, "score", "tiny", "--plan", str(plan_file), *args)
+    # a calibrated KV cache: the job calibrates the K/V scales on the calibration text (never on the text it
+    # evaluates, here an uploaded one), then scores
+    eval_text = tmp_path / "eval.txt"
+    eval_text.write_text("\n".join(["the cat sat on the mat and the dog ran to the park"] * 40))
+    fp8 = run_json(capsys, "score", "tiny", "--plan", str(plan_file), "--text", str(eval_text), *args)
     assert fp8["kv_cache"] == "FP8" and fp8["plan"] == "fp8-kv" and fp8["kl_mean"] > 0
+    assert fp8["kv_calibration_text"] == "builtin:lee_background.cor"
     stored = next(s for s in svc.list_scores(svc.get_model("tiny").id) if s.job_id == fp8["job"])
     assert stored.kv_cache == "FP8" and stored.plan_body["kv_cache"] == "FP8"
     assert set(stored.details["kv_saturation"]) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}

@@ -51,11 +51,11 @@ def load_model(ctx: JobContext, model_rec, device: str):
     return _MODEL_CACHE[key]
 
 
-def text_path(ctx: JobContext, role: str) -> tuple[Path, str]:
-    """The text a job reads: an uploaded dataset (params['dataset']) or the built-in default."""
+def text_path(ctx: JobContext, role: str, dataset_param: str = "dataset") -> tuple[Path, str]:
+    """The text a job reads: an uploaded dataset (params[dataset_param]) or the built-in default for the role."""
     from quantcore import text
 
-    ref = ctx.params.get("dataset")
+    ref = ctx.params.get(dataset_param)
     if ref is None:
         path = text.default_calibration_text() if role == "calibration" else text.default_eval_text()
         return path, f"builtin:{path.name}"
@@ -67,10 +67,11 @@ def text_path(ctx: JobContext, role: str) -> tuple[Path, str]:
     return path, ds.name
 
 
-def token_ids(ctx: JobContext, tokenizer, role: str, *, samples: int, seq_len: int):
+def token_ids(ctx: JobContext, tokenizer, role: str, *, samples: int, seq_len: int,
+              dataset_param: str = "dataset"):
     from quantcore import text
 
-    path, label = text_path(ctx, role)
+    path, label = text_path(ctx, role, dataset_param)
     docs = text.load_documents(path)
     return text.token_batches(tokenizer, docs, n_samples=samples, seq_len=seq_len), label
 

@@ -120,11 +120,11 @@ def score(ctx: JobContext) -> Outcome:
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
-    kv_amax = None
-    if kv.calibrated:
+    kv_amax = kv_text = None
+    if kv.calibrated:  # on calibration text (params['cal_dataset'] or the built-in one), never the evaluation text
         ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
-        cal_ids, _ = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
-                               seq_len=int(ctx.params.get("cal_seq_len") or 256))
+        cal_ids, kv_text = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
+                                     seq_len=int(ctx.params.get("cal_seq_len") or 256), dataset_param="cal_dataset")
         kv_amax = calibrate_kv_cache(model, plan, cal_ids.to(ids.device), act_amax=act_amax,
                                      act_channel_max=act_channel_max, should_cancel=ctx.should_cancel)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
@@ -138,6 +138,8 @@ def score(ctx: JobContext) -> Outcome:
     result = {k: rep[k] for k in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl",
                                   "tokens", "kv_cache")}
     result.update(plan=plan_label, calibration_job=cal[0] if cal else None)
+    if kv_text is not None:
+        result["kv_calibration_text"] = kv_text
 
     def write(s: Session) -> None:
         repo.save_score(s, job_id=ctx.job_id, model_id=rec.id, plan_id=ctx.plan_id, plan_label=plan_label,
