@@ -441,9 +441,9 @@ def score_sets(scores: list[ScoreRecord]) -> list[tuple[str, int]]:
     return [key for key, _ in Counter((s.dataset, s.tokens) for s in scores).most_common()]
 
 
-TRADEOFF_COSTS = ("weight_mib", "prefill_ms", "decode_ms", "ideal_prefill_ms", "ideal_decode_ms")
-TRADEOFF_COLUMNS = ["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib", "weight_ratio", "prefill_ms",
-                    "decode_ms", "ideal_prefill_ms", "ideal_decode_ms"]
+TRADEOFF_COSTS = ("weight_mib", "kv_kib", "prefill_ms", "decode_ms", "ideal_prefill_ms", "ideal_decode_ms")
+TRADEOFF_COLUMNS = ["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib", "weight_ratio", "kv_cache", "kv_kib",
+                    "prefill_ms", "decode_ms", "ideal_prefill_ms", "ideal_decode_ms"]
 
 
 def measured_ms(model: ModelRecord, records) -> list[int]:
@@ -458,7 +458,8 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     """What each scored plan costs next to what it loses: the newest score of each plan among ``scores``.
 
     Columns (:data:`TRADEOFF_COLUMNS`): job, plan, kl_mean, top1_agree, ppl, weight_mib (the plan's
-    linear weights, scales included), weight_ratio (share of BF16); with ``device_name``
+    linear weights, scales included), weight_ratio (share of BF16), kv_cache (the format scored) and kv_kib
+    (its KV cache per token, KiB; NaN where the model has no k_proj / v_proj); with ``device_name``
     prefill_ms / decode_ms, the plan's GEMM time of one step at ``m_prefill`` / ``m_decode`` from
     that device's stored timings (NaN unless every layer has one at that M: a partial sum is never
     shown as a cost); with ``target``, ideal_prefill_ms / ideal_decode_ms, the roofline bound of a
@@ -472,6 +473,7 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
 
     from quantcore.kernels import scheme_path
     from quantcore.kernels import step_estimate as estimate
+    from quantcore.kvcache import kv_bytes_per_token
     from quantcore.plans import plan_footprint as footprint
     from quantcore.roofline import step_bound as bound
 
@@ -482,8 +484,10 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     shapes = layer_shapes(model)
     rows = []
     for sc in sorted(newest.values(), key=lambda s: (s.kl_mean, s.job_id)):
+        kv_bytes = kv_bytes_per_token(model.linears, sc.kv_cache)
         row = {"job": sc.job_id, "plan": sc.plan_label, "kl_mean": sc.kl_mean, "top1_agree": sc.top1_agree,
-               "ppl": sc.ppl, "weight_mib": math.nan, "weight_ratio": math.nan,
+               "ppl": sc.ppl, "weight_mib": math.nan, "weight_ratio": math.nan, "kv_cache": sc.kv_cache,
+               "kv_kib": math.nan if kv_bytes is None else kv_bytes / 1024,
                "prefill_ms": math.nan, "decode_ms": math.nan, "ideal_prefill_ms": math.nan,
                "ideal_decode_ms": math.nan}
         resolved, _ = resolve(model, sc.plan_body)

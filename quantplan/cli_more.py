@@ -165,6 +165,8 @@ def cmd_scores(args) -> int:
                                target=args.target, ideal_m_prefill=args.prompt, ideal_m_decode=args.batch)
     # (column, header, format, width) of each cost shown
     costs = [("weight_mib", "weights MiB", ",.1f", 13)]
+    if (frame["kv_cache"] != "AUTO").any():
+        costs.append(("kv_kib", "KV KiB/token", ",.2f", 13))
     if args.timings:
         costs += [("prefill_ms", f"prefill ms (M={m_prefill})", ".4f", 20),
                   ("decode_ms", f"decode ms (M={m_decode})", ".4f", 18)]

@@ -498,6 +498,15 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     stored = next(s for s in svc.list_scores(svc.get_model("tiny").id) if s.job_id == fp8["job"])
     assert stored.kv_cache == "FP8" and stored.plan_body["kv_cache"] == "FP8"
     assert set(stored.details["kv_saturation"]) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    # the cache's memory is a cost beside the weights': half of BF16's per token for the FP8 formats
+    plans = {r["plan"]: r for r in run_json(capsys, "scores", "tiny", "--json")["plans"]}
+    assert plans["FP8_DYNAMIC"]["kv_cache"] == "AUTO" and plans["FP8_DYNAMIC"]["kv_kib"] == 2 * 128 / 1024
+    assert plans["FP8_DYNAMIC + KV FP8_E5M2"]["kv_kib"] == 128 / 1024
+    assert plans["FP8_DYNAMIC + KV FP8_E5M2"]["front_kv_kib"]  # the least cache memory
+    assert plans["FP8_DYNAMIC"]["front_kv_kib"]  # the lowest KL
+    assert not plans["FP8_DYNAMIC + KV FP8_E5M2"]["front_weight_mib"]  # same weights, more KL: beaten there
+    code, out, _ = run(capsys, "scores", "tiny")
+    assert code == 0 and "KV KiB/token" in out
 
     shown = run_json(capsys, "plan", "show", str(plan_file), "--target", "h100", "--json")["kv_cache"]
     elements = 2 * 2 * (2 * 16)  # 2 blocks × (K and V) × 2 KV heads of head_dim 16

@@ -109,6 +109,8 @@ else:
         eval_set = st.selectbox("Scored on", sets, format_func=lambda t: f"{t[0]} · {t[1]:,} positions",
                                 key="tradeoff_set")
     costs = {"weight_mib": "linear weights (MiB)"}
+    if any(s.kv_cache != "AUTO" for s in scores):
+        costs["kv_kib"] = "KV cache per token (KiB)"
     device_name = m_prefill = m_decode = None
     c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
     target = c2.selectbox("Ideal step times (roofline) on", [None, *svc.target_names()],
@@ -157,6 +159,8 @@ else:
                                 "front": st.column_config.CheckboxColumn("on the front"),
                                 "weight_mib": st.column_config.NumberColumn("weights MiB", format="%.1f"),
                                 "weight_ratio": st.column_config.NumberColumn("of BF16", format="%.3f"),
+                                "kv_cache": st.column_config.TextColumn("KV cache"),
+                                "kv_kib": st.column_config.NumberColumn("KV KiB / token", format="%.2f"),
                                 "prefill_ms": st.column_config.NumberColumn("prefill ms", format="%.4f"),
                                 "decode_ms": st.column_config.NumberColumn("decode ms", format="%.4f"),
                                 "ideal_prefill_ms": st.column_config.NumberColumn(

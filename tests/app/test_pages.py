@@ -612,6 +612,12 @@ def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     kv = dict(zip(table["plan"], table["KV cache"], strict=True))
     assert kv.pop("FP8_DYNAMIC + KV FP8_UNSCALED") == "FP8_UNSCALED" and set(kv.values()) == {"AUTO"}
     assert any("clipped K or V in 3 layers" in w.value for w in at.warning)
+    trade = next(d.value for d in at.dataframe if "kv_kib" in d.value.columns).set_index("plan")
+    assert trade.loc["FP8_DYNAMIC + KV FP8_UNSCALED", "kv_kib"] * 2 == trade.loc["FP8_DYNAMIC", "kv_kib"]
+    at.radio(key="tradeoff_cost").set_value("kv_kib").run()
+    assert not at.exception
+    trade = next(d.value for d in at.dataframe if "front" in d.value.columns).set_index("plan")
+    assert trade.loc["FP8_DYNAMIC + KV FP8_UNSCALED", "front"]  # the least KV memory of all
     at.selectbox(key="score_kv").set_value("FP8_E5M2")
     at.button[0].click().run()
     assert not at.exception
