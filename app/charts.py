@@ -805,3 +805,46 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
     labels = alt.Chart(front).mark_text(align="left", dx=7, dy=-6, fontSize=11).encode(
         x=x, y=y, text="plan:N", color=alt.value("#333333"))  # the beaten ones crowd: they have tooltips
     return alt.layer(line, points, labels, height=height, title=f"KL against {cost_title}")
+
+
+# ---------------------------------------------------------------------- K and V (what the KV cache holds)
+
+
+def kv_amax_frame(kv_amax: Mapping[str, Mapping[str, float]] | None) -> pd.DataFrame:
+    """One row per attention layer and tensor: layer, block, tensor ("K" / "V"), amax (max |x| as cached).
+
+    Input: a calibration's ``kv_amax`` ``{"k": {layer: amax}, "v": {...}}``; None or empty gives an empty
+    frame with the columns.
+    """
+    rows = []
+    for tensor, key in (("K", "k"), ("V", "v")):
+        for layer, amax in ((kv_amax or {}).get(key) or {}).items():
+            block = next((int(p) for p in layer.split(".") if p.isdigit()), -1)
+            rows.append({"layer": layer, "block": block, "tensor": tensor, "amax": float(amax)})
+    return pd.DataFrame(rows, columns=["layer", "block", "tensor", "amax"])
+
+
+def kv_amax_chart(df: pd.DataFrame, limit: float = 448.0, height: int = CHART_HEIGHT) -> alt.LayerChart:
+    """Max |K| and |V| of every attention layer (log y) with the largest value an unscaled E4M3 cache holds.
+
+    Input: :func:`kv_amax_frame`. A point above the rule saturates in ``FP8_UNSCALED`` (vLLM's scale 1.0).
+    """
+    _check_columns(df, ["layer", "block", "tensor", "amax"], "kv_amax_chart")
+    floor = _positive_floor(df["amax"])
+    df = df.assign(value=df["amax"].clip(lower=floor))
+    top = max(float(df["value"].max()) if len(df) else limit, limit) * 2
+    points = (
+        alt.Chart(df, height=height, title="Largest |K| and |V| per attention layer, as the KV cache stores them")
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("block:O", title="block"),
+            y=alt.Y("value:Q", title="max |x|", scale=alt.Scale(type="log", domainMax=top)),
+            color=alt.Color("tensor:N", title="tensor"),
+            tooltip=[alt.Tooltip("layer:N"), alt.Tooltip("tensor:N"), alt.Tooltip("amax:Q", format=",.4g")],
+        )
+    )
+    rule = alt.Chart(pd.DataFrame({"y": [limit], "label": [f"E4M3 max {limit:g} (scale 1.0)"]})).mark_rule(
+        strokeDash=[6, 3], color="#c0392b").encode(y="y:Q")
+    text = alt.Chart(pd.DataFrame({"y": [limit], "label": [f"E4M3 max {limit:g}: FP8_UNSCALED saturates above"]})) \
+        .mark_text(align="left", dx=4, dy=-6, color="#c0392b").encode(y="y:Q", text="label:N")
+    return alt.layer(points, rule, text)

@@ -465,6 +465,8 @@ def test_an_encoder_is_calibrated_but_never_queued_for_scoring(qp_settings, caps
     assert svc.get_model("enc").causal_lm is False
     cal = run_json(capsys, "calibrate", "enc", "--local", "--samples", "2", "--seq-len", "16", "--json")
     assert cal["layers"]
+    job = svc.calibrations(svc.get_model("enc").id)[0]  # BERT's query/key/value: no K/V maxima, and it says why
+    assert job.result["kv_amax"] is None and "k_proj and v_proj" in job.result["kv_note"]
     before = len(svc.list_jobs())
     for argv in (("score", "enc", "--scheme", "FP8_DYNAMIC", "--local"), ("score", "enc", "--scheme", "FP8_DYNAMIC"),
                  ("sensitivity", "enc", "--scheme", "FP8_DYNAMIC", "--local")):
@@ -477,6 +479,12 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     from app import services as svc
 
     args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
+    # a calibration records the largest K and V of every attention layer with the linears' statistics
+    run_json(capsys, "calibrate", "tiny", *args)
+    cal = svc.calibrations(svc.get_model("tiny").id)[0]
+    assert set(cal.result["kv_amax"]["k"]) == set(cal.result["kv_amax"]["v"]) == {
+        "model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert all(v > 0 for v in cal.result["kv_amax"]["k"].values())
     plain = run_json(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", *args)
     assert plain["kv_cache"] == "AUTO" and plain["plan"] == "FP8_DYNAMIC"
     e5m2 = run_json(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--kv-cache", "fp8_e5m2", *args)

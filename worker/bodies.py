@@ -145,20 +145,43 @@ def calibrate(ctx: JobContext) -> Outcome:
     seq_len = int(ctx.params.get("seq_len") or DEFAULT_CAL_SEQ_LEN)
     ids, label = token_ids(ctx, tok, "calibration", samples=samples, seq_len=seq_len)
     ctx.progress(0.05, f"calibrating on {ids.shape[0]}×{ids.shape[1]} tokens of {label}")
-    stats = run_calibration(
-        model, ids.to(device), batch_size=int(ctx.params.get("batch_size") or 4),
-        progress=lambda f, msg: ctx.progress(0.05 + 0.9 * f, msg), should_cancel=ctx.should_cancel,
-    )
+
+    def run():
+        return run_calibration(
+            model, ids.to(device), batch_size=int(ctx.params.get("batch_size") or 4),
+            progress=lambda f, msg: ctx.progress(0.05 + 0.9 * f, msg), should_cancel=ctx.should_cancel,
+        )
+
+    stats, kv_amax, kv_note = _with_kv_amax(model, run)
     ranked = sorted(stats.values(), key=lambda st: st.outlier_ratio, reverse=True)
     result = {
         "layers": len(stats), "tokens": int(ids.numel()), "text": label,
         "top": [{"name": st.name, "outlier_ratio": round(st.outlier_ratio, 2)} for st in ranked[:5]],
+        "kv_amax": kv_amax, **({"kv_note": kv_note} if kv_note else {}),
     }
 
     def write(s: Session) -> None:
         repo.save_activation_stats(s, job_id=ctx.job_id, model_id=rec.id, stats=stats.values())
 
     return Outcome(result=result, write=write, message=f"{len(stats)} layers calibrated")
+
+
+def _with_kv_amax(model, run):
+    """(run(), per attention layer max |K| and |V| as cached or None, why not): the K/V maxima come from the
+    same forwards (quantcore.kvcache.kv_amax_observed); a model whose attention cannot be observed is
+    calibrated all the same, and the note says why it has no K/V maxima."""
+    from quantcore.errors import PlanError
+    from quantcore.kvcache import attention_modules, kv_amax_observed
+
+    if not attention_modules(model):
+        return run(), None, "no attention module with k_proj and v_proj"
+    stats = None
+    try:
+        with kv_amax_observed(model) as amax:
+            stats = run()
+        return stats, amax.to_dict(), None
+    except PlanError as exc:
+        return (stats if stats is not None else run()), None, str(exc)
 
 
 def score(ctx: JobContext) -> Outcome:  # defined in worker.scoring_bodies once scoring lands

@@ -113,7 +113,27 @@ else:
     st.altair_chart(charts.histogram_chart(hist, charts.grid_frame(grid, hist["lo"].min(), hist["hi"].max()),
                                            f"{fmt} ({gran})"), width="stretch")
 
-# ----------------------------------------------------------------------------- 6. what will break
+# ----------------------------------------------------------------------------- 6. K and V
+cal = next(c for c in cals if c.id == cal_id)
+kv_frame = charts.kv_amax_frame((cal.result or {}).get("kv_amax"))
+st.subheader("K and V: what the KV cache holds")
+if kv_frame.empty:
+    st.caption("This calibration has no K/V maxima"
+               + (f": {cal.result['kv_note']}." if (cal.result or {}).get("kv_note") else
+                  " (it predates them; calibrate again to see them)."))
+else:
+    st.altair_chart(charts.kv_amax_chart(kv_frame), width="stretch")
+    over = kv_frame[kv_frame["amax"] > 448.0]
+    st.caption("K after the rotary embedding and V, per attention layer, over the calibration text: the tensors a "
+               "serving engine writes into its KV cache. An FP8 E4M3 cache without calibrated scales "
+               "(FP8_UNSCALED, vLLM's `--kv-cache-dtype fp8` on a checkpoint without K/V scales) clips everything "
+               "above 448; calibrated scales (FP8) map each layer's maximum onto 448 instead. "
+               + (f"**{len(over)} of {len(kv_frame)} maxima exceed 448** ({', '.join(sorted(set(over['layer'])))[:300]}): "
+                  "choose FP8, not FP8_UNSCALED, for this model's KV cache." if len(over) else
+                  f"Every maximum is below 448 (largest {kv_frame['amax'].max():,.4g}): scale 1.0 clips nothing "
+                  "on this text."))
+
+# ----------------------------------------------------------------------------- 7. what will break
 st.subheader("What will break, before running anything")
 st.caption("From the statistics alone: share of channels whose largest value flushes to zero, the worst "
            "relative rounding error of the smallest channel, and the share of values a static scale set "

@@ -466,3 +466,21 @@ def test_tradeoff_chart_draws_costed_plans_and_joins_the_front() -> None:
     assert data_rows(only_zero, view_with(only_zero, "circle"))[0]["kl_plot"] == charts.KL_FLOOR
     with pytest.raises(ValueError, match="front"):
         charts.tradeoff_chart(df.drop(columns="front"), "decode_ms", "decode step (ms)")
+
+
+def test_kv_amax_chart_draws_k_and_v_per_block_against_the_e4m3_limit():
+    kv = {"k": {"model.layers.0.self_attn": 21.5, "model.layers.1.self_attn": 900.0},
+          "v": {"model.layers.0.self_attn": 3.0, "model.layers.1.self_attn": 0.0}}
+    df = charts.kv_amax_frame(kv)
+    assert list(df.columns) == ["layer", "block", "tensor", "amax"]
+    assert sorted(zip(df["tensor"], df["block"], df["amax"], strict=True)) == [
+        ("K", 0, 21.5), ("K", 1, 900.0), ("V", 0, 3.0), ("V", 1, 0.0)]
+    spec = charts.kv_amax_chart(df).to_dict()
+    points, rule, _ = spec["layer"]
+    assert points["encoding"]["y"]["scale"]["type"] == "log"
+    assert points["encoding"]["y"]["scale"]["domainMax"] == 1800.0  # room above the largest value
+    # the all-zero V of block 1 is drawn at a positive floor (log axis), its tooltip keeps the true 0
+    assert points["encoding"]["tooltip"][2]["field"] == "amax"
+    rule_data = spec["datasets"][rule["data"]["name"]]
+    assert rule_data[0]["y"] == 448.0
+    assert charts.kv_amax_frame(None).empty and charts.kv_amax_frame({}).empty

@@ -623,3 +623,29 @@ def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     assert not at.exception
     job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
     assert job.params["kv_cache"] == "FP8_E5M2"
+
+
+def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    at = _run("outliers", seeded.id)
+    assert not at.exception
+    assert any(h.value == "K and V: what the KV cache holds" for h in at.subheader)
+    assert any("predates them" in c.value for c in at.caption)  # the seeded calibration has no K/V maxima
+    kv = {"k": {f"model.layers.{b}.self_attn": 20.0 + 300.0 * (b == 3) for b in range(4)},
+          "v": {f"model.layers.{b}.self_attn": 5.0 for b in range(4)}}
+    with session_scope() as s:
+        cal = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user="t", model_id=seeded.id)
+        repo.save_activation_stats(s, job_id=cal.id, model_id=seeded.id, stats=repo.load_activation_stats(
+            s, repo.calibrations(s, seeded.id)[0].id))
+        repo.finish_job(s, cal.id, status="succeeded", result={"tokens": 256, "text": "t", "kv_amax": kv})
+    at = _run("outliers", seeded.id)
+    assert not at.exception
+    assert any("Every maximum is below 448 (largest 320)" in c.value for c in at.caption)
+    kv["k"]["model.layers.2.self_attn"] = 900.0
+    with session_scope() as s:
+        cal = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user="t", model_id=seeded.id)
+        repo.finish_job(s, cal.id, status="succeeded", result={"tokens": 256, "text": "t", "kv_amax": kv})
+    at = _run("outliers", seeded.id)
+    assert any("1 of 8 maxima exceed 448** (model.layers.2.self_attn)" in c.value for c in at.caption)
