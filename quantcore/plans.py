@@ -549,8 +549,10 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
 
     quantcore quantizes a last, partial group as it is; compressed-tensors warns ("group quantization
     strategy requires strict division ... consider reducing the group size or ignoring modules") and
-    group kernels such as vLLM's Marlin need K divisible by the group. One message per (scheme, group),
-    naming how many layers and which K; an empty list when every group fits.
+    vLLM's Marlin kernels refuse to load such a layer (``verify_marlin_supports_shape``: "Weight
+    input_size_per_partition = ... is not divisible by group_size"; with tensor parallelism the K of
+    each shard of a row-parallel layer, o_proj or down_proj, must be divisible too). One message per
+    (scheme, group), naming how many layers and which K; an empty list when every group fits.
     """
     misfit: dict[tuple[str, int], dict[str, Any]] = {}
     for layer, scheme in resolved.items():
@@ -565,8 +567,9 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
                     entry["ks"].add(k)
     return [
         f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
-        f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); compressed-tensors warns and group "
-        "kernels (vLLM's Marlin) need K divisible by the group: keep those layers in another scheme"
+        f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); compressed-tensors warns and vLLM's "
+        "Marlin kernels refuse to load a layer whose K is not divisible by the group: keep those layers in "
+        "another scheme"
         for (label, g), e in misfit.items()
     ]
 
