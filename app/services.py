@@ -643,6 +643,25 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
     return out
 
 
+def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, batch: int,
+                      context: int) -> dict[str, float] | None:
+    """The ideal decode step of ``batch`` sequences each holding ``context`` tokens of cache: the linears'
+    roofline bound at M = batch plus the KV cache read (quantcore.roofline.kv_read_ms), for the plan and for
+    all-BF16. None where the model's cache cannot be counted (no k_proj / v_proj)."""
+    from quantcore.kvcache import kv_bytes_per_token
+    from quantcore.plans import PlanSpec
+    from quantcore.roofline import kv_read_ms
+
+    kv = PlanSpec.from_dict(body).kv_cache
+    per_token, bf16_per_token = (kv_bytes_per_token(model.linears, f) for f in (kv, "AUTO"))
+    if per_token is None or bf16_per_token is None:
+        return None
+    linear, bf16_linear = (step_bound(model, b, target, batch).ms for b in (body, {"default": "BF16"}))
+    kv_ms, bf16_kv_ms = (kv_read_ms(b, batch * context, target) for b in (per_token, bf16_per_token))
+    return {"linear_ms": linear, "kv_ms": kv_ms, "ms": linear + kv_ms, "bf16_linear_ms": bf16_linear,
+            "bf16_kv_ms": bf16_kv_ms, "bf16_ms": bf16_linear + bf16_kv_ms}
+
+
 def target_names() -> dict[str, str]:
     """{target key: GPU name} of the GPUs in quantcore.hardware's table."""
     from quantcore.hardware import list_targets

@@ -13,7 +13,8 @@ FP8 tensor cores run at twice the bf16 rate. A decode step (B = the batch) is bo
 the weight read, a prefill (B = batch x prompt tokens) by the math.
 
 What the bound counts: the plan's linear layers only (embeddings, attention over the KV
-cache, norms and activations are left out), weights at their stored size
+cache, norms and activations are left out; :func:`kv_read_ms` bounds the KV cache read of a
+decode step apart, to add at a given context), weights at their stored size
 (:func:`quantcore.schemes.weight_storage_bits`), and the math at the peak of the
 precision that runs natively on the target (:func:`quantcore.hardware.support_on_target`):
 FP8 / INT8 / FP4 tensor cores where the scheme's activations use them, bf16 otherwise
@@ -128,3 +129,13 @@ def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[
     return StepBound(target=target_key, m=int(m), ms=total, memory_ms=mem_total, compute_ms=math_total,
                      memory_bound=memory_bound, layers=len(resolved), per_scheme=per_scheme, not_native=not_native,
                      unsupported=unsupported)
+
+
+def kv_read_ms(bytes_per_token: float, tokens: int, target_key: str) -> float:
+    """The least time a decode step spends reading the KV cache: every cached token of every sequence in the
+    batch (``tokens`` = batch × context) read once at the target's memory bandwidth. Attention over the cache
+    is memory-bound at decode (a few FLOPs per byte), so this is its bound; add it to the linears' bound for
+    a decode step at that context."""
+    if tokens < 0 or bytes_per_token < 0:
+        raise ValueError("bytes_per_token and tokens must be non-negative")
+    return bytes_per_token * tokens / (get_target(target_key).memory_tbs * 1e12) * 1e3

@@ -55,6 +55,9 @@ def cmd_plan_show(args) -> int:
                           "layers": bound.layers, "not_native": len(bound.not_native),
                           "unsupported": len(bound.unsupported)})
     kvm = svc.kv_memory(model, body, args.target)
+    if kvm is not None and args.target and args.context:
+        kvm["decode_with_cache"] = {"batch": args.batch, "context": args.context,
+                                    **svc.decode_with_cache(model, body, args.target, args.batch, args.context)}
     if args.json:
         extra = {"target": args.target, "ideal": ideal} if args.target else {}
         _print_json({"plan": label, "model": model.name, **fp.to_dict(), **extra, "kv_cache": kvm})
@@ -68,6 +71,11 @@ def cmd_plan_show(args) -> int:
     if kvm is not None:
         print(f"KV cache {kvm['kv_cache']}: {kvm['bytes_per_token'] / 1024:,.1f} KiB per token "
               f"(BF16 {kvm['bf16_bytes_per_token'] / 1024:,.1f} KiB)")
+        dec = kvm.get("decode_with_cache")
+        if dec:
+            print(f"  ideal decode step of {args.batch} sequence(s) × {args.context:,} tokens of context: "
+                  f"{dec['ms']:.4f} ms ({dec['linear_ms']:.4f} linears + {dec['kv_ms']:.4f} cache read); "
+                  f"all-BF16 {dec['bf16_ms']:.4f} ms")
         if args.target:
             print(f"  tokens of cache that fit on {svc.target_names()[args.target]} beside the weights (90 % of "
                   f"{kvm['memory_gb']:g} GB, activations not counted): {kvm['tokens']:,} (all-BF16: "
@@ -189,6 +197,8 @@ def add_commands(sub) -> None:
     sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")
     sp.add_argument("--model", help="model of a plan file that does not name one")
     add_ideal_options(sp, "the ideal (roofline) decode and prefill step")
+    sp.add_argument("--context", type=int, help="with --target: the ideal decode step of --batch sequences "
+                    "holding this many tokens of KV cache each (the linears plus the cache read)")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_plan_show)
 

@@ -523,6 +523,13 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     assert shown["tokens"] > shown["bf16_tokens"] > 0
     code, out, _ = run(capsys, "plan", "show", str(plan_file), "--target", "h100")
     assert code == 0 and "KV cache FP8: 0.1 KiB per token (BF16 0.2 KiB)" in out and "tokens of cache" in out
+    # a decode step at a long context reads the whole cache: the FP8 cache reads half the bytes of BF16's
+    dec = run_json(capsys, "plan", "show", str(plan_file), "--target", "h100", "--batch", "8", "--context",
+                   "100000", "--json")["kv_cache"]["decode_with_cache"]
+    assert dec["kv_ms"] == pytest.approx(elements * 8 * 100_000 / 3.35e12 * 1e3)
+    assert dec["bf16_kv_ms"] == pytest.approx(2 * dec["kv_ms"]) and dec["ms"] == dec["linear_ms"] + dec["kv_ms"]
+    code, out, _ = run(capsys, "plan", "show", str(plan_file), "--target", "h100", "--context", "4096")
+    assert code == 0 and "1 sequence(s) × 4,096 tokens of context" in out
 
     code, recipe, _ = run(capsys, "plan", "export", str(plan_file), "--format", "llmcompressor")
     assert code == 0 and "kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor" in recipe

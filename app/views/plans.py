@@ -148,12 +148,21 @@ if resolved is not None:
         c2.metric(f"Tokens of cache that fit on a {gpu}", f"{kvm['tokens']:,}",
                   f"×{kvm['tokens'] / kvm['bf16_tokens']:.2f} vs all-BF16 ({kvm['bf16_tokens']:,})"
                   if kvm["bf16_tokens"] else "all-BF16: the weights do not fit", delta_color="off", delta_arrow="off")
+        c1, c2, c3 = st.columns([1, 1, 2])
+        batch = int(c1.number_input("Sequences decoding", 1, 4096, 16, key="plan_kv_batch"))
+        context = int(c2.number_input("Tokens of context each", 1, 1 << 21, 4096, step=1024, key="plan_kv_context"))
+        dec = svc.decode_with_cache(model, body, target, batch, context)
+        c3.metric(f"Ideal decode step with the cache read on {gpu}", f"{dec['ms']:.3f} ms",
+                  f"×{dec['bf16_ms'] / dec['ms']:.2f} vs all-BF16 ({dec['bf16_ms']:.3f} ms); cache read "
+                  f"{dec['kv_ms'] / dec['ms']:.0%} of it", delta_color="off", delta_arrow="off")
         st.caption(f"K and V of every layer for one token (k_proj + v_proj widths, so grouped-query attention is "
                    f"counted). Tokens that fit: {kvm['memory_gb']:g} GB × 90 % (vLLM's default memory share) minus "
                    "the weights (the plan's linear weights, everything else in BF16); activations and CUDA graphs "
                    "take some of it, so this is an upper bound. Every token of every running sequence sits here: "
-                   "it bounds the batch × context a server holds. The accuracy cost of a KV format shows when the "
-                   "plan is scored (Results)."
+                   "it bounds the batch × context a server holds. A decode step reads every cached token once: "
+                   f"{batch:,} × {context:,} tokens at {svc.target_bandwidth(target):g} TB/s on top of the linears' "
+                   "bound, which is where a long context spends its time. The accuracy cost of a KV format shows "
+                   "when the plan is scored (Results)."
                    + (" FP8_UNSCALED keeps vLLM's default scale 1.0: a |K| or |V| above 448 saturates."
                       if kvm["kv_cache"] == "FP8_UNSCALED" else ""))
 

@@ -593,6 +593,13 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
             "rules": [{"match": "lm_head", "scheme": "BF16"}]}
     kvm = svc.kv_memory(svc.get_model(seeded.id), body, "h100")
     assert fit.value == f"{kvm['tokens']:,}" and kvm["tokens"] > kvm["bf16_tokens"]
+    # the decode step at a long context: the linears' bound plus reading every cached token once
+    at.number_input(key="plan_kv_batch").set_value(64)
+    at.number_input(key="plan_kv_context").set_value(32768).run()
+    dec = svc.decode_with_cache(svc.get_model(seeded.id), body, "h100", 64, 32768)
+    step = next(m for m in at.metric if m.label.startswith("Ideal decode step with the cache read"))
+    assert step.value == f"{dec['ms']:.3f} ms" and f"all-BF16 ({dec['bf16_ms']:.3f} ms)" in step.proto.delta
+    assert dec["bf16_kv_ms"] == 2 * dec["kv_ms"] and dec["kv_ms"] > dec["linear_ms"]  # long context: the cache
     at.text_input(key="plan_name").set_value("with-kv")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     assert not at.exception
