@@ -733,11 +733,24 @@ def _mlp_norm(model: ModelRecord) -> str:
 
 
 def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
-    """What serving this plan will run into though it resolves (quantcore.plans.group_misfits)."""
-    from quantcore.plans import group_misfits
+    """What serving this plan will run into though it resolves: groups that do not divide K
+    (quantcore.plans.group_misfits), and an unscaled KV cache that the newest calibration's K or V would
+    overflow (quantcore.kvcache.kv_clipping)."""
+    from quantcore.kvcache import kv_clipping
+    from quantcore.plans import PlanSpec, group_misfits
 
     resolved, problem = resolve(model, body)
-    return [] if problem else group_misfits(resolved, layer_shapes(model))
+    if problem:
+        return []
+    warnings = group_misfits(resolved, layer_shapes(model))
+    kv = PlanSpec.from_dict(body).kv_cache
+    if kv != "AUTO":
+        with session_scope(settings()) as s:
+            cal = repo.latest_calibration(s, model.id)
+        clipping = kv_clipping((cal.result or {}).get("kv_amax") if cal else None, kv)
+        if clipping:
+            warnings.append(clipping)
+    return warnings
 
 
 def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:

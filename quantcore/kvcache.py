@@ -151,6 +151,24 @@ def kv_token_capacity(memory_gb: float, weight_bytes: float, bytes_per_token: fl
     return max(0, int(free // bytes_per_token))
 
 
+def kv_clipping(kv_amax: Mapping[str, Mapping[str, float]] | None, fmt: str | KvCacheFormat | None) -> str | None:
+    """A warning when an unscaled format cannot hold the K or V a calibration saw (``kv_amax`` as
+    :meth:`KvAmax.to_dict` writes it): those values saturate at the format's max. None when nothing exceeds
+    it, the format is calibrated (FP8) or AUTO, or no maxima are known."""
+    kv = get_kv_format(fmt)
+    if kv.is_identity or kv.calibrated or not kv_amax:
+        return None
+    limit = get_format(kv.element).max
+    over = sorted({layer for t in ("k", "v") for layer, a in (kv_amax.get(t) or {}).items() if a > limit})
+    if not over:
+        return None
+    worst = max(a for t in ("k", "v") for a in (kv_amax.get(t) or {}).values())
+    layers = len(set(kv_amax.get("k") or {}) | set(kv_amax.get("v") or {}))
+    return (f"KV cache {kv.name}: K or V reach {worst:,.4g} in {len(over)} of {layers} attention layer(s) "
+            f"({name_list(over)}) on the newest calibration, beyond the {limit:g} that {kv.element} holds at "
+            "scale 1.0: those values saturate when served; choose FP8 (calibrated per-layer scales)")
+
+
 # ---------------------------------------------------------------------- emulation
 
 

@@ -652,7 +652,19 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
     assert any("Every maximum is below 448 (largest 320)" in c.value for c in at.caption)
     kv["k"]["model.layers.2.self_attn"] = 900.0
     with session_scope() as s:
+        stats = repo.load_activation_stats(s, repo.calibrations(s, seeded.id)[0].id)
         cal = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user="t", model_id=seeded.id)
+        repo.save_activation_stats(s, job_id=cal.id, model_id=seeded.id, stats=stats)
         repo.finish_job(s, cal.id, status="succeeded", result={"tokens": 256, "text": "t", "kv_amax": kv})
     at = _run("outliers", seeded.id)
     assert any("1 of 8 maxima exceed 448** (model.layers.2.self_attn)" in c.value for c in at.caption)
+    # the plan that would cache those K in E4M3 at scale 1.0 is warned about where it is made and exported
+    from app import services as svc
+
+    body = {"model": seeded.name, "default": "FP8_DYNAMIC", "kv_cache": "FP8_UNSCALED"}
+    (warning,) = svc.serving_warnings(svc.get_model(seeded.id), body)
+    assert "reach 900 in 1 of 4 attention layer(s) ('model.layers.2.self_attn')" in warning
+    assert svc.serving_warnings(svc.get_model(seeded.id), {**body, "kv_cache": "FP8"}) == []
+    at = _run("plans", seeded.id)
+    at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8_UNSCALED").run()
+    assert any("reach 900" in w.value for w in at.warning)

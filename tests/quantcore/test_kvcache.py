@@ -239,3 +239,18 @@ def test_scores_see_the_kv_cache_and_its_saturation() -> None:
     assert any("FP8_UNSCALED KV cache clipped K or V" in n and "calibrated K/V scales" in n for n in clipped.notes)
     calibrated = score_plan(model, {}, ids, ref, kv_cache="FP8", kv_amax=calibrate_kv_cache(model, {}, ids))
     assert max(calibrated.kv_saturation.values()) == 0 and calibrated.kl_mean < clipped.kl_mean
+
+
+def test_clipping_warning_names_the_layers_an_unscaled_cache_overflows() -> None:
+    from quantcore.kvcache import kv_clipping
+
+    amax = {"k": {"model.layers.0.self_attn": 20.0, "model.layers.1.self_attn": 912.5},
+            "v": {"model.layers.0.self_attn": 3.0, "model.layers.1.self_attn": 4.0}}
+    msg = kv_clipping(amax, "FP8_UNSCALED")
+    assert msg is not None and "reach 912.5 in 1 of 2 attention layer(s) ('model.layers.1.self_attn')" in msg
+    assert "448" in msg and "choose FP8" in msg
+    for fmt in ("FP8", "AUTO", "FP8_E5M2"):  # calibrated scales, nothing cached in FP8, or ±57344 of range
+        assert kv_clipping(amax, fmt) is None
+    assert kv_clipping({"k": {"a": 1e5}, "v": {}}, "FP8_E5M2") is not None
+    assert kv_clipping(None, "FP8_UNSCALED") is None
+    assert kv_clipping({"k": {"a": 447.0}, "v": {"a": 448.0}}, "FP8_UNSCALED") is None  # 448 itself is held
