@@ -617,13 +617,16 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
     return footprint(resolved_or_raise(model, body), layer_shapes(model))
 
 
-def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = None) -> dict[str, Any] | None:
-    """The plan's KV cache next to BF16: bytes per token, and with a target GPU how many tokens of cache fit
-    beside the weights (quantcore.kvcache.kv_token_capacity: vLLM's 90 % memory share, activations not
-    counted). Weights = the plan's linear weights + every other parameter in BF16. None when the model
-    has no separate k_proj / v_proj to count the cache from."""
+def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = None,
+              context: int | None = None) -> dict[str, Any] | None:
+    """The plan's KV cache next to BF16: bytes per token (every layer), and with a target GPU how many tokens
+    of cache fit beside the weights (quantcore.kvcache.kv_token_capacity: vLLM's 90 % memory share,
+    activations not counted); with a ``context`` too, the cache of one sequence of that many tokens
+    (sliding-window layers keep only their window) and how many such sequences fit. Weights = the plan's
+    linear weights + every other parameter in BF16. None when the model has no separate k_proj / v_proj to
+    count the cache from."""
     from quantcore.hardware import get_target
-    from quantcore.kvcache import get_kv_format, kv_bytes_per_token, kv_token_capacity
+    from quantcore.kvcache import get_kv_format, kv_bytes_per_sequence, kv_bytes_per_token, kv_token_capacity
     from quantcore.plans import PlanSpec
 
     kv = get_kv_format(PlanSpec.from_dict(body).kv_cache)
@@ -631,7 +634,13 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
     bf16 = kv_bytes_per_token(model.linears, "AUTO")
     if per_token is None or bf16 is None:
         return None
-    out: dict[str, Any] = {"kv_cache": kv.name, "bytes_per_token": per_token, "bf16_bytes_per_token": bf16}
+    windows = model.attention_windows
+    out: dict[str, Any] = {"kv_cache": kv.name, "bytes_per_token": per_token, "bf16_bytes_per_token": bf16,
+                           "windowed_layers": len(windows), "windows": sorted(set(windows.values()))}
+    if context:
+        out.update(context=context,
+                   sequence_bytes=kv_bytes_per_sequence(model.linears, kv, context, windows=windows),
+                   bf16_sequence_bytes=kv_bytes_per_sequence(model.linears, "AUTO", context, windows=windows))
     if target:
         fp = plan_footprint(model, body)
         other = max(0, model.num_params - fp.params) * 2  # embeddings, norms, biases: BF16
@@ -640,24 +649,29 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
         out.update(target=target, memory_gb=gpu.memory_gb, weight_bytes=weights, bf16_weight_bytes=bf16_weights,
                    tokens=kv_token_capacity(gpu.memory_gb, weights, per_token),
                    bf16_tokens=kv_token_capacity(gpu.memory_gb, bf16_weights, bf16))
+        if context:
+            out.update(sequences=kv_token_capacity(gpu.memory_gb, weights, out["sequence_bytes"]),
+                       bf16_sequences=kv_token_capacity(gpu.memory_gb, bf16_weights, out["bf16_sequence_bytes"]))
     return out
 
 
 def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, batch: int,
                       context: int) -> dict[str, float] | None:
     """The ideal decode step of ``batch`` sequences each holding ``context`` tokens of cache: the linears'
-    roofline bound at M = batch plus the KV cache read (quantcore.roofline.kv_read_ms), for the plan and for
-    all-BF16. None where the model's cache cannot be counted (no k_proj / v_proj)."""
-    from quantcore.kvcache import kv_bytes_per_token
+    roofline bound at M = batch plus reading each sequence's cache once (quantcore.roofline.kv_read_ms;
+    sliding-window layers read only their window), for the plan and for all-BF16. None where the model's
+    cache cannot be counted (no k_proj / v_proj)."""
+    from quantcore.kvcache import kv_bytes_per_sequence
     from quantcore.plans import PlanSpec
     from quantcore.roofline import kv_read_ms
 
     kv = PlanSpec.from_dict(body).kv_cache
-    per_token, bf16_per_token = (kv_bytes_per_token(model.linears, f) for f in (kv, "AUTO"))
-    if per_token is None or bf16_per_token is None:
+    seq, bf16_seq = (kv_bytes_per_sequence(model.linears, f, context, windows=model.attention_windows)
+                     for f in (kv, "AUTO"))
+    if seq is None or bf16_seq is None:
         return None
     linear, bf16_linear = (step_bound(model, b, target, batch).ms for b in (body, {"default": "BF16"}))
-    kv_ms, bf16_kv_ms = (kv_read_ms(b, batch * context, target) for b in (per_token, bf16_per_token))
+    kv_ms, bf16_kv_ms = (kv_read_ms(b, batch, target) for b in (seq, bf16_seq))
     return {"linear_ms": linear, "kv_ms": kv_ms, "ms": linear + kv_ms, "bf16_linear_ms": bf16_linear,
             "bf16_kv_ms": bf16_kv_ms, "bf16_ms": bf16_linear + bf16_kv_ms}
 

@@ -134,6 +134,9 @@ class CheckpointSummary:
     linears: list[LinearInfo] = field(default_factory=list)
     total_bytes: int = 0
     causal_lm: bool | None = None  # has a next-token head (scoring needs one); None: summarised before this was kept
+    # {attention module: window} of the layers that attend to a sliding window of tokens (Gemma 2/3, Mistral
+    # v0.1): their KV cache holds at most that many tokens; the other layers hold the whole context
+    attention_windows: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (linears as a list of dicts)."""
@@ -536,7 +539,24 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         linears=_linears(model),
         total_bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
         causal_lm=_is_causal_lm(config),
+        attention_windows=_attention_windows(model, text_config),
     )
+
+
+def _attention_windows(model: PreTrainedModel, config: PretrainedConfig) -> dict[str, int]:
+    """{attention module: sliding window} of the windowed attention layers: a module's own ``sliding_window``
+    where it keeps one (Gemma 3 and Qwen2 set it on their sliding layers only), else the config's for every
+    layer (Mistral). A window no shorter than the longest context is no window."""
+    from quantcore.kvcache import attention_modules
+
+    longest = getattr(config, "max_position_embeddings", None)
+    out: dict[str, int] = {}
+    for name, module in attention_modules(model).items():
+        window = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window",
+                                                                                            None)
+        if isinstance(window, int) and window > 0 and not (isinstance(longest, int) and window >= longest):
+            out[name] = window
+    return out
 
 
 # --- archives -----------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def kv_elements_per_token(linears: Iterable[Mapping[str, Any]]) -> int | None:
     """
     total = 0
     k = v = 0
-    for lin in linears:
+    for lin in list(linears):
         leaf = str(lin["name"]).rsplit(".", 1)[-1]
         if leaf in KV_PROJ_SUFFIXES:
             total += int(lin["out_features"])
@@ -138,6 +138,32 @@ def kv_bytes_per_token(linears: Iterable[Mapping[str, Any]], fmt: str | KvCacheF
     left out); None where :func:`kv_elements_per_token` is."""
     n = kv_elements_per_token(linears)
     return None if n is None else n * get_kv_format(fmt).bytes_per_element(model_bytes)
+
+
+def kv_layer_elements(linears: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """``{attention module: k_proj + v_proj output width}``: what one layer caches per token (empty for a model
+    without separate k_proj / v_proj)."""
+    out: dict[str, int] = {}
+    for lin in linears:
+        prefix, _, leaf = str(lin["name"]).rpartition(".")
+        if leaf in KV_PROJ_SUFFIXES:
+            out[prefix] = out.get(prefix, 0) + int(lin["out_features"])
+    return out
+
+
+def kv_bytes_per_sequence(linears: Iterable[Mapping[str, Any]], fmt: str | KvCacheFormat | None, context: int,
+                          *, windows: Mapping[str, int] | None = None, model_bytes: float = 2.0) -> float | None:
+    """Bytes the cache holds for one sequence of ``context`` tokens: every layer keeps all of them, except a
+    sliding-window layer (``windows``: ``{attention module: window}``), which keeps at most its window (as an
+    engine that frees tokens outside a layer's window does; vLLM's hybrid KV cache manager does). None where
+    :func:`kv_elements_per_token` is."""
+    linears = list(linears)
+    if kv_elements_per_token(linears) is None:
+        return None
+    width = get_kv_format(fmt).bytes_per_element(model_bytes)
+    windows = windows or {}
+    return sum(n * min(context, windows.get(layer, context)) * width
+               for layer, n in kv_layer_elements(linears).items())
 
 
 def kv_token_capacity(memory_gb: float, weight_bytes: float, bytes_per_token: float,

@@ -54,7 +54,7 @@ def cmd_plan_show(args) -> int:
             ideal.append({"step": step, "m": m, "ms": bound.ms, "bf16_ms": bf16.ms, "memory_bound": bound.memory_bound,
                           "layers": bound.layers, "not_native": len(bound.not_native),
                           "unsupported": len(bound.unsupported)})
-    kvm = svc.kv_memory(model, body, args.target)
+    kvm = svc.kv_memory(model, body, args.target, args.context)
     if kvm is not None and args.target and args.context:
         kvm["decode_with_cache"] = {"batch": args.batch, "context": args.context,
                                     **svc.decode_with_cache(model, body, args.target, args.batch, args.context)}
@@ -71,6 +71,14 @@ def cmd_plan_show(args) -> int:
     if kvm is not None:
         print(f"KV cache {kvm['kv_cache']}: {kvm['bytes_per_token'] / 1024:,.1f} KiB per token "
               f"(BF16 {kvm['bf16_bytes_per_token'] / 1024:,.1f} KiB)")
+        if kvm["windowed_layers"]:
+            print(f"  {kvm['windowed_layers']} layer(s) attend to a sliding window of "
+                  f"{', '.join(f'{w:,}' for w in kvm['windows'])} tokens and cache only that many")
+        if args.context:
+            print(f"  one sequence of {args.context:,} tokens: {svc.mib_text(8 * kvm['sequence_bytes'])} "
+                  f"(BF16 {svc.mib_text(8 * kvm['bf16_sequence_bytes'])})"
+                  + (f"; {kvm['sequences']:,} such sequences fit (all-BF16: {kvm['bf16_sequences']:,})"
+                     if args.target else ""))
         dec = kvm.get("decode_with_cache")
         if dec:
             print(f"  ideal decode step of {args.batch} sequence(s) × {args.context:,} tokens of context: "
@@ -197,8 +205,8 @@ def add_commands(sub) -> None:
     sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")
     sp.add_argument("--model", help="model of a plan file that does not name one")
     add_ideal_options(sp, "the ideal (roofline) decode and prefill step")
-    sp.add_argument("--context", type=int, help="with --target: the ideal decode step of --batch sequences "
-                    "holding this many tokens of KV cache each (the linears plus the cache read)")
+    sp.add_argument("--context", type=int, help="tokens of context a sequence holds: the KV cache of one such "
+                    "sequence, and with --target how many fit and the ideal decode step of --batch of them")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_plan_show)
 

@@ -38,6 +38,12 @@ class ModelRecord:
         return list(self.summary.get("linears", []))
 
     @property
+    def attention_windows(self) -> dict[str, int]:
+        """{attention module: sliding window} of windowed attention layers (empty: every layer sees the whole
+        context, or the intake summary predates this field)."""
+        return dict(self.summary.get("attention_windows") or {})
+
+    @property
     def causal_lm(self) -> bool | None:
         """Whether the model predicts next tokens (scoring and sensitivity need it); None when its intake
         summary predates this field (the job itself then says so if it is not)."""

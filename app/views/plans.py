@@ -138,31 +138,36 @@ if resolved is not None:
                + (f" **{unsupported} of them have no serving kernel on {target} at all**: the plan cannot be served "
                   "there as it stands." if unsupported else ""))
 
-    kvm = svc.kv_memory(model, body, target)
-    if kvm is not None:
+    if svc.kv_memory(model, body) is not None:
         st.subheader("KV cache")
         c1, c2 = st.columns(2)
-        c1.metric(f"Per token ({kvm['kv_cache']})", f"{kvm['bytes_per_token'] / 1024:,.1f} KiB",
-                  f"{kvm['bytes_per_token'] / kvm['bf16_bytes_per_token']:.0%} of BF16 "
-                  f"({kvm['bf16_bytes_per_token'] / 1024:,.1f} KiB)", delta_color="off", delta_arrow="off")
-        c2.metric(f"Tokens of cache that fit on a {gpu}", f"{kvm['tokens']:,}",
-                  f"×{kvm['tokens'] / kvm['bf16_tokens']:.2f} vs all-BF16 ({kvm['bf16_tokens']:,})"
-                  if kvm["bf16_tokens"] else "all-BF16: the weights do not fit", delta_color="off", delta_arrow="off")
-        c1, c2, c3 = st.columns([1, 1, 2])
         batch = int(c1.number_input("Sequences decoding", 1, 4096, 16, key="plan_kv_batch"))
         context = int(c2.number_input("Tokens of context each", 1, 1 << 21, 4096, step=1024, key="plan_kv_context"))
+        kvm = svc.kv_memory(model, body, target, context)
         dec = svc.decode_with_cache(model, body, target, batch, context)
-        c3.metric(f"Ideal decode step with the cache read on {gpu}", f"{dec['ms']:.3f} ms",
+        c1, c2, c3 = st.columns(3)
+        c1.metric(f"Cache of one {context:,}-token sequence ({kvm['kv_cache']})",
+                  f"{kvm['sequence_bytes'] / svc.MIB:,.1f} MiB",
+                  f"{kvm['sequence_bytes'] / kvm['bf16_sequence_bytes']:.0%} of BF16 "
+                  f"({kvm['bf16_sequence_bytes'] / svc.MIB:,.1f} MiB)", delta_color="off", delta_arrow="off")
+        c2.metric(f"Sequences of {context:,} tokens that fit on a {gpu}", f"{kvm['sequences']:,}",
+                  f"×{kvm['sequences'] / kvm['bf16_sequences']:.2f} vs all-BF16 ({kvm['bf16_sequences']:,})"
+                  if kvm["bf16_sequences"] else "all-BF16: none fit", delta_color="off", delta_arrow="off")
+        c3.metric(f"Ideal decode step of {batch:,} with the cache read", f"{dec['ms']:.3f} ms",
                   f"×{dec['bf16_ms'] / dec['ms']:.2f} vs all-BF16 ({dec['bf16_ms']:.3f} ms); cache read "
                   f"{dec['kv_ms'] / dec['ms']:.0%} of it", delta_color="off", delta_arrow="off")
-        st.caption(f"K and V of every layer for one token (k_proj + v_proj widths, so grouped-query attention is "
-                   f"counted). Tokens that fit: {kvm['memory_gb']:g} GB × 90 % (vLLM's default memory share) minus "
-                   "the weights (the plan's linear weights, everything else in BF16); activations and CUDA graphs "
-                   "take some of it, so this is an upper bound. Every token of every running sequence sits here: "
-                   "it bounds the batch × context a server holds. A decode step reads every cached token once: "
-                   f"{batch:,} × {context:,} tokens at {svc.target_bandwidth(target):g} TB/s on top of the linears' "
-                   "bound, which is where a long context spends its time. The accuracy cost of a KV format shows "
-                   "when the plan is scored (Results)."
+        windowed = (f" {kvm['windowed_layers']} layer(s) attend to a sliding window of "
+                    f"{', '.join(f'{w:,}' for w in kvm['windows'])} tokens and keep only that many (as vLLM's "
+                    "hybrid KV cache manager does)." if kvm["windowed_layers"] else "")
+        st.caption(f"K and V of every layer: {kvm['bytes_per_token'] / 1024:,.2f} KiB a token "
+                   f"(BF16 {kvm['bf16_bytes_per_token'] / 1024:,.2f} KiB), from the k_proj + v_proj widths, so "
+                   f"grouped-query attention is counted.{windowed} What fits: {kvm['memory_gb']:g} GB × 90 % (vLLM's "
+                   "default memory share) minus the weights (the plan's linear weights, everything else in BF16); "
+                   "activations and CUDA graphs take some of it, so this is an upper bound on batch × context. A "
+                   f"decode step reads every cached token once: {batch:,} sequences' caches at "
+                   f"{svc.target_bandwidth(target):g} TB/s on top of the linears' bound, which is where a long "
+                   "context spends its time. The accuracy cost of a KV format shows when the plan is scored "
+                   "(Results)."
                    + (" FP8_UNSCALED keeps vLLM's default scale 1.0: a |K| or |V| above 448 saturates."
                       if kvm["kv_cache"] == "FP8_UNSCALED" else ""))
 

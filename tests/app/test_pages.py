@@ -581,23 +581,24 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     at = _run("plans", seeded.id)
     assert not at.exception
     assert any(h.value == "KV cache" for h in at.subheader)
-    per_token = next(m for m in at.metric if m.label == "Per token (AUTO)")
+    one = next(m for m in at.metric if m.label == "Cache of one 4,096-token sequence (AUTO)")
     bf16 = kv_bytes_per_token(seeded.linears, "AUTO")
-    assert per_token.value == f"{bf16 / 1024:,.1f} KiB" and "100% of BF16" in per_token.proto.delta
+    assert one.value == f"{bf16 * 4096 / 2**20:,.1f} MiB" and "100% of BF16" in one.proto.delta
     at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8").run()
     assert not at.exception
-    per_token = next(m for m in at.metric if m.label == "Per token (FP8)")
-    assert "50% of BF16" in per_token.proto.delta
-    fit = next(m for m in at.metric if m.label.startswith("Tokens of cache that fit on a NVIDIA H100"))
+    one = next(m for m in at.metric if m.label == "Cache of one 4,096-token sequence (FP8)")
+    assert "50% of BF16" in one.proto.delta
+    fit = next(m for m in at.metric if m.label.startswith("Sequences of 4,096 tokens that fit on a NVIDIA H100"))
     body = {"model": seeded.name, "default": "FP8_DYNAMIC", "kv_cache": "FP8",
             "rules": [{"match": "lm_head", "scheme": "BF16"}]}
-    kvm = svc.kv_memory(svc.get_model(seeded.id), body, "h100")
-    assert fit.value == f"{kvm['tokens']:,}" and kvm["tokens"] > kvm["bf16_tokens"]
+    kvm = svc.kv_memory(svc.get_model(seeded.id), body, "h100", 4096)
+    assert fit.value == f"{kvm['sequences']:,}" and kvm["sequences"] > kvm["bf16_sequences"]
+    assert kvm["sequences"] == kvm["tokens"] // 4096 or kvm["sequences"] == (kvm["tokens"] + 1) // 4096
     # the decode step at a long context: the linears' bound plus reading every cached token once
     at.number_input(key="plan_kv_batch").set_value(64)
     at.number_input(key="plan_kv_context").set_value(32768).run()
     dec = svc.decode_with_cache(svc.get_model(seeded.id), body, "h100", 64, 32768)
-    step = next(m for m in at.metric if m.label.startswith("Ideal decode step with the cache read"))
+    step = next(m for m in at.metric if m.label.startswith("Ideal decode step of 64 with the cache read"))
     assert step.value == f"{dec['ms']:.3f} ms" and f"all-BF16 ({dec['bf16_ms']:.3f} ms)" in step.proto.delta
     assert dec["bf16_kv_ms"] == 2 * dec["kv_ms"] and dec["kv_ms"] > dec["linear_ms"]  # long context: the cache
     at.text_input(key="plan_name").set_value("with-kv")

@@ -531,3 +531,18 @@ def test_summary_counts_tied_embeddings_once(tmp_path):
     untied = sum(int(np.prod(t.shape)) for t in read_safetensors_header(folder / "model.safetensors").values())
     assert summary.num_params == untied  # the file stores the tied matrix once, and so does the count
     assert ("lm_head", 32, 50) in [(i.name, i.in_features, i.out_features) for i in summary.linears]
+
+
+def test_intake_summary_records_sliding_window_layers(tmp_path):
+    """A saved Gemma 3 with one sliding layer: the summary names it and its window (the KV cache estimate needs
+    it); the Llama demo shape records none."""
+    from tests.quantcore.conftest import build_tiny_model
+
+    folder = tmp_path / "gemma"
+    build_tiny_model("gemma3").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    summary = inspect_folder(folder)
+    assert summary.attention_windows == {"model.layers.0.self_attn": 8}
+    assert CheckpointSummary.from_dict(json.loads(json.dumps(summary.to_dict()))) == summary
+    assert CheckpointSummary.from_dict({k: v for k, v in summary.to_dict().items()
+                                        if k != "attention_windows"}).attention_windows == {}

@@ -254,3 +254,36 @@ def test_clipping_warning_names_the_layers_an_unscaled_cache_overflows() -> None
     assert kv_clipping({"k": {"a": 1e5}, "v": {}}, "FP8_E5M2") is not None
     assert kv_clipping(None, "FP8_UNSCALED") is None
     assert kv_clipping({"k": {"a": 447.0}, "v": {"a": 448.0}}, "FP8_UNSCALED") is None  # 448 itself is held
+
+
+def test_sliding_window_layers_cache_only_their_window() -> None:
+    from quantcore.kvcache import kv_bytes_per_sequence, kv_layer_elements
+
+    lin = _linears(6, 256)  # 512 elements a token in each of 6 layers
+    assert kv_layer_elements(lin) == {f"model.layers.{b}.self_attn": 512 for b in range(6)}
+    full = kv_bytes_per_sequence(lin, "AUTO", 32768)
+    assert full == 6 * 512 * 2 * 32768 == kv_bytes_per_token(lin, "AUTO") * 32768
+    # Gemma 3's pattern: five sliding layers of 1,024 tokens to one global layer
+    windows = {f"model.layers.{b}.self_attn": 1024 for b in range(5)}
+    assert kv_bytes_per_sequence(lin, "AUTO", 32768, windows=windows) == 512 * 2 * (5 * 1024 + 32768)
+    assert kv_bytes_per_sequence(lin, "FP8", 500, windows=windows) == 6 * 512 * 500  # shorter than the window
+    assert kv_bytes_per_sequence(_linears(2, 8, fused=True), "AUTO", 10) is None
+
+
+def test_intake_records_which_layers_attend_to_a_window() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from quantcore.checkpoint import _attention_windows
+
+    gemma = build_tiny_model("gemma3")  # layer_types: sliding (window 8), full
+    assert _attention_windows(gemma, gemma.config) == {"model.layers.0.self_attn": 8}
+    small = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    with torch.device("meta"):
+        mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=4096, max_position_embeddings=32768))
+        unbounded = MistralForCausalLM(MistralConfig(**small, sliding_window=4096, max_position_embeddings=4096))
+        llama = LlamaForCausalLM(LlamaConfig(**small))
+    assert _attention_windows(mistral, mistral.config) == dict.fromkeys(
+        ("model.layers.0.self_attn", "model.layers.1.self_attn"), 4096)
+    assert _attention_windows(unbounded, unbounded.config) == {}  # a window as long as any context is none
+    assert _attention_windows(llama, llama.config) == {}
