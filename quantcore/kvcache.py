@@ -93,10 +93,6 @@ KV_FORMATS: dict[str, KvCacheFormat] = {
 }
 
 
-def list_kv_formats() -> list[str]:
-    return list(KV_FORMATS)
-
-
 def get_kv_format(name: str | KvCacheFormat | None) -> KvCacheFormat:
     """The format of that name (case-insensitive; None is AUTO); PlanError names the known ones."""
     if isinstance(name, KvCacheFormat):
