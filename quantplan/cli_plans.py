@@ -86,8 +86,10 @@ def cmd_plan_show(args) -> int:
                   f"all-BF16 {dec['bf16_ms']:.4f} ms")
         if args.target:
             print(f"  tokens of cache that fit on {svc.target_names()[args.target]} beside the weights (90 % of "
-                  f"{kvm['memory_gb']:g} GB, activations not counted): {kvm['tokens']:,} (all-BF16: "
-                  f"{kvm['bf16_tokens']:,})")
+                  f"{kvm['memory_gb']:g} GB, activations not counted"
+                  + ("; every layer caching every token, which the sliding-window layers do not: --context counts "
+                     "them right" if kvm["windowed_layers"] else "")
+                  + f"): {kvm['tokens']:,} (all-BF16: {kvm['bf16_tokens']:,})")
     if ideal:
         print(f"ideal step on {svc.target_names()[args.target]} (roofline: weights at "
               f"{svc.target_bandwidth(args.target):g} TB/s or math at the native peak, whichever is longer):")
