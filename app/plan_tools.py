@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from app import services as svc
+from quantcore.kvcache import KV_FORMATS
 
 
 def render(model, target: str) -> None:
@@ -25,14 +26,17 @@ def render(model, target: str) -> None:
                                      key="auto_budget")
             cands = c2.multiselect("Candidate schemes", sorted(set(sens) | {"BF16"}),
                                    default=sorted(set(sens) | {"BF16"}), key="auto_cands")
-            c1, c2 = st.columns([3, 1])
+            c1, c2, c3 = st.columns([3, 1, 1])
             cost = c1.radio("Minimise", list(svc.AUTO_COSTS), format_func=svc.AUTO_COSTS.get, key="auto_cost")
             m = c2.number_input("M (tokens per step)", 1, 1 << 20, 2048, key="auto_m",
                                 help="1 for a decode step at batch 1; batch × prompt tokens for a prefill")
+            kv = c3.selectbox("KV cache", list(KV_FORMATS), key="auto_kv",
+                              help="Cache K and V in this format too: its KL, measured by scoring it alone (preset "
+                                   "BF16 with this KV cache on the Results page), comes off the budget first.")
             if st.form_submit_button("Choose and verify", type="primary"):
                 try:
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
-                                                      candidates=cands, cost=cost, m=int(m))
+                                                      candidates=cands, cost=cost, m=int(m), kv_cache=kv)
                     st.success(f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
                                f"{svc.cost_text(result.cost, result.cost_unit)} vs "
                                f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "

@@ -892,15 +892,29 @@ AUTO_COSTS = {  # what an automatic plan minimises
 }
 
 
+def kv_alone_score(model: ModelRecord, kv_cache: str) -> ScoreRecord | None:
+    """The newest score of a KV cache format on its own: every linear layer unquantized, K and V in ``kv_cache``."""
+    for sc in list_scores(model.id):  # newest first
+        if sc.kv_cache != kv_cache:
+            continue
+        resolved, _ = resolve(model, sc.plan_body)
+        if resolved is not None and all(s.is_identity for s in resolved.values()):
+            return sc
+    return None
+
+
 def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 2048,
-              candidates: list[str] | None = None, verify: bool = True, device: str = "cpu", cost: str = "auto"):
+              candidates: list[str] | None = None, verify: bool = True, device: str = "cpu", cost: str = "auto",
+              kv_cache: str = "AUTO"):
     """Choose the cheapest plan under the KL budget from the stored sensitivity sweeps, save it as a plan
     version, and queue a score job that checks the prediction. ``cost`` (:data:`AUTO_COSTS`): the target's
     measured kernel times at M = ``m`` when stored, else weight bits (``"auto"``); weight bits; or the
-    roofline bound at ``m`` on the target's datasheet (``"ideal"``). Returns (AutoPlanResult, PlanRecord,
-    JobRecord | None)."""
+    roofline bound at ``m`` on the target's datasheet (``"ideal"``). ``kv_cache``: the plan caches K and V in
+    that format; its KL, measured alone (:func:`kv_alone_score`), comes off the budget before the linears
+    are chosen and is added to their predicted KL. Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
     from quantcore.autoplan import COST_IDEAL, COST_MEASURED, cost_from_kernel_records
     from quantcore.autoplan import auto_plan as solve
+    from quantcore.kvcache import get_kv_format
     from quantcore.plans import spec_from_plan
     from quantcore.roofline import cost_from_roofline
 
@@ -910,6 +924,19 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
                          f"(Results page, or `quantplan sensitivity {model.name} --scheme FP8_DYNAMIC`)")
     if cost not in AUTO_COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose one of: {', '.join(AUTO_COSTS)}")
+    kv = get_kv_format(kv_cache).name
+    alone = None
+    if kv != "AUTO":
+        alone = kv_alone_score(model, kv)
+        if alone is None:
+            raise ValueError(f"the KL of a {kv} KV cache on {model.name} is not known yet: score it alone first "
+                             f"(`quantplan score {model.name} --scheme BF16 --kv-cache {kv}`, or preset BF16 with KV "
+                             f"cache {kv} on the Results page)")
+        if alone.kl_mean >= kl_budget:
+            raise ValueError(f"a {kv} KV cache alone costs KL {alone.kl_mean:.4g} on {model.name} (score job "
+                             f"#{alone.job_id}), no less than the budget {kl_budget:g}: raise the budget or keep the "
+                             "KV cache in AUTO")
+    kv_kl = alone.kl_mean if alone is not None else 0.0
     cands = candidates or sorted(set(sens) | {"BF16"})
     shapes = layer_shapes(model)
     table, source = None, COST_MEASURED
@@ -920,16 +947,25 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
             table = None
     if cost == "ideal":
         table, source = cost_from_roofline(sorted(set(cands) | {"BF16"}), shapes, target, m), COST_IDEAL
-    result = solve(layer_names(model), sens, kl_budget=kl_budget, target=target, candidates=cands, cost=table,
-                   layer_shapes=shapes, unit_layers=unit_layers, cost_source=source)
+    result = solve(layer_names(model), sens, kl_budget=kl_budget - kv_kl, target=target, candidates=cands,
+                   cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source)
+    if alone is not None:
+        result.predicted_kl += kv_kl
+        result.kl_budget = kl_budget
+        result.notes.append(f"KV cache {kv}: KL {kv_kl:.4g} measured alone (score job #{alone.job_id}); the linear "
+                            f"layers were chosen under the rest of the budget ({kl_budget - kv_kl:.4g}) and the "
+                            "prediction adds the two (the KLs of independent small errors roughly add)")
     if cost == "ideal":
         result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet")
     elif table is None:
         result.notes.append(f"no kernel timings of a {target} are stored: cost is the stored weight bits, scales included"
                             if cost == "auto" else "cost: the stored weight bits, scales included")
     # one plan name per question asked: the cost minimised is part of it (auto-h100-kl0.05-ideal-m1)
-    name = f"auto-{target}-kl{kl_budget:g}" + {"auto": "", "bits": "-bits", "ideal": f"-ideal-m{m}"}[cost]
-    body = spec_from_plan(result.plan, model=model.name, name=name).to_dict()
+    name = (f"auto-{target}-kl{kl_budget:g}" + {"auto": "", "bits": "-bits", "ideal": f"-ideal-m{m}"}[cost]
+            + ("" if kv == "AUTO" else f"-kv-{kv.lower()}"))
+    spec = spec_from_plan(result.plan, model=model.name, name=name)
+    spec.kv_cache = kv
+    body = spec.to_dict()
     versions = [p for p in list_plans(model.id) if p.name == name]
     job = None
     if versions and versions[-1].body == body:  # asked again with nothing new: the same plan, no new version

@@ -147,6 +147,16 @@ def cmd_plan_import(args) -> int:
     return 0
 
 
+def _kv_format(name: str | None) -> str:
+    from quantcore.errors import PlanError
+    from quantcore.kvcache import get_kv_format
+
+    try:
+        return get_kv_format(name).name
+    except PlanError as exc:
+        raise CliError(str(exc)) from exc
+
+
 def cmd_plan_auto(args) -> int:
     from app import services as svc
     from worker.client import wait_for
@@ -156,7 +166,7 @@ def cmd_plan_auto(args) -> int:
     cands = args.candidates.split(",") if args.candidates else None
     result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
                                       candidates=cands, verify=not args.no_verify, device=args.device or "cpu",
-                                      cost=args.cost)
+                                      cost=args.cost, kv_cache=_kv_format(args.kv_cache))
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
     if job is not None and args.wait:
         done = wait_for(job.id, on_update=_progress_printer(args.json), settings=s)
@@ -197,6 +207,8 @@ def add_commands(sub) -> None:
     sp.add_argument("--cost", default="auto", choices=["auto", "bits", "ideal"],
                     help="what to minimise: auto = measured kernel times of the target where stored, else weight "
                          "bits; bits = weight memory; ideal = the roofline step time at --m on the target")
+    sp.add_argument("--kv-cache", metavar="FORMAT", help="cache K and V in this format too (FP8, FP8_UNSCALED, "
+                    "FP8_E5M2): its KL, scored alone (score --scheme BF16 --kv-cache FORMAT), comes off the budget")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     sp.add_argument("--wait", action="store_true", help="wait for the verifying score job")
     sp.add_argument("--device", default=None, help="device of the verifying score job (default: cpu)")

@@ -539,3 +539,31 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     recipe_file.write_text(recipe)
     back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "tiny", "--name", "from-recipe", "--json")
     assert back["body"]["kv_cache"] == "FP8" and back["body"]["default"] == "FP8_DYNAMIC"
+
+
+def test_an_automatic_plan_with_a_kv_cache_spends_part_of_the_budget_on_it(tiny_model, capsys):
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
+    run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", *args)
+    auto = ("plan", "auto", "tiny", "--target", "h100", "--no-verify", "--json")
+    code, _, err = run(capsys, *auto, "--kl-budget", "1000", "--kv-cache", "FP8_E5M2")
+    assert code == 1 and "score it alone first" in err and "--scheme BF16 --kv-cache FP8_E5M2" in err
+    alone = run_json(capsys, "score", "tiny", "--scheme", "BF16", "--kv-cache", "FP8_E5M2", *args)
+    kv_kl = alone["kl_mean"]
+    assert kv_kl > 0
+    code, _, err = run(capsys, *auto, "--kl-budget", str(kv_kl / 2), "--kv-cache", "FP8_E5M2")
+    assert code == 1 and "no less than the budget" in err
+    code, _, err = run(capsys, *auto, "--kl-budget", "1", "--kv-cache", "int4")
+    assert code == 1 and "unknown KV cache format 'int4'" in err
+
+    from app import services as svc
+
+    plain = run_json(capsys, *auto, "--kl-budget", "1000")
+    with_kv = run_json(capsys, *auto, "--kl-budget", "1000", "--kv-cache", "fp8_e5m2")
+    assert with_kv["plan_label"] == "auto-h100-kl1000-kv-fp8_e5m2 v1"
+    assert svc.get_plan(with_kv["plan_id"]).body["kv_cache"] == "FP8_E5M2"
+    assert "kv_cache" not in svc.get_plan(plain["plan_id"]).body
+    assert with_kv["predicted_kl"] == pytest.approx(plain["predicted_kl"] + kv_kl)  # an unbinding budget: same linears
+    assert any(f"KL {kv_kl:.4g} measured alone (score job #{alone['job']})" in n for n in with_kv["notes"])
+    # a budget the cache nearly fills: nothing is left for the linears, which stay BF16
+    only_cache = run_json(capsys, *auto, "--kl-budget", str(kv_kl * (1 + 1e-9)), "--kv-cache", "FP8_E5M2")
+    assert set(only_cache["plan"].values()) == {"BF16"} and only_cache["predicted_kl"] == pytest.approx(kv_kl)

@@ -669,3 +669,19 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
     at = _run("plans", seeded.id)
     at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8_UNSCALED").run()
     assert any("reach 900" in w.value for w in at.warning)
+
+
+def test_plans_page_automatic_plan_with_a_kv_cache(seeded):
+    from app import services as svc
+
+    at = _run("plans", seeded.id)
+    at.number_input(key="auto_budget").set_value(0.5)
+    at.selectbox(key="auto_kv").set_value("FP8")
+    next(b for b in at.button if b.label == "Choose and verify").click().run()
+    assert any("score it alone first" in e.value for e in at.error)  # nothing known of the cache's KL yet
+    job = _add_score(seeded.id, "BF16 + KV FP8", {"default": "BF16", "kv_cache": "FP8"}, 0.01)
+    next(b for b in at.button if b.label == "Choose and verify").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(f"KL 0.01 measured alone (score job #{job})" in c.value for c in at.caption)
+    plan = next(p for p in svc.list_plans(seeded.id) if p.name == "auto-h100-kl0.5-kv-fp8")
+    assert plan.body["kv_cache"] == "FP8"
