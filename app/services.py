@@ -892,6 +892,24 @@ AUTO_COSTS = {  # what an automatic plan minimises
 }
 
 
+def job_what(job: JobRecord) -> str:
+    """What a job works on, in a few words, from its parameters: "FP8_DYNAMIC + KV FP8 · 16 × 256",
+    "plan #3", "INT8_W8A8 sweep", "cuda M 1,16"."""
+    p = job.params or {}
+    parts: list[str] = []
+    if job.kind in ("score", "sensitivity"):
+        what = p.get("scheme") or (f"plan #{job.plan_id}" if job.plan_id else "plan file" if p.get("plan") else "")
+        if p.get("kv_cache") and p["kv_cache"] != "AUTO":
+            what += f" + KV {p['kv_cache']}"
+        parts.append(what + (" sweep" if job.kind == "sensitivity" else ""))
+    if job.kind in ("score", "sensitivity", "calibrate") and p.get("samples") and p.get("seq_len"):
+        parts.append(f"{p['samples']} × {p['seq_len']}")
+    if job.kind == "bench":
+        parts.append(" ".join(x for x in (p.get("device") or "", f"M {','.join(map(str, p['m']))}" if p.get("m")
+                                          else "") if x))
+    return " · ".join(x for x in parts if x)
+
+
 def kv_alone_score(model: ModelRecord, kv_cache: str) -> ScoreRecord | None:
     """The newest score of a KV cache format on its own: every linear layer unquantized, K and V in ``kv_cache``."""
     for sc in list_scores(model.id):  # newest first

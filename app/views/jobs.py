@@ -39,8 +39,9 @@ def job_table() -> None:
     for job in active:
         with st.container(border=True):
             a, b = st.columns([4, 1])
-            a.markdown(f"**#{job.id} {job.kind}** · {job.status} · {job.device or job.queue} · "
-                       f"asked by {job.requested_by or '?'}")
+            what = svc.job_what(job)
+            a.markdown(f"**#{job.id} {job.kind}**{f' {what}' if what else ''} · {job.status} · "
+                       f"{job.device or job.queue} · asked by {job.requested_by or '?'}")
             a.progress(job.progress, text=job.message or job.status)
             note = svc.no_worker_note(job.queue) if job.status == "queued" else None
             if note:
@@ -52,7 +53,7 @@ def job_table() -> None:
                 st.rerun()
     model_names = {m.id: m.name for m in svc.list_models()}
     st.dataframe(pd.DataFrame([{
-        "id": j.id, "kind": j.kind, "status": j.status, "progress": j.progress, "message": j.message,
+        "id": j.id, "kind": j.kind, "what": svc.job_what(j), "status": j.status, "progress": j.progress, "message": j.message,
         "model": model_names.get(j.model_id) or _removed(j), "queue": j.queue, "device": j.device, "worker": j.worker_host,
         "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
         "error": j.error or "",

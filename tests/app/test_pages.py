@@ -685,3 +685,21 @@ def test_plans_page_automatic_plan_with_a_kv_cache(seeded):
     assert any(f"KL 0.01 measured alone (score job #{job})" in c.value for c in at.caption)
     plan = next(p for p in svc.list_plans(seeded.id) if p.name == "auto-h100-kl0.5-kv-fp8")
     assert plan.body["kv_cache"] == "FP8"
+
+
+def test_jobs_page_says_what_each_job_works_on(seeded):
+    from app import services as svc
+
+    plan = svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "FP8_DYNAMIC"})
+    queued = [svc.submit("score", {"scheme": "FP8_DYNAMIC", "kv_cache": "FP8", "samples": 16, "seq_len": 256},
+                         model_id=seeded.id),
+              svc.submit("score", {"samples": 4, "seq_len": 128}, model_id=seeded.id, plan_id=plan.id),
+              svc.submit("sensitivity", {"scheme": "INT8_W8A8", "samples": 8, "seq_len": 256}, model_id=seeded.id),
+              svc.submit("bench", {"device": "cpu", "m": [1, 16]}, model_id=seeded.id)]
+    assert [svc.job_what(j) for j in queued] == ["FP8_DYNAMIC + KV FP8 · 16 × 256", f"plan #{plan.id} · 4 × 128",
+                                                 "INT8_W8A8 sweep · 8 × 256", "cpu M 1,16"]
+    at = _run("jobs", seeded.id)
+    assert not at.exception
+    assert any(f"**#{queued[0].id} score** FP8_DYNAMIC + KV FP8 · 16 × 256" in m.value for m in at.markdown)
+    table = next(d.value for d in at.dataframe if "what" in d.value.columns).set_index("id")
+    assert table.loc[queued[3].id, "what"] == "cpu M 1,16"
