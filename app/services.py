@@ -898,9 +898,12 @@ def job_what(job: JobRecord) -> str:
     p = job.params or {}
     parts: list[str] = []
     if job.kind in ("score", "sensitivity"):
-        what = p.get("scheme") or (f"plan #{job.plan_id}" if job.plan_id else "plan file" if p.get("plan") else "")
-        if p.get("kv_cache") and p["kv_cache"] != "AUTO":
-            what += f" + KV {p['kv_cache']}"
+        plan_file = p.get("plan") if isinstance(p.get("plan"), dict) else {}
+        what = p.get("scheme") or (f"plan #{job.plan_id}" if job.plan_id else
+                                   f"plan {plan_file.get('name') or 'file'}" if plan_file else "")
+        kv = p.get("kv_cache") or plan_file.get("kv_cache")
+        if kv and kv != "AUTO":
+            what += f" + KV {kv}"
         parts.append(what + (" sweep" if job.kind == "sensitivity" else ""))
     if job.kind in ("score", "sensitivity", "calibrate") and p.get("samples") and p.get("seq_len"):
         parts.append(f"{p['samples']} × {p['seq_len']}")

@@ -217,9 +217,11 @@ def cmd_jobs(args) -> int:
     if args.json:
         _print_json([j.__dict__ for j in jobs])
     else:
+        from app.services import job_what
+
         for j in jobs:
-            print(f"#{j.id:<4} {j.kind:11s} {j.status:9s} {j.progress * 100:5.1f}%  {j.message[:60]}"
-                  + (f"  ERROR: {j.error[:100]}" if j.error else ""))
+            print(f"#{j.id:<4} {j.kind:11s} {j.status:9s} {j.progress * 100:5.1f}%  {job_what(j)[:40]:<40}  "
+                  f"{j.message[:60]}" + (f"  ERROR: {j.error[:100]}" if j.error else ""))
     return 0
 
 

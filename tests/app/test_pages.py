@@ -695,9 +695,12 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
                          model_id=seeded.id),
               svc.submit("score", {"samples": 4, "seq_len": 128}, model_id=seeded.id, plan_id=plan.id),
               svc.submit("sensitivity", {"scheme": "INT8_W8A8", "samples": 8, "seq_len": 256}, model_id=seeded.id),
-              svc.submit("bench", {"device": "cpu", "m": [1, 16]}, model_id=seeded.id)]
+              svc.submit("bench", {"device": "cpu", "m": [1, 16]}, model_id=seeded.id),
+              svc.submit("score", {"plan": {"name": "mine-file", "default": "FP8", "kv_cache": "FP8_E5M2"}},
+                         model_id=seeded.id)]
     assert [svc.job_what(j) for j in queued] == ["FP8_DYNAMIC + KV FP8 · 16 × 256", f"plan #{plan.id} · 4 × 128",
-                                                 "INT8_W8A8 sweep · 8 × 256", "cpu M 1,16"]
+                                                 "INT8_W8A8 sweep · 8 × 256", "cpu M 1,16",
+                                                 "plan mine-file + KV FP8_E5M2"]
     at = _run("jobs", seeded.id)
     assert not at.exception
     assert any(f"**#{queued[0].id} score** FP8_DYNAMIC + KV FP8 · 16 × 256" in m.value for m in at.markdown)
