@@ -746,7 +746,7 @@ def kernel_heatmap(
     ).resolve_scale(color="independent")  # the text colours are literal, not on the speed-up scale
 
 
-def peak_bars(df: pd.DataFrame, height: int | None = None) -> alt.LayerChart:
+def peak_bars(df: pd.DataFrame, height: int | None = None, title: str = "Share of peak throughput") -> alt.LayerChart:
     """Percent of the device's peak reached by each measured kernel, horizontal bars, 100% marked.
 
     Input columns: label, pct_peak (0-100)[, path].
@@ -763,7 +763,7 @@ def peak_bars(df: pd.DataFrame, height: int | None = None) -> alt.LayerChart:
         encodings["color"] = alt.Color("path:N", title="path")
     bars = alt.Chart(df).mark_bar().encode(**encodings)
     full = alt.Chart(pd.DataFrame({"pct_peak": [100.0]})).mark_rule(strokeDash=[4, 3]).encode(x="pct_peak:Q")
-    return alt.layer(bars, full, height=height or alt.Step(18), title="Share of peak throughput")
+    return alt.layer(bars, full, height=height or alt.Step(18), **({"title": title} if title else {}))
 
 
 # =============================================================================================

@@ -72,13 +72,13 @@ else:
 heat = frame[frame["path"] != "baseline"].copy()
 heat["speedup"] = np.where(heat["native"] & heat["ms"].notna(), heat["speedup"], np.nan)
 st.subheader("Speed-up over the baseline GEMM")
-st.altair_chart(charts.kernel_heatmap(heat[["shape", "path", "speedup"]]), width="stretch")
+st.altair_chart(charts.kernel_heatmap(heat[["shape", "path", "speedup"]], title=""), width="stretch")  # the heading says it
 
 peak = frame[frame["pct_peak"].notna()]
 if not peak.empty:
     st.subheader("Percent of the device's peak")
     st.altair_chart(charts.peak_bars(peak.assign(label=peak["shape"] + " · " + peak["path"])[
-        ["label", "pct_peak", "path"]]), width="stretch")
+        ["label", "pct_peak", "path"]], title=""), width="stretch")
 else:
     st.caption("No peak figure is known for this device (CPU or an unlisted GPU): only measured times.")
 

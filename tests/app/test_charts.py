@@ -402,6 +402,8 @@ def test_peak_bars() -> None:
     bars = view_with(spec, "bar")
     assert bars["encoding"]["x"]["field"] == "pct_peak"
     assert data_rows(spec, view_with(spec, "rule")) == [{"pct_peak": 100.0}]
+    assert spec["title"] == "Share of peak throughput"
+    assert "title" not in spec_of(charts.peak_bars(df, title=""))  # under a page heading that says it already
 
 
 def test_band_charts_size_by_row_not_by_total_height() -> None:
