@@ -441,9 +441,10 @@ def score_sets(scores: list[ScoreRecord]) -> list[tuple[str, int]]:
     return [key for key, _ in Counter((s.dataset, s.tokens) for s in scores).most_common()]
 
 
-TRADEOFF_COSTS = ("weight_mib", "kv_kib", "prefill_ms", "decode_ms", "ideal_prefill_ms", "ideal_decode_ms")
+TRADEOFF_COSTS = ("weight_mib", "kv_kib", "serving_gib", "prefill_ms", "decode_ms", "ideal_prefill_ms",
+                  "ideal_decode_ms")
 TRADEOFF_COLUMNS = ["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib", "weight_ratio", "kv_cache", "kv_kib",
-                    "prefill_ms", "decode_ms", "ideal_prefill_ms", "ideal_decode_ms"]
+                    "serving_gib", "prefill_ms", "decode_ms", "ideal_prefill_ms", "ideal_decode_ms"]
 
 
 def measured_ms(model: ModelRecord, records) -> list[int]:
@@ -454,7 +455,7 @@ def measured_ms(model: ModelRecord, records) -> list[int]:
 
 def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name: str | None = None,
                    m_prefill: int | None = None, m_decode: int | None = None, target: str | None = None,
-                   ideal_m_prefill: int = 2048, ideal_m_decode: int = 1):
+                   ideal_m_prefill: int = 2048, ideal_m_decode: int = 1, serve: tuple[int, int] | None = None):
     """What each scored plan costs next to what it loses: the newest score of each plan among ``scores``.
 
     Columns (:data:`TRADEOFF_COLUMNS`): job, plan, kl_mean, top1_agree, ppl, weight_mib (the plan's
@@ -464,7 +465,9 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     that device's stored timings (NaN unless every layer has one at that M: a partial sum is never
     shown as a cost); with ``target``, ideal_prefill_ms / ideal_decode_ms, the roofline bound of a
     step on that GPU at ``ideal_m_prefill`` / ``ideal_m_decode`` tokens (quantcore.roofline; NaN for
-    a plan with a scheme the target cannot serve at all).
+    a plan with a scheme the target cannot serve at all); with ``serve`` = (sequences, context),
+    serving_gib, the GPU memory of serving that many sequences of that many tokens: every weight (the
+    plan's linear weights, the other parameters in BF16) plus their KV cache (sliding windows counted).
     Rows sorted by KL, lowest first.
     """
     import math
@@ -473,7 +476,7 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
 
     from quantcore.kernels import scheme_path
     from quantcore.kernels import step_estimate as estimate
-    from quantcore.kvcache import kv_bytes_per_token
+    from quantcore.kvcache import kv_bytes_per_sequence, kv_bytes_per_token
     from quantcore.plans import plan_footprint as footprint
     from quantcore.roofline import step_bound as bound
 
@@ -487,13 +490,18 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
         kv_bytes = kv_bytes_per_token(model.linears, sc.kv_cache)
         row = {"job": sc.job_id, "plan": sc.plan_label, "kl_mean": sc.kl_mean, "top1_agree": sc.top1_agree,
                "ppl": sc.ppl, "weight_mib": math.nan, "weight_ratio": math.nan, "kv_cache": sc.kv_cache,
-               "kv_kib": math.nan if kv_bytes is None else kv_bytes / 1024,
+               "kv_kib": math.nan if kv_bytes is None else kv_bytes / 1024, "serving_gib": math.nan,
                "prefill_ms": math.nan, "decode_ms": math.nan, "ideal_prefill_ms": math.nan,
                "ideal_decode_ms": math.nan}
         resolved, _ = resolve(model, sc.plan_body)
         if resolved is not None:  # a plan the model no longer resolves (its layers changed): no cost, still listed
             fp = footprint(resolved, shapes)
             row.update(weight_mib=fp.bits / 8 / MIB, weight_ratio=fp.ratio)
+            if serve is not None:
+                seq = kv_bytes_per_sequence(model.linears, sc.kv_cache, serve[1], windows=model.attention_windows)
+                if seq is not None:
+                    other = max(0, model.num_params - fp.params) * 2  # embeddings, norms, biases: BF16
+                    row["serving_gib"] = (fp.bits / 8 + other + serve[0] * seq) / 2**30
             if target is not None:
                 prefill, decode = (bound(resolved, shapes, target, m) for m in (ideal_m_prefill, ideal_m_decode))
                 if not decode.unsupported:  # a plan the target cannot serve has no step time there

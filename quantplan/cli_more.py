@@ -162,11 +162,14 @@ def cmd_scores(args) -> int:
     check_target(args.target)
     frame = svc.tradeoff_frame(model, [s for s in scores if (s.dataset, s.tokens) == eval_set],
                                device_name=args.timings, m_prefill=m_prefill, m_decode=m_decode,
-                               target=args.target, ideal_m_prefill=args.prompt, ideal_m_decode=args.batch)
+                               target=args.target, ideal_m_prefill=args.prompt, ideal_m_decode=args.batch,
+                               serve=tuple(args.serve) if args.serve else None)
     # (column, header, format, width) of each cost shown
     costs = [("weight_mib", "weights MiB", ",.1f", 13)]
     if (frame["kv_cache"] != "AUTO").any():
         costs.append(("kv_kib", "KV KiB/token", ",.2f", 13))
+    if args.serve:
+        costs.append(("serving_gib", f"serving GiB ({args.serve[0]}×{args.serve[1]})", ",.2f", 22))
     if args.timings:
         costs += [("prefill_ms", f"prefill ms (M={m_prefill})", ".4f", 20),
                   ("decode_ms", f"decode ms (M={m_decode})", ".4f", 18)]
@@ -241,6 +244,9 @@ def add_commands(sub) -> None:
     sp.add_argument("--m-prefill", type=int, help="M of the prefill step (default: the largest measured)")
     sp.add_argument("--m-decode", type=int, help="M of the decode step (default: the smallest measured)")
     add_ideal_options(sp, "the ideal (roofline) step times")
+    sp.add_argument("--serve", nargs=2, type=int, metavar=("SEQUENCES", "CONTEXT"),
+                    help="add the GPU memory of serving SEQUENCES sequences of CONTEXT tokens: every weight plus "
+                         "their KV cache in the format each plan was scored with")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=cmd_scores)
 

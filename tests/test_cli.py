@@ -515,6 +515,13 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     assert not plans["FP8_DYNAMIC + KV FP8_E5M2"]["front_weight_mib"]  # same weights, more KL: beaten there
     code, out, _ = run(capsys, "scores", "tiny")
     assert code == 0 and "KV KiB/token" in out
+    # serving 8 sequences of 1,000 tokens: the same weights, and the FP8 cache holds 128 bytes a token less
+    served = {r["plan"]: r for r in run_json(capsys, "scores", "tiny", "--serve", "8", "1000", "--json")["plans"]}
+    saved = served["FP8_DYNAMIC"]["serving_gib"] - served["FP8_DYNAMIC + KV FP8_E5M2"]["serving_gib"]
+    assert saved == pytest.approx(8 * 1000 * 128 / 2**30)
+    assert served["FP8_DYNAMIC + KV FP8_E5M2"]["front_serving_gib"]
+    code, out, _ = run(capsys, "scores", "tiny", "--serve", "8", "1000")
+    assert code == 0 and "serving GiB (8×1000)" in out
 
     shown = run_json(capsys, "plan", "show", str(plan_file), "--target", "h100", "--json")["kv_cache"]
     elements = 2 * 2 * (2 * 16)  # 2 blocks × (K and V) × 2 KV heads of head_dim 16

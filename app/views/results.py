@@ -130,18 +130,25 @@ else:
                   "prefill_ms": f"prefill step on {device_name}, M={m_prefill} (ms)"}
     elif device_name:
         st.caption(f"{device_name} has no timings of {model.name}'s shapes.")
+    c1, c2, _ = st.columns([1, 1, 2])
+    serve = (int(c1.number_input("serving: sequences", 1, 1 << 16, 16, key="tradeoff_serve_batch")),
+             int(c2.number_input("× tokens of context", 1, 1 << 21, 4096, step=1024, key="tradeoff_serve_context")))
+    costs["serving_gib"] = f"weights + KV cache of {serve[0]:,} × {serve[1]:,} tokens (GiB)"
     cost = st.radio("Cost", list(costs), format_func=costs.get, horizontal=True, key="tradeoff_cost")
     trade = svc.with_front(svc.tradeoff_frame(model, [s for s in scores if (s.dataset, s.tokens) == eval_set],
                                               device_name=device_name, m_prefill=m_prefill, m_decode=m_decode,
                                               target=target, ideal_m_prefill=ideal_prefill,
-                                              ideal_m_decode=ideal_decode), cost)
+                                              ideal_m_decode=ideal_decode, serve=serve), cost)
     st.caption("The newest score of each plan on this text. A plan is **on the front** when no other plan has "
                "both a lower KL and a lower cost: the plans worth choosing between. Measured times are the sum of "
                "the plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a "
                "scheme with no kernel path measured (MX, NVFP4) counts at the baseline GEMM's time. Ideal times "
                "are the roofline bound on a GPU from its datasheet: each linear's weight read at the memory "
                "bandwidth or its math at the peak of the precision the GPU runs natively, whichever is longer "
-               "(a decode step is bound by the weights, a prefill by the math); a real engine gets less.")
+               "(a decode step is bound by the weights, a prefill by the math); a real engine gets less. Serving memory "
+               "is every weight (the plan's linear weights, the rest in BF16) plus the KV cache of that many "
+               "sequences of that many tokens in the format each plan was scored with: the cost where a KV format "
+               "pays off.")
     st.altair_chart(charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
     no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
     if no_cost:
@@ -161,6 +168,8 @@ else:
                                 "weight_ratio": st.column_config.NumberColumn("of BF16", format="%.3f"),
                                 "kv_cache": st.column_config.TextColumn("KV cache"),
                                 "kv_kib": st.column_config.NumberColumn("KV KiB / token", format="%.2f"),
+                                "serving_gib": st.column_config.NumberColumn(
+                                    f"serving GiB ({serve[0]:,} × {serve[1]:,})", format="%.2f"),
                                 "prefill_ms": st.column_config.NumberColumn("prefill ms", format="%.4f"),
                                 "decode_ms": st.column_config.NumberColumn("decode ms", format="%.4f"),
                                 "ideal_prefill_ms": st.column_config.NumberColumn(

@@ -626,6 +626,15 @@ def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     assert not at.exception
     trade = next(d.value for d in at.dataframe if "front" in d.value.columns).set_index("plan")
     assert trade.loc["FP8_DYNAMIC + KV FP8_UNSCALED", "front"]  # the least KV memory of all
+    # serving memory: the weights and the cache of (sequences × context) tokens; the FP8 cache halves the second
+    at.number_input(key="tradeoff_serve_batch").set_value(10)
+    at.number_input(key="tradeoff_serve_context").set_value(1000)
+    at.radio(key="tradeoff_cost").set_value("serving_gib").run()
+    assert not at.exception
+    trade = next(d.value for d in at.dataframe if "front" in d.value.columns).set_index("plan")
+    kv_gib = trade.loc["FP8_DYNAMIC", "kv_kib"] * 1024 * 10 * 1000 / 2**30
+    assert trade.loc["FP8_DYNAMIC", "serving_gib"] - trade.loc["FP8_DYNAMIC + KV FP8_UNSCALED", "serving_gib"] == \
+        pytest.approx(kv_gib / 2)
     at.selectbox(key="score_kv").set_value("FP8_E5M2")
     at.button[0].click().run()
     assert not at.exception
