@@ -9,6 +9,11 @@ Three targets, all describing the same thing — which quantization every linear
   a compressed checkpoint's ``config.json`` and vLLM reads);
 - the matching **vLLM** ``serve`` command line.
 
+and the plan's KV cache format (:mod:`quantcore.kvcache`): ``FP8`` is a ``kv_cache_scheme``
+(static per-tensor E4M3, calibrated, so the recipe needs calibration data; vLLM reads the
+``k_scale`` / ``v_scale`` it writes) plus ``--kv-cache-dtype fp8``; ``FP8_UNSCALED`` and
+``FP8_E5M2`` are the vLLM flag alone (``fp8`` / ``fp8_e5m2``, scale 1.0).
+
 Facts this module relies on (compressed-tensors 0.19.0 / llmcompressor 0.14.0.1, read in
 their sources, and vLLM's compressed-tensors loader):
 
