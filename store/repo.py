@@ -119,6 +119,17 @@ def get_model(session: Session, ref: int | str) -> ModelRecord:
     return _model_record(row)
 
 
+def add_model_summary_fields(session: Session, model_id: int, fields: dict[str, Any]) -> ModelRecord:
+    """Add fields that a later quantplan summarises (e.g. ``attention_windows``) to a model's intake summary;
+    fields it already has are kept as they are."""
+    row = session.get(m.Model, model_id)
+    if row is None:
+        raise NotFound(f"no model #{model_id}")
+    row.summary = {**fields, **(row.summary or {})}  # a new dict: the JSON column sees the change
+    session.flush()
+    return _model_record(row)
+
+
 def model_usage(session: Session, model_id: int) -> dict[str, int]:
     """How much is stored about one model: calibrations, scores, sensitivity sweeps, plan versions, and
     its jobs that are still queued or running (``active``)."""

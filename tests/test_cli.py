@@ -574,3 +574,28 @@ def test_an_automatic_plan_with_a_kv_cache_spends_part_of_the_budget_on_it(tiny_
     # a budget the cache nearly fills: nothing is left for the linears, which stay BF16
     only_cache = run_json(capsys, *auto, "--kl-budget", str(kv_kl * (1 + 1e-9)), "--kv-cache", "FP8_E5M2")
     assert set(only_cache["plan"].values()) == {"BF16"} and only_cache["predicted_kl"] == pytest.approx(kv_kl)
+
+
+def test_a_model_registered_before_windows_were_recorded_gets_them_from_its_next_job(qp_settings, capsys, tmp_path):
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+    from tests.quantcore.conftest import build_tiny_model
+    from tests.quantcore.test_checkpoint import tiny_tokenizer
+
+    folder = tmp_path / "gemma"
+    build_tiny_model("gemma3").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    run_json(capsys, "models", "add", str(folder), "--name", "g", "--json")
+    model = svc.get_model("g")
+    assert model.attention_windows == {"model.layers.0.self_attn": 8}
+    with session_scope(qp_settings) as s:  # as an older quantplan stored it
+        row = s.get(repo.m.Model, model.id)
+        row.summary = {k: v for k, v in row.summary.items() if k != "attention_windows"}
+    assert "attention_windows" not in svc.get_model("g").summary
+    assert svc.kv_memory(svc.get_model("g"), {"default": "BF16"}, context=100)["windowed_layers"] == 0
+    run_json(capsys, "calibrate", "g", "--local", "--samples", "1", "--seq-len", "16", "--json")
+    again = svc.get_model("g")
+    assert again.attention_windows == {"model.layers.0.self_attn": 8}
+    kvm = svc.kv_memory(again, {"default": "BF16"}, context=100)
+    assert kvm["windowed_layers"] == 1 and kvm["sequence_bytes"] < kvm["bytes_per_token"] * 100

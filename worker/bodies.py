@@ -48,7 +48,21 @@ def load_model(ctx: JobContext, model_rec, device: str):
         ctx.progress(0.01, f"loading {model_rec.name}")
         folder = Path(str(ctx.settings.artifact_dir)) / model_rec.path
         _MODEL_CACHE[key] = qc_load(folder, device=device)
+        _complete_summary(ctx, model_rec, _MODEL_CACHE[key][0])
     return _MODEL_CACHE[key]
+
+
+def _complete_summary(ctx: JobContext, model_rec, model) -> None:
+    """A model registered before its summary kept ``attention_windows`` gets them from the loaded model, so its
+    KV cache memory counts sliding windows from its next job on (registering it again would reuse the old row)."""
+    if "attention_windows" in (model_rec.summary or {}):
+        return
+    from quantcore.checkpoint import attention_windows
+
+    getter = getattr(model.config, "get_text_config", None)
+    config = getter() if callable(getter) else model.config
+    with session_scope(ctx.settings) as s:
+        repo.add_model_summary_fields(s, model_rec.id, {"attention_windows": attention_windows(model, config)})
 
 
 def text_path(ctx: JobContext, role: str, dataset_param: str = "dataset") -> tuple[Path, str]:
