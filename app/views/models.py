@@ -90,9 +90,14 @@ st.dataframe(
     pd.DataFrame([{
         "id": m.id, "name": m.name, "architecture": m.architecture, "layers": m.num_layers,
         "parameters": state.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
-        "size (MiB)": round(m.total_bytes / 2**20, 1), "sha256": m.sha256[:12], "registered": m.created_at,
+        "size (MiB)": round(m.total_bytes / 2**20, 1),
+        "KV KiB / token (BF16)": svc.kv_kib_per_token(m), "sliding-window layers": len(m.attention_windows),
+        "sha256": m.sha256[:12], "registered": m.created_at,
     } for m in models]),
     hide_index=True, width="stretch",
+    column_config={"KV KiB / token (BF16)": st.column_config.NumberColumn(
+        format="%.2f", help="K and V of every layer for one token, from the k_proj / v_proj widths; empty for "
+                            "a model without them (a fused qkv projection, an encoder's query/key/value)")},
 )
 
 model = state.current_model()

@@ -34,7 +34,11 @@ def test_models_page_empty_database_offers_the_demo(qp_settings):
 
 def test_models_page_lists_the_model(seeded):
     at = _run("models", seeded.id)
-    assert "tiny-smol" in at.dataframe[0].value["name"].tolist()
+    table = at.dataframe[0].value.set_index("name")
+    assert "tiny-smol" in table.index
+    # SmolLM2's shapes in 4 blocks: 4 × (k_proj + v_proj of 192) × 2 bytes = 3 KiB a token, no sliding window
+    assert table.loc["tiny-smol", "KV KiB / token (BF16)"] == 3.0
+    assert table.loc["tiny-smol", "sliding-window layers"] == 0
 
 
 def test_jobs_page_shows_failures_with_their_message(seeded):
