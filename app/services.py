@@ -500,8 +500,7 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
             if serve is not None:
                 seq = kv_bytes_per_sequence(model.linears, sc.kv_cache, serve[1], windows=model.attention_windows)
                 if seq is not None:
-                    other = max(0, model.num_params - fp.params) * 2  # embeddings, norms, biases: BF16
-                    row["serving_gib"] = (fp.bits / 8 + other + serve[0] * seq) / 2**30
+                    row["serving_gib"] = (served_weight_bytes(model, fp)[0] + serve[0] * seq) / 2**30
             if target is not None:
                 prefill, decode = (bound(resolved, shapes, target, m) for m in (ideal_m_prefill, ideal_m_decode))
                 if not decode.unsupported:  # a plan the target cannot serve has no step time there
@@ -625,6 +624,13 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
     return footprint(resolved_or_raise(model, body), layer_shapes(model))
 
 
+def served_weight_bytes(model: ModelRecord, fp) -> tuple[float, float]:
+    """(plan, all-BF16) bytes of every weight a server loads: the linear weights of the plan's Footprint
+    ``fp`` as stored, every other parameter (embeddings, norms, biases) in BF16."""
+    other = max(0, model.num_params - fp.params) * 2
+    return fp.bits / 8 + other, fp.bf16_bits / 8 + other
+
+
 def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = None,
               context: int | None = None) -> dict[str, Any] | None:
     """The plan's KV cache next to BF16: bytes per token (every layer), and with a target GPU how many tokens
@@ -650,9 +656,7 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
                    sequence_bytes=kv_bytes_per_sequence(model.linears, kv, context, windows=windows),
                    bf16_sequence_bytes=kv_bytes_per_sequence(model.linears, "AUTO", context, windows=windows))
     if target:
-        fp = plan_footprint(model, body)
-        other = max(0, model.num_params - fp.params) * 2  # embeddings, norms, biases: BF16
-        weights, bf16_weights = fp.bits / 8 + other, fp.bf16_bits / 8 + other
+        weights, bf16_weights = served_weight_bytes(model, plan_footprint(model, body))
         gpu = get_target(target)
         out.update(target=target, memory_gb=gpu.memory_gb, weight_bytes=weights, bf16_weight_bytes=bf16_weights,
                    tokens=kv_token_capacity(gpu.memory_gb, weights, per_token),

@@ -539,16 +539,17 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         linears=_linears(model),
         total_bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
         causal_lm=_is_causal_lm(config),
-        attention_windows=attention_windows(model, text_config),
+        attention_windows=attention_windows(model),
     )
 
 
-def attention_windows(model: PreTrainedModel, config: PretrainedConfig) -> dict[str, int]:
+def attention_windows(model: PreTrainedModel) -> dict[str, int]:
     """{attention module: sliding window} of the windowed attention layers: a module's own ``sliding_window``
     where it keeps one (Gemma 3 and Qwen2 set it on their sliding layers only), else the config's for every
     layer (Mistral). A window no shorter than the longest context is no window."""
     from quantcore.kvcache import attention_modules
 
+    config = _text_config(model.config)
     longest = getattr(config, "max_position_embeddings", None)
     out: dict[str, int] = {}
     for name, module in attention_modules(model).items():

@@ -115,17 +115,11 @@ def kv_elements_per_token(linears: Iterable[Mapping[str, Any]]) -> int | None:
     ``linears``: ``[{name, out_features, ...}]`` as the model's intake summary lists them. None when
     the model has no separate k_proj / v_proj (a fused qkv projection): the split is not known then.
     """
-    total = 0
-    k = v = 0
-    for lin in list(linears):
-        leaf = str(lin["name"]).rsplit(".", 1)[-1]
-        if leaf in KV_PROJ_SUFFIXES:
-            total += int(lin["out_features"])
-            k += leaf == "k_proj"
-            v += leaf == "v_proj"
-    if k == 0 or k != v:
+    linears = list(linears)
+    leaves = [str(lin["name"]).rsplit(".", 1)[-1] for lin in linears]
+    if leaves.count("k_proj") == 0 or leaves.count("k_proj") != leaves.count("v_proj"):
         return None
-    return total
+    return sum(kv_layer_elements(linears).values())
 
 
 def kv_bytes_per_token(linears: Iterable[Mapping[str, Any]], fmt: str | KvCacheFormat | None,
@@ -271,10 +265,11 @@ def _register(base: str) -> str:
 
 
 @contextmanager
-def _attention_wrapped(model: nn.Module, states: Mapping[str, Callable[[torch.Tensor, torch.Tensor],
-                                                                         tuple[torch.Tensor, torch.Tensor]]],
-                       what: str) -> Iterator[dict[str, nn.Module]]:
-    modules = attention_modules(model)
+def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module],
+                       states: Mapping[str, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]],
+                       what: str) -> Iterator[Mapping[str, nn.Module]]:
+    """Route the K and V of every module of ``modules`` (:func:`attention_modules` of ``model``) through
+    ``states[name]`` for the block."""
     if not modules:
         raise PlanError(f"{what}: this model has no attention module with k_proj and v_proj; quantplan cannot "
                         "emulate a KV cache format for it")
@@ -336,8 +331,8 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
         return state
 
     result = KvAmax()
-    names = list(attention_modules(model))
-    with _attention_wrapped(model, {n: observer(n) for n in names}, "KV calibration"):
+    modules = attention_modules(model)
+    with _attention_wrapped(model, modules, {n: observer(n) for n in modules}, "KV calibration"):
         yield result
     for name, (k, v) in acc.items():
         result.k[name] = float(k.item()) if k is not None else 0.0
@@ -386,5 +381,5 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *,
             return kq, vq
         return state
 
-    with _attention_wrapped(model, {n: quantizer(n) for n in modules}, f"KV cache {kv.name}"):
+    with _attention_wrapped(model, modules, {n: quantizer(n) for n in modules}, f"KV cache {kv.name}"):
         yield applied

@@ -317,6 +317,17 @@ def add_ideal_options(sp, what: str) -> None:
     sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")
 
 
+def kv_format_arg(name: str | None) -> str:
+    """A KV cache format name as quantcore.kvcache spells it (None is AUTO), or a CliError naming the known ones."""
+    from quantcore.errors import PlanError
+    from quantcore.kvcache import get_kv_format
+
+    try:
+        return get_kv_format(name).name
+    except PlanError as exc:
+        raise CliError(str(exc)) from exc
+
+
 def check_target(target: str | None) -> None:
     """A GPU key of the target table, or a CliError naming the valid ones."""
     from quantcore.hardware import TARGETS

@@ -17,6 +17,7 @@ from quantplan.cli import (
     add_run_options,
     add_text_job_options,
     check_target,
+    kv_format_arg,
 )
 
 
@@ -35,13 +36,7 @@ def cmd_score(args) -> int:
     base: dict[str, Any] = {"samples": args.samples, "seq_len": args.seq_len, "device": args.device,
                             **_dataset_param(args.text, "evaluation")}
     if args.kv_cache:
-        from quantcore.errors import PlanError
-        from quantcore.kvcache import get_kv_format
-
-        try:
-            base["kv_cache"] = get_kv_format(args.kv_cache).name
-        except PlanError as exc:
-            raise CliError(str(exc)) from exc
+        base["kv_cache"] = kv_format_arg(args.kv_cache)
     if args.all_presets:
         from quantcore.schemes import list_schemes
 

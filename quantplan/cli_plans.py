@@ -13,6 +13,7 @@ from quantplan.cli import (
     _progress_printer,
     add_ideal_options,
     check_target,
+    kv_format_arg,
 )
 
 
@@ -147,16 +148,6 @@ def cmd_plan_import(args) -> int:
     return 0
 
 
-def _kv_format(name: str | None) -> str:
-    from quantcore.errors import PlanError
-    from quantcore.kvcache import get_kv_format
-
-    try:
-        return get_kv_format(name).name
-    except PlanError as exc:
-        raise CliError(str(exc)) from exc
-
-
 def cmd_plan_auto(args) -> int:
     from app import services as svc
     from worker.client import wait_for
@@ -166,7 +157,7 @@ def cmd_plan_auto(args) -> int:
     cands = args.candidates.split(",") if args.candidates else None
     result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
                                       candidates=cands, verify=not args.no_verify, device=args.device or "cpu",
-                                      cost=args.cost, kv_cache=_kv_format(args.kv_cache))
+                                      cost=args.cost, kv_cache=kv_format_arg(args.kv_cache))
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
     if job is not None and args.wait:
         done = wait_for(job.id, on_update=_progress_printer(args.json), settings=s)

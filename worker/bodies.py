@@ -59,10 +59,8 @@ def _complete_summary(ctx: JobContext, model_rec, model) -> None:
         return
     from quantcore.checkpoint import attention_windows
 
-    getter = getattr(model.config, "get_text_config", None)
-    config = getter() if callable(getter) else model.config
     with session_scope(ctx.settings) as s:
-        repo.add_model_summary_fields(s, model_rec.id, {"attention_windows": attention_windows(model, config)})
+        repo.add_model_summary_fields(s, model_rec.id, {"attention_windows": attention_windows(model)})
 
 
 def text_path(ctx: JobContext, role: str, dataset_param: str = "dataset") -> tuple[Path, str]:

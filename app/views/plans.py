@@ -138,7 +138,7 @@ if resolved is not None:
                + (f" **{unsupported} of them have no serving kernel on {target} at all**: the plan cannot be served "
                   "there as it stands." if unsupported else ""))
 
-    if svc.kv_memory(model, body) is not None:
+    if svc.kv_kib_per_token(model) is not None:  # the model's cache can be counted (separate k_proj / v_proj)
         st.subheader("KV cache")
         c1, c2 = st.columns(2)
         batch = int(c1.number_input("Sequences decoding", 1, 4096, 16, key="plan_kv_batch"))

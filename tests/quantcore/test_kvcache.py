@@ -276,14 +276,14 @@ def test_intake_records_which_layers_attend_to_a_window() -> None:
     from quantcore.checkpoint import attention_windows
 
     gemma = build_tiny_model("gemma3")  # layer_types: sliding (window 8), full
-    assert attention_windows(gemma, gemma.config) == {"model.layers.0.self_attn": 8}
+    assert attention_windows(gemma) == {"model.layers.0.self_attn": 8}
     small = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1)
     with torch.device("meta"):
         mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=4096, max_position_embeddings=32768))
         unbounded = MistralForCausalLM(MistralConfig(**small, sliding_window=4096, max_position_embeddings=4096))
         llama = LlamaForCausalLM(LlamaConfig(**small))
-    assert attention_windows(mistral, mistral.config) == dict.fromkeys(
+    assert attention_windows(mistral) == dict.fromkeys(
         ("model.layers.0.self_attn", "model.layers.1.self_attn"), 4096)
-    assert attention_windows(unbounded, unbounded.config) == {}  # a window as long as any context is none
-    assert attention_windows(llama, llama.config) == {}
+    assert attention_windows(unbounded) == {}  # a window as long as any context is none
+    assert attention_windows(llama) == {}
