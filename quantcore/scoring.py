@@ -685,6 +685,16 @@ def calibrate_kv_cache(
     return amax
 
 
+def _clipping_note(saturation: Mapping[str, float], template: str) -> str | None:
+    """``template`` filled with how many layers clipped more than :data:`SATURATION_NOTE` of their elements
+    (``n``), the worst of them (``worst``) and its share (``share``); None when none did."""
+    clipped = {k: v for k, v in saturation.items() if v > SATURATION_NOTE}
+    if not clipped:
+        return None
+    worst = max(clipped, key=clipped.__getitem__)
+    return template.format(n=len(clipped), worst=worst, share=clipped[worst])
+
+
 def score_plan(
     model: nn.Module,
     plan: Mapping[str, Scheme | str],
@@ -751,21 +761,13 @@ def score_plan(
     report.kv_cache = kv.name
     report.kv_saturation = kv_ctx.saturation
     report.notes = list(ctx.notes)
-    kv_clipped = {k: v for k, v in report.kv_saturation.items() if v > SATURATION_NOTE}
-    if kv_clipped:
-        worst = max(kv_clipped, key=kv_clipped.__getitem__)
-        fix = ("calibrate on text like this" if kv.calibrated else
-               "calibrated K/V scales (kv_cache FP8) or FP8_E5M2 avoid this")
-        report.notes.append(
-            f"the {kv.name} KV cache clipped K or V in {len(kv_clipped)} attention layer(s), worst {worst} "
-            f"({kv_clipped[worst]:.3%} of its elements): {fix}"
-        )
-    clipped = {k: v for k, v in saturation.items() if v > SATURATION_NOTE}
-    if clipped:
-        worst = max(clipped, key=clipped.__getitem__)
-        report.notes.append(
-            f"static activation scales clipped live traffic in {len(clipped)} layer(s), worst {worst} "
-            f"({clipped[worst]:.3%} of its inputs): the calibration text did not cover this text's range; "
-            "calibrate on text like this, or use dynamic scales for these layers"
-        )
+    fix = ("calibrate on text like this" if kv.calibrated else
+           "calibrated K/V scales (kv_cache FP8) or FP8_E5M2 avoid this")
+    for note in (_clipping_note(report.kv_saturation, f"the {kv.name} KV cache clipped K or V in {{n}} attention "
+                                f"layer(s), worst {{worst}} ({{share:.3%}} of its elements): {fix}"),
+                 _clipping_note(saturation, "static activation scales clipped live traffic in {n} layer(s), worst "
+                                "{worst} ({share:.3%} of its inputs): the calibration text did not cover this text's "
+                                "range; calibrate on text like this, or use dynamic scales for these layers")):
+        if note:
+            report.notes.append(note)
     return report
