@@ -811,13 +811,14 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
 
 
 def kv_amax_frame(kv_amax: Mapping[str, Mapping[str, float]] | None) -> pd.DataFrame:
-    """One row per attention layer and tensor: layer, block, tensor ("K" / "V"), amax (max |x| as cached).
+    """One row per attention layer and tensor: layer, block, tensor ("K" / "V", and "Q" where the calibration
+    recorded it), amax (max |x| as cached, and as FP8 attention quantizes Q).
 
-    Input: a calibration's ``kv_amax`` ``{"k": {layer: amax}, "v": {...}}``; None or empty gives an empty
-    frame with the columns.
+    Input: a calibration's ``kv_amax`` ``{"k": {layer: amax}, "v": {...}, "q": {...}}``; None or empty gives an
+    empty frame with the columns.
     """
     rows = []
-    for tensor, key in (("K", "k"), ("V", "v")):
+    for tensor, key in (("K", "k"), ("V", "v"), ("Q", "q")):
         for layer, amax in ((kv_amax or {}).get(key) or {}).items():
             block = next((int(p) for p in layer.split(".") if p.isdigit()), -1)
             rows.append({"layer": layer, "block": block, "tensor": tensor, "amax": float(amax)})
@@ -825,16 +826,17 @@ def kv_amax_frame(kv_amax: Mapping[str, Mapping[str, float]] | None) -> pd.DataF
 
 
 def kv_amax_chart(df: pd.DataFrame, limit: float = 448.0, height: int = CHART_HEIGHT) -> alt.LayerChart:
-    """Max |K| and |V| of every attention layer (log y) with the largest value an unscaled E4M3 cache holds.
+    """Max |K| and |V| (and |Q|) of every attention layer (log y) with the largest value unscaled E4M3 holds.
 
-    Input: :func:`kv_amax_frame`. A point above the rule saturates in ``FP8_UNSCALED`` (vLLM's scale 1.0).
+    Input: :func:`kv_amax_frame`. A K or V point above the rule saturates in ``FP8_UNSCALED`` (vLLM's scale
+    1.0), a Q, K or V point in ``FP8_ATTN_UNSCALED``.
     """
     _check_columns(df, ["layer", "block", "tensor", "amax"], "kv_amax_chart")
     floor = _positive_floor(df["amax"])
     df = df.assign(value=df["amax"].clip(lower=floor))
     top = max(float(df["value"].max()) if len(df) else limit, limit) * 2
     points = (
-        alt.Chart(df, height=height, title="Largest |K| and |V| per attention layer, as the KV cache stores them")
+        alt.Chart(df, height=height, title="Largest |Q|, |K| and |V| per attention layer, as attention reads them")
         .mark_line(point=True)
         .encode(
             x=alt.X("block:O", title="block"),
@@ -845,6 +847,6 @@ def kv_amax_chart(df: pd.DataFrame, limit: float = 448.0, height: int = CHART_HE
     )
     rule = alt.Chart(pd.DataFrame({"y": [limit], "label": [f"E4M3 max {limit:g} (scale 1.0)"]})).mark_rule(
         strokeDash=[6, 3], color="#c0392b").encode(y="y:Q")
-    text = alt.Chart(pd.DataFrame({"y": [limit], "label": [f"E4M3 max {limit:g}: FP8_UNSCALED saturates above"]})) \
+    text = alt.Chart(pd.DataFrame({"y": [limit], "label": [f"E4M3 max {limit:g}: unscaled FP8 saturates above"]})) \
         .mark_text(align="left", dx=4, dy=-6, color="#c0392b").encode(y="y:Q", text="label:N")
     return alt.layer(points, rule, text)

@@ -9,10 +9,19 @@ Three targets, all describing the same thing — which quantization every linear
   a compressed checkpoint's ``config.json`` and vLLM reads);
 - the matching **vLLM** ``serve`` command line.
 
-and the plan's KV cache format (:mod:`quantcore.kvcache`): ``FP8`` is a ``kv_cache_scheme``
-(static per-tensor E4M3, calibrated, so the recipe needs calibration data; vLLM reads the
-``k_scale`` / ``v_scale`` it writes) plus ``--kv-cache-dtype fp8``; ``FP8_UNSCALED`` and
-``FP8_E5M2`` are the vLLM flag alone (``fp8`` / ``fp8_e5m2``, scale 1.0).
+and the plan's KV cache format (:mod:`quantcore.kvcache`): ``FP8`` and ``FP8_ATTN`` are a
+``kv_cache_scheme`` (static per-tensor E4M3, calibrated, so the recipe needs calibration data; vLLM
+reads the ``k_scale`` / ``v_scale`` it writes) plus ``--kv-cache-dtype fp8``; ``FP8_UNSCALED``,
+``FP8_ATTN_UNSCALED`` and ``FP8_E5M2`` are the vLLM flag alone (``fp8`` / ``fp8_e5m2``, scale 1.0).
+Whether attention itself runs in FP8 (the ``FP8_ATTN`` formats) is vLLM's attention backend, not
+the checkpoint: the vLLM command says which backend computes what the score emulated.
+
+quantplan writes no attention config group (llm-compressor's way to calibrate a ``q_scale``):
+with llmcompressor 0.14.0.1 its calibration context forces eager attention (``use_eager_attention``)
+over compressed-tensors' hooked attention, so the query observer never runs and ``q_scale`` is saved
+uninitialized (seen here on a tiny Llama: 0, 1.4e-19, 59711.6, with the warning "Attempted to
+calibrate a module q without statistics"). Without a ``q_scale`` vLLM runs Q at 1.0, which is what
+``FP8_ATTN`` emulates.
 
 Facts this module relies on (compressed-tensors 0.19.0 / llmcompressor 0.14.0.1, read in
 their sources, and vLLM's compressed-tensors loader):
@@ -962,6 +971,9 @@ def to_llmcompressor_recipe(
     if kv_args is not None:
         header += ("# the KV cache scales are calibrated: oneshot needs calibration data (dataset=..., "
                    "num_calibration_samples=...); serve with --kv-cache-dtype fp8\n")
+        if kv.attention:
+            header += ("# FP8 attention (Q at scale 1.0, softmax probabilities in E4M3) is what vLLM's FlashAttention 3 "
+                       "backend does with that cache; nothing of it is in the recipe\n")
     elif not kv.is_identity:
         header += (f"# KV cache {kv.name} is not in the recipe: it is vLLM's --kv-cache-dtype {kv.vllm_dtype} "
                    "(scale 1.0)\n")
@@ -1045,9 +1057,19 @@ def to_vllm_command(
     if not kvf.is_identity:
         counts += f"; KV cache {kvf.name}"
     lines = [f"# quantplan plan for {model_path}: {counts}"]
-    if kvf.name == "FP8_UNSCALED":
+    if kvf.element == "fp8_e4m3" and not kvf.calibrated:
         lines.append("# FP8 KV cache without calibrated scales: vLLM's K and V scales default to 1.0, so |K|, |V| "
                      "above 448 saturate (the plan's score shows whether they do)")
+    if kvf.attention:
+        lines.append("# FP8 attention: vLLM's FlashAttention 3 backend (its default on Hopper) quantizes Q (scale 1.0: "
+                     "no q_scale in the checkpoint) and the softmax probabilities to E4M3 with this cache, as the "
+                     "plan's score emulated; a backend that dequantizes the cache (FlashInfer, Triton) keeps "
+                     f"attention in BF16, which is kv_cache {kvf.name.replace('_ATTN', '')}")
+    elif kvf.element == "fp8_e4m3":
+        lines.append(f"# kv_cache {kvf.name} was scored with attention in BF16 (a backend that dequantizes the cache); "
+                     "on Hopper vLLM's FlashAttention 3 backend runs attention itself in FP8 with this cache (Q at "
+                     f"scale 1.0, softmax probabilities in E4M3): score kv_cache {kvf.name.replace('FP8', 'FP8_ATTN')} "
+                     "to see that")
     online_fp8 = get_scheme(VLLM_ONLINE_FP8_SCHEME)
     body = [n for n in names if n != VLLM_UNQUANTIZED_HEAD]
     if not groups and not kvf.calibrated:

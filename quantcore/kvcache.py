@@ -16,6 +16,26 @@ The formats (what vLLM stores, reference text ``fp8-fp4-smoothquant.txt``):
                      that carries no K/V scales. A K or V value beyond ±448 saturates.
 - ``FP8_E5M2``:      E5M2 with scale 1.0 (``--kv-cache-dtype fp8_e5m2``): range to ±57344,
                      one mantissa bit fewer than E4M3.
+- ``FP8_ATTN``:      FP8 attention: the ``FP8`` cache, and the attention itself computed in E4M3 as
+                     vLLM's FlashAttention 3 backend (its default on Hopper) computes it with an FP8
+                     cache: Q quantized per tensor at scale 1.0 (a checkpoint without ``q_scale``,
+                     which is what llm-compressor's ``kv_cache_scheme`` writes, gets vLLM's 1.0) and
+                     the softmax probabilities P rounded to E4M3 before the P·V product.
+- ``FP8_ATTN_UNSCALED``: the same with K and V at scale 1.0 as well: what ``--kv-cache-dtype fp8``
+                     runs on Hopper with a checkpoint that carries no scales (vLLM logs "Using
+                     uncalibrated q_scale 1.0 ... with fp8 attention").
+
+The first three leave attention in the model's dtype: a backend that reads the cache back into
+BF16 (vLLM's FlashInfer and Triton backends) computes that. FlashAttention 3 quantizes Q whenever
+the cache is E4M3 (vLLM's ``flash_attn.py``: ``ops.scaled_fp8_quant(query, layer._q_scale)``), so a
+plan served on Hopper is scored with an ``FP8_ATTN`` format.
+
+FP8 attention, emulated (FlashAttention 3's ``softmax.h``): S = (Q·Kᵀ)·scale in FP32 from the
+E4M3 Q and K; P = 2⁸·exp(S − rowmax) (its ``Max_offset`` of 8 puts P in [0, 256] so that E4M3's
+range is used), the row sum taken in FP32 before rounding, P rounded to E4M3, O = (P·V) / rowsum.
+FlashAttention subtracts the running maximum of the key blocks seen so far, this emulation the
+maximum of the whole row; they differ only for rows whose maximum comes late, and only in how small
+a probability must be to underflow.
 
 Emulation. The cache holds K *after* the rotary embedding, so the K and V that transformers
 hands its attention function are quantized there, once per layer and forward, before
@@ -61,6 +81,7 @@ class KvCacheFormat:
     calibrated:  per-layer static K and V scales from calibration (False: scale 1.0)
     vllm_dtype:  the value of vLLM's ``--kv-cache-dtype``
     description: one line for people
+    attention:   FP8 attention: Q quantized to E4M3 at scale 1.0 and P rounded to E4M3 as well
     """
 
     name: str
@@ -68,6 +89,7 @@ class KvCacheFormat:
     calibrated: bool
     vllm_dtype: str
     description: str
+    attention: bool = False
 
     @property
     def is_identity(self) -> bool:
@@ -83,12 +105,22 @@ KV_FORMATS: dict[str, KvCacheFormat] = {
     for f in (
         KvCacheFormat(AUTO, None, False, "auto", "the model's dtype (BF16 when served in BF16): nothing quantized"),
         KvCacheFormat("FP8", "fp8_e4m3", True, "fp8",
-                      "FP8 E4M3, one calibrated scale per layer for K and for V (llm-compressor kv_cache_scheme)"),
+                      "FP8 E4M3, one calibrated scale per layer for K and for V (llm-compressor kv_cache_scheme); "
+                      "attention itself in BF16 (a backend that dequantizes the cache)"),
         KvCacheFormat("FP8_UNSCALED", "fp8_e4m3", False, "fp8",
                       "FP8 E4M3 with scale 1.0: vLLM --kv-cache-dtype fp8 on a checkpoint without K/V scales; "
-                      "|K|, |V| > 448 saturate"),
+                      "|K|, |V| > 448 saturate; attention itself in BF16"),
         KvCacheFormat("FP8_E5M2", "fp8_e5m2", False, "fp8_e5m2",
                       "FP8 E5M2 with scale 1.0 (vLLM --kv-cache-dtype fp8_e5m2): wide range, 2 mantissa bits"),
+        KvCacheFormat("FP8_ATTN", "fp8_e4m3", True, "fp8",
+                      "FP8 attention, as vLLM's FlashAttention 3 (Hopper) runs an FP8 cache: K and V with "
+                      "calibrated per-layer scales, Q at scale 1.0 (no q_scale in the checkpoint), softmax "
+                      "probabilities in E4M3",
+                      attention=True),
+        KvCacheFormat("FP8_ATTN_UNSCALED", "fp8_e4m3", False, "fp8",
+                      "FP8 attention with Q, K and V at scale 1.0: vLLM --kv-cache-dtype fp8 on Hopper "
+                      "(FlashAttention 3) with a checkpoint without scales; |Q|, |K|, |V| > 448 saturate",
+                      attention=True),
     )
 }
 
@@ -168,21 +200,28 @@ def kv_token_capacity(memory_gb: float, weight_bytes: float, bytes_per_token: fl
 
 
 def kv_clipping(kv_amax: Mapping[str, Mapping[str, float]] | None, fmt: str | KvCacheFormat | None) -> str | None:
-    """A warning when an unscaled format cannot hold the K or V a calibration saw (``kv_amax`` as
-    :meth:`KvAmax.to_dict` writes it): those values saturate at the format's max. None when nothing exceeds
-    it, the format is calibrated (FP8) or AUTO, or no maxima are known."""
+    """A warning when a tensor the format stores at scale 1.0 exceeds what it holds on the calibration
+    (``kv_amax`` as :meth:`KvAmax.to_dict` writes it): K and V of an unscaled cache, and Q under FP8 attention
+    (vLLM has no calibrated Q scale: it runs Q at 1.0). Those values saturate when served. None when nothing
+    exceeds it, nothing is stored at scale 1.0 (AUTO, FP8), or no maxima are known."""
     kv = get_kv_format(fmt)
-    if kv.is_identity or kv.calibrated or not kv_amax:
+    tensors = ([] if kv.is_identity or kv.calibrated else ["k", "v"]) + (["q"] if kv.attention else [])
+    if not tensors or not kv_amax:
         return None
     limit = get_format(kv.element).max
-    over = sorted({layer for t in ("k", "v") for layer, a in (kv_amax.get(t) or {}).items() if a > limit})
-    if not over:
+    over = {t: sorted(layer for layer, a in (kv_amax.get(t) or {}).items() if a > limit) for t in tensors}
+    layers_over = sorted({layer for names in over.values() for layer in names})
+    if not layers_over:
         return None
-    worst = max(a for t in ("k", "v") for a in (kv_amax.get(t) or {}).values())
+    worst = max(a for t in tensors for a in (kv_amax.get(t) or {}).values())
     layers = len(set(kv_amax.get("k") or {}) | set(kv_amax.get("v") or {}))
-    return (f"KV cache {kv.name}: K or V reach {worst:,.4g} in {len(over)} of {layers} attention layer(s) "
-            f"({name_list(over)}) on the newest calibration, beyond the {limit:g} that {kv.element} holds at "
-            "scale 1.0: those values saturate when served; choose FP8 (calibrated per-layer scales)")
+    what = " or ".join(t.upper() for t in tensors if over[t])
+    fix = ("choose FP8 or FP8_ATTN (calibrated per-layer K/V scales)" if over.get("k") or over.get("v") else
+           "vLLM has no calibrated Q scale for FP8 attention; a backend that keeps attention in BF16 (formats "
+           "FP8 / FP8_UNSCALED) does not clip Q")
+    return (f"KV cache {kv.name}: {what} reach {worst:,.4g} in {len(layers_over)} of {layers} attention layer(s) "
+            f"({name_list(layers_over)}) on the newest calibration, beyond the {limit:g} that {kv.element} holds "
+            f"at scale 1.0: those values saturate when served; {fix}")
 
 
 # ---------------------------------------------------------------------- emulation
@@ -190,28 +229,30 @@ def kv_clipping(kv_amax: Mapping[str, Mapping[str, float]] | None, fmt: str | Kv
 
 @dataclass
 class KvAmax:
-    """Per attention layer (module name) the largest |K| and |V| seen: what calibrated scales come from."""
+    """Per attention layer (module name) the largest |K| and |V| seen, and |Q| (post-rotary, as FP8 attention
+    quantizes it): what calibrated scales come from."""
 
     k: dict[str, float] = field(default_factory=dict)
     v: dict[str, float] = field(default_factory=dict)
+    q: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, dict[str, float]]:
-        return {"k": dict(self.k), "v": dict(self.v)}
+        return {"k": dict(self.k), "v": dict(self.v), "q": dict(self.q)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Mapping[str, float]]) -> KvAmax:
-        return cls(k={str(a): float(b) for a, b in data.get("k", {}).items()},
-                   v={str(a): float(b) for a, b in data.get("v", {}).items()})
+        return cls(**{t: {str(a): float(b) for a, b in (data.get(t) or {}).items()} for t in ("k", "v", "q")})
 
 
 @dataclass
 class KvApplied:
-    """What :func:`kv_cache_quantized` did: ``saturation`` ``{layer: share of K and V elements that
-    clipped}`` (read it after the block's forwards) and the scales it used."""
+    """What :func:`kv_cache_quantized` did: ``saturation`` ``{layer: share of K and V elements (and Q's, with
+    FP8 attention) that clipped}`` (read it after the block's forwards) and the scales it used."""
 
     fmt: KvCacheFormat
     k_scale: dict[str, float] = field(default_factory=dict)
     v_scale: dict[str, float] = field(default_factory=dict)
+    q_scale: dict[str, float] = field(default_factory=dict)
     _counts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -222,6 +263,15 @@ class KvApplied:
             if total:
                 out[layer] = int(clipped.item()) / total
         return out
+
+
+@dataclass(frozen=True)
+class _LayerState:
+    """What the wrapper does in one attention module: ``tensors(q, k, v) -> (q, k, v)`` before attention, and
+    ``attention``, when set, computes attention instead of the model's own function (FP8 attention)."""
+
+    tensors: Callable[..., Any]
+    attention: Callable[..., Any] | None = None
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -243,32 +293,33 @@ def _wrapped_attention(base: str) -> Callable[..., Any]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        state = getattr(module, _STATE_ATTR, None)
-        if state is not None:
-            key, value = state(key, value)
+        state: _LayerState | None = getattr(module, _STATE_ATTR, None)
         fn = _module_eager(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
+        if state is not None:
+            query, key, value = state.tensors(query, key, value)
+            fn = state.attention or fn
         return fn(module, query, key, value, attention_mask, **kwargs)
 
     return attention
 
 
-def _register(base: str) -> str:
-    """Register the wrapper of ``base`` with transformers' attention and mask interfaces; its name."""
+def _register(base: str, *, fp8_attention: bool = False) -> str:
+    """Register the wrapper of ``base`` with transformers' attention and mask interfaces; its name. The FP8
+    attention wrapper takes eager's masks (always an additive float tensor), which its own attention reads."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    name = _WRAPPER_PREFIX + base
+    name = _WRAPPER_PREFIX + ("fp8attn_" if fp8_attention else "") + base
     if name not in AttentionInterface._global_mapping:
         AttentionInterface.register(name, _wrapped_attention(base))
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["eager" if fp8_attention else base])
     return name
 
 
 @contextmanager
-def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module],
-                       states: Mapping[str, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]],
+def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module], states: Mapping[str, _LayerState],
                        what: str) -> Iterator[Mapping[str, nn.Module]]:
-    """Route the K and V of every module of ``modules`` (:func:`attention_modules` of ``model``) through
+    """Route the Q, K and V of every module of ``modules`` (:func:`attention_modules` of ``model``) through
     ``states[name]`` for the block."""
     if not modules:
         raise PlanError(f"{what}: this model has no attention module with k_proj and v_proj; quantplan cannot "
@@ -280,15 +331,15 @@ def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module],
     if base not in ("sdpa", "eager"):
         raise PlanError(f"{what}: the model runs {base!r} attention; KV cache emulation wraps 'sdpa' or 'eager' "
                         "(load the model with one of them)")
-    wrapper = _register(base)
-    called: set[str] = set()  # attention modules whose K and V went through the wrapper
+    wrapper = _register(base, fp8_attention=any(st.attention is not None for st in states.values()))
+    called: set[str] = set()  # attention modules whose Q, K and V went through the wrapper
     projected: set[str] = set()  # attention modules whose k_proj ran
 
-    def tracking(name, fn):
-        def state(key, value):
+    def tracking(name, st):
+        def tensors(query, key, value):
             called.add(name)
-            return fn(key, value)
-        return state
+            return st.tensors(query, key, value)
+        return _LayerState(tensors, st.attention)
 
     hooks = [m.k_proj.register_forward_hook(lambda *_, n=name: projected.add(n)) for name, m in modules.items()]
     try:
@@ -310,9 +361,54 @@ def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module],
                 delattr(m, _STATE_ATTR)
 
 
+# FlashAttention 3's FP8 softmax (hopper/softmax.h, Max_offset = 8): exp2(x - max + 8), so P lies in [0, 256]
+FA3_FP8_PROB_OFFSET = 2.0**8
+
+
+def fp8_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          *, round_probs: bool = True, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention as FlashAttention 3 computes it in FP8, from Q, K, V already rounded to E4M3 (and dequantized):
+    S = Q·Kᵀ·scaling in FP32 (+ the additive mask), P = 2⁸·exp(S − rowmax), rowsum in FP32, P rounded to E4M3
+    (``round_probs``; off only to test the rest against the model's own attention), O = P·V / rowsum.
+
+    Same signature and output layout as transformers' ``eager_attention_forward`` ([batch, tokens, heads, dim]);
+    grouped-query K/V heads are repeated here. Refuses what FlashAttention's FP8 path here does not model
+    (logit soft-capping, attention sinks) rather than scoring something else.
+    """
+    import torch
+
+    for unsupported in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(unsupported) is not None:
+            raise PlanError(f"FP8 attention emulation: {type(module).__name__} passes {unsupported!r} to attention, "
+                            "which quantplan's FP8 attention does not model; score this model with FP8 or "
+                            "FP8_UNSCALED (attention in BF16)")
+    if dropout and module.training:
+        raise PlanError("FP8 attention emulation runs in eval mode only")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(groups, dim=1)
+    v = value.float().repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query.float(), k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        mask = attention_mask[..., : k.shape[-2]]
+        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                  else scores + mask.float())
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - row_max) * FA3_FP8_PROB_OFFSET
+    row_sum = probs.sum(dim=-1, keepdim=True)
+    if round_probs:
+        probs = probs.to(torch.float8_e4m3fn).float()
+    out = torch.matmul(probs, v) / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
 @contextmanager
 def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
-    """Record per-layer max |K| and max |V| (post-rotary, as cached) over every forward in the block.
+    """Record per-layer max |K|, max |V| and max |Q| (post-rotary, as cached and as FP8 attention quantizes
+    them) over every forward in the block.
 
     The yielded :class:`KvAmax` is filled when the block ends; reductions stay on the model's device
     until then (no host sync per forward).
@@ -322,29 +418,31 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
     acc: dict[str, list[torch.Tensor | None]] = {}
 
     def observer(name):
-        def state(key, value):
-            k, v = key.detach().abs().amax().float(), value.detach().abs().amax().float()
-            slot = acc.setdefault(name, [None, None])
-            slot[0] = k if slot[0] is None else torch.maximum(slot[0], k)
-            slot[1] = v if slot[1] is None else torch.maximum(slot[1], v)
-            return key, value
-        return state
+        def tensors(query, key, value):
+            slot = acc.setdefault(name, [None, None, None])
+            for i, x in enumerate((key, value, query)):
+                a = x.detach().abs().amax().float()
+                slot[i] = a if slot[i] is None else torch.maximum(slot[i], a)
+            return query, key, value
+        return _LayerState(tensors)
 
     result = KvAmax()
     modules = attention_modules(model)
     with _attention_wrapped(model, modules, {n: observer(n) for n in modules}, "KV calibration"):
         yield result
-    for name, (k, v) in acc.items():
-        result.k[name] = float(k.item()) if k is not None else 0.0
-        result.v[name] = float(v.item()) if v is not None else 0.0
+    for name, amaxes in acc.items():
+        for table, a in zip((result.k, result.v, result.q), amaxes, strict=True):
+            table[name] = float(a.item()) if a is not None else 0.0
 
 
 @contextmanager
 def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *,
                        amax: KvAmax | None = None) -> Iterator[KvApplied]:
-    """Store K and V in ``fmt`` for every forward in the block: fake-quantize them per layer, per tensor.
+    """Store K and V in ``fmt`` for every forward in the block: fake-quantize them per layer, per tensor; an FP8
+    attention format (``FP8_ATTN``, ``FP8_ATTN_UNSCALED``) quantizes Q as well (scale 1.0) and computes attention
+    with :func:`fp8_attention_forward`.
 
-    ``amax``: per-layer K/V amax from :func:`kv_amax_observed`, needed by calibrated formats (FP8).
+    ``amax``: per-layer K/V amax from :func:`kv_amax_observed`, needed by calibrated formats (FP8, FP8_ATTN).
     AUTO yields without touching the model. The model's attention setting is restored on exit.
     """
     from quantcore.quantize import fake_quantize_with_counts, scale_from_amax
@@ -367,19 +465,23 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *,
     else:
         applied.k_scale = dict.fromkeys(modules, 1.0)
         applied.v_scale = dict.fromkeys(modules, 1.0)
+    if kv.attention:  # vLLM's FP8 attention runs Q at the checkpoint's q_scale, which quantplan's exports never carry
+        applied.q_scale = dict.fromkeys(modules, 1.0)
 
     def quantizer(name):
-        ks, vs = applied.k_scale[name], applied.v_scale[name]
+        ks, vs, qs = applied.k_scale[name], applied.v_scale[name], applied.q_scale.get(name)
 
-        def state(key, value):
+        def tensors(query, key, value):
             kq, kc = fake_quantize_with_counts(key, elem, "tensor", scale=ks)
             vq, vc = fake_quantize_with_counts(value, elem, "tensor", scale=vs)
-            n = kc[0] + vc[0]
-            clipped = kc[2] + vc[2]
+            n, clipped = kc[0] + vc[0], kc[2] + vc[2]
+            if qs is not None:
+                query, qc = fake_quantize_with_counts(query, elem, "tensor", scale=qs)
+                n, clipped = n + qc[0], clipped + qc[2]
             slot = applied._counts.get(name)
             applied._counts[name] = [n, clipped] if slot is None else [slot[0] + n, slot[1] + clipped]
-            return kq, vq
-        return state
+            return query, kq, vq
+        return _LayerState(tensors, fp8_attention_forward if kv.attention else None)
 
     with _attention_wrapped(model, modules, {n: quantizer(n) for n in modules}, f"KV cache {kv.name}"):
         yield applied

@@ -672,7 +672,7 @@ def calibrate_kv_cache(
 ) -> Any:
     """Per attention layer max |K| and |V| on calibration tokens, with ``plan`` applied as it will be
     served (K and V come out of the quantized k_proj / v_proj): what calibrated KV cache scales
-    (amax / 448) are made of. Returns a :class:`quantcore.kvcache.KvAmax`."""
+    (amax / 448) are made of; |Q| is recorded too. Returns a :class:`quantcore.kvcache.KvAmax`."""
     from quantcore.kvcache import kv_amax_observed
 
     ids = as_token_batch(input_ids)
@@ -761,9 +761,15 @@ def score_plan(
     report.kv_cache = kv.name
     report.kv_saturation = kv_ctx.saturation
     report.notes = list(ctx.notes)
-    fix = ("calibrate on text like this" if kv.calibrated else
-           "calibrated K/V scales (kv_cache FP8) or FP8_E5M2 avoid this")
-    for note in (_clipping_note(report.kv_saturation, f"the {kv.name} KV cache clipped K or V in {{n}} attention "
+    if kv.attention:
+        fix = ("calibrate on text like this for K and V" if kv.calibrated else
+               "calibrated K/V scales (kv_cache FP8_ATTN) avoid K/V clipping")
+        fix += "; Q runs at scale 1.0 in vLLM's FP8 attention"
+    else:
+        fix = ("calibrate on text like this" if kv.calibrated else
+               "calibrated K/V scales (kv_cache FP8) or FP8_E5M2 avoid this")
+    what = "Q, K or V" if kv.attention else "K or V"
+    for note in (_clipping_note(report.kv_saturation, f"the {kv.name} KV cache clipped {what} in {{n}} attention "
                                 f"layer(s), worst {{worst}} ({{share:.3%}} of its elements): {fix}"),
                  _clipping_note(saturation, "static activation scales clipped live traffic in {n} layer(s), worst "
                                 "{worst} ({share:.3%} of its inputs): the calibration text did not cover this text's "

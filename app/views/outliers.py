@@ -113,7 +113,7 @@ else:
     st.altair_chart(charts.histogram_chart(hist, charts.grid_frame(grid, hist["lo"].min(), hist["hi"].max()),
                                            f"{fmt} ({gran})"), width="stretch")
 
-# ----------------------------------------------------------------------------- 6. K and V
+# ----------------------------------------------------------------------------- 6. Q, K and V
 cal = next(c for c in cals if c.id == cal_id)
 kv_frame = charts.kv_amax_frame((cal.result or {}).get("kv_amax"))
 st.subheader("K and V: what the KV cache holds")
@@ -123,15 +123,25 @@ if kv_frame.empty:
                   " (it predates them; calibrate again to see them)."))
 else:
     st.altair_chart(charts.kv_amax_chart(kv_frame), width="stretch")
-    over = kv_frame[kv_frame["amax"] > 448.0]
+    cached = kv_frame[kv_frame["tensor"] != "Q"]
+    over = cached[cached["amax"] > 448.0]
+    q = kv_frame[kv_frame["tensor"] == "Q"]
+    q_over = q[q["amax"] > 448.0]
     st.caption("K after the rotary embedding and V, per attention layer, over the calibration text: the tensors a "
                "serving engine writes into its KV cache. An FP8 E4M3 cache without calibrated scales "
                "(FP8_UNSCALED, vLLM's `--kv-cache-dtype fp8` on a checkpoint without K/V scales) clips everything "
                "above 448; calibrated scales (FP8) map each layer's maximum onto 448 instead. "
-               + (f"**{len(over)} of {len(kv_frame)} maxima exceed 448** ({', '.join(sorted(set(over['layer'])))[:300]}): "
+               + (f"**{len(over)} of {len(cached)} maxima exceed 448** ({', '.join(sorted(set(over['layer'])))[:300]}): "
                   "choose FP8, not FP8_UNSCALED, for this model's KV cache." if len(over) else
-                  f"Every maximum is below 448 (largest {kv_frame['amax'].max():,.4g}): scale 1.0 clips nothing "
+                  f"Every maximum is below 448 (largest {cached['amax'].max():,.4g}): scale 1.0 clips nothing "
                   "on this text."))
+    if len(q):
+        st.caption("Q (after the rotary embedding) matters where attention itself runs in FP8: vLLM's "
+                   "FlashAttention 3 backend on Hopper quantizes Q to E4M3 whenever the cache is FP8, with the "
+                   "checkpoint's q_scale or 1.0 (FP8_ATTN / FP8_ATTN_UNSCALED). "
+                   + (f"**{len(q_over)} of {len(q)} Q maxima exceed 448** "
+                      f"({', '.join(sorted(q_over['layer']))[:300]}): FP8_ATTN_UNSCALED clips them." if len(q_over)
+                      else f"Every Q maximum is below 448 (largest {q['amax'].max():,.4g})."))
 
 # ----------------------------------------------------------------------------- 7. what will break
 st.subheader("What will break, before running anything")

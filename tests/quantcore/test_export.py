@@ -586,6 +586,28 @@ def test_vllm_kv_cache_flag_follows_the_plans_kv_cache() -> None:
         to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="int4")
 
 
+def test_fp8_attention_is_the_fp8_cache_plus_what_the_vllm_command_says_about_the_backend() -> None:
+    """FP8 attention is vLLM's FlashAttention 3 backend, not the checkpoint: FP8_ATTN exports the very recipe and
+    config of FP8 (kv_cache_scheme, no q_scale), FP8_ATTN_UNSCALED the flag of FP8_UNSCALED; the command says
+    which backend computes what the score emulated, and a cache-only format says where attention runs in FP8."""
+    plan = uniform("FP8_DYNAMIC")
+    for attn, cache in (("FP8_ATTN", "FP8"), ("FP8_ATTN_UNSCALED", "FP8_UNSCALED")):
+        assert quant_modifier(to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache=attn)) == \
+            quant_modifier(to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache=cache))
+        assert to_compressed_tensors_config(plan, layer_names=LAYERS, kv_cache=attn) == \
+            to_compressed_tensors_config(plan, layer_names=LAYERS, kv_cache=cache)
+        cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache=attn)
+        assert cmd.splitlines()[-1] == to_vllm_command(plan, model_path="/m", layer_names=LAYERS,
+                                                       kv_cache=cache).splitlines()[-1]
+        assert "FlashAttention 3 backend (its default on Hopper) quantizes Q (scale 1.0" in cmd
+        assert f"keeps attention in BF16, which is kv_cache {cache}" in cmd
+        plain = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache=cache)
+        assert "scored with attention in BF16" in plain and f"score kv_cache {attn} to see that" in plain
+    assert "FlashAttention" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_E5M2")
+    recipe = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8_ATTN")
+    assert "nothing of it is in the recipe" in recipe and kv_cache_of_recipe(recipe) == "FP8"
+
+
 def test_recipe_kv_cache_scheme_round_trips() -> None:
     plan = uniform("FP8_DYNAMIC")
     text = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8")

@@ -27,11 +27,15 @@ E4M3_MAX = 448.0
 
 
 def test_format_names_and_errors() -> None:
-    assert list(KV_FORMATS) == ["AUTO", "FP8", "FP8_UNSCALED", "FP8_E5M2"]
+    assert list(KV_FORMATS) == ["AUTO", "FP8", "FP8_UNSCALED", "FP8_E5M2", "FP8_ATTN", "FP8_ATTN_UNSCALED"]
     assert get_kv_format(None).name == get_kv_format("auto").name == "AUTO"
     assert get_kv_format(" fp8_e5m2 ").vllm_dtype == "fp8_e5m2"
     assert get_kv_format("FP8").calibrated and not get_kv_format("FP8_UNSCALED").calibrated
     assert {f.vllm_dtype for f in KV_FORMATS.values()} == {"auto", "fp8", "fp8_e5m2"}
+    # FP8 attention: the same E4M3 cache and vLLM flag, Q and P in E4M3 as well
+    assert [f.name for f in KV_FORMATS.values() if f.attention] == ["FP8_ATTN", "FP8_ATTN_UNSCALED"]
+    assert get_kv_format("fp8_attn").calibrated and not get_kv_format("FP8_ATTN_UNSCALED").calibrated
+    assert all(f.element == "fp8_e4m3" and f.vllm_dtype == "fp8" for f in KV_FORMATS.values() if f.attention)
     with pytest.raises(PlanError, match=r"unknown KV cache format 'int8'; known: AUTO, FP8, FP8_UNSCALED, FP8_E5M2"):
         get_kv_format("int8")
 
@@ -254,6 +258,15 @@ def test_clipping_warning_names_the_layers_an_unscaled_cache_overflows() -> None
     assert kv_clipping({"k": {"a": 1e5}, "v": {}}, "FP8_E5M2") is not None
     assert kv_clipping(None, "FP8_UNSCALED") is None
     assert kv_clipping({"k": {"a": 447.0}, "v": {"a": 448.0}}, "FP8_UNSCALED") is None  # 448 itself is held
+    # FP8 attention quantizes Q at scale 1.0 whatever the K/V scales: a Q beyond 448 is named for both FP8_ATTN
+    # formats, never for a cache-only one
+    big_q = {"k": {"a": 20.0}, "v": {"a": 3.0}, "q": {"a": 600.0}}
+    assert kv_clipping(big_q, "FP8_UNSCALED") is None and kv_clipping(big_q, "FP8") is None
+    for fmt in ("FP8_ATTN", "FP8_ATTN_UNSCALED"):
+        msg = kv_clipping(big_q, fmt)
+        assert msg is not None and ": Q reach 600 in 1 of 1" in msg and "does not clip Q" in msg
+    assert "K or Q reach 912.5" in kv_clipping({**amax, "q": {"model.layers.0.self_attn": 500.0}}, "FP8_ATTN_UNSCALED")
+    assert kv_clipping(amax, "FP8_ATTN") is None  # calibrated K/V, and no Q recorded (an older calibration)
 
 
 def test_sliding_window_layers_cache_only_their_window() -> None:
@@ -287,3 +300,106 @@ def test_intake_records_which_layers_attend_to_a_window() -> None:
         ("model.layers.0.self_attn", "model.layers.1.self_attn"), 4096)
     assert attention_windows(unbounded) == {}  # a window as long as any context is none
     assert attention_windows(llama) == {}
+
+
+# ---------------------------------------------------------------------- FP8 attention
+
+
+def _identity_attention(model, *, round_probs: bool):
+    """Every attention of ``model`` through :func:`kvcache.fp8_attention_forward`, with Q, K and V untouched."""
+    from functools import partial
+
+    modules = kvcache.attention_modules(model)
+    state = kvcache._LayerState(lambda q, k, v: (q, k, v),
+                                partial(kvcache.fp8_attention_forward, round_probs=round_probs))
+    return kvcache._attention_wrapped(model, modules, dict.fromkeys(modules, state), "test")
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_fp8_attention_without_rounding_is_the_models_own_attention(arch: str) -> None:
+    """Masks (causal, padding, Gemma 3's sliding window), scaling and the GQA repeat are the model's own: with no
+    rounding at all the FP8 attention path gives the model's logits; rounding P alone changes them."""
+    model = build_tiny_model(arch)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded second sequence
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        with _identity_attention(model, round_probs=False):
+            same = model(ids, attention_mask=mask).logits
+        with _identity_attention(model, round_probs=True):
+            rounded = model(ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == "sdpa"
+    keep = mask.bool()  # padded positions attend to nothing real; their logits are not compared
+    torch.testing.assert_close(same[keep], ref[keep], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(rounded[keep], ref[keep], atol=1e-5)
+
+
+def test_fp8_attention_rounds_the_probabilities_in_flash_attentions_range() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=gen) for _ in range(3))
+    module = torch.nn.Module()
+    out, _ = kvcache.fp8_attention_forward(module, q, k, v, None, scaling=0.5)
+    s = q @ k.transpose(2, 3) * 0.5
+    p = torch.exp(s - s.amax(-1, keepdim=True)) * 256  # FlashAttention 3: P in [0, 256]
+    expected = (p.to(torch.float8_e4m3fn).float() @ v) / p.sum(-1, keepdim=True)  # row sum before rounding
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-6, rtol=1e-6)
+    exact = torch.softmax(s, -1) @ v
+    assert 1e-4 < float((out - exact.transpose(1, 2)).abs().max()) < 0.1
+    with pytest.raises(PlanError, match="'softcap'.*score this model with FP8 or FP8_UNSCALED"):
+        kvcache.fp8_attention_forward(module, q, k, v, None, softcap=30.0)
+
+
+@pytest.fixture
+def attention_spy(monkeypatch):
+    """Record the Q, K and V that reach the FP8 attention function."""
+    real = kvcache.fp8_attention_forward
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.append((query.detach().clone(), key.detach().clone(), value.detach().clone()))
+        return real(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(kvcache, "fp8_attention_forward", recording)
+    return seen
+
+
+def test_fp8_attention_quantizes_q_at_scale_one(attention_spy) -> None:
+    """vLLM's FP8 attention runs Q at the checkpoint's q_scale, which llm-compressor's kv_cache_scheme does not
+    write (vLLM then uses 1.0): Q is on the unscaled E4M3 grid under both formats, K and V follow their scales."""
+    model = build_tiny_model("llama")
+    ids = _ids()
+    with torch.no_grad(), kv_amax_observed(model) as amax:
+        model(ids)
+    assert set(amax.q) == set(amax.k) and all(a > 0 for a in amax.q.values())
+    for fmt in ("FP8_ATTN_UNSCALED", "FP8_ATTN"):
+        attention_spy.clear()
+        with torch.no_grad(), kv_cache_quantized(model, fmt, amax=amax) as applied:
+            model(ids)
+        assert applied.q_scale == dict.fromkeys(amax.q, 1.0)
+        assert len(attention_spy) == TINY_LAYERS
+        for i, (q, k, _) in enumerate(attention_spy):
+            assert torch.equal(q, q.to(torch.float8_e4m3fn).float())
+            ks = applied.k_scale[f"model.layers.{i}.self_attn"]
+            assert ks == (1.0 if fmt == "FP8_ATTN_UNSCALED" else pytest.approx(amax.k[f"model.layers.{i}.self_attn"]
+                                                                               / E4M3_MAX))
+            assert torch.equal((k / ks).to(torch.float8_e4m3fn).float() * ks, k)
+    # a cache-only format leaves Q alone and never calls the FP8 attention function
+    attention_spy.clear()
+    with torch.no_grad(), kv_cache_quantized(model, "FP8", amax=amax) as applied:
+        model(ids)
+    assert attention_spy == [] and applied.q_scale == {}
+    assert KvAmax.from_dict({"k": amax.k, "v": amax.v}).q == {}  # a calibration stored before Q was recorded
+
+
+def test_scores_of_fp8_attention_add_the_error_of_q_and_p() -> None:
+    model = build_tiny_model("llama")
+    ids = _ids()
+    ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
+    amax = calibrate_kv_cache(model, {}, _ids(7))
+    assert set(amax.q) == set(amax.k)
+    cache = score_plan(model, {}, ids, ref, kv_cache="FP8", kv_amax=amax)
+    attn = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", kv_amax=amax)
+    assert attn.kv_cache == "FP8_ATTN" and set(attn.kv_saturation) == set(amax.k)
+    assert attn.kl_mean > cache.kl_mean > 0
+    assert model.config._attn_implementation == "sdpa"
