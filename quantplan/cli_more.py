@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from quantcore.kvcache import KV_FORMATS
 from quantplan.cli import (
     CliError,
     _checked_settings,
@@ -212,8 +213,8 @@ def add_commands(sub) -> None:
     sp.add_argument("--scheme", help="one preset for every linear layer (see `quantplan schemes`)")
     sp.add_argument("--plan", help="a plan YAML file")
     sp.add_argument("--all-presets", action="store_true", help="score every preset and print the table")
-    sp.add_argument("--kv-cache", metavar="FORMAT", help="store K and V in this format too (AUTO, FP8, "
-                    "FP8_UNSCALED, FP8_E5M2; see `quantplan schemes`); replaces the plan file's kv_cache")
+    sp.add_argument("--kv-cache", metavar="FORMAT", help=f"store K and V in this format too ({', '.join(KV_FORMATS)}; "
+                    "see `quantplan schemes`); replaces the plan file's kv_cache")
     sp.set_defaults(func=cmd_score)
 
     sp = sub.add_parser("sensitivity", help="KL of quantizing one layer (or fusion group) at a time")

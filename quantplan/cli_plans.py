@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from quantcore.kvcache import KV_FORMATS
 from quantplan.cli import (
     CliError,
     _checked_settings,
@@ -198,8 +199,8 @@ def add_commands(sub) -> None:
     sp.add_argument("--cost", default="auto", choices=["auto", "bits", "ideal"],
                     help="what to minimise: auto = measured kernel times of the target where stored, else weight "
                          "bits; bits = weight memory; ideal = the roofline step time at --m on the target")
-    sp.add_argument("--kv-cache", metavar="FORMAT", help="cache K and V in this format too (FP8, FP8_UNSCALED, "
-                    "FP8_E5M2): its KL, scored alone (score --scheme BF16 --kv-cache FORMAT), comes off the budget")
+    sp.add_argument("--kv-cache", metavar="FORMAT", help=f"cache K and V in this format too ({', '.join(KV_FORMATS)}): its "
+                    "KL, scored alone (score --scheme BF16 --kv-cache FORMAT), comes off the budget")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     sp.add_argument("--wait", action="store_true", help="wait for the verifying score job")
     sp.add_argument("--device", default=None, help="device of the verifying score job (default: cpu)")

@@ -137,11 +137,12 @@ else:
                   "on this text."))
     if len(q):
         st.caption("Q (after the rotary embedding) matters where attention itself runs in FP8: vLLM's "
-                   "FlashAttention 3 backend on Hopper quantizes Q to E4M3 whenever the cache is FP8, with the "
-                   "checkpoint's q_scale or 1.0 (FP8_ATTN / FP8_ATTN_UNSCALED). "
+                   "FlashAttention 3 backend on Hopper quantizes Q to E4M3 at scale 1.0 whenever the cache is FP8 "
+                   "(scored as FP8_ATTN / FP8_ATTN_UNSCALED). "
                    + (f"**{len(q_over)} of {len(q)} Q maxima exceed 448** "
-                      f"({', '.join(sorted(q_over['layer']))[:300]}): FP8_ATTN_UNSCALED clips them." if len(q_over)
-                      else f"Every Q maximum is below 448 (largest {q['amax'].max():,.4g})."))
+                      f"({', '.join(sorted(q_over['layer']))[:300]}): FP8 attention clips them." if len(q_over)
+                      else f"Every Q maximum is below 448 (largest {q['amax'].max():,.4g}): FP8 attention clips no "
+                           "Q on this text."))
 
 # ----------------------------------------------------------------------------- 7. what will break
 st.subheader("What will break, before running anything")

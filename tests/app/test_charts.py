@@ -486,3 +486,7 @@ def test_kv_amax_chart_draws_k_and_v_per_block_against_the_e4m3_limit():
     rule_data = spec["datasets"][rule["data"]["name"]]
     assert rule_data[0]["y"] == 448.0
     assert charts.kv_amax_frame(None).empty and charts.kv_amax_frame({}).empty
+    # a calibration that recorded Q (what FP8 attention quantizes) draws it as a third line
+    with_q = charts.kv_amax_frame({**kv, "q": {"model.layers.0.self_attn": 30.0}})
+    assert sorted(set(with_q["tensor"])) == ["K", "Q", "V"]
+    assert with_q[with_q["tensor"] == "Q"]["amax"].tolist() == [30.0]

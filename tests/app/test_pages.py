@@ -672,6 +672,7 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
         repo.finish_job(s, cal.id, status="succeeded", result={"tokens": 256, "text": "t", "kv_amax": kv})
     at = _run("outliers", seeded.id)
     assert any("1 of 8 maxima exceed 448** (model.layers.2.self_attn)" in c.value for c in at.caption)
+    assert not any("Q maxima" in c.value for c in at.caption)  # this calibration predates Q
     # the plan that would cache those K in E4M3 at scale 1.0 is warned about where it is made and exported
     from app import services as svc
 
@@ -679,6 +680,17 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
     (warning,) = svc.serving_warnings(svc.get_model(seeded.id), body)
     assert "reach 900 in 1 of 4 attention layer(s) ('model.layers.2.self_attn')" in warning
     assert svc.serving_warnings(svc.get_model(seeded.id), {**body, "kv_cache": "FP8"}) == []
+    # a calibration with |Q| beyond 448: FP8 attention runs Q at scale 1.0, so FP8_ATTN is warned about too
+    kv["q"] = {f"model.layers.{b}.self_attn": 10.0 + 600.0 * (b == 1) for b in range(4)}
+    with session_scope() as s:
+        cal = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user="t", model_id=seeded.id)
+        repo.save_activation_stats(s, job_id=cal.id, model_id=seeded.id, stats=stats)
+        repo.finish_job(s, cal.id, status="succeeded", result={"tokens": 256, "text": "t", "kv_amax": kv})
+    at = _run("outliers", seeded.id)
+    assert any("1 of 4 Q maxima exceed 448** (model.layers.1.self_attn): FP8 attention clips them" in c.value
+               for c in at.caption)
+    (warning,) = svc.serving_warnings(svc.get_model(seeded.id), {**body, "kv_cache": "FP8_ATTN"})
+    assert ": Q reach 610 in 1 of 4 attention layer(s) ('model.layers.1.self_attn')" in warning
     at = _run("plans", seeded.id)
     at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8_UNSCALED").run()
     assert any("reach 900" in w.value for w in at.warning)
