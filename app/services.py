@@ -703,6 +703,15 @@ def target_names() -> dict[str, str]:
     return {t.key: t.name for t in list_targets()}
 
 
+def kv_backend_note(kv_cache: str, target: str) -> str | None:
+    """Whether the KV format's attention assumption holds on a target GPU (quantcore.kvcache.attention_backend_note)."""
+    from quantcore.hardware import get_target
+    from quantcore.kvcache import attention_backend_note
+
+    gpu = get_target(target)
+    return attention_backend_note(kv_cache, gpu.sm, gpu.name)
+
+
 def target_bandwidth(target: str) -> float:
     """Memory bandwidth of a target GPU in TB/s, from its datasheet."""
     from quantcore.hardware import get_target

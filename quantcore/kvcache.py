@@ -224,6 +224,29 @@ def kv_clipping(kv_amax: Mapping[str, Mapping[str, float]] | None, fmt: str | Kv
             f"at scale 1.0: those values saturate when served; {fix}")
 
 
+# FlashAttention 3, which runs attention in FP8 with an E4M3 cache, is Hopper's (sm_90) backend in vLLM
+FA3_SM = 90
+
+
+def attention_backend_note(fmt: str | KvCacheFormat | None, sm: int, gpu: str) -> str | None:
+    """Where the format's attention assumption and the target GPU part ways, one sentence for people: an E4M3
+    cache scored with attention in BF16 on Hopper (whose FlashAttention 3 backend runs attention in FP8), or
+    FP8 attention on a GPU FlashAttention 3 does not run on. None where they agree or nothing is cached in E4M3."""
+    kv = get_kv_format(fmt)
+    if kv.element != "fp8_e4m3":
+        return None
+    if not kv.attention and sm == FA3_SM:
+        attn = "FP8_ATTN" + kv.name.removeprefix("FP8")
+        return (f"On the {gpu}, vLLM's FlashAttention 3 backend runs attention itself in FP8 with this cache (Q at "
+                f"scale 1.0, softmax probabilities in E4M3); {kv.name} assumes a backend that keeps attention in "
+                f"BF16. Score {attn} to see what FlashAttention 3 costs.")
+    if kv.attention and sm != FA3_SM:
+        cache = "FP8" + kv.name.removeprefix("FP8_ATTN")
+        return (f"{kv.name} emulates FlashAttention 3, which runs on Hopper (sm90) only; on the {gpu} (sm{sm}) vLLM "
+                f"picks another attention backend, and one that keeps attention in BF16 is scored by {cache}.")
+    return None
+
+
 # ---------------------------------------------------------------------- emulation
 
 

@@ -170,6 +170,9 @@ if resolved is not None:
                    "(Results)."
                    + (" FP8_UNSCALED keeps vLLM's default scale 1.0: a |K| or |V| above 448 saturates."
                       if kvm["kv_cache"] == "FP8_UNSCALED" else ""))
+        backend = svc.kv_backend_note(kvm["kv_cache"], target)
+        if backend:
+            st.info(backend)
 
 # ----------------------------------------------------------------------------- save
 with st.form("plan_save"):

@@ -605,6 +605,11 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     step = next(m for m in at.metric if m.label.startswith("Ideal decode step of 64 with the cache read"))
     assert step.value == f"{dec['ms']:.3f} ms" and f"all-BF16 ({dec['bf16_ms']:.3f} ms)" in step.proto.delta
     assert dec["bf16_kv_ms"] == 2 * dec["kv_ms"] and dec["kv_ms"] > dec["linear_ms"]  # long context: the cache
+    # on Hopper an FP8 cache means FP8 attention (FlashAttention 3): the page says which format scores that
+    assert any("Score FP8_ATTN to see what FlashAttention 3 costs" in i.value for i in at.info)
+    at.selectbox(key="plan_target").set_value("a100").run()
+    assert not any("FlashAttention 3" in i.value for i in at.info)
+    at.selectbox(key="plan_target").set_value("h100").run()
     at.text_input(key="plan_name").set_value("with-kv")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     assert not at.exception

@@ -350,6 +350,18 @@ def test_fp8_attention_rounds_the_probabilities_in_flash_attentions_range() -> N
         kvcache.fp8_attention_forward(module, q, k, v, None, softcap=30.0)
 
 
+def test_the_backend_note_says_where_the_attention_assumption_and_the_gpu_part_ways() -> None:
+    from quantcore.kvcache import attention_backend_note
+
+    hopper = attention_backend_note("FP8_UNSCALED", 90, "NVIDIA H100")
+    assert hopper is not None and "FlashAttention 3" in hopper and "Score FP8_ATTN_UNSCALED" in hopper
+    assert attention_backend_note("FP8", 90, "NVIDIA H100").endswith("Score FP8_ATTN to see what FlashAttention 3 costs.")
+    blackwell = attention_backend_note("FP8_ATTN", 100, "NVIDIA B200")
+    assert blackwell is not None and "Hopper (sm90) only" in blackwell and "scored by FP8." in blackwell
+    for fmt, sm in (("FP8_ATTN", 90), ("FP8", 80), ("FP8", 100), ("FP8_E5M2", 90), ("AUTO", 90)):
+        assert attention_backend_note(fmt, sm, "gpu") is None  # they agree, or nothing is cached in E4M3
+
+
 @pytest.fixture
 def attention_spy(monkeypatch):
     """Record the Q, K and V that reach the FP8 attention function."""
