@@ -116,7 +116,7 @@ else:
 # ----------------------------------------------------------------------------- 6. Q, K and V
 cal = next(c for c in cals if c.id == cal_id)
 kv_frame = charts.kv_amax_frame((cal.result or {}).get("kv_amax"))
-st.subheader("K and V: what the KV cache holds")
+st.subheader("Q, K and V: what the KV cache and FP8 attention hold")
 if kv_frame.empty:
     st.caption("This calibration has no K/V maxima"
                + (f": {cal.result['kv_note']}." if (cal.result or {}).get("kv_note") else

@@ -657,7 +657,7 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
 
     at = _run("outliers", seeded.id)
     assert not at.exception
-    assert any(h.value == "K and V: what the KV cache holds" for h in at.subheader)
+    assert any(h.value == "Q, K and V: what the KV cache and FP8 attention hold" for h in at.subheader)
     assert any("predates them" in c.value for c in at.caption)  # the seeded calibration has no K/V maxima
     kv = {"k": {f"model.layers.{b}.self_attn": 20.0 + 300.0 * (b == 3) for b in range(4)},
           "v": {f"model.layers.{b}.self_attn": 5.0 for b in range(4)}}
