@@ -477,6 +477,7 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     from quantcore.kernels import scheme_path
     from quantcore.kernels import step_estimate as estimate
     from quantcore.kvcache import kv_bytes_per_sequence, kv_bytes_per_token
+    from quantcore.plans import kv_label
     from quantcore.plans import plan_footprint as footprint
     from quantcore.roofline import step_bound as bound
 
@@ -487,18 +488,20 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     shapes = layer_shapes(model)
     rows = []
     for sc in sorted(newest.values(), key=lambda s: (s.kl_mean, s.job_id)):
-        kv_bytes = kv_bytes_per_token(model.linears, sc.kv_cache)
+        resolved, _ = resolve(model, sc.plan_body)
+        skip = kv_skipped(model, sc.plan_body) if resolved is not None else set()
+        kv_bytes = kv_bytes_per_token(model.linears, sc.kv_cache, skip=skip)
         row = {"job": sc.job_id, "plan": sc.plan_label, "kl_mean": sc.kl_mean, "top1_agree": sc.top1_agree,
-               "ppl": sc.ppl, "weight_mib": math.nan, "weight_ratio": math.nan, "kv_cache": sc.kv_cache,
+               "ppl": sc.ppl, "weight_mib": math.nan, "weight_ratio": math.nan, "kv_cache": kv_label(sc.plan_body),
                "kv_kib": math.nan if kv_bytes is None else kv_bytes / 1024, "serving_gib": math.nan,
                "prefill_ms": math.nan, "decode_ms": math.nan, "ideal_prefill_ms": math.nan,
                "ideal_decode_ms": math.nan}
-        resolved, _ = resolve(model, sc.plan_body)
         if resolved is not None:  # a plan the model no longer resolves (its layers changed): no cost, still listed
             fp = footprint(resolved, shapes)
             row.update(weight_mib=fp.bits / 8 / MIB, weight_ratio=fp.ratio)
             if serve is not None:
-                seq = kv_bytes_per_sequence(model.linears, sc.kv_cache, serve[1], windows=model.attention_windows)
+                seq = kv_bytes_per_sequence(model.linears, sc.kv_cache, serve[1], windows=model.attention_windows,
+                                            skip=skip)
                 if seq is not None:
                     row["serving_gib"] = (served_weight_bytes(model, fp)[0] + serve[0] * seq) / 2**30
             if target is not None:
@@ -550,9 +553,33 @@ def resolve(model: ModelRecord, body: dict[str, Any]):
     from quantcore.plans import PlanSpec, resolve_plan
 
     try:
-        return resolve_plan(PlanSpec.from_dict(body), layer_names(model)), None
+        resolved = resolve_plan(PlanSpec.from_dict(body), layer_names(model))
+        kv_skipped(model, body)  # layer indices and sliding_window checked against this model
+        return resolved, None
     except (PlanError, ValueError) as exc:
         return None, str(exc)
+
+
+def kv_skip_options(model: ModelRecord) -> list[str]:
+    """What a plan may keep out of its quantized KV cache: ``sliding_window`` when the model has such layers,
+    then every attention layer's decoder index (empty when the cache cannot be counted)."""
+    from quantcore.kvcache import SKIP_SLIDING, kv_layer_elements, layer_index
+
+    indices = sorted({i for n in kv_layer_elements(model.linears) if (i := layer_index(n)) is not None})
+    return ([SKIP_SLIDING] if model.attention_windows else []) + [str(i) for i in indices]
+
+
+def kv_skipped(model: ModelRecord, body: dict[str, Any]) -> set[str]:
+    """The attention modules a plan keeps out of its quantized KV cache (``kv_cache_skip``, resolved by
+    quantcore.kvcache.kv_skip_layers against the model's layers and sliding windows); PlanError for entries
+    the model does not have."""
+    from quantcore.kvcache import kv_layer_elements, kv_skip_layers
+    from quantcore.plans import PlanSpec
+
+    spec = PlanSpec.from_dict(body)
+    if spec.kv_cache == "AUTO" or not spec.kv_cache_skip:
+        return set()
+    return kv_skip_layers(spec.kv_cache_skip, kv_layer_elements(model.linears), model.attention_windows)
 
 
 def resolved_or_raise(model: ModelRecord, body: dict[str, Any]):
@@ -644,16 +671,18 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
     from quantcore.plans import PlanSpec
 
     kv = get_kv_format(PlanSpec.from_dict(body).kv_cache)
-    per_token = kv_bytes_per_token(model.linears, kv)
+    skip = kv_skipped(model, body)
+    per_token = kv_bytes_per_token(model.linears, kv, skip=skip)
     bf16 = kv_bytes_per_token(model.linears, "AUTO")
     if per_token is None or bf16 is None:
         return None
     windows = model.attention_windows
     out: dict[str, Any] = {"kv_cache": kv.name, "bytes_per_token": per_token, "bf16_bytes_per_token": bf16,
-                           "windowed_layers": len(windows), "windows": sorted(set(windows.values()))}
+                           "windowed_layers": len(windows), "windows": sorted(set(windows.values())),
+                           "skipped_layers": len(skip)}
     if context:
         out.update(context=context,
-                   sequence_bytes=kv_bytes_per_sequence(model.linears, kv, context, windows=windows),
+                   sequence_bytes=kv_bytes_per_sequence(model.linears, kv, context, windows=windows, skip=skip),
                    bf16_sequence_bytes=kv_bytes_per_sequence(model.linears, "AUTO", context, windows=windows))
     if target:
         weights, bf16_weights = served_weight_bytes(model, plan_footprint(model, body))
@@ -686,8 +715,9 @@ def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, bat
     from quantcore.roofline import kv_read_ms
 
     kv = PlanSpec.from_dict(body).kv_cache
-    seq, bf16_seq = (kv_bytes_per_sequence(model.linears, f, context, windows=model.attention_windows)
-                     for f in (kv, "AUTO"))
+    seq = kv_bytes_per_sequence(model.linears, kv, context, windows=model.attention_windows,
+                                skip=kv_skipped(model, body))
+    bf16_seq = kv_bytes_per_sequence(model.linears, "AUTO", context, windows=model.attention_windows)
     if seq is None or bf16_seq is None:
         return None
     linear, bf16_linear = (step_bound(model, b, target, batch).ms for b in (body, {"default": "BF16"}))
@@ -808,7 +838,8 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
     resolved, problem = resolve(model, body)
     if problem:
         raise PlanError(problem)
-    kv = PlanSpec.from_dict(body).kv_cache
+    spec = PlanSpec.from_dict(body)
+    kv = spec.kv_cache
     names = layer_names(model)
     if fmt == "llmcompressor":
         return export.to_llmcompressor_recipe(resolved, layer_names=names, mlp_norm=_mlp_norm(model), kv_cache=kv)
@@ -822,7 +853,7 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
                 f"from {model.source_name}); use your own copy or hub id where you serve from elsewhere\n"
                 + export.to_vllm_command(resolved, model_path=str(folder), layer_names=names,
                                          compressed_path=_safe_name(model.name) + export.COMPRESSED_SUFFIX,
-                                         kv_cache=kv))
+                                         kv_cache=kv, kv_skip=spec.kv_cache_skip))
     raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
 
 
@@ -924,6 +955,8 @@ AUTO_COSTS = {  # what an automatic plan minimises
 def job_what(job: JobRecord) -> str:
     """What a job works on, in a few words, from its parameters: "FP8_DYNAMIC + KV FP8 · 16 × 256",
     "plan #3", "INT8_W8A8 sweep", "cuda M 1,16"."""
+    from quantcore.plans import kv_label
+
     p = job.params or {}
     parts: list[str] = []
     if job.kind in ("score", "sensitivity"):
@@ -932,7 +965,7 @@ def job_what(job: JobRecord) -> str:
                                    f"plan {plan_file.get('name') or 'file'}" if plan_file else "")
         kv = p.get("kv_cache") or plan_file.get("kv_cache")
         if kv and kv != "AUTO":
-            what += f" + KV {kv}"
+            what += f" + KV {kv_label({'kv_cache': kv, 'kv_cache_skip': plan_file.get('kv_cache_skip')})}"
         parts.append(what + (" sweep" if job.kind == "sensitivity" else ""))
     if job.kind in ("score", "sensitivity", "calibrate") and p.get("samples") and p.get("seq_len"):
         parts.append(f"{p['samples']} × {p['seq_len']}")

@@ -75,7 +75,7 @@ from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.formats import get_format
 from quantcore.kvcache import AUTO as KV_AUTO
-from quantcore.kvcache import KvCacheFormat, get_kv_format
+from quantcore.kvcache import KvCacheFormat, get_kv_format, normalize_kv_skip
 from quantcore.plans import TextDumper, group_label, scheme_label
 from quantcore.schemes import Granularity, Scheme, TensorSpec, fusion_groups, get_scheme, list_schemes
 
@@ -1032,6 +1032,7 @@ def to_vllm_command(
     compressed_path: str | None = None,
     recipe_path: str = DEFAULT_RECIPE_FILE,
     kv_cache: str | KvCacheFormat | None = None,
+    kv_skip: Sequence[str] = (),
 ) -> str:
     """The ``vllm serve`` command line for ``plan``, with ``#`` comment lines that say how.
 
@@ -1046,17 +1047,25 @@ def to_vllm_command(
     ``kv_cache`` (:mod:`quantcore.kvcache`) adds ``--kv-cache-dtype``: ``FP8_UNSCALED`` and
     ``FP8_E5M2`` are that flag alone (scale 1.0); ``FP8``'s calibrated scales come from the
     llm-compressor checkpoint, so a plan with it always goes through the compression step.
+    ``kv_skip`` (a plan's ``kv_cache_skip``: layer indices, ``sliding_window``) adds
+    ``--kv-cache-dtype-skip-layers``: those layers keep the model's dtype.
     Raises PlanError for plans llm-compressor cannot express.
     """
     names = list(layer_names)
     resolved = _as_plan(plan, names)
     groups, unquantized = _group_plan(resolved, names)  # raises for what cannot be expressed
     kvf = get_kv_format(kv_cache)
+    skip = [] if kvf.is_identity else normalize_kv_skip(kv_skip)
     kv = [] if kvf.is_identity else ["--kv-cache-dtype", kvf.vllm_dtype]
+    if skip:
+        kv += ["--kv-cache-dtype-skip-layers", *skip]
     counts = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
     if not kvf.is_identity:
-        counts += f"; KV cache {kvf.name}"
+        counts += f"; KV cache {kvf.name}" + (f" except layers {', '.join(skip)}" if skip else "")
     lines = [f"# quantplan plan for {model_path}: {counts}"]
+    if skip:
+        lines.append(f"# --kv-cache-dtype-skip-layers keeps the cache of {', '.join(skip)} in the model's dtype "
+                     "(a recent vLLM flag: check that yours has it)")
     if kvf.element == "fp8_e4m3" and not kvf.calibrated:
         lines.append("# FP8 KV cache without calibrated scales: vLLM's K and V scales default to 1.0, so |K|, |V| "
                      "above 448 saturate (the plan's score shows whether they do)")

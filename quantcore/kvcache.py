@@ -50,7 +50,7 @@ attention interface is refused with a clear error, never scored unquantized.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -137,6 +137,63 @@ def get_kv_format(name: str | KvCacheFormat | None) -> KvCacheFormat:
     return KV_FORMATS[key]
 
 
+# vLLM's --kv-cache-dtype-skip-layers: these layers keep the model's dtype while the others use the chosen format;
+# entries are decoder layer indices or a layer type
+SKIP_SLIDING = "sliding_window"
+
+
+def normalize_kv_skip(entries: Iterable[Any] | None) -> list[str]:
+    """The skip entries of a plan as vLLM's flag takes them: ``"sliding_window"`` or a layer index, as strings,
+    in order, once each. PlanError names an entry that is neither."""
+    out: list[str] = []
+    bad = []
+    for e in entries or []:
+        if isinstance(e, bool):
+            bad.append(e)
+            continue
+        text = str(e).strip().lower()
+        if text == SKIP_SLIDING or (text.isdigit() and not isinstance(e, float)):
+            text = text if text == SKIP_SLIDING else str(int(text))
+            if text not in out:
+                out.append(text)
+        else:
+            bad.append(e)
+    if bad:
+        raise PlanError(f"KV cache layers to skip must be decoder layer indices or {SKIP_SLIDING!r} (vLLM's "
+                        f"--kv-cache-dtype-skip-layers), got {', '.join(map(repr, bad))}")
+    return out
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer an attention module belongs to: the first all-digit part of its name (as vLLM's
+    ``extract_layer_index`` reads it), None where there is none."""
+    return next((int(p) for p in name.split(".") if p.isdigit()), None)
+
+
+def kv_skip_layers(entries: Iterable[Any] | None, layers: Iterable[str],
+                   windows: Mapping[str, int] | None = None) -> set[str]:
+    """The attention modules (of ``layers``) whose cache stays in the model's dtype: those of the listed decoder
+    layer indices, and with ``"sliding_window"`` every windowed one (``windows``, as intake records them).
+    PlanError for an index the model does not have and for ``"sliding_window"`` on a model without windows:
+    the plan would skip nothing there, which is not what its author meant."""
+    layers = list(layers)
+    by_index = {layer_index(n): n for n in layers}
+    out: set[str] = set()
+    for entry in normalize_kv_skip(entries):
+        if entry == SKIP_SLIDING:
+            windowed = [n for n in layers if n in (windows or {})]
+            if not windowed:
+                raise PlanError("KV cache skip 'sliding_window': this model has no sliding-window attention layer")
+            out.update(windowed)
+        elif int(entry) in by_index:
+            out.add(by_index[int(entry)])
+        else:
+            known = sorted(i for i in by_index if i is not None)
+            raise PlanError(f"KV cache skip {entry}: the model's attention layers are "
+                            f"{known[0]}..{known[-1]}" if known else f"KV cache skip {entry}: no indexed layers")
+    return out
+
+
 # ---------------------------------------------------------------------- memory
 
 
@@ -155,11 +212,15 @@ def kv_elements_per_token(linears: Iterable[Mapping[str, Any]]) -> int | None:
 
 
 def kv_bytes_per_token(linears: Iterable[Mapping[str, Any]], fmt: str | KvCacheFormat | None,
-                       *, model_bytes: float = 2.0) -> float | None:
+                       *, model_bytes: float = 2.0, skip: Collection[str] = ()) -> float | None:
     """Bytes the cache holds per token in that format (the per-layer scales are a few bytes in all and
-    left out); None where :func:`kv_elements_per_token` is."""
-    n = kv_elements_per_token(linears)
-    return None if n is None else n * get_kv_format(fmt).bytes_per_element(model_bytes)
+    left out), the ``skip`` attention modules (:func:`kv_skip_layers`) in the model's dtype; None where
+    :func:`kv_elements_per_token` is."""
+    linears = list(linears)
+    if kv_elements_per_token(linears) is None:
+        return None
+    width = get_kv_format(fmt).bytes_per_element(model_bytes)
+    return sum(n * (model_bytes if layer in skip else width) for layer, n in kv_layer_elements(linears).items())
 
 
 def kv_layer_elements(linears: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -174,17 +235,18 @@ def kv_layer_elements(linears: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def kv_bytes_per_sequence(linears: Iterable[Mapping[str, Any]], fmt: str | KvCacheFormat | None, context: int,
-                          *, windows: Mapping[str, int] | None = None, model_bytes: float = 2.0) -> float | None:
+                          *, windows: Mapping[str, int] | None = None, model_bytes: float = 2.0,
+                          skip: Collection[str] = ()) -> float | None:
     """Bytes the cache holds for one sequence of ``context`` tokens: every layer keeps all of them, except a
     sliding-window layer (``windows``: ``{attention module: window}``), which keeps at most its window (as an
-    engine that frees tokens outside a layer's window does; vLLM's hybrid KV cache manager does). None where
-    :func:`kv_elements_per_token` is."""
+    engine that frees tokens outside a layer's window does; vLLM's hybrid KV cache manager does); the ``skip``
+    attention modules in the model's dtype. None where :func:`kv_elements_per_token` is."""
     linears = list(linears)
     if kv_elements_per_token(linears) is None:
         return None
     width = get_kv_format(fmt).bytes_per_element(model_bytes)
     windows = windows or {}
-    return sum(n * min(context, windows.get(layer, context)) * width
+    return sum(n * min(context, windows.get(layer, context)) * (model_bytes if layer in skip else width)
                for layer, n in kv_layer_elements(linears).items())
 
 
@@ -459,14 +521,16 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
 
 
 @contextmanager
-def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *,
-                       amax: KvAmax | None = None) -> Iterator[KvApplied]:
+def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAmax | None = None,
+                       skip: Collection[str] = ()) -> Iterator[KvApplied]:
     """Store K and V in ``fmt`` for every forward in the block: fake-quantize them per layer, per tensor; an FP8
     attention format (``FP8_ATTN``, ``FP8_ATTN_UNSCALED``) quantizes Q as well (scale 1.0) and computes attention
     with :func:`fp8_attention_forward`.
 
     ``amax``: per-layer K/V amax from :func:`kv_amax_observed`, needed by calibrated formats (FP8, FP8_ATTN).
-    AUTO yields without touching the model. The model's attention setting is restored on exit.
+    ``skip``: attention modules (:func:`kv_skip_layers`) that keep the model's dtype and attention, as vLLM's
+    ``--kv-cache-dtype-skip-layers`` leaves them. AUTO yields without touching the model. The model's
+    attention setting is restored on exit.
     """
     from quantcore.quantize import fake_quantize_with_counts, scale_from_amax
 
@@ -476,7 +540,11 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *,
         yield applied
         return
     elem = get_format(kv.element)
-    modules = attention_modules(model)
+    everything = attention_modules(model)
+    unknown = sorted(set(skip) - set(everything))
+    if unknown:
+        raise PlanError(f"KV cache skip: {name_list(unknown)} is not an attention module of this model")
+    modules = {n: m for n, m in everything.items() if n not in skip}
     if kv.calibrated:
         missing = [n for n in modules if amax is None or n not in amax.k or n not in amax.v]
         if missing:
@@ -506,5 +574,7 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *,
             return query, kq, vq
         return _LayerState(tensors, fp8_attention_forward if kv.attention else None)
 
-    with _attention_wrapped(model, modules, {n: quantizer(n) for n in modules}, f"KV cache {kv.name}"):
+    untouched = _LayerState(lambda query, key, value: (query, key, value))
+    states = {n: quantizer(n) if n in modules else untouched for n in everything}
+    with _attention_wrapped(model, everything, states, f"KV cache {kv.name}"):
         yield applied

@@ -11,6 +11,7 @@ The plan file is YAML, the same format the UI saves and exports::
     default: FP8                                 # scheme of every layer no rule names
     smoothquant_alpha: 0.5                       # optional; alpha of every SmoothQuant scheme
     kv_cache: FP8                                # optional; how K and V are cached (default AUTO)
+    kv_cache_skip: [sliding_window, 0]           # optional; layers whose cache stays in the model's dtype
     rules:                                       # in order; the LAST matching rule wins
       - match: 'mlp\\.down_proj$'                # Python regular expression, re.search on the layer name
         scheme: INT8_W8A8_SQ
@@ -51,7 +52,7 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format_problems
 from quantcore.errors import name_list as _cut
 from quantcore.kvcache import AUTO as KV_AUTO
-from quantcore.kvcache import get_kv_format
+from quantcore.kvcache import get_kv_format, normalize_kv_skip
 from quantcore.schemes import (
     IDENTITY_BITS,
     Scheme,
@@ -81,7 +82,8 @@ DEFAULT_SCHEME = "BF16"  # the identity scheme: the layer stays in the model's o
 ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ...
 ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
 
-_TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "kv_cache", "rules", "layers")
+_TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "kv_cache", "kv_cache_skip", "rules",
+             "layers")
 _RULE_KEYS = ("match", "scheme")
 _LAYER_KEYS = ("scheme", "smoothquant_alpha")
 
@@ -108,7 +110,11 @@ class PlanSpec:
     smoothquant_alpha: global alpha for every scheme that smooths (``None``: each preset's own)
     layer_alpha:       ``{layer name: alpha}``; wins over the global alpha for that layer
     kv_cache:          how the serving engine stores K and V (:mod:`quantcore.kvcache`: ``AUTO``,
-                       ``FP8``, ``FP8_UNSCALED``, ``FP8_E5M2``); not a linear layer, one per plan
+                       ``FP8``, ``FP8_UNSCALED``, ``FP8_E5M2``, ``FP8_ATTN``, ``FP8_ATTN_UNSCALED``); not a
+                       linear layer, one per plan
+    kv_cache_skip:     attention layers whose cache stays in the model's dtype (vLLM's
+                       ``--kv-cache-dtype-skip-layers``): decoder layer indices and/or ``"sliding_window"``,
+                       as strings; checked against the model by :func:`quantcore.kvcache.kv_skip_layers`
     name, description: free text for people
     """
 
@@ -119,6 +125,7 @@ class PlanSpec:
     smoothquant_alpha: float | None = None
     layer_alpha: dict[str, float] = field(default_factory=dict)
     kv_cache: str = KV_AUTO
+    kv_cache_skip: list[str] = field(default_factory=list)
     name: str | None = None
     description: str = ""
 
@@ -127,8 +134,9 @@ class PlanSpec:
     def to_dict(self) -> dict[str, Any]:
         """Canonical plain-data form (the YAML file's content); ``from_dict`` inverts it exactly.
 
-        Optional keys (``name``, ``description``, ``smoothquant_alpha``, ``kv_cache``) appear only
-        when set (``kv_cache`` when not ``AUTO``);
+        Optional keys (``name``, ``description``, ``smoothquant_alpha``, ``kv_cache``,
+        ``kv_cache_skip``) appear only when set (``kv_cache`` when not ``AUTO``; layer indices of
+        ``kv_cache_skip`` as integers);
         a layer with an alpha is written ``{scheme: X, smoothquant_alpha: a}`` (or
         ``{smoothquant_alpha: a}`` when only the alpha is overridden).
         """
@@ -142,6 +150,8 @@ class PlanSpec:
             out["smoothquant_alpha"] = self.smoothquant_alpha
         if self.kv_cache != KV_AUTO:
             out["kv_cache"] = self.kv_cache
+        if self.kv_cache_skip:
+            out["kv_cache_skip"] = [int(e) if e.isdigit() else e for e in self.kv_cache_skip]
         out["rules"] = [r.to_dict() for r in self.rules]
         layers: dict[str, Any] = {}
         for layer in _ordered_union(self.layers, self.layer_alpha):
@@ -194,6 +204,18 @@ class PlanSpec:
                 kv_cache = get_kv_format(data["kv_cache"]).name
             except PlanError as exc:
                 problems.append(f"'kv_cache': {exc}")
+        kv_skip: list[str] = []
+        raw_skip = data.get("kv_cache_skip")
+        if raw_skip is not None:
+            if not isinstance(raw_skip, (list, tuple)):
+                raw_skip = [raw_skip]
+            try:
+                kv_skip = normalize_kv_skip(raw_skip)
+            except PlanError as exc:
+                problems.append(f"'kv_cache_skip': {exc}")
+            if kv_skip and kv_cache == KV_AUTO:
+                problems.append("'kv_cache_skip' keeps layers out of a quantized KV cache, but 'kv_cache' is AUTO "
+                                "(nothing is quantized); set kv_cache or drop kv_cache_skip")
 
         rules: list[Rule] = []
         raw_rules = data.get("rules") or []
@@ -252,6 +274,7 @@ class PlanSpec:
             smoothquant_alpha=alpha,
             layer_alpha=layer_alpha,
             kv_cache=kv_cache,
+            kv_cache_skip=kv_skip,
             name=name,
             description=description,
         )
@@ -291,6 +314,17 @@ def save_plan_file(spec: PlanSpec, path: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------- resolution
+
+
+def kv_label(spec: PlanSpec | Mapping[str, Any]) -> str:
+    """A plan's KV cache for people: its format, and the layers that keep the model's dtype
+    ("FP8 except sliding_window, 0")."""
+    if not isinstance(spec, PlanSpec):
+        spec = PlanSpec(kv_cache=get_kv_format(spec.get("kv_cache")).name,
+                        kv_cache_skip=normalize_kv_skip(spec.get("kv_cache_skip")))
+    if spec.kv_cache == KV_AUTO or not spec.kv_cache_skip:
+        return spec.kv_cache
+    return f"{spec.kv_cache} except {', '.join(spec.kv_cache_skip)}"
 
 
 def resolve_plan(

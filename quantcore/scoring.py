@@ -49,7 +49,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -709,6 +709,7 @@ def score_plan(
     should_cancel: ShouldCancel | None = None,
     kv_cache: str | None = None,
     kv_amax: Any = None,
+    kv_skip: Sequence[str] = (),
 ) -> ScoreReport:
     """Score ``plan`` (``{layer: Scheme}``) on ``input_ids`` ``[S, L]`` against ``reference``.
 
@@ -719,10 +720,15 @@ def score_plan(
 
     kv_cache: a KV cache format (:mod:`quantcore.kvcache`) to store K and V in as well; a calibrated
         one (``FP8``) needs ``kv_amax`` (:func:`calibrate_kv_cache`).
+    kv_skip: a plan's ``kv_cache_skip`` entries (decoder layer indices, ``"sliding_window"``): those
+        attention layers keep the model's dtype (:func:`quantcore.kvcache.kv_skip_layers`).
     """
-    from quantcore.kvcache import get_kv_format, kv_cache_quantized
+    from quantcore.checkpoint import attention_windows
+    from quantcore.kvcache import attention_modules, get_kv_format, kv_cache_quantized, kv_skip_layers
 
     kv = get_kv_format(kv_cache)
+    skip = (kv_skip_layers(kv_skip, attention_modules(model), attention_windows(model))
+            if kv_skip and not kv.is_identity else set())
     ids = as_token_batch(input_ids)
     reference.check_tokens(ids)
     static_layers = {
@@ -737,7 +743,7 @@ def score_plan(
     agree = torch.empty(reference.nll.shape, dtype=torch.bool)
     with plan_applied(
         model, plan, act_amax=act_amax, act_channel_max=act_channel_max, track_saturation=True
-    ) as ctx, kv_cache_quantized(model, kv, amax=kv_amax) as kv_ctx:
+    ) as ctx, kv_cache_quantized(model, kv, amax=kv_amax, skip=skip) as kv_ctx:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"scoring (batch {i + 1} of {len(ranges)})")
             logits = forward_logits(model, ids[s:e])

@@ -53,6 +53,12 @@ def cmd_score(args) -> int:
     if bool(args.scheme) == bool(args.plan):
         raise CliError("give exactly one of --scheme NAME or --plan FILE (or --all-presets)")
     params = {**base, **({"scheme": args.scheme} if args.scheme else _plan_param(args.plan))}
+    if "plan" in params:  # refused here, before a job loads the model, when it does not fit this model
+        from app import services as svc
+
+        _, problem = svc.resolve(model, params["plan"])
+        if problem:
+            raise CliError(problem)
     job = _run("score", params, model_id=model.id, local=args.local, quiet=args.json)
     if args.json:
         _print_json({"job": job.id, **job.result})

@@ -548,6 +548,37 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     assert back["body"]["kv_cache"] == "FP8" and back["body"]["default"] == "FP8_DYNAMIC"
 
 
+def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
+    from app import services as svc
+
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
+    plan_file = tmp_path / "skip.yaml"
+    plan_file.write_text("model: tiny\nname: e5m2-but-1\ndefault: BF16\nkv_cache: FP8_E5M2\nkv_cache_skip: [1]\n")
+    every = run_json(capsys, "score", "tiny", "--scheme", "BF16", "--kv-cache", "FP8_E5M2", *args)
+    kept = run_json(capsys, "score", "tiny", "--plan", str(plan_file), *args)
+    assert 0 < kept["kl_mean"] < every["kl_mean"]  # layer 1 keeps its BF16 cache
+    stored = next(s for s in svc.list_scores(svc.get_model("tiny").id) if s.job_id == kept["job"])
+    assert stored.plan_body["kv_cache_skip"] == [1] and set(stored.details["kv_saturation"]) == {
+        "model.layers.0.self_attn"}
+    # its cost: layer 1 at two bytes an element, layer 0 at one
+    plans = {r["plan"]: r for r in run_json(capsys, "scores", "tiny", "--json")["plans"]}
+    per_layer = 2 * 2 * 16  # K and V × 2 KV heads × head_dim 16
+    assert plans["e5m2-but-1"]["kv_kib"] == (per_layer + 2 * per_layer) / 1024
+    assert plans["e5m2-but-1"]["kv_cache"] == "FP8_E5M2 except 1"
+    shown = run_json(capsys, "plan", "show", str(plan_file), "--target", "h100", "--json")["kv_cache"]
+    assert shown["bytes_per_token"] == 3 * per_layer and shown["skipped_layers"] == 1
+    code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
+    assert code == 0 and vllm.rstrip().endswith("--kv-cache-dtype fp8_e5m2 --kv-cache-dtype-skip-layers 1")
+    # a layer the model does not have, or sliding windows it does not use: refused before anything runs
+    for entry, message in (("[7]", "KV cache skip 7: the model's attention layers are 0..1"),
+                           ("[sliding_window]", "no sliding-window attention layer")):
+        plan_file.write_text(f"model: tiny\ndefault: BF16\nkv_cache: FP8_E5M2\nkv_cache_skip: {entry}\n")
+        code, _, err = run(capsys, "plan", "show", str(plan_file))
+        assert code == 1 and message in err, err
+        code, _, err = run(capsys, "score", "tiny", "--plan", str(plan_file), *args)
+        assert code == 1 and message in err, err
+
+
 def test_an_automatic_plan_with_a_kv_cache_spends_part_of_the_budget_on_it(tiny_model, capsys):
     args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
     run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", *args)

@@ -106,8 +106,9 @@ def _calibration_maps(cal) -> tuple[dict[str, float] | None, dict[str, Any] | No
 
 
 def score(ctx: JobContext) -> Outcome:
-    from quantcore.kvcache import get_kv_format
-    from quantcore.plans import resolve_plan
+    from quantcore.checkpoint import attention_windows
+    from quantcore.kvcache import attention_modules, get_kv_format, kv_skip_layers
+    from quantcore.plans import kv_label, resolve_plan
     from quantcore.scoring import calibrate_kv_cache, score_plan
 
     rec, model, tok, ids, label = _prepare(ctx)
@@ -117,6 +118,8 @@ def score(ctx: JobContext) -> Outcome:
         spec.kv_cache = get_kv_format(ctx.params["kv_cache"]).name
     kv = get_kv_format(spec.kv_cache)
     plan = resolve_plan(spec, names)
+    if spec.kv_cache_skip and not kv.is_identity:  # checked before the reference is computed
+        kv_skip_layers(spec.kv_cache_skip, attention_modules(model), attention_windows(model))
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
@@ -129,12 +132,12 @@ def score(ctx: JobContext) -> Outcome:
                                      act_channel_max=act_channel_max, should_cancel=ctx.should_cancel)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
-                        batch_size=None, kv_cache=kv.name, kv_amax=kv_amax,
+                        batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
                         progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
     rep = report.to_dict()
     plan_label = ctx.params.get("label") or spec.name or spec.default
     if ctx.params.get("kv_cache") and not ctx.params.get("label") and not kv.is_identity:
-        plan_label = f"{plan_label} + KV {kv.name}"
+        plan_label = f"{plan_label} + KV {kv_label(spec)}"
     result = {k: rep[k] for k in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl",
                                   "tokens", "kv_cache")}
     result.update(plan=plan_label, calibration_job=cal[0] if cal else None)

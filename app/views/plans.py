@@ -10,6 +10,7 @@ from app import services as svc
 from app import state
 from quantcore.hardware import list_targets
 from quantcore.kvcache import KV_FORMATS
+from quantcore.plans import kv_label
 from quantcore.schemes import list_schemes
 
 st.title("Plans")
@@ -45,13 +46,22 @@ with st.container(border=True):
                             format_func=lambda k: "AUTO (model dtype)" if k == "AUTO" else k,
                             help="How the serving engine stores K and V (vLLM --kv-cache-dtype). "
                                  + " ".join(f"{k}: {f.description}." for k, f in KV_FORMATS.items()))
+    skip_options = svc.kv_skip_options(model)
+    kv_skip = st.multiselect(
+        "Keep these layers' KV cache in BF16", skip_options, disabled=kv_cache == "AUTO" or not skip_options,
+        default=[e for e in map(str, body.get("kv_cache_skip") or []) if e in skip_options],
+        key=f"plan_kv_skip_{model.id}_{start}",
+        help="vLLM's --kv-cache-dtype-skip-layers: decoder layer indices, or sliding_window for every "
+             "sliding-window layer (which some models find more sensitive to a quantized cache; they hold only "
+             "their window, so keeping them in BF16 costs little memory).") if skip_options else []
     rules = st.data_editor(pd.DataFrame(body.get("rules") or [], columns=["match", "scheme"]),
                            num_rows="dynamic", key=f"plan_rules_{model.id}_{start}", width="stretch",
                            column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES,
                                                                                      required=True)})
     st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
-    body = {**{k: v for k, v in body.items() if k != "kv_cache"}, "default": default,
+    body = {**{k: v for k, v in body.items() if k not in ("kv_cache", "kv_cache_skip")}, "default": default,
             **({"kv_cache": kv_cache} if kv_cache != "AUTO" else {}),
+            **({"kv_cache_skip": kv_skip} if kv_cache != "AUTO" and kv_skip else {}),
             "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
                       for r in rules.to_dict("records") if r.get("match") and r.get("scheme")]}
     st.session_state[EDIT] = body
@@ -156,12 +166,14 @@ if resolved is not None:
         c3.metric(f"Ideal decode step of {batch:,} with the cache read", f"{dec['ms']:.3f} ms",
                   f"×{dec['bf16_ms'] / dec['ms']:.2f} vs all-BF16 ({dec['bf16_ms']:.3f} ms); cache read "
                   f"{dec['kv_ms'] / dec['ms']:.0%} of it", delta_color="off", delta_arrow="off")
+        skipped = (f" {kvm['skipped_layers']} layer(s) keep their cache in BF16 (kv_cache_skip)."
+                   if kvm["skipped_layers"] else "")
         windowed = (f" {kvm['windowed_layers']} layer(s) attend to a sliding window of "
                     f"{', '.join(f'{w:,}' for w in kvm['windows'])} tokens and keep only that many (as vLLM's "
                     "hybrid KV cache manager does)." if kvm["windowed_layers"] else "")
         st.caption(f"K and V of every layer: {kvm['bytes_per_token'] / 1024:,.2f} KiB a token "
                    f"(BF16 {kvm['bf16_bytes_per_token'] / 1024:,.2f} KiB), from the k_proj + v_proj widths, so "
-                   f"grouped-query attention is counted.{windowed} What fits: {kvm['memory_gb']:g} GB × 90 % (vLLM's "
+                   f"grouped-query attention is counted.{windowed}{skipped} What fits: {kvm['memory_gb']:g} GB × 90 % (vLLM's "
                    "default memory share) minus the weights (the plan's linear weights, everything else in BF16); "
                    "activations and CUDA graphs take some of it, so this is an upper bound on batch × context. A "
                    f"decode step reads every cached token once: {batch:,} sequences' caches at "
@@ -197,7 +209,7 @@ if plans:
         a = c1.selectbox("Compare", ids, index=len(ids) - 2, format_func=lab.get, key="diff_a")
         b = c2.selectbox("with", ids, index=len(ids) - 1, format_func=lab.get, key="diff_b")
         diff = svc.plan_diff(model, next(p for p in plans if p.id == a), next(p for p in plans if p.id == b))
-        kv_a, kv_b = (next(p for p in plans if p.id == i).body.get("kv_cache", "AUTO") for i in (a, b))
+        kv_a, kv_b = (kv_label(next(p for p in plans if p.id == i).body) for i in (a, b))
         if kv_a != kv_b:
             st.caption(f"KV cache: {lab[a]} {kv_a} → {lab[b]} {kv_b}.")
         if diff.empty:

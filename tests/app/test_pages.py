@@ -616,6 +616,21 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     saved = next(p for p in svc.list_plans(seeded.id) if p.name == "with-kv")
     assert saved.body["kv_cache"] == "FP8"
     assert "--kv-cache-dtype fp8" in svc.export_plan(svc.get_model(seeded.id), saved.body, "vllm")
+    # one layer's cache kept in BF16 (vLLM's --kv-cache-dtype-skip-layers): its memory counted at two bytes
+    skip = at.multiselect(key=f"plan_kv_skip_{seeded.id}_(new plan)")
+    assert skip.options == svc.kv_skip_options(svc.get_model(seeded.id)) and "0" in skip.options
+    skip.set_value(["0"]).run()
+    assert not at.exception
+    layers = len(svc.kv_skip_options(svc.get_model(seeded.id)))
+    one = next(m for m in at.metric if m.label.startswith("Cache of one"))
+    assert f"{(layers + 1) / (2 * layers):.0%} of BF16" in one.proto.delta
+    assert any("1 layer(s) keep their cache in BF16" in c.value for c in at.caption)
+    at.text_input(key="plan_name").set_value("with-kv-skip")
+    next(b for b in at.button if "Save as a new version" in b.label).click().run()
+    kept = next(p for p in svc.list_plans(seeded.id) if p.name == "with-kv-skip")
+    assert kept.body["kv_cache_skip"] == ["0"]
+    assert svc.export_plan(svc.get_model(seeded.id), kept.body, "vllm").rstrip().endswith(
+        "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0")
 
 
 def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):

@@ -608,6 +608,17 @@ def test_fp8_attention_is_the_fp8_cache_plus_what_the_vllm_command_says_about_th
     assert "nothing of it is in the recipe" in recipe and kv_cache_of_recipe(recipe) == "FP8"
 
 
+def test_layers_kept_out_of_the_cache_are_vllms_skip_flag() -> None:
+    plan = uniform("FP8_PER_TENSOR")
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_UNSCALED",
+                          kv_skip=["sliding_window", 0])
+    assert cmd.splitlines()[-1] == ("vllm serve /m --quantization fp8 --kv-cache-dtype fp8 "
+                                    "--kv-cache-dtype-skip-layers sliding_window 0")
+    assert "KV cache FP8_UNSCALED except layers sliding_window, 0" in cmd and "check that yours has it" in cmd
+    # nothing quantized, nothing to skip: no flag
+    assert "skip" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_skip=["0"])
+
+
 def test_recipe_kv_cache_scheme_round_trips() -> None:
     plan = uniform("FP8_DYNAMIC")
     text = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8")

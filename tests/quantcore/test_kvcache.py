@@ -415,3 +415,87 @@ def test_scores_of_fp8_attention_add_the_error_of_q_and_p() -> None:
     assert attn.kv_cache == "FP8_ATTN" and set(attn.kv_saturation) == set(amax.k)
     assert attn.kl_mean > cache.kl_mean > 0
     assert model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------- layers kept out of the cache format
+
+
+def test_skip_entries_resolve_to_attention_layers_or_are_refused() -> None:
+    from quantcore.kvcache import kv_skip_layers, normalize_kv_skip
+
+    assert normalize_kv_skip(["Sliding_Window", 3, "3", " 0 "]) == ["sliding_window", "3", "0"]
+    for bad in (["x"], [1.5], [True], [-1]):
+        with pytest.raises(PlanError, match="decoder layer indices or 'sliding_window'"):
+            normalize_kv_skip(bad)
+    layers = [f"model.layers.{b}.self_attn" for b in range(4)]
+    windows = {layers[0]: 512, layers[2]: 512}
+    assert kv_skip_layers([3, "sliding_window"], layers, windows) == {layers[0], layers[2], layers[3]}
+    assert kv_skip_layers([], layers, windows) == set()
+    with pytest.raises(PlanError, match=r"KV cache skip 7: the model's attention layers are 0\.\.3"):
+        kv_skip_layers([7], layers, windows)
+    with pytest.raises(PlanError, match="no sliding-window attention layer"):
+        kv_skip_layers(["sliding_window"], layers, {})
+
+
+def test_skipped_layers_cost_the_model_dtype_in_memory() -> None:
+    from quantcore.kvcache import kv_bytes_per_sequence
+
+    lin = _linears(4, 256)  # 512 elements a token in each layer
+    skip = {"model.layers.0.self_attn"}
+    assert kv_bytes_per_token(lin, "FP8", skip=skip) == 3 * 512 + 512 * 2
+    assert kv_bytes_per_token(lin, "AUTO", skip=skip) == kv_bytes_per_token(lin, "AUTO")
+    windows = {"model.layers.0.self_attn": 100}
+    assert kv_bytes_per_sequence(lin, "FP8", 1000, windows=windows, skip=skip) == 3 * 512 * 1000 + 512 * 2 * 100
+
+
+def test_plan_files_carry_the_layers_kept_out_of_the_cache() -> None:
+    from quantcore.plans import kv_label
+
+    spec = PlanSpec.from_yaml("default: FP8_DYNAMIC\nkv_cache: FP8\nkv_cache_skip: [sliding_window, 0]\n")
+    assert spec.kv_cache_skip == ["sliding_window", "0"] and spec.to_dict()["kv_cache_skip"] == ["sliding_window", 0]
+    assert PlanSpec.from_yaml(spec.to_yaml()) == spec
+    assert kv_label(spec) == "FP8 except sliding_window, 0" == kv_label(spec.to_dict())
+    assert kv_label({"kv_cache": "FP8"}) == "FP8" and kv_label({}) == "AUTO"
+    assert "kv_cache_skip" not in PlanSpec.from_yaml("default: FP8\nkv_cache: FP8\n").to_dict()
+    with pytest.raises(PlanError, match="'kv_cache_skip' keeps layers out of a quantized KV cache, but 'kv_cache' is"):
+        PlanSpec.from_yaml("default: FP8\nkv_cache_skip: [0]\n")
+    with pytest.raises(PlanError, match="'kv_cache_skip': KV cache layers to skip must be"):
+        PlanSpec.from_yaml("default: FP8\nkv_cache: FP8\nkv_cache_skip: [first]\n")
+
+
+def test_skipped_layers_keep_their_k_and_v_and_their_attention(spy) -> None:
+    """Gemma 3's sliding-window layer kept out: its K and V reach attention untouched, the full layer's are
+    rounded, and only the quantized layer is counted for saturation."""
+    from quantcore.checkpoint import attention_windows
+    from quantcore.kvcache import kv_skip_layers
+
+    model = build_tiny_model("gemma3")
+    ids = _ids()
+    with torch.no_grad():
+        model(ids)
+        plain = list(spy)
+        spy.clear()
+        skip = kv_skip_layers(["sliding_window"], kvcache.attention_modules(model), attention_windows(model))
+        assert skip == {"model.layers.0.self_attn"}
+        with kv_cache_quantized(model, "FP8_UNSCALED", skip=skip) as applied:
+            model(ids)
+    (k0, v0), (k1, _) = spy
+    assert torch.equal(k0, plain[0][0]) and torch.equal(v0, plain[0][1])  # layer 0: the model's own values
+    assert torch.equal(k1, k1.to(torch.float8_e4m3fn).float()) and not torch.equal(k1, plain[1][0])
+    assert set(applied.saturation) == {"model.layers.1.self_attn"}
+    with pytest.raises(PlanError, match="is not an attention module"):
+        with kv_cache_quantized(model, "FP8_UNSCALED", skip={"model.layers.9.self_attn"}):
+            pass
+
+
+def test_scores_with_skipped_layers_sit_between_none_and_all() -> None:
+    model = build_tiny_model("gemma3")
+    ids = _ids()
+    ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
+    every = score_plan(model, {}, ids, ref, kv_cache="FP8_E5M2")
+    kept = score_plan(model, {}, ids, ref, kv_cache="FP8_E5M2", kv_skip=["sliding_window"])
+    both = score_plan(model, {}, ids, ref, kv_cache="FP8_E5M2", kv_skip=["sliding_window", 1])
+    assert every.kl_mean > kept.kl_mean > 0 and both.kl_mean == 0
+    assert set(kept.kv_saturation) == {"model.layers.1.self_attn"} and both.kv_saturation == {}
+    with pytest.raises(PlanError, match="KV cache skip 5"):
+        score_plan(model, {}, ids, ref, kv_cache="FP8_E5M2", kv_skip=[5])
