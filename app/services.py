@@ -976,9 +976,10 @@ def job_what(job: JobRecord) -> str:
 
 
 def kv_alone_score(model: ModelRecord, kv_cache: str) -> ScoreRecord | None:
-    """The newest score of a KV cache format on its own: every linear layer unquantized, K and V in ``kv_cache``."""
+    """The newest score of a KV cache format on its own: every linear layer unquantized, K and V of every layer in
+    ``kv_cache`` (a plan that keeps some layers out of it is not the format alone)."""
     for sc in list_scores(model.id):  # newest first
-        if sc.kv_cache != kv_cache:
+        if sc.kv_cache != kv_cache or sc.plan_body.get("kv_cache_skip"):
             continue
         resolved, _ = resolve(model, sc.plan_body)
         if resolved is not None and all(s.is_identity for s in resolved.values()):

@@ -557,6 +557,8 @@ def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
     every = run_json(capsys, "score", "tiny", "--scheme", "BF16", "--kv-cache", "FP8_E5M2", *args)
     kept = run_json(capsys, "score", "tiny", "--plan", str(plan_file), *args)
     assert 0 < kept["kl_mean"] < every["kl_mean"]  # layer 1 keeps its BF16 cache
+    # what an automatic plan takes off its budget for the format is the format on every layer, not this plan
+    assert svc.kv_alone_score(svc.get_model("tiny"), "FP8_E5M2").job_id == every["job"]
     stored = next(s for s in svc.list_scores(svc.get_model("tiny").id) if s.job_id == kept["job"])
     assert stored.plan_body["kv_cache_skip"] == [1] and set(stored.details["kv_saturation"]) == {
         "model.layers.0.self_attn"}
