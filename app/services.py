@@ -902,13 +902,25 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
 
 
 def sensitivity_map(model: ModelRecord):
-    """{scheme: {unit: KL}} and {unit: layers} over every stored sensitivity sweep of the model."""
+    """{scheme: {unit: KL}} and {unit: layers} over every stored sensitivity sweep of the model's linear layers
+    (KV cache sweeps, whose units are attention layers, are :func:`kv_sensitivity`'s)."""
     from quantcore.autoplan import sensitivity_from_rows
 
     rows = []
     for job in reversed(sensitivity_jobs(model.id)):  # oldest first: a newer sweep replaces an older one
-        rows.extend(sensitivity_rows(job.id))
+        rows.extend(r for r in sensitivity_rows(job.id) if not r.scheme.startswith(repo.KV_SWEEP_PREFIX))
     return sensitivity_from_rows(rows)
+
+
+def kv_sensitivity(model: ModelRecord, kv_cache: str) -> tuple[int, dict[str, float]] | None:
+    """(job id, {decoder layer index: KL}) of the newest KV cache sweep of that format: the KL with only that
+    layer's K and V in the format, the layers a plan's kv_cache_skip is best spent on first; None without one."""
+    from quantcore.kvcache import layer_index
+
+    for job in sensitivity_jobs(model.id):  # newest first
+        if (job.result or {}).get("scheme") == repo.KV_SWEEP_PREFIX + kv_cache:
+            return job.id, {str(layer_index(r.unit)): r.kl_mean for r in sensitivity_rows(job.id)}
+    return None
 
 
 def unit_block_proj(layers: list[str]) -> tuple[int | None, str]:
@@ -966,6 +978,8 @@ def job_what(job: JobRecord) -> str:
         kv = p.get("kv_cache") or plan_file.get("kv_cache")
         if kv and kv != "AUTO":
             what += f" + KV {kv_label({'kv_cache': kv, 'kv_cache_skip': plan_file.get('kv_cache_skip')})}"
+        if p.get("kv_sweep"):
+            what = f"KV {p['kv_sweep']}"
         parts.append(what + (" sweep" if job.kind == "sensitivity" else ""))
     if job.kind in ("score", "sensitivity", "calibrate") and p.get("samples") and p.get("seq_len"):
         parts.append(f"{p['samples']} × {p['seq_len']}")

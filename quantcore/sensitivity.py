@@ -41,7 +41,7 @@ Supported architectures
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -410,13 +410,66 @@ def sensitivity_sweep(
         return 0  # position unknown (e.g. a projection before the blocks): run everything
 
     starts = [start_block(u) for u in units]
-    ranges = batch_ranges(ids.shape[0], reference.batch_size if batch_size is None else batch_size)
-    kl_sum = [0.0] * len(units)
-    agree_sum = [0.0] * len(units)
-    positions = [0] * len(units)
     local = [_LocalError() for _ in units]
     notes: list[list[str]] = [[] for _ in units]
-    total = len(ranges) * len(units)
+
+    def apply_unit(ui: int, bi: int, ctx: ExitStack) -> None:
+        unit, err = units[ui], local[ui]
+        applied = ctx.enter_context(
+            plan_applied(
+                model,
+                {n: scheme for n in unit},
+                act_amax=act_amax,
+                act_channel_max=act_channel_max,
+                before_quantize=lambda m, _u=unit, _err=err: _err.snapshot(m, _u),
+            )
+        )
+        if bi == 0:
+            notes[ui] = list(applied.notes)
+        err.attach(model, unit)
+        ctx.callback(err.detach)
+
+    kl, agree = _one_at_a_time(model, stack, ids, reference, [group_label(u) for u in units], starts, apply_unit,
+                               batch_size=batch_size, progress=progress, should_cancel=should_cancel)
+    rows = [
+        SensitivityRow(
+            layer=group_label(unit),
+            layers=list(unit),
+            kl_mean=kl[i],
+            top1_agree=agree[i],
+            sqnr_db=local[i].sqnr_db,
+            note="; ".join(notes[i]),
+        )
+        for i, unit in enumerate(units)
+    ]
+    rows.sort(key=lambda r: r.kl_mean, reverse=True)
+    return rows
+
+
+def _one_at_a_time(
+    model: nn.Module,
+    stack: DecoderStack,
+    ids: Tensor,
+    reference: ReferenceCache,
+    labels: Sequence[str],
+    starts: Sequence[int],
+    apply_unit: Callable[[int, int, ExitStack], None],
+    *,
+    batch_size: int | None,
+    progress: Progress | None,
+    should_cancel: ShouldCancel | None,
+) -> tuple[list[float], list[float]]:
+    """Mean KL and top-1 agreement of the model with one unit at a time changed, against its unquantized pass.
+
+    For every batch: one unquantized pass keeps each block's output; then per unit ``apply_unit(unit index,
+    batch index, exit stack)`` enters whatever changes the model for that unit on the stack, the blocks before
+    ``starts[unit]`` are replayed, and the rest runs. The stack unwinds (restoring the model) before the next
+    unit, also on error or cancel."""
+    ranges = batch_ranges(ids.shape[0], reference.batch_size if batch_size is None else batch_size)
+    kl_sum = [0.0] * len(labels)
+    agree_sum = [0.0] * len(labels)
+    positions = [0] * len(labels)
+    total = len(ranges) * len(labels)
     done = 0
     for bi, (s, e) in enumerate(ranges):
         check_cancel(should_cancel, f"sensitivity sweep (batch {bi + 1} of {len(ranges)}, reference pass)")
@@ -424,27 +477,11 @@ def sensitivity_sweep(
         _check_reference(ref_logits, ids[s:e], reference, s, e)
         ref = _batch_reference(ref_logits)
         del ref_logits
-        for ui, unit in enumerate(units):
-            check_cancel(
-                should_cancel, f"sensitivity sweep (unit {ui + 1} of {len(units)}: {group_label(unit)})"
-            )
-            err = local[ui]
-            with ExitStack() as stack_ctx:
-                plan = {n: scheme for n in unit}
-                applied = stack_ctx.enter_context(
-                    plan_applied(
-                        model,
-                        plan,
-                        act_amax=act_amax,
-                        act_channel_max=act_channel_max,
-                        before_quantize=lambda m, _u=unit, _err=err: _err.snapshot(m, _u),
-                    )
-                )
-                if bi == 0:
-                    notes[ui] = list(applied.notes)
-                err.attach(model, unit)
-                stack_ctx.callback(err.detach)
-                stack_ctx.enter_context(_replayed(stack.blocks[: starts[ui]], outputs[: starts[ui]]))
+        for ui, label in enumerate(labels):
+            check_cancel(should_cancel, f"sensitivity sweep (unit {ui + 1} of {len(labels)}: {label})")
+            with ExitStack() as ctx:
+                apply_unit(ui, bi, ctx)
+                ctx.enter_context(_replayed(stack.blocks[: starts[ui]], outputs[: starts[ui]]))
                 logits = forward_logits(model, ids[s:e])
             k, a, n = _kl_and_agree(ref, logits)
             del logits
@@ -452,18 +489,46 @@ def sensitivity_sweep(
             agree_sum[ui] += a
             positions[ui] += n
             done += 1
-            report_progress(progress, done / total, f"{group_label(unit)} ({done} of {total})")
+            report_progress(progress, done / total, f"{label} ({done} of {total})")
         del ref, outputs
-    rows = [
-        SensitivityRow(
-            layer=group_label(unit),
-            layers=list(unit),
-            kl_mean=kl_sum[i] / positions[i],
-            top1_agree=agree_sum[i] / positions[i],
-            sqnr_db=local[i].sqnr_db,
-            note="; ".join(notes[i]),
-        )
-        for i, unit in enumerate(units)
-    ]
+    return [k / n for k, n in zip(kl_sum, positions, strict=True)], [
+        a / n for a, n in zip(agree_sum, positions, strict=True)]
+
+
+def kv_sensitivity_sweep(
+    model: nn.Module,
+    kv_cache: str,
+    input_ids: Tensor,
+    reference: ReferenceCache,
+    *,
+    amax: Any = None,
+    batch_size: int | None = None,
+    progress: Progress | None = None,
+    should_cancel: ShouldCancel | None = None,
+) -> list[SensitivityRow]:
+    """Store one attention layer's K and V at a time in the KV cache format ``kv_cache`` (with an FP8 attention
+    format, that layer's attention in FP8 too); rows sorted by ``kl_mean``, largest first: which layers a plan
+    should keep out of its cache (``kv_cache_skip``). ``amax``: the calibrated K/V maxima a calibrated format
+    needs (:func:`quantcore.scoring.calibrate_kv_cache`). Units are attention modules; ``sqnr_db`` is NaN."""
+    from quantcore.kvcache import attention_modules, get_kv_format, kv_cache_quantized
+
+    kv = get_kv_format(kv_cache)
+    if kv.is_identity:
+        raise PlanError("a KV cache sweep needs a quantized format (FP8, FP8_ATTN, ...); AUTO changes nothing")
+    ids = as_token_batch(input_ids)
+    reference.check_tokens(ids)
+    stack = find_decoder_blocks(model)
+    layers = list(attention_modules(model))
+    if not layers:
+        raise PlanError("this model has no attention module with k_proj and v_proj: no KV cache to sweep")
+    starts = [stack.block_of(n) or 0 for n in layers]
+
+    def apply_unit(ui: int, bi: int, ctx: ExitStack) -> None:
+        ctx.enter_context(kv_cache_quantized(model, kv, amax=amax, skip=set(layers) - {layers[ui]}))
+
+    kl, agree = _one_at_a_time(model, stack, ids, reference, layers, starts, apply_unit, batch_size=batch_size,
+                               progress=progress, should_cancel=should_cancel)
+    rows = [SensitivityRow(layer=n, layers=[n], kl_mean=kl[i], top1_agree=agree[i], sqnr_db=math.nan)
+            for i, n in enumerate(layers)]
     rows.sort(key=lambda r: r.kl_mean, reverse=True)
     return rows

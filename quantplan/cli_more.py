@@ -85,9 +85,15 @@ def preset_table(rows: list[dict[str, Any]], model_name: str) -> str:
 def cmd_sensitivity(args) -> int:
     _checked_settings()
     model = _model(args.model)
-    params = {"scheme": args.scheme, "samples": args.samples, "seq_len": args.seq_len, "device": args.device,
+    if bool(args.scheme) == bool(args.kv_cache):
+        raise CliError("give exactly one of --scheme NAME (linear layers) or --kv-cache FORMAT (attention layers)")
+    what = {"scheme": args.scheme} if args.scheme else {"kv_sweep": kv_format_arg(args.kv_cache)}
+    if what.get("kv_sweep") == "AUTO":
+        raise CliError("a KV cache sweep needs a quantized format (FP8, FP8_ATTN, ...); AUTO changes nothing")
+    params = {**what, "samples": args.samples, "seq_len": args.seq_len, "device": args.device,
               "groups": not args.no_groups, **_dataset_param(args.text, "evaluation")}
     job = _run("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json)
+    swept = job.result["scheme"]
     from store import repo
     from store.db import session_scope
 
@@ -96,9 +102,9 @@ def cmd_sensitivity(args) -> int:
     out = [{"layer": r.unit, "layers": r.layers, "kl_mean": r.kl_mean, "top1_agree": r.top1_agree,
             "sqnr_db": r.sqnr_db} for r in rows]
     if args.json:
-        _print_json({"job": job.id, "scheme": args.scheme, "layers": out})
+        _print_json({"job": job.id, "scheme": swept, "layers": out})
     else:
-        print(f"job #{job.id}: {args.scheme} one unit at a time on {model.name}, most sensitive first:")
+        print(f"job #{job.id}: {swept} one unit at a time on {model.name}, most sensitive first:")
         for r in out[:20]:
             sq = "" if r["sqnr_db"] is None else f"  SQNR {r['sqnr_db']:6.1f} dB"
             print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g}  top-1 {r['top1_agree']:.4f}{sq}")
@@ -225,7 +231,9 @@ def add_commands(sub) -> None:
 
     sp = sub.add_parser("sensitivity", help="KL of quantizing one layer (or fusion group) at a time")
     add_text_job_options(sp, text=eval_text, samples=8)
-    sp.add_argument("--scheme", required=True, help="the preset each unit is quantized with, in turn")
+    sp.add_argument("--scheme", help="the preset each unit is quantized with, in turn")
+    sp.add_argument("--kv-cache", metavar="FORMAT", help="instead: store one attention layer's K and V at a time in "
+                    "this KV cache format (which layers a plan's kv_cache_skip should keep in BF16)")
     sp.add_argument("--no-groups", action="store_true", help="one layer at a time, not one fusion group")
     sp.set_defaults(func=cmd_sensitivity)
 

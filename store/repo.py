@@ -526,6 +526,9 @@ def get_score(session: Session, job_id: int) -> ScoreRecord:
     return _score_record(row)
 
 
+KV_SWEEP_PREFIX = "KV "  # the scheme a KV cache sweep is stored under: "KV FP8_ATTN" (units are attention modules)
+
+
 def save_sensitivity(session: Session, *, job_id: int, model_id: int, scheme: str,
                      rows: Iterable[dict[str, Any]]) -> None:
     session.execute(delete(m.SensitivityResult).where(m.SensitivityResult.job_id == job_id))

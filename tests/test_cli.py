@@ -581,6 +581,31 @@ def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
         assert code == 1 and message in err, err
 
 
+def test_a_kv_cache_sweep_ranks_the_attention_layers(tiny_model, capsys):
+    from app import services as svc
+
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
+    swept = run_json(capsys, "sensitivity", "tiny", "--kv-cache", "FP8_E5M2", *args)
+    assert swept["scheme"] == "KV FP8_E5M2"
+    assert sorted(r["layer"] for r in swept["layers"]) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all(r["kl_mean"] > 0 and r["sqnr_db"] is None for r in swept["layers"])
+    model = svc.get_model("tiny")
+    job, by_index = svc.kv_sensitivity(model, "FP8_E5M2")
+    assert job == swept["job"] and by_index == {str(int(r["layer"].split(".")[2])): r["kl_mean"]
+                                                for r in swept["layers"]}
+    assert svc.kv_sensitivity(model, "FP8") is None
+    # the linear-layer map an automatic plan chooses from never sees it (its units are not linears)
+    run_json(capsys, "sensitivity", "tiny", "--scheme", "FP8_DYNAMIC", *args)
+    assert set(svc.sensitivity_map(model)[0]) == {"FP8_DYNAMIC"}
+    jobs = {j.id: svc.job_what(j) for j in svc.list_jobs(model_id=model.id)}
+    assert jobs[swept["job"]].startswith("KV FP8_E5M2 sweep")
+    for bad, message in ((("--kv-cache", "AUTO"), "AUTO changes nothing"),
+                         ((), "give exactly one of --scheme NAME"),
+                         (("--scheme", "FP8", "--kv-cache", "FP8"), "give exactly one of --scheme NAME")):
+        code, _, err = run(capsys, "sensitivity", "tiny", *bad, *args)
+        assert code == 1 and message in err, err
+
+
 def test_an_automatic_plan_with_a_kv_cache_spends_part_of_the_budget_on_it(tiny_model, capsys):
     args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
     run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", *args)

@@ -105,11 +105,26 @@ def _calibration_maps(cal) -> tuple[dict[str, float] | None, dict[str, Any] | No
     return {st.name: st.amax for st in stats}, {st.name: st.channel_max for st in stats}
 
 
+def _kv_amax(ctx: JobContext, tok, model, kv, plan, device, act_amax=None, act_channel_max=None):
+    """(per-layer K/V amax, the calibration text's label) for a calibrated KV format, with ``plan`` applied; on
+    calibration text (params['cal_dataset'] or the built-in one), never the evaluation text. (None, None) for a
+    format without calibrated scales."""
+    from quantcore.scoring import calibrate_kv_cache
+
+    if not kv.calibrated:
+        return None, None
+    ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
+    cal_ids, kv_text = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
+                                 seq_len=int(ctx.params.get("cal_seq_len") or 256), dataset_param="cal_dataset")
+    return calibrate_kv_cache(model, plan, cal_ids.to(device), act_amax=act_amax, act_channel_max=act_channel_max,
+                              should_cancel=ctx.should_cancel), kv_text
+
+
 def score(ctx: JobContext) -> Outcome:
     from quantcore.checkpoint import attention_windows
     from quantcore.kvcache import attention_modules, get_kv_format, kv_skip_layers
     from quantcore.plans import kv_label, resolve_plan
-    from quantcore.scoring import calibrate_kv_cache, score_plan
+    from quantcore.scoring import score_plan
 
     rec, model, tok, ids, label = _prepare(ctx)
     names = linear_names(rec)
@@ -123,13 +138,7 @@ def score(ctx: JobContext) -> Outcome:
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
-    kv_amax = kv_text = None
-    if kv.calibrated:  # on calibration text (params['cal_dataset'] or the built-in one), never the evaluation text
-        ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
-        cal_ids, kv_text = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
-                                     seq_len=int(ctx.params.get("cal_seq_len") or 256), dataset_param="cal_dataset")
-        kv_amax = calibrate_kv_cache(model, plan, cal_ids.to(ids.device), act_amax=act_amax,
-                                     act_channel_max=act_channel_max, should_cancel=ctx.should_cancel)
+    kv_amax, kv_text = _kv_amax(ctx, tok, model, kv, plan, ids.device, act_amax, act_channel_max)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
@@ -154,24 +163,37 @@ def score(ctx: JobContext) -> Outcome:
 
 
 def sensitivity(ctx: JobContext) -> Outcome:
+    """A sweep of one preset over the linear units (params['scheme']), or of one KV cache format over the attention
+    layers (params['kv_sweep']: stored as scheme "KV <format>")."""
+    from quantcore.kvcache import get_kv_format
     from quantcore.schemes import get_scheme
-    from quantcore.sensitivity import sensitivity_sweep
+    from quantcore.sensitivity import kv_sensitivity_sweep, sensitivity_sweep
 
-    rec, model, _, ids, label = _prepare(ctx)
-    scheme = get_scheme(ctx.params["scheme"])
-    if ctx.params.get("alpha") is not None:
-        scheme = scheme.with_alpha(float(ctx.params["alpha"]))
-    cal = calibration_for(ctx, rec, scheme.needs_calibration)
-    act_amax, act_channel_max = _calibration_maps(cal)
-    ref = reference_for(ctx, rec, model, ids, label)
-    rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
-                             act_amax=act_amax, act_channel_max=act_channel_max,
-                             progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
-    dicts = [r.to_dict() if hasattr(r, "to_dict") else dict(r.__dict__) for r in rows]
-    result = {"scheme": scheme.name, "units": len(dicts), "text": label,
+    rec, model, tok, ids, label = _prepare(ctx)
+    progress = lambda f, m: ctx.progress(0.3 + 0.7 * f, m)  # noqa: E731
+    if ctx.params.get("kv_sweep"):
+        kv = get_kv_format(ctx.params["kv_sweep"])
+        ref = reference_for(ctx, rec, model, ids, label)
+        amax, _ = _kv_amax(ctx, tok, model, kv, {}, ids.device)
+        rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, progress=progress,
+                                    should_cancel=ctx.should_cancel)
+        name = repo.KV_SWEEP_PREFIX + kv.name
+    else:
+        scheme = get_scheme(ctx.params["scheme"])
+        if ctx.params.get("alpha") is not None:
+            scheme = scheme.with_alpha(float(ctx.params["alpha"]))
+        cal = calibration_for(ctx, rec, scheme.needs_calibration)
+        act_amax, act_channel_max = _calibration_maps(cal)
+        ref = reference_for(ctx, rec, model, ids, label)
+        rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
+                                 act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
+                                 should_cancel=ctx.should_cancel)
+        name = scheme.name
+    dicts = [r.to_dict() for r in rows]
+    result = {"scheme": name, "units": len(dicts), "text": label,
               "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
 
     def write(s: Session) -> None:
-        repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=scheme.name, rows=dicts)
+        repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)
 
-    return Outcome(result=result, write=write, message=f"{scheme.name}: {len(dicts)} units swept")
+    return Outcome(result=result, write=write, message=f"{name}: {len(dicts)} units swept")

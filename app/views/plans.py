@@ -54,6 +54,15 @@ with st.container(border=True):
         help="vLLM's --kv-cache-dtype-skip-layers: decoder layer indices, or sliding_window for every "
              "sliding-window layer (which some models find more sensitive to a quantized cache; they hold only "
              "their window, so keeping them in BF16 costs little memory).") if skip_options else []
+    if kv_cache != "AUTO" and skip_options:
+        kv_sens = svc.kv_sensitivity(model, kv_cache)
+        if kv_sens:
+            worst = sorted(kv_sens[1].items(), key=lambda item: -item[1])[:5]
+            st.caption(f"The newest {kv_cache} sweep (job #{kv_sens[0]}): the layers whose cache costs most on "
+                       "its own, " + ", ".join(f"{i} (KL {kl:.2g})" for i, kl in worst) + ".")
+        else:
+            st.caption(f"Which layers to keep: a KV cache sweep of {kv_cache} (Results page) measures each layer's "
+                       "cache on its own.")
     rules = st.data_editor(pd.DataFrame(body.get("rules") or [], columns=["match", "scheme"]),
                            num_rows="dynamic", key=f"plan_rules_{model.id}_{start}", width="stretch",
                            column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES,

@@ -41,6 +41,8 @@ with st.form("score_form"):
              + " ".join(f"{k}: {f.description}." for k, f in KV_FORMATS.items()))
     sens = st.checkbox("Also run a per-layer sensitivity sweep with each chosen preset (one fusion group at a "
                        "time)", key="score_sens")
+    kv_sens = st.checkbox("Also sweep the chosen KV cache format one attention layer at a time (which layers a "
+                          "plan should keep in BF16)", key="score_kv_sens")
     if st.form_submit_button("Queue", type="primary"):
         if not chosen_plans:
             st.error("Choose at least one plan or preset to score.")
@@ -60,6 +62,13 @@ with st.form("score_form"):
                 state.queued(sj, f"Queued sensitivity job #{sj.id} ({ref}).")
         if sens and any(not w.startswith("preset:") for w in chosen_plans):
             st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
+        if kv_sens and kv_choice in ("(as planned)", "AUTO"):
+            st.warning("A KV cache sweep needs a quantized format: choose one under KV cache.")
+        elif kv_sens:
+            sweep = {k: v for k, v in params.items() if k != "kv_cache"}
+            sj = svc.submit("sensitivity", {**sweep, "samples": min(int(samples), 8), "kv_sweep": kv_choice},
+                            model_id=model.id)
+            state.queued(sj, f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
 
 size = svc.reference_cache_bytes(model, int(samples), int(seq_len))
 if size:
@@ -183,7 +192,7 @@ if not sweeps:
     st.info("No sensitivity sweep yet: tick the box above to queue one with a preset.")
     st.stop()
 sweep_id = st.selectbox("Sweep", [j.id for j in sweeps],
-                        format_func=lambda i: next(f"job #{j.id} · {j.params.get('scheme')} · "
+                        format_func=lambda i: next(f"job #{j.id} · {(j.result or {}).get('scheme')} · "
                                                    f"{j.result.get('units', '?')} units" for j in sweeps
                                                    if j.id == i), key="results_sweep")
 rows = svc.sensitivity_rows(sweep_id)

@@ -660,10 +660,30 @@ def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     assert trade.loc["FP8_DYNAMIC", "serving_gib"] - trade.loc["FP8_DYNAMIC + KV FP8_UNSCALED", "serving_gib"] == \
         pytest.approx(kv_gib / 2)
     at.selectbox(key="score_kv").set_value("FP8_E5M2")
+    at.checkbox(key="score_kv_sens").check()
     at.button[0].click().run()
     assert not at.exception
     job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
     assert job.params["kv_cache"] == "FP8_E5M2"
+    # and a KV cache sweep of that format, one attention layer at a time
+    sweep = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.status == "queued")
+    assert sweep.params["kv_sweep"] == "FP8_E5M2" and "kv_cache" not in sweep.params
+    from store import repo
+    from store.db import session_scope
+
+    layers = [r["name"].rsplit(".", 1)[0] for r in seeded.linears if r["name"].endswith("k_proj")]
+    with session_scope() as s:
+        repo.save_sensitivity(s, job_id=sweep.id, model_id=seeded.id, scheme="KV FP8_E5M2",
+                              rows=[{"layer": n, "kl_mean": 0.01 * (i + 1), "top1_agree": 0.9}
+                                    for i, n in enumerate(layers)])
+        repo.finish_job(s, sweep.id, status="succeeded", result={"scheme": "KV FP8_E5M2", "units": len(layers)})
+    at = _run("plans", seeded.id)
+    at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8_E5M2").run()
+    last = len(layers) - 1
+    assert any(f"The newest FP8_E5M2 sweep (job #{sweep.id}): the layers whose cache costs most on its own, "
+               f"{last} (KL {0.01 * len(layers):.2g})" in c.value for c in at.caption)
+    at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8").run()
+    assert any("a KV cache sweep of FP8 (Results page)" in c.value for c in at.caption)
 
 
 def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):

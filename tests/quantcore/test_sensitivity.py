@@ -220,3 +220,36 @@ def test_smoothquant_sweep_tames_the_planted_outlier(tiny_model_factory):
     assert "SmoothQuant not applied" in smooth["lm_head"].note
     with pytest.raises(PlanError, match="calibrat"):
         sensitivity_sweep(model, "INT8_PER_TENSOR_SQ", ids, ref, layers=[planted])
+
+
+@pytest.mark.parametrize("fmt", ["FP8_E5M2", "FP8_ATTN"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_kv_sweep_equals_a_full_forward_with_every_other_layer_kept(arch, fmt, tiny_model_factory):
+    """One attention layer's cache at a time: the replayed sweep gives the KL of a whole forward whose plan keeps
+    every other layer out of the cache (kv_cache_skip), and the model is left as it was."""
+    from quantcore.kvcache import attention_modules, kv_amax_observed, kv_cache_quantized
+    from quantcore.sensitivity import kv_sensitivity_sweep
+
+    model = sharp_model(tiny_model_factory, arch)
+    ids = eval_ids()
+    ref = compute_reference(model, ids)
+    with torch.no_grad(), kv_amax_observed(model) as amax:
+        model(input_ids=eval_ids(3), use_cache=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = kv_sensitivity_sweep(model, fmt, ids, ref, amax=amax)
+    assert_clean(model, before)
+    assert model.config._attn_implementation == "sdpa"
+    layers = list(attention_modules(model))
+    assert sorted(r.layer for r in rows) == sorted(layers) and all(r.kl_mean > 0 for r in rows)
+    assert [r.kl_mean for r in rows] == sorted((r.kl_mean for r in rows), reverse=True)
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids, use_cache=False).logits[:, :-1].double()
+    lr = torch.log_softmax(ref_logits, -1)
+    for row in rows:
+        with torch.no_grad(), kv_cache_quantized(model, fmt, amax=amax, skip=set(layers) - {row.layer}):
+            q = model(input_ids=ids, use_cache=False).logits[:, :-1].double()
+        golden = float((lr.exp() * (lr - torch.log_softmax(q, -1))).sum(-1).mean())
+        assert row.kl_mean == pytest.approx(golden, rel=1e-4, abs=1e-7), row.layer
+        assert math.isnan(row.sqnr_db) and row.to_dict()["sqnr_db"] is None
+    with pytest.raises(PlanError, match="AUTO changes nothing"):
+        kv_sensitivity_sweep(model, "AUTO", ids, ref)
