@@ -9,7 +9,7 @@ import streamlit as st
 from app import services as svc
 from app import state
 from quantcore.hardware import list_targets
-from quantcore.kvcache import KV_FORMATS
+from quantcore.kvcache import KV_FORMATS, layer_index
 from quantcore.plans import kv_label
 from quantcore.schemes import list_schemes
 
@@ -58,8 +58,12 @@ with st.container(border=True):
         kv_sens = svc.kv_sensitivity(model, kv_cache)
         if kv_sens:
             worst = sorted(kv_sens[1].items(), key=lambda item: -item[1])[:5]
+            kept = {str(layer_index(n)) for n in svc.kv_skipped(model, {"kv_cache": kv_cache, "kv_cache_skip": kv_skip})}
+            rest = sum(kl for i, kl in kv_sens[1].items() if i not in kept)
             st.caption(f"The newest {kv_cache} sweep (job #{kv_sens[0]}): the layers whose cache costs most on "
-                       "its own, " + ", ".join(f"{i} (KL {kl:.2g})" for i, kl in worst) + ".")
+                       "its own, " + ", ".join(f"{i} (KL {kl:.2g})" for i, kl in worst) + ". The layers left in "
+                       f"{kv_cache} add up to KL {rest:.3g} there (a sum of one-layer KLs: a whole cache can cost "
+                       "more; score the plan to know).")
         else:
             st.caption(f"Which layers to keep: a KV cache sweep of {kv_cache} (Results page) measures each layer's "
                        "cache on its own.")

@@ -682,6 +682,10 @@ def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     last = len(layers) - 1
     assert any(f"The newest FP8_E5M2 sweep (job #{sweep.id}): the layers whose cache costs most on its own, "
                f"{last} (KL {0.01 * len(layers):.2g})" in c.value for c in at.caption)
+    total = sum(0.01 * (i + 1) for i in range(len(layers)))
+    assert any(f"add up to KL {total:.3g} there" in c.value for c in at.caption)
+    at.multiselect(key=f"plan_kv_skip_{seeded.id}_(new plan)").set_value([str(last)]).run()
+    assert any(f"add up to KL {total - 0.01 * len(layers):.3g} there" in c.value for c in at.caption)
     at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8").run()
     assert any("a KV cache sweep of FP8 (Results page)" in c.value for c in at.caption)
 
