@@ -40,6 +40,7 @@ def _stored_or_file(ref: str, model_ref: str | None):
 
 def cmd_plan_show(args) -> int:
     from app import services as svc
+    from quantcore.plans import kv_label
 
     _checked_settings()
     model, body, label = _stored_or_file(args.plan, args.model)
@@ -71,8 +72,13 @@ def cmd_plan_show(args) -> int:
         print(f"  {r.scheme:<{width}}  {r.layers:>5} layers  {r.params / 1e6:>10,.2f} M weights  "
               f"{svc.mib_text(r.bits):>14}  {r.bits_per_weight:6.3f} bits/weight")
     if kvm is not None:
-        print(f"KV cache {kvm['kv_cache']}: {kvm['bytes_per_token'] / 1024:,.1f} KiB per token "
+        print(f"KV cache {kv_label(body)}: {kvm['bytes_per_token'] / 1024:,.1f} KiB per token "
               f"(BF16 {kvm['bf16_bytes_per_token'] / 1024:,.1f} KiB)")
+        if kvm["skipped_layers"]:
+            print(f"  {kvm['skipped_layers']} layer(s) keep their cache in BF16 (kv_cache_skip)")
+        note = svc.kv_backend_note(kvm["kv_cache"], args.target) if args.target else None
+        if note:
+            print(f"  {note}")
         if kvm["windowed_layers"]:
             print(f"  {kvm['windowed_layers']} layer(s) attend to a sliding window of "
                   f"{', '.join(f'{w:,}' for w in kvm['windows'])} tokens and cache only that many")

@@ -530,6 +530,7 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     assert shown["tokens"] > shown["bf16_tokens"] > 0
     code, out, _ = run(capsys, "plan", "show", str(plan_file), "--target", "h100")
     assert code == 0 and "KV cache FP8: 0.1 KiB per token (BF16 0.2 KiB)" in out and "tokens of cache" in out
+    assert "Score FP8_ATTN to see what FlashAttention 3 costs" in out  # an E4M3 cache on Hopper
     # a decode step at a long context reads the whole cache: the FP8 cache reads half the bytes of BF16's
     dec = run_json(capsys, "plan", "show", str(plan_file), "--target", "h100", "--batch", "8", "--context",
                    "100000", "--json")["kv_cache"]["decode_with_cache"]
@@ -569,6 +570,8 @@ def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
     assert plans["e5m2-but-1"]["kv_cache"] == "FP8_E5M2 except 1"
     shown = run_json(capsys, "plan", "show", str(plan_file), "--target", "h100", "--json")["kv_cache"]
     assert shown["bytes_per_token"] == 3 * per_layer and shown["skipped_layers"] == 1
+    code, out, _ = run(capsys, "plan", "show", str(plan_file), "--target", "h100")
+    assert code == 0 and "KV cache FP8_E5M2 except 1:" in out and "1 layer(s) keep their cache in BF16" in out
     code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
     assert code == 0 and vllm.rstrip().endswith("--kv-cache-dtype fp8_e5m2 --kv-cache-dtype-skip-layers 1")
     # a layer the model does not have, or sliding windows it does not use: refused before anything runs
