@@ -569,6 +569,38 @@ def kv_skip_options(model: ModelRecord) -> list[str]:
     return ([SKIP_SLIDING] if model.attention_windows else []) + [str(i) for i in indices]
 
 
+def choose_kv_skip(model: ModelRecord, kv_cache: str, kl_budget: float, context: int) -> dict[str, Any]:
+    """The layers to keep in BF16 so that the cache's predicted KL (the newest KV cache sweep of ``kv_cache``:
+    the sum of the one-layer KLs left in the format) fits ``kl_budget`` with the least cache for one sequence of
+    ``context`` tokens (quantcore.autoplan.choose_kv_skip); sliding-window layers hold only their window, so
+    they are the cheap ones at a long context. ValueError without a sweep. Returns the plan's ``kv_cache_skip``
+    entries ("sliding_window" when every windowed layer is kept), the predicted KL and the cache bytes of one
+    sequence with that choice, in the format everywhere and in BF16."""
+    from quantcore.autoplan import choose_kv_skip as choose
+    from quantcore.kvcache import SKIP_SLIDING, get_kv_format, kv_sequence_bytes_by_layer, layer_index
+
+    kv = get_kv_format(kv_cache)
+    sweep = kv_sensitivity(model, kv.name)
+    if sweep is None:
+        raise ValueError(f"no KV cache sweep of {kv.name} for {model.name}: run one first (Results page, or "
+                         f"quantplan sensitivity {model.name} --kv-cache {kv.name})")
+    job, by_index = sweep
+    windows = model.attention_windows
+    fmt_bytes = kv_sequence_bytes_by_layer(model.linears, kv, context, windows=windows)
+    keep_bytes = kv_sequence_bytes_by_layer(model.linears, "AUTO", context, windows=windows)
+    if fmt_bytes is None or keep_bytes is None:
+        raise ValueError(f"{model.name} has no separate k_proj / v_proj: its cache cannot be counted per layer")
+    layer_kl = {n: by_index[str(layer_index(n))] for n in fmt_bytes if str(layer_index(n)) in by_index}
+    choice = choose(layer_kl, fmt_bytes, keep_bytes, kl_budget)
+    kept = set(choice.skip)
+    sliding = bool(windows) and set(windows) <= kept
+    entries = ([SKIP_SLIDING] if sliding else []) + [
+        str(layer_index(n)) for n in sorted(kept, key=layer_index) if not (sliding and n in windows)]
+    return {"sweep_job": job, "kv_cache": kv.name, "kv_cache_skip": entries, "predicted_kl": choice.predicted_kl,
+            "context": context, "sequence_bytes": choice.cache_bytes, "format_sequence_bytes": sum(fmt_bytes.values()),
+            "bf16_sequence_bytes": sum(keep_bytes.values())}
+
+
 def kv_skipped(model: ModelRecord, body: dict[str, Any]) -> set[str]:
     """The attention modules a plan keeps out of its quantized KV cache (``kv_cache_skip``, resolved by
     quantcore.kvcache.kv_skip_layers against the model's layers and sliding windows); PlanError for entries

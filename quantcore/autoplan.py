@@ -724,6 +724,41 @@ def _kls_for_units(
     return out
 
 
+# ------------------------------------------------------------------ the KV cache, layer by layer
+
+
+@dataclass
+class KvSkipChoice:
+    """Which attention layers to keep out of a quantized KV cache (:func:`choose_kv_skip`).
+
+    skip:          attention modules whose cache stays in the model's dtype
+    predicted_kl:  the sum of the one-layer KLs of the layers left in the format (the sweep's additivity
+                   assumption; a score measures the real one)
+    cache_bytes:   the cache of one sequence at the context asked, with that choice
+    """
+
+    skip: list[str]
+    predicted_kl: float
+    cache_bytes: float
+
+
+def choose_kv_skip(layer_kl: Mapping[str, float], format_bytes: Mapping[str, float],
+                   keep_bytes: Mapping[str, float], kl_budget: float) -> KvSkipChoice:
+    """The fewest cache bytes whose predicted KL fits ``kl_budget``: every attention layer either stays in the KV
+    format (its one-layer KL from a KV cache sweep, ``format_bytes[layer]``) or keeps the model's dtype (KL 0,
+    ``keep_bytes[layer]``): the same multiple-choice knapsack as the linears' (:func:`solve_mck`). Layers without
+    a KL from the sweep cannot be judged: PlanError names them."""
+    layers = sorted(format_bytes)
+    missing = [n for n in layers if n not in layer_kl]
+    if missing:
+        raise PlanError(f"the KV cache sweep has no KL for {len(missing)} attention layer(s) ({_cut(missing)}); "
+                        "sweep the format again on this model")
+    picked = solve_mck([[(layer_kl[n], format_bytes[n]), (0.0, keep_bytes[n])] for n in layers], kl_budget)
+    skip = [n for n, j in zip(layers, picked, strict=True) if j == 1]
+    return KvSkipChoice(skip=skip, predicted_kl=sum(layer_kl[n] for n in layers if n not in skip),
+                        cache_bytes=sum(keep_bytes[n] if n in skip else format_bytes[n] for n in layers))
+
+
 # ------------------------------------------------------------------ helpers
 
 
@@ -734,9 +769,11 @@ __all__ = [
     "AutoPlanResult",
     "DEFAULT_CANDIDATES",
     "DEFAULT_KL_STEPS",
+    "KvSkipChoice",
     "LayerCost",
     "UnitChoice",
     "auto_plan",
+    "choose_kv_skip",
     "cost_from_kernel_records",
     "plan_units",
     "predicted_kl",

@@ -241,13 +241,21 @@ def kv_bytes_per_sequence(linears: Iterable[Mapping[str, Any]], fmt: str | KvCac
     sliding-window layer (``windows``: ``{attention module: window}``), which keeps at most its window (as an
     engine that frees tokens outside a layer's window does; vLLM's hybrid KV cache manager does); the ``skip``
     attention modules in the model's dtype. None where :func:`kv_elements_per_token` is."""
+    by_layer = kv_sequence_bytes_by_layer(linears, fmt, context, windows=windows, model_bytes=model_bytes, skip=skip)
+    return None if by_layer is None else sum(by_layer.values())
+
+
+def kv_sequence_bytes_by_layer(linears: Iterable[Mapping[str, Any]], fmt: str | KvCacheFormat | None, context: int,
+                               *, windows: Mapping[str, int] | None = None, model_bytes: float = 2.0,
+                               skip: Collection[str] = ()) -> dict[str, float] | None:
+    """:func:`kv_bytes_per_sequence` per attention module: ``{layer: bytes}``."""
     linears = list(linears)
     if kv_elements_per_token(linears) is None:
         return None
     width = get_kv_format(fmt).bytes_per_element(model_bytes)
     windows = windows or {}
-    return sum(n * min(context, windows.get(layer, context)) * (model_bytes if layer in skip else width)
-               for layer, n in kv_layer_elements(linears).items())
+    return {layer: n * min(context, windows.get(layer, context)) * (model_bytes if layer in skip else width)
+            for layer, n in kv_layer_elements(linears).items()}
 
 
 def kv_token_capacity(memory_gb: float, weight_bytes: float, bytes_per_token: float,

@@ -155,6 +155,30 @@ def cmd_plan_import(args) -> int:
     return 0
 
 
+def cmd_plan_kv_skip(args) -> int:
+    from app import services as svc
+
+    _checked_settings()
+    model = _model(args.model)
+    try:
+        out = svc.choose_kv_skip(model, kv_format_arg(args.kv_cache), args.kl_budget, args.context)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    if args.json:
+        _print_json(out)
+        return 0
+    keep = out["kv_cache_skip"]
+    print(f"{model.name}, KV cache {out['kv_cache']} under KL {args.kl_budget:g} (sweep job #{out['sweep_job']}): "
+          + (f"keep {', '.join(keep)} in BF16" if keep else "every layer fits in the format")
+          + f"; predicted KL {out['predicted_kl']:.4g}")
+    print(f"  cache of one {args.context:,}-token sequence: {out['sequence_bytes'] / 2**20:,.1f} MiB "
+          f"({out['kv_cache']} everywhere {out['format_sequence_bytes'] / 2**20:,.1f} MiB, "
+          f"BF16 {out['bf16_sequence_bytes'] / 2**20:,.1f} MiB)")
+    print(f"  plan file: kv_cache: {out['kv_cache']}" + (f"\n             kv_cache_skip: [{', '.join(keep)}]"
+                                                         if keep else ""))
+    return 0
+
+
 def cmd_plan_auto(args) -> int:
     from app import services as svc
     from worker.client import wait_for
@@ -212,6 +236,16 @@ def add_commands(sub) -> None:
     sp.add_argument("--device", default=None, help="device of the verifying score job (default: cpu)")
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
     sp.set_defaults(func=cmd_plan_auto)
+
+    sp = plan.add_parser("kv-skip", help="the layers to keep out of a quantized KV cache under a KL budget, with "
+                         "the least cache memory (from a KV cache sweep)")
+    sp.add_argument("model", help="registered model id or name, or 'demo'")
+    sp.add_argument("--kv-cache", metavar="FORMAT", required=True, help="the KV cache format a sweep measured")
+    sp.add_argument("--kl-budget", type=float, required=True, help="the cache's predicted KL may not exceed this")
+    sp.add_argument("--context", type=int, default=4096, help="tokens of context whose cache memory is minimised "
+                    "(sliding-window layers hold at most their window; default 4096)")
+    sp.add_argument("--json", action="store_true", help="print the choice as JSON")
+    sp.set_defaults(func=cmd_plan_kv_skip)
 
     sp = plan.add_parser("show", help="a plan's schemes, the memory of its linear weights and of its KV cache")
     sp.add_argument("plan", help="stored plan id or name (name@vN), or a plan .yaml file")

@@ -602,6 +602,19 @@ def test_a_kv_cache_sweep_ranks_the_attention_layers(tiny_model, capsys):
     assert set(svc.sensitivity_map(model)[0]) == {"FP8_DYNAMIC"}
     jobs = {j.id: svc.job_what(j) for j in svc.list_jobs(model_id=model.id)}
     assert jobs[swept["job"]].startswith("KV FP8_E5M2 sweep")
+    # the layers to keep in BF16 under a budget for the cache's (predicted) KL: here, the one that costs most
+    top, low = swept["layers"]
+    budget = (top["kl_mean"] + low["kl_mean"]) - top["kl_mean"] / 2
+    chosen = run_json(capsys, "plan", "kv-skip", "tiny", "--kv-cache", "FP8_E5M2", "--kl-budget", str(budget),
+                      "--context", "100", "--json")
+    assert chosen["kv_cache_skip"] == [top["layer"].split(".")[2]] and chosen["sweep_job"] == swept["job"]
+    assert chosen["predicted_kl"] == pytest.approx(low["kl_mean"]) and chosen["predicted_kl"] <= budget
+    per_layer = 2 * 2 * 16  # K and V × 2 KV heads × head_dim 16, per token
+    assert chosen["sequence_bytes"] == 100 * per_layer * (1 + 2) == chosen["format_sequence_bytes"] * 1.5
+    code, out, _ = run(capsys, "plan", "kv-skip", "tiny", "--kv-cache", "FP8_E5M2", "--kl-budget", "1")
+    assert code == 0 and "every layer fits in the format" in out
+    code, _, err = run(capsys, "plan", "kv-skip", "tiny", "--kv-cache", "FP8", "--kl-budget", "1")
+    assert code == 1 and "no KV cache sweep of FP8 for tiny" in err
     for bad, message in ((("--kv-cache", "AUTO"), "AUTO changes nothing"),
                          ((), "give exactly one of --scheme NAME"),
                          (("--scheme", "FP8", "--kv-cache", "FP8"), "give exactly one of --scheme NAME")):

@@ -47,10 +47,12 @@ with st.container(border=True):
                             help="How the serving engine stores K and V (vLLM --kv-cache-dtype). "
                                  + " ".join(f"{k}: {f.description}." for k, f in KV_FORMATS.items()))
     skip_options = svc.kv_skip_options(model)
+    skip_key = f"plan_kv_skip_{model.id}_{start}"
     kv_skip = st.multiselect(
         "Keep these layers' KV cache in BF16", skip_options, disabled=kv_cache == "AUTO" or not skip_options,
-        default=[e for e in map(str, body.get("kv_cache_skip") or []) if e in skip_options],
-        key=f"plan_kv_skip_{model.id}_{start}",
+        default=None if skip_key in st.session_state else
+        [e for e in map(str, body.get("kv_cache_skip") or []) if e in skip_options],
+        key=skip_key,
         help="vLLM's --kv-cache-dtype-skip-layers: decoder layer indices, or sliding_window for every "
              "sliding-window layer (which some models find more sensitive to a quantized cache; they hold only "
              "their window, so keeping them in BF16 costs little memory).") if skip_options else []
@@ -64,6 +66,19 @@ with st.container(border=True):
                        "its own, " + ", ".join(f"{i} (KL {kl:.2g})" for i, kl in worst) + ". The layers left in "
                        f"{kv_cache} add up to KL {rest:.3g} there (a sum of one-layer KLs: a whole cache can cost "
                        "more; score the plan to know).")
+            def keep_within(budget_key: str, kv: str = kv_cache, key: str = skip_key) -> None:
+                choice = svc.choose_kv_skip(model, kv, float(st.session_state[budget_key]),
+                                            int(st.session_state.get("plan_kv_context", 4096)))
+                st.session_state[key] = [e for e in choice["kv_cache_skip"] if e in skip_options]
+
+            b1, b2 = st.columns([1, 2])
+            b1.number_input("Cache KL budget", 0.0, 10.0, round(sum(kv_sens[1].values()) / 2, 5), format="%.5f",
+                            key="plan_kv_budget")
+            b2.button("Keep the layers that bring the cache within it, with the least memory",
+                      on_click=keep_within, args=("plan_kv_budget",), key="plan_kv_choose",
+                      help="Every attention layer either stays in the format (its KL from the sweep) or keeps BF16 "
+                           "(KL 0, twice the bytes; a sliding-window layer holds only its window): the cheapest "
+                           "choice at the context of the KV cache section below.")
         else:
             st.caption(f"Which layers to keep: a KV cache sweep of {kv_cache} (Results page) measures each layer's "
                        "cache on its own.")

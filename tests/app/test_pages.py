@@ -686,6 +686,12 @@ def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     assert any(f"add up to KL {total:.3g} there" in c.value for c in at.caption)
     at.multiselect(key=f"plan_kv_skip_{seeded.id}_(new plan)").set_value([str(last)]).run()
     assert any(f"add up to KL {total - 0.01 * len(layers):.3g} there" in c.value for c in at.caption)
+    # the least memory under a cache KL budget: every layer costs the same bytes, so the most sensitive go first
+    at.multiselect(key=f"plan_kv_skip_{seeded.id}_(new plan)").set_value([]).run()
+    at.number_input(key="plan_kv_budget").set_value(total - 0.01 * (2 * len(layers) - 1) + 0.005).run()
+    at.button(key="plan_kv_choose").click().run()
+    assert not at.exception
+    assert at.multiselect(key=f"plan_kv_skip_{seeded.id}_(new plan)").value == [str(last - 1), str(last)]
     at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8").run()
     assert any("a KV cache sweep of FP8 (Results page)" in c.value for c in at.caption)
 

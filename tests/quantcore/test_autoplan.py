@@ -406,3 +406,19 @@ def test_a_scheme_whose_groups_do_not_divide_k_is_not_offered_to_that_unit() -> 
     assert res.plan["model.layers.0.mlp.down_proj"] == "W4A16"  # the cheapest, and its groups fit
     assert {s for n, s in res.plan.items() if not n.endswith("down_proj")} == {"FP8_DYNAMIC"}
     assert any(n.startswith("W4A16 was not offered to 4 unit(s)") for n in res.notes), res.notes
+
+
+def test_kv_skip_keeps_the_cheapest_layers_that_bring_the_cache_within_budget():
+    from quantcore.autoplan import choose_kv_skip
+
+    # a global layer holds every token (200 bytes kept, 100 in the format); a windowed one only its window
+    kl = {"global": 0.010, "windowed": 0.020, "other": 0.001}
+    fmt = {"global": 100.0, "windowed": 10.0, "other": 100.0}
+    keep = {"global": 200.0, "windowed": 20.0, "other": 200.0}
+    choice = choose_kv_skip(kl, fmt, keep, 0.012)
+    assert choice.skip == ["windowed"]  # 0.011 left for +10 bytes: keeping "global" would cost +100
+    assert choice.predicted_kl == pytest.approx(0.011) and choice.cache_bytes == 220.0
+    assert choose_kv_skip(kl, fmt, keep, 1.0).skip == []  # everything fits in the format
+    assert sorted(choose_kv_skip(kl, fmt, keep, 0.0).skip) == sorted(kl)  # nothing may cost KL: keep all
+    with pytest.raises(PlanError, match=r"no KL for 1 attention layer\(s\) \('other'\)"):
+        choose_kv_skip({"global": 0.01, "windowed": 0.02}, fmt, keep, 0.01)
