@@ -170,7 +170,10 @@ def sensitivity(ctx: JobContext) -> Outcome:
     from quantcore.sensitivity import kv_sensitivity_sweep, sensitivity_sweep
 
     rec, model, tok, ids, label = _prepare(ctx)
-    progress = lambda f, m: ctx.progress(0.3 + 0.7 * f, m)  # noqa: E731
+
+    def progress(fraction: float, message: str) -> None:
+        ctx.progress(0.3 + 0.7 * fraction, message)
+
     if ctx.params.get("kv_sweep"):
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
