@@ -6,6 +6,10 @@ the mean per-token KL(p_ref || p_quant) of the whole model with only that unit
 quantized, the top-1 agreement, and the unit's *local* output SQNR (its quantized
 output against its unquantized output on the very same input).
 
+The same loop sweeps the KV cache (:func:`kv_sensitivity_sweep`): a unit is one attention layer whose K
+and V (and, for an FP8 attention format, its attention) go through a KV cache format while every other
+layer keeps the model's dtype, which ranks the layers a plan's ``kv_cache_skip`` should keep first.
+
 How it stays cheap
     For each batch of evaluation sequences the unquantized model runs once with a
     forward hook on every decoder block, keeping each block's output (= the next
