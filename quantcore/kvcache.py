@@ -456,6 +456,9 @@ def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module], state
 
 # FlashAttention 3's FP8 softmax (hopper/softmax.h, Max_offset = 8): exp2(x - max + 8), so P lies in [0, 256]
 FA3_FP8_PROB_OFFSET = 2.0**8
+# score elements one chunk of query rows may hold (float32: 128 MiB), so a long context does not need the whole
+# batch × heads × tokens × tokens matrix at once
+FP8_ATTENTION_CHUNK_ELEMENTS = 1 << 25
 
 
 def fp8_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -481,20 +484,25 @@ def fp8_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
-    k = key.float().repeat_interleave(groups, dim=1)
+    k = key.float().repeat_interleave(groups, dim=1).transpose(2, 3)
     v = value.float().repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query.float(), k.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        mask = attention_mask[..., : k.shape[-2]]
-        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
-                  else scores + mask.float())
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    probs = torch.exp(scores - row_max) * FA3_FP8_PROB_OFFSET
-    row_sum = probs.sum(dim=-1, keepdim=True)
-    if round_probs:
-        probs = probs.to(torch.float8_e4m3fn).float()
-    out = torch.matmul(probs, v) / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    mask = None if attention_mask is None else attention_mask[..., : v.shape[-2]]
+    batch, heads, rows, _ = query.shape
+    # query rows a chunk: every row's softmax is its own, so chunks give the same result with bounded memory
+    step = max(1, FP8_ATTENTION_CHUNK_ELEMENTS // (batch * heads * v.shape[-2]))
+    out = torch.empty(batch, heads, rows, v.shape[-1], dtype=torch.float32, device=query.device)
+    for r in range(0, rows, step):
+        scores = torch.matmul(query[:, :, r:r + step].float(), k) * scaling
+        if mask is not None:
+            m = mask[..., r:r + step, :] if mask.shape[-2] == rows else mask
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+        row_max = scores.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        probs = torch.exp(scores - row_max) * FA3_FP8_PROB_OFFSET
+        row_sum = probs.sum(dim=-1, keepdim=True)
+        if round_probs:
+            probs = probs.to(torch.float8_e4m3fn).float()
+        out[:, :, r:r + step] = torch.matmul(probs, v) / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 

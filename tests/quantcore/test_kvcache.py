@@ -499,3 +499,19 @@ def test_scores_with_skipped_layers_sit_between_none_and_all() -> None:
     assert set(kept.kv_saturation) == {"model.layers.1.self_attn"} and both.kv_saturation == {}
     with pytest.raises(PlanError, match="KV cache skip 5"):
         score_plan(model, {}, ids, ref, kv_cache="FP8_E5M2", kv_skip=[5])
+
+
+def test_fp8_attention_in_chunks_of_query_rows_is_the_same(monkeypatch) -> None:
+    """A long context is computed a few query rows at a time (bounded memory): the same numbers, with an additive
+    or a boolean mask."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 9, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 9, 8, generator=gen) for _ in range(2))
+    causal = torch.full((9, 9), float("-inf")).triu(1).expand(2, 1, 9, 9)
+    module = torch.nn.Module()
+    whole, _ = kvcache.fp8_attention_forward(module, q, k, v, causal, scaling=0.3)
+    monkeypatch.setattr(kvcache, "FP8_ATTENTION_CHUNK_ELEMENTS", 2 * 4 * 9 * 2)  # two query rows a chunk
+    chunked, _ = kvcache.fp8_attention_forward(module, q, k, v, causal, scaling=0.3)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)  # the GEMMs' blocking may differ by an ulp
+    boolean, _ = kvcache.fp8_attention_forward(module, q, k, v, causal == 0, scaling=0.3)
+    assert torch.equal(boolean, chunked)
