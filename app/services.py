@@ -925,6 +925,7 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
         if {"default", "rules", "layers"} & set(data):
             spec = PlanSpec.from_dict(data)
             resolve_plan(spec, names)  # refuse what does not fit this model, with the reasons
+            kv_skipped(model, spec.to_dict())  # its kv_cache_skip too
         else:
             spec = spec_from_plan(export.from_llmcompressor_recipe(text, layer_names=names), model=model.name)
             spec.kv_cache = export.kv_cache_of_recipe(text)

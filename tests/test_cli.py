@@ -574,7 +574,8 @@ def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
     assert code == 0 and "KV cache FP8_E5M2 except 1:" in out and "1 layer(s) keep their cache in BF16" in out
     code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
     assert code == 0 and vllm.rstrip().endswith("--kv-cache-dtype fp8_e5m2 --kv-cache-dtype-skip-layers 1")
-    # a layer the model does not have, or sliding windows it does not use: refused before anything runs
+    # a layer the model does not have, or sliding windows it does not use: refused before anything runs, and
+    # never stored
     for entry, message in (("[7]", "KV cache skip 7: the model's attention layers are 0..1"),
                            ("[sliding_window]", "no sliding-window attention layer")):
         plan_file.write_text(f"model: tiny\ndefault: BF16\nkv_cache: FP8_E5M2\nkv_cache_skip: {entry}\n")
@@ -582,6 +583,9 @@ def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
         assert code == 1 and message in err, err
         code, _, err = run(capsys, "score", "tiny", "--plan", str(plan_file), *args)
         assert code == 1 and message in err, err
+        code, _, err = run(capsys, "plan", "import", str(plan_file), "--model", "tiny", "--name", "bad-skip")
+        assert code == 1 and message in err, err
+    assert not any(p.name == "bad-skip" for p in svc.list_plans(svc.get_model("tiny").id))
 
 
 def test_a_kv_cache_sweep_ranks_the_attention_layers(tiny_model, capsys):
