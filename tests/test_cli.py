@@ -574,6 +574,11 @@ def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
     assert code == 0 and "KV cache FP8_E5M2 except 1:" in out and "1 layer(s) keep their cache in BF16" in out
     code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
     assert code == 0 and vllm.rstrip().endswith("--kv-cache-dtype fp8_e5m2 --kv-cache-dtype-skip-layers 1")
+    # the same plan scored with the cache in AUTO: nothing quantized, and the stored plan drops its skip list
+    auto = run_json(capsys, "score", "tiny", "--plan", str(plan_file), "--kv-cache", "AUTO", *args)
+    assert auto["kl_mean"] == 0 and auto["kv_cache"] == "AUTO"
+    stored_auto = next(s for s in svc.list_scores(svc.get_model("tiny").id) if s.job_id == auto["job"])
+    assert "kv_cache_skip" not in stored_auto.plan_body and svc.resolve(svc.get_model("tiny"), stored_auto.plan_body)[0]
     # a layer the model does not have, or sliding windows it does not use: refused before anything runs, and
     # never stored
     for entry, message in (("[7]", "KV cache skip 7: the model's attention layers are 0..1"),

@@ -131,6 +131,8 @@ def score(ctx: JobContext) -> Outcome:
     spec = plan_spec(ctx, names)
     if ctx.params.get("kv_cache"):  # the job's KV cache format replaces the plan's
         spec.kv_cache = get_kv_format(ctx.params["kv_cache"]).name
+        if get_kv_format(spec.kv_cache).is_identity:
+            spec.kv_cache_skip = []  # nothing quantized, nothing kept out (a stored AUTO plan has no skip list)
     kv = get_kv_format(spec.kv_cache)
     plan = resolve_plan(spec, names)
     if spec.kv_cache_skip and not kv.is_identity:  # checked before the reference is computed
