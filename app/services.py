@@ -580,6 +580,10 @@ def choose_kv_skip(model: ModelRecord, kv_cache: str, kl_budget: float, context:
     from quantcore.kvcache import SKIP_SLIDING, get_kv_format, kv_sequence_bytes_by_layer, layer_index
 
     kv = get_kv_format(kv_cache)
+    if kv.is_identity:
+        raise ValueError("AUTO quantizes nothing: there is no layer to keep out of it; choose a quantized format")
+    if context < 1:
+        raise ValueError(f"the context must be at least one token, got {context}")
     sweep = kv_sensitivity(model, kv.name)
     if sweep is None:
         raise ValueError(f"no KV cache sweep of {kv.name} for {model.name}: run one first (Results page, or "

@@ -622,8 +622,12 @@ def test_a_kv_cache_sweep_ranks_the_attention_layers(tiny_model, capsys):
     assert chosen["sequence_bytes"] == 100 * per_layer * (1 + 2) == chosen["format_sequence_bytes"] * 1.5
     code, out, _ = run(capsys, "plan", "kv-skip", "tiny", "--kv-cache", "FP8_E5M2", "--kl-budget", "1")
     assert code == 0 and "every layer fits in the format" in out
-    code, _, err = run(capsys, "plan", "kv-skip", "tiny", "--kv-cache", "FP8", "--kl-budget", "1")
-    assert code == 1 and "no KV cache sweep of FP8 for tiny" in err
+    for bad, message in ((("--kv-cache", "FP8", "--kl-budget", "1"), "no KV cache sweep of FP8 for tiny"),
+                         (("--kv-cache", "AUTO", "--kl-budget", "1"), "AUTO quantizes nothing"),
+                         (("--kv-cache", "FP8_E5M2", "--kl-budget", "-1"), "KL budget must be a finite number >= 0"),
+                         (("--kv-cache", "FP8_E5M2", "--kl-budget", "1", "--context", "0"), "at least one token")):
+        code, _, err = run(capsys, "plan", "kv-skip", "tiny", *bad)
+        assert code == 1 and message in err, err
     for bad, message in ((("--kv-cache", "AUTO"), "AUTO changes nothing"),
                          ((), "give exactly one of --scheme NAME"),
                          (("--scheme", "FP8", "--kv-cache", "FP8"), "give exactly one of --scheme NAME")):
