@@ -148,16 +148,14 @@ def normalize_kv_skip(entries: Iterable[Any] | None) -> list[str]:
     out: list[str] = []
     bad = []
     for e in entries or []:
-        if isinstance(e, bool):
+        text = str(e).strip().lower()  # True, 1.5 and -1 read "true", "1.5", "-1": refused below
+        if text.isascii() and text.isdigit():
+            text = str(int(text))  # "03" is layer 3
+        elif text != SKIP_SLIDING:
             bad.append(e)
             continue
-        text = str(e).strip().lower()
-        if text == SKIP_SLIDING or (text.isdigit() and not isinstance(e, float)):
-            text = text if text == SKIP_SLIDING else str(int(text))
-            if text not in out:
-                out.append(text)
-        else:
-            bad.append(e)
+        if text not in out:
+            out.append(text)
     if bad:
         raise PlanError(f"KV cache layers to skip must be decoder layer indices or {SKIP_SLIDING!r} (vLLM's "
                         f"--kv-cache-dtype-skip-layers), got {', '.join(map(repr, bad))}")
