@@ -131,11 +131,11 @@ def score(ctx: JobContext) -> Outcome:
     spec = plan_spec(ctx, names)
     if ctx.params.get("kv_cache"):  # the job's KV cache format replaces the plan's
         spec.kv_cache = get_kv_format(ctx.params["kv_cache"]).name
-        if get_kv_format(spec.kv_cache).is_identity:
-            spec.kv_cache_skip = []  # nothing quantized, nothing kept out (a stored AUTO plan has no skip list)
     kv = get_kv_format(spec.kv_cache)
+    if kv.is_identity:
+        spec.kv_cache_skip = []  # nothing quantized, nothing kept out (a stored AUTO plan has no skip list)
     plan = resolve_plan(spec, names)
-    if spec.kv_cache_skip and not kv.is_identity:  # checked before the reference is computed
+    if spec.kv_cache_skip:  # checked before the reference is computed
         kv_skip_layers(spec.kv_cache_skip, attention_modules(model), attention_windows(model))
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
     act_amax, act_channel_max = _calibration_maps(cal)
