@@ -10,12 +10,13 @@
 #   2. the `gpu` tests (pytest -m gpu): native flags, kernel vs emulation (FP8, INT8, weight-only
 #      INT8 / INT4), FP8 faster than bf16
 #      at 2048 x 4096 x 4096 on sm90, INT4 weights faster than bf16 at a 1 x 4096 x 4096 decode GEMM,
-#      CUDA fake-quant bit-identical to CPU
+#      CUDA fake-quant bit-identical to CPU, KV cache formats and FP8 attention on CUDA as on CPU
 #   3. benchmarks/kernel_gemm.py on the demo model's shapes (SmolLM2-135M) and on Llama-3-8B's,
 #      M = 1 16 128 2048 8192: JSON records + the Markdown tables for the README
 #   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
 #      into a fresh SQLite home: measured and stored, then reused from the database; then a tiny
-#      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC) and swept (INT8_W8A8) on cuda
+#      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC, then with an FP8_ATTN KV cache) and swept
+#      (INT8_W8A8 linears, then the FP8_ATTN KV cache a layer at a time) on cuda
 # Afterwards `python scripts/gpu_figures.py OUT_DIR` writes the figures into the README.
 # Writes into $OUT (the device tool's folder) or var/gpu-check: gpu_check.log, summary.txt,
 # kernel_smollm2.{json,md}, kernel_llama8b.{json,md}, quantplan_bench.json (7 files).
@@ -53,7 +54,7 @@ step device bash -c "nvidia-smi --query-gpu=name,compute_cap,memory.total,driver
 
 step gpu-tests "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
   tests/quantcore/test_kernels.py tests/quantcore/test_hardware.py tests/quantcore/test_quantize.py \
-  tests/quantcore/test_apply.py tests/quantcore/test_smoothquant.py
+  tests/quantcore/test_apply.py tests/quantcore/test_smoothquant.py tests/quantcore/test_kvcache.py
 
 step kernels-smollm2 "$PY" benchmarks/kernel_gemm.py --device "$DEVICE" --model smollm2-135m --m "${MS[@]}" "${BUDGET_ARGS[@]}" \
   --json "$OUT/kernel_smollm2.json" --markdown "$OUT/kernel_smollm2.md"
@@ -87,6 +88,8 @@ JOB_ARGS=(--text "$TEXT" --samples 4 --seq-len 32 --device "$DEVICE" --local)
 step calibrate "$PY" -m quantplan calibrate tiny "${JOB_ARGS[@]}"
 step score "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}"
 step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
+step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
+step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step jobs "$PY" -m quantplan jobs
 
 echo "===== summary" | tee -a "$LOG"

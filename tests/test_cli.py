@@ -490,6 +490,8 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     e5m2 = run_json(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--kv-cache", "fp8_e5m2", *args)
     assert e5m2["kv_cache"] == "FP8_E5M2" and e5m2["plan"] == "FP8_DYNAMIC + KV FP8_E5M2"
     assert e5m2["kl_mean"] != plain["kl_mean"]  # same tokens, same reference: the cache format changed the logits
+    code, out, _ = run(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8_E5M2", *args[:-1])
+    assert code == 0 and " FP8_DYNAMIC + KV FP8_E5M2 on tiny: KL mean" in out  # the format is named once
     code, _, err = run(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--kv-cache", "int4", *args)
     assert code == 1 and "unknown KV cache format 'int4'" in err and "FP8_E5M2" in err
 
@@ -502,6 +504,8 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     eval_text.write_text("\n".join(["the cat sat on the mat and the dog ran to the park"] * 40))
     fp8 = run_json(capsys, "score", "tiny", "--plan", str(plan_file), "--text", str(eval_text), *args)
     assert fp8["kv_cache"] == "FP8" and fp8["plan"] == "fp8-kv" and fp8["kl_mean"] > 0
+    code, out, _ = run(capsys, "score", "tiny", "--plan", str(plan_file), "--text", str(eval_text), *args[:-1])
+    assert code == 0 and " fp8-kv (KV cache FP8) on tiny: KL mean" in out  # a stored plan's own cache is named
     assert fp8["kv_calibration_text"] == "builtin:lee_background.cor"
     stored = next(s for s in svc.list_scores(svc.get_model("tiny").id) if s.job_id == fp8["job"])
     assert stored.kv_cache == "FP8" and stored.plan_body["kv_cache"] == "FP8"

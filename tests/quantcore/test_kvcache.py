@@ -515,3 +515,24 @@ def test_fp8_attention_in_chunks_of_query_rows_is_the_same(monkeypatch) -> None:
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)  # the GEMMs' blocking may differ by an ulp
     boolean, _ = kvcache.fp8_attention_forward(module, q, k, v, causal == 0, scaling=0.3)
     assert torch.equal(boolean, chunked)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["FP8", "FP8_E5M2", "FP8_ATTN", "FP8_ATTN_UNSCALED"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_cuda_kv_cache_matches_cpu(arch: str, fmt: str) -> None:
+    """The KV cache emulation (and FP8 attention, with Gemma 3's sliding windows) gives the same logits on CUDA as
+    on the CPU, with the CPU's calibrated K/V maxima, and the same scales."""
+    cpu = build_tiny_model(arch)
+    gpu = build_tiny_model(arch).cuda()
+    ids = _ids()
+    with torch.no_grad(), kv_amax_observed(cpu) as amax:
+        cpu(ids)
+    with torch.no_grad(), kv_cache_quantized(cpu, fmt, amax=amax) as on_cpu, \
+            kv_cache_quantized(gpu, fmt, amax=amax) as on_gpu:
+        expected = cpu(ids).logits
+        got = gpu(ids.cuda()).logits.cpu()
+    assert on_gpu.k_scale == on_cpu.k_scale and on_gpu.q_scale == on_cpu.q_scale
+    with torch.no_grad():
+        assert not torch.allclose(cpu(ids).logits, expected, atol=1e-4)  # the format changed the logits
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
