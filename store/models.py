@@ -88,6 +88,7 @@ class Model(Base):
     created_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
     __table_args__ = (
         CheckConstraint(_in("source_kind", ("folder", "archive", "gguf", "demo")), name="source_kind"),
+        {"sqlite_autoincrement": True},  # a removed model's id is never given to another (migration 0003)
     )
 
 
@@ -121,7 +122,10 @@ class Plan(Base):
     note: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
     created_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
-    __table_args__ = (UniqueConstraint("model_id", "name", "version", name="uq_plans_model_name_version"),)
+    __table_args__ = (
+        UniqueConstraint("model_id", "name", "version", name="uq_plans_model_name_version"),
+        {"sqlite_autoincrement": True},  # nor a removed plan's (migration 0003)
+    )
 
 
 class Job(Base):

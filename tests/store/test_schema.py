@@ -56,3 +56,92 @@ def test_status_check_constraint_rejects_unknown_status(qp_settings):
     with pytest.raises(db.StoreError, match="refused"):
         with db.session_scope(qp_settings) as s:
             s.execute(text("UPDATE jobs SET status = 'exploded' WHERE id = :id"), {"id": job.id})
+
+
+def _tiny_model(s, name: str):
+    from tests.store.test_repo import _model
+
+    return _model(s, name)
+
+
+def _removed_ids_are_not_given_again(settings) -> None:
+    from store import repo
+
+    with db.session_scope(settings) as s:
+        keep = _tiny_model(s, "keep")
+        newest = _tiny_model(s, "newest")
+        repo.save_plan(s, model_id=keep.id, name="p", body={"default": "FP8"}, user=None)
+        plan = repo.save_plan(s, model_id=newest.id, name="p", body={"default": "FP8"}, user=None)
+    with db.session_scope(settings) as s:
+        repo.delete_model(s, newest.id)  # the newest model, and with it the newest plan
+    with db.session_scope(settings) as s:
+        again = _tiny_model(s, "again")
+        plan_again = repo.save_plan(s, model_id=again.id, name="p", body={"default": "FP8"}, user=None)
+    assert again.id > newest.id and plan_again.id > plan.id
+
+
+def test_a_removed_model_or_plan_id_is_never_given_to_another(qp_settings):
+    """A link to model N (or `plan show N`) never silently names a later model once N is removed."""
+    _removed_ids_are_not_given_again(qp_settings)
+
+
+def test_a_removed_id_is_never_given_again_on_postgres(qp_env, pg_database, monkeypatch):
+    from tests.conftest import clear_settings_cache
+
+    monkeypatch.setenv("QUANTPLAN_DATABASE_URL", pg_database)
+    clear_settings_cache()
+    from store.settings import get_settings
+
+    s = get_settings()
+    db.upgrade(s)
+    with db.session_scope(s) as session:  # the session database is shared by the tests: start from no models
+        for (model_id,) in session.execute(text("SELECT id FROM models")):
+            from store import repo
+
+            repo.delete_model(session, model_id)
+    _removed_ids_are_not_given_again(s)
+
+
+def test_upgrading_sqlite_to_0003_copies_the_tables_and_loses_no_row(qp_env):
+    """0003 rebuilds `models` and `plans` (SQLite adds AUTOINCREMENT only to a new table): every row, and
+    every row that refers to them, is still there, and the CHECK constraint still holds."""
+    from store import repo
+    from store.settings import get_settings
+
+    s = get_settings()
+    s.ensure_dirs()
+    db.upgrade(s, "0002")
+    with db.session_scope(s) as session:
+        mod = _tiny_model(session, "old")
+        v1 = repo.save_plan(session, model_id=mod.id, name="p", body={"default": "FP8"}, user="ann")
+        v2 = repo.save_plan(session, model_id=mod.id, name="p", body={"default": "BF16"}, user="ann")
+        job = repo.create_job(session, kind="score", params={"x": 1}, queue="cpu", user="ann", model_id=mod.id,
+                              plan_id=v2.id)
+    counts = "SELECT (SELECT count(*) FROM models), (SELECT count(*) FROM plans), (SELECT count(*) FROM jobs)"
+    with db.make_engine(s.sqlalchemy_url).connect() as conn:
+        before = conn.execute(text(counts)).one()
+        assert "AUTOINCREMENT" not in conn.execute(text("SELECT sql FROM sqlite_master WHERE name='models'")).scalar()
+    db.upgrade(s)
+    db.check_schema_current(s)
+    assert _diff(s) == []
+    with db.make_engine(s.sqlalchemy_url).connect() as conn:
+        assert conn.execute(text(counts)).one() == before == (1, 2, 1)
+        for table in ("models", "plans"):
+            sql = conn.execute(text(f"SELECT sql FROM sqlite_master WHERE name='{table}'")).scalar()
+            assert "AUTOINCREMENT" in sql
+        assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1  # back on for every new connection
+        assert conn.execute(text("PRAGMA foreign_key_check")).fetchall() == []
+    with db.session_scope(s) as session:
+        assert repo.get_job(session, job.id).plan_id == v2.id
+        assert sorted(p.id for p in repo.list_plans(session, mod.id)) == [v1.id, v2.id]
+        assert repo.get_plan(session, v2.id).parent_id == v1.id
+    with pytest.raises(db.StoreError, match="refused"):
+        with db.session_scope(s) as session:
+            session.execute(text("UPDATE models SET source_kind = 'pickle'"))
+    _removed_ids_are_not_given_again(s)
+    from alembic import command
+
+    command.downgrade(db.alembic_config(s), "0002")  # and back: the tables are copied again, without AUTOINCREMENT
+    with db.make_engine(s.sqlalchemy_url).connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM plans")).scalar() == 4
+        assert "AUTOINCREMENT" not in conn.execute(text("SELECT sql FROM sqlite_master WHERE name='plans'")).scalar()
