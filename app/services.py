@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +146,10 @@ def upload_dataset(filename: str, data: bytes, role: str) -> DatasetRecord:
 # ----------------------------------------------------------------------------- jobs
 
 
-def list_jobs(limit: int = 100, kind: str | None = None, model_id: int | None = None) -> list[JobRecord]:
+def list_jobs(limit: int = 100, kind: str | Sequence[str] | None = None, model_id: int | None = None,
+              status: Sequence[str] | None = None) -> list[JobRecord]:
     with session_scope(settings()) as s:
-        return repo.list_jobs(s, limit=limit, kind=kind, model_id=model_id)
+        return repo.list_jobs(s, limit=limit, kind=kind, model_id=model_id, status=status)
 
 
 def get_job(job_id: int) -> JobRecord:

@@ -239,11 +239,12 @@ def get_job(session: Session, job_id: int) -> JobRecord:
     return _job_record(session, row)
 
 
-def list_jobs(session: Session, *, limit: int = 100, kind: str | None = None, model_id: int | None = None,
-              status: Sequence[str] | None = None) -> list[JobRecord]:
+def list_jobs(session: Session, *, limit: int = 100, kind: str | Sequence[str] | None = None,
+              model_id: int | None = None, status: Sequence[str] | None = None) -> list[JobRecord]:
+    """Newest first; ``kind`` is one kind or several."""
     q = select(m.Job).order_by(m.Job.id.desc()).limit(limit)
     if kind:
-        q = q.where(m.Job.kind == kind)
+        q = q.where(m.Job.kind.in_([kind] if isinstance(kind, str) else list(kind)))
     if model_id is not None:
         q = q.where(m.Job.model_id == model_id)
     if status:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
-from app import charts, state
+from app import charts, live, state
 from app import services as svc
 from quantcore.kernels import PATHS as KERNEL_PATHS
 from quantcore.schemes import list_schemes
@@ -43,6 +43,8 @@ with st.form("bench_form"):
             state.queued(job, f"Queued benchmark job #{job.id} on queue '{job.queue}'.")
         except ValueError as exc:
             st.error(str(exc))
+
+live.job_progress("kernels", ["bench"], model_id=model.id, done_notes={"bench": "Its timings are below."})
 
 devices = svc.kernel_devices()
 if not devices:

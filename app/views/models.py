@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from app import live, state
 from app import services as svc
-from app import state
 
 st.title("Models")
 st.caption("Register a Hugging Face checkpoint, then calibrate it to see its activation outliers.")
@@ -47,38 +47,7 @@ with st.container(border=True):
 
 
 
-def _job_status(kind: str) -> None:
-    """Live progress of this page's newest jobs of one kind; when one ends, the page is drawn again."""
-    jobs = svc.list_jobs(limit=3, kind=kind)  # newest first
-    key = f"models_active_{kind}"
-    active = {j.id for j in jobs if not j.finished}
-    ended = st.session_state.get(key, set()) - active
-    st.session_state[key] = active
-    if ended:  # a new model or new statistics: the tables below change
-        st.session_state[f"models_ended_{kind}"] = ended
-        st.rerun()
-    just_ended = st.session_state.pop(f"models_ended_{kind}", set())
-    what = "Registration" if kind == "register" else "Calibration"
-    for job in jobs:
-        if job.id in just_ended and job.status == "succeeded":
-            st.success(f"{what} job #{job.id} is done: {job.message}."
-                       + (" The Outliers page shows its statistics." if kind == "calibrate" else ""))
-        elif job.status == "failed" and job is jobs[0]:  # an older failure was followed by a new try
-            st.error(f"{what} job #{job.id} failed: {job.error}")
-        elif not job.finished:
-            st.progress(job.progress, text=f"{what} job #{job.id} {job.status}: {job.message or 'waiting for a worker'}")
-            note = svc.no_worker_note(job.queue) if job.status == "queued" else None
-            if note:
-                st.warning(note)
-
-
-def job_status(kind: str) -> None:
-    """Show ``_job_status``, refreshed every 2 s while one of those jobs is queued or running."""
-    live = any(not j.finished for j in svc.list_jobs(limit=3, kind=kind))
-    st.fragment(_job_status, run_every=2.0 if live else None)(kind)
-
-
-job_status("register")
+live.job_progress("register", ["register"])
 
 models = svc.list_models()
 st.subheader(f"Registered models ({len(models)})")
@@ -132,7 +101,8 @@ with st.form("calibrate_form"):
         except ValueError as exc:
             st.error(str(exc))
 
-job_status("calibrate")
+live.job_progress("calibrate", ["calibrate"],
+                  done_notes={"calibrate": "The Outliers page shows its statistics."})
 
 cals = svc.calibrations(model.id)
 if cals:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import charts, state
+from app import charts, live, state
 from app import services as svc
 from quantcore.kvcache import KV_FORMATS
 
@@ -55,7 +55,8 @@ with st.form("score_form"):
                 job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
             else:
                 job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
-            state.queued(job, f"Queued score job #{job.id} ({labels[what]}).")
+            kv_note = f" + KV {kv_choice}" if "kv_cache" in params else ""
+            state.queued(job, f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
             if sens and kind == "preset":
                 sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
                                 model_id=model.id)
@@ -69,6 +70,9 @@ with st.form("score_form"):
             sj = svc.submit("sensitivity", {**sweep, "samples": min(int(samples), 8), "kv_sweep": kv_choice},
                             model_id=model.id)
             state.queued(sj, f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
+
+live.job_progress("results", ["score", "sensitivity"], model_id=model.id,
+                  done_notes={"score": "Scored plans below.", "sensitivity": "Per-layer sensitivity below."})
 
 size = svc.reference_cache_bytes(model, int(samples), int(seq_len))
 if size:

@@ -665,6 +665,7 @@ def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     assert not at.exception
     job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
     assert job.params["kv_cache"] == "FP8_E5M2"
+    assert any(f"Queued score job #{job.id} (FP8_DYNAMIC + KV FP8_E5M2)." in m.value for m in at.success)
     # and a KV cache sweep of that format, one attention layer at a time
     sweep = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.status == "queued")
     assert sweep.params["kv_sweep"] == "FP8_E5M2" and "kv_cache" not in sweep.params
@@ -781,3 +782,47 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
     assert any(f"**#{queued[0].id} score** FP8_DYNAMIC + KV FP8 · 16 × 256" in m.value for m in at.markdown)
     table = next(d.value for d in at.dataframe if "what" in d.value.columns).set_index("id")
     assert table.loc[queued[3].id, "what"] == "cpu M 1,16"
+
+
+def test_results_and_kernels_pages_follow_their_jobs_live(seeded):
+    """A job queued from Results or Kernels shows its progress there (not only on Jobs), and when it ends the
+    page says so and draws again, with its new results."""
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        other = repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="o",
+                               path="models/o", summary={"architecture": "LlamaForCausalLM", "model_type": "llama",
+                                                         "num_layers": 1, "num_params": 1, "dtype": "float32",
+                                                         "total_bytes": 1, "linears": []}, user=None)
+        score = repo.create_job(s, kind="score", params={"scheme": "INT8_W8A8", "samples": 16, "seq_len": 256},
+                                queue="cpu", user=None, model_id=seeded.id)
+        repo.mark_running(s, score.id, worker_host="h", device="cpu", torch_version="t")
+        repo.report_progress(s, score.id, 0.4, "batch 3 of 8")
+        sweep = repo.create_job(s, kind="sensitivity", params={"kv_sweep": "FP8"}, queue="cpu", user=None,
+                                model_id=seeded.id)
+        elsewhere = repo.create_job(s, kind="score", params={"scheme": "BF16"}, queue="cpu", user=None,
+                                    model_id=other.id)
+        bench = repo.create_job(s, kind="bench", params={"device": "cpu", "m": [1]}, queue="cpu", user=None,
+                                model_id=seeded.id)
+    at = _run("results", seeded.id)
+    bars = [p.proto.text for p in at.get("progress")]
+    assert any(f"Score job #{score.id} (INT8_W8A8 · 16 × 256) running: batch 3 of 8" in t for t in bars), bars
+    assert any(f"Sensitivity job #{sweep.id} (KV FP8 sweep) queued: waiting for a worker" in t for t in bars), bars
+    assert not any(f"#{elsewhere.id}" in t or f"#{bench.id}" in t for t in bars)  # another model's, another page's
+
+    with session_scope() as s:  # the score ends while the page is open; the sweep fails
+        repo.finish_job(s, score.id, status="succeeded", message="INT8_W8A8: KL 0.04, top-1 0.88")
+        repo.mark_running(s, sweep.id, worker_host="h", device="cpu", torch_version="t")
+        repo.finish_job(s, sweep.id, status="failed", error="no calibration with K/V maxima")
+    at.run()
+    assert not at.exception
+    assert any(f"Score job #{score.id} (INT8_W8A8 · 16 × 256) is done: INT8_W8A8: KL 0.04, top-1 0.88. Scored "
+               "plans below." in m.value for m in at.success), [m.value for m in at.success]
+    assert any(f"Sensitivity job #{sweep.id} (KV FP8 sweep) failed: no calibration with K/V maxima" in e.value
+               for e in at.error)
+    assert not at.get("progress")
+
+    at = _run("kernels", seeded.id)
+    bars = [p.proto.text for p in at.get("progress")]
+    assert any(f"Benchmark job #{bench.id} (cpu M 1) queued" in t for t in bars), bars
