@@ -82,6 +82,8 @@ class KvCacheFormat:
     vllm_dtype:  the value of vLLM's ``--kv-cache-dtype``
     description: one line for people
     attention:   FP8 attention: Q quantized to E4M3 at scale 1.0 and P rounded to E4M3 as well
+    per_head:    the calibrated K and V scales are one per KV head (llm-compressor's ``attn_head`` strategy)
+                 instead of one per layer
     """
 
     name: str
@@ -90,6 +92,7 @@ class KvCacheFormat:
     vllm_dtype: str
     description: str
     attention: bool = False
+    per_head: bool = False
 
     @property
     def is_identity(self) -> bool:
@@ -121,6 +124,11 @@ KV_FORMATS: dict[str, KvCacheFormat] = {
                       "FP8 attention with Q, K and V at scale 1.0: vLLM --kv-cache-dtype fp8 on Hopper "
                       "(FlashAttention 3) with a checkpoint without scales; |Q|, |K|, |V| > 448 saturate",
                       attention=True),
+        KvCacheFormat("FP8_ATTN_HEAD", "fp8_e4m3", True, "fp8",
+                      "FP8_ATTN with one calibrated scale per KV head for K and for V (llm-compressor kv_cache_scheme "
+                      "strategy attn_head), which vLLM reads only with its FlashAttention backend, whose FP8 path "
+                      "is FlashAttention 3 on Hopper: a head with small K or V keeps its own range",
+                      attention=True, per_head=True),
     )
 }
 
@@ -308,6 +316,10 @@ def attention_backend_note(fmt: str | KvCacheFormat | None, sm: int, gpu: str) -
         return (f"On the {gpu}, vLLM's FlashAttention 3 backend runs attention itself in FP8 with this cache (Q at "
                 f"scale 1.0, softmax probabilities in E4M3); {kv.name} assumes a backend that keeps attention in "
                 f"BF16. Score {attn} to see what FlashAttention 3 costs.")
+    if kv.per_head and sm != FA3_SM:
+        return (f"{kv.name}'s per-head K/V scales are read only by vLLM's FlashAttention backend, whose FP8 path is "
+                f"FlashAttention 3 on Hopper (sm90); on the {gpu} (sm{sm}) vLLM picks another attention backend, "
+                "which takes one scale per layer: score FP8 (attention in BF16) for this GPU.")
     if kv.attention and sm != FA3_SM:
         cache = "FP8" + kv.name.removeprefix("FP8_ATTN")
         return (f"{kv.name} emulates FlashAttention 3, which runs on Hopper (sm90) only; on the {gpu} (sm{sm}) vLLM "
@@ -326,13 +338,21 @@ class KvAmax:
     k: dict[str, float] = field(default_factory=dict)
     v: dict[str, float] = field(default_factory=dict)
     q: dict[str, float] = field(default_factory=dict)
+    k_head: dict[str, list[float]] = field(default_factory=dict)  # per KV head, as per-head scales need
+    v_head: dict[str, list[float]] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, dict[str, float]]:
-        return {"k": dict(self.k), "v": dict(self.v), "q": dict(self.q)}
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {"k": dict(self.k), "v": dict(self.v), "q": dict(self.q),
+                "k_head": {n: list(a) for n, a in self.k_head.items()},
+                "v_head": {n: list(a) for n, a in self.v_head.items()}}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Mapping[str, float]]) -> KvAmax:
-        return cls(**{t: {str(a): float(b) for a, b in (data.get(t) or {}).items()} for t in ("k", "v", "q")})
+    def from_dict(cls, data: Mapping[str, Mapping[str, Any]]) -> KvAmax:
+        """From :meth:`to_dict`'s form; a calibration stored before Q or the heads were recorded has none."""
+        tables = {t: {str(a): float(b) for a, b in (data.get(t) or {}).items()} for t in ("k", "v", "q")}
+        heads = {t: {str(a): [float(x) for x in b] for a, b in (data.get(t) or {}).items()}
+                 for t in ("k_head", "v_head")}
+        return cls(**tables, **heads)
 
 
 @dataclass
@@ -341,8 +361,8 @@ class KvApplied:
     FP8 attention) that clipped}`` (read it after the block's forwards) and the scales it used."""
 
     fmt: KvCacheFormat
-    k_scale: dict[str, float] = field(default_factory=dict)
-    v_scale: dict[str, float] = field(default_factory=dict)
+    k_scale: dict[str, float | list[float]] = field(default_factory=dict)  # a list, one per KV head, when per_head
+    v_scale: dict[str, float | list[float]] = field(default_factory=dict)
     q_scale: dict[str, float] = field(default_factory=dict)
     _counts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
@@ -518,7 +538,11 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
 
     def observer(name):
         def tensors(query, key, value):
-            slot = acc.setdefault(name, [None, None, None])
+            slot = acc.setdefault(name, [None] * 5)
+            # K and V as [batch, kv heads, tokens, head dim]: a max per head, then the layer's max of those
+            for i, x in enumerate((key, value)):
+                a = x.detach().abs().amax(dim=(0, 2, 3)).float()
+                slot[3 + i] = a if slot[3 + i] is None else torch.maximum(slot[3 + i], a)
             for i, x in enumerate((key, value, query)):
                 a = x.detach().abs().amax().float()
                 slot[i] = a if slot[i] is None else torch.maximum(slot[i], a)
@@ -530,22 +554,44 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
     with _attention_wrapped(model, modules, {n: observer(n) for n in modules}, "KV calibration"):
         yield result
     for name, amaxes in acc.items():
-        for table, a in zip((result.k, result.v, result.q), amaxes, strict=True):
+        for table, a in zip((result.k, result.v, result.q), amaxes[:3], strict=True):
             table[name] = float(a.item()) if a is not None else 0.0
+        for table, a in zip((result.k_head, result.v_head), amaxes[3:], strict=True):
+            if a is not None:
+                table[name] = [float(x) for x in a.tolist()]
+
+
+def _fake_quantize_cache(x: torch.Tensor, elem: Any, scale: float | list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V ``[batch, kv heads, tokens, head dim]`` fake-quantized at one scale, or at one per head (a list):
+    the heads become the rows of a per-channel quantization. (y, counts) as ``fake_quantize_with_counts``."""
+    import torch
+
+    from quantcore.quantize import fake_quantize_with_counts
+
+    if not isinstance(scale, list):
+        return fake_quantize_with_counts(x, elem, "tensor", scale=scale)
+    b, h, t, d = x.shape
+    rows = x.transpose(0, 1).reshape(h, b * t * d)
+    y, counts = fake_quantize_with_counts(rows, elem, "channel",
+                                          scale=torch.tensor(scale, dtype=torch.float32, device=x.device).view(h, 1))
+    return y.view(h, b, t, d).transpose(0, 1), counts
 
 
 @contextmanager
 def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAmax | None = None,
                        skip: Collection[str] = ()) -> Iterator[KvApplied]:
-    """Store K and V in ``fmt`` for every forward in the block: fake-quantize them per layer, per tensor; an FP8
-    attention format (``FP8_ATTN``, ``FP8_ATTN_UNSCALED``) quantizes Q as well (scale 1.0) and computes attention
+    """Store K and V in ``fmt`` for every forward in the block: fake-quantize them per layer, per tensor (per KV
+    head for ``FP8_ATTN_HEAD``); an FP8 attention format (``FP8_ATTN``, ``FP8_ATTN_UNSCALED``) quantizes Q as well (scale 1.0) and computes attention
     with :func:`fp8_attention_forward`.
 
-    ``amax``: per-layer K/V amax from :func:`kv_amax_observed`, needed by calibrated formats (FP8, FP8_ATTN).
+    ``amax``: per-layer K/V amax from :func:`kv_amax_observed`, needed by calibrated formats (FP8, FP8_ATTN; the
+    per-head maxima for FP8_ATTN_HEAD).
     ``skip``: attention modules (:func:`kv_skip_layers`) that keep the model's dtype and attention, as vLLM's
     ``--kv-cache-dtype-skip-layers`` leaves them. AUTO yields without touching the model. The model's
     attention setting is restored on exit.
     """
+    import torch
+
     from quantcore.quantize import fake_quantize_with_counts, scale_from_amax
 
     kv = get_kv_format(fmt)
@@ -559,7 +605,16 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAm
     if unknown:
         raise PlanError(f"KV cache skip: {name_list(unknown)} is not an attention module of this model")
     modules = {n: m for n, m in everything.items() if n not in skip}
-    if kv.calibrated:
+    if kv.per_head:
+        missing = [n for n in modules if amax is None or n not in amax.k_head or n not in amax.v_head]
+        if missing:
+            raise PlanError(f"KV cache {kv.name} needs per-head K/V maxima for {len(missing)} attention layer(s) "
+                            f"({name_list(missing)}); a calibration made before quantplan recorded them has none: "
+                            "calibrate again")
+        assert amax is not None
+        applied.k_scale = {n: scale_from_amax(torch.tensor(amax.k_head[n]), elem).tolist() for n in modules}
+        applied.v_scale = {n: scale_from_amax(torch.tensor(amax.v_head[n]), elem).tolist() for n in modules}
+    elif kv.calibrated:
         missing = [n for n in modules if amax is None or n not in amax.k or n not in amax.v]
         if missing:
             raise PlanError(f"KV cache {kv.name} needs calibrated K/V amax for {len(missing)} attention layer(s) "
@@ -577,8 +632,8 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAm
         ks, vs, qs = applied.k_scale[name], applied.v_scale[name], applied.q_scale.get(name)
 
         def tensors(query, key, value):
-            kq, kc = fake_quantize_with_counts(key, elem, "tensor", scale=ks)
-            vq, vc = fake_quantize_with_counts(value, elem, "tensor", scale=vs)
+            kq, kc = _fake_quantize_cache(key, elem, ks)
+            vq, vc = _fake_quantize_cache(value, elem, vs)
             n, clipped = kc[0] + vc[0], kc[2] + vc[2]
             if qs is not None:
                 query, qc = fake_quantize_with_counts(query, elem, "tensor", scale=qs)

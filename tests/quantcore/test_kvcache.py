@@ -27,13 +27,17 @@ E4M3_MAX = 448.0
 
 
 def test_format_names_and_errors() -> None:
-    assert list(KV_FORMATS) == ["AUTO", "FP8", "FP8_UNSCALED", "FP8_E5M2", "FP8_ATTN", "FP8_ATTN_UNSCALED"]
+    assert list(KV_FORMATS) == ["AUTO", "FP8", "FP8_UNSCALED", "FP8_E5M2", "FP8_ATTN", "FP8_ATTN_UNSCALED",
+                                "FP8_ATTN_HEAD"]
     assert get_kv_format(None).name == get_kv_format("auto").name == "AUTO"
     assert get_kv_format(" fp8_e5m2 ").vllm_dtype == "fp8_e5m2"
     assert get_kv_format("FP8").calibrated and not get_kv_format("FP8_UNSCALED").calibrated
     assert {f.vllm_dtype for f in KV_FORMATS.values()} == {"auto", "fp8", "fp8_e5m2"}
     # FP8 attention: the same E4M3 cache and vLLM flag, Q and P in E4M3 as well
-    assert [f.name for f in KV_FORMATS.values() if f.attention] == ["FP8_ATTN", "FP8_ATTN_UNSCALED"]
+    assert [f.name for f in KV_FORMATS.values() if f.attention] == ["FP8_ATTN", "FP8_ATTN_UNSCALED", "FP8_ATTN_HEAD"]
+    # per-head scales exist in vLLM only on FlashAttention 3, which runs attention in FP8: no cache-only variant
+    assert [f.name for f in KV_FORMATS.values() if f.per_head] == ["FP8_ATTN_HEAD"]
+    assert get_kv_format("fp8_attn_head").calibrated
     assert get_kv_format("fp8_attn").calibrated and not get_kv_format("FP8_ATTN_UNSCALED").calibrated
     assert all(f.element == "fp8_e4m3" and f.vllm_dtype == "fp8" for f in KV_FORMATS.values() if f.attention)
     with pytest.raises(PlanError, match=r"unknown KV cache format 'int8'; known: AUTO, FP8, FP8_UNSCALED, FP8_E5M2"):
@@ -358,7 +362,12 @@ def test_the_backend_note_says_where_the_attention_assumption_and_the_gpu_part_w
     assert attention_backend_note("FP8", 90, "NVIDIA H100").endswith("Score FP8_ATTN to see what FlashAttention 3 costs.")
     blackwell = attention_backend_note("FP8_ATTN", 100, "NVIDIA B200")
     assert blackwell is not None and "Hopper (sm90) only" in blackwell and "scored by FP8." in blackwell
-    for fmt, sm in (("FP8_ATTN", 90), ("FP8", 80), ("FP8", 100), ("FP8_E5M2", 90), ("AUTO", 90)):
+    for sm, gpu in ((100, "NVIDIA B200"), (89, "NVIDIA L40S")):
+        per_head = attention_backend_note("FP8_ATTN_HEAD", sm, gpu)
+        assert per_head is not None and "per-head K/V scales are read only by vLLM's FlashAttention" in per_head
+        assert f"on the {gpu} (sm{sm})" in per_head and per_head.endswith("score FP8 (attention in BF16) for this GPU.")
+    for fmt, sm in (("FP8_ATTN", 90), ("FP8_ATTN_HEAD", 90), ("FP8", 80), ("FP8", 100), ("FP8_E5M2", 90),
+                    ("AUTO", 90)):
         assert attention_backend_note(fmt, sm, "gpu") is None  # they agree, or nothing is cached in E4M3
 
 
@@ -518,7 +527,7 @@ def test_fp8_attention_in_chunks_of_query_rows_is_the_same(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["FP8", "FP8_E5M2", "FP8_ATTN", "FP8_ATTN_UNSCALED"])
+@pytest.mark.parametrize("fmt", ["FP8", "FP8_E5M2", "FP8_ATTN", "FP8_ATTN_UNSCALED", "FP8_ATTN_HEAD"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_cuda_kv_cache_matches_cpu(arch: str, fmt: str) -> None:
     """The KV cache emulation (and FP8 attention, with Gemma 3's sliding windows) gives the same logits on CUDA as
@@ -536,3 +545,56 @@ def test_cuda_kv_cache_matches_cpu(arch: str, fmt: str) -> None:
     with torch.no_grad():
         assert not torch.allclose(cpu(ids).logits, expected, atol=1e-4)  # the format changed the logits
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_per_head_scales_give_each_kv_head_its_own_range(attention_spy) -> None:
+    """FP8_ATTN_HEAD: each KV head of K and V on the E4M3 grid of its own scale (its calibrated max / 448), as
+    llm-compressor's attn_head strategy stores them; the per-layer maximum is the largest head's."""
+    model = build_tiny_model("llama")
+    ids = _ids()
+    with torch.no_grad(), kv_amax_observed(model) as amax:
+        model(ids)
+    for layer, heads in amax.k_head.items():
+        assert len(heads) == TINY_KV_HEADS == len(amax.v_head[layer])
+        assert max(heads) == amax.k[layer] and max(amax.v_head[layer]) == amax.v[layer]
+    assert KvAmax.from_dict(amax.to_dict()) == amax
+    with torch.no_grad(), kv_cache_quantized(model, "FP8_ATTN_HEAD", amax=amax) as applied:
+        model(ids)
+    assert len(attention_spy) == TINY_LAYERS and applied.q_scale == dict.fromkeys(amax.q, 1.0)
+    for i, (q, k, v) in enumerate(attention_spy):
+        layer = f"model.layers.{i}.self_attn"
+        assert torch.equal(q, q.to(torch.float8_e4m3fn).float())  # Q at scale 1.0, as FP8_ATTN
+        for x, scales, maxima in ((k, applied.k_scale[layer], amax.k_head[layer]),
+                                  (v, applied.v_scale[layer], amax.v_head[layer])):
+            assert scales == pytest.approx([a / E4M3_MAX for a in maxima])
+            for h, s in enumerate(scales):
+                assert torch.equal((x[:, h] / s).to(torch.float8_e4m3fn).float() * s, x[:, h])
+    # the smaller head has a finer grid than one scale per layer would give it
+    assert len({tuple(s) for s in applied.k_scale.values()}) == TINY_LAYERS
+    assert any(min(s) < max(s) for s in applied.k_scale.values())
+
+
+def test_per_head_scales_need_a_calibration_that_recorded_the_heads() -> None:
+    model = build_tiny_model("llama")
+    with torch.no_grad(), kv_amax_observed(model) as amax:
+        model(_ids())
+    old = KvAmax.from_dict({"k": amax.k, "v": amax.v, "q": amax.q})  # stored before the heads were recorded
+    assert old.k_head == {} and old.v_head == {}
+    with pytest.raises(PlanError, match="FP8_ATTN_HEAD needs per-head K/V maxima for 2 attention layer.*calibrate "
+                                        "again"):
+        with kv_cache_quantized(model, "FP8_ATTN_HEAD", amax=old):
+            pass
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad(), kv_cache_quantized(model, "FP8_ATTN", amax=old):  # per-layer scales still work
+        model(_ids())
+
+
+def test_scores_of_per_head_scales() -> None:
+    model = build_tiny_model("llama")
+    ids = _ids()
+    ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
+    amax = calibrate_kv_cache(model, {}, _ids(7))
+    assert set(amax.k_head) == set(amax.k)
+    head = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN_HEAD", kv_amax=amax)
+    layer = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", kv_amax=amax)
+    assert head.kv_cache == "FP8_ATTN_HEAD" and head.kl_mean > 0 and head.kl_mean != layer.kl_mean
