@@ -11,7 +11,8 @@ Three targets, all describing the same thing — which quantization every linear
 
 and the plan's KV cache format (:mod:`quantcore.kvcache`): ``FP8`` and ``FP8_ATTN`` are a
 ``kv_cache_scheme`` (static per-tensor E4M3, calibrated, so the recipe needs calibration data; vLLM
-reads the ``k_scale`` / ``v_scale`` it writes) plus ``--kv-cache-dtype fp8``; ``FP8_UNSCALED``,
+reads the ``k_scale`` / ``v_scale`` it writes) plus ``--kv-cache-dtype fp8``, ``FP8_ATTN_HEAD`` the
+same with ``strategy: attn_head`` (a scale per KV head, read by vLLM's FlashAttention backend only); ``FP8_UNSCALED``,
 ``FP8_ATTN_UNSCALED`` and ``FP8_E5M2`` are the vLLM flag alone (``fp8`` / ``fp8_e5m2``, scale 1.0).
 Whether attention itself runs in FP8 (the ``FP8_ATTN`` formats) is vLLM's attention backend, not
 the checkpoint: the vLLM command says which backend computes what the score emulated.
@@ -143,6 +144,9 @@ VLLM_UNQUANTIZED_HEAD = "lm_head"  # vLLM's online FP8 never quantizes the outpu
 # (calibrated) scale per layer for K and for V; vLLM reads the k_scale / v_scale it writes
 KV_CACHE_FP8_ARGS: dict[str, Any] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                      "symmetric": True}
+# FP8_ATTN_HEAD: the same with one scale per KV head (compressed-tensors' attn_head strategy: k_scale / v_scale of
+# shape (kv heads, 1, 1)), which vLLM reads with its FlashAttention backend only
+KV_CACHE_FP8_HEAD_ARGS: dict[str, Any] = {**KV_CACHE_FP8_ARGS, "strategy": "attn_head"}
 DEFAULT_RECIPE_FILE = "recipe.yaml"
 COMPRESSED_SUFFIX = "-quantplan"  # default output folder of the compression step: <model><suffix>
 
@@ -348,29 +352,34 @@ for _name, _preset in CT_PRESETS.items():
 
 
 def kv_cache_scheme(kv: str | KvCacheFormat | None) -> dict[str, Any] | None:
-    """The ``kv_cache_scheme`` llm-compressor needs for a KV cache format: the FP8 args for ``FP8``
-    (calibrated scales live in the checkpoint), None for the others (AUTO quantizes nothing; the
-    unscaled formats are a vLLM flag alone)."""
-    return dict(KV_CACHE_FP8_ARGS) if get_kv_format(kv).calibrated else None
+    """The ``kv_cache_scheme`` llm-compressor needs for a KV cache format: the FP8 args for the calibrated
+    formats (their scales live in the checkpoint; per KV head for ``FP8_ATTN_HEAD``), None for the others
+    (AUTO quantizes nothing; the unscaled formats are a vLLM flag alone)."""
+    kvf = get_kv_format(kv)
+    if not kvf.calibrated:
+        return None
+    return dict(KV_CACHE_FP8_HEAD_ARGS if kvf.per_head else KV_CACHE_FP8_ARGS)
 
 
 def kv_cache_from_args(args: Any, where: str, problems: list[str]) -> str:
     """The KV cache format a ``kv_cache_scheme`` stands for: AUTO when absent, FP8 for static per-tensor
-    FP8 E4M3; anything else is a problem (and AUTO is returned)."""
+    FP8 E4M3, FP8_ATTN_HEAD for static per-head FP8 E4M3 (only FlashAttention 3 reads those, and it runs
+    attention in FP8); anything else is a problem (and AUTO is returned)."""
     if args is None:
         return KV_AUTO
     if not isinstance(args, Mapping):
         problems.append(f"{where}: kv_cache_scheme must be a mapping of QuantizationArgs, got {args!r}")
         return KV_AUTO
-    try:
-        same = _args_key(args) == _args_key(KV_CACHE_FP8_ARGS)
-    except (TypeError, ValueError):
-        same = False
-    if same:
-        return "FP8"
+    for name, known in (("FP8", KV_CACHE_FP8_ARGS), ("FP8_ATTN_HEAD", KV_CACHE_FP8_HEAD_ARGS)):
+        try:
+            if _args_key(args) == _args_key(known):
+                return name
+        except (TypeError, ValueError):
+            break
     problems.append(
         f"{where}: kv_cache_scheme {dict(args)!r} is not one quantplan represents; it plans the KV cache as "
-        f"FP8 with static per-tensor scales ({KV_CACHE_FP8_ARGS}) or leaves it unquantized"
+        f"FP8 with static per-tensor scales ({KV_CACHE_FP8_ARGS}) or per-head ones (strategy attn_head), "
+        "or leaves it unquantized"
     )
     return KV_AUTO
 
@@ -971,6 +980,9 @@ def to_llmcompressor_recipe(
     if kv_args is not None:
         header += ("# the KV cache scales are calibrated: oneshot needs calibration data (dataset=..., "
                    "num_calibration_samples=...); serve with --kv-cache-dtype fp8\n")
+        if kv.per_head:
+            header += ("# one K and one V scale per KV head (strategy attn_head): vLLM reads them with its "
+                       "FlashAttention backend only, whose FP8 path is FlashAttention 3 on Hopper\n")
         if kv.attention:
             header += ("# FP8 attention (Q at scale 1.0, softmax probabilities in E4M3) is what vLLM's FlashAttention 3 "
                        "backend does with that cache; nothing of it is in the recipe\n")
@@ -1069,11 +1081,18 @@ def to_vllm_command(
     if kvf.element == "fp8_e4m3" and not kvf.calibrated:
         lines.append("# FP8 KV cache without calibrated scales: vLLM's K and V scales default to 1.0, so |K|, |V| "
                      "above 448 saturate (the plan's score shows whether they do)")
-    if kvf.attention:
+    if kvf.per_head:
+        lines.append("# per-head K/V scales (kv_cache_scheme strategy attn_head): only vLLM's FlashAttention backend "
+                     "reads them, and its FP8 path is FlashAttention 3 on Hopper (sm90); elsewhere score kv_cache FP8 "
+                     "(one scale per layer)")
+    elif kvf.attention:
         lines.append("# FP8 attention: vLLM's FlashAttention 3 backend (its default on Hopper) quantizes Q (scale 1.0: "
                      "no q_scale in the checkpoint) and the softmax probabilities to E4M3 with this cache, as the "
                      "plan's score emulated; a backend that dequantizes the cache (FlashInfer, Triton) keeps "
                      f"attention in BF16, which is kv_cache {kvf.name.replace('_ATTN', '')}")
+    if kvf.per_head:
+        lines.append("# FP8 attention: FlashAttention 3 quantizes Q (scale 1.0: no q_scale in the checkpoint) and the "
+                     "softmax probabilities to E4M3 with this cache, as the plan's score emulated")
     elif kvf.element == "fp8_e4m3":
         lines.append(f"# kv_cache {kvf.name} was scored with attention in BF16 (a backend that dequantizes the cache); "
                      "on Hopper vLLM's FlashAttention 3 backend runs attention itself in FP8 with this cache (Q at "

@@ -24,6 +24,11 @@ The formats (what vLLM stores, reference text ``fp8-fp4-smoothquant.txt``):
 - ``FP8_ATTN_UNSCALED``: the same with K and V at scale 1.0 as well: what ``--kv-cache-dtype fp8``
                      runs on Hopper with a checkpoint that carries no scales (vLLM logs "Using
                      uncalibrated q_scale 1.0 ... with fp8 attention").
+- ``FP8_ATTN_HEAD``: ``FP8_ATTN`` with one calibrated scale per KV head for K and for V (amax of the
+                     head / 448; llm-compressor's ``kv_cache_scheme`` with ``strategy: attn_head``). vLLM
+                     reads per-head scales only with its FlashAttention backend, whose FP8 path is
+                     FlashAttention 3 on Hopper, which runs attention in FP8: so there is no cache-only
+                     per-head format. A head whose K or V is small gets a grid of its own size.
 
 The first three leave attention in the model's dtype: a backend that reads the cache back into
 BF16 (vLLM's FlashInfer and Triton backends) computes that. FlashAttention 3 quantizes Q whenever
@@ -298,6 +303,18 @@ def kv_clipping(kv_amax: Mapping[str, Mapping[str, float]] | None, fmt: str | Kv
     return (f"KV cache {kv.name}: {what} reach {worst:,.4g} in {len(layers_over)} of {layers} attention layer(s) "
             f"({name_list(layers_over)}) on the newest calibration, beyond the {limit:g} that {kv.element} holds "
             f"at scale 1.0: those values saturate when served; {fix}")
+
+
+def kv_head_spread(kv_amax: Mapping[str, Mapping[str, Any]] | None) -> list[tuple[str, str, float]]:
+    """``[(layer, "K" | "V", largest / smallest head maximum)]``, widest first, from a calibration's ``kv_amax``
+    (:meth:`KvAmax.to_dict`): how much coarser one scale per layer makes the grid of a layer's smallest head than
+    a scale of its own would (FP8_ATTN_HEAD). Empty when the heads were not recorded (or one head per layer)."""
+    out = []
+    for tensor, key in (("K", "k_head"), ("V", "v_head")):
+        for layer, heads in ((kv_amax or {}).get(key) or {}).items():
+            if len(heads) > 1 and min(heads) > 0:
+                out.append((layer, tensor, max(heads) / min(heads)))
+    return sorted(out, key=lambda row: -row[2])
 
 
 # FlashAttention 3, which runs attention in FP8 with an E4M3 cache, is Hopper's (sm_90) backend in vLLM
@@ -581,8 +598,8 @@ def _fake_quantize_cache(x: torch.Tensor, elem: Any, scale: float | list[float])
 def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAmax | None = None,
                        skip: Collection[str] = ()) -> Iterator[KvApplied]:
     """Store K and V in ``fmt`` for every forward in the block: fake-quantize them per layer, per tensor (per KV
-    head for ``FP8_ATTN_HEAD``); an FP8 attention format (``FP8_ATTN``, ``FP8_ATTN_UNSCALED``) quantizes Q as well (scale 1.0) and computes attention
-    with :func:`fp8_attention_forward`.
+    head for ``FP8_ATTN_HEAD``); an FP8 attention format (``FP8_ATTN``, ``FP8_ATTN_UNSCALED``, ``FP8_ATTN_HEAD``)
+    quantizes Q as well (scale 1.0) and computes attention with :func:`fp8_attention_forward`.
 
     ``amax``: per-layer K/V amax from :func:`kv_amax_observed`, needed by calibrated formats (FP8, FP8_ATTN; the
     per-head maxima for FP8_ATTN_HEAD).

@@ -110,7 +110,7 @@ class PlanSpec:
     smoothquant_alpha: global alpha for every scheme that smooths (``None``: each preset's own)
     layer_alpha:       ``{layer name: alpha}``; wins over the global alpha for that layer
     kv_cache:          how the serving engine stores K and V (:mod:`quantcore.kvcache`: ``AUTO``,
-                       ``FP8``, ``FP8_UNSCALED``, ``FP8_E5M2``, ``FP8_ATTN``, ``FP8_ATTN_UNSCALED``); not a
+                       ``FP8``, ``FP8_UNSCALED``, ``FP8_E5M2``, ``FP8_ATTN``, ``FP8_ATTN_UNSCALED``, ``FP8_ATTN_HEAD``); not a
                        linear layer, one per plan
     kv_cache_skip:     attention layers whose cache stays in the model's dtype (vLLM's
                        ``--kv-cache-dtype-skip-layers``): decoder layer indices and/or ``"sliding_window"``,

@@ -90,6 +90,17 @@ def applied_layers(modifier: Any, blocks: int) -> dict[str, Any]:
     return out
 
 
+def applied_kv_scales(modifier: Any, blocks: int) -> dict[str, dict[str, list[int]]]:
+    """{attention module: {"k": k_scale shape, "v": v_scale shape}} after compressed-tensors applies the modifier's
+    kv_cache_scheme to a tiny Llama: one scale per layer, or one per KV head (strategy attn_head)."""
+    from compressed_tensors.quantization import apply_quantization_config
+
+    model = tiny_llama(blocks)
+    apply_quantization_config(model, modifier.resolved_config, show_progress=False)
+    return {name: {t: list(getattr(module, f"{t}_scale").shape) for t in ("k", "v")}
+            for name, module in model.named_modules() if hasattr(module, "k_scale")}
+
+
 def resolved_mappings(modifier: Any, blocks: int) -> list[list[Any]]:
     """[smooth layer name, [balance layer names]] as llm-compressor resolves the mappings on a tiny Llama."""
     model = tiny_llama(blocks)
@@ -113,6 +124,8 @@ def summarize(path: str, blocks: int | None = None) -> dict[str, Any]:
             entry["requires_calibration_data"] = bool(getattr(m, "requires_calibration_data", False))
             if blocks:
                 entry["layers"] = applied_layers(m, blocks)
+                if cfg.kv_cache_scheme is not None:
+                    entry["kv_scale_shapes"] = applied_kv_scales(m, blocks)
         elif hasattr(m, "smoothing_strength"):
             entry["smoothing_strength"] = m.smoothing_strength
             entry["mappings"] = [

@@ -10,6 +10,7 @@ from app import charts, state
 from app import services as svc
 from quantcore import outliers as ol
 from quantcore.formats import list_formats
+from quantcore.kvcache import kv_head_spread
 
 st.title("Outliers")
 model = state.current_model()
@@ -143,6 +144,14 @@ else:
                       f"({', '.join(sorted(q_over['layer']))[:300]}): FP8 attention clips them." if len(q_over)
                       else f"Every Q maximum is below 448 (largest {q['amax'].max():,.4g}): FP8 attention clips no "
                            "Q on this text."))
+    spread = kv_head_spread(cal.result.get("kv_amax"))
+    if spread:
+        layer, tensor, ratio = spread[0]
+        st.caption(f"Within one layer, the KV heads' largest values differ by up to **{ratio:,.1f}×** ({tensor} of "
+                   f"{layer}): one scale per layer puts that layer's smallest head on a grid {ratio:,.1f}× coarser "
+                   "than its own range; FP8_ATTN_HEAD gives every KV head its own scale (vLLM's FlashAttention "
+                   "backend, Hopper). Median over layers and tensors: "
+                   f"{sorted(r for *_, r in spread)[len(spread) // 2]:,.1f}×.")
 
 # ----------------------------------------------------------------------------- 7. what will break
 st.subheader("What will break, before running anything")

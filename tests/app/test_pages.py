@@ -745,6 +745,18 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
     at = _run("plans", seeded.id)
     at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8_UNSCALED").run()
     assert any("reach 900" in w.value for w in at.warning)
+    assert not any("KV heads' largest values differ" in c.value for c in at.caption)  # no heads recorded yet
+    # a calibration that recorded each KV head: the spread within a layer says what per-head scales would change
+    kv["k_head"] = {f"model.layers.{b}.self_attn": [kv["k"][f"model.layers.{b}.self_attn"], 2.0] for b in range(4)}
+    kv["v_head"] = {f"model.layers.{b}.self_attn": [5.0, 5.0] for b in range(4)}
+    with session_scope() as s:
+        cal = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user="t", model_id=seeded.id)
+        repo.save_activation_stats(s, job_id=cal.id, model_id=seeded.id, stats=stats)
+        repo.finish_job(s, cal.id, status="succeeded", result={"tokens": 256, "text": "t", "kv_amax": kv})
+    at = _run("outliers", seeded.id)
+    assert not at.exception
+    assert any("differ by up to **450.0×** (K of model.layers.2.self_attn)" in c.value and "FP8_ATTN_HEAD" in c.value
+               for c in at.caption), [c.value for c in at.caption]
 
 
 def test_plans_page_automatic_plan_with_a_kv_cache(seeded):

@@ -21,6 +21,7 @@ from quantcore.errors import PlanError
 from quantcore.export import (
     CT_PRESETS,
     KV_CACHE_FP8_ARGS,
+    KV_CACHE_FP8_HEAD_ARGS,
     LLAMA_SQ_MAPPINGS,
     compact_targets,
     ct_args,
@@ -606,6 +607,23 @@ def test_fp8_attention_is_the_fp8_cache_plus_what_the_vllm_command_says_about_th
     assert "FlashAttention" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_E5M2")
     recipe = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8_ATTN")
     assert "nothing of it is in the recipe" in recipe and kv_cache_of_recipe(recipe) == "FP8"
+
+
+def test_per_head_kv_scales_are_the_attn_head_strategy_and_round_trip() -> None:
+    """FP8_ATTN_HEAD: compressed-tensors' attn_head kv_cache_scheme (a scale per KV head), calibrated like FP8;
+    imported back as FP8_ATTN_HEAD; the command says only FlashAttention (Hopper) reads per-head scales."""
+    plan = uniform("FP8_DYNAMIC")
+    assert KV_CACHE_FP8_HEAD_ARGS == {**KV_CACHE_FP8_ARGS, "strategy": "attn_head"}
+    recipe = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8_ATTN_HEAD")
+    assert quant_modifier(recipe)["kv_cache_scheme"] == KV_CACHE_FP8_HEAD_ARGS
+    assert "strategy attn_head" in recipe.split("quant_stage")[0] and "calibration data" in recipe
+    assert kv_cache_of_recipe(recipe) == "FP8_ATTN_HEAD" and from_llmcompressor_recipe(recipe, layer_names=LAYERS) == plan
+    cfg = json.loads(json.dumps(to_compressed_tensors_config(plan, layer_names=LAYERS, kv_cache="FP8_ATTN_HEAD")))
+    assert cfg["kv_cache_scheme"] == KV_CACHE_FP8_HEAD_ARGS and kv_cache_of_config(cfg) == "FP8_ATTN_HEAD"
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_ATTN_HEAD")
+    assert cmd.splitlines()[-1] == "vllm serve /m-quantplan --quantization compressed-tensors --kv-cache-dtype fp8"
+    assert "only vLLM's FlashAttention backend reads them" in cmd and "score kv_cache FP8 (one scale per layer)" in cmd
+    assert "quantizes Q (scale 1.0" in cmd and "dataset=..." in cmd
 
 
 def test_layers_kept_out_of_the_cache_are_vllms_skip_flag() -> None:

@@ -24,11 +24,12 @@ import yaml
 from quantcore.export import (
     CT_ARG_KEYS,
     CT_PRESETS,
-    KV_CACHE_FP8_ARGS,
+    kv_cache_scheme,
     scheme_from_ct_args,
     to_llmcompressor_recipe,
     to_vllm_command,
 )
+from quantcore.kvcache import get_kv_format
 from quantcore.schemes import Scheme, get_scheme
 from tests.quantcore.test_export import EXPRESSIBLE, LAYERS, N_BLOCKS, uniform
 
@@ -76,7 +77,8 @@ def smoothquant_plan() -> dict[str, Scheme]:
 
 
 # cases exported with a KV cache format: FP8's calibrated scales are a kv_cache_scheme in the recipe
-KV_CASES = {"kv-fp8-with-fp8-dynamic": "FP8", "kv-fp8-alone": "FP8", "kv-e5m2-with-w4a16": "FP8_E5M2"}
+KV_CASES = {"kv-fp8-with-fp8-dynamic": "FP8", "kv-fp8-alone": "FP8", "kv-e5m2-with-w4a16": "FP8_E5M2",
+            "kv-fp8-per-head-with-fp8-dynamic": "FP8_ATTN_HEAD"}
 
 
 def cases() -> dict[str, dict[str, Scheme]]:
@@ -87,6 +89,7 @@ def cases() -> dict[str, dict[str, Scheme]]:
     out["kv-fp8-with-fp8-dynamic"] = uniform("FP8_DYNAMIC")
     out["kv-fp8-alone"] = uniform("BF16")
     out["kv-e5m2-with-w4a16"] = uniform("W4A16")
+    out["kv-fp8-per-head-with-fp8-dynamic"] = uniform("FP8_DYNAMIC")
     return out
 
 
@@ -229,8 +232,16 @@ def test_kv_cache_scheme_is_what_llm_compressor_calibrates(llmc, name: str) -> N
     quant = modifiers(summary, path, "QuantizationModifier")
     kv = KV_CASES.get(name)
     got = quant[0]["kv_cache_scheme"] if quant else None
-    if kv != "FP8":  # AUTO, or a scale-1.0 format that is vLLM's flag alone
+    want = kv_cache_scheme(kv)
+    if want is None:  # AUTO, or a scale-1.0 format that is vLLM's flag alone
         assert got is None
         return
-    assert {k: got[k] for k in KV_CACHE_FP8_ARGS} == KV_CACHE_FP8_ARGS
+    assert {k: got[k] for k in want} == want
     assert quant[0]["requires_calibration_data"], "static K/V scales need calibration data"
+    # the scales compressed-tensors makes on a tiny Llama (2 KV heads): one per layer, or one per KV head
+    shapes = quant[0]["kv_scale_shapes"]
+    assert sorted(shapes) == [f"model.layers.{b}.self_attn" for b in range(N_BLOCKS)]
+    per_layer = [[1, 1, 1], [1], []]  # the scalar shapes compressed-tensors may use for strategy tensor
+    for layer, kv_shapes in shapes.items():
+        for tensor, shape in kv_shapes.items():
+            assert (shape == [2, 1, 1]) if get_kv_format(kv).per_head else (shape in per_layer), (layer, tensor, shape)
