@@ -598,3 +598,11 @@ def test_scores_of_per_head_scales() -> None:
     head = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN_HEAD", kv_amax=amax)
     layer = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", kv_amax=amax)
     assert head.kv_cache == "FP8_ATTN_HEAD" and head.kl_mean > 0 and head.kl_mean != layer.kl_mean
+
+
+def test_head_spread_ranks_the_layers_whose_heads_differ_most() -> None:
+    from quantcore.kvcache import kv_head_spread
+
+    amax = {"k_head": {"a": [8.0, 2.0], "b": [1.0, 1.0]}, "v_head": {"a": [3.0, 1.0], "c": [0.0, 1.0]}}
+    assert kv_head_spread(amax) == [("a", "K", 4.0), ("a", "V", 3.0), ("b", "K", 1.0)]  # an all-zero head: no ratio
+    assert kv_head_spread({"k": {"a": 1.0}}) == [] == kv_head_spread(None)
