@@ -336,7 +336,7 @@ def attention_backend_note(fmt: str | KvCacheFormat | None, sm: int, gpu: str) -
     if kv.per_head and sm != FA3_SM:
         return (f"{kv.name}'s per-head K/V scales are read only by vLLM's FlashAttention backend, whose FP8 path is "
                 f"FlashAttention 3 on Hopper (sm90); on the {gpu} (sm{sm}) vLLM picks another attention backend, "
-                "which takes one scale per layer: score FP8 (attention in BF16) for this GPU.")
+                "and its docs name no other that reads them: score FP8 (attention in BF16) for this GPU.")
     if kv.attention and sm != FA3_SM:
         cache = "FP8" + kv.name.removeprefix("FP8_ATTN")
         return (f"{kv.name} emulates FlashAttention 3, which runs on Hopper (sm90) only; on the {gpu} (sm{sm}) vLLM "

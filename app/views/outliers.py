@@ -139,7 +139,7 @@ else:
     if len(q):
         st.caption("Q (after the rotary embedding) matters where attention itself runs in FP8: vLLM's "
                    "FlashAttention 3 backend on Hopper quantizes Q to E4M3 at scale 1.0 whenever the cache is FP8 "
-                   "(scored as FP8_ATTN / FP8_ATTN_UNSCALED). "
+                   "(scored as FP8_ATTN, FP8_ATTN_UNSCALED or FP8_ATTN_HEAD). "
                    + (f"**{len(q_over)} of {len(q)} Q maxima exceed 448** "
                       f"({', '.join(sorted(q_over['layer']))[:300]}): FP8 attention clips them." if len(q_over)
                       else f"Every Q maximum is below 448 (largest {q['amax'].max():,.4g}): FP8 attention clips no "
