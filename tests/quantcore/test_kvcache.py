@@ -423,6 +423,10 @@ def test_scores_of_fp8_attention_add_the_error_of_q_and_p() -> None:
     attn = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", kv_amax=amax)
     assert attn.kv_cache == "FP8_ATTN" and set(attn.kv_saturation) == set(amax.k)
     assert attn.kl_mean > cache.kl_mean > 0
+    # per-head K/V scales: the calibration recorded every head, and the score differs from one scale per layer
+    assert set(amax.k_head) == set(amax.k)
+    head = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN_HEAD", kv_amax=amax)
+    assert head.kv_cache == "FP8_ATTN_HEAD" and head.kl_mean > 0 and head.kl_mean != attn.kl_mean
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -587,17 +591,6 @@ def test_per_head_scales_need_a_calibration_that_recorded_the_heads() -> None:
     assert model.config._attn_implementation == "sdpa"
     with torch.no_grad(), kv_cache_quantized(model, "FP8_ATTN", amax=old):  # per-layer scales still work
         model(_ids())
-
-
-def test_scores_of_per_head_scales() -> None:
-    model = build_tiny_model("llama")
-    ids = _ids()
-    ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
-    amax = calibrate_kv_cache(model, {}, _ids(7))
-    assert set(amax.k_head) == set(amax.k)
-    head = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN_HEAD", kv_amax=amax)
-    layer = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", kv_amax=amax)
-    assert head.kv_cache == "FP8_ATTN_HEAD" and head.kl_mean > 0 and head.kl_mean != layer.kl_mean
 
 
 def test_head_spread_ranks_the_layers_whose_heads_differ_most() -> None:
