@@ -555,13 +555,10 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
 
     def observer(name):
         def tensors(query, key, value):
-            slot = acc.setdefault(name, [None] * 5)
-            # K and V as [batch, kv heads, tokens, head dim]: a max per head, then the layer's max of those
-            for i, x in enumerate((key, value)):
-                a = x.detach().abs().amax(dim=(0, 2, 3)).float()
-                slot[3 + i] = a if slot[3 + i] is None else torch.maximum(slot[3 + i], a)
-            for i, x in enumerate((key, value, query)):
-                a = x.detach().abs().amax().float()
+            slot = acc.setdefault(name, [None, None, None])
+            # K and V ([batch, kv heads, tokens, head dim]) a max per head, Q one max
+            for i, (x, dims) in enumerate(((key, (0, 2, 3)), (value, (0, 2, 3)), (query, None))):
+                a = x.detach().abs().amax(dim=dims).float()
                 slot[i] = a if slot[i] is None else torch.maximum(slot[i], a)
             return query, key, value
         return _LayerState(tensors)
@@ -570,12 +567,11 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
     modules = attention_modules(model)
     with _attention_wrapped(model, modules, {n: observer(n) for n in modules}, "KV calibration"):
         yield result
-    for name, amaxes in acc.items():
-        for table, a in zip((result.k, result.v, result.q), amaxes[:3], strict=True):
-            table[name] = float(a.item()) if a is not None else 0.0
-        for table, a in zip((result.k_head, result.v_head), amaxes[3:], strict=True):
-            if a is not None:
-                table[name] = [float(x) for x in a.tolist()]
+    for name, (k, v, q) in acc.items():
+        for table, heads, a in ((result.k, result.k_head, k), (result.v, result.v_head, v)):
+            heads[name] = [float(x) for x in a.tolist()]
+            table[name] = max(heads[name])  # the layer's maximum is its largest head's
+        result.q[name] = float(q.item())
 
 
 def _fake_quantize_cache(x: torch.Tensor, elem: Any, scale: float | list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -622,23 +618,17 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAm
     if unknown:
         raise PlanError(f"KV cache skip: {name_list(unknown)} is not an attention module of this model")
     modules = {n: m for n, m in everything.items() if n not in skip}
-    if kv.per_head:
-        missing = [n for n in modules if amax is None or n not in amax.k_head or n not in amax.v_head]
+    if kv.calibrated:
+        # one maximum per layer, or a list of one per KV head; the scales take the same form
+        k_max, v_max = ((amax.k_head, amax.v_head) if kv.per_head else (amax.k, amax.v)) if amax else ({}, {})
+        missing = [n for n in modules if n not in k_max or n not in v_max]
         if missing:
-            raise PlanError(f"KV cache {kv.name} needs per-head K/V maxima for {len(missing)} attention layer(s) "
-                            f"({name_list(missing)}); a calibration made before quantplan recorded them has none: "
-                            "calibrate again")
-        assert amax is not None
-        applied.k_scale = {n: scale_from_amax(torch.tensor(amax.k_head[n]), elem).tolist() for n in modules}
-        applied.v_scale = {n: scale_from_amax(torch.tensor(amax.v_head[n]), elem).tolist() for n in modules}
-    elif kv.calibrated:
-        missing = [n for n in modules if amax is None or n not in amax.k or n not in amax.v]
-        if missing:
-            raise PlanError(f"KV cache {kv.name} needs calibrated K/V amax for {len(missing)} attention layer(s) "
-                            f"({name_list(missing)})")
-        assert amax is not None
-        applied.k_scale = {n: float(scale_from_amax(amax.k[n], elem)) for n in modules}
-        applied.v_scale = {n: float(scale_from_amax(amax.v[n], elem)) for n in modules}
+            what = "per-head K/V maxima" if kv.per_head else "calibrated K/V amax"
+            old = "; a calibration made before quantplan recorded them has none: calibrate again" if kv.per_head else ""
+            raise PlanError(f"KV cache {kv.name} needs {what} for {len(missing)} attention layer(s) "
+                            f"({name_list(missing)}){old}")
+        applied.k_scale = {n: scale_from_amax(torch.tensor(k_max[n]), elem).tolist() for n in modules}
+        applied.v_scale = {n: scale_from_amax(torch.tensor(v_max[n]), elem).tolist() for n in modules}
     else:
         applied.k_scale = dict.fromkeys(modules, 1.0)
         applied.v_scale = dict.fromkeys(modules, 1.0)
