@@ -220,7 +220,9 @@ def cmd_jobs(args) -> int:
         from app.services import job_what
 
         for j in jobs:
-            print(f"#{j.id:<4} {j.kind:11s} {j.status:9s} {j.progress * 100:5.1f}%  {job_what(j)[:40]:<40}  "
+            ran = j.run_seconds()
+            print(f"#{j.id:<4} {j.kind:11s} {j.status:9s} {j.progress * 100:5.1f}%  "
+                  f"{'' if ran is None else f'{ran:.0f} s':>7}  {job_what(j)[:40]:<40}  "
                   f"{j.message[:60]}" + (f"  ERROR: {j.error[:100]}" if j.error else ""))
     return 0
 

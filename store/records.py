@@ -92,6 +92,14 @@ class JobRecord:
     def finished(self) -> bool:
         return self.status in ("succeeded", "failed", "cancelled")
 
+    def run_seconds(self, now: dt.datetime | None = None) -> float | None:
+        """Seconds the job has run: from its start to its end, or to ``now`` (default: the clock) while it runs;
+        None when it never started (still queued, or cancelled while queued)."""
+        if self.started_at is None:
+            return None
+        end = self.finished_at or now or dt.datetime.now(self.started_at.tzinfo)
+        return max(0.0, (end - self.started_at).total_seconds())
+
 
 @dataclass(frozen=True)
 class PlanRecord:

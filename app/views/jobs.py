@@ -55,10 +55,13 @@ def job_table() -> None:
     st.dataframe(pd.DataFrame([{
         "id": j.id, "kind": j.kind, "what": svc.job_what(j), "status": j.status, "progress": j.progress, "message": j.message,
         "model": model_names.get(j.model_id) or _removed(j), "queue": j.queue, "device": j.device, "worker": j.worker_host,
-        "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
+        "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at, "ran (s)": j.run_seconds(),
         "error": j.error or "",
     } for j in jobs]), hide_index=True, width="stretch",
-        column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0.0, max_value=1.0)})
+        column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0.0, max_value=1.0),
+                       "ran (s)": st.column_config.NumberColumn(
+                           format="%.0f", help="from the worker's start to the end (or until now while it runs); "
+                                               "the time it waited in its queue is not counted")})
     failed = [j for j in jobs if j.status == "failed"]
     for j in failed[:10]:
         with st.expander(f"#{j.id} {j.kind} failed: {(j.error or '')[:120]}"):

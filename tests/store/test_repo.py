@@ -191,3 +191,20 @@ def test_deleting_a_model_takes_what_was_measured_on_it_and_keeps_the_jobs(any_d
         assert repo.model_usage(s, kept.id) == {"calibrations": 1, "scores": 1, "sensitivity sweeps": 1,
                                                 "plan versions": 2, "active": 0}
         assert [p.version for p in repo.list_plans(s, kept.id)] and len(repo.load_activation_stats(s, jobs[kept.id][0])) == 1
+
+
+def test_a_job_says_how_long_it_ran(qp_settings):
+    with session_scope(qp_settings) as s:
+        job = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
+        assert repo.get_job(s, job.id).run_seconds() is None  # still queued: it has not run
+        repo.mark_running(s, job.id, worker_host="h", device="cpu", torch_version="x")
+        running = repo.get_job(s, job.id)
+        later = running.started_at + dt.timedelta(seconds=90)
+        assert running.run_seconds(now=later) == 90.0 and running.run_seconds() >= 0.0
+        repo.finish_job(s, job.id, status="succeeded", message="done")
+        done = repo.get_job(s, job.id)
+        took = (done.finished_at - done.started_at).total_seconds()
+        assert done.run_seconds(now=later + dt.timedelta(days=1)) == took  # an ended job's time no longer grows
+        queued = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
+        repo.request_cancel(s, queued.id)
+        assert repo.get_job(s, queued.id).run_seconds() is None  # cancelled before it started
