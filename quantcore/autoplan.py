@@ -759,12 +759,6 @@ def choose_kv_skip(layer_kl: Mapping[str, float], format_bytes: Mapping[str, flo
                         cache_bytes=sum(keep_bytes[n] if n in skip else format_bytes[n] for n in layers))
 
 
-# ------------------------------------------------------------------ helpers
-
-
-
-
-
 __all__ = [
     "AutoPlanResult",
     "DEFAULT_CANDIDATES",
