@@ -29,6 +29,7 @@ def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
     shown = {j.id: j for j in [*running, *newest]}
     shown.update((i, svc.get_job(i)) for i in just_ended - shown.keys())
     newest_id = newest[0].id if newest else None
+    waiting: list[str] = []  # queues of queued jobs, each named once below the bars
     for job in sorted(shown.values(), key=lambda j: j.id, reverse=True):
         what = svc.job_what(job)
         name = f"{KIND_WORDS.get(job.kind, job.kind)} job #{job.id}" + (f" ({what})" if what else "")
@@ -42,9 +43,12 @@ def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
         elif not job.finished:
             said = job.message if job.message and job.message != job.status else None  # a new row says "queued"
             st.progress(job.progress, text=f"{name} {job.status}: {said or 'waiting for a worker'}")
-            note = svc.no_worker_note(job.queue) if job.status == "queued" else None
-            if note:
-                st.warning(note)
+            if job.status == "queued" and job.queue not in waiting:
+                waiting.append(job.queue)
+    for queue in waiting:
+        note = svc.no_worker_note(queue)
+        if note:
+            st.warning(note)
 
 
 def job_progress(key: str, kinds: Sequence[str], *, model_id: int | None = None, recent: int = 3,

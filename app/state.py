@@ -76,11 +76,3 @@ def current_model():
 
 def fmt_params(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-
-
-def queued(job, text: str) -> None:
-    """Say a job was queued, and warn when no live worker consumes its queue (it would wait unseen)."""
-    st.success(text)
-    note = svc.no_worker_note(job.queue)
-    if note:
-        st.warning(note)

@@ -40,7 +40,7 @@ with st.form("bench_form"):
             if queue.strip():
                 params["queue"] = queue.strip()
             job = svc.submit("bench", params, model_id=model.id)
-            state.queued(job, f"Queued benchmark job #{job.id} on queue '{job.queue}'.")
+            st.success(f"Queued benchmark job #{job.id} on queue '{job.queue}'.")
         except ValueError as exc:
             st.error(str(exc))
 

