@@ -179,14 +179,36 @@ def cmd_calibrate(args) -> int:
 
     with session_scope(_settings()) as s:
         rows = repo.stats_overview(s, job.id)
+    kv = (job.result or {}).get("kv_amax") or {}
     if args.json:
-        _print_json({"job": job.id, "model": model.name, "layers": rows})
+        _print_json({"job": job.id, "model": model.name, "layers": rows, "kv_amax": kv})
     else:
         rows.sort(key=lambda r: r["outlier_ratio"], reverse=True)
         print(f"job #{job.id}: {len(rows)} linears calibrated; largest outlier ratios:")
         for r in rows[:10]:
             print(f"  {r['name']:48s} K={r['in_features']:<6d} ratio {r['outlier_ratio']:10.1f}")
+        for line in _kv_lines(kv):
+            print(line)
     return 0
+
+
+def _kv_lines(kv_amax: dict) -> list[str]:
+    """What a calibration says of the KV cache, for people: the largest |K|, |V| and |Q| against what E4M3 holds at
+    scale 1.0, and how far the KV heads of one layer differ (what per-head scales would change)."""
+    from quantcore.kvcache import kv_head_spread
+
+    largest = {t: max(kv_amax[t].items(), key=lambda item: item[1]) for t in ("k", "v", "q") if kv_amax.get(t)}
+    if not largest:
+        return []
+    out = ["K, V and Q as the KV cache and FP8 attention hold them: " + "; ".join(
+        f"largest |{t.upper()}| {a:,.4g} ({layer})" + (" > 448: clipped at scale 1.0" if a > 448 else "")
+        for t, (layer, a) in largest.items())]
+    spread = kv_head_spread(kv_amax)
+    if spread:
+        layer, tensor, ratio = spread[0]
+        out.append(f"KV heads of one layer differ by up to {ratio:,.1f}x ({tensor} of {layer}): one scale per layer "
+                   "makes its smallest head's grid that much coarser; FP8_ATTN_HEAD gives each head its own scale")
+    return out
 
 
 def cmd_jobs(args) -> int:

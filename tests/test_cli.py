@@ -480,8 +480,12 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
 
     args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
     # a calibration records the largest K and V of every attention layer with the linears' statistics
-    run_json(capsys, "calibrate", "tiny", *args)
+    calibrated = run_json(capsys, "calibrate", "tiny", *args)
     cal = svc.calibrations(svc.get_model("tiny").id)[0]
+    assert calibrated["kv_amax"] == cal.result["kv_amax"] and set(calibrated["kv_amax"]["k_head"]) == {
+        "model.layers.0.self_attn", "model.layers.1.self_attn"}
+    code, out, _ = run(capsys, "calibrate", "tiny", *args[:-1])
+    assert code == 0 and "largest |K| " in out and "largest |Q| " in out and "KV heads of one layer differ" in out
     assert set(cal.result["kv_amax"]["k"]) == set(cal.result["kv_amax"]["v"]) == {
         "model.layers.0.self_attn", "model.layers.1.self_attn"}
     assert all(v > 0 for v in cal.result["kv_amax"]["k"].values())
