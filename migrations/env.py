@@ -43,7 +43,7 @@ def run_migrations_online() -> None:
             context.run_migrations()
             if sqlite:
                 broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
-                if broken:  # raising here rolls the migration back
+                if broken:  # fail loudly rather than leave broken references unnoticed
                     raise RuntimeError(f"migration left rows whose references are broken: {broken[:5]}")
 
 
