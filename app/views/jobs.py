@@ -53,9 +53,10 @@ def job_table() -> None:
                 st.rerun()
     model_names = {m.id: m.name for m in svc.list_models()}
     st.dataframe(pd.DataFrame([{
-        "id": j.id, "kind": j.kind, "what": svc.job_what(j), "status": j.status, "progress": j.progress, "message": j.message,
+        "id": j.id, "kind": j.kind, "what": svc.job_what(j), "status": j.status, "progress": j.progress,
+        "ran (s)": j.run_seconds(), "message": j.message,
         "model": model_names.get(j.model_id) or _removed(j), "queue": j.queue, "device": j.device, "worker": j.worker_host,
-        "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at, "ran (s)": j.run_seconds(),
+        "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
         "error": j.error or "",
     } for j in jobs]), hide_index=True, width="stretch",
         column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0.0, max_value=1.0),
