@@ -222,7 +222,7 @@ def test_smoothquant_sweep_tames_the_planted_outlier(tiny_model_factory):
         sensitivity_sweep(model, "INT8_PER_TENSOR_SQ", ids, ref, layers=[planted])
 
 
-@pytest.mark.parametrize("fmt", ["FP8_E5M2", "FP8_ATTN"])
+@pytest.mark.parametrize("fmt", ["FP8_E5M2", "FP8_ATTN", "FP8_ATTN_HEAD"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_kv_sweep_equals_a_full_forward_with_every_other_layer_kept(arch, fmt, tiny_model_factory):
     """One attention layer's cache at a time: the replayed sweep gives the KL of a whole forward whose plan keeps
