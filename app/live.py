@@ -41,8 +41,7 @@ def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
         elif job.status == "cancelled" and job.id in just_ended:
             st.info(f"{name} was cancelled.")
         elif not job.finished:
-            said = job.message if job.message and job.message != job.status else None  # a new row says "queued"
-            st.progress(job.progress, text=f"{name} {job.status}: {said or 'waiting for a worker'}")
+            st.progress(job.progress, text=f"{name} {job.status}: {job.progress_text}")
             if job.status == "queued" and job.queue not in waiting:
                 waiting.append(job.queue)
     for queue in waiting:

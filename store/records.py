@@ -92,6 +92,14 @@ class JobRecord:
     def finished(self) -> bool:
         return self.status in ("succeeded", "failed", "cancelled")
 
+    @property
+    def progress_text(self) -> str:
+        """What the job is doing, for a progress bar: its message, or "waiting for a worker" while it is queued (a
+        new row's message only repeats its status)."""
+        if self.message and self.message != self.status:
+            return self.message
+        return "waiting for a worker" if self.status == "queued" else self.status
+
     def run_seconds(self, now: dt.datetime | None = None) -> float | None:
         """Seconds the job has run: from its start to its end, or to ``now`` (default: the clock) while it runs;
         None when it never started (still queued, or cancelled while queued)."""

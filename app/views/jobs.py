@@ -42,7 +42,7 @@ def job_table() -> None:
             what = svc.job_what(job)
             a.markdown(f"**#{job.id} {job.kind}**{f' {what}' if what else ''} · {job.status} · "
                        f"{job.device or job.queue} · asked by {job.requested_by or '?'}")
-            a.progress(job.progress, text=job.message or job.status)
+            a.progress(job.progress, text=job.progress_text)
             note = svc.no_worker_note(job.queue) if job.status == "queued" else None
             if note:
                 a.warning(note)

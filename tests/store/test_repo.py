@@ -208,3 +208,12 @@ def test_a_job_says_how_long_it_ran(qp_settings):
         queued = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
         repo.request_cancel(s, queued.id)
         assert repo.get_job(s, queued.id).run_seconds() is None  # cancelled before it started
+
+
+def test_a_job_says_what_it_is_doing(qp_settings):
+    with session_scope(qp_settings) as s:
+        job = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
+        assert repo.get_job(s, job.id).progress_text == "waiting for a worker"  # not "queued" twice
+        repo.mark_running(s, job.id, worker_host="h", device="cpu", torch_version="x")
+        repo.report_progress(s, job.id, 0.5, "batch 2 of 4")
+        assert repo.get_job(s, job.id).progress_text == "batch 2 of 4"
