@@ -64,8 +64,8 @@ def cmd_score(args) -> int:
         _print_json({"job": job.id, **job.result})
     else:
         r = job.result
-        # a KV override is already in the label ("FP8_DYNAMIC + KV FP8"); a stored plan's own cache is not
-        named = r.get("kv_cache", "AUTO") == "AUTO" or " + KV " in r["plan"]
+        # the job names a --kv-cache override in its label ("FP8_DYNAMIC + KV FP8"), not a plan file's own cache
+        named = r.get("kv_cache", "AUTO") == "AUTO" or "kv_cache" in params
         kv = "" if named else f" (KV cache {r['kv_cache']})"
         print(f"job #{job.id} {r['plan']}{kv} on {model.name}: KL mean {r['kl_mean']:.4g} (p50 {r['kl_p50']:.4g}, "
               f"p99 {r['kl_p99']:.4g}, max {r['kl_max']:.4g}), top-1 agreement {r['top1_agree']:.4f}, "
