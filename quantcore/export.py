@@ -1085,14 +1085,13 @@ def to_vllm_command(
         lines.append("# per-head K/V scales (kv_cache_scheme strategy attn_head): only vLLM's FlashAttention backend "
                      "reads them, and its FP8 path is FlashAttention 3 on Hopper (sm90); elsewhere score kv_cache FP8 "
                      "(one scale per layer)")
+        lines.append("# FP8 attention: FlashAttention 3 quantizes Q (scale 1.0: no q_scale in the checkpoint) and the "
+                     "softmax probabilities to E4M3 with this cache, as the plan's score emulated")
     elif kvf.attention:
         lines.append("# FP8 attention: vLLM's FlashAttention 3 backend (its default on Hopper) quantizes Q (scale 1.0: "
                      "no q_scale in the checkpoint) and the softmax probabilities to E4M3 with this cache, as the "
                      "plan's score emulated; a backend that dequantizes the cache (FlashInfer, Triton) keeps "
                      f"attention in BF16, which is kv_cache {kvf.name.replace('_ATTN', '')}")
-    if kvf.per_head:
-        lines.append("# FP8 attention: FlashAttention 3 quantizes Q (scale 1.0: no q_scale in the checkpoint) and the "
-                     "softmax probabilities to E4M3 with this cache, as the plan's score emulated")
     elif kvf.element == "fp8_e4m3":
         lines.append(f"# kv_cache {kvf.name} was scored with attention in BF16 (a backend that dequantizes the cache); "
                      "on Hopper vLLM's FlashAttention 3 backend runs attention itself in FP8 with this cache (Q at "

@@ -602,6 +602,7 @@ def test_fp8_attention_is_the_fp8_cache_plus_what_the_vllm_command_says_about_th
                                                        kv_cache=cache).splitlines()[-1]
         assert "FlashAttention 3 backend (its default on Hopper) quantizes Q (scale 1.0" in cmd
         assert f"keeps attention in BF16, which is kv_cache {cache}" in cmd
+        assert "scored with attention in BF16" not in cmd  # an FP8 attention format was not
         plain = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache=cache)
         assert "scored with attention in BF16" in plain and f"score kv_cache {attn} to see that" in plain
     assert "FlashAttention" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_E5M2")
@@ -623,7 +624,7 @@ def test_per_head_kv_scales_are_the_attn_head_strategy_and_round_trip() -> None:
     cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_ATTN_HEAD")
     assert cmd.splitlines()[-1] == "vllm serve /m-quantplan --quantization compressed-tensors --kv-cache-dtype fp8"
     assert "only vLLM's FlashAttention backend reads them" in cmd and "score kv_cache FP8 (one scale per layer)" in cmd
-    assert "quantizes Q (scale 1.0" in cmd and "dataset=..." in cmd
+    assert "quantizes Q (scale 1.0" in cmd and "dataset=..." in cmd and "scored with attention in BF16" not in cmd
 
 
 def test_layers_kept_out_of_the_cache_are_vllms_skip_flag() -> None:
