@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from quantcore.errors import PlanError, name_list
+from quantcore.gptq import gptq_quantize, smoothed_hessian
 from quantcore.quantize import (
     QuantReport,
     fake_quantize,
@@ -330,6 +331,8 @@ def apply_plan(
     act_channel_max: Mapping[str, Any] | None = None,
     track_stats: bool = True,
     share_inputs: bool = True,
+    weight_hessians: Mapping[str, torch.Tensor] | None = None,
+    gptq_cache: dict[str, torch.Tensor] | None = None,
 ) -> AppliedPlan:
     """Fake-quantize the layers named in ``plan`` in place; ``AppliedPlan.restore()`` undoes it exactly.
 
@@ -344,6 +347,12 @@ def apply_plan(
     share_inputs:    quantize an input once for consecutive layers that read the same tensor with
                      the same activation spec and scale (q/k/v, gate/up); the results are
                      bit-identical either way, False only recomputes them per layer
+    weight_hessians: {layer: (K, K) Hessian of its input} (:func:`quantcore.gptq.collect_hessians`, on the
+                     unsmoothed model: layers smoothed here get it transformed), required for layers whose
+                     scheme rounds with GPTQ; their weight report is RTN's (the same scales)
+    gptq_cache:      a dict that keeps the GPTQ-rounded weights by layer name and hands them out again on the
+                     next apply (a sensitivity sweep applies one unit once per batch); the caller keeps the
+                     weights, scheme and Hessian of a layer the same for as long as it passes the dict
 
     Raises PlanError for unknown layers or schemes, non-linear targets, missing calibration,
     or layers already carrying an applied plan.
@@ -353,6 +362,7 @@ def apply_plan(
     static_amax = _static_layers(schemes, act_amax)
     active = {n: s for n, s in schemes.items() if not s.is_identity}
     untouched = [n for n, s in schemes.items() if s.is_identity]
+    hessians = gptq_hessians(active, weight_hessians)
 
     smoothing = None
     alphas = {n: s.smoothquant_alpha for n, s in active.items() if s.smoothquant_alpha is not None}
@@ -364,6 +374,7 @@ def apply_plan(
                 "from calibration"
             )
         smoothing = smooth_model(model, {n: act_channel_max[n] for n in alphas}, alphas, layers=list(alphas))
+        hessians = gptq_hessians(active, hessians, smoothing.factors)
     static = {
         n: float(
             scale_from_amax(_smoothed_amax(a, n, smoothing, act_channel_max), schemes[n].activations.format)
@@ -387,6 +398,13 @@ def apply_plan(
                 wq, report = fake_quantize_with_report(w, fmt, **kw)
             else:  # the same weights; the report's counting passes over every weight are skipped
                 wq, report = fake_quantize(w, fmt, **kw), QuantReport(0, 0, 0, 0, 0)
+            if scheme.gptq:  # the same grid and scales, other grid points
+                if gptq_cache is not None and name in gptq_cache:
+                    wq = gptq_cache[name]
+                else:
+                    wq = gptq_quantize(w, hessians[name], scheme.weights).weight
+                    if gptq_cache is not None:
+                        gptq_cache[name] = wq
             state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name))
             module.weight = nn.Parameter(wq, requires_grad=False)
             setattr(module, _MARKER, True)
@@ -399,6 +417,25 @@ def apply_plan(
         applied.restore()
         raise
     return applied
+
+
+def gptq_hessians(
+    schemes: Mapping[str, Scheme],
+    hessians: Mapping[str, torch.Tensor] | None,
+    smoothing_factors: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The Hessians of the layers whose scheme rounds with GPTQ, those of smoothed layers transformed for their
+    smoothed input; PlanError names the layers without one."""
+    wanted = [n for n, s in schemes.items() if s.needs_hessians]
+    missing = [n for n in wanted if hessians is None or n not in hessians]
+    if missing:
+        raise PlanError(
+            f"GPTQ rounds the weights of {name_list(missing)} from the Hessian of their inputs: collect it on "
+            "calibration text first (quantcore.gptq.collect_hessians), or choose a scheme without GPTQ"
+        )
+    factors = smoothing_factors or {}
+    assert hessians is not None or not wanted
+    return {n: smoothed_hessian(hessians[n], factors[n]) if n in factors else hessians[n] for n in wanted}
 
 
 @contextmanager

@@ -78,7 +78,17 @@ from quantcore.formats import get_format
 from quantcore.kvcache import AUTO as KV_AUTO
 from quantcore.kvcache import KvCacheFormat, get_kv_format, normalize_kv_skip
 from quantcore.plans import TextDumper, group_label, scheme_label
-from quantcore.schemes import Granularity, Scheme, TensorSpec, fusion_groups, get_scheme, list_schemes
+from quantcore.schemes import (
+    GPTQ_ACTORDER,
+    GPTQ_BLOCK_SIZE,
+    GPTQ_DAMPENING,
+    Granularity,
+    Scheme,
+    TensorSpec,
+    fusion_groups,
+    get_scheme,
+    list_schemes,
+)
 
 # ------------------------------------------------------------------ constants (compressed-tensors)
 
@@ -109,6 +119,9 @@ RECIPE_STAGE = "quant_stage"
 RECIPE_QUANT_GROUP = "quant_modifiers"
 RECIPE_SMOOTH_GROUP = "smoothing_modifiers"  # "smoothing_<i>_modifiers" when several alphas
 QUANT_MODIFIERS = ("QuantizationModifier", "GPTQModifier")  # GPTQ: same config, GPTQ-rounded weights
+GPTQ_MODIFIER = QUANT_MODIFIERS[1]
+# what quantcore.gptq runs, written out so that a later llm-compressor default cannot change the recipe
+GPTQ_RECIPE_ARGS = {"block_size": GPTQ_BLOCK_SIZE, "dampening_frac": GPTQ_DAMPENING, "actorder": GPTQ_ACTORDER}
 SMOOTH_MODIFIER = "SmoothQuantModifier"
 SQ_DEFAULT_STRENGTH = 0.5  # SmoothQuantModifier.smoothing_strength default
 
@@ -555,14 +568,16 @@ def scheme_from_ct_args(
     input_activations: Mapping[str, Any] | None,
     *,
     alpha: float | None = None,
+    gptq: bool = False,
 ) -> Scheme:
-    """The quantplan preset quantizing like these QuantizationArgs (``alpha``: SmoothQuant strength).
+    """The quantplan preset quantizing like these QuantizationArgs (``alpha``: SmoothQuant strength; ``gptq``:
+    from a GPTQModifier, so the ``*_GPTQ`` preset where there is one).
 
     Inverse of :func:`ct_args` for presets (``INT8_W8A8`` with an alpha -> ``INT8_W8A8_SQ``);
     PlanError when no preset matches.
     """
     problems: list[str] = []
-    s = _scheme_for(weights, input_activations, alpha, "these quantization args", problems)
+    s = _scheme_for(weights, input_activations, alpha, "these quantization args", problems, gptq)
     if problems or s is None:
         raise PlanError("; ".join(problems))
     return s
@@ -964,10 +979,15 @@ def to_llmcompressor_recipe(
         raise PlanError(_format("This plan's SmoothQuant cannot be written for llm-compressor", problems))
     kv = get_kv_format(kv_cache)
     kv_args = kv_cache_scheme(kv)
+    gptq = [n for n in names if resolved[n].gptq]
+    rtn = [n for n in names if not resolved[n].gptq and not resolved[n].is_identity]
     if groups:
-        stage[RECIPE_QUANT_GROUP] = {QUANT_MODIFIERS[0]: _quant_modifier(groups, unquantized, names)}
+        body = _quant_modifier(groups, unquantized, names)
+        if gptq:
+            body.update(GPTQ_RECIPE_ARGS)
         if kv_args is not None:
-            stage[RECIPE_QUANT_GROUP][QUANT_MODIFIERS[0]]["kv_cache_scheme"] = kv_args
+            body["kv_cache_scheme"] = kv_args
+        stage[RECIPE_QUANT_GROUP] = {GPTQ_MODIFIER if gptq else QUANT_MODIFIERS[0]: body}
     elif kv_args is not None:
         stage[RECIPE_QUANT_GROUP] = {QUANT_MODIFIERS[0]: {"kv_cache_scheme": kv_args}}
     summary = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
@@ -991,6 +1011,12 @@ def to_llmcompressor_recipe(
                    "(scale 1.0)\n")
     if not groups and kv_args is None:
         header += "# every layer stays unquantized: there is nothing for llm-compressor to do\n"
+    if gptq:
+        header += ("# GPTQModifier rounds the weights with GPTQ on the calibration data: oneshot needs a dataset "
+                   "(dataset=..., num_calibration_samples=...)\n")
+    if gptq and rtn:
+        header += (f"# one quantization modifier per recipe: GPTQ also rounds the {len(rtn)} quantized layer(s) the "
+                   f"plan rounds to nearest ({_cut(rtn)}), so they will come out a little closer than scored\n")
     body = yaml.dump(
         {RECIPE_STAGE: stage},
         Dumper=_RecipeDumper,
@@ -1160,8 +1186,13 @@ def _scheme_for(
     alpha: float | None,
     where: str,
     problems: list[str],
+    gptq: bool = False,
 ) -> Scheme | None:
-    """The quantplan scheme for a config group's args and a SmoothQuant alpha (None after a problem)."""
+    """The quantplan scheme for a config group's args and a SmoothQuant alpha (None after a problem).
+
+    gptq: the group comes from a ``GPTQModifier``: the GPTQ preset of those args where quantplan has one
+    (W4A16_GPTQ, ...), else the round-to-nearest one (FP8 formats have no GPTQ preset).
+    """
     if weights is None and acts is None:
         return get_scheme("BF16")
     specs = []
@@ -1180,6 +1211,7 @@ def _scheme_for(
     w_args, why_w = _spec_to_args(specs[0], "weights") if specs[0] else (None, None)
     a_args, why_a = _spec_to_args(specs[1], "activations") if specs[1] else (None, None)
     candidates = _preset_schemes().get(_scheme_args_key(w_args, a_args), []) if not (why_w or why_a) else []
+    candidates = [s for s in candidates if s.gptq == gptq] or [s for s in candidates if not s.gptq]
     if not candidates:
         text = f"W: {specs[0].describe() if specs[0] else '16-bit'}; A: {specs[1].describe() if specs[1] else '16-bit'}"
         problems.append(
@@ -1206,8 +1238,10 @@ def _assign(
     ignore: Sequence[str],
     alphas: Mapping[str, float],
     problems: list[str],
+    gptq: bool = False,
 ) -> dict[str, Scheme]:
-    """Give every layer the scheme of the config group that claims it (compressed-tensors precedence)."""
+    """Give every layer the scheme of the config group that claims it (compressed-tensors precedence);
+    ``gptq``: the groups come from a GPTQModifier (see :func:`_scheme_for`)."""
     owner: dict[str, int] = {}
     for gi, (_, targets, _, _) in enumerate(groups):
         for t in targets:
@@ -1238,7 +1272,7 @@ def _assign(
         key = (gi, alpha)
         if key not in cache:
             label, _, w, a = groups[gi]
-            cache[key] = _scheme_for(w, a, alpha, label, problems)
+            cache[key] = _scheme_for(w, a, alpha, label, problems, gptq)
         scheme = cache[key]
         if scheme is not None:
             out[layer] = scheme
@@ -1393,7 +1427,8 @@ def _recipe_modifiers(data: Any, problems: list[str]) -> list[tuple[str, str, Ma
 def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[str, Scheme]:
     """The per-layer plan an llm-compressor recipe (YAML or JSON text) applies to a model.
 
-    Reads one ``QuantizationModifier`` (or ``GPTQModifier``: same formats, GPTQ rounding)
+    Reads one ``QuantizationModifier`` (or ``GPTQModifier``: same formats, GPTQ rounding: its groups get
+    quantplan's ``*_GPTQ`` presets where there is one)
     with ``scheme`` (preset name, or ``{preset: targets}``) + ``targets``, or
     ``config_groups``; ``ignore``; and any ``SmoothQuantModifier`` (``smoothing_strength``,
     default 0.5; ``mappings``, default llm-compressor's q/k/v and gate/up mappings), whose
@@ -1478,7 +1513,7 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
             problems.append(f"{where}: scheme must be a preset name or {{preset: targets}}, got {scheme!r}")
         elif args.get("config_groups") is not None:
             groups = _ct_groups(args["config_groups"], f"{where} ", problems)
-    plan = _assign(names, groups, ignore, alphas, problems)
+    plan = _assign(names, groups, ignore, alphas, problems, gptq=len(quant) == 1 and quant[0][1] == GPTQ_MODIFIER)
     if problems:
         raise PlanError(_format("This llm-compressor recipe cannot be imported", problems))
     return plan

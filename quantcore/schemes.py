@@ -46,6 +46,10 @@ W4_GROUP_SIZE = 128  # INT4 weight group along K, as in compressed-tensors' W4A1
 FP8_BLOCK = (128, 128)  # DeepSeek-V3 weight tile (rows of N, columns of K)
 FP8_ACT_GROUP = 128  # DeepSeek-V3 activation tile: 1 x 128 along K, per token
 IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
+# GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
+GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
+GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal
+GPTQ_ACTORDER = "static"  # GPTQModifier.actorder default (alias of "weight"): columns by descending diag(H)
 
 
 class Granularity(str, Enum):  # noqa: UP042 - the contract: (str, Enum) as compressed-tensors
@@ -165,9 +169,11 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Scheme:
-    """Weight spec + activation spec (None: weight-only) + optional SmoothQuant α.
+    """Weight spec + activation spec (None: weight-only) + optional SmoothQuant α + weight rounding.
 
-    A scheme with neither (``BF16``) leaves the layer unquantized.
+    A scheme with neither (``BF16``) leaves the layer unquantized. ``gptq``: the weights are rounded by
+    GPTQ on calibration inputs (:mod:`quantcore.gptq`, llm-compressor's ``GPTQModifier``) instead of to the
+    nearest grid point; the format, the scales and so the checkpoint's layout are the same.
     """
 
     name: str
@@ -175,6 +181,7 @@ class Scheme:
     activations: TensorSpec | None
     smoothquant_alpha: float | None = None
     description: str = ""
+    gptq: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -206,6 +213,12 @@ class Scheme:
                     f"scheme {self.name!r}: a static (calibrated) activation scale is one amax per tensor; use "
                     f"granularity 'tensor' with dynamic=False, or dynamic=True for {acts.granularity.value!r} scales"
                 )
+        if not isinstance(self.gptq, bool):
+            raise ValueError(f"scheme {self.name!r}: gptq must be true or false, got {self.gptq!r}")
+        if self.gptq:
+            why = gptq_unsupported(self.weights)
+            if why:
+                raise ValueError(f"scheme {self.name!r}: {why}")
         alpha = self.smoothquant_alpha
         if alpha is not None:
             if (
@@ -244,6 +257,11 @@ class Scheme:
         return self.activations.bits if self.activations is not None else IDENTITY_BITS
 
     @property
+    def needs_hessians(self) -> bool:
+        """True when applying the scheme needs GPTQ Hessians, i.e. forwards of calibration text."""
+        return self.gptq and not self.is_identity
+
+    @property
     def needs_calibration(self) -> bool:
         """True when applying the scheme needs calibration data: static activation scales or SmoothQuant."""
         static_acts = self.activations is not None and not self.activations.dynamic
@@ -261,6 +279,7 @@ class Scheme:
             "activations": self.activations.to_dict() if self.activations is not None else None,
             "smoothquant_alpha": self.smoothquant_alpha,
             "description": self.description,
+            "gptq": self.gptq,
         }
 
     @classmethod
@@ -280,6 +299,7 @@ class Scheme:
             activations=TensorSpec.from_dict(acts) if acts is not None else None,
             smoothquant_alpha=data.get("smoothquant_alpha"),
             description=data.get("description", ""),
+            gptq=data.get("gptq", False),
         )
 
     def describe(self) -> str:
@@ -290,7 +310,24 @@ class Scheme:
         parts.append(f"A: {self.activations.describe()}" if self.activations is not None else "A: 16-bit")
         if self.smoothquant_alpha is not None:
             parts.append(f"SmoothQuant α={self.smoothquant_alpha:g}")
+        if self.gptq:
+            parts.append("GPTQ")
         return "; ".join(parts)
+
+
+def gptq_unsupported(spec: TensorSpec | None) -> str | None:
+    """Why GPTQ cannot round weights of this spec, or None when it can (see :mod:`quantcore.gptq`).
+
+    GPTQ needs one fixed scale per weight element, known before it starts: the tensor, channel, group and
+    block scales of the int and FP8 formats. The block formats (MXFP4, MXFP8, NVFP4) are left out, whose
+    scales are part of the format and are emulated as a whole.
+    """
+    if spec is None:
+        return "GPTQ rounds weights, and this scheme leaves them unquantized"
+    fmt = get_format(spec.format)
+    if fmt.is_block:
+        return f"GPTQ is not offered for {fmt.name}, whose block scales are part of the format"
+    return None
 
 
 def _presets() -> dict[str, Scheme]:
@@ -364,12 +401,41 @@ def _presets() -> dict[str, Scheme]:
             smoothquant_alpha=SQ_DEFAULT_ALPHA,
             description="INT8_W8A8 after SmoothQuant (α = 0.5)",
         ),
+        Scheme(
+            "INT8_W8A8_GPTQ",
+            int8_w_channel,
+            int8_a_token,
+            gptq=True,
+            description="INT8_W8A8 with GPTQ-rounded weights",
+        ),
+        Scheme(
+            "INT8_W8A8_SQ_GPTQ",
+            int8_w_channel,
+            int8_a_token,
+            smoothquant_alpha=SQ_DEFAULT_ALPHA,
+            gptq=True,
+            description="INT8_W8A8 after SmoothQuant (α = 0.5), GPTQ-rounded weights: llm-compressor's W8A8 recipe",
+        ),
         Scheme("W8A16", int8_w_channel, None, description="INT8 per-channel weights, 16-bit activations"),
+        Scheme(
+            "W8A16_GPTQ",
+            int8_w_channel,
+            None,
+            gptq=True,
+            description="W8A16 with GPTQ-rounded weights",
+        ),
         Scheme(
             "W4A16",
             TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE),
             None,
-            description="INT4 weights in groups of 128 along K, 16-bit activations",
+            description="INT4 weights in groups of 128 along K, 16-bit activations (rounded to nearest)",
+        ),
+        Scheme(
+            "W4A16_GPTQ",
+            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE),
+            None,
+            gptq=True,
+            description="W4A16 with GPTQ-rounded weights: llm-compressor's W4A16 recipe",
         ),
         Scheme(
             "MXFP8",

@@ -583,6 +583,8 @@ def plan_applied(
     act_channel_max: Mapping[str, Any] | None = None,
     before_quantize: Callable[[nn.Module], None] | None = None,
     track_saturation: bool = False,
+    weight_hessians: Mapping[str, Tensor] | None = None,
+    gptq_cache: dict[str, Tensor] | None = None,
 ) -> Iterator[AppliedContext]:
     """Smooth (where a scheme has a SmoothQuant alpha) and fake-quantize ``model`` for the block.
 
@@ -599,6 +601,9 @@ def plan_applied(
         quantization (the sensitivity sweep keeps the unquantized weights there).
     track_saturation: count clipped activations of layers with static scales
         (``ctx.handle.stats()``); dynamic scales cannot clip, so they are never tracked.
+    weight_hessians: ``{layer: Hessian}`` of the unsmoothed inputs, needed by every layer whose
+        scheme rounds with GPTQ (:func:`quantcore.gptq.collect_hessians`).
+    gptq_cache: see :func:`quantcore.apply.apply_plan`.
 
     Yields an :class:`AppliedContext`.
     """
@@ -642,7 +647,13 @@ def plan_applied(
         if before_quantize is not None:
             before_quantize(model)
         static = any(s.activations is not None and not s.activations.dynamic for s in schemes.values())
-        applied = apply_plan(model, schemes, act_amax=amax, track_stats=track_saturation and static)
+        hessians = weight_hessians
+        if smoothing is not None and weight_hessians is not None:
+            from quantcore.apply import gptq_hessians
+
+            hessians = gptq_hessians(schemes, weight_hessians, smoothing.factors)
+        applied = apply_plan(model, schemes, act_amax=amax, track_stats=track_saturation and static,
+                             weight_hessians=hessians, gptq_cache=gptq_cache)
         notes = [
             f"{layer}: SmoothQuant not applied ({reason}); the layer is quantized unsmoothed"
             for layer, reason in (smoothing.skipped.items() if smoothing is not None else ())
@@ -669,6 +680,7 @@ def calibrate_kv_cache(
     act_channel_max: Mapping[str, Any] | None = None,
     batch_size: int = 4,
     should_cancel: ShouldCancel | None = None,
+    weight_hessians: Mapping[str, Tensor] | None = None,
 ) -> Any:
     """Per attention layer max |K| and |V| on calibration tokens, with ``plan`` applied as it will be
     served (K and V come out of the quantized k_proj / v_proj): what calibrated KV cache scales
@@ -677,8 +689,8 @@ def calibrate_kv_cache(
 
     ids = as_token_batch(input_ids)
     ranges = batch_ranges(ids.shape[0], batch_size)
-    with plan_applied(model, plan, act_amax=act_amax, act_channel_max=act_channel_max), \
-            kv_amax_observed(model) as amax:
+    with plan_applied(model, plan, act_amax=act_amax, act_channel_max=act_channel_max,
+                      weight_hessians=weight_hessians), kv_amax_observed(model) as amax:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"KV cache calibration (batch {i + 1} of {len(ranges)})")
             forward_logits(model, ids[s:e])
@@ -710,6 +722,7 @@ def score_plan(
     kv_cache: str | None = None,
     kv_amax: Any = None,
     kv_skip: Sequence[str] = (),
+    weight_hessians: Mapping[str, Tensor] | None = None,
 ) -> ScoreReport:
     """Score ``plan`` (``{layer: Scheme}``) on ``input_ids`` ``[S, L]`` against ``reference``.
 
@@ -722,6 +735,7 @@ def score_plan(
         one (``FP8``) needs ``kv_amax`` (:func:`calibrate_kv_cache`).
     kv_skip: a plan's ``kv_cache_skip`` entries (decoder layer indices, ``"sliding_window"``): those
         attention layers keep the model's dtype (:func:`quantcore.kvcache.kv_skip_layers`).
+    weight_hessians: ``{layer: Hessian}`` for the layers whose scheme rounds with GPTQ (see :func:`plan_applied`).
     """
     from quantcore.checkpoint import attention_windows
     from quantcore.kvcache import attention_modules, get_kv_format, kv_cache_quantized, kv_skip_layers
@@ -742,7 +756,8 @@ def score_plan(
     nll = torch.empty_like(reference.nll)
     agree = torch.empty(reference.nll.shape, dtype=torch.bool)
     with plan_applied(
-        model, plan, act_amax=act_amax, act_channel_max=act_channel_max, track_saturation=True
+        model, plan, act_amax=act_amax, act_channel_max=act_channel_max, track_saturation=True,
+        weight_hessians=weight_hessians,
     ) as ctx, kv_cache_quantized(model, kv, amax=kv_amax, skip=skip) as kv_ctx:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"scoring (batch {i + 1} of {len(ranges)})")

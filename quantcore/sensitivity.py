@@ -378,6 +378,7 @@ def sensitivity_sweep(
     batch_size: int | None = None,
     progress: Progress | None = None,
     should_cancel: ShouldCancel | None = None,
+    weight_hessians: Mapping[str, Tensor] | None = None,
 ) -> list[SensitivityRow]:
     """Quantize one unit at a time with ``scheme``; rows sorted by ``kl_mean``, largest first.
 
@@ -387,6 +388,8 @@ def sensitivity_sweep(
     act_amax, act_channel_max: calibration statistics for static activation scales and
                 SmoothQuant (see :func:`quantcore.scoring.plan_applied`)
     batch_size: sequences per pass (default: the reference's)
+    weight_hessians: ``{layer: Hessian}`` of every swept layer when ``scheme`` rounds with GPTQ
+                (:func:`quantcore.gptq.collect_hessians`); each unit is rounded once and reused for every batch
 
     The model is restored exactly after every unit, also on error or cancel.
     """
@@ -415,6 +418,7 @@ def sensitivity_sweep(
 
     starts = [start_block(u) for u in units]
     local = [_LocalError() for _ in units]
+    gptq_cache: dict[str, Tensor] = {}
     notes: list[list[str]] = [[] for _ in units]
 
     def apply_unit(ui: int, bi: int, ctx: ExitStack) -> None:
@@ -426,6 +430,8 @@ def sensitivity_sweep(
                 act_amax=act_amax,
                 act_channel_max=act_channel_max,
                 before_quantize=lambda m, _u=unit, _err=err: _err.snapshot(m, _u),
+                weight_hessians=weight_hessians,
+                gptq_cache=gptq_cache,
             )
         )
         if bi == 0:

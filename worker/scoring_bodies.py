@@ -105,7 +105,29 @@ def _calibration_maps(cal) -> tuple[dict[str, float] | None, dict[str, Any] | No
     return {st.name: st.amax for st in stats}, {st.name: st.channel_max for st in stats}
 
 
-def _kv_amax(ctx: JobContext, tok, model, kv, plan, device, act_amax=None, act_channel_max=None):
+def _calibration_ids(ctx: JobContext, tok, device):
+    """(token ids, label) of the calibration text: params['cal_dataset'] or the built-in one, never the evaluation
+    text; params['cal_samples'] x params['cal_seq_len'] tokens (16 x 256 by default)."""
+    ids, label = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
+                           seq_len=int(ctx.params.get("cal_seq_len") or 256), dataset_param="cal_dataset")
+    return ids.to(device), label
+
+
+def _hessians(ctx: JobContext, tok, model, plan, device) -> tuple[dict[str, Any] | None, str | None]:
+    """(GPTQ Hessians of the plan's layers that round with GPTQ, the calibration text's label), from the
+    unquantized model on calibration text; (None, None) when no layer does."""
+    from quantcore.gptq import collect_hessians
+
+    layers = [n for n, s in plan.items() if s.needs_hessians]
+    if not layers:
+        return None, None
+    cal_ids, text = _calibration_ids(ctx, tok, device)
+    ctx.progress(0.3, f"GPTQ: input Hessians of {len(layers)} layer(s) on {text}")
+    return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel), text
+
+
+def _kv_amax(ctx: JobContext, tok, model, kv, plan, device, act_amax=None, act_channel_max=None,
+             weight_hessians=None):
     """(per-layer K/V amax, the calibration text's label) for a calibrated KV format, with ``plan`` applied; on
     calibration text (params['cal_dataset'] or the built-in one), never the evaluation text. (None, None) for a
     format without calibrated scales."""
@@ -114,10 +136,9 @@ def _kv_amax(ctx: JobContext, tok, model, kv, plan, device, act_amax=None, act_c
     if not kv.calibrated:
         return None, None
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
-    cal_ids, kv_text = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
-                                 seq_len=int(ctx.params.get("cal_seq_len") or 256), dataset_param="cal_dataset")
-    return calibrate_kv_cache(model, plan, cal_ids.to(device), act_amax=act_amax, act_channel_max=act_channel_max,
-                              should_cancel=ctx.should_cancel), kv_text
+    cal_ids, kv_text = _calibration_ids(ctx, tok, device)
+    return calibrate_kv_cache(model, plan, cal_ids, act_amax=act_amax, act_channel_max=act_channel_max,
+                              should_cancel=ctx.should_cancel, weight_hessians=weight_hessians), kv_text
 
 
 def score(ctx: JobContext) -> Outcome:
@@ -140,11 +161,13 @@ def score(ctx: JobContext) -> Outcome:
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
-    kv_amax, kv_text = _kv_amax(ctx, tok, model, kv, plan, ids.device, act_amax, act_channel_max)
+    hessians, gptq_text = _hessians(ctx, tok, model, plan, ids.device)
+    kv_amax, kv_text = _kv_amax(ctx, tok, model, kv, plan, ids.device, act_amax, act_channel_max, hessians)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
-                        progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
+                        weight_hessians=hessians, progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m),
+                        should_cancel=ctx.should_cancel)
     rep = report.to_dict()
     plan_label = ctx.params.get("label") or spec.name or spec.default
     if ctx.params.get("kv_cache") and not ctx.params.get("label") and not kv.is_identity:
@@ -154,6 +177,8 @@ def score(ctx: JobContext) -> Outcome:
     result.update(plan=plan_label, calibration_job=cal[0] if cal else None)
     if kv_text is not None:
         result["kv_calibration_text"] = kv_text
+    if gptq_text is not None:
+        result["gptq_calibration_text"] = gptq_text
 
     def write(s: Session) -> None:
         repo.save_score(s, job_id=ctx.job_id, model_id=rec.id, plan_id=ctx.plan_id, plan_label=plan_label,
@@ -190,9 +215,10 @@ def sensitivity(ctx: JobContext) -> Outcome:
         cal = calibration_for(ctx, rec, scheme.needs_calibration)
         act_amax, act_channel_max = _calibration_maps(cal)
         ref = reference_for(ctx, rec, model, ids, label)
+        hessians, _ = _hessians(ctx, tok, model, {n: scheme for n in linear_names(rec)}, ids.device)
         rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
-                                 should_cancel=ctx.should_cancel)
+                                 should_cancel=ctx.should_cancel, weight_hessians=hessians)
         name = scheme.name
     dicts = [r.to_dict() for r in rows]
     result = {"scheme": name, "units": len(dicts), "text": label,

@@ -9,6 +9,7 @@ from torch import nn
 
 from quantcore.apply import apply_plan, quantized_model
 from quantcore.errors import PlanError
+from quantcore.gptq import collect_hessians
 from quantcore.quantize import fake_quantize, scale_from_amax
 from quantcore.schemes import get_scheme, list_schemes
 
@@ -48,8 +49,9 @@ def test_every_preset_applies_and_restores(tiny_model, tiny_input_ids, scheme):
     params_before = {n: p for n, p in model.named_parameters()}
     act_amax, cmax = calibration(model, tiny_input_ids)
     plan = {n: scheme for n in block_linears(model)}
+    hessians = collect_hessians(model, list(plan), tiny_input_ids) if get_scheme(scheme).gptq else None
 
-    applied = apply_plan(model, plan, act_amax=act_amax, act_channel_max=cmax)
+    applied = apply_plan(model, plan, act_amax=act_amax, act_channel_max=cmax, weight_hessians=hessians)
     out = logits(model, tiny_input_ids)
     assert torch.isfinite(out).all()
     if get_scheme(scheme).is_identity:

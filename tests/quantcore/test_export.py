@@ -62,24 +62,37 @@ def uniform(scheme: str, *, head: str = "BF16") -> dict[str, Scheme]:
     """``scheme`` on every layer, ``head`` on lm_head; o_proj of a *_SQ scheme gets the unsmoothed preset
     (llm-compressor's SmoothQuant cannot fold o_proj under grouped-query attention)."""
     plan = {n: get_scheme(scheme) for n in LAYERS}
-    if scheme.endswith("_SQ"):
+    if "_SQ" in scheme:
         for n in LAYERS:
             if n.endswith("o_proj"):
-                plan[n] = get_scheme(scheme.removesuffix("_SQ"))
+                plan[n] = get_scheme(scheme.replace("_SQ", ""))
     plan["lm_head"] = get_scheme(head)
     return plan
 
 
 def without_alpha(plan: dict[str, Scheme]) -> dict[str, Scheme]:
-    """What a compressed checkpoint says: SmoothQuant is folded into the weights, its alpha is gone."""
+    """What a compressed checkpoint says: SmoothQuant is folded into the weights, its alpha is gone, and so is
+    how the weights were rounded (GPTQ or to nearest)."""
     out = {}
     for n, s in plan.items():
+        if s.gptq:
+            s = get_scheme(s.name.removesuffix("_GPTQ")).with_alpha(s.smoothquant_alpha)
         if s.smoothquant_alpha is None:
             out[n] = s
         else:
             base = s.name.removesuffix("_SQ")
             out[n] = get_scheme(base) if base in list_schemes() else s.with_alpha(None)
     return out
+
+
+def as_recipe_reads(plan: dict[str, Scheme]) -> dict[str, Scheme]:
+    """What an exported recipe brings back: one quantization modifier per recipe, a GPTQModifier as soon as one
+    layer rounds with GPTQ, so then every quantized layer with a GPTQ preset gets it."""
+    if not any(s.gptq for s in plan.values()):
+        return plan
+    names = list_schemes()
+    return {n: get_scheme(f"{s.name}_GPTQ").with_alpha(s.smoothquant_alpha)
+            if not s.gptq and f"{s.name}_GPTQ" in names else s for n, s in plan.items()}
 
 
 def quant_modifier(text: str) -> dict:
@@ -145,7 +158,7 @@ def mixed_plans(draw: st.DrawFn) -> dict[str, Scheme]:
             plan[n] = (
                 plan[n].with_alpha(None)
                 if plan[n].name not in SQ_PRESETS
-                else get_scheme(plan[n].name.removesuffix("_SQ"))
+                else get_scheme(plan[n].name.replace("_SQ", ""))
             )
     return plan
 
@@ -154,7 +167,8 @@ def mixed_plans(draw: st.DrawFn) -> dict[str, Scheme]:
 @given(mixed_plans())
 def test_mixed_plan_round_trips_through_recipe_and_config(plan: dict[str, Scheme]) -> None:
     text = to_llmcompressor_recipe(plan, layer_names=LAYERS)
-    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == plan
+    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == as_recipe_reads(plan)
+    assert ("GPTQModifier" in text) == any(s.gptq for s in plan.values())
     cfg = json.loads(json.dumps(to_compressed_tensors_config(plan, layer_names=LAYERS)))
     assert from_compressed_tensors_config(cfg, layer_names=LAYERS) == without_alpha(plan)
 
@@ -209,7 +223,9 @@ def test_preset_names_match_by_arguments_not_by_name(ours: str, theirs: str | No
 @pytest.mark.parametrize("name", [n for n in EXPRESSIBLE if n != "BF16"])
 def test_args_of_every_preset_round_trip(name: str) -> None:
     s = get_scheme(name)
-    assert scheme_from_ct_args(*ct_args(s), alpha=s.smoothquant_alpha) == s
+    assert scheme_from_ct_args(*ct_args(s), alpha=s.smoothquant_alpha, gptq=s.gptq) == s
+    # without the GPTQModifier, the same args are the preset rounded to nearest
+    assert scheme_from_ct_args(*ct_args(s), alpha=s.smoothquant_alpha) == get_scheme(name.removesuffix("_GPTQ"))
 
 
 def test_w8a16_is_per_channel_not_the_group_128_preset() -> None:
@@ -438,7 +454,10 @@ quant_stage:
 
 def test_import_gptq_recipe_and_preset_group_names_in_config() -> None:
     text = "s_stage: {q_modifiers: {GPTQModifier: {ignore: [lm_head], scheme: W4A16, targets: Linear}}}"
-    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == uniform("W4A16")
+    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == uniform("W4A16_GPTQ")
+    # FP8 has no GPTQ preset: a GPTQModifier's FP8 layers come back rounded to nearest
+    text = "s_stage: {q_modifiers: {GPTQModifier: {ignore: [lm_head], scheme: FP8_DYNAMIC, targets: Linear}}}"
+    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == uniform("FP8_DYNAMIC")
     cfg = {"config_groups": {"FP8_DYNAMIC": ["re:.*mlp.*"]}, "ignore": []}
     plan = from_compressed_tensors_config(cfg, layer_names=LAYERS)
     assert {n for n, s in plan.items() if s.name == "FP8_DYNAMIC"} == {n for n in LAYERS if ".mlp." in n}

@@ -23,10 +23,12 @@ ISSUE_PRESETS = [
     "INT8_PER_TENSOR_SQ", "INT8_W8A8", "INT8_W8A8_SQ", "W8A16", "W4A16", "MXFP8", "MXFP4",
     "NVFP4", "NVFP4A16", "BF16",
 ]  # fmt: skip
+# the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
+GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ"]
 
 
 def test_every_preset_of_the_issue_is_registered():
-    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS)
+    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS)
 
 
 # (weights format, weights granularity, acts format or None, acts granularity, acts dynamic, alpha),
@@ -83,10 +85,11 @@ def test_bits_identity_and_calibration_flags():
     assert (get_scheme("NVFP4").weight_bits, get_scheme("NVFP4").activation_bits) == (4, 4)
     assert (get_scheme("FP8_DYNAMIC").weight_bits, get_scheme("FP8_DYNAMIC").activation_bits) == (8, 8)
     needing = {n for n in list_schemes() if get_scheme(n).needs_calibration}
-    assert needing == {"FP8", "INT8_PER_TENSOR_SQ", "INT8_W8A8_SQ"}
+    assert needing == {"FP8", "INT8_PER_TENSOR_SQ", "INT8_W8A8_SQ", "INT8_W8A8_SQ_GPTQ"}
+    assert {n for n in list_schemes() if get_scheme(n).needs_hessians} == set(GPTQ_PRESETS)
 
 
-@pytest.mark.parametrize("name", ISSUE_PRESETS)
+@pytest.mark.parametrize("name", ISSUE_PRESETS + GPTQ_PRESETS)
 def test_to_dict_is_json_safe_and_round_trips(name):
     scheme = get_scheme(name)
     data = json.loads(json.dumps(scheme.to_dict()))

@@ -1,0 +1,267 @@
+"""GPTQ weight rounding: quantize a weight column by column and push each column's error onto the columns
+not yet quantized, weighted by the inverse Hessian of the layer's inputs [Frantar et al. 2022, GPTQ].
+
+Round-to-nearest (RTN, what :func:`quantcore.quantize.fake_quantize` does) minimises each weight's own
+error. GPTQ minimises the error of the layer's *output* on calibration inputs, ``||X Wᵀ - X Qᵀ||²``, whose
+Hessian with respect to a weight row is ``H = 2 Xᵀ X / n`` (K × K, the same for every row). It is what
+llm-compressor's ``GPTQModifier`` runs, and what its W4A16 and W8A8 examples use, so a plan that will be
+exported with GPTQ is scored with GPTQ here, not with RTN (which overstates a 4-bit layer's error).
+
+The algorithm follows llm-compressor 0.14's ``quantize_weight`` (eager path), with its defaults:
+
+* scales (and their grid) come from the original weight, as RTN's do (:func:`quantcore.quantize.quantize`
+  with the scheme's granularity); GPTQ changes which grid point each weight takes, never the scales;
+* dead inputs (``H[j, j] == 0``: a channel that was always 0) get ``H[j, j] = 1`` and weight 0;
+* dampening ``H += 0.01 · mean(diag H) · I``; a Hessian that is still not positive definite falls back to RTN
+  for that layer (reported);
+* activation order ``static`` (llm-compressor's alias of ``weight``): columns are processed in descending
+  ``diag(H)``, each keeps the scale of its own group in the original order, so the checkpoint's layout is
+  the RTN one;
+* blocks of 128 columns: the error is propagated inside a block column by column and to the rest of the
+  weight once per block (the "lazy batch" update, the same result as column by column up to rounding).
+
+Hessians here come from the unquantized model's inputs on calibration text (:func:`collect_hessians`), for
+every layer in one pass. llm-compressor's sequential pipeline instead feeds each decoder layer the outputs
+of the layers it already quantized, so deeper layers see slightly different inputs; layer 0's inputs are
+the same in both.
+
+SmoothQuant: a smoothed layer computes ``(X / s) (W · s)ᵀ``; its Hessian is ``D⁻¹ H D⁻¹`` with ``D = diag(s)``
+(:func:`smoothed_hessian`), so Hessians collected on the unsmoothed model serve any α.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantcore.errors import Cancelled, PlanError, name_list
+from quantcore.quantize import quantize, round_to_format
+from quantcore.schemes import (
+    GPTQ_ACTORDER,
+    GPTQ_BLOCK_SIZE,
+    GPTQ_DAMPENING,
+    Granularity,
+    TensorSpec,
+    fusion_groups,
+    gptq_unsupported,
+)
+
+GPTQ_PRECISION = torch.float32  # llm-compressor's GPTQ_PRECISION
+
+
+def _element_scales(weight: torch.Tensor, spec: TensorSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """RTN's scales of ``weight`` (or ``scale``, in the granularity's shape) expanded to one per element, (N, K)."""
+    n, k = weight.shape
+    if scale is None:
+        s = quantize(weight, spec.format, spec.granularity, group_size=spec.group_size, block=spec.block).scale
+    else:
+        s = scale.detach().to(device=weight.device, dtype=GPTQ_PRECISION)
+        if not bool(torch.isfinite(s).all() and (s > 0).all()):
+            raise ValueError("GPTQ scales must be finite and > 0")
+    g = Granularity(spec.granularity)
+    if g is Granularity.TENSOR:
+        return s.reshape(1, 1).expand(n, k).contiguous()
+    if g is Granularity.CHANNEL:
+        return s.reshape(n, 1).expand(n, k).contiguous()
+    if g is Granularity.GROUP:
+        return s.repeat_interleave(spec.group_size, dim=1)[:, :k].contiguous()
+    if g is Granularity.BLOCK:
+        br, bc = spec.block
+        return s.repeat_interleave(br, dim=0)[:n].repeat_interleave(bc, dim=1)[:, :k].contiguous()
+    raise ValueError(f"weights cannot use granularity {g.value!r}")
+
+
+@dataclass(frozen=True)
+class GptqResult:
+    """What GPTQ did to one weight.
+
+    loss:         GPTQ's own objective, ½ Σ (w - q)² / [H⁻¹]ⱼⱼ summed over the weight (llm-compressor logs it)
+    rtn_fallback: the dampened Hessian was not positive definite: the weight was rounded to nearest
+    dead:         input channels that were always 0 in calibration (their weights were set to 0)
+    """
+
+    weight: torch.Tensor
+    loss: float
+    rtn_fallback: bool
+    dead: int
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: TensorSpec,
+    *,
+    block_size: int = GPTQ_BLOCK_SIZE,
+    dampening: float = GPTQ_DAMPENING,
+    actorder: bool = True,
+    scale: torch.Tensor | None = None,
+) -> GptqResult:
+    """GPTQ-round ``weight`` (N, K) to ``spec``'s grid, given its input Hessian (K, K); returns the fake-quantized
+    weight in ``weight``'s dtype (every value on the grid of RTN's scales).
+
+    With a diagonal Hessian no error is propagated and the result is RTN's, bit for bit.
+    ``scale``: other scales to keep (the granularity's scale shape, as :func:`quantcore.quantize.quantize`
+    returns them); default RTN's, from the weight itself.
+    """
+    why = gptq_unsupported(spec)
+    if why:
+        raise PlanError(why)
+    if weight.dim() != 2:
+        raise ValueError(f"GPTQ rounds a 2-D weight (out_features, in_features), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(f"the Hessian of a weight with K = {k} inputs must be ({k}, {k}), got {tuple(hessian.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    fmt = spec.format
+    W = weight.detach().to(GPTQ_PRECISION).clone()
+    S = _element_scales(weight.detach().to(GPTQ_PRECISION), spec, scale)
+    H = hessian.detach().to(device=W.device, dtype=GPTQ_PRECISION).clone()
+
+    diag = torch.diagonal(H)
+    dead = diag == 0
+    n_dead = int(dead.sum())
+    if n_dead:
+        diag.masked_fill_(dead, 1.0)
+        W[:, dead] = 0.0
+    perm = None
+    if actorder:
+        perm = torch.argsort(torch.diagonal(H), descending=True)
+        W, S, H = W[:, perm], S[:, perm], H[perm][:, perm]
+
+    fallback = False
+    H.diagonal().add_(dampening * torch.mean(torch.diagonal(H)))
+    L, info = torch.linalg.cholesky_ex(H)
+    if int(info) == 0:
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+    else:  # still not positive definite: round to nearest (no error is propagated through an identity)
+        Hinv = torch.eye(k, dtype=GPTQ_PRECISION, device=W.device)
+        fallback = True
+
+    loss = torch.zeros((), dtype=GPTQ_PRECISION, device=W.device)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        W1 = W[:, i1:i2].clone()
+        S1 = S[:, i1:i2]
+        Q1 = torch.empty_like(W1)
+        Err1 = torch.empty_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            s = S1[:, i]
+            q = round_to_format(w / s, fmt) * s
+            err = (w - q) / Hinv1[i, i]
+            Q1[:, i] = q
+            Err1[:, i] = err
+            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+        loss += Err1.square().sum() / 2
+        W[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    if perm is not None:
+        W = W[:, torch.argsort(perm)]
+    return GptqResult(weight=W.to(weight.dtype), loss=float(loss), rtn_fallback=fallback, dead=n_dead)
+
+
+def smoothed_hessian(hessian: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """The Hessian of a smoothed layer's input ``X / s``: ``H / (s sᵀ)`` (see the module docstring)."""
+    s = factors.detach().to(device=hessian.device, dtype=hessian.dtype).reshape(-1)
+    if s.numel() != hessian.shape[0]:
+        raise ValueError(f"{s.numel()} smoothing factors for a Hessian of {hessian.shape[0]} inputs")
+    return hessian / (s.unsqueeze(1) * s.unsqueeze(0))
+
+
+# ------------------------------------------------------------------ Hessians from calibration text
+
+
+class _Accumulator:
+    def __init__(self) -> None:
+        self.sum: torch.Tensor | None = None
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(GPTQ_PRECISION)
+        xtx = x.T @ x
+        self.sum = xtx if self.sum is None else self.sum.add_(xtx)
+        self.rows += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        assert self.sum is not None
+        return self.sum.mul_(2.0 / self.rows)
+
+
+@torch.no_grad()
+def collect_hessians(
+    model: nn.Module,
+    layers: Iterable[str],
+    batches: Iterable[torch.Tensor] | torch.Tensor,
+    *,
+    batch_size: int = 4,
+    progress: Callable[[float, str], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``{layer: 2 Xᵀ X / n}`` of the named linears' inputs over calibration tokens, n = tokens seen.
+
+    layers:   ``nn.Linear`` names; the members of one fusion group (q/k/v, gate/up) read one input and share
+              one Hessian (the same tensor object)
+    batches:  token ids, ``[S, L]`` (cut into ``batch_size`` sequences per forward) or an iterable of batches
+    Raises PlanError for a name that is not an ``nn.Linear`` of the model, or a layer no token reached.
+    """
+    names = list(dict.fromkeys(layers))
+    modules = dict(model.named_modules())
+    bad = [n for n in names if not isinstance(modules.get(n), nn.Linear)]
+    if bad:
+        raise PlanError(f"GPTQ needs the inputs of nn.Linear layers; not one in this model: {name_list(bad)}")
+    owner: dict[str, str] = {n: n for n in names}  # layer -> the group member whose input is recorded
+    for group in fusion_groups(names):
+        for m in group:
+            owner[m] = group[0]
+    acc = {o: _Accumulator() for o in dict.fromkeys(owner.values())}
+
+    def hook(name: str):
+        def pre(_module: nn.Module, args: tuple) -> None:
+            acc[name].add(args[0])
+        return pre
+
+    if isinstance(batches, torch.Tensor):
+        ids = batches if batches.dim() == 2 else batches.reshape(1, -1)
+        batch_list: Sequence[torch.Tensor] = [ids[i:i + batch_size] for i in range(0, ids.shape[0], batch_size)]
+    else:
+        batch_list = list(batches)
+    handles = [modules[o].register_forward_pre_hook(hook(o)) for o in acc]
+    try:
+        for i, b in enumerate(batch_list):
+            if should_cancel is not None and should_cancel():
+                raise Cancelled("cancelled while collecting GPTQ Hessians")
+            model(input_ids=b)
+            if progress is not None:
+                progress((i + 1) / len(batch_list), f"GPTQ Hessians: batch {i + 1} of {len(batch_list)}")
+    finally:
+        for h in handles:
+            h.remove()
+    empty = [o for o, a in acc.items() if a.rows == 0]
+    if empty:
+        raise PlanError(f"no calibration token reached {name_list(empty)}: cannot build its GPTQ Hessian")
+    hess = {o: a.hessian() for o, a in acc.items()}
+    return {n: hess[owner[n]] for n in names}
+
+
+def hessians_needed(plan: Mapping[str, object]) -> list[str]:
+    """The layers of a resolved plan ({layer: Scheme}) whose scheme rounds its weights with GPTQ."""
+    return [n for n, s in plan.items() if getattr(s, "gptq", False)]
+
+
+__all__ = [
+    "GPTQ_ACTORDER",
+    "GPTQ_BLOCK_SIZE",
+    "GPTQ_DAMPENING",
+    "GptqResult",
+    "collect_hessians",
+    "gptq_quantize",
+    "gptq_unsupported",
+    "hessians_needed",
+    "smoothed_hessian",
+]
