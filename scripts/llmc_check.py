@@ -122,6 +122,8 @@ def summarize(path: str, blocks: int | None = None) -> dict[str, Any]:
             entry["ignore"] = list(cfg.ignore or [])
             entry["kv_cache_scheme"] = _args(cfg.kv_cache_scheme)
             entry["requires_calibration_data"] = bool(getattr(m, "requires_calibration_data", False))
+            if hasattr(m, "dampening_frac"):  # GPTQModifier
+                entry["gptq"] = {"block_size": m.block_size, "dampening_frac": m.dampening_frac}
             if blocks:
                 entry["layers"] = applied_layers(m, blocks)
                 if cfg.kv_cache_scheme is not None:

@@ -31,7 +31,7 @@ from quantcore.export import (
 )
 from quantcore.kvcache import get_kv_format
 from quantcore.schemes import Scheme, get_scheme
-from tests.quantcore.test_export import EXPRESSIBLE, LAYERS, N_BLOCKS, uniform
+from tests.quantcore.test_export import EXPRESSIBLE, LAYERS, N_BLOCKS, as_recipe_reads, uniform
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,17 @@ def cases() -> dict[str, dict[str, Scheme]]:
     out["kv-fp8-alone"] = uniform("BF16")
     out["kv-e5m2-with-w4a16"] = uniform("W4A16")
     out["kv-fp8-per-head-with-fp8-dynamic"] = uniform("FP8_DYNAMIC")
+    out["mixed-gptq"] = mixed_gptq_plan()
     return out
+
+
+def mixed_gptq_plan() -> dict[str, Scheme]:
+    """GPTQ on the MLPs, FP8 rounded to nearest elsewhere: one GPTQModifier for every quantized layer."""
+    plan = uniform("FP8_DYNAMIC")
+    for n in LAYERS:
+        if ".mlp." in n:
+            plan[n] = get_scheme("W4A16_GPTQ")
+    return plan
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +152,14 @@ def test_versions_are_the_pinned_ones(llmc) -> None:
 def test_every_layer_gets_the_planned_quantization(llmc, name: str) -> None:
     made, summary = llmc
     plan, _, path = made[name]
-    quant = modifiers(summary, path, "QuantizationModifier")
+    gptq = any(s.gptq for s in plan.values())
+    quant = modifiers(summary, path, "GPTQModifier" if gptq else "QuantizationModifier")
+    assert modifiers(summary, path, "QuantizationModifier" if gptq else "GPTQModifier") == []
     if all(s.is_identity for s in plan.values()) and name not in KV_CASES:
         assert quant == []
         return
     (mod,) = quant
+    plan = as_recipe_reads(plan)  # a GPTQModifier rounds every quantized layer
     applied = mod["layers"]
     assert set(applied) == set(LAYERS)
     for layer in LAYERS:
@@ -159,8 +172,23 @@ def test_every_layer_gets_the_planned_quantization(llmc, name: str) -> None:
             continue
         assert got is not None, f"{layer} should be {want.name}, llm-compressor leaves it unquantized"
         # what compressed-tensors attached to the module, read back as a quantplan scheme
-        real = scheme_from_ct_args(got["weights"], got["input_activations"], alpha=want.smoothquant_alpha)
+        real = scheme_from_ct_args(got["weights"], got["input_activations"], alpha=want.smoothquant_alpha, gptq=gptq)
         assert real == want, f"{layer}: planned {want.name}, llm-compressor applies {real.name}"
+
+
+@pytest.mark.parametrize("name", [n for n, p in cases().items() if any(s.gptq for s in p.values())])
+def test_gptq_modifier_runs_gptq_as_quantcore_does(llmc, name: str) -> None:
+    """block size, dampening and activation order of the exported GPTQModifier are quantcore.gptq's."""
+    from quantcore.schemes import GPTQ_ACTORDER, GPTQ_BLOCK_SIZE, GPTQ_DAMPENING
+
+    made, summary = llmc
+    _, text, path = made[name]
+    (mod,) = modifiers(summary, path, "GPTQModifier")
+    assert mod["gptq"] == {"block_size": GPTQ_BLOCK_SIZE, "dampening_frac": GPTQ_DAMPENING}
+    assert mod["requires_calibration_data"] and "needs a dataset" in text
+    orders = {g["weights"]["actorder"] for g in mod["config_groups"].values() if g["weights"]}
+    assert orders <= {GPTQ_ACTORDER, "weight"}, orders  # llm-compressor resolves "static" to its alias "weight"
+    assert orders
 
 
 @pytest.mark.parametrize("name", list(cases()))
@@ -215,7 +243,7 @@ def test_embedded_preset_table_matches_compressed_tensors(llmc, name: str) -> No
 def test_calibration_note_of_the_vllm_command_agrees_with_llmcompressor(llmc, name: str) -> None:
     made, summary = llmc
     plan, _, path = made[name]
-    quant = modifiers(summary, path, "QuantizationModifier")
+    quant = modifiers(summary, path, "QuantizationModifier") + modifiers(summary, path, "GPTQModifier")
     smooth = modifiers(summary, path, "SmoothQuantModifier")
     needs = bool(smooth) or any(m["requires_calibration_data"] for m in quant)
     cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache=KV_CASES.get(name))
