@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import yaml
 
 from quantplan.cli import main
 from tests.quantcore.test_checkpoint import save_tiny_llama
@@ -555,6 +556,33 @@ def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_
     recipe_file.write_text(recipe)
     back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "tiny", "--name", "from-recipe", "--json")
     assert back["body"]["kv_cache"] == "FP8" and back["body"]["default"] == "FP8_DYNAMIC"
+
+
+def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys, tmp_path):
+    """GPTQ presets through the job bodies: Hessians from the calibration text, never the evaluated one."""
+    from app import services as svc
+
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
+    rtn = run_json(capsys, "score", "tiny", "--scheme", "W8A16", *args)
+    gptq = run_json(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args)
+    assert gptq["gptq_calibration_text"] == "builtin:lee_background.cor" and "gptq_calibration_text" not in rtn
+    assert gptq["plan"] == "W8A16_GPTQ" and gptq["kl_mean"] > 0 and gptq["kl_mean"] != rtn["kl_mean"]
+    sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_GPTQ", *args)
+    assert sweep["scheme"] == "W4A16_GPTQ" and len(sweep["layers"]) == 2 * 4 + 1  # q/k/v, o, gate/up, down; head
+    kls, _ = svc.sensitivity_map(svc.get_model("tiny"))
+    assert len(kls["W4A16_GPTQ"]) == 9 and all(v > 0 for v in kls["W4A16_GPTQ"].values())
+
+    plan_file = tmp_path / "gptq.yaml"
+    plan_file.write_text("model: tiny\nname: w8-gptq\ndefault: W8A16_GPTQ\nrules:\n  - {match: 'lm_head', scheme: BF16}\n")
+    code, recipe, _ = run(capsys, "plan", "export", str(plan_file), "--format", "llmcompressor")
+    assert code == 0 and "GPTQModifier:" in recipe and "dampening_frac: 0.01" in recipe
+    code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
+    assert code == 0 and "needs calibration data" in vllm and "GPTQ" in vllm
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe)
+    back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "tiny", "--name", "gptq-back", "--json")
+    model = svc.get_model("tiny")
+    assert svc.resolve(model, back["body"])[0] == svc.resolve(model, yaml.safe_load(plan_file.read_text()))[0]
 
 
 def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
