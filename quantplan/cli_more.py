@@ -70,6 +70,8 @@ def cmd_score(args) -> int:
         print(f"job #{job.id} {r['plan']}{kv} on {model.name}: KL mean {r['kl_mean']:.4g} (p50 {r['kl_p50']:.4g}, "
               f"p99 {r['kl_p99']:.4g}, max {r['kl_max']:.4g}), top-1 agreement {r['top1_agree']:.4f}, "
               f"perplexity {r['ppl_ref']:.2f} → {r['ppl']:.2f} over {r['tokens']} tokens")
+        if r.get("gptq_calibration_text"):
+            print(f"  GPTQ rounded its weights with the input Hessians of {r['gptq_calibration_text']}")
     return 0
 
 

@@ -567,6 +567,8 @@ def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys,
     gptq = run_json(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args)
     assert gptq["gptq_calibration_text"] == "builtin:lee_background.cor" and "gptq_calibration_text" not in rtn
     assert gptq["plan"] == "W8A16_GPTQ" and gptq["kl_mean"] > 0 and gptq["kl_mean"] != rtn["kl_mean"]
+    code, out, _ = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args[:-1])
+    assert code == 0 and "GPTQ rounded its weights with the input Hessians of builtin:lee_background.cor" in out
     sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_GPTQ", *args)
     assert sweep["scheme"] == "W4A16_GPTQ" and len(sweep["layers"]) == 2 * 4 + 1  # q/k/v, o, gate/up, down; head
     kls, _ = svc.sensitivity_map(svc.get_model("tiny"))
