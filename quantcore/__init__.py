@@ -35,6 +35,8 @@ _LAZY = {
     "AmaxHistory": "quantcore.quantize",
     "sqnr_db": "quantcore.quantize",
     "fake_quantize_with_counts": "quantcore.quantize",
+    "gptq_quantize": "quantcore.gptq",
+    "collect_hessians": "quantcore.gptq",
     "smoothing_factors": "quantcore.smoothquant",
     "smooth_model": "quantcore.smoothquant",
     "SmoothingHandle": "quantcore.smoothquant",

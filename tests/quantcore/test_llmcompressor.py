@@ -273,3 +273,28 @@ def test_kv_cache_scheme_is_what_llm_compressor_calibrates(llmc, name: str) -> N
     for layer, kv_shapes in shapes.items():
         for tensor, shape in kv_shapes.items():
             assert (shape == [2, 1, 1]) if get_kv_format(kv).per_head else (shape in per_layer), (layer, tensor, shape)
+
+
+def test_exported_gptq_recipe_runs_in_oneshot(tmp_path) -> None:
+    """The whole way: a mixed FP8_DYNAMIC + W4A16_GPTQ plan, exported, quantizes a tiny Llama with llm-compressor's
+    own oneshot (GPTQ on calibration data); every linear ends up with the planned args, weights on their grid."""
+    env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
+                         timeout=ENV_TIMEOUT_S, cwd=REPO)
+    assert env.returncode == 0, env.stderr[-3000:]
+    plan = mixed_gptq_plan()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=LAYERS), encoding="utf-8")
+    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(tmp_path)],
+                         capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads((tmp_path / "oneshot.json").read_text())
+    assert got["modifiers"] == ["GPTQModifier"]
+    want = as_recipe_reads(plan)
+    for layer in LAYERS:
+        real = got["layers"][layer]
+        if want[layer].is_identity:
+            assert real is None, layer
+            continue
+        assert scheme_from_ct_args(real["weights"], real["input_activations"], gptq=True) == want[layer], layer
+    int_layers = [n for n in LAYERS if ".mlp." in n]
+    assert got["weights_on_grid"] == dict.fromkeys(int_layers, True)

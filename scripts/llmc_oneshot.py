@@ -1,0 +1,69 @@
+"""Run llm-compressor's ``oneshot`` with an exported recipe on a tiny random Llama, and say what came out.
+
+Runs INSIDE .venv-llmc (see scripts/llmc_env.sh), never in quantplan's own environment:
+
+    .venv-llmc/bin/python scripts/llmc_oneshot.py RECIPE.yaml WORKDIR
+
+The Llama (3 blocks, hidden 128, MLP 256, GQA 4/2 heads; from a config, nothing downloaded) and a word-level
+tokenizer are saved to WORKDIR, then ``oneshot`` quantizes it with the recipe on 8 random sequences of 32 tokens
+(a recipe with GPTQ, SmoothQuant or static scales needs calibration data). Writes WORKDIR/oneshot.json:
+``{"modifiers": [type names], "layers": {linear name: {"weights": args | null, "input_activations": args | null}},
+"weights_on_grid": {linear name: bool}}``, where a weight is on its grid when dividing it by its stored scale
+gives integers (int formats only; others are left out).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HIDDEN, MLP, BLOCKS, VOCAB = 128, 256, 3, 128
+
+
+def main(recipe: str, workdir: str) -> None:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=BLOCKS,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    folder = Path(workdir) / "tiny-llama"
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
+                                  unk_token="t0", pad_token="t0")
+    tok.save_pretrained(folder)
+    model = LlamaForCausalLM.from_pretrained(folder)
+    ids = torch.randint(0, VOCAB, (8, 32))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    oneshot(model=model, processor=tok, recipe=recipe, dataset=data, num_calibration_samples=8, max_seq_length=32)
+    from llmcompressor.recipe import Recipe
+
+    layers, on_grid = {}, {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        scheme = getattr(module, "quantization_scheme", None)
+        args = lambda a: None if a is None else a.model_dump(mode="json")  # noqa: E731
+        layers[name] = None if scheme is None else {"weights": args(scheme.weights),
+                                                    "input_activations": args(scheme.input_activations)}
+        if scheme is not None and scheme.weights is not None and scheme.weights.type == "int":
+            scale = module.weight_scale.detach().float()
+            w = module.weight.detach().float()
+            if scale.shape[-1] not in (1, w.shape[-1]):  # groups along K
+                scale = scale.repeat_interleave(w.shape[-1] // scale.shape[-1], dim=-1)
+            q = w / scale
+            on_grid[name] = bool(torch.allclose(q, q.round(), atol=1e-3))
+    mods = [type(m).__name__ for m in Recipe.create_instance(recipe).modifiers]
+    out = Path(workdir) / "oneshot.json"  # not stdout: llm-compressor logs there
+    out.write_text(json.dumps({"modifiers": mods, "layers": layers, "weights_on_grid": on_grid}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
