@@ -54,7 +54,8 @@ step device bash -c "nvidia-smi --query-gpu=name,compute_cap,memory.total,driver
 
 step gpu-tests "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
   tests/quantcore/test_kernels.py tests/quantcore/test_hardware.py tests/quantcore/test_quantize.py \
-  tests/quantcore/test_apply.py tests/quantcore/test_smoothquant.py tests/quantcore/test_kvcache.py
+  tests/quantcore/test_apply.py tests/quantcore/test_smoothquant.py tests/quantcore/test_kvcache.py \
+  tests/quantcore/test_gptq.py
 
 step kernels-smollm2 "$PY" benchmarks/kernel_gemm.py --device "$DEVICE" --model smollm2-135m --m "${MS[@]}" "${BUDGET_ARGS[@]}" \
   --json "$OUT/kernel_smollm2.json" --markdown "$OUT/kernel_smollm2.md"
@@ -90,6 +91,7 @@ step score "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}"
 step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
 step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
+step score-gptq "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"
 step jobs "$PY" -m quantplan jobs
 
 echo "===== summary" | tee -a "$LOG"

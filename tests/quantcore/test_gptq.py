@@ -242,3 +242,34 @@ def test_same_weights_as_llm_compressors_gptq(tmp_path):
         assert (other != mine).any(dim=1).float().mean() <= 0.03, case
         assert output_error(x, w, mine) == pytest.approx(output_error(x, w, other), rel=0.01)
         assert output_error(x, w, other) < 0.6 * output_error(x, w, rtn)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["W4A16", "W8A16", "FP8_DYNAMIC"])
+def test_cuda_gptq_matches_cpu(name):
+    """GPTQ on CUDA picks the CPU's grid points (a rounding tie may fall the other way and send the rest of its
+    row down another path) and gives the same output error; Hessians collected on CUDA are the CPU's."""
+    spec = get_scheme(name).weights
+    x = correlated_inputs(320)
+    w = weight(192, 320)
+    h = hessian_of(x)
+    cpu = gptq_quantize(w, h, spec).weight
+    gpu = gptq_quantize(w.cuda(), h.cuda(), spec).weight
+    assert gpu.device.type == "cuda"
+    gpu = gpu.cpu()
+    assert (gpu != cpu).any(dim=1).float().mean() <= 0.05
+    assert output_error(x, w, gpu) == pytest.approx(output_error(x, w, cpu), rel=0.02)
+
+
+@pytest.mark.gpu
+def test_cuda_hessians_match_cpu(tiny_input_ids):
+    from tests.quantcore.conftest import build_tiny_model
+
+    cpu = build_tiny_model("llama")
+    gpu = build_tiny_model("llama").cuda()
+    names = [n for n, m in cpu.named_modules() if isinstance(m, torch.nn.Linear)]
+    on_cpu = collect_hessians(cpu, names, tiny_input_ids)
+    on_gpu = collect_hessians(gpu, names, tiny_input_ids.cuda())
+    for n in names:
+        assert on_gpu[n].device.type == "cuda"
+        torch.testing.assert_close(on_gpu[n].cpu(), on_cpu[n], rtol=1e-3, atol=1e-4)
