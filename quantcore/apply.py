@@ -396,6 +396,8 @@ def apply_plan(
             w, fmt, kw = original.detach(), scheme.weights.format, _spec_kwargs(scheme.weights)
             if track_stats:
                 wq, report = fake_quantize_with_report(w, fmt, **kw)
+            elif scheme.gptq:  # rounded below
+                wq, report = w, QuantReport(0, 0, 0, 0, 0)
             else:  # the same weights; the report's counting passes over every weight are skipped
                 wq, report = fake_quantize(w, fmt, **kw), QuantReport(0, 0, 0, 0, 0)
             if scheme.gptq:  # the same grid and scales, other grid points

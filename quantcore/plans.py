@@ -581,9 +581,10 @@ def plan_footprint(
 def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
     """What a serving stack will complain about: layers whose K is not a whole number of the scheme's groups.
 
-    quantcore quantizes a last, partial group as it is; compressed-tensors warns ("group quantization
-    strategy requires strict division ... consider reducing the group size or ignoring modules") and
-    vLLM's Marlin kernels refuse to load such a layer (``verify_marlin_supports_shape``: "Weight
+    quantcore quantizes a last, partial group as it is; llm-compressor 0.14's ``oneshot`` refuses the recipe
+    (``validate_group_size_divisibility``: "weight column counts not divisible by group_size", unless the
+    modifier sets ``bypass_divisibility_checks``), compressed-tensors warns ("group quantization strategy
+    requires strict division ...") and vLLM's Marlin kernels refuse to load such a layer (``verify_marlin_supports_shape``: "Weight
     input_size_per_partition = ... is not divisible by group_size"; with tensor parallelism the K of
     each shard of a row-parallel layer, o_proj or down_proj, must be divisible too). One message per
     (scheme, group), naming how many layers and which K; an empty list when every group fits.
@@ -601,9 +602,9 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
                     entry["ks"].add(k)
     return [
         f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
-        f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); compressed-tensors warns and vLLM's "
-        "Marlin kernels refuse to load a layer whose K is not divisible by the group: keep those layers in "
-        "another scheme"
+        f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); llm-compressor's oneshot refuses such a "
+        "recipe (unless bypass_divisibility_checks) and vLLM's Marlin kernels refuse to load a layer whose K is not "
+        "divisible by the group: keep those layers in another scheme"
         for (label, g), e in misfit.items()
     ]
 

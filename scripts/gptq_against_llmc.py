@@ -1,0 +1,120 @@
+"""quantplan's predicted KL of a GPTQ plan against the KL of what llm-compressor really makes of it, on SmolLM2.
+
+    .venv/bin/python scripts/gptq_against_llmc.py [--scheme W4A16_GPTQ] [--cal 16x256] [--eval 16x256]
+
+1. Here: the demo model (SmolLM2-135M, converted once and cached), its calibration tokens (the built-in
+   lee_background.cor, as a score job takes them) and the exported llm-compressor recipe of the plan
+   ``SCHEME`` on every linear whose K its groups divide (llm-compressor refuses the others), lm_head and the
+   rest in BF16.
+2. In .venv-llmc (scripts/llmc_env.sh): llm-compressor's own ``oneshot`` with that recipe on exactly those tokens
+   (its sequential GPTQ pipeline, its observers' scales); the fake-quantized linear weights are saved.
+3. Here: KL against the unquantized model on the evaluation text (lee.cor) of (a) quantcore's emulation of the plan
+   (one-pass Hessians, quantcore's scales), (b) the same plan rounded to nearest, and (c) llm-compressor's weights
+   loaded into the model. Prints one table. Takes a few minutes on 2 CPU cores.
+
+Not a test (too slow for CI): the figures are in the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LLMC_PART = r'''
+import json, sys, torch
+from datasets import Dataset
+from llmcompressor import oneshot
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, recipe, ids_path, out = sys.argv[1:5]
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+tok = AutoTokenizer.from_pretrained(folder)
+ids = json.load(open(ids_path))
+data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(r) for r in ids]})
+oneshot(model=model, processor=tok, recipe=recipe, dataset=data, num_calibration_samples=len(ids),
+        max_seq_length=len(ids[0]), shuffle_calibration_samples=False)
+save_file({n + ".weight": m.weight.detach().float().contiguous() for n, m in model.named_modules()
+           if isinstance(m, torch.nn.Linear) and getattr(m, "quantization_scheme", None) is not None}, out)
+'''
+
+
+def shape(text: str) -> tuple[int, int]:
+    n, _, length = text.partition("x")
+    return int(n), int(length)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scheme", default="W4A16_GPTQ")
+    ap.add_argument("--cal", type=shape, default=(16, 256), help="calibration sequences x tokens (default 16x256)")
+    ap.add_argument("--eval", type=shape, default=(16, 256), help="evaluation sequences x tokens (default 16x256)")
+    args = ap.parse_args(argv)
+
+    from quantcore.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
+    from quantcore.export import to_llmcompressor_recipe
+    from quantcore.gptq import collect_hessians
+    from quantcore.schemes import get_scheme
+    from quantcore.scoring import compute_reference, score_plan
+    from quantcore.text import default_calibration_text, default_eval_text, load_documents, token_batches
+
+    work = Path(tempfile.mkdtemp(prefix="gptq-vs-llmc-"))
+    _, folder, _ = register_checkpoint(demo_gguf_path(), work / "models", max_bytes=2 * 1024**3,
+                                         cache_dir=default_cache_dir())
+    model, tok = load_model(folder)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    scheme = get_scheme(args.scheme)
+    group = scheme.weights.group_size or 1
+    fits = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % group == 0}
+    plan = {n: scheme if n != "lm_head" and n in fits else get_scheme("BF16") for n in names}
+    where = "every linear but lm_head" if len(fits) == len(names) else (
+        f"the {sum(s is scheme for s in plan.values())} linears whose K its groups of {group} divide")
+    cal = token_batches(tok, load_documents(default_calibration_text()), n_samples=args.cal[0], seq_len=args.cal[1])
+    ev = token_batches(tok, load_documents(default_eval_text()), n_samples=args.eval[0], seq_len=args.eval[1])
+
+    recipe = work / "recipe.yaml"
+    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=names))
+    ids_path = work / "cal.json"
+    ids_path.write_text(json.dumps(cal.tolist()))
+    weights = work / "llmc.safetensors"
+    subprocess.run(["bash", str(ROOT / "scripts" / "llmc_env.sh")], check=True)
+    subprocess.run([str(ROOT / ".venv-llmc" / "bin" / "python"), "-c", LLMC_PART, str(folder), str(recipe),
+                    str(ids_path), str(weights)], check=True, cwd=work)
+
+    from safetensors.torch import load_file
+
+    ref = compute_reference(model, ev, batch_size=4)
+    hess = collect_hessians(model, [n for n, s in plan.items() if s.gptq], cal) if scheme.gptq else None
+    rows = [(f"quantcore {scheme.name}", score_plan(model, plan, ev, ref, weight_hessians=hess))]
+    rtn = get_scheme(scheme.name.removesuffix("_GPTQ"))
+    if rtn != scheme:
+        rows.append((f"quantcore {rtn.name} (round to nearest)",
+                     score_plan(model, {n: rtn if s is scheme else s for n, s in plan.items()}, ev, ref)))
+    theirs = load_file(weights)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        saved = {n: modules[n[: -len(".weight")]].weight.detach().clone() for n in theirs}
+        for n, w in theirs.items():
+            modules[n[: -len(".weight")]].weight.copy_(w)
+        rows.append(("llm-compressor oneshot (its GPTQ, its scales)", score_plan(model, {}, ev, ref)))
+        for n, w in saved.items():
+            modules[n[: -len(".weight")]].weight.copy_(w)
+    print(f"\nSmolLM2-135M, {args.scheme} on {where}, the rest BF16; calibration {args.cal[0]} x {args.cal[1]} "
+          f"tokens of lee_background.cor, evaluation {args.eval[0]} x {args.eval[1]} of lee.cor\n")
+    print("| weights | KL mean | KL p99 | top-1 agree | perplexity |\n|---|---:|---:|---:|---:|")
+    for label, r in rows:
+        print(f"| {label} | {r.kl_mean:.4f} | {r.kl_p99:.3f} | {r.top1_agree:.3f} | {r.ppl:.2f} "
+              f"(ref {r.ppl_ref:.2f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
