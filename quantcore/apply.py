@@ -41,8 +41,8 @@ from quantcore.gptq import gptq_quantize, smoothed_hessian
 from quantcore.quantize import (
     QuantReport,
     fake_quantize,
+    fake_quantize_weight,
     fake_quantize_with_counts,
-    fake_quantize_with_report,
     scale_from_amax,
 )
 from quantcore.schemes import Scheme, TensorSpec, get_scheme, list_schemes
@@ -393,13 +393,11 @@ def apply_plan(
         for name, scheme in active.items():
             module = modules[name]
             original = module.weight
-            w, fmt, kw = original.detach(), scheme.weights.format, _spec_kwargs(scheme.weights)
-            if track_stats:
-                wq, report = fake_quantize_with_report(w, fmt, **kw)
-            elif scheme.gptq:  # rounded below
+            w = original.detach()
+            if track_stats or not scheme.gptq:  # on the grid the checkpoint stores (int: compressed-tensors')
+                wq, report = fake_quantize_weight(w, scheme.weights, report=track_stats)
+            else:  # rounded below
                 wq, report = w, QuantReport(0, 0, 0, 0, 0)
-            else:  # the same weights; the report's counting passes over every weight are skipped
-                wq, report = fake_quantize(w, fmt, **kw), QuantReport(0, 0, 0, 0, 0)
             if scheme.gptq:  # the same grid and scales, other grid points
                 if gptq_cache is not None and name in gptq_cache:
                     wq = gptq_cache[name]

@@ -39,40 +39,17 @@ import torch
 from torch import nn
 
 from quantcore.errors import Cancelled, PlanError, name_list
-from quantcore.quantize import quantize, round_to_format
+from quantcore.quantize import element_scales, round_to_weight_grid, weight_scale
 from quantcore.schemes import (
     GPTQ_ACTORDER,
     GPTQ_BLOCK_SIZE,
     GPTQ_DAMPENING,
-    Granularity,
     TensorSpec,
     fusion_groups,
     gptq_unsupported,
 )
 
 GPTQ_PRECISION = torch.float32  # llm-compressor's GPTQ_PRECISION
-
-
-def _element_scales(weight: torch.Tensor, spec: TensorSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """RTN's scales of ``weight`` (or ``scale``, in the granularity's shape) expanded to one per element, (N, K)."""
-    n, k = weight.shape
-    if scale is None:
-        s = quantize(weight, spec.format, spec.granularity, group_size=spec.group_size, block=spec.block).scale
-    else:
-        s = scale.detach().to(device=weight.device, dtype=GPTQ_PRECISION)
-        if not bool(torch.isfinite(s).all() and (s > 0).all()):
-            raise ValueError("GPTQ scales must be finite and > 0")
-    g = Granularity(spec.granularity)
-    if g is Granularity.TENSOR:
-        return s.reshape(1, 1).expand(n, k).contiguous()
-    if g is Granularity.CHANNEL:
-        return s.reshape(n, 1).expand(n, k).contiguous()
-    if g is Granularity.GROUP:
-        return s.repeat_interleave(spec.group_size, dim=1)[:, :k].contiguous()
-    if g is Granularity.BLOCK:
-        br, bc = spec.block
-        return s.repeat_interleave(br, dim=0)[:n].repeat_interleave(bc, dim=1)[:, :k].contiguous()
-    raise ValueError(f"weights cannot use granularity {g.value!r}")
 
 
 @contextmanager
@@ -143,7 +120,11 @@ def _gptq(weight, hessian, spec, block_size, dampening, actorder, scale) -> Gptq
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     fmt = spec.format
     W = weight.detach().to(GPTQ_PRECISION).clone()
-    S = _element_scales(weight.detach().to(GPTQ_PRECISION), spec, scale)
+    if scale is None:
+        scale = weight_scale(weight.detach().to(GPTQ_PRECISION), spec)
+    elif not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError("GPTQ scales must be finite and > 0")
+    S = element_scales(scale.to(W.device), spec, (n, k)).contiguous()
     H = hessian.detach().to(device=W.device, dtype=GPTQ_PRECISION).clone()
 
     diag = torch.diagonal(H)
@@ -177,7 +158,7 @@ def _gptq(weight, hessian, spec, block_size, dampening, actorder, scale) -> Gptq
         for i in range(i2 - i1):
             w = W1[:, i]
             s = S1[:, i]
-            q = round_to_format(w / s, fmt) * s
+            q = round_to_weight_grid(w / s, fmt) * s
             err = (w - q) / Hinv1[i, i]
             Q1[:, i] = q
             Err1[:, i] = err

@@ -874,6 +874,116 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     return _from_blocks(values * scale4.to(work), lay).to(dtype or q.dtype)
 
 
+# ---------------------------------------------------------------------------- weights as checkpoints store them
+
+
+@dataclass(frozen=True)
+class IntWeightGrid:
+    """The integer grid compressed-tensors stores a symmetric int weight on (``calculate_qparams``): scale
+    ``amax / ((qmax - qmin) / 2)`` and codes ``qmin..qmax``, the most negative code included. INT8: amax / 127.5,
+    codes -128..127; INT4: amax / 7.5, codes -8..7, so the largest positive weight of a group lands at 7.5 and
+    clips by half a step, the largest negative one exactly on -8 (more on the grid in the README)."""
+
+    qmin: int
+    qmax: int
+
+    @property
+    def divisor(self) -> float:
+        return (self.qmax - self.qmin) / 2
+
+
+def int_weight_grid(fmt: str | Format) -> IntWeightGrid | None:
+    """The :class:`IntWeightGrid` of an int format; None for the others (float and block formats store their
+    weights as :func:`quantize` computes them)."""
+    f = get_format(fmt)
+    if f.kind != "int":
+        return None
+    qmax = int(f.max)
+    return IntWeightGrid(qmin=-qmax - 1, qmax=qmax)
+
+
+_HAIR = 1 + 2**-20  # relative slack for fp32 rounding in a saturation test
+
+
+def _spec_args(spec: TensorSpec) -> dict:
+    return {"granularity": spec.granularity, "group_size": spec.group_size, "block": spec.block}
+
+
+@torch.no_grad()
+def weight_scale(weight: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A weight's scales as the serving checkpoint stores them, in the granularity's scale shape: amax over the
+    divisor of its :class:`IntWeightGrid` for int formats, :func:`quantize`'s scales for the others."""
+    grid = int_weight_grid(spec.format)
+    if grid is None:
+        return quantize(weight, spec.format, **_spec_args(spec)).scale
+    amax = compute_amax(weight, **_spec_args(spec))
+    scale = (amax.double() / grid.divisor).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def element_scales(scale: torch.Tensor, spec: TensorSpec, shape: tuple[int, int]) -> torch.Tensor:
+    """Scales in a granularity's scale shape, expanded to one per element of a 2-D weight of ``shape``."""
+    n, k = shape
+    s = scale.to(SCALE_DTYPE)
+    g = Granularity(spec.granularity)
+    if g is Granularity.TENSOR:
+        return s.reshape(1, 1).expand(n, k)
+    if g is Granularity.CHANNEL:
+        return s.reshape(n, 1).expand(n, k)
+    if g is Granularity.GROUP:
+        return s.reshape(n, -1).repeat_interleave(spec.group_size, dim=1)[:, :k]
+    if g is Granularity.BLOCK:
+        br, bc = spec.block
+        return s.repeat_interleave(br, dim=0)[:n].repeat_interleave(bc, dim=1)[:, :k]
+    raise ValueError(f"weights cannot use granularity {g.value!r}")
+
+
+def round_to_weight_grid(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """Round scaled weights onto the grid a checkpoint stores them on: an int format's
+    :class:`IntWeightGrid` codes (``qmin..qmax``), :func:`round_to_format` for the others."""
+    grid = int_weight_grid(fmt)
+    if grid is None:
+        return round_to_format(y, fmt)
+    return y.round().clamp_(grid.qmin, grid.qmax)
+
+
+@torch.no_grad()
+def fake_quantize_weight(
+    weight: torch.Tensor, spec: TensorSpec, *, scale: torch.Tensor | None = None, report: bool = True
+) -> tuple[torch.Tensor, QuantReport]:
+    """A linear weight (N, K) quantized and dequantized as the serving checkpoint stores it, with its report.
+
+    Int formats: on their :class:`IntWeightGrid` (what llm-compressor writes and vLLM reads), scales from
+    :func:`weight_scale` (or ``scale``, in the granularity's scale shape). Other formats: :func:`fake_quantize`.
+    The report counts saturation beyond half a step outside the grid, flushed non-zeros and NaN; with
+    ``report=False`` its counts are all 0 and the passes that count are skipped.
+    """
+    if int_weight_grid(spec.format) is None or weight.dim() != 2:
+        if report:
+            return fake_quantize_with_report(weight, spec.format, **_spec_args(spec), scale=scale)
+        return fake_quantize(weight, spec.format, **_spec_args(spec), scale=scale), QuantReport(0, 0, 0, 0, 0)
+    grid = int_weight_grid(spec.format)
+    assert grid is not None
+    s = weight_scale(weight, spec) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
+    w = weight.to(_work_dtype(weight))
+    S = element_scales(s, spec, tuple(w.shape)).to(w.dtype)
+    y = w / S
+    deq = round_to_weight_grid(y.clone(), spec.format) * S
+    if not report:
+        return deq.to(weight.dtype), QuantReport(0, 0, 0, 0, 0)
+    nan = torch.isnan(w)
+    counts = torch.stack([
+        torch.tensor(w.numel(), device=w.device),
+        ((w != 0) & ~nan).sum(),
+        # beyond half a step outside the grid; the fp32 rounding of amax / divisor may put the amax a hair past
+        # qmax + 0.5 (7.5000005), which is the grid's own half-step clip, not saturation
+        ((y > (grid.qmax + 0.5) * _HAIR) | (y < (grid.qmin - 0.5) * _HAIR)).sum(),
+        ((w != 0) & ~nan & (deq == 0)).sum(),
+        nan.sum(),
+    ])
+    return deq.to(weight.dtype), QuantReport.from_counts(counts, s)
+
+
 @torch.no_grad()
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio, 10·log10(Σ ref² / Σ (ref − approx)²), in dB, computed in float64.

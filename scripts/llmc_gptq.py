@@ -7,7 +7,8 @@ Runs INSIDE .venv-llmc (see scripts/llmc_env.sh), never in quantplan's own envir
 IN holds, for each case NAME: ``NAME.weight`` (N, K), ``NAME.hessian`` (K, K), ``NAME.scale`` (the per-channel
 (N, 1) or per-group (N, K / G) scales to keep) and ``NAME.args``, a 1-D int tensor (num_bits, group_size or 0).
 OUT holds ``NAME.weight``: the GPTQ-rounded weight, with llm-compressor's defaults (block 128, dampening
-0.01, activation order static). tests/quantcore/test_gptq.py compares it with quantcore.gptq.
+0.01, activation order static); ``NAME.ct_scale`` and ``NAME.ct_rtn``: the scales compressed-tensors computes from
+the weight's min and max and its round-to-nearest weight. tests/quantcore/test_gptq.py compares it with quantcore.gptq.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 
 import torch
 from compressed_tensors.quantization import ActivationOrdering, QuantizationArgs, QuantizationStrategy
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams
 from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 from safetensors.torch import load_file, save_file
 
@@ -33,12 +36,20 @@ def main(src: str, dst: str) -> None:
         )
         scale = tensors[f"{name}.scale"]
         q, _, fallback = quantize_weight(
-            weights=tensors[f"{name}.weight"].unsqueeze(0), hessians=tensors[f"{name}.hessian"].unsqueeze(0),
+            # clones: quantize_weight works in place in the buffers it is given
+            weights=tensors[f"{name}.weight"].clone().unsqueeze(0),
+            hessians=tensors[f"{name}.hessian"].clone().unsqueeze(0),
             scale=scale.unsqueeze(0), zero_point=torch.zeros_like(scale, dtype=torch.int8).unsqueeze(0),
             global_scale=None, quant_args=args, blocksize=128, percdamp=0.01,
         )
         out[f"{name}.weight"] = q[0].contiguous()
         out[f"{name}.fallback"] = fallback.to(torch.int8)
+        # round to nearest as compressed-tensors does it: min-max over each channel / group, its qparams
+        w = tensors[f"{name}.weight"]
+        view = w.reshape(w.shape[0], -1, group) if group else w.unsqueeze(1)
+        ct_scale, ct_zp = calculate_qparams(view.amin(-1), view.amax(-1), args)
+        out[f"{name}.ct_scale"] = ct_scale.contiguous()
+        out[f"{name}.ct_rtn"] = fake_quantize(w, ct_scale, ct_zp, args).contiguous()
     save_file(out, dst)
 
 

@@ -11,7 +11,7 @@ import torch
 from quantcore.apply import apply_plan
 from quantcore.errors import PlanError
 from quantcore.gptq import collect_hessians, gptq_quantize, smoothed_hessian
-from quantcore.quantize import fake_quantize_spec, quantize
+from quantcore.quantize import fake_quantize_weight, weight_scale
 from quantcore.schemes import Scheme, get_scheme, list_schemes
 from quantcore.scoring import compute_reference, score_plan
 from quantcore.sensitivity import sensitivity_sweep
@@ -38,6 +38,11 @@ def weight(n: int, k: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
+def rtn(w: torch.Tensor, spec, scale=None) -> torch.Tensor:
+    """Round to nearest on the grid the checkpoint stores (quantcore.quantize.fake_quantize_weight)."""
+    return fake_quantize_weight(w, spec, scale=scale)[0]
+
+
 def output_error(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> float:
     return float(((x @ (w - q).T) ** 2).mean())
 
@@ -51,7 +56,7 @@ def test_diagonal_hessian_is_round_to_nearest_bit_for_bit(name):
     spec = get_scheme(name).weights
     w = weight(192, 320)
     diag = torch.diag(torch.rand(320, generator=torch.Generator().manual_seed(2)) + 0.5)
-    assert torch.equal(gptq_quantize(w, diag, spec).weight, fake_quantize_spec(w, spec))
+    assert torch.equal(gptq_quantize(w, diag, spec).weight, rtn(w, spec))
 
 
 @pytest.mark.parametrize("name", GPTQ_FORMATS)
@@ -60,13 +65,12 @@ def test_gptq_lowers_the_output_error_and_stays_on_rtn_grid(name):
     x = correlated_inputs(320)
     w = weight(192, 320)
     res = gptq_quantize(w, hessian_of(x), spec)
-    rtn = fake_quantize_spec(w, spec)
+    nearest = rtn(w, spec)
     assert not res.rtn_fallback and res.dead == 0
-    assert output_error(x, w, res.weight) < 0.6 * output_error(x, w, rtn)
-    assert not torch.equal(res.weight, rtn)
+    assert output_error(x, w, res.weight) < 0.6 * output_error(x, w, nearest)
+    assert not torch.equal(res.weight, nearest)
     # the same scales: quantizing the GPTQ weight again with RTN's scales changes nothing
-    scale = quantize(w, spec.format, spec.granularity, group_size=spec.group_size, block=spec.block).scale
-    assert torch.equal(fake_quantize_spec(res.weight, spec, scale=scale), res.weight)
+    assert torch.equal(rtn(res.weight, spec, weight_scale(w, spec)), res.weight)
 
 
 def test_lazy_block_updates_equal_column_by_column():
@@ -90,8 +94,7 @@ def test_dead_channels_get_zero_weight_and_activation_order_is_optional():
     res = gptq_quantize(w, h, spec)
     assert res.dead == 1 and torch.all(res.weight[:, 10] == 0)
     plain = gptq_quantize(w, h, spec, actorder=False).weight
-    rtn = fake_quantize_spec(w, spec)
-    assert output_error(x, w, plain) < output_error(x, w, rtn)
+    assert output_error(x, w, plain) < output_error(x, w, rtn(w, spec))
 
 
 def test_bad_shapes_and_formats_are_refused():
@@ -162,7 +165,7 @@ def test_apply_plan_needs_hessians_and_restores_exactly(tiny_llama, tiny_input_i
     applied.restore()
     assert torch.equal(model.get_submodule(layer).weight, before)
     assert torch.equal(got, gptq_quantize(before, hess[layer], get_scheme("W4A16").weights).weight)
-    assert not torch.equal(got, fake_quantize_spec(before, get_scheme("W4A16").weights))
+    assert not torch.equal(got, rtn(before, get_scheme("W4A16").weights))
 
 
 def test_smoothquant_gptq_plan_uses_the_transformed_hessian(tiny_llama, tiny_input_ids, channel_max_of):
@@ -223,25 +226,30 @@ def test_same_weights_as_llm_compressors_gptq(tmp_path):
         x = correlated_inputs(384, seed=10 + i)
         w = weight(96, 384, seed=20 + i)
         h = hessian_of(x)
-        # scales 20 % above RTN's: GPTQ's updates then stay inside both grids (llm-compressor's int grid
-        # reaches -2^(b-1), a code quantcore leaves unused), so the two must pick the same grid points
-        scale = quantize(w, spec.format, spec.granularity, group_size=spec.group_size).scale * 1.2
+        # the scales llm-compressor's min-max observer computes: amax / 7.5 (INT4), amax / 127.5 (INT8)
+        scale = weight_scale(w, spec)
         tensors.update({f"{case}.weight": w, f"{case}.hessian": h, f"{case}.scale": scale.reshape(96, -1),
                         f"{case}.args": torch.tensor([bits, group])})
-        ours[case] = (gptq_quantize(w, h, spec, scale=scale).weight, fake_quantize_spec(w, spec, scale=scale), x, w)
+        ours[case] = (gptq_quantize(w, h, spec).weight, rtn(w, spec), x, w)
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "in.safetensors")
     run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_gptq.py"), str(tmp_path / "in.safetensors"),
                           str(tmp_path / "out.safetensors")], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     theirs = load_file(tmp_path / "out.safetensors")
-    for case, (mine, rtn, x, w) in ours.items():
+    for case, (scheme, _, _) in cases.items():  # round to nearest: the same scales and weights as compressed-tensors
+        spec = get_scheme(scheme).weights
+        w = tensors[f"{case}.weight"]
+        torch.testing.assert_close(weight_scale(w, spec).reshape(96, -1), theirs[f"{case}.ct_scale"].float(),
+                                   rtol=1e-6, atol=0)
+        assert (rtn(w, spec) != theirs[f"{case}.ct_rtn"]).float().mean() < 1e-3, case
+    for case, (mine, rtn_w, x, w) in ours.items():
         other = theirs[f"{case}.weight"]
         assert int(theirs[f"{case}.fallback"]) == 0
-        # the float order of the updates differs: a weight on a rounding tie may flip, and the rest of its row
-        # then follows another path (seen: 1 row of 96 for w4_group); every other row is the same, bit for bit
-        assert (other != mine).any(dim=1).float().mean() <= 0.03, case
+        # the same weights bit for bit here (0 of 96 rows differ); another BLAS may order a sum differently, put a
+        # weight on the other side of a rounding tie and send the rest of its row down another path: one row, no more
+        assert int((other != mine).any(dim=1).sum()) <= 1, case
         assert output_error(x, w, mine) == pytest.approx(output_error(x, w, other), rel=0.01)
-        assert output_error(x, w, other) < 0.6 * output_error(x, w, rtn)
+        assert output_error(x, w, other) < 0.6 * output_error(x, w, rtn_w)
 
 
 @pytest.mark.gpu

@@ -759,3 +759,58 @@ def test_property_error_and_saturation_bounds_per_tensor(fmt, x):
         top = fmt_obj.top_step * (q.scale if q.tensor_scale is None else q.scale * q.tensor_scale)
         assert y.abs().amax() <= amax + (top.max() / 2).item() * (1 + 1e-6)
     assert 0.0 <= report.saturation <= 1.0 and 0.0 <= report.underflow <= 1.0
+
+
+# ---------------------------------------------------------------------------- weights as checkpoints store them
+
+
+def grid_divisor(qmin: int, qmax: int) -> float:
+    return (qmax - qmin) / 2
+
+
+@pytest.mark.parametrize(("scheme", "qmin", "qmax", "group"), [("W4A16", -8, 7, 128), ("W8A16", -128, 127, None)])
+def test_int_weights_sit_on_compressed_tensors_grid(scheme, qmin, qmax, group):
+    """Symmetric int weights as compressed-tensors stores them: scale amax / ((qmax - qmin) / 2), codes
+    qmin..qmax; the most negative weight of a group lands on qmin, the largest positive one clips to qmax."""
+    from quantcore.quantize import fake_quantize_weight, int_weight_grid, weight_scale
+    from quantcore.schemes import get_scheme
+
+    spec = get_scheme(scheme).weights
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=gen)
+    w[0, 5] = -grid_divisor(qmin, qmax)  # row 0 (and its first group): the amax is negative; its scale is 1.0
+    w[1, 7] = grid_divisor(qmin, qmax)  # row 1: the amax is positive
+    grid = int_weight_grid(spec.format)
+    assert (grid.qmin, grid.qmax, grid.divisor) == (qmin, qmax, (qmax - qmin) / 2)
+    scale = weight_scale(w, spec)
+    per = w.reshape(64, -1, group) if group else w.unsqueeze(1)
+    assert torch.equal(scale.reshape(64, -1), (per.abs().amax(-1).double() / grid.divisor).float())
+    wq, report = fake_quantize_weight(w, spec)
+    s0 = scale.reshape(64, -1)[0, 0]
+    s1 = scale.reshape(64, -1)[1, 0]
+    assert s0 == s1 == 1.0
+    assert wq[0, 5] == qmin and wq[1, 7] == qmax  # -amax exactly on qmin, +amax clipped by half a step
+    codes = wq.reshape(64, -1, group or 256) / scale.reshape(64, -1, 1)
+    assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.min() >= qmin - 1e-4 and codes.max() <= qmax + 1e-4
+    assert report.n_saturated == 0 and report.n_elements == w.numel() and report.scale is not None
+    again, none = fake_quantize_weight(w, spec, report=False)
+    assert torch.equal(again, wq) and none.n_elements == 0
+    # float formats keep fake_quantize's grid and report
+    fp8 = get_scheme("FP8_DYNAMIC").weights
+    got, rep = fake_quantize_weight(w, fp8)
+    want, want_rep = fake_quantize_with_report(w, "fp8_e4m3", "channel")
+    assert torch.equal(got, want) and rep.n_underflow == want_rep.n_underflow
+
+
+def test_apply_plan_puts_int_weights_on_the_checkpoint_grid(tiny_llama):
+    from quantcore.apply import apply_plan
+    from quantcore.quantize import fake_quantize_weight
+    from quantcore.schemes import get_scheme
+
+    layer = "model.layers.0.mlp.down_proj"
+    w = tiny_llama.get_submodule(layer).weight.detach().clone()
+    applied = apply_plan(tiny_llama, {layer: "W4A16"})
+    got = tiny_llama.get_submodule(layer).weight.detach().clone()
+    applied.restore()
+    assert torch.equal(got, fake_quantize_weight(w, get_scheme("W4A16").weights)[0])
+    assert not torch.equal(got, fake_quantize(w, "int4", "group", group_size=128))  # not the -7..7 grid
