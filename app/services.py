@@ -413,6 +413,23 @@ def reference_cache_bytes(model: ModelRecord, samples: int, seq_len: int) -> int
     return None if not vocab else samples * (seq_len - 1) * vocab * REFERENCE_BYTES_PER_LOGPROB
 
 
+def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
+    """What to tell a person about a stored score: what its job noticed, and whether older numerics make it
+    incomparable with newer scores (int weights scored before they moved to compressed-tensors' grid)."""
+    from quantcore.schemes import NUMERICS_INT_WEIGHT_GRID
+
+    notes = list(score.notes)
+    if int(score.details.get("numerics") or 1) < NUMERICS_INT_WEIGHT_GRID:
+        resolved, _ = resolve(model, score.plan_body)
+        ints = [n for n, s in (resolved or {}).items() if s.weights is not None and s.weights.format in ("int8", "int4")]
+        if ints or resolved is None:
+            notes.append(
+                f"scored by an older quantplan, with {len(ints) or 'its'} int-weight layer(s) on a -7..7 / -127..127 "
+                "grid; llm-compressor stores int weights on -8..7 / -128..127 with scale amax / 7.5 (amax / 127.5), "
+                "which quantplan uses now: score the plan again before comparing it with newer scores")
+    return notes
+
+
 def score_frames(scores: list[ScoreRecord]):
     """(KL histogram frame [label, center, share], KL-by-position frame [position, kl, label]) of scores."""
     import numpy as np

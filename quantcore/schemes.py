@@ -46,6 +46,12 @@ W4_GROUP_SIZE = 128  # INT4 weight group along K, as in compressed-tensors' W4A1
 FP8_BLOCK = (128, 128)  # DeepSeek-V3 weight tile (rows of N, columns of K)
 FP8_ACT_GROUP = 128  # DeepSeek-V3 activation tile: 1 x 128 along K, per token
 IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
+# What a stored score's numbers mean, for reading old scores beside new ones (ScoreReport.numerics):
+#   1  int weights on a symmetric grid, the most negative code unused (scale amax / 127, amax / 7)
+#   2  int weights on compressed-tensors' grid (amax / 127.5, amax / 7.5; codes -128..127, -8..7), as llm-compressor
+#      writes them (quantcore.quantize.fake_quantize_weight); the GPTQ presets. A stored score without it is 1.
+NUMERICS = 2
+NUMERICS_INT_WEIGHT_GRID = 2  # the first version with int weights on compressed-tensors' grid
 # GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
 GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
 GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from quantcore.errors import Cancelled, PlanError, QuantcoreError, name_list
-from quantcore.schemes import Scheme, get_scheme
+from quantcore.schemes import NUMERICS, Scheme, get_scheme
 
 Progress = Callable[[float, str], None]
 ShouldCancel = Callable[[], bool]
@@ -454,7 +454,6 @@ def compute_reference(
 
 # ---------------------------------------------------------------------- the report
 
-
 @dataclass
 class ScoreReport:
     """How far a quantized model's next-token distributions are from the reference.
@@ -470,6 +469,8 @@ class ScoreReport:
     kv_cache:       the KV cache format scored (:mod:`quantcore.kvcache`; ``AUTO``: not quantized)
     kv_saturation:  ``{attention layer: fraction of K and V elements clipped}`` under that format
     notes:          messages for people about how the plan was applied (e.g. smoothing skipped)
+    numerics:       :data:`quantcore.schemes.NUMERICS` of the quantcore that scored it (1 when a stored report
+                    has none)
     """
 
     kl_mean: float
@@ -487,6 +488,7 @@ class ScoreReport:
     kv_cache: str = "AUTO"
     kv_saturation: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    numerics: int = NUMERICS
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (floats, ints, lists); :meth:`from_dict` inverts it."""
@@ -494,7 +496,7 @@ class ScoreReport:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScoreReport:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        return cls(**{"numerics": 1, **{k: data[k] for k in cls.__dataclass_fields__ if k in data}})
 
 
 def summarize(

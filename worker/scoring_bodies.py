@@ -221,7 +221,9 @@ def sensitivity(ctx: JobContext) -> Outcome:
                                  should_cancel=ctx.should_cancel, weight_hessians=hessians)
         name = scheme.name
     dicts = [r.to_dict() for r in rows]
-    result = {"scheme": name, "units": len(dicts), "text": label,
+    from quantcore.schemes import NUMERICS
+
+    result = {"scheme": name, "units": len(dicts), "text": label, "numerics": NUMERICS,
               "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
 
     def write(s: Session) -> None:

@@ -107,7 +107,7 @@ else:
             col.caption(f"perplexity {s.ppl_ref:.2f} → {s.ppl:.2f} · p99 KL {s.kl_p99:.3g} · max {s.kl_max:.3g}"
                         + (f" · KV cache {s.kv_cache}" if s.kv_cache != "AUTO" else ""))
         for s in chosen:
-            for note in s.notes:
+            for note in svc.score_notes(model, s):
                 st.warning(f"#{s.job_id} {s.plan_label}: {note}")
         hist, pos = svc.score_frames(chosen)
         if not hist.empty:

@@ -842,3 +842,35 @@ def test_results_and_kernels_pages_follow_their_jobs_live(seeded):
     at = _run("kernels", seeded.id)
     bars = [p.proto.text for p in at.get("progress")]
     assert any(f"Benchmark job #{bench.id} (cpu M 1) queued" in t for t in bars), bars
+
+
+def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
+    """A score stored before int weights moved to compressed-tensors' grid is flagged when its plan has int weights;
+    one from this quantcore, or a plan without int weights, is not."""
+    from app import services as svc
+    from quantcore.schemes import NUMERICS
+
+    old = _add_score(seeded.id, "INT8_W8A8", {"default": "INT8_W8A8"}, 0.04)  # no "numerics": an older quantplan
+    new = _add_score(seeded.id, "W4A16", {"default": "W4A16"}, 0.8)
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        score = repo.get_score(s, new)
+        repo.save_score(s, job_id=new, model_id=seeded.id, plan_id=None, plan_label="W4A16",
+                        plan_body={"default": "W4A16"}, dataset=score.dataset,
+                        report={**{k: getattr(score, k) for k in ("kl_mean", "kl_p50", "kl_p90", "kl_p99", "kl_max",
+                                                                  "top1_agree", "ppl_ref", "ppl", "tokens")},
+                                "numerics": NUMERICS})
+    scores = {s.job_id: s for s in svc.list_scores(seeded.id)}
+    fp8 = next(s for s in scores.values() if s.plan_label == "FP8_DYNAMIC")
+    assert svc.score_notes(seeded, fp8) == []  # no int weights: the grid change did not touch it
+    assert svc.score_notes(seeded, scores[new]) == []
+    (note,) = svc.score_notes(seeded, scores[old])
+    assert "older quantplan" in note and "-8..7" in note
+    at = _run("results", seeded.id)
+    at.multiselect(key="results_compare").set_value([old, new]).run()
+    assert not at.exception
+    warnings = [w.value for w in at.warning]
+    assert any(w.startswith(f"#{old} INT8_W8A8: scored by an older quantplan") for w in warnings)
+    assert not any(w.startswith(f"#{new} ") for w in warnings)

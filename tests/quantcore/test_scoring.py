@@ -364,3 +364,14 @@ def test_token_stats_do_not_depend_on_the_block_size(monkeypatch):
         assert torch.equal(got.kl, results[0][1].kl) and torch.equal(got.argmax, results[0][1].argmax)
     assert torch.equal(results[0][0].argmax, ref_logits.argmax(dim=-1))
     assert (results[0][0].argmax == 5).all()
+
+
+def test_score_reports_say_which_numerics_made_them():
+    from quantcore.schemes import NUMERICS
+    from quantcore.scoring import ScoreReport
+
+    rep = ScoreReport(0.1, 0.1, 0.1, 0.1, 0.1, 0.9, 10.0, 11.0, 100)
+    assert rep.numerics == NUMERICS >= 2 and rep.to_dict()["numerics"] == NUMERICS
+    stored = {k: v for k, v in rep.to_dict().items() if k != "numerics"}  # written before the field existed
+    assert ScoreReport.from_dict(stored).numerics == 1
+    assert ScoreReport.from_dict(rep.to_dict()) == rep
