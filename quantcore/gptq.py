@@ -1,7 +1,7 @@
 """GPTQ weight rounding: quantize a weight column by column and push each column's error onto the columns
 not yet quantized, weighted by the inverse Hessian of the layer's inputs [Frantar et al. 2022, GPTQ].
 
-Round-to-nearest (RTN, what :func:`quantcore.quantize.fake_quantize` does) minimises each weight's own
+Round-to-nearest (RTN, what :func:`quantcore.quantize.fake_quantize_weight` does) minimises each weight's own
 error. GPTQ minimises the error of the layer's *output* on calibration inputs, ``||X Wᵀ - X Qᵀ||²``, whose
 Hessian with respect to a weight row is ``H = 2 Xᵀ X / n`` (K × K, the same for every row). It is what
 llm-compressor's ``GPTQModifier`` runs, and what its W4A16 and W8A8 examples use, so a plan that will be
@@ -9,8 +9,10 @@ exported with GPTQ is scored with GPTQ here, not with RTN (which overstates a 4-
 
 The algorithm follows llm-compressor 0.14's ``quantize_weight`` (eager path), with its defaults:
 
-* scales (and their grid) come from the original weight, as RTN's do (:func:`quantcore.quantize.quantize`
-  with the scheme's granularity); GPTQ changes which grid point each weight takes, never the scales;
+* scales (and their grid) come from the original weight, as RTN's do (:func:`quantcore.quantize.weight_scale`:
+  for int formats compressed-tensors' min-max scales, amax / 7.5 or amax / 127.5, and codes -8..7 / -128..127);
+  GPTQ changes which grid point each weight takes, never the scales. Given the same weight, Hessian and scales,
+  the result is llm-compressor's bit for bit (tests/quantcore/test_gptq.py);
 * dead inputs (``H[j, j] == 0``: a channel that was always 0) get ``H[j, j] = 1`` and weight 0;
 * dampening ``H += 0.01 · mean(diag H) · I``; a Hessian that is still not positive definite falls back to RTN
   for that layer (reported);
@@ -98,7 +100,7 @@ def gptq_quantize(
     weight in ``weight``'s dtype (every value on the grid of RTN's scales).
 
     With a diagonal Hessian no error is propagated and the result is RTN's, bit for bit.
-    ``scale``: other scales to keep (the granularity's scale shape, as :func:`quantcore.quantize.quantize`
+    ``scale``: other scales to keep (the granularity's scale shape, as :func:`quantcore.quantize.weight_scale`
     returns them); default RTN's, from the weight itself.
     """
     why = gptq_unsupported(spec)
