@@ -430,6 +430,31 @@ def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
     return notes
 
 
+def stale_sweeps(model: ModelRecord) -> dict[int, str]:
+    """{sweep job id: why to sweep again} for the newest sweep of each int-weight scheme when an older quantplan
+    made it, its int weights on the former grid (sensitivity jobs record ``numerics`` since that change)."""
+    from quantcore.schemes import NUMERICS_INT_WEIGHT_GRID, get_scheme
+
+    out: dict[int, str] = {}
+    seen: set[str] = set()
+    for job in sensitivity_jobs(model.id):  # newest first: the sweep the planner reads for each scheme
+        result = job.result or {}
+        name = str(result.get("scheme") or job.params.get("scheme") or "")
+        if not name or name in seen or name.startswith(repo.KV_SWEEP_PREFIX) or job.params.get("kv_sweep"):
+            continue
+        seen.add(name)
+        try:
+            scheme = get_scheme(name)
+        except ValueError:
+            continue
+        ints = scheme.weights is not None and scheme.weights.format in ("int8", "int4")
+        if ints and int(result.get("numerics") or 1) < NUMERICS_INT_WEIGHT_GRID:
+            out[job.id] = (f"the {name} sweep (job #{job.id}) was made by an older quantplan, its int weights on a "
+                           "-7..7 / -127..127 grid instead of the -8..7 / -128..127 llm-compressor stores: sweep "
+                           f"{name} again before planning with it")
+    return out
+
+
 def score_frames(scores: list[ScoreRecord]):
     """(KL histogram frame [label, center, share], KL-by-position frame [position, kl, label]) of scores."""
     import numpy as np
@@ -1109,6 +1134,9 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         result.notes.append(f"KV cache {kv}: KL {kv_kl:.4g} measured alone (score job #{alone.job_id}); the linear "
                             f"layers were chosen under the rest of the budget ({kl_budget - kv_kl:.4g}) and the "
                             "prediction adds the two (the KLs of independent small errors roughly add)")
+    stale = stale_sweeps(model)
+    result.notes += [why for job_id, why in stale.items()
+                     if any(f"the {c} sweep (job #{job_id})" in why for c in cands)]
     if cost == "ideal":
         result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet")
     elif table is None:

@@ -874,3 +874,30 @@ def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
     warnings = [w.value for w in at.warning]
     assert any(w.startswith(f"#{old} INT8_W8A8: scored by an older quantplan") for w in warnings)
     assert not any(w.startswith(f"#{new} ") for w in warnings)
+
+
+def test_a_sweep_from_before_the_int_weight_grid_is_named_on_results_and_in_the_auto_plan(seeded):
+    """The seeded INT8_PER_TENSOR sweep has no numerics (an older quantplan): Results and the automatic plan say to
+    sweep it again; once a newer sweep of the scheme is stored, neither does."""
+    from app import services as svc
+    from quantcore.schemes import NUMERICS
+    from store import repo
+    from store.db import session_scope
+
+    (old,) = [j.id for j in svc.sensitivity_jobs(seeded.id)]
+    assert set(svc.stale_sweeps(seeded)) == {old}
+    at = _run("results", seeded.id)
+    assert not at.exception
+    assert any(w.value.startswith(f"The INT8_PER_TENSOR sweep (job #{old}) was made by an older quantplan")
+               for w in at.warning)
+    result, _, _ = svc.auto_plan(seeded, kl_budget=0.5, target="h100", verify=False)
+    assert any(f"the INT8_PER_TENSOR sweep (job #{old})" in n for n in result.notes)
+    with session_scope() as s:
+        new = repo.create_job(s, kind="sensitivity", params={"scheme": "INT8_PER_TENSOR"}, queue="cpu", user=None,
+                              model_id=seeded.id)
+        repo.save_sensitivity(s, job_id=new.id, model_id=seeded.id, scheme="INT8_PER_TENSOR",
+                              rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 0.01,
+                                     "top1_agree": 0.9, "sqnr_db": 20.0} for lin in seeded.linears])
+        repo.finish_job(s, new.id, status="succeeded",
+                        result={"scheme": "INT8_PER_TENSOR", "units": len(seeded.linears), "numerics": NUMERICS})
+    assert svc.stale_sweeps(seeded) == {}
