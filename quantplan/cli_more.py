@@ -192,6 +192,9 @@ def cmd_scores(args) -> int:
         frame[f"front_{cost}"] = svc.with_front(frame, cost)["front"]
     rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
             for row in frame.to_dict("records")]
+    by_job = {s.job_id: s for s in scores}
+    for r in rows:  # what each score's job noticed, and whether older numerics made it
+        r["notes"] = svc.score_notes(model, by_job[r["job"]])
     if args.json:
         _print_json({"model": model.name, "text": eval_set[0], "positions": eval_set[1], "timings": args.timings,
                      "m_prefill": m_prefill, "m_decode": m_decode, "target": args.target,
@@ -212,6 +215,9 @@ def cmd_scores(args) -> int:
     for r in rows:
         print(f"  {r['plan']:<{width}}  {r['kl_mean']:9.5f}  {r['top1_agree']:6.3f}"
               + "".join(cell(r, c, f, w) for c, _, f, w in costs))
+    for r in rows:
+        for note in r["notes"]:
+            print(f"  note: #{r['job']} {r['plan']}: {note}")
     if args.target:
         print(f"  ideal: the roofline bound on {svc.target_names()[args.target]} from its datasheet (weights read at "
               f"{svc.target_bandwidth(args.target):g} TB/s or math at the native peak, whichever is longer)")

@@ -144,6 +144,7 @@ def check_scores_command(capsys, bench_records: list[dict]) -> None:
     assert 0.5 < int8["weight_ratio"] < 0.6  # 8 of 16 bits, plus one scale per tensor
     # each is best at one thing (BF16: KL, INT8: memory), so both are on the front
     assert bf16["front_weight_mib"] and int8["front_weight_mib"]
+    assert bf16["notes"] == [] and int8["notes"] == []  # scored by this quantplan: nothing to say
     assert bf16["prefill_ms"] is None and "front_decode_ms" not in bf16
 
     device = svc.kernel_devices()[0][1]
@@ -158,6 +159,23 @@ def check_scores_command(capsys, bench_records: list[dict]) -> None:
     code, out, err = run(capsys, "scores", "tiny", "--timings", device)
     assert code == 0, err
     assert "BF16" in out and "INT8_PER_TENSOR" in out and "prefill ms (M=32)" in out and "*" in out
+    # a score an older quantplan stored (no numerics) of a plan with int weights is named, in text and JSON
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        mine = repo.get_score(s, int8["job"])
+        old = repo.create_job(s, kind="score", params={"scheme": "W8A16"}, queue="cpu", user=None, model_id=model.id)
+        repo.save_score(s, job_id=old.id, model_id=model.id, plan_id=None, plan_label="W8A16",
+                        plan_body={"default": "W8A16"}, dataset=mine.dataset,
+                        report={k: getattr(mine, k) for k in ("kl_mean", "kl_p50", "kl_p90", "kl_p99", "kl_max",
+                                                              "top1_agree", "ppl_ref", "ppl", "tokens")})
+        repo.finish_job(s, old.id, status="succeeded")
+    code, out, _ = run(capsys, "scores", "tiny")
+    assert code == 0 and f"note: #{old.id} W8A16: scored by an older quantplan" in out
+    assert "note: #" + str(int8["job"]) not in out
+    (w8,) = [p for p in run_json(capsys, "scores", "tiny", "--json")["plans"] if p["plan"] == "W8A16"]
+    assert len(w8["notes"]) == 1
 
     ideal = run_json(capsys, "scores", "tiny", "--target", "h100", "--batch", "4", "--prompt", "512", "--json")
     assert (ideal["target"], ideal["ideal_m_decode"], ideal["ideal_m_prefill"]) == ("h100", 4, 512)
