@@ -413,6 +413,11 @@ def reference_cache_bytes(model: ModelRecord, samples: int, seq_len: int) -> int
     return None if not vocab else samples * (seq_len - 1) * vocab * REFERENCE_BYTES_PER_LOGPROB
 
 
+# how results from before NUMERICS_INT_WEIGHT_GRID differ from newer ones
+_OLD_INT_GRID = ("int weights on a -7..7 / -127..127 grid instead of the -8..7 / -128..127 (scale amax / 7.5, "
+                 "amax / 127.5) llm-compressor stores and quantplan uses now")
+
+
 def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
     """What to tell a person about a stored score: what its job noticed, and whether older numerics make it
     incomparable with newer scores (int weights scored before they moved to compressed-tensors' grid)."""
@@ -421,21 +426,20 @@ def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
     notes = list(score.notes)
     if int(score.details.get("numerics") or 1) < NUMERICS_INT_WEIGHT_GRID:
         resolved, _ = resolve(model, score.plan_body)
-        ints = [n for n, s in (resolved or {}).items() if s.weights is not None and s.weights.format in ("int8", "int4")]
+        ints = [n for n, s in (resolved or {}).items() if s.int_weights]
         if ints or resolved is None:
-            notes.append(
-                f"scored by an older quantplan, with {len(ints) or 'its'} int-weight layer(s) on a -7..7 / -127..127 "
-                "grid; llm-compressor stores int weights on -8..7 / -128..127 with scale amax / 7.5 (amax / 127.5), "
-                "which quantplan uses now: score the plan again before comparing it with newer scores")
+            notes.append(f"scored by an older quantplan ({len(ints) or 'its'} layer(s) with {_OLD_INT_GRID}): score "
+                         "the plan again before comparing it with newer scores")
     return notes
 
 
-def stale_sweeps(model: ModelRecord) -> dict[int, str]:
-    """{sweep job id: why to sweep again} for the newest sweep of each int-weight scheme when an older quantplan
-    made it, its int weights on the former grid (sensitivity jobs record ``numerics`` since that change)."""
+def stale_sweeps(model: ModelRecord) -> dict[int, tuple[str, str]]:
+    """{sweep job id: (scheme, why to sweep again)} for the newest sweep of each int-weight scheme when an older
+    quantplan made it, its int weights on the former grid (sensitivity jobs record ``numerics`` since that
+    change)."""
     from quantcore.schemes import NUMERICS_INT_WEIGHT_GRID, get_scheme
 
-    out: dict[int, str] = {}
+    out: dict[int, tuple[str, str]] = {}
     seen: set[str] = set()
     for job in sensitivity_jobs(model.id):  # newest first: the sweep the planner reads for each scheme
         result = job.result or {}
@@ -447,11 +451,9 @@ def stale_sweeps(model: ModelRecord) -> dict[int, str]:
             scheme = get_scheme(name)
         except ValueError:
             continue
-        ints = scheme.weights is not None and scheme.weights.format in ("int8", "int4")
-        if ints and int(result.get("numerics") or 1) < NUMERICS_INT_WEIGHT_GRID:
-            out[job.id] = (f"the {name} sweep (job #{job.id}) was made by an older quantplan, its int weights on a "
-                           "-7..7 / -127..127 grid instead of the -8..7 / -128..127 llm-compressor stores: sweep "
-                           f"{name} again before planning with it")
+        if scheme.int_weights and int(result.get("numerics") or 1) < NUMERICS_INT_WEIGHT_GRID:
+            out[job.id] = (name, f"the {name} sweep (job #{job.id}) was made by an older quantplan, with "
+                                 f"{_OLD_INT_GRID}: sweep {name} again before planning with it")
     return out
 
 
@@ -1134,9 +1136,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         result.notes.append(f"KV cache {kv}: KL {kv_kl:.4g} measured alone (score job #{alone.job_id}); the linear "
                             f"layers were chosen under the rest of the budget ({kl_budget - kv_kl:.4g}) and the "
                             "prediction adds the two (the KLs of independent small errors roughly add)")
-    stale = stale_sweeps(model)
-    result.notes += [why for job_id, why in stale.items()
-                     if any(f"the {c} sweep (job #{job_id})" in why for c in cands)]
+    result.notes += [why for scheme, why in stale_sweeps(model).values() if scheme in cands]
     if cost == "ideal":
         result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet")
     elif table is None:

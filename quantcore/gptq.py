@@ -33,7 +33,7 @@ SmoothQuant: a smoothed layer computes ``(X / s) (W · s)ᵀ``; its Hessian is `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -123,7 +123,7 @@ def _gptq(weight, hessian, spec, block_size, dampening, actorder, scale) -> Gptq
     fmt = spec.format
     W = weight.detach().to(GPTQ_PRECISION).clone()
     if scale is None:
-        scale = weight_scale(weight.detach().to(GPTQ_PRECISION), spec)
+        scale = weight_scale(W, spec)
     elif not bool(torch.isfinite(scale).all() and (scale > 0).all()):
         raise ValueError("GPTQ scales must be finite and > 0")
     S = element_scales(scale.to(W.device), spec, (n, k)).contiguous()
@@ -256,11 +256,6 @@ def collect_hessians(
     return {n: hess[owner[n]] for n in names}
 
 
-def hessians_needed(plan: Mapping[str, object]) -> list[str]:
-    """The layers of a resolved plan ({layer: Scheme}) whose scheme rounds its weights with GPTQ."""
-    return [n for n, s in plan.items() if getattr(s, "gptq", False)]
-
-
 __all__ = [
     "GPTQ_ACTORDER",
     "GPTQ_BLOCK_SIZE",
@@ -269,6 +264,5 @@ __all__ = [
     "collect_hessians",
     "gptq_quantize",
     "gptq_unsupported",
-    "hessians_needed",
     "smoothed_hessian",
 ]

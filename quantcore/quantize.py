@@ -958,12 +958,11 @@ def fake_quantize_weight(
     The report counts saturation beyond half a step outside the grid, flushed non-zeros and NaN; with
     ``report=False`` its counts are all 0 and the passes that count are skipped.
     """
-    if int_weight_grid(spec.format) is None or weight.dim() != 2:
+    grid = int_weight_grid(spec.format)
+    if grid is None or weight.dim() != 2:
         if report:
             return fake_quantize_with_report(weight, spec.format, **_spec_args(spec), scale=scale)
         return fake_quantize(weight, spec.format, **_spec_args(spec), scale=scale), QuantReport(0, 0, 0, 0, 0)
-    grid = int_weight_grid(spec.format)
-    assert grid is not None
     s = weight_scale(weight, spec) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
     w = weight.to(_work_dtype(weight))
     S = element_scales(s, spec, tuple(w.shape)).to(w.dtype)

@@ -263,6 +263,12 @@ class Scheme:
         return self.activations.bits if self.activations is not None else IDENTITY_BITS
 
     @property
+    def int_weights(self) -> bool:
+        """The weights are stored as integers (INT8, INT4): the formats whose grid changed in
+        :data:`NUMERICS_INT_WEIGHT_GRID`."""
+        return self.weights is not None and get_format(self.weights.format).kind == "int"
+
+    @property
     def needs_hessians(self) -> bool:
         """True when applying the scheme needs GPTQ Hessians, i.e. forwards of calibration text."""
         return self.gptq and not self.is_identity

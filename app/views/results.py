@@ -206,7 +206,7 @@ sweep_id = st.selectbox("Sweep", [j.id for j in sweeps],
 rows = svc.sensitivity_rows(sweep_id)
 stale = svc.stale_sweeps(model).get(sweep_id)
 if stale:
-    st.warning(stale[0].upper() + stale[1:])
+    st.warning(stale[1][0].upper() + stale[1][1:])
 df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db,
                     "proj": svc.unit_block_proj(r.layers)[1]} for r in rows])
 st.altair_chart(charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
