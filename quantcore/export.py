@@ -620,6 +620,7 @@ class _Group:
     acts: dict[str, Any] | None
     layers: list[str]
     schemes: list[str]  # scheme names, in order of appearance
+    gptq: bool = False  # its weights are GPTQ-rounded (only when grouped with split_gptq)
 
     @property
     def preset(self) -> str | None:
@@ -662,10 +663,13 @@ def _as_plan(plan: Mapping[str, Scheme | str], layer_names: Sequence[str]) -> di
     return out
 
 
-def _group_plan(plan: Mapping[str, Scheme], layer_names: Sequence[str]) -> tuple[list[_Group], list[str]]:
-    """Config groups (by quantization args) and the BF16 layers; PlanError for what cannot be expressed."""
+def _group_plan(
+    plan: Mapping[str, Scheme], layer_names: Sequence[str], *, split_gptq: bool = False
+) -> tuple[list[_Group], list[str]]:
+    """Config groups (by quantization args; ``split_gptq``: and by GPTQ or round-to-nearest weights) and the
+    BF16 layers; PlanError for what cannot be expressed."""
     problems: dict[str, list[str]] = {}
-    groups: dict[tuple[Any, Any], _Group] = {}
+    groups: dict[tuple[Any, ...], _Group] = {}
     unquantized: list[str] = []
     for layer in layer_names:
         s = plan[layer]
@@ -676,8 +680,8 @@ def _group_plan(plan: Mapping[str, Scheme], layer_names: Sequence[str]) -> tuple
         if why:
             problems.setdefault(f"{s.name}: {'; '.join(why)}", []).append(layer)
             continue
-        key = _scheme_args_key(w, a)
-        g = groups.setdefault(key, _Group(w, a, [], []))
+        gptq = split_gptq and s.gptq
+        g = groups.setdefault((*_scheme_args_key(w, a), gptq), _Group(w, a, [], [], gptq))
         g.layers.append(layer)
         if s.name not in g.schemes:
             g.schemes.append(s.name)
@@ -872,10 +876,12 @@ _RecipeDumper.add_representer(
 
 
 def _quant_modifier(
-    groups: Sequence[_Group], unquantized: Sequence[str], layer_names: Sequence[str]
+    groups: Sequence[_Group], unquantized: Sequence[str], layer_names: Sequence[str], *, every_quantized: bool = True
 ) -> dict[str, Any]:
+    """One quantization modifier's arguments for ``groups``; ``every_quantized``: they hold every quantized layer
+    of the plan, so a single group may target the class ``Linear`` (else each group names its layers)."""
     ignore = compact_targets(unquantized, layer_names)
-    if len(groups) == 1:
+    if len(groups) == 1 and every_quantized:
         g = groups[0]
         body: dict[str, Any] = {"targets": [LINEAR_CLASS]}
         if g.preset is not None:
@@ -922,7 +928,10 @@ def to_llmcompressor_recipe(
 
     One ``QuantizationModifier``: ``scheme: <preset>`` with ``targets: [Linear]`` when every
     quantized layer shares one llm-compressor preset; ``scheme: {preset: targets}`` when every
-    group is a preset; else explicit ``config_groups``. BF16 layers go to ``ignore``. Layers
+    group is a preset; else explicit ``config_groups``. BF16 layers go to ``ignore``. Layers with
+    GPTQ schemes (``W4A16_GPTQ``...) go to a ``GPTQModifier`` instead, written the same way; a plan
+    with both gets both, the GPTQModifier first, each naming its own layers (llm-compressor runs
+    them one after the other, so the round-to-nearest layers stay round-to-nearest). Layers
     with a SmoothQuant alpha get a ``SmoothQuantModifier`` per distinct alpha (its
     ``smoothing_strength``), placed before the quantization, with Llama-style mappings
     (q/k/v <- input_layernorm, gate/up <- post_attention_layernorm, down <- up_proj) limited
@@ -982,12 +991,19 @@ def to_llmcompressor_recipe(
     gptq = [n for n in names if resolved[n].gptq]
     rtn = [n for n in names if not resolved[n].gptq and not resolved[n].is_identity]
     if groups:
-        body = _quant_modifier(groups, unquantized, names)
+        # GPTQ layers go to a GPTQModifier, the others to a QuantizationModifier: llm-compressor (0.8+) runs
+        # several modifiers one after the other (its "independent" pipeline), each on its own targets
+        split, _ = _group_plan(resolved, names, split_gptq=True)
+        mods: dict[str, dict[str, Any]] = {}
+        for mod_type, mine in ((GPTQ_MODIFIER, [g for g in split if g.gptq]),
+                               (QUANT_MODIFIERS[0], [g for g in split if not g.gptq])):
+            if mine:
+                mods[mod_type] = _quant_modifier(mine, unquantized, names, every_quantized=len(mine) == len(split))
         if gptq:
-            body.update(GPTQ_RECIPE_ARGS)
+            mods[GPTQ_MODIFIER].update(GPTQ_RECIPE_ARGS)
         if kv_args is not None:
-            body["kv_cache_scheme"] = kv_args
-        stage[RECIPE_QUANT_GROUP] = {GPTQ_MODIFIER if gptq else QUANT_MODIFIERS[0]: body}
+            mods[list(mods)[-1]]["kv_cache_scheme"] = kv_args
+        stage[RECIPE_QUANT_GROUP] = mods
     elif kv_args is not None:
         stage[RECIPE_QUANT_GROUP] = {QUANT_MODIFIERS[0]: {"kv_cache_scheme": kv_args}}
     summary = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
@@ -1015,8 +1031,8 @@ def to_llmcompressor_recipe(
         header += ("# GPTQModifier rounds the weights with GPTQ on the calibration data: oneshot needs a dataset "
                    "(dataset=..., num_calibration_samples=...)\n")
     if gptq and rtn:
-        header += (f"# one quantization modifier per recipe: GPTQ also rounds the {len(rtn)} quantized layer(s) the "
-                   f"plan rounds to nearest ({_cut(rtn)}), so they will come out a little closer than scored\n")
+        header += (f"# two quantization modifiers, run one after the other: GPTQModifier rounds the {len(gptq)} GPTQ "
+                   f"layer(s), QuantizationModifier the other {len(rtn)} to nearest, as scored\n")
     body = yaml.dump(
         {RECIPE_STAGE: stage},
         Dumper=_RecipeDumper,
@@ -1232,35 +1248,53 @@ def _scheme_for(
     return smoothed if smoothed.smoothquant_alpha == alpha else smoothed.with_alpha(alpha)
 
 
+_GroupArgs = tuple[str, list[str], "Mapping[str, Any] | None", "Mapping[str, Any] | None"]  # label, targets, W, A
+
+
+@dataclass
+class _Claim:
+    """The config groups one quantization modifier (or one compressed-tensors config) applies, with its ignore."""
+
+    label: str
+    groups: list[_GroupArgs]
+    ignore: list[str]
+    gptq: bool = False  # a GPTQModifier's: see :func:`_scheme_for`
+
+
 def _assign(
     layer_names: Sequence[str],
-    groups: Sequence[tuple[str, list[str], Mapping[str, Any] | None, Mapping[str, Any] | None]],
-    ignore: Sequence[str],
+    claims: Sequence[_Claim],
     alphas: Mapping[str, float],
     problems: list[str],
-    gptq: bool = False,
 ) -> dict[str, Scheme]:
-    """Give every layer the scheme of the config group that claims it (compressed-tensors precedence);
-    ``gptq``: the groups come from a GPTQModifier (see :func:`_scheme_for`)."""
-    owner: dict[str, int] = {}
-    for gi, (_, targets, _, _) in enumerate(groups):
-        for t in targets:
-            owner.setdefault(t, gi)
-    all_targets = list(owner)
-    for t in all_targets:
+    """Give every layer the scheme of the config group that claims it (compressed-tensors precedence within
+    one claim); a layer two claims quantize is a problem, one no claim quantizes is BF16."""
+    owners: list[dict[str, int]] = []
+    for claim in claims:
+        owner: dict[str, int] = {}
+        for gi, (_, targets, _, _) in enumerate(claim.groups):
+            for t in targets:
+                owner.setdefault(t, gi)
+        owners.append(owner)
+    for t in dict.fromkeys(t for owner in owners for t in owner):
         if "." in t and not t.startswith("re:") and t not in set(layer_names):
             problems.append(
                 f"target {t!r} names no linear layer of this model; layer names look like "
                 f"{_cut(list(layer_names)[:3])}"
             )
-    cache: dict[tuple[int, float | None], Scheme | None] = {}
+    cache: dict[tuple[int, int, float | None], Scheme | None] = {}
     out: dict[str, Scheme] = {}
+    twice: dict[tuple[str, ...], list[str]] = {}
     bf16 = get_scheme("BF16")
     for layer in layer_names:
-        ignored = any(_re_matches(i, layer) or i == LINEAR_CLASS for i in ignore)
-        hits = [] if ignored else _match_targets(layer, all_targets)
+        found = []  # (claim index, group index)
+        for ci, (claim, owner) in enumerate(zip(claims, owners, strict=True)):
+            ignored = any(_re_matches(i, layer) or i == LINEAR_CLASS for i in claim.ignore)
+            hits = [] if ignored else _match_targets(layer, list(owner))
+            if hits:
+                found.append((ci, owner[hits[0]]))
         alpha = alphas.get(layer)
-        if not hits:
+        if not found:
             if alpha is not None:
                 problems.append(
                     f"layer {layer!r} is smoothed (alpha {alpha:g}) but not quantized; remove it from the "
@@ -1268,14 +1302,22 @@ def _assign(
                 )
             out[layer] = bf16
             continue
-        gi = owner[hits[0]]
-        key = (gi, alpha)
+        if len(found) > 1:
+            twice.setdefault(tuple(claims[ci].label for ci, _ in found), []).append(layer)
+            continue
+        ci, gi = found[0]
+        key = (ci, gi, alpha)
         if key not in cache:
-            label, _, w, a = groups[gi]
-            cache[key] = _scheme_for(w, a, alpha, label, problems, gptq)
+            label, _, w, a = claims[ci].groups[gi]
+            cache[key] = _scheme_for(w, a, alpha, label, problems, claims[ci].gptq)
         scheme = cache[key]
         if scheme is not None:
             out[layer] = scheme
+    for labels, layers in twice.items():
+        problems.append(
+            f"layer(s) {_cut(layers)} are quantized by {' and '.join(labels)}; target each layer from one "
+            "quantization modifier"
+        )
     if not problems:
         for members in fusion_groups(layer_names):
             labels = {scheme_label(out[m]) for m in members}
@@ -1298,9 +1340,7 @@ def _targets_list(value: Any, where: str, problems: list[str]) -> list[str]:
     return []
 
 
-def _ct_groups(
-    config_groups: Any, where: str, problems: list[str]
-) -> list[tuple[str, list[str], Mapping[str, Any] | None, Mapping[str, Any] | None]]:
+def _ct_groups(config_groups: Any, where: str, problems: list[str]) -> list[_GroupArgs]:
     """(label, targets, weights args, activation args) for each compressed-tensors config group."""
     out = []
     if not isinstance(config_groups, Mapping):
@@ -1369,7 +1409,7 @@ def from_compressed_tensors_config(
         problems.append("sparsity_config is set: quantplan plans quantization only")
     groups = _ct_groups(cfg.get("config_groups", {}), "", problems)
     ignore = _targets_list(cfg.get("ignore"), "ignore", problems)
-    plan = _assign(list(layer_names), groups, ignore, {}, problems)
+    plan = _assign(list(layer_names), [_Claim("quantization_config", groups, ignore)], {}, problems)
     if problems:
         raise PlanError(_format("This compressed-tensors config cannot be imported", problems))
     return plan
@@ -1424,11 +1464,38 @@ def _recipe_modifiers(data: Any, problems: list[str]) -> list[tuple[str, str, Ma
     return out
 
 
+def _modifier_claim(where: str, mod_type: str, args: Any, problems: list[str]) -> _Claim:
+    """The layers one quantization modifier of a recipe quantizes, and with what."""
+    groups: list[_GroupArgs] = []
+    if not isinstance(args, Mapping):
+        problems.append(f"{where} must be a mapping of arguments")
+        return _Claim(where, groups, [], mod_type == GPTQ_MODIFIER)
+    kv_cache_from_args(args.get("kv_cache_scheme"), where, problems)
+    ignore = _targets_list(args.get("ignore"), f"{where} ignore", problems)
+    targets = _targets_list(args.get("targets", [LINEAR_CLASS]), f"{where} targets", problems)
+    scheme = args.get("scheme")
+    if scheme is not None and args.get("config_groups") is not None:
+        problems.append(f"{where}: give either 'scheme' or 'config_groups', not both (llm-compressor refuses both)")
+    elif isinstance(scheme, str):
+        preset = CT_PRESETS.get(scheme.upper())
+        if preset is None:
+            problems.append(f"{where}: unknown preset scheme {scheme!r}; presets: {', '.join(CT_PRESETS)}")
+        else:
+            groups.append((f"{where} scheme {scheme}", targets, preset["weights"], preset["input_activations"]))
+    elif isinstance(scheme, Mapping):
+        groups = _ct_groups(scheme, f"{where} ", problems)
+    elif scheme is not None:
+        problems.append(f"{where}: scheme must be a preset name or {{preset: targets}}, got {scheme!r}")
+    elif args.get("config_groups") is not None:
+        groups = _ct_groups(args["config_groups"], f"{where} ", problems)
+    return _Claim(where, groups, ignore, mod_type == GPTQ_MODIFIER)
+
+
 def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[str, Scheme]:
     """The per-layer plan an llm-compressor recipe (YAML or JSON text) applies to a model.
 
-    Reads one ``QuantizationModifier`` (or ``GPTQModifier``: same formats, GPTQ rounding: its groups get
-    quantplan's ``*_GPTQ`` presets where there is one)
+    Reads each ``QuantizationModifier`` and ``GPTQModifier`` (same formats, GPTQ rounding: its groups get
+    quantplan's ``*_GPTQ`` presets where there is one; no layer may be targeted by two of them)
     with ``scheme`` (preset name, or ``{preset: targets}``) + ``targets``, or
     ``config_groups``; ``ignore``; and any ``SmoothQuantModifier`` (``smoothing_strength``,
     default 0.5; ``mappings``, default llm-compressor's q/k/v and gate/up mappings), whose
@@ -1478,42 +1545,8 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
                 f"{where}: modifier {mod_type} is not something quantplan plans; supported: "
                 f"{', '.join(QUANT_MODIFIERS + (SMOOTH_MODIFIER,))}"
             )
-    if len(quant) > 1:
-        problems.append(
-            f"several quantization modifiers ({', '.join(w for w, _, _ in quant)}); merge them into one"
-        )
-    groups: list[tuple[str, list[str], Mapping[str, Any] | None, Mapping[str, Any] | None]] = []
-    ignore: list[str] = []
-    if len(quant) == 1:
-        where, _, args = quant[0]
-        if not isinstance(args, Mapping):
-            args = {}
-            problems.append(f"{where} must be a mapping of arguments")
-        kv_cache_from_args(args.get("kv_cache_scheme"), where, problems)
-        ignore = _targets_list(args.get("ignore"), f"{where} ignore", problems)
-        targets = _targets_list(args.get("targets", [LINEAR_CLASS]), f"{where} targets", problems)
-        scheme = args.get("scheme")
-        if scheme is not None and args.get("config_groups") is not None:
-            problems.append(
-                f"{where}: give either 'scheme' or 'config_groups', not both (llm-compressor refuses both)"
-            )
-        elif isinstance(scheme, str):
-            preset = CT_PRESETS.get(scheme.upper())
-            if preset is None:
-                problems.append(
-                    f"{where}: unknown preset scheme {scheme!r}; presets: {', '.join(CT_PRESETS)}"
-                )
-            else:
-                groups.append(
-                    (f"{where} scheme {scheme}", targets, preset["weights"], preset["input_activations"])
-                )
-        elif isinstance(scheme, Mapping):
-            groups = _ct_groups(scheme, f"{where} ", problems)
-        elif scheme is not None:
-            problems.append(f"{where}: scheme must be a preset name or {{preset: targets}}, got {scheme!r}")
-        elif args.get("config_groups") is not None:
-            groups = _ct_groups(args["config_groups"], f"{where} ", problems)
-    plan = _assign(names, groups, ignore, alphas, problems, gptq=len(quant) == 1 and quant[0][1] == GPTQ_MODIFIER)
+    claims = [_modifier_claim(where, mod_type, args, problems) for where, mod_type, args in quant]
+    plan = _assign(names, claims, alphas, problems)
     if problems:
         raise PlanError(_format("This llm-compressor recipe cannot be imported", problems))
     return plan

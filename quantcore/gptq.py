@@ -200,6 +200,14 @@ class _Accumulator:
         return self.sum.mul_(2.0 / self.rows)
 
 
+class _Stop(Exception):
+    """Ends a calibration forward early (see ``stop_after``)."""
+
+
+def _stop(*_args: object) -> None:
+    raise _Stop
+
+
 @torch.no_grad()
 def collect_hessians(
     model: nn.Module,
@@ -209,12 +217,15 @@ def collect_hessians(
     batch_size: int = 4,
     progress: Callable[[float, str], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    stop_after: nn.Module | None = None,
 ) -> dict[str, torch.Tensor]:
     """``{layer: 2 Xᵀ X / n}`` of the named linears' inputs over calibration tokens, n = tokens seen.
 
-    layers:   ``nn.Linear`` names; the members of one fusion group (q/k/v, gate/up) read one input and share
-              one Hessian (the same tensor object)
-    batches:  token ids, ``[S, L]`` (cut into ``batch_size`` sequences per forward) or an iterable of batches
+    layers:     ``nn.Linear`` names; the members of one fusion group (q/k/v, gate/up) read one input and share
+                one Hessian (the same tensor object)
+    batches:    token ids, ``[S, L]`` (cut into ``batch_size`` sequences per forward) or an iterable of batches
+    stop_after: a submodule (the decoder block holding ``layers``): each forward ends once it has run, since
+                nothing after it changes these inputs
     Raises PlanError for a name that is not an ``nn.Linear`` of the model, or a layer no token reached.
     """
     names = list(dict.fromkeys(layers))
@@ -239,11 +250,16 @@ def collect_hessians(
     else:
         batch_list = list(batches)
     handles = [modules[o].register_forward_pre_hook(hook(o)) for o in acc]
+    if stop_after is not None:
+        handles.append(stop_after.register_forward_hook(_stop))
     try:
         for i, b in enumerate(batch_list):
             if should_cancel is not None and should_cancel():
                 raise Cancelled("cancelled while collecting GPTQ Hessians")
-            model(input_ids=b)
+            try:
+                model(input_ids=b)
+            except _Stop:
+                pass
             if progress is not None:
                 progress((i + 1) / len(batch_list), f"GPTQ Hessians: batch {i + 1} of {len(batch_list)}")
     finally:

@@ -1,11 +1,12 @@
 """quantplan's predicted KL of a GPTQ plan against the KL of what llm-compressor really makes of it, on SmolLM2.
 
-    .venv/bin/python scripts/gptq_against_llmc.py [--scheme W4A16_GPTQ] [--cal 16x256] [--eval 16x256]
+    .venv/bin/python scripts/gptq_against_llmc.py [--scheme W4A16_GPTQ] [--rest BF16] [--cal 16x256] [--eval 16x256]
 
 1. Here: the demo model (SmolLM2-135M, converted once and cached), its calibration tokens (the built-in
    lee_background.cor, as a score job takes them) and the exported llm-compressor recipe of the plan
-   ``SCHEME`` on every linear whose K its groups divide (llm-compressor refuses the others), lm_head and the
-   rest in BF16.
+   ``SCHEME`` on every linear whose K its groups divide (llm-compressor refuses the others), lm_head in BF16 and
+   the rest in ``REST`` (a weight-only scheme: W8A16 makes a mixed plan, a GPTQModifier beside a
+   QuantizationModifier).
 2. In .venv-llmc (scripts/llmc_env.sh): llm-compressor's own ``oneshot`` with that recipe on exactly those tokens
    (its sequential GPTQ pipeline, its observers' scales); the fake-quantized linear weights are saved.
 3. Here: KL against the unquantized model on the evaluation text (lee.cor) of (a) quantcore's emulation of the plan
@@ -42,7 +43,12 @@ ids = json.load(open(ids_path))
 data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(r) for r in ids]})
 oneshot(model=model, processor=tok, recipe=recipe, dataset=data, num_calibration_samples=len(ids),
         max_seq_length=len(ids[0]), shuffle_calibration_samples=False)
-save_file({n + ".weight": m.weight.detach().float().contiguous() for n, m in model.named_modules()
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+# what the compressed checkpoint stores: GPTQ left its layers' weights on their grid, a QuantizationModifier's
+# layers keep theirs until compression rounds them with the scales it observed
+save_file({n + ".weight": fake_quantize(m.weight.detach(), m.weight_scale, getattr(m, "weight_zero_point", None),
+                                        m.quantization_scheme.weights).float().contiguous()
+           for n, m in model.named_modules()
            if isinstance(m, torch.nn.Linear) and getattr(m, "quantization_scheme", None) is not None}, out)
 '''
 
@@ -55,6 +61,7 @@ def shape(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scheme", default="W4A16_GPTQ")
+    ap.add_argument("--rest", default="BF16", help="the scheme of the linears SCHEME does not fit (weight-only)")
     ap.add_argument("--cal", type=shape, default=(16, 256), help="calibration sequences x tokens (default 16x256)")
     ap.add_argument("--eval", type=shape, default=(16, 256), help="evaluation sequences x tokens (default 16x256)")
     args = ap.parse_args(argv)
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from quantcore.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
     from quantcore.export import to_llmcompressor_recipe
     from quantcore.gptq import collect_hessians
-    from quantcore.schemes import get_scheme
+    from quantcore.schemes import get_scheme, list_schemes
     from quantcore.scoring import compute_reference, score_plan
     from quantcore.text import default_calibration_text, default_eval_text, load_documents, token_batches
 
@@ -74,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     scheme = get_scheme(args.scheme)
     group = scheme.weights.group_size or 1
     fits = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % group == 0}
-    plan = {n: scheme if n != "lm_head" and n in fits else get_scheme("BF16") for n in names}
+    rest = get_scheme(args.rest)
+    if rest.activations is not None:
+        ap.error(f"--rest {rest.name} quantizes activations; the loaded oneshot weights are scored weight-only")
+    plan = {n: get_scheme("BF16") if n == "lm_head" else scheme if n in fits else rest for n in names}
     where = "every linear but lm_head" if len(fits) == len(names) else (
         f"the {sum(s is scheme for s in plan.values())} linears whose K its groups of {group} divide")
     cal = token_batches(tok, load_documents(default_calibration_text()), n_samples=args.cal[0], seq_len=args.cal[1])
@@ -92,12 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file
 
     ref = compute_reference(model, ev, batch_size=4)
-    hess = collect_hessians(model, [n for n, s in plan.items() if s.gptq], cal) if scheme.gptq else None
+    gptq_rest = get_scheme(f"{rest.name}_GPTQ") if f"{rest.name}_GPTQ" in list_schemes() else rest
+    hess = collect_hessians(model, [n for n in names if n != "lm_head"], cal)
     rows = [(f"quantcore {scheme.name}", score_plan(model, plan, ev, ref, weight_hessians=hess))]
     rtn = get_scheme(scheme.name.removesuffix("_GPTQ"))
     if rtn != scheme:
         rows.append((f"quantcore {rtn.name} (round to nearest)",
                      score_plan(model, {n: rtn if s is scheme else s for n, s in plan.items()}, ev, ref)))
+    if scheme.gptq and gptq_rest is not rest:
+        rows.append((f"quantcore, {rest.name} layers GPTQ-rounded too (a single GPTQModifier)",
+                     score_plan(model, {n: gptq_rest if s is rest else s for n, s in plan.items()}, ev, ref,
+                                weight_hessians=hess)))
     theirs = load_file(weights)
     modules = dict(model.named_modules())
     with torch.no_grad():
@@ -107,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("llm-compressor oneshot (its GPTQ, its scales)", score_plan(model, {}, ev, ref)))
         for n, w in saved.items():
             modules[n[: -len(".weight")]].weight.copy_(w)
-    print(f"\nSmolLM2-135M, {args.scheme} on {where}, the rest BF16; calibration {args.cal[0]} x {args.cal[1]} "
+    print(f"\nSmolLM2-135M, {args.scheme} on {where}, the rest {rest.name}; calibration {args.cal[0]} x {args.cal[1]} "
           f"tokens of lee_background.cor, evaluation {args.eval[0]} x {args.eval[1]} of lee.cor\n")
     print("| weights | KL mean | KL p99 | top-1 agree | perplexity |\n|---|---:|---:|---:|---:|")
     for label, r in rows:

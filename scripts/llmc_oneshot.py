@@ -8,8 +8,11 @@ The Llama (3 blocks, hidden 128, MLP 256, GQA 4/2 heads; from a config, nothing 
 tokenizer are saved to WORKDIR, then ``oneshot`` quantizes it with the recipe on 8 random sequences of 32 tokens
 (a recipe with GPTQ, SmoothQuant or static scales needs calibration data). Writes WORKDIR/oneshot.json:
 ``{"modifiers": [type names], "layers": {linear name: {"weights": args | null, "input_activations": args | null}},
-"weights_on_grid": {linear name: bool}}``, where a weight is on its grid when dividing it by its stored scale
-gives integers (int formats only; others are left out).
+"weights_on_grid": {linear name: bool}, "rounded_to_nearest": {linear name: bool}}``, where a weight is on its
+grid when dividing it by its stored scale gives integers (int formats only; others are left out), and a
+quantized weight is rounded to nearest when compressed-tensors' ``fake_quantize`` gives the same of it as of
+the weight the model had before ``oneshot``, with the scale ``oneshot`` stored (GPTQ moves weights off that
+rounding).
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ def main(recipe: str, workdir: str) -> None:
                                   unk_token="t0", pad_token="t0")
     tok.save_pretrained(folder)
     model = LlamaForCausalLM.from_pretrained(folder)
+    before = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     ids = torch.randint(0, VOCAB, (8, 32))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     oneshot(model=model, processor=tok, recipe=recipe, dataset=data, num_calibration_samples=8, max_seq_length=32)
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from llmcompressor.recipe import Recipe
 
-    layers, on_grid = {}, {}
+    layers, on_grid, nearest = {}, {}, {}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -53,6 +58,13 @@ def main(recipe: str, workdir: str) -> None:
         args = lambda a: None if a is None else a.model_dump(mode="json")  # noqa: E731
         layers[name] = None if scheme is None else {"weights": args(scheme.weights),
                                                     "input_activations": args(scheme.input_activations)}
+        if scheme is not None and scheme.weights is not None:
+            zero = getattr(module, "weight_zero_point", None)
+            # what a compressed checkpoint stores (GPTQ leaves the weight on its grid; a round-to-nearest layer
+            # keeps its weight and is rounded when compressed) against rounding the original weight
+            stored = fake_quantize(module.weight.detach(), module.weight_scale, zero, scheme.weights)
+            rtn = fake_quantize(before[name], module.weight_scale, zero, scheme.weights)
+            nearest[name] = bool(torch.equal(rtn, stored))
         if scheme is not None and scheme.weights is not None and scheme.weights.type == "int":
             scale = module.weight_scale.detach().float()
             w = module.weight.detach().float()
@@ -62,7 +74,8 @@ def main(recipe: str, workdir: str) -> None:
             on_grid[name] = bool(torch.allclose(q, q.round(), atol=1e-3))
     mods = [type(m).__name__ for m in Recipe.create_instance(recipe).modifiers]
     out = Path(workdir) / "oneshot.json"  # not stdout: llm-compressor logs there
-    out.write_text(json.dumps({"modifiers": mods, "layers": layers, "weights_on_grid": on_grid}))
+    out.write_text(json.dumps({"modifiers": mods, "layers": layers, "weights_on_grid": on_grid,
+                               "rounded_to_nearest": nearest}))
 
 
 if __name__ == "__main__":

@@ -85,16 +85,6 @@ def without_alpha(plan: dict[str, Scheme]) -> dict[str, Scheme]:
     return out
 
 
-def as_recipe_reads(plan: dict[str, Scheme]) -> dict[str, Scheme]:
-    """What an exported recipe brings back: one quantization modifier per recipe, a GPTQModifier as soon as one
-    layer rounds with GPTQ, so then every quantized layer with a GPTQ preset gets it."""
-    if not any(s.gptq for s in plan.values()):
-        return plan
-    names = list_schemes()
-    return {n: get_scheme(f"{s.name}_GPTQ").with_alpha(s.smoothquant_alpha)
-            if not s.gptq and f"{s.name}_GPTQ" in names else s for n, s in plan.items()}
-
-
 def quant_modifier(text: str) -> dict:
     return yaml.safe_load(text)["quant_stage"]["quant_modifiers"]["QuantizationModifier"]
 
@@ -167,8 +157,9 @@ def mixed_plans(draw: st.DrawFn) -> dict[str, Scheme]:
 @given(mixed_plans())
 def test_mixed_plan_round_trips_through_recipe_and_config(plan: dict[str, Scheme]) -> None:
     text = to_llmcompressor_recipe(plan, layer_names=LAYERS)
-    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == as_recipe_reads(plan)
+    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == plan
     assert ("GPTQModifier" in text) == any(s.gptq for s in plan.values())
+    assert ("QuantizationModifier" in text) == any(not s.gptq and not s.is_identity for s in plan.values())
     cfg = json.loads(json.dumps(to_compressed_tensors_config(plan, layer_names=LAYERS)))
     assert from_compressed_tensors_config(cfg, layer_names=LAYERS) == without_alpha(plan)
 
@@ -462,6 +453,51 @@ def test_import_gptq_recipe_and_preset_group_names_in_config() -> None:
     plan = from_compressed_tensors_config(cfg, layer_names=LAYERS)
     assert {n for n, s in plan.items() if s.name == "FP8_DYNAMIC"} == {n for n in LAYERS if ".mlp." in n}
     assert all(s.name == "BF16" for n, s in plan.items() if ".mlp." not in n)
+
+
+def test_mixed_gptq_plan_exports_a_gptq_and_a_round_to_nearest_modifier() -> None:
+    """GPTQ layers go to a GPTQModifier, the others to a QuantizationModifier, each naming its own layers, so
+    oneshot rounds the others to nearest as they were scored; W4A16 and W4A16_GPTQ share args yet part ways."""
+    plan = uniform("W4A16")
+    for n in LAYERS:
+        if n.endswith("down_proj"):
+            plan[n] = get_scheme("W4A16_GPTQ")
+        if ".self_attn." in n:
+            plan[n] = get_scheme("FP8_DYNAMIC")
+    text = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8")
+    mods = yaml.safe_load(text)["quant_stage"]["quant_modifiers"]
+    assert list(mods) == ["GPTQModifier", "QuantizationModifier"]
+    gptq, rtn = mods["GPTQModifier"], mods["QuantizationModifier"]
+    assert gptq["scheme"] == {"W4A16": [r"re:.*\.down_proj$"]} and gptq["dampening_frac"] == 0.01
+    assert rtn["scheme"] == {"W4A16": [r"re:.*\.gate_proj$", r"re:.*\.up_proj$"],
+                             "FP8_DYNAMIC": [r"re:.*\.q_proj$", r"re:.*\.k_proj$", r"re:.*\.v_proj$",
+                                             r"re:.*\.o_proj$"]}
+    assert "targets" not in gptq and "targets" not in rtn  # never the class Linear: it would take every layer
+    assert "kv_cache_scheme" not in gptq and rtn["kv_cache_scheme"]["num_bits"] == 8
+    assert "GPTQModifier rounds the 3 GPTQ layer(s), QuantizationModifier the other 18 to nearest" in text
+    assert from_llmcompressor_recipe(text, layer_names=LAYERS) == plan
+    # all GPTQ: one GPTQModifier on the class Linear, as before
+    only = yaml.safe_load(to_llmcompressor_recipe(uniform("W8A16_GPTQ"), layer_names=LAYERS))
+    assert list(only["quant_stage"]["quant_modifiers"]) == ["GPTQModifier"]
+
+
+def test_import_refuses_a_layer_two_quantization_modifiers_target() -> None:
+    text = """
+quant_stage:
+  quant_modifiers:
+    GPTQModifier: {scheme: {W4A16: ['re:.*mlp.*']}, ignore: [lm_head]}
+    QuantizationModifier: {scheme: FP8_DYNAMIC, targets: [Linear], ignore: [lm_head]}
+"""
+    with pytest.raises(PlanError) as err:
+        from_llmcompressor_recipe(text, layer_names=LAYERS)
+    msg = str(err.value)
+    assert "quant_stage.quant_modifiers.GPTQModifier and quant_stage.quant_modifiers.QuantizationModifier" in msg
+    assert "model.layers.0.mlp.gate_proj" in msg and "self_attn" not in msg
+    # the same two modifiers with the MLPs ignored by the second: each layer has one owner
+    fixed = text.replace("targets: [Linear], ignore: [lm_head]", "targets: [Linear], ignore: [lm_head, 're:.*mlp.*']")
+    plan = from_llmcompressor_recipe(fixed, layer_names=LAYERS)
+    assert {s.name for n, s in plan.items() if ".mlp." in n} == {"W4A16_GPTQ"}
+    assert {s.name for n, s in plan.items() if ".self_attn." in n} == {"FP8_DYNAMIC"}
 
 
 def test_import_default_smoothquant_mappings_cover_qkv_and_gate_up() -> None:

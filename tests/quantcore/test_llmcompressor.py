@@ -31,7 +31,7 @@ from quantcore.export import (
 )
 from quantcore.kvcache import get_kv_format
 from quantcore.schemes import Scheme, get_scheme
-from tests.quantcore.test_export import EXPRESSIBLE, LAYERS, N_BLOCKS, as_recipe_reads, uniform
+from tests.quantcore.test_export import EXPRESSIBLE, LAYERS, N_BLOCKS, uniform
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,8 @@ def smoothquant_plan() -> dict[str, Scheme]:
 
 # cases exported with a KV cache format: FP8's calibrated scales are a kv_cache_scheme in the recipe
 KV_CASES = {"kv-fp8-with-fp8-dynamic": "FP8", "kv-fp8-alone": "FP8", "kv-e5m2-with-w4a16": "FP8_E5M2",
-            "kv-fp8-per-head-with-fp8-dynamic": "FP8_ATTN_HEAD"}
+            "kv-fp8-per-head-with-fp8-dynamic": "FP8_ATTN_HEAD", "kv-fp8-with-w4a16-gptq": "FP8",
+            "kv-fp8-with-mixed-gptq": "FP8"}
 
 
 def cases() -> dict[str, dict[str, Scheme]]:
@@ -91,6 +92,8 @@ def cases() -> dict[str, dict[str, Scheme]]:
     out["kv-e5m2-with-w4a16"] = uniform("W4A16")
     out["kv-fp8-per-head-with-fp8-dynamic"] = uniform("FP8_DYNAMIC")
     out["mixed-gptq"] = mixed_gptq_plan()
+    out["kv-fp8-with-w4a16-gptq"] = uniform("W4A16_GPTQ")
+    out["kv-fp8-with-mixed-gptq"] = mixed_gptq_plan()
     return out
 
 
@@ -152,28 +155,31 @@ def test_versions_are_the_pinned_ones(llmc) -> None:
 def test_every_layer_gets_the_planned_quantization(llmc, name: str) -> None:
     made, summary = llmc
     plan, _, path = made[name]
-    gptq = any(s.gptq for s in plan.values())
-    quant = modifiers(summary, path, "GPTQModifier" if gptq else "QuantizationModifier")
-    assert modifiers(summary, path, "QuantizationModifier" if gptq else "GPTQModifier") == []
+    gptq = modifiers(summary, path, "GPTQModifier")
+    rtn = modifiers(summary, path, "QuantizationModifier")
+    # GPTQ layers go to a GPTQModifier, the others to a QuantizationModifier (or its KV cache scheme)
+    assert len(gptq) == any(s.gptq for s in plan.values())
+    kv_alone = name in KV_CASES and all(s.is_identity for s in plan.values())
+    assert len(rtn) == (any(not s.gptq and not s.is_identity for s in plan.values()) or kv_alone)
     if all(s.is_identity for s in plan.values()) and name not in KV_CASES:
-        assert quant == []
+        assert gptq == rtn == []
         return
-    (mod,) = quant
-    plan = as_recipe_reads(plan)  # a GPTQModifier rounds every quantized layer
-    applied = mod["layers"]
-    assert set(applied) == set(LAYERS)
+    for mod in gptq + rtn:
+        assert set(mod["layers"]) == set(LAYERS)
     for layer in LAYERS:
-        got = applied[layer]
         want = plan[layer]
+        # a KV-cache-only recipe attaches an empty scheme (no weights, no activations) to the linears
+        got = [(mod["type"], mod["layers"][layer]) for mod in gptq + rtn
+               if mod["layers"][layer] not in (None, {"weights": None, "input_activations": None})]
         if want.is_identity:
-            # a KV-cache-only recipe attaches an empty scheme (no weights, no activations) to the linears
-            assert got is None or got == {"weights": None, "input_activations": None}, \
-                f"{layer} should stay BF16, llm-compressor quantizes it"
+            assert got == [], f"{layer} should stay BF16, llm-compressor quantizes it"
             continue
-        assert got is not None, f"{layer} should be {want.name}, llm-compressor leaves it unquantized"
+        assert len(got) == 1, f"{layer} should be {want.name}, llm-compressor quantizes it {len(got)} times"
+        (mod_type, args), = got
         # what compressed-tensors attached to the module, read back as a quantplan scheme
-        real = scheme_from_ct_args(got["weights"], got["input_activations"], alpha=want.smoothquant_alpha, gptq=gptq)
-        assert real == want, f"{layer}: planned {want.name}, llm-compressor applies {real.name}"
+        real = scheme_from_ct_args(args["weights"], args["input_activations"], alpha=want.smoothquant_alpha,
+                                   gptq=mod_type == "GPTQModifier")
+        assert real == want, f"{layer}: planned {want.name}, llm-compressor applies {real.name} ({mod_type})"
 
 
 @pytest.mark.parametrize("name", [n for n, p in cases().items() if any(s.gptq for s in p.values())])
@@ -257,17 +263,20 @@ def test_calibration_note_of_the_vllm_command_agrees_with_llmcompressor(llmc, na
 def test_kv_cache_scheme_is_what_llm_compressor_calibrates(llmc, name: str) -> None:
     made, summary = llmc
     _, _, path = made[name]
-    quant = modifiers(summary, path, "QuantizationModifier")
+    # one quantization modifier carries the KV cache scheme, when there are two (GPTQ and not) the second
+    quant = [m for m in modifiers(summary, path, "GPTQModifier") + modifiers(summary, path, "QuantizationModifier")
+             if m["kv_cache_scheme"] is not None]
     kv = KV_CASES.get(name)
-    got = quant[0]["kv_cache_scheme"] if quant else None
     want = kv_cache_scheme(kv)
     if want is None:  # AUTO, or a scale-1.0 format that is vLLM's flag alone
-        assert got is None
+        assert quant == []
         return
+    (mod,) = quant
+    got = mod["kv_cache_scheme"]
     assert {k: got[k] for k in want} == want
-    assert quant[0]["requires_calibration_data"], "static K/V scales need calibration data"
+    assert mod["requires_calibration_data"], "static K/V scales need calibration data"
     # the scales compressed-tensors makes on a tiny Llama (2 KV heads): one per layer, or one per KV head
-    shapes = quant[0]["kv_scale_shapes"]
+    shapes = mod["kv_scale_shapes"]
     assert sorted(shapes) == [f"model.layers.{b}.self_attn" for b in range(N_BLOCKS)]
     per_layer = [[1, 1, 1], [1], []]  # the scalar shapes compressed-tensors may use for strategy tensor
     for layer, kv_shapes in shapes.items():
@@ -277,7 +286,8 @@ def test_kv_cache_scheme_is_what_llm_compressor_calibrates(llmc, name: str) -> N
 
 def test_exported_gptq_recipe_runs_in_oneshot(tmp_path) -> None:
     """The whole way: a mixed FP8_DYNAMIC + W4A16_GPTQ plan, exported, quantizes a tiny Llama with llm-compressor's
-    own oneshot (GPTQ on calibration data); every linear ends up with the planned args, weights on their grid."""
+    own oneshot: every linear ends up with the planned args, int weights on their grid, the GPTQ layers moved off
+    round-to-nearest by GPTQ (on calibration data) and the FP8 layers rounded to nearest, as scored."""
     env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
                          timeout=ENV_TIMEOUT_S, cwd=REPO)
     assert env.returncode == 0, env.stderr[-3000:]
@@ -288,13 +298,14 @@ def test_exported_gptq_recipe_runs_in_oneshot(tmp_path) -> None:
                          capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads((tmp_path / "oneshot.json").read_text())
-    assert got["modifiers"] == ["GPTQModifier"]
-    want = as_recipe_reads(plan)
+    assert got["modifiers"] == ["GPTQModifier", "QuantizationModifier"]
     for layer in LAYERS:
         real = got["layers"][layer]
-        if want[layer].is_identity:
+        if plan[layer].is_identity:
             assert real is None, layer
             continue
-        assert scheme_from_ct_args(real["weights"], real["input_activations"], gptq=True) == want[layer], layer
+        assert scheme_from_ct_args(real["weights"], real["input_activations"], gptq=plan[layer].gptq) == plan[layer]
     int_layers = [n for n in LAYERS if ".mlp." in n]
     assert got["weights_on_grid"] == dict.fromkeys(int_layers, True)
+    quantized = [n for n in LAYERS if not plan[n].is_identity]
+    assert got["rounded_to_nearest"] == {n: not plan[n].gptq for n in quantized}
