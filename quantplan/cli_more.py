@@ -31,11 +31,32 @@ def _plan_param(path: str) -> dict[str, Any]:
     return {"plan": load_plan_file(p).to_dict()}
 
 
+def _calibration_params(args) -> dict[str, Any]:
+    """The calibration text of a score or sensitivity job (GPTQ Hessians, KV cache scales, a first calibration
+    when none is stored), as the options give it; the job's defaults (16 x 256 tokens, built-in) otherwise."""
+    out: dict[str, Any] = {}
+    if args.cal_text:
+        out["cal_dataset"] = _dataset_param(args.cal_text, "calibration")["dataset"]
+    for key, value in (("cal_samples", args.cal_samples), ("cal_seq_len", args.cal_seq_len)):
+        if value is not None:
+            if value < 1:
+                raise CliError(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+            out[key] = value
+    return out
+
+
+def add_calibration_options(sp) -> None:
+    sp.add_argument("--cal-text", metavar="FILE", help="calibration text for GPTQ Hessians and KV cache scales "
+                    "(.txt / .jsonl); default: gensim's lee_background.cor, never the evaluation text")
+    sp.add_argument("--cal-samples", type=int, metavar="N", help="calibration sequences (default 16)")
+    sp.add_argument("--cal-seq-len", type=int, metavar="L", help="tokens per calibration sequence (default 256)")
+
+
 def cmd_score(args) -> int:
     _checked_settings()
     model = _model(args.model)
     base: dict[str, Any] = {"samples": args.samples, "seq_len": args.seq_len, "device": args.device,
-                            **_dataset_param(args.text, "evaluation")}
+                            **_dataset_param(args.text, "evaluation"), **_calibration_params(args)}
     if args.kv_cache:
         base["kv_cache"] = kv_format_arg(args.kv_cache)
     if args.all_presets:
@@ -71,8 +92,13 @@ def cmd_score(args) -> int:
               f"p99 {r['kl_p99']:.4g}, max {r['kl_max']:.4g}), top-1 agreement {r['top1_agree']:.4f}, "
               f"perplexity {r['ppl_ref']:.2f} → {r['ppl']:.2f} over {r['tokens']} tokens")
         if r.get("gptq_calibration_text"):
-            print(f"  GPTQ rounded its weights with the input Hessians of {r['gptq_calibration_text']}")
+            print(f"  GPTQ rounded its weights with the input Hessians of {r['gptq_calibration_text']}"
+                  f"{_tokens(r.get('calibration_tokens'))}")
     return 0
+
+
+def _tokens(shape: list[int] | None) -> str:
+    return f" ({shape[0]} × {shape[1]} tokens)" if shape else ""
 
 
 def preset_table(rows: list[dict[str, Any]], model_name: str) -> str:
@@ -95,7 +121,7 @@ def cmd_sensitivity(args) -> int:
     if what.get("kv_sweep") == "AUTO":
         raise CliError("a KV cache sweep needs a quantized format (FP8, FP8_ATTN, ...); AUTO changes nothing")
     params = {**what, "samples": args.samples, "seq_len": args.seq_len, "device": args.device,
-              "groups": not args.no_groups, **_dataset_param(args.text, "evaluation")}
+              "groups": not args.no_groups, **_dataset_param(args.text, "evaluation"), **_calibration_params(args)}
     job = _run("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json)
     swept = job.result["scheme"]
     from store import repo
@@ -237,6 +263,7 @@ def add_commands(sub) -> None:
     sp.add_argument("--all-presets", action="store_true", help="score every preset and print the table")
     sp.add_argument("--kv-cache", metavar="FORMAT", help=f"store K and V in this format too ({', '.join(KV_FORMATS)}; "
                     "see `quantplan schemes`); replaces the plan file's kv_cache")
+    add_calibration_options(sp)
     sp.set_defaults(func=cmd_score)
 
     sp = sub.add_parser("sensitivity", help="KL of quantizing one layer (or fusion group) at a time")
@@ -245,6 +272,7 @@ def add_commands(sub) -> None:
     sp.add_argument("--kv-cache", metavar="FORMAT", help="instead: store one attention layer's K and V at a time in "
                     "this KV cache format (which layers a plan's kv_cache_skip should keep in BF16)")
     sp.add_argument("--no-groups", action="store_true", help="one layer at a time, not one fusion group")
+    add_calibration_options(sp)
     sp.set_defaults(func=cmd_sensitivity)
 
     sp = sub.add_parser("bench", help="time the real FP8 / INT8 GEMMs on the model's shapes")

@@ -1,6 +1,7 @@
 """quantplan's predicted KL of a GPTQ plan against the KL of what llm-compressor really makes of it, on SmolLM2.
 
-    .venv/bin/python scripts/gptq_against_llmc.py [--scheme W4A16_GPTQ] [--rest BF16] [--cal 16x256] [--eval 16x256]
+    .venv/bin/python scripts/gptq_against_llmc.py [--scheme W4A16_GPTQ] [--rest BF16] [--sequential]
+                                                  [--cal 16x256] [--eval 16x256]
 
 1. Here: the demo model (SmolLM2-135M, converted once and cached), its calibration tokens (the built-in
    lee_background.cor, as a score job takes them) and the exported llm-compressor recipe of the plan
@@ -10,8 +11,13 @@
 2. In .venv-llmc (scripts/llmc_env.sh): llm-compressor's own ``oneshot`` with that recipe on exactly those tokens
    (its sequential GPTQ pipeline, its observers' scales); the fake-quantized linear weights are saved.
 3. Here: KL against the unquantized model on the evaluation text (lee.cor) of (a) quantcore's emulation of the plan
-   (one-pass Hessians, quantcore's scales), (b) the same plan rounded to nearest, and (c) llm-compressor's weights
-   loaded into the model. Prints one table. Takes a few minutes on 2 CPU cores.
+   (one-pass Hessians, quantcore's scales), (b) the same plan rounded to nearest, (c) with a weight-only REST that
+   has a GPTQ preset, the REST layers GPTQ-rounded too (what a single GPTQModifier would make), (e) quantcore's GPTQ
+   with the Hessians llm-compressor's GPTQ used (kept from its run) and (f) llm-compressor's weights loaded into
+   the model. Prints one table. Takes a few minutes on 2 CPU cores.
+   ``--sequential`` adds (d): quantcore's GPTQ with Hessians collected the way llm-compressor's sequential pipeline
+   collects them, block by block, each block fed by the blocks before it with their GPTQ layers already rounded
+   (weights only: the pipeline runs with activation quantization off); about 2 more minutes.
 
 Not a test (too slow for CI): the figures are in the README.
 """
@@ -34,11 +40,17 @@ LLMC_PART = r'''
 import json, sys, torch
 from datasets import Dataset
 from llmcompressor import oneshot
+import llmcompressor.modifiers.gptq.base as gptq_base
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-folder, recipe, ids_path, out = sys.argv[1:5]
+folder, recipe, ids_path, out, hess_out = sys.argv[1:6]
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 tok = AutoTokenizer.from_pretrained(folder)
+names, hessians, prepare = {id(m): n for n, m in model.named_modules()}, {}, gptq_base.prepare_batch
+def keep_hessians(batch, qparams, by_module, counts):  # the Hessians its GPTQ is about to use
+    hessians.update({names[id(m)]: (by_module[m] / counts[m]).contiguous() for m in batch})
+    return prepare(batch, qparams, by_module, counts)
+gptq_base.prepare_batch = keep_hessians
 ids = json.load(open(ids_path))
 data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(r) for r in ids]})
 oneshot(model=model, processor=tok, recipe=recipe, dataset=data, num_calibration_samples=len(ids),
@@ -50,6 +62,7 @@ save_file({n + ".weight": fake_quantize(m.weight.detach(), m.weight_scale, getat
                                         m.quantization_scheme.weights).float().contiguous()
            for n, m in model.named_modules()
            if isinstance(m, torch.nn.Linear) and getattr(m, "quantization_scheme", None) is not None}, out)
+save_file(hessians, hess_out)
 '''
 
 
@@ -58,10 +71,34 @@ def shape(text: str) -> tuple[int, int]:
     return int(n), int(length)
 
 
+def sequential_hessians(model, plan, cal) -> dict:
+    """GPTQ Hessians of ``plan``'s GPTQ layers (all inside decoder blocks ``*.layers.N``), block by block: block N's
+    from a forward that stops after it, with the GPTQ layers of the blocks before it already rounded."""
+    from quantcore.gptq import collect_hessians, gptq_quantize
+
+    modules = dict(model.named_modules())
+    layers = [n for n, s in plan.items() if s.gptq]
+    blocks = list(dict.fromkeys(n.rsplit(".", 2)[0] for n in layers))  # model.layers.N.mlp.down_proj -> ...N
+    hess, originals = {}, {}
+    try:
+        for block in blocks:
+            mine = [n for n in layers if n.startswith(block + ".")]
+            hess.update(collect_hessians(model, mine, cal, stop_after=modules[block]))
+            for n in mine:
+                originals[n] = modules[n].weight
+                q = gptq_quantize(originals[n].detach(), hess[n], plan[n].weights).weight
+                modules[n].weight = torch.nn.Parameter(q, requires_grad=False)
+    finally:
+        for n, w in originals.items():
+            modules[n].weight = w
+    return hess
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scheme", default="W4A16_GPTQ")
     ap.add_argument("--rest", default="BF16", help="the scheme of the linears SCHEME does not fit (weight-only)")
+    ap.add_argument("--sequential", action="store_true", help="also score sequentially collected Hessians")
     ap.add_argument("--cal", type=shape, default=(16, 256), help="calibration sequences x tokens (default 16x256)")
     ap.add_argument("--eval", type=shape, default=(16, 256), help="evaluation sequences x tokens (default 16x256)")
     args = ap.parse_args(argv)
@@ -94,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     recipe.write_text(to_llmcompressor_recipe(plan, layer_names=names))
     ids_path = work / "cal.json"
     ids_path.write_text(json.dumps(cal.tolist()))
-    weights = work / "llmc.safetensors"
+    weights, their_hess = work / "llmc.safetensors", work / "llmc-hessians.safetensors"
     subprocess.run(["bash", str(ROOT / "scripts" / "llmc_env.sh")], check=True)
     subprocess.run([str(ROOT / ".venv-llmc" / "bin" / "python"), "-c", LLMC_PART, str(folder), str(recipe),
-                    str(ids_path), str(weights)], check=True, cwd=work)
+                    str(ids_path), str(weights), str(their_hess)], check=True, cwd=work)
 
     from safetensors.torch import load_file
 
@@ -113,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"quantcore, {rest.name} layers GPTQ-rounded too (a single GPTQModifier)",
                      score_plan(model, {n: gptq_rest if s is rest else s for n, s in plan.items()}, ev, ref,
                                 weight_hessians=hess)))
+    if args.sequential:
+        rows.append(("quantcore, Hessians block by block (llm-compressor's sequential pipeline)",
+                     score_plan(model, plan, ev, ref, weight_hessians=sequential_hessians(model, plan, cal))))
+    if scheme.gptq:  # GPTQ is invariant to the Hessian's scale: theirs is 2XᵀX / sequences, ours / tokens
+        rows.append(("quantcore's GPTQ with llm-compressor's own Hessians",
+                     score_plan(model, plan, ev, ref, weight_hessians=load_file(their_hess))))
     theirs = load_file(weights)
     modules = dict(model.named_modules())
     with torch.no_grad():

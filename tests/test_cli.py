@@ -585,9 +585,22 @@ def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys,
     gptq = run_json(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args)
     assert gptq["gptq_calibration_text"] == "builtin:lee_background.cor" and "gptq_calibration_text" not in rtn
     assert gptq["plan"] == "W8A16_GPTQ" and gptq["kl_mean"] > 0 and gptq["kl_mean"] != rtn["kl_mean"]
+    assert gptq["calibration_tokens"] == [16, 256]  # the job's default
     code, out, _ = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args[:-1])
-    assert code == 0 and "GPTQ rounded its weights with the input Hessians of builtin:lee_background.cor" in out
-    sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_GPTQ", *args)
+    assert code == 0 and ("GPTQ rounded its weights with the input Hessians of builtin:lee_background.cor "
+                          "(16 × 256 tokens)") in out
+    # the user's own calibration text and size: other Hessians, so another score
+    cal = tmp_path / "calibration.txt"
+    cal.write_text("\n\n".join(f"Calibration document {i}: the quick brown fox jumps over the lazy dog, again and "
+                               f"again, {i} times over." for i in range(40)))
+    own = run_json(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args, "--cal-text", str(cal),
+                   "--cal-samples", "4", "--cal-seq-len", "32")
+    assert own["calibration_tokens"] == [4, 32] and own["gptq_calibration_text"] != gptq["gptq_calibration_text"]
+    assert own["kl_mean"] != gptq["kl_mean"]
+    code, _, err = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args, "--cal-samples", "0")
+    assert code != 0 and "--cal-samples must be at least 1" in err
+    sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_GPTQ", *args, "--cal-samples", "4")
+    assert svc.get_job(sweep["job"]).result["calibration_tokens"] == [4, 256]
     assert sweep["scheme"] == "W4A16_GPTQ" and len(sweep["layers"]) == 2 * 4 + 1  # q/k/v, o, gate/up, down; head
     kls, _ = svc.sensitivity_map(svc.get_model("tiny"))
     assert len(kls["W4A16_GPTQ"]) == 9 and all(v > 0 for v in kls["W4A16_GPTQ"].values())

@@ -113,32 +113,35 @@ def _calibration_ids(ctx: JobContext, tok, device):
     return ids.to(device), label
 
 
-def _hessians(ctx: JobContext, tok, model, plan, device) -> tuple[dict[str, Any] | None, str | None]:
-    """(GPTQ Hessians of the plan's layers that round with GPTQ, the calibration text's label), from the
-    unquantized model on calibration text; (None, None) when no layer does."""
+def _calibration_text(ctx: JobContext, tok, device, needed: bool):
+    """(token ids, label) of the calibration text when ``needed`` (GPTQ Hessians, KV cache scales), else
+    (None, None): one tokenization for both."""
+    return _calibration_ids(ctx, tok, device) if needed else (None, None)
+
+
+def _hessians(ctx: JobContext, model, plan, cal_ids, text) -> dict[str, Any] | None:
+    """GPTQ Hessians of the plan's layers that round with GPTQ, from the unquantized model on the calibration
+    tokens; None when no layer does."""
     from quantcore.gptq import collect_hessians
 
     layers = [n for n, s in plan.items() if s.needs_hessians]
     if not layers:
-        return None, None
-    cal_ids, text = _calibration_ids(ctx, tok, device)
+        return None
     ctx.progress(0.3, f"GPTQ: input Hessians of {len(layers)} layer(s) on {text}")
-    return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel), text
+    return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel)
 
 
-def _kv_amax(ctx: JobContext, tok, model, kv, plan, device, act_amax=None, act_channel_max=None,
-             weight_hessians=None):
-    """(per-layer K/V amax, the calibration text's label) for a calibrated KV format, with ``plan`` applied; on
-    calibration text (params['cal_dataset'] or the built-in one), never the evaluation text. (None, None) for a
-    format without calibrated scales."""
+def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_channel_max=None, weight_hessians=None):
+    """Per-layer K/V amax for a calibrated KV format, with ``plan`` applied, on the calibration tokens
+    (params['cal_dataset'] or the built-in text), never the evaluation text; None for a format without
+    calibrated scales."""
     from quantcore.scoring import calibrate_kv_cache
 
     if not kv.calibrated:
-        return None, None
+        return None
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
-    cal_ids, kv_text = _calibration_ids(ctx, tok, device)
     return calibrate_kv_cache(model, plan, cal_ids, act_amax=act_amax, act_channel_max=act_channel_max,
-                              should_cancel=ctx.should_cancel, weight_hessians=weight_hessians), kv_text
+                              should_cancel=ctx.should_cancel, weight_hessians=weight_hessians)
 
 
 def score(ctx: JobContext) -> Outcome:
@@ -161,8 +164,10 @@ def score(ctx: JobContext) -> Outcome:
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
-    hessians, gptq_text = _hessians(ctx, tok, model, plan, ids.device)
-    kv_amax, kv_text = _kv_amax(ctx, tok, model, kv, plan, ids.device, act_amax, act_channel_max, hessians)
+    gptq = any(s.needs_hessians for s in plan.values())
+    cal_ids, cal_text = _calibration_text(ctx, tok, ids.device, gptq or kv.calibrated)
+    hessians = _hessians(ctx, model, plan, cal_ids, cal_text)
+    kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
@@ -175,10 +180,12 @@ def score(ctx: JobContext) -> Outcome:
     result = {k: rep[k] for k in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl",
                                   "tokens", "kv_cache")}
     result.update(plan=plan_label, calibration_job=cal[0] if cal else None)
-    if kv_text is not None:
-        result["kv_calibration_text"] = kv_text
-    if gptq_text is not None:
-        result["gptq_calibration_text"] = gptq_text
+    if kv.calibrated:
+        result["kv_calibration_text"] = cal_text
+    if gptq:
+        result["gptq_calibration_text"] = cal_text
+    if cal_ids is not None:
+        result["calibration_tokens"] = list(cal_ids.shape)  # sequences, tokens each
 
     def write(s: Session) -> None:
         repo.save_score(s, job_id=ctx.job_id, model_id=rec.id, plan_id=ctx.plan_id, plan_label=plan_label,
@@ -204,7 +211,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
     if ctx.params.get("kv_sweep"):
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
-        amax, _ = _kv_amax(ctx, tok, model, kv, {}, ids.device)
+        cal_ids, cal_text = _calibration_text(ctx, tok, ids.device, kv.calibrated)
+        amax = _kv_amax(ctx, model, kv, {}, cal_ids)
         rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, progress=progress,
                                     should_cancel=ctx.should_cancel)
         name = repo.KV_SWEEP_PREFIX + kv.name
@@ -215,7 +223,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
         cal = calibration_for(ctx, rec, scheme.needs_calibration)
         act_amax, act_channel_max = _calibration_maps(cal)
         ref = reference_for(ctx, rec, model, ids, label)
-        hessians, _ = _hessians(ctx, tok, model, {n: scheme for n in linear_names(rec)}, ids.device)
+        cal_ids, cal_text = _calibration_text(ctx, tok, ids.device, scheme.needs_hessians)
+        hessians = _hessians(ctx, model, {n: scheme for n in linear_names(rec)}, cal_ids, cal_text)
         rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
                                  should_cancel=ctx.should_cancel, weight_hessians=hessians)
@@ -225,6 +234,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
 
     result = {"scheme": name, "units": len(dicts), "text": label, "numerics": NUMERICS,
               "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
+    if cal_ids is not None:  # GPTQ Hessians or KV cache scales came from it
+        result.update(calibration_text=cal_text, calibration_tokens=list(cal_ids.shape))
 
     def write(s: Session) -> None:
         repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)

@@ -356,6 +356,30 @@ def test_results_page_queues_one_score_job_per_chosen_plan(seeded):
     assert sum("No worker consuming queue 'cpu'" in w.value for w in at.warning) == 1
 
 
+def test_results_page_queues_scores_on_the_texts_chosen(seeded, tmp_path):
+    """The evaluation and calibration texts and the calibration size reach the score and sweep jobs."""
+    from app import services as svc
+
+    ev = svc.upload_dataset("held-out.txt", b"Some held-out text.\n\nAnother document.", "evaluation")
+    cal = svc.upload_dataset("domain.txt", b"Text of the serving domain.\n\nMore of it.", "calibration")
+    at = _run("results", seeded.id)
+    assert at.selectbox(key="score_eval_text").options == ["built-in: lee.cor (50 news articles)", "held-out.txt"]
+    assert at.selectbox(key="score_cal_text").options == ["built-in: lee_background.cor (300 articles)",
+                                                          "domain.txt"]
+    at.multiselect(key="score_what").set_value(["preset:W4A16_GPTQ"])
+    at.selectbox(key="score_eval_text").set_value(ev.id)
+    at.selectbox(key="score_cal_text").set_value(cal.id)
+    at.number_input(key="score_cal_samples").set_value(64)
+    at.checkbox(key="score_sens").check()
+    at.button[0].click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    jobs = [j for j in svc.list_jobs(limit=10) if j.status == "queued"]
+    assert sorted(j.kind for j in jobs) == ["score", "sensitivity"]
+    for j in jobs:
+        assert (j.params["dataset"], j.params["cal_dataset"]) == (ev.id, cal.id)
+        assert (j.params["cal_samples"], j.params["cal_seq_len"]) == (64, 256)
+
+
 def test_the_app_never_imports_torch(qp_settings):
     code = ("import sys, runpy; sys.path.insert(0, '.');"
             "import app.services, app.charts, app.state, quantcore.outliers, quantcore.plans, quantcore.kernels,"

@@ -152,6 +152,25 @@ def test_collect_hessians_matches_the_definition_and_shares_fused_inputs(tiny_ll
         collect_hessians(model, ["model.norm"], tiny_input_ids)
 
 
+def test_collect_hessians_can_stop_after_the_block_it_needs(tiny_llama, tiny_input_ids):
+    """stop_after ends each forward once the given block has run: the same Hessians, nothing after it runs."""
+    model = tiny_llama
+    block = model.model.layers[0]
+    names = [n for n, m in block.named_modules(prefix="model.layers.0") if isinstance(m, torch.nn.Linear)]
+    ran_after: list[int] = []
+    hook = model.lm_head.register_forward_pre_hook(lambda *_: ran_after.append(1))
+    try:
+        full = collect_hessians(model, names, tiny_input_ids, batch_size=1)
+        assert len(ran_after) == tiny_input_ids.shape[0]
+        ran_after.clear()
+        early = collect_hessians(model, names, tiny_input_ids, batch_size=1, stop_after=block)
+    finally:
+        hook.remove()
+    assert ran_after == []
+    assert all(torch.equal(full[n], early[n]) for n in names)
+    assert not block._forward_hooks  # its stop hook is gone
+
+
 def test_apply_plan_needs_hessians_and_restores_exactly(tiny_llama, tiny_input_ids):
     model = tiny_llama
     layer = "model.layers.0.mlp.down_proj"
