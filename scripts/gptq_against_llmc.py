@@ -1,6 +1,6 @@
 """quantplan's predicted KL of a GPTQ plan against the KL of what llm-compressor really makes of it, on SmolLM2.
 
-    .venv/bin/python scripts/gptq_against_llmc.py [--scheme W4A16_GPTQ] [--rest BF16] [--sequential]
+    .venv/bin/python scripts/gptq_against_llmc.py [--scheme W4A16_GPTQ] [--rest BF16] [--sequential] [--spread]
                                                   [--cal 16x256] [--eval 16x256]
 
 1. Here: the demo model (SmolLM2-135M, converted once and cached), its calibration tokens (the built-in
@@ -17,7 +17,8 @@
    the model. Prints one table. Takes a few minutes on 2 CPU cores.
    ``--sequential`` adds (d): quantcore's GPTQ with Hessians collected the way llm-compressor's sequential pipeline
    collects them, block by block, each block fed by the blocks before it with their GPTQ layers already rounded
-   (weights only: the pipeline runs with activation quantization off); about 2 more minutes.
+   (weights only: the pipeline runs with activation quantization off); about 2 more minutes. ``--spread`` adds
+   quantcore's GPTQ calibrated on subsets of the calibration tokens: how far the KL moves with the sample.
 
 Not a test (too slow for CI): the figures are in the README.
 """
@@ -71,27 +72,35 @@ def shape(text: str) -> tuple[int, int]:
     return int(n), int(length)
 
 
-def sequential_hessians(model, plan, cal) -> dict:
-    """GPTQ Hessians of ``plan``'s GPTQ layers (all inside decoder blocks ``*.layers.N``), block by block: block N's
-    from a forward that stops after it, with the GPTQ layers of the blocks before it already rounded."""
+def sequential_hessians(model, plan, cal, rounded: dict | None = None) -> tuple[dict, dict]:
+    """(Hessians, rounded weights) of ``plan``'s GPTQ layers (all inside decoder blocks ``*.layers.N``), block by
+    block: block N's from a forward that stops after it, with the GPTQ layers of the blocks before it already
+    rounded: by quantcore's GPTQ, or to the weights ``rounded`` gives (llm-compressor's)."""
     from quantcore.gptq import collect_hessians, gptq_quantize
 
     modules = dict(model.named_modules())
     layers = [n for n, s in plan.items() if s.gptq]
     blocks = list(dict.fromkeys(n.rsplit(".", 2)[0] for n in layers))  # model.layers.N.mlp.down_proj -> ...N
-    hess, originals = {}, {}
+    hess, originals, out = {}, {}, {}
     try:
         for block in blocks:
             mine = [n for n in layers if n.startswith(block + ".")]
             hess.update(collect_hessians(model, mine, cal, stop_after=modules[block]))
             for n in mine:
                 originals[n] = modules[n].weight
-                q = gptq_quantize(originals[n].detach(), hess[n], plan[n].weights).weight
-                modules[n].weight = torch.nn.Parameter(q, requires_grad=False)
+                out[n] = (rounded[n] if rounded is not None else
+                          gptq_quantize(originals[n].detach(), hess[n], plan[n].weights).weight)
+                modules[n].weight = torch.nn.Parameter(out[n], requires_grad=False)
     finally:
         for n, w in originals.items():
             modules[n].weight = w
-    return hess
+    return hess, out
+
+
+def hessians_against_theirs(ours: dict, theirs: dict, tokens_per_sequence: int) -> list[float]:
+    """Relative Frobenius distance of each Hessian from llm-compressor's, which divides 2XᵀX by the number of
+    sequences where quantcore divides by the number of tokens."""
+    return [float((h * tokens_per_sequence - theirs[n]).norm() / theirs[n].norm()) for n, h in ours.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheme", default="W4A16_GPTQ")
     ap.add_argument("--rest", default="BF16", help="the scheme of the linears SCHEME does not fit (weight-only)")
     ap.add_argument("--sequential", action="store_true", help="also score sequentially collected Hessians")
+    ap.add_argument("--spread", action="store_true", help="also score quantcore's GPTQ calibrated without one of "
+                    "the sequences (the 1st, 6th, 11th, 16th), and on half of them")
     ap.add_argument("--cal", type=shape, default=(16, 256), help="calibration sequences x tokens (default 16x256)")
     ap.add_argument("--eval", type=shape, default=(16, 256), help="evaluation sequences x tokens (default 16x256)")
     args = ap.parse_args(argv)
@@ -150,9 +161,30 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"quantcore, {rest.name} layers GPTQ-rounded too (a single GPTQModifier)",
                      score_plan(model, {n: gptq_rest if s is rest else s for n, s in plan.items()}, ev, ref,
                                 weight_hessians=hess)))
+    notes = []
+    if args.spread and scheme.gptq:
+        gptq_layers = [n for n, s in plan.items() if s.gptq]
+        for i in range(0, len(cal), 5):
+            some = torch.cat([cal[:i], cal[i + 1:]])
+            rows.append((f"quantcore, calibrated without sequence {i + 1} of {len(cal)}",
+                         score_plan(model, plan, ev, ref, weight_hessians=collect_hessians(model, gptq_layers, some))))
+        rows.append((f"quantcore, calibrated on the first {len(cal) // 2} sequences",
+                     score_plan(model, plan, ev, ref,
+                                weight_hessians=collect_hessians(model, gptq_layers, cal[: len(cal) // 2]))))
     if args.sequential:
+        seq, rounded = sequential_hessians(model, plan, cal)
         rows.append(("quantcore, Hessians block by block (llm-compressor's sequential pipeline)",
-                     score_plan(model, plan, ev, ref, weight_hessians=sequential_hessians(model, plan, cal))))
+                     score_plan(model, plan, ev, ref, weight_hessians=seq)))
+        if scheme.gptq:
+            their_h, their_w = load_file(their_hess), load_file(weights)
+            forced, _ = sequential_hessians(model, plan, cal, {n: their_w[n + ".weight"] for n in seq})
+            fmt = lambda xs: ", ".join(f"{x:.0e}" for x in xs[:4])  # noqa: E731
+            notes.append(f"Hessians block by block against llm-compressor's, relative distance, first 4 GPTQ blocks: "
+                         f"{fmt(hessians_against_theirs(seq, their_h, cal.shape[1]))} with quantcore's own roundings before them, "
+                         f"{fmt(hessians_against_theirs(forced, their_h, cal.shape[1]))} with llm-compressor's")
+            differ = [float((rounded[n] != their_w[n + ".weight"]).float().mean()) for n in seq]
+            notes.append("share of weights rounded differently from llm-compressor, first 4 GPTQ blocks: "
+                         + ", ".join(f"{d:.2%}" for d in differ[:4]))
     if scheme.gptq:  # GPTQ is invariant to the Hessian's scale: theirs is 2XᵀX / sequences, ours / tokens
         rows.append(("quantcore's GPTQ with llm-compressor's own Hessians",
                      score_plan(model, plan, ev, ref, weight_hessians=load_file(their_hess))))
@@ -171,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, r in rows:
         print(f"| {label} | {r.kl_mean:.4f} | {r.kl_p99:.3f} | {r.top1_agree:.3f} | {r.ppl:.2f} "
               f"(ref {r.ppl_ref:.2f}) |")
+    for note in notes:
+        print(f"\n{note}")
     return 0
 
 

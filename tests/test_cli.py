@@ -597,6 +597,9 @@ def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys,
                    "--cal-samples", "4", "--cal-seq-len", "32")
     assert own["calibration_tokens"] == [4, 32] and own["gptq_calibration_text"] != gptq["gptq_calibration_text"]
     assert own["kl_mean"] != gptq["kl_mean"]
+    stored = {s.job_id: s.details.get("calibration") for s in svc.list_scores(svc.get_model("tiny").id)}
+    assert stored[own["job"]] == f"{own['gptq_calibration_text']}, 4 × 32 tokens"
+    assert stored[rtn["job"]] is None  # W8A16 rounds to nearest: no calibration text
     code, _, err = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args, "--cal-samples", "0")
     assert code != 0 and "--cal-samples must be at least 1" in err
     sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_GPTQ", *args, "--cal-samples", "4")

@@ -174,6 +174,8 @@ def score(ctx: JobContext) -> Outcome:
                         weight_hessians=hessians, progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m),
                         should_cancel=ctx.should_cancel)
     rep = report.to_dict()
+    if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
+        rep["calibration"] = f"{cal_text}, {cal_ids.shape[0]} × {cal_ids.shape[1]} tokens"
     plan_label = ctx.params.get("label") or spec.name or spec.default
     if ctx.params.get("kv_cache") and not ctx.params.get("label") and not kv.is_identity:
         plan_label = f"{plan_label} + KV {kv_label(spec)}"

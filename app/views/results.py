@@ -36,8 +36,8 @@ with st.form("score_form"):
     with st.expander("What each preset does"):
         st.markdown("\n".join(f"- {text}" for text in presets.values()))
         st.caption("GPTQ: the `*_GPTQ` presets keep their format's grid and scales but choose each weight's grid "
-                   "point to keep the layer's output close on the calibration text (16 × 256 tokens of the "
-                   "built-in text), as llm-compressor's GPTQModifier does; the others round to nearest. On SmolLM2, "
+                   "point to keep the layer's output close on the calibration text (under Texts below; 16 × 256 "
+                   "tokens of the built-in one by default), as llm-compressor's GPTQModifier does; the others round to nearest. On SmolLM2, "
                    "W4A16 scores KL 0.81 and W4A16_GPTQ 0.36.")
     texts = svc.list_datasets()
     eval_sets = [None] + [d.id for d in texts if d.role in ("evaluation", "any")]
@@ -112,8 +112,9 @@ if not scores:
     st.info("Nothing scored yet for this model.")
 else:
     table = pd.DataFrame([{"job": s.job_id, "plan": s.plan_label, "KV cache": s.kv_cache, **s.metrics(),
-                           "predicted KL": s.predicted_kl,
-                           "text": s.dataset, "scored": s.created_at} for s in scores])
+                           "predicted KL": s.predicted_kl, "text": s.dataset,
+                           "calibrated on": s.details.get("calibration"),  # GPTQ / KV scales; None: not needed
+                           "scored": s.created_at} for s in scores])
     st.dataframe(table, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
                                 "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f")})

@@ -885,7 +885,7 @@ def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
                         plan_body={"default": "W4A16"}, dataset=score.dataset,
                         report={**{k: getattr(score, k) for k in ("kl_mean", "kl_p50", "kl_p90", "kl_p99", "kl_max",
                                                                   "top1_agree", "ppl_ref", "ppl", "tokens")},
-                                "numerics": NUMERICS})
+                                "numerics": NUMERICS, "calibration": "domain.txt, 64 × 256 tokens"})
     scores = {s.job_id: s for s in svc.list_scores(seeded.id)}
     fp8 = next(s for s in scores.values() if s.plan_label == "FP8_DYNAMIC")
     assert svc.score_notes(seeded, fp8) == []  # no int weights: the grid change did not touch it
@@ -893,6 +893,8 @@ def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
     (note,) = svc.score_notes(seeded, scores[old])
     assert "older quantplan" in note and "-8..7" in note
     at = _run("results", seeded.id)
+    table = at.dataframe[0].value.set_index("job")
+    assert table.loc[new, "calibrated on"] == "domain.txt, 64 × 256 tokens"  # what its GPTQ / KV scales saw
     at.multiselect(key="results_compare").set_value([old, new]).run()
     assert not at.exception
     warnings = [w.value for w in at.warning]
