@@ -953,7 +953,7 @@ def to_llmcompressor_recipe(
             "pass smoothquant_mappings"
         )
     resolved = _as_plan(plan, names)
-    groups, unquantized = _group_plan(resolved, names)
+    groups, unquantized = _group_plan(resolved, names, split_gptq=True)
     stage: dict[str, Any] = {}
     smooth = _smoothquant_layers(resolved, names)
     problems: list[str] = []
@@ -993,12 +993,11 @@ def to_llmcompressor_recipe(
     if groups:
         # GPTQ layers go to a GPTQModifier, the others to a QuantizationModifier: llm-compressor (0.8+) runs
         # several modifiers one after the other (its "independent" pipeline), each on its own targets
-        split, _ = _group_plan(resolved, names, split_gptq=True)
         mods: dict[str, dict[str, Any]] = {}
-        for mod_type, mine in ((GPTQ_MODIFIER, [g for g in split if g.gptq]),
-                               (QUANT_MODIFIERS[0], [g for g in split if not g.gptq])):
+        for mod_type, mine in ((GPTQ_MODIFIER, [g for g in groups if g.gptq]),
+                               (QUANT_MODIFIERS[0], [g for g in groups if not g.gptq])):
             if mine:
-                mods[mod_type] = _quant_modifier(mine, unquantized, names, every_quantized=len(mine) == len(split))
+                mods[mod_type] = _quant_modifier(mine, unquantized, names, every_quantized=len(mine) == len(groups))
         if gptq:
             mods[GPTQ_MODIFIER].update(GPTQ_RECIPE_ARGS)
         if kv_args is not None:

@@ -105,18 +105,15 @@ def _calibration_maps(cal) -> tuple[dict[str, float] | None, dict[str, Any] | No
     return {st.name: st.amax for st in stats}, {st.name: st.channel_max for st in stats}
 
 
-def _calibration_ids(ctx: JobContext, tok, device):
+def _calibration_ids(ctx: JobContext, tok, device, needed: bool = True):
     """(token ids, label) of the calibration text: params['cal_dataset'] or the built-in one, never the evaluation
-    text; params['cal_samples'] x params['cal_seq_len'] tokens (16 x 256 by default)."""
+    text; params['cal_samples'] x params['cal_seq_len'] tokens (16 x 256 by default). (None, None) when not
+    ``needed`` (no GPTQ Hessians, no KV cache scales): one tokenization serves both."""
+    if not needed:
+        return None, None
     ids, label = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
                            seq_len=int(ctx.params.get("cal_seq_len") or 256), dataset_param="cal_dataset")
     return ids.to(device), label
-
-
-def _calibration_text(ctx: JobContext, tok, device, needed: bool):
-    """(token ids, label) of the calibration text when ``needed`` (GPTQ Hessians, KV cache scales), else
-    (None, None): one tokenization for both."""
-    return _calibration_ids(ctx, tok, device) if needed else (None, None)
 
 
 def _hessians(ctx: JobContext, model, plan, cal_ids, text) -> dict[str, Any] | None:
@@ -165,7 +162,7 @@ def score(ctx: JobContext) -> Outcome:
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
     gptq = any(s.needs_hessians for s in plan.values())
-    cal_ids, cal_text = _calibration_text(ctx, tok, ids.device, gptq or kv.calibrated)
+    cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, gptq or kv.calibrated)
     hessians = _hessians(ctx, model, plan, cal_ids, cal_text)
     kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
@@ -213,7 +210,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
     if ctx.params.get("kv_sweep"):
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
-        cal_ids, cal_text = _calibration_text(ctx, tok, ids.device, kv.calibrated)
+        cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, kv.calibrated)
         amax = _kv_amax(ctx, model, kv, {}, cal_ids)
         rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, progress=progress,
                                     should_cancel=ctx.should_cancel)
@@ -225,7 +222,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         cal = calibration_for(ctx, rec, scheme.needs_calibration)
         act_amax, act_channel_max = _calibration_maps(cal)
         ref = reference_for(ctx, rec, model, ids, label)
-        cal_ids, cal_text = _calibration_text(ctx, tok, ids.device, scheme.needs_hessians)
+        cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, scheme.needs_hessians)
         hessians = _hessians(ctx, model, {n: scheme for n in linear_names(rec)}, cal_ids, cal_text)
         rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
