@@ -91,6 +91,7 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "W4A16",
     "W4A16_GPTQ",
     "NVFP4A16",
+    "NVFP4A16_GPTQ",
     "NVFP4",
     "MXFP4",
 )

@@ -10,9 +10,11 @@ exported with GPTQ is scored with GPTQ here, not with RTN (which overstates a 4-
 The algorithm follows llm-compressor 0.14's ``quantize_weight`` (eager path), with its defaults:
 
 * scales (and their grid) come from the original weight, as RTN's do (:func:`quantcore.quantize.weight_scale`:
-  for int formats compressed-tensors' min-max scales, amax / 7.5 or amax / 127.5, and codes -8..7 / -128..127);
+  for int formats compressed-tensors' min-max scales, amax / 7.5 or amax / 127.5, and codes -8..7 / -128..127;
+  for NVFP4 the effective scale of each block of 16, E4M3 block scale × fp32 tensor scale, and E2M1 elements);
   GPTQ changes which grid point each weight takes, never the scales. Given the same weight, Hessian and scales,
-  the result is llm-compressor's bit for bit (tests/quantcore/test_gptq.py);
+  the result is llm-compressor's bit for bit (tests/quantcore/test_gptq.py; NVFP4 is its ``tensor_group``
+  strategy); a block whose scale is 0 (all zero) rounds what error reaches it to zero;
 * dead inputs (``H[j, j] == 0``: a channel that was always 0) get ``H[j, j] = 1`` and weight 0;
 * dampening ``H += 0.01 · mean(diag H) · I``; a Hessian that is still not positive definite falls back to RTN
   for that layer (reported);
@@ -129,6 +131,8 @@ def _gptq(weight, hessian, spec, block_size, dampening, actorder, scale) -> Gptq
     elif not bool(torch.isfinite(scale).all() and (scale > 0).all()):
         raise ValueError("GPTQ scales must be finite and > 0")
     S = element_scales(scale.to(W.device), spec, (n, k)).contiguous()
+    # an NVFP4 block that was all zero has scale 0: error pushed into it rounds to (nearly) zero, not NaN
+    S = torch.where(S > 0, S, torch.finfo(S.dtype).tiny)
     H = hessian.detach().to(device=W.device, dtype=GPTQ_PRECISION).clone()
 
     diag = torch.diagonal(H)

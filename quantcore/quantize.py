@@ -912,10 +912,12 @@ def _spec_args(spec: TensorSpec) -> dict:
 @torch.no_grad()
 def weight_scale(weight: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A weight's scales as the serving checkpoint stores them, in the granularity's scale shape: amax over the
-    divisor of its :class:`IntWeightGrid` for int formats, :func:`quantize`'s scales for the others."""
+    divisor of its :class:`IntWeightGrid` for int formats, :func:`quantize`'s scales for the others (nvfp4: the
+    effective block scales, E4M3 block scale × fp32 tensor scale)."""
     grid = int_weight_grid(spec.format)
     if grid is None:
-        return quantize(weight, spec.format, **_spec_args(spec)).scale
+        q = quantize(weight, spec.format, **_spec_args(spec))
+        return q.scale if q.tensor_scale is None else q.scale * q.tensor_scale
     amax = compute_amax(weight, **_spec_args(spec))
     scale = (amax.double() / grid.divisor).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
@@ -943,7 +945,7 @@ def round_to_weight_grid(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     :class:`IntWeightGrid` codes (``qmin..qmax``), :func:`round_to_format` for the others."""
     grid = int_weight_grid(fmt)
     if grid is None:
-        return round_to_format(y, fmt)
+        return round_to_format(y, element_format(fmt))  # a block format's elements (nvfp4: E2M1)
     return y.round().clamp_(grid.qmin, grid.qmax)
 
 

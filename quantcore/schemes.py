@@ -331,14 +331,15 @@ def gptq_unsupported(spec: TensorSpec | None) -> str | None:
     """Why GPTQ cannot round weights of this spec, or None when it can (see :mod:`quantcore.gptq`).
 
     GPTQ needs one fixed scale per weight element, known before it starts: the tensor, channel, group and
-    block scales of the int and FP8 formats. The block formats (MXFP4, MXFP8, NVFP4) are left out, whose
-    scales are part of the format and are emulated as a whole.
+    block scales of the int and FP8 formats, and NVFP4's effective block scales (E4M3 block scale × fp32 tensor
+    scale, from the original weight, as llm-compressor's GPTQ takes them from its observer). The MX formats are
+    left out: quantplan emulates their power-of-two scales as a whole and has no GPTQ preset for them.
     """
     if spec is None:
         return "GPTQ rounds weights, and this scheme leaves them unquantized"
     fmt = get_format(spec.format)
-    if fmt.is_block:
-        return f"GPTQ is not offered for {fmt.name}, whose block scales are part of the format"
+    if fmt.is_block and fmt.name != "nvfp4":
+        return f"GPTQ is not offered for {fmt.name}, whose power-of-two block scales quantplan emulates as a whole"
     return None
 
 
@@ -469,10 +470,24 @@ def _presets() -> dict[str, Scheme]:
             "(activation tensor scale dynamic here; llm-compressor calibrates it)",
         ),
         Scheme(
+            "NVFP4_GPTQ",
+            TensorSpec("nvfp4", G, dynamic=False),
+            TensorSpec("nvfp4", G),
+            gptq=True,
+            description="NVFP4 with GPTQ-rounded weights (the same block and tensor scales)",
+        ),
+        Scheme(
             "NVFP4A16",
             TensorSpec("nvfp4", G, dynamic=False),
             None,
             description="NVFP4 weights, 16-bit activations",
+        ),
+        Scheme(
+            "NVFP4A16_GPTQ",
+            TensorSpec("nvfp4", G, dynamic=False),
+            None,
+            gptq=True,
+            description="NVFP4A16 with GPTQ-rounded weights (the same block and tensor scales)",
         ),
         Scheme("BF16", None, None, description="left unquantized"),
     ]

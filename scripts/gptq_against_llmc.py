@@ -60,7 +60,8 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 # what the compressed checkpoint stores: GPTQ left its layers' weights on their grid, a QuantizationModifier's
 # layers keep theirs until compression rounds them with the scales it observed
 save_file({n + ".weight": fake_quantize(m.weight.detach(), m.weight_scale, getattr(m, "weight_zero_point", None),
-                                        m.quantization_scheme.weights).float().contiguous()
+                                        m.quantization_scheme.weights,
+                                        global_scale=getattr(m, "weight_global_scale", None)).float().contiguous()
            for n, m in model.named_modules()
            if isinstance(m, torch.nn.Linear) and getattr(m, "quantization_scheme", None) is not None}, out)
 save_file(hessians, hess_out)

@@ -62,8 +62,9 @@ def main(recipe: str, workdir: str) -> None:
             zero = getattr(module, "weight_zero_point", None)
             # what a compressed checkpoint stores (GPTQ leaves the weight on its grid; a round-to-nearest layer
             # keeps its weight and is rounded when compressed) against rounding the original weight
-            stored = fake_quantize(module.weight.detach(), module.weight_scale, zero, scheme.weights)
-            rtn = fake_quantize(before[name], module.weight_scale, zero, scheme.weights)
+            gs = getattr(module, "weight_global_scale", None)  # NVFP4's tensor scale (its inverse)
+            stored = fake_quantize(module.weight.detach(), module.weight_scale, zero, scheme.weights, global_scale=gs)
+            rtn = fake_quantize(before[name], module.weight_scale, zero, scheme.weights, global_scale=gs)
             nearest[name] = bool(torch.equal(rtn, stored))
         if scheme is not None and scheme.weights is not None and scheme.weights.type == "int":
             scale = module.weight_scale.detach().float()

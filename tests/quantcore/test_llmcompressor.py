@@ -284,14 +284,15 @@ def test_kv_cache_scheme_is_what_llm_compressor_calibrates(llmc, name: str) -> N
             assert (shape == [2, 1, 1]) if get_kv_format(kv).per_head else (shape in per_layer), (layer, tensor, shape)
 
 
-def test_exported_gptq_recipe_runs_in_oneshot(tmp_path) -> None:
-    """The whole way: a mixed FP8_DYNAMIC + W4A16_GPTQ plan, exported, quantizes a tiny Llama with llm-compressor's
-    own oneshot: every linear ends up with the planned args, int weights on their grid, the GPTQ layers moved off
+@pytest.mark.parametrize("gptq", ["W4A16_GPTQ", "NVFP4A16_GPTQ"])
+def test_exported_gptq_recipe_runs_in_oneshot(tmp_path, gptq) -> None:
+    """The whole way: a mixed FP8_DYNAMIC + GPTQ plan, exported, quantizes a tiny Llama with llm-compressor's own
+    oneshot: every linear ends up with the planned args, int weights on their grid, the GPTQ layers moved off
     round-to-nearest by GPTQ (on calibration data) and the FP8 layers rounded to nearest, as scored."""
     env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
                          timeout=ENV_TIMEOUT_S, cwd=REPO)
     assert env.returncode == 0, env.stderr[-3000:]
-    plan = mixed_gptq_plan()
+    plan = {n: get_scheme(gptq) if s.gptq else s for n, s in mixed_gptq_plan().items()}
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(to_llmcompressor_recipe(plan, layer_names=LAYERS), encoding="utf-8")
     run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(tmp_path)],
@@ -305,7 +306,7 @@ def test_exported_gptq_recipe_runs_in_oneshot(tmp_path) -> None:
             assert real is None, layer
             continue
         assert scheme_from_ct_args(real["weights"], real["input_activations"], gptq=plan[layer].gptq) == plan[layer]
-    int_layers = [n for n in LAYERS if ".mlp." in n]
+    int_layers = [n for n in LAYERS if plan[n].int_weights]
     assert got["weights_on_grid"] == dict.fromkeys(int_layers, True)
     quantized = [n for n in LAYERS if not plan[n].is_identity]
     assert got["rounded_to_nearest"] == {n: not plan[n].gptq for n in quantized}
