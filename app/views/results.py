@@ -38,7 +38,7 @@ with st.form("score_form"):
         st.caption("GPTQ: the `*_GPTQ` presets keep their format's grid and scales but choose each weight's grid "
                    "point to keep the layer's output close on the calibration text (under Texts below; 16 × 256 "
                    "tokens of the built-in one by default), as llm-compressor's GPTQModifier does; the others round to nearest. On SmolLM2, "
-                   "W4A16 scores KL 0.81 and W4A16_GPTQ 0.36.")
+                   "W4A16 scores KL 0.81 and W4A16_GPTQ 0.36, NVFP4A16 0.36 and NVFP4A16_GPTQ 0.16.")
     texts = svc.list_datasets()
     eval_sets = [None] + [d.id for d in texts if d.role in ("evaluation", "any")]
     cal_sets = [None] + [d.id for d in texts if d.role in ("calibration", "any")]

@@ -24,7 +24,7 @@ ISSUE_PRESETS = [
     "NVFP4", "NVFP4A16", "BF16",
 ]  # fmt: skip
 # the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
-GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ"]
+GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "NVFP4_GPTQ", "NVFP4A16_GPTQ"]
 
 
 def test_every_preset_of_the_issue_is_registered():
