@@ -219,8 +219,9 @@ def cmd_scores(args) -> int:
     rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
             for row in frame.to_dict("records")]
     by_job = {s.job_id: s for s in scores}
-    for r in rows:  # what each score's job noticed, and whether older numerics made it
+    for r in rows:  # what each score's job noticed, whether older numerics made it, what GPTQ / KV scales saw
         r["notes"] = svc.score_notes(model, by_job[r["job"]])
+        r["calibration"] = by_job[r["job"]].details.get("calibration")
     if args.json:
         _print_json({"model": model.name, "text": eval_set[0], "positions": eval_set[1], "timings": args.timings,
                      "m_prefill": m_prefill, "m_decode": m_decode, "target": args.target,
@@ -242,6 +243,8 @@ def cmd_scores(args) -> int:
         print(f"  {r['plan']:<{width}}  {r['kl_mean']:9.5f}  {r['top1_agree']:6.3f}"
               + "".join(cell(r, c, f, w) for c, _, f, w in costs))
     for r in rows:
+        if r["calibration"]:
+            print(f"  calibrated on: #{r['job']} {r['plan']}: {r['calibration']}")
         for note in r["notes"]:
             print(f"  note: #{r['job']} {r['plan']}: {note}")
     if args.target:

@@ -600,6 +600,10 @@ def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys,
     stored = {s.job_id: s.details.get("calibration") for s in svc.list_scores(svc.get_model("tiny").id)}
     assert stored[own["job"]] == f"{own['gptq_calibration_text']}, 4 × 32 tokens"
     assert stored[rtn["job"]] is None  # W8A16 rounds to nearest: no calibration text
+    listed = {r["job"]: r["calibration"] for r in run_json(capsys, "scores", "tiny", "--json")["plans"]}
+    assert listed[own["job"]] == stored[own["job"]] and listed[rtn["job"]] is None
+    code, out, _ = run(capsys, "scores", "tiny")
+    assert code == 0 and f"calibrated on: #{own['job']} W8A16_GPTQ: {stored[own['job']]}" in out
     code, _, err = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args, "--cal-samples", "0")
     assert code != 0 and "--cal-samples must be at least 1" in err
     sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_GPTQ", *args, "--cal-samples", "4")
