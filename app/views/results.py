@@ -55,6 +55,8 @@ with st.form("score_form"):
         st.caption("The calibration text is never the evaluation text. GPTQ's result depends on it: on SmolLM2, "
                    "leaving out one of the 16 default sequences moves W4A16_GPTQ's KL by up to 6 %, and 8 "
                    "sequences instead of 16 raise it by a third; llm-compressor's examples calibrate on 512.")
+        cal_upload = st.file_uploader("…or upload a calibration text (.txt / .jsonl with a 'text' field): stored, "
+                                      "and listed above from then on", type=["txt", "jsonl"], key="score_cal_upload")
     kv_choice = st.selectbox(
         "KV cache", ["(as planned)", *KV_FORMATS], key="score_kv",
         help="Also store K and V in this format while scoring (replaces a plan's own kv_cache; presets plan none). "
@@ -66,35 +68,43 @@ with st.form("score_form"):
     if st.form_submit_button("Queue", type="primary"):
         if not chosen_plans:
             st.error("Choose at least one plan or preset to score.")
-        params = {"samples": int(samples), "seq_len": int(seq_len), "device": device,
-                  "cal_samples": int(cal_samples), "cal_seq_len": int(cal_seq_len)}
-        if eval_id is not None:
-            params["dataset"] = eval_id
-        if cal_id is not None:
-            params["cal_dataset"] = cal_id
-        if kv_choice != "(as planned)":
-            params["kv_cache"] = kv_choice
-        for what in chosen_plans:
-            kind, _, ref = what.partition(":")
-            if kind == "preset":
-                job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
-            else:
-                job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
-            kv_note = f" + KV {kv_choice}" if "kv_cache" in params else ""
-            st.success(f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
-            if sens and kind == "preset":
-                sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
+        cal_ok = True
+        if cal_upload is not None:
+            try:
+                cal_id = svc.upload_dataset(cal_upload.name, cal_upload.getvalue(), "calibration").id
+            except ValueError as exc:
+                st.error(f"The calibration text was not stored, so nothing was queued: {exc}")
+                cal_ok = False
+        if cal_ok:
+            params = {"samples": int(samples), "seq_len": int(seq_len), "device": device,
+                      "cal_samples": int(cal_samples), "cal_seq_len": int(cal_seq_len)}
+            if eval_id is not None:
+                params["dataset"] = eval_id
+            if cal_id is not None:
+                params["cal_dataset"] = cal_id
+            if kv_choice != "(as planned)":
+                params["kv_cache"] = kv_choice
+            for what in chosen_plans:
+                kind, _, ref = what.partition(":")
+                if kind == "preset":
+                    job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
+                else:
+                    job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
+                kv_note = f" + KV {kv_choice}" if "kv_cache" in params else ""
+                st.success(f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
+                if sens and kind == "preset":
+                    sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
+                                    model_id=model.id)
+                    st.success(f"Queued sensitivity job #{sj.id} ({ref}).")
+            if sens and any(not w.startswith("preset:") for w in chosen_plans):
+                st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
+            if kv_sens and kv_choice in ("(as planned)", "AUTO"):
+                st.warning("A KV cache sweep needs a quantized format: choose one under KV cache.")
+            elif kv_sens:
+                sweep = {k: v for k, v in params.items() if k != "kv_cache"}
+                sj = svc.submit("sensitivity", {**sweep, "samples": min(int(samples), 8), "kv_sweep": kv_choice},
                                 model_id=model.id)
-                st.success(f"Queued sensitivity job #{sj.id} ({ref}).")
-        if sens and any(not w.startswith("preset:") for w in chosen_plans):
-            st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
-        if kv_sens and kv_choice in ("(as planned)", "AUTO"):
-            st.warning("A KV cache sweep needs a quantized format: choose one under KV cache.")
-        elif kv_sens:
-            sweep = {k: v for k, v in params.items() if k != "kv_cache"}
-            sj = svc.submit("sensitivity", {**sweep, "samples": min(int(samples), 8), "kv_sweep": kv_choice},
-                            model_id=model.id)
-            st.success(f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
+                st.success(f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
 
 live.job_progress("results", ["score", "sensitivity"], model_id=model.id,
                   done_notes={"score": "Scored plans below.", "sensitivity": "Per-layer sensitivity below."})

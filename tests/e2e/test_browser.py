@@ -123,6 +123,28 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
             assert charts.count() >= 2
             assert page.get_by_text("model.layers.11.mlp.down_proj").count() > 0
 
+    # Results: a calibration text uploaded with the score it is for; the queued job names it
+    cal_text = tmp_path / "domain.txt"
+    cal_text.write_text("\n\n".join(f"Serving-domain document {i}: what the deployed model will read." for i in range(30)))
+    page.goto(app_url + "/results")
+    _settle(page)
+    page.get_by_text("Texts: what is scored").click()
+    _settle(page, 1)
+    page.locator("[data-testid='stFileUploaderDropzoneInput']").first.set_input_files(str(cal_text))
+    _settle(page)
+    page.get_by_label("Calibration sequences").fill("2")
+    page.get_by_label("Sequences", exact=True).fill("2")  # a short score: the worker has the upload to register next
+    page.get_by_label("Tokens each").first.fill("32")
+    page.get_by_role("button", name="Queue").click()
+    expect(page.get_by_text("Queued score job")).to_be_visible(timeout=30_000)
+    _no_exception(page)
+    with session_scope(qp_settings) as s:
+        (ds,) = [d for d in repo.list_datasets(s) if d.name == "domain.txt"]
+        (job,) = [j for j in repo.list_jobs(s) if j.kind == "score"]
+    assert ds.role == "calibration" and (job.params["cal_dataset"], job.params["cal_samples"]) == (ds.id, 2)
+    assert (job.params["samples"], job.params["seq_len"]) == (2, 32)
+    _shot(page, "results-calibration-upload")
+
     # an upload through the browser's file picker: a zipped Hugging Face folder
     archive = shutil.make_archive(str(tmp_path / "tiny-llama"), "zip", save_tiny_llama(tmp_path / "up" / "tiny-llama").parent)
     page.goto(app_url + "/")
