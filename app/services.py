@@ -131,6 +131,11 @@ def list_datasets() -> list[DatasetRecord]:
         return repo.list_datasets(s)
 
 
+def datasets_for(role: str) -> list[DatasetRecord]:
+    """The stored texts a job may read in ``role`` (calibration or evaluation): those uploaded for it or for any."""
+    return [d for d in list_datasets() if d.role in (role, "any")]
+
+
 def upload_dataset(filename: str, data: bytes, role: str) -> DatasetRecord:
     s = settings()
     tmp = Path(str(s.data_dir)) / "incoming" / uuid.uuid4().hex

@@ -84,7 +84,7 @@ with st.form("calibrate_form"):
     seq_len = c2.number_input("Tokens per sequence", 16, 8192, 256, step=16, key="cal_seq_len")
     device = c3.selectbox("Device", ["cpu", "cuda"], index=0 if svc.settings().default_device == "cpu" else 1,
                           key="cal_device")
-    datasets = [d for d in svc.list_datasets() if d.role in ("calibration", "any")]
+    datasets = svc.datasets_for("calibration")
     options = [None] + [d.id for d in datasets]
     labels = {None: "built-in: lee_background.cor (300 news articles)"} | {d.id: d.name for d in datasets}
     dataset_id = c4.selectbox("Text", options, format_func=labels.get, key="cal_dataset")

@@ -39,10 +39,9 @@ with st.form("score_form"):
                    "point to keep the layer's output close on the calibration text (under Texts below; 16 × 256 "
                    "tokens of the built-in one by default), as llm-compressor's GPTQModifier does; the others round to nearest. On SmolLM2, "
                    "W4A16 scores KL 0.81 and W4A16_GPTQ 0.36, NVFP4A16 0.36 and NVFP4A16_GPTQ 0.16.")
-    texts = svc.list_datasets()
-    eval_sets = [None] + [d.id for d in texts if d.role in ("evaluation", "any")]
-    cal_sets = [None] + [d.id for d in texts if d.role in ("calibration", "any")]
-    names = {d.id: d.name for d in texts}
+    eval_texts, cal_texts = svc.datasets_for("evaluation"), svc.datasets_for("calibration")
+    eval_sets, cal_sets = [None] + [d.id for d in eval_texts], [None] + [d.id for d in cal_texts]
+    names = {d.id: d.name for d in eval_texts + cal_texts}
     with st.expander("Texts: what is scored, and what GPTQ and the KV cache scales are calibrated on"):
         e1, e2, e3, e4 = st.columns([2, 2, 1, 1])
         eval_id = e1.selectbox("Evaluation text", eval_sets, key="score_eval_text",
