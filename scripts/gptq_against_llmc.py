@@ -152,19 +152,22 @@ def main(argv: list[str] | None = None) -> int:
 
     ref = compute_reference(model, ev, batch_size=4)
     gptq_rest = get_scheme(f"{rest.name}_GPTQ") if f"{rest.name}_GPTQ" in list_schemes() else rest
-    hess = collect_hessians(model, [n for n in names if n != "lm_head"], cal)
+    rest_too = scheme.gptq and gptq_rest is not rest  # also score the REST layers GPTQ-rounded
+    gptq_layers = [n for n, s in plan.items() if s.gptq]
+    needed = gptq_layers + ([n for n, s in plan.items() if s is rest] if rest_too else [])
+    hess = collect_hessians(model, needed, cal) if needed else {}
+    their_h, their_w = load_file(their_hess), load_file(weights)  # the Hessians its GPTQ used, the weights it wrote
     rows = [(f"quantcore {scheme.name}", score_plan(model, plan, ev, ref, weight_hessians=hess))]
     rtn = get_scheme(scheme.name.removesuffix("_GPTQ"))
     if rtn != scheme:
         rows.append((f"quantcore {rtn.name} (round to nearest)",
                      score_plan(model, {n: rtn if s is scheme else s for n, s in plan.items()}, ev, ref)))
-    if scheme.gptq and gptq_rest is not rest:
+    if rest_too:
         rows.append((f"quantcore, {rest.name} layers GPTQ-rounded too (a single GPTQModifier)",
                      score_plan(model, {n: gptq_rest if s is rest else s for n, s in plan.items()}, ev, ref,
                                 weight_hessians=hess)))
     notes = []
     if args.spread and scheme.gptq:
-        gptq_layers = [n for n, s in plan.items() if s.gptq]
         for i in range(0, len(cal), 5):
             some = torch.cat([cal[:i], cal[i + 1:]])
             rows.append((f"quantcore, calibrated without sequence {i + 1} of {len(cal)}",
@@ -177,7 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("quantcore, Hessians block by block (llm-compressor's sequential pipeline)",
                      score_plan(model, plan, ev, ref, weight_hessians=seq)))
         if scheme.gptq:
-            their_h, their_w = load_file(their_hess), load_file(weights)
             forced, _ = sequential_hessians(model, plan, cal, {n: their_w[n + ".weight"] for n in seq})
             fmt = lambda xs: ", ".join(f"{x:.0e}" for x in xs[:4])  # noqa: E731
             notes.append(f"Hessians block by block against llm-compressor's, relative distance, first 4 GPTQ blocks: "
@@ -188,12 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                          + ", ".join(f"{d:.2%}" for d in differ[:4]))
     if scheme.gptq:  # GPTQ is invariant to the Hessian's scale: theirs is 2XᵀX / sequences, ours / tokens
         rows.append(("quantcore's GPTQ with llm-compressor's own Hessians",
-                     score_plan(model, plan, ev, ref, weight_hessians=load_file(their_hess))))
-    theirs = load_file(weights)
+                     score_plan(model, plan, ev, ref, weight_hessians=their_h)))
     modules = dict(model.named_modules())
     with torch.no_grad():
-        saved = {n: modules[n[: -len(".weight")]].weight.detach().clone() for n in theirs}
-        for n, w in theirs.items():
+        saved = {n: modules[n[: -len(".weight")]].weight.detach().clone() for n in their_w}
+        for n, w in their_w.items():
             modules[n[: -len(".weight")]].weight.copy_(w)
         rows.append(("llm-compressor oneshot (its GPTQ, its scales)", score_plan(model, {}, ev, ref)))
         for n, w in saved.items():
