@@ -79,6 +79,8 @@ from quantcore.kvcache import AUTO as KV_AUTO
 from quantcore.kvcache import KvCacheFormat, get_kv_format, normalize_kv_skip
 from quantcore.plans import TextDumper, group_label, scheme_label
 from quantcore.schemes import (
+    AWQ_DUO_SCALING,
+    AWQ_N_GRID,
     GPTQ_ACTORDER,
     GPTQ_BLOCK_SIZE,
     GPTQ_DAMPENING,
@@ -122,6 +124,17 @@ QUANT_MODIFIERS = ("QuantizationModifier", "GPTQModifier")  # GPTQ: same config,
 GPTQ_MODIFIER = QUANT_MODIFIERS[1]
 # what quantcore.gptq runs, written out so that a later llm-compressor default cannot change the recipe
 GPTQ_RECIPE_ARGS = {"block_size": GPTQ_BLOCK_SIZE, "dampening_frac": GPTQ_DAMPENING, "actorder": GPTQ_ACTORDER}
+AWQ_MODIFIER = "AWQModifier"  # llm-compressor 0.14: a transform before the quantization modifier that rounds
+# what quantcore.awq runs, written out so that a later llm-compressor default cannot change the recipe
+AWQ_RECIPE_ARGS = {"duo_scaling": AWQ_DUO_SCALING, "n_grid": AWQ_N_GRID}
+# AWQ mappings of Llama-style blocks (llm-compressor's default_mappings): leaf of the smooth layer (the norm's name
+# for the MLP is mlp_norm), leaves of the balance layers, and the submodule that holds them
+AWQ_KINDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("input_layernorm", ("q_proj", "k_proj", "v_proj"), "self_attn"),
+    ("v_proj", ("o_proj",), "self_attn"),
+    ("<mlp_norm>", ("gate_proj", "up_proj"), "mlp"),
+    ("up_proj", ("down_proj",), "mlp"),
+)
 SMOOTH_MODIFIER = "SmoothQuantModifier"
 SQ_DEFAULT_STRENGTH = 0.5  # SmoothQuantModifier.smoothing_strength default
 
@@ -859,6 +872,58 @@ def _expand_mappings(mappings: Sequence[Any], layer_names: Sequence[str]) -> set
     return out
 
 
+# ------------------------------------------------------------------ AWQ mappings
+
+
+def _awq_mappings(awq_layers: Sequence[str], layer_names: Sequence[str], mlp_norm: str) -> list[dict[str, Any]]:
+    """AWQModifier mappings covering exactly the AWQ layers' folds: one per kind (q/k/v, o_proj, gate/up,
+    down_proj), llm-compressor's own regexes when every block has AWQ there, else the blocks named."""
+    chosen = set(awq_layers)
+    out = []
+    for smooth_leaf, leaves, sub in AWQ_KINDS:
+        smooth_leaf = mlp_norm if smooth_leaf == "<mlp_norm>" else smooth_leaf
+        blocks_all: list[str] = []
+        blocks_awq: list[str] = []
+        for n in layer_names:
+            block, _, rest = n.rpartition(f".{sub}.")
+            if rest == leaves[0] and block:
+                blocks_all.append(block)
+                if any(f"{block}.{sub}.{leaf}" in chosen for leaf in leaves):
+                    blocks_awq.append(block)
+        if not blocks_awq:
+            continue
+        smooth_at = sub + "." if smooth_leaf in ("v_proj", "up_proj") else ""
+        if blocks_awq == blocks_all:
+            prefix = ".*"
+        else:
+            prefix = "^(?:" + "|".join(re.escape(b) for b in blocks_awq) + ")\\."
+        out.append({
+            "smooth_layer": f"re:{prefix}{re.escape(smooth_at)}{smooth_leaf}$",
+            "balance_layers": _Flow([f"re:{prefix}{sub}\\.{leaf}$" for leaf in leaves]),
+        })
+    return out
+
+
+def _awq_covered(mappings: Any, layer_names: Sequence[str], where: str, problems: list[str]) -> set[str]:
+    """The linear layers an AWQModifier's ``mappings`` name as balance layers (None: llm-compressor's defaults)."""
+    if mappings is None:
+        mappings = _awq_mappings(layer_names, layer_names, MLP_NORM_LLAMA)
+    out: set[str] = set()
+    if not isinstance(mappings, (list, tuple)):
+        problems.append(f"{where}: mappings must be a list of {{smooth_layer, balance_layers}}, got {mappings!r}")
+        return out
+    for m in mappings:
+        balance = m.get("balance_layers") if isinstance(m, Mapping) else None
+        if isinstance(balance, str):
+            balance = [balance]
+        if not isinstance(balance, (list, tuple)) or not isinstance(m.get("smooth_layer"), str):
+            problems.append(f"{where}: mapping {m!r} needs smooth_layer (a name) and balance_layers (a list)")
+            continue
+        for pattern in balance:
+            out |= {n for n in layer_names if _re_matches(str(pattern), n)}
+    return out
+
+
 # ------------------------------------------------------------------ export
 
 
@@ -989,11 +1054,14 @@ def to_llmcompressor_recipe(
     kv = get_kv_format(kv_cache)
     kv_args = kv_cache_scheme(kv)
     gptq = [n for n in names if resolved[n].gptq]
+    awq = [n for n in names if resolved[n].needs_awq]
     rtn = [n for n in names if not resolved[n].gptq and not resolved[n].is_identity]
     if groups:
         # GPTQ layers go to a GPTQModifier, the others to a QuantizationModifier: llm-compressor (0.8+) runs
         # several modifiers one after the other (its "independent" pipeline), each on its own targets
         mods: dict[str, dict[str, Any]] = {}
+        if awq:  # a transform: it scales, the QuantizationModifier after it rounds
+            mods[AWQ_MODIFIER] = {**AWQ_RECIPE_ARGS, "mappings": _awq_mappings(awq, names, mlp_norm)}
         for mod_type, mine in ((GPTQ_MODIFIER, [g for g in groups if g.gptq]),
                                (QUANT_MODIFIERS[0], [g for g in groups if not g.gptq])):
             if mine:
@@ -1029,6 +1097,10 @@ def to_llmcompressor_recipe(
     if gptq:
         header += ("# GPTQModifier rounds the weights with GPTQ on the calibration data: oneshot needs a dataset "
                    "(dataset=..., num_calibration_samples=...)\n")
+    if awq:
+        header += (f"# AWQModifier searches input scales for {len(awq)} layer(s) on the calibration data (oneshot needs a "
+                   "dataset) and folds them into the norms and projections before them; the QuantizationModifier "
+                   "then rounds to nearest\n")
     if gptq and rtn:
         header += (f"# two quantization modifiers, run one after the other: GPTQModifier rounds the {len(gptq)} GPTQ "
                    f"layer(s), QuantizationModifier the other {len(rtn)} to nearest, as scored\n")
@@ -1202,11 +1274,14 @@ def _scheme_for(
     where: str,
     problems: list[str],
     gptq: bool = False,
+    awq: bool = False,
 ) -> Scheme | None:
     """The quantplan scheme for a config group's args and a SmoothQuant alpha (None after a problem).
 
     gptq: the group comes from a ``GPTQModifier``: the GPTQ preset of those args where quantplan has one
     (W4A16_GPTQ, ...), else the round-to-nearest one (FP8 formats have no GPTQ preset).
+    awq: an ``AWQModifier`` scales the layer: the AWQ preset of those args (W4A16_AWQ, W8A16_AWQ); a problem
+    where there is none.
     """
     if weights is None and acts is None:
         return get_scheme("BF16")
@@ -1226,7 +1301,18 @@ def _scheme_for(
     w_args, why_w = _spec_to_args(specs[0], "weights") if specs[0] else (None, None)
     a_args, why_a = _spec_to_args(specs[1], "activations") if specs[1] else (None, None)
     candidates = _preset_schemes().get(_scheme_args_key(w_args, a_args), []) if not (why_w or why_a) else []
-    candidates = [s for s in candidates if s.gptq == gptq] or [s for s in candidates if not s.gptq]
+    if awq:
+        found = [s for s in candidates if s.awq]
+        if not found and candidates:
+            problems.append(
+                f"{where}: the AWQModifier scales these layers, but quantplan has AWQ only for "
+                f"{', '.join(n for n in list_schemes() if get_scheme(n).awq)} (AWQ with GPTQ or with quantized "
+                "activations is not planned); leave them out of its mappings"
+            )
+            return None
+        candidates = found
+    candidates = [s for s in candidates if s.gptq == gptq and s.awq == awq] or [
+        s for s in candidates if not s.gptq and not s.awq]
     if not candidates:
         text = f"W: {specs[0].describe() if specs[0] else '16-bit'}; A: {specs[1].describe() if specs[1] else '16-bit'}"
         problems.append(
@@ -1265,6 +1351,7 @@ def _assign(
     claims: Sequence[_Claim],
     alphas: Mapping[str, float],
     problems: list[str],
+    awq: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, Scheme]:
     """Give every layer the scheme of the config group that claims it (compressed-tensors precedence within
     one claim); a layer two claims quantize is a problem, one no claim quantizes is BF16."""
@@ -1281,7 +1368,7 @@ def _assign(
                 f"target {t!r} names no linear layer of this model; layer names look like "
                 f"{_cut(list(layer_names)[:3])}"
             )
-    cache: dict[tuple[int, int, float | None], Scheme | None] = {}
+    cache: dict[tuple[int, int, float | None, bool], Scheme | None] = {}
     out: dict[str, Scheme] = {}
     twice: dict[tuple[str, ...], list[str]] = {}
     bf16 = get_scheme("BF16")
@@ -1305,10 +1392,10 @@ def _assign(
             twice.setdefault(tuple(claims[ci].label for ci, _ in found), []).append(layer)
             continue
         ci, gi = found[0]
-        key = (ci, gi, alpha)
+        key = (ci, gi, alpha, layer in awq)
         if key not in cache:
             label, _, w, a = claims[ci].groups[gi]
-            cache[key] = _scheme_for(w, a, alpha, label, problems, claims[ci].gptq)
+            cache[key] = _scheme_for(w, a, alpha, label, problems, claims[ci].gptq, layer in awq)
         scheme = cache[key]
         if scheme is not None:
             out[layer] = scheme
@@ -1494,7 +1581,9 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
     """The per-layer plan an llm-compressor recipe (YAML or JSON text) applies to a model.
 
     Reads each ``QuantizationModifier`` and ``GPTQModifier`` (same formats, GPTQ rounding: its groups get
-    quantplan's ``*_GPTQ`` presets where there is one; no layer may be targeted by two of them)
+    quantplan's ``*_GPTQ`` presets where there is one; no layer may be targeted by two of them), an
+    ``AWQModifier`` (the balance layers of its ``mappings``, llm-compressor's defaults when it gives none, get the
+    ``*_AWQ`` preset of their format)
     with ``scheme`` (preset name, or ``{preset: targets}``) + ``targets``, or
     ``config_groups``; ``ignore``; and any ``SmoothQuantModifier`` (``smoothing_strength``,
     default 0.5; ``mappings``, default llm-compressor's q/k/v and gate/up mappings), whose
@@ -1510,8 +1599,17 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
     modifiers = _recipe_modifiers(data, problems)
     quant = [(w, t, a) for w, t, a in modifiers if t in QUANT_MODIFIERS]
     alphas: dict[str, float] = {}
+    awq: set[str] = set()
     for where, mod_type, args in modifiers:
-        if mod_type == SMOOTH_MODIFIER:
+        if mod_type == AWQ_MODIFIER:
+            if not isinstance(args, Mapping):
+                problems.append(f"{where} must be a mapping of arguments")
+                continue
+            differ = {k: args[k] for k, v in AWQ_RECIPE_ARGS.items() if k in args and args[k] != v}
+            if differ:
+                problems.append(f"{where}: quantplan's AWQ search runs with {AWQ_RECIPE_ARGS}, not {differ}")
+            awq |= _awq_covered(args.get("mappings"), names, where, problems)
+        elif mod_type == SMOOTH_MODIFIER:
             if not isinstance(args, Mapping):
                 problems.append(f"{where} must be a mapping of arguments")
                 continue
@@ -1542,10 +1640,10 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
         elif mod_type not in QUANT_MODIFIERS:
             problems.append(
                 f"{where}: modifier {mod_type} is not something quantplan plans; supported: "
-                f"{', '.join(QUANT_MODIFIERS + (SMOOTH_MODIFIER,))}"
+                f"{', '.join(QUANT_MODIFIERS + (SMOOTH_MODIFIER, AWQ_MODIFIER))}"
             )
     claims = [_modifier_claim(where, mod_type, args, problems) for where, mod_type, args in quant]
-    plan = _assign(names, claims, alphas, problems)
+    plan = _assign(names, claims, alphas, problems, awq)
     if problems:
         raise PlanError(_format("This llm-compressor recipe cannot be imported", problems))
     return plan

@@ -55,6 +55,8 @@ NUMERICS_INT_WEIGHT_GRID = 2  # the first version with int weights on compressed
 # GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
 GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
 GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal
+AWQ_N_GRID = 20  # AWQModifier.n_grid: candidate scales per mapping
+AWQ_DUO_SCALING = True  # AWQModifier.duo_scaling: candidates from activation and weight means
 GPTQ_ACTORDER = "static"  # GPTQModifier.actorder default (alias of "weight"): columns by descending diag(H)
 
 
@@ -179,7 +181,10 @@ class Scheme:
 
     A scheme with neither (``BF16``) leaves the layer unquantized. ``gptq``: the weights are rounded by
     GPTQ on calibration inputs (:mod:`quantcore.gptq`, llm-compressor's ``GPTQModifier``) instead of to the
-    nearest grid point; the format, the scales and so the checkpoint's layout are the same.
+    nearest grid point; the format, the scales and so the checkpoint's layout are the same. ``awq``: before
+    rounding to nearest, each input channel of a weight-only layer is scaled by a factor searched on
+    calibration inputs and folded into the operator before it (:mod:`quantcore.awq`, llm-compressor's
+    ``AWQModifier``); the checkpoint's layout is again the same.
     """
 
     name: str
@@ -188,6 +193,7 @@ class Scheme:
     smoothquant_alpha: float | None = None
     description: str = ""
     gptq: bool = False
+    awq: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -223,6 +229,12 @@ class Scheme:
             raise ValueError(f"scheme {self.name!r}: gptq must be true or false, got {self.gptq!r}")
         if self.gptq:
             why = gptq_unsupported(self.weights)
+            if why:
+                raise ValueError(f"scheme {self.name!r}: {why}")
+        if not isinstance(self.awq, bool):
+            raise ValueError(f"scheme {self.name!r}: awq must be true or false, got {self.awq!r}")
+        if self.awq:
+            why = awq_unsupported(self)
             if why:
                 raise ValueError(f"scheme {self.name!r}: {why}")
         alpha = self.smoothquant_alpha
@@ -274,6 +286,11 @@ class Scheme:
         return self.gptq and not self.is_identity
 
     @property
+    def needs_awq(self) -> bool:
+        """True when applying the scheme needs AWQ's searched factors, i.e. forwards of calibration text."""
+        return self.awq and not self.is_identity
+
+    @property
     def needs_calibration(self) -> bool:
         """True when applying the scheme needs calibration data: static activation scales or SmoothQuant."""
         static_acts = self.activations is not None and not self.activations.dynamic
@@ -292,6 +309,7 @@ class Scheme:
             "smoothquant_alpha": self.smoothquant_alpha,
             "description": self.description,
             "gptq": self.gptq,
+            "awq": self.awq,
         }
 
     @classmethod
@@ -312,6 +330,7 @@ class Scheme:
             smoothquant_alpha=data.get("smoothquant_alpha"),
             description=data.get("description", ""),
             gptq=data.get("gptq", False),
+            awq=data.get("awq", False),
         )
 
     def describe(self) -> str:
@@ -324,6 +343,8 @@ class Scheme:
             parts.append(f"SmoothQuant α={self.smoothquant_alpha:g}")
         if self.gptq:
             parts.append("GPTQ")
+        if self.awq:
+            parts.append("AWQ")
         return "; ".join(parts)
 
 
@@ -340,6 +361,29 @@ def gptq_unsupported(spec: TensorSpec | None) -> str | None:
     fmt = get_format(spec.format)
     if fmt.is_block and fmt.name != "nvfp4":
         return f"GPTQ is not offered for {fmt.name}, whose power-of-two block scales quantplan emulates as a whole"
+    return None
+
+
+def awq_unsupported(scheme: Scheme) -> str | None:
+    """Why AWQ cannot scale the layers of this scheme, or None when it can (see :mod:`quantcore.awq`).
+
+    AWQ protects salient input channels of weight-only layers whose weights are rounded to nearest on an
+    integer grid with one scale per row or per group along K (W4A16, W8A16: what llm-compressor's AWQ examples
+    and vLLM's AWQ / Marlin kernels serve). A scheme that quantizes activations is SmoothQuant's case; GPTQ is
+    the other way to round; a per-tensor scale would undo the per-channel scaling (llm-compressor refuses it).
+    """
+    if scheme.weights is None:
+        return "AWQ scales weights before rounding them, and this scheme leaves them unquantized"
+    if scheme.activations is not None:
+        return ("AWQ is for weight-only schemes (W4A16, W8A16); for quantized activations use SmoothQuant "
+                "(smoothquant_alpha)")
+    if scheme.gptq:
+        return "choose AWQ or GPTQ: they are two ways to round the same weights"
+    if get_format(scheme.weights.format).kind != "int":
+        return f"AWQ is offered for integer weights (int4, int8), not {scheme.weights.format}"
+    if scheme.weights.granularity not in (Granularity.CHANNEL, Granularity.GROUP):
+        return ("AWQ needs one weight scale per row or per group along K; "
+                f"{scheme.weights.granularity.value} scales are not supported")
     return None
 
 
@@ -438,6 +482,14 @@ def _presets() -> dict[str, Scheme]:
             description="W8A16 with GPTQ-rounded weights",
         ),
         Scheme(
+            "W8A16_AWQ",
+            int8_w_channel,
+            None,
+            awq=True,
+            description="W8A16 with AWQ: input channels scaled by factors searched on calibration text, then "
+            "rounded to nearest",
+        ),
+        Scheme(
             "W4A16",
             TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE),
             None,
@@ -449,6 +501,14 @@ def _presets() -> dict[str, Scheme]:
             None,
             gptq=True,
             description="W4A16 with GPTQ-rounded weights: llm-compressor's W4A16 recipe",
+        ),
+        Scheme(
+            "W4A16_AWQ",
+            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE),
+            None,
+            awq=True,
+            description="W4A16 with AWQ: input channels scaled by factors searched on calibration text, then "
+            "rounded to nearest (llm-compressor's AWQ recipe)",
         ),
         Scheme(
             "MXFP8",

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -61,6 +61,9 @@ from torch import Tensor, nn
 
 from quantcore.errors import Cancelled, PlanError, QuantcoreError, name_list
 from quantcore.schemes import NUMERICS, Scheme, get_scheme
+
+if TYPE_CHECKING:
+    from quantcore.awq import AwqResult
 
 Progress = Callable[[float, str], None]
 ShouldCancel = Callable[[], bool]
@@ -587,6 +590,7 @@ def plan_applied(
     track_saturation: bool = False,
     weight_hessians: Mapping[str, Tensor] | None = None,
     gptq_cache: dict[str, Tensor] | None = None,
+    awq: AwqResult | None = None,
 ) -> Iterator[AppliedContext]:
     """Smooth (where a scheme has a SmoothQuant alpha) and fake-quantize ``model`` for the block.
 
@@ -606,6 +610,9 @@ def plan_applied(
     weight_hessians: ``{layer: Hessian}`` of the unsmoothed inputs, needed by every layer whose
         scheme rounds with GPTQ (:func:`quantcore.gptq.collect_hessians`).
     gptq_cache: see :func:`quantcore.apply.apply_plan`.
+    awq: the factors :func:`quantcore.awq.awq_search` found for the layers whose scheme scales with AWQ
+        (needed when there are any); they are folded after SmoothQuant's, before rounding. A layer the
+        search skipped is rounded unscaled, with a note.
 
     Yields an :class:`AppliedContext`.
     """
@@ -625,7 +632,14 @@ def plan_applied(
                 f"({name_list(missing)}); run a calibration job for "
                 "this model first, or choose schemes without SmoothQuant for these layers"
             )
+    awq_layers = [layer for layer, s in schemes.items() if s.needs_awq]
+    if awq_layers and awq is None:
+        raise PlanError(
+            f"AWQ scales the inputs of {name_list(awq_layers)} by factors searched on calibration text: run "
+            "quantcore.awq.awq_search first, or choose a scheme without AWQ"
+        )
     smoothing = None
+    awq_folds = None
     applied = None
     try:
         amax = dict(act_amax) if act_amax is not None else None
@@ -646,6 +660,19 @@ def plan_applied(
                     if layer in amax and layer in act_channel_max:
                         cm = _to_tensor(act_channel_max[layer])
                         amax[layer] = float((cm / _to_tensor(s)).max())
+        awq_notes = []
+        if awq_layers:
+            from quantcore.smoothquant import smooth_model
+
+            assert awq is not None
+            found = {layer: awq.factors[layer] for layer in awq_layers if layer in awq.factors}
+            awq_notes = [
+                f"{layer}: AWQ not applied ({awq.skipped.get(layer, 'no factors were searched for it')}); "
+                "rounded to nearest unscaled"
+                for layer in awq_layers if layer not in found
+            ]
+            if found:
+                awq_folds = smooth_model(model, {}, 0.0, layers=list(found), factors=found)
         if before_quantize is not None:
             before_quantize(model)
         static = any(s.activations is not None and not s.activations.dynamic for s in schemes.values())
@@ -659,13 +686,15 @@ def plan_applied(
         notes = [
             f"{layer}: SmoothQuant not applied ({reason}); the layer is quantized unsmoothed"
             for layer, reason in (smoothing.skipped.items() if smoothing is not None else ())
-        ]
+        ] + awq_notes
         yield AppliedContext(
             handle=applied, smoothing=dict(smoothing.factors) if smoothing is not None else {}, notes=notes
         )
     finally:
         if applied is not None:
             applied.restore()
+        if awq_folds is not None:
+            awq_folds.restore()
         if smoothing is not None:
             smoothing.restore()
 
@@ -683,6 +712,7 @@ def calibrate_kv_cache(
     batch_size: int = 4,
     should_cancel: ShouldCancel | None = None,
     weight_hessians: Mapping[str, Tensor] | None = None,
+    awq: AwqResult | None = None,
 ) -> Any:
     """Per attention layer max |K| and |V| on calibration tokens, with ``plan`` applied as it will be
     served (K and V come out of the quantized k_proj / v_proj): what calibrated KV cache scales
@@ -692,7 +722,7 @@ def calibrate_kv_cache(
     ids = as_token_batch(input_ids)
     ranges = batch_ranges(ids.shape[0], batch_size)
     with plan_applied(model, plan, act_amax=act_amax, act_channel_max=act_channel_max,
-                      weight_hessians=weight_hessians), kv_amax_observed(model) as amax:
+                      weight_hessians=weight_hessians, awq=awq), kv_amax_observed(model) as amax:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"KV cache calibration (batch {i + 1} of {len(ranges)})")
             forward_logits(model, ids[s:e])
@@ -725,6 +755,7 @@ def score_plan(
     kv_amax: Any = None,
     kv_skip: Sequence[str] = (),
     weight_hessians: Mapping[str, Tensor] | None = None,
+    awq: AwqResult | None = None,
 ) -> ScoreReport:
     """Score ``plan`` (``{layer: Scheme}``) on ``input_ids`` ``[S, L]`` against ``reference``.
 
@@ -738,6 +769,7 @@ def score_plan(
     kv_skip: a plan's ``kv_cache_skip`` entries (decoder layer indices, ``"sliding_window"``): those
         attention layers keep the model's dtype (:func:`quantcore.kvcache.kv_skip_layers`).
     weight_hessians: ``{layer: Hessian}`` for the layers whose scheme rounds with GPTQ (see :func:`plan_applied`).
+    awq: AWQ's factors for the layers whose scheme scales with AWQ (see :func:`plan_applied`).
     """
     from quantcore.checkpoint import attention_windows
     from quantcore.kvcache import attention_modules, get_kv_format, kv_cache_quantized, kv_skip_layers
@@ -759,7 +791,7 @@ def score_plan(
     agree = torch.empty(reference.nll.shape, dtype=torch.bool)
     with plan_applied(
         model, plan, act_amax=act_amax, act_channel_max=act_channel_max, track_saturation=True,
-        weight_hessians=weight_hessians,
+        weight_hessians=weight_hessians, awq=awq,
     ) as ctx, kv_cache_quantized(model, kv, amax=kv_amax, skip=skip) as kv_ctx:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"scoring (batch {i + 1} of {len(ranges)})")

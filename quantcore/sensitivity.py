@@ -48,13 +48,16 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quantcore.errors import PlanError
+
+if TYPE_CHECKING:
+    from quantcore.awq import AwqResult
 from quantcore.plans import group_label
 from quantcore.schemes import Scheme, fusion_units, get_scheme
 from quantcore.scoring import (
@@ -379,6 +382,7 @@ def sensitivity_sweep(
     progress: Progress | None = None,
     should_cancel: ShouldCancel | None = None,
     weight_hessians: Mapping[str, Tensor] | None = None,
+    awq: AwqResult | None = None,
 ) -> list[SensitivityRow]:
     """Quantize one unit at a time with ``scheme``; rows sorted by ``kl_mean``, largest first.
 
@@ -390,6 +394,7 @@ def sensitivity_sweep(
     batch_size: sequences per pass (default: the reference's)
     weight_hessians: ``{layer: Hessian}`` of every swept layer when ``scheme`` rounds with GPTQ
                 (:func:`quantcore.gptq.collect_hessians`); each unit is rounded once and reused for every batch
+    awq:        AWQ's factors of the swept layers when ``scheme`` scales with AWQ (:func:`quantcore.awq.awq_search`)
 
     The model is restored exactly after every unit, also on error or cancel.
     """
@@ -432,6 +437,7 @@ def sensitivity_sweep(
                 before_quantize=lambda m, _u=unit, _err=err: _err.snapshot(m, _u),
                 weight_hessians=weight_hessians,
                 gptq_cache=gptq_cache,
+                awq=awq,
             )
         )
         if bi == 0:

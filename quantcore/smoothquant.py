@@ -286,12 +286,18 @@ def smooth_model(
     alpha: float | Mapping[str, float],
     *,
     layers: Iterable[str] | None = None,
+    factors: Mapping[str, torch.Tensor] | None = None,
 ) -> SmoothingHandle:
     """Fold SmoothQuant factors into ``model`` in place; the handle's ``restore()`` undoes it bit for bit.
 
     act_channel_max: {linear name: (K,) max |x_j|} from calibration, for the layers to smooth
     alpha:           one α for all, or {linear name: α}; a fused group (q/k/v, gate/up) needs one α
     layers:          linears to smooth (default: every key of act_channel_max)
+
+    factors:         {linear name: (K,) s} to fold as given instead of computing s from maxima and α
+                     (AWQ's searched factors, :mod:`quantcore.awq`); act_channel_max and alpha are not
+                     read for these layers. An o_proj under grouped-query attention is skipped: its
+                     factors would have to be tied across the query heads of each kv head.
 
     Asking for one member of a fused group smooths the whole group (they read one tensor, and
     the norm that absorbs 1/s feeds all of them). Layers that cannot be folded exactly are
@@ -300,14 +306,18 @@ def smooth_model(
     """
     modules = dict(model.named_modules())
     linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
-    requested = list(layers) if layers is not None else list(act_channel_max)
+    given = dict(factors or {})
+    if layers is not None:
+        requested = list(layers)
+    else:
+        requested = list(act_channel_max) + [n for n in given if n not in act_channel_max]
     unknown = [n for n in requested if n not in linears]
     if unknown:
         raise PlanError(
             f"smooth_model: {len(unknown)} name(s) are not nn.Linear layers of this model: {name_list(unknown)}; "
             "use names from model.named_modules()"
         )
-    if not isinstance(alpha, Mapping):
+    if not isinstance(alpha, Mapping) and len(given) < len(requested):
         smoothing_factors(torch.ones(1), torch.ones(1), alpha)  # validates alpha early
     handle = SmoothingHandle()
     units: dict[tuple[str, str], _Unit] = {}
@@ -321,9 +331,9 @@ def smooth_model(
     order = {n: i for i, n in enumerate(modules)}
     requested_set = set(requested)
     for unit in sorted(units.values(), key=lambda u: order[u.consumers[0]]):
-        reason = _fold(
-            handle, unit, modules, linears, act_channel_max, _alpha_for(unit, requested_set, alpha)
-        )
+        fixed = next((given[n] for n in unit.consumers if n in given), None)
+        alpha_u = 0.0 if fixed is not None else _alpha_for(unit, requested_set, alpha)
+        reason = _fold(handle, unit, modules, linears, act_channel_max, alpha_u, fixed)
         if reason is not None:
             for n in unit.consumers:
                 if n in requested_set:
@@ -338,12 +348,23 @@ def _fold(
     linears: Mapping[str, nn.Linear],
     act_channel_max: Mapping[str, object],
     alpha: float,
+    fixed: torch.Tensor | None = None,
 ) -> str | None:
-    """Compute s for one unit and fold it; returns a reason string instead when it cannot be exact."""
+    """Compute s for one unit (or take ``fixed``) and fold it; returns a reason string instead when it cannot
+    be exact."""
     consumers = [linears[n] for n in unit.consumers]
     k = consumers[0].in_features
     device = consumers[0].weight.device
-    act = _act_max_for(unit, act_channel_max, k, device)
+    if fixed is not None:
+        fixed = torch.as_tensor(fixed).detach().to(device=device, dtype=torch.float32).flatten()
+        if fixed.numel() != k or not bool(torch.isfinite(fixed).all() and (fixed > 0).all()):
+            raise ValueError(
+                f"the factors given for {', '.join(unit.consumers)} must be {k} finite positive values, one per "
+                f"input channel; got {fixed.numel()}"
+            )
+        act = None
+    else:
+        act = _act_max_for(unit, act_channel_max, k, device)
 
     if unit.kind == "norm":
         norm = modules.get(unit.producer)
@@ -354,7 +375,7 @@ def _fold(
             return (
                 f"{unit.producer} is not a norm with a per-channel gain of width {k}; cannot fold 1/s into it"
             )
-        s = smoothing_factors(act, _column_max(consumers), alpha).to(device)
+        s = fixed if fixed is not None else smoothing_factors(act, _column_max(consumers), alpha).to(device)
         _divide_norm(handle, norm, style, s)
         for c in consumers:
             _scale_columns(handle, c, s)
@@ -365,6 +386,18 @@ def _fold(
             return (
                 f"o_proj input ({o.in_features}) is not a whole number of v_proj outputs ({v.out_features})"
             )
+        if fixed is not None and n_rep > 1:
+            return (
+                "grouped-query attention: v_proj has fewer outputs than o_proj has inputs, so searched factors "
+                "cannot be folded (llm-compressor's AWQ skips this mapping too)"
+            )
+        if fixed is not None:
+            _divide_rows(handle, v, fixed)
+            _scale_columns(handle, o, fixed)
+            for n in unit.consumers:
+                handle.factors[n] = fixed.detach().clone()
+                handle.folded_into[n] = unit.producer
+            return None
         act_t, w_t = act, _column_max([o])
         if n_rep > 1:  # GQA: tie s across the query heads that read one kv head
             attn = modules[unit.producer.rsplit(".", 1)[0]]
@@ -380,7 +413,7 @@ def _fold(
         _scale_columns(handle, o, s)
     else:  # "up_rows"
         up, down = linears[unit.producer], consumers[0]
-        s = smoothing_factors(act, _column_max([down]), alpha).to(device)
+        s = fixed if fixed is not None else smoothing_factors(act, _column_max([down]), alpha).to(device)
         _divide_rows(handle, up, s)
         _scale_columns(handle, down, s)
 

@@ -128,7 +128,29 @@ def _hessians(ctx: JobContext, model, plan, cal_ids, text) -> dict[str, Any] | N
     return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel)
 
 
-def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_channel_max=None, weight_hessians=None):
+def _awq(ctx: JobContext, model, plan, cal_ids, text):
+    """AWQ's searched input scales for the plan's layers that scale with AWQ, on the calibration tokens; None
+    when no layer does."""
+    from quantcore.awq import awq_search
+
+    layers = [n for n, s in plan.items() if s.needs_awq]
+    if not layers:
+        return None
+    ctx.progress(0.3, f"AWQ: searching the input scales of {len(layers)} layer(s) on {text}")
+    return awq_search(model, plan, cal_ids, should_cancel=ctx.should_cancel,
+                      progress=lambda _f, message: ctx.progress(0.3, message))
+
+
+def _awq_summary(found) -> dict[str, Any]:
+    """What a result row keeps of an AWQ search: mappings searched, layers left unscaled, and how much the best
+    scales cut the mappings' output error (median of best / unscaled)."""
+    ratios = sorted(best / first for first, best, _ in found.errors.values() if first > 0)
+    return {"mappings": len(found.errors), "unscaled_layers": len(found.skipped),
+            "median_error_ratio": ratios[len(ratios) // 2] if ratios else None}
+
+
+def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_channel_max=None, weight_hessians=None,
+             awq=None):
     """Per-layer K/V amax for a calibrated KV format, with ``plan`` applied, on the calibration tokens
     (params['cal_dataset'] or the built-in text), never the evaluation text; None for a format without
     calibrated scales."""
@@ -138,7 +160,7 @@ def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_chann
         return None
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
     return calibrate_kv_cache(model, plan, cal_ids, act_amax=act_amax, act_channel_max=act_channel_max,
-                              should_cancel=ctx.should_cancel, weight_hessians=weight_hessians)
+                              should_cancel=ctx.should_cancel, weight_hessians=weight_hessians, awq=awq)
 
 
 def score(ctx: JobContext) -> Outcome:
@@ -162,13 +184,15 @@ def score(ctx: JobContext) -> Outcome:
     act_amax, act_channel_max = _calibration_maps(cal)
     ref = reference_for(ctx, rec, model, ids, label)
     gptq = any(s.needs_hessians for s in plan.values())
-    cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, gptq or kv.calibrated)
+    awq_needed = any(s.needs_awq for s in plan.values())
+    cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, gptq or awq_needed or kv.calibrated)
     hessians = _hessians(ctx, model, plan, cal_ids, cal_text)
-    kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians)
+    awq = _awq(ctx, model, plan, cal_ids, cal_text)
+    kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians, awq)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
-                        weight_hessians=hessians, progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m),
+                        weight_hessians=hessians, awq=awq, progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m),
                         should_cancel=ctx.should_cancel)
     rep = report.to_dict()
     if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
@@ -183,6 +207,9 @@ def score(ctx: JobContext) -> Outcome:
         result["kv_calibration_text"] = cal_text
     if gptq:
         result["gptq_calibration_text"] = cal_text
+    if awq is not None:
+        result["awq_calibration_text"] = cal_text
+        result["awq"] = _awq_summary(awq)
     if cal_ids is not None:
         result["calibration_tokens"] = list(cal_ids.shape)  # sequences, tokens each
 
@@ -222,18 +249,20 @@ def sensitivity(ctx: JobContext) -> Outcome:
         cal = calibration_for(ctx, rec, scheme.needs_calibration)
         act_amax, act_channel_max = _calibration_maps(cal)
         ref = reference_for(ctx, rec, model, ids, label)
-        cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, scheme.needs_hessians)
-        hessians = _hessians(ctx, model, {n: scheme for n in linear_names(rec)}, cal_ids, cal_text)
+        cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, scheme.needs_hessians or scheme.needs_awq)
+        every = {n: scheme for n in linear_names(rec)}
+        hessians = _hessians(ctx, model, every, cal_ids, cal_text)
+        awq = _awq(ctx, model, every, cal_ids, cal_text)
         rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
-                                 should_cancel=ctx.should_cancel, weight_hessians=hessians)
+                                 should_cancel=ctx.should_cancel, weight_hessians=hessians, awq=awq)
         name = scheme.name
     dicts = [r.to_dict() for r in rows]
     from quantcore.schemes import NUMERICS
 
     result = {"scheme": name, "units": len(dicts), "text": label, "numerics": NUMERICS,
               "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
-    if cal_ids is not None:  # GPTQ Hessians or KV cache scales came from it
+    if cal_ids is not None:  # GPTQ Hessians, AWQ scales or KV cache scales came from it
         result.update(calibration_text=cal_text, calibration_tokens=list(cal_ids.shape))
 
     def write(s: Session) -> None:
