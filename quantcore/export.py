@@ -582,15 +582,17 @@ def scheme_from_ct_args(
     *,
     alpha: float | None = None,
     gptq: bool = False,
+    awq: bool = False,
 ) -> Scheme:
     """The quantplan preset quantizing like these QuantizationArgs (``alpha``: SmoothQuant strength; ``gptq``:
-    from a GPTQModifier, so the ``*_GPTQ`` preset where there is one).
+    from a GPTQModifier, so the ``*_GPTQ`` preset where there is one; ``awq``: an AWQModifier scales the layer,
+    so the ``*_AWQ`` preset).
 
     Inverse of :func:`ct_args` for presets (``INT8_W8A8`` with an alpha -> ``INT8_W8A8_SQ``);
     PlanError when no preset matches.
     """
     problems: list[str] = []
-    s = _scheme_for(weights, input_activations, alpha, "these quantization args", problems, gptq)
+    s = _scheme_for(weights, input_activations, alpha, "these quantization args", problems, gptq, awq)
     if problems or s is None:
         raise PlanError("; ".join(problems))
     return s

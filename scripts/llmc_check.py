@@ -10,6 +10,8 @@ and the summary lists, in order, for each one:
 - QuantizationModifier / GPTQModifier: ``config_groups`` as llm-compressor *resolved* them
   (presets expanded into QuantizationArgs, targets attached), ``ignore``, ``kv_cache_scheme``;
 - SmoothQuantModifier: ``smoothing_strength`` and ``mappings`` as given;
+- AWQModifier: ``duo_scaling`` and ``n_grid``, and (with ``--llama-blocks``) the mappings it resolves and would
+  search on the tiny Llama with the recipe's quantization applied (``"resolved_mappings"``);
 - anything else: its type and group.
 
 ``--presets`` adds the QuantizationArgs of the named compressed-tensors presets
@@ -108,6 +110,20 @@ def resolved_mappings(modifier: Any, blocks: int) -> list[list[Any]]:
     return [[m.smooth_name, [names[b] for b in m.balance_layers]] for m in modifier._resolve_mappings(model)]
 
 
+def resolved_awq_mappings(modifier: Any, modifiers: list[Any], blocks: int) -> list[list[Any]]:
+    """[smooth layer name, [balance layer names]] of the mappings an AWQModifier searches on a tiny Llama, after the
+    recipe's quantization modifiers attached their schemes (AWQ skips a mapping whose layers none quantizes, and
+    v_proj -> o_proj under grouped-query attention)."""
+    from compressed_tensors.quantization import apply_quantization_config
+
+    model = tiny_llama(blocks)
+    for other in modifiers:
+        if hasattr(other, "resolved_config"):
+            apply_quantization_config(model, other.resolved_config, show_progress=False)
+    modifier._set_resolved_mappings(model)
+    return [[m.smooth_name, list(m.balance_names)] for m in modifier._resolved_mappings]
+
+
 def summarize(path: str, blocks: int | None = None) -> dict[str, Any]:
     """The modifiers llm-compressor builds from the recipe at ``path`` (and, with ``blocks``, their effect)."""
     from llmcompressor.recipe import Recipe
@@ -128,6 +144,11 @@ def summarize(path: str, blocks: int | None = None) -> dict[str, Any]:
                 entry["layers"] = applied_layers(m, blocks)
                 if cfg.kv_cache_scheme is not None:
                     entry["kv_scale_shapes"] = applied_kv_scales(m, blocks)
+        elif hasattr(m, "n_grid"):  # AWQModifier
+            entry["awq"] = {"duo_scaling": m.duo_scaling, "n_grid": m.n_grid}
+            entry["requires_calibration_data"] = bool(getattr(m, "requires_calibration_data", False))
+            if blocks:
+                entry["resolved_mappings"] = resolved_awq_mappings(m, recipe.modifiers, blocks)
         elif hasattr(m, "smoothing_strength"):
             entry["smoothing_strength"] = m.smoothing_strength
             entry["mappings"] = [

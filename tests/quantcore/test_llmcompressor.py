@@ -94,7 +94,17 @@ def cases() -> dict[str, dict[str, Scheme]]:
     out["mixed-gptq"] = mixed_gptq_plan()
     out["kv-fp8-with-w4a16-gptq"] = uniform("W4A16_GPTQ")
     out["kv-fp8-with-mixed-gptq"] = mixed_gptq_plan()
+    out["awq"] = awq_plan()
     return out
+
+
+def awq_plan() -> dict[str, Scheme]:
+    """AWQ on every layer of block 1 and on every down_proj, W4A16 rounded to nearest elsewhere, lm_head BF16."""
+    plan = uniform("W4A16")
+    for n in LAYERS:
+        if n.startswith("model.layers.1.") or n.endswith("down_proj"):
+            plan[n] = get_scheme("W4A16_AWQ")
+    return plan
 
 
 def mixed_gptq_plan() -> dict[str, Scheme]:
@@ -178,7 +188,7 @@ def test_every_layer_gets_the_planned_quantization(llmc, name: str) -> None:
         (mod_type, args), = got
         # what compressed-tensors attached to the module, read back as a quantplan scheme
         real = scheme_from_ct_args(args["weights"], args["input_activations"], alpha=want.smoothquant_alpha,
-                                   gptq=mod_type == "GPTQModifier")
+                                   gptq=mod_type == "GPTQModifier", awq=want.awq)
         assert real == want, f"{layer}: planned {want.name}, llm-compressor applies {real.name} ({mod_type})"
 
 
@@ -195,6 +205,38 @@ def test_gptq_modifier_runs_gptq_as_quantcore_does(llmc, name: str) -> None:
     orders = {g["weights"]["actorder"] for g in mod["config_groups"].values() if g["weights"]}
     assert orders <= {GPTQ_ACTORDER, "weight"}, orders  # llm-compressor resolves "static" to its alias "weight"
     assert orders
+
+
+@pytest.mark.parametrize("name", ["awq", "uniform-W4A16_AWQ"])
+def test_awq_modifier_searches_exactly_the_planned_folds(llmc, name: str) -> None:
+    """The exported AWQModifier runs quantcore.awq's grid and resolves to exactly the folds quantcore searches for
+    the plan's AWQ layers: q/k/v into input_layernorm, gate/up into post_attention_layernorm, down_proj into
+    up_proj, and no v_proj -> o_proj (grouped-query attention, skipped by both)."""
+    from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID
+
+    made, summary = llmc
+    plan, text, path = made[name]
+    (mod,) = modifiers(summary, path, "AWQModifier")
+    assert mod["awq"] == {"duo_scaling": AWQ_DUO_SCALING, "n_grid": AWQ_N_GRID}
+    assert mod["requires_calibration_data"] and "needs a dataset" in text
+    kinds = {"q_proj": "input_layernorm", "gate_proj": "post_attention_layernorm"}
+    want = []
+    for n, s in plan.items():
+        leaf, block = n.rsplit(".", 1)[-1], n.rsplit(".", 2)[0]
+        if not s.awq:
+            continue
+        if leaf in kinds:
+            sub = n.rsplit(".", 1)[0]
+            members = [f"{sub}.{x}" for x in (("q_proj", "k_proj", "v_proj") if leaf == "q_proj"
+                                               else ("gate_proj", "up_proj"))]
+            want.append([f"{block}.{kinds[leaf]}", members])
+        elif leaf == "down_proj":
+            want.append([n.rsplit(".", 1)[0] + ".up_proj", [n]])
+    assert sorted(mod["resolved_mappings"]) == sorted(want)
+    # and the QuantizationModifier after it rounds every AWQ layer as the plan's W4A16
+    (quant,) = modifiers(summary, path, "QuantizationModifier")
+    layers = quant["layers"]
+    assert all(layers[n]["weights"]["num_bits"] == 4 for n, s in plan.items() if s.awq)
 
 
 @pytest.mark.parametrize("name", list(cases()))
