@@ -894,15 +894,16 @@ def _mlp_norm(model: ModelRecord) -> str:
 
 def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     """What serving this plan will run into though it resolves: groups that do not divide K
-    (quantcore.plans.group_misfits), and an unscaled KV cache that the newest calibration's K or V would
+    (quantcore.plans.group_misfits), layers AWQ cannot scale (quantcore.plans.awq_unscaled), and an unscaled KV cache that the newest calibration's K or V would
     overflow (quantcore.kvcache.kv_clipping)."""
     from quantcore.kvcache import kv_clipping
-    from quantcore.plans import PlanSpec, group_misfits
+    from quantcore.plans import PlanSpec, awq_unscaled, group_misfits
 
     resolved, problem = resolve(model, body)
     if problem:
         return []
-    warnings = group_misfits(resolved, layer_shapes(model))
+    shapes = layer_shapes(model)
+    warnings = group_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
     kv = PlanSpec.from_dict(body).kv_cache
     if kv != "AUTO":
         with session_scope(settings()) as s:

@@ -90,6 +90,7 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "W8A16_GPTQ",
     "W4A16",
     "W4A16_GPTQ",
+    "W4A16_AWQ",
     "NVFP4A16",
     "NVFP4A16_GPTQ",
     "NVFP4",

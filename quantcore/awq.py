@@ -64,11 +64,13 @@ class AwqResult:
              ``smooth_model(model, {}, 0.0, factors=...)``, or let :func:`quantcore.scoring.plan_applied` do it)
     skipped: {linear: reason} for planned layers left unscaled
     errors:  {mapping label: (loss without scaling, best loss, best r)}; r < 0 marks the unscaled candidate
+    history: {mapping label: [(r, loss)] of every candidate, in grid order}
     """
 
     factors: dict[str, torch.Tensor] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     errors: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    history: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
 def _parent_of(names: Sequence[str]) -> str:
@@ -126,7 +128,7 @@ def awq_mappings(model: nn.Module, layers: Iterable[str]) -> tuple[list[AwqMappi
 
 
 def weight_means(weights: Sequence[torch.Tensor], spec: TensorSpec) -> torch.Tensor:
-    """w̄ (K,): mean over every row of ``weights`` of |W| / (its quantization group's max |W| + 1e-6)."""
+    """w̄ (K,), float64: mean over every row of ``weights`` of |W| / (its quantization group's max |W| + 1e-6)."""
     total, rows = None, 0
     for w in weights:
         a = w.detach().abs().float()
@@ -141,7 +143,7 @@ def weight_means(weights: Sequence[torch.Tensor], spec: TensorSpec) -> torch.Ten
         total = s if total is None else total + s
         rows += n
     assert total is not None
-    return (total / rows).float()
+    return total / rows  # float64, as llm-compressor's (its candidate scales are float64 too)
 
 
 def candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = AWQ_N_GRID,
@@ -161,7 +163,7 @@ def candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = AWQ_N_G
             s = x_mean.pow(max(r, 0.0)).clamp(min=SCALE_FLOOR)
         s = s / (s.max() * s.min()).sqrt()
         s[torch.isinf(s) | torch.isnan(s)] = 1
-        out.append((r, s))
+        out.append((r, s))  # float64 when w̄ is, as llm-compressor's are
     return out
 
 
@@ -234,7 +236,7 @@ def _block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: Sequence[tor
 @torch.no_grad()
 def _search_one(modules: Mapping[str, nn.Module], mapping: AwqMapping, spec_of: Mapping[str, TensorSpec],
                 calls: list[tuple[tuple, dict]], x_mean: torch.Tensor, n_grid: int,
-                duo_scaling: bool) -> tuple[torch.Tensor, tuple[float, float, float]]:
+                duo_scaling: bool) -> tuple[torch.Tensor, tuple[float, float, float], list[tuple[float, float]]]:
     parent = modules[mapping.parent]
     fp_out = [_first(parent(*a, **k)) for a, k in calls]
     balance = [modules[n] for n in mapping.balance]
@@ -244,12 +246,13 @@ def _search_one(modules: Mapping[str, nn.Module], mapping: AwqMapping, spec_of: 
     w_mean = weight_means([modules[n].weight for n in quantized], spec).to(x_mean.device)
     best: tuple[float, torch.Tensor, float] | None = None
     initial = None
+    history: list[tuple[float, float]] = []
     try:
         for r, s in candidates(x_mean, w_mean, n_grid, duo_scaling):
             sv = s.to(device=originals[0].device).view(1, -1)
             for m, w0, n in zip(balance, originals, mapping.balance, strict=True):
-                if n in spec_of:
-                    wq, _ = fake_quantize_weight((w0.float() * sv), spec_of[n], report=False)
+                if n in spec_of:  # W · s rounded to the weight's dtype, Q, then / s: llm-compressor's order
+                    wq, _ = fake_quantize_weight((w0 * sv).to(w0.dtype), spec_of[n], report=False)
                     m.weight.data = (wq / sv).to(w0.dtype)
             se, count = 0.0, 0
             for (a, k), ref in zip(calls, fp_out, strict=True):
@@ -257,6 +260,7 @@ def _search_one(modules: Mapping[str, nn.Module], mapping: AwqMapping, spec_of: 
                 se += float(torch.nn.functional.mse_loss(out.float(), ref.float(), reduction="sum"))
                 count += ref.numel()
             loss = se / max(count, 1)
+            history.append((r, loss))
             if initial is None:
                 initial = loss
             if best is None or loss < best[0]:
@@ -268,7 +272,7 @@ def _search_one(modules: Mapping[str, nn.Module], mapping: AwqMapping, spec_of: 
     if not torch.isfinite(torch.tensor(best[0])):
         raise PlanError(f"AWQ found no finite loss for {mapping.smooth} -> {', '.join(mapping.balance)}: the "
                         "module's output is NaN or inf on the calibration text")
-    return best[1], (initial, best[0], best[2])
+    return best[1], (initial, best[0], best[2]), history
 
 
 @torch.no_grad()
@@ -332,11 +336,13 @@ def awq_search(
                 acc = sums[m.balance[0]]
                 assert acc.sum is not None
                 x_mean = acc.sum / max(acc.count, 1)
-                s, err = _search_one(modules, m, spec_of, captures[m.parent].calls, x_mean, n_grid, duo_scaling)
+                s, err, history = _search_one(modules, m, spec_of, captures[m.parent].calls, x_mean, n_grid,
+                                              duo_scaling)
                 handles.append(smooth_model(model, {}, 0.0, layers=[m.balance[0]], factors={m.balance[0]: s}))
                 for n in m.balance:
                     result.factors[n] = s
-                result.errors[f"{m.smooth} -> {', '.join(x.rsplit('.', 1)[-1] for x in m.balance)}"] = err
+                label = f"{m.smooth} -> {', '.join(x.rsplit('.', 1)[-1] for x in m.balance)}"
+                result.errors[label], result.history[label] = err, history
                 done += 1
                 if progress is not None:
                     progress(done / len(mappings), f"AWQ: {done} of {len(mappings)} mappings searched")

@@ -1231,7 +1231,7 @@ def to_vllm_command(
     else:
         out = compressed_path or model_path.rstrip("/") + COMPRESSED_SUFFIX
         needs_data = kvf.calibrated or any(
-            s.needs_calibration or s.needs_hessians or (s.activations is not None and s.activations.format == "nvfp4")
+            s.needs_calibration or s.needs_hessians or s.needs_awq or (s.activations is not None and s.activations.format == "nvfp4")
             for s in resolved.values()
         )
         lines += [
@@ -1244,7 +1244,7 @@ def to_vllm_command(
         if needs_data:
             lines.append(
                 "#   (needs calibration data: static activation or KV cache scales, NVFP4 global scales, "
-                "SmoothQuant or GPTQ)"
+                "SmoothQuant, GPTQ or AWQ)"
             )
         else:
             lines.append("#   (runs without calibration data: weights only and dynamic activation scales)")

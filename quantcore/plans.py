@@ -609,6 +609,32 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
     ]
 
 
+AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.awq
+
+
+def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
+    """Why some layers planned with AWQ will be rounded unscaled, one message (or none).
+
+    AWQ folds 1/s into the operator before a layer (:mod:`quantcore.awq`): a layer with none (lm_head, a
+    projection outside the Llama-style blocks) or an o_proj under grouped-query attention (v_proj has fewer
+    outputs than o_proj has inputs; llm-compressor's AWQModifier skips that mapping too) is rounded to nearest
+    without scaling: the plan still serves, it just gains nothing from AWQ there.
+    """
+    lost: list[str] = []
+    for layer, scheme in resolved.items():
+        if not get_scheme(scheme).needs_awq:
+            continue
+        head, _, leaf = layer.rpartition(".")
+        v = shapes.get(f"{head}.v_proj")
+        if leaf not in AWQ_FOLDABLE or (leaf == "o_proj" and (v is None or v[0] != shapes[layer][1])):
+            lost.append(layer)
+    if not lost:
+        return []
+    return [f"AWQ cannot scale {len(lost)} layer(s) ({_example_names(lost)}): nothing before them takes the "
+            "factors (lm_head), or v_proj has fewer outputs than o_proj has inputs (grouped-query attention); "
+            "they are rounded to nearest unscaled, as llm-compressor's AWQModifier leaves them"]
+
+
 def pareto_front(points: Sequence[tuple[float | None, float]]) -> list[bool]:
     """Which ``(cost, loss)`` points no other point beats (both lower is better).
 

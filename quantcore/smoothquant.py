@@ -356,7 +356,7 @@ def _fold(
     k = consumers[0].in_features
     device = consumers[0].weight.device
     if fixed is not None:
-        fixed = torch.as_tensor(fixed).detach().to(device=device, dtype=torch.float32).flatten()
+        fixed = torch.as_tensor(fixed).detach().to(device=device, dtype=torch.float64).flatten()
         if fixed.numel() != k or not bool(torch.isfinite(fixed).all() and (fixed > 0).all()):
             raise ValueError(
                 f"the factors given for {', '.join(unit.consumers)} must be {k} finite positive values, one per "

@@ -32,7 +32,7 @@ def _plan_param(path: str) -> dict[str, Any]:
 
 
 def _calibration_params(args) -> dict[str, Any]:
-    """The calibration text of a score or sensitivity job (GPTQ Hessians, KV cache scales, a first calibration
+    """The calibration text of a score or sensitivity job (GPTQ Hessians, AWQ scales, KV cache scales, a first calibration
     when none is stored), as the options give it; the job's defaults (16 x 256 tokens, built-in) otherwise."""
     out: dict[str, Any] = {}
     if args.cal_text:
@@ -46,7 +46,7 @@ def _calibration_params(args) -> dict[str, Any]:
 
 
 def add_calibration_options(sp) -> None:
-    sp.add_argument("--cal-text", metavar="FILE", help="calibration text for GPTQ Hessians and KV cache scales "
+    sp.add_argument("--cal-text", metavar="FILE", help="calibration text for GPTQ Hessians, AWQ scales and KV cache scales "
                     "(.txt / .jsonl); default: gensim's lee_background.cor, never the evaluation text")
     sp.add_argument("--cal-samples", type=int, metavar="N", help="calibration sequences (default 16)")
     sp.add_argument("--cal-seq-len", type=int, metavar="L", help="tokens per calibration sequence (default 256)")
@@ -94,6 +94,13 @@ def cmd_score(args) -> int:
         if r.get("gptq_calibration_text"):
             print(f"  GPTQ rounded its weights with the input Hessians of {r['gptq_calibration_text']}"
                   f"{_tokens(r.get('calibration_tokens'))}")
+        if r.get("awq_calibration_text"):
+            awq = r.get("awq") or {}
+            cut = awq.get("median_error_ratio")
+            print(f"  AWQ searched the input scales of {awq.get('mappings', '?')} mapping(s) on "
+                  f"{r['awq_calibration_text']}{_tokens(r.get('calibration_tokens'))}"
+                  + (f": the mappings' output error × {cut:.2f} (median)" if cut is not None else "")
+                  + (f"; {awq['unscaled_layers']} layer(s) left unscaled" if awq.get("unscaled_layers") else ""))
     return 0
 
 

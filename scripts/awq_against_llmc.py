@@ -23,6 +23,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -109,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                     str(ids_path), str(weights)], check=True, cwd=work)
 
     ref = compute_reference(model, ev, batch_size=4)
+    started = time.perf_counter()
     found = awq_search(model, plan, cal)
+    searched_s = time.perf_counter() - started
     rtn = get_scheme(scheme.name.removesuffix("_AWQ"))
     rows = [(f"quantcore {scheme.name} (its AWQ search, then round to nearest)",
              score_plan(model, plan, ev, ref, awq=found)),
@@ -134,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(ref {r.ppl_ref:.2f}) |")
     ratios = sorted(best / first for first, best, _ in found.errors.values() if first > 0)
     if ratios:
-        print(f"\nquantcore's search: best / unscaled output error per mapping, median {ratios[len(ratios) // 2]:.3f}, "
-              f"min {ratios[0]:.3f}")
+        print(f"\nquantcore's search ({searched_s:.0f} s): best / unscaled output error per mapping, median "
+              f"{ratios[len(ratios) // 2]:.3f}, min {ratios[0]:.3f}")
     return 0
 
 

@@ -4,11 +4,14 @@ Runs INSIDE .venv-llmc (see scripts/llmc_env.sh), never in quantplan's own envir
 
     .venv-llmc/bin/python scripts/llmc_oneshot.py RECIPE.yaml WORKDIR
 
-The Llama (3 blocks, hidden 128, MLP 256, GQA 4/2 heads; from a config, nothing downloaded) and a word-level
+The Llama (3 blocks, hidden 128, MLP 256, GQA 4/2 heads; from a config, nothing downloaded; input channel 3 of the
+attention and 5 of the MLP and down_proj's input channel 7 carry outliers, as real LLMs' do) and a word-level
 tokenizer are saved to WORKDIR, then ``oneshot`` quantizes it with the recipe on 8 random sequences of 32 tokens
 (a recipe with GPTQ, SmoothQuant or static scales needs calibration data). Writes WORKDIR/oneshot.json:
 ``{"modifiers": [type names], "layers": {linear name: {"weights": args | null, "input_activations": args | null}},
-"weights_on_grid": {linear name: bool}, "rounded_to_nearest": {linear name: bool}}``, where a weight is on its
+"weights_on_grid": {linear name: bool}, "rounded_to_nearest": {linear name: bool}, "calibration_ids": [[int]]}``
+and WORKDIR/oneshot.safetensors: every linear weight as the compressed checkpoint holds it (quantized ones
+fake-quantized with the stored scales) and every norm weight (AWQ and SmoothQuant fold into them); a weight is on its
 grid when dividing it by its stored scale gives integers (int formats only; others are left out), and a
 quantized weight is rounded to nearest when compressed-tensors' ``fake_quantize`` gives the same of it as of
 the weight the model had before ``oneshot``, with the scale ``oneshot`` stored (GPTQ moves weights off that
@@ -27,8 +30,12 @@ HIDDEN, MLP, BLOCKS, VOCAB = 128, 256, 3, 128
 
 
 def main(recipe: str, workdir: str) -> None:
+    import llmcompressor.pipelines.cache as cache
     from datasets import Dataset
     from llmcompressor import oneshot
+
+    if not torch.cuda.is_available():  # its AWQ pins cached inputs, which torch refuses without an accelerator
+        cache.IntermediatesCache.pin_memory = lambda self, batch_index: None
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -37,7 +44,13 @@ def main(recipe: str, workdir: str) -> None:
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=BLOCKS,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     folder = Path(workdir) / "tiny-llama"
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tiny = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # outlier channels, as real LLMs have: a decisive case for AWQ and SmoothQuant
+        for layer in tiny.model.layers:
+            layer.input_layernorm.weight[3] = 20.0
+            layer.post_attention_layernorm.weight[5] = 15.0
+            layer.mlp.up_proj.weight[7] *= 30.0
+    tiny.save_pretrained(folder)
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
                                   unk_token="t0", pad_token="t0")
@@ -50,10 +63,13 @@ def main(recipe: str, workdir: str) -> None:
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from llmcompressor.recipe import Recipe
 
-    layers, on_grid, nearest = {}, {}, {}
+    layers, on_grid, nearest, stored_weights = {}, {}, {}, {}
     for name, module in model.named_modules():
+        if name.endswith("norm") and getattr(module, "weight", None) is not None:  # AWQ / SmoothQuant fold into these
+            stored_weights[name + ".weight"] = module.weight.detach().float().contiguous()
         if not isinstance(module, torch.nn.Linear):
             continue
+        stored_weights[name + ".weight"] = module.weight.detach().float().contiguous()
         scheme = getattr(module, "quantization_scheme", None)
         args = lambda a: None if a is None else a.model_dump(mode="json")  # noqa: E731
         layers[name] = None if scheme is None else {"weights": args(scheme.weights),
@@ -66,6 +82,7 @@ def main(recipe: str, workdir: str) -> None:
             stored = fake_quantize(module.weight.detach(), module.weight_scale, zero, scheme.weights, global_scale=gs)
             rtn = fake_quantize(before[name], module.weight_scale, zero, scheme.weights, global_scale=gs)
             nearest[name] = bool(torch.equal(rtn, stored))
+            stored_weights[name + ".weight"] = stored.float().contiguous()
         if scheme is not None and scheme.weights is not None and scheme.weights.type == "int":
             scale = module.weight_scale.detach().float()
             w = module.weight.detach().float()
@@ -76,7 +93,10 @@ def main(recipe: str, workdir: str) -> None:
     mods = [type(m).__name__ for m in Recipe.create_instance(recipe).modifiers]
     out = Path(workdir) / "oneshot.json"  # not stdout: llm-compressor logs there
     out.write_text(json.dumps({"modifiers": mods, "layers": layers, "weights_on_grid": on_grid,
-                               "rounded_to_nearest": nearest}))
+                               "rounded_to_nearest": nearest, "calibration_ids": ids.tolist()}))
+    from safetensors.torch import save_file
+
+    save_file(stored_weights, str(Path(workdir) / "oneshot.safetensors"))
 
 
 if __name__ == "__main__":

@@ -762,3 +762,41 @@ def test_a_model_registered_before_windows_were_recorded_gets_them_from_its_next
     assert again.attention_windows == {"model.layers.0.self_attn": 8}
     kvm = svc.kv_memory(again, {"default": "BF16"}, context=100)
     assert kvm["windowed_layers"] == 1 and kvm["sequence_bytes"] < kvm["bytes_per_token"] * 100
+
+
+def test_awq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys, tmp_path):
+    """AWQ presets through the job bodies: scales searched on the calibration text, reported with the score."""
+    from app import services as svc
+
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
+    rtn = run_json(capsys, "score", "tiny", "--scheme", "W4A16", *args)
+    awq = run_json(capsys, "score", "tiny", "--scheme", "W4A16_AWQ", *args, "--cal-samples", "4", "--cal-seq-len", "32")
+    assert awq["awq_calibration_text"] == "builtin:lee_background.cor" and "awq_calibration_text" not in rtn
+    assert awq["calibration_tokens"] == [4, 32] and awq["kl_mean"] < rtn["kl_mean"]
+    # the tiny model's 2 blocks: q/k/v, gate/up and down_proj each; o_proj (GQA) and lm_head left unscaled
+    assert awq["awq"]["mappings"] == 6 and awq["awq"]["unscaled_layers"] == 3
+    assert 0 < awq["awq"]["median_error_ratio"] <= 1
+    code, out, _ = run(capsys, "score", "tiny", "--scheme", "W4A16_AWQ", *args[:-1], "--cal-samples", "4",
+                       "--cal-seq-len", "32")
+    assert code == 0 and "AWQ searched the input scales of 6 mapping(s) on builtin:lee_background.cor (4 × 32" in out
+    assert "3 layer(s) left unscaled" in out
+    stored = {s.job_id: s.details for s in svc.list_scores(svc.get_model("tiny").id)}
+    assert stored[awq["job"]]["calibration"] == "builtin:lee_background.cor, 4 × 32 tokens"
+    assert any("AWQ not applied" in n for n in stored[awq["job"]]["notes"])
+    sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_AWQ", *args, "--cal-samples", "4",
+                     "--cal-seq-len", "32")
+    assert sweep["scheme"] == "W4A16_AWQ" and len(sweep["layers"]) == 2 * 4 + 1
+    assert svc.get_job(sweep["job"]).result["calibration_tokens"] == [4, 32]
+
+    plan_file = tmp_path / "awq.yaml"
+    plan_file.write_text("model: tiny\nname: w4-awq\ndefault: W4A16_AWQ\nrules:\n  - {match: 'lm_head', scheme: BF16}\n")
+    code, recipe, _ = run(capsys, "plan", "export", str(plan_file), "--format", "llmcompressor")
+    assert code == 0 and "AWQModifier:" in recipe and "n_grid: 20" in recipe and "scheme: W4A16" in recipe
+    code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
+    assert code == 0 and "needs calibration data" in vllm and "AWQ" in vllm
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe)
+    back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "tiny", "--name", "awq-back", "--json")
+    model = svc.get_model("tiny")
+    assert svc.resolve(model, back["body"])[0] == svc.resolve(model, yaml.safe_load(plan_file.read_text()))[0]
+    assert any("AWQ cannot scale 2 layer(s)" in w for w in svc.serving_warnings(model, back["body"]))

@@ -39,10 +39,14 @@ with st.form("score_form"):
                    "point to keep the layer's output close on the calibration text (under Texts below; 16 × 256 "
                    "tokens of the built-in one by default), as llm-compressor's GPTQModifier does; the others round to nearest. On SmolLM2, "
                    "W4A16 scores KL 0.81 and W4A16_GPTQ 0.36, NVFP4A16 0.36 and NVFP4A16_GPTQ 0.16.")
+        st.caption("AWQ: the `*_AWQ` presets round to nearest, after scaling each input channel by a factor "
+                   "searched on the calibration text and folded into the norm or projection before the layer, "
+                   "as llm-compressor's AWQModifier does (the exported recipe carries one). An o_proj under "
+                   "grouped-query attention and lm_head have nothing to fold into and stay unscaled.")
     eval_texts, cal_texts = svc.datasets_for("evaluation"), svc.datasets_for("calibration")
     eval_sets, cal_sets = [None] + [d.id for d in eval_texts], [None] + [d.id for d in cal_texts]
     names = {d.id: d.name for d in eval_texts + cal_texts}
-    with st.expander("Texts: what is scored, and what GPTQ and the KV cache scales are calibrated on"):
+    with st.expander("Texts: what is scored, and what GPTQ, AWQ and the KV cache scales are calibrated on"):
         e1, e2, e3, e4 = st.columns([2, 2, 1, 1])
         eval_id = e1.selectbox("Evaluation text", eval_sets, key="score_eval_text",
                                format_func=lambda i: "built-in: lee.cor (50 news articles)" if i is None else names[i])

@@ -71,9 +71,10 @@ def test_weight_means_normalise_each_group_by_its_max():
     got = weight_means([w], TensorSpec("int4", "group", dynamic=False, group_size=2))
     # groups along K: [0:2], [2:4], [4:5] (a shorter last group); each |w| divided by its group's max
     rows = torch.tensor([[0.5, 1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0, 0.0]])
-    torch.testing.assert_close(got, rows.mean(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, rows.mean(0).double(), atol=1e-5, rtol=1e-5)
     per_row = weight_means([w, 2 * w], TensorSpec("int8", "channel", dynamic=False))
-    torch.testing.assert_close(per_row, (w.abs() / w.abs().amax(1, keepdim=True)).mean(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_row, (w.abs() / w.abs().amax(1, keepdim=True)).mean(0).double(), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_mappings_cover_fusion_groups_and_skip_gqa_o_proj(tiny_llama):
@@ -113,7 +114,7 @@ def test_folded_factors_change_nothing_before_rounding(tiny_llama, tiny_input_id
     try:
         torch.testing.assert_close(forward_logits(model, tiny_input_ids), ref, atol=1e-4, rtol=1e-4)
         s = found.factors["model.layers.0.self_attn.q_proj"]
-        torch.testing.assert_close(norm.detach(), gain / s)  # 1/s went into the norm's gain
+        torch.testing.assert_close(norm.detach(), (gain / s).float())  # 1/s went into the norm's gain
         assert not torch.allclose(s, torch.ones_like(s))
     finally:
         handle.restore()
@@ -144,9 +145,9 @@ def test_plan_applied_rounds_the_scaled_weight_and_restores(tiny_llama):
     s = found.factors[layer]
     w0, u0 = model.get_submodule(layer).weight.clone(), model.get_submodule(up).weight.clone()
     with plan_applied(model, {layer: "W4A16_AWQ"}, awq=found):
-        want, _ = fake_quantize_weight(w0 * s, get_scheme("W4A16").weights, report=False)
+        want, _ = fake_quantize_weight((w0 * s).float(), get_scheme("W4A16").weights, report=False)
         torch.testing.assert_close(model.get_submodule(layer).weight, want)
-        torch.testing.assert_close(model.get_submodule(up).weight, u0 / s[:, None])
+        torch.testing.assert_close(model.get_submodule(up).weight, (u0 / s[:, None]).float())
     assert torch.equal(model.get_submodule(layer).weight, w0) and torch.equal(model.get_submodule(up).weight, u0)
 
 

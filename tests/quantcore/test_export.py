@@ -72,9 +72,11 @@ def uniform(scheme: str, *, head: str = "BF16") -> dict[str, Scheme]:
 
 def without_alpha(plan: dict[str, Scheme]) -> dict[str, Scheme]:
     """What a compressed checkpoint says: SmoothQuant is folded into the weights, its alpha is gone, and so is
-    how the weights were rounded (GPTQ or to nearest)."""
+    how the weights were rounded (GPTQ, AWQ's scaling or to nearest)."""
     out = {}
     for n, s in plan.items():
+        if s.awq:
+            s = get_scheme(s.name.removesuffix("_AWQ"))
         if s.gptq:
             s = get_scheme(s.name.removesuffix("_GPTQ")).with_alpha(s.smoothquant_alpha)
         if s.smoothquant_alpha is None:
@@ -150,6 +152,9 @@ def mixed_plans(draw: st.DrawFn) -> dict[str, Scheme]:
                 if plan[n].name not in SQ_PRESETS
                 else get_scheme(plan[n].name.replace("_SQ", ""))
             )
+    # AWQ likewise (lm_head has no operator before it to fold into: scored and exported rounded to nearest)
+    if plan["lm_head"].awq:
+        plan["lm_head"] = get_scheme(plan["lm_head"].name.removesuffix("_AWQ"))
     return plan
 
 
@@ -214,9 +219,10 @@ def test_preset_names_match_by_arguments_not_by_name(ours: str, theirs: str | No
 @pytest.mark.parametrize("name", [n for n in EXPRESSIBLE if n != "BF16"])
 def test_args_of_every_preset_round_trip(name: str) -> None:
     s = get_scheme(name)
-    assert scheme_from_ct_args(*ct_args(s), alpha=s.smoothquant_alpha, gptq=s.gptq) == s
-    # without the GPTQModifier, the same args are the preset rounded to nearest
-    assert scheme_from_ct_args(*ct_args(s), alpha=s.smoothquant_alpha) == get_scheme(name.removesuffix("_GPTQ"))
+    assert scheme_from_ct_args(*ct_args(s), alpha=s.smoothquant_alpha, gptq=s.gptq, awq=s.awq) == s
+    # without the GPTQModifier / AWQModifier, the same args are the preset rounded to nearest
+    assert scheme_from_ct_args(*ct_args(s), alpha=s.smoothquant_alpha) == get_scheme(
+        name.removesuffix("_GPTQ").removesuffix("_AWQ"))
 
 
 def test_w8a16_is_per_channel_not_the_group_128_preset() -> None:
@@ -536,7 +542,14 @@ default_stage:
             "q_stage: {q_modifiers: {QuantizationModifier: {scheme: {FP8_DYNAMIC: [model.layers.7.mlp.up_proj]}}}}",
             "'model.layers.7.mlp.up_proj' names no linear layer",
         ),
-        ("q_stage: {q_modifiers: {AWQModifier: {}, QuantizationModifier: {scheme: W4A16}}}", "AWQModifier"),
+        ("q_stage: {q_modifiers: {AWQModifier: {}, QuantizationModifier: {scheme: FP8_DYNAMIC}}}",
+         "quantplan has AWQ only for W8A16_AWQ, W4A16_AWQ"),
+        ("q_stage: {q_modifiers: {AWQModifier: {n_grid: 10}, QuantizationModifier: {scheme: W4A16}}}",
+         "quantplan's AWQ search runs with"),
+        ("q_stage: {q_modifiers: {AWQModifier: {mappings: [{smooth_layer: x}]}, QuantizationModifier: {}}}",
+         "needs smooth_layer (a name) and balance_layers"),
+        ("q_stage: {q_modifiers: {AutoRoundModifier: {}, QuantizationModifier: {scheme: W4A16}}}",
+         "AutoRoundModifier"),
         ("QuantizationModifier: {scheme: FP8}", "no stage"),
         (
             "q_stage: {q_modifiers: {SmoothQuantModifier: {}, QuantizationModifier: {scheme: W4A16}}}",

@@ -293,7 +293,8 @@ def test_calibration_note_of_the_vllm_command_agrees_with_llmcompressor(llmc, na
     plan, _, path = made[name]
     quant = modifiers(summary, path, "QuantizationModifier") + modifiers(summary, path, "GPTQModifier")
     smooth = modifiers(summary, path, "SmoothQuantModifier")
-    needs = bool(smooth) or any(m["requires_calibration_data"] for m in quant)
+    awq = modifiers(summary, path, "AWQModifier")
+    needs = bool(smooth) or any(m["requires_calibration_data"] for m in quant + awq)
     cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache=KV_CASES.get(name))
     if "--quantization fp8" in cmd or not quant:
         assert not needs
@@ -352,3 +353,88 @@ def test_exported_gptq_recipe_runs_in_oneshot(tmp_path, gptq) -> None:
     assert got["weights_on_grid"] == dict.fromkeys(int_layers, True)
     quantized = [n for n in LAYERS if not plan[n].is_identity]
     assert got["rounded_to_nearest"] == {n: not plan[n].gptq for n in quantized}
+
+
+def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path) -> None:
+    """The whole way for AWQ: the exported recipe (AWQ on block 1 and every down_proj, W4A16 elsewhere) through
+    llm-compressor's own oneshot on a tiny Llama with outlier channels, and quantcore's search on the same model and
+    calibration tokens. Every scale llm-compressor folds is one of quantcore's candidates; where both pick the same
+    one, the checkpoints agree (norm gains to the last bits, each weight on the same grid point but for a rare tie);
+    where they part, llm-compressor's pick is within 3 % of quantcore's best loss: the two candidates are that close,
+    and a last-bit difference in the inputs' mean (the batches they are summed in) sends a few weights of the
+    outlier channel to the neighbouring grid point, which is enough to reorder them (quantcore's own pick there
+    moves with its batch size)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from quantcore.awq import awq_search, candidates, weight_means
+    from quantcore.quantize import fake_quantize_weight
+    from quantcore.scoring import plan_applied
+
+    env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
+                         timeout=ENV_TIMEOUT_S, cwd=REPO)
+    assert env.returncode == 0, env.stderr[-3000:]
+    plan = awq_plan()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=LAYERS), encoding="utf-8")
+    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(tmp_path)],
+                         capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads((tmp_path / "oneshot.json").read_text())
+    assert got["modifiers"] == ["AWQModifier", "QuantizationModifier"]
+    quantized = [n for n in LAYERS if not plan[n].is_identity]
+    # AWQ scaled weights are no longer the original rounded to nearest, nor are the up_proj rows a down_proj's
+    # factors were folded into; the rest are, the GQA o_proj of block 1 too (neither tool can scale it)
+    scaled = {n for n in quantized if plan[n].awq and not n.endswith("o_proj")}
+    scaled |= {n.replace("down_proj", "up_proj") for n in scaled if n.endswith("down_proj")}
+    assert got["rounded_to_nearest"] == {n: n not in scaled for n in quantized}
+
+    theirs = load_file(tmp_path / "oneshot.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama", dtype=torch.float32).eval()
+    ids = torch.tensor(got["calibration_ids"])
+    inputs: dict[str, list[torch.Tensor]] = {}
+    firsts = {"q_proj": "input_layernorm", "gate_proj": "post_attention_layernorm", "down_proj": "mlp.up_proj"}
+    hooks = [m.register_forward_pre_hook(lambda _m, a, _n=n: inputs.setdefault(_n, []).append(a[0].detach()))
+             for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in firsts]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    originals = {n: p.detach().clone() for n, p in model.named_parameters()}
+    found = awq_search(model, plan, ids)
+    assert len(found.errors) == 1 + 1 + 3  # block 1's q/k/v and gate/up folds, and the three down_proj
+
+    def off_grid(a: torch.Tensor, b: torch.Tensor) -> float:  # the same grid point may differ in its last bit
+        return float((~torch.isclose(a, b, rtol=1e-4, atol=1e-7)).float().mean())
+
+    spec = get_scheme("W4A16").weights
+    agree: dict[str, str] = {}  # mapping label -> its first balance layer, where both picked the same scale
+    for label, history in found.history.items():
+        smooth, leaves = label.split(" -> ")
+        block = smooth.rsplit(".", 2)[0] if smooth.endswith(".mlp.up_proj") else smooth.rsplit(".", 1)[0]
+        members = [n for n in found.factors if n.startswith(block + ".") and n.rsplit(".", 1)[-1] in leaves.split(", ")]
+        first = members[0]
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[first]])
+        w_mean = weight_means([originals[m + ".weight"] for m in members], spec)
+        w0 = originals[first + ".weight"]
+        picks = [r for r, sc in candidates(x.abs().float().sum(0) / x.shape[0], w_mean)
+                 if off_grid(fake_quantize_weight((w0 * sc).float(), spec, report=False)[0], theirs[first + ".weight"])
+                 < 0.002]
+        assert picks, f"{label}: llm-compressor folded a scale that is none of quantcore's candidates"
+        loss, (_, best, ours_r) = dict(history), found.errors[label]
+        assert loss[picks[0]] <= 1.03 * best, (f"{label}: llm-compressor's pick r={picks[0]:.3f} loses "
+                                              f"{loss[picks[0]] / best - 1:.1%} more than quantcore's r={ours_r:.3f}")
+        if ours_r in picks:
+            agree[label] = first
+    assert len(agree) >= len(found.errors) - 1, f"only {sorted(agree)} picked the same scale"
+    with plan_applied(model, plan, awq=found):
+        ours = {n: p.detach().clone() for n, p in model.named_parameters() if n in theirs}
+    for label, first in agree.items():
+        assert off_grid(ours[first + ".weight"], theirs[first + ".weight"]) < 0.002, first
+        smooth = label.split(" -> ")[0]
+        if smooth.endswith("norm"):
+            torch.testing.assert_close(ours[smooth + ".weight"], theirs[smooth + ".weight"], rtol=1e-5, atol=1e-6)
+    for n in quantized:  # rounded to nearest by both, untouched by any fold: the same checkpoint
+        if n not in scaled:
+            assert off_grid(ours[n + ".weight"], theirs[n + ".weight"]) < 0.002, n

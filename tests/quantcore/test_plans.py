@@ -322,3 +322,18 @@ def test_group_misfits_name_the_layers_a_group_kernel_cannot_serve():
     assert "of 1 layer(s) (K = 576, e.g. lm_head)" in msg
     # a K smaller than the group is not a whole group either
     assert group_misfits({"tiny": "W4A16"}, {"tiny": (64, 64)})
+
+
+def test_awq_unscaled_names_layers_awq_has_nothing_to_fold_into():
+    from quantcore.plans import awq_unscaled
+
+    gqa = {"b.self_attn.v_proj": (128, 576), "b.self_attn.o_proj": (576, 576), "b.mlp.down_proj": (576, 1536),
+           "lm_head": (1000, 576)}
+    mha = dict(gqa, **{"b.self_attn.v_proj": (576, 576)})
+    plan = dict.fromkeys(gqa, "W4A16_AWQ")
+    (msg,) = awq_unscaled(plan, gqa)
+    assert "2 layer(s)" in msg and "b.self_attn.o_proj" in msg and "lm_head" in msg
+    (msg,) = awq_unscaled(plan, mha)  # without GQA, o_proj's factors fold into v_proj's rows
+    assert "1 layer(s) ('lm_head')" in msg
+    assert awq_unscaled({**plan, "lm_head": "W4A16"}, mha) == []
+    assert awq_unscaled(dict.fromkeys(gqa, "W4A16"), gqa) == []

@@ -24,11 +24,12 @@ ISSUE_PRESETS = [
     "NVFP4", "NVFP4A16", "BF16",
 ]  # fmt: skip
 # the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
+AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ"]
 GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "NVFP4_GPTQ", "NVFP4A16_GPTQ"]
 
 
 def test_every_preset_of_the_issue_is_registered():
-    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS)
+    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS)
 
 
 # (weights format, weights granularity, acts format or None, acts granularity, acts dynamic, alpha),
