@@ -666,10 +666,14 @@ def plan_applied(
 
             assert awq is not None
             found = {layer: awq.factors[layer] for layer in awq_layers if layer in awq.factors}
+            why: dict[str, list[str]] = {}  # one note per reason, however many layers share it
+            for layer in awq_layers:
+                if layer not in found:
+                    why.setdefault(awq.skipped.get(layer, "no factors were searched for it"), []).append(layer)
             awq_notes = [
-                f"{layer}: AWQ not applied ({awq.skipped.get(layer, 'no factors were searched for it')}); "
-                "rounded to nearest unscaled"
-                for layer in awq_layers if layer not in found
+                f"AWQ not applied to {len(layers)} layer(s) ({name_list(layers)}): {reason}; rounded to nearest "
+                "unscaled"
+                for reason, layers in why.items()
             ]
             if found:
                 awq_folds = smooth_model(model, {}, 0.0, layers=list(found), factors=found)

@@ -124,3 +124,12 @@ def test_the_readme_has_the_block_gpu_figures_fills() -> None:
     text = (ROOT / "README.md").read_text()
     assert text.count(figures.START) == 1 and text.count(figures.END) == 1
     assert text.index(figures.START) < text.index(figures.END)
+
+
+def test_rounding_cost_times_gptq_and_awq_against_a_forward(capsys) -> None:
+    rc = _load("rounding_cost").main(["--seqs", "1", "--seq-len", "16"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "W4A16 on 30 linear(s) (down_proj)" in out
+    for row in ("plain forward", "GPTQ (Hessians+round)", "AWQ search"):
+        assert row in out

@@ -782,7 +782,8 @@ def test_awq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys, 
     assert "3 layer(s) left unscaled" in out
     stored = {s.job_id: s.details for s in svc.list_scores(svc.get_model("tiny").id)}
     assert stored[awq["job"]]["calibration"] == "builtin:lee_background.cor, 4 × 32 tokens"
-    assert any("AWQ not applied" in n for n in stored[awq["job"]]["notes"])
+    notes = [n for n in stored[awq["job"]]["notes"] if "AWQ not applied" in n]
+    assert len(notes) == 2 and "to 2 layer(s)" in notes[0] and "to 1 layer(s) ('lm_head')" in notes[1]
     sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_AWQ", *args, "--cal-samples", "4",
                      "--cal-seq-len", "32")
     assert sweep["scheme"] == "W4A16_AWQ" and len(sweep["layers"]) == 2 * 4 + 1
