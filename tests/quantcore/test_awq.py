@@ -165,3 +165,22 @@ def test_sensitivity_sweep_with_awq(tiny_llama, tiny_input_ids):
     plain = {r.layer: r.kl_mean for r in sensitivity_sweep(model, "W4A16", tiny_input_ids, ref, layers=only)}
     assert {n for r in rows for n in r.layers} == set(only)
     assert sum(r.kl_mean for r in rows) < sum(plain.values())
+
+
+def test_awq_and_gptq_in_one_plan(tiny_llama, tiny_input_ids):
+    """AWQ where it can fold, GPTQ on the o_proj it cannot scale (grouped-query attention): both apply, and the
+    model comes back bit for bit."""
+    from quantcore.gptq import collect_hessians
+
+    model = tiny_llama
+    names = linears(model)
+    plan = {n: "W4A16_GPTQ" if n.endswith("o_proj") else "W4A16_AWQ" for n in names}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    found = awq_search(model, plan, calibration())
+    hess = collect_hessians(model, [n for n in names if n.endswith("o_proj")], calibration())
+    ref = compute_reference(model, tiny_input_ids, batch_size=1)
+    both = score_plan(model, plan, tiny_input_ids, ref, awq=found, weight_hessians=hess)
+    awq_only = score_plan(model, dict.fromkeys(names, "W4A16_AWQ"), tiny_input_ids, ref, awq=found)
+    assert not [n for n in both.notes if "AWQ not applied" in n]  # every AWQ layer was scaled
+    assert both.kl_mean != awq_only.kl_mean
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

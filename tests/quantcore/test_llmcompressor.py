@@ -95,6 +95,8 @@ def cases() -> dict[str, dict[str, Scheme]]:
     out["kv-fp8-with-w4a16-gptq"] = uniform("W4A16_GPTQ")
     out["kv-fp8-with-mixed-gptq"] = mixed_gptq_plan()
     out["awq"] = awq_plan()
+    out["awq-with-gptq-o-proj"] = {n: get_scheme("W4A16_GPTQ") if n.endswith("o_proj") else sc
+                                   for n, sc in uniform("W4A16_AWQ").items()}
     return out
 
 
@@ -207,7 +209,7 @@ def test_gptq_modifier_runs_gptq_as_quantcore_does(llmc, name: str) -> None:
     assert orders
 
 
-@pytest.mark.parametrize("name", ["awq", "uniform-W4A16_AWQ"])
+@pytest.mark.parametrize("name", ["awq", "uniform-W4A16_AWQ", "awq-with-gptq-o-proj"])
 def test_awq_modifier_searches_exactly_the_planned_folds(llmc, name: str) -> None:
     """The exported AWQModifier runs quantcore.awq's grid and resolves to exactly the folds quantcore searches for
     the plan's AWQ layers: q/k/v into input_layernorm, gate/up into post_attention_layernorm, down_proj into
