@@ -671,7 +671,7 @@ def plan_applied(
                 if layer not in found:
                     why.setdefault(awq.skipped.get(layer, "no factors were searched for it"), []).append(layer)
             awq_notes = [
-                f"AWQ not applied to {len(layers)} layer(s) ({name_list(layers)}): {reason}; rounded to nearest "
+                f"AWQ not applied to {len(layers)} layer(s) ({name_list(layers, 3)}): {reason}; rounded to nearest "
                 "unscaled"
                 for reason, layers in why.items()
             ]

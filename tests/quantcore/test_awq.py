@@ -184,3 +184,23 @@ def test_awq_and_gptq_in_one_plan(tiny_llama, tiny_input_ids):
     assert not [n for n in both.notes if "AWQ not applied" in n]  # every AWQ layer was scaled
     assert both.kl_mean != awq_only.kl_mean
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.gpu
+def test_cuda_awq_search_matches_cpu():
+    """The search on CUDA takes the CPU's candidate for every fold whose best candidate is clear (within 1 % the
+    order of two candidates is float noise, on either device), and folds in place on the GPU's weights."""
+    from tests.quantcore.conftest import build_tiny_model
+
+    cpu = build_tiny_model("llama")
+    gpu = build_tiny_model("llama").cuda()
+    plan = dict.fromkeys(linears(cpu), "W4A16_AWQ")
+    on_cpu = awq_search(cpu, plan, calibration())
+    on_gpu = awq_search(gpu, plan, calibration().cuda())
+    assert set(on_gpu.factors) == set(on_cpu.factors)
+    assert all(s.device.type == "cuda" for s in on_gpu.factors.values())
+    for label, history in on_cpu.history.items():
+        losses = sorted(loss for _, loss in history)
+        if losses[1] > 1.01 * losses[0]:
+            assert on_gpu.errors[label][2] == on_cpu.errors[label][2], label
+        assert on_gpu.errors[label][1] == pytest.approx(on_cpu.errors[label][1], rel=0.02)
