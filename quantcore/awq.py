@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ class AwqResult:
     skipped: dict[str, str] = field(default_factory=dict)
     errors: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     history: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    cached: bool = False  # read back by load_awq's caller rather than searched now
 
 
 def _parent_of(names: Sequence[str]) -> str:
@@ -356,4 +358,39 @@ def awq_search(
     return result
 
 
-__all__ = ["AwqMapping", "AwqResult", "awq_mappings", "awq_search", "candidates", "weight_means"]
+def save_awq(result: AwqResult, path: str | Path) -> Path:
+    """Write a search's result to one safetensors file (the factors as tensors, the rest as JSON metadata), written
+    to a temporary name first so that a reader never sees half a file."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"skipped": json.dumps(result.skipped), "errors": json.dumps(result.errors),
+            "history": json.dumps(result.history)}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().cpu().clone() for k, v in result.factors.items()}, str(tmp), metadata=meta)  # fused layers share one
+    tmp.replace(path)
+    return path
+
+
+def load_awq(path: str | Path) -> AwqResult:
+    """What :func:`save_awq` wrote (factors on the CPU; folding moves them to the model's device)."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        factors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    return AwqResult(
+        factors=factors,
+        skipped=json.loads(meta.get("skipped", "{}")),
+        errors={k: tuple(v) for k, v in json.loads(meta.get("errors", "{}")).items()},
+        history={k: [tuple(x) for x in v] for k, v in json.loads(meta.get("history", "{}")).items()},
+    )
+
+
+__all__ = ["AwqMapping", "AwqResult", "awq_mappings", "awq_search", "candidates", "load_awq", "save_awq",
+           "weight_means"]

@@ -97,7 +97,8 @@ def cmd_score(args) -> int:
         if r.get("awq_calibration_text"):
             awq = r.get("awq") or {}
             cut = awq.get("median_error_ratio")
-            print(f"  AWQ searched the input scales of {awq.get('mappings', '?')} mapping(s) on "
+            print(f"  AWQ {'reused the' if awq.get('cached') else 'searched the'} input scales of "
+                  f"{awq.get('mappings', '?')} mapping(s) on "
                   f"{r['awq_calibration_text']}{_tokens(r.get('calibration_tokens'))}"
                   + (f": the mappings' output error × {cut:.2f} (median)" if cut is not None else "")
                   + (f"; {awq['unscaled_layers']} layer(s) left unscaled" if awq.get("unscaled_layers") else ""))

@@ -775,10 +775,15 @@ def test_awq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys, 
     assert awq["calibration_tokens"] == [4, 32] and awq["kl_mean"] < rtn["kl_mean"]
     # the tiny model's 2 blocks: q/k/v, gate/up and down_proj each; o_proj (GQA) and lm_head left unscaled
     assert awq["awq"]["mappings"] == 6 and awq["awq"]["unscaled_layers"] == 3
-    assert 0 < awq["awq"]["median_error_ratio"] <= 1
+    assert 0 < awq["awq"]["median_error_ratio"] <= 1 and not awq["awq"]["cached"]
+    # the same AWQ layers on the same calibration tokens: the search is read back, and scores the same
     code, out, _ = run(capsys, "score", "tiny", "--scheme", "W4A16_AWQ", *args[:-1], "--cal-samples", "4",
                        "--cal-seq-len", "32")
-    assert code == 0 and "AWQ searched the input scales of 6 mapping(s) on builtin:lee_background.cor (4 × 32" in out
+    assert code == 0 and "AWQ reused the input scales of 6 mapping(s) on builtin:lee_background.cor (4 × 32" in out
+    assert f"KL mean {awq['kl_mean']:.4g}" in out
+    other = run_json(capsys, "score", "tiny", "--scheme", "W4A16_AWQ", *args, "--cal-samples", "3",
+                     "--cal-seq-len", "32")
+    assert not other["awq"]["cached"] and other["kl_mean"] != awq["kl_mean"]  # other tokens: searched again
     assert "3 layer(s) left unscaled" in out
     stored = {s.job_id: s.details for s in svc.list_scores(svc.get_model("tiny").id)}
     assert stored[awq["job"]]["calibration"] == "builtin:lee_background.cor, 4 × 32 tokens"
@@ -787,7 +792,8 @@ def test_awq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys, 
     sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_AWQ", *args, "--cal-samples", "4",
                      "--cal-seq-len", "32")
     assert sweep["scheme"] == "W4A16_AWQ" and len(sweep["layers"]) == 2 * 4 + 1
-    assert svc.get_job(sweep["job"]).result["calibration_tokens"] == [4, 32]
+    job = svc.get_job(sweep["job"]).result
+    assert job["calibration_tokens"] == [4, 32] and job["awq"]["cached"]  # the preset's score searched the same
 
     plan_file = tmp_path / "awq.yaml"
     plan_file.write_text("model: tiny\nname: w4-awq\ndefault: W4A16_AWQ\nrules:\n  - {match: 'lm_head', scheme: BF16}\n")

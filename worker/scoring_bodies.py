@@ -128,17 +128,33 @@ def _hessians(ctx: JobContext, model, plan, cal_ids, text) -> dict[str, Any] | N
     return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel)
 
 
-def _awq(ctx: JobContext, model, plan, cal_ids, text):
+def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
     """AWQ's searched input scales for the plan's layers that scale with AWQ, on the calibration tokens; None
-    when no layer does."""
-    from quantcore.awq import awq_search
+    when no layer does. Kept beside the model's reference log-probs, keyed by everything the search reads (the
+    calibration tokens, the AWQ layers and their weight format, the grid, the device kind, quantplan's numerics),
+    so another score or a sweep of the same AWQ layers reuses it; ``.cached`` says whether it came from there."""
+    from quantcore.awq import awq_search, load_awq, save_awq
+    from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, NUMERICS
 
     layers = [n for n, s in plan.items() if s.needs_awq]
     if not layers:
         return None
+    key = hashlib.sha256(json.dumps({
+        "tokens": hashlib.sha256(cal_ids.cpu().numpy().tobytes()).hexdigest(), "shape": list(cal_ids.shape),
+        "layers": {n: plan[n].weights.to_dict() for n in sorted(layers)}, "grid": [AWQ_N_GRID, AWQ_DUO_SCALING],
+        "device": cal_ids.device.type, "numerics": NUMERICS,
+    }, sort_keys=True).encode()).hexdigest()[:24]
+    path = ctx.settings.model_reference_dir(rec.sha256) / f"awq-{key}.safetensors"
+    if path.exists():
+        ctx.progress(0.3, f"AWQ: input scales of {len(layers)} layer(s) on {text}, from the cache")
+        found = load_awq(path)
+        found.cached = True
+        return found
     ctx.progress(0.3, f"AWQ: searching the input scales of {len(layers)} layer(s) on {text}")
-    return awq_search(model, plan, cal_ids, should_cancel=ctx.should_cancel,
-                      progress=lambda _f, message: ctx.progress(0.3, message))
+    found = awq_search(model, plan, cal_ids, should_cancel=ctx.should_cancel,
+                       progress=lambda _f, message: ctx.progress(0.3, message))
+    save_awq(found, path)
+    return found
 
 
 def _awq_summary(found) -> dict[str, Any]:
@@ -146,7 +162,7 @@ def _awq_summary(found) -> dict[str, Any]:
     scales cut the mappings' output error (median of best / unscaled)."""
     ratios = sorted(best / first for first, best, _ in found.errors.values() if first > 0)
     return {"mappings": len(found.errors), "unscaled_layers": len(found.skipped),
-            "median_error_ratio": ratios[len(ratios) // 2] if ratios else None}
+            "median_error_ratio": ratios[len(ratios) // 2] if ratios else None, "cached": found.cached}
 
 
 def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_channel_max=None, weight_hessians=None,
@@ -187,7 +203,7 @@ def score(ctx: JobContext) -> Outcome:
     awq_needed = any(s.needs_awq for s in plan.values())
     cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, gptq or awq_needed or kv.calibrated)
     hessians = _hessians(ctx, model, plan, cal_ids, cal_text)
-    awq = _awq(ctx, model, plan, cal_ids, cal_text)
+    awq = _awq(ctx, rec, model, plan, cal_ids, cal_text)
     kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians, awq)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
@@ -234,6 +250,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
     def progress(fraction: float, message: str) -> None:
         ctx.progress(0.3 + 0.7 * fraction, message)
 
+    awq = None
     if ctx.params.get("kv_sweep"):
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
@@ -252,7 +269,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, scheme.needs_hessians or scheme.needs_awq)
         every = {n: scheme for n in linear_names(rec)}
         hessians = _hessians(ctx, model, every, cal_ids, cal_text)
-        awq = _awq(ctx, model, every, cal_ids, cal_text)
+        awq = _awq(ctx, rec, model, every, cal_ids, cal_text)
         rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
                                  should_cancel=ctx.should_cancel, weight_hessians=hessians, awq=awq)
@@ -264,6 +281,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
               "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
     if cal_ids is not None:  # GPTQ Hessians, AWQ scales or KV cache scales came from it
         result.update(calibration_text=cal_text, calibration_tokens=list(cal_ids.shape))
+    if awq is not None:
+        result["awq"] = _awq_summary(awq)
 
     def write(s: Session) -> None:
         repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)

@@ -204,3 +204,19 @@ def test_cuda_awq_search_matches_cpu():
         if losses[1] > 1.01 * losses[0]:
             assert on_gpu.errors[label][2] == on_cpu.errors[label][2], label
         assert on_gpu.errors[label][1] == pytest.approx(on_cpu.errors[label][1], rel=0.02)
+
+
+def test_a_saved_search_reads_back_and_scores_the_same(tiny_llama, tiny_input_ids, tmp_path):
+    from quantcore.awq import load_awq, save_awq
+
+    model = tiny_llama
+    plan = dict.fromkeys(linears(model), "W4A16_AWQ")
+    found = awq_search(model, plan, calibration())
+    back = load_awq(save_awq(found, tmp_path / "awq" / "x.safetensors"))
+    assert back.cached is False and not list((tmp_path / "awq").glob("*.tmp"))
+    assert back.skipped == found.skipped and back.errors == found.errors and back.history == found.history
+    assert set(back.factors) == set(found.factors)
+    assert all(torch.equal(back.factors[n], found.factors[n].cpu()) for n in found.factors)
+    ref = compute_reference(model, tiny_input_ids, batch_size=1)
+    assert score_plan(model, plan, tiny_input_ids, ref, awq=back).kl_mean == score_plan(
+        model, plan, tiny_input_ids, ref, awq=found).kl_mean
