@@ -391,24 +391,20 @@ def _fold(
                 "grouped-query attention: v_proj has fewer outputs than o_proj has inputs, so searched factors "
                 "cannot be folded (llm-compressor's AWQ skips this mapping too)"
             )
-        if fixed is not None:
-            _divide_rows(handle, v, fixed)
-            _scale_columns(handle, o, fixed)
-            for n in unit.consumers:
-                handle.factors[n] = fixed.detach().clone()
-                handle.folded_into[n] = unit.producer
-            return None
-        act_t, w_t = act, _column_max([o])
-        if n_rep > 1:  # GQA: tie s across the query heads that read one kv head
-            attn = modules[unit.producer.rsplit(".", 1)[0]]
-            head_dim = getattr(attn, "head_dim", None)
-            if not isinstance(head_dim, int) or v.out_features % head_dim:
-                return "GQA attention without a usable head_dim attribute: cannot tie factors across heads"
-            n_kv = v.out_features // head_dim
-            act_t = act.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
-            w_t = w_t.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
-        s_kv = smoothing_factors(act_t, w_t, alpha).to(device)
-        s = s_kv.view(-1, 1, head_dim).expand(-1, n_rep, head_dim).flatten() if n_rep > 1 else s_kv
+        if fixed is not None:  # one factor per o_proj input, which is one per v_proj output (no GQA: checked)
+            s_kv = s = fixed
+        else:
+            act_t, w_t = act, _column_max([o])
+            if n_rep > 1:  # GQA: tie s across the query heads that read one kv head
+                attn = modules[unit.producer.rsplit(".", 1)[0]]
+                head_dim = getattr(attn, "head_dim", None)
+                if not isinstance(head_dim, int) or v.out_features % head_dim:
+                    return "GQA attention without a usable head_dim attribute: cannot tie factors across heads"
+                n_kv = v.out_features // head_dim
+                act_t = act.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
+                w_t = w_t.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
+            s_kv = smoothing_factors(act_t, w_t, alpha).to(device)
+            s = s_kv.view(-1, 1, head_dim).expand(-1, n_rep, head_dim).flatten() if n_rep > 1 else s_kv
         _divide_rows(handle, v, s_kv)
         _scale_columns(handle, o, s)
     else:  # "up_rows"

@@ -329,21 +329,27 @@ def test_kv_cache_scheme_is_what_llm_compressor_calibrates(llmc, name: str) -> N
             assert (shape == [2, 1, 1]) if get_kv_format(kv).per_head else (shape in per_layer), (layer, tensor, shape)
 
 
+def run_oneshot(plan: dict[str, Scheme], workdir: Path) -> dict[str, Any]:
+    """Export ``plan``, run llm-compressor's oneshot with it on scripts/llmc_oneshot.py's tiny Llama in ``workdir``,
+    and return its oneshot.json (oneshot.safetensors lies beside it)."""
+    env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
+                         timeout=ENV_TIMEOUT_S, cwd=REPO)
+    assert env.returncode == 0, env.stderr[-3000:]
+    recipe = workdir / "recipe.yaml"
+    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=LAYERS), encoding="utf-8")
+    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(workdir)],
+                         capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((workdir / "oneshot.json").read_text())
+
+
 @pytest.mark.parametrize("gptq", ["W4A16_GPTQ", "NVFP4A16_GPTQ"])
 def test_exported_gptq_recipe_runs_in_oneshot(tmp_path, gptq) -> None:
     """The whole way: a mixed FP8_DYNAMIC + GPTQ plan, exported, quantizes a tiny Llama with llm-compressor's own
     oneshot: every linear ends up with the planned args, int weights on their grid, the GPTQ layers moved off
     round-to-nearest by GPTQ (on calibration data) and the FP8 layers rounded to nearest, as scored."""
-    env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
-                         timeout=ENV_TIMEOUT_S, cwd=REPO)
-    assert env.returncode == 0, env.stderr[-3000:]
     plan = {n: get_scheme(gptq) if s.gptq else s for n, s in mixed_gptq_plan().items()}
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=LAYERS), encoding="utf-8")
-    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(tmp_path)],
-                         capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads((tmp_path / "oneshot.json").read_text())
+    got = run_oneshot(plan, tmp_path)
     assert got["modifiers"] == ["GPTQModifier", "QuantizationModifier"]
     for layer in LAYERS:
         real = got["layers"][layer]
@@ -374,16 +380,8 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path) -> No
     from quantcore.quantize import fake_quantize_weight
     from quantcore.scoring import plan_applied
 
-    env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
-                         timeout=ENV_TIMEOUT_S, cwd=REPO)
-    assert env.returncode == 0, env.stderr[-3000:]
     plan = awq_plan()
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=LAYERS), encoding="utf-8")
-    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(tmp_path)],
-                         capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads((tmp_path / "oneshot.json").read_text())
+    got = run_oneshot(plan, tmp_path)
     assert got["modifiers"] == ["AWQModifier", "QuantizationModifier"]
     quantized = [n for n in LAYERS if not plan[n].is_identity]
     # AWQ scaled weights are no longer the original rounded to nearest, nor are the up_proj rows a down_proj's
