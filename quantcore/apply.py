@@ -43,9 +43,11 @@ from quantcore.quantize import (
     fake_quantize,
     fake_quantize_weight,
     fake_quantize_with_counts,
+    fused_tensor_scale,
     scale_from_amax,
+    weight_scale,
 )
-from quantcore.schemes import Scheme, TensorSpec, get_scheme, list_schemes
+from quantcore.schemes import Scheme, TensorSpec, fusion_groups, get_scheme, list_schemes
 from quantcore.smoothquant import SmoothingHandle, smooth_model
 
 _MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
@@ -389,20 +391,23 @@ def apply_plan(
         _shared=_SharedInputs() if share_inputs else None,
     )
     modules = dict(model.named_modules())
+    tensor_scales = _fused_tensor_scales(active, modules)
     try:
         for name, scheme in active.items():
             module = modules[name]
             original = module.weight
             w = original.detach()
+            g = tensor_scales.get(name)
             if track_stats or not scheme.gptq:  # on the grid the checkpoint stores (int: compressed-tensors')
-                wq, report = fake_quantize_weight(w, scheme.weights, report=track_stats)
+                wq, report = fake_quantize_weight(w, scheme.weights, report=track_stats, scale=g)
             else:  # rounded below
                 wq, report = w, QuantReport(0, 0, 0, 0, 0)
             if scheme.gptq:  # the same grid and scales, other grid points
                 if gptq_cache is not None and name in gptq_cache:
                     wq = gptq_cache[name]
                 else:
-                    wq = gptq_quantize(w, hessians[name], scheme.weights).weight
+                    scale = None if g is None else weight_scale(w, scheme.weights, tensor_scale=g)
+                    wq = gptq_quantize(w, hessians[name], scheme.weights, scale=scale).weight
                     if gptq_cache is not None:
                         gptq_cache[name] = wq
             state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name))
@@ -417,6 +422,19 @@ def apply_plan(
         applied.restore()
         raise
     return applied
+
+
+def _fused_tensor_scales(schemes: Mapping[str, Scheme], modules: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """{layer: NVFP4 tensor scale} for the members of every fusion group (q/k/v, gate/up) quantized here with NVFP4
+    weights: one scale from the largest |W| of the group (:func:`quantcore.quantize.fused_tensor_scale`), which is
+    what the checkpoint stores for them and vLLM's fused GEMM reads. Layers outside such a group keep their own."""
+    out: dict[str, torch.Tensor] = {}
+    nvfp4 = [n for n, s in schemes.items() if s.weights is not None and s.weights.format == "nvfp4"]
+    for group in fusion_groups(nvfp4):
+        if len(group) > 1:
+            g = fused_tensor_scale(modules[n].weight for n in group)
+            out.update(dict.fromkeys(group, g))
+    return out
 
 
 def gptq_hessians(

@@ -52,6 +52,7 @@ from the elements it has. Block formats fix their own grouping (32 or 16 along K
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -910,17 +911,26 @@ def _spec_args(spec: TensorSpec) -> dict:
 
 
 @torch.no_grad()
-def weight_scale(weight: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+def weight_scale(weight: torch.Tensor, spec: TensorSpec, *, tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A weight's scales as the serving checkpoint stores them, in the granularity's scale shape: amax over the
     divisor of its :class:`IntWeightGrid` for int formats, :func:`quantize`'s scales for the others (nvfp4: the
-    effective block scales, E4M3 block scale × fp32 tensor scale)."""
+    effective block scales, E4M3 block scale × fp32 tensor scale; ``tensor_scale``: a given one, as a fusion
+    group shares, :func:`fused_tensor_scale`)."""
     grid = int_weight_grid(spec.format)
     if grid is None:
-        q = quantize(weight, spec.format, **_spec_args(spec))
+        q = quantize(weight, spec.format, **_spec_args(spec), scale=tensor_scale)
         return q.scale if q.tensor_scale is None else q.scale * q.tensor_scale
     amax = compute_amax(weight, **_spec_args(spec))
     scale = (amax.double() / grid.divisor).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def fused_tensor_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The one NVFP4 fp32 tensor scale of a fusion group's weights (q/k/v, gate/up): from the largest |W| of them
+    all, as llm-compressor's fused weight observers make it, because vLLM's fused GEMM reads one tensor scale
+    for the whole group (its ``weight_global_scale.max()``)."""
+    amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+    return scale_from_amax(amax, "nvfp4")
 
 
 def element_scales(scale: torch.Tensor, spec: TensorSpec, shape: tuple[int, int]) -> torch.Tensor:

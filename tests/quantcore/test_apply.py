@@ -393,3 +393,34 @@ def test_shared_inputs_under_inference_mode(tiny_llama, tiny_input_ids, monkeypa
             got = tiny_llama(tiny_input_ids).logits
     assert torch.equal(got, expected)
     assert calls["n"] == len(plan)
+
+
+def test_nvfp4_fusion_groups_share_one_tensor_scale(tiny_llama, tiny_input_ids):
+    """q/k/v and gate/up in NVFP4 take one fp32 tensor scale, from the group's largest |W| (what the checkpoint
+    stores and vLLM's fused GEMM reads); o_proj and down_proj keep their own; GPTQ rounds on the same scales."""
+    from quantcore.gptq import gptq_quantize
+    from quantcore.quantize import fake_quantize_weight, fused_tensor_scale, weight_scale
+
+    model = tiny_llama
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    names = [f"{attn}.{p}_proj" for p in "qkvo"] + [f"{mlp}.{p}_proj" for p in ("gate", "up", "down")]
+    w = {n: model.get_submodule(n).weight.detach().clone() for n in names}
+    spec = get_scheme("NVFP4A16").weights
+    qkv = [f"{attn}.{p}_proj" for p in "qkv"]
+    g_qkv = fused_tensor_scale(w[n] for n in qkv)
+    assert torch.equal(g_qkv, scale_from_amax(max(float(w[n].abs().max()) for n in qkv), "nvfp4"))
+    with quantized_model(model, dict.fromkeys(names, "NVFP4A16")):
+        got = {n: model.get_submodule(n).weight.detach().clone() for n in names}
+    for n in qkv:
+        assert torch.equal(got[n], fake_quantize_weight(w[n], spec, scale=g_qkv, report=False)[0]), n
+    for n in (f"{attn}.o_proj", f"{mlp}.down_proj"):
+        assert torch.equal(got[n], fake_quantize_weight(w[n], spec, report=False)[0]), n
+    gate_up = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+    small = min(gate_up, key=lambda n: float(w[n].abs().max()))  # the member whose own scale would differ
+    assert not torch.equal(got[small], fake_quantize_weight(w[small], spec, report=False)[0])
+    # GPTQ keeps the fused scales: its weights sit on the grid of g_group's effective block scales
+    hess = collect_hessians(model, qkv, tiny_input_ids)
+    with quantized_model(model, dict.fromkeys(qkv, "NVFP4A16_GPTQ"), weight_hessians=hess):
+        k = model.get_submodule(qkv[1]).weight.detach().clone()
+    scale = weight_scale(w[qkv[1]], spec, tensor_scale=g_qkv)
+    assert torch.equal(k, gptq_quantize(w[qkv[1]], hess[qkv[1]], spec, scale=scale).weight)
