@@ -612,17 +612,28 @@ def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys,
     kls, _ = svc.sensitivity_map(svc.get_model("tiny"))
     assert len(kls["W4A16_GPTQ"]) == 9 and all(v > 0 for v in kls["W4A16_GPTQ"].values())
 
-    plan_file = tmp_path / "gptq.yaml"
-    plan_file.write_text("model: tiny\nname: w8-gptq\ndefault: W8A16_GPTQ\nrules:\n  - {match: 'lm_head', scheme: BF16}\n")
+    recipe, vllm, _ = export_and_import(capsys, tmp_path, "W8A16_GPTQ")
+    assert "GPTQModifier:" in recipe and "dampening_frac: 0.01" in recipe and "GPTQ" in vllm
+
+
+def export_and_import(capsys, tmp_path, default: str) -> tuple[str, str, dict]:
+    """A plan file of ``default`` (lm_head in BF16) exported as a recipe and a vLLM command, and the recipe imported
+    back: (recipe, vLLM command, imported body); asserts the import resolves to the plan and both need data."""
+    from app import services as svc
+
+    plan_file = tmp_path / f"{default}.yaml"
+    plan_file.write_text(f"model: tiny\nname: {default.lower()}\ndefault: {default}\n"
+                         "rules:\n  - {match: 'lm_head', scheme: BF16}\n")
     code, recipe, _ = run(capsys, "plan", "export", str(plan_file), "--format", "llmcompressor")
-    assert code == 0 and "GPTQModifier:" in recipe and "dampening_frac: 0.01" in recipe
+    assert code == 0
     code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
-    assert code == 0 and "needs calibration data" in vllm and "GPTQ" in vllm
+    assert code == 0 and "needs calibration data" in vllm
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(recipe)
-    back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "tiny", "--name", "gptq-back", "--json")
+    back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "tiny", "--name", f"{default}-back", "--json")
     model = svc.get_model("tiny")
     assert svc.resolve(model, back["body"])[0] == svc.resolve(model, yaml.safe_load(plan_file.read_text()))[0]
+    return recipe, vllm, back["body"]
 
 
 def test_a_plan_keeps_layers_out_of_its_kv_cache(tiny_model, capsys, tmp_path):
@@ -795,15 +806,6 @@ def test_awq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys, 
     job = svc.get_job(sweep["job"]).result
     assert job["calibration_tokens"] == [4, 32] and job["awq"]["cached"]  # the preset's score searched the same
 
-    plan_file = tmp_path / "awq.yaml"
-    plan_file.write_text("model: tiny\nname: w4-awq\ndefault: W4A16_AWQ\nrules:\n  - {match: 'lm_head', scheme: BF16}\n")
-    code, recipe, _ = run(capsys, "plan", "export", str(plan_file), "--format", "llmcompressor")
-    assert code == 0 and "AWQModifier:" in recipe and "n_grid: 20" in recipe and "scheme: W4A16" in recipe
-    code, vllm, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
-    assert code == 0 and "needs calibration data" in vllm and "AWQ" in vllm
-    recipe_file = tmp_path / "recipe.yaml"
-    recipe_file.write_text(recipe)
-    back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "tiny", "--name", "awq-back", "--json")
-    model = svc.get_model("tiny")
-    assert svc.resolve(model, back["body"])[0] == svc.resolve(model, yaml.safe_load(plan_file.read_text()))[0]
-    assert any("AWQ cannot scale 2 layer(s)" in w for w in svc.serving_warnings(model, back["body"]))
+    recipe, vllm, back = export_and_import(capsys, tmp_path, "W4A16_AWQ")
+    assert "AWQModifier:" in recipe and "n_grid: 20" in recipe and "scheme: W4A16" in recipe and "AWQ" in vllm
+    assert any("AWQ cannot scale 2 layer(s)" in w for w in svc.serving_warnings(svc.get_model("tiny"), back))
