@@ -19,6 +19,9 @@ s is searched, per fold ("mapping" in llm-compressor's words), on calibration in
   balance layers' weights replaced by ``Q(W · s) / s``, against the unquantized output, over every calibration
   token; the candidate with the smallest loss is folded.
 
+NVFP4 weights in a fusion group (q/k/v, gate/up) are rounded during the search with one fp32 tensor scale from
+the group's largest |W · s|, as llm-compressor's fused observers compute it and as they are served.
+
 The search runs block by block on the outputs of the blocks before it (after their folds, which change
 nothing but rounding in 16/32-bit arithmetic), one mapping after another within a block, in model order:
 llm-compressor's sequential pipeline. Weights of other layers stay unquantized during the search.
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from quantcore.errors import Cancelled, PlanError, name_list
-from quantcore.quantize import fake_quantize_weight
+from quantcore.quantize import fake_quantize_weight, fused_tensor_scale
 from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, Granularity, Scheme, TensorSpec, get_scheme
 from quantcore.smoothquant import SmoothingHandle, _plan_unit, _Unit, smooth_model
 
@@ -249,12 +252,15 @@ def _search_one(modules: Mapping[str, nn.Module], mapping: AwqMapping, spec_of: 
     best: tuple[float, torch.Tensor, float] | None = None
     initial = None
     history: list[tuple[float, float]] = []
+    fused = spec.format == "nvfp4" and len(quantized) > 1  # q/k/v, gate/up: one NVFP4 tensor scale, as served
     try:
         for r, s in candidates(x_mean, w_mean, n_grid, duo_scaling):
             sv = s.to(device=originals[0].device).view(1, -1)
+            scaled = {n: (w0 * sv).to(w0.dtype) for w0, n in zip(originals, mapping.balance, strict=True)}
+            g = fused_tensor_scale(scaled[n] for n in quantized) if fused else None
             for m, w0, n in zip(balance, originals, mapping.balance, strict=True):
                 if n in spec_of:  # W · s rounded to the weight's dtype, Q, then / s: llm-compressor's order
-                    wq, _ = fake_quantize_weight((w0 * sv).to(w0.dtype), spec_of[n], report=False)
+                    wq, _ = fake_quantize_weight(scaled[n], spec_of[n], report=False, scale=g)
                     m.weight.data = (wq / sv).to(w0.dtype)
             se, count = 0.0, 0
             for (a, k), ref in zip(calls, fp_out, strict=True):

@@ -367,10 +367,11 @@ def gptq_unsupported(spec: TensorSpec | None) -> str | None:
 def awq_unsupported(scheme: Scheme) -> str | None:
     """Why AWQ cannot scale the layers of this scheme, or None when it can (see :mod:`quantcore.awq`).
 
-    AWQ protects salient input channels of weight-only layers whose weights are rounded to nearest on an
-    integer grid with one scale per row or per group along K (W4A16, W8A16: what llm-compressor's AWQ examples
-    and vLLM's AWQ / Marlin kernels serve). A scheme that quantizes activations is SmoothQuant's case; GPTQ is
-    the other way to round; a per-tensor scale would undo the per-channel scaling (llm-compressor refuses it).
+    AWQ protects salient input channels of weight-only layers whose weights are rounded to nearest with one
+    scale per row or per group along K: INT8 / INT4 (W8A16, W4A16: what llm-compressor's AWQ examples and vLLM's
+    Marlin kernels serve) and NVFP4 (NVFP4A16, its blocks of 16). A scheme that quantizes activations is
+    SmoothQuant's case; GPTQ is the other way to round; a per-tensor scale would undo the per-channel scaling
+    (llm-compressor refuses it).
     """
     if scheme.weights is None:
         return "AWQ scales weights before rounding them, and this scheme leaves them unquantized"
@@ -379,8 +380,8 @@ def awq_unsupported(scheme: Scheme) -> str | None:
                 "(smoothquant_alpha)")
     if scheme.gptq:
         return "choose AWQ or GPTQ: they are two ways to round the same weights"
-    if get_format(scheme.weights.format).kind != "int":
-        return f"AWQ is offered for integer weights (int4, int8), not {scheme.weights.format}"
+    if get_format(scheme.weights.format).kind != "int" and scheme.weights.format != "nvfp4":
+        return f"AWQ is offered for integer and NVFP4 weights (int4, int8, nvfp4), not {scheme.weights.format}"
     if scheme.weights.granularity not in (Granularity.CHANNEL, Granularity.GROUP):
         return ("AWQ needs one weight scale per row or per group along K; "
                 f"{scheme.weights.granularity.value} scales are not supported")
@@ -548,6 +549,14 @@ def _presets() -> dict[str, Scheme]:
             None,
             gptq=True,
             description="NVFP4A16 with GPTQ-rounded weights (the same block and tensor scales)",
+        ),
+        Scheme(
+            "NVFP4A16_AWQ",
+            TensorSpec("nvfp4", G, dynamic=False),
+            None,
+            awq=True,
+            description="NVFP4A16 with AWQ: input channels scaled by factors searched on calibration text, then "
+            "rounded to nearest",
         ),
         Scheme("BF16", None, None, description="left unquantized"),
     ]

@@ -11,7 +11,8 @@ tokenizer are saved to WORKDIR, then ``oneshot`` quantizes it with the recipe on
 ``{"modifiers": [type names], "layers": {linear name: {"weights": args | null, "input_activations": args | null}},
 "weights_on_grid": {linear name: bool}, "rounded_to_nearest": {linear name: bool}, "calibration_ids": [[int]]}``
 and WORKDIR/oneshot.safetensors: every linear weight as the compressed checkpoint holds it (quantized ones
-fake-quantized with the stored scales) and every norm weight (AWQ and SmoothQuant fold into them); a weight is on its
+fake-quantized with the stored scales, NVFP4's ``weight_global_scale`` beside them) and every norm weight (AWQ and
+SmoothQuant fold into them); a weight is on its
 grid when dividing it by its stored scale gives integers (int formats only; others are left out), and a
 quantized weight is rounded to nearest when compressed-tensors' ``fake_quantize`` gives the same of it as of
 the weight the model had before ``oneshot``, with the scale ``oneshot`` stored (GPTQ moves weights off that
@@ -83,6 +84,8 @@ def main(recipe: str, workdir: str) -> None:
             rtn = fake_quantize(before[name], module.weight_scale, zero, scheme.weights, global_scale=gs)
             nearest[name] = bool(torch.equal(rtn, stored))
             stored_weights[name + ".weight"] = stored.float().contiguous()
+            if gs is not None:  # NVFP4: 448 · 6 / amax, one per fusion group
+                stored_weights[name + ".weight_global_scale"] = gs.detach().float().reshape(1).contiguous()
         if scheme is not None and scheme.weights is not None and scheme.weights.type == "int":
             scale = module.weight_scale.detach().float()
             w = module.weight.detach().float()

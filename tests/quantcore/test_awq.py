@@ -27,7 +27,7 @@ def calibration() -> torch.Tensor:
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(weights=INT4_G, activations=TensorSpec("int8", "token")), "weight-only"),
     (dict(weights=INT4_G, activations=None, gptq=True), "AWQ or GPTQ"),
-    (dict(weights=TensorSpec("fp8_e4m3", "channel", dynamic=False), activations=None), "integer weights"),
+    (dict(weights=TensorSpec("fp8_e4m3", "channel", dynamic=False), activations=None), "integer and NVFP4 weights"),
     (dict(weights=TensorSpec("int8", "tensor", dynamic=False), activations=None), "per row or per group"),
     (dict(weights=None, activations=None), "unquantized"),
 ])
@@ -121,15 +121,16 @@ def test_folded_factors_change_nothing_before_rounding(tiny_llama, tiny_input_id
     assert torch.equal(forward_logits(model, tiny_input_ids), ref)
 
 
-def test_awq_scores_lower_kl_than_rounding_to_nearest(tiny_llama, tiny_input_ids):
+@pytest.mark.parametrize("base", ["W4A16", "NVFP4A16"])
+def test_awq_scores_lower_kl_than_rounding_to_nearest(tiny_llama, tiny_input_ids, base):
     model = tiny_llama
     names = linears(model)
     ref = compute_reference(model, tiny_input_ids, batch_size=1)
-    plan = dict.fromkeys(names, "W4A16_AWQ")
+    plan = dict.fromkeys(names, f"{base}_AWQ")
     with pytest.raises(PlanError, match="AWQ"):
         score_plan(model, plan, tiny_input_ids, ref)
     found = awq_search(model, plan, calibration())
-    rtn = score_plan(model, dict.fromkeys(names, "W4A16"), tiny_input_ids, ref)
+    rtn = score_plan(model, dict.fromkeys(names, base), tiny_input_ids, ref)
     awq = score_plan(model, plan, tiny_input_ids, ref, awq=found)
     assert awq.kl_mean < 0.9 * rtn.kl_mean
     # GQA: both o_proj rounded unscaled, and said so in one note

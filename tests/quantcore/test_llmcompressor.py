@@ -100,12 +100,12 @@ def cases() -> dict[str, dict[str, Scheme]]:
     return out
 
 
-def awq_plan() -> dict[str, Scheme]:
-    """AWQ on every layer of block 1 and on every down_proj, W4A16 rounded to nearest elsewhere, lm_head BF16."""
-    plan = uniform("W4A16")
+def awq_plan(base: str = "W4A16") -> dict[str, Scheme]:
+    """AWQ on every layer of block 1 and on every down_proj, ``base`` rounded to nearest elsewhere, lm_head BF16."""
+    plan = uniform(base)
     for n in LAYERS:
         if n.startswith("model.layers.1.") or n.endswith("down_proj"):
-            plan[n] = get_scheme("W4A16_AWQ")
+            plan[n] = get_scheme(f"{base}_AWQ")
     return plan
 
 
@@ -363,7 +363,8 @@ def test_exported_gptq_recipe_runs_in_oneshot(tmp_path, gptq) -> None:
     assert got["rounded_to_nearest"] == {n: not plan[n].gptq for n in quantized}
 
 
-def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path) -> None:
+@pytest.mark.parametrize("base", ["W4A16", "NVFP4A16"])
+def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base: str) -> None:
     """The whole way for AWQ: the exported recipe (AWQ on block 1 and every down_proj, W4A16 elsewhere) through
     llm-compressor's own oneshot on a tiny Llama with outlier channels, and quantcore's search on the same model and
     calibration tokens. Every scale llm-compressor folds is one of quantcore's candidates; where both pick the same
@@ -380,7 +381,7 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path) -> No
     from quantcore.quantize import fake_quantize_weight
     from quantcore.scoring import plan_applied
 
-    plan = awq_plan()
+    plan = awq_plan(base)
     got = run_oneshot(plan, tmp_path)
     assert got["modifiers"] == ["AWQModifier", "QuantizationModifier"]
     quantized = [n for n in LAYERS if not plan[n].is_identity]
@@ -408,7 +409,7 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path) -> No
     def off_grid(a: torch.Tensor, b: torch.Tensor) -> float:  # the same grid point may differ in its last bit
         return float((~torch.isclose(a, b, rtol=1e-4, atol=1e-7)).float().mean())
 
-    spec = get_scheme("W4A16").weights
+    spec = get_scheme(base).weights
     agree: dict[str, str] = {}  # mapping label -> its first balance layer, where both picked the same scale
     for label, history in found.history.items():
         smooth, leaves = label.split(" -> ")
@@ -418,9 +419,14 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path) -> No
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[first]])
         w_mean = weight_means([originals[m + ".weight"] for m in members], spec)
         w0 = originals[first + ".weight"]
+        def rounded(sc: torch.Tensor, _first: str = first, _w0: torch.Tensor = w0) -> torch.Tensor:
+            # NVFP4: the tensor scale the checkpoint stores (its group's, after every fold of the block)
+            stored_g = theirs.get(_first + ".weight_global_scale")
+            g = None if stored_g is None else (1.0 / stored_g).reshape(())
+            return fake_quantize_weight((_w0 * sc).float(), spec, report=False, scale=g)[0]
+
         picks = [r for r, sc in candidates(x.abs().float().sum(0) / x.shape[0], w_mean)
-                 if off_grid(fake_quantize_weight((w0 * sc).float(), spec, report=False)[0], theirs[first + ".weight"])
-                 < 0.002]
+                 if off_grid(rounded(sc), theirs[first + ".weight"]) < 0.002]
         assert picks, f"{label}: llm-compressor folded a scale that is none of quantcore's candidates"
         loss, (_, best, ours_r) = dict(history), found.errors[label]
         assert loss[picks[0]] <= 1.03 * best, (f"{label}: llm-compressor's pick r={picks[0]:.3f} loses "

@@ -24,7 +24,7 @@ ISSUE_PRESETS = [
     "NVFP4", "NVFP4A16", "BF16",
 ]  # fmt: skip
 # the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
-AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ"]
+AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "NVFP4A16_AWQ"]
 GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "NVFP4_GPTQ", "NVFP4A16_GPTQ"]
 
 
