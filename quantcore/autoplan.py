@@ -93,6 +93,7 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "W4A16_AWQ",
     "NVFP4A16",
     "NVFP4A16_GPTQ",
+    "NVFP4A16_AWQ",
     "NVFP4",
     "MXFP4",
 )
