@@ -43,7 +43,7 @@ from torch import nn
 from quantcore.errors import Cancelled, PlanError, name_list
 from quantcore.quantize import fake_quantize_weight, fused_tensor_scale
 from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, Granularity, Scheme, TensorSpec, get_scheme
-from quantcore.smoothquant import SmoothingHandle, _plan_unit, _Unit, smooth_model
+from quantcore.smoothquant import GQA_NO_FACTORS, SmoothingHandle, _plan_unit, _Unit, fold_factors
 
 W_MEAN_EPS = 1e-6  # llm-compressor's _compute_layer_means: |W| / (group max + 1e-6)
 SCALE_FLOOR = 1e-4  # its clamp of the candidate scales and the floor added to w̄^(1-r)
@@ -65,7 +65,7 @@ class AwqResult:
     """What :func:`awq_search` found.
 
     factors: {linear: (K,) s} for every balance layer of a searched mapping (fold them with
-             ``smooth_model(model, {}, 0.0, factors=...)``, or let :func:`quantcore.scoring.plan_applied` do it)
+             ``quantcore.smoothquant.fold_factors``, or let :func:`quantcore.scoring.plan_applied` do it)
     skipped: {linear: reason} for planned layers left unscaled
     errors:  {mapping label: (loss without scaling, best loss, best r)}; r < 0 marks the unscaled candidate
     history: {mapping label: [(r, loss)] of every candidate, in grid order}
@@ -114,10 +114,7 @@ def awq_mappings(model: nn.Module, layers: Iterable[str]) -> tuple[list[AwqMappi
             skipped[name] = unit
             continue
         if unit.kind == "v_rows" and linears[unit.consumers[0]].in_features != linears[unit.producer].out_features:
-            skipped[name] = (
-                "grouped-query attention: v_proj has fewer outputs than o_proj has inputs, so one factor per "
-                "o_proj input cannot be folded into v_proj (llm-compressor's AWQ skips this mapping too)"
-            )
+            skipped[name] = GQA_NO_FACTORS
             continue
         block = stack.block_of(name)
         if block is None:
@@ -346,7 +343,7 @@ def awq_search(
                 x_mean = acc.sum / max(acc.count, 1)
                 s, err, history = _search_one(modules, m, spec_of, captures[m.parent].calls, x_mean, n_grid,
                                               duo_scaling)
-                handles.append(smooth_model(model, {}, 0.0, layers=[m.balance[0]], factors={m.balance[0]: s}))
+                handles.append(fold_factors(model, {m.balance[0]: s}))
                 for n in m.balance:
                     result.factors[n] = s
                 label = f"{m.smooth} -> {', '.join(x.rsplit('.', 1)[-1] for x in m.balance)}"

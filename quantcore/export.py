@@ -1282,7 +1282,7 @@ def _scheme_for(
 
     gptq: the group comes from a ``GPTQModifier``: the GPTQ preset of those args where quantplan has one
     (W4A16_GPTQ, ...), else the round-to-nearest one (FP8 formats have no GPTQ preset).
-    awq: an ``AWQModifier`` scales the layer: the AWQ preset of those args (W4A16_AWQ, W8A16_AWQ); a problem
+    awq: an ``AWQModifier`` scales the layer: the AWQ preset of those args (the ``*_AWQ`` presets); a problem
     where there is none.
     """
     if weights is None and acts is None:

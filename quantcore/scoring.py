@@ -662,7 +662,7 @@ def plan_applied(
                         amax[layer] = float((cm / _to_tensor(s)).max())
         awq_notes = []
         if awq_layers:
-            from quantcore.smoothquant import smooth_model
+            from quantcore.smoothquant import fold_factors
 
             assert awq is not None
             found = {layer: awq.factors[layer] for layer in awq_layers if layer in awq.factors}
@@ -676,7 +676,7 @@ def plan_applied(
                 for reason, layers in why.items()
             ]
             if found:
-                awq_folds = smooth_model(model, {}, 0.0, layers=list(found), factors=found)
+                awq_folds = fold_factors(model, found)
         if before_quantize is not None:
             before_quantize(model)
         static = any(s.activations is not None and not s.activations.dynamic for s in schemes.values())

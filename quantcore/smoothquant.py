@@ -45,6 +45,12 @@ from torch import nn
 from quantcore.errors import PlanError, name_list
 from quantcore.schemes import fusion_groups
 
+# why searched factors (AWQ's) cannot fold into v_proj for o_proj: one per o_proj input, fewer v_proj outputs
+GQA_NO_FACTORS = (
+    "grouped-query attention: v_proj has fewer outputs than o_proj has inputs, so one factor per o_proj input "
+    "cannot be folded into v_proj (llm-compressor's AWQ skips this mapping too)"
+)
+
 SQ_EPS = (
     1e-5  # clamp for channel maxima, as SmoothQuant's code and the reference text: dead channels get finite s
 )
@@ -341,6 +347,12 @@ def smooth_model(
     return handle
 
 
+def fold_factors(model: nn.Module, factors: Mapping[str, torch.Tensor]) -> SmoothingHandle:
+    """Fold given factors ``{linear: (K,) s}`` (AWQ's) as :func:`smooth_model` folds SmoothQuant's; the handle's
+    ``restore()`` undoes it bit for bit, ``handle.skipped`` names what could not be folded."""
+    return smooth_model(model, {}, 0.0, layers=list(factors), factors=factors)
+
+
 def _fold(
     handle: SmoothingHandle,
     unit: _Unit,
@@ -387,10 +399,7 @@ def _fold(
                 f"o_proj input ({o.in_features}) is not a whole number of v_proj outputs ({v.out_features})"
             )
         if fixed is not None and n_rep > 1:
-            return (
-                "grouped-query attention: v_proj has fewer outputs than o_proj has inputs, so searched factors "
-                "cannot be folded (llm-compressor's AWQ skips this mapping too)"
-            )
+            return GQA_NO_FACTORS
         if fixed is not None:  # one factor per o_proj input, which is one per v_proj output (no GQA: checked)
             s_kv = s = fixed
         else:

@@ -67,13 +67,18 @@ def calibration_for(ctx: JobContext, model_rec, needed: bool):
     return cal.id, stats
 
 
+def _cache_key(**parts: Any) -> str:
+    """A file-name-safe key of what a cached result was computed from; token tensors enter by their digest."""
+    digest = {k: hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest() if hasattr(v, "numpy") else v
+              for k, v in parts.items()}
+    return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:24]
+
+
 def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
     """Reference log-probs of the unquantized model on these tokens, cached in the artifact store."""
     from quantcore import scoring
 
-    key = hashlib.sha256(json.dumps({"text": eval_label, "shape": list(ids.shape),
-                                     "ids": hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()},
-                                    sort_keys=True).encode()).hexdigest()[:24]
+    key = _cache_key(text=eval_label, shape=list(ids.shape), ids=ids)
     path = scoring.reference_cache_path(ctx.settings.reference_root, model_rec.sha256, key)
     if Path(path).exists():
         ctx.progress(0.1, "reference log-probs from the cache")
@@ -139,11 +144,9 @@ def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
     layers = [n for n, s in plan.items() if s.needs_awq]
     if not layers:
         return None
-    key = hashlib.sha256(json.dumps({
-        "tokens": hashlib.sha256(cal_ids.cpu().numpy().tobytes()).hexdigest(), "shape": list(cal_ids.shape),
-        "layers": {n: plan[n].weights.to_dict() for n in sorted(layers)}, "grid": [AWQ_N_GRID, AWQ_DUO_SCALING],
-        "device": cal_ids.device.type, "numerics": NUMERICS,
-    }, sort_keys=True).encode()).hexdigest()[:24]
+    key = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape), grid=[AWQ_N_GRID, AWQ_DUO_SCALING],
+                     layers={n: plan[n].weights.to_dict() for n in sorted(layers)}, device=cal_ids.device.type,
+                     numerics=NUMERICS)
     path = ctx.settings.model_reference_dir(rec.sha256) / f"awq-{key}.safetensors"
     if path.exists():
         ctx.progress(0.3, f"AWQ: input scales of {len(layers)} layer(s) on {text}, from the cache")

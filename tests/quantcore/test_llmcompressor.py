@@ -329,6 +329,13 @@ def test_kv_cache_scheme_is_what_llm_compressor_calibrates(llmc, name: str) -> N
             assert (shape == [2, 1, 1]) if get_kv_format(kv).per_head else (shape in per_layer), (layer, tensor, shape)
 
 
+def off_grid(a: Any, b: Any) -> float:
+    """Share of weights on another grid point (the same grid point may differ in its last bit)."""
+    import torch
+
+    return float((~torch.isclose(a, b, rtol=1e-4, atol=1e-7)).float().mean())
+
+
 def run_oneshot(plan: dict[str, Scheme], workdir: Path) -> dict[str, Any]:
     """Export ``plan``, run llm-compressor's oneshot with it on scripts/llmc_oneshot.py's tiny Llama in ``workdir``,
     and return its oneshot.json (oneshot.safetensors lies beside it)."""
@@ -406,9 +413,6 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base:
     found = awq_search(model, plan, ids)
     assert len(found.errors) == 1 + 1 + 3  # block 1's q/k/v and gate/up folds, and the three down_proj
 
-    def off_grid(a: torch.Tensor, b: torch.Tensor) -> float:  # the same grid point may differ in its last bit
-        return float((~torch.isclose(a, b, rtol=1e-4, atol=1e-7)).float().mean())
-
     spec = get_scheme(base).weights
     agree: dict[str, str] = {}  # mapping label -> its first balance layer, where both picked the same scale
     for label, history in found.history.items():
@@ -469,7 +473,7 @@ def test_round_to_nearest_checkpoint_is_quantcores_emulation(tmp_path, name: str
             return {n: m.weight.detach().clone() for n, m in model.named_modules() if n in plan}
 
     def off(ours: dict[str, torch.Tensor], layer: str) -> float:
-        return float((~torch.isclose(ours[layer], theirs[layer + ".weight"], rtol=1e-4, atol=1e-7)).float().mean())
+        return off_grid(ours[layer], theirs[layer + ".weight"])
 
     ours = emulated()
     for layer in LAYERS:
