@@ -566,10 +566,13 @@ class PathSupport:
 
 #: Kernel paths reported by :func:`device_paths` (the benchmark paths of
 #: ``quantcore.kernels`` plus FP4, which is reported but not benchmarked).
-DEVICE_PATHS: tuple[str, ...] = ("baseline", "fp8_tensor", "fp8_row", "int8_row", "w8_row", "w4_g128", "fp4")
+DEVICE_PATHS: tuple[str, ...] = ("baseline", "fp8_tensor", "fp8_row", "int8_row", "w8_row", "w4_g128", "w4_g64",
+                                  "fp4")
 WEIGHT_ONLY_NOTE = {  # what a weight-only kernel does, for the notes of device_paths
     "w8_row": "torch._weight_int8pack_mm reads INT8 weights and dequantizes them inside the kernel",
     "w4_g128": "the INT4 weight-only kernel reads packed 4-bit weights and dequantizes them inside the kernel",
+    "w4_g64": "the INT4 weight-only kernel, groups of 64 (W4A16_G64), reads packed 4-bit weights and dequantizes them "
+              "inside the kernel",
 }
 
 
@@ -596,8 +599,8 @@ def _try_tiny(device: str, path: str) -> str | None:
                 a = torch.ones(m, k, device=device, dtype=torch.int8)
                 b = torch.ones(n, k, device=device, dtype=torch.int8)
                 torch._int_mm(a, b.t())
-            elif path in ("w8_row", "w4_g128"):
-                from quantcore.kernels import W4_GROUP, int4_weight_mm, pack_int4
+            elif path in ("w8_row", "w4_g128", "w4_g64"):
+                from quantcore.kernels import W4_GROUP, W4_GROUPS, int4_weight_mm, pack_int4
 
                 kind = "cuda" if device.startswith("cuda") else "cpu"
                 dtype = torch.bfloat16 if kind == "cuda" else torch.float32
@@ -607,7 +610,8 @@ def _try_tiny(device: str, path: str) -> str | None:
                     torch._weight_int8pack_mm(x, codes, torch.ones(n, device=device, dtype=dtype))
                 else:
                     sz = torch.zeros(1, n, 2, device=device, dtype=dtype)
-                    int4_weight_mm(x, pack_int4(codes, kind), sz, kind)
+                    sz = sz.expand(W4_GROUP // W4_GROUPS[path], n, 2).contiguous()  # one scale per group
+                    int4_weight_mm(x, pack_int4(codes, kind), sz, kind, W4_GROUPS[path])
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
     except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
@@ -684,8 +688,8 @@ def device_paths(info: DeviceInfo, *, flags: set[str] | None = None) -> dict[str
             out[path] = PathSupport(
                 path, False, False, f"hardware has it, but this torch build refused it: {err}"
             )
-    _weight_only(out, dev, f"on sm{sm}", sm_ok={"w4_g128": (sm >= SM_INT4_TINYGEMM,
-                                                              f"tinygemm needs sm{SM_INT4_TINYGEMM}+")})
+    tinygemm = (sm >= SM_INT4_TINYGEMM, f"tinygemm needs sm{SM_INT4_TINYGEMM}+")
+    _weight_only(out, dev, f"on sm{sm}", sm_ok={"w4_g128": tinygemm, "w4_g64": tinygemm})
     if sm >= SM_BLOCK_SCALED:
         out["fp4"] = PathSupport(
             "fp4", False, True, f"native FP4 tensor cores on sm{sm}; not benchmarked by quantplan yet"

@@ -69,10 +69,11 @@ PATH_FP8_ROW = "fp8_row"
 PATH_INT8_ROW = "int8_row"
 PATH_W8_ROW = "w8_row"
 PATH_W4_G128 = "w4_g128"
+PATH_W4_G64 = "w4_g64"
 QUANT_ACT_SUFFIX = "+q"
 
 #: Paths whose activations stay in the baseline dtype (no ``+q`` variant).
-WEIGHT_ONLY_PATHS: tuple[str, ...] = (PATH_W8_ROW, PATH_W4_G128)
+WEIGHT_ONLY_PATHS: tuple[str, ...] = (PATH_W8_ROW, PATH_W4_G128, PATH_W4_G64)
 BASE_PATHS: tuple[str, ...] = (PATH_BASELINE, PATH_FP8_TENSOR, PATH_FP8_ROW, PATH_INT8_ROW, *WEIGHT_ONLY_PATHS)
 #: Every benchmark path, baseline first.
 PATHS: tuple[str, ...] = (
@@ -85,6 +86,7 @@ PATHS: tuple[str, ...] = (
     PATH_INT8_ROW + QUANT_ACT_SUFFIX,
     PATH_W8_ROW,
     PATH_W4_G128,
+    PATH_W4_G64,
 )
 
 #: Peak-table key (``quantcore.hardware.GpuTarget.peak_tflops``) of each base path on CUDA: the
@@ -96,6 +98,7 @@ PEAK_KEY: dict[str, str] = {
     PATH_INT8_ROW: "int8",
     PATH_W8_ROW: "bf16",
     PATH_W4_G128: "bf16",
+    PATH_W4_G64: "bf16",
 }
 
 # --------------------------------------------------------------------------- constants
@@ -112,6 +115,7 @@ SCALED_MM_MULTIPLE_CUDA = 16  # _scaled_mm: "trailing dimension of mat1 ... divi
 # torch's CPU kernels have no such limits (checked here with torch 2.13: M=1, K=63, N=30 run),
 # except the INT4 weight-only one:
 W4_GROUP = 128  # the group of the W4A16 preset (quantcore.schemes.W4_GROUP_SIZE); K must be a multiple
+W4_GROUPS = {PATH_W4_G128: W4_GROUP, PATH_W4_G64: 64}  # each INT4 path's group (W4A16, W4A16_G64)
 W4_INNER_K_TILES = 8  # tinygemm's packing: K a multiple of 8 x 16 = 128 on CUDA
 W4_N_MULTIPLE = {"cpu": 16, "cuda": 8}  # "_convert_weight_to_int4pack_cpu: expect N to be dividable by 16"
 INT4_QMAX = 7  # symmetric INT4 grid [-7, 7] (quantcore's int4), stored as q + 8 in [1, 15]
@@ -218,14 +222,17 @@ def kernel_padding(path: str, m: int, k: int, n: int, device_kind: str) -> tuple
 
     CUDA: ``torch._int_mm`` needs M > 16 and K, N multiples of 8; ``torch._scaled_mm``
     needs K and N multiples of 16. The INT4 weight-only kernels need K a multiple of the
-    group (128) on both devices, and N a multiple of 16 on a CPU, 8 on CUDA. Zero padding
+    group (128 or 64) on a CPU and of 128 on CUDA (tinygemm's tiles, whatever the group), and N a
+    multiple of 16 on a CPU, 8 on CUDA. Zero padding
     of K leaves the product unchanged; extra rows / columns of the output are dropped.
     Other CPU kernels need no padding.
     """
     if device_kind not in ("cpu", "cuda"):
         raise ValueError(f"unknown device kind {device_kind!r}; use 'cpu' or 'cuda'")
-    if base_path(path) == PATH_W4_G128:
-        return m, _round_up(k, W4_GROUP), _round_up(n, W4_N_MULTIPLE[device_kind])
+    if base_path(path) in W4_GROUPS:
+        group = W4_GROUPS[base_path(path)]
+        k_multiple = group if device_kind == "cpu" else math.lcm(group, W4_INNER_K_TILES * 16)
+        return m, _round_up(k, k_multiple), _round_up(n, W4_N_MULTIPLE[device_kind])
     if device_kind == "cpu" or base_path(path) in (PATH_BASELINE, PATH_W8_ROW):
         return m, k, n
     if base_path(path) == PATH_INT8_ROW:
@@ -273,13 +280,13 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-def quantize_int4_groups(w: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric INT4 codes in [-7, 7] of ``w`` [N, K] in groups of :data:`W4_GROUP` along K, zero-padded
+def quantize_int4_groups(w: torch.Tensor, kp: int, group: int = W4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 codes in [-7, 7] of ``w`` [N, K] in groups of ``group`` along K, zero-padded
     to ``kp`` columns (a multiple of the group), and fp32 scales [kp / group, N] (``amax / 7``)."""
     import torch
 
     n, k = w.shape
-    wf = _pad2(w.float(), n, kp).reshape(n, kp // W4_GROUP, W4_GROUP)
+    wf = _pad2(w.float(), n, kp).reshape(n, kp // group, group)
     scale = wf.abs().amax(dim=2).clamp(min=SCALE_EPS) / INT4_QMAX  # [N, groups]
     codes = torch.round(wf / scale[:, :, None]).clamp(-INT4_QMAX, INT4_QMAX).to(torch.int8)
     return codes.reshape(n, kp), scale.t().contiguous()
@@ -297,13 +304,13 @@ def pack_int4(codes: torch.Tensor, device_kind: str) -> torch.Tensor:
 
 
 def int4_weight_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                   device_kind: str) -> torch.Tensor:
-    """``x @ W^T`` with ``W`` = (q - 8) * scale + zero per group of :data:`W4_GROUP`, from :func:`pack_int4`."""
+                   device_kind: str, group: int = W4_GROUP) -> torch.Tensor:
+    """``x @ W^T`` with ``W`` = (q - 8) * scale + zero per group of ``group`` along K, from :func:`pack_int4`."""
     import torch
 
     if device_kind == "cpu":
-        return torch._weight_int4pack_mm_for_cpu(x, packed, W4_GROUP, scales_and_zeros)
-    return torch._weight_int4pack_mm(x, packed, W4_GROUP, scales_and_zeros)
+        return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
+    return torch._weight_int4pack_mm(x, packed, group, scales_and_zeros)
 
 
 def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -359,8 +366,8 @@ class _ShapeOperands:
             elif bp == PATH_W8_ROW:  # scales [N] in the activations' dtype, as _weight_int8pack_mm wants
                 codes, scale = quantize_int8_rows(self.w)
                 scale = scale.reshape(-1).to(self.dtype)
-            elif bp == PATH_W4_G128:  # scales [K/128, N]; padded rows get code 0, scale SCALE_EPS / 7
-                codes, scale = quantize_int4_groups(_pad2(self.w, np_, self.k), kp)
+            elif bp in W4_GROUPS:  # scales [Kp/group, N]; padded rows get code 0, scale SCALE_EPS / 7
+                codes, scale = quantize_int4_groups(_pad2(self.w, np_, self.k), kp, W4_GROUPS[bp])
             else:
                 raise ValueError(f"no weight codes for path {path!r}")
             self._cache[key] = (codes.contiguous(), scale.contiguous())
@@ -463,11 +470,13 @@ def _weight_only_case(bp: str, x: torch.Tensor, wq: torch.Tensor, sw: torch.Tens
     packed = pack_int4(wq, device_kind)
     xp = _pad2(x, m, kp)  # zero columns times padded weights add nothing; prepared outside the timing
 
+    group = W4_GROUPS[bp]
+
     def fn() -> torch.Tensor:
-        return int4_weight_mm(xp, packed, scales_and_zeros, device_kind)[:, :n]
+        return int4_weight_mm(xp, packed, scales_and_zeros, device_kind, group)[:, :n]
 
     def emulate(rows: torch.Tensor) -> torch.Tensor:
-        w = wq.double() * scale.double().t().repeat_interleave(W4_GROUP, dim=1)  # [Np, Kp]
+        w = wq.double() * scale.double().t().repeat_interleave(group, dim=1)  # [Np, Kp]
         return (xp[rows].double() @ w.t())[:, :n]
 
     return _Case(fn, emulate, padded)
@@ -782,7 +791,7 @@ def scheme_to_path(
       ``int8_row`` (a per-tensor scale is a constant column of per-token scales: same
       kernel, same time).
     - Weight-only (no activation format): INT8 per-channel weights -> ``w8_row``; INT4
-      weights in groups of 128 -> ``w4_g128``. Both need ``weight_granularity`` (and
+      weights in groups of 128 -> ``w4_g128``, of 64 -> ``w4_g64``. Both need ``weight_granularity`` (and
       ``group_size``) to say so; without them a weight-only scheme gets None.
     - Anything else -> None: per-group / block activation or weight scales (they do not
       factor out of the GEMM, so ``_scaled_mm`` / ``_int_mm`` cannot serve them), FP4
@@ -797,8 +806,8 @@ def scheme_to_path(
         wg = _norm_gran(weight_granularity)
         if weight_format == "int8" and wg == "channel":
             return PATH_W8_ROW
-        if weight_format == "int4" and wg == "group" and group_size == W4_GROUP:
-            return PATH_W4_G128
+        if weight_format == "int4" and wg == "group":
+            return next((p for p, g in W4_GROUPS.items() if g == group_size), None)
         return None
     fp8 = ("fp8_e4m3", "fp8_e5m2")
     if weight_format in fp8 and act_format in fp8:

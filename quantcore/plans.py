@@ -55,6 +55,7 @@ from quantcore.kvcache import AUTO as KV_AUTO
 from quantcore.kvcache import get_kv_format, normalize_kv_skip
 from quantcore.schemes import (
     IDENTITY_BITS,
+    Granularity,
     Scheme,
     fusion_groups,
     get_scheme,
@@ -596,7 +597,7 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
         for spec in (scheme.weights, scheme.activations):
             g = spec.group_size if spec is not None and spec.granularity.value == "group" else None
             if g and k % g:
-                entry = misfit.setdefault((scheme_label(scheme), g), {"layers": [], "ks": set()})
+                entry = misfit.setdefault((scheme_label(scheme), g), {"layers": [], "ks": set(), "scheme": scheme})
                 if layer not in entry["layers"]:
                     entry["layers"].append(layer)
                     entry["ks"].add(k)
@@ -604,9 +605,27 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
         f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
         f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); llm-compressor's oneshot refuses such a "
         "recipe (unless bypass_divisibility_checks) and vLLM's Marlin kernels refuse to load a layer whose K is not "
-        "divisible by the group: keep those layers in another scheme"
+        f"divisible by the group: keep those layers in another scheme{_regroup_hint(e['scheme'], e['ks'])}"
         for (label, g), e in misfit.items()
     ]
+
+
+def _regroup_hint(scheme: Scheme, ks: set[int]) -> str:
+    """", such as W4A16_G64, whose groups of 64 divide them" when a preset differs from ``scheme`` only in a group
+    size that divides every K in ``ks`` (largest group first), else ""."""
+    w = scheme.weights
+    fits = [
+        other for other in map(get_scheme, list_schemes())
+        if other.weights is not None and w is not None and other.weights.granularity is Granularity.GROUP
+        and other.weights.group_size != w.group_size
+        and all(k % other.weights.group_size == 0 for k in ks)
+        and (other.weights.format, other.activations, other.gptq, other.awq, other.smoothquant_alpha)
+        == (w.format, scheme.activations, scheme.gptq, scheme.awq, scheme.smoothquant_alpha)
+    ]
+    if not fits:
+        return ""
+    best = max(fits, key=lambda s: s.weights.group_size)
+    return f", such as {best.name}, whose groups of {best.weights.group_size} divide them"
 
 
 AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.awq

@@ -43,6 +43,9 @@ from quantcore.formats import get_format
 
 SQ_DEFAULT_ALPHA = 0.5  # SmoothQuant migration strength used by the *_SQ presets [Xiao et al. 2022, sec. 4]
 W4_GROUP_SIZE = 128  # INT4 weight group along K, as in compressed-tensors' W4A16 preset
+# The W4A16_G64 presets: groups of 64 divide a K that 128 does not (SmolLM2's hidden size 576 = 9 x 64), and vLLM's
+# Marlin kernels serve them (MARLIN_SUPPORTED_GROUP_SIZES: -1, 32, 64, 128).
+W4_SMALL_GROUP_SIZE = 64
 FP8_BLOCK = (128, 128)  # DeepSeek-V3 weight tile (rows of N, columns of K)
 FP8_ACT_GROUP = 128  # DeepSeek-V3 activation tile: 1 x 128 along K, per token
 IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
@@ -560,7 +563,28 @@ def _presets() -> dict[str, Scheme]:
         ),
         Scheme("BF16", None, None, description="left unquantized"),
     ]
+    at = next(i for i, s in enumerate(schemes) if s.name == "W4A16_AWQ") + 1
+    schemes[at:at] = _regrouped([s for s in schemes if s.name.startswith("W4A16")], W4_SMALL_GROUP_SIZE)
     return {s.name: s for s in schemes}
+
+
+def _regrouped(w4: list[Scheme], group: int) -> list[Scheme]:
+    """The W4A16 presets again with int4 groups of ``group`` along K, named ``W4A16_G<group>[_GPTQ|_AWQ]``."""
+    tag = f"_G{group}"
+    out = []
+    for s in w4:
+        name = s.name.replace("W4A16", f"W4A16{tag}", 1)
+        if s.gptq:
+            description = f"W4A16{tag} with GPTQ-rounded weights"
+        elif s.awq:
+            description = (f"W4A16{tag} with AWQ: input channels scaled by factors searched on calibration text, "
+                           "then rounded to nearest")
+        else:
+            description = (f"INT4 weights in groups of {group} along K, 16-bit activations (rounded to nearest); "
+                           f"twice W4A16's scales, for a K that {W4_GROUP_SIZE} does not divide")
+        weights = dataclasses.replace(s.weights, group_size=group)
+        out.append(dataclasses.replace(s, name=name, weights=weights, description=description))
+    return out
 
 
 _PRESETS: dict[str, Scheme] = _presets()

@@ -54,13 +54,14 @@ def test_path_names() -> None:
         "int8_row+q",
         "w8_row",
         "w4_g128",
+        "w4_g64",
     }
     assert kn.base_path("fp8_row+q") == "fp8_row" and kn.base_path("int8_row") == "int8_row"
     assert kn.quantizes_activation("int8_row+q") and not kn.quantizes_activation("fp8_tensor")
     # serving times a path with its activation quantization; weight-only paths have none to add
     assert kn.timed_path("fp8_row") == "fp8_row+q" and kn.timed_path("fp8_row", quant_act=False) == "fp8_row"
-    assert [kn.timed_path(p) for p in ("baseline", "w8_row", "w4_g128", "int8_row+q")] == \
-        ["baseline", "w8_row", "w4_g128", "int8_row+q"]
+    assert [kn.timed_path(p) for p in ("baseline", "w8_row", "w4_g128", "w4_g64", "int8_row+q")] == \
+        ["baseline", "w8_row", "w4_g128", "w4_g64", "int8_row+q"]
 
 
 def test_import_is_torch_free() -> None:
@@ -85,10 +86,15 @@ def test_import_is_torch_free() -> None:
         ("int8_row", (1, 60, 30), "cpu", (1, 60, 30)),  # CPU kernels need no padding
         ("w8_row", (1, 60, 30), "cpu", (1, 60, 30)),
         ("w8_row", (1, 60, 30), "cuda", (1, 60, 30)),
-        # INT4 weight-only: K a multiple of the group (128); N of 16 on a CPU, 8 on CUDA
+        # INT4 weight-only: K a multiple of the group on a CPU, of 128 (tinygemm's tiles) on CUDA;
+        # N of 16 on a CPU, 8 on CUDA
         ("w4_g128", (1, 576, 1536), "cpu", (1, 640, 1536)),
         ("w4_g128", (3, 63, 30), "cpu", (3, 128, 32)),
         ("w4_g128", (3, 4096, 30), "cuda", (3, 4096, 32)),
+        ("w4_g64", (1, 576, 1536), "cpu", (1, 576, 1536)),  # SmolLM2's K: the reason W4A16_G64 exists
+        ("w4_g64", (3, 63, 30), "cpu", (3, 64, 32)),
+        ("w4_g64", (1, 576, 1536), "cuda", (1, 640, 1536)),
+        ("w4_g64", (3, 4096, 30), "cuda", (3, 4096, 32)),
     ],
 )
 def test_kernel_padding(
@@ -356,7 +362,8 @@ def test_scheme_to_path(w: str | None, a: str | None, g: str | None, path: str |
 @pytest.mark.parametrize(
     ("scheme", "path"),
     [("BF16", None), ("FP8_DYNAMIC", "fp8_row"), ("FP8", "fp8_tensor"), ("INT8_W8A8", "int8_row"),
-     ("INT8_PER_TENSOR", "int8_row"), ("W8A16", "w8_row"), ("W4A16", "w4_g128"), ("NVFP4A16", None),
+     ("INT8_PER_TENSOR", "int8_row"), ("W8A16", "w8_row"), ("W4A16", "w4_g128"), ("W4A16_G64", "w4_g64"),
+     ("W4A16_G64_GPTQ", "w4_g64"), ("W4A16_AWQ", "w4_g128"), ("NVFP4A16", None),
      ("MXFP4", None), ("FP8_BLOCK", None)],
 )
 def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:
@@ -365,19 +372,21 @@ def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:
     assert kn.scheme_path(get_scheme(scheme)) == path
 
 
-def test_int4_weight_only_kernel_agrees_with_the_int4_emulation() -> None:
+@pytest.mark.parametrize("path", ["w4_g128", "w4_g64"])
+def test_int4_weight_only_kernel_agrees_with_the_int4_emulation(path: str) -> None:
     """The packed INT4 kernel computes x @ (q * scale)^T for quantcore's own INT4 per-group codes: the same
-    numbers as fake-quantizing the weight with W4A16's spec (``quantcore.quantize``)."""
+    numbers as fake-quantizing the weight with W4A16's (W4A16_G64's) spec (``quantcore.quantize``)."""
     from quantcore.quantize import fake_quantize
 
+    group = kn.W4_GROUPS[path]
     g = torch.Generator().manual_seed(3)
     w = torch.randn(48, 256, generator=g) / 16
     x = torch.randn(5, 256, generator=g)
-    codes, scales = kn.quantize_int4_groups(w, 256)
-    assert codes.abs().max() <= 7 and scales.shape == (2, 48)
+    codes, scales = kn.quantize_int4_groups(w, 256, group)
+    assert codes.abs().max() <= 7 and scales.shape == (256 // group, 48)
     sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
-    out = kn.int4_weight_mm(x, kn.pack_int4(codes, "cpu"), sz, "cpu")
-    w_q = fake_quantize(w, "int4", "group", group_size=kn.W4_GROUP)
+    out = kn.int4_weight_mm(x, kn.pack_int4(codes, "cpu"), sz, "cpu", group)
+    w_q = fake_quantize(w, "int4", "group", group_size=group)
     torch.testing.assert_close(out, x @ w_q.t(), rtol=1e-5, atol=1e-5)
 
 
@@ -528,6 +537,7 @@ def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
             "int8_row": sm >= SM_INT8_MMA,
             "w8_row": w8_runs,
             "w4_g128": sm >= SM_INT4_TINYGEMM,
+            "w4_g64": sm >= SM_INT4_TINYGEMM,
         }[base]
         if not expect_native:
             assert r.skipped is not None and r.skipped.startswith("not supported on cuda")
@@ -544,7 +554,8 @@ def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
             assert r.padded_m == kn.INT_MM_MIN_M_CUDA
         else:
             assert r.padded_m is None
-        assert r.padded_k == (640 if base == "w4_g128" else None)  # K=576: INT4 groups of 128
+        # K=576: INT4 groups of 128; groups of 64 fit, but tinygemm's tiles want a multiple of 128 too
+        assert r.padded_k == (640 if base in ("w4_g128", "w4_g64") else None)
 
 
 @pytest.mark.gpu

@@ -324,6 +324,21 @@ def test_group_misfits_name_the_layers_a_group_kernel_cannot_serve():
     assert group_misfits({"tiny": "W4A16"}, {"tiny": (64, 64)})
 
 
+@pytest.mark.parametrize("suffix", ["", "_GPTQ", "_AWQ"])
+def test_group_misfits_point_at_the_preset_whose_groups_fit(suffix):
+    """A W4A16 plan on SmolLM2 (K = 576 = 9 x 64) is told which preset serves: the same rounding in groups of 64."""
+    from quantcore.plans import group_misfits
+
+    shapes = {"a.q_proj": (576, 576), "a.down_proj": (576, 1536)}
+    [msg] = group_misfits({n: f"W4A16{suffix}" for n in shapes}, shapes)
+    assert msg.endswith(f"keep those layers in another scheme, such as W4A16_G64{suffix}, whose groups of 64 "
+                        "divide them")
+    assert group_misfits({n: f"W4A16_G64{suffix}" for n in shapes}, shapes) == []
+    # neither 128 nor 64 divides K = 96: the message says so without a suggestion
+    [msg] = group_misfits({"odd": f"W4A16{suffix}"}, {"odd": (64, 96)})
+    assert msg.endswith("keep those layers in another scheme")
+
+
 def test_awq_unscaled_names_layers_awq_has_nothing_to_fold_into():
     from quantcore.plans import awq_unscaled
 

@@ -24,12 +24,28 @@ ISSUE_PRESETS = [
     "NVFP4", "NVFP4A16", "BF16",
 ]  # fmt: skip
 # the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
-AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "NVFP4A16_AWQ"]
-GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "NVFP4_GPTQ", "NVFP4A16_GPTQ"]
+AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "W4A16_G64_AWQ", "NVFP4A16_AWQ"]
+GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "W4A16_G64_GPTQ", "NVFP4_GPTQ",
+                "NVFP4A16_GPTQ"]
+# W4A16 in groups of 64, for a K that 128 does not divide (SmolLM2's 576): vLLM's Marlin serves 32, 64, 128
+G64_PRESETS = ["W4A16_G64"]
 
 
 def test_every_preset_of_the_issue_is_registered():
-    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS)
+    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS)
+
+
+@pytest.mark.parametrize("suffix", ["", "_GPTQ", "_AWQ"])
+def test_w4a16_g64_is_w4a16_with_groups_of_64(suffix):
+    g128, g64 = get_scheme(f"W4A16{suffix}"), get_scheme(f"W4A16_G64{suffix}")
+    assert g128.weights.group_size == 128 and g64.weights.group_size == 64
+    assert (g64.gptq, g64.awq, g64.activations, g64.weights.format, g64.weights.dynamic) == (
+        g128.gptq, g128.awq, g128.activations, g128.weights.format, g128.weights.dynamic)
+    assert g64.description and "64" in g64.description and g64.description != g128.description
+    assert list_schemes().index(f"W4A16_G64{suffix}") > list_schemes().index("W4A16_AWQ")
+    # twice the scales: 4 + 16/64 = 4.25 bits per weight against 4.125 (16-bit scales)
+    assert weight_storage_bits(g64, 576, 576) == 576 * 576 * 4 + 576 * 9 * 16
+    assert weight_storage_bits(g128, 576, 640) == 576 * 640 * 4 + 576 * 5 * 16
 
 
 # (weights format, weights granularity, acts format or None, acts granularity, acts dynamic, alpha),
@@ -46,6 +62,7 @@ PRESET_TABLE = {
     "INT8_W8A8_SQ": ("int8", "channel", "int8", "token", True, 0.5),
     "W8A16": ("int8", "channel", None, None, None, None),
     "W4A16": ("int4", "group", None, None, None, None),
+    "W4A16_G64": ("int4", "group", None, None, None, None),
     "MXFP8": ("mxfp8", "group", "mxfp8", "group", True, None),
     "MXFP4": ("mxfp4", "group", "mxfp4", "group", True, None),
     "NVFP4": ("nvfp4", "group", "nvfp4", "group", True, None),
@@ -90,7 +107,7 @@ def test_bits_identity_and_calibration_flags():
     assert {n for n in list_schemes() if get_scheme(n).needs_hessians} == set(GPTQ_PRESETS)
 
 
-@pytest.mark.parametrize("name", ISSUE_PRESETS + GPTQ_PRESETS)
+@pytest.mark.parametrize("name", ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS)
 def test_to_dict_is_json_safe_and_round_trips(name):
     scheme = get_scheme(name)
     data = json.loads(json.dumps(scheme.to_dict()))
