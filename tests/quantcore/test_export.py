@@ -113,6 +113,15 @@ def test_compressed_tensors_round_trip_every_preset(name: str) -> None:
     )
 
 
+def test_w4a16_g64_is_written_as_int4_groups_of_64() -> None:
+    """No compressed-tensors preset has INT4 groups of 64: the recipe spells the args out, and vLLM reads them."""
+    plan = uniform("W4A16_G64")
+    recipe = yaml.safe_load(to_llmcompressor_recipe(plan, layer_names=LAYERS))
+    text = json.dumps(recipe)
+    assert '"group_size": 64' in text and '"num_bits": 4' in text and '"W4A16"' not in text
+    assert ct_args("W4A16_G64")[0]["group_size"] == 64 and ct_args("W4A16")[0]["group_size"] == 128
+
+
 @pytest.mark.parametrize("name", SQ_PRESETS)
 def test_recipe_round_trip_keeps_a_changed_alpha(name: str) -> None:
     plan = uniform(name)
@@ -207,6 +216,7 @@ def test_seen_here_recipe_imports() -> None:
         ("MXFP4", "MXFP4"),
         ("MXFP8", "MXFP8"),
         ("W8A16", None),
+        ("W4A16_G64", None),  # compressed-tensors' W4A16 is groups of 128: the recipe writes the args out
         ("FP8_PER_TENSOR", None),
         ("INT8_PER_TENSOR", None),
         ("BF16", None),
