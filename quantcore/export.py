@@ -446,7 +446,7 @@ def _spec_to_args(spec: TensorSpec, role: str) -> tuple[dict[str, Any] | None, s
         "num_bits": fmt.bits,
         "type": "float" if fmt.kind == "float" else "int",
         "strategy": gran.value,
-        "symmetric": True,
+        "symmetric": spec.symmetric,
         "dynamic": dynamic,
     }
     if gran is Granularity.GROUP:
@@ -468,9 +468,10 @@ def _args_to_spec(args: Mapping[str, Any], role: str) -> tuple[TensorSpec | None
         bits, qtype, strategy, group_size, block, symmetric, dynamic, scale_dtype = _args_key(args)
     except (TypeError, ValueError) as exc:
         return None, f"malformed QuantizationArgs {dict(args)!r}: {exc}"
-    if not symmetric:
-        return None, "asymmetric (zero-point) quantization: every quantplan format is symmetric"
     weights = role == "weights"
+    if not symmetric and not (weights and qtype == "int" and bits in (8, 4) and strategy in ("channel", "group")):
+        return None, ("asymmetric (zero-point) quantization: quantplan plans it for int weights with channel or group "
+                      f"scales (W4A16_ASYM), not {bits}-bit {qtype} {role} with strategy {strategy!r}")
     live = False if weights else dynamic in (True, DYNAMIC_LOCAL)
     if qtype == "float" and bits == FP4_BITS:
         if group_size == NVFP4_GROUP and strategy in ("tensor_group", "group"):
@@ -516,6 +517,7 @@ def _args_to_spec(args: Mapping[str, Any], role: str) -> tuple[TensorSpec | None
         live,
         group_size=group_size if gran is Granularity.GROUP else None,
         block=block if gran is Granularity.BLOCK else None,
+        symmetric=symmetric,
     )
 
 
@@ -526,9 +528,11 @@ def _make_spec(
     *,
     group_size: int | None = None,
     block: tuple[int, int] | None = None,
+    symmetric: bool = True,
 ) -> tuple[TensorSpec | None, str | None]:
     try:
-        return TensorSpec(fmt, gran, dynamic=dynamic, group_size=group_size, block=block), None
+        return TensorSpec(fmt, gran, dynamic=dynamic, group_size=group_size, block=block,
+                          symmetric=symmetric), None
     except ValueError as exc:
         return None, str(exc)
 

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from quantcore.errors import Cancelled, PlanError, name_list
-from quantcore.quantize import element_scales, round_to_weight_grid, weight_scale
+from quantcore.quantize import element_scales, round_to_weight_grid, weight_scale, weight_zero_point
 from quantcore.schemes import (
     GPTQ_ACTORDER,
     GPTQ_BLOCK_SIZE,
@@ -133,6 +133,10 @@ def _gptq(weight, hessian, spec, block_size, dampening, actorder, scale) -> Gptq
     S = element_scales(scale.to(W.device), spec, (n, k)).contiguous()
     # an NVFP4 block that was all zero has scale 0: error pushed into it rounds to (nearly) zero, not NaN
     S = torch.where(S > 0, S, torch.finfo(S.dtype).tiny)
+    # an asymmetric weight's zero points, like its scales from the weight before any error is pushed into it (as
+    # llm-compressor's observer computes both before GPTQ starts); None: symmetric, the grid is centred on 0
+    zp = weight_zero_point(W, spec, scale.to(W.device))
+    Z = None if zp is None else element_scales(zp, spec, (n, k)).to(W.dtype).contiguous()
     H = hessian.detach().to(device=W.device, dtype=GPTQ_PRECISION).clone()
 
     diag = torch.diagonal(H)
@@ -145,6 +149,8 @@ def _gptq(weight, hessian, spec, block_size, dampening, actorder, scale) -> Gptq
     if actorder:
         perm = torch.argsort(torch.diagonal(H), descending=True)
         W, S, H = W[:, perm], S[:, perm], H[perm][:, perm]
+        if Z is not None:
+            Z = Z[:, perm]
 
     fallback = False
     H.diagonal().add_(dampening * torch.mean(torch.diagonal(H)))
@@ -160,13 +166,18 @@ def _gptq(weight, hessian, spec, block_size, dampening, actorder, scale) -> Gptq
         i2 = min(i1 + block_size, k)
         W1 = W[:, i1:i2].clone()
         S1 = S[:, i1:i2]
+        Z1 = None if Z is None else Z[:, i1:i2]
         Q1 = torch.empty_like(W1)
         Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             w = W1[:, i]
             s = S1[:, i]
-            q = round_to_weight_grid(w / s, fmt) * s
+            if Z1 is None:
+                q = round_to_weight_grid(w / s, fmt) * s
+            else:
+                z = Z1[:, i]
+                q = (round_to_weight_grid(w / s + z, fmt) - z) * s
             err = (w - q) / Hinv1[i, i]
             Q1[:, i] = q
             Err1[:, i] = err

@@ -824,10 +824,16 @@ def scheme_to_path(
 
 
 def scheme_path(scheme: Any) -> str | None:
-    """:func:`scheme_to_path` of a :class:`quantcore.schemes.Scheme` (``None`` weights: identity)."""
+    """:func:`scheme_to_path` of a :class:`quantcore.schemes.Scheme` (``None`` weights: identity).
+
+    An asymmetric INT4 weight (W4A16_ASYM) is timed on its group's ``w4_g*`` path: the INT4 kernel dequantizes
+    ``(q - 8) * scale + zero`` with a zero per group either way (the benchmark's zeros are 0, which costs the same),
+    as vLLM's Marlin serves zero points. Other asymmetric weights get None (``_weight_int8pack_mm`` has no zeros)."""
     w, a = scheme.weights, scheme.activations
     if w is None:
         return None
+    if not w.symmetric and not (w.format == "int4" and a is None):
+        return None  # zero points: only the INT4 weight-only kernel reads them (its scales_and_zeros)
     return scheme_to_path(w.format, a.format if a else None, a.granularity.value if a else None,
                           weight_granularity=w.granularity.value, group_size=w.group_size)
 

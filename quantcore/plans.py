@@ -619,8 +619,9 @@ def _regroup_hint(scheme: Scheme, ks: set[int]) -> str:
         if other.weights is not None and w is not None and other.weights.granularity is Granularity.GROUP
         and other.weights.group_size != w.group_size
         and all(k % other.weights.group_size == 0 for k in ks)
-        and (other.weights.format, other.activations, other.gptq, other.awq, other.smoothquant_alpha)
-        == (w.format, scheme.activations, scheme.gptq, scheme.awq, scheme.smoothquant_alpha)
+        and (other.weights.format, other.weights.symmetric, other.activations, other.gptq, other.awq,
+             other.smoothquant_alpha)
+        == (w.format, w.symmetric, scheme.activations, scheme.gptq, scheme.awq, scheme.smoothquant_alpha)
     ]
     if not fits:
         return ""

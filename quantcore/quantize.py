@@ -920,9 +920,43 @@ def weight_scale(weight: torch.Tensor, spec: TensorSpec, *, tensor_scale: torch.
     if grid is None:
         q = quantize(weight, spec.format, **_spec_args(spec), scale=tensor_scale)
         return q.scale if q.tensor_scale is None else q.scale * q.tensor_scale
+    if not spec.symmetric:  # the group's range over all its levels: (max - min) / 15 for int4
+        lo, hi = _weight_min_max(weight, spec)
+        span = hi - lo
+        scale = (span.double() / (grid.qmax - grid.qmin)).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
+        return torch.where(span > 0, scale, torch.ones_like(scale))
     amax = compute_amax(weight, **_spec_args(spec))
     scale = (amax.double() / grid.divisor).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def _weight_min_max(weight: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min(w, 0), max(w, 0)) over each scale group of a weight, float32, in the granularity's scale shape: zero
+    stays on the grid, as compressed-tensors' ``calculate_qparams`` makes sure (and a partial group's zero padding
+    changes nothing)."""
+    gran, group_size, block = _parse_granularity(get_format("int8"), spec.granularity, spec.group_size, spec.block)
+    lay = _layout(tuple(weight.shape), gran, group_size, block)
+    xb = _to_blocks(_check_float(weight), lay)
+    lo = xb.amin(dim=(1, 3), keepdim=True).clamp(max=0).to(SCALE_DTYPE).reshape(lay.scale_shape)
+    hi = xb.amax(dim=(1, 3), keepdim=True).clamp(min=0).to(SCALE_DTYPE).reshape(lay.scale_shape)
+    return lo, hi
+
+
+@torch.no_grad()
+def weight_zero_point(weight: torch.Tensor, spec: TensorSpec, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """An asymmetric int weight's zero points, in the granularity's scale shape (None for a symmetric spec).
+
+    compressed-tensors' ``calculate_qparams``: ``round(clamp(qmin - min / scale, qmin, qmax))``, so the group's
+    minimum lands on ``qmin`` and zero on the integer ``zero_point``; codes are ``round(w / scale + zero_point)``
+    clamped to ``qmin..qmax``, and ``(code - zero_point) * scale`` is the weight served. ``scale``: the group
+    scales (default :func:`weight_scale`'s, from the weight itself).
+    """
+    if spec.symmetric:
+        return None
+    grid = int_weight_grid(spec.format)
+    s = weight_scale(weight, spec) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
+    lo, _ = _weight_min_max(weight, spec)
+    return torch.round(torch.clamp(grid.qmin - lo / s, grid.qmin, grid.qmax))
 
 
 def fused_tensor_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -966,7 +1000,8 @@ def fake_quantize_weight(
     """A linear weight (N, K) quantized and dequantized as the serving checkpoint stores it, with its report.
 
     Int formats: on their :class:`IntWeightGrid` (what llm-compressor writes and vLLM reads), scales from
-    :func:`weight_scale` (or ``scale``, in the granularity's scale shape). Other formats: :func:`fake_quantize`.
+    :func:`weight_scale` (or ``scale``, in the granularity's scale shape), and an asymmetric spec's zero points
+    from :func:`weight_zero_point`. Other formats: :func:`fake_quantize`.
     The report counts saturation beyond half a step outside the grid, flushed non-zeros and NaN; with
     ``report=False`` its counts are all 0 and the passes that count are skipped.
     """
@@ -979,7 +1014,13 @@ def fake_quantize_weight(
     w = weight.to(_work_dtype(weight))
     S = element_scales(s, spec, tuple(w.shape)).to(w.dtype)
     y = w / S
-    deq = round_to_weight_grid(y.clone(), spec.format) * S
+    zp = weight_zero_point(weight, spec, s)
+    if zp is None:
+        deq = round_to_weight_grid(y.clone(), spec.format) * S
+    else:  # compressed-tensors' order: x / scale + zero_point, rounded and clamped, minus zero_point, times scale
+        Z = element_scales(zp, spec, tuple(w.shape)).to(w.dtype)
+        y += Z
+        deq = (round_to_weight_grid(y.clone(), spec.format) - Z) * S
     if not report:
         return deq.to(weight.dtype), QuantReport(0, 0, 0, 0, 0)
     nan = torch.isnan(w)

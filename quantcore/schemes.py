@@ -86,6 +86,10 @@ class TensorSpec:
                  presets mark weights dynamic=False as compressed-tensors does.
     group_size:  G for GROUP granularity (elements along K per scale)
     block:       (rows, cols) tile for BLOCK granularity, e.g. (128, 128) for weights
+    symmetric:   False: an int weight with a zero point per channel or group as well as a scale, so the
+                 grid spans [min, max] of each group instead of [-amax, amax] (compressed-tensors'
+                 ``symmetric: false``, its W4A16_ASYM; :func:`quantcore.quantize.weight_zero_point`).
+                 Only int formats with channel or group scales; activations are always symmetric.
     """
 
     format: str
@@ -93,6 +97,7 @@ class TensorSpec:
     dynamic: bool = True
     group_size: int | None = None
     block: tuple[int, int] | None = None
+    symmetric: bool = True
 
     def __post_init__(self) -> None:
         fmt = get_format(self.format)  # raises ValueError listing valid formats
@@ -137,6 +142,13 @@ class TensorSpec:
             raise ValueError(
                 f"block={self.block} is only used with granularity 'block'; drop it or use 'block'"
             )
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric must be true or false, got {self.symmetric!r}")
+        if not self.symmetric and (fmt.kind != "int" or gran not in (Granularity.CHANNEL, Granularity.GROUP)):
+            raise ValueError(
+                "asymmetric (zero-point) quantization is offered for int formats with 'channel' or 'group' scales, "
+                f"not {fmt.name} with {gran.value!r} scales"
+            )
 
     @property
     def bits(self) -> int:
@@ -144,14 +156,18 @@ class TensorSpec:
         return get_format(self.format).bits
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict; :meth:`from_dict` inverts it."""
-        return {
+        """JSON-safe dict; :meth:`from_dict` inverts it. ``symmetric`` is written only when False, so a symmetric
+        spec's dict (and every key derived from it) is what it was before zero points existed."""
+        out = {
             "format": self.format,
             "granularity": self.granularity.value,
             "dynamic": self.dynamic,
             "group_size": self.group_size,
             "block": list(self.block) if self.block is not None else None,
         }
+        if not self.symmetric:
+            out["symmetric"] = False
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TensorSpec:
@@ -175,7 +191,8 @@ class TensorSpec:
         else:
             where = f"per-{gran.value}"
         kind = " static" if show_static and not self.dynamic else ""
-        return f"{self.format} {where}{kind}"
+        asym = " asymmetric" if not self.symmetric else ""
+        return f"{self.format} {where}{asym}{kind}"
 
 
 @dataclass(frozen=True)
@@ -216,6 +233,10 @@ class Scheme:
                 "activation scale cannot be factored out of the GEMM (use SmoothQuant for channel outliers)"
             )
         acts = self.activations
+        if acts is not None and not acts.symmetric:
+            raise ValueError(
+                f"scheme {self.name!r}: activations are quantized symmetrically; zero points are for weights"
+            )
         if acts is not None and not acts.dynamic:
             fmt = get_format(acts.format)
             if fmt.is_block and fmt.scale == "e8m0":
@@ -515,6 +536,28 @@ def _presets() -> dict[str, Scheme]:
             "rounded to nearest (llm-compressor's AWQ recipe)",
         ),
         Scheme(
+            "W4A16_ASYM",
+            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE, symmetric=False),
+            None,
+            description="INT4 weights in groups of 128 along K with a zero point per group, so each group's 16 "
+            "levels span its own min..max; 16-bit activations (rounded to nearest; compressed-tensors' W4A16_ASYM)",
+        ),
+        Scheme(
+            "W4A16_ASYM_GPTQ",
+            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE, symmetric=False),
+            None,
+            gptq=True,
+            description="W4A16_ASYM with GPTQ-rounded weights",
+        ),
+        Scheme(
+            "W4A16_ASYM_AWQ",
+            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE, symmetric=False),
+            None,
+            awq=True,
+            description="W4A16_ASYM with AWQ: input channels scaled by factors searched on calibration text, then "
+            "rounded to nearest (the scheme of llm-compressor's AWQ examples)",
+        ),
+        Scheme(
             "MXFP8",
             TensorSpec("mxfp8", G, dynamic=False),
             TensorSpec("mxfp8", G),
@@ -563,25 +606,28 @@ def _presets() -> dict[str, Scheme]:
         ),
         Scheme("BF16", None, None, description="left unquantized"),
     ]
-    at = next(i for i, s in enumerate(schemes) if s.name == "W4A16_AWQ") + 1
+    at = next(i for i, s in enumerate(schemes) if s.name == "W4A16_ASYM_AWQ") + 1
     schemes[at:at] = _regrouped([s for s in schemes if s.name.startswith("W4A16")], W4_SMALL_GROUP_SIZE)
     return {s.name: s for s in schemes}
 
 
 def _regrouped(w4: list[Scheme], group: int) -> list[Scheme]:
-    """The W4A16 presets again with int4 groups of ``group`` along K, named ``W4A16_G<group>[_GPTQ|_AWQ]``."""
+    """The W4A16 presets again with int4 groups of ``group`` along K, named ``W4A16_G<group>[_ASYM][_GPTQ|_AWQ]``."""
     tag = f"_G{group}"
     out = []
     for s in w4:
         name = s.name.replace("W4A16", f"W4A16{tag}", 1)
+        base = f"W4A16{tag}" + ("_ASYM" if not s.weights.symmetric else "")
         if s.gptq:
-            description = f"W4A16{tag} with GPTQ-rounded weights"
+            description = f"{base} with GPTQ-rounded weights"
         elif s.awq:
-            description = (f"W4A16{tag} with AWQ: input channels scaled by factors searched on calibration text, "
+            description = (f"{base} with AWQ: input channels scaled by factors searched on calibration text, "
                            "then rounded to nearest")
         else:
-            description = (f"INT4 weights in groups of {group} along K, 16-bit activations (rounded to nearest); "
-                           f"twice W4A16's scales, for a K that {W4_GROUP_SIZE} does not divide")
+            zero = " with a zero point per group" if not s.weights.symmetric else ""
+            description = (f"INT4 weights in groups of {group} along K{zero}, 16-bit activations (rounded to "
+                           f"nearest); twice the scales of groups of {W4_GROUP_SIZE}, for a K that "
+                           f"{W4_GROUP_SIZE} does not divide")
         weights = dataclasses.replace(s.weights, group_size=group)
         out.append(dataclasses.replace(s, name=name, weights=weights, description=description))
     return out
@@ -641,8 +687,8 @@ def weight_storage_bits(scheme: Scheme | str, n: int, k: int) -> int:
     """Bits a serving checkpoint stores for one (N, K) linear weight under ``scheme``.
 
     Elements at the format's width, plus the scales (:data:`SCALE_BITS` each, or the block
-    format's own scale type), plus NVFP4's fp32 tensor scale. An unquantized weight is 16 bits
-    per element. SmoothQuant changes no storage (the factors fold into the previous layer), and
+    format's own scale type), plus NVFP4's fp32 tensor scale, plus an asymmetric weight's zero points. An
+    unquantized weight is 16 bits per element. SmoothQuant changes no storage (the factors fold into the previous layer), and
     biases are left out (they stay 16-bit whatever the scheme). This is the weight memory a GPU
     holds and, in a memory-bound decode step, the bytes it reads per token.
     """
@@ -655,7 +701,10 @@ def weight_storage_bits(scheme: Scheme | str, n: int, k: int) -> int:
     if fmt.is_block:
         extra = GLOBAL_SCALE_BITS if fmt.name == "nvfp4" else 0
         return fmt.bits * n * k + BLOCK_SCALE_BITS[fmt.scale] * scales + extra
-    return fmt.bits * n * k + SCALE_BITS * scales
+    # an asymmetric weight also stores a zero point per scale, packed at the weight's own width (compressed-tensors'
+    # pack-quantized format: ``pack_to_int32(zero_point, num_bits)``)
+    zero_points = 0 if spec.symmetric else fmt.bits * scales
+    return fmt.bits * n * k + SCALE_BITS * scales + zero_points
 
 
 # ---------------------------------------------------------------- fusion groups

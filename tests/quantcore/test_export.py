@@ -113,6 +113,24 @@ def test_compressed_tensors_round_trip_every_preset(name: str) -> None:
     )
 
 
+def test_w4a16_asym_is_compressed_tensors_w4a16_asym() -> None:
+    """llm-compressor's AWQ examples quantize with the W4A16_ASYM preset: it imports as quantplan's W4A16_ASYM_AWQ,
+    and exports back under that preset name."""
+    text = """
+default_stage:
+  default_modifiers:
+    AWQModifier: {}
+    QuantizationModifier: {targets: [Linear], scheme: W4A16_ASYM, ignore: [lm_head]}
+"""
+    plan = from_llmcompressor_recipe(text, layer_names=LAYERS)
+    assert plan["model.layers.0.mlp.down_proj"] == get_scheme("W4A16_ASYM_AWQ")
+    assert ct_preset_name("W4A16_ASYM") == "W4A16_ASYM" and ct_preset_name("W4A16_G64_ASYM") is None
+    assert ct_args("W4A16_G64_ASYM")[0] == {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": False,
+                                             "dynamic": False, "group_size": 64}
+    plan = uniform("W4A16_ASYM")
+    assert "scheme: W4A16_ASYM" in to_llmcompressor_recipe(plan, layer_names=LAYERS)
+
+
 def test_w4a16_g64_is_written_as_int4_groups_of_64() -> None:
     """No compressed-tensors preset has INT4 groups of 64: the recipe spells the args out, and vLLM reads them."""
     plan = uniform("W4A16_G64")
@@ -535,9 +553,16 @@ default_stage:
 @pytest.mark.parametrize(
     ("text", "words"),
     [
+        (  # zero points are for int weights (W4A16_ASYM imports), not for activations
+            "q_stage: {q_modifiers: {QuantizationModifier: {ignore: [lm_head], config_groups: {g: {targets: [Linear], "
+            "weights: {num_bits: 8, type: int, strategy: channel}, input_activations: {num_bits: 8, type: int, "
+            "strategy: token, dynamic: true, symmetric: false}}}}}}",
+            "asymmetric (zero-point) quantization: quantplan plans it for int weights",
+        ),
         (
-            "q_stage: {q_modifiers: {QuantizationModifier: {scheme: W4A16_ASYM, ignore: [lm_head]}}}",
-            "asymmetric",
+            "q_stage: {q_modifiers: {QuantizationModifier: {ignore: [lm_head], config_groups: {g: {targets: [Linear], "
+            "weights: {num_bits: 8, type: float, strategy: channel, symmetric: false}}}}}}",
+            "not 8-bit float weights",
         ),
         (
             "q_stage: {q_modifiers: {QuantizationModifier: {scheme: W4A8, ignore: [lm_head]}}}",

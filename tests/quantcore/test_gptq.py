@@ -11,7 +11,13 @@ import torch
 from quantcore.apply import apply_plan
 from quantcore.errors import PlanError
 from quantcore.gptq import collect_hessians, gptq_quantize, smoothed_hessian
-from quantcore.quantize import element_scales, fake_quantize_weight, round_to_weight_grid, weight_scale
+from quantcore.quantize import (
+    element_scales,
+    fake_quantize_weight,
+    round_to_weight_grid,
+    weight_scale,
+    weight_zero_point,
+)
 from quantcore.schemes import Scheme, get_scheme, list_schemes
 from quantcore.scoring import compute_reference, score_plan
 from quantcore.sensitivity import sensitivity_sweep
@@ -253,7 +259,8 @@ def test_same_weights_as_llm_compressors_gptq(tmp_path):
     env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
                          timeout=1800, cwd=REPO)
     assert env.returncode == 0, env.stderr[-3000:]
-    cases = {"w4_group": ("W4A16", 4, 128), "w8_channel": ("W8A16", 8, 0), "nvfp4": ("NVFP4A16", 4, 16)}
+    cases = {"w4_group": ("W4A16", 4, 128), "w8_channel": ("W8A16", 8, 0), "nvfp4": ("NVFP4A16", 4, 16),
+             "w4_group_asym": ("W4A16_ASYM", 4, 128)}
     tensors, ours = {}, {}
     for i, (case, (scheme, bits, group)) in enumerate(cases.items()):
         spec = get_scheme(scheme).weights
@@ -263,8 +270,12 @@ def test_same_weights_as_llm_compressors_gptq(tmp_path):
         # the scales llm-compressor's min-max observer computes: amax / 7.5 (INT4), amax / 127.5 (INT8); NVFP4's
         # effective block scales (E4M3 block scale x fp32 tensor scale)
         scale = weight_scale(w, spec)
+        if not spec.symmetric:  # (max - min) / 15 and a zero point per group
+            w = w + 0.01 * torch.arange(96).unsqueeze(1)  # rows off centre, so that the zero points differ
+            scale = weight_scale(w, spec)
+            tensors[f"{case}.zp"] = weight_zero_point(w, spec).reshape(96, -1)
         tensors.update({f"{case}.weight": w, f"{case}.hessian": h, f"{case}.scale": scale.reshape(96, -1),
-                        f"{case}.args": torch.tensor([bits, group, int(scheme == "NVFP4A16")])})
+                        f"{case}.args": torch.tensor([bits, group, int(scheme == "NVFP4A16"), int(spec.symmetric)])})
         ours[case] = (gptq_quantize(w, h, spec).weight, rtn(w, spec), x, w)
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "in.safetensors")
     run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_gptq.py"), str(tmp_path / "in.safetensors"),
@@ -278,6 +289,11 @@ def test_same_weights_as_llm_compressors_gptq(tmp_path):
         # effective scales may differ in the last bit of the fp32 tensor scale)
         torch.testing.assert_close(weight_scale(w, spec).reshape(96, -1), theirs[f"{case}.ct_scale"].float(),
                                    rtol=1e-6, atol=0)
+        zp = weight_zero_point(w, spec)
+        assert torch.equal(theirs[f"{case}.ct_zp"], torch.zeros(96, theirs[f"{case}.ct_zp"].shape[1]) if zp is None
+                           else zp.reshape(96, -1)), case
+        if zp is not None:
+            assert len(zp.unique()) > 1, "the zero points should differ between rows"
         assert (rtn(w, spec) != theirs[f"{case}.ct_rtn"]).float().mean() < 1e-3, case
     for case, (mine, rtn_w, x, w) in ours.items():
         other = theirs[f"{case}.weight"]

@@ -370,7 +370,7 @@ def test_exported_gptq_recipe_runs_in_oneshot(tmp_path, gptq) -> None:
     assert got["rounded_to_nearest"] == {n: not plan[n].gptq for n in quantized}
 
 
-@pytest.mark.parametrize("base", ["W4A16", "NVFP4A16"])
+@pytest.mark.parametrize("base", ["W4A16", "W4A16_ASYM", "NVFP4A16"])
 def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base: str) -> None:
     """The whole way for AWQ: the exported recipe (AWQ on block 1 and every down_proj, W4A16 elsewhere) through
     llm-compressor's own oneshot on a tiny Llama with outlier channels, and quantcore's search on the same model and
@@ -450,7 +450,7 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base:
             assert off_grid(ours[n + ".weight"], theirs[n + ".weight"]) < 0.002, n
 
 
-@pytest.mark.parametrize("name", ["NVFP4A16", "W4A16", "W4A16_G64", "FP8_DYNAMIC"])
+@pytest.mark.parametrize("name", ["NVFP4A16", "W4A16", "W4A16_G64", "W4A16_ASYM", "FP8_DYNAMIC"])
 def test_round_to_nearest_checkpoint_is_quantcores_emulation(tmp_path, name: str) -> None:
     """A data-free recipe through oneshot on the tiny Llama: every linear weight it stores is what quantcore's
     emulation of the plan holds, grid point for grid point. For NVFP4 that takes one fp32 tensor scale per fusion

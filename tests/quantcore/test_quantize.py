@@ -8,6 +8,7 @@ fp8-fp4-smoothquant.txt's ``nvfp4`` emulation).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -800,6 +801,36 @@ def test_int_weights_sit_on_compressed_tensors_grid(scheme, qmin, qmax, group):
     got, rep = fake_quantize_weight(w, fp8)
     want, want_rep = fake_quantize_with_report(w, "fp8_e4m3", "channel")
     assert torch.equal(got, want) and rep.n_underflow == want_rep.n_underflow
+
+
+@pytest.mark.parametrize(("scheme", "group"), [("W4A16_ASYM", 128), ("W4A16_G64_ASYM", 64)])
+def test_asymmetric_int4_weights_span_each_groups_min_to_max(scheme, group):
+    """A zero point per group (compressed-tensors' W4A16_ASYM): scale (max - min) / 15, zero point
+    round(-8 - min / scale), so a group's 16 levels cover its own range. The group's minimum lands on code -8, its
+    maximum on 7 (up to the rounding of the zero point), zero is exact, and on weights that are not centred on zero
+    the error is smaller than the symmetric grid's."""
+    from quantcore.quantize import fake_quantize_weight, weight_scale, weight_zero_point
+    from quantcore.schemes import get_scheme
+
+    spec = get_scheme(scheme).weights
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(32, 256, generator=gen) * 0.02 + 0.01 * torch.arange(32).unsqueeze(1) / 32  # rows off centre
+    w[3, 10] = 0.0
+    scale, zp = weight_scale(w, spec), weight_zero_point(w, spec)
+    per = w.reshape(32, -1, group)
+    lo, hi = per.amin(-1).clamp(max=0), per.amax(-1).clamp(min=0)
+    assert torch.equal(scale, ((hi - lo).double() / 15).float())
+    assert torch.equal(zp, torch.round(torch.clamp(-8 - lo / scale, -8, 7)))
+    assert zp.unique().numel() > 1 and zp.min() >= -8 and zp.max() <= 7
+    wq, report = fake_quantize_weight(w, spec)
+    codes = wq.reshape(32, -1, group) / scale.unsqueeze(-1) + zp.unsqueeze(-1)
+    assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.min() >= -8 - 1e-3 and codes.max() <= 7 + 1e-3
+    assert wq[3, 10] == 0.0 and report.n_saturated == 0
+    # every group uses (nearly) its full range: its lowest code -8 or -7, its highest 6 or 7
+    assert codes.amin(-1).round().max() <= -7 and codes.amax(-1).round().min() >= 6
+    sym, _ = fake_quantize_weight(w, dataclasses.replace(spec, symmetric=True))
+    assert (wq - w).pow(2).mean() < 0.8 * (sym - w).pow(2).mean()
+    assert weight_zero_point(w, dataclasses.replace(spec, symmetric=True)) is None
 
 
 def test_apply_plan_puts_int_weights_on_the_checkpoint_grid(tiny_llama):

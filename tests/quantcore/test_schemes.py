@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,28 +25,67 @@ ISSUE_PRESETS = [
     "NVFP4", "NVFP4A16", "BF16",
 ]  # fmt: skip
 # the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
-AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "W4A16_G64_AWQ", "NVFP4A16_AWQ"]
-GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "W4A16_G64_GPTQ", "NVFP4_GPTQ",
-                "NVFP4A16_GPTQ"]
-# W4A16 in groups of 64, for a K that 128 does not divide (SmolLM2's 576): vLLM's Marlin serves 32, 64, 128
+AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "W4A16_ASYM_AWQ", "W4A16_G64_AWQ", "W4A16_G64_ASYM_AWQ", "NVFP4A16_AWQ"]
+GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "W4A16_ASYM_GPTQ", "W4A16_G64_GPTQ",
+                "W4A16_G64_ASYM_GPTQ", "NVFP4_GPTQ", "NVFP4A16_GPTQ"]
+# W4A16 in groups of 64, for a K that 128 does not divide (SmolLM2's 576): vLLM's Marlin serves 32, 64, 128; and
+# with a zero point per group (compressed-tensors' W4A16_ASYM, the scheme of llm-compressor's AWQ examples)
 G64_PRESETS = ["W4A16_G64"]
+ASYM_PRESETS = ["W4A16_ASYM", "W4A16_G64_ASYM"]
+W4_PRESETS = [n for n in GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS if n.startswith("W4A16")]
 
 
 def test_every_preset_of_the_issue_is_registered():
-    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS)
+    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS)
+
+
+def test_w4a16_asym_is_compressed_tensors_w4a16_asym():
+    for suffix in ("", "_GPTQ", "_AWQ"):
+        sym, asym = get_scheme(f"W4A16{suffix}"), get_scheme(f"W4A16_ASYM{suffix}")
+        assert sym.weights.symmetric and not asym.weights.symmetric
+        assert dataclasses.replace(asym.weights, symmetric=True) == sym.weights
+        assert (asym.gptq, asym.awq, asym.activations) == (sym.gptq, sym.awq, None)
+        assert "asymmetric" in asym.describe() and "asymmetric" not in sym.describe()
+    # a zero point per group, packed at 4 bits as compressed-tensors stores them: 4 + 16/128 + 4/128 bits a weight
+    assert weight_storage_bits("W4A16_ASYM", 512, 1024) == weight_storage_bits("W4A16", 512, 1024) + 512 * 8 * 4
+    # a symmetric spec's dict is what it always was (cache keys are made from such dicts); an asymmetric one says so
+    assert "symmetric" not in get_scheme("W4A16").weights.to_dict()
+    assert get_scheme("W4A16_ASYM").weights.to_dict()["symmetric"] is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(format="fp8_e4m3", granularity="channel", symmetric=False), "int formats"),
+        (dict(format="nvfp4", granularity="group", symmetric=False), "int formats"),
+        (dict(format="int8", granularity="tensor", symmetric=False), "'channel' or 'group'"),
+        (dict(format="int8", granularity="channel", symmetric=0), "true or false"),
+    ],
+)
+def test_zero_points_only_for_int_weights_with_channel_or_group_scales(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TensorSpec(**kwargs)
+
+
+def test_activations_are_never_asymmetric():
+    with pytest.raises(ValueError, match="zero points are for weights"):
+        Scheme("X", TensorSpec("int8", "channel"), TensorSpec("int8", "group", group_size=128, symmetric=False))
 
 
 @pytest.mark.parametrize("suffix", ["", "_GPTQ", "_AWQ"])
-def test_w4a16_g64_is_w4a16_with_groups_of_64(suffix):
-    g128, g64 = get_scheme(f"W4A16{suffix}"), get_scheme(f"W4A16_G64{suffix}")
+@pytest.mark.parametrize("asym", ["", "_ASYM"])
+def test_w4a16_g64_is_w4a16_with_groups_of_64(suffix, asym):
+    g128, g64 = get_scheme(f"W4A16{asym}{suffix}"), get_scheme(f"W4A16_G64{asym}{suffix}")
     assert g128.weights.group_size == 128 and g64.weights.group_size == 64
-    assert (g64.gptq, g64.awq, g64.activations, g64.weights.format, g64.weights.dynamic) == (
-        g128.gptq, g128.awq, g128.activations, g128.weights.format, g128.weights.dynamic)
+    assert dataclasses.replace(g64.weights, group_size=128) == g128.weights
+    assert (g64.gptq, g64.awq, g64.activations) == (g128.gptq, g128.awq, g128.activations)
     assert g64.description and "64" in g64.description and g64.description != g128.description
-    assert list_schemes().index(f"W4A16_G64{suffix}") > list_schemes().index("W4A16_AWQ")
-    # twice the scales: 4 + 16/64 = 4.25 bits per weight against 4.125 (16-bit scales)
-    assert weight_storage_bits(g64, 576, 576) == 576 * 576 * 4 + 576 * 9 * 16
-    assert weight_storage_bits(g128, 576, 640) == 576 * 640 * 4 + 576 * 5 * 16
+    assert ("ASYM" in g64.description or "zero point" in g64.description) == bool(asym)
+    assert list_schemes().index(f"W4A16_G64{asym}{suffix}") > list_schemes().index("W4A16_ASYM_AWQ")
+    # twice the scales: 4 + 16/64 = 4.25 bits per weight against 4.125 (16-bit scales); a zero point adds 4 more
+    zp = 4 if asym else 0
+    assert weight_storage_bits(g64, 576, 576) == 576 * 576 * 4 + 576 * 9 * (16 + zp)
+    assert weight_storage_bits(g128, 576, 640) == 576 * 640 * 4 + 576 * 5 * (16 + zp)
 
 
 # (weights format, weights granularity, acts format or None, acts granularity, acts dynamic, alpha),
@@ -63,6 +103,8 @@ PRESET_TABLE = {
     "W8A16": ("int8", "channel", None, None, None, None),
     "W4A16": ("int4", "group", None, None, None, None),
     "W4A16_G64": ("int4", "group", None, None, None, None),
+    "W4A16_ASYM": ("int4", "group", None, None, None, None),
+    "W4A16_G64_ASYM": ("int4", "group", None, None, None, None),
     "MXFP8": ("mxfp8", "group", "mxfp8", "group", True, None),
     "MXFP4": ("mxfp4", "group", "mxfp4", "group", True, None),
     "NVFP4": ("nvfp4", "group", "nvfp4", "group", True, None),
@@ -107,7 +149,7 @@ def test_bits_identity_and_calibration_flags():
     assert {n for n in list_schemes() if get_scheme(n).needs_hessians} == set(GPTQ_PRESETS)
 
 
-@pytest.mark.parametrize("name", ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS)
+@pytest.mark.parametrize("name", ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS)
 def test_to_dict_is_json_safe_and_round_trips(name):
     scheme = get_scheme(name)
     data = json.loads(json.dumps(scheme.to_dict()))
