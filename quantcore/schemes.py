@@ -425,6 +425,8 @@ def _presets() -> dict[str, Scheme]:
     int8_w_channel = TensorSpec("int8", C, dynamic=False)
     int8_a_token = TensorSpec("int8", K)
     int8_a_tensor = TensorSpec("int8", T)
+    int4_g128 = TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE)
+    int4_g128_asym = dataclasses.replace(int4_g128, symmetric=False)
     schemes = [
         Scheme(
             "FP8",
@@ -516,20 +518,20 @@ def _presets() -> dict[str, Scheme]:
         ),
         Scheme(
             "W4A16",
-            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE),
+            int4_g128,
             None,
             description="INT4 weights in groups of 128 along K, 16-bit activations (rounded to nearest)",
         ),
         Scheme(
             "W4A16_GPTQ",
-            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE),
+            int4_g128,
             None,
             gptq=True,
             description="W4A16 with GPTQ-rounded weights: llm-compressor's W4A16 recipe",
         ),
         Scheme(
             "W4A16_AWQ",
-            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE),
+            int4_g128,
             None,
             awq=True,
             description="W4A16 with AWQ: input channels scaled by factors searched on calibration text, then "
@@ -537,21 +539,21 @@ def _presets() -> dict[str, Scheme]:
         ),
         Scheme(
             "W4A16_ASYM",
-            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE, symmetric=False),
+            int4_g128_asym,
             None,
             description="INT4 weights in groups of 128 along K with a zero point per group, so each group's 16 "
             "levels span its own min..max; 16-bit activations (rounded to nearest; compressed-tensors' W4A16_ASYM)",
         ),
         Scheme(
             "W4A16_ASYM_GPTQ",
-            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE, symmetric=False),
+            int4_g128_asym,
             None,
             gptq=True,
             description="W4A16_ASYM with GPTQ-rounded weights",
         ),
         Scheme(
             "W4A16_ASYM_AWQ",
-            TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE, symmetric=False),
+            int4_g128_asym,
             None,
             awq=True,
             description="W4A16_ASYM with AWQ: input channels scaled by factors searched on calibration text, then "
