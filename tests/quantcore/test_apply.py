@@ -225,7 +225,7 @@ def test_reset_stats_and_no_tracking(tiny_gemma3, tiny_input_ids):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8_BLOCK", "INT8_W8A8", "W4A16", "MXFP4", "NVFP4"])
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8_BLOCK", "INT8_W8A8", "W4A16", "W4A16_ASYM", "MXFP4", "NVFP4"])
 def test_cuda_matches_cpu(tiny_model_factory, tiny_input_ids, scheme):
     cpu = tiny_model_factory("llama")
     gpu = tiny_model_factory("llama").cuda()

@@ -306,7 +306,7 @@ def test_same_weights_as_llm_compressors_gptq(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["W4A16", "W8A16", "FP8_DYNAMIC", "NVFP4A16"])
+@pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "NVFP4A16"])
 def test_cuda_gptq_matches_cpu(name):
     """GPTQ on CUDA picks the CPU's grid points (a rounding tie may fall the other way and send the rest of its
     row down another path) and gives the same output error; Hessians collected on CUDA are the CPU's."""
