@@ -69,7 +69,7 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
-from quantcore.plans import group_label, group_misfits, scheme_label
+from quantcore.plans import group_label, group_misfits, regrouped_preset, scheme_label
 from quantcore.schemes import (
     IDENTITY_BITS,
     Scheme,
@@ -589,6 +589,7 @@ def auto_plan(
 
     notes: list[str] = []
     misfit: dict[str, int] = {}  # scheme -> units it cannot take because its groups do not divide their K
+    misfit_ks: dict[str, set[int]] = {}  # scheme -> the K of those units' layers
     unit_opts: list[list[tuple[str, float, float, str]]] = []  # (scheme, kl, cost, source)
     for i, u in enumerate(units):
         opts = []
@@ -597,6 +598,7 @@ def auto_plan(
                 continue
             if layer_shapes and group_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u}):
                 misfit[s] = misfit.get(s, 0) + 1
+                misfit_ks.setdefault(s, set()).update(layer_shapes[m][1] for m in u)
                 continue
             lc = [costs[s][m] for m in u]
             sources = {c.source for c in lc}
@@ -605,8 +607,12 @@ def auto_plan(
             )
         unit_opts.append(opts)
     for s, n_units in misfit.items():
-        notes.append(f"{s} was not offered to {n_units} unit(s) whose K its groups do not divide: group kernels "
-                     "cannot serve them (quantcore.plans.group_misfits)")
+        note = (f"{s} was not offered to {n_units} unit(s) whose K its groups do not divide: group kernels "
+                "cannot serve them (quantcore.plans.group_misfits)")
+        alt = regrouped_preset(s, misfit_ks[s])
+        if alt is not None and alt.name not in usable:
+            note += f"; {alt.name}'s groups of {alt.weights.group_size} divide them: sweep it to let the planner use it"
+        notes.append(note)
     for s in usable:
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -611,8 +611,16 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
 
 
 def _regroup_hint(scheme: Scheme, ks: set[int]) -> str:
-    """", such as W4A16_G64, whose groups of 64 divide them" when a preset differs from ``scheme`` only in a group
-    size that divides every K in ``ks`` (largest group first), else ""."""
+    """", such as W4A16_G64, whose groups of 64 divide them" (:func:`regrouped_preset`), else ""."""
+    best = regrouped_preset(scheme, ks)
+    return f", such as {best.name}, whose groups of {best.weights.group_size} divide them" if best else ""
+
+
+def regrouped_preset(scheme: Scheme | str, ks: Iterable[int]) -> Scheme | None:
+    """The preset that differs from ``scheme`` only in a group size dividing every K in ``ks`` (the largest such
+    group), or None: W4A16_G64_GPTQ for W4A16_GPTQ on SmolLM2's K = 576."""
+    scheme = get_scheme(scheme)
+    ks = set(ks)
     w = scheme.weights
     fits = [
         other for other in map(get_scheme, list_schemes())
@@ -623,10 +631,7 @@ def _regroup_hint(scheme: Scheme, ks: set[int]) -> str:
              other.smoothquant_alpha)
         == (w.format, w.symmetric, scheme.activations, scheme.gptq, scheme.awq, scheme.smoothquant_alpha)
     ]
-    if not fits:
-        return ""
-    best = max(fits, key=lambda s: s.weights.group_size)
-    return f", such as {best.name}, whose groups of {best.weights.group_size} divide them"
+    return max(fits, key=lambda s: s.weights.group_size) if fits else None
 
 
 AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.awq
