@@ -554,7 +554,7 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
                 seq = kv_bytes_per_sequence(model.linears, sc.kv_cache, serve[1], windows=model.attention_windows,
                                             skip=skip)
                 if seq is not None:
-                    row["serving_gib"] = (served_weight_bytes(model, fp)[0] + serve[0] * seq) / 2**30
+                    row["serving_gib"] = (served_weight_bytes(model, fp, resolved)[0] + serve[0] * seq) / 2**30
             if target is not None:
                 prefill, decode = (bound(resolved, shapes, target, m) for m in (ideal_m_prefill, ideal_m_decode))
                 if not decode.unsupported:  # a plan the target cannot serve has no step time there
@@ -738,11 +738,15 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
     return footprint(resolved_or_raise(model, body), layer_shapes(model))
 
 
-def served_weight_bytes(model: ModelRecord, fp) -> tuple[float, float]:
+def served_weight_bytes(model: ModelRecord, fp, resolved: dict[str, Any]) -> tuple[float, float]:
     """(plan, all-BF16) bytes of every weight a server loads: the linear weights of the plan's Footprint
-    ``fp`` as stored, every other parameter (embeddings, norms, biases) in BF16."""
+    ``fp`` as stored, every other parameter (embeddings, norms, biases) in BF16, and the input embedding again
+    where the plan quantizes a head tied to it (``resolved``; quantcore.plans.untied_embedding_bits)."""
+    from quantcore.plans import untied_embedding_bits
+
     other = max(0, model.num_params - fp.params) * 2
-    return fp.bits / 8 + other, fp.bf16_bits / 8 + other
+    untied = untied_embedding_bits(resolved, layer_shapes(model), model.tied_linears) / 8
+    return fp.bits / 8 + other + untied, fp.bf16_bits / 8 + other
 
 
 def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = None,
@@ -772,7 +776,10 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
                    sequence_bytes=kv_bytes_per_sequence(model.linears, kv, context, windows=windows, skip=skip),
                    bf16_sequence_bytes=kv_bytes_per_sequence(model.linears, "AUTO", context, windows=windows))
     if target:
-        weights, bf16_weights = served_weight_bytes(model, plan_footprint(model, body))
+        from quantcore.plans import plan_footprint as footprint
+
+        resolved = resolved_or_raise(model, body)
+        weights, bf16_weights = served_weight_bytes(model, footprint(resolved, layer_shapes(model)), resolved)
         gpu = get_target(target)
         out.update(target=target, memory_gb=gpu.memory_gb, weight_bytes=weights, bf16_weight_bytes=bf16_weights,
                    tokens=kv_token_capacity(gpu.memory_gb, weights, per_token),
@@ -894,16 +901,18 @@ def _mlp_norm(model: ModelRecord) -> str:
 
 def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     """What serving this plan will run into though it resolves: groups that do not divide K
-    (quantcore.plans.group_misfits), layers AWQ cannot scale (quantcore.plans.awq_unscaled), and an unscaled KV cache that the newest calibration's K or V would
+    (quantcore.plans.group_misfits), layers AWQ cannot scale (quantcore.plans.awq_unscaled), a quantized lm_head
+    (quantcore.plans.quantized_head), and an unscaled KV cache that the newest calibration's K or V would
     overflow (quantcore.kvcache.kv_clipping)."""
     from quantcore.kvcache import kv_clipping
-    from quantcore.plans import PlanSpec, awq_unscaled, group_misfits
+    from quantcore.plans import PlanSpec, awq_unscaled, group_misfits, quantized_head
 
     resolved, problem = resolve(model, body)
     if problem:
         return []
     shapes = layer_shapes(model)
-    warnings = group_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
+    warnings = (group_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
+                + quantized_head(resolved, shapes, model.tied_linears))
     kv = PlanSpec.from_dict(body).kv_cache
     if kv != "AUTO":
         with session_scope(settings()) as s:

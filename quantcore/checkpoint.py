@@ -137,6 +137,9 @@ class CheckpointSummary:
     # {attention module: window} of the layers that attend to a sliding window of tokens (Gemma 2/3, Mistral
     # v0.1): their KV cache holds at most that many tokens; the other layers hold the whole context
     attention_windows: dict[str, int] = field(default_factory=dict)
+    # nn.Linear layers whose weight is an input embedding's (lm_head when tie_word_embeddings: SmolLM2, Gemma,
+    # Qwen2.5-0.5B); None: summarised before this was kept
+    tied_linears: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (linears as a list of dicts)."""
@@ -540,7 +543,17 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         total_bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
         causal_lm=_is_causal_lm(config),
         attention_windows=attention_windows(model),
+        tied_linears=_tied_linears(model),
     )
+
+
+def _tied_linears(model: PreTrainedModel) -> list[str]:
+    """Names of the nn.Linear layers that share their weight with an nn.Embedding (transformers ties them when
+    ``tie_word_embeddings``, on the meta model too)."""
+    from torch import nn
+
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) in embedded]
 
 
 def attention_windows(model: PreTrainedModel) -> dict[str, int]:

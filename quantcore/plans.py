@@ -660,6 +660,40 @@ def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tupl
             "they are rounded to nearest unscaled, as llm-compressor's AWQModifier leaves them"]
 
 
+def _quantized_tied(resolved: Mapping[str, Scheme | str], tied: Iterable[str]) -> list[str]:
+    return [name for name in tied if name in resolved and not get_scheme(resolved[name]).is_identity]
+
+
+def untied_embedding_bits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                          tied: Iterable[str]) -> int:
+    """Bits a serving checkpoint adds when the plan quantizes a linear whose weight the model ties to its input
+    embeddings (``tied``: lm_head under ``tie_word_embeddings``). llm-compressor unties them before it quantizes
+    such a head (``untie_word_embeddings``): the embedding stays in 16 bits beside the quantized head, where the
+    unquantized model stored one matrix for both."""
+    return sum(IDENTITY_BITS * shapes[name][0] * shapes[name][1] for name in _quantized_tied(resolved, tied))
+
+
+def quantized_head(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                   tied: Iterable[str]) -> list[str]:
+    """What serving a quantized lm_head runs into, one message (or none): serving engines load it from a
+    compressed-tensors checkpoint only lately, and a head tied to the input embeddings comes untied, which costs
+    the embedding's memory again (:func:`untied_embedding_bits`)."""
+    heads = [n for n in resolved if n.rsplit(".", 1)[-1] == "lm_head" and not get_scheme(resolved[n]).is_identity]
+    if not heads:
+        return []
+    scheme = scheme_label(get_scheme(resolved[heads[0]]))
+    msg = (f"lm_head is quantized ({scheme}): check that your serving engine loads a quantized head; vLLM's "
+           "compressed-tensors loader routes lm_head to its quantized kernels only since March 2026 "
+           "(vllm-project/vllm#37291; before, it did not read the head's quantized weights), SGLang since August 2026, "
+           "and llm-compressor's own examples keep it in BF16 (ignore: [lm_head])")
+    untied = untied_embedding_bits(resolved, shapes, tied)
+    if untied:
+        msg += (f". The model ties lm_head to its input embeddings: llm-compressor unties them, so the checkpoint "
+                f"keeps the embedding in BF16 beside the quantized head, {untied / 8 / 2**20:,.1f} MiB more than the "
+                "linear weights show (the serving memory counts it)")
+    return [msg]
+
+
 def pareto_front(points: Sequence[tuple[float | None, float]]) -> list[bool]:
     """Which ``(cost, loss)`` points no other point beats (both lower is better).
 

@@ -44,6 +44,19 @@ class ModelRecord:
         return dict(self.summary.get("attention_windows") or {})
 
     @property
+    def tied_linears(self) -> list[str]:
+        """Linear layers whose weight is also the input embedding (lm_head under ``tie_word_embeddings``). A summary
+        from before this was kept: lm_head counts as tied when the parameters outside the linears, each counted
+        once, are fewer than an embedding of vocab x hidden would hold (the embedding is then the head)."""
+        if self.summary.get("tied_linears") is not None:
+            return list(self.summary["tied_linears"])
+        head = next((lin for lin in self.linears if lin["name"] == "lm_head"), None)
+        if head is None or not self.vocab_size or not self.hidden_size:
+            return []
+        linear_params = sum(lin["in_features"] * lin["out_features"] for lin in self.linears)
+        return ["lm_head"] if self.num_params - linear_params < self.vocab_size * self.hidden_size else []
+
+    @property
     def causal_lm(self) -> bool | None:
         """Whether the model predicts next tokens (scoring and sensitivity need it); None when its intake
         summary predates this field (the job itself then says so if it is not)."""

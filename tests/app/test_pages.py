@@ -755,7 +755,8 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
     # the plan that would cache those K in E4M3 at scale 1.0 is warned about where it is made and exported
     from app import services as svc
 
-    body = {"model": seeded.name, "default": "FP8_DYNAMIC", "kv_cache": "FP8_UNSCALED"}
+    body = {"model": seeded.name, "default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}],
+            "kv_cache": "FP8_UNSCALED"}
     (warning,) = svc.serving_warnings(svc.get_model(seeded.id), body)
     assert "reach 900 in 1 of 4 attention layer(s) ('model.layers.2.self_attn')" in warning
     assert svc.serving_warnings(svc.get_model(seeded.id), {**body, "kv_cache": "FP8"}) == []
@@ -927,3 +928,48 @@ def test_a_sweep_from_before_the_int_weight_grid_is_named_on_results_and_in_the_
         repo.finish_job(s, new.id, status="succeeded",
                         result={"scheme": "INT8_PER_TENSOR", "units": len(seeded.linears), "numerics": NUMERICS})
     assert svc.stale_sweeps(seeded) == {}
+
+
+def test_a_quantized_tied_head_costs_its_embedding_again_in_serving_memory(seeded) -> None:
+    """SmolLM2 ties lm_head to its input embeddings. A plan that quantizes the head gets it untied by llm-compressor:
+    the served weights hold the 16-bit embedding beside the quantized head, and the Plans page says so."""
+    import dataclasses
+
+    from app import services as svc
+    from tests.app.conftest import HIDDEN
+
+    untied = svc.get_model(seeded.id)
+    tied = dataclasses.replace(untied, summary={**untied.summary, "tied_linears": ["lm_head"]})
+    assert untied.tied_linears == [] and tied.tied_linears == ["lm_head"]
+    head_bf16 = {"model": seeded.name, "default": "W4A16_G64", "rules": [{"match": "lm_head", "scheme": "BF16"}]}
+    head_q = {"model": seeded.name, "default": "W4A16_G64"}
+    embedding = 49152 * HIDDEN * 2
+    for body in (head_bf16, head_q):
+        fp = svc.plan_footprint(untied, body)
+        resolved = svc.resolved_or_raise(untied, body)
+        extra = embedding if body is head_q else 0
+        assert svc.served_weight_bytes(tied, fp, resolved)[0] == svc.served_weight_bytes(untied, fp, resolved)[0] + extra
+        assert svc.kv_memory(tied, body, "h100")["weight_bytes"] == \
+            svc.kv_memory(untied, body, "h100")["weight_bytes"] + extra
+    assert not any("lm_head is quantized" in w for w in svc.serving_warnings(tied, head_bf16))
+    [warning] = [w for w in svc.serving_warnings(tied, head_q) if "lm_head is quantized" in w]
+    assert "ties lm_head to its input embeddings" in warning
+    [warning] = [w for w in svc.serving_warnings(untied, head_q) if "lm_head is quantized" in w]
+    assert "ties" not in warning
+
+
+def test_an_older_summary_infers_a_tied_head_from_its_parameter_count(seeded) -> None:
+    """A model registered before intake recorded tied layers: lm_head is tied when the parameters outside the
+    linears (each counted once) are fewer than a vocab x hidden embedding would hold."""
+    import dataclasses
+
+    from app import services as svc
+    from tests.app.conftest import HIDDEN
+
+    rec = svc.get_model(seeded.id)
+    linear = sum(lin["in_features"] * lin["out_features"] for lin in rec.linears)
+    base = {k: v for k, v in rec.summary.items() if k != "tied_linears"}
+    tied = dataclasses.replace(rec, vocab_size=49152, hidden_size=HIDDEN, num_params=linear + 10_000, summary=base)
+    untied = dataclasses.replace(tied, num_params=linear + 49152 * HIDDEN + 10_000)
+    assert tied.tied_linears == ["lm_head"] and untied.tied_linears == []
+    assert dataclasses.replace(tied, vocab_size=None).tied_linears == []

@@ -531,6 +531,19 @@ def test_summary_counts_tied_embeddings_once(tmp_path):
     untied = sum(int(np.prod(t.shape)) for t in read_safetensors_header(folder / "model.safetensors").values())
     assert summary.num_params == untied  # the file stores the tied matrix once, and so does the count
     assert ("lm_head", 32, 50) in [(i.name, i.in_features, i.out_features) for i in summary.linears]
+    assert summary.tied_linears == ["lm_head"]  # quantizing it unties it: the memory figures need to know
+    assert CheckpointSummary.from_dict(json.loads(json.dumps(summary.to_dict()))) == summary
+    assert CheckpointSummary.from_dict({k: v for k, v in summary.to_dict().items()
+                                        if k != "tied_linears"}).tied_linears is None  # an older summary
+
+
+def test_an_untied_head_is_not_recorded_as_tied(tmp_path):
+    from tests.quantcore.conftest import build_tiny_model
+
+    folder = tmp_path / "llama"
+    build_tiny_model("llama").save_pretrained(folder)  # tie_word_embeddings=False
+    tiny_tokenizer().save_pretrained(folder)
+    assert inspect_folder(folder).tied_linears == []
 
 
 def test_intake_summary_records_sliding_window_layers(tmp_path):

@@ -339,6 +339,25 @@ def test_group_misfits_point_at_the_preset_whose_groups_fit(suffix):
     assert msg.endswith("keep those layers in another scheme")
 
 
+def test_a_quantized_head_is_warned_about_and_a_tied_one_costs_its_embedding_again():
+    from quantcore.plans import quantized_head, untied_embedding_bits
+
+    shapes = {"b.mlp.down_proj": (576, 1536), "lm_head": (49152, 576)}
+    bf16_head = {"b.mlp.down_proj": "W4A16", "lm_head": "BF16"}
+    assert quantized_head(bf16_head, shapes, ["lm_head"]) == []
+    assert untied_embedding_bits(bf16_head, shapes, ["lm_head"]) == 0
+    q_head = {"b.mlp.down_proj": "W4A16", "lm_head": "W4A16_G64"}
+    # untied: the serving engine must load a quantized head, nothing more
+    [msg] = quantized_head(q_head, shapes, [])
+    assert msg.startswith("lm_head is quantized (W4A16_G64): check that your serving engine loads a quantized head")
+    assert "vllm-project/vllm#37291" in msg and "ties" not in msg
+    assert untied_embedding_bits(q_head, shapes, []) == 0
+    # tied (SmolLM2): llm-compressor unties, the 16-bit embedding stays beside the quantized head
+    assert untied_embedding_bits(q_head, shapes, ["lm_head"]) == 16 * 49152 * 576
+    [msg] = quantized_head(q_head, shapes, ["lm_head"])
+    assert "ties lm_head to its input embeddings" in msg and "54.0 MiB more" in msg
+
+
 def test_awq_unscaled_names_layers_awq_has_nothing_to_fold_into():
     from quantcore.plans import awq_unscaled
 
