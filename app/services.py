@@ -1144,7 +1144,8 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     if cost == "ideal":
         table, source = cost_from_roofline(sorted(set(cands) | {"BF16"}), shapes, target, m), COST_IDEAL
     result = solve(layer_names(model), sens, kl_budget=kl_budget - kv_kl, target=target, candidates=cands,
-                   cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source)
+                   cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source,
+                   tied=model.tied_linears)
     if alone is not None:
         result.predicted_kl += kv_kl
         result.kl_budget = kl_budget

@@ -69,7 +69,7 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
-from quantcore.plans import group_label, group_misfits, regrouped_preset, scheme_label
+from quantcore.plans import group_label, group_misfits, regrouped_preset, scheme_label, untied_embedding_bits
 from quantcore.schemes import (
     IDENTITY_BITS,
     Scheme,
@@ -332,8 +332,11 @@ def _layer_costs(
     layer_shapes: Mapping[str, tuple[int, int]] | None,
     estimate_missing: bool,
     source: str = COST_MEASURED,
+    tied: Sequence[str] = (),
 ) -> dict[str, dict[str, LayerCost]]:
-    """{scheme: {layer: LayerCost}}; a layer missing under a scheme cannot take it."""
+    """{scheme: {layer: LayerCost}}; a layer missing under a scheme cannot take it. ``tied``: layers whose weight
+    is the input embedding's; with the bits proxy, quantizing one costs the 16-bit embedding llm-compressor keeps
+    after untying them (quantcore.plans.untied_embedding_bits)."""
     problems: list[str] = []
     out: dict[str, dict[str, LayerCost]] = {}
     if cost is None:
@@ -356,7 +359,9 @@ def _layer_costs(
         for s in schemes:
             scheme = get_scheme(s)
             out[s] = {
-                n: LayerCost(n, s, _bits_cost(scheme, tuple(shapes[n])), COST_BITS) for n in layer_names
+                n: LayerCost(n, s, _bits_cost(scheme, tuple(shapes[n])) + untied_embedding_bits(
+                    {n: scheme}, shapes, [n] if n in tied else []), COST_BITS)
+                for n in layer_names
             }
         return out
     base = cost.get(BASELINE_SCHEME, {})
@@ -526,6 +531,7 @@ def auto_plan(
     resolution: int = DEFAULT_KL_STEPS,
     estimate_missing: bool = True,
     cost_source: str = COST_MEASURED,
+    tied: Sequence[str] = (),
 ) -> AutoPlanResult:
     """The cheapest plan whose predicted KL (sum of unit KLs) is <= ``kl_budget``.
 
@@ -539,6 +545,8 @@ def auto_plan(
     layer_shapes: {layer: (N, K)}, needed by the bits proxy
     unit_layers:  {unit label: member layers} for sensitivity keys that are not this module's labels
     resolution:   budget steps of the DP (conservative rounding, see the module docstring)
+    tied:         layers whose weight is the input embedding's (lm_head under tie_word_embeddings): with the bits
+                  proxy, quantizing one costs the embedding again (it stays 16-bit once llm-compressor unties them)
 
     Raises PlanError for a negative or non-finite budget, unknown schemes, an unknown target,
     sensitivity keys that name nothing in the model, and missing costs or shapes.
@@ -585,7 +593,7 @@ def auto_plan(
     units = plan_units(names)
     kls = _unit_kls(units, sensitivity, unit_layers, [s for s in usable if s != BASELINE_SCHEME])
     kls[BASELINE_SCHEME] = {i: 0.0 for i in range(len(units))}
-    costs = _layer_costs(names, usable, cost, layer_shapes, estimate_missing, cost_source)
+    costs = _layer_costs(names, usable, cost, layer_shapes, estimate_missing, cost_source, tied)
 
     notes: list[str] = []
     misfit: dict[str, int] = {}  # scheme -> units it cannot take because its groups do not divide their K

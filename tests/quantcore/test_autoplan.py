@@ -430,3 +430,17 @@ def test_kv_skip_keeps_the_cheapest_layers_that_bring_the_cache_within_budget():
     assert sorted(choose_kv_skip(kl, fmt, keep, 0.0).skip) == sorted(kl)  # nothing may cost KL: keep all
     with pytest.raises(PlanError, match=r"no KL for 1 attention layer\(s\) \('other'\)"):
         choose_kv_skip({"global": 0.01, "windowed": 0.02}, fmt, keep, 0.01)
+
+
+def test_with_the_bits_proxy_a_tied_head_stays_in_bf16() -> None:
+    """Quantizing a head tied to the input embeddings saves no memory: llm-compressor unties them and keeps the
+    embedding in 16 bits. With the bits proxy the planner counts that, so it quantizes the untied head and keeps a
+    tied one in BF16."""
+    names = [*BLOCK, "lm_head"]
+    shapes = {n: (576, 1536) if n.endswith("down_proj") else (576, 576) for n in BLOCK} | {"lm_head": (49152, 576)}
+    sens = {"W4A16_G64": {**{label: 1e-6 for label in LABELS}, "lm_head": 1e-6}}
+    free = auto_plan(names, sens, kl_budget=1.0, target="h100", candidates=["W4A16_G64"], layer_shapes=shapes)
+    tied = auto_plan(names, sens, kl_budget=1.0, target="h100", candidates=["W4A16_G64"], layer_shapes=shapes,
+                     tied=["lm_head"])
+    assert free.plan["lm_head"] == "W4A16_G64" and tied.plan["lm_head"] == "BF16"
+    assert {s for n, s in tied.plan.items() if n != "lm_head"} == {"W4A16_G64"}
