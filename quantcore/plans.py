@@ -660,17 +660,14 @@ def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tupl
             "they are rounded to nearest unscaled, as llm-compressor's AWQModifier leaves them"]
 
 
-def _quantized_tied(resolved: Mapping[str, Scheme | str], tied: Iterable[str]) -> list[str]:
-    return [name for name in tied if name in resolved and not get_scheme(resolved[name]).is_identity]
-
-
 def untied_embedding_bits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
                           tied: Iterable[str]) -> int:
     """Bits a serving checkpoint adds when the plan quantizes a linear whose weight the model ties to its input
     embeddings (``tied``: lm_head under ``tie_word_embeddings``). llm-compressor unties them before it quantizes
     such a head (``untie_word_embeddings``): the embedding stays in 16 bits beside the quantized head, where the
     unquantized model stored one matrix for both."""
-    return sum(IDENTITY_BITS * shapes[name][0] * shapes[name][1] for name in _quantized_tied(resolved, tied))
+    return sum(IDENTITY_BITS * shapes[name][0] * shapes[name][1] for name in tied
+               if name in resolved and not get_scheme(resolved[name]).is_identity)
 
 
 def quantized_head(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
