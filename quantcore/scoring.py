@@ -717,16 +717,19 @@ def calibrate_kv_cache(
     should_cancel: ShouldCancel | None = None,
     weight_hessians: Mapping[str, Tensor] | None = None,
     awq: AwqResult | None = None,
+    gptq_cache: dict[str, Tensor] | None = None,
 ) -> Any:
     """Per attention layer max |K| and |V| on calibration tokens, with ``plan`` applied as it will be
     served (K and V come out of the quantized k_proj / v_proj): what calibrated KV cache scales
-    (amax / 448) are made of; |Q| is recorded too. Returns a :class:`quantcore.kvcache.KvAmax`."""
+    (amax / 448) are made of; |Q| is recorded too. Returns a :class:`quantcore.kvcache.KvAmax`.
+    ``gptq_cache``: see :func:`score_plan` (the score that follows reuses its GPTQ-rounded weights)."""
     from quantcore.kvcache import kv_amax_observed
 
     ids = as_token_batch(input_ids)
     ranges = batch_ranges(ids.shape[0], batch_size)
     with plan_applied(model, plan, act_amax=act_amax, act_channel_max=act_channel_max,
-                      weight_hessians=weight_hessians, awq=awq), kv_amax_observed(model) as amax:
+                      weight_hessians=weight_hessians, awq=awq, gptq_cache=gptq_cache), \
+            kv_amax_observed(model) as amax:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"KV cache calibration (batch {i + 1} of {len(ranges)})")
             forward_logits(model, ids[s:e])
@@ -760,6 +763,7 @@ def score_plan(
     kv_skip: Sequence[str] = (),
     weight_hessians: Mapping[str, Tensor] | None = None,
     awq: AwqResult | None = None,
+    gptq_cache: dict[str, Tensor] | None = None,
 ) -> ScoreReport:
     """Score ``plan`` (``{layer: Scheme}``) on ``input_ids`` ``[S, L]`` against ``reference``.
 
@@ -774,6 +778,8 @@ def score_plan(
         attention layers keep the model's dtype (:func:`quantcore.kvcache.kv_skip_layers`).
     weight_hessians: ``{layer: Hessian}`` for the layers whose scheme rounds with GPTQ (see :func:`plan_applied`).
     awq: AWQ's factors for the layers whose scheme scales with AWQ (see :func:`plan_applied`).
+    gptq_cache: GPTQ-rounded weights to reuse and fill (see :func:`quantcore.apply.apply_plan`): the same dict
+        given to :func:`calibrate_kv_cache` before rounds each GPTQ layer once for both.
     """
     from quantcore.checkpoint import attention_windows
     from quantcore.kvcache import attention_modules, get_kv_format, kv_cache_quantized, kv_skip_layers
@@ -795,7 +801,7 @@ def score_plan(
     agree = torch.empty(reference.nll.shape, dtype=torch.bool)
     with plan_applied(
         model, plan, act_amax=act_amax, act_channel_max=act_channel_max, track_saturation=True,
-        weight_hessians=weight_hessians, awq=awq,
+        weight_hessians=weight_hessians, awq=awq, gptq_cache=gptq_cache,
     ) as ctx, kv_cache_quantized(model, kv, amax=kv_amax, skip=skip) as kv_ctx:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"scoring (batch {i + 1} of {len(ranges)})")

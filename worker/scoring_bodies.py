@@ -169,7 +169,7 @@ def _awq_summary(found) -> dict[str, Any]:
 
 
 def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_channel_max=None, weight_hessians=None,
-             awq=None):
+             awq=None, gptq_cache=None):
     """Per-layer K/V amax for a calibrated KV format, with ``plan`` applied, on the calibration tokens
     (params['cal_dataset'] or the built-in text), never the evaluation text; None for a format without
     calibrated scales."""
@@ -179,7 +179,8 @@ def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_chann
         return None
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
     return calibrate_kv_cache(model, plan, cal_ids, act_amax=act_amax, act_channel_max=act_channel_max,
-                              should_cancel=ctx.should_cancel, weight_hessians=weight_hessians, awq=awq)
+                              should_cancel=ctx.should_cancel, weight_hessians=weight_hessians, awq=awq,
+                              gptq_cache=gptq_cache)
 
 
 def score(ctx: JobContext) -> Outcome:
@@ -207,12 +208,13 @@ def score(ctx: JobContext) -> Outcome:
     cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, gptq or awq_needed or kv.calibrated)
     hessians = _hessians(ctx, model, plan, cal_ids, cal_text)
     awq = _awq(ctx, rec, model, plan, cal_ids, cal_text)
-    kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians, awq)
+    gptq_cache: dict = {}  # the KV cache calibration and the score round each GPTQ layer once between them
+    kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians, awq, gptq_cache)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
-                        weight_hessians=hessians, awq=awq, progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m),
-                        should_cancel=ctx.should_cancel)
+                        weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache,
+                        progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
     rep = report.to_dict()
     if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
         rep["calibration"] = f"{cal_text}, {cal_ids.shape[0]} × {cal_ids.shape[1]} tokens"

@@ -599,3 +599,32 @@ def test_head_spread_ranks_the_layers_whose_heads_differ_most() -> None:
     amax = {"k_head": {"a": [8.0, 2.0], "b": [1.0, 1.0]}, "v_head": {"a": [3.0, 1.0], "c": [0.0, 1.0]}}
     assert kv_head_spread(amax) == [("a", "K", 4.0), ("a", "V", 3.0), ("b", "K", 1.0)]  # an all-zero head: no ratio
     assert kv_head_spread({"k": {"a": 1.0}}) == [] == kv_head_spread(None)
+
+
+def test_kv_calibration_and_score_round_each_gptq_layer_once(monkeypatch) -> None:
+    """A GPTQ plan scored with a calibrated KV cache: the calibration and the score share one gptq_cache, so GPTQ
+    runs once per layer (the score job's own order), and the score is the one without the cache, bit for bit."""
+    import quantcore.apply as apply_mod
+    from quantcore.gptq import collect_hessians
+
+    model = build_tiny_model("llama")
+    ids = _ids(4)
+    plan = {n: "W4A16_GPTQ" for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    hessians = collect_hessians(model, list(plan), ids)
+    ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
+    calls: list[int] = []
+    real = apply_mod.gptq_quantize
+    monkeypatch.setattr(apply_mod, "gptq_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def score(cache):
+        amax = calibrate_kv_cache(model, plan, ids, weight_hessians=hessians, gptq_cache=cache)
+        return score_plan(model, plan, ids, ref, kv_cache="FP8", kv_amax=amax, weight_hessians=hessians,
+                          gptq_cache=cache)
+
+    plain = score(None)
+    assert len(calls) == 2 * len(plan)  # rounded for the calibration, and again for the score
+    calls.clear()
+    shared = score({})
+    assert len(calls) == len(plan)
+    assert shared.kl_mean == plain.kl_mean and shared.top1_agree == plain.top1_agree
