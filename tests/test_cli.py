@@ -606,6 +606,20 @@ def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys,
     assert code == 0 and f"calibrated on: #{own['job']} W8A16_GPTQ: {stored[own['job']]}" in out
     code, _, err = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args, "--cal-samples", "0")
     assert code != 0 and "--cal-samples must be at least 1" in err
+    # with a calibrated KV cache too: both calibrate on the same text, GPTQ rounding each layer once for the job
+    import quantcore.apply as apply_mod
+
+    rounded: list[int] = []
+    real = apply_mod.gptq_quantize
+    apply_mod.gptq_quantize = lambda *a, **k: rounded.append(1) or real(*a, **k)
+    try:
+        kv = run_json(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", "--kv-cache", "FP8", *args,
+                      "--cal-samples", "4")
+    finally:
+        apply_mod.gptq_quantize = real
+    assert kv["kv_calibration_text"] == kv["gptq_calibration_text"] == "builtin:lee_background.cor"
+    assert kv["kv_cache"] == "FP8" and kv["kl_mean"] > 0
+    assert len(rounded) == len(svc.get_model("tiny").linears)  # each linear once, lm_head too
     sweep = run_json(capsys, "sensitivity", "tiny", "--scheme", "W4A16_GPTQ", *args, "--cal-samples", "4")
     assert svc.get_job(sweep["job"]).result["calibration_tokens"] == [4, 256]
     assert sweep["scheme"] == "W4A16_GPTQ" and len(sweep["layers"]) == 2 * 4 + 1  # q/k/v, o, gate/up, down; head
