@@ -690,8 +690,8 @@ def weight_storage_bits(scheme: Scheme | str, n: int, k: int) -> int:
 
     Elements at the format's width, plus the scales (:data:`SCALE_BITS` each, or the block
     format's own scale type), plus NVFP4's fp32 tensor scale, plus an asymmetric weight's zero points. An
-    unquantized weight is 16 bits per element. SmoothQuant changes no storage (the factors fold into the previous layer), and
-    biases are left out (they stay 16-bit whatever the scheme). This is the weight memory a GPU
+    unquantized weight is 16 bits per element. SmoothQuant changes no storage (the factors fold into the
+    previous layer), and biases are left out (they stay 16-bit whatever the scheme). This is the weight memory a GPU
     holds and, in a memory-bound decode step, the bytes it reads per token.
     """
     scheme = get_scheme(scheme)
