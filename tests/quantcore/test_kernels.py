@@ -391,8 +391,10 @@ def test_int4_weight_only_kernel_agrees_with_the_int4_emulation(path: str) -> No
     torch.testing.assert_close(out, x @ w_q.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("scheme", ["W4A16_ASYM", "W4A16_G64_ASYM"])
-def test_int4_weight_only_kernel_serves_zero_points(scheme: str) -> None:
+def test_int4_weight_only_kernel_serves_zero_points(scheme: str, device: str) -> None:
     """The INT4 kernel dequantizes (q - 8) * scale + zero per group: with zero = -zero_point * scale it computes
     compressed-tensors' (code - zero_point) * scale, so the _ASYM presets run on the same kernel (and timing them on
     its w4 path is honest); its output is quantcore's asymmetric emulation."""
@@ -409,9 +411,12 @@ def test_int4_weight_only_kernel_serves_zero_points(scheme: str) -> None:
     codes = torch.round(torch.clamp(w.reshape(48, -1, g) / scale.unsqueeze(-1) + zp.unsqueeze(-1), -8, 7))
     codes = codes.reshape(48, 256).to(torch.int8)
     sz = torch.stack([scale.t(), (-zp * scale).t()], dim=-1).contiguous()  # [K / group, N, 2]
-    out = kn.int4_weight_mm(x, kn.pack_int4(codes, "cpu"), sz, "cpu", g)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # tinygemm on CUDA reads bf16 scales and zeros
+    out = kn.int4_weight_mm(x.to(device, dtype), kn.pack_int4(codes.to(device), device), sz.to(device, dtype),
+                            device, g).float().cpu()
     want = x @ fake_quantize_weight(w, spec)[0].t()
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if device == "cpu" else 3e-2  # bf16 activations, scales and output on CUDA
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
     assert not torch.allclose(out, x @ fake_quantize_weight(w, get_scheme(scheme.replace("_ASYM", "")).weights)[0].t(),
                               rtol=1e-3, atol=1e-3)
 
