@@ -920,11 +920,8 @@ def weight_scale(weight: torch.Tensor, spec: TensorSpec, *, tensor_scale: torch.
     if grid is None:
         q = quantize(weight, spec.format, **_spec_args(spec), scale=tensor_scale)
         return q.scale if q.tensor_scale is None else q.scale * q.tensor_scale
-    if not spec.symmetric:  # the group's range over all its levels: (max - min) / 15 for int4
-        lo, hi = _weight_min_max(weight, spec)
-        span = hi - lo
-        scale = (span.double() / (grid.qmax - grid.qmin)).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
-        return torch.where(span > 0, scale, torch.ones_like(scale))
+    if not spec.symmetric:
+        return _asym_scale(*_weight_min_max(weight, spec), grid)
     amax = compute_amax(weight, **_spec_args(spec))
     scale = (amax.double() / grid.divisor).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
@@ -942,6 +939,17 @@ def _weight_min_max(weight: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tenso
     return lo, hi
 
 
+def _asym_scale(lo: torch.Tensor, hi: torch.Tensor, grid: IntWeightGrid) -> torch.Tensor:
+    """The group's range over all its levels, (max - min) / 15 for int4 (1 for an all-zero group)."""
+    span = hi - lo
+    scale = (span.double() / (grid.qmax - grid.qmin)).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
+    return torch.where(span > 0, scale, torch.ones_like(scale))
+
+
+def _asym_zero_point(lo: torch.Tensor, scale: torch.Tensor, grid: IntWeightGrid) -> torch.Tensor:
+    return torch.round(torch.clamp(grid.qmin - lo / scale, grid.qmin, grid.qmax))
+
+
 @torch.no_grad()
 def weight_zero_point(weight: torch.Tensor, spec: TensorSpec, scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """An asymmetric int weight's zero points, in the granularity's scale shape (None for a symmetric spec).
@@ -954,9 +962,9 @@ def weight_zero_point(weight: torch.Tensor, spec: TensorSpec, scale: torch.Tenso
     if spec.symmetric:
         return None
     grid = int_weight_grid(spec.format)
-    s = weight_scale(weight, spec) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
-    lo, _ = _weight_min_max(weight, spec)
-    return torch.round(torch.clamp(grid.qmin - lo / s, grid.qmin, grid.qmax))
+    lo, hi = _weight_min_max(weight, spec)
+    s = _asym_scale(lo, hi, grid) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
+    return _asym_zero_point(lo, s, grid)
 
 
 def fused_tensor_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -1010,11 +1018,16 @@ def fake_quantize_weight(
         if report:
             return fake_quantize_with_report(weight, spec.format, **_spec_args(spec), scale=scale)
         return fake_quantize(weight, spec.format, **_spec_args(spec), scale=scale), QuantReport(0, 0, 0, 0, 0)
-    s = weight_scale(weight, spec) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
+    zp = None
+    if spec.symmetric:
+        s = weight_scale(weight, spec) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
+    else:  # scale and zero point from one min / max pass
+        lo, hi = _weight_min_max(weight, spec)
+        s = _asym_scale(lo, hi, grid) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
+        zp = _asym_zero_point(lo, s, grid)
     w = weight.to(_work_dtype(weight))
     S = element_scales(s, spec, tuple(w.shape)).to(w.dtype)
     y = w / S
-    zp = weight_zero_point(weight, spec, s)
     if zp is None:
         deq = round_to_weight_grid(y.clone(), spec.format) * S
     else:  # compressed-tensors' order: x / scale + zero_point, rounded and clamped, minus zero_point, times scale
