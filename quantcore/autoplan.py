@@ -359,8 +359,8 @@ def _layer_costs(
         for s in schemes:
             scheme = get_scheme(s)
             out[s] = {
-                n: LayerCost(n, s, _bits_cost(scheme, tuple(shapes[n])) + untied_embedding_bits(
-                    {n: scheme}, shapes, [n] if n in tied else []), COST_BITS)
+                n: LayerCost(n, s, _bits_cost(scheme, tuple(shapes[n]))
+                             + untied_embedding_bits({n: scheme}, shapes, tied), COST_BITS)
                 for n in layer_names
             }
         return out

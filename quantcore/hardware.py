@@ -564,16 +564,15 @@ class PathSupport:
     note: str
 
 
-#: Kernel paths reported by :func:`device_paths` (the benchmark paths of
-#: ``quantcore.kernels`` plus FP4, which is reported but not benchmarked).
-DEVICE_PATHS: tuple[str, ...] = ("baseline", "fp8_tensor", "fp8_row", "int8_row", "w8_row", "w4_g128", "w4_g64",
-                                  "fp4")
 WEIGHT_ONLY_NOTE = {  # what a weight-only kernel does, for the notes of device_paths
     "w8_row": "torch._weight_int8pack_mm reads INT8 weights and dequantizes them inside the kernel",
     "w4_g128": "the INT4 weight-only kernel reads packed 4-bit weights and dequantizes them inside the kernel",
     "w4_g64": "the INT4 weight-only kernel, groups of 64 (W4A16_G64), reads packed 4-bit weights and dequantizes them "
               "inside the kernel",
 }
+#: Kernel paths reported by :func:`device_paths` (the benchmark paths of
+#: ``quantcore.kernels`` plus FP4, which is reported but not benchmarked).
+DEVICE_PATHS: tuple[str, ...] = ("baseline", "fp8_tensor", "fp8_row", "int8_row", *WEIGHT_ONLY_NOTE, "fp4")
 
 
 def _try_tiny(device: str, path: str) -> str | None:
@@ -599,7 +598,7 @@ def _try_tiny(device: str, path: str) -> str | None:
                 a = torch.ones(m, k, device=device, dtype=torch.int8)
                 b = torch.ones(n, k, device=device, dtype=torch.int8)
                 torch._int_mm(a, b.t())
-            elif path in ("w8_row", "w4_g128", "w4_g64"):
+            elif path in WEIGHT_ONLY_NOTE:
                 from quantcore.kernels import W4_GROUP, W4_GROUPS, int4_weight_mm, pack_int4
 
                 kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -609,8 +608,7 @@ def _try_tiny(device: str, path: str) -> str | None:
                 if path == "w8_row":
                     torch._weight_int8pack_mm(x, codes, torch.ones(n, device=device, dtype=dtype))
                 else:
-                    sz = torch.zeros(1, n, 2, device=device, dtype=dtype)
-                    sz = sz.expand(W4_GROUP // W4_GROUPS[path], n, 2).contiguous()  # one scale per group
+                    sz = torch.zeros(W4_GROUP // W4_GROUPS[path], n, 2, device=device, dtype=dtype)  # per group
                     int4_weight_mm(x, pack_int4(codes, kind), sz, kind, W4_GROUPS[path])
             if device.startswith("cuda"):
                 torch.cuda.synchronize()

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import Cancelled
+from quantcore.schemes import W4_GROUP_SIZE, W4_SMALL_GROUP_SIZE
 
 if TYPE_CHECKING:  # torch is imported inside functions: importing this module stays cheap
     import torch
@@ -114,8 +115,8 @@ SCALED_MM_MULTIPLE_CUDA = 16  # _scaled_mm: "trailing dimension of mat1 ... divi
 #                               "mat2 shape (KxN) must be divisible by 16"
 # torch's CPU kernels have no such limits (checked here with torch 2.13: M=1, K=63, N=30 run),
 # except the INT4 weight-only one:
-W4_GROUP = 128  # the group of the W4A16 preset (quantcore.schemes.W4_GROUP_SIZE); K must be a multiple
-W4_GROUPS = {PATH_W4_G128: W4_GROUP, PATH_W4_G64: 64}  # each INT4 path's group (W4A16, W4A16_G64)
+W4_GROUP = W4_GROUP_SIZE  # the group of the W4A16 preset; K must be a multiple
+W4_GROUPS = {PATH_W4_G128: W4_GROUP, PATH_W4_G64: W4_SMALL_GROUP_SIZE}  # each INT4 path's group (W4A16, W4A16_G64)
 W4_INNER_K_TILES = 8  # tinygemm's packing: K a multiple of 8 x 16 = 128 on CUDA
 W4_N_MULTIPLE = {"cpu": 16, "cuda": 8}  # "_convert_weight_to_int4pack_cpu: expect N to be dividable by 16"
 INT4_QMAX = 7  # symmetric INT4 grid [-7, 7] (quantcore's int4), stored as q + 8 in [1, 15]
