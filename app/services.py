@@ -362,7 +362,7 @@ def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: st
     from quantcore.kernels import step_estimate as estimate
 
     return estimate(kernel_records(device_name), layer_shapes(model), layer_paths(model, plan_body),
-                    m_prefill=m_prefill, m_decode=m_decode)
+                    m_prefill=m_prefill, m_decode=m_decode, routed=routed_layers(model))
 
 
 def step_breakdown(est: dict[str, Any]):
@@ -396,6 +396,14 @@ def kernel_records(device_name: str):
 def layer_shapes(model: ModelRecord) -> dict[str, tuple[int, int]]:
     """{layer: (N, K)} of every linear of the model."""
     return {lin["name"]: (lin["out_features"], lin["in_features"]) for lin in model.linears}
+
+
+def routed_layers(model: ModelRecord):
+    """{routed expert linear: quantcore.routing.Routing} of an MoE model (empty for a dense one): step times
+    count an expert's expected share of a step."""
+    from quantcore.routing import routed_layers as routed
+
+    return routed(layer_names(model), model.moe)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -536,7 +544,7 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     for sc in sorted(scores, key=lambda s: s.job_id):
         newest[(sc.plan_id, sc.plan_label)] = sc
     records = kernel_records(device_name) if device_name else None
-    shapes = layer_shapes(model)
+    shapes, routed = layer_shapes(model), routed_layers(model)
     rows = []
     for sc in sorted(newest.values(), key=lambda s: (s.kl_mean, s.job_id)):
         resolved, _ = resolve(model, sc.plan_body)
@@ -556,12 +564,12 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
                 if seq is not None:
                     row["serving_gib"] = (served_weight_bytes(model, fp, resolved)[0] + serve[0] * seq) / 2**30
             if target is not None:
-                prefill, decode = (bound(resolved, shapes, target, m) for m in (ideal_m_prefill, ideal_m_decode))
+                prefill, decode = (bound(resolved, shapes, target, m, routed) for m in (ideal_m_prefill, ideal_m_decode))
                 if not decode.unsupported:  # a plan the target cannot serve has no step time there
                     row.update(ideal_prefill_ms=prefill.ms, ideal_decode_ms=decode.ms)
             if records is not None and m_prefill is not None and m_decode is not None:
                 est = estimate(records, shapes, {n: scheme_path(s) for n, s in resolved.items()},
-                               m_prefill=m_prefill, m_decode=m_decode)
+                               m_prefill=m_prefill, m_decode=m_decode, routed=routed)
                 for step in ("prefill", "decode"):
                     if not est[f"missing_{step}"]:
                         row[f"{step}_ms"] = est[f"{step}_ms"]
@@ -591,7 +599,8 @@ def preset_options(model: ModelRecord) -> dict[str, str]:
 
 FUSION_REASON = ("q/k/v (and gate/up) of a block read the same input and are fused into one GEMM when "
                  "served, so they share one weight format and one activation scale: a scheme set on one "
-                 "of them is set on the whole group.")
+                 "of them is set on the whole group. The routed experts of an MoE block are one fused MoE "
+                 "layer when served, with one quantization method, so they too share one scheme.")
 
 
 def layer_names(model: ModelRecord) -> list[str]:
@@ -678,12 +687,13 @@ def resolved_or_raise(model: ModelRecord, body: dict[str, Any]):
 
 
 def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, scheme: str) -> tuple[dict, list]:
-    """The plan body with `scheme` set on `layer` and on every member of its fusion group."""
+    """The plan body with `scheme` set on `layer` and on every layer that must share it (its fusion group, or
+    every routed expert of its MoE block)."""
     from quantcore.plans import PlanSpec
-    from quantcore.schemes import fusion_group_of
+    from quantcore.schemes import plan_unit_of
 
     spec = PlanSpec.from_dict(body)
-    group = fusion_group_of(layer, layer_names(model))
+    group = plan_unit_of(layer, layer_names(model))
     for member in group:
         spec.layers[member] = scheme
     return spec.to_dict(), group
@@ -697,7 +707,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
 
     from quantcore.hardware import support_on_target
     from quantcore.plans import group_misfits
-    from quantcore.schemes import fusion_group_of
+    from quantcore.schemes import fusion_units
 
     resolved, _ = resolve(model, body)
     ratios: dict[str, float] = {}
@@ -707,7 +717,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             ratios = {r["name"]: r["outlier_ratio"] for r in repo.stats_overview(s, cals[0].id)}
     sens, unit_layers = sensitivity_map(model)  # {scheme: {unit: KL}}: a layer's KL depends on its scheme
     unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
-    names = layer_names(model)
+    shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
     rows = []
     for lin in model.linears:
         name = lin["name"]
@@ -719,14 +729,13 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             support = support_on_target(target, w, a)
             if group_misfits({name: scheme}, {name: (lin["out_features"], lin["in_features"])}):
                 support += ", partial group"
-        group = fusion_group_of(name, names)
         scheme_name = scheme.name if scheme else body.get("default")
         rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"],
                      "outlier_ratio": ratios.get(name),
                      "sensitivity_kl": sens.get(str(scheme_name), {}).get(unit_of.get(name, name)),
                      "scheme": scheme_name,
                      "alpha": scheme.smoothquant_alpha if scheme else None,
-                     "on_target": support, "fused_with": len(group) - 1})
+                     "on_target": support, "fused_with": shared.get(name, 0)})
     return pd.DataFrame(rows)
 
 
@@ -848,7 +857,7 @@ def step_bound(model: ModelRecord, body: dict[str, Any], target: str, m: int):
     time where nothing was measured); ValueError with the plan's problems when it does not resolve."""
     from quantcore.roofline import step_bound as bound
 
-    return bound(resolved_or_raise(model, body), layer_shapes(model), target, m)
+    return bound(resolved_or_raise(model, body), layer_shapes(model), target, m, routed_layers(model))
 
 
 def mib_text(bits: float) -> str:
@@ -1138,11 +1147,13 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     table, source = None, COST_MEASURED
     device_name = measured_device_for(target) if cost == "auto" else None
     if device_name:
-        table = cost_from_kernel_records(kernel_records(device_name), shapes, cands, m=m, target=target)
+        table = cost_from_kernel_records(kernel_records(device_name), shapes, cands, m=m, target=target,
+                                         routed=routed_layers(model))
         if not table.get("BF16"):
             table = None
     if cost == "ideal":
-        table, source = cost_from_roofline(sorted(set(cands) | {"BF16"}), shapes, target, m), COST_IDEAL
+        table = cost_from_roofline(sorted(set(cands) | {"BF16"}), shapes, target, m, routed_layers(model))
+        source = COST_IDEAL
     result = solve(layer_names(model), sens, kl_budget=kl_budget - kv_kl, target=target, candidates=cands,
                    cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source,
                    tied=model.tied_linears)

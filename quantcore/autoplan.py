@@ -70,6 +70,7 @@ from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
 from quantcore.plans import group_label, group_misfits, regrouped_preset, scheme_label, untied_embedding_bits
+from quantcore.routing import Routing, step_share
 from quantcore.schemes import (
     IDENTITY_BITS,
     Scheme,
@@ -398,8 +399,10 @@ def cost_from_kernel_records(
     *,
     m: int,
     target: str | None = None,
+    routed: Mapping[str, Routing] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Per-layer GEMM times {scheme: {layer: ms}} at M = ``m`` tokens, from kernel benchmark records.
+    """Per-layer GEMM times {scheme: {layer: ms}} at M = ``m`` tokens, from kernel benchmark records (a routed
+    expert of an MoE model, ``routed``: its expected share, as :func:`quantcore.kernels.step_estimate` counts it).
 
     ``records`` are :class:`quantcore.kernels.KernelRecord` or their dicts, from one device.
     BF16 takes the ``baseline`` path; another scheme takes the path
@@ -441,7 +444,7 @@ def cost_from_kernel_records(
             continue
         row = {}
         for layer, (n, k) in layer_shapes.items():
-            t = times.get((m, n, k, path))
+            t = step_share(times, m, n, k, path, (routed or {}).get(layer))
             if t is not None:
                 row[layer] = float(t)
         if row:

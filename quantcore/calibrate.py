@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from quantcore.errors import Cancelled
+from quantcore.moe import all_experts
 from quantcore.stats import HIST_BINS, HIST_BINS_PER_OCTAVE, HIST_LOG2_MAX, HIST_LOG2_MIN, LayerStats
 
 ProgressFn = Callable[[float, str], None]
@@ -291,7 +292,7 @@ class Calibration:
                    for acc in self.layers.values()]
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), all_experts():  # an MoE model's experts see every token (quantcore.moe)
                 self.model(input_ids=input_ids.to(self._device), **self._kwargs)
         finally:
             for handle in handles:

@@ -140,6 +140,11 @@ class CheckpointSummary:
     # nn.Linear layers whose weight is an input embedding's (lm_head when tie_word_embeddings: SmolLM2, Gemma,
     # Qwen2.5-0.5B); None: summarised before this was kept
     tied_linears: list[str] | None = None
+    # a mixture-of-experts model's routed experts, split into one linear per expert and projection
+    # (quantcore.moe): {"experts": E per block, "top_k": experts per token, "blocks": [module names]}; None: dense
+    moe: dict[str, Any] | None = None
+    # fused experts modules of a layout quantcore.moe cannot split (gpt-oss): their weights are in no plan
+    unsplit_experts: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (linears as a list of dicts)."""
@@ -473,12 +478,17 @@ def _load_config(folder: Path) -> PretrainedConfig:
 
 
 def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The model built from its config on the meta device: shapes without memory or init time."""
+    """The model built from its config on the meta device: shapes without memory or init time (an MoE
+    model's experts split into linears, as :func:`load_model` splits them)."""
     import torch
+
+    from quantcore.moe import split_experts
 
     try:
         with torch.device("meta"):
-            return _auto_class(config).from_config(config, trust_remote_code=False)
+            model = _auto_class(config).from_config(config, trust_remote_code=False)
+        split_experts(model)
+        return model
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
         raise CheckpointError(f"transformers cannot build a {config.model_type} model from {CONFIG_FILE} "
                               f"({type(exc).__name__}: {exc}); check the configuration values") from exc
@@ -527,8 +537,11 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
     raw_config, tensors = _validate(folder)
     check_model_type(raw_config["model_type"])
     config = _load_config(folder)
+    from quantcore.moe import LinearExperts, moe_summary, unsplit_experts
+
     model = _meta_model(config)
     _check_shapes(model, tensors)
+    blocks = [name for name, m in model.named_modules() if isinstance(m, LinearExperts)]
     text_config = _text_config(config)
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     return CheckpointSummary(
@@ -544,6 +557,8 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         causal_lm=_is_causal_lm(config),
         attention_windows=attention_windows(model),
         tied_linears=_tied_linears(model),
+        moe=moe_summary(model, config, blocks),
+        unsplit_experts=unsplit_experts(model),
     )
 
 
@@ -954,4 +969,7 @@ def load_model(folder: Path, *, device: str = "cpu", dtype: torch.dtype | str | 
         tokenizer = AutoTokenizer.from_pretrained(folder, **options)
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
         raise CheckpointError(f"cannot load the checkpoint in {folder} ({type(exc).__name__}: {exc})") from exc
+    from quantcore.moe import split_experts
+
+    split_experts(model)
     return model.to(device).eval(), tokenizer

@@ -87,6 +87,7 @@ from quantcore.schemes import (
     Granularity,
     Scheme,
     TensorSpec,
+    expert_blocks,
     fusion_groups,
     get_scheme,
     list_schemes,
@@ -744,8 +745,9 @@ def compact_targets(members: Sequence[str], universe: Sequence[str]) -> list[str
 
     Layers repeated across decoder blocks collapse into one ``re:`` pattern: the leaf name
     (``re:.*\\.down_proj$``) when every such layer is a member, a block-index alternation
-    (``re:model\\.layers\\.(?:0|5)\\.mlp\\.down_proj$``) when only some are; anything else is
-    listed by its exact name. Every pattern is checked against ``universe``.
+    (``re:model\\.layers\\.(?:0|5)\\.mlp\\.down_proj$``) when only some are; the routed experts of whole
+    MoE blocks into one pattern over every expert (``re:.*\\.experts\\.\\d+\\.(?:down_proj|gate_proj|up_proj)$``)
+    or over some blocks; anything else is listed by its exact name. Every pattern is checked against ``universe``.
     """
     member_set = set(members)
     universe = list(universe)
@@ -755,6 +757,24 @@ def compact_targets(members: Sequence[str], universe: Sequence[str]) -> list[str
     def ok(pattern: str) -> set[str] | None:
         hits = {u for u in universe if _re_matches(pattern, u)}
         return hits if hits and hits <= member_set else None
+
+    # the routed experts of MoE blocks (a plan gives a block's experts one scheme): one pattern for the blocks
+    blocks = {block: layers for block, layers in expert_blocks(universe).items() if set(layers) <= member_set}
+    if blocks:
+        leaves = "|".join(sorted({m.rsplit(".", 1)[-1] for b in blocks.values() for m in b}))
+        names = {m for b in blocks.values() for m in b}
+        templates = {_template(block) for block in blocks}
+        candidates = [f"re:.*\\.experts\\.\\d+\\.(?:{leaves})$"]
+        if len({(t[0], t[2]) for t in templates if t is not None}) == 1 and None not in templates:
+            prefix, _, suffix = next(iter(templates))
+            idx = "|".join(t[1] for t in sorted(templates, key=lambda t: int(t[1])))
+            candidates.append(f"re:{re.escape(prefix)}\\.(?:{idx})\\.{re.escape(suffix)}\\.\\d+\\.(?:{leaves})$")
+        for pattern in candidates:
+            hits = ok(pattern)
+            if hits is not None and names <= hits:
+                out.append(pattern)
+                covered |= hits
+                break
 
     by_template: dict[tuple[str, str], list[str]] = {}
     for u in universe:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from quantcore.errors import Cancelled, PlanError, name_list
+from quantcore.moe import all_experts
 from quantcore.quantize import element_scales, round_to_weight_grid, weight_scale, weight_zero_point
 from quantcore.schemes import (
     GPTQ_ACTORDER,
@@ -274,7 +275,8 @@ def collect_hessians(
             if should_cancel is not None and should_cancel():
                 raise Cancelled("cancelled while collecting GPTQ Hessians")
             try:
-                model(input_ids=b)
+                with all_experts():  # an MoE model's experts see every token, as in llm-compressor's oneshot
+                    model(input_ids=b)
             except _Stop:
                 pass
             if progress is not None:

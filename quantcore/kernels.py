@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import Cancelled
+from quantcore.routing import Routing, step_share
 from quantcore.schemes import W4_GROUP_SIZE, W4_SMALL_GROUP_SIZE
 
 if TYPE_CHECKING:  # torch is imported inside functions: importing this module stays cheap
@@ -856,6 +857,7 @@ def step_estimate(
     m_prefill: int,
     m_decode: int,
     quant_act: bool = True,
+    routed: Mapping[str, Routing] | None = None,
 ) -> dict[str, Any]:
     """Estimated GEMM time of one prefill and one decode step for a plan.
 
@@ -867,7 +869,10 @@ def step_estimate(
     The step time is the sum over layers of the measured time at that layer's (M, N, K)
     and path, M = ``m_prefill`` or ``m_decode`` (batch x tokens); no interpolation: a
     layer whose case was not measured (absent or skipped) is listed under ``missing_*``
-    and left out of the sum. Returns::
+    and left out of the sum. A routed expert of an MoE model (``routed``: {layer:
+    :class:`quantcore.routing.Routing`}) counts its expected share: the time at the M of one
+    touched expert (``Routing.expert_m``, which the benchmark of an MoE model times) times the
+    chance the step touches it. Returns::
 
         {"m_prefill", "m_decode",
          "prefill_ms", "decode_ms",                    # plan, measured layers only
@@ -893,6 +898,7 @@ def step_estimate(
     tot = {"prefill": 0.0, "decode": 0.0, "base_prefill": 0.0, "base_decode": 0.0}
     common = {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}  # [plan, baseline] over layers with both
     missing: dict[str, list[str]] = {"prefill": [], "decode": [], "baseline": []}
+    routed = routed or {}
     for name, (n, k) in layer_shapes.items():
         path = layer_paths.get(name) or PATH_BASELINE
         if path not in valid:
@@ -900,8 +906,8 @@ def step_estimate(
         path = timed_path(path, quant_act)
         entry: dict[str, Any] = {"path": path}
         for step, m in (("prefill", m_prefill), ("decode", m_decode)):
-            t = times.get((int(m), int(n), int(k), path))
-            b = times.get((int(m), int(n), int(k), PATH_BASELINE))
+            t = step_share(times, int(m), int(n), int(k), path, routed.get(name))
+            b = step_share(times, int(m), int(n), int(k), PATH_BASELINE, routed.get(name))
             entry[f"{step}_ms"] = t
             if t is None:
                 missing[step].append(name)

@@ -57,6 +57,8 @@ from quantcore.schemes import (
     IDENTITY_BITS,
     Granularity,
     Scheme,
+    expert_block,
+    expert_blocks,
     fusion_groups,
     get_scheme,
     list_schemes,
@@ -338,7 +340,7 @@ def resolve_plan(
     Order of precedence: ``default`` < rules (later rules win) < ``layers``; alpha:
     preset < global ``smoothquant_alpha`` (smoothing schemes only) < ``layer_alpha``.
     With ``enforce_fusion``, every fusion group (q/k/v, gate/up of a block) must
-    resolve to one scheme (alpha included).
+    resolve to one scheme (alpha included), and so must the routed experts of an MoE block.
     """
     names = list(layer_names)
     known = set(names)
@@ -426,6 +428,14 @@ def resolve_plan(
                 problems.append(
                     f"fusion group {group_label(group)} mixes schemes ({members}); a serving engine runs "
                     "these layers as one GEMM, so set them together (one rule or override for the whole group)"
+                )
+        for block, members in expert_blocks(names).items():
+            schemes = sorted({scheme_label(resolved[m]) for m in members})
+            if len(schemes) > 1:
+                problems.append(
+                    f"the experts of {block} mix schemes ({', '.join(schemes)}); vLLM runs every expert and "
+                    "projection of an MoE block as one fused MoE layer with one quantization method, so give "
+                    f"them one scheme (a rule such as {{match: '{re.escape(block)}\\.', scheme: ...}})"
                 )
     if problems:
         raise PlanError(_format_problems(_plan_title(spec), problems))
@@ -735,6 +745,9 @@ def group_label(group: Sequence[str]) -> str:
     """
     if len(group) == 1:
         return group[0]
+    blocks = {expert_block(g) for g in group}
+    if len(blocks) == 1 and None not in blocks:
+        return f"{blocks.pop()}.* ({len(group)} expert linears)"
     prefix = _common_prefix(group)
     suffix = _common_prefix([g[len(prefix) :][::-1] for g in group])[::-1]
     middles = [g[len(prefix) : len(g) - len(suffix)] for g in group]

@@ -12,6 +12,10 @@ INT4 shrinks the first term and leaves the second; FP8 W8A8 halves both on a GPU
 FP8 tensor cores run at twice the bf16 rate. A decode step (B = the batch) is bound by
 the weight read, a prefill (B = batch x prompt tokens) by the math.
 
+A routed expert of a mixture-of-experts model (``routed``: {layer: :class:`quantcore.routing.Routing`}) counts
+its expected share of a step: its weight read times the chance a token of the step reaches it, its math on
+the tokens it gets (``m * top_k / experts`` on average).
+
 What the bound counts: the plan's linear layers only (embeddings, attention over the KV
 cache, norms and activations are left out; :func:`kv_read_ms` bounds the KV cache read of a
 decode step apart, to add at a given context), weights at their stored size
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 from quantcore.hardware import get_target, support_on_target
 from quantcore.plans import scheme_label
+from quantcore.routing import Routing
 from quantcore.schemes import Scheme, get_scheme, weight_storage_bits
 
 BF16_KEY = "bf16"
@@ -78,32 +83,37 @@ class LayerBound:
         return max(self.memory_ms, self.compute_ms)
 
 
-def layer_bound(scheme: Scheme | str, n: int, k: int, target_key: str, m: int) -> LayerBound:
-    """The roofline terms of one (N, K) linear under ``scheme`` at ``m`` tokens on a target GPU."""
+def layer_bound(scheme: Scheme | str, n: int, k: int, target_key: str, m: int,
+                routing: Routing | None = None) -> LayerBound:
+    """The roofline terms of one (N, K) linear under ``scheme`` at ``m`` tokens on a target GPU (a routed
+    expert's: its expected share of the step)."""
     target = get_target(target_key)
     scheme = get_scheme(scheme)
     w, a = scheme.weights, scheme.activations
     support = "native" if w is None else support_on_target(target_key, w.format, a.format if a else None)
     # the math runs on the low-precision tensor cores only where the activations are quantized natively
     key = MATH_KEY.get(a.format, BF16_KEY) if (a is not None and support == "native") else BF16_KEY
-    return LayerBound(memory_ms=weight_storage_bits(scheme, n, k) / 8 / (target.memory_tbs * 1e12) * 1e3,
-                      compute_ms=2.0 * m * n * k / (target.peak_tflops[key] * 1e12) * 1e3, support=support)
+    reads, tokens = (1.0, m) if routing is None else (routing.touched(m), m * routing.top_k / routing.experts)
+    return LayerBound(memory_ms=reads * weight_storage_bits(scheme, n, k) / 8 / (target.memory_tbs * 1e12) * 1e3,
+                      compute_ms=2.0 * tokens * n * k / (target.peak_tflops[key] * 1e12) * 1e3, support=support)
 
 
 def cost_from_roofline(schemes: Sequence[str], shapes: Mapping[str, tuple[int, int]], target_key: str,
-                       m: int) -> dict[str, dict[str, float]]:
+                       m: int, routed: Mapping[str, Routing] | None = None) -> dict[str, dict[str, float]]:
     """{scheme: {layer: ideal ms}} at ``m`` tokens on a target: the cost table of
     :func:`quantcore.autoplan.auto_plan` for a GPU nobody has measured."""
     if m < 1:
         raise ValueError(f"m must be a positive number of tokens, got {m}")
-    return {s: {layer: layer_bound(s, n, k, target_key, m).ms for layer, (n, k) in shapes.items()}
+    routed = routed or {}
+    return {s: {layer: layer_bound(s, n, k, target_key, m, routed.get(layer)).ms for layer, (n, k) in shapes.items()}
             for s in schemes}
 
 
 def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], target_key: str,
-               m: int) -> StepBound:
+               m: int, routed: Mapping[str, Routing] | None = None) -> StepBound:
     """The roofline bound of a resolved plan ({layer: scheme}) with ``shapes`` {layer: (N, K)} on a target
-    GPU at ``m`` tokens per step (decode: the batch; prefill: batch x prompt tokens)."""
+    GPU at ``m`` tokens per step (decode: the batch; prefill: batch x prompt tokens); ``routed``: the routed
+    experts of an MoE model."""
     if m < 1:
         raise ValueError(f"m must be a positive number of tokens, got {m}")
     get_target(target_key)  # an unknown key: ValueError naming the valid ones
@@ -114,8 +124,9 @@ def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[
     memory_bound = 0
     per_scheme: dict[str, float] = {}
     not_native, unsupported = [], []
+    routed = routed or {}
     for layer, scheme in resolved.items():
-        b = layer_bound(scheme, *shapes[layer], target_key, m)
+        b = layer_bound(scheme, *shapes[layer], target_key, m, routed.get(layer))
         if b.support != "native":
             not_native.append(layer)
         if b.support == "unsupported":

@@ -768,12 +768,37 @@ def fusion_group_of(name: str, layer_names: Iterable[str]) -> list[str]:
     return [name]
 
 
+# The routed experts of one MoE block (quantcore.moe names them <block>.experts.<e>.<gate|up|down>_proj, as
+# llm-compressor does) are one fused MoE layer in vLLM, which quantizes every expert and projection of it with
+# one method: a plan gives the whole block one scheme.
+_EXPERT_RE = re.compile(r"^(?P<block>.*\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")
+
+
+def expert_block(name: str) -> str | None:
+    """The MoE block (``model.layers.3.mlp.experts``) whose routed expert ``name`` is, or None."""
+    match = _EXPERT_RE.match(name)
+    return match.group("block") if match else None
+
+
+def expert_blocks(layer_names: Iterable[str]) -> dict[str, list[str]]:
+    """{MoE block: its expert linears, in model order} of the routed experts among ``layer_names``."""
+    blocks: dict[str, list[str]] = {}
+    for name in dict.fromkeys(layer_names):
+        block = expert_block(name)
+        if block is not None:
+            blocks.setdefault(block, []).append(name)
+    return blocks
+
+
 def fusion_units(layer_names: Iterable[str]) -> list[list[str]]:
-    """The units a plan is made of: every fusion group, and every other layer alone, in model order
-    (a group sits at its first member's position)."""
+    """The units a plan is made of: every MoE block's experts, every fusion group, and every other layer
+    alone, in model order (a unit sits at its first member's position)."""
     names = list(dict.fromkeys(layer_names))
     group_of: dict[str, list[str]] = {}
     for g in fusion_groups(names):
+        for m in g:
+            group_of[m] = g
+    for g in expert_blocks(names).values():
         for m in g:
             group_of[m] = g
     units: list[list[str]] = []
@@ -785,3 +810,11 @@ def fusion_units(layer_names: Iterable[str]) -> list[list[str]]:
         seen.update(unit)
         units.append(list(unit))
     return units
+
+
+def plan_unit_of(name: str, layer_names: Iterable[str]) -> list[str]:
+    """The unit of :func:`fusion_units` holding ``name``: the layers that must share its scheme."""
+    block = expert_block(name)
+    if block is not None:
+        return expert_blocks(layer_names).get(block, [name])
+    return fusion_group_of(name, layer_names)

@@ -2,7 +2,11 @@
 
 Runs INSIDE .venv-llmc (see scripts/llmc_env.sh), never in quantplan's own environment:
 
-    .venv-llmc/bin/python scripts/llmc_oneshot.py RECIPE.yaml WORKDIR
+    .venv-llmc/bin/python scripts/llmc_oneshot.py RECIPE.yaml WORKDIR [qwen3_moe]
+
+With ``qwen3_moe`` the model is a tiny Qwen3-MoE instead (2 blocks, hidden 128, 4 experts of 128 per block, 2 per
+token), whose fused experts oneshot splits into one linear per expert (its ``linearize_moe``), saved as
+WORKDIR/tiny-moe.
 
 The Llama (3 blocks, hidden 128, MLP 256, GQA 4/2 heads; from a config, nothing downloaded; input channel 3 of the
 attention and 5 of the MLP and down_proj's input channel 7 carry outliers, as real LLMs' do) and a word-level
@@ -30,16 +34,9 @@ import torch
 HIDDEN, MLP, BLOCKS, VOCAB = 128, 256, 3, 128
 
 
-def main(recipe: str, workdir: str) -> None:
-    import llmcompressor.pipelines.cache as cache
-    from datasets import Dataset
-    from llmcompressor import oneshot
-
-    if not torch.cuda.is_available():  # its AWQ pins cached inputs, which torch refuses without an accelerator
-        cache.IntermediatesCache.pin_memory = lambda self, batch_index: None
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def tiny_llama(workdir: str) -> Path:
+    """The tiny Llama with outlier channels, saved to WORKDIR/tiny-llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=BLOCKS,
@@ -52,11 +49,43 @@ def main(recipe: str, workdir: str) -> None:
             layer.post_attention_layernorm.weight[5] = 15.0
             layer.mlp.up_proj.weight[7] *= 30.0
     tiny.save_pretrained(folder)
+    return folder
+
+
+def tiny_moe(workdir: str) -> Path:
+    """A tiny Qwen3-MoE from a config, saved to WORKDIR/tiny-moe (one linear per expert on disk)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, moe_intermediate_size=HIDDEN,
+                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    folder = Path(workdir) / "tiny-moe"
+    Qwen3MoeForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def main(recipe: str, workdir: str, arch: str = "llama") -> None:
+    import llmcompressor.pipelines.cache as cache
+    from datasets import Dataset
+    from llmcompressor import oneshot
+
+    if not torch.cuda.is_available():  # its AWQ pins cached inputs, which torch refuses without an accelerator
+        cache.IntermediatesCache.pin_memory = lambda self, batch_index: None
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    folder = tiny_moe(workdir) if arch == "qwen3_moe" else tiny_llama(workdir)
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
                                   unk_token="t0", pad_token="t0")
     tok.save_pretrained(folder)
-    model = LlamaForCausalLM.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    if arch == "qwen3_moe":  # the names oneshot will give the experts, before taking the weights it starts from
+        from llmcompressor.modeling.moe.linearize import linearize_moe
+
+        linearize_moe(model)
     before = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     ids = torch.randint(0, VOCAB, (8, 32))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
@@ -103,4 +132,4 @@ def main(recipe: str, workdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -44,6 +44,17 @@ class ModelRecord:
         return dict(self.summary.get("attention_windows") or {})
 
     @property
+    def moe(self) -> dict[str, Any] | None:
+        """{"experts", "top_k", "blocks"} of a mixture-of-experts model whose routed experts intake split into
+        linears (quantcore.moe); None for a dense model or a summary from before this was kept."""
+        return self.summary.get("moe")
+
+    @property
+    def unsplit_experts(self) -> list[str]:
+        """Fused experts modules intake could not split into linears: their weights are in no plan."""
+        return list(self.summary.get("unsplit_experts") or [])
+
+    @property
     def tied_linears(self) -> list[str]:
         """Linear layers whose weight is also the input embedding (lm_head under ``tie_word_embeddings``). A summary
         from before this was kept: lm_head counts as tied when the parameters outside the linears, each counted

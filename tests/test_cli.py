@@ -823,3 +823,60 @@ def test_awq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys, 
     recipe, vllm, back = export_and_import(capsys, tmp_path, "W4A16_AWQ")
     assert "AWQModifier:" in recipe and "n_grid: 20" in recipe and "scheme: W4A16" in recipe and "AWQ" in vllm
     assert any("AWQ cannot scale 2 layer(s)" in w for w in svc.serving_warnings(svc.get_model("tiny"), back))
+
+
+def test_a_mixture_of_experts_model_is_planned_expert_by_expert(qp_settings, capsys, tmp_path):
+    """A tiny Qwen3-MoE (16 experts, one per token: a small calibration leaves most experts without a routed
+    token): every expert linear is listed, calibrated, scored with static scales and GPTQ, swept as one unit per
+    block, costed by its share of a step and exported under llm-compressor's names."""
+    from app import services as svc
+    from quantcore.routing import Routing
+    from tests.quantcore.test_moe import save_tiny_moe
+
+    folder = save_tiny_moe(tmp_path / "moe", num_experts=16, num_experts_per_tok=1)
+    res = run_json(capsys, "models", "add", str(folder), "--name", "moe", "--json")
+    assert res["linears"] == 2 * (4 + 16 * 3) + 1
+    model = svc.get_model("moe")
+    assert model.moe["experts"] == 16 and model.moe["top_k"] == 1 and model.unsplit_experts == []
+    experts = [n for n in svc.layer_names(model) if ".experts." in n]
+
+    cal = run_json(capsys, "calibrate", "moe", "--local", "--samples", "1", "--seq-len", "4", "--json")
+    layers = {r["name"]: r for r in cal["layers"]}
+    assert all(layers[n]["outlier_ratio"] >= 1 for n in experts)  # every expert saw the 4 tokens
+
+    args = ("--local", "--samples", "2", "--seq-len", "8", "--json")
+    static = run_json(capsys, "score", "moe", "--scheme", "INT8_PER_TENSOR", *args)
+    gptq = run_json(capsys, "score", "moe", "--scheme", "W4A16_G64_GPTQ", *args, "--cal-samples", "1",
+                    "--cal-seq-len", "4")
+    for score in (static, gptq):
+        assert 0 < score["kl_mean"] < 1 and score["top1_agree"] > 0
+    sweep = run_json(capsys, "sensitivity", "moe", "--scheme", "FP8_DYNAMIC", *args)
+    assert len(sweep["layers"]) == 2 * 3 + 1  # per block q/k/v, o_proj and all its experts as one unit; lm_head
+
+    from quantcore.roofline import step_bound
+
+    body = {"default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}]}
+    routed = svc.routed_layers(model)
+    assert set(routed) == set(experts) and set(routed.values()) == {Routing(16, 1)}
+    decode = svc.step_bound(model, body, "h100", 1)  # one expert of 16 read per token
+    counted_densely = step_bound(svc.resolve(model, body)[0], svc.layer_shapes(model), "h100", 1)
+    assert decode.memory_ms == pytest.approx(
+        step_bound(svc.resolve(model, body)[0], svc.layer_shapes(model), "h100", 1, routed).memory_ms)
+    assert decode.memory_ms < counted_densely.memory_ms / 4
+
+    records = run_json(capsys, "bench", "moe", "--local", "--m", "1,16", "--budget", "5", "--json")
+    assert {r["m"] for r in records} == {1, 2, 16}  # 16 tokens over 16 experts: ~1.55 per touched expert
+
+    plan_file = tmp_path / "moe.yaml"
+    plan_file.write_text("model: moe\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'lm_head', scheme: BF16}\n"
+                         "  - {match: 'layers\\.1\\.mlp\\.experts\\.', scheme: W4A16_G64}\n")
+    code, recipe, _ = run(capsys, "plan", "export", str(plan_file), "--format", "llmcompressor")
+    assert code == 0 and r"'re:model\.layers\.(?:1)\.mlp\.experts\.\d+\.(?:down_proj|gate_proj|up_proj)$'" in recipe
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe)
+    back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "moe", "--json")
+    assert svc.resolve(model, back["body"])[0] == svc.resolve(model, yaml.safe_load(plan_file.read_text()))[0]
+    split = tmp_path / "split.yaml"
+    split.write_text("model: moe\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'experts\\.0\\.', scheme: BF16}\n")
+    code, _, err = run(capsys, "plan", "show", str(split))
+    assert code != 0 and "the experts of model.layers.0.mlp.experts mix schemes" in err

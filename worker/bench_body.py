@@ -22,17 +22,20 @@ DEFAULT_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))
 
 def bench(ctx: JobContext) -> Outcome:
     from quantcore import hardware, kernels
+    from quantcore.routing import bench_ms, routed_layers
 
     p = ctx.params
     device = resolve_device(p.get("device"))
     info = hardware.probe_device(device)
+    ms = [int(m) for m in (p.get("m") or kernels.DEFAULT_MS)]
     if ctx.model_id is not None:
         rec = _model_record(ctx)
         shapes = list(kernels.distinct_shapes(
             (lin["name"], lin["in_features"], lin["out_features"]) for lin in rec.linears))
+        # an MoE model's experts run on a share of each step's tokens: time that M too (quantcore.routing)
+        ms = bench_ms(ms, routed_layers([lin["name"] for lin in rec.linears], rec.moe))
     else:
         shapes = list(DEFAULT_SHAPES)
-    ms = [int(m) for m in (p.get("m") or kernels.DEFAULT_MS)]
     wanted_paths = p.get("paths") or None
 
     reused: list[dict[str, Any]] = []

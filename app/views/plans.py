@@ -10,7 +10,7 @@ from app import services as svc
 from app import state
 from quantcore.hardware import list_targets
 from quantcore.kvcache import KV_FORMATS, layer_index
-from quantcore.plans import kv_label
+from quantcore.plans import group_label, kv_label
 from quantcore.schemes import list_schemes
 
 st.title("Plans")
@@ -114,8 +114,8 @@ edited = st.data_editor(
                  "of this row, from the newest sensitivity sweep of that scheme; empty: no sweep of it yet"),
         "on_target": st.column_config.TextColumn(f"on {target}"),
         "fused_with": st.column_config.NumberColumn(
-            "fused with", help="other layers served in one GEMM with this one (q/k/v, gate/up): they share its "
-                               "scheme"),
+            "fused with", help="other layers served in one GEMM with this one (q/k/v, gate/up; every routed "
+                               "expert of an MoE block): they share its scheme"),
     },
 )
 changed = edited[edited["scheme"] != table["scheme"]]
@@ -124,7 +124,7 @@ if len(changed):
     for row in changed.to_dict("records"):
         body, group = svc.with_layer_scheme(model, body, row["layer"], row["scheme"])
         if len(group) > 1:
-            notes.append(f"{row['scheme']} set on the whole fusion group {', '.join(group)}")
+            notes.append(f"{row['scheme']} set on the whole fusion group {group_label(group)}")
     st.session_state[EDIT] = body
     for n in notes:
         st.info(n)

@@ -336,16 +336,18 @@ def off_grid(a: Any, b: Any) -> float:
     return float((~torch.isclose(a, b, rtol=1e-4, atol=1e-7)).float().mean())
 
 
-def run_oneshot(plan: dict[str, Scheme], workdir: Path) -> dict[str, Any]:
-    """Export ``plan``, run llm-compressor's oneshot with it on scripts/llmc_oneshot.py's tiny Llama in ``workdir``,
-    and return its oneshot.json (oneshot.safetensors lies beside it)."""
+def run_oneshot(plan: dict[str, Scheme], workdir: Path, arch: str = "llama") -> dict[str, Any]:
+    """Export ``plan``, run llm-compressor's oneshot with it on scripts/llmc_oneshot.py's tiny Llama (or ``arch``
+    qwen3_moe: its tiny Qwen3-MoE) in ``workdir``, and return its oneshot.json (oneshot.safetensors lies beside
+    it)."""
     env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
                          timeout=ENV_TIMEOUT_S, cwd=REPO)
     assert env.returncode == 0, env.stderr[-3000:]
     recipe = workdir / "recipe.yaml"
-    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=LAYERS), encoding="utf-8")
-    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(workdir)],
-                         capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
+    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=list(plan) if arch != "llama" else LAYERS),
+                      encoding="utf-8")
+    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(workdir),
+                          arch], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads((workdir / "oneshot.json").read_text())
 
@@ -488,3 +490,43 @@ def test_round_to_nearest_checkpoint_is_quantcores_emulation(tmp_path, name: str
             apply_mod._fused_tensor_scales = real
         assert off(own, "model.layers.0.mlp.gate_proj") > 0.01 and off(own, "model.layers.0.mlp.up_proj") < 0.002
         assert max(off(own, f"model.layers.0.self_attn.{p}_proj") for p in "qkv") > 0.01
+
+
+def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(tmp_path) -> None:
+    """A tiny Qwen3-MoE: quantcore splits its fused experts into one linear per expert under llm-compressor's own
+    names, so the exported recipe reaches exactly the experts the plan gives a scheme (one block's experts in
+    W4A16_G64, the other's in W4A16, attention in FP8_DYNAMIC, the head left out), and every expert weight oneshot
+    stores is quantcore's emulation of it, grid point for grid point."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantcore.checkpoint import load_model
+    from quantcore.moe import split_experts
+    from quantcore.scoring import plan_applied
+
+    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=128, intermediate_size=256,
+                               moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    split_experts(meta)
+    names = [n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)]
+    schemes = {"layers.0.mlp.experts.": "W4A16_G64", "layers.1.mlp.experts.": "W4A16", "lm_head": "BF16"}
+    plan = {n: get_scheme(next((s for k, s in schemes.items() if k in n), "FP8_DYNAMIC")) for n in names}
+    got = run_oneshot(plan, tmp_path, "qwen3_moe")
+    assert set(got["layers"]) == set(names)  # oneshot's linears are quantcore's, name for name
+    for layer in names:
+        real = got["layers"][layer]
+        if plan[layer].is_identity:
+            assert real is None, layer
+        else:
+            assert scheme_from_ct_args(real["weights"], real["input_activations"]) == plan[layer], layer
+    theirs = load_file(tmp_path / "oneshot.safetensors")
+    model, _ = load_model(tmp_path / "tiny-moe")
+    with plan_applied(model, plan):
+        ours = {n: m.weight.detach().clone() for n, m in model.named_modules() if n in plan}
+    experts = [n for n in names if ".experts." in n]
+    assert len(experts) == 2 * 4 * 3
+    for layer in names:
+        assert off_grid(ours[layer], theirs[layer + ".weight"]) < 0.002, layer

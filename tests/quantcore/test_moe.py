@@ -1,0 +1,242 @@
+"""Mixture-of-experts models: experts split into linears (quantcore.moe), plans over them, routed step costs
+(quantcore.routing). Tiny Qwen3-MoE / Mixtral / gpt-oss built from configs; no download."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from quantcore.calibrate import calibrate
+from quantcore.errors import PlanError
+from quantcore.gptq import collect_hessians
+from quantcore.moe import LinearExperts, all_experts, split_experts, unsplit_experts
+from quantcore.plans import PlanSpec, group_label, resolve_plan
+from quantcore.routing import Routing, bench_ms, routed_layers, step_share
+from quantcore.schemes import expert_block, fusion_units, plan_unit_of
+from tests.quantcore.test_checkpoint import WORDS, tiny_tokenizer
+
+VOCAB = len(WORDS) + 3
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False)
+ARCHS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def moe_config(arch: str = "qwen3_moe", **overrides):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(arch, **{**COMMON, **ARCHS.get(arch, {}), **overrides})
+
+
+def tiny_moe(arch: str = "qwen3_moe", *, seed: int = 0, **overrides) -> nn.Module:
+    """A 2-layer MoE causal LM with random weights, experts still fused (transformers' own layout)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(moe_config(arch, **overrides)).eval()
+
+
+def save_tiny_moe(folder: Path, *, seed: int = 0, **overrides) -> Path:
+    """A tiny Qwen3-MoE and its tokenizer, saved as a Hugging Face folder (one linear per expert on disk)."""
+    tiny_moe(seed=seed, **overrides).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def ids(n: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+# ----------------------------------------------------------------------------- splitting
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_split_experts_keeps_the_logits_and_names_one_linear_per_expert(arch):
+    model = tiny_moe(arch)
+    x = ids()
+    with torch.no_grad():
+        before = model(x).logits
+    params = sum(p.numel() for p in model.parameters())
+    assert len(linear_names(model)) == 9  # attention and the head: transformers 5 keeps the experts in 3-D tensors
+
+    blocks = split_experts(model)
+    assert blocks == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert unsplit_experts(model) == []
+    with torch.no_grad():
+        after = model(x).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)  # gate and up as two GEMMs instead of one
+    assert sum(p.numel() for p in model.parameters()) == params
+    names = linear_names(model)
+    # llm-compressor's linearize_moe names them so: an exported recipe's regexes reach the same layers
+    assert [n for n in names if ".experts.1." in n and "layers.0" in n] == [
+        "model.layers.0.mlp.experts.1.gate_proj", "model.layers.0.mlp.experts.1.up_proj",
+        "model.layers.0.mlp.experts.1.down_proj"]
+    assert len(names) == 9 + 2 * 4 * 3
+    fused = tiny_moe(arch).model.layers[0].mlp.experts
+    expert = model.model.layers[0].mlp.experts[2]
+    inter = expert.up_proj.out_features
+    assert torch.equal(expert.gate_proj.weight, fused.gate_up_proj[2, :inter])
+    assert torch.equal(expert.up_proj.weight, fused.gate_up_proj[2, inter:])
+    assert torch.equal(expert.down_proj.weight, fused.down_proj[2])
+
+
+def test_experts_of_another_layout_stay_fused_and_are_named():
+    model = tiny_moe("gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    assert split_experts(model) == []  # interleaved gate/up with biases and a clamp: not transformers' default
+    assert unsplit_experts(model) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
+def test_intake_lists_every_expert_linear_and_the_routing(tmp_path):
+    from quantcore.checkpoint import inspect_folder, load_model
+
+    folder = save_tiny_moe(tmp_path / "moe")
+    summary = inspect_folder(folder)
+    assert summary.moe == {"experts": 4, "top_k": 2,
+                           "blocks": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]}
+    assert summary.unsplit_experts == []
+    names = [lin.name for lin in summary.linears]
+    assert len(names) == 33 and "model.layers.1.mlp.experts.3.down_proj" in names
+    down = next(lin for lin in summary.linears if lin.name == "model.layers.1.mlp.experts.3.down_proj")
+    assert (down.out_features, down.in_features) == (64, 32)
+    model, _ = load_model(folder)
+    assert linear_names(model) == names  # the loaded model has the linears intake listed, in that order
+    assert isinstance(model.model.layers[0].mlp.experts, LinearExperts)
+
+
+# ----------------------------------------------------------------------------- calibration sees every expert
+
+
+def dead_expert_model() -> nn.Module:
+    """16 experts, one per token: a few tokens leave most experts without any."""
+    model = tiny_moe(num_experts=16, num_experts_per_tok=1)
+    split_experts(model)
+    return model
+
+
+def test_calibration_runs_every_expert_on_every_token_as_llm_compressor_does():
+    model = dead_expert_model()
+    x = ids(1, 4)
+    seen: dict[str, int] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: seen.__setitem__(n, seen.get(n, 0) + a[0].shape[0]))
+             for n, m in model.named_modules() if isinstance(m, nn.Linear) and expert_block(n)]
+    with torch.no_grad():
+        routed_logits = model(x).logits
+    routed_seen = dict(seen)
+    seen.clear()
+    with torch.no_grad(), all_experts():
+        all_logits = model(x).logits
+    for h in hooks:
+        h.remove()
+    experts = [n for n in linear_names(model) if expert_block(n)]
+    assert len(routed_seen) < len(experts)  # routed: 4 tokens reach at most 4 of the 16 experts of a block
+    assert sum(routed_seen.values()) == 2 * 4 * 3  # each token: one expert's three linears, in both blocks
+    assert seen == {n: 4 for n in experts}  # every expert linear saw all 4 tokens
+    torch.testing.assert_close(all_logits, routed_logits, rtol=0, atol=1e-6)  # only routed outputs are kept
+
+    stats = calibrate(model, x)
+    assert all(stats[n].amax > 0 for n in experts)  # a static scale for every expert, none resting on nothing
+
+
+def test_gptq_hessians_cover_experts_no_token_was_routed_to():
+    model = dead_expert_model()
+    names = [n for n in linear_names(model) if expert_block(n)]
+    hessians = collect_hessians(model, names, ids(1, 4))
+    assert set(names) <= set(hessians)
+    assert all(float(hessians[n].diagonal().sum()) > 0 for n in names)
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+NAMES = (["m.layers.0.self_attn.q_proj", "m.layers.0.self_attn.k_proj", "m.layers.0.self_attn.v_proj"]
+         + [f"m.layers.0.mlp.experts.{e}.{p}" for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")]
+         + ["m.layers.0.mlp.shared_expert.gate_proj", "m.layers.0.mlp.shared_expert.up_proj", "lm_head"])
+
+
+def test_the_experts_of_a_block_are_one_unit_of_a_plan():
+    units = fusion_units(NAMES)
+    experts = [n for n in NAMES if ".experts." in n]
+    assert units == [NAMES[:3], experts, NAMES[-3:-1], ["lm_head"]]
+    assert plan_unit_of("m.layers.0.mlp.experts.1.down_proj", NAMES) == experts
+    assert plan_unit_of("m.layers.0.mlp.shared_expert.up_proj", NAMES) == NAMES[-3:-1]
+    assert group_label(experts) == "m.layers.0.mlp.experts.* (9 expert linears)"
+
+
+def test_a_plan_that_splits_a_blocks_experts_across_schemes_is_refused():
+    spec = PlanSpec.from_dict({"default": "FP8_DYNAMIC", "rules": [{"match": "down_proj", "scheme": "BF16"}]})
+    with pytest.raises(PlanError, match=r"experts of m\.layers\.0\.mlp\.experts mix schemes \(BF16, FP8_DYNAMIC\)"):
+        resolve_plan(spec, NAMES)
+    spec = PlanSpec.from_dict({"default": "FP8_DYNAMIC", "rules": [{"match": r"experts\.", "scheme": "W4A16"}]})
+    resolved = resolve_plan(spec, NAMES)
+    assert {resolved[n].name for n in NAMES if ".experts." in n} == {"W4A16"}
+
+
+# ----------------------------------------------------------------------------- routed step costs
+
+
+def test_routing_counts_an_experts_share_of_a_step():
+    r = Routing(experts=8, top_k=2)
+    assert r.touched(1) == pytest.approx(0.25) and r.tokens(1) == pytest.approx(1.0) and r.expert_m(1) == 1
+    assert r.touched(16) == pytest.approx(1 - 0.75 ** 16)
+    assert r.tokens(16) * r.touched(16) == pytest.approx(16 * 2 / 8)  # the expected tokens of one expert
+    assert r.expert_m(2048) == 512
+    assert bench_ms([1, 16, 2048], {"a": r}) == [1, 5, 16, 512, 2048]
+    assert bench_ms([1, 16], {}) == [1, 16]
+    with pytest.raises(ValueError, match="top_k"):
+        Routing(experts=4, top_k=5)
+    routed = routed_layers(NAMES, {"experts": 3, "top_k": 1, "blocks": ["m.layers.0.mlp.experts"]})
+    assert set(routed) == {n for n in NAMES if ".experts." in n}
+    assert routed_layers(NAMES, None) == {} and routed_layers(NAMES, {"experts": 3, "top_k": None}) == {}
+
+    times = {(1, 8, 4, "baseline"): 2.0, (512, 8, 4, "baseline"): 10.0}
+    assert step_share(times, 1, 8, 4, "baseline", None) == 2.0
+    assert step_share(times, 1, 8, 4, "baseline", r) == pytest.approx(0.25 * 2.0)
+    assert step_share(times, 2048, 8, 4, "baseline", r) == pytest.approx(10.0 * r.touched(2048))
+    assert step_share(times, 16, 8, 4, "baseline", r) is None  # M = 5 was not measured
+
+
+def test_the_roofline_bound_of_an_expert_is_its_share_of_the_step():
+    from quantcore.roofline import layer_bound, step_bound
+
+    r = Routing(experts=8, top_k=2)
+    dense_1, dense_4096 = (layer_bound("BF16", 4096, 4096, "h100", m) for m in (1, 4096))
+    routed_1, routed_4096 = (layer_bound("BF16", 4096, 4096, "h100", m, r) for m in (1, 4096))
+    assert routed_1.memory_ms == pytest.approx(dense_1.memory_ms * 0.25)  # two of eight experts read at decode
+    assert routed_1.compute_ms == pytest.approx(dense_1.compute_ms * 0.25)
+    assert routed_4096.memory_ms == pytest.approx(dense_4096.memory_ms)  # a long prefill reads every expert
+    assert routed_4096.compute_ms == pytest.approx(dense_4096.compute_ms * 0.25)  # on a quarter of the tokens
+    shapes = {n: (64, 64) for n in NAMES}
+    plan = {n: "BF16" for n in NAMES}
+    routed = routed_layers(NAMES, {"experts": 3, "top_k": 1})
+    dense, moe = step_bound(plan, shapes, "h100", 1), step_bound(plan, shapes, "h100", 1, routed)
+    assert moe.memory_ms == pytest.approx(dense.memory_ms * (6 + 9 / 3) / 15)  # 6 dense layers, 9 experts at 1/3
+
+
+def test_the_step_estimate_times_an_expert_at_its_own_m():
+    from quantcore.kernels import KernelRecord, step_estimate
+
+    def rec(m, ms):
+        return KernelRecord(device="cpu", device_name="cpu", torch_version="x", m=m, n=64, k=64, path="baseline",
+                            ms=ms, tflops=None, pct_peak=None, speedup=1.0, native=True, max_rel_err=0.0,
+                            padded_m=None, skipped=None)
+
+    expert = "m.layers.0.mlp.experts.0.up_proj"
+    shapes = {"dense": (64, 64), expert: (64, 64)}
+    r = Routing(experts=4, top_k=2)
+    assert r.expert_m(8) == 5  # 8 tokens x 2 / 4 experts, over the 99.6 % chance an expert is touched at all
+    est = step_estimate([rec(1, 1.0), rec(8, 4.0)], shapes, {}, m_prefill=8, m_decode=1, routed={expert: r})
+    assert est["decode_ms"] == pytest.approx(1.0 + 0.5 * 1.0)  # half the experts touched, one token each
+    assert est["missing_prefill"] == [expert]  # its M = 5 was not timed: left out, never guessed
+    est = step_estimate([rec(1, 1.0), rec(5, 3.0), rec(8, 4.0)], shapes, {}, m_prefill=8, m_decode=1,
+                        routed={expert: r})
+    assert est["prefill_ms"] == pytest.approx(4.0 + 3.0 * r.touched(8))
+    assert est["per_layer"][expert]["prefill_ms"] == pytest.approx(3.0 * r.touched(8))
