@@ -908,11 +908,35 @@ def _mlp_norm(model: ModelRecord) -> str:
     return "pre_feedforward_layernorm" if model.model_type.startswith("gemma") else MLP_NORM_LLAMA
 
 
+def moe_text(model: ModelRecord) -> str | None:
+    """What a mixture-of-experts model is to quantplan, in a sentence; None for a dense model."""
+    moe = model.moe
+    if not moe:
+        return None
+    blocks = len(moe.get("blocks") or [])
+    per_token = f", {moe['top_k']} per token" if moe.get("top_k") else " (experts per token not in its config)"
+    return (f"mixture of experts: {blocks} MoE block(s) of {moe['experts']} routed experts{per_token}; each expert's "
+            "gate / up / down projection is a linear of its own here, as llm-compressor and vLLM name them, and a "
+            "block's experts share one scheme (vLLM's fused MoE layer). Step times count an expert's share of a "
+            "step; calibration runs every expert on every token, as llm-compressor's oneshot does")
+
+
+def unsplit_experts_warning(model: ModelRecord) -> str | None:
+    """The fused experts intake could not split (their weights are in no plan); None when there are none."""
+    names = model.unsplit_experts
+    if not names:
+        return None
+    return (f"{len(names)} fused experts module(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) keep "
+            "their experts in a layout quantplan does not split into linears (gpt-oss's interleaved gate/up, a "
+            "gate function of the model's own): their weights are in no plan, stay in BF16 in every figure here "
+            "and are not scored quantized, while llm-compressor may quantize them by its own rules")
+
+
 def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     """What serving this plan will run into though it resolves: groups that do not divide K
     (quantcore.plans.group_misfits), layers AWQ cannot scale (quantcore.plans.awq_unscaled), a quantized lm_head
-    (quantcore.plans.quantized_head), and an unscaled KV cache that the newest calibration's K or V would
-    overflow (quantcore.kvcache.kv_clipping)."""
+    (quantcore.plans.quantized_head), fused experts no plan reaches, and an unscaled KV cache that the newest
+    calibration's K or V would overflow (quantcore.kvcache.kv_clipping)."""
     from quantcore.kvcache import kv_clipping
     from quantcore.plans import PlanSpec, awq_unscaled, group_misfits, quantized_head
 
@@ -922,6 +946,8 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     shapes = layer_shapes(model)
     warnings = (group_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
                 + quantized_head(resolved, shapes, model.tied_linears))
+    if unsplit_experts_warning(model):
+        warnings.append(unsplit_experts_warning(model))
     kv = PlanSpec.from_dict(body).kv_cache
     if kv != "AUTO":
         with session_scope(settings()) as s:

@@ -494,7 +494,8 @@ def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
                               f"({type(exc).__name__}: {exc}); check the configuration values") from exc
 
 
-def _linears(model: PreTrainedModel) -> list[LinearInfo]:
+def linear_infos(model: PreTrainedModel) -> list[LinearInfo]:
+    """Every ``nn.Linear`` of a model (its experts split, :mod:`quantcore.moe`), in module order."""
     from torch import nn
 
     return [LinearInfo(name, module.in_features, module.out_features)
@@ -552,7 +553,7 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         dtype=_weights_dtype(tensors, raw_config),
         hidden_size=_first_attr(text_config, HIDDEN_SIZE_KEYS),
         vocab_size=_first_attr(text_config, ("vocab_size",)),
-        linears=_linears(model),
+        linears=linear_infos(model),
         total_bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
         causal_lm=_is_causal_lm(config),
         attention_windows=attention_windows(model),

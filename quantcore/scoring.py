@@ -687,9 +687,14 @@ def plan_applied(
             hessians = gptq_hessians(schemes, weight_hessians, smoothing.factors)
         applied = apply_plan(model, schemes, act_amax=amax, track_stats=track_saturation and static,
                              weight_hessians=hessians, gptq_cache=gptq_cache)
+        unsmoothed: dict[str, list[str]] = {}  # one note per reason, however many layers share it (MoE experts)
+        for layer, reason in (smoothing.skipped.items() if smoothing is not None else ()):
+            unsmoothed.setdefault(reason, []).append(layer)
         notes = [
-            f"{layer}: SmoothQuant not applied ({reason}); the layer is quantized unsmoothed"
-            for layer, reason in (smoothing.skipped.items() if smoothing is not None else ())
+            f"{layers[0]}: SmoothQuant not applied ({reason}); the layer is quantized unsmoothed" if len(layers) == 1
+            else f"{len(layers)} layers ({name_list(layers, 3)}): SmoothQuant not applied ({reason}); they are "
+                 "quantized unsmoothed"
+            for reason, layers in unsmoothed.items()
         ] + awq_notes
         yield AppliedContext(
             handle=applied, smoothing=dict(smoothing.factors) if smoothing is not None else {}, notes=notes

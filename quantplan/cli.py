@@ -131,6 +131,12 @@ def cmd_models_add(args) -> int:
     else:
         print(f"{'already registered' if job.result.get('already') else 'registered'} model "
               f"#{job.result['model_id']} {job.result['name']} ({job.result['linears']} linears)")
+        from app import services as svc
+
+        model = svc.get_model(job.result["model_id"])
+        for line in (svc.moe_text(model), svc.unsplit_experts_warning(model)):
+            if line:
+                print(f"  {line}")
     return 0
 
 

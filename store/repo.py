@@ -119,13 +119,16 @@ def get_model(session: Session, ref: int | str) -> ModelRecord:
     return _model_record(row)
 
 
-def add_model_summary_fields(session: Session, model_id: int, fields: dict[str, Any]) -> ModelRecord:
+def add_model_summary_fields(session: Session, model_id: int, fields: dict[str, Any],
+                             replace: Sequence[str] = ()) -> ModelRecord:
     """Add fields that a later quantplan summarises (e.g. ``attention_windows``) to a model's intake summary;
-    fields it already has are kept as they are."""
+    fields it already has are kept as they are, except those named in ``replace`` (a later quantplan sees more
+    of them, e.g. an MoE model's expert ``linears``)."""
     row = session.get(m.Model, model_id)
     if row is None:
         raise NotFound(f"no model #{model_id}")
-    row.summary = {**fields, **(row.summary or {})}  # a new dict: the JSON column sees the change
+    kept = {k: v for k, v in (row.summary or {}).items() if k not in replace or k not in fields}
+    row.summary = {**fields, **kept}  # a new dict: the JSON column sees the change
     session.flush()
     return _model_record(row)
 

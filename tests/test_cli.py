@@ -876,6 +876,21 @@ def test_a_mixture_of_experts_model_is_planned_expert_by_expert(qp_settings, cap
     recipe_file.write_text(recipe)
     back = run_json(capsys, "plan", "import", str(recipe_file), "--model", "moe", "--json")
     assert svc.resolve(model, back["body"])[0] == svc.resolve(model, yaml.safe_load(plan_file.read_text()))[0]
+    # registered by a quantplan that did not split experts: its next job lists them
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope(qp_settings) as s:
+        row = s.get(repo.m.Model, model.id)
+        row.summary = {**{k: v for k, v in row.summary.items() if k not in ("moe", "unsplit_experts")},
+                       "linears": [lin for lin in row.summary["linears"] if ".experts." not in lin["name"]]}
+    assert svc.get_model("moe").moe is None and len(svc.get_model("moe").linears) == 9
+    import worker.bodies
+
+    worker.bodies._MODEL_CACHE.clear()  # a worker started after the upgrade loads the model afresh
+    run_json(capsys, "calibrate", "moe", "--local", "--samples", "1", "--seq-len", "4", "--json")
+    assert svc.get_model("moe").moe == model.moe and svc.get_model("moe").linears == model.linears
+
     split = tmp_path / "split.yaml"
     split.write_text("model: moe\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'experts\\.0\\.', scheme: BF16}\n")
     code, _, err = run(capsys, "plan", "show", str(split))

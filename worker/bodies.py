@@ -54,13 +54,27 @@ def load_model(ctx: JobContext, model_rec, device: str):
 
 def _complete_summary(ctx: JobContext, model_rec, model) -> None:
     """A model registered before its summary kept ``attention_windows`` gets them from the loaded model, so its
-    KV cache memory counts sliding windows from its next job on (registering it again would reuse the old row)."""
-    if "attention_windows" in (model_rec.summary or {}):
-        return
-    from quantcore.checkpoint import attention_windows
+    KV cache memory counts sliding windows from its next job on (registering it again would reuse the old row);
+    one registered before quantplan split MoE experts gets its expert linears and routing (``moe``) so."""
+    summary = model_rec.summary or {}
+    fields: dict[str, Any] = {}
+    if "attention_windows" not in summary:
+        from quantcore.checkpoint import attention_windows
 
-    with session_scope(ctx.settings) as s:
-        repo.add_model_summary_fields(s, model_rec.id, {"attention_windows": attention_windows(model)})
+        fields["attention_windows"] = attention_windows(model)
+    if "moe" not in summary:
+        from dataclasses import asdict
+
+        from quantcore.checkpoint import linear_infos
+        from quantcore.moe import LinearExperts, moe_summary, unsplit_experts
+
+        blocks = [name for name, m in model.named_modules() if isinstance(m, LinearExperts)]
+        fields.update(moe=moe_summary(model, model.config, blocks), unsplit_experts=unsplit_experts(model))
+        if blocks:
+            fields["linears"] = [asdict(info) for info in linear_infos(model)]
+    if fields:
+        with session_scope(ctx.settings) as s:
+            repo.add_model_summary_fields(s, model_rec.id, fields, replace=("linears",))
 
 
 def text_path(ctx: JobContext, role: str, dataset_param: str = "dataset") -> tuple[Path, str]:

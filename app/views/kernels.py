@@ -32,6 +32,10 @@ with st.form("bench_form"):
     ms = c2.text_input("M values (batch × tokens)", "1,16,128,2048", key="bench_m")
     budget = c3.number_input("CPU budget per shape (s)", 5, 3600, 60, key="bench_budget")
     queue = c4.text_input("Queue (optional, e.g. gpu.sm90)", "", key="bench_queue")
+    if svc.routed_layers(model):
+        st.caption("A routed expert runs on a share of each step's tokens: the benchmark also times every shape at "
+                   "the M one touched expert gets at each of your M values, and the step estimate below counts each "
+                   "expert at that M, times the chance a step touches it (tokens routed evenly).")
     if st.form_submit_button("Queue benchmark", type="primary"):
         try:
             m_values = [int(x) for x in ms.split(",") if x.strip()]

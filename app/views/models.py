@@ -61,6 +61,7 @@ st.dataframe(
         "parameters": state.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
         "size (MiB)": round(m.total_bytes / 2**20, 1),
         "KV KiB / token (BF16)": svc.kv_kib_per_token(m), "sliding-window layers": len(m.attention_windows),
+        "experts": f"{m.moe['experts']} (top-{m.moe.get('top_k') or '?'})" if m.moe else "",
         "sha256": m.sha256[:12], "registered": m.created_at,
     } for m in models]),
     hide_index=True, width="stretch",
@@ -73,6 +74,10 @@ model = state.current_model()
 if model is None:
     st.stop()
 st.subheader(f"{model.name}")
+if svc.moe_text(model):
+    st.info(svc.moe_text(model))
+if svc.unsplit_experts_warning(model):
+    st.warning(svc.unsplit_experts_warning(model))
 with st.expander(f"Its {len(model.linears)} linear layers"):
     st.dataframe(pd.DataFrame(model.linears), hide_index=True, width="stretch")
 

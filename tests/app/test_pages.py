@@ -973,3 +973,48 @@ def test_an_older_summary_infers_a_tied_head_from_its_parameter_count(seeded) ->
     untied = dataclasses.replace(tied, num_params=linear + 49152 * HIDDEN + 10_000)
     assert tied.tied_linears == ["lm_head"] and untied.tied_linears == []
     assert dataclasses.replace(tied, vocab_size=None).tied_linears == []
+
+
+def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> None:
+    """A mixture-of-experts model (summary rows only): the Models page says what its experts are, the Plans page
+    keeps a block's experts on one scheme when one row changes, and its ideal decode step reads only the experts
+    a token is routed to."""
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    experts = [{"name": f"model.layers.{b}.mlp.experts.{e}.{p}", "in_features": k, "out_features": n}
+               for b in range(2) for e in range(8)
+               for p, (n, k) in {"gate_proj": (256, 512), "up_proj": (256, 512), "down_proj": (512, 256)}.items()]
+    attn = [{"name": f"model.layers.{b}.self_attn.{p}_proj", "in_features": 512, "out_features": 512}
+            for b in range(2) for p in "qkvo"]
+    summary = {"architecture": "Qwen3MoeForCausalLM", "model_type": "qwen3_moe", "num_layers": 2,
+               "num_params": 5_000_000, "dtype": "bfloat16", "total_bytes": 10_000_000,
+               "linears": attn + experts + [{"name": "lm_head", "in_features": 512, "out_features": 1000}],
+               "moe": {"experts": 8, "top_k": 2, "blocks": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]},
+               "unsplit_experts": []}
+    with session_scope(qp_settings) as s:
+        model = repo.add_model(s, name="moe", sha256="cd" * 32, source_kind="folder", source_name="moe",
+                               path="models/y", summary=summary, user="tester")
+    at = _run(None, model.id)
+    assert any("2 MoE block(s) of 8 routed experts, 2 per token" in i.value for i in at.info)
+    at = _run("plans", model.id)
+    table = next(d.value for d in at.dataframe if "fused_with" in d.value.columns).set_index("layer")
+    assert table.loc["model.layers.1.mlp.experts.3.down_proj", "fused_with"] == 8 * 3 - 1
+    assert table.loc["model.layers.1.self_attn.q_proj", "fused_with"] == 2
+
+    rec = svc.get_model(model.id)
+    body, unit = svc.with_layer_scheme(rec, {"default": "FP8_DYNAMIC"}, "model.layers.1.mlp.experts.3.up_proj",
+                                       "W4A16")
+    assert len(unit) == 24 and all(n.startswith("model.layers.1.mlp.experts.") for n in unit)
+    resolved, problem = svc.resolve(rec, body)
+    assert problem is None and {resolved[n].name for n in unit} == {"W4A16"}
+    assert resolved["model.layers.0.mlp.experts.3.up_proj"].name == "FP8_DYNAMIC"
+    bf16 = {"default": "BF16"}
+    decode = svc.step_bound(rec, bf16, "h100", 1)
+    expert_bytes = sum(2 * e["in_features"] * e["out_features"] for e in experts)
+    other_bytes = sum(2 * e["in_features"] * e["out_features"] for e in attn) + 2 * 512 * 1000
+    from quantcore.hardware import get_target
+
+    bandwidth = get_target("h100").memory_tbs * 1e12
+    assert decode.memory_ms == pytest.approx((other_bytes + expert_bytes * 2 / 8) / bandwidth * 1e3)  # 2 of 8 read

@@ -24,7 +24,13 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 ARCHS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    # multi-head latent attention, a dense first block and shared experts beside the routed ones
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16),
 }
+MOE_BLOCKS = {"deepseek_v3": ["model.layers.1.mlp.experts"]}  # the others: both blocks
 
 
 def moe_config(arch: str = "qwen3_moe", **overrides):
@@ -66,10 +72,11 @@ def test_split_experts_keeps_the_logits_and_names_one_linear_per_expert(arch):
     with torch.no_grad():
         before = model(x).logits
     params = sum(p.numel() for p in model.parameters())
-    assert len(linear_names(model)) == 9  # attention and the head: transformers 5 keeps the experts in 3-D tensors
+    dense = linear_names(model)  # transformers 5 keeps the routed experts in 3-D tensors: none of these
+    assert not any(".experts." in n for n in dense)
 
     blocks = split_experts(model)
-    assert blocks == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert blocks == MOE_BLOCKS.get(arch, ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"])
     assert unsplit_experts(model) == []
     with torch.no_grad():
         after = model(x).logits
@@ -77,12 +84,12 @@ def test_split_experts_keeps_the_logits_and_names_one_linear_per_expert(arch):
     assert sum(p.numel() for p in model.parameters()) == params
     names = linear_names(model)
     # llm-compressor's linearize_moe names them so: an exported recipe's regexes reach the same layers
-    assert [n for n in names if ".experts.1." in n and "layers.0" in n] == [
-        "model.layers.0.mlp.experts.1.gate_proj", "model.layers.0.mlp.experts.1.up_proj",
-        "model.layers.0.mlp.experts.1.down_proj"]
-    assert len(names) == 9 + 2 * 4 * 3
-    fused = tiny_moe(arch).model.layers[0].mlp.experts
-    expert = model.model.layers[0].mlp.experts[2]
+    assert [n for n in names if ".experts.1." in n and "layers.1" in n] == [
+        "model.layers.1.mlp.experts.1.gate_proj", "model.layers.1.mlp.experts.1.up_proj",
+        "model.layers.1.mlp.experts.1.down_proj"]
+    assert len(names) == len(dense) + len(blocks) * 4 * 3
+    fused = tiny_moe(arch).model.layers[1].mlp.experts
+    expert = model.model.layers[1].mlp.experts[2]
     inter = expert.up_proj.out_features
     assert torch.equal(expert.gate_proj.weight, fused.gate_up_proj[2, :inter])
     assert torch.equal(expert.up_proj.weight, fused.gate_up_proj[2, inter:])
