@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,12 @@ def test_rounding_cost_times_gptq_and_awq_against_a_forward(capsys) -> None:
     assert "W4A16 on 30 linear(s) (down_proj)" in out
     for row in ("plain forward", "GPTQ (Hessians+round)", "AWQ search"):
         assert row in out
+
+
+def test_moe_split_times_the_split_experts_against_transformers_own(capsys) -> None:
+    ratios = _load("moe_split").main(["--experts", "4", "--top-k", "2", "--layers", "1", "--hidden", "64",
+                                      "--inter", "32", "--tokens", "16", "--repeats", "1"])
+    assert set(ratios) == {"split / fused", "all / split"} and all(r > 0 for r in ratios.values())
+    out = capsys.readouterr().out
+    difference = float(re.search(r"max \|logit difference\| split vs fused (\S+)", out).group(1))
+    assert difference < 1e-4  # the split model computes what the fused one does
