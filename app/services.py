@@ -938,14 +938,14 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     (quantcore.plans.quantized_head), fused experts no plan reaches, and an unscaled KV cache that the newest
     calibration's K or V would overflow (quantcore.kvcache.kv_clipping)."""
     from quantcore.kvcache import kv_clipping
-    from quantcore.plans import PlanSpec, awq_unscaled, group_misfits, quantized_head
+    from quantcore.plans import PlanSpec, awq_unscaled, group_misfits, moe_unserved, quantized_head
 
     resolved, problem = resolve(model, body)
     if problem:
         return []
     shapes = layer_shapes(model)
     warnings = (group_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
-                + quantized_head(resolved, shapes, model.tied_linears))
+                + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))
     if unsplit_experts_warning(model):
         warnings.append(unsplit_experts_warning(model))
     kv = PlanSpec.from_dict(body).kv_cache

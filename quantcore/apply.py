@@ -47,7 +47,7 @@ from quantcore.quantize import (
     scale_from_amax,
     weight_scale,
 )
-from quantcore.schemes import Scheme, TensorSpec, fusion_groups, get_scheme, list_schemes
+from quantcore.schemes import Scheme, TensorSpec, expert_block, fusion_groups, get_scheme, list_schemes
 from quantcore.smoothquant import SmoothingHandle, smooth_model
 
 _MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
@@ -205,6 +205,21 @@ def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] 
             raise PlanError(f"act_amax[{n!r}] = {amax!r}; a calibrated amax must be finite and >= 0")
         out[n] = amax
     return out
+
+
+def _moe_shared_scales(static: Mapping[str, float]) -> dict[str, float]:
+    """Static input scales as vLLM's fused MoE layer reads them: one for the gate/up of every expert of a block
+    (w13) and one for its down_proj (w2), the largest of its experts' ("Using the maximum across experts for each
+    layer"). With calibration running every expert on every token (quantcore.moe) the gate/up ones are equal
+    anyway; the down_proj inputs differ from expert to expert."""
+    shared: dict[tuple[str, bool], float] = {}
+    for name, scale in static.items():
+        block = expert_block(name)
+        if block is not None:
+            key = (block, name.endswith(".down_proj"))
+            shared[key] = max(shared.get(key, scale), scale)
+    return {name: shared.get((block, name.endswith(".down_proj")), scale) if (block := expert_block(name)) else scale
+            for name, scale in static.items()}
 
 
 def _smoothed_amax(
@@ -383,6 +398,7 @@ def apply_plan(
         )
         for n, a in static_amax.items()
     }
+    static = _moe_shared_scales(static)
 
     applied = AppliedPlan(
         layers=dict(active),

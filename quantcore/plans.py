@@ -704,6 +704,30 @@ def quantized_head(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
     return [msg]
 
 
+def moe_unserved(resolved: Mapping[str, Scheme | str]) -> list[str]:
+    """MoE blocks whose experts' scheme vLLM's fused MoE layer has no method for, one message (or none).
+
+    vLLM's compressed-tensors loader picks one method per MoE block (``CompressedTensorsMoEMethod.get_moe_method``)
+    from: weight-only int (WNA16), MXFP4, NVFP4 / NVFP4A16, FP8 W8A8 with tensor, channel or block weight
+    scales, INT8 W8A8 with per-token dynamic activations, and W4A8; anything else raises "Unsupported FusedMoe
+    scheme" when the checkpoint loads. Of quantplan's schemes that leaves out INT8 with per-tensor activations
+    and MXFP8.
+    """
+    unserved: dict[str, list[str]] = {}
+    for block, members in expert_blocks(resolved).items():
+        scheme = get_scheme(resolved[members[0]])
+        w, a = scheme.weights, scheme.activations
+        if w is None or a is None:
+            continue
+        int8_not_token = w.format == "int8" and not (a.granularity is Granularity.TOKEN and a.dynamic)
+        if int8_not_token or w.format == "mxfp8":
+            unserved.setdefault(scheme_label(scheme), []).append(block)
+    return [f"vLLM's fused MoE layer has no kernel for {label} experts ({_example_names(blocks)}): loading the "
+            "checkpoint fails with \"Unsupported FusedMoe scheme\". It serves experts in weight-only int "
+            "(W4A16, W8A16), MXFP4, NVFP4, FP8 W8A8 and INT8 W8A8 with per-token activations; give those blocks "
+            "one of them" for label, blocks in unserved.items()]
+
+
 def pareto_front(points: Sequence[tuple[float | None, float]]) -> list[bool]:
     """Which ``(cost, loss)`` points no other point beats (both lower is better).
 

@@ -247,3 +247,43 @@ def test_the_step_estimate_times_an_expert_at_its_own_m():
                         routed={expert: r})
     assert est["prefill_ms"] == pytest.approx(4.0 + 3.0 * r.touched(8))
     assert est["per_layer"][expert]["prefill_ms"] == pytest.approx(3.0 * r.touched(8))
+
+
+def test_a_static_input_scale_is_one_per_block_as_vllms_fused_moe_reads_it():
+    """vLLM keeps one static input scale for a block's expert gate/up and one for its down_proj, the largest of the
+    experts' ("Using the maximum across experts for each layer"): the emulation does the same."""
+    from quantcore.apply import apply_plan
+    from quantcore.quantize import scale_from_amax
+
+    model = dead_expert_model()
+    stats = calibrate(model, ids(1, 8))
+    amax = {n: s.amax for n, s in stats.items()}
+    names = linear_names(model)
+    applied = apply_plan(model, {n: "FP8" for n in names}, act_amax=amax)  # FP8: static per-tensor input scales
+    try:
+        scales = {n: applied._states[n].static_scale for n in names}
+    finally:
+        applied.restore()
+    for block in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):
+        down = [n for n in names if n.startswith(block) and n.endswith("down_proj")]
+        own = {n: float(scale_from_amax(amax[n], "fp8_e4m3")) for n in down}
+        assert len(set(own.values())) > 1  # each expert's down_proj saw its own input
+        assert {scales[n] for n in down} == {max(own.values())}
+        gate_up = [n for n in names if n.startswith(block) and not n.endswith("down_proj")]
+        assert len({scales[n] for n in gate_up}) == 1  # every expert saw every token: one input, one scale
+    q = "model.layers.0.self_attn.q_proj"
+    assert scales[q] == pytest.approx(float(scale_from_amax(amax[q], "fp8_e4m3")))  # a dense layer keeps its own
+
+
+def test_schemes_vllms_fused_moe_cannot_serve_on_experts_are_named():
+    from quantcore.plans import moe_unserved
+
+    def plan(experts: str, rest: str = "INT8_PER_TENSOR") -> dict[str, str]:
+        return {n: experts if ".experts." in n else rest for n in NAMES}
+
+    for ok in ("FP8_DYNAMIC", "FP8", "FP8_BLOCK", "W4A16", "W8A16_GPTQ", "NVFP4", "NVFP4A16", "MXFP4",
+               "INT8_W8A8", "BF16"):
+        assert moe_unserved(plan(ok)) == [], ok  # INT8 per tensor elsewhere is a dense layer's business
+    for bad in ("INT8_PER_TENSOR", "INT8_PER_TENSOR_SQ", "MXFP8"):
+        (msg,) = moe_unserved(plan(bad))
+        assert f"no kernel for {bad} experts ('m.layers.0.mlp.experts')" in msg and "Unsupported FusedMoe" in msg
