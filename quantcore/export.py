@@ -668,7 +668,8 @@ def _as_plan(plan: Mapping[str, Scheme | str], layer_names: Sequence[str]) -> di
                 continue
         out[layer] = s
     missing = [n for n in names if n not in plan]
-    extra = [n for n in plan if n not in set(names)]
+    known = set(names)
+    extra = [n for n in plan if n not in known]
     if missing:
         problems.append(
             f"layer(s) without a scheme: {_cut(missing)}; give every linear layer a scheme "
@@ -815,12 +816,28 @@ def compact_targets(members: Sequence[str], universe: Sequence[str]) -> list[str
     return out
 
 
-def _match_targets(layer: str, targets: Iterable[str]) -> list[str]:
-    """Targets matching a linear layer, most specific first (exact, regex sorted, then class)."""
-    ordered = sorted(targets, key=lambda t: ("re:" in t, t))
-    hits = [t for t in ordered if _re_matches(t, layer)]
-    hits += [t for t in ordered if t == LINEAR_CLASS and t not in hits]
-    return hits
+@dataclass(frozen=True)
+class _Matcher:
+    """Targets (or ignore entries) ready to match layer after layer: exact names in a set, so a config that lists
+    thousands of experts by name matches in linear time."""
+
+    exact: frozenset[str]
+    patterns: tuple[str, ...]  # re: entries, sorted
+    linear: bool  # the class name LINEAR_CLASS is among them
+
+    @classmethod
+    def of(cls, targets: Iterable[str]) -> _Matcher:
+        targets = list(targets)
+        return cls(frozenset(t for t in targets if not t.startswith("re:") and t != LINEAR_CLASS),
+                   tuple(sorted(t for t in targets if t.startswith("re:"))), LINEAR_CLASS in targets)
+
+    def first(self, layer: str) -> str | None:
+        """The most specific target matching a linear layer (exact, then regex in sorted order, then the class),
+        as compressed-tensors ranks them; None when none does."""
+        if layer in self.exact:
+            return layer
+        hit = next((t for t in self.patterns if _re_matches(t, layer)), None)
+        return hit if hit is not None else (LINEAR_CLASS if self.linear else None)
 
 
 # ------------------------------------------------------------------ SmoothQuant mappings
@@ -1388,8 +1405,9 @@ def _assign(
             for t in targets:
                 owner.setdefault(t, gi)
         owners.append(owner)
+    known = set(layer_names)
     for t in dict.fromkeys(t for owner in owners for t in owner):
-        if "." in t and not t.startswith("re:") and t not in set(layer_names):
+        if "." in t and not t.startswith("re:") and t not in known:
             problems.append(
                 f"target {t!r} names no linear layer of this model; layer names look like "
                 f"{_cut(list(layer_names)[:3])}"
@@ -1398,13 +1416,13 @@ def _assign(
     out: dict[str, Scheme] = {}
     twice: dict[tuple[str, ...], list[str]] = {}
     bf16 = get_scheme("BF16")
+    matchers = [(_Matcher.of(owner), _Matcher.of(claim.ignore)) for claim, owner in zip(claims, owners, strict=True)]
     for layer in layer_names:
         found = []  # (claim index, group index)
-        for ci, (claim, owner) in enumerate(zip(claims, owners, strict=True)):
-            ignored = any(_re_matches(i, layer) or i == LINEAR_CLASS for i in claim.ignore)
-            hits = [] if ignored else _match_targets(layer, list(owner))
-            if hits:
-                found.append((ci, owner[hits[0]]))
+        for ci, (targets, ignore) in enumerate(matchers):
+            hit = None if ignore.first(layer) is not None else targets.first(layer)
+            if hit is not None:
+                found.append((ci, owners[ci][hit]))
         alpha = alphas.get(layer)
         if not found:
             if alpha is not None:

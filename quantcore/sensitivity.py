@@ -166,7 +166,8 @@ def sweep_units(
     """
     names = list(layer_names)
     if only is not None:
-        unknown = [n for n in only if n not in set(names)]
+        known = set(names)
+        unknown = [n for n in only if n not in known]
         if unknown:
             raise PlanError(
                 f"layer name(s) the model does not have: {', '.join(map(repr, unknown[:10]))}"
