@@ -87,6 +87,7 @@ from quantcore.schemes import (
     Granularity,
     Scheme,
     TensorSpec,
+    expert_block,
     expert_blocks,
     fusion_groups,
     get_scheme,
@@ -844,11 +845,13 @@ class _Matcher:
 
 
 def _smoothquant_layers(plan: Mapping[str, Scheme], layer_names: Sequence[str]) -> dict[float, list[str]]:
-    """{alpha: layers smoothed with it}, in order of first appearance."""
+    """{alpha: layers smoothed with it}, in order of first appearance. A routed expert of an MoE block is never
+    smoothed (quantcore.smoothquant folds nothing into it: the norm before its gate/up also feeds the router),
+    so no mapping may name it, or llm-compressor would smooth what was scored unsmoothed."""
     out: dict[float, list[str]] = {}
     for layer in layer_names:
         a = plan[layer].smoothquant_alpha
-        if a is not None:
+        if a is not None and expert_block(layer) is None:
             out.setdefault(float(a), []).append(layer)
     return out
 

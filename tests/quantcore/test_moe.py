@@ -287,3 +287,23 @@ def test_schemes_vllms_fused_moe_cannot_serve_on_experts_are_named():
     for bad in ("INT8_PER_TENSOR", "INT8_PER_TENSOR_SQ", "MXFP8"):
         (msg,) = moe_unserved(plan(bad))
         assert f"no kernel for {bad} experts ('m.layers.0.mlp.experts')" in msg and "Unsupported FusedMoe" in msg
+
+
+def test_exported_smoothquant_mappings_leave_the_experts_unsmoothed_as_scored():
+    """quantcore smooths no routed expert (the norm before their gate/up also feeds the router), so the recipe's
+    SmoothQuant mappings must not name them: llm-compressor would otherwise smooth what was scored unsmoothed."""
+    import yaml
+
+    from quantcore.export import to_llmcompressor_recipe
+
+    attn = [f"model.layers.{b}.self_attn.{p}_proj" for b in range(2) for p in "qkvo"]
+    dense = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    experts = [f"model.layers.1.mlp.experts.{e}.{p}_proj" for e in range(4) for p in ("gate", "up", "down")]
+    names = attn + dense + experts + ["lm_head"]
+    plan = {n: "BF16" if n == "lm_head" else "INT8_W8A8" if n.endswith("o_proj") else "INT8_W8A8_SQ" for n in names}
+    recipe = yaml.safe_load(to_llmcompressor_recipe(plan, layer_names=names))
+    mappings = recipe["quant_stage"]["smoothing_modifiers"]["SmoothQuantModifier"]["mappings"]
+    named = [p for balance, _ in mappings for p in balance]
+    assert ["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"] in [balance for balance, _ in mappings]
+    assert not any("experts" in p or p in ("re:.*gate_proj", "re:.*up_proj", "re:.*down_proj") for p in named)
+    assert any("model\\.layers\\.0\\.mlp\\.down_proj" in p for p in named)  # the dense block's MLP still is
