@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from quantcore.errors import Cancelled, PlanError, name_list
+from quantcore.moe import all_experts
 from quantcore.quantize import fake_quantize_weight, fused_tensor_scale
 from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, Granularity, Scheme, TensorSpec, get_scheme
 from quantcore.smoothquant import GQA_NO_FACTORS, SmoothingHandle, _plan_unit, _Unit, fold_factors
@@ -330,8 +331,9 @@ def awq_search(
             sums = {m.balance[0]: _AbsSum() for m in here}
             hooks = [modules[p].register_forward_pre_hook(c, with_kwargs=True) for p, c in captures.items()]
             hooks += [modules[n].register_forward_pre_hook(s) for n, s in sums.items()]
-            try:
-                outs = [_first(block(h, *extra, **kw)) for h, (extra, kw) in zip(hidden, rest[b], strict=True)]
+            try:  # an MoE block's experts see every token, as in llm-compressor's calibration (quantcore.moe)
+                with all_experts():
+                    outs = [_first(block(h, *extra, **kw)) for h, (extra, kw) in zip(hidden, rest[b], strict=True)]
             finally:
                 for h in hooks:
                     h.remove()

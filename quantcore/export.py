@@ -845,13 +845,14 @@ class _Matcher:
 
 
 def _smoothquant_layers(plan: Mapping[str, Scheme], layer_names: Sequence[str]) -> dict[float, list[str]]:
-    """{alpha: layers smoothed with it}, in order of first appearance. A routed expert of an MoE block is never
-    smoothed (quantcore.smoothquant folds nothing into it: the norm before its gate/up also feeds the router),
-    so no mapping may name it, or llm-compressor would smooth what was scored unsmoothed."""
+    """{alpha: layers smoothed with it}, in order of first appearance. A routed expert's gate/up is never
+    smoothed (quantcore.smoothquant folds nothing into them: the norm before them also feeds the router), so no
+    mapping may name them, or llm-compressor would smooth what was scored unsmoothed; its down_proj is (into its
+    own up_proj)."""
     out: dict[float, list[str]] = {}
     for layer in layer_names:
         a = plan[layer].smoothquant_alpha
-        if a is not None and expert_block(layer) is None:
+        if a is not None and (expert_block(layer) is None or layer.endswith(".down_proj")):
             out.setdefault(float(a), []).append(layer)
     return out
 
@@ -947,6 +948,15 @@ def _awq_mappings(awq_layers: Sequence[str], layer_names: Sequence[str], mlp_nor
             "smooth_layer": f"re:{prefix}{re.escape(smooth_at)}{smooth_leaf}$",
             "balance_layers": _Flow([f"re:{prefix}{sub}\\.{leaf}$" for leaf in leaves]),
         })
+    # a routed expert's down_proj, into its own up_proj (a plan gives a block's experts one scheme)
+    blocks_all = list(dict.fromkeys(b for n in layer_names if (b := expert_block(n)) and n.endswith(".down_proj")))
+    scaled = {expert_block(n) for n in chosen if n.endswith(".down_proj")}
+    blocks_awq = [b for b in blocks_all if b in scaled]
+    if blocks_awq:
+        prefix = (".*\\.experts" if blocks_awq == blocks_all
+                  else "^(?:" + "|".join(re.escape(b) for b in blocks_awq) + ")")
+        out.append({"smooth_layer": f"re:{prefix}\\.\\d+\\.up_proj$",
+                    "balance_layers": _Flow([f"re:{prefix}\\.\\d+\\.down_proj$"])})
     return out
 
 

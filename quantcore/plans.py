@@ -662,14 +662,14 @@ def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tupl
         head, _, leaf = layer.rpartition(".")
         v = shapes.get(f"{head}.v_proj")
         if (leaf not in AWQ_FOLDABLE or (leaf == "o_proj" and (v is None or v[0] != shapes[layer][1]))
-                or expert_block(layer) is not None):
+                or (expert_block(layer) is not None and leaf != "down_proj")):
             lost.append(layer)
     if not lost:
         return []
     return [f"AWQ cannot scale {len(lost)} layer(s) ({_example_names(lost)}): nothing before them takes the "
             "factors (lm_head), v_proj has fewer outputs than o_proj has inputs (grouped-query attention), or they "
-            "are routed experts of an MoE block (quantcore's AWQ has no mapping for them, and the exported recipe's "
-            "mappings leave them out); they are rounded to nearest unscaled, as llm-compressor's AWQModifier "
+            "are a routed expert's gate/up (the norm before them also feeds the router: quantcore's AWQ has no "
+            "mapping for them, and the exported recipe's mappings leave them out); they are rounded to nearest unscaled, as llm-compressor's AWQModifier "
             "leaves them"]
 
 

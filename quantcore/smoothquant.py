@@ -57,8 +57,10 @@ SQ_EPS = (
 
 _QKV = re.compile(r"^(?P<block>.+)\.self_attn\.(?P<leaf>q_proj|k_proj|v_proj)$")
 _GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.(?P<leaf>gate_proj|up_proj)$")
+_EXPERT_GATE_UP = re.compile(r"^.+\.experts\.\d+\.(?:gate_proj|up_proj)$")
 _O_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.o_proj$")
-_DOWN = re.compile(r"^(?P<block>.+)\.mlp\.down_proj$")
+# a dense MLP's down_proj, or a routed expert's (quantcore.moe: <block>.mlp.experts.<e>.down_proj): its up_proj's rows
+_DOWN = re.compile(r"^(?P<block>.+)\.mlp(?P<expert>\.experts\.\d+)?\.down_proj$")
 
 
 @torch.no_grad()
@@ -233,11 +235,14 @@ def _plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str
             return "o_proj without a v_proj linear beside it: no foldable predecessor"
         return _Unit("v_rows", [name], v_name, block)
     if m := _DOWN.match(name):
-        block = m.group("block")
-        up_name, gate_name = f"{block}.mlp.up_proj", f"{block}.mlp.gate_proj"
+        block, mlp = m.group("block"), f"{m.group('block')}.mlp{m.group('expert') or ''}"
+        up_name, gate_name = f"{mlp}.up_proj", f"{mlp}.gate_proj"
         if up_name not in linears or gate_name not in linears:
             return "down_proj outside a gated MLP (act(gate) * up): its input is not linear in a predecessor"
         return _Unit("up_rows", [name], up_name, block)
+    if _EXPERT_GATE_UP.match(name):
+        return ("a routed expert's gate/up: the norm before them also feeds the router, which would read a "
+                "rescaled input")
     return "no foldable predecessor: only q/k/v, gate/up (norm-fed), o_proj (after v_proj) and down_proj (after up_proj) are folded"
 
 

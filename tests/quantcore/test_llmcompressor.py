@@ -492,18 +492,13 @@ def test_round_to_nearest_checkpoint_is_quantcores_emulation(tmp_path, name: str
         assert max(off(own, f"model.layers.0.self_attn.{p}_proj") for p in "qkv") > 0.01
 
 
-def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(tmp_path) -> None:
-    """A tiny Qwen3-MoE: quantcore splits its fused experts into one linear per expert under llm-compressor's own
-    names, so the exported recipe reaches exactly the experts the plan gives a scheme (one block's experts in
-    W4A16_G64, the other's in W4A16, attention in FP8_DYNAMIC, the head left out), and every expert weight oneshot
-    stores is quantcore's emulation of it, grid point for grid point."""
+def tiny_moe_layer_names() -> list[str]:
+    """The linears quantcore sees in scripts/llmc_oneshot.py's tiny Qwen3-MoE (its experts split), from the config
+    on the meta device."""
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantcore.checkpoint import load_model
     from quantcore.moe import split_experts
-    from quantcore.scoring import plan_applied
 
     cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=128, intermediate_size=256,
                                moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
@@ -511,7 +506,20 @@ def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(t
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     split_experts(meta)
-    names = [n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)]
+    return [n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(tmp_path) -> None:
+    """A tiny Qwen3-MoE: quantcore splits its fused experts into one linear per expert under llm-compressor's own
+    names, so the exported recipe reaches exactly the experts the plan gives a scheme (one block's experts in
+    W4A16_G64, the other's in W4A16, attention in FP8_DYNAMIC, the head left out), and every expert weight oneshot
+    stores is quantcore's emulation of it, grid point for grid point."""
+    from safetensors.torch import load_file
+
+    from quantcore.checkpoint import load_model
+    from quantcore.scoring import plan_applied
+
+    names = tiny_moe_layer_names()
     schemes = {"layers.0.mlp.experts.": "W4A16_G64", "layers.1.mlp.experts.": "W4A16", "lm_head": "BF16"}
     plan = {n: get_scheme(next((s for k, s in schemes.items() if k in n), "FP8_DYNAMIC")) for n in names}
     got = run_oneshot(plan, tmp_path, "qwen3_moe")
@@ -530,3 +538,87 @@ def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(t
     assert len(experts) == 2 * 4 * 3
     for layer in names:
         assert off_grid(ours[layer], theirs[layer + ".weight"]) < 0.002, layer
+
+
+def test_an_moe_awq_recipe_scales_each_experts_down_proj_as_quantcore_does(tmp_path) -> None:
+    """AWQ on a tiny Qwen3-MoE's experts: the exported recipe maps each expert's up_proj to its own down_proj
+    (the experts' gate/up are left unscaled: the norm before them feeds the router too), llm-compressor's oneshot
+    searches them with every expert run on every token, and quantcore's search on the same tokens does the same.
+    Every scale llm-compressor folds is one of quantcore's candidates, within 3 % of quantcore's best loss, and
+    where both picked the same one the stored weights are the same grid points.
+
+    llm-compressor 0.14.0.1 (with its transformers 5.17) runs this model's attention without the causal mask
+    inside oneshot: block 0's o_proj outputs there equal a forward with bidirectional attention, not the model's
+    own (a tiny Llama's match its own). quantplan calibrates causally, as the model serves; to compare the AWQ
+    arithmetic on the same inputs, quantcore's forwards here attend bidirectionally too."""
+    import contextlib
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from quantcore.awq import awq_search, candidates, weight_means
+    from quantcore.checkpoint import load_model
+    from quantcore.moe import all_experts
+    from quantcore.quantize import fake_quantize_weight
+    from quantcore.scoring import plan_applied
+
+    cfg_names = tiny_moe_layer_names()
+    plan = {n: get_scheme("BF16" if n == "lm_head" else "W4A16_AWQ" if ".experts." in n else "W4A16")
+            for n in cfg_names}
+    got = run_oneshot(plan, tmp_path, "qwen3_moe")
+    assert got["modifiers"] == ["AWQModifier", "QuantizationModifier"]
+    downs = [n for n in cfg_names if ".experts." in n and n.endswith("down_proj")]
+    ups = {n.replace("down_proj", "up_proj") for n in downs}
+    quantized = [n for n in cfg_names if n != "lm_head"]
+    assert got["rounded_to_nearest"] == {n: n not in set(downs) | ups for n in quantized}
+
+    theirs = load_file(tmp_path / "oneshot.safetensors")
+    model, _ = load_model(tmp_path / "tiny-moe")
+    ids = torch.tensor(got["calibration_ids"])
+
+    @contextlib.contextmanager
+    def as_oneshot_attends():  # see the docstring
+        kind = model.config._attn_implementation
+        causal = ALL_ATTENTION_FUNCTIONS[kind]
+        ALL_ATTENTION_FUNCTIONS[kind] = lambda module, q, k, v, mask, **kw: causal(
+            module, q, k, v, None, **{**kw, "is_causal": False})
+        try:
+            yield
+        finally:
+            ALL_ATTENTION_FUNCTIONS[kind] = causal
+
+    inputs: dict[str, list[torch.Tensor]] = {}
+    hooks = [model.get_submodule(n).register_forward_pre_hook(
+        lambda _m, a, _n=n: inputs.setdefault(_n, []).append(a[0].detach())) for n in downs]
+    with torch.no_grad(), all_experts(), as_oneshot_attends():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    originals = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with as_oneshot_attends():
+        found = awq_search(model, plan, ids)
+    assert len(found.errors) == len(downs) == 8  # 2 blocks x 4 experts; nothing else is AWQ'd
+    spec = get_scheme("W4A16").weights
+    agree = []
+    for label, history in found.history.items():
+        down = next(n for n in downs if label.startswith(n.replace("down_proj", "up_proj") + " "))
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[down]])
+        w0 = originals[down + ".weight"]
+        w_mean = weight_means([w0], spec)
+        picks = [r for r, sc in candidates(x.abs().float().sum(0) / x.shape[0], w_mean)
+                 if off_grid(fake_quantize_weight((w0 * sc).float(), spec, report=False)[0],
+                             theirs[down + ".weight"]) < 0.002]
+        assert picks, f"{label}: llm-compressor folded a scale that is none of quantcore's candidates"
+        loss, (_, best, ours_r) = dict(history), found.errors[label]
+        assert loss[picks[0]] <= 1.03 * best, label
+        if ours_r in picks:
+            agree.append(down)
+    assert len(agree) >= len(downs) - 1, f"only {agree} picked the same scale"
+    with plan_applied(model, plan, awq=found):
+        ours = {n: p.detach().clone() for n, p in model.named_parameters() if n in theirs}
+    for down in agree:
+        assert off_grid(ours[down + ".weight"], theirs[down + ".weight"]) < 0.002, down
+    for n in quantized:  # rounded to nearest by both, untouched by any fold: the same checkpoint
+        if n not in set(downs) | ups:
+            assert off_grid(ours[n + ".weight"], theirs[n + ".weight"]) < 0.002, n

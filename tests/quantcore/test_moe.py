@@ -289,12 +289,32 @@ def test_schemes_vllms_fused_moe_cannot_serve_on_experts_are_named():
         assert f"no kernel for {bad} experts ('m.layers.0.mlp.experts')" in msg and "Unsupported FusedMoe" in msg
 
 
-def test_exported_smoothquant_mappings_leave_the_experts_unsmoothed_as_scored():
-    """quantcore smooths no routed expert (the norm before their gate/up also feeds the router), so the recipe's
-    SmoothQuant mappings must not name them: llm-compressor would otherwise smooth what was scored unsmoothed."""
+def test_smoothquant_folds_an_experts_down_proj_into_its_own_up_proj_and_exports_it_so():
+    """An expert's down_proj reads act(gate) * up of that expert only: its factors fold exactly into that
+    expert's up_proj rows. Its gate/up read the norm that also feeds the router, so they are left unsmoothed,
+    and the recipe's SmoothQuant mappings must not name them (llm-compressor would smooth what was scored
+    unsmoothed, and the router would read a rescaled input)."""
     import yaml
 
     from quantcore.export import to_llmcompressor_recipe
+    from quantcore.smoothquant import smooth_model
+
+    model = tiny_moe()
+    split_experts(model)
+    stats = calibrate(model, ids())
+    names = linear_names(model)
+    x = ids(1, 12, seed=5)
+    with torch.no_grad():
+        before = model(x).logits
+    down, up = "model.layers.1.mlp.experts.2.down_proj", "model.layers.1.mlp.experts.2.up_proj"
+    gate = "model.layers.1.mlp.experts.2.gate_proj"
+    handle = smooth_model(model, {n: torch.as_tensor(stats[n].channel_max) for n in (down, gate)}, 0.5)
+    try:
+        assert handle.folded_into == {down: up} and "router" in handle.skipped[gate]
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, before, rtol=0, atol=1e-5)  # an exact fold
+    finally:
+        handle.restore()
 
     attn = [f"model.layers.{b}.self_attn.{p}_proj" for b in range(2) for p in "qkvo"]
     dense = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
@@ -303,7 +323,6 @@ def test_exported_smoothquant_mappings_leave_the_experts_unsmoothed_as_scored():
     plan = {n: "BF16" if n == "lm_head" else "INT8_W8A8" if n.endswith("o_proj") else "INT8_W8A8_SQ" for n in names}
     recipe = yaml.safe_load(to_llmcompressor_recipe(plan, layer_names=names))
     mappings = recipe["quant_stage"]["smoothing_modifiers"]["SmoothQuantModifier"]["mappings"]
-    named = [p for balance, _ in mappings for p in balance]
-    assert ["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"] in [balance for balance, _ in mappings]
-    assert not any("experts" in p or p in ("re:.*gate_proj", "re:.*up_proj", "re:.*down_proj") for p in named)
-    assert any("model\\.layers\\.0\\.mlp\\.down_proj" in p for p in named)  # the dense block's MLP still is
+    assert [["re:.*down_proj"], "re:.*up_proj"] in mappings  # every down_proj, each into its own up_proj
+    gate_up = [balance for balance, _ in mappings if any("gate_proj" in p for p in balance)]
+    assert gate_up == [["re:model\\.layers\\.0\\.mlp\\.gate_proj$", "re:model\\.layers\\.0\\.mlp\\.up_proj$"]]
