@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-EXPERTS_KEY = "experts"  # the attribute of an MoE block holding its experts (transformers and llm-compressor)
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token")
 
 

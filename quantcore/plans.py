@@ -669,8 +669,8 @@ def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tupl
     return [f"AWQ cannot scale {len(lost)} layer(s) ({_example_names(lost)}): nothing before them takes the "
             "factors (lm_head), v_proj has fewer outputs than o_proj has inputs (grouped-query attention), or they "
             "are a routed expert's gate/up (the norm before them also feeds the router: quantcore's AWQ has no "
-            "mapping for them, and the exported recipe's mappings leave them out); they are rounded to nearest unscaled, as llm-compressor's AWQModifier "
-            "leaves them"]
+            "mapping for them, and the exported recipe's mappings leave them out); they are rounded to nearest "
+            "unscaled, as llm-compressor's AWQModifier leaves them"]
 
 
 def untied_embedding_bits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
