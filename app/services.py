@@ -908,6 +908,24 @@ def _mlp_norm(model: ModelRecord) -> str:
     return "pre_feedforward_layernorm" if model.model_type.startswith("gemma") else MLP_NORM_LLAMA
 
 
+def fmt_params(n: int) -> str:
+    """A parameter count as a person reads it: "91.0 K", "134.5 M", "30.53 B"."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} K"
+
+
+def active_params(model: ModelRecord) -> int | None:
+    """Parameters one token runs through: every parameter but the routed experts', plus top_k / experts of
+    those; None for a dense model (all of them) or one whose top_k is not known."""
+    routed = routed_layers(model)
+    if not routed:
+        return None
+    share = next(iter(routed.values()))
+    experts = sum(lin["in_features"] * lin["out_features"] for lin in model.linears if lin["name"] in routed)
+    return round(model.num_params - experts * (1 - share.top_k / share.experts))
+
+
 def moe_text(model: ModelRecord) -> str | None:
     """What a mixture-of-experts model is to quantplan, in a sentence; None for a dense model."""
     moe = model.moe
@@ -915,6 +933,9 @@ def moe_text(model: ModelRecord) -> str | None:
         return None
     blocks = len(moe.get("blocks") or [])
     per_token = f", {moe['top_k']} per token" if moe.get("top_k") else " (experts per token not in its config)"
+    active = active_params(model)
+    if active is not None:
+        per_token += f" ({fmt_params(active)} of its {fmt_params(model.num_params)} parameters active per token)"
     return (f"mixture of experts: {blocks} MoE block(s) of {moe['experts']} routed experts{per_token}; each expert's "
             "gate / up / down projection is a linear of its own here, as llm-compressor and vLLM name them, and a "
             "block's experts share one scheme (vLLM's fused MoE layer). Step times count an expert's share of a "

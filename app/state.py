@@ -73,6 +73,3 @@ def current_model():
         st.info(f"Model #{model_id} was removed: choose another in the sidebar, or register one on the Models page.")
         return None
 
-
-def fmt_params(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"

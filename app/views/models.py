@@ -58,10 +58,11 @@ if not models:
 st.dataframe(
     pd.DataFrame([{
         "id": m.id, "name": m.name, "architecture": m.architecture, "layers": m.num_layers,
-        "parameters": state.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
+        "parameters": svc.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
         "size (MiB)": round(m.total_bytes / 2**20, 1),
         "KV KiB / token (BF16)": svc.kv_kib_per_token(m), "sliding-window layers": len(m.attention_windows),
         "experts": f"{m.moe['experts']} (top-{m.moe.get('top_k') or '?'})" if m.moe else "",
+        "active / token": svc.fmt_params(a) if (a := svc.active_params(m)) is not None else "",
         "sha256": m.sha256[:12], "registered": m.created_at,
     } for m in models]),
     hide_index=True, width="stretch",

@@ -989,7 +989,7 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
     attn = [{"name": f"model.layers.{b}.self_attn.{p}_proj", "in_features": 512, "out_features": 512}
             for b in range(2) for p in "qkvo"]
     summary = {"architecture": "Qwen3MoeForCausalLM", "model_type": "qwen3_moe", "num_layers": 2,
-               "num_params": 5_000_000, "dtype": "bfloat16", "total_bytes": 10_000_000,
+               "num_params": 10_000_000, "dtype": "bfloat16", "total_bytes": 20_000_000,
                "linears": attn + experts + [{"name": "lm_head", "in_features": 512, "out_features": 1000}],
                "moe": {"experts": 8, "top_k": 2, "blocks": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]},
                "unsplit_experts": []}
@@ -997,7 +997,11 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
         model = repo.add_model(s, name="moe", sha256="cd" * 32, source_kind="folder", source_name="moe",
                                path="models/y", summary=summary, user="tester")
     at = _run(None, model.id)
-    assert any("2 MoE block(s) of 8 routed experts, 2 per token" in i.value for i in at.info)
+    # 16 experts of 393,216 weights, a quarter of them per token: 10 M - 0.75 x 6.29 M
+    assert any("2 MoE block(s) of 8 routed experts, 2 per token (5.3 M of its 10.0 M parameters active per token)"
+               in i.value for i in at.info)
+    models = next(d.value for d in at.dataframe if "active / token" in d.value.columns)
+    assert models.iloc[0]["active / token"] == "5.3 M" and models.iloc[0]["experts"] == "8 (top-2)"
     at = _run("plans", model.id)
     table = next(d.value for d in at.dataframe if "fused_with" in d.value.columns).set_index("layer")
     assert table.loc["model.layers.1.mlp.experts.3.down_proj", "fused_with"] == 8 * 3 - 1
