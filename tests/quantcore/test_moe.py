@@ -326,3 +326,28 @@ def test_smoothquant_folds_an_experts_down_proj_into_its_own_up_proj_and_exports
     assert [["re:.*down_proj"], "re:.*up_proj"] in mappings  # every down_proj, each into its own up_proj
     gate_up = [balance for balance, _ in mappings if any("gate_proj" in p for p in balance)]
     assert gate_up == [["re:model\\.layers\\.0\\.mlp\\.gate_proj$", "re:model\\.layers\\.0\\.mlp\\.up_proj$"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W4A16", "NVFP4"])
+def test_cuda_split_experts_match_the_cpu(scheme):
+    """On a GPU (``pytest -m gpu``): the split experts compute what the fused ones do, calibration reaches every
+    expert, and a plan over the experts quantizes them as on the CPU."""
+    from quantcore.apply import quantized_model
+
+    cpu, gpu = tiny_moe(), tiny_moe().cuda()
+    x = ids()
+    with torch.no_grad():
+        fused = gpu(x.cuda()).logits.cpu()
+    for model in (cpu, gpu):
+        split_experts(model)
+    with torch.no_grad():
+        torch.testing.assert_close(gpu(x.cuda()).logits.cpu(), fused, rtol=0, atol=1e-4)
+    stats = calibrate(gpu, x.cuda())
+    experts = [n for n in linear_names(gpu) if expert_block(n)]
+    assert all(stats[n].amax > 0 for n in experts)
+    plan = {n: scheme for n in experts}
+    with quantized_model(cpu, plan), quantized_model(gpu, plan), torch.no_grad():
+        for name in experts:
+            assert torch.equal(cpu.get_submodule(name).weight, gpu.get_submodule(name).weight.cpu()), name
+        torch.testing.assert_close(gpu(x.cuda()).logits.cpu(), cpu(x).logits, rtol=0, atol=1e-3)
