@@ -43,7 +43,15 @@ from torch import nn
 from quantcore.errors import Cancelled, PlanError, name_list
 from quantcore.moe import all_experts
 from quantcore.quantize import fake_quantize_weight, fused_tensor_scale
-from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, Granularity, Scheme, TensorSpec, get_scheme
+from quantcore.schemes import (
+    AWQ_DUO_SCALING,
+    AWQ_N_GRID,
+    Granularity,
+    Scheme,
+    TensorSpec,
+    fusion_groups,
+    get_scheme,
+)
 from quantcore.smoothquant import GQA_NO_FACTORS, SmoothingHandle, _plan_unit, _Unit, fold_factors
 
 W_MEAN_EPS = 1e-6  # llm-compressor's _compute_layer_means: |W| / (group max + 1e-6)
@@ -110,7 +118,7 @@ def awq_mappings(model: nn.Module, layers: Iterable[str]) -> tuple[list[AwqMappi
     units: dict[tuple[str, str], _Unit] = {}
     skipped: dict[str, str] = {}
     for name in wanted:
-        unit = _plan_unit(name, linears, modules)
+        unit = _plan_unit(name, linears, modules, router=True)
         if isinstance(unit, str):
             skipped[name] = unit
             continue
@@ -123,8 +131,9 @@ def awq_mappings(model: nn.Module, layers: Iterable[str]) -> tuple[list[AwqMappi
             continue
         units.setdefault((unit.kind, unit.producer), unit)
     order = {n: i for i, n in enumerate(modules)}
-    mappings = [
-        AwqMapping(u.kind, tuple(u.consumers), u.producer, _parent_of(u.consumers), stack.block_of(u.consumers[0]))
+    mappings = [  # the loss is the output of the smallest module holding the consumers and what is scaled with them
+        AwqMapping(u.kind, tuple(u.consumers), u.producer, _parent_of([*u.consumers, *u.also]),
+                   stack.block_of(u.consumers[0]))
         for u in sorted(units.values(), key=lambda u: order[u.consumers[0]])
     ]
     return mappings, skipped
@@ -250,15 +259,16 @@ def _search_one(modules: Mapping[str, nn.Module], mapping: AwqMapping, spec_of: 
     best: tuple[float, torch.Tensor, float] | None = None
     initial = None
     history: list[tuple[float, float]] = []
-    fused = spec.format == "nvfp4" and len(quantized) > 1  # q/k/v, gate/up: one NVFP4 tensor scale, as served
+    # q/k/v, an MLP's gate/up or each expert's: one NVFP4 tensor scale per fusion group, as served
+    groups = fusion_groups(quantized) if spec.format == "nvfp4" else []
     try:
         for r, s in candidates(x_mean, w_mean, n_grid, duo_scaling):
             sv = s.to(device=originals[0].device).view(1, -1)
             scaled = {n: (w0 * sv).to(w0.dtype) for w0, n in zip(originals, mapping.balance, strict=True)}
-            g = fused_tensor_scale(scaled[n] for n in quantized) if fused else None
+            g = {n: fused_tensor_scale(scaled[x] for x in group) for group in groups for n in group}
             for m, w0, n in zip(balance, originals, mapping.balance, strict=True):
                 if n in spec_of:  # W · s rounded to the weight's dtype, Q, then / s: llm-compressor's order
-                    wq, _ = fake_quantize_weight(scaled[n], spec_of[n], report=False, scale=g)
+                    wq, _ = fake_quantize_weight(scaled[n], spec_of[n], report=False, scale=g.get(n))
                     m.weight.data = (wq / sv).to(w0.dtype)
             se, count = 0.0, 0
             for (a, k), ref in zip(calls, fp_out, strict=True):

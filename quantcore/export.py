@@ -948,15 +948,21 @@ def _awq_mappings(awq_layers: Sequence[str], layer_names: Sequence[str], mlp_nor
             "smooth_layer": f"re:{prefix}{re.escape(smooth_at)}{smooth_leaf}$",
             "balance_layers": _Flow([f"re:{prefix}{sub}\\.{leaf}$" for leaf in leaves]),
         })
-    # a routed expert's down_proj, into its own up_proj (a plan gives a block's experts one scheme)
-    blocks_all = list(dict.fromkeys(b for n in layer_names if (b := expert_block(n)) and n.endswith(".down_proj")))
-    scaled = {expert_block(n) for n in chosen if n.endswith(".down_proj")}
-    blocks_awq = [b for b in blocks_all if b in scaled]
+    # routed experts (a plan gives a block's experts one scheme): their gate/up into the norm before the block's
+    # MLP, with its router (llm-compressor's MoE mapping), and each expert's down_proj into its own up_proj
+    blocks_all = list(dict.fromkeys(b for n in layer_names if (b := expert_block(n))))
+    blocks_awq = [b for b in blocks_all if b in {expert_block(n) for n in chosen}]
     if blocks_awq:
-        prefix = (".*\\.experts" if blocks_awq == blocks_all
-                  else "^(?:" + "|".join(re.escape(b) for b in blocks_awq) + ")")
-        out.append({"smooth_layer": f"re:{prefix}\\.\\d+\\.up_proj$",
-                    "balance_layers": _Flow([f"re:{prefix}\\.\\d+\\.down_proj$"])})
+        if blocks_awq == blocks_all:
+            experts, owner = ".*\\.experts", ".*"
+        else:
+            experts = "^(?:" + "|".join(re.escape(b) for b in blocks_awq) + ")"
+            owner = "^(?:" + "|".join(re.escape(b.removesuffix(".mlp.experts")) for b in blocks_awq) + ")\\."
+        out.append({"smooth_layer": f"re:{owner}{mlp_norm}$",
+                    "balance_layers": _Flow([f"re:{owner}mlp\\.gate$", f"re:{experts}\\.\\d+\\.gate_proj$",
+                                             f"re:{experts}\\.\\d+\\.up_proj$"])})
+        out.append({"smooth_layer": f"re:{experts}\\.\\d+\\.up_proj$",
+                    "balance_layers": _Flow([f"re:{experts}\\.\\d+\\.down_proj$"])})
     return out
 
 

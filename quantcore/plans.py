@@ -661,16 +661,13 @@ def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tupl
             continue
         head, _, leaf = layer.rpartition(".")
         v = shapes.get(f"{head}.v_proj")
-        if (leaf not in AWQ_FOLDABLE or (leaf == "o_proj" and (v is None or v[0] != shapes[layer][1]))
-                or (expert_block(layer) is not None and leaf != "down_proj")):
+        if leaf not in AWQ_FOLDABLE or (leaf == "o_proj" and (v is None or v[0] != shapes[layer][1])):
             lost.append(layer)
     if not lost:
         return []
     return [f"AWQ cannot scale {len(lost)} layer(s) ({_example_names(lost)}): nothing before them takes the "
-            "factors (lm_head), v_proj has fewer outputs than o_proj has inputs (grouped-query attention), or they "
-            "are a routed expert's gate/up (the norm before them also feeds the router: quantcore's AWQ has no "
-            "mapping for them, and the exported recipe's mappings leave them out); they are rounded to nearest "
-            "unscaled, as llm-compressor's AWQModifier leaves them"]
+            "factors (lm_head), or v_proj has fewer outputs than o_proj has inputs (grouped-query attention); "
+            "they are rounded to nearest unscaled, as llm-compressor's AWQModifier leaves them"]
 
 
 def untied_embedding_bits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],

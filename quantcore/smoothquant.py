@@ -57,7 +57,8 @@ SQ_EPS = (
 
 _QKV = re.compile(r"^(?P<block>.+)\.self_attn\.(?P<leaf>q_proj|k_proj|v_proj)$")
 _GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.(?P<leaf>gate_proj|up_proj)$")
-_EXPERT_GATE_UP = re.compile(r"^.+\.experts\.\d+\.(?:gate_proj|up_proj)$")
+_EXPERT_GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.experts\.\d+\.(?:gate_proj|up_proj)$")
+ROUTER = "gate"  # the router of an MoE block: <block>.mlp.gate (transformers' TopKRouter, a weight (E, K))
 _O_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.o_proj$")
 # a dense MLP's down_proj, or a routed expert's (quantcore.moe: <block>.mlp.experts.<e>.down_proj): its up_proj's rows
 _DOWN = re.compile(r"^(?P<block>.+)\.mlp(?P<expert>\.experts\.\d+)?\.down_proj$")
@@ -213,11 +214,17 @@ class _Unit:
     consumers: list[str]
     producer: str  # module name absorbing 1/s
     block: str
+    also: tuple[str, ...] = ()  # modules read the same input, their weight columns scaled by s, never quantized
 
 
-def _plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str, nn.Module]) -> _Unit | str:
-    """The fold for one requested linear, or the reason it cannot be folded exactly."""
+def _plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str, nn.Module],
+               router: bool = False) -> _Unit | str:
+    """The fold for one requested linear, or the reason it cannot be folded exactly. With ``router`` (AWQ's
+    folds, as llm-compressor's MoE mappings make them) a routed expert's gate/up fold into the norm together
+    with every expert of the block, the router's weight columns scaled along so the routing is unchanged."""
     all_names = list(linears)
+    if router and (m := _EXPERT_GATE_UP.match(name)):
+        return _expert_gate_up_unit(m.group("block"), name, linears, modules)
     if m := _QKV.match(name):
         block = m.group("block")
         group = next((g for g in fusion_groups(all_names) if name in g), [name])
@@ -242,8 +249,23 @@ def _plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str
         return _Unit("up_rows", [name], up_name, block)
     if _EXPERT_GATE_UP.match(name):
         return ("a routed expert's gate/up: the norm before them also feeds the router, which would read a "
-                "rescaled input")
+                "rescaled input (AWQ scales the router with them; SmoothQuant does not)")
     return "no foldable predecessor: only q/k/v, gate/up (norm-fed), o_proj (after v_proj) and down_proj (after up_proj) are folded"
+
+
+def _expert_gate_up_unit(block: str, name: str, linears: Mapping[str, nn.Linear],
+                         modules: Mapping[str, nn.Module]) -> _Unit | str:
+    """Every routed expert's gate/up of a block, folded into the norm before the block's MLP with its router."""
+    experts = [n for n in linears if (m := _EXPERT_GATE_UP.match(n)) and m.group("block") == block]
+    route = modules.get(f"{block}.mlp.{ROUTER}")
+    weight = getattr(route, "weight", None)
+    k = linears[name].in_features
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != k:
+        return (f"a routed expert's gate/up without a router {block}.mlp.{ROUTER} of width {k} beside them: the "
+                "norm before them also feeds the router, which would read a rescaled input")
+    pre_ff = f"{block}.pre_feedforward_layernorm"
+    producer = pre_ff if pre_ff in modules else f"{block}.post_attention_layernorm"
+    return _Unit("norm", experts, producer, block, also=(f"{block}.mlp.{ROUTER}",))
 
 
 def _alpha_for(unit: _Unit, requested: set[str], alpha: float | Mapping[str, float]) -> float:
@@ -298,6 +320,7 @@ def smooth_model(
     *,
     layers: Iterable[str] | None = None,
     factors: Mapping[str, torch.Tensor] | None = None,
+    router: bool = False,
 ) -> SmoothingHandle:
     """Fold SmoothQuant factors into ``model`` in place; the handle's ``restore()`` undoes it bit for bit.
 
@@ -309,6 +332,8 @@ def smooth_model(
                      (AWQ's searched factors, :mod:`quantcore.awq`); act_channel_max and alpha are not
                      read for these layers. An o_proj under grouped-query attention is skipped: its
                      factors would have to be tied across the query heads of each kv head.
+    router:          fold a routed expert's gate/up with the router of its block (AWQ's folds); without it
+                     they are skipped (SmoothQuant's)
 
     Asking for one member of a fused group smooths the whole group (they read one tensor, and
     the norm that absorbs 1/s feeds all of them). Layers that cannot be folded exactly are
@@ -333,7 +358,7 @@ def smooth_model(
     handle = SmoothingHandle()
     units: dict[tuple[str, str], _Unit] = {}
     for name in requested:
-        unit = _plan_unit(name, linears, modules)
+        unit = _plan_unit(name, linears, modules, router)
         if isinstance(unit, str):
             handle.skipped[name] = unit
             continue
@@ -353,9 +378,10 @@ def smooth_model(
 
 
 def fold_factors(model: nn.Module, factors: Mapping[str, torch.Tensor]) -> SmoothingHandle:
-    """Fold given factors ``{linear: (K,) s}`` (AWQ's) as :func:`smooth_model` folds SmoothQuant's; the handle's
+    """Fold given factors ``{linear: (K,) s}`` (AWQ's, an expert's gate/up with its router) as :func:`smooth_model`
+    folds SmoothQuant's; the handle's
     ``restore()`` undoes it bit for bit, ``handle.skipped`` names what could not be folded."""
-    return smooth_model(model, {}, 0.0, layers=list(factors), factors=factors)
+    return smooth_model(model, {}, 0.0, layers=list(factors), factors=factors, router=True)
 
 
 def _fold(
@@ -394,7 +420,7 @@ def _fold(
             )
         s = fixed if fixed is not None else smoothing_factors(act, _column_max(consumers), alpha).to(device)
         _divide_norm(handle, norm, style, s)
-        for c in consumers:
+        for c in consumers + [modules[a] for a in unit.also]:
             _scale_columns(handle, c, s)
     elif unit.kind == "v_rows":
         v, o = linears[unit.producer], consumers[0]

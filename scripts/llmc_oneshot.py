@@ -15,8 +15,8 @@ tokenizer are saved to WORKDIR, then ``oneshot`` quantizes it with the recipe on
 ``{"modifiers": [type names], "layers": {linear name: {"weights": args | null, "input_activations": args | null}},
 "weights_on_grid": {linear name: bool}, "rounded_to_nearest": {linear name: bool}, "calibration_ids": [[int]]}``
 and WORKDIR/oneshot.safetensors: every linear weight as the compressed checkpoint holds it (quantized ones
-fake-quantized with the stored scales, NVFP4's ``weight_global_scale`` beside them) and every norm weight (AWQ and
-SmoothQuant fold into them); a weight is on its
+fake-quantized with the stored scales, NVFP4's ``weight_global_scale`` beside them), every norm weight (AWQ and
+SmoothQuant fold into them) and an MoE router's weight (AWQ scales it with the experts); a weight is on its
 grid when dividing it by its stored scale gives integers (int formats only; others are left out), and a
 quantized weight is rounded to nearest when compressed-tensors' ``fake_quantize`` gives the same of it as of
 the weight the model had before ``oneshot``, with the scale ``oneshot`` stored (GPTQ moves weights off that
@@ -95,7 +95,8 @@ def main(recipe: str, workdir: str, arch: str = "llama") -> None:
 
     layers, on_grid, nearest, stored_weights = {}, {}, {}, {}
     for name, module in model.named_modules():
-        if name.endswith("norm") and getattr(module, "weight", None) is not None:  # AWQ / SmoothQuant fold into these
+        # AWQ / SmoothQuant fold into the norms; an MoE block's router (mlp.gate) is scaled with its experts' gate/up
+        if name.endswith(("norm", "mlp.gate")) and getattr(module, "weight", None) is not None:
             stored_weights[name + ".weight"] = module.weight.detach().float().contiguous()
         if not isinstance(module, torch.nn.Linear):
             continue

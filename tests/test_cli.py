@@ -852,10 +852,10 @@ def test_a_mixture_of_experts_model_is_planned_expert_by_expert(qp_settings, cap
         assert 0 < score["kl_mean"] < 1 and score["top1_agree"] > 0
     code, out, _ = run(capsys, "score", "moe", "--scheme", "W4A16_G64_AWQ", *args[:-1], "--cal-samples", "2",
                        "--cal-seq-len", "16")
-    # q/k/v of both blocks, and every expert's down_proj (into its own up_proj); the experts' gate/up read the
-    # norm the router reads too, the GQA o_proj has no factor per input, lm_head nothing before it
-    assert code == 0 and "AWQ searched the input scales of 34 mapping(s)" in out
-    assert "67 layer(s) left unscaled" in out
+    # per block: q/k/v, every expert's gate/up (into the norm, with the router), every expert's down_proj (into its
+    # own up_proj); the GQA o_proj has no factor per input, lm_head nothing before it
+    assert code == 0 and "AWQ searched the input scales of 36 mapping(s)" in out
+    assert "3 layer(s) left unscaled" in out
     sweep = run_json(capsys, "sensitivity", "moe", "--scheme", "FP8_DYNAMIC", *args)
     assert len(sweep["layers"]) == 2 * 3 + 1  # per block q/k/v, o_proj and all its experts as one unit; lm_head
 

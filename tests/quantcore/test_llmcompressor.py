@@ -540,12 +540,13 @@ def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(t
         assert off_grid(ours[layer], theirs[layer + ".weight"]) < 0.002, layer
 
 
-def test_an_moe_awq_recipe_scales_each_experts_down_proj_as_quantcore_does(tmp_path) -> None:
-    """AWQ on a tiny Qwen3-MoE's experts: the exported recipe maps each expert's up_proj to its own down_proj
-    (the experts' gate/up are left unscaled: the norm before them feeds the router too), llm-compressor's oneshot
-    searches them with every expert run on every token, and quantcore's search on the same tokens does the same.
-    Every scale llm-compressor folds is one of quantcore's candidates, within 3 % of quantcore's best loss, and
-    where both picked the same one the stored weights are the same grid points.
+def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(tmp_path) -> None:
+    """AWQ on a tiny Qwen3-MoE's experts: the exported recipe maps the norm before each MoE block to the router and
+    every expert's gate/up (llm-compressor's MoE mapping; the router's weight is scaled, never quantized), and each
+    expert's up_proj to its own down_proj. llm-compressor's oneshot searches them with every expert run on every
+    token, and quantcore's search on the same tokens does the same: every scale llm-compressor folds is one of
+    quantcore's candidates, within 3 % of quantcore's best loss, and where both picked the same one the stored
+    weights are the same grid points (and the norms and routers the same numbers).
 
     llm-compressor 0.14.0.1 (with its transformers 5.17) runs this model's attention without the causal mask
     inside oneshot: block 0's o_proj outputs there equal a forward with bidirectional attention, not the model's
@@ -557,21 +558,19 @@ def test_an_moe_awq_recipe_scales_each_experts_down_proj_as_quantcore_does(tmp_p
     from safetensors.torch import load_file
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from quantcore.awq import awq_search, candidates, weight_means
+    from quantcore.awq import awq_mappings, awq_search, candidates, weight_means
     from quantcore.checkpoint import load_model
     from quantcore.moe import all_experts
     from quantcore.quantize import fake_quantize_weight
     from quantcore.scoring import plan_applied
 
-    cfg_names = tiny_moe_layer_names()
-    plan = {n: get_scheme("BF16" if n == "lm_head" else "W4A16_AWQ" if ".experts." in n else "W4A16")
-            for n in cfg_names}
+    names = tiny_moe_layer_names()
+    plan = {n: get_scheme("BF16" if n == "lm_head" else "W4A16_AWQ" if ".experts." in n else "W4A16") for n in names}
     got = run_oneshot(plan, tmp_path, "qwen3_moe")
     assert got["modifiers"] == ["AWQModifier", "QuantizationModifier"]
-    downs = [n for n in cfg_names if ".experts." in n and n.endswith("down_proj")]
-    ups = {n.replace("down_proj", "up_proj") for n in downs}
-    quantized = [n for n in cfg_names if n != "lm_head"]
-    assert got["rounded_to_nearest"] == {n: n not in set(downs) | ups for n in quantized}
+    experts = [n for n in names if ".experts." in n]
+    quantized = [n for n in names if n != "lm_head"]
+    assert got["rounded_to_nearest"] == {n: n not in experts for n in quantized}  # every expert linear scaled
 
     theirs = load_file(tmp_path / "oneshot.safetensors")
     model, _ = load_model(tmp_path / "tiny-moe")
@@ -588,9 +587,11 @@ def test_an_moe_awq_recipe_scales_each_experts_down_proj_as_quantcore_does(tmp_p
         finally:
             ALL_ATTENTION_FUNCTIONS[kind] = causal
 
+    mappings = {f"{m.smooth} -> {', '.join(x.rsplit('.', 1)[-1] for x in m.balance)}": m
+                for m in awq_mappings(model, experts)[0]}
     inputs: dict[str, list[torch.Tensor]] = {}
-    hooks = [model.get_submodule(n).register_forward_pre_hook(
-        lambda _m, a, _n=n: inputs.setdefault(_n, []).append(a[0].detach())) for n in downs]
+    hooks = [model.get_submodule(m.balance[0]).register_forward_pre_hook(
+        lambda _m, a, _n=m.balance[0]: inputs.setdefault(_n, []).append(a[0].detach())) for m in mappings.values()]
     with torch.no_grad(), all_experts(), as_oneshot_attends():
         model(input_ids=ids, use_cache=False)
     for h in hooks:
@@ -598,27 +599,34 @@ def test_an_moe_awq_recipe_scales_each_experts_down_proj_as_quantcore_does(tmp_p
     originals = {n: p.detach().clone() for n, p in model.named_parameters()}
     with as_oneshot_attends():
         found = awq_search(model, plan, ids)
-    assert len(found.errors) == len(downs) == 8  # 2 blocks x 4 experts; nothing else is AWQ'd
+    assert set(found.errors) == set(mappings) and len(mappings) == 2 * (1 + 4)  # per block: gate/up, 4 down_proj
     spec = get_scheme("W4A16").weights
-    agree = []
+    agree: list[str] = []  # mappings where both picked the same scale
     for label, history in found.history.items():
-        down = next(n for n in downs if label.startswith(n.replace("down_proj", "up_proj") + " "))
-        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[down]])
-        w0 = originals[down + ".weight"]
-        w_mean = weight_means([w0], spec)
+        first = mappings[label].balance[0]
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[first]])
+        w0 = originals[first + ".weight"]
+        w_mean = weight_means([originals[b + ".weight"] for b in mappings[label].balance], spec)
         picks = [r for r, sc in candidates(x.abs().float().sum(0) / x.shape[0], w_mean)
                  if off_grid(fake_quantize_weight((w0 * sc).float(), spec, report=False)[0],
-                             theirs[down + ".weight"]) < 0.002]
+                             theirs[first + ".weight"]) < 0.002]
         assert picks, f"{label}: llm-compressor folded a scale that is none of quantcore's candidates"
         loss, (_, best, ours_r) = dict(history), found.errors[label]
         assert loss[picks[0]] <= 1.03 * best, label
         if ours_r in picks:
-            agree.append(down)
-    assert len(agree) >= len(downs) - 1, f"only {agree} picked the same scale"
+            agree.append(label)
+    assert len(agree) >= len(mappings) - 1, f"only {sorted(agree)} picked the same scale"
     with plan_applied(model, plan, awq=found):
         ours = {n: p.detach().clone() for n, p in model.named_parameters() if n in theirs}
-    for down in agree:
-        assert off_grid(ours[down + ".weight"], theirs[down + ".weight"]) < 0.002, down
+        routers = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+    for label in agree:
+        for layer in mappings[label].balance:
+            assert off_grid(ours[layer + ".weight"], theirs[layer + ".weight"]) < 0.002, layer
+        smooth = mappings[label].smooth
+        if smooth.endswith("norm"):
+            torch.testing.assert_close(ours[smooth + ".weight"], theirs[smooth + ".weight"], rtol=1e-5, atol=1e-6)
+            router = smooth.rsplit(".", 1)[0] + ".mlp.gate.weight"
+            torch.testing.assert_close(routers[router], theirs[router], rtol=1e-5, atol=1e-6)
     for n in quantized:  # rounded to nearest by both, untouched by any fold: the same checkpoint
-        if n not in set(downs) | ups:
+        if n not in experts:
             assert off_grid(ours[n + ".weight"], theirs[n + ".weight"]) < 0.002, n

@@ -351,3 +351,29 @@ def test_cuda_split_experts_match_the_cpu(scheme):
         for name in experts:
             assert torch.equal(cpu.get_submodule(name).weight, gpu.get_submodule(name).weight.cpu()), name
         torch.testing.assert_close(gpu(x.cuda()).logits.cpu(), cpu(x).logits, rtol=0, atol=1e-3)
+
+
+def test_awq_folds_an_experts_gate_up_into_the_norm_with_the_router_and_every_expert_of_the_block():
+    """AWQ's factors for a routed expert's gate/up fold into the norm before the MoE block: every expert's gate/up
+    and the router's weight columns take s, so the routing and the logits are unchanged (SmoothQuant leaves them,
+    see above)."""
+    from quantcore.smoothquant import fold_factors
+
+    model = dead_expert_model()
+    x = ids(1, 12, seed=3)
+    with torch.no_grad():
+        before = model(x).logits
+    router = model.model.layers[1].mlp.gate.weight.detach().clone()
+    s = torch.rand(64, generator=torch.Generator().manual_seed(0)) + 0.5
+    handle = fold_factors(model, {"model.layers.1.mlp.experts.3.gate_proj": s})
+    try:
+        assert not handle.skipped
+        scaled = set(handle.factors)
+        assert scaled == {f"model.layers.1.mlp.experts.{e}.{p}" for e in range(16) for p in ("gate_proj", "up_proj")}
+        assert set(handle.folded_into.values()) == {"model.layers.1.post_attention_layernorm"}
+        torch.testing.assert_close(model.model.layers[1].mlp.gate.weight, (router.double() * s.double()).float())
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, before, rtol=0, atol=1e-5)
+    finally:
+        handle.restore()
+    assert torch.equal(model.model.layers[1].mlp.gate.weight, router)
