@@ -256,7 +256,9 @@ def _plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str
 def _expert_gate_up_unit(block: str, name: str, linears: Mapping[str, nn.Linear],
                          modules: Mapping[str, nn.Module]) -> _Unit | str:
     """Every routed expert's gate/up of a block, folded into the norm before the block's MLP with its router."""
-    experts = [n for n in linears if (m := _EXPERT_GATE_UP.match(n)) and m.group("block") == block]
+    count = len(modules.get(f"{block}.mlp.experts") or ())  # quantcore.moe.LinearExperts: one ExpertMLP each
+    experts = [n for e in range(count) for leaf in ("gate_proj", "up_proj")
+               if (n := f"{block}.mlp.experts.{e}.{leaf}") in linears]
     route = modules.get(f"{block}.mlp.{ROUTER}")
     weight = getattr(route, "weight", None)
     k = linears[name].in_features
