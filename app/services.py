@@ -967,8 +967,8 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     shapes = layer_shapes(model)
     warnings = (group_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
                 + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))
-    if unsplit_experts_warning(model):
-        warnings.append(unsplit_experts_warning(model))
+    if unsplit := unsplit_experts_warning(model):
+        warnings.append(unsplit)
     kv = PlanSpec.from_dict(body).kv_cache
     if kv != "AUTO":
         with session_scope(settings()) as s:

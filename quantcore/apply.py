@@ -212,14 +212,11 @@ def _moe_shared_scales(static: Mapping[str, float]) -> dict[str, float]:
     (w13) and one for its down_proj (w2), the largest of its experts' ("Using the maximum across experts for each
     layer"). With calibration running every expert on every token (quantcore.moe) the gate/up ones are equal
     anyway; the down_proj inputs differ from expert to expert."""
+    key = {name: (block, name.endswith(".down_proj")) for name in static if (block := expert_block(name))}
     shared: dict[tuple[str, bool], float] = {}
-    for name, scale in static.items():
-        block = expert_block(name)
-        if block is not None:
-            key = (block, name.endswith(".down_proj"))
-            shared[key] = max(shared.get(key, scale), scale)
-    return {name: shared.get((block, name.endswith(".down_proj")), scale) if (block := expert_block(name)) else scale
-            for name, scale in static.items()}
+    for name, k in key.items():
+        shared[k] = max(shared.get(k, static[name]), static[name])
+    return {name: shared[key[name]] if name in key else scale for name, scale in static.items()}
 
 
 def _smoothed_amax(

@@ -538,11 +538,10 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
     raw_config, tensors = _validate(folder)
     check_model_type(raw_config["model_type"])
     config = _load_config(folder)
-    from quantcore.moe import LinearExperts, moe_summary, unsplit_experts
+    from quantcore.moe import moe_summary, unsplit_experts
 
     model = _meta_model(config)
     _check_shapes(model, tensors)
-    blocks = [name for name, m in model.named_modules() if isinstance(m, LinearExperts)]
     text_config = _text_config(config)
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     return CheckpointSummary(
@@ -558,7 +557,7 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         causal_lm=_is_causal_lm(config),
         attention_windows=attention_windows(model),
         tied_linears=_tied_linears(model),
-        moe=moe_summary(model, config, blocks),
+        moe=moe_summary(model, config),
         unsplit_experts=unsplit_experts(model),
     )
 

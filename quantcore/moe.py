@@ -194,8 +194,9 @@ def top_k(config: Any) -> int | None:
     return None
 
 
-def moe_summary(model: nn.Module, config: Any, split: list[str]) -> dict[str, Any] | None:
+def moe_summary(model: nn.Module, config: Any) -> dict[str, Any] | None:
     """{experts, top_k, blocks} of an MoE model whose experts :func:`split_experts` split; None otherwise."""
+    split = [name for name, m in model.named_modules() if isinstance(m, LinearExperts)]
     if not split:
         return None
     return {"experts": len(model.get_submodule(split[0])), "top_k": top_k(config), "blocks": split}

@@ -66,11 +66,10 @@ def _complete_summary(ctx: JobContext, model_rec, model) -> None:
         from dataclasses import asdict
 
         from quantcore.checkpoint import linear_infos
-        from quantcore.moe import LinearExperts, moe_summary, unsplit_experts
+        from quantcore.moe import moe_summary, unsplit_experts
 
-        blocks = [name for name, m in model.named_modules() if isinstance(m, LinearExperts)]
-        fields.update(moe=moe_summary(model, model.config, blocks), unsplit_experts=unsplit_experts(model))
-        if blocks:
+        fields.update(moe=moe_summary(model, model.config), unsplit_experts=unsplit_experts(model))
+        if fields["moe"] is not None:
             fields["linears"] = [asdict(info) for info in linear_infos(model)]
     if fields:
         with session_scope(ctx.settings) as s:

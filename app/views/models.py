@@ -75,10 +75,10 @@ model = state.current_model()
 if model is None:
     st.stop()
 st.subheader(f"{model.name}")
-if svc.moe_text(model):
-    st.info(svc.moe_text(model))
-if svc.unsplit_experts_warning(model):
-    st.warning(svc.unsplit_experts_warning(model))
+if moe := svc.moe_text(model):
+    st.info(moe)
+if unsplit := svc.unsplit_experts_warning(model):
+    st.warning(unsplit)
 with st.expander(f"Its {len(model.linears)} linear layers"):
     st.dataframe(pd.DataFrame(model.linears), hide_index=True, width="stretch")
 
