@@ -69,7 +69,14 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
-from quantcore.plans import group_label, group_misfits, regrouped_preset, scheme_label, untied_embedding_bits
+from quantcore.plans import (
+    group_label,
+    group_misfits,
+    regrouped_preset,
+    scheme_label,
+    untied_embedding_bits,
+    w4afp8_misfits,
+)
 from quantcore.routing import Routing, step_share
 from quantcore.schemes import (
     IDENTITY_BITS,
@@ -101,6 +108,8 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "W4A16_G64_ASYM",
     "W4A16_G64_ASYM_GPTQ",
     "W4A16_G64_ASYM_AWQ",
+    "W4AFP8",
+    "W4AFP8_GPTQ",
     "NVFP4A16",
     "NVFP4A16_GPTQ",
     "NVFP4A16_AWQ",
@@ -601,6 +610,7 @@ def auto_plan(
     notes: list[str] = []
     misfit: dict[str, int] = {}  # scheme -> units it cannot take because its groups do not divide their K
     misfit_ks: dict[str, set[int]] = {}  # scheme -> the K of those units' layers
+    untileable: dict[str, int] = {}  # scheme -> units whose N vLLM's W4AFP8 kernel cannot tile
     unit_opts: list[list[tuple[str, float, float, str]]] = []  # (scheme, kl, cost, source)
     for i, u in enumerate(units):
         opts = []
@@ -610,6 +620,9 @@ def auto_plan(
             if layer_shapes and group_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u}):
                 misfit[s] = misfit.get(s, 0) + 1
                 misfit_ks.setdefault(s, set()).update(layer_shapes[m][1] for m in u)
+                continue
+            if layer_shapes and w4afp8_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u}):
+                untileable[s] = untileable.get(s, 0) + 1
                 continue
             lc = [costs[s][m] for m in u]
             sources = {c.source for c in lc}
@@ -624,6 +637,9 @@ def auto_plan(
         if alt is not None and alt.name not in usable:
             note += f"; {alt.name}'s groups of {alt.weights.group_size} divide them: sweep it to let the planner use it"
         notes.append(note)
+    for s, n_units in untileable.items():
+        notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up fused) is not "
+                     "a multiple of 128: vLLM's W4AFP8 kernel cannot serve them (quantcore.plans.w4afp8_misfits)")
     for s in usable:
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (

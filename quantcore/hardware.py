@@ -50,6 +50,7 @@ SM_INT8_MMA = 75  # Turing: INT8 tensor cores (IMMA); torch._int_mm's cuBLASLt p
 SM_WEIGHT_ONLY = 80  # Ampere: Marlin-style mixed-input kernels (INT4/INT8/FP8 weights × bf16)
 SM_FP8_MMA = 89  # Ada / Hopper: FP8 tensor cores; torch._scaled_mm refuses below sm89
 SM_BLOCK_SCALED = 100  # Blackwell: FP4 tensor cores and MX / NVFP4 block-scaled MMA
+SM_W4A8_FP8 = 90  # Hopper only: vLLM's CUTLASS W4A8 (INT4 weights x FP8 activations) checks is_device_capability(90)
 SM_INT4_TINYGEMM = 80  # Ampere: torch._weight_int4pack_mm's tinygemm kernel (bf16 mma) needs sm80+
 
 
@@ -329,6 +330,16 @@ def _rule(sm: int | None, weight: str | None, act: str | None) -> tuple[str, str
             "unsupported",
             f"{weight} W4A4 needs FP4 tensor cores: Blackwell (sm{SM_BLOCK_SCALED}) or newer",
         )
+    if weight == "int4" and act == "fp8_e4m3":  # W4AFP8
+        if sm == SM_W4A8_FP8:
+            return "native", (
+                f"W4AFP8: vLLM's CUTLASS W4A8 kernel (sm{SM_W4A8_FP8}, Hopper) converts the INT4 weights to FP8 "
+                "in-kernel and runs the math on FP8 tensor cores"
+            )
+        return "unsupported", (
+            f"W4AFP8 on {on}: vLLM's only kernel for it (CUTLASS W4A8) is built for Hopper (sm{SM_W4A8_FP8}) alone; "
+            "no other kernel takes INT4 weights with FP8 activations"
+        )
     if weight == "int4" and act == "int4":
         return "emulated", "no production INT4 W4A4 GEMM in torch / cuBLAS: simulated only"
     return "emulated", (
@@ -366,6 +377,8 @@ def support_on_target(target_key: str, weight_format: str | None, act_format: st
     int8 / int8               native on sm75+, else emulated
     mxfp8 / mxfp8             native on sm100+, else emulated
     fp4 fmt / same fp4 fmt    native on sm100+, else unsupported
+    int4 / fp8_e4m3 (W4AFP8)  native on sm90 only (vLLM's CUTLASS W4A8 kernel is Hopper-only), else
+                              unsupported: the one exception to "a newer GPU never supports less"
     int4 / int4, other mixes  emulated (no kernel quantplan models)
     ========================  ==========================================================
 

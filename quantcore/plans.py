@@ -614,10 +614,49 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
     return [
         f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
         f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); llm-compressor's oneshot refuses such a "
-        "recipe (unless bypass_divisibility_checks) and vLLM's Marlin kernels refuse to load a layer whose K is not "
-        f"divisible by the group: keep those layers in another scheme{_regroup_hint(e['scheme'], e['ks'])}"
+        "recipe (unless bypass_divisibility_checks) and vLLM's group kernels (Marlin, CUTLASS W4A8) refuse to load a "
+        f"layer whose K is not divisible by the group: keep those layers in another scheme{_regroup_hint(e['scheme'], e['ks'])}"
         for (label, g), e in misfit.items()
     ]
+
+
+W4A8_FP8_TILE = 128  # vLLM's CUTLASS W4A8 kernel: groups of exactly 128, and N and K multiples of 128
+
+
+def is_w4afp8(scheme: Scheme | str) -> bool:
+    """INT4 weights with FP8 (E4M3) activations: the W4AFP8 presets, which only vLLM's CUTLASS W4A8 kernel serves."""
+    scheme = get_scheme(scheme)
+    return (scheme.weights is not None and scheme.activations is not None
+            and scheme.weights.format == "int4" and scheme.activations.format == "fp8_e4m3")
+
+
+def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
+    """What vLLM's one W4AFP8 kernel refuses, one message (or none): the layers vLLM would load as a whole whose
+    output width N is not a multiple of 128.
+
+    vLLM serves INT4 weights with FP8 activations by its CUTLASS W4A8 kernel alone (``CutlassW4A8LinearKernel``,
+    Hopper), whose ``can_implement`` wants symmetric groups of exactly 128 and N and K divisible by 128 ("K and N
+    must be divisible by 128"), for the layer as vLLM fuses it: q/k/v load as one ``qkv_proj`` and gate/up as one
+    ``gate_up_proj``, so their N is the sum (SmolLM2's 576 + 192 + 192 = 960 is not a multiple of 128). Routed experts
+    are left out: vLLM's fused MoE layer serves them with its grouped W4A8 kernel. A K that 128 does not divide is :func:`group_misfits`' message already. With tensor
+    parallelism each shard's N and K must be divisible too.
+    """
+    bad: list[tuple[str, int]] = []
+    fused = fusion_groups(resolved)
+    in_fused = {m for g in fused for m in g}
+    for group in fused + [[n] for n in resolved if n not in in_fused]:
+        if expert_block(group[0]) is not None or not is_w4afp8(resolved[group[0]]):
+            continue  # routed experts load into vLLM's fused MoE layer, whose W4A8 kernel is another one
+        n = sum(shapes[m][0] for m in group)
+        if n % W4A8_FP8_TILE:
+            bad.append((group_label(group) if len(group) > 1 else group[0], n))
+    if not bad:
+        return []
+    ns = sorted({n for _, n in bad})
+    return [f"W4AFP8 on {len(bad)} layer(s) as vLLM loads them (q/k/v and gate/up fused) whose output width N is not "
+            f"a multiple of {W4A8_FP8_TILE} (N = {', '.join(map(str, ns))}, e.g. {bad[0][0]}): vLLM's only W4AFP8 "
+            f"kernel (CUTLASS W4A8, Hopper) refuses them (\"K and N must be divisible by {W4A8_FP8_TILE}\"), so the "
+            "checkpoint does not load: keep those layers in another scheme"]
 
 
 def _regroup_hint(scheme: Scheme, ks: set[int]) -> str:

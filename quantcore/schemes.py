@@ -560,6 +560,20 @@ def _presets() -> dict[str, Scheme]:
             "rounded to nearest (the scheme of llm-compressor's AWQ examples)",
         ),
         Scheme(
+            "W4AFP8",
+            int4_g128,
+            TensorSpec("fp8_e4m3", K),
+            description="INT4 weights in groups of 128 along K, FP8 E4M3 dynamic per-token activations: the 4-bit "
+            "weight read of W4A16 with FP8 math (compressed-tensors' W4AFP8; vLLM's CUTLASS W4A8 kernel, Hopper)",
+        ),
+        Scheme(
+            "W4AFP8_GPTQ",
+            int4_g128,
+            TensorSpec("fp8_e4m3", K),
+            gptq=True,
+            description="W4AFP8 with GPTQ-rounded weights: llm-compressor's W4AFP8 recipe",
+        ),
+        Scheme(
             "MXFP8",
             TensorSpec("mxfp8", G, dynamic=False),
             TensorSpec("mxfp8", G),

@@ -416,6 +416,25 @@ def test_a_scheme_whose_groups_do_not_divide_k_is_not_offered_to_that_unit() -> 
     assert "sweep it" not in note
 
 
+def test_w4afp8_is_offered_only_where_vllms_kernel_can_tile_the_fused_layer() -> None:
+    """On an H100 W4AFP8 reads 4-bit weights and does FP8 math; its kernel needs N a multiple of 128 for the layer
+    vLLM loads (q/k/v fused), so a unit whose fused N is not gets another scheme, with a note; on a B200 it has no
+    kernel at all."""
+    shapes = {n: (128, 256) for n in BLOCK}
+    shapes["model.layers.0.self_attn.k_proj"] = shapes["model.layers.0.self_attn.v_proj"] = (64, 256)  # qkv N = 256
+    shapes["model.layers.0.mlp.down_proj"] = (192, 256)
+    sens = {"W4AFP8": {label: 1e-6 for label in LABELS}, "FP8_DYNAMIC": {label: 1e-3 for label in LABELS}}
+    res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["W4AFP8", "FP8_DYNAMIC"],
+                    layer_shapes=shapes)
+    assert res.plan["model.layers.0.mlp.down_proj"] == "FP8_DYNAMIC"
+    assert {s for n, s in res.plan.items() if not n.endswith("down_proj")} == {"W4AFP8"}
+    [note] = [n for n in res.notes if n.startswith("W4AFP8 was not offered to 1 unit(s)")]
+    assert "multiple of 128" in note
+    res = auto_plan(BLOCK, sens, kl_budget=1.0, target="b200", candidates=["W4AFP8", "FP8_DYNAMIC"],
+                    layer_shapes=shapes)
+    assert set(res.plan.values()) == {"FP8_DYNAMIC"} and "Hopper" in res.excluded["W4AFP8"]
+
+
 def test_kv_skip_keeps_the_cheapest_layers_that_bring_the_cache_within_budget():
     from quantcore.autoplan import choose_kv_skip
 

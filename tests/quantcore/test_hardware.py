@@ -111,6 +111,10 @@ def test_match_target(name: str, key: str | None) -> None:
         ("h100", None, "fp8_e4m3", "unsupported"),
         ("b200", "int4", "int4", "emulated"),
         ("h100", "int8", "fp8_e4m3", "emulated"),
+        ("h100", "int4", "fp8_e4m3", "native"),  # W4AFP8: vLLM's CUTLASS W4A8 kernel, Hopper only
+        ("h200", "int4", "fp8_e4m3", "native"),
+        ("l40s", "int4", "fp8_e4m3", "unsupported"),
+        ("b200", "int4", "fp8_e4m3", "unsupported"),
     ],
 )
 def test_support_rules(target: str, weight: str | None, act: str | None, verdict: str) -> None:
@@ -134,10 +138,20 @@ def test_unknown_format_lists_the_formats() -> None:
 
 @pytest.mark.parametrize(("weight", "act"), list(itertools.product(FORMATS_OR_NONE, FORMATS_OR_NONE)))
 def test_newer_gpus_never_support_less(weight: str | None, act: str | None) -> None:
-    """Property over every format pair: moving to a newer architecture never demotes a verdict."""
+    """Property over every format pair: moving to a newer architecture never demotes a verdict, except W4AFP8,
+    whose one vLLM kernel is built for Hopper alone (test_w4afp8_is_hopper_only)."""
     by_sm = sorted(hw.list_targets(), key=lambda t: t.sm)
+    if (weight, act) == ("int4", "fp8_e4m3"):
+        by_sm = [t for t in by_sm if t.sm <= hw.SM_W4A8_FP8]
     ranks = [RANK[hw.support_on_target(t.key, weight, act)] for t in by_sm]
     assert ranks == sorted(ranks), list(zip([t.key for t in by_sm], ranks, strict=True))
+
+
+def test_w4afp8_is_hopper_only() -> None:
+    verdicts = {t.sm: hw.support_on_target(t.key, "int4", "fp8_e4m3") for t in hw.list_targets()}
+    assert {sm: v for sm, v in verdicts.items() if v == "native"} == {90: "native"}
+    assert "Hopper" in hw.support_reason("b200", "int4", "fp8_e4m3")
+    assert hw.support_on_sm(None, "int4", "fp8_e4m3") == "emulated"  # a CPU emulates every scheme
 
 
 def test_cpu_runs_nothing_low_precision_natively() -> None:

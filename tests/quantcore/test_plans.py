@@ -339,6 +339,26 @@ def test_group_misfits_point_at_the_preset_whose_groups_fit(suffix):
     assert msg.endswith("keep those layers in another scheme")
 
 
+def test_w4afp8_misfits_count_n_as_vllm_fuses_the_layers():
+    """vLLM's CUTLASS W4A8 kernel wants N and K multiples of 128 for the layer it loads: q/k/v as one qkv_proj."""
+    from quantcore.plans import w4afp8_misfits
+
+    p = "model.layers.0"
+    shapes = {f"{p}.self_attn.q_proj": (2048, 2048), f"{p}.self_attn.k_proj": (64, 2048),
+              f"{p}.self_attn.v_proj": (64, 2048), f"{p}.self_attn.o_proj": (2048, 2048),
+              f"{p}.mlp.gate_proj": (5440, 2048), f"{p}.mlp.up_proj": (5440, 2048), f"{p}.mlp.down_proj": (2048, 5440)}
+    # qkv: 2048 + 64 + 64 = 2176 = 17 x 128 fits, though k_proj alone (64) would not; gate/up: 10,880 = 85 x 128
+    assert w4afp8_misfits({n: "W4AFP8" for n in shapes}, shapes) == []
+    shapes[f"{p}.self_attn.k_proj"] = shapes[f"{p}.self_attn.v_proj"] = (96, 2048)  # qkv N = 2240
+    shapes[f"{p}.mlp.down_proj"] = (2000, 5440)
+    [msg] = w4afp8_misfits({n: "W4AFP8_GPTQ" for n in shapes}, shapes)
+    assert msg.startswith("W4AFP8 on 2 layer(s) as vLLM loads them (q/k/v and gate/up fused) whose output width N "
+                          f"is not a multiple of 128 (N = 2000, 2240, e.g. {p}.self_attn.{{q,k,v}}_proj)")
+    # only W4AFP8 layers count: W4A16 is served by Marlin, which pads N
+    assert w4afp8_misfits({n: "W4A16" for n in shapes}, shapes) == []
+    assert "down_proj" in w4afp8_misfits({f"{p}.mlp.down_proj": "W4AFP8"}, shapes)[0]
+
+
 def test_a_quantized_head_is_warned_about_and_a_tied_one_costs_its_embedding_again():
     from quantcore.plans import quantized_head, untied_embedding_bits
 

@@ -38,6 +38,18 @@ def test_int4_weights_cost_their_stored_bits() -> None:
     assert bound.compute_ms < bound.memory_ms == pytest.approx(bound.ms)
 
 
+def test_w4afp8_reads_w4a16s_weights_and_does_fp8s_math_on_hopper() -> None:
+    # "weight-only for latency at small batch, W8A8 for throughput, and combinations such as W4A8 that try to
+    #  get both": on an H100 W4AFP8 is W4A16 at batch 1 and FP8 at batch 512
+    for m, like in ((1, "W4A16"), (512, "FP8_DYNAMIC")):
+        assert step_bound(uniform("W4AFP8"), SHAPES, "h100", m).ms == pytest.approx(
+            step_bound(uniform(like), SHAPES, "h100", m).ms)
+    # a B200 has no kernel for it: the bound counts bf16 math and says the plan cannot be served there
+    b200 = step_bound(uniform("W4AFP8"), SHAPES, "b200", 512)
+    assert b200.unsupported == list(SHAPES)
+    assert b200.ms == pytest.approx(step_bound(uniform("W4A16"), SHAPES, "b200", 512).ms)
+
+
 def test_a_mixed_plan_sums_each_layers_own_bound() -> None:
     plan = {**uniform("FP8_DYNAMIC"), "layers.0": "BF16", "layers.1": "W4A16"}
     bound = step_bound(plan, SHAPES, "h100", 1)

@@ -27,16 +27,30 @@ ISSUE_PRESETS = [
 # the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
 AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "W4A16_ASYM_AWQ", "W4A16_G64_AWQ", "W4A16_G64_ASYM_AWQ", "NVFP4A16_AWQ"]
 GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "W4A16_ASYM_GPTQ", "W4A16_G64_GPTQ",
-                "W4A16_G64_ASYM_GPTQ", "NVFP4_GPTQ", "NVFP4A16_GPTQ"]
+                "W4A16_G64_ASYM_GPTQ", "NVFP4_GPTQ", "NVFP4A16_GPTQ", "W4AFP8_GPTQ"]
 # W4A16 in groups of 64, for a K that 128 does not divide (SmolLM2's 576): vLLM's Marlin serves 32, 64, 128; and
 # with a zero point per group (compressed-tensors' W4A16_ASYM, the scheme of llm-compressor's AWQ examples)
 G64_PRESETS = ["W4A16_G64"]
 ASYM_PRESETS = ["W4A16_ASYM", "W4A16_G64_ASYM"]
+# INT4 weights with FP8 activations: compressed-tensors' W4AFP8 (vLLM's CUTLASS W4A8 kernel on Hopper)
+W4A8_PRESETS = ["W4AFP8"]
 W4_PRESETS = [n for n in GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS if n.startswith("W4A16")]
 
 
 def test_every_preset_of_the_issue_is_registered():
-    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS)
+    assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS
+                                         + W4A8_PRESETS)
+
+
+def test_w4afp8_is_w4a16_weights_with_fp8_per_token_activations():
+    w4, w4a8 = get_scheme("W4A16"), get_scheme("W4AFP8")
+    assert w4a8.weights == w4.weights  # INT4, symmetric, groups of 128 along K: the same stored weights
+    a = w4a8.activations
+    assert (a.format, a.granularity, a.dynamic) == ("fp8_e4m3", Granularity.TOKEN, True)
+    assert not w4a8.needs_calibration and not w4a8.needs_hessians and get_scheme("W4AFP8_GPTQ").needs_hessians
+    # the weights cost exactly what W4A16's do: the activations are not stored
+    assert weight_storage_bits("W4AFP8", 512, 1024) == weight_storage_bits("W4A16", 512, 1024)
+    assert w4a8.describe() == "W: int4 group 128; A: fp8_e4m3 per-token"
 
 
 def test_w4a16_asym_is_compressed_tensors_w4a16_asym():
@@ -149,7 +163,7 @@ def test_bits_identity_and_calibration_flags():
     assert {n for n in list_schemes() if get_scheme(n).needs_hessians} == set(GPTQ_PRESETS)
 
 
-@pytest.mark.parametrize("name", ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS)
+@pytest.mark.parametrize("name", ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS + W4A8_PRESETS)
 def test_to_dict_is_json_safe_and_round_trips(name):
     scheme = get_scheme(name)
     data = json.loads(json.dumps(scheme.to_dict()))
