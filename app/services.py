@@ -702,11 +702,12 @@ def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, sche
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     """Every linear: name, N, K, outlier ratio (newest calibration), the sensitivity KL of the layer's
     own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU
-    (with ", partial group" where the scheme's groups do not divide K: quantcore.plans.group_misfits)."""
+    (with ", partial group" where the scheme's groups do not divide K: quantcore.plans.group_misfits, and ", N not a
+    multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer: quantcore.plans.w4afp8_misfits)."""
     import pandas as pd
 
     from quantcore.hardware import support_on_target
-    from quantcore.plans import group_misfits
+    from quantcore.plans import group_misfits, w4afp8_untileable
     from quantcore.schemes import fusion_units
 
     resolved, _ = resolve(model, body)
@@ -718,6 +719,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     sens, unit_layers = sensitivity_map(model)  # {scheme: {unit: KL}}: a layer's KL depends on its scheme
     unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
     shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
+    untileable = w4afp8_untileable(resolved, layer_shapes(model)) if resolved and target else set()
     rows = []
     for lin in model.linears:
         name = lin["name"]
@@ -729,6 +731,8 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             support = support_on_target(target, w, a)
             if group_misfits({name: scheme}, {name: (lin["out_features"], lin["in_features"])}):
                 support += ", partial group"
+            if name in untileable:
+                support += ", N not a multiple of 128"
         scheme_name = scheme.name if scheme else body.get("default")
         rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"],
                      "outlier_ratio": ratios.get(name),

@@ -77,7 +77,7 @@ from quantcore.errors import name_list as _cut
 from quantcore.formats import get_format
 from quantcore.kvcache import AUTO as KV_AUTO
 from quantcore.kvcache import KvCacheFormat, get_kv_format, normalize_kv_skip
-from quantcore.plans import TextDumper, group_label, scheme_label
+from quantcore.plans import TextDumper, group_label, is_w4afp8, scheme_label
 from quantcore.schemes import (
     AWQ_DUO_SCALING,
     AWQ_N_GRID,
@@ -1272,6 +1272,10 @@ def to_vllm_command(
                      "on Hopper vLLM's FlashAttention 3 backend runs attention itself in FP8 with this cache (Q at "
                      f"scale 1.0, softmax probabilities in E4M3): score kv_cache {kvf.name.replace('FP8', 'FP8_ATTN')} "
                      "to see that")
+    w4afp8 = [n for n in names if is_w4afp8(resolved[n])]
+    if w4afp8:
+        lines.append(f"# W4AFP8 ({len(w4afp8)} layer(s)): vLLM serves INT4 weights with FP8 activations by its CUTLASS "
+                     "W4A8 kernel alone, built for Hopper (sm90): on any other GPU this checkpoint does not load")
     online_fp8 = get_scheme(VLLM_ONLINE_FP8_SCHEME)
     body = [n for n in names if n != VLLM_UNQUANTIZED_HEAD]
     if not groups and not kvf.calibrated:

@@ -630,6 +630,27 @@ def is_w4afp8(scheme: Scheme | str) -> bool:
             and scheme.weights.format == "int4" and scheme.activations.format == "fp8_e4m3")
 
 
+def _w4afp8_untileable(resolved: Mapping[str, Scheme | str],
+                       shapes: Mapping[str, tuple[int, int]]) -> list[tuple[list[str], int]]:
+    """(layers vLLM loads as one, their N) for every W4AFP8 layer, fused as vLLM fuses it, whose N is not a multiple
+    of 128. Routed experts are left out: vLLM's fused MoE layer serves them with its grouped W4A8 kernel."""
+    fused = fusion_groups(resolved)
+    in_fused = {m for g in fused for m in g}
+    out = []
+    for group in fused + [[n] for n in resolved if n not in in_fused]:
+        if expert_block(group[0]) is not None or not is_w4afp8(resolved[group[0]]):
+            continue
+        n = sum(shapes[m][0] for m in group)
+        if n % W4A8_FP8_TILE:
+            out.append((group, n))
+    return out
+
+
+def w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> set[str]:
+    """The W4AFP8 layers :func:`w4afp8_misfits` is about (every member of a fused group)."""
+    return {m for group, _ in _w4afp8_untileable(resolved, shapes) for m in group}
+
+
 def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
     """What vLLM's one W4AFP8 kernel refuses, one message (or none): the layers vLLM would load as a whole whose
     output width N is not a multiple of 128.
@@ -637,19 +658,11 @@ def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
     vLLM serves INT4 weights with FP8 activations by its CUTLASS W4A8 kernel alone (``CutlassW4A8LinearKernel``,
     Hopper), whose ``can_implement`` wants symmetric groups of exactly 128 and N and K divisible by 128 ("K and N
     must be divisible by 128"), for the layer as vLLM fuses it: q/k/v load as one ``qkv_proj`` and gate/up as one
-    ``gate_up_proj``, so their N is the sum (SmolLM2's 576 + 192 + 192 = 960 is not a multiple of 128). Routed experts
-    are left out: vLLM's fused MoE layer serves them with its grouped W4A8 kernel. A K that 128 does not divide is :func:`group_misfits`' message already. With tensor
-    parallelism each shard's N and K must be divisible too.
+    ``gate_up_proj``, so their N is the sum (SmolLM2's 576 + 192 + 192 = 960 is not a multiple of 128). Routed
+    experts are left out (:func:`_w4afp8_untileable`). A K that 128 does not divide is :func:`group_misfits`'
+    message already. With tensor parallelism each shard's N and K must be divisible too.
     """
-    bad: list[tuple[str, int]] = []
-    fused = fusion_groups(resolved)
-    in_fused = {m for g in fused for m in g}
-    for group in fused + [[n] for n in resolved if n not in in_fused]:
-        if expert_block(group[0]) is not None or not is_w4afp8(resolved[group[0]]):
-            continue  # routed experts load into vLLM's fused MoE layer, whose W4A8 kernel is another one
-        n = sum(shapes[m][0] for m in group)
-        if n % W4A8_FP8_TILE:
-            bad.append((group_label(group) if len(group) > 1 else group[0], n))
+    bad = [(group_label(group) if len(group) > 1 else group[0], n) for group, n in _w4afp8_untileable(resolved, shapes)]
     if not bad:
         return []
     ns = sorted({n for _, n in bad})

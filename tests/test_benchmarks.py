@@ -143,3 +143,27 @@ def test_moe_split_times_the_split_experts_against_transformers_own(capsys) -> N
     out = capsys.readouterr().out
     difference = float(re.search(r"max \|logit difference\| split vs fused (\S+)", out).group(1))
     assert difference < 1e-4  # the split model computes what the fused one does
+
+
+def test_w4afp8_scales_reencodes_as_vllm_and_reports_on_a_checkpoint(tmp_path: Path, capsys) -> None:
+    """scripts/w4afp8_scales.py: a row's group scales through vLLM's convert_bf16_scales_to_fp8 by hand, and the
+    script's report on a tiny safetensors checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    ws = _load_script("w4afp8_scales")
+    # factor = 1/448: 448 and 224 are E4M3 values, 134.4 rounds to 128 (steps of 16 there); /8 is exact for all three
+    got = ws.vllm_w4a8_scales(torch.tensor([[1.0, 0.5, 0.3]]))
+    assert torch.allclose(got, torch.tensor([[1.0, 0.5, 128 * 8 / 448 / 8]]))
+    # the checkpoint's scales are compressed-tensors' amax / 7.5, in the weights' dtype
+    w = torch.tensor([[7.5, -1.0, 0.0, 3.0]])
+    assert torch.allclose(ws.group_scales(w, 2, torch.float32), torch.tensor([[1.0, 0.4]]))
+    gen = torch.Generator().manual_seed(0)
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.randn(64, 256, generator=gen).to(torch.bfloat16),
+               "model.norm.weight": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    assert ws.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1 linear weights, 128 INT4 groups of 128")
+    ratio = float(re.search(r"\(([\d.]+)x\)", out).group(1))
+    assert 1.0 <= ratio < 1.1  # the re-encoding moves each scale by at most 1/16 of itself: a small added error
+    assert ws.main([str(tmp_path / "none")]) == 2

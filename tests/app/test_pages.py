@@ -606,6 +606,19 @@ def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"  # K = 1536: twelve whole groups
 
 
+def test_plans_page_says_where_vllms_w4afp8_kernel_cannot_tile_a_layer(seeded):
+    at = _run("plans", seeded.id)
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("W4AFP8").run()
+    assert not at.exception
+    warning = next(w.value for w in at.warning if "output width N" in w.value)
+    assert "(q/k/v and gate/up fused)" in warning and "CUTLASS W4A8" in warning
+    table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
+    # the fused q/k/v (576 + 192 + 192 = 960) and the head (49,152 = 384 x 128) against down_proj (576)
+    assert table.loc["model.layers.0.self_attn.k_proj", "on_target"].endswith("N not a multiple of 128")
+    assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native, N not a multiple of 128"
+    assert "N not" not in table.loc["lm_head", "on_target"]
+
+
 def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     from app import services as svc
     from quantcore.kvcache import kv_bytes_per_token

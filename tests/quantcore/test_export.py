@@ -670,6 +670,15 @@ def test_vllm_compressed_checkpoint_for_calibrated_plans() -> None:
     assert "without calibration data" in dyn and "needs calibration data" not in dyn
 
 
+def test_vllm_command_says_a_w4afp8_checkpoint_loads_on_hopper_only() -> None:
+    plan = {**uniform("FP8_DYNAMIC"), "model.layers.0.mlp.down_proj": get_scheme("W4AFP8_GPTQ")}
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS)
+    [note] = [line for line in cmd.splitlines() if "W4AFP8" in line and "Hopper" in line]
+    assert note.startswith("# W4AFP8 (1 layer(s)): ") and "sm90" in note
+    assert "needs calibration data" in cmd  # GPTQ's Hessians
+    assert "Hopper (sm90)" not in to_vllm_command(uniform("W4A16"), model_path="/m", layer_names=LAYERS)
+
+
 def test_vllm_kv_cache_flag_follows_the_plans_kv_cache() -> None:
     plan = uniform("FP8_PER_TENSOR")
     assert "--kv-cache-dtype" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS)
