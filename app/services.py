@@ -426,31 +426,34 @@ def reference_cache_bytes(model: ModelRecord, samples: int, seq_len: int) -> int
     return None if not vocab else samples * (seq_len - 1) * vocab * REFERENCE_BYTES_PER_LOGPROB
 
 
-# how results from before NUMERICS_INT_WEIGHT_GRID differ from newer ones
-_OLD_INT_GRID = ("int weights on a -7..7 / -127..127 grid instead of the -8..7 / -128..127 (scale amax / 7.5, "
-                 "amax / 127.5) llm-compressor stores and quantplan uses now")
-
-
 def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
     """What to tell a person about a stored score: what its job noticed, and whether older numerics make it
-    incomparable with newer scores (int weights scored before they moved to compressed-tensors' grid)."""
-    from quantcore.schemes import NUMERICS_INT_WEIGHT_GRID
+    incomparable with newer scores (quantcore.schemes.numerics_changes: int weights scored before they moved to
+    compressed-tensors' grid, NVFP4 activations before their tensor scale was calibrated)."""
+    from quantcore.schemes import NUMERICS, numerics_changes
 
     notes = list(score.notes)
-    if int(score.details.get("numerics") or 1) < NUMERICS_INT_WEIGHT_GRID:
+    numerics = int(score.details.get("numerics") or 1)
+    if numerics < NUMERICS:
         resolved, _ = resolve(model, score.plan_body)
-        ints = [n for n, s in (resolved or {}).items() if s.int_weights]
-        if ints or resolved is None:
-            notes.append(f"scored by an older quantplan ({len(ints) or 'its'} layer(s) with {_OLD_INT_GRID}): score "
-                         "the plan again before comparing it with newer scores")
+        if resolved is None:
+            notes.append("scored by an older quantplan, whose numerics differ for some schemes: score the plan again "
+                         "before comparing it with newer scores")
+            return notes
+        changed: dict[str, int] = {}
+        for scheme in resolved.values():
+            for why in numerics_changes(scheme, numerics):
+                changed[why] = changed.get(why, 0) + 1
+        for why, n in changed.items():
+            notes.append(f"scored by an older quantplan ({n} layer(s) with {why}): score the plan again before "
+                         "comparing it with newer scores")
     return notes
 
 
 def stale_sweeps(model: ModelRecord) -> dict[int, tuple[str, str]]:
-    """{sweep job id: (scheme, why to sweep again)} for the newest sweep of each int-weight scheme when an older
-    quantplan made it, its int weights on the former grid (sensitivity jobs record ``numerics`` since that
-    change)."""
-    from quantcore.schemes import NUMERICS_INT_WEIGHT_GRID, get_scheme
+    """{sweep job id: (scheme, why to sweep again)} for the newest sweep of each scheme whose numerics changed since
+    the quantplan that made it (quantcore.schemes.numerics_changes; sensitivity jobs record ``numerics``)."""
+    from quantcore.schemes import get_scheme, numerics_changes
 
     out: dict[int, tuple[str, str]] = {}
     seen: set[str] = set()
@@ -464,9 +467,9 @@ def stale_sweeps(model: ModelRecord) -> dict[int, tuple[str, str]]:
             scheme = get_scheme(name)
         except ValueError:
             continue
-        if scheme.int_weights and int(result.get("numerics") or 1) < NUMERICS_INT_WEIGHT_GRID:
+        if changes := numerics_changes(scheme, result.get("numerics")):
             out[job.id] = (name, f"the {name} sweep (job #{job.id}) was made by an older quantplan, with "
-                                 f"{_OLD_INT_GRID}: sweep {name} again before planning with it")
+                                 f"{'; '.join(changes)}: sweep {name} again before planning with it")
     return out
 
 

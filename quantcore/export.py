@@ -436,6 +436,11 @@ def _spec_to_args(spec: TensorSpec, role: str) -> tuple[dict[str, Any] | None, s
     dynamic: bool | str = False if weights else bool(spec.dynamic)
     if fmt.name == "nvfp4":
         if not weights and spec.dynamic:
+            return None, (
+                "NVFP4 activations with a dynamic fp32 tensor scale cannot be expressed: compressed-tensors' NVFP4 "
+                "calibrates that scale and computes only the block scales live (dynamic: local); use dynamic=False"
+            )
+        if not weights:
             dynamic = DYNAMIC_LOCAL  # llm-compressor calibrates the fp32 tensor scale, block scales are live
         return _fp(
             FP4_BITS, "tensor_group", dynamic=dynamic, group_size=NVFP4_GROUP, scale_dtype=E4M3_SCALE_DTYPE
@@ -474,7 +479,9 @@ def _args_to_spec(args: Mapping[str, Any], role: str) -> tuple[TensorSpec | None
     if not symmetric and not (weights and qtype == "int" and bits in (8, 4) and strategy in ("channel", "group")):
         return None, ("asymmetric (zero-point) quantization: quantplan plans it for int weights with channel or group "
                       f"scales (W4A16_ASYM), not {bits}-bit {qtype} {role} with strategy {strategy!r}")
-    live = False if weights else dynamic in (True, DYNAMIC_LOCAL)
+    # "local" (NVFP4 activations): the block scales are live, the fp32 tensor scale is calibrated, as a static
+    # nvfp4 TensorSpec has it
+    live = False if weights else dynamic is True
     if qtype == "float" and bits == FP4_BITS:
         if group_size == NVFP4_GROUP and strategy in ("tensor_group", "group"):
             fmt = "nvfp4"

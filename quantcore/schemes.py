@@ -53,8 +53,11 @@ IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
 #   1  int weights on a symmetric grid, the most negative code unused (scale amax / 127, amax / 7)
 #   2  int weights on compressed-tensors' grid (amax / 127.5, amax / 7.5; codes -128..127, -8..7), as llm-compressor
 #      writes them (quantcore.quantize.fake_quantize_weight); the GPTQ presets. A stored score without it is 1.
-NUMERICS = 2
+#   3  NVFP4 activations with their fp32 tensor scale calibrated (compressed-tensors' dynamic: local), not taken from
+#      each forward's own amax
+NUMERICS = 3
 NUMERICS_INT_WEIGHT_GRID = 2  # the first version with int weights on compressed-tensors' grid
+NUMERICS_NVFP4_CALIBRATED_ACTS = 3  # the first version with NVFP4 activations' tensor scale calibrated
 # GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
 GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
 GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal
@@ -372,6 +375,22 @@ class Scheme:
         return "; ".join(parts)
 
 
+def numerics_changes(scheme: Scheme | str, numerics: int | None) -> list[str]:
+    """How a result that quantcore numerics version ``numerics`` (None: a result stored before versions, 1) made
+    of ``scheme`` differs from one made now, one phrase per change; [] when it would be the same."""
+    scheme = get_scheme(scheme)
+    version = int(numerics or 1)
+    out = []
+    if scheme.int_weights and version < NUMERICS_INT_WEIGHT_GRID:
+        out.append("int weights on a -7..7 / -127..127 grid instead of the -8..7 / -128..127 (scale amax / 7.5, "
+                   "amax / 127.5) llm-compressor stores and quantplan uses now")
+    acts = scheme.activations
+    if acts is not None and acts.format == "nvfp4" and not acts.dynamic and version < NUMERICS_NVFP4_CALIBRATED_ACTS:
+        out.append("NVFP4 activations whose fp32 tensor scale came from each forward's own amax instead of the "
+                   "calibrated one llm-compressor stores and vLLM reads")
+    return out
+
+
 def gptq_unsupported(spec: TensorSpec | None) -> str | None:
     """Why GPTQ cannot round weights of this spec, or None when it can (see :mod:`quantcore.gptq`).
 
@@ -427,6 +446,9 @@ def _presets() -> dict[str, Scheme]:
     int8_a_tensor = TensorSpec("int8", T)
     int4_g128 = TensorSpec("int4", G, dynamic=False, group_size=W4_GROUP_SIZE)
     int4_g128_asym = dataclasses.replace(int4_g128, symmetric=False)
+    # NVFP4 activations as compressed-tensors' NVFP4 preset has them (dynamic: local): the E4M3 block scales are
+    # computed from each live block of 16, the fp32 tensor scale above them from the calibrated amax
+    nvfp4_a = TensorSpec("nvfp4", G, dynamic=False)
     schemes = [
         Scheme(
             "FP8",
@@ -588,14 +610,14 @@ def _presets() -> dict[str, Scheme]:
         Scheme(
             "NVFP4",
             TensorSpec("nvfp4", G, dynamic=False),
-            TensorSpec("nvfp4", G),
-            description="NVFP4: E2M1, E4M3 scale per 16, fp32 tensor scale, weights and activations "
-            "(activation tensor scale dynamic here; llm-compressor calibrates it)",
+            nvfp4_a,
+            description="NVFP4: E2M1, E4M3 scale per 16, fp32 tensor scale, weights and activations; the "
+            "activations' tensor scale calibrated (llm-compressor's static_minmax), their block scales live",
         ),
         Scheme(
             "NVFP4_GPTQ",
             TensorSpec("nvfp4", G, dynamic=False),
-            TensorSpec("nvfp4", G),
+            nvfp4_a,
             gptq=True,
             description="NVFP4 with GPTQ-rounded weights (the same block and tensor scales)",
         ),

@@ -170,12 +170,39 @@ def test_lm_head_and_tied_weights(tiny_model_factory, tiny_input_ids):
 def test_bf16_model(tiny_model_factory, tiny_input_ids):
     model = tiny_model_factory("qwen2", dtype=torch.bfloat16)
     ref = logits(model, tiny_input_ids)
-    with quantized_model(model, {n: "NVFP4" for n in block_linears(model)}) as applied:
+    # NVFP4's activations take their fp32 tensor scale from a calibrated amax
+    amax = {n: 8.0 for n in block_linears(model)}
+    with quantized_model(model, {n: "NVFP4" for n in block_linears(model)}, act_amax=amax) as applied:
         out = logits(model, tiny_input_ids)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
         assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
         assert len(applied.layers) == 14
     assert torch.equal(logits(model, tiny_input_ids), ref)
+
+
+def test_nvfp4_activations_take_the_calibrated_tensor_scale_and_clip_above_it(tiny_llama, tiny_input_ids):
+    """compressed-tensors' NVFP4 (dynamic: local): block scales from each live block, the fp32 tensor scale from the
+    calibrated amax. An input within it is quantized as with its own amax, up to the E4M3 block scales' rounding;
+    one above it saturates the block scales (E4M3's 448), and the counts say so."""
+    layer = "model.layers.0.mlp.down_proj"
+    seen = {}
+
+    def record(_module, args) -> None:
+        seen["amax"] = max(seen.get("amax", 0.0), float(args[0].abs().max()))
+
+    hook = dict(tiny_llama.named_modules())[layer].register_forward_pre_hook(record)
+    logits(tiny_llama, tiny_input_ids)
+    hook.remove()
+    ok = {layer: seen["amax"] * 1.01}
+    with quantized_model(tiny_llama, {layer: "NVFP4"}, act_amax=ok, track_stats=True) as applied:
+        logits(tiny_llama, tiny_input_ids)
+        assert applied.stats()[layer].activations.saturation == 0
+    low = {layer: seen["amax"] / 100}  # a calibration that saw a hundredth of the live input
+    with quantized_model(tiny_llama, {layer: "NVFP4"}, act_amax=low, track_stats=True) as applied:
+        logits(tiny_llama, tiny_input_ids)
+        assert applied.stats()[layer].activations.saturation > 0
+    with pytest.raises(PlanError, match="no calibrated amax"):
+        apply_plan(tiny_llama, {layer: "NVFP4"})
 
 
 def test_errors_name_the_problem(tiny_llama):

@@ -121,7 +121,7 @@ PRESET_TABLE = {
     "W4A16_G64_ASYM": ("int4", "group", None, None, None, None),
     "MXFP8": ("mxfp8", "group", "mxfp8", "group", True, None),
     "MXFP4": ("mxfp4", "group", "mxfp4", "group", True, None),
-    "NVFP4": ("nvfp4", "group", "nvfp4", "group", True, None),
+    "NVFP4": ("nvfp4", "group", "nvfp4", "group", False, None),  # a calibrated tensor scale, live block scales
     "NVFP4A16": ("nvfp4", "group", None, None, None, None),
 }
 
@@ -159,7 +159,8 @@ def test_bits_identity_and_calibration_flags():
     assert (get_scheme("NVFP4").weight_bits, get_scheme("NVFP4").activation_bits) == (4, 4)
     assert (get_scheme("FP8_DYNAMIC").weight_bits, get_scheme("FP8_DYNAMIC").activation_bits) == (8, 8)
     needing = {n for n in list_schemes() if get_scheme(n).needs_calibration}
-    assert needing == {"FP8", "INT8_PER_TENSOR_SQ", "INT8_W8A8_SQ", "INT8_W8A8_SQ_GPTQ"}
+    # NVFP4's activations: the fp32 tensor scale is calibrated, as compressed-tensors' NVFP4 (dynamic: local) has it
+    assert needing == {"FP8", "INT8_PER_TENSOR_SQ", "INT8_W8A8_SQ", "INT8_W8A8_SQ_GPTQ", "NVFP4", "NVFP4_GPTQ"}
     assert {n for n in list_schemes() if get_scheme(n).needs_hessians} == set(GPTQ_PRESETS)
 
 
@@ -168,6 +169,17 @@ def test_to_dict_is_json_safe_and_round_trips(name):
     scheme = get_scheme(name)
     data = json.loads(json.dumps(scheme.to_dict()))
     assert Scheme.from_dict(data) == scheme
+
+
+def test_numerics_changes_name_what_an_older_quantplan_did_differently():
+    from quantcore.schemes import NUMERICS, numerics_changes
+
+    assert numerics_changes("W4A16", None) and numerics_changes("INT8_W8A8", 1)  # the former int grid
+    assert numerics_changes("W4A16", 2) == numerics_changes("FP8_DYNAMIC", 1) == []
+    [why] = numerics_changes("NVFP4", 2)  # the activations' tensor scale was taken per forward before version 3
+    assert "calibrated" in why
+    assert numerics_changes("NVFP4A16", 2) == []  # weight-only: the same numbers
+    assert all(numerics_changes(n, NUMERICS) == [] for n in list_schemes())
 
 
 def test_with_alpha_keeps_name_and_can_remove_smoothing():
