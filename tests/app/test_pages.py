@@ -181,7 +181,7 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
 
 
 def _add_score(model_id: int, label: str, body: dict, kl: float, *, dataset: str = "builtin:lee.cor",
-               plan_id: int | None = None, notes: list[str] | None = None) -> int:
+               plan_id: int | None = None, notes: list[str] | None = None, numerics: int | None = None) -> int:
     from store import repo
     from store.db import session_scope
 
@@ -190,7 +190,8 @@ def _add_score(model_id: int, label: str, body: dict, kl: float, *, dataset: str
         repo.save_score(s, job_id=job.id, model_id=model_id, plan_id=plan_id, plan_label=label, plan_body=body,
                         dataset=dataset, report={"kl_mean": kl, "kl_p50": kl, "kl_p90": kl, "kl_p99": kl,
                                                  "kl_max": kl, "top1_agree": 1 - kl / 2, "ppl_ref": 18.0,
-                                                 "ppl": 18.0 + kl, "tokens": 1000, "notes": notes or []})
+                                                 "ppl": 18.0 + kl, "tokens": 1000, "notes": notes or [],
+                                                 **({"numerics": numerics} if numerics else {})})
         repo.finish_job(s, job.id, status="succeeded", result={"kl_mean": kl})
         return job.id
 
@@ -914,6 +915,23 @@ def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
     warnings = [w.value for w in at.warning]
     assert any(w.startswith(f"#{old} INT8_W8A8: scored by an older quantplan") for w in warnings)
     assert not any(w.startswith(f"#{new} ") for w in warnings)
+
+
+def test_a_score_from_before_nvfp4_activations_were_calibrated_is_flagged(seeded):
+    """NVFP4's activation tensor scale comes from the calibration since numerics 3: an NVFP4 score from version 2 is
+    flagged, one of a weight-only NVFP4A16 plan is not; version 1 flags each change it predates, once."""
+    from app import services as svc
+
+    nv2 = _add_score(seeded.id, "NVFP4", {"default": "NVFP4"}, 0.7, numerics=2)
+    a16 = _add_score(seeded.id, "NVFP4A16", {"default": "NVFP4A16"}, 0.4, numerics=2)
+    mixed = _add_score(seeded.id, "mixed", {"default": "NVFP4", "rules": [{"match": "down_proj", "scheme": "W8A16"}]},
+                       0.6)  # no numerics: version 1, before both changes
+    scores = {s.job_id: s for s in svc.list_scores(seeded.id)}
+    (note,) = svc.score_notes(seeded, scores[nv2])
+    assert note.startswith(f"scored by an older quantplan ({len(seeded.linears)} layer(s) with NVFP4 activations")
+    assert svc.score_notes(seeded, scores[a16]) == []
+    notes = svc.score_notes(seeded, scores[mixed])
+    assert len(notes) == 2 and any("-8..7" in n for n in notes) and any("calibrated" in n for n in notes)
 
 
 def test_a_sweep_from_before_the_int_weight_grid_is_named_on_results_and_in_the_auto_plan(seeded):
