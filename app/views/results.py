@@ -196,7 +196,7 @@ else:
     st.caption("The newest score of each plan on this text. A plan is **on the front** when no other plan has "
                "both a lower KL and a lower cost: the plans worth choosing between. Measured times are the sum of "
                "the plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a "
-               "scheme with no kernel path measured (MX, NVFP4) counts at the baseline GEMM's time. Ideal times "
+               "scheme with no kernel path measured (MX, NVFP4, W4AFP8) counts at the baseline GEMM's time. Ideal times "
                "are the roofline bound on a GPU from its datasheet: each linear's weight read at the memory "
                "bandwidth or its math at the peak of the precision the GPU runs natively, whichever is longer "
                "(a decode step is bound by the weights, a prefill by the math); a real engine gets less. Serving memory "
