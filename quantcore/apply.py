@@ -207,12 +207,15 @@ def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] 
     return out
 
 
-def _moe_shared_scales(static: Mapping[str, float]) -> dict[str, float]:
-    """Static input scales as vLLM's fused MoE layer reads them: one for the gate/up of every expert of a block
-    (w13) and one for its down_proj (w2), the largest of its experts' ("Using the maximum across experts for each
-    layer"). With calibration running every expert on every token (quantcore.moe) the gate/up ones are equal
-    anyway; the down_proj inputs differ from expert to expert."""
-    key = {name: (block, name.endswith(".down_proj")) for name in static if (block := expert_block(name))}
+def _moe_shared_scales(static: Mapping[str, float], schemes: Mapping[str, Scheme]) -> dict[str, float]:
+    """Static input scales as vLLM's fused MoE layer reads them: for FP8 and INT8, one for the gate/up of every
+    expert of a block (w13) and one for its down_proj (w2), the largest of its experts' ("Using the maximum across
+    experts for each layer"). With calibration running every expert on every token (quantcore.moe) the gate/up ones
+    are equal anyway; the down_proj inputs differ from expert to expert. NVFP4's fused MoE keeps each expert's own
+    input tensor scales (its w13 one the smaller global scale of the expert's gate and up, which read one input), so
+    they are left as calibrated."""
+    key = {name: (block, name.endswith(".down_proj")) for name in static
+           if (block := expert_block(name)) and schemes[name].activations.format != "nvfp4"}
     shared: dict[tuple[str, bool], float] = {}
     for name, k in key.items():
         shared[k] = max(shared.get(k, static[name]), static[name])
@@ -395,7 +398,7 @@ def apply_plan(
         )
         for n, a in static_amax.items()
     }
-    static = _moe_shared_scales(static)
+    static = _moe_shared_scales(static, schemes)
 
     applied = AppliedPlan(
         layers=dict(active),

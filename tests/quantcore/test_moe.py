@@ -273,6 +273,14 @@ def test_a_static_input_scale_is_one_per_block_as_vllms_fused_moe_reads_it():
         assert len({scales[n] for n in gate_up}) == 1  # every expert saw every token: one input, one scale
     q = "model.layers.0.self_attn.q_proj"
     assert scales[q] == pytest.approx(float(scale_from_amax(amax[q], "fp8_e4m3")))  # a dense layer keeps its own
+    # NVFP4's fused MoE keeps every expert's own input tensor scale (vLLM's w2_input_global_scale per expert)
+    applied = apply_plan(model, {n: "NVFP4" for n in names}, act_amax=amax)
+    try:
+        scales = {n: applied._states[n].static_scale for n in names}
+    finally:
+        applied.restore()
+    down = [n for n in names if ".experts." in n and n.endswith("down_proj")]
+    assert {n: scales[n] for n in down} == pytest.approx({n: float(scale_from_amax(amax[n], "nvfp4")) for n in down})
 
 
 def test_schemes_vllms_fused_moe_cannot_serve_on_experts_are_named():
