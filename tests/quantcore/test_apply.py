@@ -252,12 +252,14 @@ def test_reset_stats_and_no_tracking(tiny_gemma3, tiny_input_ids):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8_BLOCK", "INT8_W8A8", "W4A16", "W4A16_ASYM", "MXFP4", "NVFP4"])
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8_BLOCK", "INT8_W8A8", "W4A16", "W4A16_ASYM", "MXFP4", "NVFP4",
+                                    "W4AFP8"])
 def test_cuda_matches_cpu(tiny_model_factory, tiny_input_ids, scheme):
     cpu = tiny_model_factory("llama")
     gpu = tiny_model_factory("llama").cuda()
     plan = {n: scheme for n in block_linears(cpu)}
-    with quantized_model(cpu, plan), quantized_model(gpu, plan):
+    amax = {n: 4.0 for n in plan}  # NVFP4's calibrated activation tensor scale (the others ignore it)
+    with quantized_model(cpu, plan, act_amax=amax), quantized_model(gpu, plan, act_amax=amax):
         a = logits(cpu, tiny_input_ids)
         b = logits(gpu, tiny_input_ids.cuda()).cpu()
         for name in plan:  # weights are quantized identically on both devices
