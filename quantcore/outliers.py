@@ -128,6 +128,35 @@ def _as_list(stats: Iterable[LayerStats] | Mapping[str, LayerStats]) -> list[Lay
     return list(stats)
 
 
+def shared_expert_inputs(
+    stats: Iterable[LayerStats] | Mapping[str, LayerStats],
+) -> tuple[list[LayerStats], dict[str, int]]:
+    """The statistics with each MoE block's routed-expert gate/up inputs shown once.
+
+    Calibration runs every expert on every token (:func:`quantcore.moe.all_experts`), so the gate_proj and up_proj
+    of all E experts of a block read one tensor, the block's input, and carry the same input statistics 2·E times.
+    Returns (the statistics in their order with each such block's gate/up kept only as its first one, {kept layer:
+    how many expert linears it stands for}). A block whose gate/up inputs differ (a calibration made before every
+    expert saw every token) is left as it is.
+    """
+    from quantcore.schemes import expert_block  # torch-free, like this module
+
+    rows = _as_list(stats)
+    blocks: dict[str, list[LayerStats]] = {}
+    for st in rows:
+        block = expert_block(st.name)
+        if block is not None and not st.name.endswith(".down_proj"):
+            blocks.setdefault(block, []).append(st)
+    drop: set[str] = set()
+    stands_for: dict[str, int] = {}
+    for members in blocks.values():
+        first = members[0]
+        if len(members) > 1 and all(np.array_equal(m.channel_max, first.channel_max) for m in members[1:]):
+            drop.update(m.name for m in members[1:])
+            stands_for[first.name] = len(members)
+    return [st for st in rows if st.name not in drop], stands_for
+
+
 # ---------------------------------------------------------------------------------------------
 # Overview
 # ---------------------------------------------------------------------------------------------

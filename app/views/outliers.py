@@ -36,7 +36,7 @@ cal_id = st.selectbox(
                                for c in cals if c.id == i),
     key="outliers_cal",
 )
-stats = stats_of(cal_id)
+stats, shared = ol.shared_expert_inputs(stats_of(cal_id))
 by_name = {s.name: s for s in stats}
 overview = charts.overview_frame(stats)
 
@@ -44,6 +44,12 @@ overview = charts.overview_frame(stats)
 st.subheader("Outlier ratio of every linear input")
 st.caption("max channel max / median channel max of each layer's input, on a log axis; click a point to "
            "drill into that layer.")
+if shared:
+    first = next(iter(shared))
+    st.caption(f"{len(shared)} MoE block(s): the gate_proj and up_proj of all routed experts of a block read the "
+               "block's input, which calibration gives every expert, so each block's appears once, as its first "
+               f"expert's gate_proj ({first} stands for {shared[first]} expert linears), and the counts below count "
+               "it once.")
 event = st.altair_chart(charts.overview_chart(overview), on_select="rerun", key="overview_chart")
 picked = None
 try:

@@ -1053,3 +1053,30 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
 
     bandwidth = get_target("h100").memory_tbs * 1e12
     assert decode.memory_ms == pytest.approx((other_bytes + expert_bytes * 2 / 8) / bandwidth * 1e3)  # 2 of 8 read
+
+    # Outliers: calibration gives every expert the block's input, so a block's 16 gate/up inputs are one, shown once
+    import numpy as np
+
+    from quantcore.stats import HIST_BINS, LayerStats
+
+    rng = np.random.default_rng(1)
+    block_input = {b: rng.lognormal(0.0, 0.5, 512).astype(np.float32) * np.where(np.arange(512) == 3, 500, 1)
+                   for b in range(2)}
+    stats = []
+    for lin in summary["linears"]:
+        name, k = lin["name"], lin["in_features"]
+        gate_up = ".experts." in name and not name.endswith("down_proj")
+        cm = block_input[int(name.split(".")[2])] if gate_up else rng.lognormal(0.0, 0.5, k).astype(np.float32)
+        stats.append(LayerStats(name=name, in_features=k, out_features=lin["out_features"], n_tokens=64,
+                                channel_max=cm, weight_channel_max=np.ones(k, dtype=np.float32),
+                                hist_counts=np.zeros(HIST_BINS, dtype=np.int64)))
+    with session_scope(qp_settings) as s:
+        cal = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=model.id)
+        repo.save_activation_stats(s, job_id=cal.id, model_id=model.id, stats=stats)
+        repo.finish_job(s, cal.id, status="succeeded", result={"tokens": 64, "text": "builtin:lee_background.cor"})
+    at = _run("outliers", model.id)
+    assert not at.exception
+    assert any(c.value.startswith("2 MoE block(s): the gate_proj and up_proj of all routed experts")
+               and "(model.layers.0.mlp.experts.0.gate_proj stands for 16 expert linears)" in c.value
+               for c in at.caption)
+    assert next(m.value for m in at.metric if m.label == "Layers above 100×") == "2"  # one per block, not 32

@@ -151,6 +151,14 @@ def test_calibration_runs_every_expert_on_every_token_as_llm_compressor_does():
 
     stats = calibrate(model, x)
     assert all(stats[n].amax > 0 for n in experts)  # a static scale for every expert, none resting on nothing
+    # so the gate/up of every expert of a block read one input: the Outliers page shows each block's once
+    from quantcore.outliers import shared_expert_inputs
+
+    kept, stands_for = shared_expert_inputs(stats)
+    per_block = 2 * len([n for n in experts if n.startswith("model.layers.0.") and n.endswith("down_proj")])
+    assert stands_for == {f"model.layers.{b}.mlp.experts.0.gate_proj": per_block for b in (0, 1)}
+    assert len(kept) == len(stats) - 2 * (per_block - 1)
+    assert {st.name for st in kept} >= {n for n in experts if n.endswith("down_proj")}  # each down_proj its own
 
 
 def test_gptq_hessians_cover_experts_no_token_was_routed_to():

@@ -448,3 +448,20 @@ def test_module_is_torch_free() -> None:
 
     code = "import sys, quantcore.outliers; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_shared_expert_inputs_keep_a_blocks_gate_up_once_only_when_they_are_one_input() -> None:
+    def stat(name: str, channel_max: list[float]) -> LayerStats:
+        cm = np.asarray(channel_max, dtype=np.float32)
+        return LayerStats(name=name, in_features=cm.size, out_features=4, n_tokens=8, channel_max=cm,
+                          weight_channel_max=np.ones_like(cm), hist_counts=np.zeros(HIST_BINS, dtype=np.int64))
+
+    block = "model.layers.0.mlp.experts"
+    same = [stat(f"{block}.{e}.{p}", [1.0, 5.0]) for e in range(3) for p in ("gate_proj", "up_proj")]
+    downs = [stat(f"{block}.{e}.down_proj", [1.0, float(e + 2)]) for e in range(3)]
+    old = [stat(f"model.layers.1.mlp.experts.{e}.gate_proj", [1.0, float(e + 2)]) for e in range(2)]  # routed only
+    dense = [stat("model.layers.0.self_attn.q_proj", [1.0, 2.0]), stat("model.layers.0.self_attn.k_proj", [1.0, 2.0])]
+    kept, stands_for = ol.shared_expert_inputs(dense + same + downs + old)
+    assert stands_for == {f"{block}.0.gate_proj": 6}
+    assert [s.name for s in kept] == [s.name for s in dense] + [f"{block}.0.gate_proj"] + [s.name for s in downs + old]
+    assert ol.shared_expert_inputs(dense) == (dense, {})  # q/k/v of a dense model are layers of their own here
