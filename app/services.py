@@ -152,9 +152,14 @@ def upload_dataset(filename: str, data: bytes, role: str) -> DatasetRecord:
 
 
 def list_jobs(limit: int = 100, kind: str | Sequence[str] | None = None, model_id: int | None = None,
-              status: Sequence[str] | None = None) -> list[JobRecord]:
+              status: Sequence[str] | None = None, offset: int = 0) -> list[JobRecord]:
     with session_scope(settings()) as s:
-        return repo.list_jobs(s, limit=limit, kind=kind, model_id=model_id, status=status)
+        return repo.list_jobs(s, limit=limit, kind=kind, model_id=model_id, status=status, offset=offset)
+
+
+def count_jobs(kind: str | Sequence[str] | None = None, status: Sequence[str] | None = None) -> int:
+    with session_scope(settings()) as s:
+        return repo.count_jobs(s, kind=kind, status=status)
 
 
 def get_job(job_id: int) -> JobRecord:

@@ -242,17 +242,27 @@ def get_job(session: Session, job_id: int) -> JobRecord:
     return _job_record(session, row)
 
 
-def list_jobs(session: Session, *, limit: int = 100, kind: str | Sequence[str] | None = None,
-              model_id: int | None = None, status: Sequence[str] | None = None) -> list[JobRecord]:
-    """Newest first; ``kind`` is one kind or several."""
-    q = select(m.Job).order_by(m.Job.id.desc()).limit(limit)
+def _job_filter(q: Any, kind: str | Sequence[str] | None, model_id: int | None, status: Sequence[str] | None) -> Any:
     if kind:
         q = q.where(m.Job.kind.in_([kind] if isinstance(kind, str) else list(kind)))
     if model_id is not None:
         q = q.where(m.Job.model_id == model_id)
     if status:
         q = q.where(m.Job.status.in_(list(status)))
+    return q
+
+
+def list_jobs(session: Session, *, limit: int = 100, kind: str | Sequence[str] | None = None,
+              model_id: int | None = None, status: Sequence[str] | None = None, offset: int = 0) -> list[JobRecord]:
+    """Newest first, ``offset`` newest ones skipped (a page of the history); ``kind`` is one kind or several."""
+    q = _job_filter(select(m.Job), kind, model_id, status).order_by(m.Job.id.desc()).offset(offset).limit(limit)
     return [_job_record(session, r) for r in session.scalars(q)]
+
+
+def count_jobs(session: Session, *, kind: str | Sequence[str] | None = None, model_id: int | None = None,
+               status: Sequence[str] | None = None) -> int:
+    """How many jobs :func:`list_jobs` pages through with the same filters."""
+    return int(session.scalar(_job_filter(select(func.count(m.Job.id)), kind, model_id, status)) or 0)
 
 
 def set_celery_task_id(session: Session, job_id: int, task_id: str) -> None:

@@ -19,9 +19,20 @@ stale = svc.sweep_stale()
 if stale:
     st.warning(f"Jobs {stale} had a worker that stopped reporting; they were marked failed.")
 
-c1, c2 = st.columns([1, 3])
+PAGE = 100  # jobs per page of the history
+ACTIVE = ("queued", "running")
+c1, c2, c3 = st.columns([1, 1, 2])
 kind = c1.selectbox("Kind", [None, "register", "calibrate", "score", "sensitivity", "bench"],
                     format_func=lambda k: "all" if k is None else k, key="jobs_kind")
+status = c2.selectbox("Status", [None, "queued", "running", "succeeded", "failed", "cancelled"],
+                      format_func=lambda k: "any" if k is None else k, key="jobs_status")
+statuses = (status,) if status else None
+total = svc.count_jobs(kind=kind, status=statuses)
+pages = max(1, -(-total // PAGE))
+if st.session_state.get("jobs_page", 1) > pages:  # a filter left fewer pages than the one shown
+    st.session_state["jobs_page"] = pages
+page = c3.number_input(f"Page (of {pages}; {total:,} job(s), {PAGE} a page, newest first)", min_value=1,
+                       max_value=pages, value=1, step=1, key="jobs_page") if pages > 1 else 1
 
 
 def _removed(job) -> str | None:
@@ -31,10 +42,11 @@ def _removed(job) -> str | None:
 
 @st.fragment(run_every=2.0)
 def job_table() -> None:
-    jobs = svc.list_jobs(limit=100, kind=kind)
-    active = [j for j in jobs if not j.finished]
-    if not jobs:
-        st.info("No jobs yet.")
+    jobs = svc.list_jobs(limit=PAGE, kind=kind, status=statuses, offset=(int(page) - 1) * PAGE)
+    # queued and running jobs are drawn with their progress and a cancel button whatever the page shows
+    active = svc.list_jobs(limit=PAGE, kind=kind, status=[a for a in ACTIVE if statuses is None or a in statuses])
+    if not jobs and not active:
+        st.info("No jobs yet." if total == 0 and not kind and not status else "No job matches.")
         return
     for job in active:
         with st.container(border=True):

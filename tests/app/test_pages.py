@@ -58,6 +58,40 @@ def test_jobs_page_queues_a_failed_job_again(seeded):
     assert (again.kind, again.status, again.model_id) == (failed.kind, "queued", failed.model_id)
 
 
+def test_jobs_page_pages_through_the_history_and_keeps_running_jobs_in_view(seeded):
+    """Beyond one page of 100 jobs the history is paged, newest first; a queued job older than the page shown still
+    has its progress bar and cancel button; the status filter narrows both."""
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        waiting = repo.create_job(s, kind="score", params={"scheme": "W4AFP8"}, queue="cpu", user=None,
+                                  model_id=seeded.id)
+        for _ in range(130):
+            done = repo.create_job(s, kind="bench", params={"device": "cpu"}, queue="cpu", user=None)
+            repo.finish_job(s, done.id, status="succeeded")
+    total = svc.count_jobs()
+    assert total == len(svc.list_jobs(limit=1000)) > 130
+    at = _run("jobs", seeded.id)
+    assert not at.exception
+    assert at.number_input(key="jobs_page").max == -(-total // 100)
+    assert len(at.dataframe[0].value) == 100 and waiting.id not in set(at.dataframe[0].value["id"])
+    assert at.button(key=f"cancel_{waiting.id}")  # the queued job: on view though not on this page
+    at.number_input(key="jobs_page").set_value(2).run()
+    assert not at.exception
+    ids = list(at.dataframe[0].value["id"])
+    assert len(ids) == total - 100 and waiting.id in ids and ids == sorted(ids, reverse=True)
+    at.selectbox(key="jobs_kind").set_value("bench").run()  # 131 bench jobs: still two pages, page 2 shown
+    assert not at.exception and len(at.dataframe[0].value) == 31
+    at.number_input(key="jobs_page").set_value(2).run()
+    at.selectbox(key="jobs_kind").set_value(None).run()
+    at.selectbox(key="jobs_status").set_value("failed").run()  # one page: the page number goes
+    assert not at.exception
+    assert set(at.dataframe[0].value["status"]) == {"failed"}
+    assert not any(b.key == f"cancel_{waiting.id}" for b in at.button)  # a failed-only view has no queued job
+
+
 def test_outliers_page_ranks_the_planted_outlier_first(seeded):
     at = _run("outliers", seeded.id)
     assert at.selectbox(key="outliers_layer").value == OUTLIER_LAYER
