@@ -43,6 +43,16 @@ def fake_stats(rng: np.random.Generator) -> list[LayerStats]:
     return stats
 
 
+@pytest.fixture(autouse=True)
+def _fresh_streamlit_caches():
+    """Every test has a database of its own, whose job ids start again at 1: the pages' st.cache_data entries (a
+    calibration's statistics, keyed by its job id) from an earlier test's database must not answer for this one's."""
+    import streamlit as st
+
+    st.cache_data.clear()
+    yield
+
+
 @pytest.fixture
 def seeded(qp_settings):
     rng = np.random.default_rng(0)
