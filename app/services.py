@@ -968,6 +968,7 @@ def unsplit_experts_warning(model: ModelRecord) -> str | None:
 def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     """What serving this plan will run into though it resolves: groups that do not divide K
     (quantcore.plans.group_misfits), W4AFP8 layers vLLM's kernel cannot tile (quantcore.plans.w4afp8_misfits),
+    merged block-FP8 layers whose N the blocks do not divide (quantcore.plans.fp8_block_misfits),
     layers AWQ cannot scale (quantcore.plans.awq_unscaled), a quantized lm_head
     (quantcore.plans.quantized_head), fused experts no plan reaches, and an unscaled KV cache that the newest
     calibration's K or V would overflow (quantcore.kvcache.kv_clipping)."""
@@ -975,6 +976,7 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     from quantcore.plans import (
         PlanSpec,
         awq_unscaled,
+        fp8_block_misfits,
         group_misfits,
         moe_unserved,
         quantized_head,
@@ -985,7 +987,8 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     if problem:
         return []
     shapes = layer_shapes(model)
-    warnings = (group_misfits(resolved, shapes) + w4afp8_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
+    warnings = (group_misfits(resolved, shapes) + w4afp8_misfits(resolved, shapes)
+                + fp8_block_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
                 + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))
     if unsplit := unsplit_experts_warning(model):
         warnings.append(unsplit)

@@ -70,8 +70,10 @@ from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
 from quantcore.plans import (
+    fp8_block_misfits,
     group_label,
     group_misfits,
+    is_w4afp8,
     regrouped_preset,
     scheme_label,
     untied_embedding_bits,
@@ -621,7 +623,8 @@ def auto_plan(
                 misfit[s] = misfit.get(s, 0) + 1
                 misfit_ks.setdefault(s, set()).update(layer_shapes[m][1] for m in u)
                 continue
-            if layer_shapes and w4afp8_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u}):
+            if layer_shapes and (w4afp8_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u})
+                                 or fp8_block_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u})):
                 untileable[s] = untileable.get(s, 0) + 1
                 continue
             lc = [costs[s][m] for m in u]
@@ -638,8 +641,10 @@ def auto_plan(
             note += f"; {alt.name}'s groups of {alt.weights.group_size} divide them: sweep it to let the planner use it"
         notes.append(note)
     for s, n_units in untileable.items():
+        why = ("vLLM's W4AFP8 kernel cannot serve them (quantcore.plans.w4afp8_misfits)" if is_w4afp8(s) else
+               "vLLM refuses block-scaled FP8 there (quantcore.plans.fp8_block_misfits)")
         notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up fused) is not "
-                     "a multiple of 128: vLLM's W4AFP8 kernel cannot serve them (quantcore.plans.w4afp8_misfits)")
+                     f"a multiple of 128: {why}")
     for s in usable:
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (

@@ -592,13 +592,16 @@ def plan_footprint(
 def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
     """What a serving stack will complain about: layers whose K is not a whole number of the scheme's groups.
 
-    quantcore quantizes a last, partial group as it is; llm-compressor 0.14's ``oneshot`` refuses the recipe
-    (``validate_group_size_divisibility``: "weight column counts not divisible by group_size", unless the
-    modifier sets ``bypass_divisibility_checks``), compressed-tensors warns ("group quantization strategy
-    requires strict division ...") and vLLM's Marlin kernels refuse to load such a layer (``verify_marlin_supports_shape``: "Weight
-    input_size_per_partition = ... is not divisible by group_size"; with tensor parallelism the K of
-    each shard of a row-parallel layer, o_proj or down_proj, must be divisible too). One message per
-    (scheme, group), naming how many layers and which K; an empty list when every group fits.
+    quantcore quantizes a last, partial group as it is. For groups of *weights* (W4A16, NVFP4, MXFP4...),
+    llm-compressor 0.14's ``oneshot`` refuses the recipe (``validate_group_size_divisibility``: "weight column counts
+    not divisible by group_size", unless the modifier sets ``bypass_divisibility_checks``), compressed-tensors warns
+    ("group quantization strategy requires strict division ...") and vLLM's Marlin kernels refuse to load such a
+    layer (``verify_marlin_supports_shape``: "Weight input_size_per_partition = ... is not divisible by group_size";
+    with tensor parallelism the K of each shard of a row-parallel layer, o_proj or down_proj, must be divisible too).
+    For groups of *activations* alone (FP8_BLOCK's 1 x 128 tiles; its weights are 128 x 128 blocks, which
+    llm-compressor and compressed-tensors accept on any K), vLLM quantizes each token's row in groups of 128
+    (``per_token_group_quant_fp8``), which asserts K divisible by the group. One message per (scheme, group), naming
+    how many layers and which K; an empty list when every group fits.
     """
     misfit: dict[tuple[str, int], dict[str, Any]] = {}
     for layer, scheme in resolved.items():
@@ -607,17 +610,70 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
         for spec in (scheme.weights, scheme.activations):
             g = spec.group_size if spec is not None and spec.granularity.value == "group" else None
             if g and k % g:
-                entry = misfit.setdefault((scheme_label(scheme), g), {"layers": [], "ks": set(), "scheme": scheme})
+                entry = misfit.setdefault((scheme_label(scheme), g), {"layers": [], "ks": set(), "scheme": scheme,
+                                                                       "weights": False})
+                entry["weights"] = entry["weights"] or spec is scheme.weights
                 if layer not in entry["layers"]:
                     entry["layers"].append(layer)
                     entry["ks"].add(k)
-    return [
-        f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
-        f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); llm-compressor's oneshot refuses such a "
-        "recipe (unless bypass_divisibility_checks) and vLLM's group kernels (Marlin, CUTLASS W4A8) refuse to load a "
-        f"layer whose K is not divisible by the group: keep those layers in another scheme{_regroup_hint(e['scheme'], e['ks'])}"
-        for (label, g), e in misfit.items()
+    out = []
+    for (label, g), e in misfit.items():
+        why = ("llm-compressor's oneshot refuses such a recipe (unless bypass_divisibility_checks) and vLLM's group "
+               "kernels (Marlin, CUTLASS W4A8) refuse to load a layer whose K is not divisible by the group"
+               if e["weights"] else
+               f"llm-compressor accepts the recipe, but vLLM quantizes the activations in groups of {g} along K "
+               "(per_token_group_quant_fp8), which needs K divisible by the group")
+        out.append(f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
+                   f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); {why}: keep those layers in "
+                   f"another scheme{_regroup_hint(e['scheme'], e['ks'])}")
+    return out
+
+
+def _regroup_hint(scheme: Scheme, ks: set[int]) -> str:
+    """", such as W4A16_G64, whose groups of 64 divide them" (:func:`regrouped_preset`), else ""."""
+    best = regrouped_preset(scheme, ks)
+    return f", such as {best.name}, whose groups of {best.weights.group_size} divide them" if best else ""
+
+
+def regrouped_preset(scheme: Scheme | str, ks: Iterable[int]) -> Scheme | None:
+    """The preset that differs from ``scheme`` only in a group size dividing every K in ``ks`` (the largest such
+    group), or None: W4A16_G64_GPTQ for W4A16_GPTQ on SmolLM2's K = 576."""
+    scheme = get_scheme(scheme)
+    ks = set(ks)
+    w = scheme.weights
+    fits = [
+        other for other in map(get_scheme, list_schemes())
+        if other.weights is not None and w is not None and other.weights.granularity is Granularity.GROUP
+        and other.weights.group_size != w.group_size
+        and all(k % other.weights.group_size == 0 for k in ks)
+        and (other.weights.format, other.weights.symmetric, other.activations, other.gptq, other.awq,
+             other.smoothquant_alpha)
+        == (w.format, w.symmetric, scheme.activations, scheme.gptq, scheme.awq, scheme.smoothquant_alpha)
     ]
+    return max(fits, key=lambda s: s.weights.group_size) if fits else None
+
+
+def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
+    """Block-scaled FP8 layers that vLLM loads merged (q/k/v as ``qkv_proj``, gate/up as ``gate_up_proj``) where a
+    member's N is not a multiple of the block's rows, one message (or none).
+
+    vLLM's ``validate_fp8_block_shape`` refuses a merged GEMM one of whose output partitions is not divisible by
+    ``block_n`` ("Weight output_partition_size = ... is not divisible by weight quantization block_n"): the weight
+    blocks of one member would straddle the next. A layer loaded alone takes any N at one GPU (with tensor
+    parallelism each shard's N and K must be divisible too).
+    """
+    bad: list[tuple[str, int, int]] = []  # (layer, N, block rows)
+    for group in fusion_groups(resolved):
+        w = get_scheme(resolved[group[0]]).weights
+        if w is None or w.granularity is not Granularity.BLOCK or expert_block(group[0]) is not None:
+            continue
+        bad += [(m, shapes[m][0], w.block[0]) for m in group if shapes[m][0] % w.block[0]]
+    if not bad:
+        return []
+    ns = sorted({n for _, n, _ in bad})
+    return [f"FP8 blocks of {bad[0][2]} rows do not divide N of {len(bad)} layer(s) vLLM loads merged with "
+            f"others (N = {', '.join(map(str, ns))}, e.g. {bad[0][0]}): its validate_fp8_block_shape refuses such a "
+            "merged q/k/v or gate/up layer, so the checkpoint does not load: keep those layers in another scheme"]
 
 
 W4A8_FP8_TILE = 128  # vLLM's CUTLASS W4A8 kernel: groups of exactly 128, and N and K multiples of 128
@@ -670,30 +726,6 @@ def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
             f"a multiple of {W4A8_FP8_TILE} (N = {', '.join(map(str, ns))}, e.g. {bad[0][0]}): vLLM's only W4AFP8 "
             f"kernel (CUTLASS W4A8, Hopper) refuses them (\"K and N must be divisible by {W4A8_FP8_TILE}\"), so the "
             "checkpoint does not load: keep those layers in another scheme"]
-
-
-def _regroup_hint(scheme: Scheme, ks: set[int]) -> str:
-    """", such as W4A16_G64, whose groups of 64 divide them" (:func:`regrouped_preset`), else ""."""
-    best = regrouped_preset(scheme, ks)
-    return f", such as {best.name}, whose groups of {best.weights.group_size} divide them" if best else ""
-
-
-def regrouped_preset(scheme: Scheme | str, ks: Iterable[int]) -> Scheme | None:
-    """The preset that differs from ``scheme`` only in a group size dividing every K in ``ks`` (the largest such
-    group), or None: W4A16_G64_GPTQ for W4A16_GPTQ on SmolLM2's K = 576."""
-    scheme = get_scheme(scheme)
-    ks = set(ks)
-    w = scheme.weights
-    fits = [
-        other for other in map(get_scheme, list_schemes())
-        if other.weights is not None and w is not None and other.weights.granularity is Granularity.GROUP
-        and other.weights.group_size != w.group_size
-        and all(k % other.weights.group_size == 0 for k in ks)
-        and (other.weights.format, other.weights.symmetric, other.activations, other.gptq, other.awq,
-             other.smoothquant_alpha)
-        == (w.format, w.symmetric, scheme.activations, scheme.gptq, scheme.awq, scheme.smoothquant_alpha)
-    ]
-    return max(fits, key=lambda s: s.weights.group_size) if fits else None
 
 
 AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.awq

@@ -433,6 +433,13 @@ def test_w4afp8_is_offered_only_where_vllms_kernel_can_tile_the_fused_layer() ->
     res = auto_plan(BLOCK, sens, kl_budget=1.0, target="b200", candidates=["W4AFP8", "FP8_DYNAMIC"],
                     layer_shapes=shapes)
     assert set(res.plan.values()) == {"FP8_DYNAMIC"} and "Hopper" in res.excluded["W4AFP8"]
+    # block-scaled FP8 on the same shapes: the merged q/k/v has a 64-row k_proj, which vLLM refuses
+    sens["FP8_BLOCK"] = {label: 1e-6 for label in LABELS}
+    res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["FP8_BLOCK", "FP8_DYNAMIC"],
+                    layer_shapes=shapes)
+    assert res.plan["model.layers.0.self_attn.q_proj"] == "FP8_DYNAMIC" and res.plan["lm_head"] == "FP8_BLOCK"
+    [note] = [n for n in res.notes if n.startswith("FP8_BLOCK was not offered to 1 unit(s)")]
+    assert "fp8_block_misfits" in note
 
 
 def test_kv_skip_keeps_the_cheapest_layers_that_bring_the_cache_within_budget():

@@ -339,6 +339,29 @@ def test_group_misfits_point_at_the_preset_whose_groups_fit(suffix):
     assert msg.endswith("keep those layers in another scheme")
 
 
+def test_fp8_block_misfits_name_merged_layers_whose_n_the_blocks_do_not_divide():
+    """vLLM's validate_fp8_block_shape: every output partition of a merged q/k/v or gate/up GEMM must be a whole
+    number of 128-row blocks; a layer loaded alone (o_proj, down_proj) takes any N on one GPU."""
+    from quantcore.plans import fp8_block_misfits, group_misfits
+
+    p = "model.layers.0"
+    shapes = {f"{p}.self_attn.q_proj": (2048, 2048), f"{p}.self_attn.k_proj": (256, 2048),
+              f"{p}.self_attn.v_proj": (256, 2048), f"{p}.self_attn.o_proj": (2000, 2048),
+              f"{p}.mlp.gate_proj": (5632, 2048), f"{p}.mlp.up_proj": (5632, 2048), f"{p}.mlp.down_proj": (2048, 5632)}
+    assert fp8_block_misfits({n: "FP8_BLOCK" for n in shapes}, shapes) == []  # o_proj's 2000 is loaded alone
+    shapes[f"{p}.self_attn.k_proj"] = shapes[f"{p}.self_attn.v_proj"] = (64, 2048)
+    [msg] = fp8_block_misfits({n: "FP8_BLOCK" for n in shapes}, shapes)
+    assert msg.startswith("FP8 blocks of 128 rows do not divide N of 2 layer(s) vLLM loads merged with others "
+                          f"(N = 64, e.g. {p}.self_attn.k_proj)")
+    assert fp8_block_misfits({n: "FP8_DYNAMIC" for n in shapes}, shapes) == []
+    # FP8_BLOCK's groups are its activations' (1 x 128): llm-compressor takes any K, vLLM's activation quant does not
+    shapes[f"{p}.mlp.down_proj"] = (2048, 5400)
+    [msg] = group_misfits({n: "FP8_BLOCK" for n in shapes}, shapes)
+    assert "K = 5400" in msg and "llm-compressor accepts the recipe" in msg and "per_token_group_quant_fp8" in msg
+    [msg] = group_misfits({f"{p}.mlp.down_proj": "W4A16"}, shapes)
+    assert "llm-compressor's oneshot refuses such a recipe" in msg  # a group of weights
+
+
 def test_w4afp8_misfits_count_n_as_vllm_fuses_the_layers():
     """vLLM's CUTLASS W4A8 kernel wants N and K multiples of 128 for the layer it loads: q/k/v as one qkv_proj."""
     from quantcore.plans import w4afp8_misfits
