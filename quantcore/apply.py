@@ -434,10 +434,32 @@ def apply_plan(
                 state.hook = module.register_forward_pre_hook(
                     _make_hook(state, track_stats, applied._shared), with_kwargs=True
                 )
+        _requantize_fused_fp8(active, modules, applied)
     except Exception:
         applied.restore()
         raise
     return applied
+
+
+def _requantize_fused_fp8(schemes: Mapping[str, Scheme], modules: Mapping[str, nn.Module],
+                          applied: AppliedPlan) -> None:
+    """Per-tensor E4M3 weights of a fusion group (q/k/v, gate/up; a routed expert's gate/up) as vLLM serves them.
+
+    The checkpoint stores one scale per member; vLLM runs the merged GEMM with one scale, so on load it dequantizes
+    each member and quantizes it again with the group's largest scale (``requantize_with_max_scale``, and its fused
+    MoE does the same for each expert's w13). The members whose own scale was smaller are rounded a second time, on
+    the coarser grid. vLLM dequantizes in fp16 first; the emulation in fp32 (the same grid points but for ties).
+    """
+    fp8 = [n for n, s in schemes.items()
+           if s.weights is not None and s.weights.format == "fp8_e4m3" and s.weights.granularity.value == "tensor"]
+    for group in fusion_groups(fp8):
+        own = {n: weight_scale(applied._states[n].original_weight.detach(), schemes[n].weights) for n in group}
+        largest = torch.stack([own[n].reshape(()) for n in group]).max()
+        for n in group:
+            if bool(own[n].reshape(()) < largest):
+                module = modules[n]
+                module.weight = nn.Parameter(fake_quantize(module.weight.detach(), "fp8_e4m3", "tensor",
+                                                           scale=largest), requires_grad=False)
 
 
 def _fused_tensor_scales(schemes: Mapping[str, Scheme], modules: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:

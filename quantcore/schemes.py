@@ -55,9 +55,12 @@ IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
 #      writes them (quantcore.quantize.fake_quantize_weight); the GPTQ presets. A stored score without it is 1.
 #   3  NVFP4 activations with their fp32 tensor scale calibrated (compressed-tensors' dynamic: local), not taken from
 #      each forward's own amax
-NUMERICS = 3
+#   4  per-tensor E4M3 weights of a fusion group (q/k/v, gate/up) requantized to the group's largest scale, as vLLM
+#      loads them for its merged GEMM (quantcore.apply._requantize_fused_fp8)
+NUMERICS = 4
 NUMERICS_INT_WEIGHT_GRID = 2  # the first version with int weights on compressed-tensors' grid
 NUMERICS_NVFP4_CALIBRATED_ACTS = 3  # the first version with NVFP4 activations' tensor scale calibrated
+NUMERICS_FUSED_FP8_TENSOR = 4  # the first version with fused per-tensor FP8 weights on one shared scale
 # GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
 GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
 GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal
@@ -388,6 +391,11 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None) -> list[str]:
     if acts is not None and acts.format == "nvfp4" and not acts.dynamic and version < NUMERICS_NVFP4_CALIBRATED_ACTS:
         out.append("NVFP4 activations whose fp32 tensor scale came from each forward's own amax instead of the "
                    "calibrated one llm-compressor stores and vLLM reads")
+    w = scheme.weights
+    if (w is not None and w.format == "fp8_e4m3" and w.granularity is Granularity.TENSOR
+            and version < NUMERICS_FUSED_FP8_TENSOR):
+        out.append("per-tensor FP8 weights of q/k/v and gate/up each on its own scale instead of the group's largest, "
+                   "to which vLLM requantizes them for its merged GEMM")
     return out
 
 

@@ -180,6 +180,36 @@ def test_bf16_model(tiny_model_factory, tiny_input_ids):
     assert torch.equal(logits(model, tiny_input_ids), ref)
 
 
+def test_per_tensor_fp8_weights_of_a_fusion_group_share_the_largest_scale_as_vllm_requantizes_them(tiny_llama):
+    """vLLM's requantize_with_max_scale: a merged q/k/v (gate/up) GEMM with per-tensor FP8 weights runs on one
+    scale, the largest of the members'; each other member is dequantized and rounded again on that grid."""
+    from quantcore.quantize import fake_quantize_weight, weight_scale
+
+    p = "model.layers.0.self_attn"
+    names = [f"{p}.{x}_proj" for x in "qkv"]
+    modules = dict(tiny_llama.named_modules())
+    with torch.no_grad():
+        modules[f"{p}.k_proj"].weight.mul_(0.3)  # a member with a clearly smaller own scale
+    originals = {n: modules[n].weight.detach().clone() for n in names}
+    spec = get_scheme("FP8_PER_TENSOR").weights
+    own = {n: float(weight_scale(originals[n], spec)) for n in names}
+    largest = max(own.values())
+    assert own[f"{p}.k_proj"] < largest
+    with quantized_model(tiny_llama, {n: "FP8_PER_TENSOR" for n in names}):
+        for n in names:
+            w = modules[n].weight.detach()
+            once = fake_quantize_weight(originals[n], spec)[0]
+            assert torch.equal(fake_quantize(w, "fp8_e4m3", "tensor", scale=largest), w), n  # on the shared grid
+            assert torch.equal(w, fake_quantize(once, "fp8_e4m3", "tensor", scale=largest)), n  # rounded twice
+            if own[n] == largest:
+                assert torch.equal(w, once), n  # the member whose scale it is: rounded once, as stored
+        assert not torch.equal(modules[f"{p}.k_proj"].weight, fake_quantize_weight(originals[f"{p}.k_proj"], spec)[0])
+    # per-channel scales need nothing of the kind (vLLM lines the rows' scales up as they are)
+    with quantized_model(tiny_llama, {n: "FP8_DYNAMIC" for n in names}):
+        k = modules[f"{p}.k_proj"].weight.detach()
+        assert torch.equal(k, fake_quantize_weight(originals[f"{p}.k_proj"], get_scheme("FP8_DYNAMIC").weights)[0])
+
+
 def test_nvfp4_activations_take_the_calibrated_tensor_scale_and_clip_above_it(tiny_llama, tiny_input_ids):
     """compressed-tensors' NVFP4 (dynamic: local): block scales from each live block, the fp32 tensor scale from the
     calibrated amax. An input within it is quantized as with its own amax, up to the E4M3 block scales' rounding;

@@ -179,6 +179,8 @@ def test_numerics_changes_name_what_an_older_quantplan_did_differently():
     [why] = numerics_changes("NVFP4", 2)  # the activations' tensor scale was taken per forward before version 3
     assert "calibrated" in why
     assert numerics_changes("NVFP4A16", 2) == []  # weight-only: the same numbers
+    [why] = numerics_changes("FP8", 3)  # per-tensor FP8 weights of a fusion group share one scale since version 4
+    assert "largest" in why and numerics_changes("FP8_DYNAMIC", 3) == [] and numerics_changes("FP8_E5M2", 3) == []
     assert all(numerics_changes(n, NUMERICS) == [] for n in list_schemes())
 
 
