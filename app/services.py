@@ -968,10 +968,12 @@ def unsplit_experts_warning(model: ModelRecord) -> str | None:
 def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     """What serving this plan will run into though it resolves: groups that do not divide K
     (quantcore.plans.group_misfits), W4AFP8 layers vLLM's kernel cannot tile (quantcore.plans.w4afp8_misfits),
-    merged block-FP8 layers whose N the blocks do not divide (quantcore.plans.fp8_block_misfits),
+    merged block-FP8 layers whose N the blocks do not divide (quantcore.plans.fp8_block_misfits), activations vLLM
+    quantizes otherwise than scored or not at all (quantcore.plans.vllm_activation_misfits),
     layers AWQ cannot scale (quantcore.plans.awq_unscaled), a quantized lm_head
     (quantcore.plans.quantized_head), fused experts no plan reaches, and an unscaled KV cache that the newest
     calibration's K or V would overflow (quantcore.kvcache.kv_clipping)."""
+    from quantcore.export import serves_online_fp8
     from quantcore.kvcache import kv_clipping
     from quantcore.plans import (
         PlanSpec,
@@ -980,6 +982,7 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
         group_misfits,
         moe_unserved,
         quantized_head,
+        vllm_activation_misfits,
         w4afp8_misfits,
     )
 
@@ -989,6 +992,8 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     shapes = layer_shapes(model)
     warnings = (group_misfits(resolved, shapes) + w4afp8_misfits(resolved, shapes)
                 + fp8_block_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
+                + vllm_activation_misfits(resolved, online_fp8=serves_online_fp8(resolved, list(resolved),
+                                                                                 PlanSpec.from_dict(body).kv_cache))
                 + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))
     if unsplit := unsplit_experts_warning(model):
         warnings.append(unsplit)

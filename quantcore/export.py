@@ -1218,6 +1218,17 @@ def to_compressed_tensors_config(
     }
 
 
+def serves_online_fp8(plan: Mapping[str, Scheme | str], layer_names: Sequence[str],
+                      kv_cache: str | KvCacheFormat | None = None) -> bool:
+    """True when vLLM applies the plan itself at load time (``--quantization fp8``): every layer but lm_head in
+    FP8_PER_TENSOR, lm_head (if any) unquantized, and no calibrated KV cache scales to carry in a checkpoint."""
+    online_fp8 = get_scheme(VLLM_ONLINE_FP8_SCHEME)
+    body = [n for n in layer_names if n != VLLM_UNQUANTIZED_HEAD]
+    return (not get_kv_format(kv_cache).calibrated and bool(body)
+            and all(get_scheme(plan[n]) == online_fp8 for n in body)
+            and all(get_scheme(plan[n]).is_identity for n in layer_names if n == VLLM_UNQUANTIZED_HEAD))
+
+
 def to_vllm_command(
     plan: Mapping[str, Scheme | str],
     *,
@@ -1283,17 +1294,10 @@ def to_vllm_command(
     if w4afp8:
         lines.append(f"# W4AFP8 ({len(w4afp8)} layer(s)): vLLM serves INT4 weights with FP8 activations by its CUTLASS "
                      "W4A8 kernel alone, built for Hopper (sm90): on any other GPU this checkpoint does not load")
-    online_fp8 = get_scheme(VLLM_ONLINE_FP8_SCHEME)
-    body = [n for n in names if n != VLLM_UNQUANTIZED_HEAD]
     if not groups and not kvf.calibrated:
         lines.append("# every layer stays unquantized: serve the model as it is")
         cmd = ["vllm", "serve", model_path, *kv]
-    elif (
-        not kvf.calibrated
-        and body
-        and all(resolved[n] == online_fp8 for n in body)
-        and all(resolved[n].is_identity for n in names if n == VLLM_UNQUANTIZED_HEAD)
-    ):
+    elif serves_online_fp8(resolved, names, kvf):
         lines.append(
             "# vLLM applies this plan at load time (online dynamic FP8: E4M3 per-tensor weight scales, "
             "dynamic per-tensor activation scales, lm_head unquantized); no calibration, no checkpoint"

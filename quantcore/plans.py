@@ -809,6 +809,42 @@ def moe_unserved(resolved: Mapping[str, Scheme | str]) -> list[str]:
             "one of them" for label, blocks in unserved.items()]
 
 
+def vllm_activation_misfits(resolved: Mapping[str, Scheme | str], *, online_fp8: bool = False) -> list[str]:
+    """Dense layers whose activation quantization vLLM's compressed-tensors loader does not run as scored, one
+    message per kind (or none).
+
+    - INT8 with *dynamic per-tensor* activations (INT8_PER_TENSOR, INT8_PER_TENSOR_SQ): vLLM's INT8 W8A8 takes static
+      per-tensor (calibrated) or dynamic per-token activation scales only; anything else raises "No compressed-tensors
+      compatible scheme was found" when the checkpoint loads.
+    - FP8 with dynamic per-tensor activations (FP8_PER_TENSOR) in a checkpoint: vLLM's CompressedTensorsW8A8Fp8
+      quantizes every dynamic FP8 activation per token, so it serves those layers better than scored. Its online
+      ``--quantization fp8`` (``online_fp8``: the plan is FP8_PER_TENSOR throughout) does quantize per tensor.
+
+    Routed experts are :func:`moe_unserved`'s business (vLLM's fused MoE reads per-tensor scales as planned).
+    """
+    int8, fp8 = [], []
+    for layer, scheme in resolved.items():
+        a = get_scheme(scheme).activations
+        if a is None or expert_block(layer) is not None or a.granularity is not Granularity.TENSOR or not a.dynamic:
+            continue
+        if a.format == "int8":
+            int8.append(layer)
+        elif a.format == "fp8_e4m3" and not online_fp8:
+            fp8.append(layer)
+    out = []
+    if int8:
+        out.append(f"INT8 with dynamic per-tensor activations on {len(int8)} layer(s) ({_example_names(int8)}): vLLM's "
+                   "compressed-tensors loader has no kernel for it (\"No compressed-tensors compatible scheme was "
+                   "found\"); its INT8 W8A8 takes calibrated per-tensor or dynamic per-token activation scales "
+                   "(INT8_W8A8, INT8_W8A8_SQ), so the checkpoint does not load")
+    if fp8:
+        out.append(f"FP8 with dynamic per-tensor activations on {len(fp8)} layer(s) ({_example_names(fp8)}), in a "
+                   "checkpoint: vLLM quantizes dynamic FP8 activations per token there, which is better than this "
+                   "score measured (per tensor); only its online --quantization fp8, for a plan that is "
+                   "FP8_PER_TENSOR throughout, quantizes them per tensor")
+    return out
+
+
 def pareto_front(points: Sequence[tuple[float | None, float]]) -> list[bool]:
     """Which ``(cost, loss)`` points no other point beats (both lower is better).
 

@@ -362,6 +362,28 @@ def test_fp8_block_misfits_name_merged_layers_whose_n_the_blocks_do_not_divide()
     assert "llm-compressor's oneshot refuses such a recipe" in msg  # a group of weights
 
 
+def test_activations_vllm_runs_otherwise_than_scored_are_named():
+    """vLLM's INT8 W8A8 takes calibrated per-tensor or dynamic per-token activation scales only; its checkpoint FP8
+    quantizes every dynamic activation per token; its online FP8 (the whole plan FP8_PER_TENSOR) per tensor."""
+    from quantcore.export import serves_online_fp8
+    from quantcore.plans import vllm_activation_misfits
+
+    layers = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head"]
+    [msg] = vllm_activation_misfits({n: "INT8_PER_TENSOR_SQ" for n in layers})
+    assert msg.startswith("INT8 with dynamic per-tensor activations on 3 layer(s)") and "does not load" in msg
+    assert vllm_activation_misfits({n: s for n, s in zip(layers, ["INT8_W8A8", "INT8_W8A8_SQ", "FP8"],
+                                                          strict=True)}) == []  # per token, and calibrated FP8
+    online = {**dict.fromkeys(layers, "FP8_PER_TENSOR"), "lm_head": "BF16"}
+    assert serves_online_fp8(online, layers) and vllm_activation_misfits(online, online_fp8=True) == []
+    mixed = {**online, "model.layers.0.mlp.down_proj": "FP8_DYNAMIC"}
+    assert not serves_online_fp8(mixed, layers) and not serves_online_fp8(online, layers, "FP8")  # a checkpoint
+    [msg] = vllm_activation_misfits(mixed)
+    assert msg.startswith("FP8 with dynamic per-tensor activations on 1 layer(s) ('model.layers.0.self_attn.q_proj')")
+    assert "per token" in msg
+    experts = {"model.layers.0.mlp.experts.0.down_proj": "INT8_PER_TENSOR"}  # moe_unserved's message, not this one
+    assert vllm_activation_misfits(experts) == []
+
+
 def test_w4afp8_misfits_count_n_as_vllm_fuses_the_layers():
     """vLLM's CUTLASS W4A8 kernel wants N and K multiples of 128 for the layer it loads: q/k/v as one qkv_proj."""
     from quantcore.plans import w4afp8_misfits
