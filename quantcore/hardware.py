@@ -326,6 +326,12 @@ def _rule(sm: int | None, weight: str | None, act: str | None) -> tuple[str, str
     if weight in _FP4 and act == weight:
         if sm >= SM_BLOCK_SCALED:
             return "native", f"{weight} W4A4: FP4 tensor cores on sm{SM_BLOCK_SCALED}+ (Blackwell)"
+        if weight == "nvfp4" and sm >= SM_WEIGHT_ONLY:
+            return "emulated", (
+                f"nvfp4 W4A4 on {on}: no FP4 tensor cores, so vLLM serves the checkpoint as W4A16 "
+                "(CompressedTensorsW4A16Fp4, Marlin): FP4 weights dequantized in-kernel, activations left in 16 "
+                "bits, which runs and scores like NVFP4A16"
+            )
         return (
             "unsupported",
             f"{weight} W4A4 needs FP4 tensor cores: Blackwell (sm{SM_BLOCK_SCALED}) or newer",
@@ -376,7 +382,8 @@ def support_on_target(target_key: str, weight_format: str | None, act_format: st
                               (cuBLASLt refuses it)
     int8 / int8               native on sm75+, else emulated
     mxfp8 / mxfp8             native on sm100+, else emulated
-    fp4 fmt / same fp4 fmt    native on sm100+, else unsupported
+    fp4 fmt / same fp4 fmt    native on sm100+; nvfp4 emulated on sm80-sm90 (vLLM serves it as W4A16,
+                              activations unquantized); else unsupported
     int4 / fp8_e4m3 (W4AFP8)  native on sm90 only (vLLM's CUTLASS W4A8 kernel is Hopper-only), else
                               unsupported: the one exception to "a newer GPU never supports less"
     int4 / int4, other mixes  emulated (no kernel quantplan models)

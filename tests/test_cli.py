@@ -309,9 +309,9 @@ def test_plan_show_prints_the_weight_memory_of_a_plan(tiny_model, capsys, tmp_pa
     code, out, _ = run(capsys, "plan", "show", str(plan_file), "--target", "h100")
     assert code == 0 and "ideal step on NVIDIA H100" in out and "vs BF16" in out
     fp4 = tmp_path / "fp4.yaml"
-    fp4.write_text("model: tiny\ndefault: NVFP4\n")
+    fp4.write_text("model: tiny\ndefault: MXFP4\n")
     on_hopper = run_json(capsys, "plan", "show", str(fp4), "--target", "h100", "--json")["ideal"][0]
-    assert on_hopper["unsupported"] == on_hopper["not_native"] == len(shapes)  # FP4 W4A4 needs Blackwell
+    assert on_hopper["unsupported"] == on_hopper["not_native"] == len(shapes)  # MXFP4 W4A4 needs Blackwell
     code, out, _ = run(capsys, "plan", "show", str(fp4), "--target", "h100")
     assert code == 0 and "cannot be served there" in out
     assert run_json(capsys, "plan", "show", str(fp4), "--target", "b200", "--json")["ideal"][0]["unsupported"] == 0

@@ -71,7 +71,9 @@ def test_math_runs_at_bf16_where_the_target_only_emulates_the_scheme() -> None:
     b200 = step_bound(uniform("NVFP4"), SHAPES, "b200", 2048)
     assert not b200.not_native and b200.ms == pytest.approx(2 * 2048 * 8e9 / 9000e12 * 1e3)
     hopper = step_bound(uniform("NVFP4"), SHAPES, "h100", 2048)
-    assert hopper.not_native == hopper.unsupported == list(SHAPES)  # no FP4 W4A4 kernel before Blackwell
+    assert hopper.not_native == list(SHAPES) and not hopper.unsupported  # served as W4A16 before Blackwell
+    assert hopper.ms == pytest.approx(step_bound(uniform("NVFP4A16"), SHAPES, "h100", 2048).ms)
+    assert step_bound(uniform("MXFP4"), SHAPES, "h100", 2048).unsupported == list(SHAPES)
     assert not fp8.unsupported  # FP8 on an A100: served as FP8 weights with bf16 math, emulated not unsupported
 
 
