@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -705,6 +705,25 @@ def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, sche
     for member in group:
         spec.layers[member] = scheme
     return spec.to_dict(), group
+
+
+def support_reasons(schemes: Iterable[str], target: str | None) -> list[str]:
+    """Why each scheme of a plan that does not run natively on the target is emulated or unsupported there
+    (quantcore.hardware.support_reason), one line per scheme; none for a CPU target or native schemes."""
+    from quantcore.hardware import support_on_target, support_reason
+    from quantcore.schemes import get_scheme
+
+    if not target:
+        return []
+    out = []
+    for name in schemes:
+        scheme = get_scheme(str(name))
+        if scheme.weights is None:
+            continue
+        w, a = scheme.weights.format, scheme.activations.format if scheme.activations else None
+        if support_on_target(target, w, a) != "native":
+            out.append(f"{name}: {support_reason(target, w, a)}")
+    return out
 
 
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):

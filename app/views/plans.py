@@ -132,6 +132,8 @@ if len(changed):
 counts = table["on_target"].value_counts().to_dict()
 if counts:
     st.caption(" · ".join(f"{v} layers {k}" for k, v in counts.items()) + f" on {target}.")
+for reason in svc.support_reasons(table["scheme"].unique(), target):
+    st.caption(reason)
 for warning in svc.serving_warnings(model, body):
     st.warning(warning)
 if body.get("layers"):
