@@ -330,7 +330,7 @@ def _rule(sm: int | None, weight: str | None, act: str | None) -> tuple[str, str
             return "emulated", (
                 f"nvfp4 W4A4 on {on}: no FP4 tensor cores, so vLLM serves the checkpoint as W4A16 "
                 "(CompressedTensorsW4A16Fp4, Marlin): FP4 weights dequantized in-kernel, activations left in 16 "
-                "bits, which runs and scores like NVFP4A16"
+                "bits: it serves as NVFP4A16 does, so score NVFP4A16 for its accuracy there"
             )
         return (
             "unsupported",
