@@ -445,9 +445,11 @@ def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
             notes.append("scored by an older quantplan, whose numerics differ for some schemes: score the plan again "
                          "before comparing it with newer scores")
             return notes
+        from quantcore.schemes import expert_block
+
         changed: dict[str, int] = {}
-        for scheme in resolved.values():
-            for why in numerics_changes(scheme, numerics):
+        for layer, scheme in resolved.items():
+            for why in numerics_changes(scheme, numerics, expert=expert_block(layer) is not None):
                 changed[why] = changed.get(why, 0) + 1
         for why, n in changed.items():
             notes.append(f"scored by an older quantplan ({n} layer(s) with {why}): score the plan again before "
@@ -472,7 +474,7 @@ def stale_sweeps(model: ModelRecord) -> dict[int, tuple[str, str]]:
             scheme = get_scheme(name)
         except ValueError:
             continue
-        if changes := numerics_changes(scheme, result.get("numerics")):
+        if changes := numerics_changes(scheme, result.get("numerics"), expert=bool(model.moe)):
             out[job.id] = (name, f"the {name} sweep (job #{job.id}) was made by an older quantplan, with "
                                  f"{'; '.join(changes)}: sweep {name} again before planning with it")
     return out

@@ -82,6 +82,9 @@ class _LayerState:
     counts: torch.Tensor | None = None
     calls: int = 0
     hook: Any = None
+    # a routed expert with dynamic per-tensor activations: (its LinearExperts block, "w13" | "w2"), whose
+    # block_amax for the current call sets the scale (quantcore.moe.LinearExperts._forward_block_scaled)
+    block: tuple[nn.Module, str] | None = None
 
 
 @dataclass
@@ -129,6 +132,8 @@ class AppliedPlan:
         for st in self._states.values():
             if st.hook is not None:
                 st.hook.remove()
+            if st.block is not None:
+                st.block[0].block_amax = None
             st.module.weight = st.original_weight
             if hasattr(st.module, _MARKER):
                 delattr(st.module, _MARKER)
@@ -319,15 +324,21 @@ def _make_hook(state: _LayerState, track_stats: bool, shared: _SharedInputs | No
             x, rest = kw["input"], ()
         else:
             return None
-        hit = shared.get(x, key) if shared is not None else None
+        scale, call_key = state.static_scale, key
+        if state.block is not None:  # a routed expert: the block's amax for this call, as vLLM's fused MoE
+            amax = (state.block[0].block_amax or {}).get(state.block[1])
+            if amax is not None:
+                scale = scale_from_amax(amax, spec.format)
+                call_key = (spec, float(scale), track_stats)
+        hit = shared.get(x, call_key) if shared is not None else None
         if hit is not None:
             xq, counts = hit
         elif track_stats:
-            xq, counts = fake_quantize_with_counts(x, spec.format, scale=state.static_scale, **kwargs)
+            xq, counts = fake_quantize_with_counts(x, spec.format, scale=scale, **kwargs)
         else:
-            xq, counts = fake_quantize(x, spec.format, scale=state.static_scale, **kwargs), None
+            xq, counts = fake_quantize(x, spec.format, scale=scale, **kwargs), None
         if hit is None and shared is not None:
-            shared.put(x, key, xq, counts)
+            shared.put(x, call_key, xq, counts)
         if counts is not None:
             # never in place: the counts tensor may be shared with other layers through the cache
             state.counts = counts if state.counts is None else state.counts + counts
@@ -426,7 +437,8 @@ def apply_plan(
                     wq = gptq_quantize(w, hessians[name], scheme.weights, scale=scale).weight
                     if gptq_cache is not None:
                         gptq_cache[name] = wq
-            state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name))
+            state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name),
+                                block=_expert_block_scale(name, scheme, modules))
             module.weight = nn.Parameter(wq, requires_grad=False)
             setattr(module, _MARKER, True)
             applied._states[name] = state
@@ -439,6 +451,21 @@ def apply_plan(
         applied.restore()
         raise
     return applied
+
+
+def _expert_block_scale(name: str, scheme: Scheme, modules: Mapping[str, nn.Module]) -> tuple[nn.Module, str] | None:
+    """(the LinearExperts block, "w13" | "w2") for a routed expert whose activations take a dynamic per-tensor scale,
+    else None. vLLM's fused MoE quantizes the block's input once for every expert's gate/up and all routed experts'
+    down_proj inputs together, each with one dynamic scale; the block's two-pass forward provides those amaxes."""
+    a = scheme.activations
+    block = expert_block(name)
+    if a is None or block is None or not a.dynamic or a.granularity.value != "tensor":
+        return None
+    experts = modules.get(block)
+    if experts is None or not hasattr(experts, "block_amax"):
+        return None
+    experts.block_amax = {}
+    return experts, "w2" if name.endswith(".down_proj") else "w13"
 
 
 def _requantize_fused_fp8(schemes: Mapping[str, Scheme], modules: Mapping[str, nn.Module],

@@ -107,12 +107,14 @@ class ExpertMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, **kw)
         self.act_fn = act_fn
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of ``down_proj``: ``act(gate_proj(x)) * up_proj(x)``."""
         if hasattr(self, "gate_proj"):
-            h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            h = self.act_fn(self.up_proj(x))
-        return self.down_proj(h)
+            return self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return self.act_fn(self.up_proj(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.hidden(x))
 
 
 class LinearExperts(nn.ModuleList):
@@ -122,6 +124,10 @@ class LinearExperts(nn.ModuleList):
     def __init__(self, experts: list[ExpertMLP]) -> None:
         super().__init__(experts)
         self.num_experts = len(experts)
+        # set by quantcore.apply while a plan gives the experts dynamic per-tensor activation scales: the amax of
+        # the block's input ("w13") and of every routed expert's down_proj input together ("w2") for this call,
+        # which vLLM's fused MoE quantizes as one tensor each
+        self.block_amax: dict[str, torch.Tensor] | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -130,6 +136,8 @@ class LinearExperts(nn.ModuleList):
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
         experts = range(self.num_experts) if _ALL_EXPERTS else [i for (i,) in hit.tolist() if i < self.num_experts]
+        if self.block_amax is not None and not _ALL_EXPERTS:
+            return self._forward_block_scaled(hidden_states, mask, experts, top_k_weights, out)
         for index in experts:
             top_k_pos, token_idx = torch.where(mask[index])
             if _ALL_EXPERTS:
@@ -138,6 +146,24 @@ class LinearExperts(nn.ModuleList):
                 expert_out = self[index](hidden_states[token_idx])
             expert_out = expert_out * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, expert_out.to(out.dtype))
+        return out
+
+    def _forward_block_scaled(self, hidden_states: torch.Tensor, mask: torch.Tensor, experts: list[int],
+                              top_k_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed forward in two passes, so a dynamic per-tensor activation scale covers the whole block as in
+        vLLM's fused MoE: every expert's gate/up input scale from the block's input, then every down_proj input
+        scale from all routed experts' hidden activations together."""
+        self.block_amax = {"w13": hidden_states.detach().abs().amax().float()}
+        routed = []
+        for index in experts:
+            top_k_pos, token_idx = torch.where(mask[index])
+            routed.append((index, top_k_pos, token_idx, self[index].hidden(hidden_states[token_idx])))
+        if routed:
+            self.block_amax["w2"] = torch.stack([h.detach().abs().amax().float() for *_, h in routed]).amax()
+        for index, top_k_pos, token_idx, h in routed:
+            expert_out = self[index].down_proj(h) * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, expert_out.to(out.dtype))
+        self.block_amax = {}
         return out
 
 

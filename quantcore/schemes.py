@@ -57,10 +57,13 @@ IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
 #      each forward's own amax
 #   4  per-tensor E4M3 weights of a fusion group (q/k/v, gate/up) requantized to the group's largest scale, as vLLM
 #      loads them for its merged GEMM (quantcore.apply._requantize_fused_fp8)
-NUMERICS = 4
+#   5  dynamic per-tensor activation scales of routed experts taken over the whole MoE block, as vLLM's fused MoE
+#      takes them (quantcore.moe.LinearExperts._forward_block_scaled), not over each expert's own tokens
+NUMERICS = 5
 NUMERICS_INT_WEIGHT_GRID = 2  # the first version with int weights on compressed-tensors' grid
 NUMERICS_NVFP4_CALIBRATED_ACTS = 3  # the first version with NVFP4 activations' tensor scale calibrated
 NUMERICS_FUSED_FP8_TENSOR = 4  # the first version with fused per-tensor FP8 weights on one shared scale
+NUMERICS_MOE_BLOCK_DYNAMIC = 5  # the first version with routed experts' dynamic per-tensor scales block-wide
 # GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
 GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
 GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal
@@ -378,9 +381,10 @@ class Scheme:
         return "; ".join(parts)
 
 
-def numerics_changes(scheme: Scheme | str, numerics: int | None) -> list[str]:
+def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool = False) -> list[str]:
     """How a result that quantcore numerics version ``numerics`` (None: a result stored before versions, 1) made
-    of ``scheme`` differs from one made now, one phrase per change; [] when it would be the same."""
+    of ``scheme`` differs from one made now, one phrase per change; [] when it would be the same. ``expert``: the
+    result covers routed experts of an MoE block (some changes concern only them)."""
     scheme = get_scheme(scheme)
     version = int(numerics or 1)
     out = []
@@ -396,6 +400,11 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None) -> list[str]:
             and version < NUMERICS_FUSED_FP8_TENSOR):
         out.append("per-tensor FP8 weights of q/k/v and gate/up each on its own scale instead of the group's largest, "
                    "to which vLLM requantizes them for its merged GEMM")
+    a = scheme.activations
+    if (expert and a is not None and a.dynamic and a.granularity is Granularity.TENSOR
+            and version < NUMERICS_MOE_BLOCK_DYNAMIC):
+        out.append("routed experts whose dynamic per-tensor activation scale came from each expert's own tokens "
+                   "instead of the whole block, as vLLM's fused MoE takes it")
     return out
 
 

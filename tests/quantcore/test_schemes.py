@@ -181,6 +181,10 @@ def test_numerics_changes_name_what_an_older_quantplan_did_differently():
     assert numerics_changes("NVFP4A16", 2) == []  # weight-only: the same numbers
     [why] = numerics_changes("FP8", 3)  # per-tensor FP8 weights of a fusion group share one scale since version 4
     assert "largest" in why and numerics_changes("FP8_DYNAMIC", 3) == [] and numerics_changes("FP8_E5M2", 3) == []
+    # routed experts' dynamic per-tensor scales are block-wide since version 5: only an expert's result changed
+    assert numerics_changes("FP8_PER_TENSOR", 4) == [] and numerics_changes("FP8_DYNAMIC", 4, expert=True) == []
+    [why] = numerics_changes("FP8_PER_TENSOR", 4, expert=True)
+    assert "whole block" in why
     assert all(numerics_changes(n, NUMERICS) == [] for n in list_schemes())
 
 
