@@ -110,6 +110,9 @@ def cmd_plan_show(args) -> int:
         if ideal[0]["unsupported"]:
             print(f"  {ideal[0]['unsupported']} of them have no serving kernel on {args.target} at all: the plan "
                   "cannot be served there as it stands")
+        resolved, _ = svc.resolve(model, body)
+        for reason in svc.support_reasons(sorted({s.name for s in (resolved or {}).values()}), args.target):
+            print(f"  {reason}")
     return 0
 
 

@@ -314,6 +314,7 @@ def test_plan_show_prints_the_weight_memory_of_a_plan(tiny_model, capsys, tmp_pa
     assert on_hopper["unsupported"] == on_hopper["not_native"] == len(shapes)  # MXFP4 W4A4 needs Blackwell
     code, out, _ = run(capsys, "plan", "show", str(fp4), "--target", "h100")
     assert code == 0 and "cannot be served there" in out
+    assert "  MXFP4: unsupported on NVIDIA H100" in out and "Blackwell" in out  # and why
     assert run_json(capsys, "plan", "show", str(fp4), "--target", "b200", "--json")["ideal"][0]["unsupported"] == 0
     code, _, err = run(capsys, "plan", "show", str(plan_file), "--target", "v100")
     assert code == 1 and "unknown GPU target 'v100'" in err
