@@ -435,7 +435,7 @@ def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
     """What to tell a person about a stored score: what its job noticed, and whether older numerics make it
     incomparable with newer scores (quantcore.schemes.numerics_changes: int weights scored before they moved to
     compressed-tensors' grid, NVFP4 activations before their tensor scale was calibrated)."""
-    from quantcore.schemes import NUMERICS, numerics_changes
+    from quantcore.schemes import NUMERICS, expert_block, numerics_changes
 
     notes = list(score.notes)
     numerics = int(score.details.get("numerics") or 1)
@@ -445,8 +445,6 @@ def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
             notes.append("scored by an older quantplan, whose numerics differ for some schemes: score the plan again "
                          "before comparing it with newer scores")
             return notes
-        from quantcore.schemes import expert_block
-
         changed: dict[str, int] = {}
         for layer, scheme in resolved.items():
             for why in numerics_changes(scheme, numerics, expert=expert_block(layer) is not None):
@@ -1011,14 +1009,13 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     if problem:
         return []
     shapes = layer_shapes(model)
+    kv = PlanSpec.from_dict(body).kv_cache
     warnings = (group_misfits(resolved, shapes) + w4afp8_misfits(resolved, shapes)
                 + fp8_block_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
-                + vllm_activation_misfits(resolved, online_fp8=serves_online_fp8(resolved, list(resolved),
-                                                                                 PlanSpec.from_dict(body).kv_cache))
+                + vllm_activation_misfits(resolved, online_fp8=serves_online_fp8(resolved, list(resolved), kv))
                 + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))
     if unsplit := unsplit_experts_warning(model):
         warnings.append(unsplit)
-    kv = PlanSpec.from_dict(body).kv_cache
     if kv != "AUTO":
         with session_scope(settings()) as s:
             cal = repo.latest_calibration(s, model.id)

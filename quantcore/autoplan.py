@@ -616,15 +616,16 @@ def auto_plan(
     unit_opts: list[list[tuple[str, float, float, str]]] = []  # (scheme, kl, cost, source)
     for i, u in enumerate(units):
         opts = []
+        unit_shapes = {m: layer_shapes[m] for m in u} if layer_shapes else {}
         for s in usable:
             if i not in kls.get(s, {}) or not all(m in costs[s] for m in u):
                 continue
-            if layer_shapes and group_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u}):
+            unit_plan = dict.fromkeys(u, s)
+            if layer_shapes and group_misfits(unit_plan, unit_shapes):
                 misfit[s] = misfit.get(s, 0) + 1
                 misfit_ks.setdefault(s, set()).update(layer_shapes[m][1] for m in u)
                 continue
-            if layer_shapes and (w4afp8_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u})
-                                 or fp8_block_misfits({m: s for m in u}, {m: layer_shapes[m] for m in u})):
+            if layer_shapes and (w4afp8_misfits(unit_plan, unit_shapes) or fp8_block_misfits(unit_plan, unit_shapes)):
                 untileable[s] = untileable.get(s, 0) + 1
                 continue
             lc = [costs[s][m] for m in u]

@@ -60,6 +60,7 @@ from quantcore.schemes import (
     expert_block,
     expert_blocks,
     fusion_groups,
+    fusion_units,
     get_scheme,
     list_schemes,
     weight_storage_bits,
@@ -690,10 +691,8 @@ def _w4afp8_untileable(resolved: Mapping[str, Scheme | str],
                        shapes: Mapping[str, tuple[int, int]]) -> list[tuple[list[str], int]]:
     """(layers vLLM loads as one, their N) for every W4AFP8 layer, fused as vLLM fuses it, whose N is not a multiple
     of 128. Routed experts are left out: vLLM's fused MoE layer serves them with its grouped W4A8 kernel."""
-    fused = fusion_groups(resolved)
-    in_fused = {m for g in fused for m in g}
     out = []
-    for group in fused + [[n] for n in resolved if n not in in_fused]:
+    for group in fusion_units(resolved):  # an MoE block's experts are one unit, skipped here
         if expert_block(group[0]) is not None or not is_w4afp8(resolved[group[0]]):
             continue
         n = sum(shapes[m][0] for m in group)

@@ -400,8 +400,7 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool
             and version < NUMERICS_FUSED_FP8_TENSOR):
         out.append("per-tensor FP8 weights of q/k/v and gate/up each on its own scale instead of the group's largest, "
                    "to which vLLM requantizes them for its merged GEMM")
-    a = scheme.activations
-    if (expert and a is not None and a.dynamic and a.granularity is Granularity.TENSOR
+    if (expert and acts is not None and acts.dynamic and acts.granularity is Granularity.TENSOR
             and version < NUMERICS_MOE_BLOCK_DYNAMIC):
         out.append("routed experts whose dynamic per-tensor activation scale came from each expert's own tokens "
                    "instead of the whole block, as vLLM's fused MoE takes it")

@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from app import services as svc
+from app.live import ACTIVE
 
 st.title("Jobs")
 st.caption("Every calibration, scoring, sensitivity and benchmark job, newest first. Running jobs update live.")
@@ -20,7 +21,6 @@ if stale:
     st.warning(f"Jobs {stale} had a worker that stopped reporting; they were marked failed.")
 
 PAGE = 100  # jobs per page of the history
-ACTIVE = ("queued", "running")
 c1, c2, c3 = st.columns([1, 1, 2])
 kind = c1.selectbox("Kind", [None, "register", "calibrate", "score", "sensitivity", "bench"],
                     format_func=lambda k: "all" if k is None else k, key="jobs_kind")
