@@ -12,6 +12,7 @@ The plan file is YAML, the same format the UI saves and exports::
     smoothquant_alpha: 0.5                       # optional; alpha of every SmoothQuant scheme
     kv_cache: FP8                                # optional; how K and V are cached (default AUTO)
     kv_cache_skip: [sliding_window, 0]           # optional; layers whose cache stays in the model's dtype
+    tensor_parallel: 2                           # optional; GPUs vLLM splits each layer over (default 1)
     rules:                                       # in order; the LAST matching rule wins
       - match: 'mlp\\.down_proj$'                # Python regular expression, re.search on the layer name
         scheme: INT8_W8A8_SQ
@@ -53,6 +54,8 @@ from quantcore.errors import format_problems as _format_problems
 from quantcore.errors import name_list as _cut
 from quantcore.kvcache import AUTO as KV_AUTO
 from quantcore.kvcache import get_kv_format, normalize_kv_skip
+from quantcore.parallel import ROW as TP_ROW
+from quantcore.parallel import AttentionHeads, parse_tp, partition, shard_shapes
 from quantcore.schemes import (
     IDENTITY_BITS,
     Granularity,
@@ -86,8 +89,8 @@ DEFAULT_SCHEME = "BF16"  # the identity scheme: the layer stays in the model's o
 ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ...
 ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
 
-_TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "kv_cache", "kv_cache_skip", "rules",
-             "layers")
+_TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "kv_cache", "kv_cache_skip",
+             "tensor_parallel", "rules", "layers")
 _RULE_KEYS = ("match", "scheme")
 _LAYER_KEYS = ("scheme", "smoothquant_alpha")
 
@@ -119,6 +122,8 @@ class PlanSpec:
     kv_cache_skip:     attention layers whose cache stays in the model's dtype (vLLM's
                        ``--kv-cache-dtype-skip-layers``): decoder layer indices and/or ``"sliding_window"``,
                        as strings; checked against the model by :func:`quantcore.kvcache.kv_skip_layers`
+    tensor_parallel:   GPUs vLLM splits every layer over (``--tensor-parallel-size``; :mod:`quantcore.parallel`):
+                       the serving checks then read each GPU's shard; 1 by default
     name, description: free text for people
     """
 
@@ -130,6 +135,7 @@ class PlanSpec:
     layer_alpha: dict[str, float] = field(default_factory=dict)
     kv_cache: str = KV_AUTO
     kv_cache_skip: list[str] = field(default_factory=list)
+    tensor_parallel: int = 1
     name: str | None = None
     description: str = ""
 
@@ -139,8 +145,8 @@ class PlanSpec:
         """Canonical plain-data form (the YAML file's content); ``from_dict`` inverts it exactly.
 
         Optional keys (``name``, ``description``, ``smoothquant_alpha``, ``kv_cache``,
-        ``kv_cache_skip``) appear only when set (``kv_cache`` when not ``AUTO``; layer indices of
-        ``kv_cache_skip`` as integers);
+        ``kv_cache_skip``, ``tensor_parallel``) appear only when set (``kv_cache`` when not ``AUTO``; layer indices
+        of ``kv_cache_skip`` as integers; ``tensor_parallel`` above 1);
         a layer with an alpha is written ``{scheme: X, smoothquant_alpha: a}`` (or
         ``{smoothquant_alpha: a}`` when only the alpha is overridden).
         """
@@ -156,6 +162,8 @@ class PlanSpec:
             out["kv_cache"] = self.kv_cache
         if self.kv_cache_skip:
             out["kv_cache_skip"] = [int(e) if e.isdigit() else e for e in self.kv_cache_skip]
+        if self.tensor_parallel != 1:
+            out["tensor_parallel"] = self.tensor_parallel
         out["rules"] = [r.to_dict() for r in self.rules]
         layers: dict[str, Any] = {}
         for layer in _ordered_union(self.layers, self.layer_alpha):
@@ -220,6 +228,12 @@ class PlanSpec:
             if kv_skip and kv_cache == KV_AUTO:
                 problems.append("'kv_cache_skip' keeps layers out of a quantized KV cache, but 'kv_cache' is AUTO "
                                 "(nothing is quantized); set kv_cache or drop kv_cache_skip")
+        tp = 1
+        if data.get("tensor_parallel") is not None:
+            try:
+                tp = parse_tp(data["tensor_parallel"])
+            except PlanError as exc:
+                problems.append(f"'tensor_parallel': {exc}")
 
         rules: list[Rule] = []
         raw_rules = data.get("rules") or []
@@ -279,6 +293,7 @@ class PlanSpec:
             layer_alpha=layer_alpha,
             kv_cache=kv_cache,
             kv_cache_skip=kv_skip,
+            tensor_parallel=tp,
             name=name,
             description=description,
         )
@@ -590,42 +605,60 @@ def plan_footprint(
     return Footprint(rows, params, sum(r.bits for r in rows), IDENTITY_BITS * params)
 
 
-def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
+def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *, tp: int = 1,
+                  heads: AttentionHeads | None = None) -> list[str]:
     """What a serving stack will complain about: layers whose K is not a whole number of the scheme's groups.
 
     quantcore quantizes a last, partial group as it is. For groups of *weights* (W4A16, NVFP4, MXFP4...),
     llm-compressor 0.14's ``oneshot`` refuses the recipe (``validate_group_size_divisibility``: "weight column counts
     not divisible by group_size", unless the modifier sets ``bypass_divisibility_checks``), compressed-tensors warns
     ("group quantization strategy requires strict division ...") and vLLM's Marlin kernels refuse to load such a
-    layer (``verify_marlin_supports_shape``: "Weight input_size_per_partition = ... is not divisible by group_size";
-    with tensor parallelism the K of each shard of a row-parallel layer, o_proj or down_proj, must be divisible too).
+    layer (``verify_marlin_supports_shape``: "Weight input_size_per_partition = ... is not divisible by group_size").
     For groups of *activations* alone (FP8_BLOCK's 1 x 128 tiles; its weights are 128 x 128 blocks, which
     llm-compressor and compressed-tensors accept on any K), vLLM quantizes each token's row in groups of 128
     (``per_token_group_quant_fp8``), which asserts K divisible by the group. One message per (scheme, group), naming
     how many layers and which K; an empty list when every group fits.
+
+    With tensor parallelism ``tp`` > 1 a row-parallel layer (o_proj, down_proj) holds K / tp inputs on each GPU
+    (:mod:`quantcore.parallel`), and a group of weights must not straddle two GPUs: vLLM refuses a shard that is not
+    a whole number of groups (``verify_group_size_divides_partition``: "This happens when tensor_parallel_size splits
+    the layer input into shards that are not a whole number of quant groups"). Those layers get a message of their
+    own, per (scheme, group). (FP8_BLOCK's shards are :func:`fp8_block_misfits`'.)
     """
-    misfit: dict[tuple[str, int], dict[str, Any]] = {}
+    shards = shard_shapes(shapes, tp, heads) if tp > 1 else shapes
+    misfit: dict[tuple[str, int, bool], dict[str, Any]] = {}
     for layer, scheme in resolved.items():
         scheme = get_scheme(scheme)
         _, k = shapes[layer]
         for spec in (scheme.weights, scheme.activations):
             g = spec.group_size if spec is not None and spec.granularity.value == "group" else None
-            if g and k % g:
-                entry = misfit.setdefault((scheme_label(scheme), g), {"layers": [], "ks": set(), "scheme": scheme,
-                                                                       "weights": False})
+            if not g:
+                continue
+            shard = not k % g and spec is scheme.weights and partition(layer) == TP_ROW and shards[layer][1] % g
+            if k % g or shard:
+                entry = misfit.setdefault((scheme_label(scheme), g, bool(shard)),
+                                          {"layers": [], "ks": set(), "scheme": scheme, "weights": False})
                 entry["weights"] = entry["weights"] or spec is scheme.weights
                 if layer not in entry["layers"]:
                     entry["layers"].append(layer)
-                    entry["ks"].add(k)
+                    entry["ks"].add(shards[layer][1] if shard else k)
     out = []
-    for (label, g), e in misfit.items():
+    for (label, g, shard), e in misfit.items():
+        ks = ", ".join(map(str, sorted(e["ks"])))
+        if shard:
+            out.append(f"{label} at tensor_parallel {tp}: each GPU holds K / {tp} = {ks} inputs of {len(e['layers'])} "
+                       f"row-parallel layer(s) (e.g. {e['layers'][0]}), not a whole number of groups of {g}: vLLM "
+                       "refuses a group split over two GPUs (\"not a whole number of quant groups. Consider reducing "
+                       "tensor_parallel_size\"): choose a smaller tensor_parallel or keep those layers in another "
+                       f"scheme{_regroup_hint(e['scheme'], e['ks'])}")
+            continue
         why = ("llm-compressor's oneshot refuses such a recipe (unless bypass_divisibility_checks) and vLLM's group "
                "kernels (Marlin, CUTLASS W4A8) refuse to load a layer whose K is not divisible by the group"
                if e["weights"] else
                f"llm-compressor accepts the recipe, but vLLM quantizes the activations in groups of {g} along K "
                "(per_token_group_quant_fp8), which needs K divisible by the group")
         out.append(f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
-                   f"{', '.join(map(str, sorted(e['ks'])))}, e.g. {e['layers'][0]}); {why}: keep those layers in "
+                   f"{ks}, e.g. {e['layers'][0]}); {why}: keep those layers in "
                    f"another scheme{_regroup_hint(e['scheme'], e['ks'])}")
     return out
 
@@ -654,27 +687,54 @@ def regrouped_preset(scheme: Scheme | str, ks: Iterable[int]) -> Scheme | None:
     return max(fits, key=lambda s: s.weights.group_size) if fits else None
 
 
-def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
-    """Block-scaled FP8 layers that vLLM loads merged (q/k/v as ``qkv_proj``, gate/up as ``gate_up_proj``) where a
-    member's N is not a multiple of the block's rows, one message (or none).
+def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *, tp: int = 1,
+                      heads: AttentionHeads | None = None) -> list[str]:
+    """Block-scaled FP8 layers vLLM refuses to load, as its ``validate_fp8_block_shape`` checks each layer it builds
+    (q/k/v merged as ``qkv_proj``, gate/up as ``gate_up_proj``), one message per cause (or none):
 
-    vLLM's ``validate_fp8_block_shape`` refuses a merged GEMM one of whose output partitions is not divisible by
-    ``block_n`` ("Weight output_partition_size = ... is not divisible by weight quantization block_n"): the weight
-    blocks of one member would straddle the next. A layer loaded alone takes any N at one GPU (with tensor
-    parallelism each shard's N and K must be divisible too).
+    - a merged layer on one GPU: every member's N but the last must be a whole number of the blocks' rows ("Weight
+      output_partition_size = ... is not divisible by weight quantization block_n"): one member's blocks would
+      straddle the next (the last member may end in a partial block);
+    - at tensor parallelism ``tp`` > 1, each GPU's share of a column-parallel layer's members, all of them
+      (:mod:`quantcore.parallel`);
+    - at ``tp`` > 1, each GPU's share of a row-parallel layer's K (o_proj, down_proj), a whole number of the blocks'
+      columns ("Weight input_size_per_partition = ... is not divisible by weight quantization block_k").
+
+    A layer loaded alone takes any N on one GPU. Routed experts are left out (vLLM's fused MoE loads them).
     """
-    bad: list[tuple[str, int, int]] = []  # (layer, N, block rows)
-    for group in fusion_groups(resolved):
-        w = get_scheme(resolved[group[0]]).weights
-        if w is None or w.granularity is not Granularity.BLOCK or expert_block(group[0]) is not None:
+    shards = shard_shapes(shapes, tp, heads) if tp > 1 else shapes
+    rows: list[tuple[str, int, int]] = []  # (layer, N on a GPU, block rows)
+    cols: list[tuple[str, int, int]] = []  # (layer, K on a GPU, block columns)
+    for unit in fusion_units(resolved):
+        w = get_scheme(resolved[unit[0]]).weights
+        if w is None or w.granularity is not Granularity.BLOCK or expert_block(unit[0]) is not None:
             continue
-        bad += [(m, shapes[m][0], w.block[0]) for m in group if shapes[m][0] % w.block[0]]
-    if not bad:
-        return []
-    ns = sorted({n for _, n, _ in bad})
-    return [f"FP8 blocks of {bad[0][2]} rows do not divide N of {len(bad)} layer(s) vLLM loads merged with "
-            f"others (N = {', '.join(map(str, ns))}, e.g. {bad[0][0]}): its validate_fp8_block_shape refuses such a "
-            "merged q/k/v or gate/up layer, so the checkpoint does not load: keep those layers in another scheme"]
+        block_n, block_k = w.block
+        if tp > 1 and partition(unit[0]) == TP_ROW:
+            cols += [(m, shards[m][1], block_k) for m in unit if shards[m][1] % block_k]
+            continue
+        # vLLM's own test: split over the GPUs when the whole N is tp times the GPU's (k/v heads copied onto
+        # several GPUs make it less), else, if merged, every member but the last
+        split = tp > 1 and sum(shapes[m][0] for m in unit) // max(1, sum(shards[m][0] for m in unit)) == tp
+        members = unit if split else unit[:-1]
+        rows += [(m, shards[m][0], block_n) for m in members if shards[m][0] % block_n]
+    out = []
+    at = f" at tensor_parallel {tp}, on each GPU" if tp > 1 else ""
+    if rows:
+        ns = ", ".join(map(str, sorted({n for _, n, _ in rows})))
+        what = ("column-parallel layer(s) (q/k/v and gate/up merged)" if tp > 1 else
+                "layer(s) vLLM loads merged with the next (q/k/v, gate/up; the last member may end in a partial block)")
+        out.append(f"FP8 blocks of {rows[0][2]} rows do not divide N{at} of {len(rows)} {what} (N = {ns}, e.g. "
+                   f"{rows[0][0]}): vLLM's validate_fp8_block_shape refuses them (\"output_partition_size ... is not "
+                   "divisible by weight quantization block_n\"), so the checkpoint does not load: keep those layers in "
+                   "another scheme" + (" or choose a smaller tensor_parallel" if tp > 1 else ""))
+    if cols:
+        ks = ", ".join(map(str, sorted({k for _, k, _ in cols})))
+        out.append(f"FP8 blocks of {cols[0][2]} columns do not divide K{at} of {len(cols)} row-parallel layer(s) (K = "
+                   f"{ks}, e.g. {cols[0][0]}): vLLM's validate_fp8_block_shape refuses them (\"input_size_per_partition "
+                   "... is not divisible by weight quantization block_k\"), so the checkpoint does not load: keep "
+                   "those layers in another scheme or choose a smaller tensor_parallel")
+    return out
 
 
 W4A8_FP8_TILE = 128  # vLLM's CUTLASS W4A8 kernel: groups of exactly 128, and N and K multiples of 128
@@ -687,26 +747,30 @@ def is_w4afp8(scheme: Scheme | str) -> bool:
             and scheme.weights.format == "int4" and scheme.activations.format == "fp8_e4m3")
 
 
-def _w4afp8_untileable(resolved: Mapping[str, Scheme | str],
-                       shapes: Mapping[str, tuple[int, int]]) -> list[tuple[list[str], int]]:
-    """(layers vLLM loads as one, their N) for every W4AFP8 layer, fused as vLLM fuses it, whose N is not a multiple
-    of 128. Routed experts are left out: vLLM's fused MoE layer serves them with its grouped W4A8 kernel."""
+def _w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *,
+                       tp: int = 1, heads: AttentionHeads | None = None) -> list[tuple[list[str], int]]:
+    """(layers vLLM loads as one, their N on one GPU) for every W4AFP8 layer, fused as vLLM fuses it, whose N (at
+    tensor parallelism ``tp``, each GPU's share) is not a multiple of 128. Routed experts are left out: vLLM's fused
+    MoE layer serves them with its grouped W4A8 kernel."""
+    shards = shard_shapes(shapes, tp, heads) if tp > 1 else shapes
     out = []
     for group in fusion_units(resolved):  # an MoE block's experts are one unit, skipped here
         if expert_block(group[0]) is not None or not is_w4afp8(resolved[group[0]]):
             continue
-        n = sum(shapes[m][0] for m in group)
+        n = sum(shards[m][0] for m in group)
         if n % W4A8_FP8_TILE:
             out.append((group, n))
     return out
 
 
-def w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> set[str]:
+def w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *, tp: int = 1,
+                      heads: AttentionHeads | None = None) -> set[str]:
     """The W4AFP8 layers :func:`w4afp8_misfits` is about (every member of a fused group)."""
-    return {m for group, _ in _w4afp8_untileable(resolved, shapes) for m in group}
+    return {m for group, _ in _w4afp8_untileable(resolved, shapes, tp=tp, heads=heads) for m in group}
 
 
-def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
+def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *, tp: int = 1,
+                   heads: AttentionHeads | None = None) -> list[str]:
     """What vLLM's one W4AFP8 kernel refuses, one message (or none): the layers vLLM would load as a whole whose
     output width N is not a multiple of 128.
 
@@ -715,16 +779,20 @@ def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
     must be divisible by 128"), for the layer as vLLM fuses it: q/k/v load as one ``qkv_proj`` and gate/up as one
     ``gate_up_proj``, so their N is the sum (SmolLM2's 576 + 192 + 192 = 960 is not a multiple of 128). Routed
     experts are left out (:func:`_w4afp8_untileable`). A K that 128 does not divide is :func:`group_misfits`'
-    message already. With tensor parallelism each shard's N and K must be divisible too.
+    message already (each GPU's K at tensor parallelism too). At tensor parallelism ``tp`` > 1 the N is each GPU's
+    share of the fused layer.
     """
-    bad = [(group_label(group) if len(group) > 1 else group[0], n) for group, n in _w4afp8_untileable(resolved, shapes)]
+    bad = [(group_label(group) if len(group) > 1 else group[0], n)
+           for group, n in _w4afp8_untileable(resolved, shapes, tp=tp, heads=heads)]
     if not bad:
         return []
     ns = sorted({n for _, n in bad})
-    return [f"W4AFP8 on {len(bad)} layer(s) as vLLM loads them (q/k/v and gate/up fused) whose output width N is not "
-            f"a multiple of {W4A8_FP8_TILE} (N = {', '.join(map(str, ns))}, e.g. {bad[0][0]}): vLLM's only W4AFP8 "
+    at = f" on each GPU at tensor_parallel {tp}" if tp > 1 else ""
+    return [f"W4AFP8 on {len(bad)} layer(s) as vLLM loads them (q/k/v and gate/up fused) whose output width N{at} is "
+            f"not a multiple of {W4A8_FP8_TILE} (N = {', '.join(map(str, ns))}, e.g. {bad[0][0]}): vLLM's only W4AFP8 "
             f"kernel (CUTLASS W4A8, Hopper) refuses them (\"K and N must be divisible by {W4A8_FP8_TILE}\"), so the "
-            "checkpoint does not load: keep those layers in another scheme"]
+            "checkpoint does not load: keep those layers in another scheme"
+            + (" or choose a smaller tensor_parallel" if tp > 1 else "")]
 
 
 AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.awq

@@ -1,0 +1,139 @@
+"""Tensor parallelism: how vLLM splits each layer over the GPUs, and the serving checks on each GPU's shard."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantcore.errors import PlanError
+from quantcore.parallel import (
+    AttentionHeads,
+    attention_heads,
+    parse_tp,
+    partition,
+    shard_shapes,
+    tp_misfits,
+)
+from quantcore.plans import PlanSpec, fp8_block_misfits, group_misfits, w4afp8_misfits
+
+
+def llama_block(p: str, hidden: int, heads: AttentionHeads, intermediate: int) -> dict[str, tuple[int, int]]:
+    """(N, K) of one Llama-style decoder layer's linears."""
+    q, kv = heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim
+    return {f"{p}.self_attn.q_proj": (q, hidden), f"{p}.self_attn.k_proj": (kv, hidden),
+            f"{p}.self_attn.v_proj": (kv, hidden), f"{p}.self_attn.o_proj": (hidden, q),
+            f"{p}.mlp.gate_proj": (intermediate, hidden), f"{p}.mlp.up_proj": (intermediate, hidden),
+            f"{p}.mlp.down_proj": (hidden, intermediate)}
+
+
+P = "model.layers.0"
+QWEN72 = AttentionHeads(64, 8, 128)  # Qwen2.5-72B: hidden 8192, intermediate 29,568 (= 231 x 128)
+QWEN72_SHAPES = {**llama_block(P, 8192, QWEN72, 29568), "lm_head": (152064, 8192)}
+SMOL = AttentionHeads(9, 3, 64)  # SmolLM2-135M: hidden 576, intermediate 1536
+
+
+def test_attention_heads_come_from_the_config_with_its_defaults():
+    assert attention_heads({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}) == SMOL
+    # no num_key_value_heads: multi-head attention; an explicit head_dim wins over hidden / heads (Gemma)
+    assert attention_heads({"num_attention_heads": 8, "hidden_size": 512}) == AttentionHeads(8, 8, 64)
+    assert attention_heads({"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                            "hidden_size": 640}) == AttentionHeads(8, 4, 256)
+    # a multimodal config's text part
+    assert attention_heads({"text_config": {"num_attention_heads": 9, "num_key_value_heads": 3,
+                                            "hidden_size": 576}}) == SMOL
+    assert attention_heads({"hidden_size": 576}) is None
+    assert AttentionHeads.from_dict(SMOL.to_dict()) == SMOL and AttentionHeads.from_dict(None) is None
+
+
+def test_layers_split_as_vllm_splits_them():
+    assert [partition(f"{P}.self_attn.{x}") for x in ("q_proj", "k_proj", "v_proj", "o_proj")] == \
+        ["column", "column", "column", "row"]
+    assert [partition(f"{P}.mlp.{x}") for x in ("gate_proj", "up_proj", "down_proj", "gate")] == \
+        ["column", "column", "row", "replicated"]
+    assert partition(f"{P}.mlp.experts.3.down_proj") == "row" and partition("lm_head") == "vocab"
+    assert partition("transformer.h.0.attn.c_attn") == "unknown"
+    shards = shard_shapes(QWEN72_SHAPES, 8, QWEN72)
+    assert shards[f"{P}.self_attn.q_proj"] == (1024, 8192)  # 8 of the 64 heads
+    assert shards[f"{P}.self_attn.k_proj"] == (128, 8192)  # one of the 8 key-value heads
+    assert shards[f"{P}.self_attn.o_proj"] == (8192, 1024)
+    assert shards[f"{P}.mlp.down_proj"] == (8192, 3696)
+    assert shards["lm_head"] == (152064 // 8, 8192)  # 152,064 is already a multiple of 64
+    # more GPUs than key-value heads: each GPU holds one head, copied
+    assert shard_shapes(QWEN72_SHAPES, 16, QWEN72)[f"{P}.self_attn.v_proj"] == (128, 8192)
+    assert shard_shapes(QWEN72_SHAPES, 1, QWEN72) == QWEN72_SHAPES
+
+
+def test_what_vllm_refuses_at_a_tensor_parallel_size_before_quantizing():
+    smol = llama_block(P, 576, SMOL, 1536)
+    [msg] = tp_misfits(smol, 2, SMOL)
+    assert "9 attention heads" in msg and "Total number of attention heads (9) must be divisible by tensor parallel " \
+        "size (2)" in msg
+    assert tp_misfits(smol, 3, SMOL) == [] and tp_misfits(smol, 1, SMOL) == []
+    # nine GPUs: the heads split and each GPU holds a copy of one of the 3 key-value heads, but 1,536 does not split
+    column, row = tp_misfits(smol, 9, SMOL)
+    assert column.startswith("tensor_parallel 9: 2 column-parallel layer(s) split along N, which 9 does not divide "
+                             f"(N = 1536, e.g. {P}.mlp.gate_proj)")
+    assert row.startswith("tensor_parallel 9: 1 row-parallel layer(s) split along K, which 9 does not divide (K = 1536, "
+                          f"e.g. {P}.mlp.down_proj)")
+    odd = AttentionHeads(12, 4, 64)
+    [msg] = tp_misfits(llama_block(P, 768, odd, 3072), 6, odd)
+    assert "4 key-value heads, which neither divide among 6 GPUs nor copy onto them evenly" in msg
+
+
+def test_a_group_split_over_two_gpus_is_refused_and_a_smaller_group_offered():
+    """Qwen2.5-72B's down_proj reads 29,568 inputs: 231 groups of 128 on one GPU, but 14,784 (115.5 groups) on
+    each of two and 3,696 on each of eight. vLLM refuses a group split over two GPUs."""
+    plan = dict.fromkeys(QWEN72_SHAPES, "W4A16_GPTQ")
+    assert group_misfits(plan, QWEN72_SHAPES) == []
+    [msg] = group_misfits(plan, QWEN72_SHAPES, tp=2, heads=QWEN72)
+    assert msg.startswith("W4A16_GPTQ at tensor_parallel 2: each GPU holds K / 2 = 14784 inputs of 1 row-parallel "
+                          f"layer(s) (e.g. {P}.mlp.down_proj), not a whole number of groups of 128")
+    assert msg.endswith("such as W4A16_G64_GPTQ, whose groups of 64 divide them")  # 14,784 = 231 x 64
+    [msg] = group_misfits(plan, QWEN72_SHAPES, tp=8, heads=QWEN72)
+    assert "K / 8 = 3696" in msg and "such as" not in msg  # 3,696 is not a whole number of 64 either
+    assert group_misfits(dict.fromkeys(QWEN72_SHAPES, "W4A16_G64_GPTQ"), QWEN72_SHAPES, tp=2, heads=QWEN72) == []
+    # per-channel weights have no groups to split; o_proj's 8,192 / 8 = 1,024 is 8 groups
+    assert group_misfits(dict.fromkeys(QWEN72_SHAPES, "W8A16"), QWEN72_SHAPES, tp=8, heads=QWEN72) == []
+    assert group_misfits({f"{P}.self_attn.o_proj": "W4A16"}, QWEN72_SHAPES, tp=8, heads=QWEN72) == []
+    # column-parallel layers keep their K whole: gate/up at K = 8,192 fit at any size
+    assert group_misfits({f"{P}.mlp.gate_proj": "W4A16", f"{P}.mlp.up_proj": "W4A16"}, QWEN72_SHAPES, tp=8,
+                         heads=QWEN72) == []
+
+
+def test_fp8_blocks_on_each_gpu():
+    """validate_fp8_block_shape at tensor parallelism: each GPU's K of a row-parallel layer a whole number of 128
+    columns, and each GPU's N of every member of a column-parallel layer a whole number of 128 rows."""
+    plan = {**dict.fromkeys(QWEN72_SHAPES, "FP8_BLOCK"), "lm_head": "BF16"}
+    assert fp8_block_misfits(plan, QWEN72_SHAPES) == []
+    rows, msg = fp8_block_misfits(plan, QWEN72_SHAPES, tp=2, heads=QWEN72)
+    assert rows.startswith("FP8 blocks of 128 rows do not divide N at tensor_parallel 2, on each GPU of 2 "
+                           f"column-parallel layer(s) (q/k/v and gate/up merged) (N = 14784, e.g. {P}.mlp.gate_proj)")
+    assert msg.startswith("FP8 blocks of 128 columns do not divide K at tensor_parallel 2, on each GPU of 1 "
+                          f"row-parallel layer(s) (K = 14784, e.g. {P}.mlp.down_proj)")
+    assert fp8_block_misfits({f"{P}.self_attn.o_proj": "FP8_BLOCK"}, QWEN72_SHAPES, tp=8, heads=QWEN72) == []
+    # gate/up at 29,568 / 16 = 1,848 rows a GPU: every member checked once split, the last one too
+    rows = [m for m in fp8_block_misfits(plan, QWEN72_SHAPES, tp=16, heads=QWEN72) if "rows" in m]
+    assert rows and "N at tensor_parallel 16, on each GPU of 2 column-parallel layer(s)" in rows[0]
+    assert "N = 1848" in rows[0]
+
+
+def test_w4afp8_tiles_each_gpus_share_of_the_fused_layer():
+    """CUTLASS W4A8 wants N a multiple of 128 for the layer each GPU loads: Qwen2.5-72B's gate/up at 2 x 29,568 / 8
+    = 7,392 rows (57.75 x 128) no longer tiles at eight GPUs; q/k/v's 1,024 + 128 + 128 does."""
+    plan = {**dict.fromkeys(QWEN72_SHAPES, "W4AFP8"), "lm_head": "BF16"}
+    assert w4afp8_misfits(plan, QWEN72_SHAPES) == []
+    [msg] = w4afp8_misfits(plan, QWEN72_SHAPES, tp=8, heads=QWEN72)
+    assert msg.startswith("W4AFP8 on 1 layer(s) as vLLM loads them (q/k/v and gate/up fused) whose output width N on "
+                          "each GPU at tensor_parallel 8 is not a multiple of 128 (N = 7392, e.g. "
+                          f"{P}.mlp.{{gate,up}}_proj)")
+    assert msg.endswith("or choose a smaller tensor_parallel")
+
+
+def test_the_tensor_parallel_size_is_part_of_the_plan_file():
+    spec = PlanSpec.from_yaml("default: W4A16\ntensor_parallel: 4\n")
+    assert spec.tensor_parallel == 4 and spec.to_dict()["tensor_parallel"] == 4
+    assert PlanSpec.from_dict(spec.to_dict()) == spec
+    assert "tensor_parallel" not in PlanSpec(default="FP8").to_dict()  # 1, the default, is not written
+    for bad in ("two", 0, -2, 2.5, True):
+        with pytest.raises(PlanError, match="'tensor_parallel': tensor_parallel must be"):
+            PlanSpec.from_dict({"default": "FP8", "tensor_parallel": bad})
+    assert parse_tp("8") == 8
