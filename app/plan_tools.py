@@ -9,7 +9,7 @@ from app import services as svc
 from quantcore.kvcache import KV_FORMATS
 
 
-def render(model, target: str) -> None:
+def render(model, target: str, tp: int = 1) -> None:
     st.subheader("Automatic plan")
     sens, _units = svc.sensitivity_map(model)
     if not sens:
@@ -20,6 +20,9 @@ def render(model, target: str) -> None:
         st.caption(f"Sensitivity known for: {', '.join(sorted(sens))}. "
                    + (f"Kernel timings of this GPU are stored (from {device_name})." if device_name
                       else f"No {target} kernel timings are stored: the first cost falls back to weight memory."))
+        if tp > 1:
+            st.caption(f"For {tp} GPUs (the plan's tensor parallel above): no scheme is chosen for a layer whose "
+                       "share on one GPU vLLM would refuse.")
         with st.form("auto_plan"):
             c1, c2 = st.columns(2)
             budget = c1.number_input("KL budget (nats per token)", 0.0, 10.0, 0.02, step=0.005, format="%.4f",
@@ -36,7 +39,8 @@ def render(model, target: str) -> None:
             if st.form_submit_button("Choose and verify", type="primary"):
                 try:
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
-                                                      candidates=cands, cost=cost, m=int(m), kv_cache=kv)
+                                                      candidates=cands, cost=cost, m=int(m), kv_cache=kv,
+                                                      tensor_parallel=tp)
                     st.success(f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
                                f"{svc.cost_text(result.cost, result.cost_unit)} vs "
                                f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "

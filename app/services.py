@@ -726,18 +726,53 @@ def support_reasons(schemes: Iterable[str], target: str | None) -> list[str]:
     return out
 
 
+def attention_heads(model: ModelRecord):
+    """quantcore.parallel.AttentionHeads of the model: from its intake summary, or for a model registered before
+    that was kept, from the config.json quantplan stored; None where neither says."""
+    import json
+
+    from quantcore.parallel import AttentionHeads
+    from quantcore.parallel import attention_heads as from_config
+
+    if model.attention_heads:
+        return AttentionHeads.from_dict(model.attention_heads)
+    try:
+        config = json.loads((Path(str(settings().artifact_dir)) / model.path / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return from_config(config) if isinstance(config, dict) else None
+
+
+def parallelism(model: ModelRecord, body: dict[str, Any]) -> dict[str, Any]:
+    """{"tp": the plan's tensor_parallel, "heads": the model's attention heads where tp > 1}: the keywords of the
+    serving checks in quantcore.plans (1 and None for a body that does not parse)."""
+    from quantcore.errors import PlanError
+    from quantcore.plans import PlanSpec
+
+    try:
+        tp = PlanSpec.from_dict(body).tensor_parallel
+    except PlanError:
+        tp = 1
+    return {"tp": tp, "heads": attention_heads(model) if tp > 1 else None}
+
+
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
-    """Every linear: name, N, K, outlier ratio (newest calibration), the sensitivity KL of the layer's
+    """Every linear: name, N, K (and each GPU's share, "N / GPU" and "K / GPU", when the plan's tensor_parallel is
+    above 1: quantcore.parallel), outlier ratio (newest calibration), the sensitivity KL of the layer's
     own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU
-    (with ", partial group" where the scheme's groups do not divide K: quantcore.plans.group_misfits, and ", N not a
-    multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer: quantcore.plans.w4afp8_misfits)."""
+    (with ", partial group" where the scheme's groups do not divide K, or each GPU's K: quantcore.plans.group_misfits,
+    and ", N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer:
+    quantcore.plans.w4afp8_misfits)."""
     import pandas as pd
 
     from quantcore.hardware import support_on_target
+    from quantcore.parallel import shard_shapes
     from quantcore.plans import group_misfits, w4afp8_untileable
     from quantcore.schemes import fusion_units
 
     resolved, _ = resolve(model, body)
+    par = parallelism(model, body)
+    shards = shard_shapes(layer_shapes(model), **par) if par["tp"] > 1 else {}
     ratios: dict[str, float] = {}
     cals = calibrations(model.id)
     if cals:
@@ -746,7 +781,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     sens, unit_layers = sensitivity_map(model)  # {scheme: {unit: KL}}: a layer's KL depends on its scheme
     unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
     shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
-    untileable = w4afp8_untileable(resolved, layer_shapes(model)) if resolved and target else set()
+    untileable = w4afp8_untileable(resolved, layer_shapes(model), **par) if resolved and target else set()
     rows = []
     for lin in model.linears:
         name = lin["name"]
@@ -756,12 +791,13 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             w = scheme.weights.format if scheme.weights else None
             a = scheme.activations.format if scheme.activations else None
             support = support_on_target(target, w, a)
-            if group_misfits({name: scheme}, {name: (lin["out_features"], lin["in_features"])}):
+            if group_misfits({name: scheme}, {name: (lin["out_features"], lin["in_features"])}, **par):
                 support += ", partial group"
             if name in untileable:
                 support += ", N not a multiple of 128"
         scheme_name = scheme.name if scheme else body.get("default")
-        rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"],
+        per_gpu = dict(zip(("N / GPU", "K / GPU"), shards[name], strict=True)) if shards else {}
+        rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"], **per_gpu,
                      "outlier_ratio": ratios.get(name),
                      "sensitivity_kl": sens.get(str(scheme_name), {}).get(unit_of.get(name, name)),
                      "scheme": scheme_name,
@@ -799,6 +835,7 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
     count the cache from."""
     from quantcore.hardware import get_target
     from quantcore.kvcache import get_kv_format, kv_bytes_per_sequence, kv_bytes_per_token, kv_token_capacity
+    from quantcore.parallel import kv_copies
     from quantcore.plans import PlanSpec
 
     kv = get_kv_format(PlanSpec.from_dict(body).kv_cache)
@@ -808,9 +845,11 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
     if per_token is None or bf16 is None:
         return None
     windows = model.attention_windows
+    par = parallelism(model, body)
+    copies = kv_copies(par["heads"], par["tp"])
     out: dict[str, Any] = {"kv_cache": kv.name, "bytes_per_token": per_token, "bf16_bytes_per_token": bf16,
                            "windowed_layers": len(windows), "windows": sorted(set(windows.values())),
-                           "skipped_layers": len(skip)}
+                           "skipped_layers": len(skip), "tensor_parallel": par["tp"], "kv_copies": copies}
     if context:
         out.update(context=context,
                    sequence_bytes=kv_bytes_per_sequence(model.linears, kv, context, windows=windows, skip=skip),
@@ -820,13 +859,15 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
 
         resolved = resolved_or_raise(model, body)
         weights, bf16_weights = served_weight_bytes(model, footprint(resolved, layer_shapes(model)), resolved)
-        gpu = get_target(target)
-        out.update(target=target, memory_gb=gpu.memory_gb, weight_bytes=weights, bf16_weight_bytes=bf16_weights,
-                   tokens=kv_token_capacity(gpu.memory_gb, weights, per_token),
-                   bf16_tokens=kv_token_capacity(gpu.memory_gb, bf16_weights, bf16))
+        # tensor parallelism: the weights spread over tp GPUs' memory; a K/V head copied onto several GPUs
+        # (more GPUs than key-value heads) is cached on each
+        memory = get_target(target).memory_gb * par["tp"]
+        out.update(target=target, memory_gb=memory, weight_bytes=weights, bf16_weight_bytes=bf16_weights,
+                   tokens=kv_token_capacity(memory, weights, per_token * copies),
+                   bf16_tokens=kv_token_capacity(memory, bf16_weights, bf16 * copies))
         if context:
-            out.update(sequences=kv_token_capacity(gpu.memory_gb, weights, out["sequence_bytes"]),
-                       bf16_sequences=kv_token_capacity(gpu.memory_gb, bf16_weights, out["bf16_sequence_bytes"]))
+            out.update(sequences=kv_token_capacity(memory, weights, out["sequence_bytes"] * copies),
+                       bf16_sequences=kv_token_capacity(memory, bf16_weights, out["bf16_sequence_bytes"] * copies))
     return out
 
 
@@ -842,7 +883,8 @@ def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, bat
                       context: int) -> dict[str, float] | None:
     """The ideal decode step of ``batch`` sequences each holding ``context`` tokens of cache: the linears'
     roofline bound at M = batch plus reading each sequence's cache once (quantcore.roofline.kv_read_ms;
-    sliding-window layers read only their window), for the plan and for all-BF16. None where the model's
+    sliding-window layers read only their window), for the plan and for all-BF16; at the plan's tensor_parallel,
+    one GPU's step: its shard of the layers and its share of the cache. None where the model's
     cache cannot be counted (no k_proj / v_proj)."""
     from quantcore.kvcache import kv_bytes_per_sequence
     from quantcore.plans import PlanSpec
@@ -854,8 +896,12 @@ def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, bat
     bf16_seq = kv_bytes_per_sequence(model.linears, "AUTO", context, windows=model.attention_windows)
     if seq is None or bf16_seq is None:
         return None
-    linear, bf16_linear = (step_bound(model, b, target, batch).ms for b in (body, {"default": "BF16"}))
-    kv_ms, bf16_kv_ms = (kv_read_ms(b, batch, target) for b in (seq, bf16_seq))
+    from quantcore.parallel import kv_copies
+
+    par = parallelism(model, body)
+    share = kv_copies(par["heads"], par["tp"]) / par["tp"]  # what one GPU of tp caches and reads
+    linear, bf16_linear = (step_bound(model, b, target, batch).ms for b in (body, bf16_body(body)))
+    kv_ms, bf16_kv_ms = (kv_read_ms(b * share, batch, target) for b in (seq, bf16_seq))
     return {"linear_ms": linear, "kv_ms": kv_ms, "ms": linear + kv_ms, "bf16_linear_ms": bf16_linear,
             "bf16_kv_ms": bf16_kv_ms, "bf16_ms": bf16_linear + bf16_kv_ms}
 
@@ -885,10 +931,20 @@ def target_bandwidth(target: str) -> float:
 
 def step_bound(model: ModelRecord, body: dict[str, Any], target: str, m: int):
     """quantcore.roofline.StepBound of a plan body on a target GPU at ``m`` tokens per step (the ideal
-    time where nothing was measured); ValueError with the plan's problems when it does not resolve."""
+    time where nothing was measured); at the plan's tensor_parallel, one GPU's step over its shard of every layer
+    (quantcore.parallel; the all-reduces between GPUs not counted). ValueError with the plan's problems when it
+    does not resolve."""
+    from quantcore.parallel import shard_shapes
     from quantcore.roofline import step_bound as bound
 
-    return bound(resolved_or_raise(model, body), layer_shapes(model), target, m, routed_layers(model))
+    par = parallelism(model, body)
+    return bound(resolved_or_raise(model, body), shard_shapes(layer_shapes(model), **par), target, m,
+                 routed_layers(model))
+
+
+def bf16_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The all-BF16 plan a plan body is compared with: on as many GPUs as the plan (its tensor_parallel)."""
+    return {"default": "BF16", **({"tensor_parallel": body["tensor_parallel"]} if body.get("tensor_parallel") else {})}
 
 
 def mib_text(bits: float) -> str:
@@ -984,8 +1040,29 @@ def unsplit_experts_warning(model: ModelRecord) -> str | None:
             "and are not scored quantized, while llm-compressor may quantize them by its own rules")
 
 
+def parallel_notes(model: ModelRecord, par: dict[str, Any]) -> list[str]:
+    """What the tensor-parallel checks could not see: the model's attention heads (q/k/v are then taken to split
+    evenly), layers outside the Llama-style layout (taken whole). None at tensor_parallel 1."""
+    from quantcore.parallel import unknown_layers
+
+    tp = par["tp"]
+    if tp <= 1:
+        return []
+    out = []
+    if par["heads"] is None:
+        out.append(f"tensor_parallel {tp}: the model's config does not say how many attention heads it has, so "
+                   f"q/k/v are checked as if each split in {tp} evenly; vLLM splits them by heads")
+    unknown = unknown_layers(layer_names(model))
+    if unknown:
+        out.append(f"tensor_parallel {tp}: quantplan does not know how vLLM splits {len(unknown)} layer(s) (e.g. "
+                   f"{unknown[0]}), outside the Llama-style q/k/v/o and gate/up/down: they are checked whole")
+    return out
+
+
 def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
-    """What serving this plan will run into though it resolves: groups that do not divide K
+    """What serving this plan will run into though it resolves: at the plan's tensor_parallel, what vLLM refuses
+    whatever the formats (quantcore.parallel.tp_misfits) and what the checks could not see (parallel_notes); groups
+    that do not divide K (or each GPU's K)
     (quantcore.plans.group_misfits), W4AFP8 layers vLLM's kernel cannot tile (quantcore.plans.w4afp8_misfits),
     merged block-FP8 layers whose N the blocks do not divide (quantcore.plans.fp8_block_misfits), activations vLLM
     quantizes otherwise than scored or not at all (quantcore.plans.vllm_activation_misfits),
@@ -994,6 +1071,7 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     calibration's K or V would overflow (quantcore.kvcache.kv_clipping)."""
     from quantcore.export import serves_online_fp8
     from quantcore.kvcache import kv_clipping
+    from quantcore.parallel import tp_misfits
     from quantcore.plans import (
         PlanSpec,
         awq_unscaled,
@@ -1010,8 +1088,10 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
         return []
     shapes = layer_shapes(model)
     kv = PlanSpec.from_dict(body).kv_cache
-    warnings = (group_misfits(resolved, shapes) + w4afp8_misfits(resolved, shapes)
-                + fp8_block_misfits(resolved, shapes) + awq_unscaled(resolved, shapes)
+    par = parallelism(model, body)
+    warnings = (tp_misfits(shapes, par["tp"], par["heads"]) + parallel_notes(model, par)
+                + group_misfits(resolved, shapes, **par) + w4afp8_misfits(resolved, shapes, **par)
+                + fp8_block_misfits(resolved, shapes, **par) + awq_unscaled(resolved, shapes)
                 + vllm_activation_misfits(resolved, online_fp8=serves_online_fp8(resolved, list(resolved), kv))
                 + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))
     if unsplit := unsplit_experts_warning(model):
@@ -1052,7 +1132,8 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
                 f"from {model.source_name}); use your own copy or hub id where you serve from elsewhere\n"
                 + export.to_vllm_command(resolved, model_path=str(folder), layer_names=names,
                                          compressed_path=_safe_name(model.name) + export.COMPRESSED_SUFFIX,
-                                         kv_cache=kv, kv_skip=spec.kv_cache_skip))
+                                         kv_cache=kv, kv_skip=spec.kv_cache_skip,
+                                         tensor_parallel=spec.tensor_parallel))
     raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
 
 
@@ -1203,13 +1284,15 @@ def kv_alone_score(model: ModelRecord, kv_cache: str) -> ScoreRecord | None:
 
 def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 2048,
               candidates: list[str] | None = None, verify: bool = True, device: str = "cpu", cost: str = "auto",
-              kv_cache: str = "AUTO"):
+              kv_cache: str = "AUTO", tensor_parallel: int = 1):
     """Choose the cheapest plan under the KL budget from the stored sensitivity sweeps, save it as a plan
     version, and queue a score job that checks the prediction. ``cost`` (:data:`AUTO_COSTS`): the target's
     measured kernel times at M = ``m`` when stored, else weight bits (``"auto"``); weight bits; or the
     roofline bound at ``m`` on the target's datasheet (``"ideal"``). ``kv_cache``: the plan caches K and V in
     that format; its KL, measured alone (:func:`kv_alone_score`), comes off the budget before the linears
-    are chosen and is added to their predicted KL. Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
+    are chosen and is added to their predicted KL. ``tensor_parallel``: the GPUs the plan is served on; a scheme is
+    not offered to a layer whose share on one GPU vLLM would refuse (quantcore.parallel), and the plan keeps the
+    size. Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
     from quantcore.autoplan import COST_IDEAL, COST_MEASURED, cost_from_kernel_records
     from quantcore.autoplan import auto_plan as solve
     from quantcore.kvcache import get_kv_format
@@ -1249,7 +1332,8 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         source = COST_IDEAL
     result = solve(layer_names(model), sens, kl_budget=kl_budget - kv_kl, target=target, candidates=cands,
                    cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source,
-                   tied=model.tied_linears)
+                   tied=model.tied_linears, tp=tensor_parallel,
+                   heads=attention_heads(model) if tensor_parallel > 1 else None)
     if alone is not None:
         result.predicted_kl += kv_kl
         result.kl_budget = kl_budget
@@ -1264,9 +1348,10 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
                             if cost == "auto" else "cost: the stored weight bits, scales included")
     # one plan name per question asked: the cost minimised is part of it (auto-h100-kl0.05-ideal-m1)
     name = (f"auto-{target}-kl{kl_budget:g}" + {"auto": "", "bits": "-bits", "ideal": f"-ideal-m{m}"}[cost]
-            + ("" if kv == "AUTO" else f"-kv-{kv.lower()}"))
+            + ("" if kv == "AUTO" else f"-kv-{kv.lower()}") + (f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""))
     spec = spec_from_plan(result.plan, model=model.name, name=name)
     spec.kv_cache = kv
+    spec.tensor_parallel = tensor_parallel
     body = spec.to_dict()
     versions = [p for p in list_plans(model.id) if p.name == name]
     job = None

@@ -69,6 +69,7 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
+from quantcore.parallel import AttentionHeads, shard_shape
 from quantcore.plans import (
     fp8_block_misfits,
     group_label,
@@ -546,6 +547,8 @@ def auto_plan(
     estimate_missing: bool = True,
     cost_source: str = COST_MEASURED,
     tied: Sequence[str] = (),
+    tp: int = 1,
+    heads: AttentionHeads | None = None,
 ) -> AutoPlanResult:
     """The cheapest plan whose predicted KL (sum of unit KLs) is <= ``kl_budget``.
 
@@ -561,6 +564,8 @@ def auto_plan(
     resolution:   budget steps of the DP (conservative rounding, see the module docstring)
     tied:         layers whose weight is the input embedding's (lm_head under tie_word_embeddings): with the bits
                   proxy, quantizing one costs the embedding again (it stays 16-bit once llm-compressor unties them)
+    tp, heads:    the tensor parallelism the plan is for and the model's attention heads (quantcore.parallel): a
+                  scheme is not offered to a unit whose shard on one GPU vLLM would refuse
 
     Raises PlanError for a negative or non-finite budget, unknown schemes, an unknown target,
     sensitivity keys that name nothing in the model, and missing costs or shapes.
@@ -621,11 +626,12 @@ def auto_plan(
             if i not in kls.get(s, {}) or not all(m in costs[s] for m in u):
                 continue
             unit_plan = dict.fromkeys(u, s)
-            if layer_shapes and group_misfits(unit_plan, unit_shapes):
+            if layer_shapes and group_misfits(unit_plan, unit_shapes, tp=tp, heads=heads):
                 misfit[s] = misfit.get(s, 0) + 1
-                misfit_ks.setdefault(s, set()).update(layer_shapes[m][1] for m in u)
+                misfit_ks.setdefault(s, set()).update(shard_shape(m, *layer_shapes[m], tp, heads)[1] for m in u)
                 continue
-            if layer_shapes and (w4afp8_misfits(unit_plan, unit_shapes) or fp8_block_misfits(unit_plan, unit_shapes)):
+            if layer_shapes and (w4afp8_misfits(unit_plan, unit_shapes, tp=tp, heads=heads)
+                                 or fp8_block_misfits(unit_plan, unit_shapes, tp=tp, heads=heads)):
                 untileable[s] = untileable.get(s, 0) + 1
                 continue
             lc = [costs[s][m] for m in u]
@@ -634,8 +640,9 @@ def auto_plan(
                 (s, kls[s][i], math.fsum(c.cost for c in lc), sources.pop() if len(sources) == 1 else "mixed")
             )
         unit_opts.append(opts)
+    per_gpu = f" on each of {tp} GPUs" if tp > 1 else ""
     for s, n_units in misfit.items():
-        note = (f"{s} was not offered to {n_units} unit(s) whose K its groups do not divide: group kernels "
+        note = (f"{s} was not offered to {n_units} unit(s) whose K{per_gpu} its groups do not divide: group kernels "
                 "cannot serve them (quantcore.plans.group_misfits)")
         alt = regrouped_preset(s, misfit_ks[s])
         if alt is not None and alt.name not in usable:
@@ -644,8 +651,8 @@ def auto_plan(
     for s, n_units in untileable.items():
         why = ("vLLM's W4AFP8 kernel cannot serve them (quantcore.plans.w4afp8_misfits)" if is_w4afp8(s) else
                "vLLM refuses block-scaled FP8 there (quantcore.plans.fp8_block_misfits)")
-        notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up fused) is not "
-                     f"a multiple of 128: {why}")
+        notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up fused){per_gpu} "
+                     f"{'or K on each GPU ' if tp > 1 else ''}is not a multiple of 128: {why}")
     for s in usable:
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (

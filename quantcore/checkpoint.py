@@ -145,6 +145,9 @@ class CheckpointSummary:
     moe: dict[str, Any] | None = None
     # fused experts modules of a layout quantcore.moe cannot split (gpt-oss): their weights are in no plan
     unsplit_experts: list[str] = field(default_factory=list)
+    # {"heads", "kv_heads", "head_dim"} of the attention (quantcore.parallel.AttentionHeads), which decide how q/k/v
+    # split under tensor parallelism; None: the config does not say, or summarised before this was kept
+    attention_heads: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (linears as a list of dicts)."""
@@ -539,6 +542,7 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
     check_model_type(raw_config["model_type"])
     config = _load_config(folder)
     from quantcore.moe import moe_summary, unsplit_experts
+    from quantcore.parallel import attention_heads
 
     model = _meta_model(config)
     _check_shapes(model, tensors)
@@ -559,6 +563,7 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         tied_linears=_tied_linears(model),
         moe=moe_summary(model, config),
         unsplit_experts=unsplit_experts(model),
+        attention_heads=heads.to_dict() if (heads := attention_heads(config)) else None,
     )
 
 

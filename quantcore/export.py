@@ -1238,6 +1238,7 @@ def to_vllm_command(
     recipe_path: str = DEFAULT_RECIPE_FILE,
     kv_cache: str | KvCacheFormat | None = None,
     kv_skip: Sequence[str] = (),
+    tensor_parallel: int = 1,
 ) -> str:
     """The ``vllm serve`` command line for ``plan``, with ``#`` comment lines that say how.
 
@@ -1254,6 +1255,7 @@ def to_vllm_command(
     llm-compressor checkpoint, so a plan with it always goes through the compression step.
     ``kv_skip`` (a plan's ``kv_cache_skip``: layer indices, ``sliding_window``) adds
     ``--kv-cache-dtype-skip-layers``: those layers keep the model's dtype.
+    ``tensor_parallel`` above 1 (a plan's ``tensor_parallel``) adds ``--tensor-parallel-size``.
     Raises PlanError for plans llm-compressor cannot express.
     """
     names = list(layer_names)
@@ -1261,9 +1263,11 @@ def to_vllm_command(
     groups, unquantized = _group_plan(resolved, names)  # raises for what cannot be expressed
     kvf = get_kv_format(kv_cache)
     skip = [] if kvf.is_identity else normalize_kv_skip(kv_skip)
-    kv = [] if kvf.is_identity else ["--kv-cache-dtype", kvf.vllm_dtype]
+    flags = [] if kvf.is_identity else ["--kv-cache-dtype", kvf.vllm_dtype]
     if skip:
-        kv += ["--kv-cache-dtype-skip-layers", *skip]
+        flags += ["--kv-cache-dtype-skip-layers", *skip]
+    if tensor_parallel > 1:
+        flags += ["--tensor-parallel-size", str(tensor_parallel)]
     counts = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
     if not kvf.is_identity:
         counts += f"; KV cache {kvf.name}" + (f" except layers {', '.join(skip)}" if skip else "")
@@ -1296,13 +1300,13 @@ def to_vllm_command(
                      "W4A8 kernel alone, built for Hopper (sm90): on any other GPU this checkpoint does not load")
     if not groups and not kvf.calibrated:
         lines.append("# every layer stays unquantized: serve the model as it is")
-        cmd = ["vllm", "serve", model_path, *kv]
+        cmd = ["vllm", "serve", model_path, *flags]
     elif serves_online_fp8(resolved, names, kvf):
         lines.append(
             "# vLLM applies this plan at load time (online dynamic FP8: E4M3 per-tensor weight scales, "
             "dynamic per-tensor activation scales, lm_head unquantized); no calibration, no checkpoint"
         )
-        cmd = ["vllm", "serve", model_path, "--quantization", "fp8", *kv]
+        cmd = ["vllm", "serve", model_path, "--quantization", "fp8", *flags]
     else:
         out = compressed_path or model_path.rstrip("/") + COMPRESSED_SUFFIX
         needs_data = kvf.calibrated or any(
@@ -1323,7 +1327,7 @@ def to_vllm_command(
             )
         else:
             lines.append("#   (runs without calibration data: weights only and dynamic activation scales)")
-        cmd = ["vllm", "serve", out, "--quantization", "compressed-tensors", *kv]
+        cmd = ["vllm", "serve", out, "--quantization", "compressed-tensors", *flags]
     lines.append(shlex.join(cmd))
     return "\n".join(lines) + "\n"
 

@@ -35,7 +35,6 @@ COLUMN_LEAVES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_LEAVES = ("o_proj", "down_proj")
 REPLICATED_LEAVES = ("gate", "shared_expert_gate")  # MoE routers: vLLM's ReplicatedLinear
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: lm_head's rows are padded to a multiple of it
-TP_SIZES = (1, 2, 4, 8)  # what the pickers offer: the GPUs of one node
 
 
 @dataclass(frozen=True)
@@ -186,3 +185,11 @@ def parse_tp(value: Any) -> int:
     if tp < 1 or tp > 1024:
         raise PlanError(f"tensor_parallel must be between 1 and 1024 GPUs, got {tp}")
     return tp
+
+
+def kv_copies(heads: AttentionHeads | None, tp: int) -> float:
+    """How many times the GPUs together hold each cached K/V head at tensor parallelism ``tp``: 1 while the
+    key-value heads split, T / kv_heads once they are copied (each GPU caches its own copy of its head)."""
+    if tp <= 1 or heads is None:
+        return 1.0
+    return tp * kv_heads_per_gpu(heads, tp) / heads.kv_heads

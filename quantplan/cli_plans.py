@@ -44,6 +44,7 @@ def cmd_plan_show(args) -> int:
 
     _checked_settings()
     model, body, label = _stored_or_file(args.plan, args.model)
+    body = _with_tp(body, args.tensor_parallel)
     try:
         fp = svc.plan_footprint(model, body)
     except ValueError as exc:
@@ -53,7 +54,7 @@ def cmd_plan_show(args) -> int:
     if args.target:
         for step, m in (("decode", args.batch), ("prefill", args.prompt)):
             bound = svc.step_bound(model, body, args.target, m)
-            bf16 = svc.step_bound(model, {"default": "BF16"}, args.target, m)
+            bf16 = svc.step_bound(model, svc.bf16_body(body), args.target, m)
             ideal.append({"step": step, "m": m, "ms": bound.ms, "bf16_ms": bf16.ms, "memory_bound": bound.memory_bound,
                           "layers": bound.layers, "not_native": len(bound.not_native),
                           "unsupported": len(bound.unsupported)})
@@ -61,9 +62,12 @@ def cmd_plan_show(args) -> int:
     if kvm is not None and args.target and args.context:
         kvm["decode_with_cache"] = {"batch": args.batch, "context": args.context,
                                     **svc.decode_with_cache(model, body, args.target, args.batch, args.context)}
+    tp = int(body.get("tensor_parallel") or 1)
+    warnings = svc.serving_warnings(model, body)
     if args.json:
         extra = {"target": args.target, "ideal": ideal} if args.target else {}
-        _print_json({"plan": label, "model": model.name, **fp.to_dict(), **extra, "kv_cache": kvm})
+        _print_json({"plan": label, "model": model.name, "tensor_parallel": tp, **fp.to_dict(), **extra,
+                     "kv_cache": kvm, "serving_warnings": warnings})
         return 0
     print(f"{label} on {model.name}: linear weights {svc.mib_text(fp.bits)}, {fp.ratio:.1%} of "
           f"BF16 ({svc.mib_text(fp.bf16_bits)})")
@@ -93,13 +97,15 @@ def cmd_plan_show(args) -> int:
                   f"{dec['ms']:.4f} ms ({dec['linear_ms']:.4f} linears + {dec['kv_ms']:.4f} cache read); "
                   f"all-BF16 {dec['bf16_ms']:.4f} ms")
         if args.target:
-            print(f"  tokens of cache that fit on {svc.target_names()[args.target]} beside the weights (90 % of "
+            print(f"  tokens of cache that fit on {f'{tp} × ' if tp > 1 else ''}{svc.target_names()[args.target]} "
+                  "beside the weights (90 % of "
                   f"{kvm['memory_gb']:g} GB, activations not counted"
                   + ("; every layer caching every token, which the sliding-window layers do not: --context counts "
                      "them right" if kvm["windowed_layers"] else "")
                   + f"): {kvm['tokens']:,} (all-BF16: {kvm['bf16_tokens']:,})")
     if ideal:
-        print(f"ideal step on {svc.target_names()[args.target]} (roofline: weights at "
+        on = f"each of {tp} GPUs, {svc.target_names()[args.target]}" if tp > 1 else svc.target_names()[args.target]
+        print(f"ideal step on {on} (roofline: weights at "
               f"{svc.target_bandwidth(args.target):g} TB/s or math at the native peak, whichever is longer):")
         for b in ideal:
             print(f"  {b['step']:<7} M={b['m']:<6} {b['ms']:9.4f} ms  x{b['bf16_ms'] / b['ms']:.2f} vs BF16 "
@@ -113,7 +119,22 @@ def cmd_plan_show(args) -> int:
         resolved, _ = svc.resolve(model, body)
         for reason in svc.support_reasons(sorted({s.name for s in (resolved or {}).values()}), args.target):
             print(f"  {reason}")
+    if tp > 1:
+        print(f"tensor_parallel {tp}: the checks below read each GPU's share of every layer"
+              + ("; the step is one GPU's, all-reduces not counted" if ideal else ""))
+    for warning in warnings:
+        print(f"warning: {warning}")
     return 0
+
+
+def _with_tp(body: dict, tp: int | None) -> dict:
+    """The plan body at --tensor-parallel ``tp`` (the plan's own size when None)."""
+    from quantcore.parallel import parse_tp
+
+    if tp is None:
+        return body
+    tp = parse_tp(tp)
+    return {**{k: v for k, v in body.items() if k != "tensor_parallel"}, **({"tensor_parallel": tp} if tp > 1 else {})}
 
 
 def cmd_plan_export(args) -> int:
@@ -121,6 +142,7 @@ def cmd_plan_export(args) -> int:
 
     _checked_settings()
     model, body, _label = _stored_or_file(args.plan, args.model)
+    body = _with_tp(body, args.tensor_parallel)
     text = svc.export_plan(model, body, args.format)
     for warning in svc.serving_warnings(model, body):
         print(f"quantplan: warning: {warning}", file=sys.stderr)
@@ -184,6 +206,7 @@ def cmd_plan_kv_skip(args) -> int:
 
 def cmd_plan_auto(args) -> int:
     from app import services as svc
+    from quantcore.parallel import parse_tp
     from worker.client import wait_for
 
     s = _checked_settings()
@@ -191,7 +214,8 @@ def cmd_plan_auto(args) -> int:
     cands = args.candidates.split(",") if args.candidates else None
     result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
                                       candidates=cands, verify=not args.no_verify, device=args.device or "cpu",
-                                      cost=args.cost, kv_cache=kv_format_arg(args.kv_cache))
+                                      cost=args.cost, kv_cache=kv_format_arg(args.kv_cache),
+                                      tensor_parallel=parse_tp(args.tensor_parallel or 1))
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
     if job is not None and args.wait:
         done = wait_for(job.id, on_update=_progress_printer(args.json), settings=s)
@@ -234,6 +258,8 @@ def add_commands(sub) -> None:
                          "bits; bits = weight memory; ideal = the roofline step time at --m on the target")
     sp.add_argument("--kv-cache", metavar="FORMAT", help=f"cache K and V in this format too ({', '.join(KV_FORMATS)}): its "
                     "KL, scored alone (score --scheme BF16 --kv-cache FORMAT), comes off the budget")
+    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="GPUs the plan is served on (vLLM --tensor-parallel-size; default 1): no scheme is "
+                    "chosen for a layer whose share on one GPU vLLM would refuse")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     sp.add_argument("--wait", action="store_true", help="wait for the verifying score job")
     sp.add_argument("--device", default=None, help="device of the verifying score job (default: cpu)")
@@ -256,6 +282,8 @@ def add_commands(sub) -> None:
     add_ideal_options(sp, "the ideal (roofline) decode and prefill step")
     sp.add_argument("--context", type=int, help="tokens of context a sequence holds: the KV cache of one such "
                     "sequence, and with --target how many fit and the ideal decode step of --batch of them")
+    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="check and time the plan split over this many GPUs (default: the plan's "
+                    "tensor_parallel)")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_plan_show)
 
@@ -264,6 +292,8 @@ def add_commands(sub) -> None:
     sp.add_argument("--format", required=True, choices=["llmcompressor", "compressed-tensors", "vllm"],
                     help="llm-compressor recipe YAML, compressed-tensors quantization_config JSON or a vLLM command")
     sp.add_argument("--model", help="model of a plan file that does not name one")
+    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="export for this many GPUs (default: the plan's tensor_parallel): the "
+                    "vLLM command gets --tensor-parallel-size")
     sp.add_argument("--output", "-o", help="write to this file (default: standard output)")
     sp.set_defaults(func=cmd_plan_export)
 

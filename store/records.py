@@ -68,6 +68,12 @@ class ModelRecord:
         return ["lm_head"] if self.num_params - linear_params < self.vocab_size * self.hidden_size else []
 
     @property
+    def attention_heads(self) -> dict[str, int] | None:
+        """{"heads", "kv_heads", "head_dim"} from the intake summary (quantcore.parallel.AttentionHeads); None when
+        the config does not say or the summary predates this field."""
+        return self.summary.get("attention_heads")
+
+    @property
     def causal_lm(self) -> bool | None:
         """Whether the model predicts next tokens (scoring and sensitivity need it); None when its intake
         summary predates this field (the job itself then says so if it is not)."""

@@ -902,3 +902,32 @@ def test_a_mixture_of_experts_model_is_planned_expert_by_expert(qp_settings, cap
     split.write_text("model: moe\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'experts\\.0\\.', scheme: BF16}\n")
     code, _, err = run(capsys, "plan", "show", str(split))
     assert code != 0 and "the experts of model.layers.0.mlp.experts mix schemes" in err
+
+
+def test_a_plan_checked_and_exported_for_several_gpus(tiny_model, capsys, tmp_path):
+    """--tensor-parallel: the tiny Llama's 4 heads split over 2 GPUs but not 3; its down_proj (K = 128) holds 64
+    inputs a GPU at 2, half a group of 128; the vLLM command carries the size."""
+    import dataclasses
+
+    from app import services as svc
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text("model: tiny\ndefault: W4A16\nrules:\n  - {match: 'lm_head', scheme: BF16}\n")
+    assert run_json(capsys, "plan", "show", str(plan_file), "--json")["tensor_parallel"] == 1
+    shown = run_json(capsys, "plan", "show", str(plan_file), "--tp", "2", "--target", "h100", "--json")
+    assert shown["tensor_parallel"] == 2
+    [warning] = [w for w in shown["serving_warnings"] if "tensor_parallel 2" in w]
+    assert warning.startswith("W4A16 at tensor_parallel 2: each GPU holds K / 2 = 64 inputs of 2 row-parallel layer(s)")
+    one_gpu = run_json(capsys, "plan", "show", str(plan_file), "--target", "h100", "--json")["ideal"][0]
+    assert shown["ideal"][0]["ms"] < one_gpu["ms"]  # each GPU reads half the weights
+    assert any("the model has 4 attention heads, which 3 GPUs cannot share evenly" in w
+               for w in run_json(capsys, "plan", "show", str(plan_file), "--tp", "3", "--json")["serving_warnings"])
+    code, out, err = run(capsys, "plan", "export", str(plan_file), "--format", "vllm", "--tp", "2")
+    assert code == 0 and out.splitlines()[-1].endswith("--quantization compressed-tensors --tensor-parallel-size 2")
+    assert "K / 2 = 64" in err  # the warning goes to stderr beside the command
+    code, _, err = run(capsys, "plan", "show", str(plan_file), "--tp", "0")
+    assert code == 1 and "tensor_parallel must be between 1 and 1024 GPUs, got 0" in err
+    # a model registered before its heads were kept: they come from the config.json quantplan stored
+    model = svc.get_model("tiny")
+    older = dataclasses.replace(model, summary={k: v for k, v in model.summary.items() if k != "attention_heads"})
+    assert svc.attention_heads(older) == svc.attention_heads(model) and model.attention_heads["heads"] == 4

@@ -37,9 +37,15 @@ body = st.session_state[EDIT]
 with st.container(border=True):
     st.markdown("**Preset for all layers, then rules** (regular expressions on layer names; the last "
                 "matching rule wins; per-row choices below win over rules).")
-    c1, c2 = st.columns(2)
+    c1, c2, c3 = st.columns([2, 2, 1])
     default = c1.selectbox("Default scheme", SCHEMES, index=SCHEMES.index(body.get("default", "BF16")),
                            key=f"plan_default_{model.id}_{start}")
+    tp_now = int(body.get("tensor_parallel") or 1)
+    tp = int(c3.number_input("GPUs (tensor parallel)", 1, 1024, tp_now, step=1, key=f"plan_tp_{model.id}_{start}",
+                      help="vLLM's --tensor-parallel-size: every layer is split over this many GPUs (q/k/v and "
+                           "gate/up by output rows, o_proj and down_proj by input columns). The serving checks "
+                           "below read each GPU's share: a quantization group or FP8 block may not straddle two "
+                           "GPUs. The ideal step and the KV cache figures are per GPU."))
     kv_names = list(KV_FORMATS)
     kv_cache = c2.selectbox("KV cache", kv_names, index=kv_names.index(body.get("kv_cache", "AUTO")),
                             key=f"plan_kv_{model.id}_{start}",
@@ -87,9 +93,11 @@ with st.container(border=True):
                            column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES,
                                                                                      required=True)})
     st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
-    body = {**{k: v for k, v in body.items() if k not in ("kv_cache", "kv_cache_skip")}, "default": default,
+    body = {**{k: v for k, v in body.items() if k not in ("kv_cache", "kv_cache_skip", "tensor_parallel")},
+            "default": default,
             **({"kv_cache": kv_cache} if kv_cache != "AUTO" else {}),
             **({"kv_cache_skip": kv_skip} if kv_cache != "AUTO" and kv_skip else {}),
+            **({"tensor_parallel": tp} if tp > 1 else {}),
             "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
                       for r in rules.to_dict("records") if r.get("match") and r.get("scheme")]}
     st.session_state[EDIT] = body
@@ -113,6 +121,8 @@ edited = st.data_editor(
             help="KL against the unquantized model when only this layer (its fusion group) uses the scheme "
                  "of this row, from the newest sensitivity sweep of that scheme; empty: no sweep of it yet"),
         "on_target": st.column_config.TextColumn(f"on {target}"),
+        "N / GPU": st.column_config.NumberColumn(help=f"output rows of this layer on each of the {tp} GPUs"),
+        "K / GPU": st.column_config.NumberColumn(help=f"input columns of this layer on each of the {tp} GPUs"),
         "fused_with": st.column_config.NumberColumn(
             "fused with", help="other layers served in one GEMM with this one (q/k/v, gate/up; every routed "
                                "expert of an MoE block): they share its scheme"),
@@ -162,17 +172,23 @@ if resolved is not None:
                "In a memory-bound decode step this is also the weight traffic per generated token.")
 
     gpu = svc.target_names()[target]
+    on = f"each of {tp} × {gpu}" if tp > 1 else gpu
+    if tp > 1:
+        st.caption(f"Split over {tp} GPUs, each holds about 1/{tp} of these weights (layers vLLM does not split, "
+                   "such as an MoE router, whole on each).")
     cols = st.columns(2)
     for col, (step, m) in zip(cols, (("decode step, batch 1", 1), ("prefill step, 2,048 tokens", 2048)), strict=True):
         bound = svc.step_bound(model, body, target, m)
-        bf16 = svc.step_bound(model, {"default": "BF16"}, target, m)
-        col.metric(f"Ideal {step} on {gpu}", f"{bound.ms:.3f} ms", f"×{bf16.ms / bound.ms:.2f} vs BF16 "
+        bf16 = svc.step_bound(model, svc.bf16_body(body), target, m)
+        col.metric(f"Ideal {step} on {on}", f"{bound.ms:.3f} ms", f"×{bf16.ms / bound.ms:.2f} vs BF16 "
                    f"({bf16.ms:.3f} ms)", delta_color="off", delta_arrow="off")
     not_native, unsupported = len(bound.not_native), len(bound.unsupported)  # the same layers at any M
     st.caption(f"The roofline bound of the plan's linear layers on a {gpu} from its datasheet: each layer's "
                f"weight read at {svc.target_bandwidth(target):g} TB/s or its math at the peak of the precision "
                "the GPU runs natively, whichever is longer (decode is bound by the weights, prefill by the math). "
                "A real engine gets less; measured times are on the Kernels page."
+               + (f" With {tp} GPUs each computes its share of every layer; the all-reduces that add the shares "
+                  "of o_proj and down_proj are not counted." if tp > 1 else "")
                + (f" {not_native} layer(s) use a scheme {target} does not run natively: their math counts at "
                   "bf16." if not_native else "")
                + (f" **{unsupported} of them have no serving kernel on {target} at all**: the plan cannot be served "
@@ -190,10 +206,12 @@ if resolved is not None:
                   f"{kvm['sequence_bytes'] / svc.MIB:,.1f} MiB",
                   f"{kvm['sequence_bytes'] / kvm['bf16_sequence_bytes']:.0%} of BF16 "
                   f"({kvm['bf16_sequence_bytes'] / svc.MIB:,.1f} MiB)", delta_color="off", delta_arrow="off")
-        c2.metric(f"Sequences of {context:,} tokens that fit on a {gpu}", f"{kvm['sequences']:,}",
+        c2.metric(f"Sequences of {context:,} tokens that fit on {f'{tp} × ' if tp > 1 else 'a '}{gpu}",
+                  f"{kvm['sequences']:,}",
                   f"×{kvm['sequences'] / kvm['bf16_sequences']:.2f} vs all-BF16 ({kvm['bf16_sequences']:,})"
                   if kvm["bf16_sequences"] else "all-BF16: none fit", delta_color="off", delta_arrow="off")
-        c3.metric(f"Ideal decode step of {batch:,} with the cache read", f"{dec['ms']:.3f} ms",
+        c3.metric(f"Ideal decode step of {batch:,} with the cache read" + (" (one GPU's share)" if tp > 1 else ""),
+                  f"{dec['ms']:.3f} ms",
                   f"×{dec['bf16_ms'] / dec['ms']:.2f} vs all-BF16 ({dec['bf16_ms']:.3f} ms); cache read "
                   f"{dec['kv_ms'] / dec['ms']:.0%} of it", delta_color="off", delta_arrow="off")
         skipped = (f" {kvm['skipped_layers']} layer(s) keep their cache in BF16 (kv_cache_skip)."
@@ -210,6 +228,9 @@ if resolved is not None:
                    f"{svc.target_bandwidth(target):g} TB/s on top of the linears' bound, which is where a long "
                    "context spends its time. The accuracy cost of a KV format shows when the plan is scored "
                    "(Results)."
+                   + (f" On {tp} GPUs the memory is {tp} × {svc.target_names()[target]}'s"
+                      + (f", and each key-value head is cached on {kvm['kv_copies']:g} GPUs (more GPUs than heads)"
+                         if kvm["kv_copies"] > 1 else "") + "." if tp > 1 else "")
                    + (" FP8_UNSCALED keeps vLLM's default scale 1.0: a |K| or |V| above 448 saturates."
                       if kvm["kv_cache"] == "FP8_UNSCALED" else ""))
         backend = svc.kv_backend_note(kvm["kv_cache"], target)
@@ -252,4 +273,4 @@ if plans:
 
 from app import plan_tools  # noqa: E402  (auto plan + export sections)
 
-plan_tools.render(model, target)
+plan_tools.render(model, target, tp)

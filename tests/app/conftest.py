@@ -57,7 +57,8 @@ def _fresh_streamlit_caches():
 def seeded(qp_settings):
     rng = np.random.default_rng(0)
     summary = {"architecture": "LlamaForCausalLM", "model_type": "llama", "num_layers": LAYERS,
-               "num_params": 10_000_000, "dtype": "float32", "total_bytes": 40_000_000, "linears": linears()}
+               "num_params": 10_000_000, "dtype": "float32", "total_bytes": 40_000_000, "linears": linears(),
+               "attention_heads": {"heads": 9, "kv_heads": 3, "head_dim": 64}}  # SmolLM2's
     with session_scope(qp_settings) as s:
         model = repo.add_model(s, name="tiny-smol", sha256="ab" * 32, source_kind="folder", source_name="tiny",
                                path="models/x", summary=summary, user="tester")

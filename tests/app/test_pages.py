@@ -657,6 +657,42 @@ def test_plans_page_says_where_vllms_w4afp8_kernel_cannot_tile_a_layer(seeded):
     assert "N not" not in table.loc["lm_head", "on_target"]
 
 
+def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
+    """The plan's tensor parallel: each GPU's share of every layer in the table, what vLLM refuses at that size in
+    the warnings (SmolLM2's 9 heads do not split over 2 GPUs; a group of 64 would straddle two at K / 2 = 288), the
+    ideal step and the cache per GPU, the size saved with the plan and on the vLLM command line."""
+    from app import services as svc
+
+    at = _run("plans", seeded.id)
+    assert not any(c in d.value.columns for d in at.dataframe for c in ("N / GPU", "K / GPU"))
+    one_gpu = next(m.value for m in at.metric if m.label.startswith("Ideal decode step, batch 1 on NVIDIA H100"))
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("W4A16_G64")
+    at.number_input(key=f"plan_tp_{seeded.id}_(new plan)").set_value(3).run()
+    assert not at.exception
+    table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
+    assert tuple(table.loc["model.layers.0.self_attn.q_proj", ["N / GPU", "K / GPU"]]) == (192, 576)
+    assert tuple(table.loc["model.layers.0.self_attn.k_proj", ["N / GPU", "K / GPU"]]) == (64, 576)  # 1 of 3 heads
+    assert tuple(table.loc["model.layers.0.mlp.down_proj", ["N / GPU", "K / GPU"]]) == (576, 512)
+    assert not any("tensor_parallel" in w.value for w in at.warning)  # 9 heads, 3 kv heads, 1536 and 576 split in 3
+    three = next(m.value for m in at.metric if m.label.startswith("Ideal decode step, batch 1 on each of 3 × "))
+    assert float(three.split()[0]) < float(one_gpu.split()[0])  # a third of the weights to read on each GPU
+    at.number_input(key=f"plan_tp_{seeded.id}_(new plan)").set_value(2).run()
+    assert not at.exception
+    warnings = [w.value for w in at.warning]
+    assert any("the model has 9 attention heads, which 2 GPUs cannot share evenly" in w for w in warnings)
+    assert any(w.startswith("W4A16_G64 at tensor_parallel 2: each GPU holds K / 2 = 288 inputs of 4 row-parallel")
+               for w in warnings)  # the four o_proj; down_proj's 768 is 12 groups of 64
+    table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
+    assert table.loc["model.layers.0.self_attn.o_proj", "on_target"] == "native, partial group"
+    assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"
+    at.text_input(key="plan_name").set_value("two-gpus")
+    next(b for b in at.button if "Save as a new version" in b.label).click().run()
+    saved = next(p for p in svc.list_plans(seeded.id) if p.name == "two-gpus")
+    assert saved.body["tensor_parallel"] == 2
+    assert svc.export_plan(svc.get_model(seeded.id), saved.body, "vllm").splitlines()[-1].endswith(
+        "--tensor-parallel-size 2")
+
+
 def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     from app import services as svc
     from quantcore.kvcache import kv_bytes_per_token

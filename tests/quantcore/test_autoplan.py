@@ -417,6 +417,20 @@ def test_a_scheme_whose_groups_do_not_divide_k_is_not_offered_to_that_unit() -> 
     assert "sweep it" not in note
 
 
+def test_a_scheme_whose_groups_would_straddle_two_gpus_is_not_offered_there() -> None:
+    """At tensor parallelism 4 down_proj's K = 2,816 (22 groups of 128) is 704 inputs a GPU, 5.5 groups: vLLM
+    refuses it, so the planner keeps down_proj in another scheme (and names the smaller group that fits)."""
+    shapes = {n: (1024, 2816) if n.endswith("down_proj") else (1024, 1024) for n in BLOCK}
+    sens = {"W4A16": {label: 1e-6 for label in LABELS}, "FP8_DYNAMIC": {label: 1e-3 for label in LABELS}}
+    kwargs = dict(kl_budget=1.0, target="h100", candidates=["W4A16", "FP8_DYNAMIC"], layer_shapes=shapes)
+    assert set(auto_plan(BLOCK, sens, **kwargs, tp=2).plan.values()) == {"W4A16"}  # 1,408 = 11 x 128
+    res = auto_plan(BLOCK, sens, **kwargs, tp=4)
+    assert res.plan["model.layers.0.mlp.down_proj"] == "FP8_DYNAMIC"
+    assert {s for n, s in res.plan.items() if not n.endswith("down_proj")} == {"W4A16"}
+    [note] = [n for n in res.notes if n.startswith("W4A16 was not offered to 1 unit(s) whose K on each of 4 GPUs")]
+    assert note.endswith("W4A16_G64's groups of 64 divide them: sweep it to let the planner use it")
+
+
 def test_w4afp8_is_offered_only_where_vllms_kernel_can_tile_the_fused_layer() -> None:
     """On an H100 W4AFP8 reads 4-bit weights and does FP8 math; its kernel needs N a multiple of 128 for the layer
     vLLM loads (q/k/v fused), so a unit whose fused N is not gets another scheme, with a note; on a B200 it has no

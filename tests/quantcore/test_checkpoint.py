@@ -233,6 +233,8 @@ def test_summary_round_trips_through_json(src):
     restored = CheckpointSummary.from_dict(json.loads(json.dumps(summary.to_dict())))
     assert restored == summary
     assert isinstance(restored.linears[0], LinearInfo)
+    # how q/k/v split under tensor parallelism (quantcore.parallel)
+    assert summary.attention_heads == {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HIDDEN // HEADS}
 
 
 # --- refusals: nothing may be left behind --------------------------------------------------------

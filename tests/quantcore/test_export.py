@@ -809,3 +809,12 @@ def test_export_and_autoplan_are_torch_free() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_plan_for_several_gpus_says_so_on_the_command_line() -> None:
+    plan = uniform("FP8_PER_TENSOR")
+    cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_UNSCALED", tensor_parallel=4)
+    assert cmd.splitlines()[-1] == "vllm serve /m --quantization fp8 --kv-cache-dtype fp8 --tensor-parallel-size 4"
+    cmd = to_vllm_command(uniform("W4A16"), model_path="/m", layer_names=LAYERS, tensor_parallel=2)
+    assert cmd.splitlines()[-1] == "vllm serve /m-quantplan --quantization compressed-tensors --tensor-parallel-size 2"
+    assert "--tensor-parallel-size" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS, tensor_parallel=1)

@@ -8,6 +8,7 @@ from quantcore.errors import PlanError
 from quantcore.parallel import (
     AttentionHeads,
     attention_heads,
+    kv_copies,
     parse_tp,
     partition,
     shard_shapes,
@@ -137,3 +138,9 @@ def test_the_tensor_parallel_size_is_part_of_the_plan_file():
         with pytest.raises(PlanError, match="'tensor_parallel': tensor_parallel must be"):
             PlanSpec.from_dict({"default": "FP8", "tensor_parallel": bad})
     assert parse_tp("8") == 8
+
+
+def test_key_value_heads_copied_onto_more_gpus_cost_cache_memory():
+    assert kv_copies(QWEN72, 1) == kv_copies(QWEN72, 8) == 1.0  # 8 heads over 8 GPUs: one each
+    assert kv_copies(QWEN72, 16) == 2.0  # each head cached on two GPUs
+    assert kv_copies(SMOL, 9) == 3.0 and kv_copies(None, 4) == 1.0
