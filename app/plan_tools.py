@@ -9,7 +9,7 @@ from app import services as svc
 from quantcore.kvcache import KV_FORMATS
 
 
-def render(model, target: str, tp: int = 1) -> None:
+def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> None:
     st.subheader("Automatic plan")
     sens, _units = svc.sensitivity_map(model)
     if not sens:
@@ -21,7 +21,8 @@ def render(model, target: str, tp: int = 1) -> None:
                    + (f"Kernel timings of this GPU are stored (from {device_name})." if device_name
                       else f"No {target} kernel timings are stored: the first cost falls back to weight memory."))
         if tp > 1:
-            st.caption(f"For {tp} GPUs (the plan's tensor parallel above): no scheme is chosen for a layer whose "
+            st.caption(f"For {tp} GPUs (the plan's tensor parallel above"
+                       + (", experts whole" if expert_parallel else "") + "): no scheme is chosen for a layer whose "
                        "share on one GPU vLLM would refuse.")
         with st.form("auto_plan"):
             c1, c2 = st.columns(2)
@@ -40,7 +41,7 @@ def render(model, target: str, tp: int = 1) -> None:
                 try:
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
                                                       candidates=cands, cost=cost, m=int(m), kv_cache=kv,
-                                                      tensor_parallel=tp)
+                                                      tensor_parallel=tp, expert_parallel=expert_parallel)
                     st.success(f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
                                f"{svc.cost_text(result.cost, result.cost_unit)} vs "
                                f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "

@@ -743,17 +743,18 @@ def attention_heads(model: ModelRecord):
     return from_config(config) if isinstance(config, dict) else None
 
 
-def parallelism(model: ModelRecord, body: dict[str, Any]) -> dict[str, Any]:
-    """{"tp": the plan's tensor_parallel, "heads": the model's attention heads where tp > 1}: the keywords of the
-    serving checks in quantcore.plans (1 and None for a body that does not parse)."""
+def parallelism(model: ModelRecord, body: dict[str, Any]):
+    """quantcore.parallel.Parallelism of a plan body on the model: its tensor_parallel and expert_parallel, with the
+    model's attention heads (one GPU for a body that does not parse)."""
     from quantcore.errors import PlanError
+    from quantcore.parallel import ONE_GPU
     from quantcore.plans import PlanSpec
 
     try:
-        tp = PlanSpec.from_dict(body).tensor_parallel
+        spec = PlanSpec.from_dict(body)
     except PlanError:
-        tp = 1
-    return {"tp": tp, "heads": attention_heads(model) if tp > 1 else None}
+        return ONE_GPU
+    return spec.parallelism(attention_heads(model) if spec.tensor_parallel > 1 else None)
 
 
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
@@ -766,13 +767,12 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     import pandas as pd
 
     from quantcore.hardware import support_on_target
-    from quantcore.parallel import shard_shapes
     from quantcore.plans import group_misfits, w4afp8_untileable
     from quantcore.schemes import fusion_units
 
     resolved, _ = resolve(model, body)
     par = parallelism(model, body)
-    shards = shard_shapes(layer_shapes(model), **par) if par["tp"] > 1 else {}
+    shards = par.shards(layer_shapes(model)) if par.split else {}
     ratios: dict[str, float] = {}
     cals = calibrations(model.id)
     if cals:
@@ -781,7 +781,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     sens, unit_layers = sensitivity_map(model)  # {scheme: {unit: KL}}: a layer's KL depends on its scheme
     unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
     shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
-    untileable = w4afp8_untileable(resolved, layer_shapes(model), **par) if resolved and target else set()
+    untileable = w4afp8_untileable(resolved, layer_shapes(model), par) if resolved and target else set()
     rows = []
     for lin in model.linears:
         name = lin["name"]
@@ -791,7 +791,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             w = scheme.weights.format if scheme.weights else None
             a = scheme.activations.format if scheme.activations else None
             support = support_on_target(target, w, a)
-            if group_misfits({name: scheme}, {name: (lin["out_features"], lin["in_features"])}, **par):
+            if group_misfits({name: scheme}, {name: (lin["out_features"], lin["in_features"])}, par):
                 support += ", partial group"
             if name in untileable:
                 support += ", N not a multiple of 128"
@@ -846,10 +846,10 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
         return None
     windows = model.attention_windows
     par = parallelism(model, body)
-    copies = kv_copies(par["heads"], par["tp"])
+    copies = kv_copies(par)
     out: dict[str, Any] = {"kv_cache": kv.name, "bytes_per_token": per_token, "bf16_bytes_per_token": bf16,
                            "windowed_layers": len(windows), "windows": sorted(set(windows.values())),
-                           "skipped_layers": len(skip), "tensor_parallel": par["tp"], "kv_copies": copies}
+                           "skipped_layers": len(skip), "tensor_parallel": par.tp, "kv_copies": copies}
     if context:
         out.update(context=context,
                    sequence_bytes=kv_bytes_per_sequence(model.linears, kv, context, windows=windows, skip=skip),
@@ -861,7 +861,7 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
         weights, bf16_weights = served_weight_bytes(model, footprint(resolved, layer_shapes(model)), resolved)
         # tensor parallelism: the weights spread over tp GPUs' memory; a K/V head copied onto several GPUs
         # (more GPUs than key-value heads) is cached on each
-        memory = get_target(target).memory_gb * par["tp"]
+        memory = get_target(target).memory_gb * par.tp
         out.update(target=target, memory_gb=memory, weight_bytes=weights, bf16_weight_bytes=bf16_weights,
                    tokens=kv_token_capacity(memory, weights, per_token * copies),
                    bf16_tokens=kv_token_capacity(memory, bf16_weights, bf16 * copies))
@@ -899,7 +899,7 @@ def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, bat
     from quantcore.parallel import kv_copies
 
     par = parallelism(model, body)
-    share = kv_copies(par["heads"], par["tp"]) / par["tp"]  # what one GPU of tp caches and reads
+    share = kv_copies(par) / par.tp  # what one GPU of tp caches and reads
     linear, bf16_linear = (step_bound(model, b, target, batch).ms for b in (body, bf16_body(body)))
     kv_ms, bf16_kv_ms = (kv_read_ms(b * share, batch, target) for b in (seq, bf16_seq))
     return {"linear_ms": linear, "kv_ms": kv_ms, "ms": linear + kv_ms, "bf16_linear_ms": bf16_linear,
@@ -934,11 +934,9 @@ def step_bound(model: ModelRecord, body: dict[str, Any], target: str, m: int):
     time where nothing was measured); at the plan's tensor_parallel, one GPU's step over its shard of every layer
     (quantcore.parallel; the all-reduces between GPUs not counted). ValueError with the plan's problems when it
     does not resolve."""
-    from quantcore.parallel import shard_shapes
     from quantcore.roofline import step_bound as bound
 
-    par = parallelism(model, body)
-    return bound(resolved_or_raise(model, body), shard_shapes(layer_shapes(model), **par), target, m,
+    return bound(resolved_or_raise(model, body), parallelism(model, body).shards(layer_shapes(model)), target, m,
                  routed_layers(model))
 
 
@@ -1040,16 +1038,16 @@ def unsplit_experts_warning(model: ModelRecord) -> str | None:
             "and are not scored quantized, while llm-compressor may quantize them by its own rules")
 
 
-def parallel_notes(model: ModelRecord, par: dict[str, Any]) -> list[str]:
+def parallel_notes(model: ModelRecord, par) -> list[str]:
     """What the tensor-parallel checks could not see: the model's attention heads (q/k/v are then taken to split
     evenly), layers outside the Llama-style layout (taken whole). None at tensor_parallel 1."""
     from quantcore.parallel import unknown_layers
 
-    tp = par["tp"]
+    tp = par.tp
     if tp <= 1:
         return []
     out = []
-    if par["heads"] is None:
+    if par.heads is None:
         out.append(f"tensor_parallel {tp}: the model's config does not say how many attention heads it has, so "
                    f"q/k/v are checked as if each split in {tp} evenly; vLLM splits them by heads")
     unknown = unknown_layers(layer_names(model))
@@ -1089,9 +1087,9 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     shapes = layer_shapes(model)
     kv = PlanSpec.from_dict(body).kv_cache
     par = parallelism(model, body)
-    warnings = (tp_misfits(shapes, par["tp"], par["heads"]) + parallel_notes(model, par)
-                + group_misfits(resolved, shapes, **par) + w4afp8_misfits(resolved, shapes, **par)
-                + fp8_block_misfits(resolved, shapes, **par) + awq_unscaled(resolved, shapes)
+    warnings = (tp_misfits(shapes, par) + parallel_notes(model, par)
+                + group_misfits(resolved, shapes, par) + w4afp8_misfits(resolved, shapes, par)
+                + fp8_block_misfits(resolved, shapes, par) + awq_unscaled(resolved, shapes)
                 + vllm_activation_misfits(resolved, online_fp8=serves_online_fp8(resolved, list(resolved), kv))
                 + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))
     if unsplit := unsplit_experts_warning(model):
@@ -1133,7 +1131,8 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
                 + export.to_vllm_command(resolved, model_path=str(folder), layer_names=names,
                                          compressed_path=_safe_name(model.name) + export.COMPRESSED_SUFFIX,
                                          kv_cache=kv, kv_skip=spec.kv_cache_skip,
-                                         tensor_parallel=spec.tensor_parallel))
+                                         tensor_parallel=spec.tensor_parallel,
+                                         expert_parallel=spec.expert_parallel))
     raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
 
 
@@ -1284,7 +1283,7 @@ def kv_alone_score(model: ModelRecord, kv_cache: str) -> ScoreRecord | None:
 
 def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 2048,
               candidates: list[str] | None = None, verify: bool = True, device: str = "cpu", cost: str = "auto",
-              kv_cache: str = "AUTO", tensor_parallel: int = 1):
+              kv_cache: str = "AUTO", tensor_parallel: int = 1, expert_parallel: bool = False):
     """Choose the cheapest plan under the KL budget from the stored sensitivity sweeps, save it as a plan
     version, and queue a score job that checks the prediction. ``cost`` (:data:`AUTO_COSTS`): the target's
     measured kernel times at M = ``m`` when stored, else weight bits (``"auto"``); weight bits; or the
@@ -1292,10 +1291,12 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     that format; its KL, measured alone (:func:`kv_alone_score`), comes off the budget before the linears
     are chosen and is added to their predicted KL. ``tensor_parallel``: the GPUs the plan is served on; a scheme is
     not offered to a layer whose share on one GPU vLLM would refuse (quantcore.parallel), and the plan keeps the
-    size. Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
+    size (and ``expert_parallel``: an MoE model's experts whole, one GPU each). Returns (AutoPlanResult, PlanRecord,
+    JobRecord | None)."""
     from quantcore.autoplan import COST_IDEAL, COST_MEASURED, cost_from_kernel_records
     from quantcore.autoplan import auto_plan as solve
     from quantcore.kvcache import get_kv_format
+    from quantcore.parallel import Parallelism
     from quantcore.plans import spec_from_plan
     from quantcore.roofline import cost_from_roofline
 
@@ -1332,8 +1333,9 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         source = COST_IDEAL
     result = solve(layer_names(model), sens, kl_budget=kl_budget - kv_kl, target=target, candidates=cands,
                    cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source,
-                   tied=model.tied_linears, tp=tensor_parallel,
-                   heads=attention_heads(model) if tensor_parallel > 1 else None)
+                   tied=model.tied_linears,
+                   parallel=Parallelism(tensor_parallel, attention_heads(model) if tensor_parallel > 1 else None,
+                                        expert_parallel))
     if alone is not None:
         result.predicted_kl += kv_kl
         result.kl_budget = kl_budget
@@ -1348,10 +1350,12 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
                             if cost == "auto" else "cost: the stored weight bits, scales included")
     # one plan name per question asked: the cost minimised is part of it (auto-h100-kl0.05-ideal-m1)
     name = (f"auto-{target}-kl{kl_budget:g}" + {"auto": "", "bits": "-bits", "ideal": f"-ideal-m{m}"}[cost]
-            + ("" if kv == "AUTO" else f"-kv-{kv.lower()}") + (f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""))
+            + ("" if kv == "AUTO" else f"-kv-{kv.lower()}") + (f"-tp{tensor_parallel}" if tensor_parallel > 1 else "")
+            + ("-ep" if expert_parallel else ""))
     spec = spec_from_plan(result.plan, model=model.name, name=name)
     spec.kv_cache = kv
     spec.tensor_parallel = tensor_parallel
+    spec.expert_parallel = expert_parallel
     body = spec.to_dict()
     versions = [p for p in list_plans(model.id) if p.name == name]
     job = None

@@ -69,7 +69,7 @@ from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
-from quantcore.parallel import AttentionHeads, shard_shape
+from quantcore.parallel import ONE_GPU, Parallelism
 from quantcore.plans import (
     fp8_block_misfits,
     group_label,
@@ -547,8 +547,7 @@ def auto_plan(
     estimate_missing: bool = True,
     cost_source: str = COST_MEASURED,
     tied: Sequence[str] = (),
-    tp: int = 1,
-    heads: AttentionHeads | None = None,
+    parallel: Parallelism = ONE_GPU,
 ) -> AutoPlanResult:
     """The cheapest plan whose predicted KL (sum of unit KLs) is <= ``kl_budget``.
 
@@ -564,8 +563,8 @@ def auto_plan(
     resolution:   budget steps of the DP (conservative rounding, see the module docstring)
     tied:         layers whose weight is the input embedding's (lm_head under tie_word_embeddings): with the bits
                   proxy, quantizing one costs the embedding again (it stays 16-bit once llm-compressor unties them)
-    tp, heads:    the tensor parallelism the plan is for and the model's attention heads (quantcore.parallel): a
-                  scheme is not offered to a unit whose shard on one GPU vLLM would refuse
+    parallel:     the GPUs the plan is served on (quantcore.parallel): a scheme is not offered to a unit whose share
+                  on one GPU vLLM would refuse
 
     Raises PlanError for a negative or non-finite budget, unknown schemes, an unknown target,
     sensitivity keys that name nothing in the model, and missing costs or shapes.
@@ -626,12 +625,12 @@ def auto_plan(
             if i not in kls.get(s, {}) or not all(m in costs[s] for m in u):
                 continue
             unit_plan = dict.fromkeys(u, s)
-            if layer_shapes and group_misfits(unit_plan, unit_shapes, tp=tp, heads=heads):
+            if layer_shapes and group_misfits(unit_plan, unit_shapes, parallel):
                 misfit[s] = misfit.get(s, 0) + 1
-                misfit_ks.setdefault(s, set()).update(shard_shape(m, *layer_shapes[m], tp, heads)[1] for m in u)
+                misfit_ks.setdefault(s, set()).update(parallel.shard(m, *layer_shapes[m])[1] for m in u)
                 continue
-            if layer_shapes and (w4afp8_misfits(unit_plan, unit_shapes, tp=tp, heads=heads)
-                                 or fp8_block_misfits(unit_plan, unit_shapes, tp=tp, heads=heads)):
+            if layer_shapes and (w4afp8_misfits(unit_plan, unit_shapes, parallel)
+                                 or fp8_block_misfits(unit_plan, unit_shapes, parallel)):
                 untileable[s] = untileable.get(s, 0) + 1
                 continue
             lc = [costs[s][m] for m in u]
@@ -640,6 +639,7 @@ def auto_plan(
                 (s, kls[s][i], math.fsum(c.cost for c in lc), sources.pop() if len(sources) == 1 else "mixed")
             )
         unit_opts.append(opts)
+    tp = parallel.tp
     per_gpu = f" on each of {tp} GPUs" if tp > 1 else ""
     for s, n_units in misfit.items():
         note = (f"{s} was not offered to {n_units} unit(s) whose K{per_gpu} its groups do not divide: group kernels "

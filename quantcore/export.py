@@ -1239,6 +1239,7 @@ def to_vllm_command(
     kv_cache: str | KvCacheFormat | None = None,
     kv_skip: Sequence[str] = (),
     tensor_parallel: int = 1,
+    expert_parallel: bool = False,
 ) -> str:
     """The ``vllm serve`` command line for ``plan``, with ``#`` comment lines that say how.
 
@@ -1255,7 +1256,8 @@ def to_vllm_command(
     llm-compressor checkpoint, so a plan with it always goes through the compression step.
     ``kv_skip`` (a plan's ``kv_cache_skip``: layer indices, ``sliding_window``) adds
     ``--kv-cache-dtype-skip-layers``: those layers keep the model's dtype.
-    ``tensor_parallel`` above 1 (a plan's ``tensor_parallel``) adds ``--tensor-parallel-size``.
+    ``tensor_parallel`` above 1 (a plan's ``tensor_parallel``) adds ``--tensor-parallel-size``, ``expert_parallel``
+    ``--enable-expert-parallel``.
     Raises PlanError for plans llm-compressor cannot express.
     """
     names = list(layer_names)
@@ -1268,6 +1270,8 @@ def to_vllm_command(
         flags += ["--kv-cache-dtype-skip-layers", *skip]
     if tensor_parallel > 1:
         flags += ["--tensor-parallel-size", str(tensor_parallel)]
+    if expert_parallel:
+        flags.append("--enable-expert-parallel")
     counts = ", ".join(f"{s} x{n}" for s, n in _scheme_counts(resolved).items())
     if not kvf.is_identity:
         counts += f"; KV cache {kvf.name}" + (f" except layers {', '.join(skip)}" if skip else "")

@@ -10,9 +10,9 @@ With ``--tensor-parallel-size T`` vLLM cuts every linear layer in T shards, one 
 - the MoE router (``mlp.gate``) is replicated: every GPU holds all of it.
 
 A quantization format that groups or tiles along an axis then needs that axis of each *shard* divisible, not just
-of the whole layer: a group of 128 inputs must not straddle two GPUs. :func:`shard_shapes` gives each layer's (N, K)
+of the whole layer: a group of 128 inputs must not straddle two GPUs. :meth:`Parallelism.shards` gives each layer's (N, K)
 on one GPU; :func:`tp_misfits` says what vLLM refuses at that size before any quantization; the format checks of
-:mod:`quantcore.plans` take ``tp`` and read the shards.
+:mod:`quantcore.plans` take a :class:`Parallelism` and read the shards.
 
 Torch-free: the app imports it.
 """
@@ -97,6 +97,37 @@ def partition(layer: str) -> str:
     return UNKNOWN
 
 
+@dataclass(frozen=True)
+class Parallelism:
+    """How vLLM lays a model over GPUs: ``tp`` GPUs (``--tensor-parallel-size``), the model's attention ``heads``
+    (how q/k/v split; None: taken to split evenly) and ``expert_parallel`` (``--enable-expert-parallel``: every
+    routed expert whole on one GPU, the GPUs sharing out the experts, instead of every expert split over them)."""
+
+    tp: int = 1
+    heads: AttentionHeads | None = None
+    expert_parallel: bool = False
+
+    @property
+    def split(self) -> bool:
+        """Whether layers are split at all (more than one GPU)."""
+        return self.tp > 1
+
+    def shard(self, layer: str, n: int, k: int) -> tuple[int, int]:
+        """(N, K) of ``layer`` on one GPU (:func:`shard_shape`; a routed expert whole under expert parallelism)."""
+        if self.expert_parallel and expert_block(layer) is not None:
+            return n, k
+        return shard_shape(layer, n, k, self.tp, self.heads)
+
+    def shards(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        """{layer: (N, K) on one GPU}; the shapes themselves on one GPU."""
+        if not self.split:
+            return dict(shapes)
+        return {layer: self.shard(layer, n, k) for layer, (n, k) in shapes.items()}
+
+
+ONE_GPU = Parallelism()
+
+
 def kv_heads_per_gpu(heads: AttentionHeads, tp: int) -> int:
     """Key-value heads each GPU holds: kv_heads / T, or one (copied on several GPUs) when T exceeds them."""
     return max(1, heads.kv_heads // tp)
@@ -121,26 +152,23 @@ def shard_shape(layer: str, n: int, k: int, tp: int, heads: AttentionHeads | Non
     return n, k
 
 
-def shard_shapes(shapes: Mapping[str, tuple[int, int]], tp: int,
-                 heads: AttentionHeads | None = None) -> dict[str, tuple[int, int]]:
-    """{layer: (N, K) on one GPU} (:func:`shard_shape`); the shapes themselves at ``tp`` = 1."""
-    return {layer: shard_shape(layer, n, k, tp, heads) for layer, (n, k) in shapes.items()}
-
-
 def unknown_layers(layers: Iterable[str]) -> list[str]:
     """Layers whose split quantplan does not know (:func:`partition` UNKNOWN): checked as if whole."""
     return [layer for layer in layers if partition(layer) == UNKNOWN]
 
 
-def tp_misfits(shapes: Mapping[str, tuple[int, int]], tp: int, heads: AttentionHeads | None) -> list[str]:
-    """What vLLM refuses at tensor parallelism ``tp`` before any quantization, one message per cause (none at 1):
+def tp_misfits(shapes: Mapping[str, tuple[int, int]], parallel: Parallelism) -> list[str]:
+    """What vLLM refuses at ``parallel``'s tensor parallelism T before any quantization, one message per cause (none
+    at 1):
 
     - query heads not divisible by T (``ModelConfig.verify_with_parallel_config``: "Total number of attention heads
       (9) must be divisible by tensor parallel size (2)");
     - key-value heads neither divisible by T nor dividing it (``QKVParallelLinear``);
     - a column-parallel layer whose N, or a row-parallel layer whose K, T does not divide (vLLM's ``divide``
-      asserts "... is not divisible by ..."): the MLP's intermediate size, an expert's.
+      asserts "... is not divisible by ..."): the MLP's intermediate size, an expert's (not under expert
+      parallelism, which keeps experts whole).
     """
+    tp, heads = parallel.tp, parallel.heads
     if tp <= 1:
         return []
     out = []
@@ -156,6 +184,8 @@ def tp_misfits(shapes: Mapping[str, tuple[int, int]], tp: int, heads: AttentionH
                        f"other): choose a tensor_parallel that divides {heads.kv_heads} or is a multiple of it")
     uneven: dict[str, list[tuple[str, int]]] = {COLUMN: [], ROW: []}
     for layer, (n, k) in shapes.items():
+        if parallel.expert_parallel and expert_block(layer) is not None:
+            continue
         kind = partition(layer)
         if kind == COLUMN and n % tp and not (heads is not None and layer.rpartition(".")[2] in ("q_proj", "k_proj",
                                                                                                     "v_proj")):
@@ -187,9 +217,9 @@ def parse_tp(value: Any) -> int:
     return tp
 
 
-def kv_copies(heads: AttentionHeads | None, tp: int) -> float:
-    """How many times the GPUs together hold each cached K/V head at tensor parallelism ``tp``: 1 while the
-    key-value heads split, T / kv_heads once they are copied (each GPU caches its own copy of its head)."""
-    if tp <= 1 or heads is None:
+def kv_copies(parallel: Parallelism) -> float:
+    """How many times the GPUs together hold each cached K/V head: 1 while the key-value heads split over them,
+    T / kv_heads once they are copied (each GPU caches its own copy of its head)."""
+    if not parallel.split or parallel.heads is None:
         return 1.0
-    return tp * kv_heads_per_gpu(heads, tp) / heads.kv_heads
+    return parallel.tp * kv_heads_per_gpu(parallel.heads, parallel.tp) / parallel.heads.kv_heads

@@ -13,6 +13,7 @@ The plan file is YAML, the same format the UI saves and exports::
     kv_cache: FP8                                # optional; how K and V are cached (default AUTO)
     kv_cache_skip: [sliding_window, 0]           # optional; layers whose cache stays in the model's dtype
     tensor_parallel: 2                           # optional; GPUs vLLM splits each layer over (default 1)
+    expert_parallel: true                        # optional; MoE experts whole, one GPU each (default false)
     rules:                                       # in order; the LAST matching rule wins
       - match: 'mlp\\.down_proj$'                # Python regular expression, re.search on the layer name
         scheme: INT8_W8A8_SQ
@@ -54,8 +55,8 @@ from quantcore.errors import format_problems as _format_problems
 from quantcore.errors import name_list as _cut
 from quantcore.kvcache import AUTO as KV_AUTO
 from quantcore.kvcache import get_kv_format, normalize_kv_skip
+from quantcore.parallel import ONE_GPU, AttentionHeads, Parallelism, parse_tp, partition
 from quantcore.parallel import ROW as TP_ROW
-from quantcore.parallel import AttentionHeads, parse_tp, partition, shard_shapes
 from quantcore.schemes import (
     IDENTITY_BITS,
     Granularity,
@@ -90,7 +91,7 @@ ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ..
 ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
 
 _TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "kv_cache", "kv_cache_skip",
-             "tensor_parallel", "rules", "layers")
+             "tensor_parallel", "expert_parallel", "rules", "layers")
 _RULE_KEYS = ("match", "scheme")
 _LAYER_KEYS = ("scheme", "smoothquant_alpha")
 
@@ -123,7 +124,9 @@ class PlanSpec:
                        ``--kv-cache-dtype-skip-layers``): decoder layer indices and/or ``"sliding_window"``,
                        as strings; checked against the model by :func:`quantcore.kvcache.kv_skip_layers`
     tensor_parallel:   GPUs vLLM splits every layer over (``--tensor-parallel-size``; :mod:`quantcore.parallel`):
-                       the serving checks then read each GPU's shard; 1 by default
+                       the serving checks then read each GPU's share; 1 by default
+    expert_parallel:   an MoE model's routed experts whole, the GPUs sharing them out (``--enable-expert-parallel``)
+                       instead of every expert split over the GPUs; False by default
     name, description: free text for people
     """
 
@@ -136,6 +139,7 @@ class PlanSpec:
     kv_cache: str = KV_AUTO
     kv_cache_skip: list[str] = field(default_factory=list)
     tensor_parallel: int = 1
+    expert_parallel: bool = False
     name: str | None = None
     description: str = ""
 
@@ -145,8 +149,9 @@ class PlanSpec:
         """Canonical plain-data form (the YAML file's content); ``from_dict`` inverts it exactly.
 
         Optional keys (``name``, ``description``, ``smoothquant_alpha``, ``kv_cache``,
-        ``kv_cache_skip``, ``tensor_parallel``) appear only when set (``kv_cache`` when not ``AUTO``; layer indices
-        of ``kv_cache_skip`` as integers; ``tensor_parallel`` above 1);
+        ``kv_cache_skip``, ``tensor_parallel``, ``expert_parallel``) appear only when set (``kv_cache`` when not
+        ``AUTO``; layer indices of ``kv_cache_skip`` as integers; ``tensor_parallel`` above 1; ``expert_parallel``
+        when true);
         a layer with an alpha is written ``{scheme: X, smoothquant_alpha: a}`` (or
         ``{smoothquant_alpha: a}`` when only the alpha is overridden).
         """
@@ -164,6 +169,8 @@ class PlanSpec:
             out["kv_cache_skip"] = [int(e) if e.isdigit() else e for e in self.kv_cache_skip]
         if self.tensor_parallel != 1:
             out["tensor_parallel"] = self.tensor_parallel
+        if self.expert_parallel:
+            out["expert_parallel"] = True
         out["rules"] = [r.to_dict() for r in self.rules]
         layers: dict[str, Any] = {}
         for layer in _ordered_union(self.layers, self.layer_alpha):
@@ -234,6 +241,11 @@ class PlanSpec:
                 tp = parse_tp(data["tensor_parallel"])
             except PlanError as exc:
                 problems.append(f"'tensor_parallel': {exc}")
+        ep = data.get("expert_parallel", False)
+        if ep is None:
+            ep = False
+        if not isinstance(ep, bool):
+            problems.append(f"'expert_parallel' must be true or false, got {ep!r}")
 
         rules: list[Rule] = []
         raw_rules = data.get("rules") or []
@@ -294,9 +306,14 @@ class PlanSpec:
             kv_cache=kv_cache,
             kv_cache_skip=kv_skip,
             tensor_parallel=tp,
+            expert_parallel=ep is True,
             name=name,
             description=description,
         )
+
+    def parallelism(self, heads: AttentionHeads | None = None) -> Parallelism:
+        """The plan's GPUs as the serving checks read them, with the model's attention ``heads``."""
+        return Parallelism(self.tensor_parallel, heads if self.tensor_parallel > 1 else None, self.expert_parallel)
 
     def to_yaml(self) -> str:
         """The plan file's text (block style, keys in canonical order)."""
@@ -605,8 +622,8 @@ def plan_footprint(
     return Footprint(rows, params, sum(r.bits for r in rows), IDENTITY_BITS * params)
 
 
-def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *, tp: int = 1,
-                  heads: AttentionHeads | None = None) -> list[str]:
+def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                  parallel: Parallelism = ONE_GPU) -> list[str]:
     """What a serving stack will complain about: layers whose K is not a whole number of the scheme's groups.
 
     quantcore quantizes a last, partial group as it is. For groups of *weights* (W4A16, NVFP4, MXFP4...),
@@ -619,13 +636,14 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
     (``per_token_group_quant_fp8``), which asserts K divisible by the group. One message per (scheme, group), naming
     how many layers and which K; an empty list when every group fits.
 
-    With tensor parallelism ``tp`` > 1 a row-parallel layer (o_proj, down_proj) holds K / tp inputs on each GPU
+    Split over ``parallel.tp`` > 1 GPUs a row-parallel layer (o_proj, down_proj) holds K / tp inputs on each GPU
     (:mod:`quantcore.parallel`), and a group of weights must not straddle two GPUs: vLLM refuses a shard that is not
     a whole number of groups (``verify_group_size_divides_partition``: "This happens when tensor_parallel_size splits
     the layer input into shards that are not a whole number of quant groups"). Those layers get a message of their
     own, per (scheme, group). (FP8_BLOCK's shards are :func:`fp8_block_misfits`'.)
     """
-    shards = shard_shapes(shapes, tp, heads) if tp > 1 else shapes
+    tp = parallel.tp
+    shards = parallel.shards(shapes)
     misfit: dict[tuple[str, int, bool], dict[str, Any]] = {}
     for layer, scheme in resolved.items():
         scheme = get_scheme(scheme)
@@ -634,7 +652,7 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
             g = spec.group_size if spec is not None and spec.granularity.value == "group" else None
             if not g:
                 continue
-            shard = not k % g and spec is scheme.weights and partition(layer) == TP_ROW and shards[layer][1] % g
+            shard = not k % g and spec is scheme.weights and shards[layer][1] % g
             if k % g or shard:
                 entry = misfit.setdefault((scheme_label(scheme), g, bool(shard)),
                                           {"layers": [], "ks": set(), "scheme": scheme, "weights": False})
@@ -687,29 +705,42 @@ def regrouped_preset(scheme: Scheme | str, ks: Iterable[int]) -> Scheme | None:
     return max(fits, key=lambda s: s.weights.group_size) if fits else None
 
 
-def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *, tp: int = 1,
-                      heads: AttentionHeads | None = None) -> list[str]:
-    """Block-scaled FP8 layers vLLM refuses to load, as its ``validate_fp8_block_shape`` checks each layer it builds
-    (q/k/v merged as ``qkv_proj``, gate/up as ``gate_up_proj``), one message per cause (or none):
+def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                      parallel: Parallelism = ONE_GPU) -> list[str]:
+    """Block-scaled FP8 layers vLLM refuses to load, one message per cause (or none). Its ``validate_fp8_block_shape``
+    checks each layer it builds (q/k/v merged as ``qkv_proj``, gate/up as ``gate_up_proj``):
 
     - a merged layer on one GPU: every member's N but the last must be a whole number of the blocks' rows ("Weight
       output_partition_size = ... is not divisible by weight quantization block_n"): one member's blocks would
       straddle the next (the last member may end in a partial block);
-    - at tensor parallelism ``tp`` > 1, each GPU's share of a column-parallel layer's members, all of them
+    - split over ``parallel.tp`` > 1 GPUs, each GPU's share of a column-parallel layer's members, all of them
       (:mod:`quantcore.parallel`);
-    - at ``tp`` > 1, each GPU's share of a row-parallel layer's K (o_proj, down_proj), a whole number of the blocks'
-      columns ("Weight input_size_per_partition = ... is not divisible by weight quantization block_k").
+    - split, each GPU's share of a row-parallel layer's K (o_proj, down_proj), a whole number of the blocks' columns
+      ("Weight input_size_per_partition = ... is not divisible by weight quantization block_k").
 
-    A layer loaded alone takes any N on one GPU. Routed experts are left out (vLLM's fused MoE loads them).
+    Its fused MoE layer checks the routed experts' intermediate size on each GPU (``Fp8MoEMethod.create_weights``,
+    compressed-tensors' too): a whole number of block rows even on one GPU ("The output_size of gate's and up's
+    weight = ... is not divisible by weight quantization block_n"), and of block columns once split ("The input_size
+    of down's weight ..."). Expert parallelism keeps every expert whole on one GPU. A dense layer loaded alone takes
+    any N on one GPU.
     """
-    shards = shard_shapes(shapes, tp, heads) if tp > 1 else shapes
+    tp = parallel.tp
+    shards = parallel.shards(shapes)
     rows: list[tuple[str, int, int]] = []  # (layer, N on a GPU, block rows)
     cols: list[tuple[str, int, int]] = []  # (layer, K on a GPU, block columns)
+    experts: list[tuple[str, int, int]] = []  # (expert block, intermediate size on a GPU, block size it misses)
     for unit in fusion_units(resolved):
         w = get_scheme(resolved[unit[0]]).weights
-        if w is None or w.granularity is not Granularity.BLOCK or expert_block(unit[0]) is not None:
+        if w is None or w.granularity is not Granularity.BLOCK:
             continue
         block_n, block_k = w.block
+        block = expert_block(unit[0])
+        if block is not None:
+            inter = next((shards[m][0] for m in unit if m.endswith(".gate_proj")), None)
+            split = parallel.split and not parallel.expert_parallel
+            if inter is not None and (inter % block_n or (split and inter % block_k)):
+                experts.append((block, inter, block_n if inter % block_n else block_k))
+            continue
         if tp > 1 and partition(unit[0]) == TP_ROW:
             cols += [(m, shards[m][1], block_k) for m in unit if shards[m][1] % block_k]
             continue
@@ -734,6 +765,16 @@ def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str,
                    f"{ks}, e.g. {cols[0][0]}): vLLM's validate_fp8_block_shape refuses them (\"input_size_per_partition "
                    "... is not divisible by weight quantization block_k\"), so the checkpoint does not load: keep "
                    "those layers in another scheme or choose a smaller tensor_parallel")
+    if experts:
+        sizes = ", ".join(map(str, sorted({i for _, i, _ in experts})))
+        fix = ("serve with expert parallelism (--enable-expert-parallel keeps every expert whole on one GPU), a "
+               "smaller tensor_parallel, or another scheme for the experts"
+               if parallel.split and not parallel.expert_parallel else "keep the experts in another scheme")
+        out.append(f"FP8 blocks of {experts[0][2]} do not divide the routed experts' intermediate size{at} in "
+                   f"{len(experts)} MoE block(s) ({sizes}, e.g. {experts[0][0]}): vLLM's fused MoE refuses them "
+                   f"(\"The output_size of gate's and up's weight = {experts[0][1]} is not divisible by weight "
+                   f"quantization block_n\", or block_k for down's input once split), so the checkpoint does not "
+                   f"load: {fix}")
     return out
 
 
@@ -747,12 +788,12 @@ def is_w4afp8(scheme: Scheme | str) -> bool:
             and scheme.weights.format == "int4" and scheme.activations.format == "fp8_e4m3")
 
 
-def _w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *,
-                       tp: int = 1, heads: AttentionHeads | None = None) -> list[tuple[list[str], int]]:
-    """(layers vLLM loads as one, their N on one GPU) for every W4AFP8 layer, fused as vLLM fuses it, whose N (at
-    tensor parallelism ``tp``, each GPU's share) is not a multiple of 128. Routed experts are left out: vLLM's fused
+def _w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                       parallel: Parallelism = ONE_GPU) -> list[tuple[list[str], int]]:
+    """(layers vLLM loads as one, their N on one GPU) for every W4AFP8 layer, fused as vLLM fuses it, whose N (split
+    over ``parallel``'s GPUs, each GPU's share) is not a multiple of 128. Routed experts are left out: vLLM's fused
     MoE layer serves them with its grouped W4A8 kernel."""
-    shards = shard_shapes(shapes, tp, heads) if tp > 1 else shapes
+    shards = parallel.shards(shapes)
     out = []
     for group in fusion_units(resolved):  # an MoE block's experts are one unit, skipped here
         if expert_block(group[0]) is not None or not is_w4afp8(resolved[group[0]]):
@@ -763,14 +804,14 @@ def _w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str
     return out
 
 
-def w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *, tp: int = 1,
-                      heads: AttentionHeads | None = None) -> set[str]:
+def w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                      parallel: Parallelism = ONE_GPU) -> set[str]:
     """The W4AFP8 layers :func:`w4afp8_misfits` is about (every member of a fused group)."""
-    return {m for group, _ in _w4afp8_untileable(resolved, shapes, tp=tp, heads=heads) for m in group}
+    return {m for group, _ in _w4afp8_untileable(resolved, shapes, parallel) for m in group}
 
 
-def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]], *, tp: int = 1,
-                   heads: AttentionHeads | None = None) -> list[str]:
+def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                   parallel: Parallelism = ONE_GPU) -> list[str]:
     """What vLLM's one W4AFP8 kernel refuses, one message (or none): the layers vLLM would load as a whole whose
     output width N is not a multiple of 128.
 
@@ -779,11 +820,12 @@ def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
     must be divisible by 128"), for the layer as vLLM fuses it: q/k/v load as one ``qkv_proj`` and gate/up as one
     ``gate_up_proj``, so their N is the sum (SmolLM2's 576 + 192 + 192 = 960 is not a multiple of 128). Routed
     experts are left out (:func:`_w4afp8_untileable`). A K that 128 does not divide is :func:`group_misfits`'
-    message already (each GPU's K at tensor parallelism too). At tensor parallelism ``tp`` > 1 the N is each GPU's
-    share of the fused layer.
+    message already (each GPU's K at tensor parallelism too). Split over ``parallel.tp`` > 1 GPUs the N is each
+    GPU's share of the fused layer.
     """
+    tp = parallel.tp
     bad = [(group_label(group) if len(group) > 1 else group[0], n)
-           for group, n in _w4afp8_untileable(resolved, shapes, tp=tp, heads=heads)]
+           for group, n in _w4afp8_untileable(resolved, shapes, parallel)]
     if not bad:
         return []
     ns = sorted({n for _, n in bad})

@@ -44,7 +44,7 @@ def cmd_plan_show(args) -> int:
 
     _checked_settings()
     model, body, label = _stored_or_file(args.plan, args.model)
-    body = _with_tp(body, args.tensor_parallel)
+    body = _with_tp(body, args.tensor_parallel, args.expert_parallel)
     try:
         fp = svc.plan_footprint(model, body)
     except ValueError as exc:
@@ -127,14 +127,15 @@ def cmd_plan_show(args) -> int:
     return 0
 
 
-def _with_tp(body: dict, tp: int | None) -> dict:
-    """The plan body at --tensor-parallel ``tp`` (the plan's own size when None)."""
+def _with_tp(body: dict, tp: int | None, ep: bool = False) -> dict:
+    """The plan body at --tensor-parallel ``tp`` (the plan's own size when None), with --expert-parallel."""
     from quantcore.parallel import parse_tp
 
-    if tp is None:
-        return body
-    tp = parse_tp(tp)
-    return {**{k: v for k, v in body.items() if k != "tensor_parallel"}, **({"tensor_parallel": tp} if tp > 1 else {})}
+    if tp is not None:
+        tp = parse_tp(tp)
+        body = {**{k: v for k, v in body.items() if k != "tensor_parallel"},
+                **({"tensor_parallel": tp} if tp > 1 else {})}
+    return {**body, "expert_parallel": True} if ep else body
 
 
 def cmd_plan_export(args) -> int:
@@ -142,7 +143,7 @@ def cmd_plan_export(args) -> int:
 
     _checked_settings()
     model, body, _label = _stored_or_file(args.plan, args.model)
-    body = _with_tp(body, args.tensor_parallel)
+    body = _with_tp(body, args.tensor_parallel, args.expert_parallel)
     text = svc.export_plan(model, body, args.format)
     for warning in svc.serving_warnings(model, body):
         print(f"quantplan: warning: {warning}", file=sys.stderr)
@@ -215,7 +216,8 @@ def cmd_plan_auto(args) -> int:
     result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
                                       candidates=cands, verify=not args.no_verify, device=args.device or "cpu",
                                       cost=args.cost, kv_cache=kv_format_arg(args.kv_cache),
-                                      tensor_parallel=parse_tp(args.tensor_parallel or 1))
+                                      tensor_parallel=parse_tp(args.tensor_parallel or 1),
+                                      expert_parallel=args.expert_parallel)
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
     if job is not None and args.wait:
         done = wait_for(job.id, on_update=_progress_printer(args.json), settings=s)
@@ -260,6 +262,8 @@ def add_commands(sub) -> None:
                     "KL, scored alone (score --scheme BF16 --kv-cache FORMAT), comes off the budget")
     sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="GPUs the plan is served on (vLLM --tensor-parallel-size; default 1): no scheme is "
                     "chosen for a layer whose share on one GPU vLLM would refuse")
+    sp.add_argument("--expert-parallel", action="store_true", help="an MoE model's experts whole, one GPU each "
+                    "(vLLM --enable-expert-parallel), not split over the GPUs")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     sp.add_argument("--wait", action="store_true", help="wait for the verifying score job")
     sp.add_argument("--device", default=None, help="device of the verifying score job (default: cpu)")
@@ -284,6 +288,8 @@ def add_commands(sub) -> None:
                     "sequence, and with --target how many fit and the ideal decode step of --batch of them")
     sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="check and time the plan split over this many GPUs (default: the plan's "
                     "tensor_parallel)")
+    sp.add_argument("--expert-parallel", action="store_true", help="an MoE model's experts whole, one GPU each "
+                    "(vLLM --enable-expert-parallel), not split over the GPUs")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_plan_show)
 
@@ -294,6 +300,8 @@ def add_commands(sub) -> None:
     sp.add_argument("--model", help="model of a plan file that does not name one")
     sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="export for this many GPUs (default: the plan's tensor_parallel): the "
                     "vLLM command gets --tensor-parallel-size")
+    sp.add_argument("--expert-parallel", action="store_true", help="an MoE model's experts whole, one GPU each "
+                    "(vLLM --enable-expert-parallel), not split over the GPUs")
     sp.add_argument("--output", "-o", help="write to this file (default: standard output)")
     sp.set_defaults(func=cmd_plan_export)
 

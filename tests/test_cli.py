@@ -925,6 +925,8 @@ def test_a_plan_checked_and_exported_for_several_gpus(tiny_model, capsys, tmp_pa
     code, out, err = run(capsys, "plan", "export", str(plan_file), "--format", "vllm", "--tp", "2")
     assert code == 0 and out.splitlines()[-1].endswith("--quantization compressed-tensors --tensor-parallel-size 2")
     assert "K / 2 = 64" in err  # the warning goes to stderr beside the command
+    code, out, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm", "--tp", "2", "--expert-parallel")
+    assert code == 0 and out.splitlines()[-1].endswith("--tensor-parallel-size 2 --enable-expert-parallel")
     code, _, err = run(capsys, "plan", "show", str(plan_file), "--tp", "0")
     assert code == 1 and "tensor_parallel must be between 1 and 1024 GPUs, got 0" in err
     # a model registered before its heads were kept: they come from the config.json quantplan stored

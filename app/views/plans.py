@@ -46,6 +46,11 @@ with st.container(border=True):
                            "gate/up by output rows, o_proj and down_proj by input columns). The serving checks "
                            "below read each GPU's share: a quantization group or FP8 block may not straddle two "
                            "GPUs. The ideal step and the KV cache figures are per GPU."))
+    ep = bool(model.moe) and c3.checkbox(
+        "Experts whole (expert parallel)", bool(body.get("expert_parallel")), key=f"plan_ep_{model.id}_{start}",
+        disabled=tp == 1, help="vLLM's --enable-expert-parallel: every routed expert stays whole on one GPU and the "
+                               "GPUs share the experts out, instead of every expert being split over them (which "
+                               "block-scaled FP8 refuses where an expert's share is not a whole number of blocks)")
     kv_names = list(KV_FORMATS)
     kv_cache = c2.selectbox("KV cache", kv_names, index=kv_names.index(body.get("kv_cache", "AUTO")),
                             key=f"plan_kv_{model.id}_{start}",
@@ -93,11 +98,13 @@ with st.container(border=True):
                            column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES,
                                                                                      required=True)})
     st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
-    body = {**{k: v for k, v in body.items() if k not in ("kv_cache", "kv_cache_skip", "tensor_parallel")},
+    body = {**{k: v for k, v in body.items()
+               if k not in ("kv_cache", "kv_cache_skip", "tensor_parallel", "expert_parallel")},
             "default": default,
             **({"kv_cache": kv_cache} if kv_cache != "AUTO" else {}),
             **({"kv_cache_skip": kv_skip} if kv_cache != "AUTO" and kv_skip else {}),
             **({"tensor_parallel": tp} if tp > 1 else {}),
+            **({"expert_parallel": True} if ep and tp > 1 else {}),
             "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
                       for r in rules.to_dict("records") if r.get("match") and r.get("scheme")]}
     st.session_state[EDIT] = body
@@ -273,4 +280,4 @@ if plans:
 
 from app import plan_tools  # noqa: E402  (auto plan + export sections)
 
-plan_tools.render(model, target, tp)
+plan_tools.render(model, target, tp, bool(body.get("expert_parallel")))

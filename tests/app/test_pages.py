@@ -1110,6 +1110,17 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
     table = next(d.value for d in at.dataframe if "fused_with" in d.value.columns).set_index("layer")
     assert table.loc["model.layers.1.mlp.experts.3.down_proj", "fused_with"] == 8 * 3 - 1
     assert table.loc["model.layers.1.self_attn.q_proj", "fused_with"] == 2
+    # block-scaled FP8 over 4 GPUs: each expert's 256 intermediate columns split in 64, not a whole 128-block;
+    # expert parallelism keeps every expert whole on its GPU
+    at.selectbox(key=f"plan_default_{model.id}_(new plan)").set_value("FP8_BLOCK")
+    at.number_input(key=f"plan_tp_{model.id}_(new plan)").set_value(4).run()
+    assert not at.exception
+    warnings = [w.value for w in at.warning]
+    assert any("routed experts' intermediate size at tensor_parallel 4, on each GPU in 2 MoE block(s) (64" in w
+               for w in warnings)
+    assert any("does not say how many attention heads" in w for w in warnings)  # no config to read them from
+    at.checkbox(key=f"plan_ep_{model.id}_(new plan)").check().run()
+    assert not at.exception and not any("intermediate size" in w.value for w in at.warning)
 
     rec = svc.get_model(model.id)
     body, unit = svc.with_layer_scheme(rec, {"default": "FP8_DYNAMIC"}, "model.layers.1.mlp.experts.3.up_proj",

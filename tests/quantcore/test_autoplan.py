@@ -19,6 +19,7 @@ from quantcore.autoplan import (
     solve_mck,
 )
 from quantcore.errors import PlanError
+from quantcore.parallel import Parallelism
 from quantcore.plans import group_label, resolve_plan, spec_from_plan
 from quantcore.schemes import fusion_groups, get_scheme, weight_storage_bits
 from tests.quantcore.test_kernels import _rec
@@ -423,8 +424,8 @@ def test_a_scheme_whose_groups_would_straddle_two_gpus_is_not_offered_there() ->
     shapes = {n: (1024, 2816) if n.endswith("down_proj") else (1024, 1024) for n in BLOCK}
     sens = {"W4A16": {label: 1e-6 for label in LABELS}, "FP8_DYNAMIC": {label: 1e-3 for label in LABELS}}
     kwargs = dict(kl_budget=1.0, target="h100", candidates=["W4A16", "FP8_DYNAMIC"], layer_shapes=shapes)
-    assert set(auto_plan(BLOCK, sens, **kwargs, tp=2).plan.values()) == {"W4A16"}  # 1,408 = 11 x 128
-    res = auto_plan(BLOCK, sens, **kwargs, tp=4)
+    assert set(auto_plan(BLOCK, sens, **kwargs, parallel=Parallelism(2)).plan.values()) == {"W4A16"}  # 1,408 = 11 x 128
+    res = auto_plan(BLOCK, sens, **kwargs, parallel=Parallelism(4))
     assert res.plan["model.layers.0.mlp.down_proj"] == "FP8_DYNAMIC"
     assert {s for n, s in res.plan.items() if not n.endswith("down_proj")} == {"W4A16"}
     [note] = [n for n in res.notes if n.startswith("W4A16 was not offered to 1 unit(s) whose K on each of 4 GPUs")]

@@ -818,3 +818,6 @@ def test_a_plan_for_several_gpus_says_so_on_the_command_line() -> None:
     cmd = to_vllm_command(uniform("W4A16"), model_path="/m", layer_names=LAYERS, tensor_parallel=2)
     assert cmd.splitlines()[-1] == "vllm serve /m-quantplan --quantization compressed-tensors --tensor-parallel-size 2"
     assert "--tensor-parallel-size" not in to_vllm_command(plan, model_path="/m", layer_names=LAYERS, tensor_parallel=1)
+    cmd = to_vllm_command(uniform("FP8_BLOCK"), model_path="/m", layer_names=LAYERS, tensor_parallel=4,
+                          expert_parallel=True)
+    assert cmd.splitlines()[-1].endswith("--tensor-parallel-size 4 --enable-expert-parallel")

@@ -7,11 +7,11 @@ import pytest
 from quantcore.errors import PlanError
 from quantcore.parallel import (
     AttentionHeads,
+    Parallelism,
     attention_heads,
     kv_copies,
     parse_tp,
     partition,
-    shard_shapes,
     tp_misfits,
 )
 from quantcore.plans import PlanSpec, fp8_block_misfits, group_misfits, w4afp8_misfits
@@ -52,31 +52,31 @@ def test_layers_split_as_vllm_splits_them():
         ["column", "column", "row", "replicated"]
     assert partition(f"{P}.mlp.experts.3.down_proj") == "row" and partition("lm_head") == "vocab"
     assert partition("transformer.h.0.attn.c_attn") == "unknown"
-    shards = shard_shapes(QWEN72_SHAPES, 8, QWEN72)
+    shards = Parallelism(8, QWEN72).shards(QWEN72_SHAPES)
     assert shards[f"{P}.self_attn.q_proj"] == (1024, 8192)  # 8 of the 64 heads
     assert shards[f"{P}.self_attn.k_proj"] == (128, 8192)  # one of the 8 key-value heads
     assert shards[f"{P}.self_attn.o_proj"] == (8192, 1024)
     assert shards[f"{P}.mlp.down_proj"] == (8192, 3696)
     assert shards["lm_head"] == (152064 // 8, 8192)  # 152,064 is already a multiple of 64
     # more GPUs than key-value heads: each GPU holds one head, copied
-    assert shard_shapes(QWEN72_SHAPES, 16, QWEN72)[f"{P}.self_attn.v_proj"] == (128, 8192)
-    assert shard_shapes(QWEN72_SHAPES, 1, QWEN72) == QWEN72_SHAPES
+    assert Parallelism(16, QWEN72).shards(QWEN72_SHAPES)[f"{P}.self_attn.v_proj"] == (128, 8192)
+    assert Parallelism(1, QWEN72).shards(QWEN72_SHAPES) == QWEN72_SHAPES
 
 
 def test_what_vllm_refuses_at_a_tensor_parallel_size_before_quantizing():
     smol = llama_block(P, 576, SMOL, 1536)
-    [msg] = tp_misfits(smol, 2, SMOL)
+    [msg] = tp_misfits(smol, Parallelism(2, SMOL))
     assert "9 attention heads" in msg and "Total number of attention heads (9) must be divisible by tensor parallel " \
         "size (2)" in msg
-    assert tp_misfits(smol, 3, SMOL) == [] and tp_misfits(smol, 1, SMOL) == []
+    assert tp_misfits(smol, Parallelism(3, SMOL)) == [] and tp_misfits(smol, Parallelism(1, SMOL)) == []
     # nine GPUs: the heads split and each GPU holds a copy of one of the 3 key-value heads, but 1,536 does not split
-    column, row = tp_misfits(smol, 9, SMOL)
+    column, row = tp_misfits(smol, Parallelism(9, SMOL))
     assert column.startswith("tensor_parallel 9: 2 column-parallel layer(s) split along N, which 9 does not divide "
                              f"(N = 1536, e.g. {P}.mlp.gate_proj)")
     assert row.startswith("tensor_parallel 9: 1 row-parallel layer(s) split along K, which 9 does not divide (K = 1536, "
                           f"e.g. {P}.mlp.down_proj)")
     odd = AttentionHeads(12, 4, 64)
-    [msg] = tp_misfits(llama_block(P, 768, odd, 3072), 6, odd)
+    [msg] = tp_misfits(llama_block(P, 768, odd, 3072), Parallelism(6, odd))
     assert "4 key-value heads, which neither divide among 6 GPUs nor copy onto them evenly" in msg
 
 
@@ -85,19 +85,19 @@ def test_a_group_split_over_two_gpus_is_refused_and_a_smaller_group_offered():
     each of two and 3,696 on each of eight. vLLM refuses a group split over two GPUs."""
     plan = dict.fromkeys(QWEN72_SHAPES, "W4A16_GPTQ")
     assert group_misfits(plan, QWEN72_SHAPES) == []
-    [msg] = group_misfits(plan, QWEN72_SHAPES, tp=2, heads=QWEN72)
+    [msg] = group_misfits(plan, QWEN72_SHAPES, Parallelism(2, QWEN72))
     assert msg.startswith("W4A16_GPTQ at tensor_parallel 2: each GPU holds K / 2 = 14784 inputs of 1 row-parallel "
                           f"layer(s) (e.g. {P}.mlp.down_proj), not a whole number of groups of 128")
     assert msg.endswith("such as W4A16_G64_GPTQ, whose groups of 64 divide them")  # 14,784 = 231 x 64
-    [msg] = group_misfits(plan, QWEN72_SHAPES, tp=8, heads=QWEN72)
+    [msg] = group_misfits(plan, QWEN72_SHAPES, Parallelism(8, QWEN72))
     assert "K / 8 = 3696" in msg and "such as" not in msg  # 3,696 is not a whole number of 64 either
-    assert group_misfits(dict.fromkeys(QWEN72_SHAPES, "W4A16_G64_GPTQ"), QWEN72_SHAPES, tp=2, heads=QWEN72) == []
+    assert group_misfits(dict.fromkeys(QWEN72_SHAPES, "W4A16_G64_GPTQ"), QWEN72_SHAPES, Parallelism(2, QWEN72)) == []
     # per-channel weights have no groups to split; o_proj's 8,192 / 8 = 1,024 is 8 groups
-    assert group_misfits(dict.fromkeys(QWEN72_SHAPES, "W8A16"), QWEN72_SHAPES, tp=8, heads=QWEN72) == []
-    assert group_misfits({f"{P}.self_attn.o_proj": "W4A16"}, QWEN72_SHAPES, tp=8, heads=QWEN72) == []
+    assert group_misfits(dict.fromkeys(QWEN72_SHAPES, "W8A16"), QWEN72_SHAPES, Parallelism(8, QWEN72)) == []
+    assert group_misfits({f"{P}.self_attn.o_proj": "W4A16"}, QWEN72_SHAPES, Parallelism(8, QWEN72)) == []
     # column-parallel layers keep their K whole: gate/up at K = 8,192 fit at any size
-    assert group_misfits({f"{P}.mlp.gate_proj": "W4A16", f"{P}.mlp.up_proj": "W4A16"}, QWEN72_SHAPES, tp=8,
-                         heads=QWEN72) == []
+    assert group_misfits({f"{P}.mlp.gate_proj": "W4A16", f"{P}.mlp.up_proj": "W4A16"}, QWEN72_SHAPES,
+                         Parallelism(8, QWEN72)) == []
 
 
 def test_fp8_blocks_on_each_gpu():
@@ -105,14 +105,14 @@ def test_fp8_blocks_on_each_gpu():
     columns, and each GPU's N of every member of a column-parallel layer a whole number of 128 rows."""
     plan = {**dict.fromkeys(QWEN72_SHAPES, "FP8_BLOCK"), "lm_head": "BF16"}
     assert fp8_block_misfits(plan, QWEN72_SHAPES) == []
-    rows, msg = fp8_block_misfits(plan, QWEN72_SHAPES, tp=2, heads=QWEN72)
+    rows, msg = fp8_block_misfits(plan, QWEN72_SHAPES, Parallelism(2, QWEN72))
     assert rows.startswith("FP8 blocks of 128 rows do not divide N at tensor_parallel 2, on each GPU of 2 "
                            f"column-parallel layer(s) (q/k/v and gate/up merged) (N = 14784, e.g. {P}.mlp.gate_proj)")
     assert msg.startswith("FP8 blocks of 128 columns do not divide K at tensor_parallel 2, on each GPU of 1 "
                           f"row-parallel layer(s) (K = 14784, e.g. {P}.mlp.down_proj)")
-    assert fp8_block_misfits({f"{P}.self_attn.o_proj": "FP8_BLOCK"}, QWEN72_SHAPES, tp=8, heads=QWEN72) == []
+    assert fp8_block_misfits({f"{P}.self_attn.o_proj": "FP8_BLOCK"}, QWEN72_SHAPES, Parallelism(8, QWEN72)) == []
     # gate/up at 29,568 / 16 = 1,848 rows a GPU: every member checked once split, the last one too
-    rows = [m for m in fp8_block_misfits(plan, QWEN72_SHAPES, tp=16, heads=QWEN72) if "rows" in m]
+    rows = [m for m in fp8_block_misfits(plan, QWEN72_SHAPES, Parallelism(16, QWEN72)) if "rows" in m]
     assert rows and "N at tensor_parallel 16, on each GPU of 2 column-parallel layer(s)" in rows[0]
     assert "N = 1848" in rows[0]
 
@@ -122,7 +122,7 @@ def test_w4afp8_tiles_each_gpus_share_of_the_fused_layer():
     = 7,392 rows (57.75 x 128) no longer tiles at eight GPUs; q/k/v's 1,024 + 128 + 128 does."""
     plan = {**dict.fromkeys(QWEN72_SHAPES, "W4AFP8"), "lm_head": "BF16"}
     assert w4afp8_misfits(plan, QWEN72_SHAPES) == []
-    [msg] = w4afp8_misfits(plan, QWEN72_SHAPES, tp=8, heads=QWEN72)
+    [msg] = w4afp8_misfits(plan, QWEN72_SHAPES, Parallelism(8, QWEN72))
     assert msg.startswith("W4AFP8 on 1 layer(s) as vLLM loads them (q/k/v and gate/up fused) whose output width N on "
                           "each GPU at tensor_parallel 8 is not a multiple of 128 (N = 7392, e.g. "
                           f"{P}.mlp.{{gate,up}}_proj)")
@@ -141,6 +141,58 @@ def test_the_tensor_parallel_size_is_part_of_the_plan_file():
 
 
 def test_key_value_heads_copied_onto_more_gpus_cost_cache_memory():
-    assert kv_copies(QWEN72, 1) == kv_copies(QWEN72, 8) == 1.0  # 8 heads over 8 GPUs: one each
-    assert kv_copies(QWEN72, 16) == 2.0  # each head cached on two GPUs
-    assert kv_copies(SMOL, 9) == 3.0 and kv_copies(None, 4) == 1.0
+    assert kv_copies(Parallelism(1, QWEN72)) == kv_copies(Parallelism(8, QWEN72)) == 1.0  # 8 heads over 8 GPUs: one each
+    assert kv_copies(Parallelism(16, QWEN72)) == 2.0  # each head cached on two GPUs
+    assert kv_copies(Parallelism(9, SMOL)) == 3.0 and kv_copies(Parallelism(4, None)) == 1.0
+
+
+def qwen3_moe_block(p: str, experts: int = 4) -> dict[str, tuple[int, int]]:
+    """A Qwen3-30B-A3B decoder layer (hidden 2048, 32 heads / 4 key-value heads of 128, experts 768 wide), with
+    ``experts`` of its 128 routed experts."""
+    heads = AttentionHeads(32, 4, 128)
+    out = {k: v for k, v in llama_block(p, 2048, heads, 768).items() if ".mlp." not in k}
+    for e in range(experts):
+        out.update({f"{p}.mlp.experts.{e}.gate_proj": (768, 2048), f"{p}.mlp.experts.{e}.up_proj": (768, 2048),
+                    f"{p}.mlp.experts.{e}.down_proj": (2048, 768)})
+    out[f"{p}.mlp.gate"] = (128, 2048)
+    return out
+
+
+def test_block_fp8_experts_split_over_gpus_and_expert_parallelism():
+    """vLLM's fused MoE wants each GPU's share of an expert's 768 intermediate columns a whole number of 128-blocks:
+    384 at 2 GPUs, 192 at 4 (refused: "The output_size of gate's and up's weight = 192 is not divisible by weight
+    quantization block_n = 128"). Expert parallelism keeps the experts whole, which fits."""
+    shapes = qwen3_moe_block(P)
+    heads = AttentionHeads(32, 4, 128)
+    plan = {**dict.fromkeys(shapes, "FP8_BLOCK"), f"{P}.mlp.gate": "BF16"}
+    assert fp8_block_misfits(plan, shapes) == [] and fp8_block_misfits(plan, shapes, Parallelism(2, heads)) == []
+    [msg] = fp8_block_misfits(plan, shapes, Parallelism(4, heads))
+    assert msg.startswith("FP8 blocks of 128 do not divide the routed experts' intermediate size at tensor_parallel 4, "
+                          f"on each GPU in 1 MoE block(s) (192, e.g. {P}.mlp.experts)")
+    assert "The output_size of gate's and up's weight = 192" in msg and "--enable-expert-parallel" in msg
+    ep = Parallelism(4, heads, expert_parallel=True)
+    assert fp8_block_misfits(plan, shapes, ep) == []
+    assert ep.shard(f"{P}.mlp.experts.3.down_proj", 2048, 768) == (2048, 768)  # whole on its GPU
+    assert ep.shard(f"{P}.self_attn.o_proj", 2048, 4096) == (2048, 1024)  # attention still split
+    assert ep.shard(f"{P}.mlp.gate", 128, 2048) == (128, 2048)  # the router whole on every GPU
+    # an expert 64 wide on each GPU is refused even on one: its blocks would straddle gate and up
+    narrow = {k: ((64, n[1]) if k.endswith(("gate_proj", "up_proj")) else (n[0], 64) if k.endswith("down_proj")
+                  else n) for k, n in shapes.items()}
+    assert "intermediate size in 1 MoE block(s) (64" in fp8_block_misfits(plan, narrow)[0]
+    # INT4 groups on the experts' down_proj: 192 inputs a GPU at 4 GPUs, 1.5 groups of 128; whole under EP
+    w4 = {**dict.fromkeys(shapes, "W4A16"), f"{P}.mlp.gate": "BF16"}
+    [msg] = group_misfits(w4, shapes, Parallelism(4, heads))
+    assert msg.startswith("W4A16 at tensor_parallel 4: each GPU holds K / 4 = 192 inputs of 4 row-parallel layer(s)")
+    assert group_misfits(w4, shapes, ep) == []
+    assert tp_misfits(shapes, Parallelism(8, heads)) == []  # 32 heads, 4 kv heads copied, 768 / 8 = 96
+    assert tp_misfits(shapes, Parallelism(256, heads, expert_parallel=True))[0].startswith(
+        "tensor_parallel 256: the model has 32 attention heads")
+
+
+def test_expert_parallelism_is_part_of_the_plan_file():
+    spec = PlanSpec.from_yaml("default: FP8_BLOCK\ntensor_parallel: 4\nexpert_parallel: true\n")
+    assert spec.expert_parallel and spec.to_dict()["expert_parallel"] is True
+    assert spec.parallelism(AttentionHeads(32, 4, 128)) == Parallelism(4, AttentionHeads(32, 4, 128), True)
+    assert "expert_parallel" not in PlanSpec(default="FP8").to_dict()
+    with pytest.raises(PlanError, match="'expert_parallel' must be true or false, got 'yes'"):
+        PlanSpec.from_dict({"default": "FP8", "expert_parallel": "yes"})
