@@ -762,12 +762,13 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     above 1: quantcore.parallel), outlier ratio (newest calibration), the sensitivity KL of the layer's
     own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU
     (with ", partial group" where the scheme's groups do not divide K, or each GPU's K: quantcore.plans.group_misfits,
-    and ", N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer:
-    quantcore.plans.w4afp8_misfits)."""
+    ", N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer:
+    quantcore.plans.w4afp8_misfits, and ", off Marlin tiles" where a weight-only layer fits neither of Marlin's
+    thread tiles: quantcore.plans.marlin_misfits)."""
     import pandas as pd
 
     from quantcore.hardware import support_on_target
-    from quantcore.plans import group_misfits, w4afp8_untileable
+    from quantcore.plans import group_misfits, marlin_untiled, w4afp8_untileable
     from quantcore.schemes import fusion_units
 
     resolved, _ = resolve(model, body)
@@ -782,6 +783,8 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
     shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
     untileable = w4afp8_untileable(resolved, layer_shapes(model), par) if resolved and target else set()
+    off_marlin = ({m for unit, _, _ in marlin_untiled(resolved, layer_shapes(model), par) for m in unit}
+                  if resolved and target else set())
     rows = []
     for lin in model.linears:
         name = lin["name"]
@@ -795,6 +798,8 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
                 support += ", partial group"
             if name in untileable:
                 support += ", N not a multiple of 128"
+            if name in off_marlin:
+                support += ", off Marlin tiles"
         scheme_name = scheme.name if scheme else body.get("default")
         per_gpu = dict(zip(("N / GPU", "K / GPU"), shards[name], strict=True)) if shards else {}
         rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"], **per_gpu,
@@ -1075,6 +1080,7 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
         awq_unscaled,
         fp8_block_misfits,
         group_misfits,
+        marlin_misfits,
         moe_unserved,
         quantized_head,
         vllm_activation_misfits,
@@ -1089,6 +1095,7 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     par = parallelism(model, body)
     warnings = (tp_misfits(shapes, par) + parallel_notes(model, par)
                 + group_misfits(resolved, shapes, par) + w4afp8_misfits(resolved, shapes, par)
+                + marlin_misfits(resolved, shapes, par)
                 + fp8_block_misfits(resolved, shapes, par) + awq_unscaled(resolved, shapes)
                 + vllm_activation_misfits(resolved, online_fp8=serves_online_fp8(resolved, list(resolved), kv))
                 + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))

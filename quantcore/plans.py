@@ -837,6 +837,51 @@ def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
             + (" or choose a smaller tensor_parallel" if tp > 1 else "")]
 
 
+MARLIN_TILES = ((64, 128), (128, 64))  # (N, K) multiples of Marlin's thread tiles (vLLM's marlin_padded_nk)
+MARLIN_WEIGHTS = ("int4", "int8", "nvfp4")  # weight-only formats vLLM serves with its Marlin kernels
+
+
+def marlin_untiled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                   parallel: Parallelism = ONE_GPU) -> list[tuple[list[str], int, int]]:
+    """(layers vLLM loads as one, their N, their K on one GPU) for every weight-only layer (INT4, INT8, NVFP4 with
+    16-bit activations: vLLM's Marlin kernels; Machete on Hopper wants one of the same shapes) whose shape on a GPU
+    fits neither of Marlin's thread tiles: N a multiple of 64 with K a multiple of 128, or N of 128 with K of 64.
+    SmolLM2's fused q/k/v (N = 960, K = 576) is one. Routed experts are left out (vLLM's fused MoE)."""
+    shards = parallel.shards(shapes)
+    out = []
+    for unit in fusion_units(resolved):
+        scheme = get_scheme(resolved[unit[0]])
+        if (expert_block(unit[0]) is not None or scheme.activations is not None or scheme.weights is None
+                or scheme.weights.format not in MARLIN_WEIGHTS):
+            continue
+        n, k = sum(shards[m][0] for m in unit), shards[unit[0]][1]
+        if not any(n % tn == 0 and k % tk == 0 for tn, tk in MARLIN_TILES):
+            out.append((unit, n, k))
+    return out
+
+
+def marlin_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                   parallel: Parallelism = ONE_GPU) -> list[str]:
+    """What :func:`marlin_untiled` means for serving, one message (or none): vLLM since vllm-project/vllm#45295
+    (June 2026) zero-pads such a layer to the nearer tile (``marlin_padded_nk``: "Marlin requires thread-tile padding
+    for some weight shapes ... performance may be degraded"); earlier releases refuse Marlin there
+    (``verify_marlin_supports_shape``: "... is not divisible by min_thread_k = 128. Consider reducing
+    tensor_parallel_size"), and their other kernels for 16-bit activations mostly want float16 (Exllama: "Exllama
+    only supports float16 activations")."""
+    bad = marlin_untiled(resolved, shapes, parallel)
+    if not bad:
+        return []
+    shown = ", ".join(f"{n} x {k}" for n, k in sorted({(n, k) for _, n, k in bad}))
+    first = group_label(bad[0][0]) if len(bad[0][0]) > 1 else bad[0][0][0]
+    at = f" on each of {parallel.tp} GPUs" if parallel.split else ""
+    return [f"Marlin tiles: {len(bad)} weight-only layer(s) as vLLM loads them (q/k/v and gate/up fused) have an N x K"
+            f"{at} that fits neither of its thread tiles (N a multiple of 64 with K of 128, or N of 128 with K of 64): "
+            f"{shown} (e.g. {first}). vLLM since June 2026 (vllm-project/vllm#45295) pads them, which costs some "
+            "speed; earlier releases refuse Marlin there (\"is not divisible by min_thread_k = 128\") and fall back "
+            "to kernels that mostly want float16 activations (Exllama), so a bfloat16 checkpoint may not load: "
+            "check your vLLM, or keep those layers in another scheme"]
+
+
 AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.awq
 
 

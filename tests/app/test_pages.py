@@ -640,7 +640,7 @@ def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
     warning = next(w.value for w in at.warning if "groups of 128" in w.value)
     assert "W4A16: groups of 128 do not divide K of 24 layer(s) (K = 576" in warning  # 4 blocks x 6; not down_proj
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
-    assert table.loc["model.layers.0.self_attn.q_proj", "on_target"] == "native, partial group"
+    assert table.loc["model.layers.0.self_attn.q_proj", "on_target"] == "native, partial group, off Marlin tiles"
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"  # K = 1536: twelve whole groups
 
 
@@ -683,7 +683,7 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
     assert any(w.startswith("W4A16_G64 at tensor_parallel 2: each GPU holds K / 2 = 288 inputs of 4 row-parallel")
                for w in warnings)  # the four o_proj; down_proj's 768 is 12 groups of 64
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
-    assert table.loc["model.layers.0.self_attn.o_proj", "on_target"] == "native, partial group"
+    assert table.loc["model.layers.0.self_attn.o_proj", "on_target"] == "native, partial group, off Marlin tiles"
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"
     at.text_input(key="plan_name").set_value("two-gpus")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()

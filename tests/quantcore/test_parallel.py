@@ -196,3 +196,24 @@ def test_expert_parallelism_is_part_of_the_plan_file():
     assert "expert_parallel" not in PlanSpec(default="FP8").to_dict()
     with pytest.raises(PlanError, match="'expert_parallel' must be true or false, got 'yes'"):
         PlanSpec.from_dict({"default": "FP8", "expert_parallel": "yes"})
+
+
+def test_weight_only_layers_off_marlins_thread_tiles():
+    """vLLM's Marlin wants (N, K) on a GPU multiples of (64, 128) or (128, 64): SmolLM2's fused q/k/v (960 x 576)
+    and o_proj (576 x 576) are neither, gate/up (3072 x 576) and down_proj (576 x 1536) are. Recent vLLM pads
+    them; older releases refuse Marlin there."""
+    from quantcore.plans import marlin_misfits, marlin_untiled
+
+    shapes = llama_block(P, 576, SMOL, 1536)
+    plan = dict.fromkeys(shapes, "W4A16_G64")
+    assert sorted((n, k) for _, n, k in marlin_untiled(plan, shapes)) == [(576, 576), (960, 576)]
+    [msg] = marlin_misfits(plan, shapes)
+    assert msg.startswith("Marlin tiles: 2 weight-only layer(s) as vLLM loads them (q/k/v and gate/up fused) have an "
+                          "N x K that fits neither of its thread tiles") and "vllm-project/vllm#45295" in msg
+    # split over 3 GPUs: down_proj's 576 x 512 still fits; gate/up's 1024 x 576 too
+    assert sorted((n, k) for _, n, k in marlin_untiled(plan, shapes, Parallelism(3, SMOL))) == [(320, 576),
+                                                                                               (576, 192)]
+    # activations quantized (Marlin is not their kernel) or layers in BF16: nothing to say
+    assert marlin_misfits(dict.fromkeys(shapes, "FP8_DYNAMIC"), shapes) == []
+    assert marlin_misfits(dict.fromkeys(shapes, "BF16"), shapes) == []
+    assert marlin_untiled(dict.fromkeys(QWEN72_SHAPES, "W4A16_GPTQ"), QWEN72_SHAPES) == []
