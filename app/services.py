@@ -317,12 +317,26 @@ def kernel_frame(device_name: str, torch_version: str | None = None):
     return pd.DataFrame([r.__dict__ for r in rows])
 
 
+TP_LABELLED = range(2, 9)  # the GPUs of one node: shapes a benchmark split over them measures
+
+
 def shape_labels(model: ModelRecord) -> dict[tuple[int, int], str]:
-    """{(N, K): "down_proj 576×1536"}: each distinct GEMM shape named after the first layer type that has it."""
+    """{(N, K): "down_proj 576×1536"}: each distinct GEMM shape named after the first layer type that has it; then
+    each GPU's share of a layer at the tensor-parallel sizes of one node the model splits over evenly
+    ("down_proj 576×512 (TP 3)"), which a benchmark with ``tensor_parallel`` measures."""
+    from quantcore.parallel import Parallelism, tp_misfits
+
     out: dict[tuple[int, int], str] = {}
     for lin in model.linears:
         n, k = lin["out_features"], lin["in_features"]
         out.setdefault((n, k), f"{lin['name'].rsplit('.', 1)[-1]} {n}×{k}")
+    shapes, heads = layer_shapes(model), attention_heads(model)
+    for tp in TP_LABELLED:
+        par = Parallelism(tp, heads)
+        if tp_misfits(shapes, par):
+            continue
+        for name, (n, k) in par.shards(shapes).items():
+            out.setdefault((n, k), f"{name.rsplit('.', 1)[-1]} {n}×{k} (TP {tp})")
     return out
 
 
@@ -363,10 +377,12 @@ def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str 
 
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,
                   m_decode: int) -> dict[str, Any]:
-    """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings."""
+    """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings; at the plan's
+    tensor_parallel, one GPU's step: its share of every layer, timed by a benchmark split as the plan is."""
     from quantcore.kernels import step_estimate as estimate
 
-    return estimate(kernel_records(device_name), layer_shapes(model), layer_paths(model, plan_body),
+    shapes = parallelism(model, plan_body).shards(layer_shapes(model))
+    return estimate(kernel_records(device_name), shapes, layer_paths(model, plan_body),
                     m_prefill=m_prefill, m_decode=m_decode, routed=routed_layers(model))
 
 

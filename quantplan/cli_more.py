@@ -154,6 +154,13 @@ def cmd_bench(args) -> int:
     model = _model(args.model) if args.model else None
     ms = [int(x) for x in args.m.split(",")] if args.m else None
     params: dict[str, Any] = {"device": args.device, "m": ms, "budget_s": args.budget, "force": args.force}
+    if args.tensor_parallel:
+        from quantcore.parallel import parse_tp
+
+        if not model:
+            raise CliError("--tp needs a MODEL: its layers say how they split over the GPUs")
+        params["tensor_parallel"] = parse_tp(args.tensor_parallel)
+        params["expert_parallel"] = args.expert_parallel
     if args.queue:
         params["queue"] = args.queue
     job = _run("bench", params, model_id=model.id if model else None, local=args.local, quiet=args.json)
@@ -292,6 +299,10 @@ def add_commands(sub) -> None:
     sp.add_argument("--budget", type=float, default=None, help="seconds per shape before a case is skipped")
     sp.add_argument("--queue", help="route to this queue (e.g. gpu.sm90); default from the device")
     sp.add_argument("--force", action="store_true", help="measure again even where results are stored")
+    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="time each GPU's share of every "
+                    "layer as vLLM splits it over this many GPUs (the shapes a plan for that many GPUs runs)")
+    sp.add_argument("--expert-parallel", action="store_true", help="with --tp: an MoE model's experts whole, one "
+                    "GPU each (vLLM --enable-expert-parallel)")
     add_run_options(sp)
     sp.set_defaults(func=cmd_bench)
 

@@ -933,3 +933,28 @@ def test_a_plan_checked_and_exported_for_several_gpus(tiny_model, capsys, tmp_pa
     model = svc.get_model("tiny")
     older = dataclasses.replace(model, summary={k: v for k, v in model.summary.items() if k != "attention_heads"})
     assert svc.attention_heads(older) == svc.attention_heads(model) and model.attention_heads["heads"] == 4
+
+
+def test_a_benchmark_split_over_gpus_times_each_gpus_share(tiny_model, capsys, tmp_path):
+    """bench --tp 2 times the tiny Llama's layers as each of 2 GPUs runs them (q_proj 32 of its 64 outputs, k_proj
+    one of its 2 heads of 16, down_proj 64 of its 128 inputs); a plan for 2 GPUs then has a measured step."""
+    from app import services as svc
+    from quantcore.kernels import distinct_shapes
+
+    model = svc.get_model("tiny")
+    records = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--tp", "2", "--json")
+    measured = {(r["n"], r["k"]) for r in records}
+    par = svc.parallelism(model, {"default": "BF16", "tensor_parallel": 2})
+    assert measured == set(distinct_shapes((name, k, n) for name, (n, k) in par.shards(svc.layer_shapes(model)).items()))
+    # q_proj 32 x 64, k/v 16 x 64, o_proj 64 x 32; gate/up (128 / 2 rows) and down_proj (128 / 2 inputs) 64 x 64
+    assert {(32, 64), (16, 64), (64, 32), (64, 64)} <= measured and (128, 64) not in measured
+    [(_, device_name, _)] = svc.kernel_devices()
+    two = svc.step_estimate(model, {"default": "FP8_DYNAMIC", "tensor_parallel": 2}, device_name,
+                            m_prefill=1, m_decode=1)
+    assert two["missing_decode"] == [] and two["decode_ms"] > 0
+    one = svc.step_estimate(model, {"default": "FP8_DYNAMIC"}, device_name, m_prefill=1, m_decode=1)
+    assert one["missing_decode"]  # the whole layers were not timed here
+    labels = svc.shape_labels(model)
+    assert labels[(16, 64)] == "k_proj 16×64 (TP 2)" and labels[(64, 32)] == "o_proj 64×32 (TP 2)"
+    code, _, err = run(capsys, "bench", "--tp", "2", "--local")
+    assert code == 1 and "--tp needs a MODEL" in err

@@ -1,4 +1,5 @@
-"""Kernel benchmark job body: time the real GEMMs of the model's linear shapes on this worker's device.
+"""Kernel benchmark job body: time the real GEMMs of the model's linear shapes on this worker's device (with
+``tensor_parallel`` > 1, each GPU's share of every layer: quantcore.parallel).
 
 Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same
 device again measures only what is missing (unless params['force']), or what was stored with a native
@@ -28,12 +29,20 @@ def bench(ctx: JobContext) -> Outcome:
     device = resolve_device(p.get("device"))
     info = hardware.probe_device(device)
     ms = [int(m) for m in (p.get("m") or kernels.DEFAULT_MS)]
+    tp = int(p.get("tensor_parallel") or 1)
     if ctx.model_id is not None:
+        from quantcore.parallel import AttentionHeads, Parallelism
+
         rec = _model_record(ctx)
+        # split over tp GPUs, each runs its share of every layer: those are the GEMMs to time
+        par = Parallelism(tp, AttentionHeads.from_dict(rec.attention_heads), bool(p.get("expert_parallel")))
         shapes = list(kernels.distinct_shapes(
-            (lin["name"], lin["in_features"], lin["out_features"]) for lin in rec.linears))
+            (lin["name"], *par.shard(lin["name"], lin["out_features"], lin["in_features"])[::-1])
+            for lin in rec.linears))
         # an MoE model's experts run on a share of each step's tokens: time that M too (quantcore.routing)
         ms = bench_ms(ms, routed_layers([lin["name"] for lin in rec.linears], rec.moe))
+    elif tp > 1:
+        raise ValueError("a benchmark split over several GPUs needs a model: its layers say how they split")
     else:
         shapes = list(DEFAULT_SHAPES)
     wanted_paths = p.get("paths") or None

@@ -27,11 +27,14 @@ if model is None:
 with st.form("bench_form"):
     st.markdown(f"**Queue a benchmark** of {model.name}'s {len(model.linears)} linear layers "
                 f"({len({(lin['out_features'], lin['in_features']) for lin in model.linears})} distinct shapes).")
-    c1, c2, c3, c4 = st.columns(4)
+    c1, c2, c3, c4, c5 = st.columns([2, 3, 2, 3, 2])
     device = c1.selectbox("Device", ["cpu", "cuda"], key="bench_device")
     ms = c2.text_input("M values (batch × tokens)", "1,16,128,2048", key="bench_m")
     budget = c3.number_input("CPU budget per shape (s)", 5, 3600, 60, key="bench_budget")
     queue = c4.text_input("Queue (optional, e.g. gpu.sm90)", "", key="bench_queue")
+    bench_tp = int(c5.number_input("GPUs (tensor parallel)", 1, 1024, 1, key="bench_tp",
+                                   help="Time each GPU's share of every layer, as vLLM splits it over this many "
+                                        "GPUs: the shapes a plan for that many GPUs runs (Plans page)."))
     if svc.routed_layers(model):
         st.caption("A routed expert runs on a share of each step's tokens: the benchmark also times every shape at "
                    "the M one touched expert gets at each of your M values, and the step estimate below counts each "
@@ -41,7 +44,8 @@ with st.form("bench_form"):
             m_values = [int(x) for x in ms.split(",") if x.strip()]
             if not m_values or min(m_values) < 1:
                 raise ValueError("M values must be positive integers, e.g. 1,16,128")
-            params = {"device": device, "m": m_values, "budget_s": float(budget)}
+            params = {"device": device, "m": m_values, "budget_s": float(budget),
+                      **({"tensor_parallel": bench_tp} if bench_tp > 1 else {})}
             if queue.strip():
                 params["queue"] = queue.strip()
             job = svc.submit("bench", params, model_id=model.id)
@@ -58,13 +62,12 @@ if not devices:
 labels = {d[1]: f"{d[1]} ({d[0]}, torch {d[2]})" for d in devices}
 device_name = st.selectbox("Device measured", list(labels), format_func=labels.get, key="kernels_device")
 frame = svc.kernel_frame(device_name)
-shapes = {(lin["out_features"], lin["in_features"]) for lin in model.linears}
-frame = frame[[(n, k) in shapes for n, k in zip(frame["n"], frame["k"], strict=True)]] if len(frame) else frame
+labels = svc.shape_labels(model)  # the model's shapes, and each GPU's share of them split over a node's GPUs
+frame = frame[[(n, k) in labels for n, k in zip(frame["n"], frame["k"], strict=True)]] if len(frame) else frame
 if frame.empty:
     st.info(f"No timings of {model.name}'s shapes on {device_name} yet.")
     st.stop()
 
-labels = svc.shape_labels(model)
 frame = frame.assign(shape=[f"{labels.get((n, k), f'? {n}×{k}')} M={m}" for n, k, m in
                             zip(frame["n"], frame["k"], frame["m"], strict=True)])
 native_any = bool(frame.loc[frame["path"] != "baseline", "native"].any())
@@ -144,10 +147,15 @@ if target:  # a GPU of the table: how far the measured eager kernels are from th
         for step in ("prefill", "decode")) + ". Eager PyTorch kernels with unfused quantization pay the gap; "
         "the bound is what fused serving kernels approach.")
 missing = sorted(set(est["missing_prefill"]) | set(est["missing_decode"]))
+plan_tp = int(body.get("tensor_parallel") or 1)
 if missing:
     st.caption(f"{len(missing)} layer(s) have no time for their path at these M values (skipped over budget, "
                "not supported, or not measured): the sums and speed-ups above leave them out. Queue a "
-               "benchmark with these M values to fill them in.")
+               "benchmark with these M values" + (f" and {plan_tp} GPUs" if plan_tp > 1 else "")
+               + " to fill them in.")
+if plan_tp > 1:
+    st.caption(f"The plan is for {plan_tp} GPUs: the step above is one GPU's, its share of every layer, the "
+               "all-reduces between GPUs not counted.")
 st.dataframe(svc.step_breakdown(est), hide_index=True, width="stretch",
              column_config={"prefill_ms": st.column_config.NumberColumn(f"prefill ms (M={m_prefill})", format="%.4f"),
                             "decode_ms": st.column_config.NumberColumn(f"decode ms (M={m_decode})", format="%.4f")})

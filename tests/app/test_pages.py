@@ -511,7 +511,10 @@ def test_kernels_page_compares_devices(seeded):
     gpu, cpu = cmp[cmp["device"] == "NVIDIA H200"], cmp[cmp["device"] == "Test CPU"]
     assert (gpu["speedup"] == 1.6).all()
     assert all(math.isnan(v) for v in cpu["speedup"])  # not native on a CPU: n/a, never a speed-up
-    assert set(cmp["shape"]) == set(svc.shape_labels(seeded).values())
+    labels = svc.shape_labels(seeded)
+    assert set(cmp["shape"]) == {labels[shape] for shape in shapes}
+    # and each GPU's share where SmolLM2 splits over a node's GPUs evenly (9 heads: 3 of them)
+    assert labels[(576, 512)] == "down_proj 576×512 (TP 3)" and not any("(TP 2)" in v for v in labels.values())
     at = _run("kernels", seeded.id)
     assert any(h.value == "Compare devices" for h in at.subheader)
 
