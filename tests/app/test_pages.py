@@ -130,6 +130,18 @@ def test_kernels_page_marks_non_native_paths(seeded):
     assert any("Prefill" in m.label for m in at.metric)
 
 
+def test_kernels_page_queues_a_benchmark_split_over_gpus(seeded):
+    """The form's GPUs field: the job times each GPU's share of every layer (worker/bench_body.py)."""
+    from app import services as svc
+
+    at = _run("kernels", seeded.id)
+    at.number_input(key="bench_tp").set_value(3)
+    next(b for b in at.button if b.label == "Queue benchmark").click().run()
+    assert not at.exception
+    job = max((j for j in svc.list_jobs(kind="bench")), key=lambda j: j.id)
+    assert job.status == "queued" and job.params["tensor_parallel"] == 3 and job.model_id == seeded.id
+
+
 def test_kernels_page_names_the_paths_a_device_does_not_run_natively(seeded):
     """A CPU with VNNI runs INT8 natively but not FP8: the page says which cells read n/a and why."""
     from store import repo
