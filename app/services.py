@@ -1344,21 +1344,21 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     kv_kl = alone.kl_mean if alone is not None else 0.0
     cands = candidates or sorted(set(sens) | {"BF16"})
     shapes = layer_shapes(model)
+    parallel = Parallelism(tensor_parallel, attention_heads(model) if tensor_parallel > 1 else None, expert_parallel)
+    per_gpu = parallel.shards(shapes)  # what one GPU runs: the time costs are of these shapes
     table, source = None, COST_MEASURED
     device_name = measured_device_for(target) if cost == "auto" else None
     if device_name:
-        table = cost_from_kernel_records(kernel_records(device_name), shapes, cands, m=m, target=target,
+        table = cost_from_kernel_records(kernel_records(device_name), per_gpu, cands, m=m, target=target,
                                          routed=routed_layers(model))
         if not table.get("BF16"):
             table = None
     if cost == "ideal":
-        table = cost_from_roofline(sorted(set(cands) | {"BF16"}), shapes, target, m, routed_layers(model))
+        table = cost_from_roofline(sorted(set(cands) | {"BF16"}), per_gpu, target, m, routed_layers(model))
         source = COST_IDEAL
     result = solve(layer_names(model), sens, kl_budget=kl_budget - kv_kl, target=target, candidates=cands,
                    cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source,
-                   tied=model.tied_linears,
-                   parallel=Parallelism(tensor_parallel, attention_heads(model) if tensor_parallel > 1 else None,
-                                        expert_parallel))
+                   tied=model.tied_linears, parallel=parallel)
     if alone is not None:
         result.predicted_kl += kv_kl
         result.kl_budget = kl_budget
@@ -1367,9 +1367,13 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
                             "prediction adds the two (the KLs of independent small errors roughly add)")
     result.notes += [why for scheme, why in stale_sweeps(model).values() if scheme in cands]
     if cost == "ideal":
-        result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet")
+        result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet"
+                            + (f", of one GPU's share of every layer over {tensor_parallel}" if parallel.split else ""))
     elif table is None:
-        result.notes.append(f"no kernel timings of a {target} are stored: cost is the stored weight bits, scales included"
+        result.notes.append(f"no kernel timings of a {target} are stored"
+                            + (f" for one GPU's share of every layer over {tensor_parallel} (bench --tp "
+                               f"{tensor_parallel})" if parallel.split else "")
+                            + ": cost is the stored weight bits, scales included"
                             if cost == "auto" else "cost: the stored weight bits, scales included")
     # one plan name per question asked: the cost minimised is part of it (auto-h100-kl0.05-ideal-m1)
     name = (f"auto-{target}-kl{kl_budget:g}" + {"auto": "", "bits": "-bits", "ideal": f"-ideal-m{m}"}[cost]

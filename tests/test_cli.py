@@ -76,6 +76,15 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     code, _, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1", "--target", "h100", "--cost", "ideal",
                        "--m", "0", "--no-verify")
     assert code == 1 and "positive" in err
+    # for 2 GPUs: the cost is one GPU's step over its share of every layer, and the plan keeps the size
+    two = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--cost", "ideal",
+                   "--m", "1", "--tp", "2", "--no-verify", "--json")
+    assert two["plan_label"].startswith("auto-h100-kl1000-ideal-m1-tp2 ")
+    per_gpu = svc.parallelism(svc.get_model("tiny"), {"tensor_parallel": 2}).shards(shapes)
+    assert two["cost"] == pytest.approx(step_bound(two["plan"], per_gpu, "h100", 1).ms)
+    assert two["cost"] < ideal["cost"]
+    assert any("of one GPU's share of every layer over 2" in n for n in two["notes"])
+    assert svc.get_plan(two["plan_id"]).body["tensor_parallel"] == 2
 
     # a plan file → stored → exported as a recipe → imported again: the same resolved plan
     plan_file = tmp_path / "plan.yaml"
