@@ -332,6 +332,13 @@ def _rule(sm: int | None, weight: str | None, act: str | None) -> tuple[str, str
                 "(CompressedTensorsW4A16Fp4, Marlin): FP4 weights dequantized in-kernel, activations left in 16 "
                 "bits: it serves as NVFP4A16 does, so score NVFP4A16 for its accuracy there"
             )
+        if weight == "mxfp4" and sm >= SM_WEIGHT_ONLY:
+            return "emulated", (
+                f"mxfp4 W4A4 on {on}: no FP4 tensor cores, so vLLM serves the checkpoint with FP4 weights and "
+                "16-bit activations (CompressedTensorsW4A4Mxfp4: \"true W4A4 on SM100+, otherwise W4A16 "
+                "weight-only via Marlin\"): the score, which quantizes the activations too, overstates its "
+                "error there"
+            )
         return (
             "unsupported",
             f"{weight} W4A4 needs FP4 tensor cores: Blackwell (sm{SM_BLOCK_SCALED}) or newer",
@@ -382,8 +389,8 @@ def support_on_target(target_key: str, weight_format: str | None, act_format: st
                               (cuBLASLt refuses it)
     int8 / int8               native on sm75+, else emulated
     mxfp8 / mxfp8             native on sm100+, else emulated
-    fp4 fmt / same fp4 fmt    native on sm100+; nvfp4 emulated on sm80-sm90 (vLLM serves it as W4A16,
-                              activations unquantized); else unsupported
+    fp4 fmt / same fp4 fmt    native on sm100+; nvfp4 and mxfp4 emulated on sm80-sm90 (vLLM serves them as
+                              W4A16, activations unquantized); else unsupported
     int4 / fp8_e4m3 (W4AFP8)  native on sm90 only (vLLM's CUTLASS W4A8 kernel is Hopper-only), else
                               unsupported: the one exception to "a newer GPU never supports less"
     int4 / int4, other mixes  emulated (no kernel quantplan models)

@@ -317,14 +317,20 @@ def test_plan_show_prints_the_weight_memory_of_a_plan(tiny_model, capsys, tmp_pa
     assert decode["not_native"] == 2 * 4  # the FP8_DYNAMIC layers: no FP8 tensor cores on an A100
     code, out, _ = run(capsys, "plan", "show", str(plan_file), "--target", "h100")
     assert code == 0 and "ideal step on NVIDIA H100" in out and "vs BF16" in out
+    w4a8 = tmp_path / "w4afp8.yaml"
+    w4a8.write_text("model: tiny\ndefault: W4AFP8\n")
+    on_ada = run_json(capsys, "plan", "show", str(w4a8), "--target", "l40s", "--json")["ideal"][0]
+    assert on_ada["unsupported"] == on_ada["not_native"] == len(shapes)  # W4AFP8's one kernel is Hopper's
+    code, out, _ = run(capsys, "plan", "show", str(w4a8), "--target", "l40s")
+    assert code == 0 and "cannot be served there" in out
+    assert "  W4AFP8: unsupported on NVIDIA L40S" in out and "Hopper" in out  # and why
+    assert run_json(capsys, "plan", "show", str(w4a8), "--target", "h100", "--json")["ideal"][0]["unsupported"] == 0
     fp4 = tmp_path / "fp4.yaml"
     fp4.write_text("model: tiny\ndefault: MXFP4\n")
     on_hopper = run_json(capsys, "plan", "show", str(fp4), "--target", "h100", "--json")["ideal"][0]
-    assert on_hopper["unsupported"] == on_hopper["not_native"] == len(shapes)  # MXFP4 W4A4 needs Blackwell
+    assert on_hopper["unsupported"] == 0 and on_hopper["not_native"] == len(shapes)  # served as W4A16 there
     code, out, _ = run(capsys, "plan", "show", str(fp4), "--target", "h100")
-    assert code == 0 and "cannot be served there" in out
-    assert "  MXFP4: unsupported on NVIDIA H100" in out and "Blackwell" in out  # and why
-    assert run_json(capsys, "plan", "show", str(fp4), "--target", "b200", "--json")["ideal"][0]["unsupported"] == 0
+    assert "  MXFP4: emulated on NVIDIA H100" in out and "W4A16 weight-only via Marlin" in out
     code, _, err = run(capsys, "plan", "show", str(plan_file), "--target", "v100")
     assert code == 1 and "unknown GPU target 'v100'" in err
 

@@ -208,7 +208,7 @@ else:
     if no_cost:
         why = {"prefill_ms": " (a layer of the plan has no timing at that M: skipped over budget, not supported or "
                              "not measured; the Kernels page lists the cases)",
-               "ideal_prefill_ms": f" (a scheme {target} cannot serve, such as MXFP4 W4A4 before Blackwell)"}
+               "ideal_prefill_ms": f" (a scheme {target} cannot serve, such as W4AFP8 off Hopper)"}
         why["decode_ms"], why["ideal_decode_ms"] = why["prefill_ms"], why["ideal_prefill_ms"]
         st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}{why.get(cost, '')}.")
     shown = trade.drop(columns=([] if device_name else ["prefill_ms", "decode_ms"])

@@ -597,23 +597,27 @@ def test_results_page_of_an_encoder_says_scoring_does_not_apply(qp_settings):
 
 
 def test_a_plan_the_target_cannot_serve_has_no_ideal_step_there(seeded):
-    """MXFP4 (FP4 weights and activations) has no kernel before Blackwell: no ideal time on an H100, one on a
-    B200; the Plans page says the plan cannot be served on the H100 as it stands."""
+    """W4AFP8 (INT4 weights, FP8 activations) has one kernel, built for Hopper: no ideal time on a B200, one on an
+    H100; the Plans page says the plan cannot be served on the B200 as it stands."""
     import math
 
     from app import services as svc
 
-    job = _add_score(seeded.id, "MXFP4", {"default": "MXFP4"}, 0.7)
+    job = _add_score(seeded.id, "W4AFP8", {"default": "W4AFP8"}, 0.7)
     scores = [s for s in svc.list_scores(seeded.id) if s.job_id == job]
     model = svc.get_model(seeded.id)
-    h100 = svc.tradeoff_frame(model, scores, target="h100").iloc[0]
     b200 = svc.tradeoff_frame(model, scores, target="b200").iloc[0]
-    assert math.isnan(h100["ideal_decode_ms"]) and math.isnan(h100["ideal_prefill_ms"])
-    assert b200["ideal_decode_ms"] > 0 and b200["ideal_prefill_ms"] > b200["ideal_decode_ms"]
+    h100 = svc.tradeoff_frame(model, scores, target="h100").iloc[0]
+    assert math.isnan(b200["ideal_decode_ms"]) and math.isnan(b200["ideal_prefill_ms"])
+    assert h100["ideal_decode_ms"] > 0 and h100["ideal_prefill_ms"] > h100["ideal_decode_ms"]
     at = _run("plans", seeded.id)
-    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("MXFP4").run()
+    at.selectbox(key="plan_target").set_value("b200")
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("W4AFP8").run()
     assert not at.exception
-    assert any("no serving kernel on h100 at all" in c.value for c in at.caption)
+    assert any("no serving kernel on b200 at all" in c.value for c in at.caption)
+    at.selectbox(key="plan_target").set_value("h100")
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("MXFP4").run()  # W4A16 on Hopper too
+    assert not at.exception and not any("no serving kernel" in c.value for c in at.caption)
     at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("NVFP4").run()  # vLLM's W4A16 fallback
     assert not at.exception and not any("no serving kernel" in c.value for c in at.caption)
     assert any(c.value.startswith("NVFP4: emulated on") and "score NVFP4A16 for its accuracy there" in c.value for c in at.caption)

@@ -99,7 +99,7 @@ def test_match_target(name: str, key: str | None) -> None:
         ("h100", "fp8_e4m3", "fp8_e5m2", "native"),
         ("b200", "nvfp4", "nvfp4", "native"),
         ("h100", "nvfp4", "nvfp4", "emulated"),  # vLLM falls back to W4A16 (Marlin) without FP4 tensor cores
-        ("h200", "mxfp4", "mxfp4", "unsupported"),
+        ("h200", "mxfp4", "mxfp4", "emulated"),  # likewise: CompressedTensorsW4A4Mxfp4's Marlin W4A16 path
         ("a100", "int8", "int8", "native"),
         ("a100", "int4", None, "native"),
         ("a100", "fp8_e4m3", None, "native"),  # FP8 weight-only (Marlin-style W8A16)
@@ -122,6 +122,14 @@ def test_support_rules(target: str, weight: str | None, act: str | None, verdict
     reason = hw.support_reason(target, weight, act)
     assert reason.startswith(verdict)
     assert hw.get_target(target).name in reason
+
+
+def test_fp4_w4a4_is_unsupported_only_below_the_weight_only_kernels() -> None:
+    """Before Blackwell vLLM serves NVFP4 and MXFP4 checkpoints as FP4 weights with 16-bit activations (Marlin,
+    sm80+); below that nothing takes them."""
+    for fmt in ("nvfp4", "mxfp4"):
+        assert hw.support_on_sm(90, fmt, fmt) == hw.support_on_sm(80, fmt, fmt) == "emulated"
+        assert hw.support_on_sm(75, fmt, fmt) == "unsupported" and hw.support_on_sm(100, fmt, fmt) == "native"
 
 
 def test_no_quant_spellings() -> None:

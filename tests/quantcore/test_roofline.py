@@ -73,7 +73,9 @@ def test_math_runs_at_bf16_where_the_target_only_emulates_the_scheme() -> None:
     hopper = step_bound(uniform("NVFP4"), SHAPES, "h100", 2048)
     assert hopper.not_native == list(SHAPES) and not hopper.unsupported  # served as W4A16 before Blackwell
     assert hopper.ms == pytest.approx(step_bound(uniform("NVFP4A16"), SHAPES, "h100", 2048).ms)
-    assert step_bound(uniform("MXFP4"), SHAPES, "h100", 2048).unsupported == list(SHAPES)
+    mx = step_bound(uniform("MXFP4"), SHAPES, "h100", 2048)  # served as W4A16 too (CompressedTensorsW4A4Mxfp4)
+    assert mx.not_native == list(SHAPES) and not mx.unsupported
+    assert step_bound(uniform("W4AFP8"), SHAPES, "l40s", 2048).unsupported == list(SHAPES)  # Hopper's kernel only
     assert not fp8.unsupported  # FP8 on an A100: served as FP8 weights with bf16 math, emulated not unsupported
 
 
