@@ -120,8 +120,9 @@ def cmd_plan_show(args) -> int:
         for reason in svc.support_reasons(sorted({s.name for s in (resolved or {}).values()}), args.target):
             print(f"  {reason}")
     if tp > 1:
-        print(f"tensor_parallel {tp}: the checks below read each GPU's share of every layer"
-              + ("; the step is one GPU's, all-reduces not counted" if ideal else ""))
+        print(f"tensor_parallel {tp}: the serving checks read each GPU's share of every layer"
+              + ("; the step is one GPU's, all-reduces not counted" if ideal else "")
+              + ("" if warnings else "; nothing to warn about"))
     for warning in warnings:
         print(f"warning: {warning}")
     return 0
