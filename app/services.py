@@ -745,18 +745,9 @@ def support_reasons(schemes: Iterable[str], target: str | None) -> list[str]:
 def attention_heads(model: ModelRecord):
     """quantcore.parallel.AttentionHeads of the model: from its intake summary, or for a model registered before
     that was kept, from the config.json quantplan stored; None where neither says."""
-    import json
+    from quantcore.parallel import stored_heads
 
-    from quantcore.parallel import AttentionHeads
-    from quantcore.parallel import attention_heads as from_config
-
-    if model.attention_heads:
-        return AttentionHeads.from_dict(model.attention_heads)
-    try:
-        config = json.loads((Path(str(settings().artifact_dir)) / model.path / "config.json").read_text("utf-8"))
-    except (OSError, ValueError):
-        return None
-    return from_config(config) if isinstance(config, dict) else None
+    return stored_heads(model.attention_heads, Path(str(settings().artifact_dir)) / model.path)
 
 
 def parallelism(model: ModelRecord, body: dict[str, Any]):

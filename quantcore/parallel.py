@@ -19,8 +19,10 @@ Torch-free: the app imports it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from quantcore.schemes import expert_block
@@ -80,6 +82,19 @@ def attention_heads(config: Any) -> AttentionHeads | None:
             return None
         dim = hidden // heads
     return AttentionHeads(heads, kv, dim)
+
+
+def stored_heads(summary_heads: Mapping[str, Any] | None, folder: str | Path) -> AttentionHeads | None:
+    """A registered model's attention heads: from its intake summary, or for a model registered before they were
+    kept, from the config.json in the checkpoint ``folder`` quantplan stored; None where neither says."""
+    heads = AttentionHeads.from_dict(summary_heads)
+    if heads is not None:
+        return heads
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return attention_heads(config) if isinstance(config, dict) else None
 
 
 def partition(layer: str) -> str:

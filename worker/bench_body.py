@@ -31,11 +31,14 @@ def bench(ctx: JobContext) -> Outcome:
     ms = [int(m) for m in (p.get("m") or kernels.DEFAULT_MS)]
     tp = int(p.get("tensor_parallel") or 1)
     if ctx.model_id is not None:
-        from quantcore.parallel import AttentionHeads, Parallelism
+        from pathlib import Path
+
+        from quantcore.parallel import Parallelism, stored_heads
 
         rec = _model_record(ctx)
         # split over tp GPUs, each runs its share of every layer: those are the GEMMs to time
-        par = Parallelism(tp, AttentionHeads.from_dict(rec.attention_heads), bool(p.get("expert_parallel")))
+        heads = stored_heads(rec.attention_heads, Path(str(ctx.settings.artifact_dir)) / rec.path) if tp > 1 else None
+        par = Parallelism(tp, heads, bool(p.get("expert_parallel")))
         shapes = list(kernels.distinct_shapes(
             (lin["name"], *par.shard(lin["name"], lin["out_features"], lin["in_features"])[::-1])
             for lin in rec.linears))
