@@ -363,6 +363,12 @@ def kv_label(spec: PlanSpec | Mapping[str, Any]) -> str:
     return f"{spec.kv_cache} except {', '.join(spec.kv_cache_skip)}"
 
 
+def gpus_label(body: Mapping[str, Any]) -> str:
+    """The GPUs a plan body is for, for people: "1 GPU", "4 GPUs", "4 GPUs, experts whole"."""
+    tp = int(body.get("tensor_parallel") or 1)
+    return f"{tp} GPU{'s' if tp > 1 else ''}" + (", experts whole" if body.get("expert_parallel") else "")
+
+
 def resolve_plan(
     spec: PlanSpec, layer_names: Sequence[str], *, enforce_fusion: bool = True
 ) -> dict[str, Scheme]:

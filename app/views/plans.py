@@ -10,7 +10,7 @@ from app import services as svc
 from app import state
 from quantcore.hardware import list_targets
 from quantcore.kvcache import KV_FORMATS, layer_index
-from quantcore.plans import group_label, kv_label
+from quantcore.plans import gpus_label, group_label, kv_label
 from quantcore.schemes import list_schemes
 
 st.title("Plans")
@@ -270,6 +270,9 @@ if plans:
         kv_a, kv_b = (kv_label(next(p for p in plans if p.id == i).body) for i in (a, b))
         if kv_a != kv_b:
             st.caption(f"KV cache: {lab[a]} {kv_a} → {lab[b]} {kv_b}.")
+        gpus_a, gpus_b = (gpus_label(next(p for p in plans if p.id == i).body) for i in (a, b))
+        if gpus_a != gpus_b:
+            st.caption(f"Served on: {lab[a]} {gpus_a} → {lab[b]} {gpus_b}.")
         if diff.empty:
             st.caption("Same scheme on every layer.")
         else:

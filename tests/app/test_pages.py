@@ -710,6 +710,11 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
     assert saved.body["tensor_parallel"] == 2
     assert svc.export_plan(svc.get_model(seeded.id), saved.body, "vllm").splitlines()[-1].endswith(
         "--tensor-parallel-size 2")
+    at.number_input(key=f"plan_tp_{seeded.id}_(new plan)").set_value(3).run()
+    next(b for b in at.button if "Save as a new version" in b.label).click().run()
+    assert not at.exception  # the newest two versions are compared: they differ in their GPUs only
+    assert any(c.value.startswith("Served on: ") and "2 GPUs →" in c.value and c.value.endswith("3 GPUs.")
+               for c in at.caption)
 
 
 def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):

@@ -217,3 +217,10 @@ def test_weight_only_layers_off_marlins_thread_tiles():
     assert marlin_misfits(dict.fromkeys(shapes, "FP8_DYNAMIC"), shapes) == []
     assert marlin_misfits(dict.fromkeys(shapes, "BF16"), shapes) == []
     assert marlin_untiled(dict.fromkeys(QWEN72_SHAPES, "W4A16_GPTQ"), QWEN72_SHAPES) == []
+
+
+def test_the_gpus_of_a_plan_for_people():
+    from quantcore.plans import gpus_label
+
+    assert gpus_label({"default": "FP8"}) == "1 GPU"
+    assert gpus_label({"tensor_parallel": 4, "expert_parallel": True}) == "4 GPUs, experts whole"
