@@ -381,7 +381,9 @@ def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: st
     tensor_parallel, one GPU's step: its share of every layer, timed by a benchmark split as the plan is."""
     from quantcore.kernels import step_estimate as estimate
 
-    shapes = parallelism(model, plan_body).shards(layer_shapes(model))
+    par = parallelism(model, plan_body)
+    shapes = par.shards(layer_shapes(model))
+    shapes = {layer: shapes[layer] for layer in par.first_gpu(shapes)}  # EP: the experts one GPU holds
     return estimate(kernel_records(device_name), shapes, layer_paths(model, plan_body),
                     m_prefill=m_prefill, m_decode=m_decode, routed=routed_layers(model))
 
@@ -948,13 +950,16 @@ def step_bound(model: ModelRecord, body: dict[str, Any], target: str, m: int):
     does not resolve."""
     from quantcore.roofline import step_bound as bound
 
-    return bound(resolved_or_raise(model, body), parallelism(model, body).shards(layer_shapes(model)), target, m,
+    par = parallelism(model, body)
+    resolved = resolved_or_raise(model, body)
+    on_gpu = par.first_gpu(resolved)  # under expert parallelism, the experts one GPU holds
+    return bound({layer: resolved[layer] for layer in on_gpu}, par.shards(layer_shapes(model)), target, m,
                  routed_layers(model))
 
 
 def bf16_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The all-BF16 plan a plan body is compared with: on as many GPUs as the plan (its tensor_parallel)."""
-    return {"default": "BF16", **({"tensor_parallel": body["tensor_parallel"]} if body.get("tensor_parallel") else {})}
+    """The all-BF16 plan a plan body is compared with: on the plan's GPUs (its tensor_parallel, expert_parallel)."""
+    return {"default": "BF16", **{k: body[k] for k in ("tensor_parallel", "expert_parallel") if body.get(k)}}
 
 
 def mib_text(bits: float) -> str:
@@ -1313,6 +1318,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     from quantcore.parallel import Parallelism
     from quantcore.plans import spec_from_plan
     from quantcore.roofline import cost_from_roofline
+    from quantcore.schemes import expert_block
 
     sens, unit_layers = sensitivity_map(model)
     if not sens:
@@ -1347,6 +1353,11 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     if cost == "ideal":
         table = cost_from_roofline(sorted(set(cands) | {"BF16"}), per_gpu, target, m, routed_layers(model))
         source = COST_IDEAL
+    if table is not None and parallel.split and parallel.expert_parallel:
+        # each GPU holds 1 / tp of the experts (quantcore.parallel.Parallelism.first_gpu): an expert's time
+        # counts on one GPU's step in that share
+        table = {s: {layer: ms / tensor_parallel if expert_block(layer) is not None else ms
+                     for layer, ms in times.items()} for s, times in table.items()}
     result = solve(layer_names(model), sens, kl_budget=kl_budget - kv_kl, target=target, candidates=cands,
                    cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source,
                    tied=model.tied_linears, parallel=parallel)

@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantcore.schemes import expert_block
+from quantcore.schemes import expert_block, expert_blocks
+
+
+def expert_index(layer: str) -> int:
+    """The index of a routed expert linear in its block: 3 for ``model.layers.0.mlp.experts.3.up_proj``."""
+    return int(layer.rsplit(".", 2)[-2])
 
 COLUMN = "column"
 ROW = "row"
@@ -138,6 +143,20 @@ class Parallelism:
         if not self.split:
             return dict(shapes)
         return {layer: self.shard(layer, n, k) for layer, (n, k) in shapes.items()}
+
+    def first_gpu(self, layers: Iterable[str]) -> list[str]:
+        """The layers the first GPU runs a share of: every layer, but under expert parallelism only the routed
+        experts it holds, the first ceil(E / tp) of each MoE block (vLLM hands each GPU a contiguous range of
+        experts, the remainder to the first GPUs). With routing spread evenly every GPU does as much."""
+        layers = list(layers)
+        if not (self.split and self.expert_parallel):
+            return layers
+        held: set[str] = set()
+        for members in expert_blocks(layers).values():
+            ids = sorted({expert_index(m) for m in members})
+            mine = set(ids[: -(-len(ids) // self.tp)])
+            held.update(m for m in members if expert_index(m) in mine)
+        return [layer for layer in layers if expert_block(layer) is None or layer in held]
 
 
 ONE_GPU = Parallelism()

@@ -885,6 +885,15 @@ def test_a_mixture_of_experts_model_is_planned_expert_by_expert(qp_settings, cap
     assert decode.memory_ms == pytest.approx(
         step_bound(svc.resolve(model, body)[0], svc.layer_shapes(model), "h100", 1, routed).memory_ms)
     assert decode.memory_ms < counted_densely.memory_ms / 4
+    # over 2 GPUs, experts split (each GPU a half of all 16) or whole (each GPU 8 of them): the same weights a GPU
+    # reads; split, each GPU also reads every expert's whole input, a little more
+    auto = ("plan", "auto", "moe", "--kl-budget", "1000", "--target", "h100", "--cost", "ideal", "--m", "1",
+            "--candidates", "FP8_DYNAMIC", "--tp", "2", "--no-verify", "--json")
+    split, whole = run_json(capsys, *auto), run_json(capsys, *auto, "--expert-parallel")
+    assert whole["cost"] == pytest.approx(split["cost"], rel=0.05) and whole["cost"] < split["cost"]
+    assert whole["plan"] == split["plan"]
+    assert whole["plan_label"].startswith("auto-h100-kl1000-ideal-m1-tp2-ep ")
+    assert svc.get_plan(whole["plan_id"]).body["expert_parallel"] is True
 
     records = run_json(capsys, "bench", "moe", "--local", "--m", "1,16", "--budget", "5", "--json")
     assert {r["m"] for r in records} == {1, 2, 16}  # 16 tokens over 16 experts: ~1.55 per touched expert

@@ -1145,6 +1145,11 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
     assert any("does not say how many attention heads" in w for w in warnings)  # no config to read them from
     at.checkbox(key=f"plan_ep_{model.id}_(new plan)").check().run()
     assert not at.exception and not any("intermediate size" in w.value for w in at.warning)
+    # one GPU's decode step: a quarter of each of the 8 experts, or 2 whole experts, read the same bytes
+    rec = svc.get_model(model.id)
+    split = svc.step_bound(rec, {"default": "BF16", "tensor_parallel": 4}, "h100", 1)
+    whole = svc.step_bound(rec, {"default": "BF16", "tensor_parallel": 4, "expert_parallel": True}, "h100", 1)
+    assert whole.memory_ms == pytest.approx(split.memory_ms) and whole.layers < split.layers
 
     rec = svc.get_model(model.id)
     body, unit = svc.with_layer_scheme(rec, {"default": "FP8_DYNAMIC"}, "model.layers.1.mlp.experts.3.up_proj",

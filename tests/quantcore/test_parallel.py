@@ -224,3 +224,14 @@ def test_the_gpus_of_a_plan_for_people():
 
     assert gpus_label({"default": "FP8"}) == "1 GPU"
     assert gpus_label({"tensor_parallel": 4, "expert_parallel": True}) == "4 GPUs, experts whole"
+
+
+def test_under_expert_parallelism_a_gpu_runs_its_range_of_experts():
+    """vLLM hands each GPU a contiguous range of experts, the remainder to the first GPUs: of 4 experts over 3 GPUs
+    the first holds experts 0 and 1, whole; every dense layer is on every GPU."""
+    shapes = qwen3_moe_block(P, experts=4)
+    ep = Parallelism(3, AttentionHeads(32, 4, 128), expert_parallel=True)
+    held = ep.first_gpu(shapes)
+    assert sorted({n.split(".experts.")[1].split(".")[0] for n in held if ".experts." in n}) == ["0", "1"]
+    assert all(n in held for n in shapes if ".experts." not in n)
+    assert Parallelism(3, AttentionHeads(32, 4, 128)).first_gpu(shapes) == list(shapes)  # experts split, all on each
