@@ -202,7 +202,8 @@ else:
                "(a decode step is bound by the weights, a prefill by the math); a real engine gets less. Serving memory "
                "is every weight (the plan's linear weights, the rest in BF16) plus the KV cache of that many "
                "sequences of that many tokens in the format each plan was scored with: the cost where a KV format "
-               "pays off.")
+               "pays off. Every cost here is the whole model's on one GPU, whatever GPUs a plan is for, so plans "
+               "compare on one footing; the Plans page shows one GPU's share of a plan split over several.")
     st.altair_chart(charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
     no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
     if no_cost:
