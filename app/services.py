@@ -381,9 +381,7 @@ def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: st
     tensor_parallel, one GPU's step: its share of every layer, timed by a benchmark split as the plan is."""
     from quantcore.kernels import step_estimate as estimate
 
-    par = parallelism(model, plan_body)
-    shapes = par.shards(layer_shapes(model))
-    shapes = {layer: shapes[layer] for layer in par.first_gpu(shapes)}  # EP: the experts one GPU holds
+    shapes = parallelism(model, plan_body).first_gpu_shapes(layer_shapes(model))  # EP: the experts one GPU holds
     return estimate(kernel_records(device_name), shapes, layer_paths(model, plan_body),
                     m_prefill=m_prefill, m_decode=m_decode, routed=routed_layers(model))
 
@@ -781,8 +779,9 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     from quantcore.schemes import fusion_units
 
     resolved, _ = resolve(model, body)
+    shapes = layer_shapes(model)
     par = parallelism(model, body)
-    shards = par.shards(layer_shapes(model)) if par.split else {}
+    shards = par.shards(shapes) if par.split else {}
     ratios: dict[str, float] = {}
     cals = calibrations(model.id)
     if cals:
@@ -791,8 +790,8 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     sens, unit_layers = sensitivity_map(model)  # {scheme: {unit: KL}}: a layer's KL depends on its scheme
     unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
     shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
-    untileable = w4afp8_untileable(resolved, layer_shapes(model), par) if resolved and target else set()
-    off_marlin = ({m for unit, _, _ in marlin_untiled(resolved, layer_shapes(model), par) for m in unit}
+    untileable = w4afp8_untileable(resolved, shapes, par) if resolved and target else set()
+    off_marlin = ({m for unit, _, _ in marlin_untiled(resolved, shapes, par) for m in unit}
                   if resolved and target else set())
     rows = []
     for lin in model.linears:
@@ -803,7 +802,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             w = scheme.weights.format if scheme.weights else None
             a = scheme.activations.format if scheme.activations else None
             support = support_on_target(target, w, a)
-            if group_misfits({name: scheme}, {name: (lin["out_features"], lin["in_features"])}, par):
+            if group_misfits({name: scheme}, {name: shapes[name]}, par):
                 support += ", partial group"
             if name in untileable:
                 support += ", N not a multiple of 128"
@@ -950,11 +949,9 @@ def step_bound(model: ModelRecord, body: dict[str, Any], target: str, m: int):
     does not resolve."""
     from quantcore.roofline import step_bound as bound
 
-    par = parallelism(model, body)
     resolved = resolved_or_raise(model, body)
-    on_gpu = par.first_gpu(resolved)  # under expert parallelism, the experts one GPU holds
-    return bound({layer: resolved[layer] for layer in on_gpu}, par.shards(layer_shapes(model)), target, m,
-                 routed_layers(model))
+    shapes = parallelism(model, body).first_gpu_shapes(layer_shapes(model))  # EP: the experts one GPU holds
+    return bound({layer: resolved[layer] for layer in shapes}, shapes, target, m, routed_layers(model))
 
 
 def bf16_body(body: dict[str, Any]) -> dict[str, Any]:

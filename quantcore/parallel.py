@@ -106,7 +106,7 @@ def partition(layer: str) -> str:
     """How vLLM splits ``layer`` under tensor parallelism: COLUMN, ROW, REPLICATED, VOCAB (lm_head) or UNKNOWN
     (a name outside the Llama-style layout; the checks treat it as whole)."""
     leaf = layer.rpartition(".")[2]
-    if layer == "lm_head" or leaf == "lm_head":
+    if leaf == "lm_head":
         return VOCAB
     if leaf in COLUMN_LEAVES:
         return COLUMN
@@ -143,6 +143,10 @@ class Parallelism:
         if not self.split:
             return dict(shapes)
         return {layer: self.shard(layer, n, k) for layer, (n, k) in shapes.items()}
+
+    def first_gpu_shapes(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        """{layer: (N, K) on the first GPU} of the layers it runs (:meth:`first_gpu`): one GPU's step."""
+        return {layer: self.shard(layer, *shapes[layer]) for layer in self.first_gpu(shapes)}
 
     def first_gpu(self, layers: Iterable[str]) -> list[str]:
         """The layers the first GPU runs a share of: every layer, but under expert parallelism only the routed

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -799,15 +799,18 @@ def _w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str
     """(layers vLLM loads as one, their N on one GPU) for every W4AFP8 layer, fused as vLLM fuses it, whose N (split
     over ``parallel``'s GPUs, each GPU's share) is not a multiple of 128. Routed experts are left out: vLLM's fused
     MoE layer serves them with its grouped W4A8 kernel."""
+    return [(unit, n) for unit, scheme, n, _ in _dense_loaded(resolved, shapes, parallel)
+            if is_w4afp8(scheme) and n % W4A8_FP8_TILE]
+
+
+def _dense_loaded(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                  parallel: Parallelism) -> Iterator[tuple[list[str], Scheme, int, int]]:
+    """(layers vLLM loads as one GEMM, their scheme, N, K on one GPU) of every dense unit: q/k/v and gate/up fused
+    (N the sum of the members'), every other layer alone; routed experts left out (vLLM's fused MoE loads them)."""
     shards = parallel.shards(shapes)
-    out = []
-    for group in fusion_units(resolved):  # an MoE block's experts are one unit, skipped here
-        if expert_block(group[0]) is not None or not is_w4afp8(resolved[group[0]]):
-            continue
-        n = sum(shards[m][0] for m in group)
-        if n % W4A8_FP8_TILE:
-            out.append((group, n))
-    return out
+    for unit in fusion_units(resolved):
+        if expert_block(unit[0]) is None:
+            yield unit, get_scheme(resolved[unit[0]]), sum(shards[m][0] for m in unit), shards[unit[0]][1]
 
 
 def w4afp8_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
@@ -830,8 +833,7 @@ def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
     GPU's share of the fused layer.
     """
     tp = parallel.tp
-    bad = [(group_label(group) if len(group) > 1 else group[0], n)
-           for group, n in _w4afp8_untileable(resolved, shapes, parallel)]
+    bad = [(group_label(group), n) for group, n in _w4afp8_untileable(resolved, shapes, parallel)]
     if not bad:
         return []
     ns = sorted({n for _, n in bad})
@@ -853,17 +855,9 @@ def marlin_untiled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
     16-bit activations: vLLM's Marlin kernels; Machete on Hopper wants one of the same shapes) whose shape on a GPU
     fits neither of Marlin's thread tiles: N a multiple of 64 with K a multiple of 128, or N of 128 with K of 64.
     SmolLM2's fused q/k/v (N = 960, K = 576) is one. Routed experts are left out (vLLM's fused MoE)."""
-    shards = parallel.shards(shapes)
-    out = []
-    for unit in fusion_units(resolved):
-        scheme = get_scheme(resolved[unit[0]])
-        if (expert_block(unit[0]) is not None or scheme.activations is not None or scheme.weights is None
-                or scheme.weights.format not in MARLIN_WEIGHTS):
-            continue
-        n, k = sum(shards[m][0] for m in unit), shards[unit[0]][1]
-        if not any(n % tn == 0 and k % tk == 0 for tn, tk in MARLIN_TILES):
-            out.append((unit, n, k))
-    return out
+    return [(unit, n, k) for unit, scheme, n, k in _dense_loaded(resolved, shapes, parallel)
+            if scheme.activations is None and scheme.weights is not None and scheme.weights.format in MARLIN_WEIGHTS
+            and not any(n % tn == 0 and k % tk == 0 for tn, tk in MARLIN_TILES)]
 
 
 def marlin_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
@@ -878,7 +872,7 @@ def marlin_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
     if not bad:
         return []
     shown = ", ".join(f"{n} x {k}" for n, k in sorted({(n, k) for _, n, k in bad}))
-    first = group_label(bad[0][0]) if len(bad[0][0]) > 1 else bad[0][0][0]
+    first = group_label(bad[0][0])
     at = f" on each of {parallel.tp} GPUs" if parallel.split else ""
     return [f"Marlin tiles: {len(bad)} weight-only layer(s) as vLLM loads them (q/k/v and gate/up fused) have an N x K"
             f"{at} that fits neither of its thread tiles (N a multiple of 64 with K of 128, or N of 128 with K of 64): "
