@@ -60,7 +60,8 @@ MODELS: dict[str, ModelShapes] = {
 }
 # the preset each path serves, for its roofline bound (quantcore.roofline) on a GPU of the table
 PATH_SCHEME = {"baseline": "BF16", "fp8_tensor": "FP8_PER_TENSOR", "fp8_row": "FP8_DYNAMIC", "int8_row": "INT8_W8A8",
-               "w8_row": "W8A16", "w4_g128": "W4A16", "w4_g64": "W4A16_G64"}
+               "w8_row": "W8A16", "w4_g128": "W4A16", "w4_g64": "W4A16_G64", "w4_g32": "W4A16_G32",
+               "w4_ch": "W4A16_CHANNEL"}
 DEFAULT_BUDGET_S = {"cpu": 40.0, "cuda": 60.0}  # CPU: 4 shapes x 40 s, about 3 minutes in all
 
 

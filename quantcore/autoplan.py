@@ -75,6 +75,7 @@ from quantcore.plans import (
     group_label,
     group_misfits,
     is_w4afp8,
+    regroup_reason,
     regrouped_preset,
     scheme_label,
     untied_embedding_bits,
@@ -111,6 +112,15 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "W4A16_G64_ASYM",
     "W4A16_G64_ASYM_GPTQ",
     "W4A16_G64_ASYM_AWQ",
+    "W4A16_G32",
+    "W4A16_G32_GPTQ",
+    "W4A16_G32_AWQ",
+    "W4A16_G32_ASYM",
+    "W4A16_G32_ASYM_GPTQ",
+    "W4A16_G32_ASYM_AWQ",
+    "W4A16_CHANNEL",
+    "W4A16_CHANNEL_GPTQ",
+    "W4A16_CHANNEL_AWQ",
     "W4AFP8",
     "W4AFP8_GPTQ",
     "NVFP4A16",
@@ -646,7 +656,7 @@ def auto_plan(
                 "cannot serve them (quantcore.plans.group_misfits)")
         alt = regrouped_preset(s, misfit_ks[s])
         if alt is not None and alt.name not in usable:
-            note += f"; {alt.name}'s groups of {alt.weights.group_size} divide them: sweep it to let the planner use it"
+            note += f"; {alt.name}, {regroup_reason(alt)}: sweep it to let the planner use it"
         notes.append(note)
     for s, n_units in untileable.items():
         why = ("vLLM's W4AFP8 kernel cannot serve them (quantcore.plans.w4afp8_misfits)" if is_w4afp8(s) else

@@ -596,6 +596,11 @@ WEIGHT_ONLY_NOTE = {  # what a weight-only kernel does, for the notes of device_
     "w4_g128": "the INT4 weight-only kernel reads packed 4-bit weights and dequantizes them inside the kernel",
     "w4_g64": "the INT4 weight-only kernel, groups of 64 (W4A16_G64), reads packed 4-bit weights and dequantizes them "
               "inside the kernel",
+    "w4_g32": "the INT4 weight-only kernel, groups of 32 (W4A16_G32), reads packed 4-bit weights and dequantizes them "
+              "inside the kernel",
+    "w4_ch": "the INT4 weight-only kernel, one scale per row (W4A16_CHANNEL), reads packed 4-bit weights and "
+             "dequantizes them inside the kernel (torch has no per-channel mode: its groups of 128 all carry the "
+             "row's scale, where vLLM's Marlin reads the one scale)",
 }
 #: Kernel paths reported by :func:`device_paths` (the benchmark paths of
 #: ``quantcore.kernels`` plus FP4, which is reported but not benchmarked).
@@ -714,7 +719,7 @@ def device_paths(info: DeviceInfo, *, flags: set[str] | None = None) -> dict[str
                 path, False, False, f"hardware has it, but this torch build refused it: {err}"
             )
     tinygemm = (sm >= SM_INT4_TINYGEMM, f"tinygemm needs sm{SM_INT4_TINYGEMM}+")
-    _weight_only(out, dev, f"on sm{sm}", sm_ok={"w4_g128": tinygemm, "w4_g64": tinygemm})
+    _weight_only(out, dev, f"on sm{sm}", sm_ok={p: tinygemm for p in WEIGHT_ONLY_NOTE if p.startswith("w4_")})
     if sm >= SM_BLOCK_SCALED:
         out["fp4"] = PathSupport(
             "fp4", False, True, f"native FP4 tensor cores on sm{sm}; not benchmarked by quantplan yet"

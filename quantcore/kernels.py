@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import Cancelled
 from quantcore.routing import Routing, step_share
-from quantcore.schemes import W4_GROUP_SIZE, W4_SMALL_GROUP_SIZE
+from quantcore.schemes import W4_GROUP_SIZE, W4_SMALL_GROUP_SIZE, W4_TINY_GROUP_SIZE
 
 if TYPE_CHECKING:  # torch is imported inside functions: importing this module stays cheap
     import torch
@@ -72,10 +72,12 @@ PATH_INT8_ROW = "int8_row"
 PATH_W8_ROW = "w8_row"
 PATH_W4_G128 = "w4_g128"
 PATH_W4_G64 = "w4_g64"
+PATH_W4_G32 = "w4_g32"
+PATH_W4_CH = "w4_ch"
 QUANT_ACT_SUFFIX = "+q"
 
 #: Paths whose activations stay in the baseline dtype (no ``+q`` variant).
-WEIGHT_ONLY_PATHS: tuple[str, ...] = (PATH_W8_ROW, PATH_W4_G128, PATH_W4_G64)
+WEIGHT_ONLY_PATHS: tuple[str, ...] = (PATH_W8_ROW, PATH_W4_G128, PATH_W4_G64, PATH_W4_G32, PATH_W4_CH)
 BASE_PATHS: tuple[str, ...] = (PATH_BASELINE, PATH_FP8_TENSOR, PATH_FP8_ROW, PATH_INT8_ROW, *WEIGHT_ONLY_PATHS)
 #: Every benchmark path, baseline first.
 PATHS: tuple[str, ...] = (
@@ -89,6 +91,8 @@ PATHS: tuple[str, ...] = (
     PATH_W8_ROW,
     PATH_W4_G128,
     PATH_W4_G64,
+    PATH_W4_G32,
+    PATH_W4_CH,
 )
 
 #: Peak-table key (``quantcore.hardware.GpuTarget.peak_tflops``) of each base path on CUDA: the
@@ -101,6 +105,8 @@ PEAK_KEY: dict[str, str] = {
     PATH_W8_ROW: "bf16",
     PATH_W4_G128: "bf16",
     PATH_W4_G64: "bf16",
+    PATH_W4_G32: "bf16",
+    PATH_W4_CH: "bf16",
 }
 
 # --------------------------------------------------------------------------- constants
@@ -117,7 +123,12 @@ SCALED_MM_MULTIPLE_CUDA = 16  # _scaled_mm: "trailing dimension of mat1 ... divi
 # torch's CPU kernels have no such limits (checked here with torch 2.13: M=1, K=63, N=30 run),
 # except the INT4 weight-only one:
 W4_GROUP = W4_GROUP_SIZE  # the group of the W4A16 preset; K must be a multiple
-W4_GROUPS = {PATH_W4_G128: W4_GROUP, PATH_W4_G64: W4_SMALL_GROUP_SIZE}  # each INT4 path's group (W4A16, W4A16_G64)
+# each INT4 path's group as the kernel reads it (W4A16, W4A16_G64, W4A16_G32). torch's INT4 kernel has no per-channel
+# mode: w4_ch (W4A16_CHANNEL) runs it in groups of 128 that all carry their row's one scale, the same product; it
+# reads K / 128 scales a row where Marlin's channelwise kernel reads one, so its time errs slightly high.
+W4_GROUPS = {PATH_W4_G128: W4_GROUP, PATH_W4_G64: W4_SMALL_GROUP_SIZE, PATH_W4_G32: W4_TINY_GROUP_SIZE,
+             PATH_W4_CH: W4_GROUP}
+W4_PER_CHANNEL = (PATH_W4_CH,)  # INT4 paths whose scales are one per row
 W4_INNER_K_TILES = 8  # tinygemm's packing: K a multiple of 8 x 16 = 128 on CUDA
 W4_N_MULTIPLE = {"cpu": 16, "cuda": 8}  # "_convert_weight_to_int4pack_cpu: expect N to be dividable by 16"
 INT4_QMAX = 7  # symmetric INT4 grid [-7, 7] (quantcore's int4), stored as q + 8 in [1, 15]
@@ -224,7 +235,7 @@ def kernel_padding(path: str, m: int, k: int, n: int, device_kind: str) -> tuple
 
     CUDA: ``torch._int_mm`` needs M > 16 and K, N multiples of 8; ``torch._scaled_mm``
     needs K and N multiples of 16. The INT4 weight-only kernels need K a multiple of the
-    group (128 or 64) on a CPU and of 128 on CUDA (tinygemm's tiles, whatever the group), and N a
+    group (128, 64 or 32) on a CPU and of 128 on CUDA (tinygemm's tiles, whatever the group), and N a
     multiple of 16 on a CPU, 8 on CUDA. Zero padding
     of K leaves the product unchanged; extra rows / columns of the output are dropped.
     Other CPU kernels need no padding.
@@ -282,14 +293,18 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-def quantize_int4_groups(w: torch.Tensor, kp: int, group: int = W4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4_groups(w: torch.Tensor, kp: int, group: int = W4_GROUP,
+                         per_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT4 codes in [-7, 7] of ``w`` [N, K] in groups of ``group`` along K, zero-padded
-    to ``kp`` columns (a multiple of the group), and fp32 scales [kp / group, N] (``amax / 7``)."""
+    to ``kp`` columns (a multiple of the group), and fp32 scales [kp / group, N] (``amax / 7``). With
+    ``per_channel`` every group of a row carries the row's one scale (its amax over all of K)."""
     import torch
 
     n, k = w.shape
     wf = _pad2(w.float(), n, kp).reshape(n, kp // group, group)
     scale = wf.abs().amax(dim=2).clamp(min=SCALE_EPS) / INT4_QMAX  # [N, groups]
+    if per_channel:
+        scale = scale.amax(dim=1, keepdim=True).expand(n, kp // group)
     codes = torch.round(wf / scale[:, :, None]).clamp(-INT4_QMAX, INT4_QMAX).to(torch.int8)
     return codes.reshape(n, kp), scale.t().contiguous()
 
@@ -369,7 +384,8 @@ class _ShapeOperands:
                 codes, scale = quantize_int8_rows(self.w)
                 scale = scale.reshape(-1).to(self.dtype)
             elif bp in W4_GROUPS:  # scales [Kp/group, N]; padded rows get code 0, scale SCALE_EPS / 7
-                codes, scale = quantize_int4_groups(_pad2(self.w, np_, self.k), kp, W4_GROUPS[bp])
+                codes, scale = quantize_int4_groups(_pad2(self.w, np_, self.k), kp, W4_GROUPS[bp],
+                                                    per_channel=bp in W4_PER_CHANNEL)
             else:
                 raise ValueError(f"no weight codes for path {path!r}")
             self._cache[key] = (codes.contiguous(), scale.contiguous())
@@ -793,7 +809,8 @@ def scheme_to_path(
       ``int8_row`` (a per-tensor scale is a constant column of per-token scales: same
       kernel, same time).
     - Weight-only (no activation format): INT8 per-channel weights -> ``w8_row``; INT4
-      weights in groups of 128 -> ``w4_g128``, of 64 -> ``w4_g64``. Both need ``weight_granularity`` (and
+      weights in groups of 128 -> ``w4_g128``, of 64 -> ``w4_g64``, of 32 -> ``w4_g32``, per channel -> ``w4_ch``.
+      Both need ``weight_granularity`` (and
       ``group_size``) to say so; without them a weight-only scheme gets None.
     - Anything else -> None: per-group / block activation or weight scales (they do not
       factor out of the GEMM, so ``_scaled_mm`` / ``_int_mm`` cannot serve them), FP4
@@ -808,8 +825,10 @@ def scheme_to_path(
         wg = _norm_gran(weight_granularity)
         if weight_format == "int8" and wg == "channel":
             return PATH_W8_ROW
+        if weight_format == "int4" and wg == "channel":
+            return PATH_W4_CH
         if weight_format == "int4" and wg == "group":
-            return next((p for p, g in W4_GROUPS.items() if g == group_size), None)
+            return next((p for p, g in W4_GROUPS.items() if g == group_size and p not in W4_PER_CHANNEL), None)
         return None
     fp8 = ("fp8_e4m3", "fp8_e5m2")
     if weight_format in fp8 and act_format in fp8:

@@ -690,25 +690,38 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
 def _regroup_hint(scheme: Scheme, ks: set[int]) -> str:
     """", such as W4A16_G64, whose groups of 64 divide them" (:func:`regrouped_preset`), else ""."""
     best = regrouped_preset(scheme, ks)
-    return f", such as {best.name}, whose groups of {best.weights.group_size} divide them" if best else ""
+    return f", such as {best.name}, {regroup_reason(best)}" if best else ""
+
+
+def regroup_reason(scheme: Scheme) -> str:
+    """Why a preset of :func:`regrouped_preset` fits: "whose groups of 64 divide them" or, for one scale per output
+    channel, "with one scale per output channel, which any K takes"."""
+    if scheme.weights.granularity is Granularity.GROUP:
+        return f"whose groups of {scheme.weights.group_size} divide them"
+    return "with one scale per output channel, which any K takes"
 
 
 def regrouped_preset(scheme: Scheme | str, ks: Iterable[int]) -> Scheme | None:
-    """The preset that differs from ``scheme`` only in a group size dividing every K in ``ks`` (the largest such
-    group), or None: W4A16_G64_GPTQ for W4A16_GPTQ on SmolLM2's K = 576."""
+    """The preset that differs from ``scheme`` only in its weights' group: the largest group size dividing every K
+    in ``ks``, else one scale per output channel (no group at all), or None: W4A16_G64_GPTQ for W4A16_GPTQ on
+    SmolLM2's K = 576; W4A16_G32_GPTQ at one GPU's 7,392 of Qwen2.5-72B's down_proj; W4A16_CHANNEL_GPTQ at 3,696."""
     scheme = get_scheme(scheme)
     ks = set(ks)
     w = scheme.weights
-    fits = [
+    if w is None:
+        return None
+    same = [
         other for other in map(get_scheme, list_schemes())
-        if other.weights is not None and w is not None and other.weights.granularity is Granularity.GROUP
-        and other.weights.group_size != w.group_size
-        and all(k % other.weights.group_size == 0 for k in ks)
+        if other.weights is not None and other.weights.granularity in (Granularity.GROUP, Granularity.CHANNEL)
         and (other.weights.format, other.weights.symmetric, other.activations, other.gptq, other.awq,
              other.smoothquant_alpha)
         == (w.format, w.symmetric, scheme.activations, scheme.gptq, scheme.awq, scheme.smoothquant_alpha)
     ]
-    return max(fits, key=lambda s: s.weights.group_size) if fits else None
+    fits = [o for o in same if o.weights.granularity is Granularity.GROUP and o.weights.group_size != w.group_size
+            and all(k % o.weights.group_size == 0 for k in ks)]
+    if fits:
+        return max(fits, key=lambda s: s.weights.group_size)
+    return next((o for o in same if o.weights.granularity is Granularity.CHANNEL and o is not scheme), None)
 
 
 def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],

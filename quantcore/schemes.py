@@ -46,6 +46,9 @@ W4_GROUP_SIZE = 128  # INT4 weight group along K, as in compressed-tensors' W4A1
 # The W4A16_G64 presets: groups of 64 divide a K that 128 does not (SmolLM2's hidden size 576 = 9 x 64), and vLLM's
 # Marlin kernels serve them (MARLIN_SUPPORTED_GROUP_SIZES: -1, 32, 64, 128).
 W4_SMALL_GROUP_SIZE = 64
+# The W4A16_G32 presets: the smallest group Marlin serves, for a K (or one GPU's share of it under tensor parallelism)
+# that 64 does not divide: Qwen2.5-72B's down_proj at 4 GPUs reads 7,392 inputs each, 231 groups of 32.
+W4_TINY_GROUP_SIZE = 32
 FP8_BLOCK = (128, 128)  # DeepSeek-V3 weight tile (rows of N, columns of K)
 FP8_ACT_GROUP = 128  # DeepSeek-V3 activation tile: 1 x 128 along K, per token
 IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
@@ -661,8 +664,36 @@ def _presets() -> dict[str, Scheme]:
         Scheme("BF16", None, None, description="left unquantized"),
     ]
     at = next(i for i, s in enumerate(schemes) if s.name == "W4A16_ASYM_AWQ") + 1
-    schemes[at:at] = _regrouped([s for s in schemes if s.name.startswith("W4A16")], W4_SMALL_GROUP_SIZE)
+    w4 = [s for s in schemes if s.name.startswith("W4A16")]
+    schemes[at:at] = (_regrouped(w4, W4_SMALL_GROUP_SIZE) + _regrouped(w4, W4_TINY_GROUP_SIZE)
+                      + _per_channel([s for s in w4 if s.weights.symmetric]))
     return {s.name: s for s in schemes}
+
+
+def _per_channel(w4: list[Scheme]) -> list[Scheme]:
+    """The symmetric W4A16 presets with one INT4 scale per output channel instead of per group, named
+    ``W4A16_CHANNEL[_GPTQ|_AWQ]``: GPTQ's ``group_size: -1``, compressed-tensors' channel strategy. No group to
+    divide K, so any K takes them, also one GPU's share of it under tensor parallelism, where no group fits
+    (Qwen2.5-72B's down_proj at 8 GPUs: 3,696 inputs each); vLLM's Marlin serves them (group size -1)."""
+    out = []
+    for s in w4:
+        name = s.name.replace("W4A16", "W4A16_CHANNEL", 1)
+        if s.gptq:
+            description = "W4A16_CHANNEL with GPTQ-rounded weights (GPTQ's group_size -1)"
+        elif s.awq:
+            description = ("W4A16_CHANNEL with AWQ: input channels scaled by factors searched on calibration text, "
+                           "then rounded to nearest")
+        else:
+            description = ("INT4 weights with one scale per output channel, 16-bit activations (rounded to nearest): "
+                           "the fewest scales of any INT4 preset and no group that K must divide, at the cost of "
+                           "one scale spanning a whole row's outliers")
+        weights = dataclasses.replace(s.weights, granularity=Granularity.CHANNEL, group_size=None)
+        out.append(dataclasses.replace(s, name=name, weights=weights, description=description))
+    return out
+
+
+_W4_GROUPS = (W4_GROUP_SIZE, W4_SMALL_GROUP_SIZE, W4_TINY_GROUP_SIZE)  # the INT4 groups of the presets, largest first
+_TIMES = {2: "twice", 4: "four times"}
 
 
 def _regrouped(w4: list[Scheme], group: int) -> list[Scheme]:
@@ -680,8 +711,8 @@ def _regrouped(w4: list[Scheme], group: int) -> list[Scheme]:
         else:
             zero = " with a zero point per group" if not s.weights.symmetric else ""
             description = (f"INT4 weights in groups of {group} along K{zero}, 16-bit activations (rounded to "
-                           f"nearest); twice the scales of groups of {W4_GROUP_SIZE}, for a K that "
-                           f"{W4_GROUP_SIZE} does not divide")
+                           f"nearest); {_TIMES[W4_GROUP_SIZE // group]} the scales of groups of {W4_GROUP_SIZE}, "
+                           f"for a K that {' or '.join(str(g) for g in _W4_GROUPS if g > group)} does not divide")
         weights = dataclasses.replace(s.weights, group_size=group)
         out.append(dataclasses.replace(s, name=name, weights=weights, description=description))
     return out

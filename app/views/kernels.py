@@ -15,9 +15,9 @@ st.title("Kernels")
 st.caption("Measured, not assumed: each low-precision path is timed against the baseline GEMM (bf16 on GPU, "
            "fp32 on CPU) for every (N, K) of the model's linear layers; '+q' includes quantizing the "
            "activation on the fly, in eager unfused PyTorch (a serving engine's fused kernel pays less, so the "
-           "truth lies between a path and its '+q'). w8_row, w4_g128 and w4_g64 are the weight-only kernels "
-           "(W8A16, W4A16, W4A16_G64): activations stay 16-bit, INT8 / INT4 weights are dequantized inside the kernel, "
-           "which saves weight "
+           "truth lies between a path and its '+q'). w8_row, w4_g128, w4_g64, w4_g32 and w4_ch are the weight-only "
+           "kernels (W8A16, W4A16, W4A16_G64, W4A16_G32, W4A16_CHANNEL): activations stay 16-bit, INT8 / INT4 weights "
+           "are dequantized inside the kernel, which saves weight "
            "traffic (a decode step's bound), not FLOPs. A path the device does not accelerate is marked so, never "
            "shown as a speed-up.")
 model = state.current_model()

@@ -408,7 +408,7 @@ def test_a_scheme_whose_groups_do_not_divide_k_is_not_offered_to_that_unit() -> 
     assert res.plan["model.layers.0.mlp.down_proj"] == "W4A16"  # the cheapest, and its groups fit
     assert {s for n, s in res.plan.items() if not n.endswith("down_proj")} == {"FP8_DYNAMIC"}
     [note] = [n for n in res.notes if n.startswith("W4A16 was not offered to 4 unit(s)")]
-    assert note.endswith("W4A16_G64's groups of 64 divide them: sweep it to let the planner use it")
+    assert note.endswith("; W4A16_G64, whose groups of 64 divide them: sweep it to let the planner use it")
     # with a sweep of W4A16_G64 the planner takes it there, and says nothing more about it
     sens["W4A16_G64"] = {label: 2e-6 for label in LABELS}
     res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["W4A16", "W4A16_G64", "FP8_DYNAMIC"],
@@ -429,7 +429,7 @@ def test_a_scheme_whose_groups_would_straddle_two_gpus_is_not_offered_there() ->
     assert res.plan["model.layers.0.mlp.down_proj"] == "FP8_DYNAMIC"
     assert {s for n, s in res.plan.items() if not n.endswith("down_proj")} == {"W4A16"}
     [note] = [n for n in res.notes if n.startswith("W4A16 was not offered to 1 unit(s) whose K on each of 4 GPUs")]
-    assert note.endswith("W4A16_G64's groups of 64 divide them: sweep it to let the planner use it")
+    assert note.endswith("; W4A16_G64, whose groups of 64 divide them: sweep it to let the planner use it")
 
 
 def test_w4afp8_is_offered_only_where_vllms_kernel_can_tile_the_fused_layer() -> None:

@@ -224,7 +224,7 @@ def test_device_paths_on_cpu_say_what_runs_and_what_is_accelerated(flags, isa) -
     else:
         assert int8.native and isa in int8.note
     assert not paths["fp4"].runs and not paths["fp4"].native
-    for p in ("w8_row", "w4_g128", "w4_g64"):  # weight-only kernels run in fp32 on any CPU torch builds for
+    for p in ("w8_row", "w4_g128", "w4_g64", "w4_g32", "w4_ch"):  # weight-only kernels run in fp32 on any CPU torch builds for
         assert paths[p].runs and paths[p].native and "dequantizes them inside the kernel" in paths[p].note
 
 
@@ -277,6 +277,6 @@ def test_device_paths_cuda_follow_the_capability() -> None:
     if sm < hw.SM_FP8_MMA:
         assert not paths["fp8_tensor"].runs and not paths["fp8_tensor"].native
     assert paths["fp4"].native == (sm >= hw.SM_BLOCK_SCALED)
-    for p in ("w4_g128", "w4_g64"):
+    for p in ("w4_g128", "w4_g64", "w4_g32", "w4_ch"):
         assert paths[p].runs == paths[p].native == (sm >= hw.SM_INT4_TINYGEMM)
     assert paths["w8_row"].native == paths["w8_row"].runs  # native wherever this torch build runs it

@@ -55,13 +55,15 @@ def test_path_names() -> None:
         "w8_row",
         "w4_g128",
         "w4_g64",
+        "w4_g32",
+        "w4_ch",
     }
     assert kn.base_path("fp8_row+q") == "fp8_row" and kn.base_path("int8_row") == "int8_row"
     assert kn.quantizes_activation("int8_row+q") and not kn.quantizes_activation("fp8_tensor")
     # serving times a path with its activation quantization; weight-only paths have none to add
     assert kn.timed_path("fp8_row") == "fp8_row+q" and kn.timed_path("fp8_row", quant_act=False) == "fp8_row"
-    assert [kn.timed_path(p) for p in ("baseline", "w8_row", "w4_g128", "w4_g64", "int8_row+q")] == \
-        ["baseline", "w8_row", "w4_g128", "w4_g64", "int8_row+q"]
+    assert [kn.timed_path(p) for p in ("baseline", "w8_row", "w4_g128", "w4_g64", "w4_g32", "w4_ch", "int8_row+q")] == \
+        ["baseline", "w8_row", "w4_g128", "w4_g64", "w4_g32", "w4_ch", "int8_row+q"]
 
 
 def test_import_is_torch_free() -> None:
@@ -95,6 +97,10 @@ def test_import_is_torch_free() -> None:
         ("w4_g64", (3, 63, 30), "cpu", (3, 64, 32)),
         ("w4_g64", (1, 576, 1536), "cuda", (1, 640, 1536)),
         ("w4_g64", (3, 4096, 30), "cuda", (3, 4096, 32)),
+        ("w4_g32", (1, 7392, 8192), "cpu", (1, 7392, 8192)),  # one GPU's down_proj of Qwen2.5-72B at TP 4
+        ("w4_g32", (1, 7392, 8192), "cuda", (1, 7424, 8192)),
+        ("w4_ch", (1, 576, 1536), "cpu", (1, 640, 1536)),  # the kernel's groups of 128, one scale a row
+        ("w4_ch", (1, 3696, 8192), "cuda", (1, 3712, 8192)),
     ],
 )
 def test_kernel_padding(
@@ -155,7 +161,9 @@ def test_every_path_every_m_is_timed_on_cpu(tiny_records: list[kn.KernelRecord])
         assert r.tflops == pytest.approx(2 * r.m * r.n * r.k / (r.ms * 1e-3) / 1e12)
         assert r.pct_peak is None  # no peak table for a CPU: measured figures only
         # CPU: no padding, but for the INT4 weight-only kernel, whose K must be a multiple of its group
-        assert (r.padded_m, r.padded_k, r.padded_n) == ((None, 128, None) if r.path == "w4_g128" else (None,) * 3)
+        # (w4_ch runs it in groups of 128)
+        assert (r.padded_m, r.padded_k, r.padded_n) == ((None, 128, None) if r.path in ("w4_g128", "w4_ch")
+                                                        else (None,) * 3)
         assert r.speedup is not None
 
 
@@ -364,7 +372,8 @@ def test_scheme_to_path(w: str | None, a: str | None, g: str | None, path: str |
     [("BF16", None), ("FP8_DYNAMIC", "fp8_row"), ("FP8", "fp8_tensor"), ("INT8_W8A8", "int8_row"),
      ("INT8_PER_TENSOR", "int8_row"), ("W8A16", "w8_row"), ("W4A16", "w4_g128"), ("W4A16_G64", "w4_g64"),
      ("W4A16_G64_GPTQ", "w4_g64"), ("W4A16_AWQ", "w4_g128"), ("W4A16_ASYM", "w4_g128"),
-     ("W4A16_G64_ASYM_AWQ", "w4_g64"), ("NVFP4A16", None),
+     ("W4A16_G64_ASYM_AWQ", "w4_g64"), ("W4A16_G32", "w4_g32"), ("W4A16_G32_ASYM_GPTQ", "w4_g32"),
+     ("W4A16_CHANNEL", "w4_ch"), ("W4A16_CHANNEL_AWQ", "w4_ch"), ("NVFP4A16", None),
      ("MXFP4", None), ("FP8_BLOCK", None)],
 )
 def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:
@@ -373,21 +382,25 @@ def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:
     assert kn.scheme_path(get_scheme(scheme)) == path
 
 
-@pytest.mark.parametrize("path", ["w4_g128", "w4_g64"])
+@pytest.mark.parametrize("path", ["w4_g128", "w4_g64", "w4_g32", "w4_ch"])
 def test_int4_weight_only_kernel_agrees_with_the_int4_emulation(path: str) -> None:
     """The packed INT4 kernel computes x @ (q * scale)^T for quantcore's own INT4 per-group codes: the same
-    numbers as fake-quantizing the weight with W4A16's (W4A16_G64's) spec (``quantcore.quantize``)."""
+    numbers as fake-quantizing the weight with W4A16's (W4A16_G64's, W4A16_G32's) spec (``quantcore.quantize``).
+    w4_ch runs the same kernel in groups that all carry their row's scale: W4A16_CHANNEL's per-channel product."""
     from quantcore.quantize import fake_quantize
 
     group = kn.W4_GROUPS[path]
+    per_channel = path in kn.W4_PER_CHANNEL
     g = torch.Generator().manual_seed(3)
     w = torch.randn(48, 256, generator=g) / 16
     x = torch.randn(5, 256, generator=g)
-    codes, scales = kn.quantize_int4_groups(w, 256, group)
+    codes, scales = kn.quantize_int4_groups(w, 256, group, per_channel=per_channel)
     assert codes.abs().max() <= 7 and scales.shape == (256 // group, 48)
+    assert (scales == scales[:1]).all() == per_channel  # one scale down each column of groups: the row's
     sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
     out = kn.int4_weight_mm(x, kn.pack_int4(codes, "cpu"), sz, "cpu", group)
-    w_q = fake_quantize(w, "int4", "group", group_size=group)
+    w_q = (fake_quantize(w, "int4", "channel") if per_channel else
+           fake_quantize(w, "int4", "group", group_size=group))
     torch.testing.assert_close(out, x @ w_q.t(), rtol=1e-5, atol=1e-5)
 
 
@@ -569,6 +582,8 @@ def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
             "w8_row": w8_runs,
             "w4_g128": sm >= SM_INT4_TINYGEMM,
             "w4_g64": sm >= SM_INT4_TINYGEMM,
+            "w4_g32": sm >= SM_INT4_TINYGEMM,
+            "w4_ch": sm >= SM_INT4_TINYGEMM,
         }[base]
         if not expect_native:
             assert r.skipped is not None and r.skipped.startswith("not supported on cuda")
@@ -585,8 +600,8 @@ def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
             assert r.padded_m == kn.INT_MM_MIN_M_CUDA
         else:
             assert r.padded_m is None
-        # K=576: INT4 groups of 128; groups of 64 fit, but tinygemm's tiles want a multiple of 128 too
-        assert r.padded_k == (640 if base in ("w4_g128", "w4_g64") else None)
+        # K=576: INT4 groups of 128; groups of 64 and 32 fit, but tinygemm's tiles want a multiple of 128 too
+        assert r.padded_k == (640 if base in kn.W4_GROUPS else None)
 
 
 @pytest.mark.gpu

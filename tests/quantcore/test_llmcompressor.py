@@ -352,7 +352,7 @@ def run_oneshot(plan: dict[str, Scheme], workdir: Path, arch: str = "llama") -> 
     return json.loads((workdir / "oneshot.json").read_text())
 
 
-@pytest.mark.parametrize("gptq", ["W4A16_GPTQ", "NVFP4A16_GPTQ", "W4AFP8_GPTQ"])
+@pytest.mark.parametrize("gptq", ["W4A16_GPTQ", "W4A16_CHANNEL_GPTQ", "NVFP4A16_GPTQ", "W4AFP8_GPTQ"])
 def test_exported_gptq_recipe_runs_in_oneshot(tmp_path, gptq) -> None:
     """The whole way: a mixed FP8_DYNAMIC + GPTQ plan, exported, quantizes a tiny Llama with llm-compressor's own
     oneshot: every linear ends up with the planned args, int weights on their grid, the GPTQ layers moved off
@@ -452,7 +452,8 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base:
             assert off_grid(ours[n + ".weight"], theirs[n + ".weight"]) < 0.002, n
 
 
-@pytest.mark.parametrize("name", ["NVFP4A16", "W4A16", "W4A16_G64", "W4A16_ASYM", "FP8_DYNAMIC", "W4AFP8"])
+@pytest.mark.parametrize("name", ["NVFP4A16", "W4A16", "W4A16_G64", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM",
+                                  "FP8_DYNAMIC", "W4AFP8"])
 def test_round_to_nearest_checkpoint_is_quantcores_emulation(tmp_path, name: str) -> None:
     """A data-free recipe through oneshot on the tiny Llama: every linear weight it stores is what quantcore's
     emulation of the plan holds, grid point for grid point. For NVFP4 that takes one fp32 tensor scale per fusion

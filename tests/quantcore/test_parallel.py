@@ -14,7 +14,7 @@ from quantcore.parallel import (
     partition,
     tp_misfits,
 )
-from quantcore.plans import PlanSpec, fp8_block_misfits, group_misfits, w4afp8_misfits
+from quantcore.plans import PlanSpec, fp8_block_misfits, group_misfits, marlin_misfits, w4afp8_misfits
 
 
 def llama_block(p: str, hidden: int, heads: AttentionHeads, intermediate: int) -> dict[str, tuple[int, int]]:
@@ -89,8 +89,17 @@ def test_a_group_split_over_two_gpus_is_refused_and_a_smaller_group_offered():
     assert msg.startswith("W4A16_GPTQ at tensor_parallel 2: each GPU holds K / 2 = 14784 inputs of 1 row-parallel "
                           f"layer(s) (e.g. {P}.mlp.down_proj), not a whole number of groups of 128")
     assert msg.endswith("such as W4A16_G64_GPTQ, whose groups of 64 divide them")  # 14,784 = 231 x 64
-    [msg] = group_misfits(plan, QWEN72_SHAPES, Parallelism(8, QWEN72))
-    assert "K / 8 = 3696" in msg and "such as" not in msg  # 3,696 is not a whole number of 64 either
+    [msg] = group_misfits(plan, QWEN72_SHAPES, Parallelism(4, QWEN72))
+    assert "K / 4 = 7392" in msg and msg.endswith("such as W4A16_G32_GPTQ, whose groups of 32 divide them")  # 231 x 32
+    [msg] = group_misfits(plan, QWEN72_SHAPES, Parallelism(8, QWEN72))  # 3,696 is not a whole number of 32 either
+    assert "K / 8 = 3696" in msg and msg.endswith("such as W4A16_CHANNEL_GPTQ, with one scale per output channel, "
+                                                  "which any K takes")
+    for tp, fits in ((4, "W4A16_G32_GPTQ"), (8, "W4A16_CHANNEL_GPTQ")):
+        fitted = dict.fromkeys(QWEN72_SHAPES, fits)
+        assert group_misfits(fitted, QWEN72_SHAPES, Parallelism(tp, QWEN72)) == []
+        # its groups fit, but 7,392 and 3,696 inputs are off Marlin's thread tiles (K % 64): padded since vLLM#45295
+        [tiles] = marlin_misfits(fitted, QWEN72_SHAPES, Parallelism(tp, QWEN72))
+        assert f"{8192} x {29568 // tp}" in tiles
     assert group_misfits(dict.fromkeys(QWEN72_SHAPES, "W4A16_G64_GPTQ"), QWEN72_SHAPES, Parallelism(2, QWEN72)) == []
     # per-channel weights have no groups to split; o_proj's 8,192 / 8 = 1,024 is 8 groups
     assert group_misfits(dict.fromkeys(QWEN72_SHAPES, "W8A16"), QWEN72_SHAPES, Parallelism(8, QWEN72)) == []

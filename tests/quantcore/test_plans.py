@@ -334,8 +334,15 @@ def test_group_misfits_point_at_the_preset_whose_groups_fit(suffix):
     assert msg.endswith(f"keep those layers in another scheme, such as W4A16_G64{suffix}, whose groups of 64 "
                         "divide them")
     assert group_misfits({n: f"W4A16_G64{suffix}" for n in shapes}, shapes) == []
-    # neither 128 nor 64 divides K = 96: the message says so without a suggestion
+    # neither 128 nor 64 divides K = 96, 32 does; no group divides 100: one scale per output channel takes any K
     [msg] = group_misfits({"odd": f"W4A16{suffix}"}, {"odd": (64, 96)})
+    assert msg.endswith(f"another scheme, such as W4A16_G32{suffix}, whose groups of 32 divide them")
+    [msg] = group_misfits({"odd": f"W4A16{suffix}"}, {"odd": (64, 100)})
+    assert msg.endswith(f"another scheme, such as W4A16_CHANNEL{suffix}, with one scale per output channel, which "
+                        "any K takes")
+    assert group_misfits({"odd": f"W4A16_CHANNEL{suffix}"}, {"odd": (64, 100)}) == []
+    # with zero points there is no per-channel preset: the message says so without a suggestion
+    [msg] = group_misfits({"odd": f"W4A16_ASYM{suffix}"}, {"odd": (64, 100)})
     assert msg.endswith("keep those layers in another scheme")
 
 

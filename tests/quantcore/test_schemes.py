@@ -25,13 +25,16 @@ ISSUE_PRESETS = [
     "NVFP4", "NVFP4A16", "BF16",
 ]  # fmt: skip
 # the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
-AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "W4A16_ASYM_AWQ", "W4A16_G64_AWQ", "W4A16_G64_ASYM_AWQ", "NVFP4A16_AWQ"]
+AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "W4A16_ASYM_AWQ", "W4A16_G64_AWQ", "W4A16_G64_ASYM_AWQ", "W4A16_G32_AWQ",
+               "W4A16_G32_ASYM_AWQ", "W4A16_CHANNEL_AWQ", "NVFP4A16_AWQ"]
 GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "W4A16_ASYM_GPTQ", "W4A16_G64_GPTQ",
-                "W4A16_G64_ASYM_GPTQ", "NVFP4_GPTQ", "NVFP4A16_GPTQ", "W4AFP8_GPTQ"]
-# W4A16 in groups of 64, for a K that 128 does not divide (SmolLM2's 576): vLLM's Marlin serves 32, 64, 128; and
-# with a zero point per group (compressed-tensors' W4A16_ASYM, the scheme of llm-compressor's AWQ examples)
-G64_PRESETS = ["W4A16_G64"]
-ASYM_PRESETS = ["W4A16_ASYM", "W4A16_G64_ASYM"]
+                "W4A16_G64_ASYM_GPTQ", "W4A16_G32_GPTQ", "W4A16_G32_ASYM_GPTQ", "W4A16_CHANNEL_GPTQ", "NVFP4_GPTQ",
+                "NVFP4A16_GPTQ", "W4AFP8_GPTQ"]
+# W4A16 in groups of 64 and 32, for a K that 128 does not divide (SmolLM2's 576; one GPU's share of Qwen2.5-72B's
+# down_proj at 4 GPUs, 7,392): vLLM's Marlin serves -1, 32, 64, 128; one scale per channel (group -1), which any K
+# takes; and with a zero point per group (compressed-tensors' W4A16_ASYM, the scheme of llm-compressor's AWQ examples)
+G64_PRESETS = ["W4A16_G64", "W4A16_G32", "W4A16_CHANNEL"]
+ASYM_PRESETS = ["W4A16_ASYM", "W4A16_G64_ASYM", "W4A16_G32_ASYM"]
 # INT4 weights with FP8 activations: compressed-tensors' W4AFP8 (vLLM's CUTLASS W4A8 kernel on Hopper)
 W4A8_PRESETS = ["W4AFP8"]
 W4_PRESETS = [n for n in GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS if n.startswith("W4A16")]
@@ -100,6 +103,33 @@ def test_w4a16_g64_is_w4a16_with_groups_of_64(suffix, asym):
     zp = 4 if asym else 0
     assert weight_storage_bits(g64, 576, 576) == 576 * 576 * 4 + 576 * 9 * (16 + zp)
     assert weight_storage_bits(g128, 576, 640) == 576 * 640 * 4 + 576 * 5 * (16 + zp)
+
+
+@pytest.mark.parametrize("suffix", ["", "_GPTQ", "_AWQ"])
+@pytest.mark.parametrize("asym", ["", "_ASYM"])
+def test_w4a16_g32_is_w4a16_with_groups_of_32(suffix, asym):
+    g128, g32 = get_scheme(f"W4A16{asym}{suffix}"), get_scheme(f"W4A16_G32{asym}{suffix}")
+    assert dataclasses.replace(g32.weights, group_size=128) == g128.weights and g32.weights.group_size == 32
+    assert (g32.gptq, g32.awq, g32.activations) == (g128.gptq, g128.awq, g128.activations)
+    assert list_schemes().index(f"W4A16_G32{asym}{suffix}") > list_schemes().index(f"W4A16_G64{asym}{suffix}")
+    if not suffix:
+        assert "four times the scales" in g32.description and "128 or 64 does not divide" in g32.description
+    # four times the scales: 4 + 16/32 = 4.5 bits per weight (16-bit scales); a zero point adds 4/32 more
+    zp = 4 if asym else 0
+    assert weight_storage_bits(g32, 576, 576) == 576 * 576 * 4 + 576 * 18 * (16 + zp)
+
+
+@pytest.mark.parametrize("suffix", ["", "_GPTQ", "_AWQ"])
+def test_w4a16_channel_is_w4a16_with_one_scale_per_row(suffix):
+    g128, ch = get_scheme(f"W4A16{suffix}"), get_scheme(f"W4A16_CHANNEL{suffix}")
+    w = ch.weights
+    assert (w.format, w.granularity, w.group_size, w.symmetric) == ("int4", Granularity.CHANNEL, None, True)
+    assert (ch.gptq, ch.awq, ch.activations) == (g128.gptq, g128.awq, None)
+    assert ch.describe().startswith("W: int4 per-channel; A: 16-bit")
+    assert "W4A16_CHANNEL_ASYM" not in list_schemes()  # GPTQ's group_size -1 checkpoints are symmetric
+    # one 16-bit scale a row: 4 + 16 / K bits per weight, the fewest of any INT4 preset
+    assert weight_storage_bits(ch, 576, 1536) == 576 * 1536 * 4 + 576 * 16
+    assert weight_storage_bits(ch, 576, 1536) < weight_storage_bits(g128, 576, 1536)
 
 
 # (weights format, weights granularity, acts format or None, acts granularity, acts dynamic, alpha),
