@@ -713,14 +713,36 @@ def resolved_or_raise(model: ModelRecord, body: dict[str, Any]):
 def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, scheme: str) -> tuple[dict, list]:
     """The plan body with `scheme` set on `layer` and on every layer that must share it (its fusion group, or
     every routed expert of its MoE block)."""
+    from quantcore.schemes import plan_unit_of
+
+    group = plan_unit_of(layer, layer_names(model))
+    return with_schemes(model, body, {scheme: group}), group
+
+
+def with_schemes(model: ModelRecord, body: dict[str, Any], choices: dict[str, list[str]]) -> dict[str, Any]:
+    """The plan body with each scheme of `choices` ({scheme: layers}) set on its layers as per-layer choices, and on
+    every layer that must share a scheme with one of them (fusion group, an MoE block's experts)."""
     from quantcore.plans import PlanSpec
     from quantcore.schemes import plan_unit_of
 
     spec = PlanSpec.from_dict(body)
-    group = plan_unit_of(layer, layer_names(model))
-    for member in group:
-        spec.layers[member] = scheme
-    return spec.to_dict(), group
+    names = layer_names(model)
+    for scheme, layers in choices.items():
+        for layer in layers:
+            for member in plan_unit_of(layer, names):
+                spec.layers[member] = scheme
+    return spec.to_dict()
+
+
+def regroup_fixes(model: ModelRecord, body: dict[str, Any]) -> dict[str, list[str]]:
+    """{preset: layers} that mends the plan's groups that do not divide a layer's K (or each GPU's share of it at the
+    plan's tensor_parallel): quantcore.plans.regroup_fixes; {} for a plan that does not resolve."""
+    from quantcore.plans import regroup_fixes as fixes
+
+    resolved, problem = resolve(model, body)
+    if problem:
+        return {}
+    return fixes(resolved, layer_shapes(model), parallelism(model, body))
 
 
 def support_reasons(schemes: Iterable[str], target: str | None) -> list[str]:

@@ -628,6 +628,47 @@ def plan_footprint(
     return Footprint(rows, params, sum(r.bits for r in rows), IDENTITY_BITS * params)
 
 
+def _group_misfit_entries(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                          parallel: Parallelism) -> dict[tuple[str, int, bool], dict[str, Any]]:
+    """{(scheme label, group, split over GPUs): {layers, ks, scheme, weights}} of :func:`group_misfits`: the layers
+    whose K (or, split, each GPU's K) a group of the scheme does not divide, each with that K, the set of those Ks,
+    and whether they are weights' groups."""
+    shards = parallel.shards(shapes)
+    misfit: dict[tuple[str, int, bool], dict[str, Any]] = {}
+    for layer, scheme in resolved.items():
+        scheme = get_scheme(scheme)
+        _, k = shapes[layer]
+        for spec in (scheme.weights, scheme.activations):
+            g = spec.group_size if spec is not None and spec.granularity.value == "group" else None
+            if not g:
+                continue
+            shard = not k % g and spec is scheme.weights and shards[layer][1] % g
+            if k % g or shard:
+                entry = misfit.setdefault((scheme_label(scheme), g, bool(shard)),
+                                          {"layers": {}, "ks": set(), "scheme": scheme, "weights": False})
+                entry["weights"] = entry["weights"] or spec is scheme.weights
+                if layer not in entry["layers"]:
+                    entry["layers"][layer] = shards[layer][1] if shard else k
+                    entry["ks"].add(entry["layers"][layer])
+    return misfit
+
+
+def regroup_fixes(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                  parallel: Parallelism = ONE_GPU) -> dict[str, list[str]]:
+    """{preset: layers} for the layers of :func:`group_misfits` whose weights' groups do not fit: each layer under the
+    preset :func:`regrouped_preset` names for its own K (or each GPU's share), the per-layer choice that mends it
+    (W4A16_G64_GPTQ for SmolLM2's 180 layers at K = 576 under W4A16_GPTQ). Layers no preset fits are left out."""
+    out: dict[str, list[str]] = {}
+    for e in _group_misfit_entries(resolved, shapes, parallel).values():
+        if not e["weights"]:
+            continue
+        for layer, k in e["layers"].items():
+            alt = regrouped_preset(e["scheme"], {k})
+            if alt is not None and layer not in out.setdefault(alt.name, []):
+                out[alt.name].append(layer)
+    return {name: layers for name, layers in out.items() if layers}
+
+
 def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
                   parallel: Parallelism = ONE_GPU) -> list[str]:
     """What a serving stack will complain about: layers whose K is not a whole number of the scheme's groups.
@@ -649,29 +690,13 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
     own, per (scheme, group). (FP8_BLOCK's shards are :func:`fp8_block_misfits`'.)
     """
     tp = parallel.tp
-    shards = parallel.shards(shapes)
-    misfit: dict[tuple[str, int, bool], dict[str, Any]] = {}
-    for layer, scheme in resolved.items():
-        scheme = get_scheme(scheme)
-        _, k = shapes[layer]
-        for spec in (scheme.weights, scheme.activations):
-            g = spec.group_size if spec is not None and spec.granularity.value == "group" else None
-            if not g:
-                continue
-            shard = not k % g and spec is scheme.weights and shards[layer][1] % g
-            if k % g or shard:
-                entry = misfit.setdefault((scheme_label(scheme), g, bool(shard)),
-                                          {"layers": [], "ks": set(), "scheme": scheme, "weights": False})
-                entry["weights"] = entry["weights"] or spec is scheme.weights
-                if layer not in entry["layers"]:
-                    entry["layers"].append(layer)
-                    entry["ks"].add(shards[layer][1] if shard else k)
+    misfit = _group_misfit_entries(resolved, shapes, parallel)
     out = []
     for (label, g, shard), e in misfit.items():
         ks = ", ".join(map(str, sorted(e["ks"])))
         if shard:
             out.append(f"{label} at tensor_parallel {tp}: each GPU holds K / {tp} = {ks} inputs of {len(e['layers'])} "
-                       f"row-parallel layer(s) (e.g. {e['layers'][0]}), not a whole number of groups of {g}: vLLM "
+                       f"row-parallel layer(s) (e.g. {next(iter(e['layers']))}), not a whole number of groups of {g}: vLLM "
                        "refuses a group split over two GPUs (\"not a whole number of quant groups. Consider reducing "
                        "tensor_parallel_size\"): choose a smaller tensor_parallel or keep those layers in another "
                        f"scheme{_regroup_hint(e['scheme'], e['ks'])}")
@@ -682,7 +707,7 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
                f"llm-compressor accepts the recipe, but vLLM quantizes the activations in groups of {g} along K "
                "(per_token_group_quant_fp8), which needs K divisible by the group")
         out.append(f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
-                   f"{ks}, e.g. {e['layers'][0]}); {why}: keep those layers in "
+                   f"{ks}, e.g. {next(iter(e['layers']))}); {why}: keep those layers in "
                    f"another scheme{_regroup_hint(e['scheme'], e['ks'])}")
     return out
 

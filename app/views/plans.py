@@ -153,6 +153,18 @@ for reason in svc.support_reasons(table["scheme"].unique(), target):
     st.caption(reason)
 for warning in svc.serving_warnings(model, body):
     st.warning(warning)
+
+
+def use_fix(scheme: str, layers: list[str], table_key: str = f"plan_table_{model.id}_{start}") -> None:
+    st.session_state[EDIT] = svc.with_schemes(model, st.session_state[EDIT], {scheme: layers})
+    st.session_state.pop(table_key, None)  # the table's own edits would otherwise be laid over the new choices
+
+
+for alt, layers in svc.regroup_fixes(model, body).items():
+    st.button(f"Use {alt} on the {len(layers)} layer(s) whose K it fits", key=f"plan_regroup_{alt}",
+              on_click=use_fix, args=(alt, layers),
+              help="Sets it as a per-layer choice on those layers (and their fusion groups); the rest of the plan "
+                   "keeps its schemes. Clear per-layer overrides below to undo.")
 if body.get("layers"):
     with st.expander(f"{len(body['layers'])} per-layer overrides"):
         st.json(body["layers"])

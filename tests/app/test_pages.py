@@ -661,6 +661,15 @@ def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
     assert table.loc["model.layers.0.self_attn.q_proj", "on_target"] == "native, partial group, off Marlin tiles"
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"  # K = 1536: twelve whole groups
+    # one click mends it: the preset whose groups fit, on exactly the layers that need it
+    fix = next(b for b in at.button if b.label.startswith("Use W4A16_G64 on the 24 layer(s)"))
+    fix.click().run()
+    assert not at.exception
+    assert not any("groups of" in w.value for w in at.warning)
+    table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
+    assert table.loc["model.layers.0.self_attn.q_proj", "scheme"] == "W4A16_G64"
+    assert table.loc["model.layers.0.mlp.down_proj", "scheme"] == "W4A16"  # its groups of 128 fit: left as it was
+    assert not any(b.label.startswith("Use W4A16_G64") for b in at.button)
 
 
 def test_plans_page_says_where_vllms_w4afp8_kernel_cannot_tile_a_layer(seeded):

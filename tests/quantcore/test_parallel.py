@@ -14,7 +14,14 @@ from quantcore.parallel import (
     partition,
     tp_misfits,
 )
-from quantcore.plans import PlanSpec, fp8_block_misfits, group_misfits, marlin_misfits, w4afp8_misfits
+from quantcore.plans import (
+    PlanSpec,
+    fp8_block_misfits,
+    group_misfits,
+    marlin_misfits,
+    regroup_fixes,
+    w4afp8_misfits,
+)
 
 
 def llama_block(p: str, hidden: int, heads: AttentionHeads, intermediate: int) -> dict[str, tuple[int, int]]:
@@ -94,6 +101,9 @@ def test_a_group_split_over_two_gpus_is_refused_and_a_smaller_group_offered():
     [msg] = group_misfits(plan, QWEN72_SHAPES, Parallelism(8, QWEN72))  # 3,696 is not a whole number of 32 either
     assert "K / 8 = 3696" in msg and msg.endswith("such as W4A16_CHANNEL_GPTQ, with one scale per output channel, "
                                                   "which any K takes")
+    # the per-layer choice that mends it: the fitting preset on exactly the layers whose share misfits
+    assert regroup_fixes(plan, QWEN72_SHAPES, Parallelism(8, QWEN72)) == {"W4A16_CHANNEL_GPTQ": [f"{P}.mlp.down_proj"]}
+    assert regroup_fixes(plan, QWEN72_SHAPES) == {}
     for tp, fits in ((4, "W4A16_G32_GPTQ"), (8, "W4A16_CHANNEL_GPTQ")):
         fitted = dict.fromkeys(QWEN72_SHAPES, fits)
         assert group_misfits(fitted, QWEN72_SHAPES, Parallelism(tp, QWEN72)) == []

@@ -346,6 +346,20 @@ def test_group_misfits_point_at_the_preset_whose_groups_fit(suffix):
     assert msg.endswith("keep those layers in another scheme")
 
 
+
+def test_regroup_fixes_name_the_preset_for_exactly_the_layers_it_mends():
+    from quantcore.plans import regroup_fixes
+
+    shapes = {"a.q_proj": (576, 576), "a.k_proj": (192, 576), "a.down_proj": (576, 1536), "b": (64, 96),
+              "c": (64, 100), "d": (64, 100)}
+    plan = {**dict.fromkeys(shapes, "W4A16_GPTQ"), "d": "W4A16_ASYM"}
+    assert regroup_fixes(plan, shapes) == {"W4A16_G64_GPTQ": ["a.q_proj", "a.k_proj"], "W4A16_G32_GPTQ": ["b"],
+                                           "W4A16_CHANNEL_GPTQ": ["c"]}  # d: no per-channel preset with zero points
+    # FP8_BLOCK's misfit is its activations' groups: no weight regrouping mends that
+    assert regroup_fixes({"a.q_proj": "FP8_BLOCK"}, shapes) == {}
+    assert regroup_fixes(dict.fromkeys(shapes, "FP8_DYNAMIC"), shapes) == {}
+
+
 def test_fp8_block_misfits_name_merged_layers_whose_n_the_blocks_do_not_divide():
     """vLLM's validate_fp8_block_shape: every output partition of a merged q/k/v or gate/up GEMM but the last must be
     a whole number of 128-row blocks; a layer loaded alone (o_proj, down_proj) takes any N on one GPU."""
