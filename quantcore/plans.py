@@ -630,9 +630,9 @@ def plan_footprint(
 
 def _group_misfit_entries(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
                           parallel: Parallelism) -> dict[tuple[str, int, bool], dict[str, Any]]:
-    """{(scheme label, group, split over GPUs): {layers, ks, scheme, weights}} of :func:`group_misfits`: the layers
-    whose K (or, split, each GPU's K) a group of the scheme does not divide, each with that K, the set of those Ks,
-    and whether they are weights' groups."""
+    """{(scheme label, group, split over GPUs): {layers, scheme, weights}} of :func:`group_misfits`: the layers whose
+    K (or, split, each GPU's K) a group of the scheme does not divide, each with that K, and whether they are
+    weights' groups."""
     shards = parallel.shards(shapes)
     misfit: dict[tuple[str, int, bool], dict[str, Any]] = {}
     for layer, scheme in resolved.items():
@@ -645,11 +645,9 @@ def _group_misfit_entries(resolved: Mapping[str, Scheme | str], shapes: Mapping[
             shard = not k % g and spec is scheme.weights and shards[layer][1] % g
             if k % g or shard:
                 entry = misfit.setdefault((scheme_label(scheme), g, bool(shard)),
-                                          {"layers": {}, "ks": set(), "scheme": scheme, "weights": False})
+                                          {"layers": {}, "scheme": scheme, "weights": False})
                 entry["weights"] = entry["weights"] or spec is scheme.weights
-                if layer not in entry["layers"]:
-                    entry["layers"][layer] = shards[layer][1] if shard else k
-                    entry["ks"].add(entry["layers"][layer])
+                entry["layers"].setdefault(layer, shards[layer][1] if shard else k)
     return misfit
 
 
@@ -693,13 +691,14 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
     misfit = _group_misfit_entries(resolved, shapes, parallel)
     out = []
     for (label, g, shard), e in misfit.items():
-        ks = ", ".join(map(str, sorted(e["ks"])))
+        kset = set(e["layers"].values())
+        ks = ", ".join(map(str, sorted(kset)))
         if shard:
             out.append(f"{label} at tensor_parallel {tp}: each GPU holds K / {tp} = {ks} inputs of {len(e['layers'])} "
                        f"row-parallel layer(s) (e.g. {next(iter(e['layers']))}), not a whole number of groups of {g}: vLLM "
                        "refuses a group split over two GPUs (\"not a whole number of quant groups. Consider reducing "
                        "tensor_parallel_size\"): choose a smaller tensor_parallel or keep those layers in another "
-                       f"scheme{_regroup_hint(e['scheme'], e['ks'])}")
+                       f"scheme{_regroup_hint(e['scheme'], kset)}")
             continue
         why = ("llm-compressor's oneshot refuses such a recipe (unless bypass_divisibility_checks) and vLLM's group "
                "kernels (Marlin, CUTLASS W4A8) refuse to load a layer whose K is not divisible by the group"
@@ -708,7 +707,7 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
                "(per_token_group_quant_fp8), which needs K divisible by the group")
         out.append(f"{label}: groups of {g} do not divide K of {len(e['layers'])} layer(s) (K = "
                    f"{ks}, e.g. {next(iter(e['layers']))}); {why}: keep those layers in "
-                   f"another scheme{_regroup_hint(e['scheme'], e['ks'])}")
+                   f"another scheme{_regroup_hint(e['scheme'], kset)}")
     return out
 
 
