@@ -7,7 +7,9 @@ statistics come back from the store as numpy arrays.
 from __future__ import annotations
 
 import shutil
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -631,8 +633,32 @@ def layer_names(model: ModelRecord) -> list[str]:
     return [lin["name"] for lin in model.linears]
 
 
+_RESOLVED: OrderedDict[tuple, tuple[dict | None, str | None]] = OrderedDict()  # newest last
+_RESOLVED_LOCK = threading.Lock()
+_RESOLVED_KEEP = 32  # a page resolves the plan it shows a dozen times (table, checks, step bounds, cache)
+
+
 def resolve(model: ModelRecord, body: dict[str, Any]):
-    """(resolved {layer: Scheme}, None) or (None, the PlanError message)."""
+    """(resolved {layer: Scheme}, None) or (None, the PlanError message). The last few answers are kept, keyed by
+    the model (its row, checkpoint and layers) and the body's content: a page asks the same again and again."""
+    import json
+
+    key = (model.id, model.sha256, tuple(layer_names(model)), json.dumps(body, sort_keys=True, default=str))
+    with _RESOLVED_LOCK:
+        hit = _RESOLVED.get(key)
+        if hit is not None:
+            _RESOLVED.move_to_end(key)
+    if hit is None:
+        hit = _resolve(model, body)
+        with _RESOLVED_LOCK:
+            _RESOLVED[key] = hit
+            while len(_RESOLVED) > _RESOLVED_KEEP:
+                _RESOLVED.popitem(last=False)
+    resolved, problem = hit
+    return (dict(resolved) if resolved is not None else None), problem  # a copy: callers may change theirs
+
+
+def _resolve(model: ModelRecord, body: dict[str, Any]) -> tuple[dict | None, str | None]:
     from quantcore.errors import PlanError
     from quantcore.plans import PlanSpec, resolve_plan
 
@@ -723,13 +749,13 @@ def with_schemes(model: ModelRecord, body: dict[str, Any], choices: dict[str, li
     """The plan body with each scheme of `choices` ({scheme: layers}) set on its layers as per-layer choices, and on
     every layer that must share a scheme with one of them (fusion group, an MoE block's experts)."""
     from quantcore.plans import PlanSpec
-    from quantcore.schemes import plan_unit_of
+    from quantcore.schemes import fusion_units
 
     spec = PlanSpec.from_dict(body)
-    names = layer_names(model)
+    unit_of = {member: unit for unit in fusion_units(layer_names(model)) for member in unit}
     for scheme, layers in choices.items():
         for layer in layers:
-            for member in plan_unit_of(layer, names):
+            for member in unit_of.get(layer, [layer]):
                 spec.layers[member] = scheme
     return spec.to_dict()
 

@@ -22,6 +22,7 @@ Integer rates (``int8``) are tera-operations per second, counted like FLOP/s.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -361,6 +362,7 @@ def _rule(sm: int | None, weight: str | None, act: str | None) -> tuple[str, str
     )
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked once per layer of a plan
 def support_on_sm(sm: int | None, weight_format: str | None, act_format: str | None) -> str:
     """``"native"`` | ``"emulated"`` | ``"unsupported"`` for a scheme on compute capability ``sm``.
 

@@ -125,8 +125,13 @@ def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[
     per_scheme: dict[str, float] = {}
     not_native, unsupported = [], []
     routed = routed or {}
+    bounds: dict[tuple, LayerBound] = {}  # a model repeats its shapes (every block, every expert): each once
+    labels: dict[Scheme | str, str] = {}
     for layer, scheme in resolved.items():
-        b = layer_bound(scheme, *shapes[layer], target_key, m, routed.get(layer))
+        key = (scheme, *shapes[layer], routed.get(layer))
+        b = bounds.get(key)
+        if b is None:
+            b = bounds[key] = layer_bound(scheme, *shapes[layer], target_key, m, routed.get(layer))
         if b.support != "native":
             not_native.append(layer)
         if b.support == "unsupported":
@@ -135,7 +140,7 @@ def step_bound(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[
         mem_total += b.memory_ms
         math_total += b.compute_ms
         memory_bound += b.memory_ms >= b.compute_ms
-        label = scheme_label(get_scheme(scheme))
+        label = labels.get(scheme) or labels.setdefault(scheme, scheme_label(get_scheme(scheme)))
         per_scheme[label] = per_scheme.get(label, 0.0) + b.ms
     return StepBound(target=target_key, m=int(m), ms=total, memory_ms=mem_total, compute_ms=math_total,
                      memory_bound=memory_bound, layers=len(resolved), per_scheme=per_scheme, not_native=not_native,

@@ -33,6 +33,7 @@ SmoothQuant must treat their input as one. :func:`fusion_groups` finds them by n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -828,27 +829,40 @@ def fusion_groups(layer_names: Iterable[str]) -> list[list[str]]:
     >>> fusion_groups(["m.0.self_attn.q_proj", "m.0.self_attn.k_proj", "m.0.self_attn.v_proj", "m.0.self_attn.o_proj"])
     [['m.0.self_attn.q_proj', 'm.0.self_attn.k_proj', 'm.0.self_attn.v_proj']]
     """
-    groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    return [list(g) for g in _fusion_groups(tuple(layer_names))]
+
+
+# A model's layer names are asked about again and again while a page draws (every check resolves the plan): the
+# groups of the few models in play are kept. Names in, tuples out, so no caller can change what is kept.
+_NAMES_CACHE = 16
+
+
+@functools.lru_cache(maxsize=_NAMES_CACHE)
+def _fusion_groups(layer_names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    groups: dict[tuple[str, str], dict[str, int]] = {}
     for name in layer_names:
         keyed = _fusion_key(name)
         if keyed is None:
             continue
         key, rank = keyed
-        members = groups.setdefault(key, [])
-        if all(existing != name for _, existing in members):
-            members.append((rank, name))
-    return [[n for _, n in sorted(members)] for members in groups.values() if len(members) >= 2]
+        groups.setdefault(key, {}).setdefault(name, rank)
+    return tuple(tuple(sorted(members, key=lambda n, m=members: (m[n], n))) for members in groups.values()
+                 if len(members) >= 2)
 
 
 def fusion_group_of(name: str, layer_names: Iterable[str]) -> list[str]:
     """The fusion group containing ``name`` among ``layer_names``, or ``[name]`` if it fuses with nothing."""
-    names = list(layer_names)
-    if name not in names:
-        names.append(name)
-    for group in fusion_groups(names):
-        if name in group:
-            return group
-    return [name]
+    names = tuple(layer_names)
+    index, known = _fusion_index(names)
+    if name not in known:  # a name from elsewhere: the groups it would form with these
+        index, _ = _fusion_index((*names, name))
+    return list(index.get(name, (name,)))
+
+
+@functools.lru_cache(maxsize=_NAMES_CACHE)
+def _fusion_index(layer_names: tuple[str, ...]) -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
+    """({member: its fusion group} of :func:`fusion_groups`, every name) of ``layer_names``."""
+    return {m: g for g in _fusion_groups(layer_names) for m in g}, frozenset(layer_names)
 
 
 # The routed experts of one MoE block (quantcore.moe names them <block>.experts.<e>.<gate|up|down>_proj, as
@@ -865,12 +879,17 @@ def expert_block(name: str) -> str | None:
 
 def expert_blocks(layer_names: Iterable[str]) -> dict[str, list[str]]:
     """{MoE block: its expert linears, in model order} of the routed experts among ``layer_names``."""
+    return {block: list(names) for block, names in _expert_blocks(tuple(layer_names))}
+
+
+@functools.lru_cache(maxsize=_NAMES_CACHE)
+def _expert_blocks(layer_names: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     blocks: dict[str, list[str]] = {}
     for name in dict.fromkeys(layer_names):
         block = expert_block(name)
         if block is not None:
             blocks.setdefault(block, []).append(name)
-    return blocks
+    return tuple((block, tuple(names)) for block, names in blocks.items())
 
 
 def fusion_units(layer_names: Iterable[str]) -> list[list[str]]:
@@ -898,6 +917,7 @@ def fusion_units(layer_names: Iterable[str]) -> list[list[str]]:
 def plan_unit_of(name: str, layer_names: Iterable[str]) -> list[str]:
     """The unit of :func:`fusion_units` holding ``name``: the layers that must share its scheme."""
     block = expert_block(name)
+    names = tuple(layer_names)
     if block is not None:
-        return expert_blocks(layer_names).get(block, [name])
-    return fusion_group_of(name, layer_names)
+        return list(dict(_expert_blocks(names)).get(block, (name,)))
+    return fusion_group_of(name, names)

@@ -167,3 +167,22 @@ def test_w4afp8_scales_reencodes_as_vllm_and_reports_on_a_checkpoint(tmp_path: P
     ratio = float(re.search(r"\(([\d.]+)x\)", out).group(1))
     assert 1.0 <= ratio < 1.1  # the re-encoding moves each scale by at most 1/16 of itself: a small added error
     assert ws.main([str(tmp_path / "none")]) == 2
+
+
+def test_plans_page_benchmark_keeps_what_it_recomputes(capsys) -> None:
+    """The kept answers are the recomputed ones: the same resolved plan, fusion groups and step time (the script
+    exits 1 when the deduplicated step bound differs from the per-layer sum)."""
+    pp = _load("plans_page")
+    assert pp.main(["--repeat", "1", "--model", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("smollm2-135m: 211 linears")
+    assert all(part in out for part in ("resolve the plan", "fusion groups of the layer names", "roofline step bound"))
+    model = pp._record("qwen3-30b-a3b")
+    assert len(model.linears) == 48 * (4 + 128 * 3) + 1
+    body = {"default": "W4A16_G64"}
+    from app import services as svc
+
+    first, _ = svc.resolve(model, body)
+    again, _ = svc.resolve(model, body)
+    assert again == first and again is not first  # a copy of the kept answer
+    assert again == svc._resolve(model, body)[0]
