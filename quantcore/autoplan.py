@@ -128,6 +128,7 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "NVFP4A16_AWQ",
     "NVFP4",
     "MXFP4",
+    "MXFP4A16",
 )
 DEFAULT_KL_STEPS = 10_000  # budget resolution of the DP (steps of kl_budget / 10,000)
 MAX_KL_STEPS = 1_000_000  # beyond this the DP tables grow past ~100 MB for large models

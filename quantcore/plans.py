@@ -883,13 +883,13 @@ def w4afp8_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
 
 
 MARLIN_TILES = ((64, 128), (128, 64))  # (N, K) multiples of Marlin's thread tiles (vLLM's marlin_padded_nk)
-MARLIN_WEIGHTS = ("int4", "int8", "nvfp4")  # weight-only formats vLLM serves with its Marlin kernels
+MARLIN_WEIGHTS = ("int4", "int8", "nvfp4", "mxfp4")  # weight-only formats vLLM serves with its Marlin kernels
 
 
 def marlin_untiled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
                    parallel: Parallelism = ONE_GPU) -> list[tuple[list[str], int, int]]:
-    """(layers vLLM loads as one, their N, their K on one GPU) for every weight-only layer (INT4, INT8, NVFP4 with
-    16-bit activations: vLLM's Marlin kernels; Machete on Hopper wants one of the same shapes) whose shape on a GPU
+    """(layers vLLM loads as one, their N, their K on one GPU) for every weight-only layer (INT4, INT8, NVFP4, MXFP4
+    with 16-bit activations: vLLM's Marlin kernels; Machete on Hopper wants one of the same shapes) whose shape on a GPU
     fits neither of Marlin's thread tiles: N a multiple of 64 with K a multiple of 128, or N of 128 with K of 64.
     SmolLM2's fused q/k/v (N = 960, K = 576) is one. Routed experts are left out (vLLM's fused MoE)."""
     return [(unit, n, k) for unit, scheme, n, k in _dense_loaded(resolved, shapes, parallel)

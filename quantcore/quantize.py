@@ -917,6 +917,8 @@ def weight_scale(weight: torch.Tensor, spec: TensorSpec, *, tensor_scale: torch.
     effective block scales, E4M3 block scale × fp32 tensor scale; ``tensor_scale``: a given one, as a fusion
     group shares, :func:`fused_tensor_scale`)."""
     grid = int_weight_grid(spec.format)
+    if grid is None and get_format(spec.format).scale == "e8m0":
+        return mx_weight_scale(weight, spec)
     if grid is None:
         q = quantize(weight, spec.format, **_spec_args(spec), scale=tensor_scale)
         return q.scale if q.tensor_scale is None else q.scale * q.tensor_scale
@@ -924,6 +926,25 @@ def weight_scale(weight: torch.Tensor, spec: TensorSpec, *, tensor_scale: torch.
         return _asym_scale(*_weight_min_max(weight, spec), grid)
     amax = compute_amax(weight, **_spec_args(spec))
     scale = (amax.double() / grid.divisor).to(SCALE_DTYPE).clamp_(min=MIN_SCALE)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+@torch.no_grad()
+def mx_weight_scale(weight: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """An MX weight's E8M0 block scales (one per 32 along K) as compressed-tensors stores them
+    (``generate_mx_scales``, after vLLM's reference MXFP4): the block's amax first rounded to a power of two, up from
+    1.75 · 2**e (its mantissa's top bits, ``round_to_power_2``), then divided by 2**emax_elem. The OCP rule that
+    activations keep (:func:`_e8m0_scale`) takes floor(log2 amax) instead: for a block whose amax has a mantissa of
+    1.75 or more the checkpoint's scale is twice the OCP one, so its top value lands near 4 of E2M1's 6 (or 224..256
+    of E4M3's 448) instead of clipping at the maximum."""
+    fmt = get_format(spec.format)
+    if fmt.scale != "e8m0":
+        raise ValueError(f"{fmt.name} has no E8M0 block scales")
+    amax = compute_amax(weight, **_spec_args(spec))
+    m, exp = torch.frexp(amax)  # amax = m * 2**exp, m in [0.5, 1): floor(log2 amax) = exp - 1
+    exp = exp + (m >= 0.875).to(exp.dtype)  # 1.75 * 2**(exp - 1) and above round up to 2**exp
+    shared = (exp - 1 - element_format(fmt).emax).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
+    scale = torch.ldexp(torch.ones_like(amax), shared)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
@@ -1014,6 +1035,8 @@ def fake_quantize_weight(
     ``report=False`` its counts are all 0 and the passes that count are skipped.
     """
     grid = int_weight_grid(spec.format)
+    if grid is None and weight.dim() == 2 and get_format(spec.format).scale == "e8m0":
+        return _fake_quantize_mx_weight(weight, spec, report=report)
     if grid is None or weight.dim() != 2:
         if report:
             return fake_quantize_with_report(weight, spec.format, **_spec_args(spec), scale=scale)
@@ -1043,6 +1066,29 @@ def fake_quantize_weight(
         # beyond half a step outside the grid; the fp32 rounding of amax / divisor may put the amax a hair past
         # qmax + 0.5 (7.5000005), which is the grid's own half-step clip, not saturation
         ((y > (grid.qmax + 0.5) * _HAIR) | (y < (grid.qmin - 0.5) * _HAIR)).sum(),
+        ((w != 0) & ~nan & (deq == 0)).sum(),
+        nan.sum(),
+    ])
+    return deq.to(weight.dtype), QuantReport.from_counts(counts, s)
+
+
+def _fake_quantize_mx_weight(weight: torch.Tensor, spec: TensorSpec, *, report: bool) -> tuple[torch.Tensor,
+                                                                                               QuantReport]:
+    """An MX weight on :func:`mx_weight_scale`'s block scales: each element rounded onto E2M1 / E4M3 (saturating at
+    its max), times its block's scale."""
+    w = weight.to(_work_dtype(weight))
+    s = mx_weight_scale(weight, spec)
+    S = element_scales(s, spec, tuple(w.shape)).to(w.dtype)
+    y = w / S
+    elem = element_format(spec.format)
+    deq = round_to_format(y, elem) * S
+    if not report:
+        return deq.to(weight.dtype), QuantReport(0, 0, 0, 0, 0)
+    nan = torch.isnan(w)
+    counts = torch.stack([
+        torch.tensor(w.numel(), device=w.device),
+        ((w != 0) & ~nan).sum(),
+        (y.abs() > elem.clip_threshold).sum(),
         ((w != 0) & ~nan & (deq == 0)).sum(),
         nan.sum(),
     ])

@@ -63,11 +63,14 @@ IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
 #      loads them for its merged GEMM (quantcore.apply._requantize_fused_fp8)
 #   5  dynamic per-tensor activation scales of routed experts taken over the whole MoE block, as vLLM's fused MoE
 #      takes them (quantcore.moe.LinearExperts._forward_block_scaled), not over each expert's own tokens
-NUMERICS = 5
+#   6  MX weights (MXFP4, MXFP8) on the E8M0 block scales compressed-tensors stores (quantcore.quantize.
+#      mx_weight_scale: the amax rounded to a power of two first), not OCP's floor(log2 amax)
+NUMERICS = 6
 NUMERICS_INT_WEIGHT_GRID = 2  # the first version with int weights on compressed-tensors' grid
 NUMERICS_NVFP4_CALIBRATED_ACTS = 3  # the first version with NVFP4 activations' tensor scale calibrated
 NUMERICS_FUSED_FP8_TENSOR = 4  # the first version with fused per-tensor FP8 weights on one shared scale
 NUMERICS_MOE_BLOCK_DYNAMIC = 5  # the first version with routed experts' dynamic per-tensor scales block-wide
+NUMERICS_MX_WEIGHT_SCALES = 6  # the first version with MX weights on compressed-tensors' E8M0 scales
 # GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
 GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
 GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal
@@ -404,6 +407,10 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool
             and version < NUMERICS_FUSED_FP8_TENSOR):
         out.append("per-tensor FP8 weights of q/k/v and gate/up each on its own scale instead of the group's largest, "
                    "to which vLLM requantizes them for its merged GEMM")
+    if w is not None and w.format in ("mxfp4", "mxfp8") and version < NUMERICS_MX_WEIGHT_SCALES:
+        out.append("MX weights on OCP's E8M0 scales (floor(log2 amax)) instead of the ones llm-compressor stores, "
+                   "whose block amax is first rounded to a power of two (twice the scale for a block whose amax has "
+                   "a mantissa of 1.75 or more)")
     if (expert and acts is not None and acts.dynamic and acts.granularity is Granularity.TENSOR
             and version < NUMERICS_MOE_BLOCK_DYNAMIC):
         out.append("routed experts whose dynamic per-tensor activation scale came from each expert's own tokens "
@@ -626,6 +633,14 @@ def _presets() -> dict[str, Scheme]:
             TensorSpec("mxfp4", G, dynamic=False),
             TensorSpec("mxfp4", G),
             description="OCP MXFP4: E2M1 with a power-of-two scale per 32, weights and activations",
+        ),
+        Scheme(
+            "MXFP4A16",
+            TensorSpec("mxfp4", G, dynamic=False),
+            None,
+            description="OCP MXFP4 weights (E2M1, a power-of-two scale per 32), 16-bit activations: gpt-oss's "
+            "format and compressed-tensors' MXFP4A16; vLLM serves it with its FP4 Marlin kernel "
+            "(CompressedTensorsW4A16Mxfp4, sm80+, bfloat16 activations)",
         ),
         Scheme(
             "NVFP4",

@@ -373,7 +373,7 @@ def test_scheme_to_path(w: str | None, a: str | None, g: str | None, path: str |
      ("INT8_PER_TENSOR", "int8_row"), ("W8A16", "w8_row"), ("W4A16", "w4_g128"), ("W4A16_G64", "w4_g64"),
      ("W4A16_G64_GPTQ", "w4_g64"), ("W4A16_AWQ", "w4_g128"), ("W4A16_ASYM", "w4_g128"),
      ("W4A16_G64_ASYM_AWQ", "w4_g64"), ("W4A16_G32", "w4_g32"), ("W4A16_G32_ASYM_GPTQ", "w4_g32"),
-     ("W4A16_CHANNEL", "w4_ch"), ("W4A16_CHANNEL_AWQ", "w4_ch"), ("NVFP4A16", None),
+     ("W4A16_CHANNEL", "w4_ch"), ("W4A16_CHANNEL_AWQ", "w4_ch"), ("NVFP4A16", None), ("MXFP4A16", None),
      ("MXFP4", None), ("FP8_BLOCK", None)],
 )
 def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:

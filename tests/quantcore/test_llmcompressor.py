@@ -452,8 +452,8 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base:
             assert off_grid(ours[n + ".weight"], theirs[n + ".weight"]) < 0.002, n
 
 
-@pytest.mark.parametrize("name", ["NVFP4A16", "W4A16", "W4A16_G64", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM",
-                                  "FP8_DYNAMIC", "W4AFP8"])
+@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16", "MXFP8", "W4A16", "W4A16_G64", "W4A16_G32", "W4A16_CHANNEL",
+                                  "W4A16_ASYM", "FP8_DYNAMIC", "W4AFP8"])
 def test_round_to_nearest_checkpoint_is_quantcores_emulation(tmp_path, name: str) -> None:
     """A data-free recipe through oneshot on the tiny Llama: every linear weight it stores is what quantcore's
     emulation of the plan holds, grid point for grid point. For NVFP4 that takes one fp32 tensor scale per fusion

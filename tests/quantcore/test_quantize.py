@@ -333,6 +333,27 @@ def test_mx_shared_scale_is_the_ocp_power_of_two():
     assert report.n_saturated == 1  # 500 > 464 (max + half step)
 
 
+def test_mx_weights_take_compressed_tensors_scales_activations_the_ocp_ones():
+    """A checkpoint's MX weight scales are compressed-tensors' (generate_mx_scales): the block amax rounded to a power
+    of two first, up from 1.75 x 2**e, so 7.5 (1.875 x 4) gets scale 2 where OCP's floor(log2 7.5) - 2 gives 1 and
+    clips it to 6. Activations, quantized at serving time, keep the OCP rule."""
+    from quantcore.quantize import fake_quantize_weight, mx_weight_scale
+    from quantcore.schemes import TensorSpec
+
+    spec = TensorSpec("mxfp4", "group", dynamic=False)
+    w = torch.tensor([[7.5] + [1.0] * 31, [6.9] + [1.0] * 31, [1000.0] + [1.0] * 31])
+    assert mx_weight_scale(w, spec).flatten().tolist() == [2.0, 1.0, 256.0]  # 6.9 = 1.725 x 4: below the line
+    wq, report = fake_quantize_weight(w, spec)
+    # 6.9 rounds to 6, within half a step (7): with these scales no weight ever lands past it
+    assert wq[0, 0].item() == 8.0 and wq[1, 0].item() == 6.0 and report.n_saturated == 0
+    assert wq[2, 0].item() == 1024.0 and wq[2, 1].item() == 0.0  # 1000 / 256 = 3.9 -> 4; its ones flush
+    assert quantize(w, "mxfp4").scale.flatten().tolist() == [1.0, 1.0, 128.0]  # the OCP rule, for activations
+    mx8 = TensorSpec("mxfp8", "group", dynamic=False)
+    assert mx_weight_scale(torch.tensor([[1000.0] + [0.0] * 31]), mx8).item() == 4.0  # 1000 / 4 = 250: no clip
+    with pytest.raises(ValueError, match="no E8M0"):
+        mx_weight_scale(w, TensorSpec("int4", "group", group_size=32))
+
+
 def test_mxfp4_clips_the_top_of_a_block_by_design():
     x = torch.tensor([[7.5] + [1.0] * 31])  # floor(log2 7.5) = 2, E2M1 emax 2 -> scale 1
     y, report = fake_quantize_with_report(x, "mxfp4")

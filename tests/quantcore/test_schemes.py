@@ -37,12 +37,22 @@ G64_PRESETS = ["W4A16_G64", "W4A16_G32", "W4A16_CHANNEL"]
 ASYM_PRESETS = ["W4A16_ASYM", "W4A16_G64_ASYM", "W4A16_G32_ASYM"]
 # INT4 weights with FP8 activations: compressed-tensors' W4AFP8 (vLLM's CUTLASS W4A8 kernel on Hopper)
 W4A8_PRESETS = ["W4AFP8"]
+# MXFP4 weights alone (gpt-oss's format): compressed-tensors' MXFP4A16, vLLM's CompressedTensorsW4A16Mxfp4
+MX_WEIGHT_ONLY_PRESETS = ["MXFP4A16"]
 W4_PRESETS = [n for n in GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS if n.startswith("W4A16")]
 
 
 def test_every_preset_of_the_issue_is_registered():
     assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS
-                                         + W4A8_PRESETS)
+                                         + W4A8_PRESETS + MX_WEIGHT_ONLY_PRESETS)
+
+
+def test_mxfp4a16_is_mxfp4s_weights_alone():
+    mx, w4a4 = get_scheme("MXFP4A16"), get_scheme("MXFP4")
+    assert mx.weights == w4a4.weights and mx.activations is None
+    assert not mx.needs_calibration and mx.describe() == "W: mxfp4 group 32; A: 16-bit"
+    # 4 bits and one E8M0 byte per 32: 4.25 bits a weight, as MXFP4's
+    assert weight_storage_bits("MXFP4A16", 576, 576) == weight_storage_bits("MXFP4", 576, 576) == 576 * 576 * 4.25
 
 
 def test_w4afp8_is_w4a16_weights_with_fp8_per_token_activations():
@@ -151,6 +161,7 @@ PRESET_TABLE = {
     "W4A16_G64_ASYM": ("int4", "group", None, None, None, None),
     "MXFP8": ("mxfp8", "group", "mxfp8", "group", True, None),
     "MXFP4": ("mxfp4", "group", "mxfp4", "group", True, None),
+    "MXFP4A16": ("mxfp4", "group", None, None, None, None),
     "NVFP4": ("nvfp4", "group", "nvfp4", "group", False, None),  # a calibrated tensor scale, live block scales
     "NVFP4A16": ("nvfp4", "group", None, None, None, None),
 }
@@ -215,6 +226,11 @@ def test_numerics_changes_name_what_an_older_quantplan_did_differently():
     assert numerics_changes("FP8_PER_TENSOR", 4) == [] and numerics_changes("FP8_DYNAMIC", 4, expert=True) == []
     [why] = numerics_changes("FP8_PER_TENSOR", 4, expert=True)
     assert "whole block" in why
+    # MX weights on compressed-tensors' E8M0 scales since version 6: MXFP4, MXFP4A16 and MXFP8 changed, nothing else
+    for name in ("MXFP4", "MXFP4A16", "MXFP8"):
+        [why] = numerics_changes(name, 5)
+        assert "E8M0" in why and "rounded to a power of two" in why
+    assert numerics_changes("NVFP4A16", 5) == numerics_changes("W4A16", 5) == []
     assert all(numerics_changes(n, NUMERICS) == [] for n in list_schemes())
 
 
