@@ -1030,19 +1030,19 @@ def fake_quantize_weight(
 
     Int formats: on their :class:`IntWeightGrid` (what llm-compressor writes and vLLM reads), scales from
     :func:`weight_scale` (or ``scale``, in the granularity's scale shape), and an asymmetric spec's zero points
-    from :func:`weight_zero_point`. Other formats: :func:`fake_quantize`.
+    from :func:`weight_zero_point`. MX formats: their elements on :func:`mx_weight_scale`'s E8M0 scales, as
+    compressed-tensors stores them. Other formats: :func:`fake_quantize`.
     The report counts saturation beyond half a step outside the grid, flushed non-zeros and NaN; with
     ``report=False`` its counts are all 0 and the passes that count are skipped.
     """
     grid = int_weight_grid(spec.format)
-    if grid is None and weight.dim() == 2 and get_format(spec.format).scale == "e8m0":
-        return _fake_quantize_mx_weight(weight, spec, report=report)
-    if grid is None or weight.dim() != 2:
+    mx = get_format(spec.format).scale == "e8m0"  # on compressed-tensors' E8M0 scales (mx_weight_scale)
+    if (grid is None and not mx) or weight.dim() != 2:
         if report:
             return fake_quantize_with_report(weight, spec.format, **_spec_args(spec), scale=scale)
         return fake_quantize(weight, spec.format, **_spec_args(spec), scale=scale), QuantReport(0, 0, 0, 0, 0)
     zp = None
-    if spec.symmetric:
+    if mx or spec.symmetric:
         s = weight_scale(weight, spec) if scale is None else scale.to(device=weight.device, dtype=SCALE_DTYPE)
     else:  # scale and zero point from one min / max pass
         lo, hi = _weight_min_max(weight, spec)
@@ -1060,35 +1060,15 @@ def fake_quantize_weight(
     if not report:
         return deq.to(weight.dtype), QuantReport(0, 0, 0, 0, 0)
     nan = torch.isnan(w)
-    counts = torch.stack([
-        torch.tensor(w.numel(), device=w.device),
-        ((w != 0) & ~nan).sum(),
-        # beyond half a step outside the grid; the fp32 rounding of amax / divisor may put the amax a hair past
+    if grid is None:  # an MX element format: past its clip threshold
+        over = y.abs() > element_format(spec.format).clip_threshold
+    else:  # beyond half a step outside the grid; the fp32 rounding of amax / divisor may put the amax a hair past
         # qmax + 0.5 (7.5000005), which is the grid's own half-step clip, not saturation
-        ((y > (grid.qmax + 0.5) * _HAIR) | (y < (grid.qmin - 0.5) * _HAIR)).sum(),
-        ((w != 0) & ~nan & (deq == 0)).sum(),
-        nan.sum(),
-    ])
-    return deq.to(weight.dtype), QuantReport.from_counts(counts, s)
-
-
-def _fake_quantize_mx_weight(weight: torch.Tensor, spec: TensorSpec, *, report: bool) -> tuple[torch.Tensor,
-                                                                                               QuantReport]:
-    """An MX weight on :func:`mx_weight_scale`'s block scales: each element rounded onto E2M1 / E4M3 (saturating at
-    its max), times its block's scale."""
-    w = weight.to(_work_dtype(weight))
-    s = mx_weight_scale(weight, spec)
-    S = element_scales(s, spec, tuple(w.shape)).to(w.dtype)
-    y = w / S
-    elem = element_format(spec.format)
-    deq = round_to_format(y, elem) * S
-    if not report:
-        return deq.to(weight.dtype), QuantReport(0, 0, 0, 0, 0)
-    nan = torch.isnan(w)
+        over = (y > (grid.qmax + 0.5) * _HAIR) | (y < (grid.qmin - 0.5) * _HAIR)
     counts = torch.stack([
         torch.tensor(w.numel(), device=w.device),
         ((w != 0) & ~nan).sum(),
-        (y.abs() > elem.clip_threshold).sum(),
+        over.sum(),
         ((w != 0) & ~nan & (deq == 0)).sum(),
         nan.sum(),
     ])
