@@ -300,13 +300,17 @@ def scale_from_amax(amax: torch.Tensor | float, fmt: str | Format) -> torch.Tens
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
-def _e8m0_scale(amax: torch.Tensor, elem: Format) -> torch.Tensor:
+def _e8m0_scale(amax: torch.Tensor, elem: Format, *, round_amax: bool = False) -> torch.Tensor:
     """OCP MX shared scale 2**(floor(log2 amax) - emax_elem), exponent clamped to [-127, 127].
 
     floor(log2 amax) comes from frexp (exact: amax = m * 2**e with m in [0.5, 1)), not from
     log2, which can round up just below a power of two. All-zero blocks get scale 1.
+    ``round_amax``: compressed-tensors' rule for the weights it stores (:func:`mx_weight_scale`), the amax first
+    rounded to a power of two, 1.75 * 2**e and above up to 2**(e + 1).
     """
-    _, exp = torch.frexp(amax)
+    m, exp = torch.frexp(amax)
+    if round_amax:
+        exp = exp + (m >= 0.875).to(exp.dtype)  # m = 0.875: 1.75 * 2**(exp - 1)
     shared = (exp - 1 - elem.emax).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
     scale = torch.ldexp(torch.ones_like(amax), shared)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
@@ -940,12 +944,7 @@ def mx_weight_scale(weight: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     fmt = get_format(spec.format)
     if fmt.scale != "e8m0":
         raise ValueError(f"{fmt.name} has no E8M0 block scales")
-    amax = compute_amax(weight, **_spec_args(spec))
-    m, exp = torch.frexp(amax)  # amax = m * 2**exp, m in [0.5, 1): floor(log2 amax) = exp - 1
-    exp = exp + (m >= 0.875).to(exp.dtype)  # 1.75 * 2**(exp - 1) and above round up to 2**exp
-    shared = (exp - 1 - element_format(fmt).emax).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
-    scale = torch.ldexp(torch.ones_like(amax), shared)
-    return torch.where(amax > 0, scale, torch.ones_like(scale))
+    return _e8m0_scale(compute_amax(weight, **_spec_args(spec)), element_format(fmt), round_amax=True)
 
 
 def _weight_min_max(weight: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor]:
