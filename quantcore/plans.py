@@ -660,11 +660,14 @@ def regroup_fixes(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
     for e in _group_misfit_entries(resolved, shapes, parallel).values():
         if not e["weights"]:
             continue
+        alt_for: dict[int, Scheme | None] = {}  # a model has few distinct Ks: each looked up once
         for layer, k in e["layers"].items():
-            alt = regrouped_preset(e["scheme"], {k})
+            if k not in alt_for:
+                alt_for[k] = regrouped_preset(e["scheme"], {k})
+            alt = alt_for[k]
             if alt is not None and layer not in out.setdefault(alt.name, []):
                 out[alt.name].append(layer)
-    return {name: layers for name, layers in out.items() if layers}
+    return out
 
 
 def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
