@@ -3,6 +3,12 @@
 Runs INSIDE .venv-llmc (see scripts/llmc_env.sh), never in quantplan's own environment:
 
     .venv-llmc/bin/python scripts/llmc_oneshot.py RECIPE.yaml WORKDIR [qwen3_moe]
+    .venv-llmc/bin/python scripts/llmc_oneshot.py --batch JOBS.json
+
+``--batch`` runs several in one process (importing llmcompressor takes ~5 s of each run here): JOBS.json is a list
+of ``[RECIPE.yaml, WORKDIR, arch]``, run in order, each exactly as on its own (every model and its calibration data
+are built from seed 0 again). A run that raises writes its traceback to WORKDIR/oneshot.error and the next one
+goes on; the process exits 1 if any did.
 
 With ``qwen3_moe`` the model is a tiny Qwen3-MoE instead (2 blocks, hidden 128, 4 experts of 128 per block, 2 per
 token), whose fused experts oneshot splits into one linear per expert (its ``linearize_moe``), saved as
@@ -132,5 +138,21 @@ def main(recipe: str, workdir: str, arch: str = "llama") -> None:
     save_file(stored_weights, str(Path(workdir) / "oneshot.safetensors"))
 
 
+def batch(jobs_file: str) -> int:
+    """Run every ``[recipe, workdir, arch]`` of JOBS.json; 1 if any raised (its traceback in WORKDIR/oneshot.error)."""
+    import traceback
+
+    failed = 0
+    for recipe, workdir, arch in json.loads(Path(jobs_file).read_text()):
+        try:
+            main(recipe, workdir, arch)
+        except Exception:
+            failed += 1
+            (Path(workdir) / "oneshot.error").write_text(traceback.format_exc())
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--batch":
+        sys.exit(batch(sys.argv[2]))
     main(*sys.argv[1:4])

@@ -336,29 +336,80 @@ def off_grid(a: Any, b: Any) -> float:
     return float((~torch.isclose(a, b, rtol=1e-4, atol=1e-7)).float().mean())
 
 
-def run_oneshot(plan: dict[str, Scheme], workdir: Path, arch: str = "llama") -> dict[str, Any]:
-    """Export ``plan``, run llm-compressor's oneshot with it on scripts/llmc_oneshot.py's tiny Llama (or ``arch``
-    qwen3_moe: its tiny Qwen3-MoE) in ``workdir``, and return its oneshot.json (oneshot.safetensors lies beside
-    it)."""
+GPTQ_ONESHOT = ["W4A16_GPTQ", "W4A16_CHANNEL_GPTQ", "NVFP4A16_GPTQ", "W4AFP8_GPTQ"]
+AWQ_ONESHOT = ["W4A16", "W4A16_ASYM", "NVFP4A16"]
+RTN_ONESHOT = ["NVFP4A16", "MXFP4A16", "MXFP8", "W4A16", "W4A16_G64", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM",
+               "FP8_DYNAMIC", "W4AFP8"]
+ONESHOT_TIMEOUT_S = 1200  # every case below in one process: ~5 s to import llmcompressor, 1-3 s a case here
+
+
+def gptq_oneshot_plan(gptq: str) -> dict[str, Scheme]:
+    return {n: get_scheme(gptq) if s.gptq else s for n, s in mixed_gptq_plan().items()}
+
+
+def moe_oneshot_plan() -> dict[str, Scheme]:
+    schemes = {"layers.0.mlp.experts.": "W4A16_G64", "layers.1.mlp.experts.": "W4A16", "lm_head": "BF16"}
+    return {n: get_scheme(next((s for k, s in schemes.items() if k in n), "FP8_DYNAMIC"))
+            for n in tiny_moe_layer_names()}
+
+
+def moe_awq_oneshot_plan() -> dict[str, Scheme]:
+    return {n: get_scheme("BF16" if n == "lm_head" else "W4A16_AWQ" if ".experts." in n else "W4A16")
+            for n in tiny_moe_layer_names()}
+
+
+def oneshot_cases() -> dict[str, tuple[dict[str, Scheme], str]]:
+    """Every plan the tests below run through llm-compressor's oneshot, by case name: (plan, model arch)."""
+    cases = {f"gptq-{g}": (gptq_oneshot_plan(g), "llama") for g in GPTQ_ONESHOT}
+    cases |= {f"awq-{b}": (awq_plan(b), "llama") for b in AWQ_ONESHOT}
+    cases |= {f"rtn-{n}": (uniform(n), "llama") for n in RTN_ONESHOT}
+    cases |= {"moe": (moe_oneshot_plan(), "qwen3_moe"), "moe-awq": (moe_awq_oneshot_plan(), "qwen3_moe")}
+    return cases
+
+
+@pytest.fixture(scope="module")
+def oneshots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """Each case of ``oneshot_cases`` exported and run by llm-compressor's oneshot on scripts/llmc_oneshot.py's tiny
+    Llama (or, for arch qwen3_moe, its tiny Qwen3-MoE), all in one ``--batch`` process (one import of llmcompressor
+    instead of one a case): case name -> (its workdir, the process's stderr). A workdir holds the recipe,
+    oneshot.json and oneshot.safetensors beside the tiny model, or oneshot.error when that case raised."""
     env = subprocess.run(["bash", str(REPO / "scripts" / "llmc_env.sh")], capture_output=True, text=True,
                          timeout=ENV_TIMEOUT_S, cwd=REPO)
     assert env.returncode == 0, env.stderr[-3000:]
-    recipe = workdir / "recipe.yaml"
-    recipe.write_text(to_llmcompressor_recipe(plan, layer_names=list(plan) if arch != "llama" else LAYERS),
-                      encoding="utf-8")
-    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), str(recipe), str(workdir),
-                          arch], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads((workdir / "oneshot.json").read_text())
+    root = tmp_path_factory.mktemp("oneshot")
+    jobs, workdirs = [], {}
+    for name, (plan, arch) in oneshot_cases().items():
+        workdir = workdirs[name] = root / name
+        workdir.mkdir()
+        recipe = workdir / "recipe.yaml"
+        recipe.write_text(to_llmcompressor_recipe(plan, layer_names=list(plan) if arch != "llama" else LAYERS),
+                          encoding="utf-8")
+        jobs.append([str(recipe), str(workdir), arch])
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    run = subprocess.run([str(LLMC_PYTHON), str(REPO / "scripts" / "llmc_oneshot.py"), "--batch",
+                          str(root / "jobs.json")], capture_output=True, text=True, timeout=ONESHOT_TIMEOUT_S, cwd=REPO)
+    return {name: (workdir, run.stderr) for name, workdir in workdirs.items()}
 
 
-@pytest.mark.parametrize("gptq", ["W4A16_GPTQ", "W4A16_CHANNEL_GPTQ", "NVFP4A16_GPTQ", "W4AFP8_GPTQ"])
-def test_exported_gptq_recipe_runs_in_oneshot(tmp_path, gptq) -> None:
+def run_oneshot(oneshots: dict[str, tuple[Path, str]], case: str, plan: dict[str, Scheme]) -> tuple[dict[str, Any], Path]:
+    """Case ``case``'s oneshot.json and workdir (oneshot.safetensors and the tiny model lie there); ``plan`` is the
+    plan the test means, which must be the one that ran."""
+    ran, _ = oneshot_cases()[case]
+    assert ran == plan, case
+    workdir, stderr = oneshots[case]
+    error = workdir / "oneshot.error"
+    assert not error.exists(), error.read_text()[-3000:]
+    assert (workdir / "oneshot.json").exists(), stderr[-3000:]
+    return json.loads((workdir / "oneshot.json").read_text()), workdir
+
+
+@pytest.mark.parametrize("gptq", GPTQ_ONESHOT)
+def test_exported_gptq_recipe_runs_in_oneshot(oneshots, gptq) -> None:
     """The whole way: a mixed FP8_DYNAMIC + GPTQ plan, exported, quantizes a tiny Llama with llm-compressor's own
     oneshot: every linear ends up with the planned args, int weights on their grid, the GPTQ layers moved off
     round-to-nearest by GPTQ (on calibration data) and the FP8 layers rounded to nearest, as scored."""
-    plan = {n: get_scheme(gptq) if s.gptq else s for n, s in mixed_gptq_plan().items()}
-    got = run_oneshot(plan, tmp_path)
+    plan = gptq_oneshot_plan(gptq)
+    got, _ = run_oneshot(oneshots, f"gptq-{gptq}", plan)
     assert got["modifiers"] == ["GPTQModifier", "QuantizationModifier"]
     for layer in LAYERS:
         real = got["layers"][layer]
@@ -372,8 +423,8 @@ def test_exported_gptq_recipe_runs_in_oneshot(tmp_path, gptq) -> None:
     assert got["rounded_to_nearest"] == {n: not plan[n].gptq for n in quantized}
 
 
-@pytest.mark.parametrize("base", ["W4A16", "W4A16_ASYM", "NVFP4A16"])
-def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base: str) -> None:
+@pytest.mark.parametrize("base", AWQ_ONESHOT)
+def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(oneshots, base: str) -> None:
     """The whole way for AWQ: the exported recipe (AWQ on block 1 and every down_proj, W4A16 elsewhere) through
     llm-compressor's own oneshot on a tiny Llama with outlier channels, and quantcore's search on the same model and
     calibration tokens. Every scale llm-compressor folds is one of quantcore's candidates; where both pick the same
@@ -391,7 +442,7 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base:
     from quantcore.scoring import plan_applied
 
     plan = awq_plan(base)
-    got = run_oneshot(plan, tmp_path)
+    got, workdir = run_oneshot(oneshots, f"awq-{base}", plan)
     assert got["modifiers"] == ["AWQModifier", "QuantizationModifier"]
     quantized = [n for n in LAYERS if not plan[n].is_identity]
     # AWQ scaled weights are no longer the original rounded to nearest, nor are the up_proj rows a down_proj's
@@ -400,8 +451,8 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base:
     scaled |= {n.replace("down_proj", "up_proj") for n in scaled if n.endswith("down_proj")}
     assert got["rounded_to_nearest"] == {n: n not in scaled for n in quantized}
 
-    theirs = load_file(tmp_path / "oneshot.safetensors")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama", dtype=torch.float32).eval()
+    theirs = load_file(workdir / "oneshot.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(workdir / "tiny-llama", dtype=torch.float32).eval()
     ids = torch.tensor(got["calibration_ids"])
     inputs: dict[str, list[torch.Tensor]] = {}
     firsts = {"q_proj": "input_layernorm", "gate_proj": "post_attention_layernorm", "down_proj": "mlp.up_proj"}
@@ -452,9 +503,8 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(tmp_path, base:
             assert off_grid(ours[n + ".weight"], theirs[n + ".weight"]) < 0.002, n
 
 
-@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16", "MXFP8", "W4A16", "W4A16_G64", "W4A16_G32", "W4A16_CHANNEL",
-                                  "W4A16_ASYM", "FP8_DYNAMIC", "W4AFP8"])
-def test_round_to_nearest_checkpoint_is_quantcores_emulation(tmp_path, name: str) -> None:
+@pytest.mark.parametrize("name", RTN_ONESHOT)
+def test_round_to_nearest_checkpoint_is_quantcores_emulation(oneshots, name: str) -> None:
     """A data-free recipe through oneshot on the tiny Llama: every linear weight it stores is what quantcore's
     emulation of the plan holds, grid point for grid point. For NVFP4 that takes one fp32 tensor scale per fusion
     group (q/k/v, gate/up), from the group's largest |W|, as llm-compressor's fused observers store it and vLLM's
@@ -467,9 +517,9 @@ def test_round_to_nearest_checkpoint_is_quantcores_emulation(tmp_path, name: str
     from quantcore.scoring import plan_applied
 
     plan = uniform(name)
-    run_oneshot(plan, tmp_path)
-    theirs = load_file(tmp_path / "oneshot.safetensors")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama", dtype=torch.float32).eval()
+    _, workdir = run_oneshot(oneshots, f"rtn-{name}", plan)
+    theirs = load_file(workdir / "oneshot.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(workdir / "tiny-llama", dtype=torch.float32).eval()
 
     def emulated() -> dict[str, torch.Tensor]:
         with plan_applied(model, plan):
@@ -510,7 +560,7 @@ def tiny_moe_layer_names() -> list[str]:
     return [n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(tmp_path) -> None:
+def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(oneshots) -> None:
     """A tiny Qwen3-MoE: quantcore splits its fused experts into one linear per expert under llm-compressor's own
     names, so the exported recipe reaches exactly the experts the plan gives a scheme (one block's experts in
     W4A16_G64, the other's in W4A16, attention in FP8_DYNAMIC, the head left out), and every expert weight oneshot
@@ -521,9 +571,8 @@ def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(t
     from quantcore.scoring import plan_applied
 
     names = tiny_moe_layer_names()
-    schemes = {"layers.0.mlp.experts.": "W4A16_G64", "layers.1.mlp.experts.": "W4A16", "lm_head": "BF16"}
-    plan = {n: get_scheme(next((s for k, s in schemes.items() if k in n), "FP8_DYNAMIC")) for n in names}
-    got = run_oneshot(plan, tmp_path, "qwen3_moe")
+    plan = moe_oneshot_plan()
+    got, workdir = run_oneshot(oneshots, "moe", plan)
     assert set(got["layers"]) == set(names)  # oneshot's linears are quantcore's, name for name
     for layer in names:
         real = got["layers"][layer]
@@ -531,8 +580,8 @@ def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(t
             assert real is None, layer
         else:
             assert scheme_from_ct_args(real["weights"], real["input_activations"]) == plan[layer], layer
-    theirs = load_file(tmp_path / "oneshot.safetensors")
-    model, _ = load_model(tmp_path / "tiny-moe")
+    theirs = load_file(workdir / "oneshot.safetensors")
+    model, _ = load_model(workdir / "tiny-moe")
     with plan_applied(model, plan):
         ours = {n: m.weight.detach().clone() for n, m in model.named_modules() if n in plan}
     experts = [n for n in names if ".experts." in n]
@@ -541,7 +590,7 @@ def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(t
         assert off_grid(ours[layer], theirs[layer + ".weight"]) < 0.002, layer
 
 
-def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(tmp_path) -> None:
+def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(oneshots) -> None:
     """AWQ on a tiny Qwen3-MoE's experts: the exported recipe maps the norm before each MoE block to the router and
     every expert's gate/up (llm-compressor's MoE mapping; the router's weight is scaled, never quantized), and each
     expert's up_proj to its own down_proj. llm-compressor's oneshot searches them with every expert run on every
@@ -566,15 +615,15 @@ def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(tmp_path) -> Non
     from quantcore.scoring import plan_applied
 
     names = tiny_moe_layer_names()
-    plan = {n: get_scheme("BF16" if n == "lm_head" else "W4A16_AWQ" if ".experts." in n else "W4A16") for n in names}
-    got = run_oneshot(plan, tmp_path, "qwen3_moe")
+    plan = moe_awq_oneshot_plan()
+    got, workdir = run_oneshot(oneshots, "moe-awq", plan)
     assert got["modifiers"] == ["AWQModifier", "QuantizationModifier"]
     experts = [n for n in names if ".experts." in n]
     quantized = [n for n in names if n != "lm_head"]
     assert got["rounded_to_nearest"] == {n: n not in experts for n in quantized}  # every expert linear scaled
 
-    theirs = load_file(tmp_path / "oneshot.safetensors")
-    model, _ = load_model(tmp_path / "tiny-moe")
+    theirs = load_file(workdir / "oneshot.safetensors")
+    model, _ = load_model(workdir / "tiny-moe")
     ids = torch.tensor(got["calibration_ids"])
 
     @contextlib.contextmanager
