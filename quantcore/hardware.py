@@ -284,7 +284,15 @@ def _rule(sm: int | None, weight: str | None, act: str | None) -> tuple[str, str
                 "emulated",
                 f"no mixed-input weight-only kernel below sm{SM_WEIGHT_ONLY}: weights are upcast",
             )
-        # block / FP4 formats: fp4_e2m1, mxfp4, nvfp4, mxfp8
+        if weight in ("nvfp4", "mxfp4"):  # NVFP4A16, MXFP4A16: vLLM's FP4 Marlin on every GPU from sm80
+            if sm >= SM_WEIGHT_ONLY:
+                return "native", (
+                    f"{weight} weight-only (W4A16): vLLM's FP4 Marlin kernel (CompressedTensorsW4A16Fp4 / "
+                    f"W4A16Mxfp4) dequantizes the FP4 weights in-kernel on sm{SM_WEIGHT_ONLY}+, as INT4 Marlin does; "
+                    "it serves them so on Blackwell too"
+                )
+            return "unsupported", f"no kernel serves {weight} weights below sm{SM_WEIGHT_ONLY}"
+        # other block / FP4 formats: fp4_e2m1 (no scale format a serving engine reads), mxfp8
         if sm >= SM_BLOCK_SCALED:
             return (
                 "native",
@@ -385,8 +393,9 @@ def support_on_target(target_key: str, weight_format: str | None, act_format: st
     None / None               native (bf16)
     None / any                unsupported (activation-only quantization has no kernel)
     int8, int4, fp8 / None    native on sm80+ (Marlin-style W8A16 / W4A16 kernels), else emulated
-    fp4, mxfp4, nvfp4,        native on sm100+, emulated on sm80-sm90 (Marlin-style dequant
-      mxfp8 / None              to bf16), unsupported below sm80
+    nvfp4, mxfp4 / None       native on sm80+ (vLLM's FP4 Marlin dequantizes in-kernel, Blackwell included)
+    fp4, mxfp8 / None         native on sm100+, emulated on sm80-sm90 (dequantized to bf16),
+                              unsupported below sm80
     fp8 / fp8                 native on sm89+, else emulated; E5M2 x E5M2 always emulated
                               (cuBLASLt refuses it)
     int8 / int8               native on sm75+, else emulated

@@ -621,6 +621,8 @@ def test_a_plan_the_target_cannot_serve_has_no_ideal_step_there(seeded):
     at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("NVFP4").run()  # vLLM's W4A16 fallback
     assert not at.exception and not any("no serving kernel" in c.value for c in at.caption)
     assert any(c.value.startswith("NVFP4: emulated on") and "score NVFP4A16 for its accuracy there" in c.value for c in at.caption)
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("NVFP4A16").run()  # FP4 Marlin: native
+    assert not at.exception and not any(c.value.startswith("NVFP4A16:") for c in at.caption)
 
 
 def test_kernels_page_sets_a_gpus_measured_step_against_its_roofline(seeded):

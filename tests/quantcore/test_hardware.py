@@ -103,7 +103,9 @@ def test_match_target(name: str, key: str | None) -> None:
         ("a100", "int8", "int8", "native"),
         ("a100", "int4", None, "native"),
         ("a100", "fp8_e4m3", None, "native"),  # FP8 weight-only (Marlin-style W8A16)
-        ("h100", "nvfp4", None, "emulated"),  # FP4 weight-only before Blackwell
+        ("h100", "nvfp4", None, "native"),  # NVFP4A16: vLLM's FP4 Marlin dequantizes in-kernel, as INT4 Marlin does
+        ("a100", "mxfp4", None, "native"),  # MXFP4A16 likewise (CompressedTensorsW4A16Mxfp4)
+        ("h100", "fp4_e2m1", None, "emulated"),  # plain FP4 weights: no scale format a serving kernel reads
         ("b200", "nvfp4", None, "native"),
         ("a100", "mxfp8", "mxfp8", "emulated"),
         ("b200", "mxfp8", "mxfp8", "native"),
@@ -126,10 +128,15 @@ def test_support_rules(target: str, weight: str | None, act: str | None, verdict
 
 def test_fp4_w4a4_is_unsupported_only_below_the_weight_only_kernels() -> None:
     """Before Blackwell vLLM serves NVFP4 and MXFP4 checkpoints as FP4 weights with 16-bit activations (Marlin,
-    sm80+); below that nothing takes them."""
+    sm80+); below that nothing takes them. The weight-only schemes (NVFP4A16, MXFP4A16) are that Marlin kernel
+    everywhere from sm80: native, as INT4 weights in Marlin are."""
     for fmt in ("nvfp4", "mxfp4"):
         assert hw.support_on_sm(90, fmt, fmt) == hw.support_on_sm(80, fmt, fmt) == "emulated"
         assert hw.support_on_sm(75, fmt, fmt) == "unsupported" and hw.support_on_sm(100, fmt, fmt) == "native"
+        for sm in (80, 89, 90, 100):
+            assert hw.support_on_sm(sm, fmt, None) == hw.support_on_sm(sm, "int4", None) == "native"
+        assert hw.support_on_sm(75, fmt, None) == "unsupported"
+        assert "FP4 Marlin" in hw.support_reason("h100", fmt, None)
 
 
 def test_no_quant_spellings() -> None:
