@@ -452,7 +452,8 @@ def reference_cache_bytes(model: ModelRecord, samples: int, seq_len: int) -> int
 def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
     """What to tell a person about a stored score: what its job noticed, and whether older numerics make it
     incomparable with newer scores (quantcore.schemes.numerics_changes: int weights scored before they moved to
-    compressed-tensors' grid, NVFP4 activations before their tensor scale was calibrated)."""
+    compressed-tensors' grid, NVFP4 activations before their tensor scale was calibrated, a plan for several GPUs
+    scored as if on one)."""
     from quantcore.schemes import NUMERICS, expert_block, numerics_changes
 
     notes = list(score.notes)
@@ -464,8 +465,10 @@ def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
                          "before comparing it with newer scores")
             return notes
         changed: dict[str, int] = {}
+        par = parallelism(model, score.plan_body)
         for layer, scheme in resolved.items():
-            for why in numerics_changes(scheme, numerics, expert=expert_block(layer) is not None):
+            for why in numerics_changes(scheme, numerics, expert=expert_block(layer) is not None,
+                                        input_shares=par.input_shards(layer)):
                 changed[why] = changed.get(why, 0) + 1
         for why, n in changed.items():
             notes.append(f"scored by an older quantplan ({n} layer(s) with {why}): score the plan again before "
@@ -796,6 +799,16 @@ def attention_heads(model: ModelRecord):
     from quantcore.parallel import stored_heads
 
     return stored_heads(model.attention_heads, Path(str(settings().artifact_dir)) / model.path)
+
+
+def split_refusals(model: ModelRecord, tp: int, expert_parallel: bool = False) -> list[str]:
+    """Why vLLM would refuse to serve ``model`` over ``tp`` GPUs whatever the formats (quantcore.parallel.tp_misfits:
+    heads, MLP widths); [] where it splits (and at one GPU). Asked before a job is queued for that many GPUs."""
+    from quantcore.parallel import Parallelism, tp_misfits
+
+    if tp <= 1:
+        return []
+    return tp_misfits(layer_shapes(model), Parallelism(tp, attention_heads(model), expert_parallel))
 
 
 def parallelism(model: ModelRecord, body: dict[str, Any]):

@@ -38,6 +38,7 @@ from torch import nn
 
 from quantcore.errors import PlanError, name_list
 from quantcore.gptq import gptq_quantize, smoothed_hessian
+from quantcore.parallel import Parallelism
 from quantcore.quantize import (
     QuantReport,
     fake_quantize,
@@ -47,7 +48,15 @@ from quantcore.quantize import (
     scale_from_amax,
     weight_scale,
 )
-from quantcore.schemes import Scheme, TensorSpec, expert_block, fusion_groups, get_scheme, list_schemes
+from quantcore.schemes import (
+    Granularity,
+    Scheme,
+    TensorSpec,
+    expert_block,
+    fusion_groups,
+    get_scheme,
+    list_schemes,
+)
 from quantcore.smoothquant import SmoothingHandle, smooth_model
 
 _MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
@@ -85,6 +94,9 @@ class _LayerState:
     # a routed expert with dynamic per-tensor activations: (its LinearExperts block, "w13" | "w2"), whose
     # block_amax for the current call sets the scale (quantcore.moe.LinearExperts._forward_block_scaled)
     block: tuple[nn.Module, str] | None = None
+    # the GPUs' shares of the input a dynamic per-tensor / per-token scale is taken over (a row-parallel layer under
+    # tensor parallelism: each GPU quantizes its own K / shards of the input; 1: the whole input)
+    shards: int = 1
 
 
 @dataclass
@@ -134,6 +146,7 @@ class AppliedPlan:
                 st.hook.remove()
             if st.block is not None:
                 st.block[0].block_amax = None
+                st.block[0].w2_shards = 1
             st.module.weight = st.original_weight
             if hasattr(st.module, _MARKER):
                 delattr(st.module, _MARKER)
@@ -310,6 +323,29 @@ class _SharedInputs:
         self._ref, self._signature, self._results = None, None, {}
 
 
+def _quantize(x: torch.Tensor, fmt: str, kwargs: Mapping[str, Any], scale: Any,
+              track_stats: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An activation fake-quantized, with its report counts when ``track_stats`` (else None)."""
+    if track_stats:
+        return fake_quantize_with_counts(x, fmt, scale=scale, **kwargs)
+    return fake_quantize(x, fmt, scale=scale, **kwargs), None
+
+
+def _quantize_shards(x: torch.Tensor, shards: int, fmt: str, kwargs: Mapping[str, Any], scale: Any,
+                     track_stats: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_quantize` of each GPU's share of a row-parallel layer's input (``shards`` parts of K, as
+    ``torch.tensor_split`` cuts them), each on its own dynamic scale, or on its entry of a ``scale`` with one per
+    share (a routed expert's block amax per share), then put together again; the counts summed."""
+    parts, total = [], None
+    per_share = isinstance(scale, torch.Tensor) and scale.numel() == shards and shards > 1
+    for i, part in enumerate(x.tensor_split(shards, dim=-1)):
+        q, counts = _quantize(part, fmt, kwargs, scale.reshape(-1)[i] if per_share else scale, track_stats)
+        parts.append(q)
+        if counts is not None:
+            total = counts if total is None else total + counts
+    return torch.cat(parts, dim=-1), total
+
+
 def _make_hook(state: _LayerState, track_stats: bool, shared: _SharedInputs | None):
     spec = state.scheme.activations
     kwargs = _spec_kwargs(spec)
@@ -327,18 +363,20 @@ def _make_hook(state: _LayerState, track_stats: bool, shared: _SharedInputs | No
         scale, call_key = state.static_scale, key
         if state.block is not None:  # a routed expert: the block's amax for this call, as vLLM's fused MoE
             amax = (state.block[0].block_amax or {}).get(state.block[1])
-            if amax is not None:
+            if amax is not None:  # one amax, or one per GPU's share of a split input
                 scale = scale_from_amax(amax, spec.format)
-                call_key = (spec, float(scale), track_stats)
-        hit = shared.get(x, call_key) if shared is not None else None
-        if hit is not None:
-            xq, counts = hit
-        elif track_stats:
-            xq, counts = fake_quantize_with_counts(x, spec.format, scale=scale, **kwargs)
+                call_key = (spec, tuple(scale.reshape(-1).tolist()), track_stats)
+        if state.shards > 1:  # row-parallel under tensor parallelism: each GPU's share on its own scale (no other
+            # layer reads this input, so nothing to share)
+            xq, counts = _quantize_shards(x, state.shards, spec.format, kwargs, scale, track_stats)
         else:
-            xq, counts = fake_quantize(x, spec.format, scale=scale, **kwargs), None
-        if hit is None and shared is not None:
-            shared.put(x, call_key, xq, counts)
+            hit = shared.get(x, call_key) if shared is not None else None
+            if hit is not None:
+                xq, counts = hit
+            else:
+                xq, counts = _quantize(x, spec.format, kwargs, scale, track_stats)
+                if shared is not None:
+                    shared.put(x, call_key, xq, counts)
         if counts is not None:
             # never in place: the counts tensor may be shared with other layers through the cache
             state.counts = counts if state.counts is None else state.counts + counts
@@ -361,6 +399,7 @@ def apply_plan(
     share_inputs: bool = True,
     weight_hessians: Mapping[str, torch.Tensor] | None = None,
     gptq_cache: dict[str, torch.Tensor] | None = None,
+    parallel: Parallelism | None = None,
 ) -> AppliedPlan:
     """Fake-quantize the layers named in ``plan`` in place; ``AppliedPlan.restore()`` undoes it exactly.
 
@@ -381,6 +420,12 @@ def apply_plan(
     gptq_cache:      a dict that keeps the GPTQ-rounded weights by layer name and hands them out again on the
                      next apply (a sensitivity sweep applies one unit once per batch); the caller keeps the
                      weights, scheme and Hessian of a layer the same for as long as it passes the dict
+    parallel:        the GPUs the plan is served on (:class:`quantcore.parallel.Parallelism`; None: one). A
+                     row-parallel layer's input is then quantized as each GPU quantizes its own share of it: a
+                     dynamic per-tensor or per-token activation scale per share of K
+                     (:meth:`~quantcore.parallel.Parallelism.input_shards`), a routed expert's block-wide dynamic
+                     scale per share too. Static scales (one calibrated number every GPU loads) and group / block
+                     scales (whose groups a valid split never cuts) are the same on any number of GPUs.
 
     Raises PlanError for unknown layers or schemes, non-linear targets, missing calibration,
     or layers already carrying an applied plan.
@@ -438,7 +483,10 @@ def apply_plan(
                     if gptq_cache is not None:
                         gptq_cache[name] = wq
             state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name),
-                                block=_expert_block_scale(name, scheme, modules))
+                                block=_expert_block_scale(name, scheme, modules),
+                                shards=_input_shards(name, scheme, parallel))
+            if state.block is not None and state.block[1] == "w2":  # the block's down_proj amax, per GPU's share
+                state.block[0].w2_shards = state.shards
             module.weight = nn.Parameter(wq, requires_grad=False)
             setattr(module, _MARKER, True)
             applied._states[name] = state
@@ -451,6 +499,15 @@ def apply_plan(
         applied.restore()
         raise
     return applied
+
+
+def _input_shards(name: str, scheme: Scheme, parallel: Parallelism | None) -> int:
+    """The GPUs' shares of ``name``'s input its activation scale is taken over separately: the row-parallel
+    shares (``parallel.input_shards``) for a dynamic per-tensor or per-token scale, else 1."""
+    a = scheme.activations
+    if parallel is None or a is None or not a.dynamic or a.granularity not in (Granularity.TENSOR, Granularity.TOKEN):
+        return 1
+    return parallel.input_shards(name)
 
 
 def _expert_block_scale(name: str, scheme: Scheme, modules: Mapping[str, nn.Module]) -> tuple[nn.Module, str] | None:

@@ -128,6 +128,9 @@ class LinearExperts(nn.ModuleList):
         # the block's input ("w13") and of every routed expert's down_proj input together ("w2") for this call,
         # which vLLM's fused MoE quantizes as one tensor each
         self.block_amax: dict[str, torch.Tensor] | None = None
+        # the GPUs' shares of the down_proj input under tensor parallelism (each GPU's fused MoE quantizes its own
+        # K / w2_shards of it): "w2" then holds one amax per share
+        self.w2_shards = 1
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -159,7 +162,11 @@ class LinearExperts(nn.ModuleList):
             top_k_pos, token_idx = torch.where(mask[index])
             routed.append((index, top_k_pos, token_idx, self[index].hidden(hidden_states[token_idx])))
         if routed:
-            self.block_amax["w2"] = torch.stack([h.detach().abs().amax().float() for *_, h in routed]).amax()
+            self.block_amax["w2"] = torch.stack(
+                [torch.stack([part.detach().abs().amax().float() for part in h.tensor_split(self.w2_shards, dim=-1)])
+                 for *_, h in routed]).amax(dim=0)
+            if self.w2_shards == 1:
+                self.block_amax["w2"] = self.block_amax["w2"].reshape(())
         for index, top_k_pos, token_idx, h in routed:
             expert_out = self[index].down_proj(h) * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, expert_out.to(out.dtype))

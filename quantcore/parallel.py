@@ -138,6 +138,14 @@ class Parallelism:
             return n, k
         return shard_shape(layer, n, k, self.tp, self.heads)
 
+    def input_shards(self, layer: str) -> int:
+        """Into how many parts the GPUs cut ``layer``'s input: ``tp`` for a row-parallel layer (each GPU reads and
+        quantizes its K / tp of every input row, so a dynamic per-tensor or per-token activation scale is each
+        GPU's own), else 1 (a routed expert whole under expert parallelism included)."""
+        if not self.split or partition(layer) != ROW or (self.expert_parallel and expert_block(layer) is not None):
+            return 1
+        return self.tp
+
     def shards(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
         """{layer: (N, K) on one GPU}; the shapes themselves on one GPU."""
         if not self.split:

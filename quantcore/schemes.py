@@ -65,12 +65,15 @@ IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
 #      takes them (quantcore.moe.LinearExperts._forward_block_scaled), not over each expert's own tokens
 #   6  MX weights (MXFP4, MXFP8) on the E8M0 block scales compressed-tensors stores (quantcore.quantize.
 #      mx_weight_scale: the amax rounded to a power of two first), not OCP's floor(log2 amax)
-NUMERICS = 6
+#   7  a plan served on several GPUs (tensor_parallel): row-parallel layers (o_proj, down_proj, split routed
+#      experts' down_proj) take dynamic per-tensor / per-token activation scales over each GPU's share of K
+NUMERICS = 7
 NUMERICS_INT_WEIGHT_GRID = 2  # the first version with int weights on compressed-tensors' grid
 NUMERICS_NVFP4_CALIBRATED_ACTS = 3  # the first version with NVFP4 activations' tensor scale calibrated
 NUMERICS_FUSED_FP8_TENSOR = 4  # the first version with fused per-tensor FP8 weights on one shared scale
 NUMERICS_MOE_BLOCK_DYNAMIC = 5  # the first version with routed experts' dynamic per-tensor scales block-wide
 NUMERICS_MX_WEIGHT_SCALES = 6  # the first version with MX weights on compressed-tensors' E8M0 scales
+NUMERICS_TP_INPUT_SHARES = 7  # the first version scoring a plan's row-parallel dynamic scales per GPU's share
 # GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
 GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
 GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal
@@ -388,10 +391,12 @@ class Scheme:
         return "; ".join(parts)
 
 
-def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool = False) -> list[str]:
+def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool = False,
+                     input_shares: int = 1) -> list[str]:
     """How a result that quantcore numerics version ``numerics`` (None: a result stored before versions, 1) made
     of ``scheme`` differs from one made now, one phrase per change; [] when it would be the same. ``expert``: the
-    result covers routed experts of an MoE block (some changes concern only them)."""
+    result covers routed experts of an MoE block (some changes concern only them); ``input_shares``: the GPUs the
+    layer's input is cut among in the plan scored (quantcore.parallel.Parallelism.input_shards)."""
     scheme = get_scheme(scheme)
     version = int(numerics or 1)
     out = []
@@ -415,6 +420,10 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool
             and version < NUMERICS_MOE_BLOCK_DYNAMIC):
         out.append("routed experts whose dynamic per-tensor activation scale came from each expert's own tokens "
                    "instead of the whole block, as vLLM's fused MoE takes it")
+    if (input_shares > 1 and acts is not None and acts.dynamic
+            and acts.granularity in (Granularity.TENSOR, Granularity.TOKEN) and version < NUMERICS_TP_INPUT_SHARES):
+        out.append(f"a dynamic activation scale over the whole input of a row-parallel layer instead of over each of "
+                   f"the {input_shares} GPUs' shares, as each GPU quantizes its own")
     return out
 
 

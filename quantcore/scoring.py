@@ -64,6 +64,7 @@ from quantcore.schemes import NUMERICS, Scheme, get_scheme
 
 if TYPE_CHECKING:
     from quantcore.awq import AwqResult
+    from quantcore.parallel import Parallelism
 
 Progress = Callable[[float, str], None]
 ShouldCancel = Callable[[], bool]
@@ -591,6 +592,7 @@ def plan_applied(
     weight_hessians: Mapping[str, Tensor] | None = None,
     gptq_cache: dict[str, Tensor] | None = None,
     awq: AwqResult | None = None,
+    parallel: Parallelism | None = None,
 ) -> Iterator[AppliedContext]:
     """Smooth (where a scheme has a SmoothQuant alpha) and fake-quantize ``model`` for the block.
 
@@ -613,6 +615,8 @@ def plan_applied(
     awq: the factors :func:`quantcore.awq.awq_search` found for the layers whose scheme scales with AWQ
         (needed when there are any); they are folded after SmoothQuant's, before rounding. A layer the
         search skipped is rounded unscaled, with a note.
+    parallel: the GPUs the plan is served on: row-parallel layers take their dynamic activation scales over
+        each GPU's share of the input (see :func:`quantcore.apply.apply_plan`); None: one GPU.
 
     Yields an :class:`AppliedContext`.
     """
@@ -686,7 +690,7 @@ def plan_applied(
 
             hessians = gptq_hessians(schemes, weight_hessians, smoothing.factors)
         applied = apply_plan(model, schemes, act_amax=amax, track_stats=track_saturation and static,
-                             weight_hessians=hessians, gptq_cache=gptq_cache)
+                             weight_hessians=hessians, gptq_cache=gptq_cache, parallel=parallel)
         unsmoothed: dict[str, list[str]] = {}  # one note per reason, however many layers share it (MoE experts)
         for layer, reason in (smoothing.skipped.items() if smoothing is not None else ()):
             unsmoothed.setdefault(reason, []).append(layer)
@@ -723,17 +727,19 @@ def calibrate_kv_cache(
     weight_hessians: Mapping[str, Tensor] | None = None,
     awq: AwqResult | None = None,
     gptq_cache: dict[str, Tensor] | None = None,
+    parallel: Parallelism | None = None,
 ) -> Any:
     """Per attention layer max |K| and |V| on calibration tokens, with ``plan`` applied as it will be
     served (K and V come out of the quantized k_proj / v_proj): what calibrated KV cache scales
     (amax / 448) are made of; |Q| is recorded too. Returns a :class:`quantcore.kvcache.KvAmax`.
-    ``gptq_cache``: see :func:`score_plan` (the score that follows reuses its GPTQ-rounded weights)."""
+    ``gptq_cache``: see :func:`score_plan` (the score that follows reuses its GPTQ-rounded weights); ``parallel``:
+    the GPUs the plan is served on (see :func:`plan_applied`)."""
     from quantcore.kvcache import kv_amax_observed
 
     ids = as_token_batch(input_ids)
     ranges = batch_ranges(ids.shape[0], batch_size)
     with plan_applied(model, plan, act_amax=act_amax, act_channel_max=act_channel_max,
-                      weight_hessians=weight_hessians, awq=awq, gptq_cache=gptq_cache), \
+                      weight_hessians=weight_hessians, awq=awq, gptq_cache=gptq_cache, parallel=parallel), \
             kv_amax_observed(model) as amax:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"KV cache calibration (batch {i + 1} of {len(ranges)})")
@@ -769,6 +775,7 @@ def score_plan(
     weight_hessians: Mapping[str, Tensor] | None = None,
     awq: AwqResult | None = None,
     gptq_cache: dict[str, Tensor] | None = None,
+    parallel: Parallelism | None = None,
 ) -> ScoreReport:
     """Score ``plan`` (``{layer: Scheme}``) on ``input_ids`` ``[S, L]`` against ``reference``.
 
@@ -785,6 +792,8 @@ def score_plan(
     awq: AWQ's factors for the layers whose scheme scales with AWQ (see :func:`plan_applied`).
     gptq_cache: GPTQ-rounded weights to reuse and fill (see :func:`quantcore.apply.apply_plan`): the same dict
         given to :func:`calibrate_kv_cache` before rounds each GPTQ layer once for both.
+    parallel: the GPUs the plan is served on (a plan's ``tensor_parallel``, ``expert_parallel``): row-parallel
+        layers quantize each GPU's share of their input on its own dynamic scale (see :func:`plan_applied`).
     """
     from quantcore.checkpoint import attention_windows
     from quantcore.kvcache import attention_modules, get_kv_format, kv_cache_quantized, kv_skip_layers
@@ -806,7 +815,7 @@ def score_plan(
     agree = torch.empty(reference.nll.shape, dtype=torch.bool)
     with plan_applied(
         model, plan, act_amax=act_amax, act_channel_max=act_channel_max, track_saturation=True,
-        weight_hessians=weight_hessians, awq=awq, gptq_cache=gptq_cache,
+        weight_hessians=weight_hessians, awq=awq, gptq_cache=gptq_cache, parallel=parallel,
     ) as ctx, kv_cache_quantized(model, kv, amax=kv_amax, skip=skip) as kv_ctx:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"scoring (batch {i + 1} of {len(ranges)})")

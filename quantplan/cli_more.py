@@ -59,6 +59,17 @@ def cmd_score(args) -> int:
                             **_dataset_param(args.text, "evaluation"), **_calibration_params(args)}
     if args.kv_cache:
         base["kv_cache"] = kv_format_arg(args.kv_cache)
+    if args.tensor_parallel:
+        from quantcore.parallel import parse_tp
+
+        base["tensor_parallel"] = parse_tp(args.tensor_parallel)
+        base["expert_parallel"] = args.expert_parallel
+        from app import services as svc
+
+        if refusals := svc.split_refusals(model, base["tensor_parallel"], args.expert_parallel):
+            raise CliError("; ".join(refusals))
+    elif args.expert_parallel:
+        raise CliError("--expert-parallel needs --tp GPUS (more than one GPU to share the experts among)")
     if args.all_presets:
         from quantcore.schemes import list_schemes
 
@@ -281,6 +292,11 @@ def add_commands(sub) -> None:
     sp.add_argument("--all-presets", action="store_true", help="score every preset and print the table")
     sp.add_argument("--kv-cache", metavar="FORMAT", help=f"store K and V in this format too ({', '.join(KV_FORMATS)}; "
                     "see `quantplan schemes`); replaces the plan file's kv_cache")
+    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="score the plan as served on this "
+                    "many GPUs (default: the plan file's tensor_parallel, else 1): each GPU quantizes its share of a "
+                    "row-parallel layer's input (o_proj, down_proj) on its own dynamic scale")
+    sp.add_argument("--expert-parallel", action="store_true", help="with --tp: an MoE model's routed experts whole, "
+                    "one GPU each (vLLM --enable-expert-parallel)")
     add_calibration_options(sp)
     sp.set_defaults(func=cmd_score)
 

@@ -34,6 +34,28 @@ def tiny_model(qp_settings, tmp_path, capsys):
     return res
 
 
+def test_a_plan_is_scored_as_served_on_several_gpus(tiny_model, capsys):
+    """``score --tp 2``: each GPU quantizes its half of o_proj's and down_proj's input on its own dynamic scale, so
+    the KL moves; the stored plan says 2 GPUs. A GPU count the heads cannot be split over is refused before any
+    job, and so is --expert-parallel without --tp."""
+    from app import services as svc
+
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
+    one = run_json(capsys, "score", "tiny", "--scheme", "INT8_PER_TENSOR", *args)
+    split = run_json(capsys, "score", "tiny", "--scheme", "INT8_PER_TENSOR", "--tp", "2", *args)
+    assert split["plan"] == "INT8_PER_TENSOR (TP 2)" and split["kl_mean"] != one["kl_mean"]
+    static = [run_json(capsys, "score", "tiny", "--scheme", "W8A16", *tp, *args) for tp in ((), ("--tp", "2"))]
+    assert static[0]["kl_mean"] == static[1]["kl_mean"]  # weight-only: the same numbers on any number of GPUs
+    stored = next(s for s in svc.list_scores(svc.get_model("tiny").id) if s.job_id == split["job"])
+    assert stored.plan_body["tensor_parallel"] == 2
+    jobs = len(svc.list_jobs(limit=100))
+    code, _, err = run(capsys, "score", "tiny", "--scheme", "INT8_PER_TENSOR", "--tp", "3", "--local")
+    assert code == 1 and "4 attention heads" in err
+    code, _, err = run(capsys, "score", "tiny", "--scheme", "INT8_PER_TENSOR", "--expert-parallel", "--local")
+    assert code == 1 and "--expert-parallel needs --tp" in err
+    assert len(svc.list_jobs(limit=100)) == jobs
+
+
 def test_cli_flow(tiny_model, capsys, tmp_path):
     cal = run_json(capsys, "calibrate", "tiny", "--local", "--samples", "4", "--seq-len", "32", "--json")
     layers = {r["name"]: r for r in cal["layers"]}

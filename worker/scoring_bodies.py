@@ -169,7 +169,7 @@ def _awq_summary(found) -> dict[str, Any]:
 
 
 def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_channel_max=None, weight_hessians=None,
-             awq=None, gptq_cache=None):
+             awq=None, gptq_cache=None, parallel=None):
     """Per-layer K/V amax for a calibrated KV format, with ``plan`` applied, on the calibration tokens
     (params['cal_dataset'] or the built-in text), never the evaluation text; None for a format without
     calibrated scales."""
@@ -180,7 +180,27 @@ def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_chann
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
     return calibrate_kv_cache(model, plan, cal_ids, act_amax=act_amax, act_channel_max=act_channel_max,
                               should_cancel=ctx.should_cancel, weight_hessians=weight_hessians, awq=awq,
-                              gptq_cache=gptq_cache)
+                              gptq_cache=gptq_cache, parallel=parallel)
+
+
+def served_on(ctx: JobContext, spec, model):
+    """The GPUs a score job scores the plan on: the job's ``tensor_parallel`` / ``expert_parallel`` where it gives
+    them (they replace the plan's, in ``spec`` too), else the plan's; refused with vLLM's reason where the model
+    cannot be split so (quantcore.parallel.tp_misfits)."""
+    import torch
+
+    from quantcore.parallel import attention_heads, parse_tp, tp_misfits
+
+    p = ctx.params
+    if p.get("tensor_parallel"):
+        spec.tensor_parallel = parse_tp(p["tensor_parallel"])
+        spec.expert_parallel = bool(p.get("expert_parallel")) and spec.tensor_parallel > 1
+    parallel = spec.parallelism(attention_heads(model.config))
+    shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    misfits = tp_misfits(shapes, parallel)
+    if misfits:
+        raise ValueError("; ".join(misfits))
+    return parallel
 
 
 def score(ctx: JobContext) -> Outcome:
@@ -198,6 +218,7 @@ def score(ctx: JobContext) -> Outcome:
     if kv.is_identity:
         spec.kv_cache_skip = []  # nothing quantized, nothing kept out (a stored AUTO plan has no skip list)
     plan = resolve_plan(spec, names)
+    parallel = served_on(ctx, spec, model)  # checked before the reference is computed, as the KV cache skips are
     if spec.kv_cache_skip:  # checked before the reference is computed
         kv_skip_layers(spec.kv_cache_skip, attention_modules(model), attention_windows(model))
     cal = calibration_for(ctx, rec, any(s.needs_calibration for s in plan.values()))
@@ -209,11 +230,12 @@ def score(ctx: JobContext) -> Outcome:
     hessians = _hessians(ctx, model, plan, cal_ids, cal_text)
     awq = _awq(ctx, rec, model, plan, cal_ids, cal_text)
     gptq_cache: dict = {}  # the KV cache calibration and the score round each GPTQ layer once between them
-    kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians, awq, gptq_cache)
+    kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians, awq, gptq_cache,
+                       parallel)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
-                        weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache,
+                        weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache, parallel=parallel,
                         progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
     rep = report.to_dict()
     if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
@@ -221,6 +243,8 @@ def score(ctx: JobContext) -> Outcome:
     plan_label = ctx.params.get("label") or spec.name or spec.default
     if ctx.params.get("kv_cache") and not ctx.params.get("label") and not kv.is_identity:
         plan_label = f"{plan_label} + KV {kv_label(spec)}"
+    if parallel.split and not ctx.params.get("label") and not plan_label.endswith(f"-tp{parallel.tp}"):
+        plan_label = f"{plan_label} (TP {parallel.tp}{', EP' if parallel.expert_parallel else ''})"
     result = {k: rep[k] for k in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl",
                                   "tokens", "kv_cache")}
     result.update(plan=plan_label, calibration_job=cal[0] if cal else None)

@@ -62,10 +62,17 @@ with st.form("score_form"):
                    "sequences instead of 16 raise it by a third; llm-compressor's examples calibrate on 512.")
         cal_upload = st.file_uploader("…or upload a calibration text (.txt / .jsonl with a 'text' field): stored, "
                                       "and listed above from then on", type=["txt", "jsonl"], key="score_cal_upload")
-    kv_choice = st.selectbox(
+    k1, k2 = st.columns([3, 1])
+    kv_choice = k1.selectbox(
         "KV cache", ["(as planned)", *KV_FORMATS], key="score_kv",
         help="Also store K and V in this format while scoring (replaces a plan's own kv_cache; presets plan none). "
              + " ".join(f"{k}: {f.description}." for k, f in KV_FORMATS.items()))
+    tp_choice = k2.selectbox(
+        "GPUs (tensor parallel)", ["(as planned)", *range(1, 9)], key="score_tp",
+        help="Score as served on this many GPUs (replaces a plan's own tensor_parallel; presets plan one). Each GPU "
+             "quantizes its share of a row-parallel layer's input (o_proj, down_proj) on its own dynamic "
+             "per-tensor or per-token scale, which a single GPU's score overstates the error of; static, group "
+             "and weight-only scales are the same on any number of GPUs.")
     sens = st.checkbox("Also run a per-layer sensitivity sweep with each chosen preset (one fusion group at a "
                        "time)", key="score_sens")
     kv_sens = st.checkbox("Also sweep the chosen KV cache format one attention layer at a time (which layers a "
@@ -80,7 +87,10 @@ with st.form("score_form"):
             except ValueError as exc:
                 st.error(f"The calibration text was not stored, so nothing was queued: {exc}")
                 cal_ok = False
-        if cal_ok:
+        refusals = [] if tp_choice == "(as planned)" else svc.split_refusals(model, int(tp_choice))
+        if refusals:
+            st.error("Nothing was queued: " + "; ".join(refusals))
+        if cal_ok and not refusals:
             params = {"samples": int(samples), "seq_len": int(seq_len), "device": device,
                       "cal_samples": int(cal_samples), "cal_seq_len": int(cal_seq_len)}
             if eval_id is not None:
@@ -89,16 +99,20 @@ with st.form("score_form"):
                 params["cal_dataset"] = cal_id
             if kv_choice != "(as planned)":
                 params["kv_cache"] = kv_choice
+            if tp_choice != "(as planned)":
+                params["tensor_parallel"] = int(tp_choice)
             for what in chosen_plans:
                 kind, _, ref = what.partition(":")
                 if kind == "preset":
                     job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
                 else:
                     job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
-                kv_note = f" + KV {kv_choice}" if "kv_cache" in params else ""
+                kv_note = (f" + KV {kv_choice}" if "kv_cache" in params else "") + (
+                    f" on {tp_choice} GPUs" if "tensor_parallel" in params else "")
                 st.success(f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
                 if sens and kind == "preset":
-                    sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
+                    one_gpu = {k: v for k, v in params.items() if k != "tensor_parallel"}  # sweeps are one GPU's
+                    sj = svc.submit("sensitivity", {**one_gpu, "samples": min(int(samples), 8), "scheme": ref},
                                     model_id=model.id)
                     st.success(f"Queued sensitivity job #{sj.id} ({ref}).")
             if sens and any(not w.startswith("preset:") for w in chosen_plans):
@@ -106,7 +120,7 @@ with st.form("score_form"):
             if kv_sens and kv_choice in ("(as planned)", "AUTO"):
                 st.warning("A KV cache sweep needs a quantized format: choose one under KV cache.")
             elif kv_sens:
-                sweep = {k: v for k, v in params.items() if k != "kv_cache"}
+                sweep = {k: v for k, v in params.items() if k not in ("kv_cache", "tensor_parallel")}
                 sj = svc.submit("sensitivity", {**sweep, "samples": min(int(samples), 8), "kv_sweep": kv_choice},
                                 model_id=model.id)
                 st.success(f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")

@@ -783,6 +783,28 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
         "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0")
 
 
+def test_results_page_scores_on_several_gpus_or_says_why_it_cannot(seeded):
+    """The score form's GPU count goes into the score job (not into a sensitivity sweep queued beside it, which is
+    one GPU's); a count the model's heads cannot be split over is refused with vLLM's reason and queues nothing."""
+    from app import services as svc
+
+    at = _run("results", seeded.id)
+    at.selectbox(key="score_tp").set_value(2)
+    at.button[0].click().run()
+    assert not at.exception
+    assert any("Nothing was queued" in e.value and "9 attention heads" in e.value for e in at.error)
+    assert not [j for j in svc.list_jobs(limit=5) if j.status == "queued"]
+    at.selectbox(key="score_tp").set_value(3)
+    at.checkbox(key="score_sens").check()
+    at.button[0].click().run()
+    assert not at.exception
+    job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
+    assert job.params["tensor_parallel"] == 3
+    assert any(f"Queued score job #{job.id} (FP8_DYNAMIC on 3 GPUs)." in m.value for m in at.success)
+    sweep = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.status == "queued")
+    assert "tensor_parallel" not in sweep.params
+
+
 def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     from app import services as svc
 
@@ -989,6 +1011,27 @@ def test_results_and_kernels_pages_follow_their_jobs_live(seeded):
     at = _run("kernels", seeded.id)
     bars = [p.proto.text for p in at.get("progress")]
     assert any(f"Benchmark job #{bench.id} (cpu M 1) queued" in t for t in bars), bars
+
+
+def test_a_score_for_several_gpus_made_as_if_on_one_says_so(seeded):
+    """A plan for 3 GPUs scored before quantplan took each GPU's share of a row-parallel input on its own dynamic
+    scale is flagged, with the number of layers it touches (o_proj and down_proj of every block); the same plan on
+    one GPU, a static-scale plan on 3, and a score made now are not."""
+    from app import services as svc
+    from quantcore.schemes import NUMERICS, NUMERICS_TP_INPUT_SHARES
+
+    before = NUMERICS_TP_INPUT_SHARES - 1
+    jobs = {name: _add_score(seeded.id, name, body, 0.04, numerics=numerics) for name, body, numerics in (
+        ("tp3-old", {"default": "INT8_W8A8", "tensor_parallel": 3}, before),
+        ("tp1-old", {"default": "INT8_W8A8"}, before),
+        ("static-tp3-old", {"default": "FP8", "tensor_parallel": 3}, before),
+        ("tp3-now", {"default": "INT8_W8A8", "tensor_parallel": 3}, NUMERICS))}
+    scores = {s.job_id: s for s in svc.list_scores(seeded.id)}
+    (note,) = svc.score_notes(seeded, scores[jobs["tp3-old"]])
+    rows = [r["name"] for r in seeded.linears if r["name"].endswith(("o_proj", "down_proj"))]
+    assert f"({len(rows)} layer(s) with a dynamic activation scale over the whole input" in note
+    assert "3 GPUs' shares" in note
+    assert all(svc.score_notes(seeded, scores[jobs[k]]) == [] for k in ("tp1-old", "static-tp3-old", "tp3-now"))
 
 
 def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):

@@ -483,3 +483,52 @@ def test_nvfp4_fusion_groups_share_one_tensor_scale(tiny_llama, tiny_input_ids):
         k = model.get_submodule(qkv[1]).weight.detach().clone()
     scale = weight_scale(w[qkv[1]], spec, tensor_scale=g_qkv)
     assert torch.equal(k, gptq_quantize(w[qkv[1]], hess[qkv[1]], spec, scale=scale).weight)
+
+
+def test_on_several_gpus_each_takes_its_dynamic_scale_over_its_share_of_a_row_parallel_input(tiny_llama,
+                                                                                             tiny_input_ids):
+    """Served over 2 GPUs, o_proj and down_proj (row-parallel: each GPU reads half of K) quantize each half of their
+    input on its own dynamic scale, per tensor or per token, as each GPU's kernel computes it from its own share;
+    q/k/v and gate/up (column-parallel: the whole input on every GPU), static scales (one calibrated number every
+    GPU loads) and group scales are the same as on one GPU. With one GPU nothing changes."""
+    from quantcore.parallel import Parallelism
+
+    names = block_linears(tiny_llama)
+    amax, _ = calibration(tiny_llama, tiny_input_ids)
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def inputs(scheme: str, parallel) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer: (its raw input, the input it computes with)} for one forward under the plan."""
+        seen.clear()
+        raw = [tiny_llama.get_submodule(n).register_forward_pre_hook(
+            lambda _m, a, _n=n: seen.setdefault(_n, []).append(a[0].detach().clone())) for n in names]
+        with quantized_model(tiny_llama, dict.fromkeys(names, scheme), act_amax=amax, parallel=parallel):
+            after = [tiny_llama.get_submodule(n).register_forward_pre_hook(  # after the plan's own hook
+                lambda _m, a, _n=n: seen[_n].append(a[0].detach().clone())) for n in names]
+            logits(tiny_llama, tiny_input_ids)
+            for h in after:
+                h.remove()
+        for h in raw:
+            h.remove()
+        return {n: tuple(seen[n]) for n in names}
+
+    def halves(x: torch.Tensor, fmt: str, granularity: str) -> torch.Tensor:
+        return torch.cat([fake_quantize(p, fmt, granularity) for p in x.tensor_split(2, dim=-1)], dim=-1)
+
+    for scheme, fmt, granularity in (("INT8_PER_TENSOR", "int8", "tensor"), ("INT8_W8A8", "int8", "token"),
+                                     ("FP8_PER_TENSOR", "fp8_e4m3", "tensor")):
+        one, two = inputs(scheme, None), inputs(scheme, Parallelism(2))
+        tp1 = inputs(scheme, Parallelism(1))
+        assert all(torch.equal(tp1[n][1], one[n][1]) for n in names), scheme
+        for n in names:
+            x, got = two[n]
+            if n.endswith(("o_proj", "down_proj")):
+                torch.testing.assert_close(got, halves(x, fmt, granularity), rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(got, fake_quantize(x, fmt, granularity), rtol=0, atol=0)
+        down = "model.layers.0.mlp.down_proj"  # the planted outlier is in one half: the other half gains
+        if granularity == "tensor":
+            assert not torch.equal(two[down][1], one[down][1])
+    for scheme in ("FP8", "MXFP8", "W4A16"):  # static, group and weight-only: as on one GPU
+        one, two = inputs(scheme, None), inputs(scheme, Parallelism(2))
+        assert all(torch.equal(one[n][1], two[n][1]) for n in names), scheme

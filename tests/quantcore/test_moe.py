@@ -291,14 +291,46 @@ def test_a_static_input_scale_is_one_per_block_as_vllms_fused_moe_reads_it():
     assert {n: scales[n] for n in down} == pytest.approx({n: float(scale_from_amax(amax[n], "nvfp4")) for n in down})
 
 
+def block_by_hand(block: LinearExperts, args: tuple, *, per_block: bool, shards: int = 1) -> torch.Tensor:
+    """An MoE block's routed forward written out with FP8 per-tensor dynamic activation scales: from the whole
+    block's input and all routed experts' down_proj inputs together (``per_block``), or each expert's own; with
+    ``shards`` > 1 each of that many shares of the down_proj input (K) on its own scale, as each GPU's fused MoE
+    quantizes its share under tensor parallelism."""
+    import torch.nn.functional as F
+
+    from quantcore.quantize import fake_quantize, scale_from_amax
+
+    def q(t: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(t, "fp8_e4m3", "tensor", scale=scale_from_amax(amax, "fp8_e4m3"))
+
+    def amaxes(h: torch.Tensor) -> torch.Tensor:
+        return torch.stack([part.abs().amax() for part in h.tensor_split(shards, dim=-1)])
+
+    x, index, weights = args
+    mask = F.one_hot(index, num_classes=block.num_experts + 1).permute(2, 1, 0)
+    hidden = []
+    for e in range(block.num_experts):
+        pos, tok = torch.where(mask[e])
+        if len(tok):
+            xe, expert = x[tok], block[e]
+            xq = q(xe, x.abs().amax() if per_block else xe.abs().amax())
+            hidden.append((e, pos, tok, expert.act_fn(F.linear(xq, expert.gate_proj.weight))
+                           * F.linear(xq, expert.up_proj.weight)))
+    amax2 = torch.stack([amaxes(h) for *_, h in hidden]).amax(dim=0)
+    out = torch.zeros_like(x)
+    for e, pos, tok, h in hidden:
+        own = amax2 if per_block else amaxes(h)
+        hq = torch.cat([q(part, own[i]) for i, part in enumerate(h.tensor_split(shards, dim=-1))], dim=-1)
+        y = F.linear(hq, block[e].down_proj.weight)
+        out.index_add_(0, tok, y * weights[tok, pos, None])
+    return out
+
+
 def test_a_dynamic_per_tensor_scale_covers_the_whole_block_as_in_vllms_fused_moe():
     """vLLM's fused MoE quantizes the block's input once (one dynamic scale for every expert's gate/up) and all routed
     experts' down_proj inputs together (one more): FP8_PER_TENSOR experts are emulated so, not one scale per
     expert's own tokens. Checked against the block's forward written out by hand; per-token schemes are untouched."""
-    import torch.nn.functional as F
-
     from quantcore.apply import quantized_model
-    from quantcore.quantize import fake_quantize, scale_from_amax
 
     model = tiny_moe()
     split_experts(model)
@@ -308,33 +340,44 @@ def test_a_dynamic_per_tensor_scale_covers_the_whole_block_as_in_vllms_fused_moe
     seen = {}
     handle = block.register_forward_hook(lambda _m, args, out: seen.update(args=args, out=out.detach()))
 
-    def by_hand(per_block: bool) -> torch.Tensor:
-        x, index, weights = seen["args"]
-        q = lambda t, amax: fake_quantize(t, "fp8_e4m3", "tensor", scale=scale_from_amax(amax, "fp8_e4m3"))  # noqa: E731
-        mask = F.one_hot(index, num_classes=block.num_experts + 1).permute(2, 1, 0)
-        hidden = []
-        for e in range(block.num_experts):
-            pos, tok = torch.where(mask[e])
-            if len(tok):
-                xe, expert = x[tok], block[e]
-                xq = q(xe, x.abs().amax() if per_block else xe.abs().amax())
-                hidden.append((e, pos, tok, expert.act_fn(F.linear(xq, expert.gate_proj.weight))
-                               * F.linear(xq, expert.up_proj.weight)))
-        amax2 = torch.stack([h.abs().amax() for *_, h in hidden]).amax()
-        out = torch.zeros_like(x)
-        for e, pos, tok, h in hidden:
-            y = F.linear(q(h, amax2 if per_block else h.abs().amax()), block[e].down_proj.weight)
-            out.index_add_(0, tok, y * weights[tok, pos, None])
-        return out
-
     with torch.no_grad(), quantized_model(model, plan):
         model(ids())
-        torch.testing.assert_close(seen["out"], by_hand(per_block=True), rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(seen["out"], by_hand(per_block=False), rtol=1e-5, atol=1e-6)  # it matters
+        torch.testing.assert_close(seen["out"], block_by_hand(block, seen["args"], per_block=True), rtol=1e-5,
+                                   atol=1e-6)
+        assert not torch.allclose(seen["out"], block_by_hand(block, seen["args"], per_block=False), rtol=1e-5,
+                                  atol=1e-6)  # it matters
     assert block.block_amax is None  # restored: the plain routed forward again
     with torch.no_grad(), quantized_model(model, {n: "FP8_DYNAMIC" for n in plan}):
         model(ids())
         assert block.block_amax is None  # per-token scales: nothing block-wide to emulate
+    handle.remove()
+
+
+def test_at_tensor_parallel_each_gpu_quantizes_its_share_of_the_experts_down_proj_input():
+    """Split over 2 GPUs (each expert's down_proj cut along K), each GPU's fused MoE takes the block-wide dynamic
+    scale of its own share of the down_proj inputs; with expert parallelism every expert is whole on one GPU and the
+    block takes one scale again. The gate/up input (the block's input, whole on every GPU) keeps one scale."""
+    from quantcore.apply import quantized_model
+    from quantcore.parallel import Parallelism
+
+    model = tiny_moe()
+    split_experts(model)
+    block = model.get_submodule("model.layers.0.mlp.experts")
+    plan = {n: "FP8_PER_TENSOR" for n in linear_names(model) if expert_block(n)}
+    seen = {}
+    handle = block.register_forward_hook(lambda _m, args, out: seen.update(args=args, out=out.detach()))
+    with torch.no_grad():
+        with quantized_model(model, plan, parallel=Parallelism(2)):  # (by hand with the quantized weights)
+            model(ids())
+            torch.testing.assert_close(seen["out"], block_by_hand(block, seen["args"], per_block=True, shards=2),
+                                       rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(seen["out"], block_by_hand(block, seen["args"], per_block=True), rtol=1e-5,
+                                      atol=1e-6)
+        assert block.w2_shards == 1  # restored
+        with quantized_model(model, plan, parallel=Parallelism(2, expert_parallel=True)):
+            model(ids())
+            torch.testing.assert_close(seen["out"], block_by_hand(block, seen["args"], per_block=True), rtol=1e-5,
+                                       atol=1e-6)
     handle.remove()
 
 

@@ -254,3 +254,17 @@ def test_under_expert_parallelism_a_gpu_runs_its_range_of_experts():
     assert sorted({n.split(".experts.")[1].split(".")[0] for n in held if ".experts." in n}) == ["0", "1"]
     assert all(n in held for n in shapes if ".experts." not in n)
     assert Parallelism(3, AttentionHeads(32, 4, 128)).first_gpu(shapes) == list(shapes)  # experts split, all on each
+
+
+def test_the_inputs_the_gpus_share_are_the_row_parallel_ones():
+    """A row-parallel layer's input is cut among the GPUs (each quantizes its own share); column-parallel layers,
+    the router, lm_head, and a routed expert kept whole by expert parallelism read all of it."""
+    from quantcore.parallel import Parallelism
+
+    split, ep = Parallelism(4), Parallelism(4, expert_parallel=True)
+    assert [split.input_shards(f"model.layers.0.{leaf}") for leaf in
+            ("self_attn.o_proj", "mlp.down_proj", "self_attn.q_proj", "mlp.gate_proj", "mlp.gate")] == [4, 4, 1, 1, 1]
+    assert split.input_shards("lm_head") == 1 and Parallelism(1).input_shards("model.layers.0.mlp.down_proj") == 1
+    expert = "model.layers.0.mlp.experts.3.down_proj"
+    assert split.input_shards(expert) == 4 and ep.input_shards(expert) == 1
+    assert ep.input_shards("model.layers.0.mlp.shared_expert.down_proj") == 4  # not a routed expert: split

@@ -231,7 +231,13 @@ def test_numerics_changes_name_what_an_older_quantplan_did_differently():
         [why] = numerics_changes(name, 5)
         assert "E8M0" in why and "rounded to a power of two" in why
     assert numerics_changes("NVFP4A16", 5) == numerics_changes("W4A16", 5) == []
-    assert all(numerics_changes(n, NUMERICS) == [] for n in list_schemes())
+    # a row-parallel layer on several GPUs: dynamic per-tensor / per-token scales per GPU's share since version 7
+    for name in ("INT8_PER_TENSOR", "INT8_W8A8", "FP8_DYNAMIC"):
+        [why] = numerics_changes(name, 6, input_shares=4)
+        assert "4 GPUs' shares" in why and numerics_changes(name, 6) == []
+    assert numerics_changes("FP8", 6, input_shares=4) == numerics_changes("W4A16", 6, input_shares=4) == []
+    assert numerics_changes("MXFP8", 6, input_shares=4) == []  # group scales: a valid split never cuts a group
+    assert all(numerics_changes(n, NUMERICS, input_shares=8) == [] for n in list_schemes())
 
 
 def test_with_alpha_keeps_name_and_can_remove_smoothing():
