@@ -91,6 +91,10 @@ def cmd_score(args) -> int:
         _, problem = svc.resolve(model, params["plan"])
         if problem:
             raise CliError(problem)
+        if "tensor_parallel" not in params:  # the plan file's own GPUs, as the job will score it
+            par = svc.parallelism(model, params["plan"])
+            if refusals := svc.split_refusals(model, par.tp, par.expert_parallel):
+                raise CliError("; ".join(refusals))
     job = _run("score", params, model_id=model.id, local=args.local, quiet=args.json)
     if args.json:
         _print_json({"job": job.id, **job.result})

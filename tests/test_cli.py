@@ -34,10 +34,10 @@ def tiny_model(qp_settings, tmp_path, capsys):
     return res
 
 
-def test_a_plan_is_scored_as_served_on_several_gpus(tiny_model, capsys):
+def test_a_plan_is_scored_as_served_on_several_gpus(tiny_model, capsys, tmp_path):
     """``score --tp 2``: each GPU quantizes its half of o_proj's and down_proj's input on its own dynamic scale, so
-    the KL moves; the stored plan says 2 GPUs. A GPU count the heads cannot be split over is refused before any
-    job, and so is --expert-parallel without --tp."""
+    the KL moves; the stored plan says 2 GPUs. A GPU count the heads cannot be split over (given with --tp or by a
+    plan file) is refused before any job, and so is --expert-parallel without --tp."""
     from app import services as svc
 
     args = ("--local", "--samples", "2", "--seq-len", "32", "--json")
@@ -53,6 +53,10 @@ def test_a_plan_is_scored_as_served_on_several_gpus(tiny_model, capsys):
     assert code == 1 and "4 attention heads" in err
     code, _, err = run(capsys, "score", "tiny", "--scheme", "INT8_PER_TENSOR", "--expert-parallel", "--local")
     assert code == 1 and "--expert-parallel needs --tp" in err
+    plan = tmp_path / "tp3.yaml"  # a plan file for 3 GPUs: refused as --tp 3 is
+    plan.write_text("model: tiny\ndefault: INT8_PER_TENSOR\ntensor_parallel: 3\n")
+    code, _, err = run(capsys, "score", "tiny", "--plan", str(plan), "--local")
+    assert code == 1 and "4 attention heads" in err
     assert len(svc.list_jobs(limit=100)) == jobs
 
 
