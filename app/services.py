@@ -1358,6 +1358,15 @@ def kv_alone_score(model: ModelRecord, kv_cache: str) -> ScoreRecord | None:
     return None
 
 
+def _dynamic_per_row(scheme: Any) -> bool:
+    """Whether a scheme's activations take a dynamic per-tensor or per-token scale (the kind a row-parallel layer's
+    GPUs each take over their own share of the input)."""
+    from quantcore.schemes import get_scheme
+
+    a = get_scheme(scheme).activations
+    return a is not None and a.dynamic and a.granularity.value in ("tensor", "token")
+
+
 def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 2048,
               candidates: list[str] | None = None, verify: bool = True, device: str = "cpu", cost: str = "auto",
               kv_cache: str = "AUTO", tensor_parallel: int = 1, expert_parallel: bool = False):
@@ -1426,6 +1435,14 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
                             f"layers were chosen under the rest of the budget ({kl_budget - kv_kl:.4g}) and the "
                             "prediction adds the two (the KLs of independent small errors roughly add)")
     result.notes += [why for scheme, why in stale_sweeps(model).values() if scheme in cands]
+    if parallel.split:
+        split = sorted({str(result.plan[n]) for n in result.plan if parallel.input_shards(n) > 1
+                        and _dynamic_per_row(result.plan[n])})
+        if split:
+            result.notes.append(f"predicted from one-GPU sensitivity sweeps: on {tensor_parallel} GPUs each quantizes its "
+                                f"share of o_proj's and down_proj's input on its own dynamic scale ({', '.join(split)}), "
+                                "which the sweeps do not see, so the plan's KL there is likely lower than predicted "
+                                f"(the verifying score runs on {tensor_parallel} GPUs)")
     if cost == "ideal":
         result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet"
                             + (f", of one GPU's share of every layer over {tensor_parallel}" if parallel.split else ""))

@@ -110,6 +110,10 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert two["cost"] == pytest.approx(step_bound(two["plan"], per_gpu, "h100", 1).ms)
     assert two["cost"] < ideal["cost"]
     assert any("of one GPU's share of every layer over 2" in n for n in two["notes"])
+    # its KL is predicted from one-GPU sweeps, which do not see each GPU's own dynamic scale of o_proj / down_proj
+    row_int8 = [n for n, s in two["plan"].items() if n.endswith(("o_proj", "down_proj")) and s == "INT8_PER_TENSOR"]
+    assert row_int8 and any("one-GPU sensitivity sweeps" in n and "(INT8_PER_TENSOR)" in n for n in two["notes"])
+    assert not any("one-GPU sensitivity sweeps" in n for n in ideal["notes"])
     assert svc.get_plan(two["plan_id"]).body["tensor_parallel"] == 2
 
     # a plan file → stored → exported as a recipe → imported again: the same resolved plan
