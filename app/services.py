@@ -1358,15 +1358,6 @@ def kv_alone_score(model: ModelRecord, kv_cache: str) -> ScoreRecord | None:
     return None
 
 
-def _dynamic_per_row(scheme: Any) -> bool:
-    """Whether a scheme's activations take a dynamic per-tensor or per-token scale (the kind a row-parallel layer's
-    GPUs each take over their own share of the input)."""
-    from quantcore.schemes import get_scheme
-
-    a = get_scheme(scheme).activations
-    return a is not None and a.dynamic and a.granularity.value in ("tensor", "token")
-
-
 def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 2048,
               candidates: list[str] | None = None, verify: bool = True, device: str = "cpu", cost: str = "auto",
               kv_cache: str = "AUTO", tensor_parallel: int = 1, expert_parallel: bool = False):
@@ -1385,7 +1376,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     from quantcore.parallel import Parallelism
     from quantcore.plans import spec_from_plan
     from quantcore.roofline import cost_from_roofline
-    from quantcore.schemes import expert_block
+    from quantcore.schemes import expert_block, get_scheme
 
     sens, unit_layers = sensitivity_map(model)
     if not sens:
@@ -1436,8 +1427,8 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
                             "prediction adds the two (the KLs of independent small errors roughly add)")
     result.notes += [why for scheme, why in stale_sweeps(model).values() if scheme in cands]
     if parallel.split:
-        split = sorted({str(result.plan[n]) for n in result.plan if parallel.input_shards(n) > 1
-                        and _dynamic_per_row(result.plan[n])})
+        split = sorted({scheme for n, scheme in result.plan.items() if parallel.input_shards(n) > 1
+                        and (acts := get_scheme(scheme).activations) is not None and acts.dynamic_over_k})
         if split:
             result.notes.append(f"predicted from one-GPU sensitivity sweeps: on {tensor_parallel} GPUs each quantizes its "
                                 f"share of o_proj's and down_proj's input on its own dynamic scale ({', '.join(split)}), "

@@ -48,15 +48,7 @@ from quantcore.quantize import (
     scale_from_amax,
     weight_scale,
 )
-from quantcore.schemes import (
-    Granularity,
-    Scheme,
-    TensorSpec,
-    expert_block,
-    fusion_groups,
-    get_scheme,
-    list_schemes,
-)
+from quantcore.schemes import Scheme, TensorSpec, expert_block, fusion_groups, get_scheme, list_schemes
 from quantcore.smoothquant import SmoothingHandle, smooth_model
 
 _MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
@@ -337,7 +329,7 @@ def _quantize_shards(x: torch.Tensor, shards: int, fmt: str, kwargs: Mapping[str
     ``torch.tensor_split`` cuts them), each on its own dynamic scale, or on its entry of a ``scale`` with one per
     share (a routed expert's block amax per share), then put together again; the counts summed."""
     parts, total = [], None
-    per_share = isinstance(scale, torch.Tensor) and scale.numel() == shards and shards > 1
+    per_share = isinstance(scale, torch.Tensor) and scale.numel() == shards
     for i, part in enumerate(x.tensor_split(shards, dim=-1)):
         q, counts = _quantize(part, fmt, kwargs, scale.reshape(-1)[i] if per_share else scale, track_stats)
         parts.append(q)
@@ -505,7 +497,7 @@ def _input_shards(name: str, scheme: Scheme, parallel: Parallelism | None) -> in
     """The GPUs' shares of ``name``'s input its activation scale is taken over separately: the row-parallel
     shares (``parallel.input_shards``) for a dynamic per-tensor or per-token scale, else 1."""
     a = scheme.activations
-    if parallel is None or a is None or not a.dynamic or a.granularity not in (Granularity.TENSOR, Granularity.TOKEN):
+    if parallel is None or a is None or not a.dynamic_over_k:
         return 1
     return parallel.input_shards(name)
 

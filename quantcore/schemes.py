@@ -174,6 +174,12 @@ class TensorSpec:
         """Element bits of the format (8, 4)."""
         return get_format(self.format).bits
 
+    @property
+    def dynamic_over_k(self) -> bool:
+        """A dynamic scale taken over every element of K (per tensor or per token), which a row-parallel layer's
+        GPUs each take over their own share of K instead (quantcore.parallel.Parallelism.input_shards)."""
+        return self.dynamic and self.granularity in (Granularity.TENSOR, Granularity.TOKEN)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict; :meth:`from_dict` inverts it. ``symmetric`` is written only when False, so a symmetric
         spec's dict (and every key derived from it) is what it was before zero points existed."""
@@ -420,8 +426,7 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool
             and version < NUMERICS_MOE_BLOCK_DYNAMIC):
         out.append("routed experts whose dynamic per-tensor activation scale came from each expert's own tokens "
                    "instead of the whole block, as vLLM's fused MoE takes it")
-    if (input_shares > 1 and acts is not None and acts.dynamic
-            and acts.granularity in (Granularity.TENSOR, Granularity.TOKEN) and version < NUMERICS_TP_INPUT_SHARES):
+    if input_shares > 1 and acts is not None and acts.dynamic_over_k and version < NUMERICS_TP_INPUT_SHARES:
         out.append(f"a dynamic activation scale over the whole input of a row-parallel layer instead of over each of "
                    f"the {input_shares} GPUs' shares, as each GPU quantizes its own")
     return out
