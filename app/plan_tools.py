@@ -11,7 +11,7 @@ from quantcore.kvcache import KV_FORMATS
 
 def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> None:
     st.subheader("Automatic plan")
-    sens, _units = svc.sensitivity_map(model)
+    sens, _units = svc.sensitivity_map(model, tp, expert_parallel)
     if not sens:
         st.info("An automatic plan needs per-layer sensitivity: queue sweeps for the candidate schemes on the "
                 "Results page (e.g. FP8_DYNAMIC, INT8_W8A8, W4A16).")
@@ -21,9 +21,15 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
                    + (f"Kernel timings of this GPU are stored (from {device_name})." if device_name
                       else f"No {target} kernel timings are stored: the first cost falls back to weight memory."))
         if tp > 1:
+            on_tp = sorted({svc.sweep_scheme(j) for j in svc.planner_sweeps(model, tp, expert_parallel)
+                            if svc.sweep_parallel(j)[0] > 1})
             st.caption(f"For {tp} GPUs (the plan's tensor parallel above"
                        + (", experts whole" if expert_parallel else "") + "): no scheme is chosen for a layer whose "
-                       "share on one GPU vLLM would refuse.")
+                       "share on one GPU vLLM would refuse. "
+                       + (f"Swept on {tp} GPUs: {', '.join(on_tp)}; the others' one-GPU sweeps stand in. " if on_tp
+                          else f"No sweep was made on {tp} GPUs: one-GPU sweeps stand in. ")
+                       + "That is exact but for a dynamic activation scale on o_proj and down_proj, which each GPU "
+                       "takes over its own share of their input (set the Results page's GPU count to sweep so).")
         with st.form("auto_plan"):
             c1, c2 = st.columns(2)
             budget = c1.number_input("KL budget (nats per token)", 0.0, 10.0, 0.02, step=0.005, format="%.4f",

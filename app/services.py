@@ -482,20 +482,21 @@ def stale_sweeps(model: ModelRecord) -> dict[int, tuple[str, str]]:
     from quantcore.schemes import get_scheme, numerics_changes
 
     out: dict[int, tuple[str, str]] = {}
-    seen: set[str] = set()
-    for job in sensitivity_jobs(model.id):  # newest first: the sweep the planner reads for each scheme
-        result = job.result or {}
-        name = str(result.get("scheme") or job.params.get("scheme") or "")
-        if not name or name in seen or name.startswith(repo.KV_SWEEP_PREFIX) or job.params.get("kv_sweep"):
+    seen: set[tuple[str, tuple[int, bool]]] = set()
+    for job in sensitivity_jobs(model.id):  # newest first: the sweep the planner reads for each scheme (and GPUs)
+        result, name = job.result or {}, sweep_scheme(job)
+        if not name or name.startswith(repo.KV_SWEEP_PREFIX) or job.params.get("kv_sweep"):
             continue
-        seen.add(name)
+        if (name, sweep_parallel(job)) in seen:
+            continue
+        seen.add((name, sweep_parallel(job)))
         try:
             scheme = get_scheme(name)
         except ValueError:
             continue
         if changes := numerics_changes(scheme, result.get("numerics"), expert=bool(model.moe)):
-            out[job.id] = (name, f"the {name} sweep (job #{job.id}) was made by an older quantplan, with "
-                                 f"{'; '.join(changes)}: sweep {name} again before planning with it")
+            out[job.id] = (name, f"the {sweep_label(job)} sweep (job #{job.id}) was made by an older quantplan, with "
+                                 f"{'; '.join(changes)}: sweep {sweep_label(job)} again before planning with it")
     return out
 
 
@@ -811,6 +812,13 @@ def split_refusals(model: ModelRecord, tp: int, expert_parallel: bool = False) -
     return tp_misfits(layer_shapes(model), Parallelism(tp, attention_heads(model), expert_parallel))
 
 
+def plan_split_refusals(model: ModelRecord, body: dict[str, Any]) -> list[str]:
+    """split_refusals at a plan body's own tensor_parallel / expert_parallel ([] for one GPU or a body that does
+    not parse: the job says what is wrong with that)."""
+    par = parallelism(model, body)
+    return split_refusals(model, par.tp, par.expert_parallel)
+
+
 def parallelism(model: ModelRecord, body: dict[str, Any]):
     """quantcore.parallel.Parallelism of a plan body on the model: its tensor_parallel and expert_parallel, with the
     model's attention heads (one GPU for a body that does not parse)."""
@@ -848,7 +856,8 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     if cals:
         with session_scope(settings()) as s:
             ratios = {r["name"]: r["outlier_ratio"] for r in repo.stats_overview(s, cals[0].id)}
-    sens, unit_layers = sensitivity_map(model)  # {scheme: {unit: KL}}: a layer's KL depends on its scheme
+    # {scheme: {unit: KL}}: a layer's KL depends on its scheme (and, for a dynamic scale, on the GPU count)
+    sens, unit_layers = sensitivity_map(model, par.tp, par.expert_parallel)
     unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
     shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
     untileable = w4afp8_untileable(resolved, shapes, par) if resolved and target else set()
@@ -1258,13 +1267,48 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
     return save_plan(model.id, plan_name, spec.to_dict(), note=f"imported from {Path(filename).name}")
 
 
-def sensitivity_map(model: ModelRecord):
-    """{scheme: {unit: KL}} and {unit: layers} over every stored sensitivity sweep of the model's linear layers
-    (KV cache sweeps, whose units are attention layers, are :func:`kv_sensitivity`'s)."""
+def sweep_parallel(job: JobRecord) -> tuple[int, bool]:
+    """(tensor_parallel, expert_parallel) a sensitivity sweep quantized each unit as served on; (1, False): one
+    GPU's, as every sweep before quantplan swept on several."""
+    result = job.result or {}
+    tp = int(result.get("tensor_parallel") or 1)
+    return tp, tp > 1 and bool(result.get("expert_parallel"))
+
+
+def sweep_scheme(job: JobRecord) -> str:
+    """The scheme a sensitivity sweep swept ("KV <format>" for a KV cache sweep; "" where it does not say)."""
+    return str((job.result or {}).get("scheme") or job.params.get("scheme") or "")
+
+
+def sweep_label(job: JobRecord) -> str:
+    """"FP8_DYNAMIC", "FP8_DYNAMIC on 3 GPUs", "… on 2 GPUs, experts whole": what a sweep swept, and as on how
+    many GPUs."""
+    tp, ep = sweep_parallel(job)
+    return (sweep_scheme(job) or "?") + (f" on {tp} GPUs" + (", experts whole" if ep else "") if tp > 1 else "")
+
+
+def planner_sweeps(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False) -> list[JobRecord]:
+    """The sweeps of linear layers a plan for ``tensor_parallel`` GPUs reads, oldest first (a later one replaces an
+    earlier one's units): those made on that many GPUs (as ``expert_parallel``), and for a scheme not swept so, its
+    one-GPU sweeps. Those stand in exactly for every scheme but one with a dynamic per-tensor or per-token
+    activation scale on a row-parallel layer (o_proj, down_proj), where each GPU's own scale makes the served KL
+    lower."""
+    at = (tensor_parallel, tensor_parallel > 1 and expert_parallel)
+    linear = [j for j in reversed(sensitivity_jobs(model.id))  # oldest first
+              if not sweep_scheme(j).startswith(repo.KV_SWEEP_PREFIX)]
+    swept_at = {sweep_scheme(j) for j in linear if sweep_parallel(j) == at}
+    return [j for j in linear if sweep_parallel(j) == at
+            or (sweep_parallel(j) == (1, False) and sweep_scheme(j) not in swept_at)]
+
+
+def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False):
+    """{scheme: {unit: KL}} and {unit: layers} over the stored sensitivity sweeps of the model's linear layers
+    that a plan on ``tensor_parallel`` GPUs reads (:func:`planner_sweeps`; KV cache sweeps, whose units are
+    attention layers, are :func:`kv_sensitivity`'s)."""
     from quantcore.autoplan import sensitivity_from_rows
 
     rows = []
-    for job in reversed(sensitivity_jobs(model.id)):  # oldest first: a newer sweep replaces an older one
+    for job in planner_sweeps(model, tensor_parallel, expert_parallel):
         rows.extend(r for r in sensitivity_rows(job.id) if not r.scheme.startswith(repo.KV_SWEEP_PREFIX))
     return sensitivity_from_rows(rows)
 
@@ -1337,7 +1381,10 @@ def job_what(job: JobRecord) -> str:
             what += f" + KV {kv_label({'kv_cache': kv, 'kv_cache_skip': plan_file.get('kv_cache_skip')})}"
         if p.get("kv_sweep"):
             what = f"KV {p['kv_sweep']}"
-        parts.append(what + (" sweep" if job.kind == "sensitivity" else ""))
+        tp = p.get("tensor_parallel") or plan_file.get("tensor_parallel")  # the job's replaces the plan file's
+        ep = p.get("expert_parallel") if p.get("tensor_parallel") else plan_file.get("expert_parallel")
+        gpus = (f" on {tp} GPUs" + (", experts whole" if ep else "")) if str(tp) not in ("None", "1") else ""
+        parts.append(what + (" sweep" if job.kind == "sensitivity" else "") + gpus)
     if job.kind in ("score", "sensitivity", "calibrate") and p.get("samples") and p.get("seq_len"):
         parts.append(f"{p['samples']} × {p['seq_len']}")
     if job.kind == "bench":
@@ -1378,7 +1425,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     from quantcore.roofline import cost_from_roofline
     from quantcore.schemes import expert_block, get_scheme
 
-    sens, unit_layers = sensitivity_map(model)
+    sens, unit_layers = sensitivity_map(model, tensor_parallel, expert_parallel)
     if not sens:
         raise ValueError(f"{model.name} has no sensitivity sweep yet: run one per candidate scheme first "
                          f"(Results page, or `quantplan sensitivity {model.name} --scheme FP8_DYNAMIC`)")
@@ -1425,15 +1472,22 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         result.notes.append(f"KV cache {kv}: KL {kv_kl:.4g} measured alone (score job #{alone.job_id}); the linear "
                             f"layers were chosen under the rest of the budget ({kl_budget - kv_kl:.4g}) and the "
                             "prediction adds the two (the KLs of independent small errors roughly add)")
-    result.notes += [why for scheme, why in stale_sweeps(model).values() if scheme in cands]
+    read = planner_sweeps(model, tensor_parallel, expert_parallel)
+    stale = stale_sweeps(model)
+    result.notes += [stale[j.id][1] for j in read if j.id in stale and stale[j.id][0] in cands]
     if parallel.split:
+        at_tp = {sweep_scheme(j) for j in read if sweep_parallel(j)[0] > 1}
         split = sorted({scheme for n, scheme in result.plan.items() if parallel.input_shards(n) > 1
+                        and scheme not in at_tp
                         and (acts := get_scheme(scheme).activations) is not None and acts.dynamic_over_k})
         if split:
-            result.notes.append(f"predicted from one-GPU sensitivity sweeps: on {tensor_parallel} GPUs each quantizes its "
-                                f"share of o_proj's and down_proj's input on its own dynamic scale ({', '.join(split)}), "
-                                "which the sweeps do not see, so the plan's KL there is likely lower than predicted "
-                                f"(the verifying score runs on {tensor_parallel} GPUs)")
+            gpus = f"--tp {tensor_parallel}" + (" --expert-parallel" if parallel.expert_parallel else "")
+            result.notes.append(f"predicted from one-GPU sensitivity sweeps of {', '.join(split)}: on {tensor_parallel} "
+                                "GPUs each quantizes its share of o_proj's and down_proj's input on its own dynamic "
+                                "scale, which those sweeps do not see, so the plan's KL there is likely lower than "
+                                f"predicted (the verifying score runs on {tensor_parallel} GPUs). Sweep them on "
+                                f"{tensor_parallel} GPUs for a closer prediction (`quantplan sensitivity {model.name} "
+                                f"--scheme {split[0]} {gpus}`, or the Results page's GPU count)")
     if cost == "ideal":
         result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet"
                             + (f", of one GPU's share of every layer over {tensor_parallel}" if parallel.split else ""))

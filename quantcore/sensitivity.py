@@ -58,6 +58,7 @@ from quantcore.errors import PlanError
 
 if TYPE_CHECKING:
     from quantcore.awq import AwqResult
+    from quantcore.parallel import Parallelism
 from quantcore.plans import group_label
 from quantcore.schemes import Scheme, fusion_units, get_scheme
 from quantcore.scoring import (
@@ -384,6 +385,7 @@ def sensitivity_sweep(
     should_cancel: ShouldCancel | None = None,
     weight_hessians: Mapping[str, Tensor] | None = None,
     awq: AwqResult | None = None,
+    parallel: Parallelism | None = None,
 ) -> list[SensitivityRow]:
     """Quantize one unit at a time with ``scheme``; rows sorted by ``kl_mean``, largest first.
 
@@ -396,6 +398,9 @@ def sensitivity_sweep(
     weight_hessians: ``{layer: Hessian}`` of every swept layer when ``scheme`` rounds with GPTQ
                 (:func:`quantcore.gptq.collect_hessians`); each unit is rounded once and reused for every batch
     awq:        AWQ's factors of the swept layers when ``scheme`` scales with AWQ (:func:`quantcore.awq.awq_search`)
+    parallel:   the GPUs the plan will be served on: each unit is quantized as there (a row-parallel layer's dynamic
+                activation scale over each GPU's share of its input, :func:`quantcore.apply.apply_plan`), so an
+                automatic plan for that many GPUs adds up that many GPUs' KLs; None: one GPU
 
     The model is restored exactly after every unit, also on error or cancel.
     """
@@ -439,6 +444,7 @@ def sensitivity_sweep(
                 weight_hessians=weight_hessians,
                 gptq_cache=gptq_cache,
                 awq=awq,
+                parallel=parallel,
             )
         )
         if bi == 0:

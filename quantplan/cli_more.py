@@ -59,17 +59,7 @@ def cmd_score(args) -> int:
                             **_dataset_param(args.text, "evaluation"), **_calibration_params(args)}
     if args.kv_cache:
         base["kv_cache"] = kv_format_arg(args.kv_cache)
-    if args.tensor_parallel:
-        from quantcore.parallel import parse_tp
-
-        base["tensor_parallel"] = parse_tp(args.tensor_parallel)
-        base["expert_parallel"] = args.expert_parallel
-        from app import services as svc
-
-        if refusals := svc.split_refusals(model, base["tensor_parallel"], args.expert_parallel):
-            raise CliError("; ".join(refusals))
-    elif args.expert_parallel:
-        raise CliError("--expert-parallel needs --tp GPUS (more than one GPU to share the experts among)")
+    base.update(_gpus_param(args, model))
     if args.all_presets:
         from quantcore.schemes import list_schemes
 
@@ -120,6 +110,30 @@ def cmd_score(args) -> int:
     return 0
 
 
+def _gpus_param(args, model) -> dict[str, Any]:
+    """The job params of --tp / --expert-parallel ({} without --tp), refused here with vLLM's reason where the model
+    cannot be split over that many GPUs."""
+    if not args.tensor_parallel:
+        if args.expert_parallel:
+            raise CliError("--expert-parallel needs --tp GPUS (more than one GPU to share the experts among)")
+        return {}
+    from app import services as svc
+    from quantcore.parallel import parse_tp
+
+    tp = parse_tp(args.tensor_parallel)
+    if refusals := svc.split_refusals(model, tp, args.expert_parallel):
+        raise CliError("; ".join(refusals))
+    return {"tensor_parallel": tp, "expert_parallel": args.expert_parallel}
+
+
+def add_gpu_options(sp, what: str) -> None:
+    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help=f"{what} as served on this many GPUs: "
+                    "each GPU quantizes its share of a row-parallel layer's input (o_proj, down_proj) on its own "
+                    "dynamic scale")
+    sp.add_argument("--expert-parallel", action="store_true", help="with --tp: an MoE model's routed experts whole, "
+                    "one GPU each (vLLM --enable-expert-parallel)")
+
+
 def _tokens(shape: list[int] | None) -> str:
     return f" ({shape[0]} × {shape[1]} tokens)" if shape else ""
 
@@ -143,8 +157,13 @@ def cmd_sensitivity(args) -> int:
     what = {"scheme": args.scheme} if args.scheme else {"kv_sweep": kv_format_arg(args.kv_cache)}
     if what.get("kv_sweep") == "AUTO":
         raise CliError("a KV cache sweep needs a quantized format (FP8, FP8_ATTN, ...); AUTO changes nothing")
+    gpus = _gpus_param(args, model)
+    if gpus and "kv_sweep" in what:
+        raise CliError("--tp sweeps linear layers (--scheme): K and V are quantized per head, the same on any number "
+                       "of GPUs, so a KV cache sweep is one GPU's")
     params = {**what, "samples": args.samples, "seq_len": args.seq_len, "device": args.device,
-              "groups": not args.no_groups, **_dataset_param(args.text, "evaluation"), **_calibration_params(args)}
+              "groups": not args.no_groups, **_dataset_param(args.text, "evaluation"), **_calibration_params(args),
+              **gpus}
     job = _run("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json)
     swept = job.result["scheme"]
     from store import repo
@@ -155,9 +174,12 @@ def cmd_sensitivity(args) -> int:
     out = [{"layer": r.unit, "layers": r.layers, "kl_mean": r.kl_mean, "top1_agree": r.top1_agree,
             "sqnr_db": r.sqnr_db} for r in rows]
     if args.json:
-        _print_json({"job": job.id, "scheme": swept, "layers": out})
+        _print_json({"job": job.id, "scheme": swept, "tensor_parallel": job.result.get("tensor_parallel", 1),
+                     "layers": out})
     else:
-        print(f"job #{job.id}: {swept} one unit at a time on {model.name}, most sensitive first:")
+        from app import services as svc
+
+        print(f"job #{job.id}: {svc.sweep_label(job)} one unit at a time on {model.name}, most sensitive first:")
         for r in out[:20]:
             sq = "" if r["sqnr_db"] is None else f"  SQNR {r['sqnr_db']:6.1f} dB"
             print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g}  top-1 {r['top1_agree']:.4f}{sq}")
@@ -296,11 +318,7 @@ def add_commands(sub) -> None:
     sp.add_argument("--all-presets", action="store_true", help="score every preset and print the table")
     sp.add_argument("--kv-cache", metavar="FORMAT", help=f"store K and V in this format too ({', '.join(KV_FORMATS)}; "
                     "see `quantplan schemes`); replaces the plan file's kv_cache")
-    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="score the plan as served on this "
-                    "many GPUs (default: the plan file's tensor_parallel, else 1): each GPU quantizes its share of a "
-                    "row-parallel layer's input (o_proj, down_proj) on its own dynamic scale")
-    sp.add_argument("--expert-parallel", action="store_true", help="with --tp: an MoE model's routed experts whole, "
-                    "one GPU each (vLLM --enable-expert-parallel)")
+    add_gpu_options(sp, "score the plan (default: the plan file's tensor_parallel, else one GPU)")
     add_calibration_options(sp)
     sp.set_defaults(func=cmd_score)
 
@@ -310,6 +328,8 @@ def add_commands(sub) -> None:
     sp.add_argument("--kv-cache", metavar="FORMAT", help="instead: store one attention layer's K and V at a time in "
                     "this KV cache format (which layers a plan's kv_cache_skip should keep in BF16)")
     sp.add_argument("--no-groups", action="store_true", help="one layer at a time, not one fusion group")
+    add_gpu_options(sp, "with --scheme: quantize each unit (default one GPU; `plan auto --tp GPUS` reads the sweep "
+                        "made at its GPU count)")
     add_calibration_options(sp)
     sp.set_defaults(func=cmd_sensitivity)
 

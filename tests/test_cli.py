@@ -112,9 +112,43 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert any("of one GPU's share of every layer over 2" in n for n in two["notes"])
     # its KL is predicted from one-GPU sweeps, which do not see each GPU's own dynamic scale of o_proj / down_proj
     row_int8 = [n for n, s in two["plan"].items() if n.endswith(("o_proj", "down_proj")) and s == "INT8_PER_TENSOR"]
-    assert row_int8 and any("one-GPU sensitivity sweeps" in n and "(INT8_PER_TENSOR)" in n for n in two["notes"])
+    assert row_int8 and any("one-GPU sensitivity sweeps of INT8_PER_TENSOR" in n and "--tp 2" in n
+                            for n in two["notes"])
     assert not any("one-GPU sensitivity sweeps" in n for n in ideal["notes"])
     assert svc.get_plan(two["plan_id"]).body["tensor_parallel"] == 2
+    # a sweep on 2 GPUs: what a plan for 2 GPUs reads from then on (a plan for one GPU still reads one GPU's)
+    sens2 = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", "--tp", "2", "--local",
+                     "--samples", "2", "--seq-len", "32", "--json")
+    assert sens2["tensor_parallel"] == 2
+    swept2 = {r["layer"]: r["kl_mean"] for r in sens2["layers"]}
+    swept1 = {r["layer"]: r["kl_mean"] for r in sens["layers"]}
+    moved = {u for u in swept1 if swept1[u] != swept2[u]}
+    assert moved and all(u.endswith(("o_proj", "down_proj")) for u in moved)
+    model = svc.get_model("tiny")
+    assert svc.sensitivity_map(model, 2)[0]["INT8_PER_TENSOR"] == swept2
+    assert svc.sensitivity_map(model)[0]["INT8_PER_TENSOR"] == swept1
+    again = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--cost", "ideal",
+                     "--m", "1", "--tp", "2", "--no-verify", "--json")
+    assert not any("one-GPU sensitivity sweeps" in n for n in again["notes"])
+    assert again["predicted_kl"] == pytest.approx(sum(swept2[u] for u in swept2 if again["plan"].get(
+        svc.sensitivity_map(model, 2)[1][u][0]) == "INT8_PER_TENSOR"))
+    jobs = len(svc.list_jobs(limit=100))
+    code, _, err = run(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", "--tp", "3", "--local")
+    assert code == 1 and "4 attention heads" in err
+    code, _, err = run(capsys, "sensitivity", "tiny", "--kv-cache", "FP8", "--tp", "2", "--local")
+    assert code == 1 and "per head" in err
+    assert len(svc.list_jobs(limit=100)) == jobs
+    from store.settings import get_settings
+    from worker import bodies
+    from worker.client import create_local_job
+    from worker.runner import run_job
+
+    # a job queued for 3 GPUs by another client: the worker refuses it with vLLM's reason, before any reference
+    job = create_local_job("sensitivity", {"scheme": "INT8_PER_TENSOR", "samples": 2, "seq_len": 32,
+                                           "tensor_parallel": 3}, model_id=model.id, settings=get_settings())
+    run_job(job.id, bodies.sensitivity, settings=get_settings())
+    failed = svc.get_job(job.id)
+    assert failed.status == "failed" and "4 attention heads" in failed.error
 
     # a plan file → stored → exported as a recipe → imported again: the same resolved plan
     plan_file = tmp_path / "plan.yaml"

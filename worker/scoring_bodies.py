@@ -187,15 +187,32 @@ def served_on(ctx: JobContext, spec, model):
     """The GPUs a score job scores the plan on: the job's ``tensor_parallel`` / ``expert_parallel`` where it gives
     them (they replace the plan's, in ``spec`` too), else the plan's; refused with vLLM's reason where the model
     cannot be split so (quantcore.parallel.tp_misfits)."""
-    import torch
-
-    from quantcore.parallel import attention_heads, parse_tp, tp_misfits
+    from quantcore.parallel import attention_heads, parse_tp
 
     p = ctx.params
     if p.get("tensor_parallel"):
         spec.tensor_parallel = parse_tp(p["tensor_parallel"])
         spec.expert_parallel = bool(p.get("expert_parallel")) and spec.tensor_parallel > 1
-    parallel = spec.parallelism(attention_heads(model.config))
+    return _splittable(model, spec.parallelism(attention_heads(model.config)))
+
+
+def swept_on(ctx: JobContext, model):
+    """The GPUs a sensitivity sweep quantizes each unit as on: the job's ``tensor_parallel`` /
+    ``expert_parallel`` (one GPU without them), refused as :func:`served_on` refuses."""
+    from quantcore.parallel import Parallelism, attention_heads, parse_tp
+
+    tp = parse_tp(ctx.params.get("tensor_parallel") or 1)
+    return _splittable(model, Parallelism(tp, attention_heads(model.config) if tp > 1 else None,
+                                          bool(ctx.params.get("expert_parallel")) and tp > 1))
+
+
+def _splittable(model, parallel):
+    """``parallel``, or ValueError with vLLM's reasons where it would refuse to split the model so
+    (quantcore.parallel.tp_misfits)."""
+    import torch
+
+    from quantcore.parallel import tp_misfits
+
     shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     misfits = tp_misfits(shapes, parallel)
     if misfits:
@@ -271,6 +288,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
     """A sweep of one preset over the linear units (params['scheme']), or of one KV cache format over the attention
     layers (params['kv_sweep']: stored as scheme "KV <format>")."""
     from quantcore.kvcache import get_kv_format
+    from quantcore.parallel import ONE_GPU
     from quantcore.schemes import get_scheme
     from quantcore.sensitivity import kv_sensitivity_sweep, sensitivity_sweep
 
@@ -279,8 +297,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
     def progress(fraction: float, message: str) -> None:
         ctx.progress(0.3 + 0.7 * fraction, message)
 
-    awq = None
-    if ctx.params.get("kv_sweep"):
+    awq, parallel = None, ONE_GPU
+    if ctx.params.get("kv_sweep"):  # K and V are quantized per head: the same on any number of GPUs
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
         cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, kv.calibrated)
@@ -292,6 +310,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         scheme = get_scheme(ctx.params["scheme"])
         if ctx.params.get("alpha") is not None:
             scheme = scheme.with_alpha(float(ctx.params["alpha"]))
+        parallel = swept_on(ctx, model)  # checked before the reference is computed
         cal = calibration_for(ctx, rec, scheme.needs_calibration)
         act_amax, act_channel_max = _calibration_maps(cal)
         ref = reference_for(ctx, rec, model, ids, label)
@@ -301,7 +320,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
         awq = _awq(ctx, rec, model, every, cal_ids, cal_text)
         rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
-                                 should_cancel=ctx.should_cancel, weight_hessians=hessians, awq=awq)
+                                 should_cancel=ctx.should_cancel, weight_hessians=hessians, awq=awq,
+                                 parallel=parallel)
         name = scheme.name
     dicts = [r.to_dict() for r in rows]
     from quantcore.schemes import NUMERICS
@@ -312,6 +332,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
         result.update(calibration_text=cal_text, calibration_tokens=list(cal_ids.shape))
     if awq is not None:
         result["awq"] = _awq_summary(awq)
+    if parallel.split:  # the planner reads a sweep for the GPU count it was made at
+        result.update(tensor_parallel=parallel.tp, expert_parallel=parallel.expert_parallel)
 
     def write(s: Session) -> None:
         repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)

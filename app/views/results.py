@@ -69,12 +69,12 @@ with st.form("score_form"):
              + " ".join(f"{k}: {f.description}." for k, f in KV_FORMATS.items()))
     tp_choice = k2.selectbox(
         "GPUs (tensor parallel)", ["(as planned)", *range(1, 9)], key="score_tp",
-        help="Score as served on this many GPUs (replaces a plan's own tensor_parallel; presets plan one). Each GPU "
-             "quantizes its share of a row-parallel layer's input (o_proj, down_proj) on its own dynamic "
-             "per-tensor or per-token scale, which a single GPU's score overstates the error of; static, group "
-             "and weight-only scales are the same on any number of GPUs.")
+        help="Score (and sweep) as served on this many GPUs (replaces a plan's own tensor_parallel; presets plan "
+             "one). Each GPU quantizes its share of a row-parallel layer's input (o_proj, down_proj) on its own "
+             "dynamic per-tensor or per-token scale, which a single GPU's score overstates the error of; static, "
+             "group and weight-only scales are the same on any number of GPUs.")
     sens = st.checkbox("Also run a per-layer sensitivity sweep with each chosen preset (one fusion group at a "
-                       "time)", key="score_sens")
+                       "time, on the GPUs above: an automatic plan for that many GPUs reads it)", key="score_sens")
     kv_sens = st.checkbox("Also sweep the chosen KV cache format one attention layer at a time (which layers a "
                           "plan should keep in BF16)", key="score_kv_sens")
     if st.form_submit_button("Queue", type="primary"):
@@ -87,7 +87,13 @@ with st.form("score_form"):
             except ValueError as exc:
                 st.error(f"The calibration text was not stored, so nothing was queued: {exc}")
                 cal_ok = False
-        refusals = [] if tp_choice == "(as planned)" else svc.split_refusals(model, int(tp_choice))
+        if tp_choice != "(as planned)":
+            refusals = svc.split_refusals(model, int(tp_choice))
+        else:  # each stored plan at its own tensor_parallel (a plan file imported for another model may not split)
+            by_id = {p.id: p for p in plans}
+            refusals = [f"plan {by_id[int(ref)].label}: {why}" for what in chosen_plans
+                        for kind, _, ref in [what.partition(":")] if kind == "plan"
+                        for why in svc.plan_split_refusals(model, by_id[int(ref)].body)]
         if refusals:
             st.error("Nothing was queued: " + "; ".join(refusals))
         if cal_ok and not refusals:
@@ -107,14 +113,13 @@ with st.form("score_form"):
                     job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
                 else:
                     job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
-                kv_note = (f" + KV {kv_choice}" if "kv_cache" in params else "") + (
-                    f" on {tp_choice} GPUs" if "tensor_parallel" in params else "")
+                gpus_note = f" on {tp_choice} GPUs" if "tensor_parallel" in params else ""
+                kv_note = (f" + KV {kv_choice}" if "kv_cache" in params else "") + gpus_note
                 st.success(f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
-                if sens and kind == "preset":
-                    one_gpu = {k: v for k, v in params.items() if k != "tensor_parallel"}  # sweeps are one GPU's
-                    sj = svc.submit("sensitivity", {**one_gpu, "samples": min(int(samples), 8), "scheme": ref},
+                if sens and kind == "preset":  # swept on the same GPUs: what an automatic plan for them reads
+                    sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
                                     model_id=model.id)
-                    st.success(f"Queued sensitivity job #{sj.id} ({ref}).")
+                    st.success(f"Queued sensitivity job #{sj.id} ({ref}{gpus_note}).")
             if sens and any(not w.startswith("preset:") for w in chosen_plans):
                 st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
             if kv_sens and kv_choice in ("(as planned)", "AUTO"):
@@ -252,8 +257,8 @@ if not sweeps:
     st.info("No sensitivity sweep yet: tick the box above to queue one with a preset.")
     st.stop()
 sweep_id = st.selectbox("Sweep", [j.id for j in sweeps],
-                        format_func=lambda i: next(f"job #{j.id} · {(j.result or {}).get('scheme')} · "
-                                                   f"{j.result.get('units', '?')} units" for j in sweeps
+                        format_func=lambda i: next(f"job #{j.id} · {svc.sweep_label(j)} · "
+                                                   f"{(j.result or {}).get('units', '?')} units" for j in sweeps
                                                    if j.id == i), key="results_sweep")
 rows = svc.sensitivity_rows(sweep_id)
 stale = svc.stale_sweeps(model).get(sweep_id)

@@ -784,8 +784,9 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
 
 
 def test_results_page_scores_on_several_gpus_or_says_why_it_cannot(seeded):
-    """The score form's GPU count goes into the score job (not into a sensitivity sweep queued beside it, which is
-    one GPU's); a count the model's heads cannot be split over is refused with vLLM's reason and queues nothing."""
+    """The score form's GPU count goes into the score job and into a sensitivity sweep queued beside it (what an
+    automatic plan for that many GPUs reads); a count the model's heads cannot be split over is refused with vLLM's
+    reason and queues nothing."""
     from app import services as svc
 
     at = _run("results", seeded.id)
@@ -802,7 +803,30 @@ def test_results_page_scores_on_several_gpus_or_says_why_it_cannot(seeded):
     assert job.params["tensor_parallel"] == 3
     assert any(f"Queued score job #{job.id} (FP8_DYNAMIC on 3 GPUs)." in m.value for m in at.success)
     sweep = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.status == "queued")
-    assert "tensor_parallel" not in sweep.params
+    assert sweep.params["tensor_parallel"] == 3
+    assert any(f"Queued sensitivity job #{sweep.id} (FP8_DYNAMIC on 3 GPUs)." in m.value for m in at.success)
+    assert svc.job_what(sweep) == "FP8_DYNAMIC sweep on 3 GPUs · 8 × 256"
+
+
+def test_results_page_refuses_a_stored_plan_whose_own_tensor_parallel_does_not_split(seeded):
+    """"(as planned)" scores a stored plan at its own tensor_parallel: a plan file made for another model (2 GPUs
+    on a model of 9 heads) is refused before anything is queued, as a GPU count chosen in the form is."""
+    from app import services as svc
+
+    bad = svc.save_plan(seeded.id, "two-gpus", {"default": "FP8_DYNAMIC", "tensor_parallel": 2})
+    good = svc.save_plan(seeded.id, "three-gpus", {"default": "FP8_DYNAMIC", "tensor_parallel": 3})
+    at = _run("results", seeded.id)
+    at.multiselect(key="score_what").set_value([f"plan:{bad.id}", f"plan:{good.id}"])
+    at.button[0].click().run()
+    assert not at.exception
+    assert any("Nothing was queued" in e.value and f"plan {bad.label}" in e.value and "9 attention heads" in e.value
+               for e in at.error)
+    assert not [j for j in svc.list_jobs(limit=5) if j.status == "queued"]
+    at.multiselect(key="score_what").set_value([f"plan:{good.id}"])
+    at.button[0].click().run()
+    assert not at.exception and not at.error
+    job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
+    assert job.plan_id == good.id and "tensor_parallel" not in job.params  # the plan's own 3 GPUs
 
 
 def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
@@ -1110,6 +1134,49 @@ def test_a_sweep_from_before_the_int_weight_grid_is_named_on_results_and_in_the_
         repo.finish_job(s, new.id, status="succeeded",
                         result={"scheme": "INT8_PER_TENSOR", "units": len(seeded.linears), "numerics": NUMERICS})
     assert svc.stale_sweeps(seeded) == {}
+
+
+def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
+    """A sweep on 2 GPUs is what an automatic plan for 2 GPUs reads of its scheme (and the Plans page says so); a
+    plan for one GPU, or for another count, reads the one-GPU sweep; an older quantplan's one-GPU sweep replaced so is
+    not named in the plan for 2 GPUs."""
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    (old,) = [j.id for j in svc.sensitivity_jobs(seeded.id)]  # one GPU's, by an older quantplan
+    layer = seeded.linears[0]["name"]
+    with session_scope() as s:
+        two = repo.create_job(s, kind="sensitivity", params={"scheme": "INT8_PER_TENSOR", "tensor_parallel": 3},
+                              queue="cpu", user=None, model_id=seeded.id)
+        repo.save_sensitivity(s, job_id=two.id, model_id=seeded.id, scheme="INT8_PER_TENSOR",
+                              rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 1e-6,
+                                     "top1_agree": 0.99, "sqnr_db": 40.0} for lin in seeded.linears])
+        repo.finish_job(s, two.id, status="succeeded", result={"scheme": "INT8_PER_TENSOR", "tensor_parallel": 3,
+                                                               "expert_parallel": False})
+    assert [j.id for j in svc.planner_sweeps(seeded)] == [old]
+    assert [j.id for j in svc.planner_sweeps(seeded, 3)] == [two.id]
+    assert [j.id for j in svc.planner_sweeps(seeded, 6)] == [old]
+    assert svc.sensitivity_map(seeded, 3)[0]["INT8_PER_TENSOR"][layer] == 1e-6
+    assert svc.sensitivity_map(seeded)[0]["INT8_PER_TENSOR"][layer] != 1e-6
+    assert set(svc.stale_sweeps(seeded)) == {old, two.id}  # neither made with today's numerics
+    result, _, _ = svc.auto_plan(seeded, kl_budget=0.5, target="h100", verify=False, tensor_parallel=3)
+    assert any(f"INT8_PER_TENSOR on 3 GPUs sweep (job #{two.id})" in n for n in result.notes)
+    assert not any(f"(job #{old})" in n or "one-GPU sensitivity sweeps" in n for n in result.notes)
+    assert set(result.plan.values()) == {"INT8_PER_TENSOR"}  # 1e-6 a unit: every layer fits the budget
+    at = _run("plans", seeded.id)
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("INT8_PER_TENSOR").run()
+
+    def layer_kl():
+        table = next(d.value for d in at.dataframe if "sensitivity_kl" in d.value.columns).set_index("layer")
+        return table.loc[layer, "sensitivity_kl"]
+
+    assert layer_kl() != pytest.approx(1e-6)  # one GPU's sweep
+    assert not any("Swept on" in c.value for c in at.caption)
+    at.number_input(key=f"plan_tp_{seeded.id}_(new plan)").set_value(3).run()
+    assert not at.exception
+    assert any("Swept on 3 GPUs: INT8_PER_TENSOR" in c.value for c in at.caption)
+    assert layer_kl() == pytest.approx(1e-6)
 
 
 def test_a_quantized_tied_head_costs_its_embedding_again_in_serving_memory(seeded) -> None:

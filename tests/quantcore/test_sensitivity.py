@@ -100,6 +100,35 @@ def test_sweep_equals_full_forward_of_one_unit_plans(arch, tiny_model_factory):
         assert rows[layer].layers == [layer]
 
 
+def test_a_sweep_on_two_gpus_quantizes_each_unit_as_served_there(tiny_model_factory):
+    """``parallel=``: each unit is quantized as on that many GPUs, the KL of one-unit plans scored so; a
+    row-parallel layer with a dynamic per-tensor scale (each GPU's half of its input on its own scale) moves, a
+    column-parallel one and lm_head do not. The planted outlier sits in one half of down_proj's input, so the other
+    GPU's half keeps its resolution and the sweep on two GPUs blames that layer less."""
+    from quantcore.parallel import Parallelism
+
+    model = sharp_model(tiny_model_factory, "llama", plant_outliers=False)
+    planted = plant_down_proj_outlier(model, block=0)
+    ids = eval_ids()
+    ref = compute_reference(model, ids)
+    two = Parallelism(2)
+    one_gpu = {r.layer: r.kl_mean for r in sensitivity_sweep(model, "INT8_PER_TENSOR", ids, ref, groups=False)}
+    rows = {r.layer: r for r in sensitivity_sweep(model, "INT8_PER_TENSOR", ids, ref, groups=False, parallel=two)}
+    with torch.no_grad():
+        lr = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
+    for layer in (planted, "model.layers.1.self_attn.o_proj", "lm_head"):
+        with plan_applied(model, {layer: "INT8_PER_TENSOR"}, parallel=two), torch.no_grad():
+            lq = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
+        golden = float((lr.exp() * (lr - lq)).sum(-1).mean())
+        assert rows[layer].kl_mean == pytest.approx(golden, rel=1e-4, abs=1e-7), layer
+    for layer, kl in one_gpu.items():
+        if layer.endswith(("o_proj", "down_proj")):
+            assert rows[layer].kl_mean != kl, layer
+        else:
+            assert rows[layer].kl_mean == kl, layer
+    assert rows[planted].kl_mean < 0.75 * one_gpu[planted]
+
+
 def test_local_sqnr_matches_direct_computation(tiny_model_factory):
     model = sharp_model(tiny_model_factory, "llama")
     ids = eval_ids()
