@@ -1284,7 +1284,7 @@ def sweep_label(job: JobRecord) -> str:
     """"FP8_DYNAMIC", "FP8_DYNAMIC on 3 GPUs", "… on 2 GPUs, experts whole": what a sweep swept, and as on how
     many GPUs."""
     tp, ep = sweep_parallel(job)
-    return (sweep_scheme(job) or "?") + (f" on {tp} GPUs" + (", experts whole" if ep else "") if tp > 1 else "")
+    return (sweep_scheme(job) or "?") + (f" on {gpus_label(tp, ep)}" if tp > 1 else "")
 
 
 def planner_sweeps(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False) -> list[JobRecord]:
@@ -1333,16 +1333,39 @@ def unit_block_proj(layers: list[str]) -> tuple[int | None, str]:
     return parsed[0][0], "/".join(dict.fromkeys(p for _, p in parsed))
 
 
-def sensitivity_by_scheme(model: ModelRecord):
-    """Frame [scheme, unit, block, proj, kl]: the newest sweep's KL of every unit, for every swept scheme."""
+def sweep_gpu_counts(model: ModelRecord) -> list[tuple[int, bool]]:
+    """The (tensor_parallel, expert_parallel) pairs the model's linear layers were swept as served on, fewest GPUs
+    first; (1, False) always (one GPU's sweeps, or none, is where a model starts)."""
+    at = {sweep_parallel(j) for j in sensitivity_jobs(model.id)
+          if not sweep_scheme(j).startswith(repo.KV_SWEEP_PREFIX)}
+    return sorted(at | {(1, False)})
+
+
+def gpus_label(tensor_parallel: int, expert_parallel: bool = False) -> str:
+    """"1 GPU", "3 GPUs", "2 GPUs, experts whole"."""
+    if tensor_parallel <= 1:
+        return "1 GPU"
+    return f"{tensor_parallel} GPUs" + (", experts whole" if expert_parallel else "")
+
+
+def sensitivity_by_scheme(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False):
+    """Frame [scheme, unit, block, proj, kl]: the newest sweep's KL of every unit, for every swept scheme, as a
+    plan on ``tensor_parallel`` GPUs reads them (:func:`planner_sweeps`). On several GPUs ``scheme`` names where
+    each panel was swept: "FP8_DYNAMIC on 3 GPUs", or "INT8_PER_TENSOR, one GPU's" where a one-GPU sweep stands
+    in."""
     import pandas as pd
 
-    sens, unit_layers = sensitivity_map(model)
+    at = (tensor_parallel, tensor_parallel > 1 and expert_parallel)
+    swept_at = {sweep_scheme(j) for j in planner_sweeps(model, *at) if sweep_parallel(j) == at}
+    sens, unit_layers = sensitivity_map(model, *at)
     rows = []
     for scheme, kls in sorted(sens.items()):
+        label = scheme
+        if tensor_parallel > 1:
+            label += f" on {gpus_label(*at)}" if scheme in swept_at else ", one GPU's"
         for unit, kl in kls.items():
             block, proj = unit_block_proj(unit_layers.get(unit, [unit]))
-            rows.append({"scheme": scheme, "unit": unit, "block": block, "proj": proj, "kl": kl})
+            rows.append({"scheme": label, "unit": unit, "block": block, "proj": proj, "kl": kl})
     return pd.DataFrame(rows, columns=["scheme", "unit", "block", "proj", "kl"])
 
 
@@ -1383,7 +1406,7 @@ def job_what(job: JobRecord) -> str:
             what = f"KV {p['kv_sweep']}"
         tp = p.get("tensor_parallel") or plan_file.get("tensor_parallel")  # the job's replaces the plan file's
         ep = p.get("expert_parallel") if p.get("tensor_parallel") else plan_file.get("expert_parallel")
-        gpus = (f" on {tp} GPUs" + (", experts whole" if ep else "")) if str(tp) not in ("None", "1") else ""
+        gpus = f" on {gpus_label(int(tp), bool(ep))}" if str(tp) not in ("None", "1") else ""
         parts.append(what + (" sweep" if job.kind == "sensitivity" else "") + gpus)
     if job.kind in ("score", "sensitivity", "calibrate") and p.get("samples") and p.get("seq_len"):
         parts.append(f"{p['samples']} × {p['seq_len']}")

@@ -269,11 +269,19 @@ df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "top1_agree": r.top1_agree
 st.altair_chart(charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
 st.dataframe(df, hide_index=True, width="stretch")
 
-by_scheme = svc.sensitivity_by_scheme(model)
-if by_scheme["scheme"].nunique() >= 2:
+counts = svc.sweep_gpu_counts(model)
+if len(counts) > 1 or svc.sensitivity_by_scheme(model)["scheme"].nunique() >= 2:
     st.subheader("Every swept scheme side by side")
+    side_at = counts[0]
+    if len(counts) > 1:  # swept on several GPUs too: the panels a plan for as many reads
+        side_at = st.selectbox("As served on", counts, format_func=lambda c: svc.gpus_label(*c),
+                               key="results_side_gpus")
+    by_scheme = svc.sensitivity_by_scheme(model, *side_at)
     st.caption("The newest sweep of each scheme: one cell per unit (block × projection), colour = KL with only that "
                "unit quantized, on one log scale for every panel. A cell bright in one panel and dark in another "
                "is a layer to give the other format; the Plans page's automatic plan makes that choice for every "
-               "layer under a KL budget.")
+               "layer under a KL budget."
+               + (f" On {svc.gpus_label(*side_at)}, a scheme not swept there shows its one-GPU sweep, as a plan for "
+                  "as many GPUs reads it (it overstates a dynamic scale's KL on o_proj and down_proj)."
+                  if side_at[0] > 1 else ""))
     st.altair_chart(charts.sensitivity_by_scheme(by_scheme), width="content")

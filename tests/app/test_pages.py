@@ -226,6 +226,43 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
     assert head["block"].isna().all() and set(head["proj"]) == {"lm_head"}
 
 
+def test_every_swept_scheme_side_by_side_as_served_on_several_gpus(seeded):
+    """Once a scheme is swept on 3 GPUs, the side-by-side heatmap can show the panels a plan for 3 GPUs reads: that
+    sweep, named so, and the one-GPU sweeps of the other schemes, named as standing in."""
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    names = [lin["name"] for lin in seeded.linears]
+    with session_scope() as s:
+        for scheme, tp, kl in (("FP8_DYNAMIC", 1, 1e-3), ("INT8_PER_TENSOR", 3, 1e-6)):
+            job = repo.create_job(s, kind="sensitivity", params={"scheme": scheme, "tensor_parallel": tp},
+                                  queue="cpu", user=None, model_id=seeded.id)
+            repo.save_sensitivity(s, job_id=job.id, model_id=seeded.id, scheme=scheme,
+                                  rows=[{"layer": n, "layers": [n], "kl_mean": kl, "top1_agree": 0.99,
+                                         "sqnr_db": 30.0} for n in names])
+            repo.finish_job(s, job.id, status="succeeded",
+                            result={"scheme": scheme, "units": len(names),
+                                    **({"tensor_parallel": tp, "expert_parallel": False} if tp > 1 else {})})
+    model = svc.get_model(seeded.id)
+    assert svc.sweep_gpu_counts(model) == [(1, False), (3, False)]
+    one, three = svc.sensitivity_by_scheme(model), svc.sensitivity_by_scheme(model, 3)
+    assert set(one["scheme"]) == {"FP8_DYNAMIC", "INT8_PER_TENSOR"}
+    assert set(three["scheme"]) == {"FP8_DYNAMIC, one GPU's", "INT8_PER_TENSOR on 3 GPUs"}
+    assert (three[three["scheme"] == "INT8_PER_TENSOR on 3 GPUs"]["kl"] == 1e-6).all()
+    assert not (one[one["scheme"] == "INT8_PER_TENSOR"]["kl"] == 1e-6).any()  # the seeded one-GPU sweep
+    assert (three[three["scheme"] == "FP8_DYNAMIC, one GPU's"]["kl"] == 1e-3).all()
+
+    at = _run("results", seeded.id)
+    assert not at.exception
+    gpus = at.selectbox(key="results_side_gpus")
+    assert gpus.options == ["1 GPU", "3 GPUs"]
+    assert not any("On 3 GPUs" in c.value for c in at.caption)
+    gpus.set_value((3, False)).run()
+    assert not at.exception
+    assert any("On 3 GPUs, a scheme not swept there shows its one-GPU sweep" in c.value for c in at.caption)
+
+
 def _add_score(model_id: int, label: str, body: dict, kl: float, *, dataset: str = "builtin:lee.cor",
                plan_id: int | None = None, notes: list[str] | None = None, numerics: int | None = None) -> int:
     from store import repo
