@@ -1213,6 +1213,7 @@ def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
     at.number_input(key=f"plan_tp_{seeded.id}_(new plan)").set_value(3).run()
     assert not at.exception
     assert any("Swept on 3 GPUs: INT8_PER_TENSOR" in c.value for c in at.caption)
+    assert not any("stand in" in c.value for c in at.caption)  # the one scheme swept was swept on 3
     assert layer_kl() == pytest.approx(1e-6)
 
 
