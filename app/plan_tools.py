@@ -24,13 +24,20 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
             on_tp = sorted({svc.sweep_scheme(j) for j in svc.planner_sweeps(model, tp, expert_parallel)
                             if svc.sweep_parallel(j)[0] > 1})
             standing_in = sorted(set(sens) - set(on_tp))
+            inexact = svc.split_scale_schemes(standing_in)
+            stand = ""
+            if inexact:
+                stand = (f"One-GPU sweeps stand in for {', '.join(standing_in)}; those of {', '.join(inexact)} "
+                         "overstate the KL of o_proj and down_proj, whose dynamic activation scale each GPU takes "
+                         f"over its own share of their input (set the Results page's GPU count to {tp} to sweep "
+                         "them so).")
+            elif standing_in:
+                stand = (f"One-GPU sweeps stand in for {', '.join(standing_in)}, exactly: their scales are the same "
+                         "on any number of GPUs.")
             st.caption(f"For {tp} GPUs (the plan's tensor parallel above"
                        + (", experts whole" if expert_parallel else "") + "): no scheme is chosen for a layer whose "
                        "share on one GPU vLLM would refuse. "
-                       + (f"Swept on {tp} GPUs: {', '.join(on_tp)}. " if on_tp else "")
-                       + (f"One-GPU sweeps stand in for {', '.join(standing_in)}: exact but for a dynamic activation "
-                          "scale on o_proj and down_proj, which each GPU takes over its own share of their input "
-                          "(set the Results page's GPU count to sweep so)." if standing_in else ""))
+                       + (f"Swept on {tp} GPUs: {', '.join(on_tp)}. " if on_tp else "") + stand)
         with st.form("auto_plan"):
             c1, c2 = st.columns(2)
             budget = c1.number_input("KL budget (nats per token)", 0.0, 10.0, 0.02, step=0.005, format="%.4f",

@@ -1301,6 +1301,14 @@ def planner_sweeps(model: ModelRecord, tensor_parallel: int = 1, expert_parallel
             or (sweep_parallel(j) == (1, False) and sweep_scheme(j) not in swept_at)]
 
 
+def split_scale_schemes(schemes) -> list[str]:
+    """Those of ``schemes`` whose activation scale is dynamic over K (per tensor or per token): the ones each GPU
+    of a split row-parallel layer scales on its own share, so a one-GPU sweep of them overstates the KL there."""
+    from quantcore.schemes import get_scheme
+
+    return sorted({s for s in schemes if (acts := get_scheme(s).activations) is not None and acts.dynamic_over_k})
+
+
 def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False):
     """{scheme: {unit: KL}} and {unit: layers} over the stored sensitivity sweeps of the model's linear layers
     that a plan on ``tensor_parallel`` GPUs reads (:func:`planner_sweeps`; KV cache sweeps, whose units are
@@ -1446,7 +1454,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     from quantcore.parallel import Parallelism
     from quantcore.plans import spec_from_plan
     from quantcore.roofline import cost_from_roofline
-    from quantcore.schemes import expert_block, get_scheme
+    from quantcore.schemes import expert_block
 
     sens, unit_layers = sensitivity_map(model, tensor_parallel, expert_parallel)
     if not sens:
@@ -1500,9 +1508,8 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     result.notes += [stale[j.id][1] for j in read if j.id in stale and stale[j.id][0] in cands]
     if parallel.split:
         at_tp = {sweep_scheme(j) for j in read if sweep_parallel(j)[0] > 1}
-        split = sorted({scheme for n, scheme in result.plan.items() if parallel.input_shards(n) > 1
-                        and scheme not in at_tp
-                        and (acts := get_scheme(scheme).activations) is not None and acts.dynamic_over_k})
+        split = split_scale_schemes({scheme for n, scheme in result.plan.items() if parallel.input_shards(n) > 1
+                                     and scheme not in at_tp})
         if split:
             gpus = f"--tp {tensor_parallel}" + (" --expert-parallel" if parallel.expert_parallel else "")
             result.notes.append(f"predicted from one-GPU sensitivity sweeps of {', '.join(split)}: on {tensor_parallel} "

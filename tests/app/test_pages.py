@@ -1214,6 +1214,26 @@ def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
     assert not at.exception
     assert any("Swept on 3 GPUs: INT8_PER_TENSOR" in c.value for c in at.caption)
     assert not any("stand in" in c.value for c in at.caption)  # the one scheme swept was swept on 3
+
+    def stand_in_caption():
+        return next(c.value for c in at.caption if "Swept on 3 GPUs" in c.value).split("INT8_PER_TENSOR. ")[1]
+
+    assert svc.split_scale_schemes(["W4A16", "FP8_DYNAMIC", "FP8", "INT8_W8A8_SQ"]) == ["FP8_DYNAMIC", "INT8_W8A8_SQ"]
+    for scheme in ("W4A16", "FP8_DYNAMIC"):  # weight-only: a one-GPU sweep is exact on 3; dynamic scales: it is not
+        with session_scope() as s:
+            job = repo.create_job(s, kind="sensitivity", params={"scheme": scheme}, queue="cpu", user=None,
+                                  model_id=seeded.id)
+            repo.save_sensitivity(s, job_id=job.id, model_id=seeded.id, scheme=scheme,
+                                  rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 1e-4,
+                                         "top1_agree": 0.99, "sqnr_db": 40.0} for lin in seeded.linears])
+            repo.finish_job(s, job.id, status="succeeded", result={"scheme": scheme})
+        at.run()
+        assert not at.exception
+        if scheme == "W4A16":
+            assert stand_in_caption().startswith("One-GPU sweeps stand in for W4A16, exactly")
+        else:
+            assert stand_in_caption().startswith("One-GPU sweeps stand in for FP8_DYNAMIC, W4A16; those of "
+                                                 "FP8_DYNAMIC overstate the KL of o_proj and down_proj")
     assert layer_kl() == pytest.approx(1e-6)
 
 
