@@ -1309,6 +1309,16 @@ def split_scale_schemes(schemes) -> list[str]:
     return sorted({s for s in schemes if (acts := get_scheme(s).activations) is not None and acts.dynamic_over_k})
 
 
+def same_on_any_gpus(scheme: str, tensor_parallel: int) -> str | None:
+    """Why a sweep of ``scheme`` asked for on ``tensor_parallel`` GPUs is made on one instead (its weights, static
+    and group / block scales are the same on any number of GPUs: the sweep would repeat the one-GPU sweep to the last
+    digit), or None where the GPUs change its numbers (:func:`split_scale_schemes`) or one GPU was asked for."""
+    if tensor_parallel <= 1 or split_scale_schemes([scheme]):
+        return None
+    return (f"{scheme} has no dynamic activation scale over K, so it quantizes the same on any number of GPUs: swept "
+            f"on one GPU, which a plan for {tensor_parallel} reads exactly")
+
+
 def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False):
     """{scheme: {unit: KL}} and {unit: layers} over the stored sensitivity sweeps of the model's linear layers
     that a plan on ``tensor_parallel`` GPUs reads (:func:`planner_sweeps`; KV cache sweeps, whose units are

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +127,10 @@ def _gpus_param(args, model) -> dict[str, Any]:
     return {"tensor_parallel": tp, "expert_parallel": args.expert_parallel}
 
 
-def add_gpu_options(sp, what: str) -> None:
+def add_gpu_options(sp, what: str, more: str = "") -> None:
     sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help=f"{what} as served on this many GPUs: "
                     "each GPU quantizes its share of a row-parallel layer's input (o_proj, down_proj) on its own "
-                    "dynamic scale")
+                    f"dynamic scale{more}")
     sp.add_argument("--expert-parallel", action="store_true", help="with --tp: an MoE model's routed experts whole, "
                     "one GPU each (vLLM --enable-expert-parallel)")
 
@@ -161,6 +162,12 @@ def cmd_sensitivity(args) -> int:
     if gpus and "kv_sweep" in what:
         raise CliError("--tp sweeps linear layers (--scheme): K and V are quantized per head, the same on any number "
                        "of GPUs, so a KV cache sweep is one GPU's")
+    if gpus and "scheme" in what:
+        from app import services as svc
+
+        if why := svc.same_on_any_gpus(args.scheme, gpus["tensor_parallel"]):
+            print(f"note: {why}", file=sys.stderr)
+            gpus = {}
     params = {**what, "samples": args.samples, "seq_len": args.seq_len, "device": args.device,
               "groups": not args.no_groups, **_dataset_param(args.text, "evaluation"), **_calibration_params(args),
               **gpus}
@@ -328,8 +335,9 @@ def add_commands(sub) -> None:
     sp.add_argument("--kv-cache", metavar="FORMAT", help="instead: store one attention layer's K and V at a time in "
                     "this KV cache format (which layers a plan's kv_cache_skip should keep in BF16)")
     sp.add_argument("--no-groups", action="store_true", help="one layer at a time, not one fusion group")
-    add_gpu_options(sp, "with --scheme: quantize each unit (default one GPU; `plan auto --tp GPUS` reads the sweep "
-                        "made at its GPU count)")
+    add_gpu_options(sp, "with --scheme: quantize each unit (default one GPU)", ". `plan auto --tp GPUS` reads the "
+                    "sweep made at its GPU count; a scheme without a dynamic activation scale is swept on one GPU, "
+                    "as it quantizes the same on any number")
     add_calibration_options(sp)
     sp.set_defaults(func=cmd_sensitivity)
 

@@ -132,6 +132,11 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert not any("one-GPU sensitivity sweeps" in n for n in again["notes"])
     assert again["predicted_kl"] == pytest.approx(sum(swept2[u] for u in swept2 if again["plan"].get(
         svc.sensitivity_map(model, 2)[1][u][0]) == "INT8_PER_TENSOR"))
+    # a weight-only scheme quantizes the same on any number of GPUs: swept on one, with a note saying so
+    code, out, err = run(capsys, "sensitivity", "tiny", "--scheme", "W8A16", "--tp", "2", "--local", "--samples", "2",
+                         "--seq-len", "32", "--json")
+    assert code == 0 and json.loads(out)["tensor_parallel"] == 1
+    assert "note: W8A16 has no dynamic activation scale over K" in err and "a plan for 2 reads exactly" in err
     jobs = len(svc.list_jobs(limit=100))
     code, _, err = run(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", "--tp", "3", "--local")
     assert code == 1 and "4 attention heads" in err

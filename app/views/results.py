@@ -117,9 +117,13 @@ with st.form("score_form"):
                 kv_note = (f" + KV {kv_choice}" if "kv_cache" in params else "") + gpus_note
                 st.success(f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
                 if sens and kind == "preset":  # swept on the same GPUs: what an automatic plan for them reads
-                    sj = svc.submit("sensitivity", {**params, "samples": min(int(samples), 8), "scheme": ref},
-                                    model_id=model.id)
-                    st.success(f"Queued sensitivity job #{sj.id} ({ref}{gpus_note}).")
+                    sweep = {**params, "samples": min(int(samples), 8), "scheme": ref}
+                    one_gpu = svc.same_on_any_gpus(ref, int(params.get("tensor_parallel", 1)))
+                    if one_gpu:
+                        sweep.pop("tensor_parallel")
+                    sj = svc.submit("sensitivity", sweep, model_id=model.id)
+                    st.success(f"Queued sensitivity job #{sj.id} ({ref}{'' if one_gpu else gpus_note})."
+                               + (f" {one_gpu}." if one_gpu else ""))
             if sens and any(not w.startswith("preset:") for w in chosen_plans):
                 st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
             if kv_sens and kv_choice in ("(as planned)", "AUTO"):

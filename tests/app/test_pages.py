@@ -843,6 +843,15 @@ def test_results_page_scores_on_several_gpus_or_says_why_it_cannot(seeded):
     assert sweep.params["tensor_parallel"] == 3
     assert any(f"Queued sensitivity job #{sweep.id} (FP8_DYNAMIC on 3 GPUs)." in m.value for m in at.success)
     assert svc.job_what(sweep) == "FP8_DYNAMIC sweep on 3 GPUs · 8 × 256"
+    # a weight-only scheme quantizes the same on any number of GPUs: swept once, on one, and the page says why
+    at.multiselect(key="score_what").set_value(["preset:W8A16"])
+    at.button[0].click().run()
+    assert not at.exception
+    w8 = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.params.get("scheme") == "W8A16")
+    assert "tensor_parallel" not in w8.params and svc.job_what(w8) == "W8A16 sweep · 8 × 256"
+    assert any(f"Queued sensitivity job #{w8.id} (W8A16). W8A16 has no dynamic activation scale over K" in m.value
+               and "a plan for 3 reads exactly" in m.value for m in at.success)
+    assert svc.same_on_any_gpus("FP8_DYNAMIC", 3) is None and svc.same_on_any_gpus("W8A16", 1) is None
 
 
 def test_results_page_refuses_a_stored_plan_whose_own_tensor_parallel_does_not_split(seeded):
