@@ -347,6 +347,17 @@ def add_ideal_options(sp, what: str) -> None:
     sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")
 
 
+def scheme_arg(name: str) -> str:
+    """A preset scheme name, checked before any job is made: an unknown one is a CliError listing the valid names
+    (and the right case, where only that was wrong)."""
+    from quantcore.schemes import get_scheme
+
+    try:
+        return get_scheme(name).name
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+
 def kv_format_arg(name: str | None) -> str:
     """A KV cache format name as quantcore.kvcache spells it (None is AUTO), or a CliError naming the known ones."""
     from quantcore.errors import PlanError

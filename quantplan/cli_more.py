@@ -20,6 +20,7 @@ from quantplan.cli import (
     add_text_job_options,
     check_target,
     kv_format_arg,
+    scheme_arg,
 )
 
 
@@ -75,7 +76,7 @@ def cmd_score(args) -> int:
         return 0
     if bool(args.scheme) == bool(args.plan):
         raise CliError("give exactly one of --scheme NAME or --plan FILE (or --all-presets)")
-    params = {**base, **({"scheme": args.scheme} if args.scheme else _plan_param(args.plan))}
+    params = {**base, **({"scheme": scheme_arg(args.scheme)} if args.scheme else _plan_param(args.plan))}
     if "plan" in params:  # refused here, before a job loads the model, when it does not fit this model
         from app import services as svc
 
@@ -155,7 +156,7 @@ def cmd_sensitivity(args) -> int:
     model = _model(args.model)
     if bool(args.scheme) == bool(args.kv_cache):
         raise CliError("give exactly one of --scheme NAME (linear layers) or --kv-cache FORMAT (attention layers)")
-    what = {"scheme": args.scheme} if args.scheme else {"kv_sweep": kv_format_arg(args.kv_cache)}
+    what = {"scheme": scheme_arg(args.scheme)} if args.scheme else {"kv_sweep": kv_format_arg(args.kv_cache)}
     if what.get("kv_sweep") == "AUTO":
         raise CliError("a KV cache sweep needs a quantized format (FP8, FP8_ATTN, ...); AUTO changes nothing")
     gpus = _gpus_param(args, model)
@@ -165,7 +166,7 @@ def cmd_sensitivity(args) -> int:
     if gpus and "scheme" in what:
         from app import services as svc
 
-        if why := svc.same_on_any_gpus(args.scheme, gpus["tensor_parallel"]):
+        if why := svc.same_on_any_gpus(what["scheme"], gpus["tensor_parallel"]):
             print(f"note: {why}", file=sys.stderr)
             gpus = {}
     params = {**what, "samples": args.samples, "seq_len": args.seq_len, "device": args.device,

@@ -142,6 +142,10 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert code == 1 and "4 attention heads" in err
     code, _, err = run(capsys, "sensitivity", "tiny", "--kv-cache", "FP8", "--tp", "2", "--local")
     assert code == 1 and "per head" in err
+    for cmd in ("sensitivity", "score"):  # an unknown scheme name: refused before any job, with the valid names
+        code, _, err = run(capsys, cmd, "tiny", "--scheme", "fp8_dynamic", "--local")
+        assert code == 1 and "unknown scheme 'fp8_dynamic' (did you mean 'FP8_DYNAMIC'?" in err
+        assert "W4A16_G64" in err and "Traceback" not in err
     assert len(svc.list_jobs(limit=100)) == jobs
     from store.settings import get_settings
     from worker import bodies
