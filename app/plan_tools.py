@@ -21,8 +21,7 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
                    + (f"Kernel timings of this GPU are stored (from {device_name})." if device_name
                       else f"No {target} kernel timings are stored: the first cost falls back to weight memory."))
         if tp > 1:
-            on_tp = sorted({svc.sweep_scheme(j) for j in svc.planner_sweeps(model, tp, expert_parallel)
-                            if svc.sweep_parallel(j)[0] > 1})
+            on_tp = sorted(svc.schemes_swept_on(svc.planner_sweeps(model, tp, expert_parallel), tp, expert_parallel))
             standing_in = sorted(set(sens) - set(on_tp))
             inexact = svc.split_scale_schemes(standing_in)
             stand = ""

@@ -1296,9 +1296,16 @@ def planner_sweeps(model: ModelRecord, tensor_parallel: int = 1, expert_parallel
     at = (tensor_parallel, tensor_parallel > 1 and expert_parallel)
     linear = [j for j in reversed(sensitivity_jobs(model.id))  # oldest first
               if not sweep_scheme(j).startswith(repo.KV_SWEEP_PREFIX)]
-    swept_at = {sweep_scheme(j) for j in linear if sweep_parallel(j) == at}
+    swept_at = schemes_swept_on(linear, *at)
     return [j for j in linear if sweep_parallel(j) == at
             or (sweep_parallel(j) == (1, False) and sweep_scheme(j) not in swept_at)]
+
+
+def schemes_swept_on(sweeps: list[JobRecord], tensor_parallel: int, expert_parallel: bool = False) -> set[str]:
+    """The schemes of those ``sweeps`` made as served on exactly ``tensor_parallel`` GPUs (as ``expert_parallel``):
+    of :func:`planner_sweeps`' list for several GPUs, the ones no one-GPU sweep stands in for."""
+    at = (tensor_parallel, tensor_parallel > 1 and expert_parallel)
+    return {sweep_scheme(j) for j in sweeps if sweep_parallel(j) == at}
 
 
 def split_scale_schemes(schemes) -> list[str]:
@@ -1374,7 +1381,7 @@ def sensitivity_by_scheme(model: ModelRecord, tensor_parallel: int = 1, expert_p
     import pandas as pd
 
     at = (tensor_parallel, tensor_parallel > 1 and expert_parallel)
-    swept_at = {sweep_scheme(j) for j in planner_sweeps(model, *at) if sweep_parallel(j) == at}
+    swept_at = schemes_swept_on(planner_sweeps(model, *at), *at)
     sens, unit_layers = sensitivity_map(model, *at)
     rows = []
     for scheme, kls in sorted(sens.items()):
@@ -1517,7 +1524,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     stale = stale_sweeps(model)
     result.notes += [stale[j.id][1] for j in read if j.id in stale and stale[j.id][0] in cands]
     if parallel.split:
-        at_tp = {sweep_scheme(j) for j in read if sweep_parallel(j)[0] > 1}
+        at_tp = schemes_swept_on(read, tensor_parallel, expert_parallel)
         split = split_scale_schemes({scheme for n, scheme in result.plan.items() if parallel.input_shards(n) > 1
                                      and scheme not in at_tp})
         if split:

@@ -113,7 +113,7 @@ with st.form("score_form"):
                     job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
                 else:
                     job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
-                gpus_note = f" on {tp_choice} GPUs" if "tensor_parallel" in params else ""
+                gpus_note = f" on {svc.gpus_label(int(tp_choice))}" if "tensor_parallel" in params else ""
                 kv_note = (f" + KV {kv_choice}" if "kv_cache" in params else "") + gpus_note
                 st.success(f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
                 if sens and kind == "preset":  # swept on the same GPUs: what an automatic plan for them reads
@@ -274,13 +274,15 @@ st.altair_chart(charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="st
 st.dataframe(df, hide_index=True, width="stretch")
 
 counts = svc.sweep_gpu_counts(model)
-if len(counts) > 1 or svc.sensitivity_by_scheme(model)["scheme"].nunique() >= 2:
+by_scheme = svc.sensitivity_by_scheme(model)  # one GPU's: the panels drawn unless another count is chosen
+if len(counts) > 1 or by_scheme["scheme"].nunique() >= 2:
     st.subheader("Every swept scheme side by side")
     side_at = counts[0]
     if len(counts) > 1:  # swept on several GPUs too: the panels a plan for as many reads
         side_at = st.selectbox("As served on", counts, format_func=lambda c: svc.gpus_label(*c),
                                key="results_side_gpus")
-    by_scheme = svc.sensitivity_by_scheme(model, *side_at)
+    if side_at != counts[0]:
+        by_scheme = svc.sensitivity_by_scheme(model, *side_at)
     st.caption("The newest sweep of each scheme: one cell per unit (block × projection), colour = KL with only that "
                "unit quantized, on one log scale for every panel. A cell bright in one panel and dark in another "
                "is a layer to give the other format; the Plans page's automatic plan makes that choice for every "
