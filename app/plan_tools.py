@@ -33,9 +33,8 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
             elif standing_in:
                 stand = (f"One-GPU sweeps stand in for {', '.join(standing_in)}, exactly: their scales are the same "
                          "on any number of GPUs.")
-            st.caption(f"For {tp} GPUs (the plan's tensor parallel above"
-                       + (", experts whole" if expert_parallel else "") + "): no scheme is chosen for a layer whose "
-                       "share on one GPU vLLM would refuse. "
+            st.caption(f"For {svc.gpus_label(tp, expert_parallel)} (the plan's tensor parallel above): no scheme is "
+                       "chosen for a layer whose share on one GPU vLLM would refuse. "
                        + (f"Swept on {tp} GPUs: {', '.join(on_tp)}. " if on_tp else "") + stand)
         with st.form("auto_plan"):
             c1, c2 = st.columns(2)

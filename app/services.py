@@ -1367,10 +1367,10 @@ def sweep_gpu_counts(model: ModelRecord) -> list[tuple[int, bool]]:
 
 
 def gpus_label(tensor_parallel: int, expert_parallel: bool = False) -> str:
-    """"1 GPU", "3 GPUs", "2 GPUs, experts whole"."""
-    if tensor_parallel <= 1:
-        return "1 GPU"
-    return f"{tensor_parallel} GPUs" + (", experts whole" if expert_parallel else "")
+    """"1 GPU", "3 GPUs", "2 GPUs, experts whole" (as :func:`quantcore.plans.gpus_label` says a plan's)."""
+    from quantcore.plans import gpus_label as plan_gpus
+
+    return plan_gpus({"tensor_parallel": tensor_parallel, "expert_parallel": expert_parallel})
 
 
 def sensitivity_by_scheme(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False):

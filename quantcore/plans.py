@@ -366,7 +366,7 @@ def kv_label(spec: PlanSpec | Mapping[str, Any]) -> str:
 def gpus_label(body: Mapping[str, Any]) -> str:
     """The GPUs a plan body is for, for people: "1 GPU", "4 GPUs", "4 GPUs, experts whole"."""
     tp = int(body.get("tensor_parallel") or 1)
-    return f"{tp} GPU{'s' if tp > 1 else ''}" + (", experts whole" if body.get("expert_parallel") else "")
+    return f"{tp} GPUs" + (", experts whole" if body.get("expert_parallel") else "") if tp > 1 else "1 GPU"
 
 
 def resolve_plan(

@@ -135,7 +135,8 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     # a weight-only scheme quantizes the same on any number of GPUs: swept on one, with a note saying so
     code, out, err = run(capsys, "sensitivity", "tiny", "--scheme", "W8A16", "--tp", "2", "--local", "--samples", "2",
                          "--seq-len", "32", "--json")
-    assert code == 0 and json.loads(out)["tensor_parallel"] == 1
+    w8 = json.loads(out)
+    assert code == 0 and w8["tensor_parallel"] == 1
     assert "note: W8A16 has no dynamic activation scale over K" in err and "a plan for 2 reads exactly" in err
     jobs = len(svc.list_jobs(limit=100))
     code, _, err = run(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", "--tp", "3", "--local")
@@ -158,6 +159,15 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     run_job(job.id, bodies.sensitivity, settings=get_settings())
     failed = svc.get_job(job.id)
     assert failed.status == "failed" and "4 attention heads" in failed.error
+    # the same sweep queued with its GPUs by another client: the worker sweeps it on one GPU, as a plan reads it
+    other = create_local_job("sensitivity", {"scheme": "W8A16", "tensor_parallel": 2, "samples": 2, "seq_len": 32},
+                             model_id=model.id, settings=get_settings())
+    assert run_job(other.id, bodies.sensitivity, settings=get_settings()) == "succeeded"
+    other = svc.get_job(other.id)
+    assert "tensor_parallel" not in other.result and svc.sweep_parallel(other) == (1, False)
+    assert other.message.endswith("swept on one GPU (its scales are the same on any number)")
+    assert {r.unit: r.kl_mean for r in svc.sensitivity_rows(other.id)} == {
+        r["layer"]: r["kl_mean"] for r in w8["layers"]}
 
     # a plan file → stored → exported as a recipe → imported again: the same resolved plan
     plan_file = tmp_path / "plan.yaml"

@@ -297,7 +297,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
     def progress(fraction: float, message: str) -> None:
         ctx.progress(0.3 + 0.7 * fraction, message)
 
-    awq, parallel = None, ONE_GPU
+    awq, parallel, rerouted = None, ONE_GPU, False
     if ctx.params.get("kv_sweep"):  # K and V are quantized per head: the same on any number of GPUs
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
@@ -311,6 +311,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
         if ctx.params.get("alpha") is not None:
             scheme = scheme.with_alpha(float(ctx.params["alpha"]))
         parallel = swept_on(ctx, model)  # checked before the reference is computed
+        if parallel.split and not (scheme.activations is not None and scheme.activations.dynamic_over_k):
+            parallel, rerouted = ONE_GPU, True  # its scales are the same on any number of GPUs: read exactly so
         cal = calibration_for(ctx, rec, scheme.needs_calibration)
         act_amax, act_channel_max = _calibration_maps(cal)
         ref = reference_for(ctx, rec, model, ids, label)
@@ -338,4 +340,5 @@ def sensitivity(ctx: JobContext) -> Outcome:
     def write(s: Session) -> None:
         repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)
 
-    return Outcome(result=result, write=write, message=f"{name}: {len(dicts)} units swept")
+    return Outcome(result=result, write=write, message=f"{name}: {len(dicts)} units swept"
+                   + (" on one GPU (its scales are the same on any number)" if rerouted else ""))
