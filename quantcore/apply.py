@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import difflib
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -411,7 +411,8 @@ def apply_plan(
                      scheme rounds with GPTQ; their weight report is RTN's (the same scales)
     gptq_cache:      a dict that keeps the GPTQ-rounded weights by layer name and hands them out again on the
                      next apply (a sensitivity sweep applies one unit once per batch); the caller keeps the
-                     weights, scheme and Hessian of a layer the same for as long as it passes the dict
+                     weights, scheme and Hessian of a layer the same for as long as it passes the dict. A layer
+                     already in it needs no Hessian (a job fills it from rounded weights kept on disk)
     parallel:        the GPUs the plan is served on (:class:`quantcore.parallel.Parallelism`; None: one). A
                      row-parallel layer's input is then quantized as each GPU quantizes its own share of it: a
                      dynamic per-tensor or per-token activation scale per share of K
@@ -427,7 +428,7 @@ def apply_plan(
     static_amax = _static_layers(schemes, act_amax)
     active = {n: s for n, s in schemes.items() if not s.is_identity}
     untouched = [n for n, s in schemes.items() if s.is_identity]
-    hessians = gptq_hessians(active, weight_hessians)
+    hessians = gptq_hessians(active, weight_hessians, rounded=gptq_cache or ())
 
     smoothing = None
     alphas = {n: s.smoothquant_alpha for n, s in active.items() if s.smoothquant_alpha is not None}
@@ -439,7 +440,7 @@ def apply_plan(
                 "from calibration"
             )
         smoothing = smooth_model(model, {n: act_channel_max[n] for n in alphas}, alphas, layers=list(alphas))
-        hessians = gptq_hessians(active, hessians, smoothing.factors)
+        hessians = gptq_hessians(active, hessians, smoothing.factors, rounded=gptq_cache or ())
     static = {
         n: float(
             scale_from_amax(_smoothed_amax(a, n, smoothing, act_channel_max), schemes[n].activations.format)
@@ -555,10 +556,13 @@ def gptq_hessians(
     schemes: Mapping[str, Scheme],
     hessians: Mapping[str, torch.Tensor] | None,
     smoothing_factors: Mapping[str, torch.Tensor] | None = None,
+    *,
+    rounded: Container[str] = (),
 ) -> dict[str, torch.Tensor]:
     """The Hessians of the layers whose scheme rounds with GPTQ, those of smoothed layers transformed for their
-    smoothed input; PlanError names the layers without one."""
-    wanted = [n for n, s in schemes.items() if s.needs_hessians]
+    smoothed input; PlanError names the layers without one. Layers in ``rounded`` (their GPTQ-rounded weight
+    already at hand: ``gptq_cache``) need none."""
+    wanted = [n for n, s in schemes.items() if s.needs_hessians and n not in rounded]
     missing = [n for n in wanted if hessians is None or n not in hessians]
     if missing:
         raise PlanError(

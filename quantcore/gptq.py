@@ -37,9 +37,10 @@ SmoothQuant: a smoothed layer computes ``(X / s) (W · s)ᵀ``; its Hessian is `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ from quantcore.schemes import (
     GPTQ_ACTORDER,
     GPTQ_BLOCK_SIZE,
     GPTQ_DAMPENING,
+    Scheme,
     TensorSpec,
     fusion_groups,
     gptq_unsupported,
@@ -291,6 +293,24 @@ def collect_hessians(
     return {n: hess[owner[n]] for n in names}
 
 
+def rounding_inputs(plan: Mapping[str, Scheme], layer: str) -> dict[str, Any]:
+    """What of ``plan`` the GPTQ rounding of ``layer`` reads, besides the model's weights, the calibration tokens
+    its Hessian comes from and (when ``smoothed``) the calibration statistics SmoothQuant divides by: the schemes
+    of its fusion group's quantized members (one NVFP4 tensor scale and one SmoothQuant factor per group:
+    :func:`quantcore.apply.apply_plan`), and of every layer the plan scales with AWQ (a fold can scale this
+    layer's weight). Two plans that agree on these, on the same model and tokens, round ``layer`` to the same
+    weight, so a job keeps it on disk keyed by them and rounds it once (worker.scoring_bodies)."""
+    quantized = [n for n, s in plan.items() if not s.is_identity]
+    group = next((g for g in fusion_groups(quantized) if layer in g), [layer])
+    return {
+        "layer": layer,
+        "group": {n: plan[n].to_dict() for n in group},
+        "awq": {n: s.to_dict() for n, s in sorted(plan.items()) if s.needs_awq},
+        "gptq": [GPTQ_BLOCK_SIZE, GPTQ_DAMPENING, GPTQ_ACTORDER],
+        "smoothed": any(plan[n].smoothquant_alpha is not None for n in group),
+    }
+
+
 __all__ = [
     "GPTQ_ACTORDER",
     "GPTQ_BLOCK_SIZE",
@@ -298,6 +318,7 @@ __all__ = [
     "GptqResult",
     "collect_hessians",
     "gptq_quantize",
+    "rounding_inputs",
     "gptq_unsupported",
     "smoothed_hessian",
 ]

@@ -688,7 +688,7 @@ def plan_applied(
         if smoothing is not None and weight_hessians is not None:
             from quantcore.apply import gptq_hessians
 
-            hessians = gptq_hessians(schemes, weight_hessians, smoothing.factors)
+            hessians = gptq_hessians(schemes, weight_hessians, smoothing.factors, rounded=gptq_cache or ())
         applied = apply_plan(model, schemes, act_amax=amax, track_stats=track_saturation and static,
                              weight_hessians=hessians, gptq_cache=gptq_cache, parallel=parallel)
         unsmoothed: dict[str, list[str]] = {}  # one note per reason, however many layers share it (MoE experts)

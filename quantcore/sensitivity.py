@@ -386,6 +386,7 @@ def sensitivity_sweep(
     weight_hessians: Mapping[str, Tensor] | None = None,
     awq: AwqResult | None = None,
     parallel: Parallelism | None = None,
+    gptq_cache: dict[str, Tensor] | None = None,
 ) -> list[SensitivityRow]:
     """Quantize one unit at a time with ``scheme``; rows sorted by ``kl_mean``, largest first.
 
@@ -401,6 +402,8 @@ def sensitivity_sweep(
     parallel:   the GPUs the plan will be served on: each unit is quantized as there (a row-parallel layer's dynamic
                 activation scale over each GPU's share of its input, :func:`quantcore.apply.apply_plan`), so an
                 automatic plan for that many GPUs adds up that many GPUs' KLs; None: one GPU
+    gptq_cache: GPTQ-rounded weights of the swept layers, each rounded alone or in its unit (see
+                :func:`quantcore.apply.apply_plan`); filled with those rounded here. A layer in it needs no Hessian
 
     The model is restored exactly after every unit, also on error or cancel.
     """
@@ -429,7 +432,7 @@ def sensitivity_sweep(
 
     starts = [start_block(u) for u in units]
     local = [_LocalError() for _ in units]
-    gptq_cache: dict[str, Tensor] = {}
+    gptq_cache = {} if gptq_cache is None else gptq_cache
     notes: list[list[str]] = [[] for _ in units]
 
     def apply_unit(ui: int, bi: int, ctx: ExitStack) -> None:

@@ -60,6 +60,59 @@ def test_a_plan_is_scored_as_served_on_several_gpus(tiny_model, capsys, tmp_path
     assert len(svc.list_jobs(limit=100)) == jobs
 
 
+def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_reads_the_same(tiny_model, capsys,
+                                                                                             tmp_path):
+    """A job keeps each layer's GPTQ-rounded weight on disk; another job whose rounding of that layer reads the same
+    (scheme, fusion group, AWQ layers, calibration tokens and statistics) takes it from there, with the same KL as
+    rounding it again, and one that reads something else rounds it anew."""
+    import shutil
+
+    from app import services as svc
+    from store.settings import get_settings
+
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--cal-samples", "4", "--cal-seq-len", "32", "--json")
+    kept = get_settings().model_reference_dir(svc.get_model("tiny").sha256) / "gptq"
+    numbers = ("kl_mean", "kl_p99", "top1_agree", "ppl")
+
+    def score(scheme: str) -> dict:
+        return run_json(capsys, "score", "tiny", "--scheme", scheme, *args)
+
+    def sweep(scheme: str, *more: str) -> tuple[dict, dict]:
+        res = run_json(capsys, "sensitivity", "tiny", "--scheme", scheme, *more, *args)
+        return {r["layer"]: r["kl_mean"] for r in res["layers"]}, svc.get_job(res["job"]).result["gptq"]
+
+    cold = score("W4A16_GPTQ")
+    assert cold["gptq"] == {"layers": 15, "from_cache": 0} and len(list(kept.glob("*.safetensors"))) == 15
+    warm = score("W4A16_GPTQ")
+    assert warm["gptq"] == {"layers": 15, "from_cache": 15}
+    assert {k: warm[k] for k in numbers} == {k: cold[k] for k in numbers}
+    # AWQ on down_proj folds its factors into up_proj's weight before GPTQ rounds it: a plan with AWQ layers reads
+    # nothing a plan without them rounded
+    awq_plan = tmp_path / "awq.yaml"
+    awq_plan.write_text("model: tiny\ndefault: W4A16_GPTQ\nrules:\n  - {match: 'down_proj', scheme: W4A16_AWQ}\n")
+    with_awq = run_json(capsys, "score", "tiny", "--plan", str(awq_plan), *args)
+    assert with_awq["gptq"] == {"layers": 13, "from_cache": 0}
+    assert run_json(capsys, "score", "tiny", "--plan", str(awq_plan), *args)["gptq"]["from_cache"] == 13
+    # a sweep of the same scheme, a fusion group a unit, rounds each layer as the plan did
+    swept, gptq = sweep("W4A16_GPTQ")
+    assert gptq == {"layers": 15, "from_cache": 15}
+    shutil.rmtree(kept)
+    assert sweep("W4A16_GPTQ") == (swept, {"layers": 15, "from_cache": 0})
+    # NVFP4: a layer swept alone has its own tensor scale, one of q/k/v or gate/up in a plan its group's: a plan
+    # reads only o_proj, down_proj and lm_head from a sweep of single layers, and scores as rounding all anew
+    shutil.rmtree(kept)
+    sweep("NVFP4_GPTQ", "--no-groups")
+    after_sweep = score("NVFP4_GPTQ")
+    assert after_sweep["gptq"] == {"layers": 15, "from_cache": 2 * 2 + 1}
+    shutil.rmtree(kept)
+    assert {k: score("NVFP4_GPTQ")[k] for k in numbers} == {k: after_sweep[k] for k in numbers}
+    # SmoothQuant divides the weights by factors from the newest calibration: a new calibration rounds anew
+    assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 0
+    assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 15
+    run_json(capsys, "calibrate", "tiny", "--samples", "3", "--seq-len", "24", "--local", "--json")
+    assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 0
+
+
 def test_cli_flow(tiny_model, capsys, tmp_path):
     cal = run_json(capsys, "calibrate", "tiny", "--local", "--samples", "4", "--seq-len", "32", "--json")
     layers = {r["name"]: r for r in cal["layers"]}

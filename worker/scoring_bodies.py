@@ -121,16 +121,72 @@ def _calibration_ids(ctx: JobContext, tok, device, needed: bool = True):
     return ids.to(device), label
 
 
-def _hessians(ctx: JobContext, model, plan, cal_ids, text) -> dict[str, Any] | None:
+def _hessians(ctx: JobContext, model, plan, cal_ids, text, rounded=()) -> dict[str, Any] | None:
     """GPTQ Hessians of the plan's layers that round with GPTQ, from the unquantized model on the calibration
-    tokens; None when no layer does."""
+    tokens; None when no layer does, or all are ``rounded`` already (:func:`_kept_gptq`)."""
     from quantcore.gptq import collect_hessians
 
-    layers = [n for n, s in plan.items() if s.needs_hessians]
+    layers = [n for n, s in plan.items() if s.needs_hessians and n not in rounded]
+    if rounded:
+        ctx.progress(0.3, f"GPTQ: {len(rounded)} layer(s) rounded by an earlier job, from the cache")
     if not layers:
         return None
     ctx.progress(0.3, f"GPTQ: input Hessians of {len(layers)} layer(s) on {text}")
     return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel)
+
+
+def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], cal_ids, cal):
+    """GPTQ-rounded weights kept beside the model's reference log-probs by earlier jobs: ({layer: weight} found,
+    {layer: file} to keep the others at once rounded, :func:`_keep_gptq`). ``plans``: each GPTQ layer's plan as
+    it is applied (a sweep applies one unit at a time). The key is everything the rounding reads
+    (quantcore.gptq.rounding_inputs: the layer's fusion group and the plan's AWQ layers with their schemes; the
+    calibration tokens, the calibration statistics where SmoothQuant divides by them, the weights' dtype, the
+    device kind, quantplan's numerics), so a plan rounds a layer once whichever job asks again: a second score,
+    the automatic plan's check after a sweep of the same scheme."""
+    from safetensors.torch import load_file
+
+    from quantcore.gptq import rounding_inputs
+    from quantcore.schemes import NUMERICS
+
+    if cal_ids is None or not plans:
+        return {}, {}
+    tokens = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape))
+    dtype = str(next(model.parameters()).dtype)
+    folder = ctx.settings.model_reference_dir(rec.sha256) / "gptq"
+    found, paths = {}, {}
+    for layer, plan in plans.items():
+        reads = rounding_inputs(plan, layer)
+        key = _cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS,
+                         calibration=cal[0] if reads["smoothed"] and cal else None, **reads)
+        path = folder / f"{key}.safetensors"
+        if path.exists():
+            found[layer] = load_file(path, device=str(cal_ids.device))["weight"]
+        else:
+            paths[layer] = path
+    return found, paths
+
+
+def _keep_gptq(rounded: dict[str, Any], paths: dict[str, Path]) -> int:
+    """Write the layers of ``rounded`` that ``paths`` wants kept (:func:`_kept_gptq`); how many were written.
+    Each file appears whole or not at all (a rename), so two workers rounding the same layer cannot tear it."""
+    import os
+
+    from safetensors.torch import save_file
+
+    written = 0
+    for layer, path in paths.items():
+        if layer in rounded:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_suffix(f".{os.getpid()}.part")
+            save_file({"weight": rounded[layer].detach().contiguous().cpu()}, str(part))
+            os.replace(part, path)
+            written += 1
+    return written
+
+
+def _gptq_summary(plans: dict[str, Any], kept: dict[str, Any]) -> dict[str, int]:
+    """What a result keeps of a job's GPTQ: the layers it rounded, and how many of them an earlier job had."""
+    return {"layers": len(plans), "from_cache": len(kept)}
 
 
 def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
@@ -244,9 +300,11 @@ def score(ctx: JobContext) -> Outcome:
     gptq = any(s.needs_hessians for s in plan.values())
     awq_needed = any(s.needs_awq for s in plan.values())
     cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, gptq or awq_needed or kv.calibrated)
-    hessians = _hessians(ctx, model, plan, cal_ids, cal_text)
+    gptq_plans = {n: plan for n, s in plan.items() if s.needs_hessians}
+    kept, keep_at = _kept_gptq(ctx, rec, model, gptq_plans, cal_ids, cal)
+    hessians = _hessians(ctx, model, plan, cal_ids, cal_text, rounded=kept)
     awq = _awq(ctx, rec, model, plan, cal_ids, cal_text)
-    gptq_cache: dict = {}  # the KV cache calibration and the score round each GPTQ layer once between them
+    gptq_cache = dict(kept)  # the KV cache calibration and the score round each GPTQ layer once between them
     kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians, awq, gptq_cache,
                        parallel)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
@@ -254,6 +312,7 @@ def score(ctx: JobContext) -> Outcome:
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
                         weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache, parallel=parallel,
                         progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
+    _keep_gptq(gptq_cache, keep_at)
     rep = report.to_dict()
     if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
         rep["calibration"] = f"{cal_text}, {cal_ids.shape[0]} × {cal_ids.shape[1]} tokens"
@@ -268,7 +327,7 @@ def score(ctx: JobContext) -> Outcome:
     if kv.calibrated:
         result["kv_calibration_text"] = cal_text
     if gptq:
-        result["gptq_calibration_text"] = cal_text
+        result.update(gptq_calibration_text=cal_text, gptq=_gptq_summary(gptq_plans, kept))
     if awq is not None:
         result["awq_calibration_text"] = cal_text
         result["awq"] = _awq_summary(awq)
@@ -290,14 +349,14 @@ def sensitivity(ctx: JobContext) -> Outcome:
     from quantcore.kvcache import get_kv_format
     from quantcore.parallel import ONE_GPU
     from quantcore.schemes import get_scheme
-    from quantcore.sensitivity import kv_sensitivity_sweep, sensitivity_sweep
+    from quantcore.sensitivity import kv_sensitivity_sweep, linear_layer_names, sensitivity_sweep, sweep_units
 
     rec, model, tok, ids, label = _prepare(ctx)
 
     def progress(fraction: float, message: str) -> None:
         ctx.progress(0.3 + 0.7 * fraction, message)
 
-    awq, parallel, rerouted = None, ONE_GPU, False
+    awq, parallel, rerouted, gptq_summary = None, ONE_GPU, False, None
     if ctx.params.get("kv_sweep"):  # K and V are quantized per head: the same on any number of GPUs
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
@@ -318,13 +377,21 @@ def sensitivity(ctx: JobContext) -> Outcome:
         ref = reference_for(ctx, rec, model, ids, label)
         cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, scheme.needs_hessians or scheme.needs_awq)
         every = {n: scheme for n in linear_names(rec)}
-        hessians = _hessians(ctx, model, every, cal_ids, cal_text)
+        groups = bool(ctx.params.get("groups", True))
+        unit_plans = {n: dict.fromkeys(unit, scheme) for unit in sweep_units(linear_layer_names(model), groups=groups)
+                      for n in unit} if scheme.needs_hessians else {}
+        kept, keep_at = _kept_gptq(ctx, rec, model, unit_plans, cal_ids, cal)
+        hessians = _hessians(ctx, model, every, cal_ids, cal_text, rounded=kept)
         awq = _awq(ctx, rec, model, every, cal_ids, cal_text)
-        rows = sensitivity_sweep(model, scheme, ids, ref, groups=bool(ctx.params.get("groups", True)),
+        gptq_cache = dict(kept)
+        rows = sensitivity_sweep(model, scheme, ids, ref, groups=groups,
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
                                  should_cancel=ctx.should_cancel, weight_hessians=hessians, awq=awq,
-                                 parallel=parallel)
+                                 parallel=parallel, gptq_cache=gptq_cache)
+        _keep_gptq(gptq_cache, keep_at)
         name = scheme.name
+        if unit_plans:
+            gptq_summary = _gptq_summary(unit_plans, kept)
     dicts = [r.to_dict() for r in rows]
     from quantcore.schemes import NUMERICS
 
@@ -334,6 +401,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
         result.update(calibration_text=cal_text, calibration_tokens=list(cal_ids.shape))
     if awq is not None:
         result["awq"] = _awq_summary(awq)
+    if gptq_summary is not None:
+        result["gptq"] = gptq_summary
     if parallel.split:  # the planner reads a sweep for the GPU count it was made at
         result.update(tensor_parallel=parallel.tp, expert_parallel=parallel.expert_parallel)
 

@@ -118,7 +118,8 @@ if cals:
 with st.expander(f"Remove {model.name}"):
     usage = svc.model_usage(model.id)
     stored = ", ".join(f"{v} {k}" for k, v in usage.items() if k != "active")
-    st.markdown(f"Deletes its checkpoint files, its cached reference log-probs and everything measured on it "
+    st.markdown(f"Deletes its checkpoint files, its cached reference log-probs, AWQ scales and GPTQ-rounded "
+                f"weights, and everything measured on it "
                 f"({stored}). Its jobs stay in the history; kernel timings, kept per device, stay too.")
     if usage["active"]:
         st.warning(f"{usage['active']} of its jobs are queued or running: cancel them on the Jobs page or let "
