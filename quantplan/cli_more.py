@@ -99,8 +99,11 @@ def cmd_score(args) -> int:
               f"p99 {r['kl_p99']:.4g}, max {r['kl_max']:.4g}), top-1 agreement {r['top1_agree']:.4f}, "
               f"perplexity {r['ppl_ref']:.2f} → {r['ppl']:.2f} over {r['tokens']} tokens")
         if r.get("gptq_calibration_text"):
+            gptq = r.get("gptq") or {}
+            kept = (f"; {gptq['from_cache']} of its {gptq['layers']} layer(s) as an earlier job rounded them"
+                    if gptq.get("from_cache") else "")
             print(f"  GPTQ rounded its weights with the input Hessians of {r['gptq_calibration_text']}"
-                  f"{_tokens(r.get('calibration_tokens'))}")
+                  f"{_tokens(r.get('calibration_tokens'))}{kept}")
         if r.get("awq_calibration_text"):
             awq = r.get("awq") or {}
             cut = awq.get("median_error_ratio")

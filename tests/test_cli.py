@@ -111,6 +111,8 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 15
     run_json(capsys, "calibrate", "tiny", "--samples", "3", "--seq-len", "24", "--local", "--json")
     assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 0
+    code, out, _ = run(capsys, "score", "tiny", "--scheme", "INT8_W8A8_SQ_GPTQ", *args[:-1])
+    assert code == 0 and "(4 × 32 tokens); 15 of its 15 layer(s) as an earlier job rounded them" in out
 
 
 def test_cli_flow(tiny_model, capsys, tmp_path):

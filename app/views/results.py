@@ -38,7 +38,9 @@ with st.form("score_form"):
         st.caption("GPTQ: the `*_GPTQ` presets keep their format's grid and scales but choose each weight's grid "
                    "point to keep the layer's output close on the calibration text (under Texts below; 16 × 256 "
                    "tokens of the built-in one by default), as llm-compressor's GPTQModifier does; the others round to nearest. On SmolLM2, "
-                   "W4A16 scores KL 0.81 and W4A16_GPTQ 0.36, NVFP4A16 0.36 and NVFP4A16_GPTQ 0.16.")
+                   "W4A16 scores KL 0.81 and W4A16_GPTQ 0.36, NVFP4A16 0.36 and NVFP4A16_GPTQ 0.16. Each "
+                   "rounded layer is kept: a later score or sweep that would round it the same way (same scheme "
+                   "and fusion group, calibration text and statistics) reads it instead.")
         st.caption("AWQ: the `*_AWQ` presets round to nearest, after scaling each input channel by a factor "
                    "searched on the calibration text and folded into the norm or projection before the layer, "
                    "as llm-compressor's AWQModifier does (the exported recipe carries one). An o_proj under "
