@@ -62,6 +62,19 @@ ROUTER = "gate"  # the router of an MoE block: <block>.mlp.gate (transformers' T
 _O_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.o_proj$")
 # a dense MLP's down_proj, or a routed expert's (quantcore.moe: <block>.mlp.experts.<e>.down_proj): its up_proj's rows
 _DOWN = re.compile(r"^(?P<block>.+)\.mlp(?P<expert>\.experts\.\d+)?\.down_proj$")
+_V_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.v_proj$")
+_UP = re.compile(r"^(?P<mlp>.+\.mlp(?:\.experts\.\d+)?)\.up_proj$")
+
+
+def rows_divided_by(name: str) -> str | None:
+    """The linear whose fold (SmoothQuant's or AWQ's) divides the weight rows of ``name``: its block's o_proj for a
+    v_proj, its MLP's down_proj for an up_proj (a routed expert's too); None for a layer no fold reaches into
+    (q/k/v and gate/up fold into the norm before them)."""
+    if m := _V_PROJ.match(name):
+        return f"{m.group('block')}.self_attn.o_proj"
+    if m := _UP.match(name):
+        return f"{m.group('mlp')}.down_proj"
+    return None
 
 
 @torch.no_grad()

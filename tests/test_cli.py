@@ -106,8 +106,23 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     assert after_sweep["gptq"] == {"layers": 15, "from_cache": 2 * 2 + 1}
     shutil.rmtree(kept)
     assert {k: score("NVFP4_GPTQ")[k] for k in numbers} == {k: after_sweep[k] for k in numbers}
+    # SmoothQuant folds o_proj's factors into v_proj's rows and down_proj's into up_proj's: a sweep, smoothing one
+    # unit at a time, rounds q/k/v and gate/up otherwise than a plan smoothing them all, which reads only o_proj,
+    # down_proj and lm_head from it, and scores as rounding all anew
+    shutil.rmtree(kept)
+    sweep("INT8_W8A8_SQ_GPTQ")
+    sq = score("INT8_W8A8_SQ_GPTQ")
+    assert sq["gptq"] == {"layers": 15, "from_cache": 2 * 2 + 1}
+    shutil.rmtree(kept)
+    assert {k: score("INT8_W8A8_SQ_GPTQ")[k] for k in numbers} == {k: sq[k] for k in numbers}
+    # so does a plan whose o_proj / down_proj are smoothed against one whose are not
+    folded = tmp_path / "folded.yaml"
+    for o_down in ("INT8_W8A8_SQ", "INT8_W8A8"):
+        folded.write_text(f"model: tiny\ndefault: INT8_W8A8_GPTQ\nrules:\n  - {{match: 'o_proj|down_proj', "
+                          f"scheme: {o_down}}}\n")
+        assert run_json(capsys, "score", "tiny", "--plan", str(folded), *args)["gptq"] == {
+            "layers": 11, "from_cache": 0 if o_down == "INT8_W8A8_SQ" else 1}  # lm_head, on both
     # SmoothQuant divides the weights by factors from the newest calibration: a new calibration rounds anew
-    assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 0
     assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 15
     run_json(capsys, "calibrate", "tiny", "--samples", "3", "--seq-len", "24", "--local", "--json")
     assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 0

@@ -168,8 +168,10 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
 
 def _keep_gptq(rounded: dict[str, Any], paths: dict[str, Path]) -> int:
     """Write the layers of ``rounded`` that ``paths`` wants kept (:func:`_kept_gptq`); how many were written.
-    Each file appears whole or not at all (a rename), so two workers rounding the same layer cannot tear it."""
+    Each file appears whole or not at all (written under a unique name beside it, then renamed), so two workers
+    rounding the same layer, on one machine or two sharing the folder, cannot tear it."""
     import os
+    import tempfile
 
     from safetensors.torch import save_file
 
@@ -177,9 +179,14 @@ def _keep_gptq(rounded: dict[str, Any], paths: dict[str, Path]) -> int:
     for layer, path in paths.items():
         if layer in rounded:
             path.parent.mkdir(parents=True, exist_ok=True)
-            part = path.with_suffix(f".{os.getpid()}.part")
-            save_file({"weight": rounded[layer].detach().contiguous().cpu()}, str(part))
-            os.replace(part, path)
+            fd, part = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".part")
+            os.close(fd)
+            try:
+                save_file({"weight": rounded[layer].detach().contiguous().cpu()}, part)
+                os.replace(part, path)
+            finally:
+                if os.path.exists(part):
+                    os.unlink(part)
             written += 1
     return written
 

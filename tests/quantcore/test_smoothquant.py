@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from quantcore.errors import PlanError
-from quantcore.smoothquant import _gain_style, smooth_model, smoothing_factors
+from quantcore.smoothquant import _gain_style, rows_divided_by, smooth_model, smoothing_factors
 
 from .conftest import linear_input_channel_max as channel_max
 
@@ -103,6 +103,25 @@ def test_folding_leaves_logits_unchanged(tiny_model, tiny_input_ids, alpha):
     after = model.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)  # bit-exact restore
     assert torch.equal(logits(model, tiny_input_ids), ref)
+
+
+def test_rows_divided_by_names_the_linears_an_o_proj_or_down_proj_fold_changes(tiny_model, tiny_input_ids):
+    # quantcore.gptq.rounding_inputs keys a kept GPTQ rounding by the folds that reach a layer's rows: they must be
+    # exactly the linears, besides the smoothed ones, whose weights smoothing o_proj and down_proj changes
+    model = tiny_model
+    before = snapshot(model)
+    cmax = channel_max(model, tiny_input_ids)
+    smoothed = [n for n in block_linears(model) if n.endswith(("o_proj", "down_proj"))]
+    handle = smooth_model(model, {n: cmax[n] for n in smoothed}, 0.5)
+    assert handle.skipped == {}
+    changed = {k.rsplit(".", 1)[0] for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    reached = {n for n in block_linears(model) if rows_divided_by(n) in smoothed}
+    assert reached and changed - set(smoothed) == reached
+    assert {rows_divided_by(n) for n in reached} == set(smoothed)
+    handle.restore()
+    assert rows_divided_by("model.layers.3.mlp.experts.7.up_proj") == "model.layers.3.mlp.experts.7.down_proj"
+    assert rows_divided_by("model.layers.3.self_attn.q_proj") is None
+    assert rows_divided_by("model.layers.3.mlp.experts.7.gate_proj") is None
 
 
 def test_smoothed_inputs_have_balanced_maxima(tiny_llama, tiny_input_ids):
