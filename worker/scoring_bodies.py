@@ -199,7 +199,8 @@ def _gptq_summary(plans: dict[str, Any], kept: dict[str, Any]) -> dict[str, int]
 def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
     """AWQ's searched input scales for the plan's layers that scale with AWQ, on the calibration tokens; None
     when no layer does. Kept beside the model's reference log-probs, keyed by everything the search reads (the
-    calibration tokens, the AWQ layers and their weight format, the grid, the device kind, quantplan's numerics),
+    calibration tokens, the AWQ layers and their weight format, the grid, the device kind, the weights' dtype,
+    quantplan's numerics),
     so another score or a sweep of the same AWQ layers reuses it; ``.cached`` says whether it came from there."""
     from quantcore.awq import awq_search, load_awq, save_awq
     from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, NUMERICS
@@ -209,7 +210,7 @@ def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
         return None
     key = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape), grid=[AWQ_N_GRID, AWQ_DUO_SCALING],
                      layers={n: plan[n].weights.to_dict() for n in sorted(layers)}, device=cal_ids.device.type,
-                     numerics=NUMERICS)
+                     dtype=str(next(model.parameters()).dtype), numerics=NUMERICS)
     path = ctx.settings.model_reference_dir(rec.sha256) / f"awq-{key}.safetensors"
     if path.exists():
         ctx.progress(0.3, f"AWQ: input scales of {len(layers)} layer(s) on {text}, from the cache")
