@@ -69,11 +69,7 @@ def remove_model(ref: int | str) -> ModelRecord:
     s = settings()
     with session_scope(s) as db:
         rec = repo.get_model(db, ref)
-        active = repo.list_jobs(db, model_id=rec.id, status=("queued", "running"))
-        if active:
-            ids = ", ".join(f"#{j.id} {j.kind}" for j in active)
-            raise ValueError(f"{rec.name} has jobs queued or running ({ids}): cancel them or let them finish, "
-                             "then remove it")
+        _refuse_while_active(db, rec, "cancel them or let them finish, then remove it")
         repo.delete_model(db, rec.id)
     artifacts = Path(str(s.artifact_dir)).resolve()
     for folder in (artifacts / rec.path, s.model_reference_dir(rec.sha256)):
@@ -82,6 +78,45 @@ def remove_model(ref: int | str) -> ModelRecord:
         if folder != artifacts and artifacts in folder.parents:
             shutil.rmtree(folder, ignore_errors=True)
     return rec
+
+
+def _refuse_while_active(db, rec: ModelRecord, what_then: str) -> None:
+    """ValueError naming the model's queued and running jobs, if any, then ``what_then``."""
+    active = repo.list_jobs(db, model_id=rec.id, status=("queued", "running"))
+    if active:
+        ids = ", ".join(f"#{j.id} {j.kind}" for j in active)
+        raise ValueError(f"{rec.name} has jobs queued or running ({ids}): {what_then}")
+
+
+CACHED_KINDS = ("reference log-probs", "AWQ scales", "GPTQ roundings")
+
+
+def cached_files(model: ModelRecord) -> dict[str, tuple[int, int]]:
+    """{kind: (files, bytes)} of what jobs keep beside the model to skip work next time (:data:`CACHED_KINDS`: the
+    unquantized model's log-probs per evaluation text, AWQ's searched scales, GPTQ's rounded weights), every kind
+    listed, (0, 0) where none is kept. None of it is a result: :func:`clear_cached_files` costs only recomputing."""
+    out = dict.fromkeys(CACHED_KINDS, (0, 0))
+    folder = settings().model_reference_dir(model.sha256)
+    for f in folder.rglob("*.safetensors") if folder.is_dir() else ():
+        kind = "GPTQ roundings" if f.parent.name == "gptq" else "AWQ scales" if f.name.startswith("awq-") \
+            else "reference log-probs"
+        n, size = out[kind]
+        out[kind] = (n + 1, size + f.stat().st_size)
+    return out
+
+
+def clear_cached_files(ref: int | str) -> int:
+    """Delete what jobs keep beside a model (:func:`cached_files`); the bytes freed. Refused while one of its jobs
+    is queued or running (it may be reading them); its results and checkpoint stay."""
+    s = settings()
+    with session_scope(s) as db:
+        rec = repo.get_model(db, ref)
+        _refuse_while_active(db, rec, "they may read its cached files; let them finish, then clear them")
+    freed = sum(size for _, size in cached_files(rec).values())
+    folder = s.model_reference_dir(rec.sha256)
+    if folder.is_dir():
+        shutil.rmtree(folder)
+    return freed
 
 
 def register_demo() -> JobRecord:

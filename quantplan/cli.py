@@ -141,6 +141,7 @@ def cmd_models_add(args) -> int:
 
 
 def cmd_models_list(args) -> int:
+    from app import services as svc
     from store import repo
     from store.db import session_scope
 
@@ -151,8 +152,9 @@ def cmd_models_list(args) -> int:
                           params=m.num_params, sha256=m.sha256, linears=len(m.linears)) for m in models])
     else:
         for m in models:
+            cached = sum(size for _, size in svc.cached_files(m).values())
             print(f"#{m.id:<3} {m.name:32s} {m.architecture:28s} {m.num_layers:3d} layers "
-                  f"{m.num_params / 1e6:8.1f} M params  {len(m.linears)} linears")
+                  f"{m.num_params / 1e6:8.1f} M params  {len(m.linears)} linears  {cached / 2**20:,.1f} MiB cached")
     return 0
 
 
@@ -171,6 +173,24 @@ def cmd_models_remove(args) -> int:
         _print_json({"removed": model.id, "name": model.name, **usage})
     else:
         print(f"removed model #{model.id} {model.name} ({what}); its jobs stay in the history")
+    return 0
+
+
+def cmd_models_cache(args) -> int:
+    from app import services as svc
+
+    _checked_settings()
+    model = _model(args.model)
+    cached = svc.cached_files(model)
+    freed = svc.clear_cached_files(model.id) if args.clear else None
+    if args.json:
+        _print_json({"model": model.name, "files": {k: {"files": n, "bytes": b} for k, (n, b) in cached.items()},
+                     **({"cleared_bytes": freed} if freed is not None else {})})
+        return 0
+    for kind, (n, size) in cached.items():
+        print(f"{kind:20s} {n:5d} file(s) {size / 2**20:10,.1f} MiB")
+    if freed is not None:
+        print(f"cleared {freed / 2**20:,.1f} MiB of cached files of {model.name}; they are computed again when needed")
     return 0
 
 
@@ -405,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--yes", action="store_true", help="do it (without: say what would be deleted)")
     sp.add_argument("--json", action="store_true", help="print what was removed as JSON")
     sp.set_defaults(func=cmd_models_remove)
+    sp = models.add_parser("cache", help="the files jobs keep beside a model to skip work (reference log-probs, AWQ "
+                           "scales, GPTQ-rounded weights), and clearing them")
+    sp.add_argument("model", help="registered model id or name")
+    sp.add_argument("--clear", action="store_true", help="delete them (refused while a job of the model is queued or "
+                    "running); they are computed again when needed")
+    sp.add_argument("--json", action="store_true", help="print the files per kind (and bytes cleared) as JSON")
+    sp.set_defaults(func=cmd_models_cache)
 
     sp = sub.add_parser("calibrate", help="collect activation statistics of every linear layer")
     add_text_job_options(sp, text="calibration text (.txt or .jsonl); default: gensim's lee_background.cor",

@@ -129,6 +129,29 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     code, out, _ = run(capsys, "score", "tiny", "--scheme", "INT8_W8A8_SQ_GPTQ", *args[:-1])
     assert code == 0 and "(4 × 32 tokens); 15 of its 15 layer(s) as an earlier job rounded them" in out
 
+    # what is kept, per kind, and clearing it: refused while a job of the model is queued, then all of it gone
+    files = run_json(capsys, "models", "cache", "tiny", "--json")["files"]
+    on_disk = {p.name: p.stat().st_size for p in kept.parent.rglob("*.safetensors")}
+    rounded = list(kept.glob("*"))  # no partly written file left over
+    assert len(rounded) > 15 and all(p.suffix == ".safetensors" for p in rounded)
+    assert files["GPTQ roundings"] == {"files": len(rounded), "bytes": sum(p.stat().st_size for p in rounded)}
+    assert files["AWQ scales"]["files"] == 1 and files["reference log-probs"]["files"] == 1
+    assert sum(f["bytes"] for f in files.values()) == sum(on_disk.values())
+    _, out, _ = run(capsys, "models", "list")
+    assert f"{sum(on_disk.values()) / 2**20:,.1f} MiB cached" in out
+    with svc.session_scope(get_settings()) as s:
+        queued = svc.repo.create_job(s, kind="score", params={}, queue="cpu", user=None, model_id=svc.get_model(
+            "tiny").id)
+    code, _, err = run(capsys, "models", "cache", "tiny", "--clear")
+    assert code == 1 and f"#{queued.id} score" in err and kept.is_dir()
+    svc.cancel_job(queued.id)
+    cleared = run_json(capsys, "models", "cache", "tiny", "--clear", "--json")
+    assert cleared["cleared_bytes"] == sum(on_disk.values()) and not kept.parent.exists()
+    assert all(f == {"files": 0, "bytes": 0} for f in run_json(capsys, "models", "cache", "tiny", "--json")[
+        "files"].values())
+    assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 0  # rounded again, results untouched
+    assert len(svc.list_scores(svc.get_model("tiny").id)) > 10
+
 
 def test_cli_flow(tiny_model, capsys, tmp_path):
     cal = run_json(capsys, "calibrate", "tiny", "--local", "--samples", "4", "--seq-len", "32", "--json")

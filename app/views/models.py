@@ -11,6 +11,7 @@ from app import services as svc
 st.title("Models")
 st.caption("Register a Hugging Face checkpoint, then calibrate it to see its activation outliers.")
 REMOVED = "models_removed"  # what the last removal deleted, said once after the page reruns
+CLEARED = "models_cache_cleared"  # what clearing a model's cached files freed, said once after the page reruns
 if REMOVED in st.session_state:
     removed_note = st.session_state.pop(REMOVED)
     st.success(removed_note)
@@ -60,13 +61,17 @@ st.dataframe(
         "id": m.id, "name": m.name, "architecture": m.architecture, "layers": m.num_layers,
         "parameters": svc.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
         "size (MiB)": round(m.total_bytes / 2**20, 1),
+        "cached (MiB)": round(sum(size for _, size in svc.cached_files(m).values()) / 2**20, 1),
         "KV KiB / token (BF16)": svc.kv_kib_per_token(m), "sliding-window layers": len(m.attention_windows),
         "experts": f"{m.moe['experts']} (top-{m.moe.get('top_k') or '?'})" if m.moe else "",
         "active / token": svc.fmt_params(a) if (a := svc.active_params(m)) is not None else "",
         "sha256": m.sha256[:12], "registered": m.created_at,
     } for m in models]),
     hide_index=True, width="stretch",
-    column_config={"KV KiB / token (BF16)": st.column_config.NumberColumn(
+    column_config={"cached (MiB)": st.column_config.NumberColumn(
+        help="reference log-probs, AWQ scales and GPTQ-rounded weights jobs keep to skip work next time; the "
+             "model's own section below lists and clears them"),
+        "KV KiB / token (BF16)": st.column_config.NumberColumn(
         format="%.2f", help="K and V of every layer for one token, from the k_proj / v_proj widths; empty for "
                             "a model without them (a fused qkv projection, an encoder's query/key/value)")},
 )
@@ -114,6 +119,23 @@ cals = svc.calibrations(model.id)
 if cals:
     st.caption(f"{len(cals)} calibration(s) stored; newest is job #{cals[0].id} "
                f"({cals[0].result.get('tokens', '?') if cals[0].result else '?'} tokens).")
+
+if CLEARED in st.session_state:
+    st.success(st.session_state.pop(CLEARED))
+cached = svc.cached_files(model)
+cached_bytes = sum(size for _, size in cached.values())
+with st.expander(f"Cached files ({cached_bytes / 2**20:,.1f} MiB)"):
+    st.markdown("Jobs keep these beside the model to skip work the next time they need the same thing: "
+                + "; ".join(f"{kind}: {n} file(s), {size / 2**20:,.1f} MiB" for kind, (n, size) in cached.items())
+                + ". None of them is a result: clearing them frees the disk and costs only computing them again.")
+    if st.button("Clear cached files", disabled=not cached_bytes, key=f"clear_cache_{model.id}"):
+        try:
+            freed = svc.clear_cached_files(model.id)
+        except (ValueError, LookupError) as exc:
+            st.error(str(exc))
+        else:
+            st.session_state[CLEARED] = f"Cleared {freed / 2**20:,.1f} MiB of cached files of {model.name}."
+            st.rerun()  # the table and this box show what is left
 
 with st.expander(f"Remove {model.name}"):
     usage = svc.model_usage(model.id)

@@ -352,6 +352,33 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
     assert list(tables[0]["plan"]) == ["MXFP4"]  # only what was scored on that text
 
 
+def test_models_page_shows_and_clears_the_files_jobs_keep(seeded, qp_settings):
+    """The "cached (MiB)" column and the model's "Cached files": each kind's files and size; clearing them deletes
+    the folder and keeps every result."""
+    from app import services as svc
+
+    refs = qp_settings.model_reference_dir(seeded.sha256)
+    (refs / "gptq").mkdir(parents=True)
+    (refs / "abc.safetensors").write_bytes(b"r" * 3 * 2**20)
+    (refs / "awq-def.safetensors").write_bytes(b"a" * 2**20)
+    for i in range(2):
+        (refs / "gptq" / f"k{i}.safetensors").write_bytes(b"g" * 2**19)
+    at = _run("models", seeded.id)
+    assert not at.exception
+    table = next(d.value for d in at.dataframe if "cached (MiB)" in d.value.columns)
+    assert list(table["cached (MiB)"]) == [5.0]
+    text = next(md.value for md in at.markdown if "Jobs keep these beside the model" in md.value)
+    assert ("reference log-probs: 1 file(s), 3.0 MiB; AWQ scales: 1 file(s), 1.0 MiB; GPTQ roundings: 2 file(s), "
+            "1.0 MiB") in text
+    scores = len(svc.list_scores(seeded.id))
+    at.button(key=f"clear_cache_{seeded.id}").click().run()
+    assert not at.exception
+    assert any(f"Cleared 5.0 MiB of cached files of {seeded.name}." in m.value for m in at.success)
+    assert not refs.exists() and len(svc.list_scores(seeded.id)) == scores
+    assert at.button(key=f"clear_cache_{seeded.id}").disabled  # the page drew itself again: nothing left
+    assert list(next(d.value for d in at.dataframe if "cached (MiB)" in d.value.columns)["cached (MiB)"]) == [0.0]
+
+
 def test_models_page_removes_a_model_after_a_confirmation(seeded, qp_settings):
     from pathlib import Path
 
