@@ -136,6 +136,19 @@ def test_rounding_cost_times_gptq_and_awq_against_a_forward(capsys) -> None:
         assert row in out
 
 
+def test_gptq_reuse_times_a_gptq_score_reading_its_kept_roundings(tmp_path: Path, capsys, monkeypatch) -> None:
+    from tests.quantcore.test_checkpoint import save_tiny_llama
+
+    monkeypatch.setenv("QUANTPLAN_HOME", str(tmp_path / "mine"))  # the user's home: left as it was
+    folder = save_tiny_llama(tmp_path / "tiny")
+    ratios = _load("gptq_reuse").main(["--model", str(folder), "--samples", "2", "--seq-len", "16",
+                                        "--cal-samples", "2", "--cal-seq-len", "16"])
+    assert set(ratios) == {"kept/anew", "kept/rtn"} and all(r > 0 for r in ratios.values())
+    out = capsys.readouterr().out
+    assert "W4A16_GPTQ, 15 layers read as kept" in out and "kept / anew" in out
+    assert os.environ["QUANTPLAN_HOME"] == str(tmp_path / "mine") and not (tmp_path / "mine").exists()
+
+
 def test_moe_split_times_the_split_experts_against_transformers_own(capsys) -> None:
     ratios = _load("moe_split").main(["--experts", "4", "--top-k", "2", "--layers", "1", "--hidden", "64",
                                       "--inter", "32", "--tokens", "16", "--repeats", "1"])
