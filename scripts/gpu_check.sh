@@ -16,7 +16,8 @@
 #   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
 #      into a fresh SQLite home: measured and stored, then reused from the database; then a tiny
 #      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC, then with an FP8_ATTN KV cache) and swept
-#      (INT8_W8A8 linears, then the FP8_ATTN KV cache a layer at a time) on cuda
+#      (INT8_W8A8 linears, then the FP8_ATTN KV cache a layer at a time) on cuda; W4A16_GPTQ scored twice (rounded,
+#      then read from the roundings the first job kept)
 # Afterwards `python scripts/gpu_figures.py OUT_DIR` writes the figures into the README.
 # Writes into $OUT (the device tool's folder) or var/gpu-check: gpu_check.log, summary.txt,
 # kernel_smollm2.{json,md}, kernel_llama8b.{json,md}, quantplan_bench.json (7 files).
@@ -92,6 +93,7 @@ step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_A
 step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step score-gptq "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"
+step score-gptq-kept "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"  # reads the roundings kept
 step jobs "$PY" -m quantplan jobs
 
 echo "===== summary" | tee -a "$LOG"

@@ -91,7 +91,7 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     rcs = {k: v.split()[0] for k, v in rcs.items()}
     for step in ("gpu-tests", "kernels-smollm2", "kernels-llama8b", "migrate", "bench-measure",
                  "bench-reuse", "tiny-model", "models-add", "calibrate", "score", "sensitivity", "score-kv", "kv-sweep",
-                 "score-gptq", "jobs"):
+                 "score-gptq", "score-gptq-kept", "jobs"):
         assert rcs[step] == "0", (step, (out / "gpu_check.log").read_text()[-3000:])
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu_check.log", "kernel_llama8b.json", "kernel_llama8b.md", "kernel_smollm2.json",
@@ -103,6 +103,7 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert "FP8_DYNAMIC on tiny: KL mean" in log and "INT8_W8A8 one unit at a time on tiny" in log
     assert "FP8_DYNAMIC + KV FP8_ATTN on tiny: KL mean" in log and "KV FP8_ATTN one unit at a time on tiny" in log
     assert "W4A16_GPTQ on tiny: KL mean" in log and "GPTQ rounded its weights with the input Hessians of" in log
+    assert "15 of its 15 layer(s) as an earlier job rounded them" in log
 
     # and scripts/gpu_figures.py turns the run into the README's block, the same way twice
     figures = _load_script("gpu_figures")

@@ -139,10 +139,11 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
     """GPTQ-rounded weights kept beside the model's reference log-probs by earlier jobs: ({layer: weight} found,
     {layer: file} to keep the others at once rounded, :func:`_keep_gptq`). ``plans``: each GPTQ layer's plan as
     it is applied (a sweep applies one unit at a time). The key is everything the rounding reads
-    (quantcore.gptq.rounding_inputs: the layer's fusion group and the plan's AWQ layers with their schemes; the
-    calibration tokens, the calibration statistics where SmoothQuant divides by them, the weights' dtype, the
-    device kind, quantplan's numerics), so a plan rounds a layer once whichever job asks again: a second score,
-    the automatic plan's check after a sweep of the same scheme."""
+    (quantcore.gptq.rounding_inputs: the schemes of the layer's fusion group, of the o_proj / down_proj folding
+    into its rows and of the plan's AWQ layers; the calibration tokens, the calibration statistics where
+    SmoothQuant divides by them, the weights' dtype, the device kind, torch's version, quantplan's numerics), so a
+    plan rounds a layer once whichever job asks again: a second score, the automatic plan's check after a sweep."""
+    import torch
     from safetensors.torch import load_file
 
     from quantcore.gptq import rounding_inputs
@@ -152,11 +153,12 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
         return {}, {}
     tokens = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape))
     dtype = str(next(model.parameters()).dtype)
+    torch_version = str(torch.__version__)  # another torch may round a float the other way in the Cholesky
     folder = ctx.settings.model_reference_dir(rec.sha256) / "gptq"
     found, paths = {}, {}
     for layer, plan in plans.items():
         reads = rounding_inputs(plan, layer)
-        key = _cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS,
+        key = _cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS, torch=torch_version,
                          calibration=cal[0] if reads["smoothed"] and cal else None, **reads)
         path = folder / f"{key}.safetensors"
         if path.exists():
