@@ -86,6 +86,13 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     warm = score("W4A16_GPTQ")
     assert warm["gptq"] == {"layers": 15, "from_cache": 15}
     assert {k: warm[k] for k in numbers} == {k: cold[k] for k in numbers}
+    # a damaged kept file is rounded again and written anew, never read
+    damaged = sorted(kept.glob("*.safetensors"))[0]
+    damaged.write_bytes(b"cut short")
+    again = score("W4A16_GPTQ")
+    assert again["gptq"] == {"layers": 15, "from_cache": 14} and {k: again[k] for k in numbers} == {
+        k: cold[k] for k in numbers}
+    assert score("W4A16_GPTQ")["gptq"]["from_cache"] == 15
     # AWQ on down_proj folds its factors into up_proj's weight before GPTQ rounds it: a plan with AWQ layers reads
     # nothing a plan without them rounded
     awq_plan = tmp_path / "awq.yaml"

@@ -155,14 +155,22 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
     dtype = str(next(model.parameters()).dtype)
     torch_version = str(torch.__version__)  # another torch may round a float the other way in the Cholesky
     folder = ctx.settings.model_reference_dir(rec.sha256) / "gptq"
+    modules = dict(model.named_modules())
     found, paths = {}, {}
     for layer, plan in plans.items():
         reads = rounding_inputs(plan, layer)
         key = _cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS, torch=torch_version,
                          calibration=cal[0] if reads["smoothed"] and cal else None, **reads)
         path = folder / f"{key}.safetensors"
+        weight = None
         if path.exists():
-            found[layer] = load_file(path, device=str(cal_ids.device))["weight"]
+            try:
+                weight = load_file(path, device=str(cal_ids.device))["weight"]
+            except Exception:  # a damaged file (a full disk, a copy cut short): rounded again and written anew
+                weight = None
+        own = modules[layer].weight
+        if weight is not None and weight.shape == own.shape and weight.dtype == own.dtype:
+            found[layer] = weight
         else:
             paths[layer] = path
     return found, paths
