@@ -86,9 +86,11 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     warm = score("W4A16_GPTQ")
     assert warm["gptq"] == {"layers": 15, "from_cache": 15}
     assert {k: warm[k] for k in numbers} == {k: cold[k] for k in numbers}
-    # a damaged kept file is rounded again and written anew, never read
+    # a damaged kept file is rounded again and written anew, never read; so are damaged reference log-probs
     damaged = sorted(kept.glob("*.safetensors"))[0]
     damaged.write_bytes(b"cut short")
+    (reference,) = kept.parent.glob("*.safetensors")
+    reference.write_bytes(b"cut short too")
     again = score("W4A16_GPTQ")
     assert again["gptq"] == {"layers": 15, "from_cache": 14} and {k: again[k] for k in numbers} == {
         k: cold[k] for k in numbers}
@@ -100,6 +102,9 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     with_awq = run_json(capsys, "score", "tiny", "--plan", str(awq_plan), *args)
     assert with_awq["gptq"] == {"layers": 13, "from_cache": 0}
     assert run_json(capsys, "score", "tiny", "--plan", str(awq_plan), *args)["gptq"]["from_cache"] == 13
+    next(kept.parent.glob("awq-*.safetensors")).write_bytes(b"damaged")  # searched again, written anew
+    awq_again = run_json(capsys, "score", "tiny", "--plan", str(awq_plan), *args)
+    assert not awq_again["awq"]["cached"] and awq_again["kl_mean"] == with_awq["kl_mean"]
     # a sweep of the same scheme, a fusion group a unit, rounds each layer as the plan did
     swept, gptq = sweep("W4A16_GPTQ")
     assert gptq == {"layers": 15, "from_cache": 15}

@@ -81,9 +81,15 @@ def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
     key = _cache_key(text=eval_label, shape=list(ids.shape), ids=ids)
     path = scoring.reference_cache_path(ctx.settings.reference_root, model_rec.sha256, key)
     if Path(path).exists():
-        ctx.progress(0.1, "reference log-probs from the cache")
-        return scoring.ReferenceCache.load(path)
-    ctx.progress(0.05, "computing reference log-probs (once per model and text)")
+        try:
+            ref = scoring.ReferenceCache.load(path)
+        except scoring.ReferenceMismatch as exc:  # damaged or of an older format: computed again, written anew
+            ctx.progress(0.05, f"computing reference log-probs again: {exc}")
+        else:
+            ctx.progress(0.1, "reference log-probs from the cache")
+            return ref
+    else:
+        ctx.progress(0.05, "computing reference log-probs (once per model and text)")
     ref = scoring.compute_reference(model, ids, batch_size=int(ctx.params.get("batch_size") or 4),
                                     model_sha=model_rec.sha256, eval_key=key,
                                     progress=lambda f, m: ctx.progress(0.05 + 0.25 * f, m),
@@ -223,10 +229,14 @@ def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
                      dtype=str(next(model.parameters()).dtype), numerics=NUMERICS)
     path = ctx.settings.model_reference_dir(rec.sha256) / f"awq-{key}.safetensors"
     if path.exists():
-        ctx.progress(0.3, f"AWQ: input scales of {len(layers)} layer(s) on {text}, from the cache")
-        found = load_awq(path)
-        found.cached = True
-        return found
+        try:
+            found = load_awq(path)
+        except Exception:  # a damaged file (a full disk, a copy cut short): searched again and written anew
+            pass
+        else:
+            ctx.progress(0.3, f"AWQ: input scales of {len(layers)} layer(s) on {text}, from the cache")
+            found.cached = True
+            return found
     ctx.progress(0.3, f"AWQ: searching the input scales of {len(layers)} layer(s) on {text}")
     found = awq_search(model, plan, cal_ids, should_cancel=ctx.should_cancel,
                        progress=lambda _f, message: ctx.progress(0.3, message))
