@@ -216,8 +216,8 @@ def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
     """AWQ's searched input scales for the plan's layers that scale with AWQ, on the calibration tokens; None
     when no layer does. Kept beside the model's reference log-probs, keyed by everything the search reads (the
     calibration tokens, the AWQ layers and their weight format, the grid, the device kind, the weights' dtype,
-    quantplan's numerics),
-    so another score or a sweep of the same AWQ layers reuses it; ``.cached`` says whether it came from there."""
+    quantplan's numerics), so another score or a sweep of the same AWQ layers reuses it; ``.cached`` says whether
+    it came from there (a damaged file is searched again)."""
     from quantcore.awq import awq_search, load_awq, save_awq
     from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, NUMERICS
 
