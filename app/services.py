@@ -88,18 +88,21 @@ def _refuse_while_active(db, rec: ModelRecord, what_then: str) -> None:
         raise ValueError(f"{rec.name} has jobs queued or running ({ids}): {what_then}")
 
 
-CACHED_KINDS = ("reference log-probs", "AWQ scales", "GPTQ roundings")
+CACHED_KINDS = ("reference log-probs", "AWQ scales", "GPTQ roundings", "KV cache amax")
 
 
 def cached_files(model: ModelRecord) -> dict[str, tuple[int, int]]:
     """{kind: (files, bytes)} of what jobs keep beside the model to skip work next time (:data:`CACHED_KINDS`: the
-    unquantized model's log-probs per evaluation text, AWQ's searched scales, GPTQ's rounded weights), every kind
-    listed, (0, 0) where none is kept. None of it is a result: :func:`clear_cached_files` costs only recomputing."""
+    unquantized model's log-probs per evaluation text, AWQ's searched scales, GPTQ's rounded weights, the K/V
+    maxima calibrated KV cache scales come from), every kind listed, (0, 0) where none is kept. None of it is a
+    result: :func:`clear_cached_files` costs only recomputing."""
     out = dict.fromkeys(CACHED_KINDS, (0, 0))
     folder = settings().model_reference_dir(model.sha256)
-    for f in folder.rglob("*.safetensors") if folder.is_dir() else ():
-        kind = "GPTQ roundings" if f.parent.name == "gptq" else "AWQ scales" if f.name.startswith("awq-") \
-            else "reference log-probs"
+    for f in folder.rglob("*") if folder.is_dir() else ():
+        if not f.is_file() or f.suffix not in (".safetensors", ".json"):
+            continue  # a file being written (.part)
+        kind = ("GPTQ roundings" if f.parent.name == "gptq" else "AWQ scales" if f.name.startswith("awq-")
+                else "KV cache amax" if f.name.startswith("kv-") else "reference log-probs")
         n, size = out[kind]
         out[kind] = (n + 1, size + f.stat().st_size)
     return out

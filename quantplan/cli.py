@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print what was removed as JSON")
     sp.set_defaults(func=cmd_models_remove)
     sp = models.add_parser("cache", help="the files jobs keep beside a model to skip work (reference log-probs, AWQ "
-                           "scales, GPTQ-rounded weights), and clearing them")
+                           "scales, GPTQ-rounded weights, KV cache maxima), and clearing them")
     sp.add_argument("model", help="registered model id or name")
     sp.add_argument("--clear", action="store_true", help="delete them (refused while a job of the model is queued or "
                     "running); they are computed again when needed")

@@ -165,6 +165,41 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     assert len(svc.list_scores(svc.get_model("tiny").id)) > 10
 
 
+def test_kv_cache_amax_is_kept_and_read_again_where_the_pass_reads_the_same(tiny_model, capsys):
+    """The K/V maxima a calibrated KV cache's scales come from are kept per plan, calibration tokens and GPUs: a
+    second score of the plan (another calibrated format, another evaluation text) reads them and scores as
+    calibrating anew; another plan, another GPU count or a damaged file calibrates again."""
+    from app import services as svc
+    from store.settings import get_settings
+
+    args = ("--local", "--samples", "2", "--seq-len", "32", "--cal-samples", "4", "--cal-seq-len", "32", "--json")
+    refs = get_settings().model_reference_dir(svc.get_model("tiny").sha256)
+
+    def score(*more: str) -> dict:
+        return run_json(capsys, "score", "tiny", *args, *more)
+
+    first = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")
+    assert first["kv_amax_cached"] is False and len(list(refs.glob("kv-*.json"))) == 1
+    other_text = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8", "--samples", "3")
+    assert other_text["kv_amax_cached"] is True and other_text["tokens"] != first["tokens"]
+    again = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")
+    assert again["kv_amax_cached"] is True and again["kl_mean"] == first["kl_mean"]
+    attn = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8_ATTN_HEAD")  # K and V observed before the format
+    assert attn["kv_amax_cached"] is True
+    (kept,) = refs.glob("kv-*.json")
+    kept.unlink()
+    assert score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8_ATTN_HEAD")["kl_mean"] == attn["kl_mean"]
+    assert score("--scheme", "INT8_W8A8", "--kv-cache", "FP8")["kv_amax_cached"] is False
+    assert score("--scheme", "INT8_W8A8", "--kv-cache", "FP8", "--tp", "2")["kv_amax_cached"] is False
+    assert len(list(refs.glob("kv-*.json"))) == 3
+    for f in refs.glob("kv-*.json"):
+        f.write_text("{not json")
+    damaged = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")
+    assert damaged["kv_amax_cached"] is False and damaged["kl_mean"] == first["kl_mean"]
+    files = run_json(capsys, "models", "cache", "tiny", "--json")["files"]
+    assert files["KV cache amax"]["files"] == 3
+
+
 def test_cli_flow(tiny_model, capsys, tmp_path):
     cal = run_json(capsys, "calibrate", "tiny", "--local", "--samples", "4", "--seq-len", "32", "--json")
     layers = {r["name"]: r for r in cal["layers"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,28 +184,34 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
 
 
 def _keep_gptq(rounded: dict[str, Any], paths: dict[str, Path]) -> int:
-    """Write the layers of ``rounded`` that ``paths`` wants kept (:func:`_kept_gptq`); how many were written.
-    Each file appears whole or not at all (written under a unique name beside it, then renamed), so two workers
-    rounding the same layer, on one machine or two sharing the folder, cannot tear it."""
-    import os
-    import tempfile
-
+    """Write the layers of ``rounded`` that ``paths`` wants kept (:func:`_kept_gptq`), each whole or not at all
+    (:func:`_write_whole`); how many were written."""
     from safetensors.torch import save_file
 
     written = 0
     for layer, path in paths.items():
         if layer in rounded:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, part = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".part")
-            os.close(fd)
-            try:
-                save_file({"weight": rounded[layer].detach().contiguous().cpu()}, part)
-                os.replace(part, path)
-            finally:
-                if os.path.exists(part):
-                    os.unlink(part)
+            _write_whole(path, lambda part, w=rounded[layer]: save_file({"weight": w.detach().contiguous().cpu()}, part))
             written += 1
     return written
+
+
+def _write_whole(path: Path, write: Callable[[str], Any]) -> None:
+    """``write(name)`` a unique file beside ``path``, then rename it to ``path``: a reader finds the whole file or
+    none, even with two workers (on one machine or two sharing the folder) writing it at once; the unique file
+    never stays behind."""
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, part = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".part")
+    os.close(fd)
+    try:
+        write(part)
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.unlink(part)
 
 
 def _gptq_summary(plans: dict[str, Any], kept: dict[str, Any]) -> dict[str, int]:
@@ -252,19 +259,45 @@ def _awq_summary(found) -> dict[str, Any]:
             "median_error_ratio": ratios[len(ratios) // 2] if ratios else None, "cached": found.cached}
 
 
-def _kv_amax(ctx: JobContext, model, kv, plan, cal_ids, act_amax=None, act_channel_max=None, weight_hessians=None,
-             awq=None, gptq_cache=None, parallel=None):
+def _kv_amax(ctx: JobContext, rec, model, kv, plan, cal_ids, cal=None, act_amax=None, act_channel_max=None,
+             weight_hessians=None, awq=None, gptq_cache=None, parallel=None):
     """Per-layer K/V amax for a calibrated KV format, with ``plan`` applied, on the calibration tokens
     (params['cal_dataset'] or the built-in text), never the evaluation text; None for a format without
-    calibrated scales."""
+    calibrated scales. Kept beside the model's reference log-probs as ``kv-<key>.json``, keyed by what the pass
+    reads (the plan's quantized layers and their schemes, the calibration statistics ``cal`` they use, the
+    calibration tokens, the GPUs, the weights' dtype, the device kind, torch's version, quantplan's numerics; not
+    the KV format: K and V are observed before it quantizes them), so another score of the plan with a calibrated
+    KV cache (another format, another evaluation text) reads it; a damaged file is calibrated again. Returns
+    (amax, whether it came from there)."""
+    import torch
+
+    from quantcore.kvcache import KvAmax
+    from quantcore.schemes import NUMERICS
     from quantcore.scoring import calibrate_kv_cache
 
     if not kv.calibrated:
-        return None
+        return None, False
+    key = _cache_key(tokens=_cache_key(tokens=cal_ids, shape=list(cal_ids.shape)),
+                     plan={n: s.to_dict() for n, s in sorted(plan.items()) if not s.is_identity},
+                     calibration=cal[0] if cal else None,
+                     gpus=[parallel.tp, parallel.expert_parallel] if parallel is not None else [1, False],
+                     dtype=str(next(model.parameters()).dtype), device=cal_ids.device.type,
+                     torch=str(torch.__version__), numerics=NUMERICS)
+    path = ctx.settings.model_reference_dir(rec.sha256) / f"kv-{key}.json"
+    if path.exists():
+        try:
+            amax = KvAmax.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, AttributeError):  # damaged: calibrated again, written anew
+            pass
+        else:
+            ctx.progress(0.3, f"the {kv.name} KV cache scales' amax, from the cache")
+            return amax, True
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
-    return calibrate_kv_cache(model, plan, cal_ids, act_amax=act_amax, act_channel_max=act_channel_max,
+    amax = calibrate_kv_cache(model, plan, cal_ids, act_amax=act_amax, act_channel_max=act_channel_max,
                               should_cancel=ctx.should_cancel, weight_hessians=weight_hessians, awq=awq,
                               gptq_cache=gptq_cache, parallel=parallel)
+    _write_whole(path, lambda part: Path(part).write_text(json.dumps(amax.to_dict())))
+    return amax, False
 
 
 def served_on(ctx: JobContext, spec, model):
@@ -333,8 +366,8 @@ def score(ctx: JobContext) -> Outcome:
     hessians = _hessians(ctx, model, plan, cal_ids, cal_text, rounded=kept)
     awq = _awq(ctx, rec, model, plan, cal_ids, cal_text)
     gptq_cache = dict(kept)  # the KV cache calibration and the score round each GPTQ layer once between them
-    kv_amax = _kv_amax(ctx, model, kv, plan, cal_ids, act_amax, act_channel_max, hessians, awq, gptq_cache,
-                       parallel)
+    kv_amax, kv_cached = _kv_amax(ctx, rec, model, kv, plan, cal_ids, cal, act_amax, act_channel_max, hessians,
+                                  awq, gptq_cache, parallel)
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
@@ -353,7 +386,7 @@ def score(ctx: JobContext) -> Outcome:
                                   "tokens", "kv_cache")}
     result.update(plan=plan_label, calibration_job=cal[0] if cal else None)
     if kv.calibrated:
-        result["kv_calibration_text"] = cal_text
+        result.update(kv_calibration_text=cal_text, kv_amax_cached=kv_cached)
     if gptq:
         result.update(gptq_calibration_text=cal_text, gptq=_gptq_summary(gptq_plans, kept))
     if awq is not None:
@@ -389,7 +422,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
         cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, kv.calibrated)
-        amax = _kv_amax(ctx, model, kv, {}, cal_ids)
+        amax, _ = _kv_amax(ctx, rec, model, kv, {}, cal_ids)
         rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, progress=progress,
                                     should_cancel=ctx.should_cancel)
         name = repo.KV_SWEEP_PREFIX + kv.name

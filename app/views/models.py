@@ -69,8 +69,8 @@ st.dataframe(
     } for m in models]),
     hide_index=True, width="stretch",
     column_config={"cached (MiB)": st.column_config.NumberColumn(
-        help="reference log-probs, AWQ scales and GPTQ-rounded weights jobs keep to skip work next time; the "
-             "model's own section below lists and clears them"),
+        help="reference log-probs, AWQ scales, GPTQ-rounded weights and KV cache maxima jobs keep to skip work "
+             "next time; the model's own section below lists and clears them"),
         "KV KiB / token (BF16)": st.column_config.NumberColumn(
         format="%.2f", help="K and V of every layer for one token, from the k_proj / v_proj widths; empty for "
                             "a model without them (a fused qkv projection, an encoder's query/key/value)")},
@@ -140,8 +140,8 @@ with st.expander(f"Cached files ({cached_bytes / 2**20:,.1f} MiB)"):
 with st.expander(f"Remove {model.name}"):
     usage = svc.model_usage(model.id)
     stored = ", ".join(f"{v} {k}" for k, v in usage.items() if k != "active")
-    st.markdown(f"Deletes its checkpoint files, its cached reference log-probs, AWQ scales and GPTQ-rounded "
-                f"weights, and everything measured on it "
+    st.markdown(f"Deletes its checkpoint files, its cached files (reference log-probs, AWQ scales, GPTQ-rounded "
+                f"weights, KV cache maxima) and everything measured on it "
                 f"({stored}). Its jobs stay in the history; kernel timings, kept per device, stay too.")
     if usage["active"]:
         st.warning(f"{usage['active']} of its jobs are queued or running: cancel them on the Jobs page or let "

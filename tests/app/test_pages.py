@@ -363,13 +363,15 @@ def test_models_page_shows_and_clears_the_files_jobs_keep(seeded, qp_settings):
     (refs / "awq-def.safetensors").write_bytes(b"a" * 2**20)
     for i in range(2):
         (refs / "gptq" / f"k{i}.safetensors").write_bytes(b"g" * 2**19)
+    (refs / "kv-123.json").write_text("{}")
+    (refs / ".kv-456.abc.part").write_bytes(b"p" * 2**20)  # being written: not counted
     at = _run("models", seeded.id)
     assert not at.exception
     table = next(d.value for d in at.dataframe if "cached (MiB)" in d.value.columns)
     assert list(table["cached (MiB)"]) == [5.0]
     text = next(md.value for md in at.markdown if "Jobs keep these beside the model" in md.value)
     assert ("reference log-probs: 1 file(s), 3.0 MiB; AWQ scales: 1 file(s), 1.0 MiB; GPTQ roundings: 2 file(s), "
-            "1.0 MiB") in text
+            "1.0 MiB; KV cache amax: 1 file(s), 0.0 MiB") in text
     scores = len(svc.list_scores(seeded.id))
     at.button(key=f"clear_cache_{seeded.id}").click().run()
     assert not at.exception
