@@ -374,20 +374,19 @@ def awq_search(
 
 
 def save_awq(result: AwqResult, path: str | Path) -> Path:
-    """Write a search's result to one safetensors file (the factors as tensors, the rest as JSON metadata), written
-    to a temporary name first so that a reader never sees half a file."""
+    """Write a search's result to one safetensors file (the factors as tensors, the rest as JSON metadata), whole
+    or not at all (:func:`quantcore.files.write_whole`)."""
     import json
 
     from safetensors.torch import save_file
 
+    from quantcore.files import write_whole
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"skipped": json.dumps(result.skipped), "errors": json.dumps(result.errors),
             "history": json.dumps(result.history)}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().clone() for k, v in result.factors.items()}, str(tmp), metadata=meta)  # fused layers share one
-    tmp.replace(path)
-    return path
+    factors = {k: v.detach().cpu().clone() for k, v in result.factors.items()}  # fused layers share one
+    return write_whole(path, lambda part: save_file(factors, part, metadata=meta))
 
 
 def load_awq(path: str | Path) -> AwqResult:

@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -317,7 +315,7 @@ class ReferenceCache:
             )
 
     def save(self, path: str | Path) -> Path:
-        """Write as safetensors (atomically: a temporary file renamed into place)."""
+        """Write as safetensors, whole or not at all (:func:`quantcore.files.write_whole`)."""
         from safetensors.torch import save_file
 
         p = Path(path)
@@ -335,15 +333,9 @@ class ReferenceCache:
             "model_sha": self.model_sha or "",
             "eval_key": self.eval_key or "",
         }
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, p)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return p
+        from quantcore.files import write_whole
+
+        return write_whole(p, lambda part: save_file(tensors, part, metadata=meta))
 
     @classmethod
     def load(cls, path: str | Path) -> ReferenceCache:

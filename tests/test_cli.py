@@ -196,6 +196,9 @@ def test_kv_cache_amax_is_kept_and_read_again_where_the_pass_reads_the_same(tiny
         f.write_text("{not json")
     damaged = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")
     assert damaged["kv_amax_cached"] is False and damaged["kl_mean"] == first["kl_mean"]
+    (kept,) = [f for f in refs.glob("kv-*.json") if f.read_text().startswith('{"k"')]
+    kept.write_text('{"k": {}, "v": {}}')  # JSON, but without the attention layers: calibrated again too
+    assert score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")["kv_amax_cached"] is False
     files = run_json(capsys, "models", "cache", "tiny", "--json")["files"]
     assert files["KV cache amax"]["files"] == 3
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from quantcore.files import write_whole
 from store import repo
 from store.db import session_scope
 from worker.bodies import _model_record, load_model, resolve_device, token_ids
@@ -75,11 +75,20 @@ def _cache_key(**parts: Any) -> str:
     return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def _software() -> dict[str, str]:
+    """The versions of the code a kept result came from: torch (its kernels' float rounding) and transformers (the
+    model's forward: rotary embedding, masks, attention). Another version computes anew rather than read it."""
+    import torch
+    import transformers
+
+    return {"torch": str(torch.__version__), "transformers": str(transformers.__version__)}
+
+
 def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
     """Reference log-probs of the unquantized model on these tokens, cached in the artifact store."""
     from quantcore import scoring
 
-    key = _cache_key(text=eval_label, shape=list(ids.shape), ids=ids)
+    key = _cache_key(text=eval_label, shape=list(ids.shape), ids=ids, **_software())
     path = scoring.reference_cache_path(ctx.settings.reference_root, model_rec.sha256, key)
     if Path(path).exists():
         try:
@@ -148,9 +157,9 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
     it is applied (a sweep applies one unit at a time). The key is everything the rounding reads
     (quantcore.gptq.rounding_inputs: the schemes of the layer's fusion group, of the o_proj / down_proj folding
     into its rows and of the plan's AWQ layers; the calibration tokens, the calibration statistics where
-    SmoothQuant divides by them, the weights' dtype, the device kind, torch's version, quantplan's numerics), so a
+    SmoothQuant divides by them, the weights' dtype, the device kind, torch's and transformers' versions,
+    quantplan's numerics), so a
     plan rounds a layer once whichever job asks again: a second score, the automatic plan's check after a sweep."""
-    import torch
     from safetensors.torch import load_file
 
     from quantcore.gptq import rounding_inputs
@@ -160,13 +169,13 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
         return {}, {}
     tokens = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape))
     dtype = str(next(model.parameters()).dtype)
-    torch_version = str(torch.__version__)  # another torch may round a float the other way in the Cholesky
+    software = _software()  # another torch may round a float the other way in the Cholesky
     folder = ctx.settings.model_reference_dir(rec.sha256) / "gptq"
     modules = dict(model.named_modules())
     found, paths = {}, {}
     for layer, plan in plans.items():
         reads = rounding_inputs(plan, layer)
-        key = _cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS, torch=torch_version,
+        key = _cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS, **software,
                          calibration=cal[0] if reads["smoothed"] and cal else None, **reads)
         path = folder / f"{key}.safetensors"
         weight = None
@@ -185,33 +194,15 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
 
 def _keep_gptq(rounded: dict[str, Any], paths: dict[str, Path]) -> int:
     """Write the layers of ``rounded`` that ``paths`` wants kept (:func:`_kept_gptq`), each whole or not at all
-    (:func:`_write_whole`); how many were written."""
+    (quantcore.files.write_whole); how many were written."""
     from safetensors.torch import save_file
 
     written = 0
     for layer, path in paths.items():
         if layer in rounded:
-            _write_whole(path, lambda part, w=rounded[layer]: save_file({"weight": w.detach().contiguous().cpu()}, part))
+            write_whole(path, lambda part, w=rounded[layer]: save_file({"weight": w.detach().contiguous().cpu()}, part))
             written += 1
     return written
-
-
-def _write_whole(path: Path, write: Callable[[str], Any]) -> None:
-    """``write(name)`` a unique file beside ``path``, then rename it to ``path``: a reader finds the whole file or
-    none, even with two workers (on one machine or two sharing the folder) writing it at once; the unique file
-    never stays behind."""
-    import os
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, part = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".part")
-    os.close(fd)
-    try:
-        write(part)
-        os.replace(part, path)
-    finally:
-        if os.path.exists(part):
-            os.unlink(part)
 
 
 def _gptq_summary(plans: dict[str, Any], kept: dict[str, Any]) -> dict[str, int]:
@@ -223,8 +214,8 @@ def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
     """AWQ's searched input scales for the plan's layers that scale with AWQ, on the calibration tokens; None
     when no layer does. Kept beside the model's reference log-probs, keyed by everything the search reads (the
     calibration tokens, the AWQ layers and their weight format, the grid, the device kind, the weights' dtype,
-    quantplan's numerics), so another score or a sweep of the same AWQ layers reuses it; ``.cached`` says whether
-    it came from there (a damaged file is searched again)."""
+    torch's and transformers' versions, quantplan's numerics), so another score or a sweep of the same AWQ layers
+    reuses it; ``.cached`` says whether it came from there (a damaged file is searched again)."""
     from quantcore.awq import awq_search, load_awq, save_awq
     from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, NUMERICS
 
@@ -233,7 +224,7 @@ def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
         return None
     key = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape), grid=[AWQ_N_GRID, AWQ_DUO_SCALING],
                      layers={n: plan[n].weights.to_dict() for n in sorted(layers)}, device=cal_ids.device.type,
-                     dtype=str(next(model.parameters()).dtype), numerics=NUMERICS)
+                     dtype=str(next(model.parameters()).dtype), numerics=NUMERICS, **_software())
     path = ctx.settings.model_reference_dir(rec.sha256) / f"awq-{key}.safetensors"
     if path.exists():
         try:
@@ -265,13 +256,13 @@ def _kv_amax(ctx: JobContext, rec, model, kv, plan, cal_ids, cal=None, act_amax=
     (params['cal_dataset'] or the built-in text), never the evaluation text; None for a format without
     calibrated scales. Kept beside the model's reference log-probs as ``kv-<key>.json``, keyed by what the pass
     reads (the plan's quantized layers and their schemes, the calibration statistics ``cal`` they use, the
-    calibration tokens, the GPUs, the weights' dtype, the device kind, torch's version, quantplan's numerics; not
+    calibration tokens, the GPUs, the weights' dtype, the device kind, torch's and transformers' versions,
+    quantplan's numerics; not
     the KV format: K and V are observed before it quantizes them), so another score of the plan with a calibrated
-    KV cache (another format, another evaluation text) reads it; a damaged file is calibrated again. Returns
+    KV cache (another format, another evaluation text) reads it; a damaged file (unreadable, or without every
+    attention layer) is calibrated again. Returns
     (amax, whether it came from there)."""
-    import torch
-
-    from quantcore.kvcache import KvAmax
+    from quantcore.kvcache import KvAmax, attention_modules
     from quantcore.schemes import NUMERICS
     from quantcore.scoring import calibrate_kv_cache
 
@@ -281,22 +272,23 @@ def _kv_amax(ctx: JobContext, rec, model, kv, plan, cal_ids, cal=None, act_amax=
                      plan={n: s.to_dict() for n, s in sorted(plan.items()) if not s.is_identity},
                      calibration=cal[0] if cal else None,
                      gpus=[parallel.tp, parallel.expert_parallel] if parallel is not None else [1, False],
-                     dtype=str(next(model.parameters()).dtype), device=cal_ids.device.type,
-                     torch=str(torch.__version__), numerics=NUMERICS)
+                     dtype=str(next(model.parameters()).dtype), device=cal_ids.device.type, numerics=NUMERICS,
+                     **_software())
     path = ctx.settings.model_reference_dir(rec.sha256) / f"kv-{key}.json"
     if path.exists():
         try:
             amax = KvAmax.from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError, AttributeError):  # damaged: calibrated again, written anew
-            pass
-        else:
+        except Exception:  # damaged or unreadable: calibrated again, written anew
+            amax = None
+        layers = set(attention_modules(model))
+        if amax is not None and all(set(table) == layers for table in (amax.k, amax.v, amax.k_head, amax.v_head)):
             ctx.progress(0.3, f"the {kv.name} KV cache scales' amax, from the cache")
             return amax, True
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
     amax = calibrate_kv_cache(model, plan, cal_ids, act_amax=act_amax, act_channel_max=act_channel_max,
                               should_cancel=ctx.should_cancel, weight_hessians=weight_hessians, awq=awq,
                               gptq_cache=gptq_cache, parallel=parallel)
-    _write_whole(path, lambda part: Path(part).write_text(json.dumps(amax.to_dict())))
+    write_whole(path, lambda part: Path(part).write_text(json.dumps(amax.to_dict())))
     return amax, False
 
 
