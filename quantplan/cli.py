@@ -149,7 +149,8 @@ def cmd_models_list(args) -> int:
         models = repo.list_models(s)
     if args.json:
         _print_json([dict(id=m.id, name=m.name, architecture=m.architecture, layers=m.num_layers,
-                          params=m.num_params, sha256=m.sha256, linears=len(m.linears)) for m in models])
+                          params=m.num_params, sha256=m.sha256, linears=len(m.linears),
+                          cached_bytes=sum(size for _, size in svc.cached_files(m).values())) for m in models])
     else:
         for m in models:
             cached = sum(size for _, size in svc.cached_files(m).values())

@@ -151,6 +151,7 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     assert sum(f["bytes"] for f in files.values()) == sum(on_disk.values())
     _, out, _ = run(capsys, "models", "list")
     assert f"{sum(on_disk.values()) / 2**20:,.1f} MiB cached" in out
+    assert run_json(capsys, "models", "list", "--json")[0]["cached_bytes"] == sum(on_disk.values())
     with svc.session_scope(get_settings()) as s:
         queued = svc.repo.create_job(s, kind="score", params={}, queue="cpu", user=None, model_id=svc.get_model(
             "tiny").id)
