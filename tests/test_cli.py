@@ -85,6 +85,8 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     assert cold["gptq"] == {"layers": 15, "from_cache": 0} and len(list(kept.glob("*.safetensors"))) == 15
     warm = score("W4A16_GPTQ")
     assert warm["gptq"] == {"layers": 15, "from_cache": 15}
+    assert svc.get_job(warm["job"]).message.endswith("(from the cache: GPTQ 15 of 15 layers)")
+    assert "from the cache" not in svc.get_job(cold["job"]).message
     assert {k: warm[k] for k in numbers} == {k: cold[k] for k in numbers}
     # a damaged kept file is rounded again and written anew, never read; so are damaged reference log-probs
     damaged = sorted(kept.glob("*.safetensors"))[0]
@@ -108,6 +110,7 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     # a sweep of the same scheme, a fusion group a unit, rounds each layer as the plan did
     swept, gptq = sweep("W4A16_GPTQ")
     assert gptq == {"layers": 15, "from_cache": 15}
+    assert svc.list_jobs(limit=1)[0].message == "W4A16_GPTQ: 9 units swept (from the cache: GPTQ 15 of 15 layers)"
     shutil.rmtree(kept)
     assert sweep("W4A16_GPTQ") == (swept, {"layers": 15, "from_cache": 0})
     # NVFP4: a layer swept alone has its own tensor scale, one of q/k/v or gate/up in a plan its group's: a plan
@@ -185,6 +188,7 @@ def test_kv_cache_amax_is_kept_and_read_again_where_the_pass_reads_the_same(tiny
     assert other_text["kv_amax_cached"] is True and other_text["tokens"] != first["tokens"]
     again = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")
     assert again["kv_amax_cached"] is True and again["kl_mean"] == first["kl_mean"]
+    assert svc.get_job(again["job"]).message.endswith("(from the cache: KV maxima)")
     attn = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8_ATTN_HEAD")  # K and V observed before the format
     assert attn["kv_amax_cached"] is True
     (kept,) = refs.glob("kv-*.json")

@@ -392,8 +392,10 @@ def score(ctx: JobContext) -> Outcome:
                         plan_body=spec.to_dict(), dataset=label, report=rep,
                         predicted_kl=ctx.params.get("predicted_kl"))
 
+    reused = ([f"GPTQ {len(kept)} of {len(gptq_plans)} layers"] if kept else []) + (["KV maxima"] if kv_cached else [])
     return Outcome(result=result, write=write,
-                   message=f"{plan_label}: KL {rep['kl_mean']:.4g}, top-1 {rep['top1_agree']:.3f}")
+                   message=f"{plan_label}: KL {rep['kl_mean']:.4g}, top-1 {rep['top1_agree']:.3f}"
+                   + (f" (from the cache: {', '.join(reused)})" if reused else ""))
 
 
 def sensitivity(ctx: JobContext) -> Outcome:
@@ -462,5 +464,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
     def write(s: Session) -> None:
         repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)
 
+    kept_note = (f" (from the cache: GPTQ {gptq_summary['from_cache']} of {gptq_summary['layers']} layers)"
+                 if gptq_summary and gptq_summary["from_cache"] else "")
     return Outcome(result=result, write=write, message=f"{name}: {len(dicts)} units swept"
-                   + (" on one GPU (its scales are the same on any number)" if rerouted else ""))
+                   + (" on one GPU (its scales are the same on any number)" if rerouted else "") + kept_note)
