@@ -108,6 +108,11 @@ def cached_files(model: ModelRecord) -> dict[str, tuple[int, int]]:
     return out
 
 
+def cached_bytes(model: ModelRecord) -> int:
+    """The bytes of every file jobs keep beside the model (:func:`cached_files`)."""
+    return sum(size for _, size in cached_files(model).values())
+
+
 def clear_cached_files(ref: int | str) -> int:
     """Delete what jobs keep beside a model (:func:`cached_files`); the bytes freed. Refused while one of its jobs
     is queued or running (it may be reading them); its results and checkpoint stay."""
@@ -115,7 +120,7 @@ def clear_cached_files(ref: int | str) -> int:
     with session_scope(s) as db:
         rec = repo.get_model(db, ref)
         _refuse_while_active(db, rec, "they may read its cached files; let them finish, then clear them")
-    freed = sum(size for _, size in cached_files(rec).values())
+    freed = cached_bytes(rec)
     folder = s.model_reference_dir(rec.sha256)
     if folder.is_dir():
         shutil.rmtree(folder)
@@ -1351,7 +1356,7 @@ def split_scale_schemes(schemes) -> list[str]:
     of a split row-parallel layer scales on its own share, so a one-GPU sweep of them overstates the KL there."""
     from quantcore.schemes import get_scheme
 
-    return sorted({s for s in schemes if (acts := get_scheme(s).activations) is not None and acts.dynamic_over_k})
+    return sorted({s for s in schemes if get_scheme(s).scaled_per_gpu_share})
 
 
 def same_on_any_gpus(scheme: str, tensor_parallel: int) -> str | None:

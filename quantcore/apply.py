@@ -497,8 +497,7 @@ def apply_plan(
 def _input_shards(name: str, scheme: Scheme, parallel: Parallelism | None) -> int:
     """The GPUs' shares of ``name``'s input its activation scale is taken over separately: the row-parallel
     shares (``parallel.input_shards``) for a dynamic per-tensor or per-token scale, else 1."""
-    a = scheme.activations
-    if parallel is None or a is None or not a.dynamic_over_k:
+    if parallel is None or not scheme.scaled_per_gpu_share:
         return 1
     return parallel.input_shards(name)
 

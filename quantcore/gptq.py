@@ -293,29 +293,39 @@ def collect_hessians(
     return {n: hess[owner[n]] for n in names}
 
 
-def rounding_inputs(plan: Mapping[str, Scheme], layer: str) -> dict[str, Any]:
-    """What of ``plan`` the GPTQ rounding of ``layer`` reads, besides the model's weights, the calibration tokens
-    its Hessian comes from and (when ``smoothed``) the calibration statistics SmoothQuant divides by: the schemes
-    of its fusion group's quantized members (one NVFP4 tensor scale and one SmoothQuant factor per group:
-    :func:`quantcore.apply.apply_plan`); of the o_proj / down_proj whose SmoothQuant fold divides a member's rows
-    (v_proj's, up_proj's: :func:`quantcore.smoothquant.rows_divided_by`); and of every layer the plan scales with
-    AWQ (its folds reach the same rows). Two plans that agree on these, on the same model and tokens, round
-    ``layer`` to the same weight, so a job keeps it on disk keyed by them and rounds it once
-    (worker.scoring_bodies)."""
+def rounding_inputs(plan: Mapping[str, Scheme]) -> dict[str, dict[str, Any]]:
+    """{layer: what of ``plan`` its GPTQ rounding reads} for every layer of ``plan`` that rounds with GPTQ, besides
+    the model's weights, the calibration tokens its Hessian comes from and (when ``smoothed``) the calibration
+    statistics SmoothQuant divides by: the schemes of its fusion group's quantized members (one NVFP4 tensor scale
+    and one SmoothQuant factor per group: :func:`quantcore.apply.apply_plan`); of the o_proj / down_proj whose
+    SmoothQuant fold divides a member's rows (v_proj's, up_proj's: :func:`quantcore.smoothquant.rows_divided_by`);
+    and of every layer the plan scales with AWQ (its folds reach the same rows; one digest for the plan). Two plans
+    that agree on these, on the same model and tokens, round the layer to the same weight, so a job keeps it on
+    disk keyed by them and rounds it once (worker.scoring_bodies). One pass over the plan, however many layers."""
+    import hashlib
+    import json
+
     from quantcore.smoothquant import rows_divided_by
 
-    quantized = [n for n, s in plan.items() if not s.is_identity]
-    group = next((g for g in fusion_groups(quantized) if layer in g), [layer])
-    folds = {c: plan[c].to_dict() for n in group
-             if (c := rows_divided_by(n)) is not None and c in plan and plan[c].smoothquant_alpha is not None}
-    return {
-        "layer": layer,
-        "group": {n: plan[n].to_dict() for n in group},
-        "folds": folds,
-        "awq": {n: s.to_dict() for n, s in sorted(plan.items()) if s.needs_awq},
-        "gptq": [GPTQ_BLOCK_SIZE, GPTQ_DAMPENING, GPTQ_ACTORDER],
-        "smoothed": bool(folds) or any(plan[n].smoothquant_alpha is not None for n in group),
-    }
+    group_of = {n: g for g in fusion_groups([n for n, s in plan.items() if not s.is_identity]) for n in g}
+    awq = {n: s.to_dict() for n, s in sorted(plan.items()) if s.needs_awq}
+    awq_digest = hashlib.sha256(json.dumps(awq, sort_keys=True).encode()).hexdigest() if awq else None
+    out = {}
+    for layer, scheme in plan.items():
+        if not scheme.needs_hessians:
+            continue
+        group = group_of.get(layer, [layer])
+        folds = {c: plan[c].to_dict() for n in group
+                 if (c := rows_divided_by(n)) is not None and c in plan and plan[c].smoothquant_alpha is not None}
+        out[layer] = {
+            "layer": layer,
+            "group": {n: plan[n].to_dict() for n in group},
+            "folds": folds,
+            "awq": awq_digest,
+            "gptq": [GPTQ_BLOCK_SIZE, GPTQ_DAMPENING, GPTQ_ACTORDER],
+            "smoothed": bool(folds) or any(plan[n].smoothquant_alpha is not None for n in group),
+        }
+    return out
 
 
 __all__ = [

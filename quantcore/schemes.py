@@ -330,6 +330,13 @@ class Scheme:
         return self.weights is not None and get_format(self.weights.format).kind == "int"
 
     @property
+    def scaled_per_gpu_share(self) -> bool:
+        """True when each GPU of a split row-parallel layer (o_proj, down_proj) takes the activation scale over its
+        own share of the input: a dynamic per-tensor or per-token scale over K. Weight-only, static and group /
+        block scales are the same on any number of GPUs."""
+        return self.activations is not None and self.activations.dynamic_over_k
+
+    @property
     def needs_hessians(self) -> bool:
         """True when applying the scheme needs GPTQ Hessians, i.e. forwards of calibration text."""
         return self.gptq and not self.is_identity
@@ -426,7 +433,7 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool
             and version < NUMERICS_MOE_BLOCK_DYNAMIC):
         out.append("routed experts whose dynamic per-tensor activation scale came from each expert's own tokens "
                    "instead of the whole block, as vLLM's fused MoE takes it")
-    if input_shares > 1 and acts is not None and acts.dynamic_over_k and version < NUMERICS_TP_INPUT_SHARES:
+    if input_shares > 1 and scheme.scaled_per_gpu_share and version < NUMERICS_TP_INPUT_SHARES:
         out.append(f"a dynamic activation scale over the whole input of a row-parallel layer instead of over each of "
                    f"the {input_shares} GPUs' shares, as each GPU quantizes its own")
     return out

@@ -150,12 +150,12 @@ def cmd_models_list(args) -> int:
     if args.json:
         _print_json([dict(id=m.id, name=m.name, architecture=m.architecture, layers=m.num_layers,
                           params=m.num_params, sha256=m.sha256, linears=len(m.linears),
-                          cached_bytes=sum(size for _, size in svc.cached_files(m).values())) for m in models])
+                          cached_bytes=svc.cached_bytes(m)) for m in models])
     else:
         for m in models:
-            cached = sum(size for _, size in svc.cached_files(m).values())
             print(f"#{m.id:<3} {m.name:32s} {m.architecture:28s} {m.num_layers:3d} layers "
-                  f"{m.num_params / 1e6:8.1f} M params  {len(m.linears)} linears  {cached / 2**20:,.1f} MiB cached")
+                  f"{m.num_params / 1e6:8.1f} M params  {len(m.linears)} linears  "
+                  f"{svc.cached_bytes(m) / 2**20:,.1f} MiB cached")
     return 0
 
 

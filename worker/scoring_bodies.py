@@ -151,10 +151,11 @@ def _hessians(ctx: JobContext, model, plan, cal_ids, text, rounded=()) -> dict[s
     return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel)
 
 
-def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], cal_ids, cal):
+def _kept_gptq(ctx: JobContext, rec, model, reads: dict[str, dict[str, Any]], cal_ids, cal):
     """GPTQ-rounded weights kept beside the model's reference log-probs by earlier jobs: ({layer: weight} found,
-    {layer: file} to keep the others at once rounded, :func:`_keep_gptq`). ``plans``: each GPTQ layer's plan as
-    it is applied (a sweep applies one unit at a time). The key is everything the rounding reads
+    {layer: file} to keep the others at once rounded, :func:`_keep_gptq`). ``reads``: what each GPTQ layer's
+    rounding reads of the plan it is applied in (quantcore.gptq.rounding_inputs; a sweep applies one unit at a
+    time). The key is everything the rounding reads
     (quantcore.gptq.rounding_inputs: the schemes of the layer's fusion group, of the o_proj / down_proj folding
     into its rows and of the plan's AWQ layers; the calibration tokens, the calibration statistics where
     SmoothQuant divides by them, the weights' dtype, the device kind, torch's and transformers' versions,
@@ -162,10 +163,9 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
     plan rounds a layer once whichever job asks again: a second score, the automatic plan's check after a sweep."""
     from safetensors.torch import load_file
 
-    from quantcore.gptq import rounding_inputs
     from quantcore.schemes import NUMERICS
 
-    if cal_ids is None or not plans:
+    if cal_ids is None or not reads:
         return {}, {}
     tokens = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape))
     dtype = str(next(model.parameters()).dtype)
@@ -173,10 +173,9 @@ def _kept_gptq(ctx: JobContext, rec, model, plans: dict[str, dict[str, Any]], ca
     folder = ctx.settings.model_reference_dir(rec.sha256) / "gptq"
     modules = dict(model.named_modules())
     found, paths = {}, {}
-    for layer, plan in plans.items():
-        reads = rounding_inputs(plan, layer)
+    for layer, read in reads.items():
         key = _cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS, **software,
-                         calibration=cal[0] if reads["smoothed"] and cal else None, **reads)
+                         calibration=cal[0] if read["smoothed"] and cal else None, **read)
         path = folder / f"{key}.safetensors"
         weight = None
         if path.exists():
@@ -205,9 +204,9 @@ def _keep_gptq(rounded: dict[str, Any], paths: dict[str, Path]) -> int:
     return written
 
 
-def _gptq_summary(plans: dict[str, Any], kept: dict[str, Any]) -> dict[str, int]:
+def _gptq_summary(reads: dict[str, Any], kept: dict[str, Any]) -> dict[str, int]:
     """What a result keeps of a job's GPTQ: the layers it rounded, and how many of them an earlier job had."""
-    return {"layers": len(plans), "from_cache": len(kept)}
+    return {"layers": len(reads), "from_cache": len(kept)}
 
 
 def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
@@ -331,6 +330,7 @@ def _splittable(model, parallel):
 
 def score(ctx: JobContext) -> Outcome:
     from quantcore.checkpoint import attention_windows
+    from quantcore.gptq import rounding_inputs
     from quantcore.kvcache import attention_modules, get_kv_format, kv_skip_layers
     from quantcore.plans import kv_label, resolve_plan
     from quantcore.scoring import score_plan
@@ -353,8 +353,8 @@ def score(ctx: JobContext) -> Outcome:
     gptq = any(s.needs_hessians for s in plan.values())
     awq_needed = any(s.needs_awq for s in plan.values())
     cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, gptq or awq_needed or kv.calibrated)
-    gptq_plans = {n: plan for n, s in plan.items() if s.needs_hessians}
-    kept, keep_at = _kept_gptq(ctx, rec, model, gptq_plans, cal_ids, cal)
+    gptq_reads = rounding_inputs(plan)
+    kept, keep_at = _kept_gptq(ctx, rec, model, gptq_reads, cal_ids, cal)
     hessians = _hessians(ctx, model, plan, cal_ids, cal_text, rounded=kept)
     awq = _awq(ctx, rec, model, plan, cal_ids, cal_text)
     gptq_cache = dict(kept)  # the KV cache calibration and the score round each GPTQ layer once between them
@@ -380,7 +380,7 @@ def score(ctx: JobContext) -> Outcome:
     if kv.calibrated:
         result.update(kv_calibration_text=cal_text, kv_amax_cached=kv_cached)
     if gptq:
-        result.update(gptq_calibration_text=cal_text, gptq=_gptq_summary(gptq_plans, kept))
+        result.update(gptq_calibration_text=cal_text, gptq=_gptq_summary(gptq_reads, kept))
     if awq is not None:
         result["awq_calibration_text"] = cal_text
         result["awq"] = _awq_summary(awq)
@@ -392,7 +392,7 @@ def score(ctx: JobContext) -> Outcome:
                         plan_body=spec.to_dict(), dataset=label, report=rep,
                         predicted_kl=ctx.params.get("predicted_kl"))
 
-    reused = ([f"GPTQ {len(kept)} of {len(gptq_plans)} layers"] if kept else []) + (["KV maxima"] if kv_cached else [])
+    reused = ([f"GPTQ {len(kept)} of {len(gptq_reads)} layers"] if kept else []) + (["KV maxima"] if kv_cached else [])
     return Outcome(result=result, write=write,
                    message=f"{plan_label}: KL {rep['kl_mean']:.4g}, top-1 {rep['top1_agree']:.3f}"
                    + (f" (from the cache: {', '.join(reused)})" if reused else ""))
@@ -401,6 +401,7 @@ def score(ctx: JobContext) -> Outcome:
 def sensitivity(ctx: JobContext) -> Outcome:
     """A sweep of one preset over the linear units (params['scheme']), or of one KV cache format over the attention
     layers (params['kv_sweep']: stored as scheme "KV <format>")."""
+    from quantcore.gptq import rounding_inputs
     from quantcore.kvcache import get_kv_format
     from quantcore.parallel import ONE_GPU
     from quantcore.schemes import get_scheme
@@ -425,7 +426,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         if ctx.params.get("alpha") is not None:
             scheme = scheme.with_alpha(float(ctx.params["alpha"]))
         parallel = swept_on(ctx, model)  # checked before the reference is computed
-        if parallel.split and not (scheme.activations is not None and scheme.activations.dynamic_over_k):
+        if parallel.split and not scheme.scaled_per_gpu_share:
             parallel, rerouted = ONE_GPU, True  # its scales are the same on any number of GPUs: read exactly so
         cal = calibration_for(ctx, rec, scheme.needs_calibration)
         act_amax, act_channel_max = _calibration_maps(cal)
@@ -433,9 +434,9 @@ def sensitivity(ctx: JobContext) -> Outcome:
         cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, scheme.needs_hessians or scheme.needs_awq)
         every = {n: scheme for n in linear_names(rec)}
         groups = bool(ctx.params.get("groups", True))
-        unit_plans = {n: dict.fromkeys(unit, scheme) for unit in sweep_units(linear_layer_names(model), groups=groups)
-                      for n in unit} if scheme.needs_hessians else {}
-        kept, keep_at = _kept_gptq(ctx, rec, model, unit_plans, cal_ids, cal)
+        unit_reads = {n: read for unit in sweep_units(linear_layer_names(model), groups=groups)
+                      for n, read in rounding_inputs(dict.fromkeys(unit, scheme)).items()}
+        kept, keep_at = _kept_gptq(ctx, rec, model, unit_reads, cal_ids, cal)
         hessians = _hessians(ctx, model, every, cal_ids, cal_text, rounded=kept)
         awq = _awq(ctx, rec, model, every, cal_ids, cal_text)
         gptq_cache = dict(kept)
@@ -445,8 +446,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
                                  parallel=parallel, gptq_cache=gptq_cache)
         _keep_gptq(gptq_cache, keep_at)
         name = scheme.name
-        if unit_plans:
-            gptq_summary = _gptq_summary(unit_plans, kept)
+        if unit_reads:
+            gptq_summary = _gptq_summary(unit_reads, kept)
     dicts = [r.to_dict() for r in rows]
     from quantcore.schemes import NUMERICS
 

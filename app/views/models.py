@@ -61,7 +61,7 @@ st.dataframe(
         "id": m.id, "name": m.name, "architecture": m.architecture, "layers": m.num_layers,
         "parameters": svc.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
         "size (MiB)": round(m.total_bytes / 2**20, 1),
-        "cached (MiB)": round(sum(size for _, size in svc.cached_files(m).values()) / 2**20, 1),
+        "cached (MiB)": round(svc.cached_bytes(m) / 2**20, 1),
         "KV KiB / token (BF16)": svc.kv_kib_per_token(m), "sliding-window layers": len(m.attention_windows),
         "experts": f"{m.moe['experts']} (top-{m.moe.get('top_k') or '?'})" if m.moe else "",
         "active / token": svc.fmt_params(a) if (a := svc.active_params(m)) is not None else "",
