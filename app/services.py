@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from quantcore.stats import LayerStats
-from store import repo
+from store import cache, repo
 from store.datasets import add_text_file
 from store.db import check_schema_current, session_scope
 from store.records import DatasetRecord, JobRecord, ModelRecord, PlanRecord, ScoreRecord, SensitivityRecord
@@ -88,29 +88,19 @@ def _refuse_while_active(db, rec: ModelRecord, what_then: str) -> None:
         raise ValueError(f"{rec.name} has jobs queued or running ({ids}): {what_then}")
 
 
-CACHED_KINDS = ("reference log-probs", "AWQ scales", "GPTQ roundings", "KV cache amax")
-
-
 def cached_files(model: ModelRecord) -> dict[str, tuple[int, int]]:
-    """{kind: (files, bytes)} of what jobs keep beside the model to skip work next time (:data:`CACHED_KINDS`: the
+    """{kind: (files, bytes)} of what jobs keep beside the model to skip work next time (store.cache.KINDS: the
     unquantized model's log-probs per evaluation text, AWQ's searched scales, GPTQ's rounded weights, the K/V
     maxima calibrated KV cache scales come from), every kind listed, (0, 0) where none is kept. None of it is a
     result: :func:`clear_cached_files` costs only recomputing."""
-    out = dict.fromkeys(CACHED_KINDS, (0, 0))
-    folder = settings().model_reference_dir(model.sha256)
-    for f in folder.rglob("*") if folder.is_dir() else ():
-        if not f.is_file() or f.suffix not in (".safetensors", ".json"):
-            continue  # a file being written (.part)
-        kind = ("GPTQ roundings" if f.parent.name == "gptq" else "AWQ scales" if f.name.startswith("awq-")
-                else "KV cache amax" if f.name.startswith("kv-") else "reference log-probs")
-        n, size = out[kind]
-        out[kind] = (n + 1, size + f.stat().st_size)
-    return out
+    return cache.kept_files(settings().model_reference_dir(model.sha256))
 
 
-def cached_bytes(model: ModelRecord) -> int:
-    """The bytes of every file jobs keep beside the model (:func:`cached_files`)."""
-    return sum(size for _, size in cached_files(model).values())
+def cached_bytes(model: ModelRecord | None = None) -> int:
+    """The bytes of every file jobs keep beside the model (:func:`cached_files`); of every model's without one,
+    which workers keep under ``cache_max_gib`` (store.cache.trim)."""
+    s = settings()
+    return cache.kept_bytes(s.model_reference_dir(model.sha256) if model is not None else s.reference_root)
 
 
 def clear_cached_files(ref: int | str) -> int:

@@ -186,10 +186,15 @@ def cmd_models_cache(args) -> int:
     freed = svc.clear_cached_files(model.id) if args.clear else None
     if args.json:
         _print_json({"model": model.name, "files": {k: {"files": n, "bytes": b} for k, (n, b) in cached.items()},
+                     "all_models_bytes": svc.cached_bytes(), "limit_gib": svc.settings().cache_max_gib,
                      **({"cleared_bytes": freed} if freed is not None else {})})
         return 0
     for kind, (n, size) in cached.items():
         print(f"{kind:20s} {n:5d} file(s) {size / 2**20:10,.1f} MiB")
+    limit = svc.settings().cache_max_gib
+    print(f"all models: {svc.cached_bytes() / 2**20:,.1f} MiB cached, "
+          + (f"kept under {limit:g} GiB (QUANTPLAN_CACHE_MAX_GIB): workers delete the least recently used past it"
+             if limit > 0 else "no limit (QUANTPLAN_CACHE_MAX_GIB=0)"))
     if freed is not None:
         print(f"cleared {freed / 2**20:,.1f} MiB of cached files of {model.name}; they are computed again when needed")
     return 0

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         None,
         description="Per-machine cache (GGUF conversions). Default: ~/.cache/quantplan.",
     )
+    cache_max_gib: float = Field(
+        100.0,
+        description="Most disk the files jobs keep beside the models to skip work next time (reference log-probs, "
+        "AWQ scales, GPTQ roundings, KV cache maxima; store/cache.py) may take, all models together (GiB). After "
+        "each job a worker deletes the least recently used past it. 0: no limit.",
+    )
     ui_port: int = Field(8501, description="Port of the Streamlit app.")
     ui_address: str = Field("127.0.0.1", description="Address the Streamlit app binds to.")
     upload_limit_mb: int = Field(
@@ -117,6 +123,11 @@ class Settings(BaseSettings):
     def model_reference_dir(self, sha256: str) -> Path:
         """Every cached reference of one model (the layout of quantcore.scoring.reference_cache_path)."""
         return self.reference_root / "reference" / sha256
+
+    @property
+    def cache_max_bytes(self) -> int:
+        """cache_max_gib in bytes; 0: no limit."""
+        return max(0, int(self.cache_max_gib * 2**30))
 
     @property
     def sqlalchemy_url(self) -> str:

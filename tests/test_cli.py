@@ -145,13 +145,15 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     assert code == 0 and "(4 × 32 tokens); 15 of its 15 layer(s) as an earlier job rounded them" in out
 
     # what is kept, per kind, and clearing it: refused while a job of the model is queued, then all of it gone
-    files = run_json(capsys, "models", "cache", "tiny", "--json")["files"]
+    listing = run_json(capsys, "models", "cache", "tiny", "--json")
+    files = listing["files"]
     on_disk = {p.name: p.stat().st_size for p in kept.parent.rglob("*.safetensors")}
     rounded = list(kept.glob("*"))  # no partly written file left over
     assert len(rounded) > 15 and all(p.suffix == ".safetensors" for p in rounded)
     assert files["GPTQ roundings"] == {"files": len(rounded), "bytes": sum(p.stat().st_size for p in rounded)}
     assert files["AWQ scales"]["files"] == 1 and files["reference log-probs"]["files"] == 1
     assert sum(f["bytes"] for f in files.values()) == sum(on_disk.values())
+    assert (listing["all_models_bytes"], listing["limit_gib"]) == (sum(on_disk.values()), 100)
     _, out, _ = run(capsys, "models", "list")
     assert f"{sum(on_disk.values()) / 2**20:,.1f} MiB cached" in out
     assert run_json(capsys, "models", "list", "--json")[0]["cached_bytes"] == sum(on_disk.values())
@@ -204,8 +206,17 @@ def test_kv_cache_amax_is_kept_and_read_again_where_the_pass_reads_the_same(tiny
     (kept,) = [f for f in refs.glob("kv-*.json") if f.read_text().startswith('{"k"')]
     kept.write_text('{"k": {}, "v": {}}')  # JSON, but without the attention layers: calibrated again too
     assert score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")["kv_amax_cached"] is False
-    files = run_json(capsys, "models", "cache", "tiny", "--json")["files"]
+    listing = run_json(capsys, "models", "cache", "tiny", "--json")
+    files = listing["files"]
     assert files["KV cache amax"]["files"] == 3
+    # past QUANTPLAN_CACHE_MAX_GIB a job's end deletes the least recently used: here all of it, then made again
+    get_settings().cache_max_gib = 1e-9
+    trimmed = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")
+    assert trimmed["kv_amax_cached"] is True and not list(refs.glob("*.*"))
+    get_settings().cache_max_gib = 100
+    anew = score("--scheme", "FP8_DYNAMIC", "--kv-cache", "FP8")
+    assert anew["kv_amax_cached"] is False and anew["kl_mean"] == first["kl_mean"]
+    assert run_json(capsys, "models", "cache", "tiny", "--json")["files"]["KV cache amax"]["files"] == 1
 
 
 def test_cli_flow(tiny_model, capsys, tmp_path):

@@ -124,6 +124,26 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
         with session_scope(settings) as s:
             repo.finish_job(s, job_id, status="failed", message="failed", error=error, traceback=tb.format_exc())
         return "failed"
+    finally:
+        trim_cache(settings)
+
+
+def trim_cache(settings: Settings) -> list[tuple[Path, int]]:
+    """Delete the least recently used files jobs keep beside the models until they fit ``cache_max_gib``
+    (store.cache.trim); what was deleted. Run after every job, whatever its status (a failed one may have written
+    some); never raises."""
+    from store import cache
+
+    try:
+        removed = cache.trim(settings.reference_root, settings.cache_max_bytes)
+    except Exception:  # the trim must never take a worker down
+        log.exception("cache trim failed")
+        return []
+    if removed:
+        log.warning("deleted %d least recently used cached file(s), %.1f MiB, to keep them under %g GiB "
+                    "(QUANTPLAN_CACHE_MAX_GIB)", len(removed), sum(b for _, b in removed) / 2**20,
+                    settings.cache_max_gib)
+    return removed
 
 
 def sweep(settings: Settings | None = None) -> list[int]:

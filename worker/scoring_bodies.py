@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from quantcore.files import write_whole
-from store import repo
+from store import cache, repo
 from store.db import session_scope
 from worker.bodies import _model_record, load_model, resolve_device, token_ids
 from worker.runner import JobContext, Outcome, run_job
@@ -93,9 +93,10 @@ def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
     if Path(path).exists():
         try:
             ref = scoring.ReferenceCache.load(path)
-        except scoring.ReferenceMismatch as exc:  # damaged or of an older format: computed again, written anew
+        except scoring.ReferenceMismatch as exc:  # damaged, of an older format, or just trimmed (store.cache): anew
             ctx.progress(0.05, f"computing reference log-probs again: {exc}")
         else:
+            cache.mark_used(path)
             ctx.progress(0.1, "reference log-probs from the cache")
             return ref
     else:
@@ -170,13 +171,13 @@ def _kept_gptq(ctx: JobContext, rec, model, reads: dict[str, dict[str, Any]], ca
     tokens = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape))
     dtype = str(next(model.parameters()).dtype)
     software = _software()  # another torch may round a float the other way in the Cholesky
-    folder = ctx.settings.model_reference_dir(rec.sha256) / "gptq"
+    folder = ctx.settings.model_reference_dir(rec.sha256)
     modules = dict(model.named_modules())
     found, paths = {}, {}
     for layer, read in reads.items():
         key = _cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS, **software,
                          calibration=cal[0] if read["smoothed"] and cal else None, **read)
-        path = folder / f"{key}.safetensors"
+        path = cache.gptq_path(folder, key)
         weight = None
         if path.exists():
             try:
@@ -185,6 +186,7 @@ def _kept_gptq(ctx: JobContext, rec, model, reads: dict[str, dict[str, Any]], ca
                 weight = None
         own = modules[layer].weight
         if weight is not None and weight.shape == own.shape and weight.dtype == own.dtype:
+            cache.mark_used(path)
             found[layer] = weight
         else:
             paths[layer] = path
@@ -224,13 +226,14 @@ def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
     key = _cache_key(tokens=cal_ids, shape=list(cal_ids.shape), grid=[AWQ_N_GRID, AWQ_DUO_SCALING],
                      layers={n: plan[n].weights.to_dict() for n in sorted(layers)}, device=cal_ids.device.type,
                      dtype=str(next(model.parameters()).dtype), numerics=NUMERICS, **_software())
-    path = ctx.settings.model_reference_dir(rec.sha256) / f"awq-{key}.safetensors"
+    path = cache.awq_path(ctx.settings.model_reference_dir(rec.sha256), key)
     if path.exists():
         try:
             found = load_awq(path)
         except Exception:  # a damaged file (a full disk, a copy cut short): searched again and written anew
             pass
         else:
+            cache.mark_used(path)
             ctx.progress(0.3, f"AWQ: input scales of {len(layers)} layer(s) on {text}, from the cache")
             found.cached = True
             return found
@@ -273,7 +276,7 @@ def _kv_amax(ctx: JobContext, rec, model, kv, plan, cal_ids, cal=None, act_amax=
                      gpus=[parallel.tp, parallel.expert_parallel] if parallel is not None else [1, False],
                      dtype=str(next(model.parameters()).dtype), device=cal_ids.device.type, numerics=NUMERICS,
                      **_software())
-    path = ctx.settings.model_reference_dir(rec.sha256) / f"kv-{key}.json"
+    path = cache.kv_path(ctx.settings.model_reference_dir(rec.sha256), key)
     if path.exists():
         try:
             amax = KvAmax.from_dict(json.loads(path.read_text()))
@@ -281,6 +284,7 @@ def _kv_amax(ctx: JobContext, rec, model, kv, plan, cal_ids, cal=None, act_amax=
             amax = None
         layers = set(attention_modules(model))
         if amax is not None and all(set(table) == layers for table in (amax.k, amax.v, amax.k_head, amax.v_head)):
+            cache.mark_used(path)
             ctx.progress(0.3, f"the {kv.name} KV cache scales' amax, from the cache")
             return amax, True
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")

@@ -372,6 +372,8 @@ def test_models_page_shows_and_clears_the_files_jobs_keep(seeded, qp_settings):
     text = next(md.value for md in at.markdown if "Jobs keep these beside the model" in md.value)
     assert ("reference log-probs: 1 file(s), 3.0 MiB; AWQ scales: 1 file(s), 1.0 MiB; GPTQ roundings: 2 file(s), "
             "1.0 MiB; KV cache amax: 1 file(s), 0.0 MiB") in text
+    assert any(c.value.startswith("All models' cached files: 5.0 MiB of 100 GiB (QUANTPLAN_CACHE_MAX_GIB)")
+               for c in at.caption)
     scores = len(svc.list_scores(seeded.id))
     at.button(key=f"clear_cache_{seeded.id}").click().run()
     assert not at.exception

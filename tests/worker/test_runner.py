@@ -170,3 +170,32 @@ def test_worker_presence(qp_settings):
         stop.set()
     presence.forget("w1@host", qp_settings)
     assert [w.name for w in presence.live_workers(qp_settings)] == ["w2@host"]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_every_job_ends_with_the_cache_under_its_limit(qp_settings, fails):
+    """A job's end (succeeded or failed: a failed one may have written some) trims the files jobs keep beside the
+    models to cache_max_gib, the least recently used first: here what an earlier job kept, not what this one wrote."""
+    import os
+
+    from store import cache
+
+    folder = qp_settings.model_reference_dir("f" * 64)
+    old = cache.kv_path(folder, "old")
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"x" * 600)
+    os.utime(old, (1, 1))
+    qp_settings.cache_max_gib = 1000 / 2**30
+    job = _job(qp_settings)
+
+    def body(ctx):
+        cache.awq_path(folder, "new").write_bytes(b"y" * 600)
+        if fails:
+            raise ValueError("no luck")
+        return Outcome()
+
+    assert run_job(job.id, body, settings=qp_settings) == ("failed" if fails else "succeeded")
+    assert not old.exists() and cache.awq_path(folder, "new").exists()
+    qp_settings.cache_max_gib = 0  # no limit: nothing goes
+    assert run_job(_job(qp_settings).id, lambda ctx: Outcome(), settings=qp_settings) == "succeeded"
+    assert cache.kept_files(folder)[cache.AWQ] == (1, 600)
