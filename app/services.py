@@ -877,7 +877,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     import pandas as pd
 
     from quantcore.hardware import support_on_target
-    from quantcore.plans import group_misfits, marlin_untiled, w4afp8_untileable
+    from quantcore.plans import group_misfit_layers, marlin_untiled, w4afp8_untileable
     from quantcore.schemes import fusion_units
 
     resolved, _ = resolve(model, body)
@@ -894,6 +894,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
     shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
     untileable = w4afp8_untileable(resolved, shapes, par) if resolved and target else set()
+    partial = group_misfit_layers(resolved, shapes, par) if resolved and target else set()
     off_marlin = ({m for unit, _, _ in marlin_untiled(resolved, shapes, par) for m in unit}
                   if resolved and target else set())
     rows = []
@@ -905,7 +906,7 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             w = scheme.weights.format if scheme.weights else None
             a = scheme.activations.format if scheme.activations else None
             support = support_on_target(target, w, a)
-            if group_misfits({name: scheme}, {name: shapes[name]}, par):
+            if name in partial:
                 support += ", partial group"
             if name in untileable:
                 support += ", N not a multiple of 128"

@@ -352,16 +352,16 @@ def _make_hook(state: _LayerState, track_stats: bool, shared: _SharedInputs | No
             x, rest = kw["input"], ()
         else:
             return None
-        scale, call_key = state.static_scale, key
+        scale, block_scale = state.static_scale, False
         if state.block is not None:  # a routed expert: the block's amax for this call, as vLLM's fused MoE
             amax = (state.block[0].block_amax or {}).get(state.block[1])
             if amax is not None:  # one amax, or one per GPU's share of a split input
-                scale = scale_from_amax(amax, spec.format)
-                call_key = (spec, tuple(scale.reshape(-1).tolist()), track_stats)
+                scale, block_scale = scale_from_amax(amax, spec.format), True
         if state.shards > 1:  # row-parallel under tensor parallelism: each GPU's share on its own scale (no other
             # layer reads this input, so nothing to share)
             xq, counts = _quantize_shards(x, state.shards, spec.format, kwargs, scale, track_stats)
         else:
+            call_key = (spec, tuple(scale.reshape(-1).tolist()), track_stats) if block_scale else key
             hit = shared.get(x, call_key) if shared is not None else None
             if hit is not None:
                 xq, counts = hit

@@ -651,6 +651,12 @@ def _group_misfit_entries(resolved: Mapping[str, Scheme | str], shapes: Mapping[
     return misfit
 
 
+def group_misfit_layers(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                        parallel: Parallelism = ONE_GPU) -> set[str]:
+    """The layers :func:`group_misfits` is about."""
+    return {layer for e in _group_misfit_entries(resolved, shapes, parallel).values() for layer in e["layers"]}
+
+
 def regroup_fixes(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
                   parallel: Parallelism = ONE_GPU) -> dict[str, list[str]]:
     """{preset: layers} for the layers of :func:`group_misfits` whose weights' groups do not fit: each layer under the

@@ -307,7 +307,7 @@ def test_pareto_front_keeps_the_plans_no_other_plan_beats():
 
 
 def test_group_misfits_name_the_layers_a_group_kernel_cannot_serve():
-    from quantcore.plans import group_misfits
+    from quantcore.plans import group_misfit_layers, group_misfits
 
     shapes = {"a.q_proj": (576, 576), "a.down_proj": (576, 1536), "lm_head": (49152, 576)}
     # W4A16 groups of 128: 576 = 4.5 groups (a partial one), 1536 = 12 groups
@@ -320,6 +320,8 @@ def test_group_misfits_name_the_layers_a_group_kernel_cannot_serve():
     mixed = {"a.q_proj": "FP8_DYNAMIC", "a.down_proj": "W4A16", "lm_head": "W4A16"}
     [msg] = group_misfits(mixed, shapes)
     assert "of 1 layer(s) (K = 576, e.g. lm_head)" in msg
+    assert group_misfit_layers(mixed, shapes) == {"lm_head"}
+    assert group_misfit_layers({n: "W4A16" for n in shapes}, shapes) == {"a.q_proj", "lm_head"}
     # a K smaller than the group is not a whole group either
     assert group_misfits({"tiny": "W4A16"}, {"tiny": (64, 64)})
 
