@@ -104,6 +104,8 @@ def cmd_score(args) -> int:
                     if gptq.get("from_cache") else "")
             print(f"  GPTQ rounded its weights with the input Hessians of {r['gptq_calibration_text']}"
                   f"{_tokens(r.get('calibration_tokens'))}{kept}")
+            if gptq.get("not_kept"):
+                print(f"  {gptq['not_kept']}: the next job rounds them again")
         if r.get("awq_calibration_text"):
             awq = r.get("awq") or {}
             cut = awq.get("median_error_ratio")

@@ -169,6 +169,20 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
         "files"].values())
     assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 0  # rounded again, results untouched
     assert len(svc.list_scores(svc.get_model("tiny").id)) > 10
+    # roundings that would not fit QUANTPLAN_CACHE_MAX_GIB are not written (nor is anything else kept); same score
+    get_settings().cache_max_gib = 0.1 / 2**10
+    unkept = score("W8A16_GPTQ")
+    assert re.fullmatch(r"15 rounded layer\(s\), [\d.]+ MiB, not kept: more than QUANTPLAN_CACHE_MAX_GIB allows "
+                        r"\(0\.1 MiB\)", unkept["gptq"]["not_kept"])
+    before = list(kept.glob("*"))  # what the job's end left under 0.1 MiB of the earlier jobs' files
+    assert sum(p.stat().st_size for p in kept.parent.rglob("*.*")) <= 0.1 * 2**20 and len(before) < 15
+    code, out, _ = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args[:-1])
+    assert code == 0 and f"  {unkept['gptq']['not_kept']}: the next job rounds them again" in out
+    get_settings().cache_max_gib = 100
+    kept_now = score("W8A16_GPTQ")
+    assert kept_now["gptq"] == {"layers": 15, "from_cache": 0} and kept_now["kl_mean"] == unkept["kl_mean"]
+    assert score("W8A16_GPTQ")["gptq"] == {"layers": 15, "from_cache": 15}
+    assert len(list(kept.glob("*"))) == len(before) + 15
 
 
 def test_kv_cache_amax_is_kept_and_read_again_where_the_pass_reads_the_same(tiny_model, capsys):

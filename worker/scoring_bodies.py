@@ -193,22 +193,30 @@ def _kept_gptq(ctx: JobContext, rec, model, reads: dict[str, dict[str, Any]], ca
     return found, paths
 
 
-def _keep_gptq(rounded: dict[str, Any], paths: dict[str, Path]) -> int:
+def _keep_gptq(ctx: JobContext, rounded: dict[str, Any], paths: dict[str, Path]) -> str | None:
     """Write the layers of ``rounded`` that ``paths`` wants kept (:func:`_kept_gptq`), each whole or not at all
-    (quantcore.files.write_whole); how many were written."""
+    (quantcore.files.write_whole), then trim the cache to ``cache_max_gib`` (store.cache.trim: older files go
+    first); none of them where together they would not fit (a large model's roundings take the size of its
+    weights), and why."""
     from safetensors.torch import save_file
 
-    written = 0
-    for layer, path in paths.items():
-        if layer in rounded:
-            write_whole(path, lambda part, w=rounded[layer]: save_file({"weight": w.detach().contiguous().cpu()}, part))
-            written += 1
-    return written
+    todo = {layer: path for layer, path in paths.items() if layer in rounded}
+    size = sum(rounded[layer].numel() * rounded[layer].element_size() for layer in todo)
+    limit = ctx.settings.cache_max_bytes
+    if limit and size > limit:
+        return (f"{len(todo)} rounded layer(s), {size / 2**20:,.1f} MiB, not kept: more than "
+                f"QUANTPLAN_CACHE_MAX_GIB allows ({limit / 2**20:,.1f} MiB)")
+    for layer, path in todo.items():
+        write_whole(path, lambda part, w=rounded[layer]: save_file({"weight": w.detach().contiguous().cpu()}, part))
+    if todo and limit:
+        cache.trim(ctx.settings.reference_root, limit)
+    return None
 
 
-def _gptq_summary(reads: dict[str, Any], kept: dict[str, Any]) -> dict[str, int]:
-    """What a result keeps of a job's GPTQ: the layers it rounded, and how many of them an earlier job had."""
-    return {"layers": len(reads), "from_cache": len(kept)}
+def _gptq_summary(reads: dict[str, Any], kept: dict[str, Any], not_kept: str | None = None) -> dict[str, Any]:
+    """What a result keeps of a job's GPTQ: the layers it rounded, how many of them an earlier job had, and why
+    its own roundings were not kept, where they were not (:func:`_keep_gptq`)."""
+    return {"layers": len(reads), "from_cache": len(kept), **({"not_kept": not_kept} if not_kept else {})}
 
 
 def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
@@ -369,7 +377,7 @@ def score(ctx: JobContext) -> Outcome:
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
                         weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache, parallel=parallel,
                         progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
-    _keep_gptq(gptq_cache, keep_at)
+    not_kept = _keep_gptq(ctx, gptq_cache, keep_at)
     rep = report.to_dict()
     if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
         rep["calibration"] = f"{cal_text}, {cal_ids.shape[0]} × {cal_ids.shape[1]} tokens"
@@ -384,7 +392,7 @@ def score(ctx: JobContext) -> Outcome:
     if kv.calibrated:
         result.update(kv_calibration_text=cal_text, kv_amax_cached=kv_cached)
     if gptq:
-        result.update(gptq_calibration_text=cal_text, gptq=_gptq_summary(gptq_reads, kept))
+        result.update(gptq_calibration_text=cal_text, gptq=_gptq_summary(gptq_reads, kept, not_kept))
     if awq is not None:
         result["awq_calibration_text"] = cal_text
         result["awq"] = _awq_summary(awq)
@@ -448,10 +456,10 @@ def sensitivity(ctx: JobContext) -> Outcome:
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
                                  should_cancel=ctx.should_cancel, weight_hessians=hessians, awq=awq,
                                  parallel=parallel, gptq_cache=gptq_cache)
-        _keep_gptq(gptq_cache, keep_at)
+        not_kept = _keep_gptq(ctx, gptq_cache, keep_at)
         name = scheme.name
         if unit_reads:
-            gptq_summary = _gptq_summary(unit_reads, kept)
+            gptq_summary = _gptq_summary(unit_reads, kept, not_kept)
     dicts = [r.to_dict() for r in rows]
     from quantcore.schemes import NUMERICS
 
