@@ -410,6 +410,19 @@ def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str 
     return {name: scheme_path(scheme) for name, scheme in plan.items()}
 
 
+def untimed_schemes(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, int]:
+    """{scheme: layers} of a plan's quantized layers that no benchmarked kernel serves (quantcore.kernels.scheme_path
+    is None: FP4, MX and block scales, E5M2 x E5M2, zero points on a path without them): a step estimate counts them
+    at the baseline's time."""
+    from collections import Counter
+
+    from quantcore.kernels import scheme_path
+    from quantcore.plans import PlanSpec, resolve_plan
+
+    plan = resolve_plan(PlanSpec.from_dict(plan_body), [lin["name"] for lin in model.linears])
+    return dict(Counter(s.name for s in plan.values() if not s.is_identity and scheme_path(s) is None))
+
+
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,
                   m_decode: int) -> dict[str, Any]:
     """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings; at the plan's

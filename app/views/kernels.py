@@ -146,6 +146,12 @@ if target:  # a GPU of the table: how far the measured eager kernels are from th
                                           if not est[f"missing_{step}"] else "")
         for step in ("prefill", "decode")) + ". Eager PyTorch kernels with unfused quantization pay the gap; "
         "the bound is what fused serving kernels approach.")
+untimed = svc.untimed_schemes(model, body)
+if untimed:
+    st.caption(f"{sum(untimed.values())} layer(s) of this plan ("
+               + ", ".join(f"{name}: {n}" for name, n in sorted(untimed.items()))
+               + ") have no kernel quantplan times (torch's _scaled_mm / _int_mm and the weight-only kernels "
+               "cannot apply their scales): the sums above count them at the baseline's time, not at their own.")
 missing = sorted(set(est["missing_prefill"]) | set(est["missing_decode"]))
 plan_tp = int(body.get("tensor_parallel") or 1)
 if missing:

@@ -130,6 +130,26 @@ def test_kernels_page_marks_non_native_paths(seeded):
     assert any("Prefill" in m.label for m in at.metric)
 
 
+def test_kernels_page_says_which_layers_it_counts_at_the_baseline(seeded):
+    """An NVFP4 plan has no timed kernel here: the step estimate says its layers count at the baseline's time."""
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        plan = repo.save_plan(s, model_id=seeded.id, name="fp4-mlp", user="t", body={
+            "default": "FP8_DYNAMIC", "rules": [{"match": "mlp", "scheme": "NVFP4"}]})
+    model = svc.get_model(seeded.id)
+    assert svc.untimed_schemes(model, {"default": "FP8_DYNAMIC"}) == {}
+    assert svc.untimed_schemes(model, {"default": "W4A16"}) == {}  # the INT4 weight-only kernel times it
+    at = _run("kernels", seeded.id)
+    assert not any("no kernel quantplan times" in c.value for c in at.caption)
+    at.selectbox(key="kernels_plan").set_value(f"plan:{plan.id}").run()
+    assert not at.exception
+    caption = next(c.value for c in at.caption if "no kernel quantplan times" in c.value)
+    assert caption.startswith(f"{3 * 4} layer(s) of this plan (NVFP4: 12) have no kernel")  # gate/up/down x 4
+
+
 def test_kernels_page_queues_a_benchmark_split_over_gpus(seeded):
     """The form's GPUs field: the job times each GPU's share of every layer (worker/bench_body.py)."""
     from app import services as svc
