@@ -13,7 +13,7 @@ from quantcore.files import write_whole
 from store import cache, repo
 from store.db import session_scope
 from worker.bodies import _model_record, load_model, resolve_device, token_ids
-from worker.runner import JobContext, Outcome, run_job
+from worker.runner import JobContext, Outcome, run_job, trim_cache
 
 DEFAULT_EVAL_SAMPLES = 16
 DEFAULT_EVAL_SEQ_LEN = 256
@@ -195,8 +195,8 @@ def _kept_gptq(ctx: JobContext, rec, model, reads: dict[str, dict[str, Any]], ca
 
 def _keep_gptq(ctx: JobContext, rounded: dict[str, Any], paths: dict[str, Path]) -> str | None:
     """Write the layers of ``rounded`` that ``paths`` wants kept (:func:`_kept_gptq`), each whole or not at all
-    (quantcore.files.write_whole), then trim the cache to ``cache_max_gib`` (store.cache.trim: older files go
-    first); none of them where together they would not fit (a large model's roundings take the size of its
+    (quantcore.files.write_whole), then trim the cache to ``cache_max_gib`` (worker.runner.trim_cache: older files
+    go first); none of them where together they would not fit (a large model's roundings take the size of its
     weights), and why."""
     from safetensors.torch import save_file
 
@@ -209,7 +209,7 @@ def _keep_gptq(ctx: JobContext, rounded: dict[str, Any], paths: dict[str, Path])
     for layer, path in todo.items():
         write_whole(path, lambda part, w=rounded[layer]: save_file({"weight": w.detach().contiguous().cpu()}, part))
     if todo and limit:
-        cache.trim(ctx.settings.reference_root, limit)
+        trim_cache(ctx.settings)
     return None
 
 
