@@ -57,6 +57,13 @@ def _pytest_summary(out: Path) -> str:
     return found[-1] if found else "no pytest summary in gpu_check.log"
 
 
+def _baseline_dtype(path: Path) -> str:
+    """The baseline GEMM's dtype of a run (quantcore.kernels: bf16 on CUDA, fp32 on a CPU dry run)."""
+    if not path.is_file():
+        return "the baseline"
+    return "bf16" if json.loads(path.read_text())["device"]["kind"] == "cuda" else "fp32"
+
+
 def figures_block(out: Path) -> str:
     parts = [
         START,
@@ -67,7 +74,8 @@ def figures_block(out: Path) -> str:
     ]
     for stem, label in TABLES:
         md = out / f"{stem}.md"
-        parts += ["", f"**{label}**: speed-up over bf16 · percent of the dense peak for the path's dtype", ""]
+        parts += ["", f"**{label}**: speed-up over {_baseline_dtype(out / f'{stem}.json')} · percent of the dense "
+                  "peak for the path's dtype", ""]
         parts.append(md.read_text().strip() if md.is_file() else f"({md.name} missing: that step did not finish)")
     parts.append(END)
     return "\n".join(parts)

@@ -114,6 +114,7 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert text.startswith("before\n") and text.endswith("after\n") and "(no GPU run yet)" not in text
     assert "`pytest -m gpu`: " in text and "skipped" in text.split("`pytest -m gpu`: ")[1].splitlines()[0]
     assert "kernels-llama8b ok" in text and "**Llama-3-8B**" in text and "| N × K | M |" in text
+    assert "**Llama-3-8B**: speed-up over fp32 ·" in text  # a CPU's baseline GEMM (a GPU's: bf16)
     assert figures.main([str(out), "--readme", str(readme)]) == 0 and readme.read_text() == text
     plain = tmp_path / "PLAIN.md"
     plain.write_text("no block here\n")
