@@ -39,7 +39,9 @@ unfused kernels, which is what a plain PyTorch serving path pays; fused kernels
 
 Timing: on CUDA, CUDA events around each call, warm-up first, the L2 cache flushed
 before every timed call, median of the repeats; on CPU, ``time.perf_counter`` and the
-median. Each (N, K) shape has a wall-clock budget; a case predicted (from the rates
+median, the last-level cache flushed the same way (a decode GEMM's weights come from memory
+when served, and a CPU's 32 MB L3 holds a 4096 x 4096 INT8 weight but not its fp32 one: on a
+2-thread EPYC, INT8 timed warm was 20x faster than fp32 at M = 1 x 4096 x 4096, flushed 7x). Each (N, K) shape has a wall-clock budget; a case predicted (from the rates
 already measured) not to fit in what is left is not run and comes back with
 ``skipped="over budget: ..."``. A path the device cannot run comes back with
 ``skipped="not supported on <device>: ..."`` and ``native=False``, never a time.
@@ -134,6 +136,8 @@ W4_N_MULTIPLE = {"cpu": 16, "cuda": 8}  # "_convert_weight_to_int4pack_cpu: expe
 INT4_QMAX = 7  # symmetric INT4 grid [-7, 7] (quantcore's int4), stored as q + 8 in [1, 15]
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes a 256 MB buffer to clear L2
+CPU_FLUSH_MIN_BYTES = 64 * 1024 * 1024  # at least this much on a CPU, twice its last-level cache where larger
+CPU_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
 ERR_MAX_ROWS = 256  # rows of the output compared with the float64 emulation (evenly spaced)
 
 DEFAULT_MS: tuple[int, ...] = (1, 16, 128, 2048)
@@ -503,17 +507,37 @@ def _weight_only_case(bp: str, x: torch.Tensor, wq: torch.Tensor, sw: torch.Tens
 # --------------------------------------------------------------------------- timing
 
 
+def cpu_cache_bytes(sysfs: str = CPU_CACHE_SYSFS) -> int | None:
+    """The largest cache of CPU 0 (its last level) from Linux's sysfs, None where it does not say."""
+    from pathlib import Path
+
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3}
+    sizes = []
+    for f in Path(sysfs).glob("index*/size"):
+        text = f.read_text().strip()
+        try:
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+        except (ValueError, OSError):
+            continue
+    return max(sizes) if sizes else None
+
+
+def flush_bytes(kind: str) -> int:
+    """How much a timer writes before each timed call to evict the operands from the caches."""
+    if kind == "cuda":
+        return L2_FLUSH_BYTES
+    return max(CPU_FLUSH_MIN_BYTES, 2 * (cpu_cache_bytes() or 0))
+
+
 class _Timer:
-    """Times a call on one device: CUDA events (L2 flushed before each call) or perf_counter."""
+    """Times a call on one device: CUDA events or perf_counter, the caches flushed before each call."""
 
     def __init__(self, device: str, kind: str) -> None:
         import torch
 
         self.kind = kind
         self.device = device
-        self._flush = (
-            torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if kind == "cuda" else None
-        )
+        self._flush = torch.empty(flush_bytes(kind) // 4, dtype=torch.int32, device=device)
 
     def sync(self) -> None:
         import torch
@@ -536,7 +560,7 @@ class _Timer:
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
             for i in range(repeats):
-                self._flush.zero_()  # type: ignore[union-attr]  # evict the operands from L2
+                self._flush.zero_()  # evict the operands from L2
                 starts[i].record()
                 fn()
                 ends[i].record()
@@ -544,6 +568,7 @@ class _Timer:
             return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
         times = []
         for _ in range(repeats):
+            self._flush.zero_()  # evict the operands from the last-level cache
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)

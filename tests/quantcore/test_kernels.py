@@ -225,6 +225,28 @@ def test_record_round_trip(tiny_records: list[kn.KernelRecord]) -> None:
     assert kn.KernelRecord.from_dict({**d, "job_id": 7}) == r
 
 
+def test_the_timer_flushes_the_caches_before_every_timed_call(tmp_path) -> None:
+    """A decode GEMM's weights come from memory when served: on a CPU too the timer writes a buffer twice its
+    last-level cache (sysfs) before each timed call, so a weight small enough for the cache is not timed warm."""
+    for level, size in (("index0", "32K"), ("index2", "1024K"), ("index3", "65536K")):
+        (tmp_path / level).mkdir()
+        (tmp_path / level / "size").write_text(size + "\n")
+    assert kn.cpu_cache_bytes(str(tmp_path)) == 64 * 2**20
+    assert kn.cpu_cache_bytes(str(tmp_path / "none")) is None
+    assert kn.flush_bytes("cuda") == kn.L2_FLUSH_BYTES
+    assert kn.flush_bytes("cpu") >= max(kn.CPU_FLUSH_MIN_BYTES, 2 * (kn.cpu_cache_bytes() or 0))
+    timer = kn._Timer("cpu", "cpu")
+    assert timer._flush.numel() * 4 == kn.flush_bytes("cpu")
+    seen = []
+
+    def call() -> None:
+        seen.append(bool((timer._flush == 0).all()))  # written over just before this call
+        timer._flush.fill_(1)
+
+    timer.median_ms(call, 3)
+    assert seen == [True, True, True]
+
+
 def test_unaligned_shapes_run_on_cpu() -> None:
     recs = kn.run_benchmarks([(40, 24)], ms=(3,), paths=["int8_row", "fp8_row+q"], repeats=3)
     assert [r.path for r in recs] == ["baseline", "fp8_row+q", "int8_row"]  # baseline always added
