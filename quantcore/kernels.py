@@ -135,6 +135,9 @@ W4_INNER_K_TILES = 8  # tinygemm's packing: K a multiple of 8 x 16 = 128 on CUDA
 W4_N_MULTIPLE = {"cpu": 16, "cuda": 8}  # "_convert_weight_to_int4pack_cpu: expect N to be dividable by 16"
 INT4_QMAX = 7  # symmetric INT4 grid [-7, 7] (quantcore's int4), stored as q + 8 in [1, 15]
 
+# How run_benchmarks times a case; records carry it (KernelRecord.timing) and a benchmark job reuses only stored
+# records timed the same way. 1: caches flushed before every timed call on CPU as on CUDA (before: CUDA only).
+TIMING = "cold-caches-1"
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes a 256 MB buffer to clear L2
 CPU_FLUSH_MIN_BYTES = 64 * 1024 * 1024  # at least this much on a CPU, twice its last-level cache where larger
 CPU_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
@@ -187,6 +190,8 @@ class KernelRecord:
     padded_m/k/n: the padded size where a kernel required padding, else None
     skipped:      why there is no time: ``"not supported on <device>: ..."``,
                   ``"over budget: ..."`` or ``"failed on <device>: ..."``; None when timed
+    timing:       how it was timed (:data:`TIMING` for what :func:`run_benchmarks` measures now; None: before
+                  quantplan recorded it, when a CPU's cache was not flushed between calls)
     """
 
     device: str
@@ -206,6 +211,7 @@ class KernelRecord:
     skipped: str | None
     padded_k: int | None = None
     padded_n: int | None = None
+    timing: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (JSON-friendly)."""
@@ -780,6 +786,7 @@ def run_benchmarks(
                         skipped=fields.get("skipped"),
                         padded_k=pk if pk != k else None,
                         padded_n=pn if pn != n else None,
+                        timing=TIMING,
                     )
                 )
             records.extend(sorted(shape_records, key=lambda r: (r.m, PATHS.index(r.path))))

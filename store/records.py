@@ -228,6 +228,7 @@ class KernelRecordRow:
     padded_k: int | None
     padded_n: int | None
     skipped: str | None
+    timing: str | None = None  # quantcore.kernels.TIMING of the run; None: recorded before it was
 
 
 @dataclass(frozen=True)

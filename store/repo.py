@@ -566,7 +566,7 @@ def sensitivity_jobs(session: Session, model_id: int) -> list[JobRecord]:
 
 
 _KERNEL_FIELDS = ("device", "device_name", "torch_version", "m", "n", "k", "path", "ms", "tflops", "pct_peak",
-                  "speedup", "native", "max_rel_err", "padded_m", "padded_k", "padded_n", "skipped")
+                  "speedup", "native", "max_rel_err", "padded_m", "padded_k", "padded_n", "skipped", "timing")
 
 
 def save_kernel_results(session: Session, *, job_id: int, records: Iterable[dict[str, Any]]) -> int:

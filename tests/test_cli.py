@@ -634,6 +634,30 @@ def test_a_stored_timing_whose_native_flag_is_outdated_is_measured_again(tiny_mo
         newest["message"]
 
 
+def test_a_stored_timing_timed_another_way_is_measured_again(tiny_model, capsys):
+    """Records from before quantplan flushed a CPU's caches between timed calls (timing NULL) are measured again
+    the next time the device is asked, and stay in the history; the new ones say how they were timed."""
+    from sqlalchemy import update
+
+    from quantcore.kernels import TIMING
+    from store import models as m
+    from store.db import session_scope
+
+    first = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--json")
+    assert {r["timing"] for r in first} == {TIMING}
+    with session_scope() as s:
+        n, k = first[0]["n"], first[0]["k"]  # one shape, as an older quantplan stored it
+        s.execute(update(m.KernelResult).where(m.KernelResult.n == n, m.KernelResult.k == k).values(timing=None))
+    again = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--json")
+    assert len(again) == len(first) and {r["timing"] for r in again} == {TIMING}
+    per_shape = sum((r["n"], r["k"]) == (n, k) for r in first)
+    bench_jobs = [j for j in run_json(capsys, "jobs", "--json") if j["kind"] == "bench"]
+    assert max(bench_jobs, key=lambda j: j["id"])["message"].startswith(
+        f"{per_shape} cases measured, {len(first) - per_shape} reused")
+    with session_scope() as s:  # the older rows stay in the history
+        assert s.query(m.KernelResult).filter(m.KernelResult.timing.is_(None)).count() == per_shape
+
+
 def test_models_remove_deletes_the_model_its_results_and_its_files(tiny_model, capsys, qp_settings):
     from pathlib import Path
 

@@ -2,8 +2,8 @@
 ``tensor_parallel`` > 1, each GPU's share of every layer: quantcore.parallel).
 
 Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same
-device again measures only what is missing (unless params['force']), or what was stored with a native
-flag that the device's probe no longer gives.
+device again measures only what is missing (unless params['force']), what was stored with a native
+flag that the device's probe no longer gives, or what was timed another way (quantcore.kernels.TIMING).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ def bench(ctx: JobContext) -> Outcome:
         # a record whose native flag is not what this worker's probe says now (quantplan's rules for the
         # device changed, e.g. INT8 on a VNNI CPU) is measured again, so the Kernels page shows the new flag
         native = {path: sup.native for path, sup in hardware.device_paths(info).items()}
+        # and one timed otherwise (a CPU's caches left warm between calls, before TIMING 1) is measured again
         newest = {(r.m, r.n, r.k, r.path): {**r.__dict__} for r in stored
-                  if r.native == native.get(kernels.base_path(r.path), r.native)}
+                  if r.native == native.get(kernels.base_path(r.path), r.native) and r.timing == kernels.TIMING}
         todo = []
         for n, k in shapes:
             have = [newest.get((m, n, k, path)) for m in ms for path in (wanted_paths or kernels.PATHS)]
