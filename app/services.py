@@ -113,7 +113,12 @@ def clear_cached_files(ref: int | str) -> int:
     freed = cached_bytes(rec)
     folder = s.model_reference_dir(rec.sha256)
     if folder.is_dir():
-        shutil.rmtree(folder)
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:  # a worker's cache trim took a file meanwhile: the rest goes all the same
+            shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            raise ValueError(f"could not delete every cached file of {rec.name} under {folder}")
     return freed
 
 
@@ -343,6 +348,14 @@ def kernel_devices() -> list[tuple[str, str, str]]:
 # ----------------------------------------------------------------------------- kernels
 
 
+def timed_otherwise(frame) -> int:
+    """How many timings of a :func:`kernel_frame` were taken otherwise than quantplan times now
+    (quantcore.kernels.TIMING: before a CPU's caches were flushed between calls); a benchmark measures them again."""
+    from quantcore.kernels import TIMING
+
+    return int((frame["timing"] != TIMING).sum()) if "timing" in frame else 0
+
+
 def kernel_frame(device_name: str, torch_version: str | None = None):
     """Newest timing per (M, N, K, path) on one device, as a DataFrame with a readable shape label."""
     import pandas as pd
@@ -410,17 +423,21 @@ def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str 
     return {name: scheme_path(scheme) for name, scheme in plan.items()}
 
 
-def untimed_schemes(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, int]:
-    """{scheme: layers} of a plan's quantized layers that no benchmarked kernel serves (quantcore.kernels.scheme_path
-    is None: FP4, MX and block scales, E5M2 x E5M2, zero points on a path without them): a step estimate counts them
-    at the baseline's time."""
+def untimed_schemes(model: ModelRecord, plan_body: dict[str, Any], layers: Iterable[str] | None = None
+                    ) -> dict[str, int]:
+    """{scheme: layers} of a plan's quantized layers (of ``layers`` where given: those a step estimate counts, one
+    GPU's under expert parallelism) that no benchmarked kernel serves (quantcore.kernels.scheme_path is None: FP4,
+    MX and block scales, E5M2 x E5M2, zero points on a path without them): a step estimate counts them at the
+    baseline's time."""
     from collections import Counter
 
     from quantcore.kernels import scheme_path
     from quantcore.plans import PlanSpec, resolve_plan
 
     plan = resolve_plan(PlanSpec.from_dict(plan_body), [lin["name"] for lin in model.linears])
-    return dict(Counter(s.name for s in plan.values() if not s.is_identity and scheme_path(s) is None))
+    counted = set(plan if layers is None else layers)
+    return dict(Counter(s.name for n, s in plan.items()
+                        if n in counted and not s.is_identity and scheme_path(s) is None))
 
 
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,

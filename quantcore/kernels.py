@@ -139,8 +139,9 @@ INT4_QMAX = 7  # symmetric INT4 grid [-7, 7] (quantcore's int4), stored as q + 8
 # records timed the same way. 1: caches flushed before every timed call on CPU as on CUDA (before: CUDA only).
 TIMING = "cold-caches-1"
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes a 256 MB buffer to clear L2
-CPU_FLUSH_MIN_BYTES = 64 * 1024 * 1024  # at least this much on a CPU, twice its last-level cache where larger
-CPU_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
+CPU_FLUSH_MIN_BYTES = 64 * 1024 * 1024  # at least this much on a CPU, twice its last-level caches where larger
+CPU_FLUSH_MAX_BYTES = 2 * 1024**3  # and at most this (a two-socket server's L3s together can pass 1 GiB)
+CPU_SYSFS = "/sys/devices/system/cpu"
 ERR_MAX_ROWS = 256  # rows of the output compared with the float64 emulation (evenly spaced)
 
 DEFAULT_MS: tuple[int, ...] = (1, 16, 128, 2048)
@@ -513,26 +514,36 @@ def _weight_only_case(bp: str, x: torch.Tensor, wq: torch.Tensor, sw: torch.Tens
 # --------------------------------------------------------------------------- timing
 
 
-def cpu_cache_bytes(sysfs: str = CPU_CACHE_SYSFS) -> int | None:
-    """The largest cache of CPU 0 (its last level) from Linux's sysfs, None where it does not say."""
+def cpu_cache_bytes(sysfs: str = CPU_SYSFS) -> int | None:
+    """Every last-level cache of the machine together, from Linux's sysfs: each instance once (CPUs that share one
+    list the same ``shared_cpu_list``), so a many-CCD EPYC or a two-socket server counts all of its L3s, which a
+    multi-threaded flush writes through in parallel. None where sysfs does not say."""
     from pathlib import Path
 
     units = {"K": 1024, "M": 1024**2, "G": 1024**3}
-    sizes = []
-    for f in Path(sysfs).glob("index*/size"):
-        text = f.read_text().strip()
+    top, instances = 0, {}
+    for d in Path(sysfs).glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
-            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
-        except (ValueError, OSError):
+            if (d / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((d / "level").read_text())
+            text = (d / "size").read_text().strip()
+            size = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+            shared = (d / "shared_cpu_list").read_text().strip()
+        except (OSError, ValueError, KeyError):  # a sandbox's partial or unreadable sysfs
             continue
-    return max(sizes) if sizes else None
+        if level > top:
+            top, instances = level, {}
+        if level == top:
+            instances[shared] = size
+    return sum(instances.values()) or None
 
 
 def flush_bytes(kind: str) -> int:
     """How much a timer writes before each timed call to evict the operands from the caches."""
     if kind == "cuda":
         return L2_FLUSH_BYTES
-    return max(CPU_FLUSH_MIN_BYTES, 2 * (cpu_cache_bytes() or 0))
+    return min(CPU_FLUSH_MAX_BYTES, max(CPU_FLUSH_MIN_BYTES, 2 * (cpu_cache_bytes() or 0)))
 
 
 class _Timer:
@@ -544,6 +555,8 @@ class _Timer:
         self.kind = kind
         self.device = device
         self._flush = torch.empty(flush_bytes(kind) // 4, dtype=torch.int32, device=device)
+        self._flush.zero_()  # the first write pays the pages' allocation
+        self.flush_s = self.once_s(self._flush.zero_)  # what each timed call's flush adds to a case's wall time
 
     def sync(self) -> None:
         import torch
@@ -700,7 +713,7 @@ def run_benchmarks(
                 probe = _build_case(ops, path, x[: min(m, _PROBE_ROWS)], kind)
                 timer.once_s(probe.fn)  # the very first call pays library set-up
                 rates[path] = 2.0 * min(m, _PROBE_ROWS) * n * k / max(timer.once_s(probe.fn), 1e-9)
-            need = flops / rates[path] * (n_warm + min_rep + 1)
+            need = flops / rates[path] * (n_warm + min_rep + 1) + min_rep * timer.flush_s
             if need > left_s():
                 return {
                     "native": sup.native,
@@ -711,7 +724,7 @@ def run_benchmarks(
             for _ in range(n_warm - 1):
                 case.fn()
             rates[path] = flops / max(t1, 1e-9)
-            reps = min(n_rep, int(left_s() / max(t1, 1e-9)))
+            reps = min(n_rep, int(left_s() / max(t1 + timer.flush_s, 1e-9)))
             if reps < min_rep:
                 return {
                     "native": sup.native,

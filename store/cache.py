@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 log = logging.getLogger("quantplan.cache")
@@ -31,6 +32,8 @@ KV = "KV cache amax"
 KINDS = (REFERENCE, AWQ, GPTQ, KV)
 
 _SUFFIXES = (".safetensors", ".json")
+PART_SUFFIX = ".part"  # quantcore.files.write_whole's file in progress
+STALE_PART_S = 24 * 3600  # a .part nobody has written to for a day: its writer was killed (OOM, hard time limit)
 
 
 def awq_path(folder: Path, key: str) -> Path:
@@ -55,19 +58,20 @@ def kind_of(path: Path) -> str | None:
     return AWQ if path.name.startswith("awq-") else KV if path.name.startswith("kv-") else REFERENCE
 
 
+def _files(root: Path):
+    """Every file under ``root`` with its stat; a file or folder removed while we look is passed over (os.walk
+    ignores a folder gone before it is listed)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            f = Path(dirpath) / name
+            try:
+                yield f, f.stat()
+            except FileNotFoundError:  # removed while we looked (a trim, a clear)
+                continue
+
+
 def _kept(root: Path) -> list[tuple[Path, str, os.stat_result]]:
-    out = []
-    for f in Path(root).rglob("*") if Path(root).is_dir() else ():
-        kind = kind_of(f)
-        if kind is None:
-            continue
-        try:
-            st = f.stat()
-        except FileNotFoundError:  # removed while we looked
-            continue
-        if f.is_file():
-            out.append((f, kind, st))
-    return out
+    return [(f, kind, st) for f, st in _files(root) if (kind := kind_of(f)) is not None]
 
 
 def kept_files(folder: Path) -> dict[str, tuple[int, int]]:
@@ -92,24 +96,42 @@ def mark_used(path: Path) -> None:
         pass
 
 
-def trim(root: Path, max_bytes: int) -> list[tuple[Path, int]]:
+def trim(root: Path, max_bytes: int, *, now: float | None = None) -> list[tuple[Path, int]]:
     """Delete the least recently used kept files under ``root`` (every model's) until the rest take at most
-    ``max_bytes``; returns what was deleted, (path, bytes) each. ``max_bytes`` <= 0: no limit, nothing deleted."""
-    if max_bytes <= 0:
-        return []
-    files = sorted(_kept(root), key=lambda f: f[2].st_mtime)  # the least recently used first
-    total = sum(st.st_size for _, _, st in files)
+    ``max_bytes``, and any ``.part`` left a day unwritten (its writer died); returns what was deleted, (path,
+    bytes) each. ``max_bytes`` <= 0: no limit, only the stale ``.part`` files go. A file this process may not
+    delete (another user's, on a shared store) stops the trim with a warning rather than take fresher files
+    in its place."""
+    now = time.time() if now is None else now
     removed = []
+    files = []
+    for path, st in _files(root):
+        if path.name.endswith(PART_SUFFIX):
+            if now - st.st_mtime > STALE_PART_S and _unlink(path):
+                removed.append((path, st.st_size))
+        elif (kind := kind_of(path)) is not None:
+            files.append((path, kind, st))
+    if max_bytes <= 0:
+        return removed
+    files.sort(key=lambda f: f[2].st_mtime)  # the least recently used first
+    total = sum(st.st_size for _, _, st in files)
     for path, _, st in files:
         if total <= max_bytes:
             break
-        try:
-            path.unlink()
-        except FileNotFoundError:  # another worker's trim took it
-            pass
-        except OSError as exc:
-            log.warning("could not delete cached file %s: %s", path, exc)
-            continue
+        if not _unlink(path):
+            break
         total -= st.st_size
         removed.append((path, st.st_size))
     return removed
+
+
+def _unlink(path: Path) -> bool:
+    """Delete ``path``; True when it is gone (another worker's trim may have taken it first)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not delete cached file %s (%s): the cache stays above its limit", path, exc)
+        return False
+    return True

@@ -9,6 +9,7 @@ The team deployment (docker-compose.yml) only changes URLs and paths.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -58,6 +59,7 @@ class Settings(BaseSettings):
     )
     cache_max_gib: float = Field(
         100.0,
+        ge=0,
         description="Most disk the files jobs keep beside the models to skip work next time (reference log-probs, "
         "AWQ scales, GPTQ roundings, KV cache maxima; store/cache.py) may take, all models together (GiB). After "
         "each job a worker deletes the least recently used past it. 0: no limit.",
@@ -127,7 +129,7 @@ class Settings(BaseSettings):
     @property
     def cache_max_bytes(self) -> int:
         """cache_max_gib in bytes; 0: no limit."""
-        return max(0, int(self.cache_max_gib * 2**30))
+        return math.ceil(self.cache_max_gib * 2**30)  # a tiny limit stays a limit (1 byte), not "none"
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -79,6 +79,11 @@ else:
     if emulated:
         st.caption(f"Not native on {device_name}: {', '.join(emulated)}. Their cells read n/a; their times are "
                    "in the table below.")
+stale = svc.timed_otherwise(frame)
+if stale:
+    st.warning(f"{stale} of these {len(frame)} timings were taken before quantplan flushed a CPU's caches between "
+               "timed calls: a small weight then read from the cache, faster than a served step reads it. Queue a "
+               f"benchmark on {device_name}: it measures them again and keeps these in the history.")
 heat = frame[frame["path"] != "baseline"].copy()
 heat["speedup"] = np.where(heat["native"] & heat["ms"].notna(), heat["speedup"], np.nan)
 st.subheader("Speed-up over the baseline GEMM")
@@ -146,12 +151,12 @@ if target:  # a GPU of the table: how far the measured eager kernels are from th
                                           if not est[f"missing_{step}"] else "")
         for step in ("prefill", "decode")) + ". Eager PyTorch kernels with unfused quantization pay the gap; "
         "the bound is what fused serving kernels approach.")
-untimed = svc.untimed_schemes(model, body)
+untimed = svc.untimed_schemes(model, body, est["per_layer"])
 if untimed:
     st.caption(f"{sum(untimed.values())} layer(s) of this plan ("
                + ", ".join(f"{name}: {n}" for name, n in sorted(untimed.items()))
-               + ") have no kernel quantplan times (torch's _scaled_mm / _int_mm and the weight-only kernels "
-               "cannot apply their scales): the sums above count them at the baseline's time, not at their own.")
+               + ") are in formats no kernel quantplan times serves (FP4, MX and block scales among them): the sums "
+               "above count them at the baseline's time, not at their own.")
 missing = sorted(set(est["missing_prefill"]) | set(est["missing_decode"]))
 plan_tp = int(body.get("tensor_parallel") or 1)
 if missing:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from quantcore.kernels import TIMING
 from quantcore.stats import HIST_BINS, HIST_BINS_PER_OCTAVE, HIST_LOG2_MIN, LayerStats
 from store import repo
 from store.db import session_scope
@@ -92,7 +93,7 @@ def seeded(qp_settings):
                                      path=path, ms=1.0 if path == "baseline" else 2.0, tflops=0.01, pct_peak=None,
                                      speedup=1.0 if path == "baseline" else 0.5, native=path == "baseline",
                                      max_rel_err=None if path == "baseline" else 1e-6, padded_m=None,
-                                     skipped=None))
+                                     skipped=None, timing=TIMING))
         repo.save_kernel_results(s, job_id=bj.id, records=recs)
         repo.finish_job(s, bj.id, status="succeeded")
         failed = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=model.id)

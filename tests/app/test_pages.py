@@ -144,10 +144,31 @@ def test_kernels_page_says_which_layers_it_counts_at_the_baseline(seeded):
     assert svc.untimed_schemes(model, {"default": "W4A16"}) == {}  # the INT4 weight-only kernel times it
     at = _run("kernels", seeded.id)
     assert not any("no kernel quantplan times" in c.value for c in at.caption)
+    assert svc.untimed_schemes(model, {"default": "NVFP4"}, ["lm_head"]) == {"NVFP4": 1}  # only the layers counted
     at.selectbox(key="kernels_plan").set_value(f"plan:{plan.id}").run()
     assert not at.exception
     caption = next(c.value for c in at.caption if "no kernel quantplan times" in c.value)
-    assert caption.startswith(f"{3 * 4} layer(s) of this plan (NVFP4: 12) have no kernel")  # gate/up/down x 4
+    assert "count them at the baseline's time" in caption
+    assert caption.startswith(f"{3 * 4} layer(s) of this plan (NVFP4: 12) are in formats no kernel")  # 3 MLP x 4
+
+
+def test_kernels_page_warns_of_timings_taken_with_warm_caches(seeded):
+    """Timings from before a CPU's caches were flushed between calls (timing NULL) are counted on the page, which
+    says a benchmark measures them again."""
+    from sqlalchemy import update
+
+    from store import models as m
+    from store.db import session_scope
+
+    at = _run("kernels", seeded.id)
+    assert not any("before quantplan flushed" in w.value for w in at.warning)
+    with session_scope() as s:
+        s.execute(update(m.KernelResult).where(m.KernelResult.m == 1).values(timing=None))
+        total = s.query(m.KernelResult).count()
+    at = _run("kernels", seeded.id)
+    assert not at.exception
+    warning = next(w.value for w in at.warning if "before quantplan flushed" in w.value)
+    assert warning.startswith(f"{total // 2} of these {total} timings were taken before")  # M = 1 of M = 1, 16
 
 
 def test_kernels_page_queues_a_benchmark_split_over_gpus(seeded):

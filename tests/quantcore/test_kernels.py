@@ -227,16 +227,27 @@ def test_record_round_trip(tiny_records: list[kn.KernelRecord]) -> None:
 
 def test_the_timer_flushes_the_caches_before_every_timed_call(tmp_path) -> None:
     """A decode GEMM's weights come from memory when served: on a CPU too the timer writes a buffer twice its
-    last-level cache (sysfs) before each timed call, so a weight small enough for the cache is not timed warm."""
-    for level, size in (("index0", "32K"), ("index2", "1024K"), ("index3", "65536K")):
-        (tmp_path / level).mkdir()
-        (tmp_path / level / "size").write_text(size + "\n")
-    assert kn.cpu_cache_bytes(str(tmp_path)) == 64 * 2**20
+    last-level caches (sysfs) before each timed call, so a weight small enough for the cache is not timed warm."""
+    # two sockets of two CPUs: each pair shares a 32 MiB L3; the L1 instruction cache is not counted
+    for cpu in range(4):
+        pair = "0-1" if cpu < 2 else "2-3"
+        for index, (level, kind, size, shared) in enumerate(((1, "Data", "32K", str(cpu)),
+                                                             (1, "Instruction", "64M", str(cpu)),
+                                                             (2, "Unified", "1024K", str(cpu)),
+                                                             (3, "Unified", "32768K", pair))):
+            d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+            d.mkdir(parents=True)
+            for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+                (d / name).write_text(f"{value}\n")
+    assert kn.cpu_cache_bytes(str(tmp_path)) == 2 * 32 * 2**20
+    (tmp_path / "cpu3" / "cache" / "index3" / "size").write_text("garbage\n")  # unreadable: passed over
+    assert kn.cpu_cache_bytes(str(tmp_path)) == 2 * 32 * 2**20
     assert kn.cpu_cache_bytes(str(tmp_path / "none")) is None
     assert kn.flush_bytes("cuda") == kn.L2_FLUSH_BYTES
-    assert kn.flush_bytes("cpu") >= max(kn.CPU_FLUSH_MIN_BYTES, 2 * (kn.cpu_cache_bytes() or 0))
+    assert kn.CPU_FLUSH_MIN_BYTES <= kn.flush_bytes("cpu") <= kn.CPU_FLUSH_MAX_BYTES
+    assert kn.flush_bytes("cpu") >= min(kn.CPU_FLUSH_MAX_BYTES, 2 * (kn.cpu_cache_bytes() or 0))
     timer = kn._Timer("cpu", "cpu")
-    assert timer._flush.numel() * 4 == kn.flush_bytes("cpu")
+    assert timer._flush.numel() * 4 == kn.flush_bytes("cpu") and timer.flush_s > 0
     seen = []
 
     def call() -> None:

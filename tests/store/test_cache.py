@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from store import cache
 
@@ -43,7 +44,7 @@ def test_trim_deletes_the_least_recently_used_across_models(tmp_path):
     read_since = _write(cache.gptq_path(b, "g"), 300, 200)
     newer = _write(cache.kv_path(a, "k"), 200, 300)
     newest = _write(cache.awq_path(b, "w"), 100, 400)
-    part = _write(a / ".x.safetensors.1.part", 5000, 50)  # being written: neither counted nor deleted
+    part = _write(a / ".x.safetensors.1.part", 5000, time.time())  # being written: neither counted nor deleted
     cache.mark_used(read_since)  # a job read it now: it is the most recently used
     assert cache.trim(tmp_path, 0) == []  # no limit
     removed = cache.trim(tmp_path, 500)
@@ -51,3 +52,35 @@ def test_trim_deletes_the_least_recently_used_across_models(tmp_path):
     assert [p.exists() for p in (oldest, read_since, newer, newest, part)] == [False, True, False, True, True]
     assert cache.trim(tmp_path, 500) == []  # already under
     assert cache.kept_bytes(tmp_path) == 400
+
+
+def test_trim_takes_stale_partial_files_and_stops_at_one_it_may_not_delete(tmp_path, monkeypatch):
+    """A .part a killed writer left a day ago goes (even with no limit); one being written stays. A file the trim
+    may not delete (another user's, on a shared store) stops it rather than take fresher files in its place."""
+    folder = tmp_path / "reference" / "a"
+    stale = _write(folder / ".kv-k.json.1.part", 50, 1000)
+    fresh = _write(folder / ".kv-j.json.2.part", 50, 1000 + cache.STALE_PART_S)
+    assert cache.trim(tmp_path, 0, now=1001 + cache.STALE_PART_S) == [(stale, 50)] and fresh.exists()
+    old = _write(folder / "e.safetensors", 100, 100)
+    newer = _write(cache.awq_path(folder, "w"), 100, 200)
+    real_unlink = type(old).unlink
+
+    def unlink(self, *args, **kwargs):
+        if self == old:
+            raise PermissionError("not yours")
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(old), "unlink", unlink)
+    assert cache.trim(tmp_path, 50, now=2000) == [] and old.exists() and newer.exists()
+
+
+def test_a_tiny_limit_stays_a_limit_and_a_negative_one_is_refused(monkeypatch):
+    import pytest
+    from pydantic import ValidationError
+
+    from store.settings import Settings
+
+    assert Settings(cache_max_gib=1e-12).cache_max_bytes == 1
+    assert Settings(cache_max_gib=0).cache_max_bytes == 0
+    with pytest.raises(ValidationError):
+        Settings(cache_max_gib=-1)

@@ -145,3 +145,28 @@ def test_upgrading_sqlite_to_0003_copies_the_tables_and_loses_no_row(qp_env):
     with db.make_engine(s.sqlalchemy_url).connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM plans")).scalar() == 4
         assert "AUTOINCREMENT" not in conn.execute(text("SELECT sql FROM sqlite_master WHERE name='plans'")).scalar()
+
+
+def test_upgrading_to_0004_marks_the_kernel_timings_taken_with_cold_caches(qp_env):
+    """CUDA timings were always taken with the L2 flushed: 0004 marks them with the TIMING of that time (the current
+    one, which a benchmark reuses); CPU ones (caches left warm) stay unmarked and are measured again."""
+    from quantcore.kernels import TIMING
+    from store import repo
+    from store.settings import get_settings
+
+    s = get_settings()
+    s.ensure_dirs()
+    db.upgrade(s, "0003")
+    with db.session_scope(s) as session:
+        job = repo.create_job(session, kind="bench", params={}, queue="cpu", user="ann")
+    with db.make_engine(s.sqlalchemy_url).begin() as conn:
+        for device in ("cuda", "cpu"):
+            conn.execute(text(
+                "INSERT INTO kernel_results (job_id, device, device_name, torch_version, m, n, k, path, ms, native, "
+                "created_at) VALUES (:job, :device, :name, '2.13.0', 1, 64, 64, 'baseline', 0.5, true, "
+                "CURRENT_TIMESTAMP)"), {"job": job.id, "device": device, "name": f"a {device}"})
+    db.upgrade(s)
+    with db.session_scope(s) as session:
+        assert [(r.device, r.timing) for r in repo.kernel_results(session, job_id=job.id)] == [
+            ("cuda", "cold-caches-1"), ("cpu", None)]
+    assert TIMING == "cold-caches-1"  # a new TIMING leaves these rows as 0004 wrote them: measured again
