@@ -194,7 +194,7 @@ def cmd_models_cache(args) -> int:
     limit = svc.settings().cache_max_gib
     print(f"all models: {svc.cached_bytes() / 2**20:,.1f} MiB cached, "
           + (f"limit {limit:g} GiB (QUANTPLAN_CACHE_MAX_GIB): past it each worker deletes the least recently used "
-             "after its jobs, by the limit set where it runs" if limit > 0
+             "after its score and sensitivity jobs, by the limit set where it runs" if limit > 0
              else "no limit here (QUANTPLAN_CACHE_MAX_GIB=0; each worker applies the limit set where it runs)"))
     if freed is not None:
         print(f"cleared {freed / 2**20:,.1f} MiB of cached files of {model.name}; they are computed again when needed")

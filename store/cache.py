@@ -11,8 +11,9 @@ Nothing here is a result. Each file is a pure function of what its name's key ha
     gptq/<key>.safetensors        one layer's GPTQ-rounded weight
 
 A file is written whole or not at all (quantcore.files.write_whole: a ``.<name>.<uuid>.part`` renamed into
-place). A read marks the file used (:func:`mark_used`, its mtime), and after each job a worker deletes the
-least recently used files of all models until they fit ``Settings.cache_max_gib`` (:func:`trim`). A job that
+place). A read marks the file used (:func:`mark_used`, its mtime), and after each job that used them (score,
+sensitivity: worker.runner.trim_cache) a worker deletes the least recently used files of all models until they fit
+``Settings.cache_max_gib`` (:func:`trim`). A job that
 finds its file gone or damaged computes it again, so a trim racing another job's read costs time, never a result.
 """
 

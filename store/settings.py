@@ -62,7 +62,7 @@ class Settings(BaseSettings):
         ge=0,
         description="Most disk the files jobs keep beside the models to skip work next time (reference log-probs, "
         "AWQ scales, GPTQ roundings, KV cache maxima; store/cache.py) may take, all models together (GiB). After "
-        "each job a worker deletes the least recently used past it. 0: no limit.",
+        "each score or sensitivity job a worker deletes the least recently used past it. 0: no limit.",
     )
     ui_port: int = Field(8501, description="Port of the Streamlit app.")
     ui_address: str = Field("127.0.0.1", description="Address the Streamlit app binds to.")

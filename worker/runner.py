@@ -53,6 +53,7 @@ class JobContext:
     settings: Settings
     _last_write: float = 0.0
     _cancel: bool = False
+    cache_used: bool = False  # the body read or wrote files beside a model (store.cache): its end trims the cache
 
     def progress(self, fraction: float, message: str) -> None:
         """Report progress (throttled); raises JobCancelled when a cancel was requested."""
@@ -125,13 +126,14 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
             repo.finish_job(s, job_id, status="failed", message="failed", error=error, traceback=tb.format_exc())
         return "failed"
     finally:
-        trim_cache(settings)
+        if ctx.cache_used:
+            trim_cache(settings)
 
 
 def trim_cache(settings: Settings) -> list[tuple[Path, int]]:
     """Delete the least recently used files jobs keep beside the models until they fit ``cache_max_gib``
-    (store.cache.trim); what was deleted. Run after every job, whatever its status (a failed one may have written
-    some); never raises."""
+    (store.cache.trim); what was deleted. Run after every job that read or wrote some (``JobContext.cache_used``:
+    score and sensitivity jobs), whatever its status; never raises."""
     from store import cache
 
     try:

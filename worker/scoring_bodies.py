@@ -88,6 +88,7 @@ def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
     """Reference log-probs of the unquantized model on these tokens, cached in the artifact store."""
     from quantcore import scoring
 
+    ctx.cache_used = True  # the job's end keeps the cache under its limit (worker.runner.trim_cache)
     key = _cache_key(text=eval_label, shape=list(ids.shape), ids=ids, **_software())
     path = scoring.reference_cache_path(ctx.settings.reference_root, model_rec.sha256, key)
     if Path(path).exists():

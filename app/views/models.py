@@ -131,7 +131,7 @@ with st.expander(f"Cached files ({cached_bytes / 2**20:,.1f} MiB)"):
     limit = svc.settings().cache_max_gib
     st.caption(f"All models' cached files: {svc.cached_bytes() / 2**20:,.1f} MiB"
                + (f" of {limit:g} GiB (QUANTPLAN_CACHE_MAX_GIB); past it, each worker deletes the least recently "
-                  "used after its jobs, by the limit set where it runs." if limit > 0
+                  "used after its score and sensitivity jobs, by the limit set where it runs." if limit > 0
                   else " (no limit here: QUANTPLAN_CACHE_MAX_GIB=0; each worker applies the limit set where it runs)."))
     if st.button("Clear cached files", disabled=not cached_bytes, key=f"clear_cache_{model.id}"):
         try:

@@ -174,8 +174,8 @@ def test_worker_presence(qp_settings):
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_every_job_ends_with_the_cache_under_its_limit(qp_settings, fails):
-    """A job's end (succeeded or failed: a failed one may have written some) trims the files jobs keep beside the
-    models to cache_max_gib, the least recently used first: here what an earlier job kept, not what this one wrote."""
+    """The end of a job that used the files jobs keep beside the models (succeeded or failed) trims them to
+    cache_max_gib, the least recently used first: here what an earlier job kept, not what this one wrote."""
     import os
 
     from store import cache
@@ -190,12 +190,21 @@ def test_every_job_ends_with_the_cache_under_its_limit(qp_settings, fails):
 
     def body(ctx):
         cache.awq_path(folder, "new").write_bytes(b"y" * 600)
+        ctx.cache_used = True
         if fails:
             raise ValueError("no luck")
         return Outcome()
 
     assert run_job(job.id, body, settings=qp_settings) == ("failed" if fails else "succeeded")
     assert not old.exists() and cache.awq_path(folder, "new").exists()
-    qp_settings.cache_max_gib = 0  # no limit: nothing goes
+    cache.kv_path(folder, "older").write_bytes(b"z" * 600)
     assert run_job(_job(qp_settings).id, lambda ctx: Outcome(), settings=qp_settings) == "succeeded"
-    assert cache.kept_files(folder)[cache.AWQ] == (1, 600)
+    assert cache.kept_files(folder)[cache.KV] == (1, 600)  # a job that used no kept file leaves the cache alone
+
+    def keeps(ctx):
+        ctx.cache_used = True
+        return Outcome()
+
+    qp_settings.cache_max_gib = 0  # no limit: nothing goes
+    assert run_job(_job(qp_settings).id, keeps, settings=qp_settings) == "succeeded"
+    assert cache.kept_files(folder)[cache.AWQ] == (1, 600) and cache.kept_files(folder)[cache.KV] == (1, 600)
