@@ -103,6 +103,15 @@ def cached_bytes(model: ModelRecord | None = None) -> int:
     return cache.kept_bytes(s.model_reference_dir(model.sha256) if model is not None else s.reference_root)
 
 
+def cache_limit_note() -> str:
+    """All models' cached files against QUANTPLAN_CACHE_MAX_GIB, in a sentence (the Models page, ``models cache``)."""
+    limit = settings().cache_max_gib
+    return (f"All models' cached files: {cached_bytes() / 2**20:,.1f} MiB"
+            + (f" of {limit:g} GiB (QUANTPLAN_CACHE_MAX_GIB); past it, each worker deletes the least recently "
+               "used after its score and sensitivity jobs, by the limit set where it runs." if limit > 0
+               else " (no limit here: QUANTPLAN_CACHE_MAX_GIB=0; each worker applies the limit set where it runs)."))
+
+
 def clear_cached_files(ref: int | str) -> int:
     """Delete what jobs keep beside a model (:func:`cached_files`); the bytes freed. Refused while one of its jobs
     is queued or running (it may be reading them); its results and checkpoint stay."""
@@ -413,14 +422,18 @@ def device_comparison(model: ModelRecord, path: str, m: int):
     return frame if frame["device"].nunique() >= 2 else frame.iloc[0:0]
 
 
-def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str | None]:
-    """The kernel path each layer of a plan would run on (None: baseline speed / emulated)."""
+def _plan_paths(model: ModelRecord, plan_body: dict[str, Any]):
+    """(the resolved plan, the kernel path each layer would run on: None for baseline speed / emulated)."""
     from quantcore.kernels import scheme_path
     from quantcore.plans import PlanSpec, resolve_plan
 
-    names = [lin["name"] for lin in model.linears]
-    plan = resolve_plan(PlanSpec.from_dict(plan_body), names)
-    return {name: scheme_path(scheme) for name, scheme in plan.items()}
+    plan = resolve_plan(PlanSpec.from_dict(plan_body), [lin["name"] for lin in model.linears])
+    return plan, {name: scheme_path(scheme) for name, scheme in plan.items()}
+
+
+def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str | None]:
+    """The kernel path each layer of a plan would run on (None: baseline speed / emulated)."""
+    return _plan_paths(model, plan_body)[1]
 
 
 def untimed_schemes(model: ModelRecord, plan_body: dict[str, Any], layers: Iterable[str] | None = None
@@ -429,26 +442,28 @@ def untimed_schemes(model: ModelRecord, plan_body: dict[str, Any], layers: Itera
     GPU's under expert parallelism) that no benchmarked kernel serves (quantcore.kernels.scheme_path is None: FP4,
     MX and block scales, E5M2 x E5M2, zero points on a path without them): a step estimate counts them at the
     baseline's time."""
+    return _untimed(*_plan_paths(model, plan_body), layers)
+
+
+def _untimed(plan, paths, layers: Iterable[str] | None) -> dict[str, int]:
     from collections import Counter
 
-    from quantcore.kernels import scheme_path
-    from quantcore.plans import PlanSpec, resolve_plan
-
-    plan = resolve_plan(PlanSpec.from_dict(plan_body), [lin["name"] for lin in model.linears])
     counted = set(plan if layers is None else layers)
-    return dict(Counter(s.name for n, s in plan.items()
-                        if n in counted and not s.is_identity and scheme_path(s) is None))
+    return dict(Counter(s.name for n, s in plan.items() if n in counted and not s.is_identity and paths[n] is None))
 
 
 def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: str, *, m_prefill: int,
                   m_decode: int) -> dict[str, Any]:
     """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings; at the plan's
-    tensor_parallel, one GPU's step: its share of every layer, timed by a benchmark split as the plan is."""
+    tensor_parallel, one GPU's step: its share of every layer, timed by a benchmark split as the plan is. Adds
+    ``untimed``: :func:`untimed_schemes` of the layers it sums."""
     from quantcore.kernels import step_estimate as estimate
 
     shapes = parallelism(model, plan_body).first_gpu_shapes(layer_shapes(model))  # EP: the experts one GPU holds
-    return estimate(kernel_records(device_name), shapes, layer_paths(model, plan_body),
-                    m_prefill=m_prefill, m_decode=m_decode, routed=routed_layers(model))
+    plan, paths = _plan_paths(model, plan_body)
+    est = estimate(kernel_records(device_name), shapes, paths, m_prefill=m_prefill, m_decode=m_decode,
+                   routed=routed_layers(model))
+    return {**est, "untimed": _untimed(plan, paths, shapes)}
 
 
 def step_breakdown(est: dict[str, Any]):

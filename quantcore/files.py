@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+PART_SUFFIX = ".part"  # the end of a file write_whole has not finished (or whose writer died)
+
 
 def write_whole(path: str | Path, write: Callable[[str], Any]) -> Path:
     """``write(name)`` a file of a unique name beside ``path``, then rename it to ``path``: a reader finds the whole
@@ -20,7 +22,7 @@ def write_whole(path: str | Path, write: Callable[[str], Any]) -> Path:
     it as they read the rest (a ``tempfile.mkstemp`` file would be private to its writer)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f".{path.name}.{uuid.uuid4().hex}.part")
+    part = path.with_name(f".{path.name}.{uuid.uuid4().hex}{PART_SUFFIX}")
     try:
         write(str(part))
         os.replace(part, path)
@@ -30,4 +32,4 @@ def write_whole(path: str | Path, write: Callable[[str], Any]) -> Path:
     return path
 
 
-__all__ = ["write_whole"]
+__all__ = ["PART_SUFFIX", "write_whole"]

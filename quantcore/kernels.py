@@ -41,9 +41,9 @@ Timing: on CUDA, CUDA events around each call, warm-up first, the L2 cache flush
 before every timed call, median of the repeats; on CPU, ``time.perf_counter`` and the
 median, the last-level cache flushed the same way (a decode GEMM's weights come from memory
 when served, and a CPU's 32 MB L3 holds a 4096 x 4096 INT8 weight but not its fp32 one: on a
-2-thread EPYC, INT8 timed warm was 20x faster than fp32 at M = 1 x 4096 x 4096, flushed 7x). Each (N, K) shape has a wall-clock budget; a case predicted (from the rates
-already measured) not to fit in what is left is not run and comes back with
-``skipped="over budget: ..."``. A path the device cannot run comes back with
+2-thread EPYC, INT8 timed warm was 20x faster than fp32 at M = 1 x 4096 x 4096, flushed 7x).
+Each (N, K) shape has a wall-clock budget; a case predicted (from the rates already
+measured) not to fit in what is left is not run and comes back with ``skipped="over budget: ..."``. A path the device cannot run comes back with
 ``skipped="not supported on <device>: ..."`` and ``native=False``, never a time.
 """
 

@@ -191,11 +191,7 @@ def cmd_models_cache(args) -> int:
         return 0
     for kind, (n, size) in cached.items():
         print(f"{kind:20s} {n:5d} file(s) {size / 2**20:10,.1f} MiB")
-    limit = svc.settings().cache_max_gib
-    print(f"all models: {svc.cached_bytes() / 2**20:,.1f} MiB cached, "
-          + (f"limit {limit:g} GiB (QUANTPLAN_CACHE_MAX_GIB): past it each worker deletes the least recently used "
-             "after its score and sensitivity jobs, by the limit set where it runs" if limit > 0
-             else "no limit here (QUANTPLAN_CACHE_MAX_GIB=0; each worker applies the limit set where it runs)"))
+    print(svc.cache_limit_note())
     if freed is not None:
         print(f"cleared {freed / 2**20:,.1f} MiB of cached files of {model.name}; they are computed again when needed")
     return 0

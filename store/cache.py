@@ -24,6 +24,8 @@ import os
 import time
 from pathlib import Path
 
+from quantcore.files import PART_SUFFIX  # torch-free
+
 log = logging.getLogger("quantplan.cache")
 
 REFERENCE = "reference log-probs"
@@ -33,7 +35,6 @@ KV = "KV cache amax"
 KINDS = (REFERENCE, AWQ, GPTQ, KV)
 
 _SUFFIXES = (".safetensors", ".json")
-PART_SUFFIX = ".part"  # quantcore.files.write_whole's file in progress
 STALE_PART_S = 24 * 3600  # a .part nobody has written to for a day: its writer was killed (OOM, hard time limit)
 
 

@@ -13,7 +13,7 @@ from quantcore.files import write_whole
 from store import cache, repo
 from store.db import session_scope
 from worker.bodies import _model_record, load_model, resolve_device, token_ids
-from worker.runner import JobContext, Outcome, run_job, trim_cache
+from worker.runner import JobContext, Outcome, run_job
 
 DEFAULT_EVAL_SAMPLES = 16
 DEFAULT_EVAL_SEQ_LEN = 256
@@ -196,9 +196,9 @@ def _kept_gptq(ctx: JobContext, rec, model, reads: dict[str, dict[str, Any]], ca
 
 def _keep_gptq(ctx: JobContext, rounded: dict[str, Any], paths: dict[str, Path]) -> str | None:
     """Write the layers of ``rounded`` that ``paths`` wants kept (:func:`_kept_gptq`), each whole or not at all
-    (quantcore.files.write_whole), then trim the cache to ``cache_max_gib`` (worker.runner.trim_cache: older files
-    go first); none of them where together they would not fit (a large model's roundings take the size of its
-    weights), and why."""
+    (quantcore.files.write_whole; the job's end trims the cache to ``cache_max_gib``: worker.runner.trim_cache);
+    none of them where together they would not fit (a large model's roundings take the size of its weights), and
+    why."""
     from safetensors.torch import save_file
 
     todo = {layer: path for layer, path in paths.items() if layer in rounded}
@@ -209,8 +209,6 @@ def _keep_gptq(ctx: JobContext, rounded: dict[str, Any], paths: dict[str, Path])
                 f"QUANTPLAN_CACHE_MAX_GIB allows ({limit / 2**20:,.1f} MiB)")
     for layer, path in todo.items():
         write_whole(path, lambda part, w=rounded[layer]: save_file({"weight": w.detach().contiguous().cpu()}, part))
-    if todo and limit:
-        trim_cache(ctx.settings)
     return None
 
 

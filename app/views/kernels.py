@@ -151,7 +151,7 @@ if target:  # a GPU of the table: how far the measured eager kernels are from th
                                           if not est[f"missing_{step}"] else "")
         for step in ("prefill", "decode")) + ". Eager PyTorch kernels with unfused quantization pay the gap; "
         "the bound is what fused serving kernels approach.")
-untimed = svc.untimed_schemes(model, body, est["per_layer"])
+untimed = est["untimed"]
 if untimed:
     st.caption(f"{sum(untimed.values())} layer(s) of this plan ("
                + ", ".join(f"{name}: {n}" for name, n in sorted(untimed.items()))

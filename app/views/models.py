@@ -128,11 +128,7 @@ with st.expander(f"Cached files ({cached_bytes / 2**20:,.1f} MiB)"):
     st.markdown("Jobs keep these beside the model to skip work the next time they need the same thing: "
                 + "; ".join(f"{kind}: {n} file(s), {size / 2**20:,.1f} MiB" for kind, (n, size) in cached.items())
                 + ". None of them is a result: clearing them frees the disk and costs only computing them again.")
-    limit = svc.settings().cache_max_gib
-    st.caption(f"All models' cached files: {svc.cached_bytes() / 2**20:,.1f} MiB"
-               + (f" of {limit:g} GiB (QUANTPLAN_CACHE_MAX_GIB); past it, each worker deletes the least recently "
-                  "used after its score and sensitivity jobs, by the limit set where it runs." if limit > 0
-                  else " (no limit here: QUANTPLAN_CACHE_MAX_GIB=0; each worker applies the limit set where it runs)."))
+    st.caption(svc.cache_limit_note())
     if st.button("Clear cached files", disabled=not cached_bytes, key=f"clear_cache_{model.id}"):
         try:
             freed = svc.clear_cached_files(model.id)
