@@ -17,9 +17,19 @@ st.set_page_config(page_title="quantplan", page_icon="🧮", layout="wide")
 
 # not "pages/": Streamlit would also auto-discover that folder as a second, unmanaged navigation
 PAGES_DIR = Path(__file__).resolve().parent / "views"
+# The default page is served at the root URL only, whatever its url_path: /models would say "Page not found".
+models_page = st.Page(str(PAGES_DIR / "models.py"), title="Models", url_path="home", default=True)
+
+
+def _to_models() -> None:
+    """/models, an address a person may type or keep from the page's title: the Models page, same query."""
+    st.switch_page(models_page, query_params=st.query_params.to_dict())
+
+
 pages = {
     "Model": [
-        st.Page(str(PAGES_DIR / "models.py"), title="Models", url_path="models", default=True),
+        models_page,
+        st.Page(_to_models, title="Models", url_path="models", visibility="hidden"),
         st.Page(str(PAGES_DIR / "outliers.py"), title="Outliers", url_path="outliers"),
     ],
     "Plan and measure": [

@@ -113,15 +113,19 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     _no_exception(page)
     _wait_job(qp_settings, "calibrate")
 
-    for path in ("/jobs", "/outliers", "/plans", "/results", "/kernels"):
+    for path in ("/jobs", "/outliers", "/plans", "/results", "/kernels", "/models"):
         page.goto(app_url + path)
         _settle(page, 3)
         _no_exception(page)
+        assert "Page not found" not in page.inner_text("body"), path
         _shot(page, path.strip("/"))
         if path == "/outliers":
             charts = page.locator("[data-testid='stVegaLiteChart']")
             assert charts.count() >= 2
             assert page.get_by_text("model.layers.11.mlp.down_proj").count() > 0
+        if path == "/models":  # the address a person may type: the Models page at the root, the model kept
+            assert page.url.startswith(app_url + "/?model=")
+            assert page.get_by_text("Register a model").count() > 0
 
     # Results: a calibration text uploaded with the score it is for; the queued job names it
     cal_text = tmp_path / "domain.txt"
