@@ -1226,11 +1226,11 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     that do not divide K (or each GPU's K)
     (quantcore.plans.group_misfits), W4AFP8 layers vLLM's kernel cannot tile (quantcore.plans.w4afp8_misfits),
     merged block-FP8 layers whose N the blocks do not divide (quantcore.plans.fp8_block_misfits), activations vLLM
-    quantizes otherwise than scored or not at all (quantcore.plans.vllm_activation_misfits),
-    layers AWQ cannot scale (quantcore.plans.awq_unscaled), a quantized lm_head
+    quantizes otherwise than scored or not at all (quantcore.plans.vllm_activation_misfits), SmoothQuant no
+    llm-compressor recipe can carry (quantcore.export.smoothquant_unexportable), layers AWQ cannot scale (quantcore.plans.awq_unscaled), a quantized lm_head
     (quantcore.plans.quantized_head), fused experts no plan reaches, and an unscaled KV cache that the newest
     calibration's K or V would overflow (quantcore.kvcache.kv_clipping)."""
-    from quantcore.export import serves_online_fp8
+    from quantcore.export import serves_online_fp8, smoothquant_unexportable, smoothquant_unexportable_message
     from quantcore.kvcache import kv_clipping
     from quantcore.parallel import tp_misfits
     from quantcore.plans import (
@@ -1257,6 +1257,9 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
                 + fp8_block_misfits(resolved, shapes, par) + awq_unscaled(resolved, shapes)
                 + vllm_activation_misfits(resolved, online_fp8=serves_online_fp8(resolved, list(resolved), kv))
                 + quantized_head(resolved, shapes, model.tied_linears) + moe_unserved(resolved))
+    if unsmoothable := smoothquant_unexportable(resolved):
+        warnings.append("No llm-compressor recipe of this plan can be written: "
+                        + smoothquant_unexportable_message(unsmoothable))
     if unsplit := unsplit_experts_warning(model):
         warnings.append(unsplit)
     if kv != "AUTO":
@@ -1643,6 +1646,38 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         plan = save_plan(model.id, name, body,
                          note=f"auto: predicted KL {result.predicted_kl:.4g} ≤ {kl_budget:g} on {target}")
     if verify and job is None:
-        job = submit("score", {"predicted_kl": result.predicted_kl, "label": plan.label, "device": device},
+        tokens, note = verify_tokens(read, set(result.plan.values()))
+        if note:
+            result.notes.append(note)
+        job = submit("score", {"predicted_kl": result.predicted_kl, "label": plan.label, "device": device, **tokens},
                      model_id=model.id, plan_id=plan.id)
     return result, plan, job
+
+
+SWEEP_TOKEN_PARAMS = ("dataset", "samples", "seq_len", "cal_dataset", "cal_samples", "cal_seq_len")
+
+
+def verify_tokens(sweeps: list[JobRecord], schemes: set[str]) -> tuple[dict[str, Any], str | None]:
+    """The token parameters (evaluation and calibration text, sequences, tokens each) of the sweeps an automatic
+    plan's chosen ``schemes`` were read from (the newest of each scheme), for the score that checks its prediction: a KL predicted on the
+    sweeps' tokens is checked on the same tokens (and the GPTQ roundings the sweeps kept are read again). Where those
+    sweeps differ, the newest one's and a note; ({}, None) where no sweep is read (an all-BF16 plan)."""
+    newest_of = {sweep_scheme(j): j for j in sorted(sweeps, key=lambda j: j.id)}  # a later sweep replaces an earlier
+    used = [j for scheme, j in newest_of.items() if scheme in schemes]
+    if not used:
+        return {}, None
+
+    def of(job: JobRecord) -> dict[str, Any]:
+        return {k: job.params[k] for k in SWEEP_TOKEN_PARAMS if job.params.get(k) is not None}
+    newest = max(used, key=lambda j: j.id)
+    kinds = {_token_label(of(j)) for j in used}
+    note = None
+    if len(kinds) > 1:
+        note = (f"the sweeps this plan was predicted from were made on different tokens ({', '.join(sorted(kinds))}): "
+                f"its score checks the prediction on those of the newest, job #{newest.id}")
+    return of(newest), note
+
+
+def _token_label(params: dict[str, Any]) -> str:
+    """A short, stable label of token parameters: 'samples=2 seq_len=32' ('defaults' when none is set)."""
+    return " ".join(f"{k}={params[k]}" for k in sorted(params)) or "defaults"

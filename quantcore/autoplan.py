@@ -68,6 +68,7 @@ import numpy as np
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
+from quantcore.export import smoothquant_unexportable
 from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
 from quantcore.parallel import ONE_GPU, Parallelism
 from quantcore.plans import (
@@ -628,6 +629,7 @@ def auto_plan(
     misfit: dict[str, int] = {}  # scheme -> units it cannot take because its groups do not divide their K
     misfit_ks: dict[str, set[int]] = {}  # scheme -> the K of those units' layers
     untileable: dict[str, int] = {}  # scheme -> units whose N vLLM's W4AFP8 kernel cannot tile
+    unsmoothable: dict[str, list[str]] = {}  # scheme -> layers whose SmoothQuant no llm-compressor recipe carries
     unit_opts: list[list[tuple[str, float, float, str]]] = []  # (scheme, kl, cost, source)
     for i, u in enumerate(units):
         opts = []
@@ -643,6 +645,9 @@ def auto_plan(
             if layer_shapes and (w4afp8_misfits(unit_plan, unit_shapes, parallel)
                                  or fp8_block_misfits(unit_plan, unit_shapes, parallel)):
                 untileable[s] = untileable.get(s, 0) + 1
+                continue
+            if get_scheme(s).smoothquant_alpha is not None and (lost := smoothquant_unexportable(unit_plan)):
+                unsmoothable.setdefault(s, []).extend(lost)
                 continue
             lc = [costs[s][m] for m in u]
             sources = {c.source for c in lc}
@@ -664,6 +669,10 @@ def auto_plan(
                "vLLM refuses block-scaled FP8 there (quantcore.plans.fp8_block_misfits)")
         notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up fused){per_gpu} "
                      f"{'or K on each GPU ' if tp > 1 else ''}is not a multiple of 128: {why}")
+    for s, lost in unsmoothable.items():
+        notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost)}): an llm-compressor recipe cannot "
+                     "smooth them (quantcore.export.smoothquant_unmapped), so no served checkpoint would hold the "
+                     "smoothing scored; sweep a scheme without SmoothQuant to let the planner quantize them")
     for s in usable:
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (

@@ -864,30 +864,44 @@ def _smoothquant_layers(plan: Mapping[str, Scheme], layer_names: Sequence[str]) 
     return out
 
 
+def smoothquant_unmapped(layer: str) -> bool:
+    """Whether the Llama-style SmoothQuant mappings of the recipes this module writes cannot smooth ``layer``: they
+    smooth q/k/v_proj (into input_layernorm), gate/up_proj (into the MLP input norm) and down_proj (into up_proj),
+    not o_proj (llm-compressor divides v_proj's rows by one scale per o_proj input channel, which breaks with
+    grouped-query attention; quantplan ties the scales across each KV head group instead), nor lm_head."""
+    return SQ_LEAVES.get(layer.rsplit(".", 1)[-1]) is None or len(layer.split(".")) < 3
+
+
+def smoothquant_unexportable(plan: Mapping[str, Scheme | str]) -> list[str]:
+    """The layers of ``plan`` (every layer, {layer: scheme}) whose SmoothQuant an llm-compressor recipe cannot carry
+    (:func:`smoothquant_unmapped`), in plan order: a recipe of the plan is refused, and no served checkpoint holds
+    the smoothing that was scored. A routed expert's gate/up counts for nothing (quantcore smooths none)."""
+    resolved = {n: get_scheme(s) if isinstance(s, str) else s for n, s in plan.items()}
+    return [n for layers in _smoothquant_layers(resolved, list(resolved)).values() for n in layers
+            if smoothquant_unmapped(n)]
+
+
+def smoothquant_unexportable_message(layers: Sequence[str]) -> str:
+    """One sentence for :func:`smoothquant_unexportable`'s layers (the export's refusal, the Plans page's warning)."""
+    why = (" (llm-compressor's SmoothQuantModifier divides v_proj rows by one scale per o_proj input channel, which "
+           "breaks with grouped-query attention; quantplan ties the scales across each kv head group instead)"
+           if any(n.endswith("o_proj") for n in layers) else "")
+    return (f"SmoothQuant on {len(layers)} layer(s) the Llama-style mappings cannot smooth ({_cut(layers)}): they "
+            f"smooth q/k/v_proj (into input_layernorm), gate/up_proj (into the MLP input norm) and down_proj (into "
+            f"up_proj) only{why}; give those layers a scheme without SmoothQuant (e.g. INT8_W8A8 for INT8_W8A8_SQ) "
+            "or pass smoothquant_mappings")
+
+
 def _llama_mappings(
     smoothed: Sequence[str], layer_names: Sequence[str], mlp_norm: str = MLP_NORM_LLAMA
 ) -> tuple[list[list[Any]], list[str]]:
     """Llama-style SmoothQuant mappings covering exactly ``smoothed``; (mappings, problems)."""
-    problems: list[str] = []
+    unmapped = [layer for layer in smoothed if smoothquant_unmapped(layer)]
+    problems = [smoothquant_unexportable_message(unmapped)] if unmapped else []
     by_kind: dict[str, list[str]] = {}
     for layer in smoothed:
-        kind = SQ_LEAVES.get(layer.rsplit(".", 1)[-1])
-        parts = layer.split(".")
-        if kind is None or len(parts) < 3:
-            why = (
-                "llm-compressor's SmoothQuantModifier divides v_proj rows by one scale per o_proj input "
-                "channel, which breaks with grouped-query attention (quantplan ties the scales across each kv "
-                "head group instead); "
-                if kind is None and layer.endswith("o_proj")
-                else ""
-            )
-            problems.append(
-                f"layer {layer!r} has SmoothQuant, but the Llama-style mappings only smooth q/k/v_proj (into "
-                f"input_layernorm), gate/up_proj (into the MLP input norm) and down_proj (into up_proj); {why}"
-                "give it a scheme without SmoothQuant (e.g. INT8_W8A8 for INT8_W8A8_SQ) or pass smoothquant_mappings"
-            )
-            continue
-        by_kind.setdefault(kind, []).append(layer)
+        if not smoothquant_unmapped(layer):
+            by_kind.setdefault(SQ_LEAVES[layer.rsplit(".", 1)[-1]], []).append(layer)
     mappings: list[list[Any]] = []
     for kind in (SQ_KIND_ATTN, SQ_KIND_MLP, SQ_KIND_DOWN):
         members = by_kind.get(kind)

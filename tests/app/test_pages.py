@@ -783,6 +783,15 @@ def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
     assert not any(b.label.startswith("Use W4A16_G64") for b in at.button)
 
 
+def test_plans_page_warns_where_no_llm_compressor_recipe_can_carry_the_smoothquant(seeded):
+    at = _run("plans", seeded.id)
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("INT8_W8A8_SQ").run()
+    assert not at.exception
+    warning = next(w.value for w in at.warning if "No llm-compressor recipe" in w.value)
+    assert "SmoothQuant on 4 layer(s) the Llama-style mappings cannot smooth ('model.layers.0.self_attn.o_proj'" in warning
+    assert "e.g. INT8_W8A8 for INT8_W8A8_SQ" in warning
+
+
 def test_plans_page_says_where_vllms_w4afp8_kernel_cannot_tile_a_layer(seeded):
     at = _run("plans", seeded.id)
     at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("W4AFP8").run()
@@ -1453,3 +1462,37 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
                and "(model.layers.0.mlp.experts.0.gate_proj stands for 16 expert linears)" in c.value
                for c in at.caption)
     assert next(m.value for m in at.metric if m.label == "Layers above 100×") == "2"  # one per block, not 32
+
+
+def test_an_automatic_plan_is_checked_on_the_tokens_its_sweeps_were_made_on(seeded):
+    """The verifying score reads the sweeps' evaluation (and calibration) text and sizes, so the predicted and the
+    measured KL are of the same tokens; where the sweeps read differ, the newest one's and a note."""
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    def sweep(scheme, **tokens):
+        with session_scope() as s:
+            job = repo.create_job(s, kind="sensitivity", params={"scheme": scheme, **tokens}, queue="cpu", user=None,
+                                  model_id=seeded.id)
+            repo.save_sensitivity(s, job_id=job.id, model_id=seeded.id, scheme=scheme,
+                                  rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 1e-6,
+                                         "top1_agree": 0.99, "sqnr_db": 40.0} for lin in seeded.linears])
+            repo.finish_job(s, job.id, status="succeeded", result={"scheme": scheme})
+        return job.id
+
+    sweep("INT8_PER_TENSOR", samples=2, seq_len=32, cal_samples=4, cal_seq_len=64)
+    result, plan, job = svc.auto_plan(seeded, kl_budget=0.5, target="h100")
+    assert set(result.plan.values()) == {"INT8_PER_TENSOR"}
+    assert {k: job.params.get(k) for k in ("samples", "seq_len", "cal_samples", "cal_seq_len", "dataset")} == {
+        "samples": 2, "seq_len": 32, "cal_samples": 4, "cal_seq_len": 64, "dataset": None}
+    assert not any("different tokens" in n for n in result.notes)
+    # a newer sweep of another scheme on other tokens: a plan of both schemes is checked on the newest's, and says so
+    newer = sweep("FP8_DYNAMIC", samples=8, seq_len=128)
+    tokens, note = svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_PER_TENSOR", "FP8_DYNAMIC", "BF16"})
+    assert tokens == {"samples": 8, "seq_len": 128}
+    assert note.startswith("the sweeps this plan was predicted from were made on different tokens "
+                           "(cal_samples=4 cal_seq_len=64 samples=2 seq_len=32, samples=8 seq_len=128)")
+    assert note.endswith(f"those of the newest, job #{newer}")
+    assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_PER_TENSOR"})[0]["samples"] == 2
+    assert svc.verify_tokens(svc.planner_sweeps(seeded), {"BF16"}) == ({}, None)

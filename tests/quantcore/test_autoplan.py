@@ -486,3 +486,27 @@ def test_with_the_bits_proxy_a_tied_head_stays_in_bf16() -> None:
                      tied=["lm_head"])
     assert free.plan["lm_head"] == "W4A16_G64" and tied.plan["lm_head"] == "BF16"
     assert {s for n, s in tied.plan.items() if n != "lm_head"} == {"W4A16_G64"}
+
+
+def test_smoothquant_is_not_offered_where_no_llm_compressor_recipe_can_carry_it() -> None:
+    """INT8_W8A8_SQ is the cheapest everywhere by its KL, but an llm-compressor recipe smooths neither o_proj nor
+    lm_head: the planner gives those the unsmoothed INT8_W8A8, says so, and the plan it returns exports."""
+    import yaml
+
+    from quantcore.export import to_llmcompressor_recipe
+
+    sens = {"INT8_W8A8_SQ": {label: 1e-6 for label in LABELS}, "INT8_W8A8": {label: 1e-3 for label in LABELS}}
+    res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["INT8_W8A8_SQ", "INT8_W8A8"],
+                    layer_shapes=SHAPES)
+    assert {n: s for n, s in res.plan.items() if s == "INT8_W8A8"} == {
+        "model.layers.0.self_attn.o_proj": "INT8_W8A8", "lm_head": "INT8_W8A8"}
+    assert {s for n, s in res.plan.items() if n not in ("model.layers.0.self_attn.o_proj", "lm_head")} == {
+        "INT8_W8A8_SQ"}
+    [note] = [n for n in res.notes if n.startswith("INT8_W8A8_SQ was not offered to 2 layer(s)")]
+    assert "'model.layers.0.self_attn.o_proj', 'lm_head'" in note and "llm-compressor" in note
+    stage = yaml.safe_load(to_llmcompressor_recipe(res.plan, layer_names=BLOCK))["quant_stage"]
+    assert "smoothing_modifiers" in stage
+    # with nothing but the smoothed scheme swept, those two stay in BF16
+    res = auto_plan(BLOCK, {"INT8_W8A8_SQ": sens["INT8_W8A8_SQ"]}, kl_budget=1.0, target="h100",
+                    candidates=["INT8_W8A8_SQ"], layer_shapes=SHAPES)
+    assert res.plan["model.layers.0.self_attn.o_proj"] == res.plan["lm_head"] == "BF16"

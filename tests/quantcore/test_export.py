@@ -821,3 +821,21 @@ def test_a_plan_for_several_gpus_says_so_on_the_command_line() -> None:
     cmd = to_vllm_command(uniform("FP8_BLOCK"), model_path="/m", layer_names=LAYERS, tensor_parallel=4,
                           expert_parallel=True)
     assert cmd.splitlines()[-1].endswith("--tensor-parallel-size 4 --enable-expert-parallel")
+
+
+def test_smoothquant_on_every_o_proj_is_one_problem_naming_the_layers() -> None:
+    """A plan smoothed on every o_proj (an automatic plan made before it avoided them did that) is refused in one
+    line that names the layers and the fix, not one near-identical line per layer."""
+    from quantcore.export import smoothquant_unexportable
+
+    plan = uniform("INT8_W8A8_SQ")
+    o_projs = [n for n in LAYERS if n.endswith("o_proj")]
+    for n in o_projs:
+        plan[n] = get_scheme("INT8_W8A8_SQ")
+    assert smoothquant_unexportable(plan) == o_projs
+    assert smoothquant_unexportable(uniform("INT8_W8A8_SQ")) == []
+    with pytest.raises(PlanError) as err:
+        to_llmcompressor_recipe(plan, layer_names=LAYERS)
+    msg = str(err.value)
+    assert msg.count("\n") == 0 and f"SmoothQuant on {len(o_projs)} layer(s)" in msg
+    assert all(n in msg for n in o_projs[:3]) and "e.g. INT8_W8A8 for INT8_W8A8_SQ" in msg
