@@ -714,10 +714,11 @@ def run_benchmarks(
                 timer.once_s(probe.fn)  # the very first call pays library set-up
                 rates[path] = 2.0 * min(m, _PROBE_ROWS) * n * k / max(timer.once_s(probe.fn), 1e-9)
             need = flops / rates[path] * (n_warm + min_rep + 1) + min_rep * timer.flush_s
-            if need > left_s():
+            if need > (left := left_s()):
                 return {
                     "native": sup.native,
-                    "skipped": f"over budget: ~{need:.1f} s needed, {max(left_s(), 0):.1f} s left of {budget}",
+                    "skipped": (f"over budget: ~{need:.2g} s needed, " + (f"{left:.2g} s left of {budget}" if left > 0
+                                else f"the earlier paths took all {budget}")),
                 }
             case = _build_case(ops, path, x, kind)
             t1 = timer.once_s(case.fn)  # first call: a warm-up, and the real cost of one call
@@ -942,7 +943,9 @@ def step_estimate(
          "prefill_ms", "decode_ms",                    # plan, measured layers only
          "baseline_prefill_ms", "baseline_decode_ms",  # every layer at baseline
          "speedup_prefill", "speedup_decode",          # over layers measured both ways
+         "common_baseline_prefill_ms", "common_baseline_decode_ms",  # baseline over those layers (the speed-up's)
          "missing_prefill", "missing_decode",          # layers without a plan-path time
+         "skipped_prefill", "skipped_decode",          # {missing layer: why its case has no time}, where recorded
          "missing_baseline",                           # layers without a baseline time
          "complete": bool,                             # nothing missing anywhere
          "per_layer": {name: {"path", "prefill_ms", "decode_ms"}}}
@@ -956,12 +959,14 @@ def step_estimate(
         names = ", ".join(sorted(d[1] for d in devices))
         raise ValueError(f"records come from several devices ({names}); estimate one device at a time")
     times = {(r.m, r.n, r.k, r.path): r.ms for r in recs if has_time(r)}
+    skips = {(r.m, r.n, r.k, r.path): r.skipped for r in recs if not has_time(r) and r.skipped}
     valid = set(PATHS)
 
     out: dict[str, Any] = {"m_prefill": int(m_prefill), "m_decode": int(m_decode), "per_layer": {}}
     tot = {"prefill": 0.0, "decode": 0.0, "base_prefill": 0.0, "base_decode": 0.0}
     common = {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}  # [plan, baseline] over layers with both
     missing: dict[str, list[str]] = {"prefill": [], "decode": [], "baseline": []}
+    skipped: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
     routed = routed or {}
     for name, (n, k) in layer_shapes.items():
         path = layer_paths.get(name) or PATH_BASELINE
@@ -975,6 +980,9 @@ def step_estimate(
             entry[f"{step}_ms"] = t
             if t is None:
                 missing[step].append(name)
+                m_case = routed[name].expert_m(int(m)) if name in routed else int(m)
+                if (why := skips.get((m_case, int(n), int(k), path))) is not None:
+                    skipped[step][name] = why
             else:
                 tot[step] += t
             if b is None:
@@ -993,6 +1001,8 @@ def step_estimate(
     for step in ("prefill", "decode"):
         plan_t, base_t = common[step]
         out[f"speedup_{step}"] = (base_t / plan_t) if plan_t > 0 else None
+        out[f"common_baseline_{step}_ms"] = base_t
+        out[f"skipped_{step}"] = skipped[step]
     out["missing_prefill"] = missing["prefill"]
     out["missing_decode"] = missing["decode"]
     out["missing_baseline"] = missing["baseline"]

@@ -230,6 +230,25 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _set_label(score_set: tuple[str, int]) -> str:
+    """'builtin:lee.cor (4,080)': an evaluation set as `scores --text` prints and takes it."""
+    return f"{score_set[0]} ({score_set[1]:,})"
+
+
+def _score_set(sets: list[tuple[str, int]], text: str, model_name: str) -> tuple[str, int]:
+    """The evaluation set ``text`` names: 'TEXT (POSITIONS)' as printed (commas and a trailing 'positions' allowed),
+    or a bare TEXT (of its sets, the one with most scores)."""
+    import re
+
+    sized = re.fullmatch(r"(.+?)\s*\(\s*([\d,]+)(?:\s+positions)?\s*\)", text.strip())
+    name, positions = (sized.group(1), int(sized.group(2).replace(",", ""))) if sized else (text.strip(), None)
+    matches = [t for t in sets if t[0] == name and positions in (None, t[1])]
+    if not matches:
+        raise CliError(f"no score of {model_name} on {text!r}; scored on: "
+                       + ", ".join(repr(_set_label(t)) for t in sets))
+    return matches[0]
+
+
 def cmd_scores(args) -> int:
     """The stored scores of a model on one evaluation set, with each plan's weight memory (and step times on
     a device that has kernel timings), marking the plans on the KL / cost front."""
@@ -245,11 +264,7 @@ def cmd_scores(args) -> int:
     sets = svc.score_sets(scores)
     eval_set = sets[0]
     if args.text:
-        matches = [t for t in sets if t[0] == args.text]
-        if not matches:
-            raise CliError(f"no score of {model.name} on {args.text!r}; scored on: "
-                           + ", ".join(f"{t[0]} ({t[1]} positions)" for t in sets))
-        eval_set = matches[0]
+        eval_set = _score_set(sets, args.text, model.name)
     m_prefill = m_decode = None
     if args.timings:
         measured = svc.measured_ms(model, svc.kernel_records(args.timings))
@@ -295,7 +310,7 @@ def cmd_scores(args) -> int:
     print(f"{model.name}: {len(rows)} plan(s) scored on {eval_set[0]} ({eval_set[1]:,} positions), lowest KL first; "
           "* = on the front (no other plan has both a lower KL and a lower cost)")
     if len(sets) > 1:
-        print(f"  also scored on: {', '.join(f'{t[0]} ({t[1]:,})' for t in sets if t != eval_set)} (--text)")
+        print(f"  also scored on: {', '.join(repr(_set_label(t)) for t in sets if t != eval_set)} (--text)")
     width = max(len(r["plan"]) for r in rows)
     print(f"  {'plan':<{width}}  {'KL mean':>9}  {'top-1':>6}" + "".join(f"  {h:>{w}}" for _, h, _, w in costs))
 

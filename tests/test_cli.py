@@ -1262,3 +1262,21 @@ def test_a_benchmark_split_over_gpus_times_each_gpus_share(tiny_model, capsys, t
     assert labels[(16, 64)] == "k_proj 16×64 (TP 2)" and labels[(64, 32)] == "o_proj 64×32 (TP 2)"
     code, _, err = run(capsys, "bench", "--tp", "2", "--local")
     assert code == 1 and "--tp needs a MODEL" in err
+
+
+def test_scores_text_names_a_set_as_it_is_printed():
+    """One text scored at two sizes: `scores --text` takes the label it prints ('TEXT (4,080)'), with or without
+    commas or 'positions'; a bare text is the set with most scores; an unknown size lists the sets as accepted."""
+    from quantplan.cli import CliError
+    from quantplan.cli_more import _score_set, _set_label
+
+    sets = [("builtin:lee.cor", 62), ("builtin:lee.cor", 4080), ("mine.txt", 100)]
+    assert _set_label(sets[1]) == "builtin:lee.cor (4,080)"
+    assert _score_set(sets, "builtin:lee.cor (4,080)", "m") == sets[1]
+    assert _score_set(sets, "builtin:lee.cor (4080 positions)", "m") == sets[1]
+    assert _score_set(sets, " builtin:lee.cor(62) ", "m") == sets[0]
+    assert _score_set(sets, "builtin:lee.cor", "m") == sets[0]
+    assert _score_set(sets, "mine.txt", "m") == sets[2]
+    with pytest.raises(CliError) as err:
+        _score_set(sets, "builtin:lee.cor (5)", "m")
+    assert "'builtin:lee.cor (62)', 'builtin:lee.cor (4,080)', 'mine.txt (100)'" in str(err.value)

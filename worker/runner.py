@@ -121,7 +121,10 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
             error = str(exc)  # our own messages are written for a person already
         else:
             error = f"{type(exc).__name__}: {exc}"
-        log.exception("job %s failed", job_id)
+        if isinstance(exc, QuantcoreError):  # bad input, a device without the kernel: the message says it all, in
+            log.info("job %s failed: %s", job_id, error)  # the worker's log (INFO) and the row, with the traceback
+        else:
+            log.exception("job %s failed", job_id)
         with session_scope(settings) as s:
             repo.finish_job(s, job_id, status="failed", message="failed", error=error, traceback=tb.format_exc())
         return "failed"

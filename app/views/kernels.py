@@ -139,8 +139,11 @@ for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_deco
     speedup = est[f"speedup_{step}"]
     label = f"{step.capitalize()} (M={m})" + (f", {n_layers - len(missing)} of {n_layers} layers measured"
                                               if missing else "")
+    # with layers missing, the speed-up is over the layers measured both ways: so is the baseline shown beside it
+    base_ms = est[f"common_baseline_{step}_ms"] if missing else est[f"baseline_{step}_ms"]
     col.metric(label, f"{est[f'{step}_ms']:.3f} ms",
-               (f"×{speedup:.2f} vs baseline {est[f'baseline_{step}_ms']:.3f} ms" if speedup else "no baseline"),
+               (f"×{speedup:.2f} vs baseline {base_ms:.3f} ms" + (" on the same layers" if missing else "")
+                if speedup else "no baseline"),
                delta_color="normal" if speedup and speedup >= 1 else "inverse", delta_arrow="off")
 target = svc.target_of_device(device_name)
 if target:  # a GPU of the table: how far the measured eager kernels are from the roofline bound
@@ -160,10 +163,7 @@ if untimed:
 missing = sorted(set(est["missing_prefill"]) | set(est["missing_decode"]))
 plan_tp = int(body.get("tensor_parallel") or 1)
 if missing:
-    st.caption(f"{len(missing)} layer(s) have no time for their path at these M values (skipped over budget, "
-               "not supported, or not measured): the sums and speed-ups above leave them out. Queue a "
-               "benchmark with these M values" + (f" and {plan_tp} GPUs" if plan_tp > 1 else "")
-               + " to fill them in.")
+    st.caption(svc.missing_times_note(est, plan_tp))
 if plan_tp > 1:
     st.caption(f"The plan is for {plan_tp} GPUs: the step above is one GPU's, its share of every layer, the "
                "all-reduces between GPUs not counted.")

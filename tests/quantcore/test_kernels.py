@@ -515,6 +515,10 @@ def test_step_estimate_sums(hand_records: list[kn.KernelRecord]) -> None:
     assert est["missing_decode"] == ["c"] and est["missing_prefill"] == []
     assert est["baseline_decode_ms"] == pytest.approx(1.0 + 1.0 + 0.5 + 0.5)
     assert est["speedup_decode"] == pytest.approx((1.0 + 1.0 + 0.5) / (0.8 + 0.8 + 0.5))
+    # the speed-up's baseline is of the layers measured both ways, not the whole baseline step
+    assert est["common_baseline_decode_ms"] == pytest.approx(1.0 + 1.0 + 0.5)
+    assert est["common_baseline_prefill_ms"] == pytest.approx(est["baseline_prefill_ms"])
+    assert est["skipped_decode"] == {"c": "over budget: test"} and est["skipped_prefill"] == {}
     assert est["complete"] is False
     assert est["per_layer"]["a"] == {"path": "fp8_row+q", "prefill_ms": 2.0, "decode_ms": 0.8}
     assert est["per_layer"]["d"]["path"] == "baseline"
@@ -526,6 +530,7 @@ def test_step_estimate_without_act_quant_cost(hand_records: list[kn.KernelRecord
     )
     assert est["prefill_ms"] == pytest.approx(1.5)
     assert est["missing_decode"] == ["a"]  # no fp8_row record at M=1
+    assert est["skipped_decode"] == {}  # not measured, rather than skipped
     assert est["decode_ms"] == 0.0 and est["speedup_decode"] is None
 
 

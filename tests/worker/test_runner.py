@@ -36,6 +36,31 @@ def test_success_stores_result_and_status_together(qp_settings):
     assert done.worker_host and done.device == "cpu" and done.started_at and done.finished_at
 
 
+def test_bad_input_fails_without_a_traceback_in_the_log_and_a_bug_with_one(qp_settings, caplog):
+    """A person's mistake (a damaged archive: a QuantcoreError) is logged as its message at INFO, no traceback on
+    a CLI's stderr; anything else is logged with its traceback. Both keep the traceback in the job's row."""
+    import logging
+
+    def damaged(ctx):
+        raise CheckpointError("cannot extract junk.zip: the archive is damaged")
+
+    def bug(ctx):
+        raise RuntimeError("index out of range")
+
+    caplog.set_level(logging.INFO, logger="quantplan.worker")
+    mistake, crash = _job(qp_settings), _job(qp_settings)
+    assert run_job(mistake.id, damaged, settings=qp_settings) == "failed"
+    assert run_job(crash.id, bug, settings=qp_settings) == "failed"
+    (said,) = [r for r in caplog.records if f"job {mistake.id} failed" in r.getMessage()]
+    assert said.levelno == logging.INFO and said.exc_info is None and "archive is damaged" in said.getMessage()
+    (raised,) = [r for r in caplog.records if f"job {crash.id} failed" in r.getMessage()]
+    assert raised.levelno == logging.ERROR and raised.exc_info is not None
+    for job, error in ((mistake, "cannot extract junk.zip: the archive is damaged"),
+                       (crash, "RuntimeError: index out of range")):
+        done = _get(qp_settings, job.id)
+        assert done.error == error and "Traceback" in done.traceback
+
+
 def test_failure_in_write_rolls_back_and_marks_failed(qp_settings):
     job = _job(qp_settings)
 
