@@ -16,7 +16,7 @@ KIND_WORDS = {"register": "Registration", "calibrate": "Calibration", "score": "
 
 
 def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
-           done_notes: Mapping[str, str]) -> None:
+           done_notes: Mapping[str, str], newer_try: bool = False) -> None:
     running = svc.list_jobs(limit=100, kind=kinds, model_id=model_id, status=ACTIVE)
     newest = svc.list_jobs(limit=recent, kind=kinds, model_id=model_id)  # newest first
     active = {j.id for j in running}
@@ -36,7 +36,7 @@ def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
         if job.id in just_ended and job.status == "succeeded":
             note = done_notes.get(job.kind)
             st.success(f"{name} is done: {job.message}." + (f" {note}" if note else ""))
-        elif job.status == "failed" and (job.id in just_ended or job.id == newest_id):  # until a newer try
+        elif job.status == "failed" and (job.id in just_ended or (job.id == newest_id and not newer_try)):
             st.error(f"{name} failed: {job.error}")
         elif job.status == "cancelled" and job.id in just_ended:
             st.info(f"{name} was cancelled.")
@@ -51,11 +51,12 @@ def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
 
 
 def job_progress(key: str, kinds: Sequence[str], *, model_id: int | None = None, recent: int = 3,
-                 done_notes: Mapping[str, str] | None = None) -> None:
+                 done_notes: Mapping[str, str] | None = None, newer_try: bool = False) -> None:
     """The queued and running jobs of ``kinds`` (of one model, when given) with progress bars, what just ended
-    (success, failure or cancel) and the newest job's failure until a newer try; redrawn every REFRESH_S while
-    any is active. Call it below the form that queues them, so a job queued in this run starts the refresh."""
+    (success, failure or cancel) and the newest job's failure until a newer try (``newer_try``: this run's try
+    was refused before a job was made, and says why itself); redrawn every REFRESH_S while any is active. Call it
+    below the form that queues them, so a job queued in this run starts the refresh."""
     kinds = tuple(kinds)
     live = bool(svc.list_jobs(limit=1, kind=kinds, model_id=model_id, status=ACTIVE))
     st.fragment(_panel, run_every=REFRESH_S if live else None)(
-        f"live_jobs:{key}", kinds, model_id, recent, dict(done_notes or {}))
+        f"live_jobs:{key}", kinds, model_id, recent, dict(done_notes or {}), newer_try)

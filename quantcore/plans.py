@@ -460,14 +460,7 @@ def resolve_plan(
         resolved[layer] = scheme
 
     if enforce_fusion:
-        for group in fusion_groups(names):
-            schemes = {scheme_label(resolved[m]) for m in group}
-            if len(schemes) > 1:
-                members = ", ".join(f"{m}={scheme_label(resolved[m])}" for m in group)
-                problems.append(
-                    f"fusion group {group_label(group)} mixes schemes ({members}); a serving engine runs "
-                    "these layers as one GEMM, so set them together (one rule or override for the whole group)"
-                )
+        problems += _mixed_fusion_groups(fusion_groups(names), resolved)
         for block, members in expert_blocks(names).items():
             schemes = sorted({scheme_label(resolved[m]) for m in members})
             if len(schemes) > 1:
@@ -479,6 +472,34 @@ def resolve_plan(
     if problems:
         raise PlanError(_format_problems(_plan_title(spec), problems))
     return resolved
+
+
+def _mixed_fusion_groups(groups: Sequence[Sequence[str]], resolved: Mapping[str, Scheme]) -> list[str]:
+    """One problem per way fusion groups mix schemes: a rule that matched q_proj alone mixes every block's q/k/v
+    the same way, which is one message naming the blocks and the rule that would set each group whole, not one
+    message per block."""
+    mixes: dict[tuple[tuple[str, str], ...], list[Sequence[str]]] = {}
+    for group in groups:
+        if len({scheme_label(resolved[m]) for m in group}) > 1:
+            key = tuple((m.rsplit(".", 1)[-1], scheme_label(resolved[m])) for m in group)
+            mixes.setdefault(key, []).append(group)
+    out = []
+    for key, same in mixes.items():
+        first = same[0]
+        if len(same) == 1:
+            members = ", ".join(f"{m}={scheme_label(resolved[m])}" for m in first)
+            out.append(f"fusion group {group_label(first)} mixes schemes ({members}); a serving engine runs these "
+                       "layers as one GEMM, so set them together (one rule or override for the whole group)")
+            continue
+        leaves = [leaf for leaf, _ in key]
+        parent = first[0].rsplit(".", 2)[-2] if first[0].count(".") >= 2 else ""
+        match = (re.escape(parent) + "\\." if parent else "") + f"({'|'.join(map(re.escape, leaves))})$"
+        scheme = next((scheme_label(resolved[m]) for m in first if not resolved[m].is_identity), key[0][1])
+        out.append(f"{len(same)} fusion groups ({_cut([group_label(g) for g in same], 2)}) mix schemes the same way "
+                   f"({', '.join(f'{leaf}={label}' for leaf, label in key)}); a serving engine runs each group's "
+                   f"layers as one GEMM, so set them together: one rule for the whole group, such as "
+                   f"{{match: '{match}', scheme: {scheme}}}")
+    return out
 
 
 def plan_from_scheme(

@@ -17,6 +17,7 @@ if REMOVED in st.session_state:
     st.success(removed_note)
     st.toast(removed_note)  # seen wherever the page is scrolled to
 
+refused = False  # a try refused before any job: its own error replaces the last job's failure below
 with st.container(border=True):
     st.subheader("Register a model")
     c1, c2 = st.columns([1, 2])
@@ -36,6 +37,7 @@ with st.container(border=True):
                 job = svc.register_upload(up.name, up.getvalue(), name or None)
                 st.success(f"Queued registration job #{job.id} for {up.name}.")
             except ValueError as exc:
+                refused = True
                 st.error(str(exc))
         path = st.text_input("…or a path on shared storage (a folder, archive or .gguf the workers can read)",
                              key="shared_path")
@@ -44,11 +46,12 @@ with st.container(border=True):
                 job = svc.register_path(path, name or None)
                 st.success(f"Queued registration job #{job.id} for {path}.")
             except ValueError as exc:
+                refused = True
                 st.error(str(exc))
 
 
 
-live.job_progress("register", ["register"])
+live.job_progress("register", ["register"], newer_try=refused)
 
 models = svc.list_models()
 st.subheader(f"Registered models ({len(models)})")

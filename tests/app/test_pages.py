@@ -41,6 +41,24 @@ def test_models_page_lists_the_model(seeded):
     assert table.loc["tiny-smol", "sliding-window layers"] == 0
 
 
+def test_a_path_refused_before_any_job_replaces_the_last_registrations_failure(seeded, tmp_path):
+    """The newest registration's failure stays on Models until a newer try; a path the app refuses at once (no
+    job made) is that newer try: its own error shows, not the older job's under it."""
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        job = repo.create_job(s, kind="register", params={"source": str(tmp_path)}, queue="cpu", user=None)
+        repo.finish_job(s, job.id, status="failed", error="no config.json in the folder")
+    at = _run("models", seeded.id)
+    assert any(f"Registration job #{job.id}" in e.value and "no config.json" in e.value for e in at.error)
+    at.text_input(key="shared_path").input(str(tmp_path / "does" / "not" / "exist")).run()
+    at.button(key="register_path").click().run()
+    assert not at.exception
+    assert any("does not exist" in e.value for e in at.error)
+    assert not any("no config.json" in e.value for e in at.error)
+
+
 def test_jobs_page_shows_failures_with_their_message(seeded):
     at = _run("jobs", seeded.id)
     assert any("boom: a readable message" in e.value for e in at.error)

@@ -132,6 +132,24 @@ def test_fusion_group_split_is_an_error_naming_group_and_schemes():
     assert plan["model.layers.1.self_attn.k_proj"].name == "INT8_W8A8"
 
 
+def test_a_rule_that_splits_every_blocks_group_the_same_way_is_one_problem_with_the_rule_that_mends_it():
+    """A rule matching q_proj alone splits every block's q/k/v: one line names the groups and the rule that sets
+    each group whole; applying that rule resolves."""
+    import re
+
+    spec = PlanSpec(default="BF16", rules=[Rule("q_proj", "INT8_W8A8")])
+    with pytest.raises(PlanError) as info:
+        resolve_plan(spec, LAYERS)
+    msg = str(info.value)
+    blocks = len({n.split(".")[2] for n in LAYERS if n.endswith("q_proj")})
+    assert "\n" not in msg and f"{blocks} fusion groups ('model.layers.0.self_attn.{{q,k,v}}_proj'" in msg
+    assert "(q_proj=INT8_W8A8, k_proj=BF16, v_proj=BF16)" in msg
+    (match,) = re.findall(r"\{match: '([^']+)', scheme: INT8_W8A8\}", msg)
+    mended = resolve_plan(PlanSpec(default="BF16", rules=[Rule(match, "INT8_W8A8")]), LAYERS)
+    assert {n for n, s in mended.items() if s.name == "INT8_W8A8"} == {
+        n for n in LAYERS if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")}
+
+
 def test_fusion_group_with_different_alphas_is_an_error():
     spec = PlanSpec(default="INT8_W8A8_SQ", layer_alpha={"model.layers.0.mlp.gate_proj": 0.8})
     with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.\{gate,up\}_proj.*alpha=0\.8"):
