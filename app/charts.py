@@ -49,6 +49,9 @@ KERNEL_COLUMN_PX = 110  # width of one kernel-path column of the kernel heatmap
 KERNEL_ROW_PX = 26  # height of one GEMM-shape row
 KERNEL_MIN_EXTENT = 2.0  # the speed-up colour scale spans at least 0.5x .. 2x
 KERNEL_DARK_SHARE = 0.6  # cells beyond this share of the log extent are dark: white text
+OVERVIEW_HEIGHT = 420  # the page draws a chart in this height overall: axes and legend take ~100 px of it
+OUTSIDE_BLOCKS_COLOR = "#9e9e9e"  # lm_head and other layers outside the decoder blocks
+SMOOTH_WIDTH = 360  # each of the two SmoothQuant panels: both fit a wide page's column with their axes
 OVERVIEW_WIDTH = 720  # fixed: a band per projection x an offset per block would otherwise grow with depth
 
 INT8_FLUSH_LABEL = "INT8 per-tensor flush"
@@ -252,7 +255,7 @@ def breakage_frame(
 # =============================================================================================
 # Outliers page: charts
 # =============================================================================================
-def overview_chart(df: pd.DataFrame, height: int = CHART_HEIGHT, width: int = OVERVIEW_WIDTH) -> alt.Chart:
+def overview_chart(df: pd.DataFrame, height: int = OVERVIEW_HEIGHT, width: int = OVERVIEW_WIDTH) -> alt.Chart:
     """Outlier ratio (log y) of every linear input, one column per projection type, coloured by depth.
 
     Input: :func:`overview_frame`. A click selects a layer: the point selection param
@@ -270,22 +273,22 @@ def overview_chart(df: pd.DataFrame, height: int = CHART_HEIGHT, width: int = OV
     for col, fmt in (("amax", ",.4g"), ("median_channel_max", ",.4g"), ("in_features", ",d")):
         if col in df.columns:
             tooltip.append(alt.Tooltip(f"{col}:Q", format=fmt))
+    # a layer outside the blocks (lm_head: block -1) sits mid-band in its column, in grey, not as block 0
+    middle = int(df.loc[df["block"] >= 0, "block"].max() // 2) if (df["block"] >= 0).any() else 0
+    df = df.assign(slot=df["block"].where(df["block"] >= 0, middle))
     return (
-        alt.Chart(
-            df,
-            height=height,
-            width=width,
-            title="Outlier ratio of every linear input (click a point to inspect)",
-        )
+        alt.Chart(df, height=height, width=width)  # no title: the page's heading and caption say what it is
         .mark_circle(size=60)
         .encode(
-            x=alt.X("proj:N", title="projection", sort=_proj_sort(df["proj"])),
-            xOffset=alt.XOffset("block:O"),
+            x=alt.X("proj:N", title="projection", sort=_proj_sort(df["proj"]), axis=alt.Axis(labelAngle=0)),
+            xOffset=alt.XOffset("slot:O"),
             y=alt.Y(
                 "outlier_ratio:Q", title="max channel max / median channel max", scale=alt.Scale(type="log")
             ),
-            # the legend runs over the blocks; lm_head (block -1) takes the first colour, not a "-1" tick
-            color=alt.Color("block:Q", title="block", scale=alt.Scale(scheme="viridis", domainMin=0, clamp=True)),
+            # the legend runs over the blocks; a layer outside them is grey (its tooltip names it)
+            color=alt.condition(
+                "datum.block < 0", alt.value(OUTSIDE_BLOCKS_COLOR),
+                alt.Color("block:Q", title="block", scale=alt.Scale(scheme="viridis", domainMin=0, clamp=True))),
             opacity=alt.condition(pick, alt.value(1.0), alt.value(0.35)),
             size=alt.condition(pick, alt.value(140), alt.value(60)),
             tooltip=tooltip,
@@ -391,7 +394,7 @@ def depth_heatmap(df: pd.DataFrame, proj: str | None = None, height: int = CHART
 
 
 def smoothquant_chart(
-    points: pd.DataFrame, steps: pd.DataFrame, alpha: float, height: int = CHART_HEIGHT
+    points: pd.DataFrame, steps: pd.DataFrame, alpha: float, height: int = CHART_HEIGHT, width: int = SMOOTH_WIDTH
 ) -> alt.HConcatChart:
     """Activation vs weight per-channel max before and after smoothing (two panels, shared log y).
 
@@ -408,6 +411,7 @@ def smoothquant_chart(
         "tensor:N",
         title="",
         scale=alt.Scale(domain=list(SERIES_COLORS), range=list(SERIES_COLORS.values())),
+        legend=alt.Legend(orient="bottom"),  # beside two panels it would run off a page's right edge
     )
     y_scale = alt.Scale(type="log")
     panels = []
@@ -431,11 +435,11 @@ def smoothquant_chart(
             .mark_rule(strokeDash=[6, 3])
             .encode(y=alt.Y("step:Q", scale=y_scale), color=color, tooltip=["text:N"])
         )
-        panels.append(alt.layer(dots, rules, title=title, height=height))
+        panels.append(alt.layer(dots, rules, title=title, height=height, width=width))
     return alt.hconcat(*panels).resolve_scale(y="shared")
 
 
-def alpha_sweep_chart(sweep: pd.DataFrame, alpha: float, height: int = 200) -> alt.LayerChart:
+def alpha_sweep_chart(sweep: pd.DataFrame, alpha: float, height: int = CHART_HEIGHT) -> alt.LayerChart:
     """Share of activation / weight channels flushed by per-tensor INT8 as alpha varies, chosen alpha marked.
 
     sweep: alpha, act_flushed, weight_flushed (``quantcore.outliers.alpha_sweep``).

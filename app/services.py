@@ -1522,16 +1522,24 @@ AUTO_COSTS = {  # what an automatic plan minimises
 }
 
 
+def _plan_label(plan_id: int) -> str:
+    """'name v3' of a plan version, '#id' once it is removed."""
+    try:
+        return get_plan(plan_id).label
+    except repo.NotFound:
+        return f"#{plan_id}"
+
+
 def job_what(job: JobRecord) -> str:
     """What a job works on, in a few words, from its parameters: "FP8_DYNAMIC + KV FP8 · 16 × 256",
-    "plan #3", "INT8_W8A8 sweep", "cuda M 1,16"."""
+    "plan my-plan v3", "INT8_W8A8 sweep", "cuda M 1,16"."""
     from quantcore.plans import kv_label
 
     p = job.params or {}
     parts: list[str] = []
     if job.kind in ("score", "sensitivity"):
         plan_file = p.get("plan") if isinstance(p.get("plan"), dict) else {}
-        what = p.get("scheme") or (f"plan #{job.plan_id}" if job.plan_id else
+        what = p.get("scheme") or (f"plan {_plan_label(job.plan_id)}" if job.plan_id else
                                    f"plan {plan_file.get('name') or 'file'}" if plan_file else "")
         kv = p.get("kv_cache") or plan_file.get("kv_cache")
         if kv and kv != "AUTO":

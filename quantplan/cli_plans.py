@@ -241,7 +241,8 @@ def cmd_plan_auto(args) -> int:
         for note in result.notes:
             print(f"  note: {note}")
         if "measured_kl" in out:
-            print(f"  verified by score job #{out['verify_job']}: measured KL {out['measured_kl']}")
+            print(f"  verified by score job #{out['verify_job']}: measured KL {out['measured_kl']:.4g} (predicted "
+                  f"{result.predicted_kl:.4g})")
         elif job is not None:
             print(f"  verification queued: score job #{job.id}")
     return 0

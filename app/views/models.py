@@ -120,8 +120,10 @@ live.job_progress("calibrate", ["calibrate"],
 
 cals = svc.calibrations(model.id)
 if cals:
-    st.caption(f"{len(cals)} calibration(s) stored; newest is job #{cals[0].id} "
-               f"({cals[0].result.get('tokens', '?') if cals[0].result else '?'} tokens).")
+    what = svc.job_what(cals[0])  # "4 × 64": sequences × tokens each
+    tokens = (cals[0].result or {}).get("tokens")
+    st.caption(f"{len(cals)} calibration(s) stored; newest is job #{cals[0].id}"
+               + (f" ({what + ' = ' if what else ''}{tokens:,} tokens)" if tokens else "") + ".")
 
 if CLEARED in st.session_state:
     st.success(st.session_state.pop(CLEARED))

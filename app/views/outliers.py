@@ -90,7 +90,7 @@ st.caption("s_j = max|X_j|^α / max|W_j|^(1−α): activations are divided by s,
 alpha = st.slider("α (migration strength)", 0.0, 1.0, 0.5, 0.05, key="outliers_alpha")
 view = ol.smoothquant_view(stat.channel_max, stat.weight_channel_max, alpha)
 points, steps = charts.smoothquant_frame(view)
-st.altair_chart(charts.smoothquant_chart(points, steps, alpha), width="stretch")
+st.altair_chart(charts.smoothquant_chart(points, steps, alpha), width="content")  # two fixed panels
 sweep = pd.DataFrame(ol.alpha_sweep(stat.channel_max, stat.weight_channel_max))
 st.altair_chart(charts.alpha_sweep_chart(sweep, alpha), width="stretch")
 with st.form("save_alpha"):
@@ -169,5 +169,25 @@ bgran = c1.selectbox("Granularity", list(ol.GRANULARITIES), key="breakage_gran")
 bfmts = c2.multiselect("Formats", element_formats, default=list(ol.DEFAULT_BREAKAGE_FORMATS), key="breakage_fmts")
 if bfmts:
     table = charts.breakage_frame(stats, bfmts, bgran)
-    st.dataframe(table.sort_values(["frac_channels_flushed", "worst_rel_error"], ascending=False),
-                 hide_index=True, width="stretch")
+    pct = "%.2f%%"
+    st.dataframe(
+        table.sort_values(["frac_channels_flushed", "worst_rel_error"], ascending=False)
+        .assign(**{c: table[c] * 100 for c in ("frac_channels_flushed", "worst_rel_error", "median_rel_error",
+                                                 "expected_saturation")}),
+        hide_index=True, width="stretch",
+        column_config={
+            "scale_amax": st.column_config.NumberColumn("scale amax", format="%.4g",
+                                                        help="the largest |x| the scale is set from"),
+            "flush_threshold": st.column_config.NumberColumn("flushes below", format="%.3g",
+                                                             help="|x| at or below this rounds to zero"),
+            "frac_channels_flushed": st.column_config.NumberColumn(
+                "channels flushed", format=pct, help="channels whose largest value rounds to zero"),
+            "worst_rel_error": st.column_config.NumberColumn(
+                "worst rel. error", format=pct, help="rounding error of the smallest channel's largest value"),
+            "median_rel_error": st.column_config.NumberColumn(
+                "median rel. error", format=pct, help="the same for the median channel"),
+            "expected_saturation": st.column_config.NumberColumn(
+                "clipped by a static scale", format=pct,
+                help="share of values a static scale set from the p99 token max would clip"),
+            "dead_channels": st.column_config.NumberColumn("dead channels", help="channels that are always 0"),
+        })

@@ -221,18 +221,20 @@ if resolved is not None:
         kvm = svc.kv_memory(model, body, target, context)
         dec = svc.decode_with_cache(model, body, target, batch, context)
         c1, c2, c3 = st.columns(3)
-        c1.metric(f"Cache of one {context:,}-token sequence ({kvm['kv_cache']})",
-                  f"{kvm['sequence_bytes'] / svc.MIB:,.1f} MiB",
+        on = f"{tp} × " if tp > 1 else ""
+        c1.metric(f"Cache of one sequence ({kvm['kv_cache']})", f"{kvm['sequence_bytes'] / svc.MIB:,.1f} MiB",
                   f"{kvm['sequence_bytes'] / kvm['bf16_sequence_bytes']:.0%} of BF16 "
-                  f"({kvm['bf16_sequence_bytes'] / svc.MIB:,.1f} MiB)", delta_color="off", delta_arrow="off")
-        c2.metric(f"Sequences of {context:,} tokens that fit on {f'{tp} × ' if tp > 1 else 'a '}{gpu}",
-                  f"{kvm['sequences']:,}",
+                  f"({kvm['bf16_sequence_bytes'] / svc.MIB:,.1f} MiB)", delta_color="off", delta_arrow="off",
+                  help=f"K and V of one sequence of {context:,} tokens")
+        c2.metric(f"Sequences that fit on {on}{target}", f"{kvm['sequences']:,}",
                   f"×{kvm['sequences'] / kvm['bf16_sequences']:.2f} vs all-BF16 ({kvm['bf16_sequences']:,})"
-                  if kvm["bf16_sequences"] else "all-BF16: none fit", delta_color="off", delta_arrow="off")
-        c3.metric(f"Ideal decode step of {batch:,} with the cache read" + (" (one GPU's share)" if tp > 1 else ""),
-                  f"{dec['ms']:.3f} ms",
+                  if kvm["bf16_sequences"] else "all-BF16: none fit", delta_color="off", delta_arrow="off",
+                  help=f"sequences of {context:,} tokens whose cache fits beside the weights on {on or 'one '}{gpu}")
+        c3.metric("Ideal decode step, cache read", f"{dec['ms']:.3f} ms",
                   f"×{dec['bf16_ms'] / dec['ms']:.2f} vs all-BF16 ({dec['bf16_ms']:.3f} ms); cache read "
-                  f"{dec['kv_ms'] / dec['ms']:.0%} of it", delta_color="off", delta_arrow="off")
+                  f"{dec['kv_ms'] / dec['ms']:.0%} of it", delta_color="off", delta_arrow="off",
+                  help=f"the roofline step of {batch:,} sequences decoding a token each: the weights and every "
+                       "sequence's cache read" + (", one GPU's share" if tp > 1 else ""))
         skipped = (f" {kvm['skipped_layers']} layer(s) keep their cache in BF16 (kv_cache_skip)."
                    if kvm["skipped_layers"] else "")
         windowed = (f" {kvm['windowed_layers']} layer(s) attend to a sliding window of "

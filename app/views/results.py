@@ -152,7 +152,7 @@ if not scores:
     st.info("Nothing scored yet for this model.")
 else:
     table = pd.DataFrame([{"job": s.job_id, "plan": s.plan_label, "KV cache": s.kv_cache, **s.metrics(),
-                           "predicted KL": s.predicted_kl, "text": s.dataset,
+                           "predicted KL": s.predicted_kl, "text": s.dataset, "positions": s.tokens,
                            "calibrated on": s.details.get("calibration"),  # GPTQ / KV scales; None: not needed
                            "scored": s.created_at} for s in scores])
     st.dataframe(table, hide_index=True, width="stretch",
@@ -162,6 +162,10 @@ else:
                             format_func=lambda j: next(f"#{s.job_id} {s.plan_label}" for s in scores
                                                        if s.job_id == j), key="results_compare")
     chosen = [s for s in scores if s.job_id in picked]
+    if len(chosen_sets := svc.score_sets(chosen)) > 1:
+        st.warning("These scores were measured on different tokens ("
+                   + "; ".join(f"{text}, {n:,} positions" for text, n in chosen_sets)
+                   + "): their KLs, perplexities and curves are not comparable. Compare scores of one text and size.")
     if chosen:
         cols = st.columns(len(chosen[:4]))
         for col, s in zip(cols, chosen[:4], strict=False):

@@ -118,9 +118,15 @@ def test_overview_chart_encodings_and_selection() -> None:
     enc = spec["encoding"]
     assert enc["y"]["field"] == "outlier_ratio" and enc["y"]["scale"]["type"] == "log"
     assert enc["x"]["field"] == "proj" and enc["x"]["sort"] == ["q_proj", "o_proj", "down_proj", "lm_head"]
+    # blocks by colour; lm_head (block -1) grey, and in the middle of its column rather than at block 0's place
     assert enc["color"]["field"] == "block" and enc["color"]["type"] == "quantitative"
-    assert enc["color"]["scale"]["domainMin"] == 0 and enc["color"]["scale"]["clamp"]  # lm_head is block -1
-    assert enc["xOffset"]["field"] == "block"
+    assert enc["color"]["scale"]["domainMin"] == 0 and enc["color"]["scale"]["clamp"]
+    assert enc["color"]["condition"] == {"test": "datum.block < 0", "value": charts.OUTSIDE_BLOCKS_COLOR}
+    assert enc["xOffset"]["field"] == "slot"
+    slots = {r["layer"]: (r["block"], r["slot"]) for r in data_rows(spec, spec)}
+    top = max(b for b, _ in slots.values())
+    assert slots["lm_head"] == (-1, top // 2)
+    assert all(slot == block for layer, (block, slot) in slots.items() if layer != "lm_head")
     (param,) = spec["params"]
     assert param["name"] == "layer_pick"
     assert param["select"]["type"] == "point" and param["select"]["fields"] == ["layer"]

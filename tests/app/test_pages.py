@@ -39,6 +39,9 @@ def test_models_page_lists_the_model(seeded):
     # SmolLM2's shapes in 4 blocks: 4 × (k_proj + v_proj of 192) × 2 bytes = 3 KiB a token, no sliding window
     assert table.loc["tiny-smol", "KV KiB / token (BF16)"] == 3.0
     assert table.loc["tiny-smol", "sliding-window layers"] == 0
+    # the newest calibration's size: its params say no sequences × tokens here, so the total alone
+    assert any(c.value.startswith("1 calibration(s) stored; newest is job #") and c.value.endswith("(256 tokens).")
+               for c in at.caption)
 
 
 def test_a_path_refused_before_any_job_replaces_the_last_registrations_failure(seeded, tmp_path):
@@ -140,6 +143,30 @@ def test_results_page_shows_scores_and_sensitivity(seeded):
     at = _run("results", seeded.id)
     assert any("FP8_DYNAMIC" in m.label for m in at.metric)
     assert len(at.dataframe) >= 2
+
+
+def test_results_page_says_when_the_scores_compared_were_measured_on_different_tokens(seeded):
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    at = _run("results", seeded.id)
+    assert not any("different tokens" in w.value for w in at.warning)  # one score: nothing to say
+    (first,) = svc.list_scores(seeded.id)
+    with session_scope() as s:
+        mine = repo.get_score(s, first.job_id)
+        job = repo.create_job(s, kind="score", params={"scheme": "INT8_W8A8"}, queue="cpu", user=None,
+                              model_id=seeded.id)
+        report = {k: getattr(mine, k) for k in ("kl_mean", "kl_p50", "kl_p90", "kl_p99", "kl_max", "top1_agree",
+                                                 "ppl_ref", "ppl")}
+        repo.save_score(s, job_id=job.id, model_id=seeded.id, plan_id=None, plan_label="INT8_W8A8",
+                        plan_body={"default": "INT8_W8A8"}, dataset=mine.dataset,
+                        report={**report, "tokens": mine.tokens * 4})
+        repo.finish_job(s, job.id, status="succeeded")
+    at = _run("results", seeded.id)
+    assert not at.exception
+    warning = next(w.value for w in at.warning if "different tokens" in w.value)
+    assert f"{mine.dataset}, {mine.tokens:,} positions" in warning and f"{mine.tokens * 4:,} positions" in warning
 
 
 def test_kernels_page_marks_non_native_paths(seeded):
@@ -877,14 +904,16 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     at = _run("plans", seeded.id)
     assert not at.exception
     assert any(h.value == "KV cache" for h in at.subheader)
-    one = next(m for m in at.metric if m.label == "Cache of one 4,096-token sequence (AUTO)")
+    one = next(m for m in at.metric if m.label == "Cache of one sequence (AUTO)")
+    assert one.proto.help == "K and V of one sequence of 4,096 tokens"  # short labels: the sizes in the help
     bf16 = kv_bytes_per_token(seeded.linears, "AUTO")
     assert one.value == f"{bf16 * 4096 / 2**20:,.1f} MiB" and "100% of BF16" in one.proto.delta
     at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8").run()
     assert not at.exception
-    one = next(m for m in at.metric if m.label == "Cache of one 4,096-token sequence (FP8)")
+    one = next(m for m in at.metric if m.label == "Cache of one sequence (FP8)")
     assert "50% of BF16" in one.proto.delta
-    fit = next(m for m in at.metric if m.label.startswith("Sequences of 4,096 tokens that fit on a NVIDIA H100"))
+    fit = next(m for m in at.metric if m.label == "Sequences that fit on h100")
+    assert fit.proto.help.startswith("sequences of 4,096 tokens whose cache fits beside the weights on one NVIDIA H100")
     body = {"model": seeded.name, "default": "FP8_DYNAMIC", "kv_cache": "FP8",
             "rules": [{"match": "lm_head", "scheme": "BF16"}]}
     kvm = svc.kv_memory(svc.get_model(seeded.id), body, "h100", 4096)
@@ -894,7 +923,8 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     at.number_input(key="plan_kv_batch").set_value(64)
     at.number_input(key="plan_kv_context").set_value(32768).run()
     dec = svc.decode_with_cache(svc.get_model(seeded.id), body, "h100", 64, 32768)
-    step = next(m for m in at.metric if m.label.startswith("Ideal decode step of 64 with the cache read"))
+    step = next(m for m in at.metric if m.label == "Ideal decode step, cache read")
+    assert step.proto.help.startswith("the roofline step of 64 sequences")
     assert step.value == f"{dec['ms']:.3f} ms" and f"all-BF16 ({dec['bf16_ms']:.3f} ms)" in step.proto.delta
     assert dec["bf16_kv_ms"] == 2 * dec["kv_ms"] and dec["kv_ms"] > dec["linear_ms"]  # long context: the cache
     # on Hopper an FP8 cache means FP8 attention (FlashAttention 3): the page says which format scores that
@@ -1134,7 +1164,7 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
               svc.submit("bench", {"device": "cpu", "m": [1, 16]}, model_id=seeded.id),
               svc.submit("score", {"plan": {"name": "mine-file", "default": "FP8", "kv_cache": "FP8_E5M2"}},
                          model_id=seeded.id)]
-    assert [svc.job_what(j) for j in queued] == ["FP8_DYNAMIC + KV FP8 · 16 × 256", f"plan #{plan.id} · 4 × 128",
+    assert [svc.job_what(j) for j in queued] == ["FP8_DYNAMIC + KV FP8 · 16 × 256", "plan mine v1 · 4 × 128",
                                                  "INT8_W8A8 sweep · 8 × 256", "cpu M 1,16",
                                                  "plan mine-file + KV FP8_E5M2"]
     at = _run("jobs", seeded.id)
