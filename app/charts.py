@@ -52,6 +52,7 @@ KERNEL_DARK_SHARE = 0.6  # cells beyond this share of the log extent are dark: w
 OVERVIEW_HEIGHT = 420  # the page draws a chart in this height overall: axes and legend take ~100 px of it
 OUTSIDE_BLOCKS_COLOR = "#9e9e9e"  # lm_head and other layers outside the decoder blocks
 SMOOTH_WIDTH = 360  # each of the two SmoothQuant panels: both fit a wide page's column with their axes
+LABEL_FLIP_AT = 0.8  # channels chart: labels of points past this share of the channels read leftwards
 OVERVIEW_WIDTH = 720  # fixed: a band per projection x an offset per block would otherwise grow with depth
 
 INT8_FLUSH_LABEL = "INT8 per-tensor flush"
@@ -331,11 +332,12 @@ def channels_chart(
             tooltip=[alt.Tooltip("channel:Q"), alt.Tooltip("channel_max:Q", format=".4g"), "rank:Q"],
         )
     )
-    labels = (
-        alt.Chart(top)
-        .mark_text(align="left", dx=6, dy=-4, fontSize=11)
-        .encode(x="channel:Q", y=y, text="text:N")
-    )
+    # a label reads rightwards from its point, leftwards in the last fifth of the channels (not off the chart)
+    right = top["channel"] > LABEL_FLIP_AT * channels["channel"].max() if len(channels) else top["channel"] < 0
+    labels = alt.layer(*(
+        alt.Chart(part).mark_text(align=align, dx=dx, dy=-4, fontSize=11).encode(x="channel:Q", y=y, text="text:N")
+        for part, align, dx in ((top[~right], "left", 6), (top[right], "right", -6))
+    ))
     labels_known = [lbl for lbl in THRESHOLD_COLORS if lbl in set(thresholds["label"])]
     others = [lbl for lbl in thresholds["label"] if lbl not in THRESHOLD_COLORS]
     domain = labels_known + others

@@ -174,9 +174,15 @@ def test_channels_chart_thresholds_and_labels() -> None:
     points = view_with(spec, "circle")
     assert points["encoding"]["x"]["field"] == "channel"
     assert len(data_rows(spec, points)) == 1536
-    labels = data_rows(spec, view_with(spec, "text"))
-    assert sorted(r["channel"] for r in labels) == [17, 100, 200, 300, 400]
-    assert any(r["text"].startswith("ch 17: 3e+03") for r in labels)
+    labels = {v["mark"]["align"]: data_rows(spec, v) for v in views(spec) if mark_type(v) == "text"}
+    assert sorted(r["channel"] for r in labels["left"]) == [17, 100, 200, 300, 400] and not labels["right"]
+    assert any(r["text"].startswith("ch 17: 3e+03") for r in labels["left"])
+    # a top channel in the last fifth is labelled leftwards of its point, so the label stays on the chart
+    cm[1487] = 1140.0
+    stat = make_stat("model.layers.11.mlp.down_proj", cm)
+    spec = spec_of(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax), top_k=2))
+    labels = {v["mark"]["align"]: data_rows(spec, v) for v in views(spec) if mark_type(v) == "text"}
+    assert [r["channel"] for r in labels["left"]] == [17] and [r["channel"] for r in labels["right"]] == [1487]
 
 
 def test_channels_chart_bounded_for_wide_layers() -> None:
