@@ -772,11 +772,23 @@ def _resolve(model: ModelRecord, body: dict[str, Any]) -> tuple[dict | None, str
     from quantcore.plans import PlanSpec, resolve_plan
 
     try:
-        resolved = resolve_plan(PlanSpec.from_dict(body), layer_names(model))
+        spec = PlanSpec.from_dict(body)
+    except PlanError as exc:  # a bad serving field: what the layers' schemes would run into is said at once too
+        rest = {k: v for k, v in body.items() if k not in SERVING_KEYS}
+        try:
+            resolve_plan(PlanSpec.from_dict(rest), layer_names(model)) if rest != body else None
+        except PlanError as more:
+            return None, f"{exc}\n{more}"
+        return None, str(exc)
+    try:
+        resolved = resolve_plan(spec, layer_names(model))
         kv_skipped(model, body)  # layer indices and sliding_window checked against this model
         return resolved, None
     except (PlanError, ValueError) as exc:
         return None, str(exc)
+
+
+SERVING_KEYS = ("kv_cache", "kv_cache_skip", "tensor_parallel", "expert_parallel")  # a plan's fields beside schemes
 
 
 def kv_skip_options(model: ModelRecord) -> list[str]:

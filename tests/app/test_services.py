@@ -51,3 +51,17 @@ def test_kept_layer_groupings_are_fresh_lists() -> None:
     blocks["b.mlp.experts"].clear()
     assert expert_blocks(experts) == {"b.mlp.experts": experts}
     assert plan_unit_of(experts[4], experts) == experts
+
+
+def test_a_bad_serving_field_does_not_hide_the_plans_other_problems() -> None:
+    """An unknown KV cache format is said together with what the layers' schemes run into (an unknown scheme, a
+    rule matching nothing, a layer the model lacks), not alone first and the rest after it is mended."""
+    model = _model(_linears(64), model_id=7)
+    body = {"default": "BF16", "kv_cache": "FP7", "rules": [{"match": "q_proj", "scheme": "INT9"}],
+            "layers": {"nope": "FP8_DYNAMIC"}}
+    resolved, problem = svc.resolve(model, body)
+    assert resolved is None
+    assert problem.startswith("This plan file is malformed: 'kv_cache': unknown KV cache format 'FP7'")
+    assert "unknown scheme 'INT9'" in problem and "'nope'" in problem
+    _, alone = svc.resolve(model, {"default": "BF16", "kv_cache": "FP7"})  # nothing else wrong: the one problem
+    assert "\n" not in alone and "FP7" in alone
