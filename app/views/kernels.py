@@ -100,7 +100,22 @@ else:
 st.subheader("Every case")
 st.dataframe(frame[["shape", "m", "n", "k", "path", "ms", "tflops", "pct_peak", "speedup", "native",
                     "max_rel_err", "padded_m", "skipped"]].sort_values(["n", "k", "m", "path"]),
-             hide_index=True, width="stretch")
+             hide_index=True, width="stretch",
+             column_config={
+                 "ms": st.column_config.NumberColumn("ms", format="%.4f", help="median time of one call"),
+                 "tflops": st.column_config.NumberColumn("TFLOP/s", format="%.4g",
+                                                         help="2·M·N·K / time (TOPS for INT8)"),
+                 "pct_peak": st.column_config.NumberColumn("% of peak", format="%.1f",
+                                                           help="of the device's dense peak for the path's dtype; "
+                                                                "empty where the peak is not known (any CPU)"),
+                 "speedup": st.column_config.NumberColumn("speed-up", format="×%.2f", help="baseline time / this"),
+                 "max_rel_err": st.column_config.NumberColumn(
+                     "max rel. error", format="%.2e", help="kernel output against quantcore's emulation of the "
+                                                           "same quantized operands"),
+                 "padded_m": st.column_config.NumberColumn("padded M", help="the M the kernel ran at, where it "
+                                                                            "needs padding; empty: none"),
+                 "skipped": st.column_config.TextColumn("why no time", help="empty where timed"),
+             })
 
 available_m = sorted(set(int(m) for m in frame["m"]))  # this device's timings of the model's shapes
 if len({d[1] for d in devices}) >= 2:
