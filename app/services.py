@@ -866,9 +866,11 @@ def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, sche
     return with_schemes(model, body, {scheme: group}), group
 
 
-def with_schemes(model: ModelRecord, body: dict[str, Any], choices: dict[str, list[str]]) -> dict[str, Any]:
+def with_schemes(model: ModelRecord, body: dict[str, Any], choices: dict[str, list[str]], *,
+                 clear_alpha: bool = False) -> dict[str, Any]:
     """The plan body with each scheme of `choices` ({scheme: layers}) set on its layers as per-layer choices, and on
-    every layer that must share a scheme with one of them (fusion group, an MoE block's experts)."""
+    every layer that must share a scheme with one of them (fusion group, an MoE block's experts); ``clear_alpha``:
+    their own SmoothQuant alphas go too (a per-layer alpha would smooth an unsmoothed scheme again)."""
     from quantcore.plans import PlanSpec
     from quantcore.schemes import fusion_units
 
@@ -878,7 +880,27 @@ def with_schemes(model: ModelRecord, body: dict[str, Any], choices: dict[str, li
         for layer in layers:
             for member in unit_of.get(layer, [layer]):
                 spec.layers[member] = scheme
+                if clear_alpha:
+                    spec.layer_alpha.pop(member, None)
     return spec.to_dict()
+
+
+def unsmoothed_fixes(model: ModelRecord, body: dict[str, Any]) -> dict[str, list[str]]:
+    """{preset without SmoothQuant: layers} for the plan's layers whose SmoothQuant no llm-compressor recipe can
+    carry (quantcore.export.smoothquant_unexportable): INT8_W8A8 where INT8_W8A8_SQ was, and so on; {} for a plan that
+    does not resolve or has none."""
+    from quantcore.export import smoothquant_unexportable
+    from quantcore.schemes import list_schemes
+
+    resolved, problem = resolve(model, body)
+    if problem:
+        return {}
+    presets, out = set(list_schemes()), {}
+    for layer in smoothquant_unexportable(resolved):
+        plain = resolved[layer].name.replace("_SQ", "", 1)
+        if plain in presets and plain != resolved[layer].name:
+            out.setdefault(plain, []).append(layer)
+    return out
 
 
 def regroup_fixes(model: ModelRecord, body: dict[str, Any]) -> dict[str, list[str]]:

@@ -155,8 +155,9 @@ for warning in svc.serving_warnings(model, body):
     st.warning(warning)
 
 
-def use_fix(scheme: str, layers: list[str], table_key: str = f"plan_table_{model.id}_{start}") -> None:
-    st.session_state[EDIT] = svc.with_schemes(model, st.session_state[EDIT], {scheme: layers})
+def use_fix(scheme: str, layers: list[str], clear_alpha: bool = False,
+            table_key: str = f"plan_table_{model.id}_{start}") -> None:
+    st.session_state[EDIT] = svc.with_schemes(model, st.session_state[EDIT], {scheme: layers}, clear_alpha=clear_alpha)
     st.session_state.pop(table_key, None)  # the table's own edits would otherwise be laid over the new choices
 
 
@@ -165,6 +166,11 @@ for alt, layers in svc.regroup_fixes(model, body).items():
               on_click=use_fix, args=(alt, layers),
               help="Sets it as a per-layer choice on those layers (and their fusion groups); the rest of the plan "
                    "keeps its schemes. Clear per-layer overrides below to undo.")
+for plain, layers in svc.unsmoothed_fixes(model, body).items():
+    st.button(f"Use {plain} on the {len(layers)} layer(s) no llm-compressor recipe can smooth",
+              key=f"plan_unsmooth_{plain}", on_click=use_fix, args=(plain, layers, True),
+              help="Sets it as a per-layer choice on those layers (their own SmoothQuant alphas go too); the rest of "
+                   "the plan keeps its schemes. Clear per-layer overrides below to undo.")
 if body.get("layers"):
     with st.expander(f"{len(body['layers'])} per-layer overrides"):
         st.json(body["layers"])

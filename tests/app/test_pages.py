@@ -841,6 +841,14 @@ def test_plans_page_warns_where_no_llm_compressor_recipe_can_carry_the_smoothqua
     warning = next(w.value for w in at.warning if "No llm-compressor recipe" in w.value)
     assert "SmoothQuant on 4 layer(s) the Llama-style mappings cannot smooth ('model.layers.0.self_attn.o_proj'" in warning
     assert "e.g. INT8_W8A8 for INT8_W8A8_SQ" in warning
+    # one click mends it: the unsmoothed preset on exactly those layers, and the plan then exports
+    next(b for b in at.button if b.label == "Use INT8_W8A8 on the 4 layer(s) no llm-compressor recipe can smooth"
+         ).click().run()
+    assert not at.exception
+    assert not any("No llm-compressor recipe" in w.value for w in at.warning)
+    table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
+    assert table.loc["model.layers.0.self_attn.o_proj", "scheme"] == "INT8_W8A8"
+    assert table.loc["model.layers.0.self_attn.q_proj", "scheme"] == "INT8_W8A8_SQ"
 
 
 def test_plans_page_says_where_vllms_w4afp8_kernel_cannot_tile_a_layer(seeded):

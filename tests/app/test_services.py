@@ -65,3 +65,22 @@ def test_a_bad_serving_field_does_not_hide_the_plans_other_problems() -> None:
     assert "unknown scheme 'INT9'" in problem and "'nope'" in problem
     _, alone = svc.resolve(model, {"default": "BF16", "kv_cache": "FP7"})  # nothing else wrong: the one problem
     assert "\n" not in alone and "FP7" in alone
+
+
+def test_an_unsmoothed_fix_takes_the_layers_own_alpha_with_it() -> None:
+    """A per-layer alpha would smooth INT8_W8A8 again: the fix that swaps SmoothQuant out of o_proj drops it (and
+    only there); without clear_alpha the alphas stay."""
+    model = _model(_linears(64), model_id=8)
+    o_proj = "model.layers.0.self_attn.o_proj"
+    qkv = {f"model.layers.0.self_attn.{p}_proj": {"smoothquant_alpha": 0.6} for p in "qkv"}
+    body = {"default": "INT8_W8A8_SQ", "layers": {o_proj: {"smoothquant_alpha": 0.7}, **qkv}}
+    assert svc.unsmoothed_fixes(model, body) == {"INT8_W8A8": [o_proj]}
+    fixed = svc.with_schemes(model, body, svc.unsmoothed_fixes(model, body), clear_alpha=True)
+    assert fixed["layers"] == {o_proj: "INT8_W8A8", **qkv}
+    resolved, problem = svc.resolve(model, fixed)
+    assert problem is None and resolved[o_proj].smoothquant_alpha is None
+    assert resolved["model.layers.0.self_attn.q_proj"].smoothquant_alpha == 0.6
+    assert svc.unsmoothed_fixes(model, fixed) == {}
+    kept = svc.with_schemes(model, body, {"INT8_W8A8": [o_proj]})
+    assert kept["layers"][o_proj] == {"scheme": "INT8_W8A8", "smoothquant_alpha": 0.7}
+    assert svc.resolve(model, kept)[0][o_proj].smoothquant_alpha == 0.7  # smoothed again: why the fix clears it
