@@ -80,6 +80,7 @@ from quantcore.plans import (
     regrouped_preset,
     scheme_label,
     untied_embedding_bits,
+    vllm_unloadable,
     w4afp8_misfits,
 )
 from quantcore.routing import Routing, step_share
@@ -630,6 +631,7 @@ def auto_plan(
     misfit_ks: dict[str, set[int]] = {}  # scheme -> the K of those units' layers
     untileable: dict[str, int] = {}  # scheme -> units whose N vLLM's W4AFP8 kernel cannot tile
     unsmoothable: dict[str, list[str]] = {}  # scheme -> layers whose SmoothQuant no llm-compressor recipe carries
+    unloadable: dict[str, list[str]] = {}  # scheme -> layers vLLM's compressed-tensors loader has no kernel for
     unit_opts: list[list[tuple[str, float, float, str]]] = []  # (scheme, kl, cost, source)
     for i, u in enumerate(units):
         opts = []
@@ -648,6 +650,9 @@ def auto_plan(
                 continue
             if get_scheme(s).smoothquant_alpha is not None and (lost := smoothquant_unexportable(unit_plan)):
                 unsmoothable.setdefault(s, []).extend(lost)
+                continue
+            if refused := vllm_unloadable(unit_plan):
+                unloadable.setdefault(s, []).extend(refused)
                 continue
             lc = [costs[s][m] for m in u]
             sources = {c.source for c in lc}
@@ -673,7 +678,13 @@ def auto_plan(
         notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost)}): an llm-compressor recipe cannot "
                      "smooth them (quantcore.export.smoothquant_unmapped), so no served checkpoint would hold the "
                      "smoothing scored; sweep a scheme without SmoothQuant to let the planner quantize them")
+    for s, refused in unloadable.items():
+        notes.append(f"{s} was not offered to {len(refused)} layer(s) ({_cut(refused)}): vLLM's compressed-tensors "
+                     "loader has no INT8 kernel with dynamic per-tensor activation scales, so the checkpoint would not "
+                     "load (quantcore.plans.vllm_unloadable); INT8_W8A8 (per-token scales) is the INT8 vLLM serves")
     for s in usable:
+        if s in unloadable:
+            continue  # said just above
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (
                 f"{s} has no unit with both a KL and a cost: its sensitivity keys match no unit, or no "

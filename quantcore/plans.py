@@ -1030,6 +1030,19 @@ def moe_unserved(resolved: Mapping[str, Scheme | str]) -> list[str]:
             "one of them" for label, blocks in unserved.items()]
 
 
+def vllm_unloadable(resolved: Mapping[str, Scheme | str]) -> list[str]:
+    """Dense layers of ``resolved`` in INT8 with *dynamic per-tensor* activation scales (INT8_PER_TENSOR,
+    INT8_PER_TENSOR_SQ): vLLM's compressed-tensors loader has no kernel for them, so a checkpoint with them does not
+    load (:func:`vllm_activation_misfits` says why); routed experts are :func:`moe_unserved`'s business."""
+    out = []
+    for layer, scheme in resolved.items():
+        a = get_scheme(scheme).activations
+        if (a is not None and expert_block(layer) is None and a.granularity is Granularity.TENSOR and a.dynamic
+                and a.format == "int8"):
+            out.append(layer)
+    return out
+
+
 def vllm_activation_misfits(resolved: Mapping[str, Scheme | str], *, online_fp8: bool = False) -> list[str]:
     """Dense layers whose activation quantization vLLM's compressed-tensors loader does not run as scored, one
     message per kind (or none).
@@ -1043,14 +1056,12 @@ def vllm_activation_misfits(resolved: Mapping[str, Scheme | str], *, online_fp8:
 
     Routed experts are :func:`moe_unserved`'s business (vLLM's fused MoE reads per-tensor scales as planned).
     """
-    int8, fp8 = [], []
+    int8, fp8 = vllm_unloadable(resolved), []
     for layer, scheme in resolved.items():
         a = get_scheme(scheme).activations
         if a is None or expert_block(layer) is not None or a.granularity is not Granularity.TENSOR or not a.dynamic:
             continue
-        if a.format == "int8":
-            int8.append(layer)
-        elif a.format == "fp8_e4m3" and not online_fp8:
+        if a.format == "fp8_e4m3" and not online_fp8:
             fp8.append(layer)
     out = []
     if int8:

@@ -248,7 +248,7 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
         assert key in fp8
     assert fp8["kl_mean"] > 0 and fp8["tokens"] == 2 * 31
 
-    sens = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", "--local", "--samples", "2",
+    sens = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", "--local", "--samples", "2",
                     "--seq-len", "32", "--json")
     assert sens["layers"] and {"layer", "kl_mean", "top1_agree", "sqnr_db"} <= set(sens["layers"][0])
     kls = [r["kl_mean"] for r in sens["layers"]]
@@ -256,7 +256,7 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
 
     auto = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--no-verify",
                     "--json")
-    assert set(auto["plan"].values()) <= {"BF16", "INT8_PER_TENSOR"}
+    assert set(auto["plan"].values()) <= {"BF16", "INT8_W8A8"} and "INT8_W8A8" in auto["plan"].values()
     assert auto["predicted_kl"] <= 1000
     zero = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "0", "--target", "h100", "--no-verify",
                     "--json")
@@ -284,13 +284,13 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert two["cost"] < ideal["cost"]
     assert any("of one GPU's share of every layer over 2" in n for n in two["notes"])
     # its KL is predicted from one-GPU sweeps, which do not see each GPU's own dynamic scale of o_proj / down_proj
-    row_int8 = [n for n, s in two["plan"].items() if n.endswith(("o_proj", "down_proj")) and s == "INT8_PER_TENSOR"]
-    assert row_int8 and any("one-GPU sensitivity sweeps of INT8_PER_TENSOR" in n and "--tp 2" in n
+    row_int8 = [n for n, s in two["plan"].items() if n.endswith(("o_proj", "down_proj")) and s == "INT8_W8A8"]
+    assert row_int8 and any("one-GPU sensitivity sweeps of INT8_W8A8" in n and "--tp 2" in n
                             for n in two["notes"])
     assert not any("one-GPU sensitivity sweeps" in n for n in ideal["notes"])
     assert svc.get_plan(two["plan_id"]).body["tensor_parallel"] == 2
     # a sweep on 2 GPUs: what a plan for 2 GPUs reads from then on (a plan for one GPU still reads one GPU's)
-    sens2 = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_PER_TENSOR", "--tp", "2", "--local",
+    sens2 = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", "--tp", "2", "--local",
                      "--samples", "2", "--seq-len", "32", "--json")
     assert sens2["tensor_parallel"] == 2
     swept2 = {r["layer"]: r["kl_mean"] for r in sens2["layers"]}
@@ -298,13 +298,13 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     moved = {u for u in swept1 if swept1[u] != swept2[u]}
     assert moved and all(u.endswith(("o_proj", "down_proj")) for u in moved)
     model = svc.get_model("tiny")
-    assert svc.sensitivity_map(model, 2)[0]["INT8_PER_TENSOR"] == swept2
-    assert svc.sensitivity_map(model)[0]["INT8_PER_TENSOR"] == swept1
+    assert svc.sensitivity_map(model, 2)[0]["INT8_W8A8"] == swept2
+    assert svc.sensitivity_map(model)[0]["INT8_W8A8"] == swept1
     again = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--cost", "ideal",
                      "--m", "1", "--tp", "2", "--no-verify", "--json")
     assert not any("one-GPU sensitivity sweeps" in n for n in again["notes"])
     assert again["predicted_kl"] == pytest.approx(sum(swept2[u] for u in swept2 if again["plan"].get(
-        svc.sensitivity_map(model, 2)[1][u][0]) == "INT8_PER_TENSOR"))
+        svc.sensitivity_map(model, 2)[1][u][0]) == "INT8_W8A8"))
     # a weight-only scheme quantizes the same on any number of GPUs: swept on one, with a note saying so
     code, out, err = run(capsys, "sensitivity", "tiny", "--scheme", "W8A16", "--tp", "2", "--local", "--samples", "2",
                          "--seq-len", "32", "--json")
@@ -389,7 +389,7 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert {"register", "calibrate", "score", "sensitivity", "bench"} <= kinds
     messages = {j["message"] for j in jobs}  # the jobs list says what each job was about
     assert any(m.startswith("INT8_PER_TENSOR: KL ") for m in messages)
-    assert any(m.startswith("INT8_PER_TENSOR: ") and m.endswith(" units swept") for m in messages)
+    assert any(m.startswith("INT8_W8A8: ") and m.endswith(" units swept") for m in messages)
 
 
 def check_scores_command(capsys, bench_records: list[dict]) -> None:

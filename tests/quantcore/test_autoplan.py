@@ -510,3 +510,16 @@ def test_smoothquant_is_not_offered_where_no_llm_compressor_recipe_can_carry_it(
     res = auto_plan(BLOCK, {"INT8_W8A8_SQ": sens["INT8_W8A8_SQ"]}, kl_budget=1.0, target="h100",
                     candidates=["INT8_W8A8_SQ"], layer_shapes=SHAPES)
     assert res.plan["model.layers.0.self_attn.o_proj"] == res.plan["lm_head"] == "BF16"
+
+
+def test_int8_with_dynamic_per_tensor_activations_is_not_offered_to_a_layer_vllm_would_not_load() -> None:
+    """INT8_PER_TENSOR has the lowest KL and cost, but vLLM's compressed-tensors loader has no kernel for dense INT8
+    layers with dynamic per-tensor activation scales: the planner takes INT8_W8A8 (per-token) instead and says why,
+    without calling INT8_PER_TENSOR a scheme with no KL or cost."""
+    sens = {"INT8_PER_TENSOR": {label: 1e-7 for label in LABELS}, "INT8_W8A8": {label: 1e-3 for label in LABELS}}
+    res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["INT8_PER_TENSOR", "INT8_W8A8"],
+                    layer_shapes=SHAPES)
+    assert set(res.plan.values()) == {"INT8_W8A8"}
+    [note] = [n for n in res.notes if n.startswith(f"INT8_PER_TENSOR was not offered to {len(BLOCK)} layer(s)")]
+    assert "vLLM" in note and "INT8_W8A8" in note
+    assert "INT8_PER_TENSOR" not in res.excluded
