@@ -675,11 +675,11 @@ def auto_plan(
         notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up fused){per_gpu} "
                      f"{'or K on each GPU ' if tp > 1 else ''}is not a multiple of 128: {why}")
     for s, lost in unsmoothable.items():
-        notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost)}): an llm-compressor recipe cannot "
+        notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost, 3)}): an llm-compressor recipe cannot "
                      "smooth them (quantcore.export.smoothquant_unmapped), so no served checkpoint would hold the "
                      "smoothing scored; sweep a scheme without SmoothQuant to let the planner quantize them")
     for s, refused in unloadable.items():
-        notes.append(f"{s} was not offered to {len(refused)} layer(s) ({_cut(refused)}): vLLM's compressed-tensors "
+        notes.append(f"{s} was not offered to {len(refused)} layer(s) ({_cut(refused, 3)}): vLLM's compressed-tensors "
                      "loader has no INT8 kernel with dynamic per-tensor activation scales, so the checkpoint would not "
                      "load (quantcore.plans.vllm_unloadable); INT8_W8A8 (per-token scales) is the INT8 vLLM serves")
     for s in usable:
