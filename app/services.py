@@ -469,28 +469,27 @@ def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: st
 def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
     """What a step estimate leaves out (layers with no time for their path at its M values), named, and what to do
     about each: a case skipped over the time budget wants a larger budget, not the same benchmark again; a path the
-    device does not run (or that failed) has no time to get here; a case never measured wants a benchmark."""
+    device does not run, or that failed at that shape, says why; a case never measured wants a benchmark."""
     missing = list(dict.fromkeys([*est["missing_prefill"], *est["missing_decode"]]))
     why = {**est.get("skipped_prefill", {}), **est.get("skipped_decode", {})}
+    from quantcore.errors import name_list
+
     over = [n for n in missing if why.get(n, "").startswith("over budget")]
     cannot = [n for n in missing if n in why and n not in over]
     unmeasured = [n for n in missing if n not in why]
     gpus = f" on {plan_tp} GPUs" if plan_tp > 1 else ""
     parts = []
     if over:
-        parts.append(f"{_names(over)} skipped over the time budget per shape: queue the benchmark again with a "
+        parts.append(f"{name_list(over, 3)} skipped over the time budget per shape: queue the benchmark again with a "
                      "larger budget to time them")
     if cannot:
-        parts.append(f"{_names(cannot)} not run by this device ({why[cannot[0]]})")
+        reasons = list(dict.fromkeys(why[n] for n in cannot))
+        parts.append(f"{name_list(cannot, 3)} with no time on this device ({'; '.join(reasons[:2])}"
+                     + (f"; and {len(reasons) - 2} more reasons" if len(reasons) > 2 else "") + ")")
     if unmeasured:
-        parts.append(f"{_names(unmeasured)} not measured: queue a benchmark with these M values{gpus}")
+        parts.append(f"{name_list(unmeasured, 3)} not measured: queue a benchmark with these M values{gpus}")
     return (f"{len(missing)} layer(s) have no time for their path at these M values; the sums and speed-ups above "
             "leave them out: " + "; ".join(parts) + ".")
-
-
-def _names(layers: list[str], limit: int = 3) -> str:
-    shown = ", ".join(layers[:limit])
-    return shown + (f" and {len(layers) - limit} more" if len(layers) > limit else "")
 
 
 def step_breakdown(est: dict[str, Any]):
@@ -776,7 +775,11 @@ def _resolve(model: ModelRecord, body: dict[str, Any]) -> tuple[dict | None, str
     except PlanError as exc:  # a bad serving field: what the layers' schemes would run into is said at once too
         rest = {k: v for k, v in body.items() if k not in SERVING_KEYS}
         try:
-            resolve_plan(PlanSpec.from_dict(rest), layer_names(model)) if rest != body else None
+            rest_spec = PlanSpec.from_dict(rest)
+        except PlanError:  # the file's trouble is elsewhere: said once
+            return None, str(exc)
+        try:
+            resolve_plan(rest_spec, layer_names(model))
         except PlanError as more:
             return None, f"{exc}\n{more}"
         return None, str(exc)

@@ -677,13 +677,14 @@ def auto_plan(
     for s, lost in unsmoothable.items():
         notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost, 3)}): an llm-compressor recipe cannot "
                      "smooth them (quantcore.export.smoothquant_unmapped), so no served checkpoint would hold the "
-                     "smoothing scored; sweep a scheme without SmoothQuant to let the planner quantize them")
+                     "smoothing scored; they take another scheme (sweep one without SmoothQuant, e.g. INT8_W8A8, if none is)")
     for s, refused in unloadable.items():
-        notes.append(f"{s} was not offered to {len(refused)} layer(s) ({_cut(refused, 3)}): vLLM's compressed-tensors "
-                     "loader has no INT8 kernel with dynamic per-tensor activation scales, so the checkpoint would not "
-                     "load (quantcore.plans.vllm_unloadable); INT8_W8A8 (per-token scales) is the INT8 vLLM serves")
+        notes.append(f"{s} was not offered to {len(refused)} layer(s) ({_cut(refused, 3)}): vLLM has no kernel for "
+                     "them (dense INT8 with dynamic per-tensor activations; MoE experts in INT8 without per-token "
+                     "activations, or in MXFP8), so the checkpoint would not load (quantcore.plans.vllm_unloadable); "
+                     "INT8_W8A8 (per-token scales) is the INT8 vLLM serves")
     for s in usable:
-        if s in unloadable:
+        if s in unloadable or s in unsmoothable:
             continue  # said just above
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (

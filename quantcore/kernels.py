@@ -717,8 +717,8 @@ def run_benchmarks(
             if need > (left := left_s()):
                 return {
                     "native": sup.native,
-                    "skipped": (f"over budget: ~{need:.2g} s needed, " + (f"{left:.2g} s left of {budget}" if left > 0
-                                else f"the earlier paths took all {budget}")),
+                    "skipped": (f"over budget: ~{_secs(need)} needed, " + (f"{_secs(left)} left of {budget}"
+                                if left > 0 else f"the shape's earlier cases took all {budget}")),
                 }
             case = _build_case(ops, path, x, kind)
             t1 = timer.once_s(case.fn)  # first call: a warm-up, and the real cost of one call
@@ -812,6 +812,11 @@ def run_benchmarks(
     if progress is not None:
         progress(1.0, "kernel benchmark done")
     return records
+
+
+def _secs(s: float) -> str:
+    """'0.042 s', '3.1 s', '120 s': a duration in a skip reason, never in exponent notation."""
+    return f"{s:.2g} s" if s < 1 else f"{s:.1f} s" if s < 100 else f"{s:.0f} s"
 
 
 def has_time(record: KernelRecord) -> bool:

@@ -460,7 +460,7 @@ def resolve_plan(
         resolved[layer] = scheme
 
     if enforce_fusion:
-        problems += _mixed_fusion_groups(fusion_groups(names), resolved)
+        problems += _mixed_fusion_groups(fusion_groups(names), resolved, names)
         for block, members in expert_blocks(names).items():
             schemes = sorted({scheme_label(resolved[m]) for m in members})
             if len(schemes) > 1:
@@ -474,10 +474,14 @@ def resolve_plan(
     return resolved
 
 
-def _mixed_fusion_groups(groups: Sequence[Sequence[str]], resolved: Mapping[str, Scheme]) -> list[str]:
+def _mixed_fusion_groups(groups: Sequence[Sequence[str]], resolved: Mapping[str, Scheme],
+                         names: Sequence[str]) -> list[str]:
     """One problem per way fusion groups mix schemes: a rule that matched q_proj alone mixes every block's q/k/v
-    the same way, which is one message naming the blocks and the rule that would set each group whole, not one
-    message per block."""
+    the same way, which is one message naming the groups and a rule that sets exactly those groups whole
+    (quantcore.export.compact_targets over ``names``), not one message per block. Groups that differ only in their
+    SmoothQuant alphas are told to share one alpha (no scheme rule mends that)."""
+    from quantcore.export import compact_targets  # export builds on this module
+
     mixes: dict[tuple[tuple[str, str], ...], list[Sequence[str]]] = {}
     for group in groups:
         if len({scheme_label(resolved[m]) for m in group}) > 1:
@@ -486,19 +490,24 @@ def _mixed_fusion_groups(groups: Sequence[Sequence[str]], resolved: Mapping[str,
     out = []
     for key, same in mixes.items():
         first = same[0]
+        if len({resolved[m].name for m in first}) == 1:  # one scheme, several alphas
+            alphas = ", ".join(f"{leaf}={label}" for leaf, label in key)
+            out.append(f"{len(same)} fusion group(s) ({_cut(list(dict.fromkeys(group_label(g) for g in same)), 2)}) "
+                       f"mix SmoothQuant alphas ({alphas}); their layers share one input, so one smoothing: give the "
+                       "whole group one smoothquant_alpha")
+            continue
         if len(same) == 1:
             members = ", ".join(f"{m}={scheme_label(resolved[m])}" for m in first)
             out.append(f"fusion group {group_label(first)} mixes schemes ({members}); a serving engine runs these "
                        "layers as one GEMM, so set them together (one rule or override for the whole group)")
             continue
-        leaves = [leaf for leaf, _ in key]
-        parent = first[0].rsplit(".", 2)[-2] if first[0].count(".") >= 2 else ""
-        match = (re.escape(parent) + "\\." if parent else "") + f"({'|'.join(map(re.escape, leaves))})$"
-        scheme = next((scheme_label(resolved[m]) for m in first if not resolved[m].is_identity), key[0][1])
-        out.append(f"{len(same)} fusion groups ({_cut([group_label(g) for g in same], 2)}) mix schemes the same way "
-                   f"({', '.join(f'{leaf}={label}' for leaf, label in key)}); a serving engine runs each group's "
-                   f"layers as one GEMM, so set them together: one rule for the whole group, such as "
-                   f"{{match: '{match}', scheme: {scheme}}}")
+        targets = compact_targets([m for g in same for m in g], names)
+        match = "|".join(t[3:] if t.startswith("re:") else f"^{re.escape(t)}$" for t in targets)
+        scheme = next((resolved[m].name for m in first if not resolved[m].is_identity), resolved[first[0]].name)
+        out.append(f"{len(same)} fusion groups ({_cut(list(dict.fromkeys(group_label(g) for g in same)), 2)}) mix "
+                   f"schemes the same way ({', '.join(f'{leaf}={label}' for leaf, label in key)}); a serving engine "
+                   f"runs each group's layers as one GEMM, so set them together: one rule for exactly those groups, "
+                   f"such as {{match: '{match}', scheme: {scheme}}}")
     return out
 
 
@@ -1016,24 +1025,28 @@ def moe_unserved(resolved: Mapping[str, Scheme | str]) -> list[str]:
     and MXFP8.
     """
     unserved: dict[str, list[str]] = {}
-    for block, members in expert_blocks(resolved).items():
-        scheme = get_scheme(resolved[members[0]])
-        w, a = scheme.weights, scheme.activations
-        if w is None or a is None:
-            continue
-        int8_not_token = w.format == "int8" and not (a.granularity is Granularity.TOKEN and a.dynamic)
-        if int8_not_token or w.format == "mxfp8":
-            unserved.setdefault(scheme_label(scheme), []).append(block)
+    for block, members in _unserved_expert_blocks(resolved).items():
+        unserved.setdefault(scheme_label(get_scheme(resolved[members[0]])), []).append(block)
     return [f"vLLM's fused MoE layer has no kernel for {label} experts ({_example_names(blocks)}): loading the "
             "checkpoint fails with \"Unsupported FusedMoe scheme\". It serves experts in weight-only int "
             "(W4A16, W8A16), MXFP4, NVFP4, FP8 W8A8 and INT8 W8A8 with per-token activations; give those blocks "
             "one of them" for label, blocks in unserved.items()]
 
 
-def vllm_unloadable(resolved: Mapping[str, Scheme | str]) -> list[str]:
-    """Dense layers of ``resolved`` in INT8 with *dynamic per-tensor* activation scales (INT8_PER_TENSOR,
-    INT8_PER_TENSOR_SQ): vLLM's compressed-tensors loader has no kernel for them, so a checkpoint with them does not
-    load (:func:`vllm_activation_misfits` says why); routed experts are :func:`moe_unserved`'s business."""
+def _unserved_expert_blocks(resolved: Mapping[str, Scheme | str]) -> dict[str, list[str]]:
+    """{MoE block: its expert linears} of the blocks whose experts' scheme vLLM's fused MoE has no method for."""
+    out = {}
+    for block, members in expert_blocks(resolved).items():
+        scheme = get_scheme(resolved[members[0]])
+        w, a = scheme.weights, scheme.activations
+        if w is None or a is None:
+            continue
+        if (w.format == "int8" and not (a.granularity is Granularity.TOKEN and a.dynamic)) or w.format == "mxfp8":
+            out[block] = list(members)
+    return out
+
+
+def _dense_int8_per_tensor(resolved: Mapping[str, Scheme | str]) -> list[str]:
     out = []
     for layer, scheme in resolved.items():
         a = get_scheme(scheme).activations
@@ -1041,6 +1054,15 @@ def vllm_unloadable(resolved: Mapping[str, Scheme | str]) -> list[str]:
                 and a.format == "int8"):
             out.append(layer)
     return out
+
+
+def vllm_unloadable(resolved: Mapping[str, Scheme | str]) -> list[str]:
+    """Layers of ``resolved`` that vLLM has no kernel for, so a checkpoint with them does not load: dense layers in
+    INT8 with *dynamic per-tensor* activation scales (INT8_PER_TENSOR, INT8_PER_TENSOR_SQ: the compressed-tensors
+    loader, :func:`vllm_activation_misfits`), and the experts of MoE blocks in a scheme the fused MoE has no method
+    for (INT8 without per-token activations, MXFP8: :func:`moe_unserved`)."""
+    experts = [m for members in _unserved_expert_blocks(resolved).values() for m in members]
+    return _dense_int8_per_tensor(resolved) + experts
 
 
 def vllm_activation_misfits(resolved: Mapping[str, Scheme | str], *, online_fp8: bool = False) -> list[str]:
@@ -1056,7 +1078,7 @@ def vllm_activation_misfits(resolved: Mapping[str, Scheme | str], *, online_fp8:
 
     Routed experts are :func:`moe_unserved`'s business (vLLM's fused MoE reads per-tensor scales as planned).
     """
-    int8, fp8 = vllm_unloadable(resolved), []
+    int8, fp8 = _dense_int8_per_tensor(resolved), []
     for layer, scheme in resolved.items():
         a = get_scheme(scheme).activations
         if a is None or expert_block(layer) is not None or a.granularity is not Granularity.TENSOR or not a.dynamic:

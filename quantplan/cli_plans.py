@@ -240,9 +240,11 @@ def cmd_plan_auto(args) -> int:
         print("  " + ", ".join(f"{n} layers {sch}" for sch, n in sorted(counts.items())))
         for note in result.notes:
             print(f"  note: {note}")
-        if "measured_kl" in out:
+        if out.get("measured_kl") is not None:
             print(f"  verified by score job #{out['verify_job']}: measured KL {out['measured_kl']:.4g} (predicted "
                   f"{result.predicted_kl:.4g})")
+        elif "measured_kl" in out:  # the score job ended without a result
+            print(f"  verification: score job #{out['verify_job']} {out['verify_status']} (see `quantplan jobs`)")
         elif job is not None:
             print(f"  verification queued: score job #{job.id}")
     return 0

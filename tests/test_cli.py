@@ -1280,3 +1280,31 @@ def test_scores_text_names_a_set_as_it_is_printed():
     with pytest.raises(CliError) as err:
         _score_set(sets, "builtin:lee.cor (5)", "m")
     assert "'builtin:lee.cor (62)', 'builtin:lee.cor (4,080)', 'mine.txt (100)'" in str(err.value)
+
+
+def test_plan_auto_wait_says_when_its_verifying_score_did_not_succeed(tiny_model, capsys, monkeypatch):
+    """`plan auto --wait` whose score job fails (here: marked failed as a worker would) says so, rather than
+    formatting a missing KL."""
+    import worker.client
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    model = svc.get_model("tiny")
+    with session_scope() as s:
+        job = repo.create_job(s, kind="sensitivity", params={"scheme": "INT8_W8A8"}, queue="cpu", user=None,
+                              model_id=model.id)
+        repo.save_sensitivity(s, job_id=job.id, model_id=model.id, scheme="INT8_W8A8",
+                              rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 1e-4,
+                                     "top1_agree": 0.99, "sqnr_db": 30.0} for lin in model.linears])
+        repo.finish_job(s, job.id, status="succeeded", result={"scheme": "INT8_W8A8"})
+
+    def failed(job_id, **_):
+        with session_scope() as s:
+            repo.finish_job(s, job_id, status="failed", message="failed", error="out of memory")
+            return repo.get_job(s, job_id)
+
+    monkeypatch.setattr(worker.client, "wait_for", failed)
+    code, out, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1", "--target", "h100", "--wait")
+    assert code == 0, err
+    assert re.search(r"verification: score job #\d+ failed \(see `quantplan jobs`\)", out), out

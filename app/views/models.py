@@ -120,10 +120,11 @@ live.job_progress("calibrate", ["calibrate"],
 
 cals = svc.calibrations(model.id)
 if cals:
-    what = svc.job_what(cals[0])  # "4 × 64": sequences × tokens each
-    tokens = (cals[0].result or {}).get("tokens")
+    p, tokens = cals[0].params or {}, (cals[0].result or {}).get("tokens")
+    asked = f"{p['samples']} × {p['seq_len']} = " if p.get("samples") and p.get("seq_len") and \
+        int(p["samples"]) * int(p["seq_len"]) == tokens else ""  # a short text gives fewer sequences than asked
     st.caption(f"{len(cals)} calibration(s) stored; newest is job #{cals[0].id}"
-               + (f" ({what + ' = ' if what else ''}{tokens:,} tokens)" if tokens else "") + ".")
+               + (f" ({asked}{tokens:,} tokens)" if tokens else "") + ".")
 
 if CLEARED in st.session_state:
     st.success(st.session_state.pop(CLEARED))

@@ -658,7 +658,7 @@ def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
     assert est["common_baseline_prefill_ms"] < est["baseline_prefill_ms"]
     assert prefill.delta.endswith(f"vs baseline {est['common_baseline_prefill_ms']:.3f} ms on the same layers")
     note = next(c.value for c in at.caption if "have no time for their path" in c.value)
-    assert "lm_head skipped over the time budget per shape: queue the benchmark again with a larger budget" in note
+    assert "'lm_head' skipped over the time budget per shape: queue the benchmark again with a larger budget" in note
     assert "not measured" not in note
 
 

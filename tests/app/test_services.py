@@ -84,3 +84,13 @@ def test_an_unsmoothed_fix_takes_the_layers_own_alpha_with_it() -> None:
     kept = svc.with_schemes(model, body, {"INT8_W8A8": [o_proj]})
     assert kept["layers"][o_proj] == {"scheme": "INT8_W8A8", "smoothquant_alpha": 0.7}
     assert svc.resolve(model, kept)[0][o_proj].smoothquant_alpha == 0.7  # smoothed again: why the fix clears it
+
+
+def test_a_malformed_plan_file_is_said_once() -> None:
+    """A plan file malformed elsewhere than its serving fields (rules not a list) is said once, whether or not it also
+    names a KV cache."""
+    model = _model(_linears(64), model_id=9)
+    for body in ({"default": "BF16", "kv_cache": "AUTO", "rules": "oops"},
+                 {"default": "BF16", "kv_cache": "FP7", "rules": "oops"}):
+        _, problem = svc.resolve(model, body)
+        assert problem.count("This plan file is malformed") == 1 and "'rules'" in problem

@@ -523,3 +523,22 @@ def test_int8_with_dynamic_per_tensor_activations_is_not_offered_to_a_layer_vllm
     [note] = [n for n in res.notes if n.startswith(f"INT8_PER_TENSOR was not offered to {len(BLOCK)} layer(s)")]
     assert "vLLM" in note and "INT8_W8A8" in note
     assert "INT8_PER_TENSOR" not in res.excluded
+
+
+def test_moe_experts_in_a_scheme_vllms_fused_moe_cannot_run_are_not_offered() -> None:
+    """A block's experts take one scheme; INT8_PER_TENSOR there is something vLLM's fused MoE has no method for
+    (quantcore.plans.moe_unserved), however low its KL: the planner puts INT8_W8A8 on them, and the plan it returns
+    has nothing moe_unserved or vllm_unloadable would refuse."""
+    from quantcore.plans import moe_unserved, vllm_unloadable
+
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}_proj" for e in range(4) for p in ("gate", "up", "down")]
+    names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + experts + ["lm_head"]
+    shapes = {n: (64, 128) for n in names}
+    units = plan_units(names)
+    sens = {"INT8_PER_TENSOR": {group_label(u): 1e-7 for u in units},
+            "INT8_W8A8": {group_label(u): 1e-3 for u in units}}
+    res = auto_plan(names, sens, kl_budget=1.0, target="h100", candidates=["INT8_PER_TENSOR", "INT8_W8A8"],
+                    layer_shapes=shapes)
+    assert {res.plan[n] for n in experts} == {"INT8_W8A8"}
+    assert moe_unserved(res.plan) == [] and vllm_unloadable(res.plan) == []
+    assert sorted(vllm_unloadable(dict.fromkeys(names, "INT8_PER_TENSOR"))) == sorted(names)  # dense, experts alike

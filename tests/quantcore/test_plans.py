@@ -148,6 +148,20 @@ def test_a_rule_that_splits_every_blocks_group_the_same_way_is_one_problem_with_
     mended = resolve_plan(PlanSpec(default="BF16", rules=[Rule(match, "INT8_W8A8")]), LAYERS)
     assert {n for n, s in mended.items() if s.name == "INT8_W8A8"} == {
         n for n in LAYERS if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")}
+    # a rule that splits only blocks 0 and 1: the rule offered sets exactly those groups, not every block's
+    spec = PlanSpec(default="BF16", rules=[Rule(r"layers\.[01]\.self_attn\.q_proj", "INT8_W8A8")])
+    with pytest.raises(PlanError) as info:
+        resolve_plan(spec, LAYERS)
+    (match,) = re.findall(r"\{match: '([^']+)', scheme: INT8_W8A8\}", str(info.value))
+    mended = resolve_plan(PlanSpec(default="BF16", rules=[Rule(match, "INT8_W8A8")]), LAYERS)
+    assert {n for n, s in mended.items() if s.name == "INT8_W8A8"} == {
+        f"model.layers.{b}.self_attn.{p}_proj" for b in (0, 1) for p in "qkv"}
+    # a group whose members differ only in their alpha: one alpha for the group, not a scheme rule
+    spec = PlanSpec(default="INT8_W8A8_SQ", layer_alpha={f"model.layers.{b}.self_attn.q_proj": 0.8 for b in (0, 1)})
+    with pytest.raises(PlanError) as info:
+        resolve_plan(spec, LAYERS)
+    assert "2 fusion group(s)" in str(info.value) and "give the whole group one smoothquant_alpha" in str(info.value)
+    assert "match:" not in str(info.value)
 
 
 def test_fusion_group_with_different_alphas_is_an_error():
