@@ -62,9 +62,15 @@ def _run(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: in
 
     s = _settings()
     if local:
+        from quantcore.errors import UnsupportedOnDevice
         from worker import bodies
         from worker.runner import run_job
 
+        try:  # a device this machine lacks: refused before a job is written
+            bodies.resolve_device(params.get("device"))
+        except UnsupportedOnDevice as exc:
+            raise CliError(f"{exc} (this machine runs --local jobs; without --local the job is queued for a worker)"
+                           ) from exc
         job = create_local_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
         print(f"job #{job.id}: running {kind} in this process", file=sys.stderr)
         run_job(job.id, getattr(bodies, kind), settings=s)

@@ -1308,3 +1308,18 @@ def test_plan_auto_wait_says_when_its_verifying_score_did_not_succeed(tiny_model
     code, out, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1", "--target", "h100", "--wait")
     assert code == 0, err
     assert re.search(r"verification: score job #\d+ failed \(see `quantplan jobs`\)", out), out
+
+
+def test_a_local_job_on_a_device_this_machine_lacks_is_refused_before_any_job(tiny_model, capsys):
+    import torch
+
+    from app import services as svc
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: a local CUDA job runs")
+    jobs = len(svc.list_jobs(limit=100))
+    for argv in (("bench", "tiny", "--device", "cuda", "--local", "--m", "1"),
+                 ("calibrate", "tiny", "--device", "cuda", "--local")):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and "no CUDA device" in err and "without --local" in err and "Traceback" not in err
+    assert len(svc.list_jobs(limit=100)) == jobs  # nothing written
