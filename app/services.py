@@ -470,10 +470,10 @@ def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
     """What a step estimate leaves out (layers with no time for their path at its M values), named, and what to do
     about each: a case skipped over the time budget wants a larger budget, not the same benchmark again; a path the
     device does not run, or that failed at that shape, says why; a case never measured wants a benchmark."""
-    missing = list(dict.fromkeys([*est["missing_prefill"], *est["missing_decode"]]))
-    why = {**est.get("skipped_prefill", {}), **est.get("skipped_decode", {})}
     from quantcore.errors import name_list
 
+    missing = list(dict.fromkeys([*est["missing_prefill"], *est["missing_decode"]]))
+    why = {**est.get("skipped_prefill", {}), **est.get("skipped_decode", {})}
     over = [n for n in missing if why.get(n, "").startswith("over budget")]
     cannot = [n for n in missing if n in why and n not in over]
     unmeasured = [n for n in missing if n not in why]
@@ -1291,7 +1291,8 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     (quantcore.plans.group_misfits), W4AFP8 layers vLLM's kernel cannot tile (quantcore.plans.w4afp8_misfits),
     merged block-FP8 layers whose N the blocks do not divide (quantcore.plans.fp8_block_misfits), activations vLLM
     quantizes otherwise than scored or not at all (quantcore.plans.vllm_activation_misfits), SmoothQuant no
-    llm-compressor recipe can carry (quantcore.export.smoothquant_unexportable), layers AWQ cannot scale (quantcore.plans.awq_unscaled), a quantized lm_head
+    llm-compressor recipe can carry (quantcore.export.smoothquant_unexportable), layers AWQ cannot scale
+    (quantcore.plans.awq_unscaled), a quantized lm_head
     (quantcore.plans.quantized_head), fused experts no plan reaches, and an unscaled KV cache that the newest
     calibration's K or V would overflow (quantcore.kvcache.kv_clipping)."""
     from quantcore.export import serves_online_fp8, smoothquant_unexportable, smoothquant_unexportable_message
@@ -1731,9 +1732,10 @@ SWEEP_TOKEN_PARAMS = ("dataset", "samples", "seq_len", "cal_dataset", "cal_sampl
 
 def verify_tokens(sweeps: list[JobRecord], schemes: set[str]) -> tuple[dict[str, Any], str | None]:
     """The token parameters (evaluation and calibration text, sequences, tokens each) of the sweeps an automatic
-    plan's chosen ``schemes`` were read from (the newest of each scheme), for the score that checks its prediction: a KL predicted on the
-    sweeps' tokens is checked on the same tokens (and the GPTQ roundings the sweeps kept are read again). Where those
-    sweeps differ, the newest one's and a note; ({}, None) where no sweep is read (an all-BF16 plan)."""
+    plan's chosen ``schemes`` were read from (the newest of each scheme), for the score that checks its prediction:
+    a KL predicted on the sweeps' tokens is checked on the same tokens (and the GPTQ roundings the sweeps kept are
+    read again). Where those sweeps differ, the newest one's and a note; ({}, None) where no sweep is read (an
+    all-BF16 plan)."""
     newest_of = {sweep_scheme(j): j for j in sorted(sweeps, key=lambda j: j.id)}  # a later sweep replaces an earlier
     used = [j for scheme, j in newest_of.items() if scheme in schemes]
     if not used:

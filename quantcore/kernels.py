@@ -43,7 +43,8 @@ median, the last-level cache flushed the same way (a decode GEMM's weights come 
 when served, and a CPU's 32 MB L3 holds a 4096 x 4096 INT8 weight but not its fp32 one: on a
 2-thread EPYC, INT8 timed warm was 20x faster than fp32 at M = 1 x 4096 x 4096, flushed 7x).
 Each (N, K) shape has a wall-clock budget; a case predicted (from the rates already
-measured) not to fit in what is left is not run and comes back with ``skipped="over budget: ..."``. A path the device cannot run comes back with
+measured) not to fit in what is left is not run and comes back with
+``skipped="over budget: ..."``. A path the device cannot run comes back with
 ``skipped="not supported on <device>: ..."`` and ``native=False``, never a time.
 """
 
@@ -57,7 +58,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import Cancelled
-from quantcore.routing import Routing, step_share
+from quantcore.routing import Routing, case_m, step_share
 from quantcore.schemes import W4_GROUP_SIZE, W4_SMALL_GROUP_SIZE, W4_TINY_GROUP_SIZE
 
 if TYPE_CHECKING:  # torch is imported inside functions: importing this module stays cheap
@@ -985,8 +986,7 @@ def step_estimate(
             entry[f"{step}_ms"] = t
             if t is None:
                 missing[step].append(name)
-                m_case = routed[name].expert_m(int(m)) if name in routed else int(m)
-                if (why := skips.get((m_case, int(n), int(k), path))) is not None:
+                if (why := skips.get((case_m(int(m), routed.get(name)), int(n), int(k), path))) is not None:
                     skipped[step][name] = why
             else:
                 tot[step] += t

@@ -1046,12 +1046,13 @@ def _unserved_expert_blocks(resolved: Mapping[str, Scheme | str]) -> dict[str, l
     return out
 
 
-def _dense_int8_per_tensor(resolved: Mapping[str, Scheme | str]) -> list[str]:
+def _dense_dynamic_per_tensor(resolved: Mapping[str, Scheme | str], fmt: str) -> list[str]:
+    """Dense layers (not routed experts) whose activations are ``fmt`` on a dynamic per-tensor scale."""
     out = []
     for layer, scheme in resolved.items():
         a = get_scheme(scheme).activations
         if (a is not None and expert_block(layer) is None and a.granularity is Granularity.TENSOR and a.dynamic
-                and a.format == "int8"):
+                and a.format == fmt):
             out.append(layer)
     return out
 
@@ -1062,7 +1063,7 @@ def vllm_unloadable(resolved: Mapping[str, Scheme | str]) -> list[str]:
     loader, :func:`vllm_activation_misfits`), and the experts of MoE blocks in a scheme the fused MoE has no method
     for (INT8 without per-token activations, MXFP8: :func:`moe_unserved`)."""
     experts = [m for members in _unserved_expert_blocks(resolved).values() for m in members]
-    return _dense_int8_per_tensor(resolved) + experts
+    return _dense_dynamic_per_tensor(resolved, "int8") + experts
 
 
 def vllm_activation_misfits(resolved: Mapping[str, Scheme | str], *, online_fp8: bool = False) -> list[str]:
@@ -1078,13 +1079,8 @@ def vllm_activation_misfits(resolved: Mapping[str, Scheme | str], *, online_fp8:
 
     Routed experts are :func:`moe_unserved`'s business (vLLM's fused MoE reads per-tensor scales as planned).
     """
-    int8, fp8 = _dense_int8_per_tensor(resolved), []
-    for layer, scheme in resolved.items():
-        a = get_scheme(scheme).activations
-        if a is None or expert_block(layer) is not None or a.granularity is not Granularity.TENSOR or not a.dynamic:
-            continue
-        if a.format == "fp8_e4m3" and not online_fp8:
-            fp8.append(layer)
+    int8 = _dense_dynamic_per_tensor(resolved, "int8")
+    fp8 = [] if online_fp8 else _dense_dynamic_per_tensor(resolved, "fp8_e4m3")
     out = []
     if int8:
         out.append(f"INT8 with dynamic per-tensor activations on {len(int8)} layer(s) ({_example_names(int8)}): vLLM's "

@@ -67,12 +67,18 @@ def bench_ms(ms: Iterable[int], routed: Mapping[str, Routing]) -> list[int]:
     return sorted(out)
 
 
+def case_m(m: int, routing: Routing | None) -> int:
+    """The M of the GEMM a linear runs in a step of ``m`` tokens: ``m`` for a dense linear, the M of one touched
+    expert for a routed one."""
+    return m if routing is None else routing.expert_m(m)
+
+
 def step_share(times: Mapping[tuple[int, int, int, str], float], m: int, n: int, k: int, path: str,
                routing: Routing | None) -> float | None:
     """A linear's time in a step of ``m`` tokens from measured GEMM times {(M, N, K, path): ms} (None where not
     measured): the time at ``m`` for a dense linear; for a routed expert, the time at the M of one touched
     expert times the chance the step touches it."""
-    if routing is None:
-        return times.get((m, n, k, path))
-    t = times.get((routing.expert_m(m), n, k, path))
-    return None if t is None else t * routing.touched(m)
+    t = times.get((case_m(m, routing), n, k, path))
+    if t is None or routing is None:
+        return t
+    return t * routing.touched(m)
