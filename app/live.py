@@ -30,8 +30,9 @@ def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
     shown.update((i, svc.get_job(i)) for i in just_ended - shown.keys())
     newest_id = newest[0].id if newest else None
     waiting: list[str] = []  # queues of queued jobs, each named once below the bars
+    whats = svc.jobs_what(shown.values())
     for job in sorted(shown.values(), key=lambda j: j.id, reverse=True):
-        what = svc.job_what(job)
+        what = whats[job.id]
         name = f"{KIND_WORDS.get(job.kind, job.kind)} job #{job.id}" + (f" ({what})" if what else "")
         if job.id in just_ended and job.status == "succeeded":
             note = done_notes.get(job.kind)

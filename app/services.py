@@ -1560,24 +1560,29 @@ AUTO_COSTS = {  # what an automatic plan minimises
 }
 
 
-def _plan_label(plan_id: int) -> str:
-    """'name v3' of a plan version, '#id' once it is removed."""
-    try:
-        return get_plan(plan_id).label
-    except repo.NotFound:
-        return f"#{plan_id}"
+def jobs_what(jobs: Iterable[JobRecord]) -> dict[int, str]:
+    """:func:`job_what` of each job by id, the labels of the plans they point at read in one query (a table of jobs
+    redrawn every few seconds)."""
+    jobs = list(jobs)
+    with session_scope(settings()) as s:
+        labels = repo.plan_labels(s, {j.plan_id for j in jobs if j.plan_id is not None})
+    return {j.id: job_what(j, labels) for j in jobs}
 
 
-def job_what(job: JobRecord) -> str:
+def job_what(job: JobRecord, plan_labels: dict[int, str] | None = None) -> str:
     """What a job works on, in a few words, from its parameters: "FP8_DYNAMIC + KV FP8 · 16 × 256",
-    "plan my-plan v3", "INT8_W8A8 sweep", "cuda M 1,16"."""
+    "plan my-plan v3", "INT8_W8A8 sweep", "cuda M 1,16". ``plan_labels``: the labels of plans by id, read already
+    (:func:`jobs_what`); a removed plan is '#id'."""
     from quantcore.plans import kv_label
 
     p = job.params or {}
     parts: list[str] = []
     if job.kind in ("score", "sensitivity"):
         plan_file = p.get("plan") if isinstance(p.get("plan"), dict) else {}
-        what = p.get("scheme") or (f"plan {_plan_label(job.plan_id)}" if job.plan_id else
+        if job.plan_id is not None and plan_labels is None:
+            return jobs_what([job])[job.id]
+        label = (plan_labels or {}).get(job.plan_id) or f"#{job.plan_id}"
+        what = p.get("scheme") or (f"plan {label}" if job.plan_id else
                                    f"plan {plan_file.get('name') or 'file'}" if plan_file else "")
         kv = p.get("kv_cache") or plan_file.get("kv_cache")
         if kv and kv != "AUTO":
@@ -1743,8 +1748,10 @@ def verify_tokens(sweeps: list[JobRecord], schemes: set[str]) -> tuple[dict[str,
 
     def of(job: JobRecord) -> dict[str, Any]:
         return {k: job.params[k] for k in SWEEP_TOKEN_PARAMS if job.params.get(k) is not None}
+    from worker.scoring_bodies import TOKEN_DEFAULTS
+
     newest = max(used, key=lambda j: j.id)
-    kinds = {_token_label(of(j)) for j in used}
+    kinds = {_token_label({**TOKEN_DEFAULTS, **of(j)}) for j in used}  # unset and explicit defaults: one kind
     note = None
     if len(kinds) > 1:
         note = (f"the sweeps this plan was predicted from were made on different tokens ({', '.join(sorted(kinds))}): "

@@ -153,7 +153,11 @@ class PlanRecord:
 
     @property
     def label(self) -> str:
-        return f"{self.name} v{self.version}"
+        return self.label_of(self.name, self.version)
+
+    @staticmethod
+    def label_of(name: str, version: int) -> str:
+        return f"{name} v{version}"
 
 
 @dataclass(frozen=True)

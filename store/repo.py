@@ -482,6 +482,15 @@ def list_plans(session: Session, model_id: int | None = None) -> list[PlanRecord
     return [_plan_record(session, r) for r in session.scalars(q)]
 
 
+def plan_labels(session: Session, ids: Iterable[int]) -> dict[int, str]:
+    """'name vN' of the plan versions of these ids, in one query; a removed plan is absent."""
+    wanted = set(ids)
+    if not wanted:
+        return {}
+    rows = session.execute(select(m.Plan.id, m.Plan.name, m.Plan.version).where(m.Plan.id.in_(wanted)))
+    return {i: PlanRecord.label_of(name, version) for i, name, version in rows}
+
+
 def get_plan(session: Session, ref: int | str) -> PlanRecord:
     """A plan by id, by 'name' (newest version) or 'name@vN' / 'name vN'."""
     row = None

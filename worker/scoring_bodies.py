@@ -17,6 +17,12 @@ from worker.runner import JobContext, Outcome, run_job
 
 DEFAULT_EVAL_SAMPLES = 16
 DEFAULT_EVAL_SEQ_LEN = 256
+# the calibration tokens a score or sweep reads (GPTQ Hessians, KV cache scales, a calibration run first)
+DEFAULT_SCORE_CAL_SAMPLES = 16
+DEFAULT_SCORE_CAL_SEQ_LEN = 256
+# what a score's or sweep's token parameters mean when unset: two jobs, one of them explicit, read the same tokens
+TOKEN_DEFAULTS = {"samples": DEFAULT_EVAL_SAMPLES, "seq_len": DEFAULT_EVAL_SEQ_LEN,
+                  "cal_samples": DEFAULT_SCORE_CAL_SAMPLES, "cal_seq_len": DEFAULT_SCORE_CAL_SEQ_LEN}
 
 
 def plan_spec(ctx: JobContext, layer_names: list[str]):
@@ -55,8 +61,8 @@ def calibration_for(ctx: JobContext, model_rec, needed: bool):
 
         ctx.progress(0.02, "no stored calibration: calibrating first")
         job = create_local_job("calibrate", {"device": ctx.params.get("device") or "cpu",
-                                             "samples": ctx.params.get("cal_samples") or 16,
-                                             "seq_len": ctx.params.get("cal_seq_len") or 256},
+                                             "samples": ctx.params.get("cal_samples") or DEFAULT_SCORE_CAL_SAMPLES,
+                                             "seq_len": ctx.params.get("cal_seq_len") or DEFAULT_SCORE_CAL_SEQ_LEN},
                                model_id=model_rec.id, settings=ctx.settings)
         status = run_job(job.id, bodies.calibrate, settings=ctx.settings)
         if status != "succeeded":
@@ -134,8 +140,9 @@ def _calibration_ids(ctx: JobContext, tok, device, needed: bool = True):
     ``needed`` (no GPTQ Hessians, no KV cache scales): one tokenization serves both."""
     if not needed:
         return None, None
-    ids, label = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or 16),
-                           seq_len=int(ctx.params.get("cal_seq_len") or 256), dataset_param="cal_dataset")
+    ids, label = token_ids(ctx, tok, "calibration", samples=int(ctx.params.get("cal_samples") or DEFAULT_SCORE_CAL_SAMPLES),
+                           seq_len=int(ctx.params.get("cal_seq_len") or DEFAULT_SCORE_CAL_SEQ_LEN),
+                           dataset_param="cal_dataset")
     return ids.to(device), label
 
 

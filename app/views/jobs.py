@@ -48,10 +48,11 @@ def job_table() -> None:
     if not jobs and not active:
         st.info("No jobs yet." if total == 0 and not kind and not status else "No job matches.")
         return
+    whats = svc.jobs_what([*jobs, *active])  # the plans named read in one query, not one a row
     for job in active:
         with st.container(border=True):
             a, b = st.columns([4, 1])
-            what = svc.job_what(job)
+            what = whats[job.id]
             a.markdown(f"**#{job.id} {job.kind}**{f' {what}' if what else ''} · {job.status} · "
                        f"{job.device or job.queue} · asked by {job.requested_by or '?'}")
             a.progress(job.progress, text=job.progress_text)
@@ -65,7 +66,7 @@ def job_table() -> None:
                 st.rerun()
     model_names = {m.id: m.name for m in svc.list_models()}
     st.dataframe(pd.DataFrame([{
-        "id": j.id, "kind": j.kind, "what": svc.job_what(j), "status": j.status, "progress": j.progress,
+        "id": j.id, "kind": j.kind, "what": whats[j.id], "status": j.status, "progress": j.progress,
         "ran (s)": j.run_seconds(), "message": j.message,
         "model": model_names.get(j.model_id) or _removed(j), "queue": j.queue, "device": j.device, "worker": j.worker_host,
         "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -1180,6 +1181,11 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
     assert any(f"**#{queued[0].id} score** FP8_DYNAMIC + KV FP8 · 16 × 256" in m.value for m in at.markdown)
     table = next(d.value for d in at.dataframe if "what" in d.value.columns).set_index("id")
     assert table.loc[queued[3].id, "what"] == "cpu M 1,16"
+    assert table.loc[queued[1].id, "what"] == "plan mine v1 · 4 × 128"
+    # the table's labels come from one read of the plans named; a removed plan is named by its id
+    assert svc.jobs_what(queued) == {j.id: svc.job_what(j) for j in queued}
+    gone = dataclasses.replace(queued[1], plan_id=plan.id + 1000)
+    assert svc.jobs_what([gone]) == {gone.id: f"plan #{plan.id + 1000} · 4 × 128"}
 
 
 def test_results_and_kernels_pages_follow_their_jobs_live(seeded):
@@ -1556,7 +1562,13 @@ def test_an_automatic_plan_is_checked_on_the_tokens_its_sweeps_were_made_on(seed
     tokens, note = svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC", "BF16"})
     assert tokens == {"samples": 8, "seq_len": 128}
     assert note.startswith("the sweeps this plan was predicted from were made on different tokens "
-                           "(cal_samples=4 cal_seq_len=64 samples=2 seq_len=32, samples=8 seq_len=128)")
+                           "(cal_samples=16 cal_seq_len=256 samples=8 seq_len=128, "
+                           "cal_samples=4 cal_seq_len=64 samples=2 seq_len=32)")  # unset ones read as the defaults
     assert note.endswith(f"those of the newest, job #{newer}")
     assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8"})[0]["samples"] == 2
     assert svc.verify_tokens(svc.planner_sweeps(seeded), {"BF16"}) == ({}, None)
+    # a sweep left at the defaults and one that names them read the same tokens: nothing to say
+    sweep("INT8_W8A8", samples=16, seq_len=256)
+    assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC"})[1] is not None  # FP8: 8 x 128
+    sweep("FP8_DYNAMIC")
+    assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC"}) == ({}, None)
