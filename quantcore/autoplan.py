@@ -637,9 +637,13 @@ def auto_plan(
         opts = []
         unit_shapes = {m: layer_shapes[m] for m in u} if layer_shapes else {}
         for s in usable:
+            unit_plan = dict.fromkeys(u, s)
+            # said first: a sweep of a SmoothQuant scheme leaves these units out, so they have no KL of it either
+            if get_scheme(s).smoothquant_alpha is not None and (lost := smoothquant_unexportable(unit_plan)):
+                unsmoothable.setdefault(s, []).extend(lost)
+                continue
             if i not in kls.get(s, {}) or not all(m in costs[s] for m in u):
                 continue
-            unit_plan = dict.fromkeys(u, s)
             if layer_shapes and group_misfits(unit_plan, unit_shapes, parallel):
                 misfit[s] = misfit.get(s, 0) + 1
                 misfit_ks.setdefault(s, set()).update(parallel.shard(m, *layer_shapes[m])[1] for m in u)
@@ -647,9 +651,6 @@ def auto_plan(
             if layer_shapes and (w4afp8_misfits(unit_plan, unit_shapes, parallel)
                                  or fp8_block_misfits(unit_plan, unit_shapes, parallel)):
                 untileable[s] = untileable.get(s, 0) + 1
-                continue
-            if get_scheme(s).smoothquant_alpha is not None and (lost := smoothquant_unexportable(unit_plan)):
-                unsmoothable.setdefault(s, []).extend(lost)
                 continue
             if refused := vllm_unloadable(unit_plan):
                 unloadable.setdefault(s, []).extend(refused)

@@ -188,7 +188,7 @@ def cmd_sensitivity(args) -> int:
             "sqnr_db": r.sqnr_db} for r in rows]
     if args.json:
         _print_json({"job": job.id, "scheme": swept, "tensor_parallel": job.result.get("tensor_parallel", 1),
-                     "layers": out})
+                     "layers": out, "not_swept": job.result.get("not_swept", [])})
     else:
         from app import services as svc
 
@@ -196,6 +196,9 @@ def cmd_sensitivity(args) -> int:
         for r in out[:20]:
             sq = "" if r["sqnr_db"] is None else f"  SQNR {r['sqnr_db']:6.1f} dB"
             print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g}  top-1 {r['top1_agree']:.4f}{sq}")
+        if left_out := job.result.get("not_swept"):
+            print(f"not swept: {len(left_out)} layer(s) no llm-compressor recipe can smooth (o_proj, lm_head); "
+                  "the automatic planner gives them a scheme without SmoothQuant")
     return 0
 
 

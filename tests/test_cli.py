@@ -122,12 +122,12 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     shutil.rmtree(kept)
     assert {k: score("NVFP4_GPTQ")[k] for k in numbers} == {k: after_sweep[k] for k in numbers}
     # SmoothQuant folds o_proj's factors into v_proj's rows and down_proj's into up_proj's: a sweep, smoothing one
-    # unit at a time, rounds q/k/v and gate/up otherwise than a plan smoothing them all, which reads only o_proj,
-    # down_proj and lm_head from it, and scores as rounding all anew
+    # unit at a time, rounds q/k/v and gate/up otherwise than a plan smoothing them all, and leaves out o_proj and
+    # lm_head (no recipe smooths them), so a plan reads only down_proj from it, and scores as rounding all anew
     shutil.rmtree(kept)
     sweep("INT8_W8A8_SQ_GPTQ")
     sq = score("INT8_W8A8_SQ_GPTQ")
-    assert sq["gptq"] == {"layers": 15, "from_cache": 2 * 2 + 1}
+    assert sq["gptq"] == {"layers": 15, "from_cache": 2}
     shutil.rmtree(kept)
     assert {k: score("INT8_W8A8_SQ_GPTQ")[k] for k in numbers} == {k: sq[k] for k in numbers}
     # so does a plan whose o_proj / down_proj are smoothed against one whose are not
@@ -1030,6 +1030,35 @@ def test_a_kv_cache_sweep_ranks_the_attention_layers(tiny_model, capsys):
                          (("--scheme", "FP8", "--kv-cache", "FP8"), "give exactly one of --scheme NAME")):
         code, _, err = run(capsys, "sensitivity", "tiny", *bad, *args)
         assert code == 1 and message in err, err
+
+
+def test_a_smoothquant_sweep_leaves_out_the_layers_no_recipe_can_smooth(tiny_model, capsys):
+    """o_proj and lm_head: llm-compressor's Llama mappings cannot smooth them, the planner never offers SmoothQuant
+    there, so a sweep spends no time on them and says it left them out."""
+    from app import services as svc
+
+    args = ("--local", "--samples", "2", "--seq-len", "32")
+    swept = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8_SQ", *args, "--json")
+    layers = [n for r in swept["layers"] for n in r["layers"]]
+    names = [lin["name"] for lin in svc.get_model("tiny").linears]
+    assert sorted(swept["not_swept"]) == sorted(n for n in names if n.endswith(("o_proj", "lm_head")))
+    assert len(swept["not_swept"]) == 3 and sorted(layers) == sorted(set(names) - set(swept["not_swept"]))
+    assert "units swept; not swept: 3 layer(s) no llm-compressor recipe can smooth ('model" in svc.get_job(swept["job"]).message
+    plain = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", *args, "--json")
+    assert plain["not_swept"] == [] and sorted(n for r in plain["layers"] for n in r["layers"]) == sorted(names)
+    code, out, _ = run(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8_SQ", *args)
+    assert code == 0 and "not swept: 3 layer(s) no llm-compressor recipe can smooth" in out
+
+
+def test_a_smoothquant_sweep_of_a_model_with_no_smoothable_layer_is_refused_clearly() -> None:
+    from quantcore.errors import PlanError
+    from quantcore.schemes import get_scheme
+    from worker.scoring_bodies import _sweepable
+
+    names = ["encoder.layer.0.attention.self.query", "encoder.layer.0.output.dense"]
+    assert _sweepable(names, get_scheme("INT8_W8A8")) == (names, [])
+    with pytest.raises(PlanError, match="sweep a scheme without SmoothQuant, e.g. INT8_W8A8"):
+        _sweepable(names, get_scheme("INT8_W8A8_SQ"))
 
 
 def test_an_automatic_plan_with_a_kv_cache_spends_part_of_the_budget_on_it(tiny_model, capsys):

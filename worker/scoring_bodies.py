@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from quantcore.errors import PlanError, name_list
 from quantcore.files import write_whole
 from store import cache, repo
 from store.db import session_scope
@@ -431,6 +432,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         ctx.progress(0.3 + 0.7 * fraction, message)
 
     awq, parallel, rerouted, gptq_summary = None, ONE_GPU, False, None
+    unsmoothable: list[str] = []  # layers a SmoothQuant sweep leaves out (_sweepable)
     if ctx.params.get("kv_sweep"):  # K and V are quantized per head: the same on any number of GPUs
         kv = get_kv_format(ctx.params["kv_sweep"])
         ref = reference_for(ctx, rec, model, ids, label)
@@ -450,15 +452,16 @@ def sensitivity(ctx: JobContext) -> Outcome:
         act_amax, act_channel_max = _calibration_maps(cal)
         ref = reference_for(ctx, rec, model, ids, label)
         cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, scheme.needs_hessians or scheme.needs_awq)
-        every = {n: scheme for n in linear_names(rec)}
         groups = bool(ctx.params.get("groups", True))
-        unit_reads = {n: read for unit in sweep_units(linear_layer_names(model), groups=groups)
+        swept, unsmoothable = _sweepable(linear_layer_names(model), scheme)
+        every = {n: scheme for n in linear_names(rec) if n not in unsmoothable}
+        unit_reads = {n: read for unit in sweep_units(swept, groups=groups)
                       for n, read in rounding_inputs(dict.fromkeys(unit, scheme)).items()}
         kept, keep_at = _kept_gptq(ctx, rec, model, unit_reads, cal_ids, cal)
         hessians = _hessians(ctx, model, every, cal_ids, cal_text, rounded=kept)
         awq = _awq(ctx, rec, model, every, cal_ids, cal_text)
         gptq_cache = dict(kept)
-        rows = sensitivity_sweep(model, scheme, ids, ref, groups=groups,
+        rows = sensitivity_sweep(model, scheme, ids, ref, groups=groups, layers=swept,
                                  act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
                                  should_cancel=ctx.should_cancel, weight_hessians=hessians, awq=awq,
                                  parallel=parallel, gptq_cache=gptq_cache)
@@ -479,11 +482,34 @@ def sensitivity(ctx: JobContext) -> Outcome:
         result["gptq"] = gptq_summary
     if parallel.split:  # the planner reads a sweep for the GPU count it was made at
         result.update(tensor_parallel=parallel.tp, expert_parallel=parallel.expert_parallel)
+    if unsmoothable:
+        result["not_swept"] = unsmoothable
 
     def write(s: Session) -> None:
         repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)
 
     kept_note = (f" (from the cache: GPTQ {gptq_summary['from_cache']} of {gptq_summary['layers']} layers)"
                  if gptq_summary and gptq_summary["from_cache"] else "")
+    not_swept = (f"; not swept: {len(unsmoothable)} layer(s) no llm-compressor recipe can smooth "
+                 f"({name_list(unsmoothable, 2)})" if unsmoothable else "")
     return Outcome(result=result, write=write, message=f"{name}: {len(dicts)} units swept"
-                   + (" on one GPU (its scales are the same on any number)" if rerouted else "") + kept_note)
+                   + (" on one GPU (its scales are the same on any number)" if rerouted else "") + kept_note
+                   + not_swept)
+
+
+def _sweepable(layers: list[str], scheme) -> tuple[list[str], list[str]]:
+    """(the layers a sweep of ``scheme`` quantizes, those it leaves out). A SmoothQuant scheme leaves out the layers
+    no llm-compressor recipe can smooth (o_proj, lm_head: quantcore.export.smoothquant_unmapped): no served
+    checkpoint holds that smoothing, the automatic planner never offers it there, and sweeping them would cost
+    time for KLs nothing can use. A PlanError when that leaves nothing."""
+    from quantcore.export import smoothquant_unmapped
+
+    if scheme.smoothquant_alpha is None:
+        return layers, []
+    left_out = [n for n in layers if smoothquant_unmapped(n)]
+    swept = [n for n in layers if n not in set(left_out)]
+    if not swept:
+        raise PlanError(f"{scheme.name}: no layer of this model can carry SmoothQuant in an llm-compressor recipe "
+                         "(its Llama-style mappings smooth q/k/v_proj, gate/up_proj and down_proj); sweep a scheme "
+                         "without SmoothQuant, e.g. INT8_W8A8")
+    return swept, left_out

@@ -4,6 +4,7 @@ prefill and decode steps would cost."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import streamlit as st
 
 from app import charts, live, state
@@ -98,8 +99,13 @@ else:
     st.caption("No peak figure is known for this device (CPU or an unlisted GPU): only measured times.")
 
 st.subheader("Every case")
-st.dataframe(frame[["shape", "m", "n", "k", "path", "ms", "tflops", "pct_peak", "speedup", "native",
-                    "max_rel_err", "padded_m", "skipped"]].sort_values(["n", "k", "m", "path"]),
+cases = frame.assign(  # empty, not None, where there is nothing to say
+    padded_m=[f"{int(p)}" if pd.notna(p) else "" for p in frame["padded_m"]], skipped=frame["skipped"].fillna(""))
+columns = ["shape", "m", "n", "k", "path", "ms", "tflops", "pct_peak", "speedup", "native", "max_rel_err",
+           "padded_m", "skipped"]
+if peak.empty:  # no peak known: said above
+    columns.remove("pct_peak")
+st.dataframe(cases[columns].sort_values(["n", "k", "m", "path"]),
              hide_index=True, width="stretch",
              column_config={
                  "ms": st.column_config.NumberColumn("ms", format="%.4f", help="median time of one call"),
@@ -112,8 +118,8 @@ st.dataframe(frame[["shape", "m", "n", "k", "path", "ms", "tflops", "pct_peak", 
                  "max_rel_err": st.column_config.NumberColumn(
                      "max rel. error", format="%.2e", help="kernel output against quantcore's emulation of the "
                                                            "same quantized operands"),
-                 "padded_m": st.column_config.NumberColumn("padded M", help="the M the kernel ran at, where it "
-                                                                            "needs padding; empty: none"),
+                 "padded_m": st.column_config.TextColumn("padded M", help="the M the kernel ran at, where it "
+                                                                          "needs padding; empty: none"),
                  "skipped": st.column_config.TextColumn("why no time", help="empty where timed"),
              })
 

@@ -117,6 +117,8 @@ if problem:
 st.subheader("Every linear layer")
 st.caption(svc.FUSION_REASON)
 table = svc.layer_table(model, body, target)
+# SmoothQuant's alpha as text, empty where the layer's scheme does not smooth (a number column shows None there)
+table["alpha"] = [f"{a:g}" if pd.notna(a) else "" for a in table["alpha"]]
 edited = st.data_editor(
     table, key=f"plan_table_{model.id}_{start}", hide_index=True, width="stretch",
     disabled=[c for c in table.columns if c != "scheme"],
@@ -126,7 +128,10 @@ edited = st.data_editor(
         "sensitivity_kl": st.column_config.NumberColumn(
             "sensitivity KL", format="%.5f",
             help="KL against the unquantized model when only this layer (its fusion group) uses the scheme "
-                 "of this row, from the newest sensitivity sweep of that scheme; empty: no sweep of it yet"),
+                 "of this row, from the newest sensitivity sweep of that scheme; empty: no sweep of it yet, "
+                 "or a SmoothQuant sweep, which leaves out the layers no llm-compressor recipe can smooth"),
+        "alpha": st.column_config.TextColumn(help="SmoothQuant's migration strength of the layer's scheme; empty: "
+                                                  "the scheme does not smooth"),
         "on_target": st.column_config.TextColumn(f"on {target}"),
         "N / GPU": st.column_config.NumberColumn(help=f"output rows of this layer on each of the {tp} GPUs"),
         "K / GPU": st.column_config.NumberColumn(help=f"input columns of this layer on each of the {tp} GPUs"),

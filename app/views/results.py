@@ -277,7 +277,18 @@ if stale:
 df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db,
                     "proj": svc.unit_block_proj(r.layers)[1]} for r in rows])
 st.altair_chart(charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
-st.dataframe(df, hide_index=True, width="stretch")
+st.dataframe(df, hide_index=True, width="stretch",
+             column_config={"kl": st.column_config.NumberColumn("KL mean", format="%.3e",
+                                                                help="with only this unit quantized"),
+                            "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
+                            "sqnr_db": st.column_config.NumberColumn("SQNR dB", format="%.1f",
+                                                                     help="of the unit's output, quantized against unquantized"),
+                            "proj": st.column_config.TextColumn("projection")})
+if left_out := (next(j for j in sweeps if j.id == sweep_id).result or {}).get("not_swept"):
+    st.caption(f"Not swept: {len(left_out)} layer(s) ({', '.join(left_out[:3])}{', …' if len(left_out) > 3 else ''}) "
+               "that no llm-compressor recipe can smooth (its Llama-style mappings smooth q/k/v_proj, gate/up_proj "
+               "and down_proj only), so no served checkpoint would hold the SmoothQuant measured there. The "
+               "automatic plan gives them a scheme without SmoothQuant; sweep one (e.g. INT8_W8A8) for their KL.")
 
 counts = svc.sweep_gpu_counts(model)
 by_scheme = svc.sensitivity_by_scheme(model)  # one GPU's: the panels drawn unless another count is chosen

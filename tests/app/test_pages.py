@@ -146,6 +146,30 @@ def test_results_page_shows_scores_and_sensitivity(seeded):
     assert len(at.dataframe) >= 2
 
 
+def test_results_page_says_which_layers_a_smoothquant_sweep_left_out(seeded):
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    names = [lin["name"] for lin in seeded.linears]
+    left_out = [n for n in names if n.endswith(("o_proj", "lm_head"))]
+    with session_scope() as s:
+        job = repo.create_job(s, kind="sensitivity", params={"scheme": "INT8_W8A8_SQ"}, queue="cpu", user=None,
+                              model_id=seeded.id)
+        repo.save_sensitivity(s, job_id=job.id, model_id=seeded.id, scheme="INT8_W8A8_SQ",
+                              rows=[{"layer": n, "layers": [n], "kl_mean": 1e-5, "top1_agree": 0.99, "sqnr_db": 30.0}
+                                    for n in names if n not in left_out])
+        repo.finish_job(s, job.id, status="succeeded", result={"scheme": "INT8_W8A8_SQ", "not_swept": left_out})
+    at = _run("results", seeded.id)
+    assert not at.exception
+    assert at.selectbox(key="results_sweep").value == job.id  # the newest sweep is shown first
+    [caption] = [c.value for c in at.caption if c.value.startswith("Not swept:")]
+    assert caption.startswith(f"Not swept: {len(left_out)} layer(s) ({left_out[0]}") and "INT8_W8A8" in caption
+    plain = next(j.id for j in svc.sensitivity_jobs(seeded.id) if j.id != job.id)  # seeded: INT8_PER_TENSOR
+    at.selectbox(key="results_sweep").set_value(plain).run()  # a sweep without SmoothQuant: nothing to say
+    assert not any(c.value.startswith("Not swept:") for c in at.caption)
+
+
 def test_results_page_says_when_the_scores_compared_were_measured_on_different_tokens(seeded):
     from app import services as svc
     from store import repo
@@ -248,6 +272,10 @@ def test_kernels_page_names_the_paths_a_device_does_not_run_natively(seeded):
     assert not at.exception
     assert not any("natively" in w.value for w in at.warning)
     assert any("Not native on VNNI CPU: fp8_tensor" in c.value for c in at.caption)
+    # every case: empty cells where there is nothing to say, and no percent-of-peak column without a known peak
+    cases = next(d.value for d in at.dataframe if "skipped" in d.value.columns)
+    assert "pct_peak" not in cases.columns and len(cases) == 3
+    assert set(cases["padded_m"]) == {""} and set(cases["skipped"]) == {""}
 
 
 def test_plans_page_resolves_and_saves_a_version(seeded):
@@ -628,6 +656,18 @@ def test_plan_table_shows_the_sensitivity_of_each_layers_own_scheme(seeded):
                             "h100").set_index("layer")
     assert mixed.drop(index="lm_head")["sensitivity_kl"].isna().all()
     assert mixed.loc["lm_head", "sensitivity_kl"] == int8.loc["lm_head", "sensitivity_kl"]
+
+
+def test_plan_table_shows_alpha_only_where_the_scheme_smooths(seeded):
+    at = _run("plans", seeded.id)
+
+    def alphas():
+        return set(next(d.value for d in at.dataframe if "sensitivity_kl" in d.value.columns)["alpha"])
+
+    assert alphas() == {""}  # FP8_DYNAMIC, lm_head BF16: nothing smooths
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("INT8_W8A8_SQ").run()
+    assert not at.exception
+    assert alphas() == {"0.5", ""}  # lm_head stays BF16 by the starting rule
 
 
 def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
@@ -1332,10 +1372,11 @@ def test_a_sweep_from_before_the_int_weight_grid_is_named_on_results_and_in_the_
 
 
 def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
-    """A sweep on 2 GPUs is what an automatic plan for 2 GPUs reads of its scheme (and the Plans page says so); a
+    """A sweep on 3 GPUs is what an automatic plan for 3 GPUs reads of its scheme (and the Plans page says so); a
     plan for one GPU, or for another count, reads the one-GPU sweep; an older quantplan's one-GPU sweep replaced so is
-    not named in the plan for 2 GPUs."""
+    not named in the plan for 3 GPUs."""
     from app import services as svc
+    from quantcore.schemes import NUMERICS
     from store import repo
     from store.db import session_scope
 
@@ -1395,6 +1436,21 @@ def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
             assert stand_in_caption().startswith("One-GPU sweeps stand in for FP8_DYNAMIC, W4A16; those of "
                                                  "FP8_DYNAMIC overstate the KL of o_proj and down_proj")
     assert layer_kl() == pytest.approx(1e-6)
+    # a scheme vLLM serves, cheap on 3 GPUs and far over the budget on one: each plan follows its own GPUs' sweep
+    for tp, kl in ((3, 1e-6), (1, 1.0)):
+        with session_scope() as s:
+            job = repo.create_job(s, kind="sensitivity", params={"scheme": "INT8_W8A8", "tensor_parallel": tp},
+                                  queue="cpu", user=None, model_id=seeded.id)
+            repo.save_sensitivity(s, job_id=job.id, model_id=seeded.id, scheme="INT8_W8A8",
+                                  rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": kl,
+                                         "top1_agree": 0.99, "sqnr_db": 40.0} for lin in seeded.linears])
+            repo.finish_job(s, job.id, status="succeeded",
+                            result={"scheme": "INT8_W8A8", "numerics": NUMERICS,
+                                    **({"tensor_parallel": tp, "expert_parallel": False} if tp > 1 else {})})
+    ask = {"kl_budget": 0.5, "target": "h100", "verify": False, "candidates": ["INT8_W8A8"]}
+    on_three, _, _ = svc.auto_plan(seeded, **ask, tensor_parallel=3)
+    on_one, _, _ = svc.auto_plan(seeded, **ask)
+    assert set(on_three.plan.values()) == {"INT8_W8A8"} and set(on_one.plan.values()) == {"BF16"}
 
 
 def test_a_quantized_tied_head_costs_its_embedding_again_in_serving_memory(seeded) -> None:

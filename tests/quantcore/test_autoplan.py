@@ -510,6 +510,13 @@ def test_smoothquant_is_not_offered_where_no_llm_compressor_recipe_can_carry_it(
     res = auto_plan(BLOCK, {"INT8_W8A8_SQ": sens["INT8_W8A8_SQ"]}, kl_budget=1.0, target="h100",
                     candidates=["INT8_W8A8_SQ"], layer_shapes=SHAPES)
     assert res.plan["model.layers.0.self_attn.o_proj"] == res.plan["lm_head"] == "BF16"
+    # a sweep that left those two out (as the worker's SmoothQuant sweeps do) plans the same and says the same
+    swept = {k: v for k, v in sens["INT8_W8A8_SQ"].items() if not k.endswith(("o_proj", "lm_head"))}
+    assert len(swept) == len(LABELS) - 2
+    res = auto_plan(BLOCK, {**sens, "INT8_W8A8_SQ": swept}, kl_budget=1.0, target="h100",
+                    candidates=["INT8_W8A8_SQ", "INT8_W8A8"], layer_shapes=SHAPES)
+    assert {n for n, s in res.plan.items() if s == "INT8_W8A8"} == {"model.layers.0.self_attn.o_proj", "lm_head"}
+    assert any(n.startswith("INT8_W8A8_SQ was not offered to 2 layer(s)") for n in res.notes)
 
 
 def test_int8_with_dynamic_per_tensor_activations_is_not_offered_to_a_layer_vllm_would_not_load() -> None:
