@@ -796,7 +796,7 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
     df["kl_plot"] = df["kl_mean"].clip(lower=floor)
     df["where"] = np.where(df["front"], "on the front", "beaten")
     x = alt.X(f"{cost}:Q", title=cost_title, scale=alt.Scale(zero=False),
-              axis=alt.Axis(format=",.4~g"))  # one plan alone: its value is the only tick, not 128.640381
+              axis=alt.Axis(format=",.4~r"))  # one plan alone: its value is the only tick, not 128.640381
     y = alt.Y("kl_plot:Q", title="KL mean (nats, log)", scale=alt.Scale(type="log"))
     tooltip = ["plan:N", alt.Tooltip("kl_mean:Q", title="KL mean", format=".4g"),
                alt.Tooltip(f"{cost}:Q", title=cost_title, format=".4g")]

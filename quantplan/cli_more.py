@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from quantcore.errors import name_list
 from quantcore.kvcache import KV_FORMATS
 from quantplan.cli import (
     CliError,
@@ -197,8 +198,8 @@ def cmd_sensitivity(args) -> int:
             sq = "" if r["sqnr_db"] is None else f"  SQNR {r['sqnr_db']:6.1f} dB"
             print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g}  top-1 {r['top1_agree']:.4f}{sq}")
         if left_out := job.result.get("not_swept"):
-            print(f"not swept: {len(left_out)} layer(s) no llm-compressor recipe can smooth (o_proj, lm_head); "
-                  "the automatic planner gives them a scheme without SmoothQuant")
+            print(f"not swept: {len(left_out)} layer(s) no llm-compressor recipe can smooth "
+                  f"({name_list(left_out, 3)}); the automatic planner gives them a scheme without SmoothQuant")
     return 0
 
 

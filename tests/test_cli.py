@@ -122,8 +122,9 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     shutil.rmtree(kept)
     assert {k: score("NVFP4_GPTQ")[k] for k in numbers} == {k: after_sweep[k] for k in numbers}
     # SmoothQuant folds o_proj's factors into v_proj's rows and down_proj's into up_proj's: a sweep, smoothing one
-    # unit at a time, rounds q/k/v and gate/up otherwise than a plan smoothing them all, and leaves out o_proj and
-    # lm_head (no recipe smooths them), so a plan reads only down_proj from it, and scores as rounding all anew
+    # unit at a time, rounds q/k/v and gate/up otherwise than this hand-made plan smoothing them all (o_proj too), and
+    # leaves out o_proj and lm_head (no recipe smooths them), so the plan reads only down_proj from it, and scores as
+    # rounding all anew
     shutil.rmtree(kept)
     sweep("INT8_W8A8_SQ_GPTQ")
     sq = score("INT8_W8A8_SQ_GPTQ")

@@ -446,6 +446,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         if ctx.params.get("alpha") is not None:
             scheme = scheme.with_alpha(float(ctx.params["alpha"]))
         parallel = swept_on(ctx, model)  # checked before the reference is computed
+        swept, unsmoothable = _sweepable(linear_layer_names(model), scheme)  # so is what is left to sweep
         if parallel.split and not scheme.scaled_per_gpu_share:
             parallel, rerouted = ONE_GPU, True  # its scales are the same on any number of GPUs: read exactly so
         cal = calibration_for(ctx, rec, scheme.needs_calibration)
@@ -453,7 +454,6 @@ def sensitivity(ctx: JobContext) -> Outcome:
         ref = reference_for(ctx, rec, model, ids, label)
         cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, scheme.needs_hessians or scheme.needs_awq)
         groups = bool(ctx.params.get("groups", True))
-        swept, unsmoothable = _sweepable(linear_layer_names(model), scheme)
         every = {n: scheme for n in linear_names(rec) if n not in unsmoothable}
         unit_reads = {n: read for unit in sweep_units(swept, groups=groups)
                       for n, read in rounding_inputs(dict.fromkeys(unit, scheme)).items()}

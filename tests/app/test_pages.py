@@ -1222,8 +1222,26 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
     table = next(d.value for d in at.dataframe if "what" in d.value.columns).set_index("id")
     assert table.loc[queued[3].id, "what"] == "cpu M 1,16"
     assert table.loc[queued[1].id, "what"] == "plan mine v1 · 4 × 128"
-    # the table's labels come from one read of the plans named; a removed plan is named by its id
-    assert svc.jobs_what(queued) == {j.id: svc.job_what(j) for j in queued}
+    # the table's labels come from one read of the plans named, however many; a removed plan is named by its id
+    from sqlalchemy import event
+
+    from store.db import get_engine
+
+    other = svc.save_plan(seeded.id, "other", {"model": seeded.name, "default": "W4A16"})
+    many = [*queued, *(svc.submit("score", {}, model_id=seeded.id, plan_id=p.id) for p in (plan, other, other))]
+    selects: list[str] = []
+
+    def count(conn, cursor, statement, *args):
+        if statement.lstrip().upper().startswith("SELECT"):
+            selects.append(statement)
+
+    event.listen(get_engine(), "before_cursor_execute", count)
+    try:
+        whats = svc.jobs_what(many)
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", count)
+    assert len(selects) == 1 and whats[many[-1].id] == "plan other v1" and whats[many[-3].id] == "plan mine v1"
+    assert whats == {j.id: svc.job_what(j) for j in many}
     gone = dataclasses.replace(queued[1], plan_id=plan.id + 1000)
     assert svc.jobs_what([gone]) == {gone.id: f"plan #{plan.id + 1000} · 4 × 128"}
 

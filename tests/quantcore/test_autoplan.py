@@ -336,6 +336,11 @@ def test_measured_costs_drive_the_plan_and_missing_ones_are_estimated() -> None:
     )
     assert set(none.plan.values()) == {"BF16"}
     assert "kernel time" in none.excluded["W4A16"]
+    # a SmoothQuant scheme with no time anywhere: said so, beside the note on the layers it cannot smooth
+    sq = auto_plan(BLOCK, {"INT8_W8A8_SQ": sens["W4A16"]}, kl_budget=1.0, target="h100", candidates=("INT8_W8A8_SQ",),
+                   cost=cost, estimate_missing=False)
+    assert set(sq.plan.values()) == {"BF16"} and "kernel time" in sq.excluded["INT8_W8A8_SQ"]
+    assert any(n.startswith("INT8_W8A8_SQ was not offered to 2 layer(s)") for n in sq.notes)
 
 
 def test_measured_costs_need_a_baseline_for_every_layer() -> None:
