@@ -129,6 +129,15 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     sweep("INT8_W8A8_SQ_GPTQ")
     sq = score("INT8_W8A8_SQ_GPTQ")
     assert sq["gptq"] == {"layers": 15, "from_cache": 2}
+    # a plan as the automatic planner makes it (no SmoothQuant on o_proj or lm_head) reads q/k/v too: no o_proj fold
+    # in v_proj's rows; only gate/up, whose up_proj rows carry down_proj's fold, are rounded anew (with o_proj, lm_head)
+    shutil.rmtree(kept)
+    sweep("INT8_W8A8_SQ_GPTQ")
+    planned = tmp_path / "planned.yaml"
+    planned.write_text("model: tiny\ndefault: INT8_W8A8_SQ_GPTQ\nrules:\n  - {match: 'o_proj|lm_head', "
+                       "scheme: INT8_W8A8_GPTQ}\n")
+    assert run_json(capsys, "score", "tiny", "--plan", str(planned), *args)["gptq"] == {
+        "layers": 15, "from_cache": 2 * (3 + 1)}
     shutil.rmtree(kept)
     assert {k: score("INT8_W8A8_SQ_GPTQ")[k] for k in numbers} == {k: sq[k] for k in numbers}
     # so does a plan whose o_proj / down_proj are smoothed against one whose are not
