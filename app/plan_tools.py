@@ -6,13 +6,18 @@ import pandas as pd
 import streamlit as st
 
 from app import services as svc
+from app import state
 from quantcore.kvcache import KV_FORMATS
 
 
 def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> None:
     st.subheader("Automatic plan")
     sens, _units = svc.sensitivity_map(model, tp, expert_parallel)
-    if not sens:
+    if model.causal_lm is False:
+        st.info(f"An automatic plan chooses from per-layer sensitivity sweeps, which compare next-token "
+                f"distributions: {model.name} is a {model.architecture}, not a causal language model, so it has "
+                "none. Build its plan by preset and rules above; its export works as for any model.")
+    elif not sens:
         st.info("An automatic plan needs per-layer sensitivity: queue sweeps for the candidate schemes on the "
                 "Results page (e.g. FP8_DYNAMIC, INT8_W8A8, W4A16).")
     else:
@@ -70,7 +75,7 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
                                     "top-1": s.top1_agree} for s in scored]), hide_index=True, width="stretch")
 
     st.subheader("Export")
-    plans = svc.list_plans(model.id)  # again: the automatic plan above may have saved one in this run
+    plans = sorted(svc.list_plans(model.id), key=lambda p: p.id)  # again: the automatic plan may have saved one
     if not plans:
         st.info("Save a plan first; then export it for llm-compressor, compressed-tensors or vLLM.")
     else:
@@ -81,8 +86,9 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
 def _export(model, plans) -> None:
     c1, c2 = st.columns(2)
     ids = [p.id for p in plans]
+    # the newest version, also after one is saved in this browser session (the key changes with it)
     plan_id = c1.selectbox("Plan", ids, index=len(ids) - 1, format_func={p.id: p.label for p in plans}.get,
-                           key="export_plan")
+                           key=f"export_plan_{ids[-1]}")
     fmt = c2.selectbox("Format", list(svc.EXPORT_FORMATS), key="export_fmt")
     plan = next(p for p in plans if p.id == plan_id)
     try:
@@ -104,6 +110,7 @@ def _import(model) -> None:
     if up is not None and st.button("Import", key="import_btn"):
         try:
             rec = svc.import_plan(model, up.name, up.getvalue().decode("utf-8", "replace"))
-            st.success(f"Imported {rec.label}.")
         except ValueError as exc:
             st.error(str(exc))
+        else:
+            state.plan_saved(f"Imported {rec.label}", rec.name)

@@ -975,14 +975,18 @@ def parallelism(model: ModelRecord, body: dict[str, Any]):
     return spec.parallelism(attention_heads(model) if spec.tensor_parallel > 1 else None)
 
 
+REFUSED_PARTIAL = "groups do not divide K"  # quantcore.plans.group_misfits: llm-compressor and vLLM refuse the layer
+REFUSED_UNTILED = "N not a multiple of 128"  # quantcore.plans.w4afp8_misfits: vLLM's one W4AFP8 kernel refuses it
+
+
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     """Every linear: name, N, K (and each GPU's share, "N / GPU" and "K / GPU", when the plan's tensor_parallel is
     above 1: quantcore.parallel), outlier ratio (newest calibration), the sensitivity KL of the layer's
     own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU
-    (with ", partial group" where the scheme's groups do not divide K, or each GPU's K: quantcore.plans.group_misfits,
-    ", N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer:
-    quantcore.plans.w4afp8_misfits, and ", off Marlin tiles" where a weight-only layer fits neither of Marlin's
-    thread tiles: quantcore.plans.marlin_misfits)."""
+    ("refused: groups do not divide K" where the scheme's groups do not divide K, or each GPU's K:
+    quantcore.plans.group_misfits; "refused: N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the
+    fused layer: quantcore.plans.w4afp8_misfits; else the GPU's support, with ", off Marlin tiles" where a
+    weight-only layer fits neither of Marlin's thread tiles: quantcore.plans.marlin_misfits)."""
     import pandas as pd
 
     from quantcore.hardware import support_on_target
@@ -1015,11 +1019,12 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             w = scheme.weights.format if scheme.weights else None
             a = scheme.activations.format if scheme.activations else None
             support = support_on_target(target, w, a)
-            if name in partial:
-                support += ", partial group"
-            if name in untileable:
-                support += ", N not a multiple of 128"
-            if name in off_marlin:
+            # a layer the serving stack would refuse says so first, whatever the GPU's units
+            refused = [why for why, hit in ((REFUSED_PARTIAL, name in partial),
+                                             (REFUSED_UNTILED, name in untileable)) if hit]
+            if refused:
+                support = "refused: " + ", ".join(refused)
+            elif name in off_marlin:
                 support += ", off Marlin tiles"
         scheme_name = scheme.name if scheme else body.get("default")
         per_gpu = dict(zip(("N / GPU", "K / GPU"), shards[name], strict=True)) if shards else {}
@@ -1593,6 +1598,9 @@ def job_what(job: JobRecord, plan_labels: dict[int, str] | None = None) -> str:
         ep = p.get("expert_parallel") if p.get("tensor_parallel") else plan_file.get("expert_parallel")
         gpus = f" on {gpus_label(int(tp), bool(ep))}" if str(tp) not in ("None", "1") else ""
         parts.append(what + (" sweep" if job.kind == "sensitivity" else "") + gpus)
+    if job.kind == "register":  # which upload or folder, so a failed one is told apart from another
+        source = "the demo" if p.get("demo") else (p.get("source_name") or p.get("source") or "")
+        parts.append(f"{source} as {p['name']}" if p.get("name") and source else source)
     if job.kind in ("score", "sensitivity", "calibrate") and p.get("samples") and p.get("seq_len"):
         parts.append(f"{p['samples']} × {p['seq_len']}")
     if job.kind == "bench":

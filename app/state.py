@@ -73,3 +73,13 @@ def current_model():
         st.info(f"Model #{model_id} was removed: choose another in the sidebar, or register one on the Models page.")
         return None
 
+
+
+PLAN_SAVED = "plan_saved"  # (what was said, plan name) of a plan saved or imported, for the Plans page's next run
+
+
+def plan_saved(said: str, name: str) -> None:
+    """Draw the Plans page again after a plan is saved or imported: its lists above (Start from, Versions, Export)
+    were drawn before it existed. The next run says ``said`` and edits plan ``name``."""
+    st.session_state[PLAN_SAVED] = (said, name)
+    st.rerun()

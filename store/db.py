@@ -120,6 +120,13 @@ def current_revision(settings: Settings | None = None) -> str | None:
 def check_schema_current(settings: Settings | None = None) -> None:
     """Raise SchemaOutdated unless the database is at the newest migration."""
     settings = settings or get_settings()
+    url = settings.sqlalchemy_url
+    path = url.split("///", 1)[-1] if url.startswith("sqlite") else ""
+    if path and path != ":memory:" and not Path(path).exists():  # a check creates no database (nor its folder)
+        raise SchemaOutdated(
+            f"no database at {path}. Run `quantplan migrate` to create it, or set QUANTPLAN_HOME (or "
+            "QUANTPLAN_DATABASE_URL) to where the product's data is."
+        )
     try:
         current = current_revision(settings)
     except DBAPIError as exc:

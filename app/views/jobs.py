@@ -68,7 +68,7 @@ def job_table() -> None:
     st.dataframe(pd.DataFrame([{
         "id": j.id, "kind": j.kind, "what": whats[j.id], "status": j.status, "progress": j.progress,
         "ran (s)": j.run_seconds(), "message": j.message,
-        "model": model_names.get(j.model_id) or _removed(j), "queue": j.queue, "device": j.device, "worker": j.worker_host,
+        "model": model_names.get(j.model_id) or _removed(j) or "", "queue": j.queue, "device": j.device, "worker": j.worker_host,
         "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
         "error": j.error or "",
     } for j in jobs]), hide_index=True, width="stretch",

@@ -113,7 +113,7 @@ st.dataframe(cases[columns].sort_values(["n", "k", "m", "path"]),
                                                          help="2·M·N·K / time (TOPS for INT8)"),
                  "pct_peak": st.column_config.NumberColumn("% of peak", format="%.1f",
                                                            help="of the device's dense peak for the path's dtype; "
-                                                                "empty where the peak is not known (any CPU)"),
+                                                                "None where the peak is not known"),
                  "speedup": st.column_config.NumberColumn("speed-up", format="×%.2f", help="baseline time / this"),
                  "max_rel_err": st.column_config.NumberColumn(
                      "max rel. error", format="%.2e", help="kernel output against quantcore's emulation of the "

@@ -75,7 +75,7 @@ st.dataframe(
         help="reference log-probs, AWQ scales, GPTQ-rounded weights and KV cache maxima jobs keep to skip work "
              "next time; the model's own section below lists and clears them"),
         "KV KiB / token (BF16)": st.column_config.NumberColumn(
-        format="%.2f", help="K and V of every layer for one token, from the k_proj / v_proj widths; empty for "
+        format="%.2f", help="K and V of every layer for one token, from the k_proj / v_proj widths; None for "
                             "a model without them (a fused qkv projection, an encoder's query/key/value)")},
 )
 
@@ -83,6 +83,11 @@ model = state.current_model()
 if model is None:
     st.stop()
 st.subheader(f"{model.name}")
+if model.source_kind in ("demo", "gguf"):
+    st.caption(f"Converted from {model.source_name}: transformers dequantized the GGUF file's quantized weights to "
+               "float. Those weights went through a low-bit rounding once already, so a weight format's error on "
+               "them reads otherwise than on the original checkpoint (weight-only INT4 scores poorly here); the "
+               "activations, and so their outliers, are the model's own.")
 if moe := svc.moe_text(model):
     st.info(moe)
 if unsplit := svc.unsplit_experts_warning(model):

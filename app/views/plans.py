@@ -22,14 +22,21 @@ EDIT = f"plan_body_{model.id}"
 
 plans = svc.list_plans(model.id)
 latest = {p.name: p for p in plans}
+START = f"plan_start_{model.id}"
+if saved := st.session_state.pop(state.PLAN_SAVED, None):  # saved or imported in the run before: edit it from here
+    label, name = saved
+    st.success(f"{label}.")
+    if name in latest:
+        st.session_state[START] = name
+        st.session_state.pop(f"{EDIT}_from", None)  # edit the version saved (an import may reuse the name shown)
 c1, c2 = st.columns([2, 1])
-start = c1.selectbox("Start from", ["(new plan)"] + sorted(latest), key=f"plan_start_{model.id}")
+start = c1.selectbox("Start from", ["(new plan)"] + sorted(latest), key=START)
 target = c2.selectbox("Target GPU", [t.key for t in list_targets()], index=2,
                       format_func=lambda k: next(t.name for t in list_targets() if t.key == k), key="plan_target")
 if st.session_state.get(f"{EDIT}_from") != start:
+    head = [{"match": r"lm_head", "scheme": "BF16"}] if "lm_head" in svc.layer_names(model) else []  # not an encoder's
     st.session_state[EDIT] = (dict(latest[start].body) if start in latest
-                              else {"model": model.name, "default": "FP8_DYNAMIC", "rules": [
-                                  {"match": r"lm_head", "scheme": "BF16"}]})
+                              else {"model": model.name, "default": "FP8_DYNAMIC", "rules": head})
     st.session_state[f"{EDIT}_from"] = start
 body = st.session_state[EDIT]
 
@@ -124,15 +131,20 @@ edited = st.data_editor(
     disabled=[c for c in table.columns if c != "scheme"],
     column_config={
         "scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES, required=True),
-        "outlier_ratio": st.column_config.NumberColumn("outlier ratio", format="%.1f"),
+        "outlier_ratio": st.column_config.NumberColumn(
+            "outlier ratio", format="%.1f", help="the input's largest channel max|x| over its median channel's, from "
+                                                 "the newest calibration (Outliers page); None: not calibrated yet"),
         "sensitivity_kl": st.column_config.NumberColumn(
             "sensitivity KL", format="%.5f",
             help="KL against the unquantized model when only this layer (its fusion group) uses the scheme "
-                 "of this row, from the newest sensitivity sweep of that scheme; empty: no sweep of it yet, "
+                 "of this row, from the newest sensitivity sweep of that scheme; None: no sweep of it yet, "
                  "or a SmoothQuant sweep, which leaves out the layers no llm-compressor recipe can smooth"),
         "alpha": st.column_config.TextColumn(help="SmoothQuant's migration strength of the layer's scheme; empty: "
                                                   "the scheme does not smooth"),
-        "on_target": st.column_config.TextColumn(f"on {target}"),
+        "on_target": st.column_config.TextColumn(
+            f"on {target}", help="native / emulated / unsupported: whether the GPU runs the scheme's formats in its "
+                                 "own units; refused: llm-compressor or vLLM would not make or load the layer "
+                                 "(the warnings below the table say why and offer a scheme that fits)"),
         "N / GPU": st.column_config.NumberColumn(help=f"output rows of this layer on each of the {tp} GPUs"),
         "K / GPU": st.column_config.NumberColumn(help=f"input columns of this layer on each of the {tp} GPUs"),
         "fused_with": st.column_config.NumberColumn(
@@ -213,6 +225,7 @@ if resolved is not None:
         col.metric(f"Ideal {step} on {on}", f"{bound.ms:.3f} ms", f"×{bf16.ms / bound.ms:.2f} vs BF16 "
                    f"({bf16.ms:.3f} ms)", delta_color="off", delta_arrow="off")
     not_native, unsupported = len(bound.not_native), len(bound.unsupported)  # the same layers at any M
+    refused = int(table["on_target"].str.startswith("refused").sum())
     st.caption(f"The roofline bound of the plan's linear layers on a {gpu} from its datasheet: each layer's "
                f"weight read at {svc.target_bandwidth(target):g} TB/s or its math at the peak of the precision "
                "the GPU runs natively, whichever is longer (decode is bound by the weights, prefill by the math). "
@@ -222,7 +235,9 @@ if resolved is not None:
                + (f" {not_native} layer(s) use a scheme {target} does not run natively: their math counts at "
                   "bf16." if not_native else "")
                + (f" **{unsupported} of them have no serving kernel on {target} at all**: the plan cannot be served "
-                  "there as it stands." if unsupported else ""))
+                  "there as it stands." if unsupported else "")
+               + (f" **{refused} layer(s) would be refused** by llm-compressor or vLLM (\"refused\" in the table): "
+                  "they count here as if served; mend them first (the warnings above)." if refused else ""))
 
     if svc.kv_kib_per_token(model) is not None:  # the model's cache can be counted (separate k_proj / v_proj)
         st.subheader("KV cache")
@@ -276,21 +291,24 @@ with st.form("plan_save"):
     note = c2.text_input("What changed", key="plan_note")
     if st.form_submit_button("Save as a new version", type="primary", disabled=problem is not None):
         saved = svc.save_plan(model.id, name, {**body, "name": name, "model": model.name}, note=note)
-        st.success(f"Saved {saved.label}.")
+        state.plan_saved(f"Saved {saved.label}", saved.name)
 
 # ----------------------------------------------------------------------------- versions and diff
-plans = svc.list_plans(model.id)
+plans = sorted(plans, key=lambda p: p.id)  # as saved, the newest last
 if plans:
     st.subheader("Versions")
-    st.dataframe(pd.DataFrame([{"id": p.id, "plan": p.label, "parent": p.parent_id, "author": p.author,
-                                "note": p.note, "saved": p.created_at} for p in plans]),
-                 hide_index=True, width="stretch")
+    st.dataframe(pd.DataFrame([{"id": p.id, "plan": p.label, "parent": "" if p.parent_id is None else f"{p.parent_id}",
+                                "author": p.author or "", "note": p.note, "saved": p.created_at} for p in plans]),
+                 hide_index=True, width="stretch",
+                 column_config={"parent": st.column_config.TextColumn(
+                     help="the id of the version this one was saved from; empty: a first version or an import")})
     if len(plans) >= 2:
         c1, c2 = st.columns(2)
         ids = [p.id for p in plans]
         lab = {p.id: p.label for p in plans}
-        a = c1.selectbox("Compare", ids, index=len(ids) - 2, format_func=lab.get, key="diff_a")
-        b = c2.selectbox("with", ids, index=len(ids) - 1, format_func=lab.get, key="diff_b")
+        # keyed by the newest version: a version saved since shows as the newest two compared, not an older pair
+        a = c1.selectbox("Compare", ids, index=len(ids) - 2, format_func=lab.get, key=f"diff_a_{ids[-1]}")
+        b = c2.selectbox("with", ids, index=len(ids) - 1, format_func=lab.get, key=f"diff_b_{ids[-1]}")
         diff = svc.plan_diff(model, next(p for p in plans if p.id == a), next(p for p in plans if p.id == b))
         kv_a, kv_b = (kv_label(next(p for p in plans if p.id == i).body) for i in (a, b))
         if kv_a != kv_b:

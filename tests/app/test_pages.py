@@ -45,6 +45,20 @@ def test_models_page_lists_the_model(seeded):
                for c in at.caption)
 
 
+def test_models_page_says_a_gguf_models_weights_were_rounded_once_already(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    at = _run("models", seeded.id)
+    assert not any("Converted from" in c.value for c in at.caption)  # a plain folder
+    with session_scope() as s:
+        row = s.get(repo.m.Model, seeded.id)
+        row.source_kind, row.source_name = "demo", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    at = _run("models", seeded.id)
+    assert any(c.value.startswith("Converted from SmolLM2-135M-Instruct.Q4_1.gguf: transformers dequantized")
+               for c in at.caption)
+
+
 def test_a_path_refused_before_any_job_replaces_the_last_registrations_failure(seeded, tmp_path):
     """The newest registration's failure stays on Models until a newer try; a path the app refuses at once (no
     job made) is that newer try: its own error shows, not the older job's under it."""
@@ -279,6 +293,7 @@ def test_kernels_page_names_the_paths_a_device_does_not_run_natively(seeded):
 
 
 def test_plans_page_resolves_and_saves_a_version(seeded):
+    from app import services as svc
     from store import repo
     from store.db import session_scope
 
@@ -290,6 +305,43 @@ def test_plans_page_resolves_and_saves_a_version(seeded):
     with session_scope() as s:
         plans = repo.list_plans(s, seeded.id)
     assert plans and plans[-1].body["default"] == "FP8_DYNAMIC"
+    # the page is drawn again with the version saved: said, edited from here, newest in the export and the diff
+    name = plans[-1].name
+    assert any(f"Saved {name} v1." == m.value for m in at.success)
+    assert at.selectbox(key=f"plan_start_{seeded.id}").value == name
+    at.selectbox(key=f"plan_default_{seeded.id}_{name}").set_value("INT8_W8A8").run()
+    next(b for b in at.button if "Save as a new version" in b.label).click().run()
+    assert not at.exception and any(f"Saved {name} v2." == m.value for m in at.success)
+    with session_scope() as s:
+        v2 = repo.get_plan(s, f"{name} v2")
+    assert v2.body["default"] == "INT8_W8A8"
+    export = next(w for w in at.selectbox if w.label == "Plan")
+    assert export.value == v2.id
+    shown = svc.export_plan(seeded, v2.body, "llmcompressor").rstrip("\n")  # st.code drops the last newline
+    assert any(c.value.rstrip("\n") == shown for c in at.code) and "INT8_W8A8 x28" in shown
+    assert next(w for w in at.selectbox if w.label == "with").value == v2.id
+    versions = next(d.value for d in at.dataframe if "parent" in d.value.columns)
+    assert list(versions["id"]) == sorted(versions["id"]) and set(versions["parent"]) == {"", str(plans[-1].id)}
+
+
+def test_plans_page_of_an_encoder_starts_from_a_plan_that_applies(seeded):
+    """An encoder has no lm_head: the new plan has no rule for one (a rule that matches nothing is an error), and
+    the automatic plan says why it has none."""
+
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    linears = [lin for lin in seeded.linears if lin["name"] != "lm_head"]
+    with session_scope() as s:
+        row = s.get(repo.m.Model, seeded.id)
+        row.summary = {**row.summary, "linears": linears, "causal_lm": False, "architecture": "BertModel"}
+    encoder = svc.get_model(seeded.id)
+    assert encoder.causal_lm is False and "lm_head" not in svc.layer_names(encoder)
+    at = _run("plans", seeded.id)
+    assert not at.exception and not at.error
+    assert not next(b for b in at.button if "Save as a new version" in b.label).disabled
+    assert any("not a causal language model" in i.value for i in at.info)
 
 
 def test_plans_page_shows_the_weight_memory_of_the_plan(seeded):
@@ -552,7 +604,7 @@ def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
     done = next(m.value for m in at.success if "predicted KL" in m.value)
     assert re.search(r"MiB of weights vs [\d,.]+ MiB of weights in BF16 \(\d+%\)", done), done
     assert not any("Save a plan first" in i.value for i in at.info)  # the new plan is exportable at once
-    assert "auto-h100-kl0.5" in str(at.selectbox(key="export_plan").options)
+    assert "auto-h100-kl0.5" in str(next(w for w in at.selectbox if w.label == "Plan").options)
     # the same, minimising the ideal decode step of an H100 (no H100 timings are stored)
     at.radio(key="auto_cost").set_value("ideal")
     at.number_input(key="auto_m").set_value(1)
@@ -862,8 +914,10 @@ def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
     warning = next(w.value for w in at.warning if "groups of 128" in w.value)
     assert "W4A16: groups of 128 do not divide K of 24 layer(s) (K = 576" in warning  # 4 blocks x 6; not down_proj
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
-    assert table.loc["model.layers.0.self_attn.q_proj", "on_target"] == "native, partial group, off Marlin tiles"
+    assert table.loc["model.layers.0.self_attn.q_proj", "on_target"] == "refused: groups do not divide K"
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"  # K = 1536: twelve whole groups
+    roofline = next(c.value for c in at.caption if c.value.startswith("The roofline bound"))
+    assert "**24 layer(s) would be refused** by llm-compressor or vLLM" in roofline
     # one click mends it: the preset whose groups fit, on exactly the layers that need it
     fix = next(b for b in at.button if b.label.startswith("Use W4A16_G64 on the 24 layer(s)"))
     fix.click().run()
@@ -872,6 +926,10 @@ def test_plans_page_warns_where_groups_do_not_divide_k(seeded):
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
     assert table.loc["model.layers.0.self_attn.q_proj", "scheme"] == "W4A16_G64"
     assert table.loc["model.layers.0.mlp.down_proj", "scheme"] == "W4A16"  # its groups of 128 fit: left as it was
+    # served now, on a slower kernel where neither of Marlin's thread tiles fits (q/k/v: K = 576)
+    assert table.loc["model.layers.0.self_attn.q_proj", "on_target"] == "native, off Marlin tiles"
+    assert not table["on_target"].str.startswith("refused").any()
+    assert "would be refused" not in next(c.value for c in at.caption if c.value.startswith("The roofline bound"))
     assert not any(b.label.startswith("Use W4A16_G64") for b in at.button)
 
 
@@ -900,8 +958,9 @@ def test_plans_page_says_where_vllms_w4afp8_kernel_cannot_tile_a_layer(seeded):
     assert "(q/k/v and gate/up fused)" in warning and "CUTLASS W4A8" in warning
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
     # the fused q/k/v (576 + 192 + 192 = 960) and the head (49,152 = 384 x 128) against down_proj (576)
-    assert table.loc["model.layers.0.self_attn.k_proj", "on_target"].endswith("N not a multiple of 128")
-    assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native, N not a multiple of 128"
+    assert table.loc["model.layers.0.self_attn.k_proj", "on_target"] == (
+        "refused: groups do not divide K, N not a multiple of 128")  # K = 576 too
+    assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "refused: N not a multiple of 128"
     assert "N not" not in table.loc["lm_head", "on_target"]
 
 
@@ -931,7 +990,7 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
     assert any(w.startswith("W4A16_G64 at tensor_parallel 2: each GPU holds K / 2 = 288 inputs of 4 row-parallel")
                for w in warnings)  # the four o_proj; down_proj's 768 is 12 groups of 64
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
-    assert table.loc["model.layers.0.self_attn.o_proj", "on_target"] == "native, partial group, off Marlin tiles"
+    assert table.loc["model.layers.0.self_attn.o_proj", "on_target"] == "refused: groups do not divide K"
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"
     at.text_input(key="plan_name").set_value("two-gpus")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
@@ -939,7 +998,7 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
     assert saved.body["tensor_parallel"] == 2
     assert svc.export_plan(svc.get_model(seeded.id), saved.body, "vllm").splitlines()[-1].endswith(
         "--tensor-parallel-size 2")
-    at.number_input(key=f"plan_tp_{seeded.id}_(new plan)").set_value(3).run()
+    at.number_input(key=f"plan_tp_{seeded.id}_two-gpus").set_value(3).run()  # the page now edits what it saved
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     assert not at.exception  # the newest two versions are compared: they differ in their GPUs only
     assert any(c.value.startswith("Served on: ") and "2 GPUs →" in c.value and c.value.endswith("3 GPUs.")
@@ -988,7 +1047,7 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     assert saved.body["kv_cache"] == "FP8"
     assert "--kv-cache-dtype fp8" in svc.export_plan(svc.get_model(seeded.id), saved.body, "vllm")
     # one layer's cache kept in BF16 (vLLM's --kv-cache-dtype-skip-layers): its memory counted at two bytes
-    skip = at.multiselect(key=f"plan_kv_skip_{seeded.id}_(new plan)")
+    skip = at.multiselect(key=f"plan_kv_skip_{seeded.id}_with-kv")  # the page now edits what it saved
     assert skip.options == svc.kv_skip_options(svc.get_model(seeded.id)) and "0" in skip.options
     skip.set_value(["0"]).run()
     assert not at.exception
@@ -1222,6 +1281,14 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
     table = next(d.value for d in at.dataframe if "what" in d.value.columns).set_index("id")
     assert table.loc[queued[3].id, "what"] == "cpu M 1,16"
     assert table.loc[queued[1].id, "what"] == "plan mine v1 · 4 × 128"
+    # registrations name their upload or folder (a failed one has no model to name)
+    uploads = [svc.submit("register", {"source": "/srv/up/ab12/m.zip", "source_name": "m.zip", "name": None}),
+               svc.submit("register", {"source": "/shared/llama", "name": "llama-8b"}),
+               svc.submit("register", {"demo": True})]
+    assert [svc.job_what(j) for j in uploads] == ["m.zip", "/shared/llama as llama-8b", "the demo"]
+    at.run()
+    table = next(d.value for d in at.dataframe if "what" in d.value.columns).set_index("id")
+    assert table.loc[uploads[0].id, "what"] == "m.zip" and table.loc[uploads[0].id, "model"] == ""
     # the table's labels come from one read of the plans named, however many; a removed plan is named by its id
     from sqlalchemy import event
 

@@ -35,11 +35,18 @@ def test_migrations_match_models_postgres(qp_env, pg_database, monkeypatch):
 
 
 def test_outdated_schema_is_refused_with_the_fixing_command(qp_env):
+    from pathlib import Path
+
     from store.settings import get_settings
 
     s = get_settings()
     s.ensure_dirs()
-    with pytest.raises(db.SchemaOutdated, match="quantplan migrate"):
+    sqlite = Path(s.sqlalchemy_url.split("///", 1)[-1])
+    with pytest.raises(db.SchemaOutdated, match=r"no database at .*Run `quantplan migrate` to create it"):
+        db.check_schema_current(s)
+    assert not sqlite.exists()  # a check creates none
+    sqlite.touch()  # an empty database
+    with pytest.raises(db.SchemaOutdated, match="an empty database.*quantplan migrate"):
         db.check_schema_current(s)
     db.upgrade(s, "0001")
     with pytest.raises(db.SchemaOutdated, match="quantplan migrate"):  # 0002 (workers) is missing
