@@ -977,20 +977,29 @@ def parallelism(model: ModelRecord, body: dict[str, Any]):
 
 REFUSED_PARTIAL = "groups do not divide K"  # quantcore.plans.group_misfits: llm-compressor and vLLM refuse the layer
 REFUSED_UNTILED = "N not a multiple of 128"  # quantcore.plans.w4afp8_misfits: vLLM's one W4AFP8 kernel refuses it
+REFUSED_BLOCKS = "FP8 blocks do not fit"  # quantcore.plans.fp8_block_misfits: vLLM's validate_fp8_block_shape
+REFUSED_KERNEL = "no vLLM kernel"  # quantcore.plans.vllm_unloadable: dynamic per-tensor INT8, unserved MoE experts
 
 
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     """Every linear: name, N, K (and each GPU's share, "N / GPU" and "K / GPU", when the plan's tensor_parallel is
     above 1: quantcore.parallel), outlier ratio (newest calibration), the sensitivity KL of the layer's
     own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU
-    ("refused: groups do not divide K" where the scheme's groups do not divide K, or each GPU's K:
-    quantcore.plans.group_misfits; "refused: N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the
-    fused layer: quantcore.plans.w4afp8_misfits; else the GPU's support, with ", off Marlin tiles" where a
+    ("refused: ..." where llm-compressor or vLLM would not make or load the layer: "no vLLM kernel",
+    quantcore.plans.vllm_unloadable; "groups do not divide K" (or each GPU's K), quantcore.plans.group_misfits;
+    "N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer, quantcore.plans.w4afp8_misfits;
+    "FP8 blocks do not fit", quantcore.plans.fp8_block_misfits; else the GPU's support, with ", off Marlin tiles" where a
     weight-only layer fits neither of Marlin's thread tiles: quantcore.plans.marlin_misfits)."""
     import pandas as pd
 
     from quantcore.hardware import support_on_target
-    from quantcore.plans import group_misfit_layers, marlin_untiled, w4afp8_untileable
+    from quantcore.plans import (
+        fp8_block_untileable,
+        group_misfit_layers,
+        marlin_untiled,
+        vllm_unloadable,
+        w4afp8_untileable,
+    )
     from quantcore.schemes import fusion_units
 
     resolved, _ = resolve(model, body)
@@ -1008,6 +1017,8 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
     untileable = w4afp8_untileable(resolved, shapes, par) if resolved and target else set()
     partial = group_misfit_layers(resolved, shapes, par) if resolved and target else set()
+    blocks = fp8_block_untileable(resolved, shapes, par) if resolved and target else set()
+    no_kernel = set(vllm_unloadable(resolved)) if resolved and target else set()
     off_marlin = ({m for unit, _, _ in marlin_untiled(resolved, shapes, par) for m in unit}
                   if resolved and target else set())
     rows = []
@@ -1020,8 +1031,9 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
             a = scheme.activations.format if scheme.activations else None
             support = support_on_target(target, w, a)
             # a layer the serving stack would refuse says so first, whatever the GPU's units
-            refused = [why for why, hit in ((REFUSED_PARTIAL, name in partial),
-                                             (REFUSED_UNTILED, name in untileable)) if hit]
+            refused = [why for why, hit in ((REFUSED_KERNEL, name in no_kernel), (REFUSED_PARTIAL, name in partial),
+                                             (REFUSED_UNTILED, name in untileable), (REFUSED_BLOCKS, name in blocks))
+                       if hit]
             if refused:
                 support = "refused: " + ", ".join(refused)
             elif name in off_marlin:

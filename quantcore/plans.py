@@ -807,30 +807,7 @@ def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str,
     any N on one GPU.
     """
     tp = parallel.tp
-    shards = parallel.shards(shapes)
-    rows: list[tuple[str, int, int]] = []  # (layer, N on a GPU, block rows)
-    cols: list[tuple[str, int, int]] = []  # (layer, K on a GPU, block columns)
-    experts: list[tuple[str, int, int]] = []  # (expert block, intermediate size on a GPU, block size it misses)
-    for unit in fusion_units(resolved):
-        w = get_scheme(resolved[unit[0]]).weights
-        if w is None or w.granularity is not Granularity.BLOCK:
-            continue
-        block_n, block_k = w.block
-        block = expert_block(unit[0])
-        if block is not None:
-            inter = next((shards[m][0] for m in unit if m.endswith(".gate_proj")), None)
-            split = parallel.split and not parallel.expert_parallel
-            if inter is not None and (inter % block_n or (split and inter % block_k)):
-                experts.append((block, inter, block_n if inter % block_n else block_k))
-            continue
-        if tp > 1 and partition(unit[0]) == TP_ROW:
-            cols += [(m, shards[m][1], block_k) for m in unit if shards[m][1] % block_k]
-            continue
-        # vLLM's own test: split over the GPUs when the whole N is tp times the GPU's (k/v heads copied onto
-        # several GPUs make it less), else, if merged, every member but the last
-        split = tp > 1 and sum(shapes[m][0] for m in unit) // max(1, sum(shards[m][0] for m in unit)) == tp
-        members = unit if split else unit[:-1]
-        rows += [(m, shards[m][0], block_n) for m in members if shards[m][0] % block_n]
+    rows, cols, experts, _ = _fp8_block_entries(resolved, shapes, parallel)
     out = []
     at = f" at tensor_parallel {tp}, on each GPU" if tp > 1 else ""
     if rows:
@@ -858,6 +835,50 @@ def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str,
                    f"quantization block_n\", or block_k for down's input once split), so the checkpoint does not "
                    f"load: {fix}")
     return out
+
+
+def _fp8_block_entries(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                       parallel: Parallelism = ONE_GPU):
+    """What :func:`fp8_block_misfits` says, as entries: (rows, cols, experts, expert layers). rows: (layer, N on a
+    GPU, block rows); cols: (layer, K on a GPU, block columns); experts: (expert block, intermediate size on a GPU,
+    block size it misses); expert layers: every layer of those blocks' expert units."""
+    tp = parallel.tp
+    shards = parallel.shards(shapes)
+    rows: list[tuple[str, int, int]] = []
+    cols: list[tuple[str, int, int]] = []
+    experts: list[tuple[str, int, int]] = []
+    expert_layers: list[str] = []
+    for unit in fusion_units(resolved):
+        w = get_scheme(resolved[unit[0]]).weights
+        if w is None or w.granularity is not Granularity.BLOCK:
+            continue
+        block_n, block_k = w.block
+        block = expert_block(unit[0])
+        if block is not None:
+            inter = next((shards[m][0] for m in unit if m.endswith(".gate_proj")), None)
+            split = parallel.split and not parallel.expert_parallel
+            if inter is not None and (inter % block_n or (split and inter % block_k)):
+                experts.append((block, inter, block_n if inter % block_n else block_k))
+                expert_layers += list(unit)
+            continue
+        if tp > 1 and partition(unit[0]) == TP_ROW:
+            cols += [(m, shards[m][1], block_k) for m in unit if shards[m][1] % block_k]
+            continue
+        # vLLM's own test: split over the GPUs when the whole N is tp times the GPU's (k/v heads copied onto
+        # several GPUs make it less), else, if merged, every member but the last
+        split = tp > 1 and sum(shapes[m][0] for m in unit) // max(1, sum(shards[m][0] for m in unit)) == tp
+        members = unit if split else unit[:-1]
+        rows += [(m, shards[m][0], block_n) for m in members if shards[m][0] % block_n]
+    return rows, cols, experts, expert_layers
+
+
+def fp8_block_untileable(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]],
+                         parallel: Parallelism = ONE_GPU) -> set[str]:
+    """The layers :func:`fp8_block_misfits` is about, every member of a fused group (vLLM refuses the merged layer)
+    and every layer of an MoE block's refused expert units."""
+    rows, cols, _, expert_layers = _fp8_block_entries(resolved, shapes, parallel)
+    bad = {m for m, _, _ in rows} | {m for m, _, _ in cols}
+    return {m for unit in fusion_units(resolved) if bad.intersection(unit) for m in unit} | set(expert_layers)
 
 
 W4A8_FP8_TILE = 128  # vLLM's CUTLASS W4A8 kernel: groups of exactly 128, and N and K multiples of 128

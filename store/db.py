@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,11 +29,19 @@ class SchemaOutdated(StoreError):
     pass
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file of an SQLite URL (its path as written, percent-escapes undone); None for another database, an
+    in-memory one, or a URI-style one (``?uri=true``) whose file SQLite resolves itself."""
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:") or u.query.get("uri"):
+        return None
+    return Path(u.database)
+
+
 def make_engine(url: str, **kwargs) -> Engine:
     if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if (path := sqlite_file(url)) is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
 
         @event.listens_for(engine, "connect")
@@ -120,9 +128,8 @@ def current_revision(settings: Settings | None = None) -> str | None:
 def check_schema_current(settings: Settings | None = None) -> None:
     """Raise SchemaOutdated unless the database is at the newest migration."""
     settings = settings or get_settings()
-    url = settings.sqlalchemy_url
-    path = url.split("///", 1)[-1] if url.startswith("sqlite") else ""
-    if path and path != ":memory:" and not Path(path).exists():  # a check creates no database (nor its folder)
+    path = sqlite_file(settings.sqlalchemy_url)
+    if path is not None and not path.exists():  # a check creates no database (nor its folder)
         raise SchemaOutdated(
             f"no database at {path}. Run `quantplan migrate` to create it, or set QUANTPLAN_HOME (or "
             "QUANTPLAN_DATABASE_URL) to where the product's data is."

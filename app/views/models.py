@@ -83,11 +83,16 @@ model = state.current_model()
 if model is None:
     st.stop()
 st.subheader(f"{model.name}")
-if model.source_kind in ("demo", "gguf"):
-    st.caption(f"Converted from {model.source_name}: transformers dequantized the GGUF file's quantized weights to "
-               "float. Those weights went through a low-bit rounding once already, so a weight format's error on "
-               "them reads otherwise than on the original checkpoint (weight-only INT4 scores poorly here); the "
-               "activations, and so their outliers, are the model's own.")
+if model.source_kind == "demo":
+    st.caption(f"Converted from {model.source_name}: transformers dequantized the GGUF file's Q4_1 weights to "
+               "float. They went through a 4-bit rounding once already, so a weight format's error on them reads "
+               "otherwise than on the original checkpoint (weight-only INT4 scores poorly here); the activations, "
+               "and so their outliers, are the model's own.")
+elif model.source_kind == "gguf":
+    st.caption(f"Converted from {model.source_name}: transformers turned the GGUF file's weights into float. Where "
+               "the file held a quantized type (Q4_K_M, Q8_0...), they went through that rounding once already, so "
+               "a weight format's error on them reads otherwise than on the original checkpoint; the activations "
+               "are the model's own.")
 if moe := svc.moe_text(model):
     st.info(moe)
 if unsplit := svc.unsplit_experts_warning(model):

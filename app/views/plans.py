@@ -29,6 +29,8 @@ if saved := st.session_state.pop(state.PLAN_SAVED, None):  # saved or imported i
     if name in latest:
         st.session_state[START] = name
         st.session_state.pop(f"{EDIT}_from", None)  # edit the version saved (an import may reuse the name shown)
+        for key in [k for k in st.session_state if str(k).startswith("plan_") and str(k).endswith(f"_{model.id}_{name}")]:
+            del st.session_state[key]  # its widgets (default, KV cache, GPUs, rules, table) drawn anew from it
 c1, c2 = st.columns([2, 1])
 start = c1.selectbox("Start from", ["(new plan)"] + sorted(latest), key=START)
 target = c2.selectbox("Target GPU", [t.key for t in list_targets()], index=2,
@@ -301,7 +303,7 @@ if plans:
                                 "author": p.author or "", "note": p.note, "saved": p.created_at} for p in plans]),
                  hide_index=True, width="stretch",
                  column_config={"parent": st.column_config.TextColumn(
-                     help="the id of the version this one was saved from; empty: a first version or an import")})
+                     help="the id of the version this one was saved from; empty: a plan's first version")})
     if len(plans) >= 2:
         c1, c2 = st.columns(2)
         ids = [p.id for p in plans]

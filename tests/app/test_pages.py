@@ -57,6 +57,12 @@ def test_models_page_says_a_gguf_models_weights_were_rounded_once_already(seeded
     at = _run("models", seeded.id)
     assert any(c.value.startswith("Converted from SmolLM2-135M-Instruct.Q4_1.gguf: transformers dequantized")
                for c in at.caption)
+    with session_scope() as s:  # another GGUF file may hold unquantized weights (F16): said as a condition
+        row = s.get(repo.m.Model, seeded.id)
+        row.source_kind, row.source_name = "gguf", "model-F16.gguf"
+    at = _run("models", seeded.id)
+    [caption] = [c.value for c in at.caption if c.value.startswith("Converted from model-F16.gguf")]
+    assert "Where the file held a quantized type" in caption and "4-bit" not in caption
 
 
 def test_a_path_refused_before_any_job_replaces_the_last_registrations_failure(seeded, tmp_path):
@@ -322,6 +328,27 @@ def test_plans_page_resolves_and_saves_a_version(seeded):
     assert next(w for w in at.selectbox if w.label == "with").value == v2.id
     versions = next(d.value for d in at.dataframe if "parent" in d.value.columns)
     assert list(versions["id"]) == sorted(versions["id"]) and set(versions["parent"]) == {"", str(plans[-1].id)}
+
+
+def test_an_import_under_the_name_being_edited_replaces_what_the_page_shows(seeded):
+    """Imported as a new version of the plan on screen: its widgets are drawn from the import, not from the edits
+    they held (the same widget keys)."""
+    from app import services as svc
+    from app import state
+
+    at = _run("plans", seeded.id)
+    at.text_input(key="plan_name").set_value("foo")
+    next(b for b in at.button if "Save as a new version" in b.label).click().run()
+    assert at.selectbox(key=f"plan_start_{seeded.id}").value == "foo"
+    at.selectbox(key=f"plan_default_{seeded.id}_foo").set_value("INT8_W8A8").run()  # edited, not saved
+    rec = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
+    assert rec.label == "foo v2"
+    at.session_state[state.PLAN_SAVED] = (f"Imported {rec.label}", "foo")  # what the Import button leaves
+    at.run()
+    assert not at.exception and any(m.value == "Imported foo v2." for m in at.success)
+    assert at.selectbox(key=f"plan_default_{seeded.id}_foo").value == "W4A16_G64"
+    table = next(d.value for d in at.dataframe if "on_target" in d.value.columns)
+    assert set(table["scheme"]) == {"W4A16_G64"}
 
 
 def test_plans_page_of_an_encoder_starts_from_a_plan_that_applies(seeded):
@@ -948,6 +975,26 @@ def test_plans_page_warns_where_no_llm_compressor_recipe_can_carry_the_smoothqua
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
     assert table.loc["model.layers.0.self_attn.o_proj", "scheme"] == "INT8_W8A8"
     assert table.loc["model.layers.0.self_attn.q_proj", "scheme"] == "INT8_W8A8_SQ"
+
+
+def test_plans_page_marks_every_layer_vllm_would_refuse(seeded):
+    """The layer table says "refused" wherever the warnings say the checkpoint would not load, not "native"."""
+    at = _run("plans", seeded.id)
+
+    def on_target():
+        return next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")["on_target"]
+
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("INT8_PER_TENSOR").run()
+    assert not at.exception and any("INT8" in w.value and "does not load" in w.value for w in at.warning)
+    assert on_target()["model.layers.0.self_attn.q_proj"] == "refused: no vLLM kernel"
+    assert on_target()["lm_head"] == "native"  # BF16 by the starting rule
+    roofline = next(c.value for c in at.caption if c.value.startswith("The roofline bound"))
+    assert f"**{len(seeded.linears) - 1} layer(s) would be refused**" in roofline
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("FP8_BLOCK").run()
+    assert not at.exception
+    # q/k/v merged: q_proj's 576 rows are not whole 128-row blocks (and K = 576 is not whole 1 x 128 groups)
+    assert on_target()["model.layers.0.self_attn.k_proj"] == "refused: groups do not divide K, FP8 blocks do not fit"
+    assert on_target()["model.layers.0.mlp.down_proj"] == "native"  # loaded alone, K = 1536
 
 
 def test_plans_page_says_where_vllms_w4afp8_kernel_cannot_tile_a_layer(seeded):

@@ -397,7 +397,7 @@ def test_regroup_fixes_name_the_preset_for_exactly_the_layers_it_mends():
 def test_fp8_block_misfits_name_merged_layers_whose_n_the_blocks_do_not_divide():
     """vLLM's validate_fp8_block_shape: every output partition of a merged q/k/v or gate/up GEMM but the last must be
     a whole number of 128-row blocks; a layer loaded alone (o_proj, down_proj) takes any N on one GPU."""
-    from quantcore.plans import fp8_block_misfits, group_misfits
+    from quantcore.plans import fp8_block_misfits, fp8_block_untileable, group_misfits
 
     p = "model.layers.0"
     shapes = {f"{p}.self_attn.q_proj": (2048, 2048), f"{p}.self_attn.k_proj": (256, 2048),
@@ -409,6 +409,9 @@ def test_fp8_block_misfits_name_merged_layers_whose_n_the_blocks_do_not_divide()
     assert msg.startswith("FP8 blocks of 128 rows do not divide N of 1 layer(s) vLLM loads merged with the next "
                           f"(q/k/v, gate/up; the last member may end in a partial block) (N = 64, e.g. "
                           f"{p}.self_attn.k_proj)")  # v_proj, the last of q/k/v, may end in a partial block
+    # the layers it is about: the whole merged q/k/v, which vLLM refuses as one layer
+    assert fp8_block_untileable({n: "FP8_BLOCK" for n in shapes}, shapes) == {
+        f"{p}.self_attn.{x}_proj" for x in "qkv"}
     shapes[f"{p}.self_attn.k_proj"] = (256, 2048)
     assert fp8_block_misfits({n: "FP8_BLOCK" for n in shapes}, shapes) == []  # only v_proj's 64 is partial
     shapes[f"{p}.self_attn.k_proj"] = (64, 2048)

@@ -177,3 +177,26 @@ def test_upgrading_to_0004_marks_the_kernel_timings_taken_with_cold_caches(qp_en
         assert [(r.device, r.timing) for r in repo.kernel_results(session, job_id=job.id)] == [
             ("cuda", "cold-caches-1"), ("cpu", None)]
     assert TIMING == "cold-caches-1"  # a new TIMING leaves these rows as 0004 wrote them: measured again
+
+
+def test_the_sqlite_file_of_a_url_is_the_path_as_written() -> None:
+    """A home folder with ':' or '#' is percent-escaped in the URL: the check looks for the file itself."""
+    from pathlib import Path
+
+    assert db.sqlite_file("sqlite:////tmp/a%3Ab/q.sqlite") == Path("/tmp/a:b/q.sqlite")
+    assert db.sqlite_file("sqlite:///x.db?timeout=5") == Path("x.db")
+    for none in ("sqlite://", "sqlite:///:memory:", "sqlite:///file:x.db?uri=true", "postgresql://u@127.0.0.1/test"):
+        assert db.sqlite_file(none) is None, none
+
+
+def test_a_home_with_odd_characters_migrates_and_passes_the_check(tmp_path):
+    from store.settings import Settings
+
+    home = tmp_path / "team:a#1"
+    s = Settings(home=home)
+    assert "%3A" in s.sqlalchemy_url
+    with pytest.raises(db.SchemaOutdated, match="no database at"):
+        db.check_schema_current(s)
+    db.upgrade(s)
+    db.check_schema_current(s)
+    assert (home / "quantplan.sqlite").exists() and not any("%" in p.name for p in tmp_path.iterdir())
