@@ -144,7 +144,7 @@ edited = st.data_editor(
         "alpha": st.column_config.TextColumn(help="SmoothQuant's migration strength of the layer's scheme; empty: "
                                                   "the scheme does not smooth"),
         "on_target": st.column_config.TextColumn(
-            f"on {target}", help="native / emulated / unsupported: whether the GPU runs the scheme's formats in its "
+            f"on {target}", width="medium", help="native / emulated / unsupported: whether the GPU runs the scheme's formats in its "
                                  "own units; refused: llm-compressor or vLLM would not make or load the layer "
                                  "(the warnings below the table say why and offer a scheme that fits)"),
         "N / GPU": st.column_config.NumberColumn(help=f"output rows of this layer on each of the {tp} GPUs"),
