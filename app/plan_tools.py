@@ -41,7 +41,7 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
             st.caption(f"For {svc.gpus_label(tp, expert_parallel)} (the plan's tensor parallel above): no scheme is "
                        "chosen for a layer whose share on one GPU vLLM would refuse. "
                        + (f"Swept on {tp} GPUs: {', '.join(on_tp)}. " if on_tp else "") + stand)
-        with st.form("auto_plan"):
+        with st.form("auto_plan", enter_to_submit=False):  # Enter in a field queues no job
             c1, c2 = st.columns(2)
             budget = c1.number_input("KL budget (nats per token)", 0.0, 10.0, 0.02, step=0.005, format="%.4f",
                                      key="auto_budget")

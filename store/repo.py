@@ -247,7 +247,7 @@ def _job_filter(q: Any, kind: str | Sequence[str] | None, model_id: int | None, 
         q = q.where(m.Job.kind.in_([kind] if isinstance(kind, str) else list(kind)))
     if model_id is not None:
         q = q.where(m.Job.model_id == model_id)
-    if status:
+    if status is not None:  # None: any status; an empty list: none (a filter that leaves no status)
         q = q.where(m.Job.status.in_(list(status)))
     return q
 

@@ -76,10 +76,12 @@ def job_table() -> None:
                        "ran (s)": st.column_config.NumberColumn(
                            format="%.0f", help="from the worker's start to the end (or until now while it runs); "
                                                "the time it waited in its queue is not counted")})
-    failed = [j for j in jobs if j.status == "failed"]
-    for j in failed[:10]:
-        with st.expander(f"#{j.id} {j.kind} failed: {(j.error or '')[:120]}"):
-            st.error(j.error)
+    ended = [j for j in jobs if j.status in ("failed", "cancelled")]  # each can be queued again
+    for j in ended[:10]:
+        why = (j.error or "")[:120] if j.status == "failed" else j.message
+        with st.expander(f"#{j.id} {j.kind} {j.status}: {why}"):
+            if j.status == "failed":
+                st.error(j.error)
             if j.traceback:
                 st.code(j.traceback, language="text")
             if st.button("Queue it again", key=f"retry_{j.id}", help="same kind, parameters, model and plan"):

@@ -25,7 +25,7 @@ model = state.current_model()
 if model is None:
     st.stop()
 
-with st.form("bench_form"):
+with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no job
     st.markdown(f"**Queue a benchmark** of {model.name}'s {len(model.linears)} linear layers "
                 f"({len({(lin['out_features'], lin['in_features']) for lin in model.linears})} distinct shapes).")
     c1, c2, c3, c4, c5 = st.columns([2, 3, 2, 3, 2])

@@ -100,7 +100,7 @@ if unsplit := svc.unsplit_experts_warning(model):
 with st.expander(f"Its {len(model.linears)} linear layers"):
     st.dataframe(pd.DataFrame(model.linears), hide_index=True, width="stretch")
 
-with st.form("calibrate_form"):
+with st.form("calibrate_form", enter_to_submit=False):  # Enter in a field queues no job
     st.markdown("**Calibrate**: run text through the model with hooks on every linear layer and store "
                 "per-channel max|x|, a |x| histogram and per-channel max|W|.")
     c1, c2, c3, c4 = st.columns(4)

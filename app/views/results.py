@@ -22,7 +22,7 @@ if model.causal_lm is False:
 
 presets = svc.preset_options(model)
 plans = svc.list_plans(model.id)
-with st.form("score_form"):
+with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no job
     st.markdown("**Score a plan** against the unquantized model on held-out text (default: gensim's lee.cor, "
                 "50 news articles). The reference log-probabilities are computed once and cached.")
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])

@@ -100,6 +100,35 @@ def test_jobs_page_queues_a_failed_job_again(seeded):
     assert (again.kind, again.status, again.model_id) == (failed.kind, "queued", failed.model_id)
 
 
+def test_enter_in_a_field_of_a_form_that_queues_a_job_queues_nothing(seeded):
+    """Enter in Sequences or Tokens used to submit the calibration form: three jobs for one intent."""
+    found = {}
+    for page in ("models", "results", "kernels", "plans"):
+        at = _run(page, seeded.id)
+        found.update({f.proto.form.form_id: f.proto.form.enter_to_submit for f in at.get("form")})
+    assert {k: found[k] for k in ("calibrate_form", "score_form", "bench_form")} == dict.fromkeys(
+        ("calibrate_form", "score_form", "bench_form"), False)
+    assert found["plan_save"] is True  # a plan's name and note: Enter saves, as a user expects there
+
+
+def test_jobs_page_queues_a_cancelled_job_again(seeded):
+    from app import services as svc
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        job = repo.create_job(s, kind="score", params={"scheme": "FP8_DYNAMIC"}, queue="cpu", user=None,
+                              model_id=seeded.id)
+        repo.finish_job(s, job.id, status="cancelled")
+    at = _run("jobs", seeded.id)
+    assert any(e.label.startswith(f"#{job.id} score cancelled") for e in at.expander)
+    at.button(key=f"retry_{job.id}").click().run()
+    assert not at.exception
+    note = next(m.value for m in at.success if "queued again as job #" in m.value)
+    again = svc.get_job(int(note.rsplit("#", 1)[1].rstrip(".")))
+    assert (again.kind, again.status, again.params["scheme"]) == ("score", "queued", "FP8_DYNAMIC")
+
+
 def test_jobs_page_pages_through_the_history_and_keeps_running_jobs_in_view(seeded):
     """Beyond one page of 100 jobs the history is paged, newest first; a queued job older than the page shown still
     has its progress bar and cancel button; the status filter narrows both."""
@@ -132,6 +161,10 @@ def test_jobs_page_pages_through_the_history_and_keeps_running_jobs_in_view(seed
     assert not at.exception
     assert set(at.dataframe[0].value["status"]) == {"failed"}
     assert not any(b.key == f"cancel_{waiting.id}" for b in at.button)  # a failed-only view has no queued job
+    assert not any(str(b.key).startswith("cancel_") for b in at.button)  # nor any other card to cancel
+    at.selectbox(key="jobs_status").set_value("succeeded").run()
+    assert not any(str(b.key).startswith("cancel_") for b in at.button) and not at.exception
+    assert svc.list_jobs(status=[]) == [] and svc.count_jobs(status=[]) == 0  # no status asked: none matches
 
 
 def test_outliers_page_ranks_the_planted_outlier_first(seeded):
