@@ -488,8 +488,10 @@ def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
                      + (f"; and {len(reasons) - 2} more reasons" if len(reasons) > 2 else "") + ")")
     if unmeasured:
         parts.append(f"{name_list(unmeasured, 3)} not measured: queue a benchmark with these M values{gpus}")
-    return (f"{len(missing)} layer(s) have no time for their path at these M values; the sums and speed-ups above "
-            "leave them out: " + "; ".join(parts) + ".")
+    counts = " and ".join(f"{len(est[f'missing_{step}'])} of the {step}'s (M={est.get(f'm_{step}', '?')})"
+                          for step in ("prefill", "decode") if est[f"missing_{step}"])
+    return (f"Layers with no time for their path: {counts}; the sums and speed-ups above leave them out: "
+            + "; ".join(parts) + ".")
 
 
 def step_breakdown(est: dict[str, Any]):

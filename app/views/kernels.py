@@ -162,6 +162,10 @@ for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_deco
                                               if missing else "")
     # with layers missing, the speed-up is over the layers measured both ways: so is the baseline shown beside it
     base_ms = est[f"common_baseline_{step}_ms"] if missing else est[f"baseline_{step}_ms"]
+    if len(missing) == n_layers:  # nothing to add up: no number, rather than 0.000 ms
+        col.metric(f"{step.capitalize()} (M={m})", "not measured", "no layer has a time for its path at this M",
+                   delta_color="off", delta_arrow="off")
+        continue
     col.metric(label, f"{est[f'{step}_ms']:.3f} ms",
                (f"×{speedup:.2f} vs baseline {base_ms:.3f} ms" + (" on the same layers" if missing else "")
                 if speedup else "no baseline"),
@@ -175,6 +179,10 @@ if target:  # a GPU of the table: how far the measured eager kernels are from th
                                           if not est[f"missing_{step}"] else "")
         for step in ("prefill", "decode")) + ". Eager PyTorch kernels with unfused quantization pay the gap; "
         "the bound is what fused serving kernels approach.")
+emulated_paths = set(frame.loc[(frame["path"] != "baseline") & ~frame["native"], "path"])
+if used := sorted({e["path"] for e in est["per_layer"].values()} & emulated_paths):
+    st.warning(f"This plan's {', '.join(used)} path(s) are not native on {device_name}: the times above are of "
+               "their emulation, not of hardware that runs them (the heatmap marks them n/a).")
 untimed = est["untimed"]
 if untimed:
     st.caption(f"{sum(untimed.values())} layer(s) of this plan ("

@@ -810,9 +810,25 @@ def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
     # the speed-up beside it is over the layers measured both ways, and so is the baseline it names
     assert est["common_baseline_prefill_ms"] < est["baseline_prefill_ms"]
     assert prefill.delta.endswith(f"vs baseline {est['common_baseline_prefill_ms']:.3f} ms on the same layers")
-    note = next(c.value for c in at.caption if "have no time for their path" in c.value)
+    note = next(c.value for c in at.caption if "no time for their path" in c.value)
+    assert note.startswith("Layers with no time for their path: 1 of the prefill's (M=16); the sums")
     assert "'lm_head' skipped over the time budget per shape: queue the benchmark again with a larger budget" in note
     assert "not measured" not in note
+
+
+def test_kernels_page_step_says_what_it_rests_on(seeded):
+    """A plan on emulated paths is said to be timed by emulation; a step no layer of which was timed reads 'not
+    measured', not 0.000 ms."""
+    at = _run("kernels", seeded.id)
+    assert not at.exception
+    # the default plan, FP8_DYNAMIC: fp8_row+q, which the seeded Test CPU does not run natively
+    assert any(w.value.startswith("This plan's fp8_row+q path(s) are not native on Test CPU") for w in at.warning)
+    at.selectbox(key="kernels_plan").set_value("preset:BF16").run()
+    assert not any(w.value.startswith("This plan's") for w in at.warning)
+    at.selectbox(key="kernels_plan").set_value("preset:W4A16").run()  # no w4_g128 timings stored
+    assert not at.exception
+    steps = {m.label: m.value for m in at.metric if m.label.startswith(("Prefill", "Decode"))}
+    assert steps == {"Prefill (M=16)": "not measured", "Decode (M=1)": "not measured"}
 
 
 def test_kernels_page_compares_devices(seeded):
