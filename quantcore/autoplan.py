@@ -686,7 +686,7 @@ def auto_plan(
                      "INT8_W8A8 (per-token scales) is the INT8 vLLM serves")
     for s in usable:
         if s in unloadable:
-            continue  # said just above (unsmoothable: only o_proj / lm_head, so said just above and maybe here too)
+            continue  # said just above (an unsmoothable scheme's note names only some layers: checked here too)
         if s != BASELINE_SCHEME and not any(o[0] == s for opts in unit_opts for o in opts):
             excluded[s] = (
                 f"{s} has no unit with both a KL and a cost: its sensitivity keys match no unit, or no "

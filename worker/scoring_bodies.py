@@ -507,7 +507,7 @@ def _sweepable(layers: list[str], scheme) -> tuple[list[str], list[str]]:
     if scheme.smoothquant_alpha is None:
         return layers, []
     left_out = [n for n in layers if smoothquant_unmapped(n)]
-    swept = [n for n in layers if n not in set(left_out)]
+    swept = [n for n in layers if not smoothquant_unmapped(n)]
     if not swept:
         raise PlanError(f"{scheme.name}: no layer of this model can carry SmoothQuant in an llm-compressor recipe "
                          "(its Llama-style mappings smooth q/k/v_proj, gate/up_proj and down_proj); sweep a scheme "

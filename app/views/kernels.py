@@ -72,14 +72,13 @@ if frame.empty:
 frame = frame.assign(shape=[f"{labels.get((n, k), f'? {n}×{k}')} M={m}" for n, k, m in
                             zip(frame["n"], frame["k"], frame["m"], strict=True)])
 native_any = bool(frame.loc[frame["path"] != "baseline", "native"].any())
+emulated = sorted(set(frame.loc[(frame["path"] != "baseline") & ~frame["native"], "path"]))  # the step reads it too
 if not native_any:
     st.warning(f"{device_name} runs none of the low-precision paths natively: their times are shown in the "
                "table for completeness, and the heatmap marks them n/a.")
-else:
-    emulated = sorted(set(frame.loc[(frame["path"] != "baseline") & ~frame["native"], "path"]))
-    if emulated:
-        st.caption(f"Not native on {device_name}: {', '.join(emulated)}. Their cells read n/a; their times are "
-                   "in the table below.")
+elif emulated:
+    st.caption(f"Not native on {device_name}: {', '.join(emulated)}. Their cells read n/a; their times are "
+               "in the table below.")
 stale = svc.timed_otherwise(frame)
 if stale:
     st.warning(f"{stale} of these {len(frame)} timings were taken before quantplan flushed a CPU's caches between "
@@ -179,8 +178,7 @@ if target:  # a GPU of the table: how far the measured eager kernels are from th
                                           if not est[f"missing_{step}"] else "")
         for step in ("prefill", "decode")) + ". Eager PyTorch kernels with unfused quantization pay the gap; "
         "the bound is what fused serving kernels approach.")
-emulated_paths = set(frame.loc[(frame["path"] != "baseline") & ~frame["native"], "path"])
-if used := sorted({e["path"] for e in est["per_layer"].values()} & emulated_paths):
+if used := sorted({e["path"] for e in est["per_layer"].values()}.intersection(emulated)):
     st.warning(f"This plan's {', '.join(used)} path(s) are not native on {device_name}: the times above are of "
                "their emulation, not of hardware that runs them (the heatmap marks them n/a).")
 untimed = est["untimed"]
