@@ -9,6 +9,8 @@ from app import services as svc
 from app import state
 from quantcore.kvcache import KV_FORMATS
 
+AUTO_OUTCOME = "auto_plan_outcome"  # (what was said, notes, layers per scheme) of the automatic plan just saved
+
 
 def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> None:
     st.subheader("Automatic plan")
@@ -59,16 +61,24 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
                                                       candidates=cands, cost=cost, m=int(m), kv_cache=kv,
                                                       tensor_parallel=tp, expert_parallel=expert_parallel)
-                    st.success(f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
-                               f"{svc.cost_text(result.cost, result.cost_unit)} vs "
-                               f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "
-                               f"({result.cost / result.baseline_cost:.0%}). Verification: score job #{job.id} "
-                               "(Results page shows predicted vs measured).")
-                    for note in result.notes:
-                        st.caption(note)
-                    st.dataframe(pd.Series(result.plan).value_counts().rename("layers"), width="content")
                 except ValueError as exc:
                     st.error(str(exc))
+                else:  # drawn again from the top, the plan saved is in Start from and in the table above
+                    st.session_state[AUTO_OUTCOME] = (
+                        f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
+                        f"{svc.cost_text(result.cost, result.cost_unit)} vs "
+                        f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "
+                        f"({result.cost / result.baseline_cost:.0%}). Verification: score job #{job.id} "
+                        "(Results page shows predicted vs measured).",
+                        list(result.notes), pd.Series(result.plan).value_counts().rename("layers"))
+                    state.plan_saved(f"Saved the automatic plan {plan.label} (verification: score job #{job.id})",
+                                     plan.name)
+        if outcome := st.session_state.pop(AUTO_OUTCOME, None):  # the plan chosen in the run before
+            said, notes, counts = outcome
+            st.success(said)
+            for note in notes:
+                st.caption(note)
+            st.dataframe(counts, width="content")
     scored = [s for s in svc.list_scores(model.id) if s.predicted_kl is not None]
     if scored:
         st.dataframe(pd.DataFrame([{"plan": s.plan_label, "predicted KL": s.predicted_kl, "measured KL": s.kl_mean,

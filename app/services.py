@@ -612,6 +612,7 @@ def score_frames(scores: list[ScoreRecord]):
     import pandas as pd
 
     hist_parts, pos_parts = [], []
+    occupied = []  # (first, last) bin holding tokens, per score: the x axis spans these, not every stored bin
     for sc in scores:
         label = f"#{sc.job_id} {sc.plan_label}"
         h = sc.details.get("kl_hist") or {}
@@ -620,11 +621,17 @@ def score_frames(scores: list[ScoreRecord]):
             lo = np.maximum(edges[:-1], 1e-6)
             hi = np.maximum(edges[1:], lo * 1.0001)
             hist_parts.append(pd.DataFrame({"label": label, "center": np.sqrt(lo * hi),
-                                            "share": counts / counts.sum()}))
+                                            "share": counts / counts.sum(), "bin": np.arange(len(counts))}))
+            held = np.flatnonzero(counts)
+            occupied.append((held[0], held[-1]))
         for b in sc.details.get("kl_by_position") or []:
             pos_parts.append({"position": (b["bucket_start"] + b["bucket_end"]) / 2, "kl": b["kl_mean"],
                               "label": label})
-    hist = pd.concat(hist_parts, ignore_index=True) if hist_parts else pd.DataFrame()
+    hist = pd.DataFrame()
+    if hist_parts:  # one empty bin kept each side of the occupied span, so every step line starts and ends at 0
+        first, last = min(a for a, _ in occupied) - 1, max(b for _, b in occupied) + 1
+        hist = pd.concat(hist_parts, ignore_index=True)
+        hist = hist[hist["bin"].between(first, last)].drop(columns="bin").reset_index(drop=True)
     return hist, pd.DataFrame(pos_parts)
 
 
@@ -986,7 +993,7 @@ REFUSED_KERNEL = "no vLLM kernel"  # quantcore.plans.vllm_unloadable: dynamic pe
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     """Every linear: name, N, K (and each GPU's share, "N / GPU" and "K / GPU", when the plan's tensor_parallel is
     above 1: quantcore.parallel), outlier ratio (newest calibration), the sensitivity KL of the layer's
-    own scheme (newest sweep of that scheme; None without one), scheme, support on the target GPU
+    own scheme (newest sweep of that scheme; None without one; 0 for a layer left in BF16), scheme, support on the target GPU
     ("refused: ..." where llm-compressor or vLLM would not make or load the layer: "no vLLM kernel",
     quantcore.plans.vllm_unloadable; "groups do not divide K" (or each GPU's K), quantcore.plans.group_misfits;
     "N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer, quantcore.plans.w4afp8_misfits;
@@ -1044,7 +1051,9 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
         per_gpu = dict(zip(("N / GPU", "K / GPU"), shards[name], strict=True)) if shards else {}
         rows.append({"layer": name, "N": lin["out_features"], "K": lin["in_features"], **per_gpu,
                      "outlier_ratio": ratios.get(name),
-                     "sensitivity_kl": sens.get(str(scheme_name), {}).get(unit_of.get(name, name)),
+                     # a layer left unquantized adds no KL: 0 without a sweep, as the automatic plan counts it
+                     "sensitivity_kl": (0.0 if scheme is not None and scheme.is_identity
+                                        else sens.get(str(scheme_name), {}).get(unit_of.get(name, name))),
                      "scheme": scheme_name,
                      "alpha": scheme.smoothquant_alpha if scheme else None,
                      "on_target": support, "fused_with": shared.get(name, 0)})

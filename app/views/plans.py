@@ -128,6 +128,11 @@ st.caption(svc.FUSION_REASON)
 table = svc.layer_table(model, body, target)
 # SmoothQuant's alpha as text, empty where the layer's scheme does not smooth (a number column shows None there)
 table["alpha"] = [f"{a:g}" if pd.notna(a) else "" for a in table["alpha"]]
+# a column of None for every quantized layer says nothing (BF16 ones read 0 without a sweep): say it once instead
+quantized = table["scheme"] != "BF16"
+no_sensitivity = bool(quantized.any()) and table.loc[quantized, "sensitivity_kl"].isna().all()
+if no_sensitivity:
+    table = table.drop(columns="sensitivity_kl")
 edited = st.data_editor(
     table, key=f"plan_table_{model.id}_{start}", hide_index=True, width="stretch",
     disabled=[c for c in table.columns if c != "scheme"],
@@ -139,8 +144,8 @@ edited = st.data_editor(
         "sensitivity_kl": st.column_config.NumberColumn(
             "sensitivity KL", format="%.5f",
             help="KL against the unquantized model when only this layer (its fusion group) uses the scheme "
-                 "of this row, from the newest sensitivity sweep of that scheme; None: no sweep of it yet, "
-                 "or a SmoothQuant sweep, which leaves out the layers no llm-compressor recipe can smooth"),
+                 "of this row, from the newest sensitivity sweep of that scheme; 0 in BF16; None: no sweep of it "
+                 "yet, or a SmoothQuant sweep, which leaves out the layers no llm-compressor recipe can smooth"),
         "alpha": st.column_config.TextColumn(help="SmoothQuant's migration strength of the layer's scheme; empty: "
                                                   "the scheme does not smooth"),
         "on_target": st.column_config.TextColumn(
@@ -165,6 +170,11 @@ if len(changed):
     for n in notes:
         st.info(n)
     st.rerun()
+if no_sensitivity and model.causal_lm is not False:
+    swept = sorted(svc.sensitivity_map(model, tp, bool(body.get("expert_parallel")))[0])
+    st.caption(f"No sensitivity KL column: no sweep of {', '.join(sorted(set(table.loc[quantized, 'scheme'])))} yet"
+               + (f" (swept: {', '.join(swept)})" if swept else "")
+               + ". The Results page queues one; each layer then shows the KL of its own scheme.")
 counts = table["on_target"].value_counts().to_dict()
 if counts:
     st.caption(" · ".join(f"{v} layers {k}" for k, v in counts.items()) + f" on {target}.")

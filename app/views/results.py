@@ -155,6 +155,10 @@ else:
                            "predicted KL": s.predicted_kl, "text": s.dataset, "positions": s.tokens,
                            "calibrated on": s.details.get("calibration"),  # GPTQ / KV scales; None: not needed
                            "scored": s.created_at} for s in scores])
+    optional = ["predicted KL", "calibrated on"]  # shown where some score has one, blank (not "None") where not
+    table = table.drop(columns=[c for c in optional if table[c].isna().all()])
+    if "calibrated on" in table:
+        table["calibrated on"] = table["calibrated on"].fillna("")
     st.dataframe(table, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
                                 "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f")})

