@@ -45,6 +45,7 @@ Supported architectures
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -497,6 +498,7 @@ def _one_at_a_time(
     positions = [0] * len(labels)
     total = len(ranges) * len(labels)
     done = 0
+    started = time.perf_counter()
     for bi, (s, e) in enumerate(ranges):
         check_cancel(should_cancel, f"sensitivity sweep (batch {bi + 1} of {len(ranges)}, reference pass)")
         ref_logits, outputs = _block_outputs(model, stack, ids[s:e])
@@ -515,10 +517,21 @@ def _one_at_a_time(
             agree_sum[ui] += a
             positions[ui] += n
             done += 1
-            report_progress(progress, done / total, f"{label} ({done} of {total})")
+            left = time_left_text((time.perf_counter() - started) / done * (total - done)) if done < total else ""
+            report_progress(progress, done / total, f"{label} ({done} of {total}{left})")
         del ref, outputs
     return [k / n for k, n in zip(kl_sum, positions, strict=True)], [
         a / n for a, n in zip(agree_sum, positions, strict=True)]
+
+
+def time_left_text(seconds: float) -> str:
+    """", about 40 s left" / ", about 3 min left" / ", about 1.5 h left": a sweep's remaining time at its pace so
+    far (every unit of a sweep costs about one forward pass of the blocks after it)."""
+    if seconds < 90:
+        return f", about {max(1, round(seconds))} s left"
+    if seconds < 90 * 60:
+        return f", about {round(seconds / 60)} min left"
+    return f", about {seconds / 3600:.1f} h left"
 
 
 def kv_sensitivity_sweep(

@@ -4,6 +4,7 @@ identity is exactly 0, cancel raises and restores, unsupported models are refuse
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from quantcore.sensitivity import (
     linear_layer_names,
     sensitivity_sweep,
     sweep_units,
+    time_left_text,
 )
 
 SEQS, LENGTH = 4, 20  # evaluation tokens: 4 sequences of 20 tokens
@@ -179,18 +181,28 @@ def test_progress_and_layer_selection(tiny_model_factory):
     ids = eval_ids()
     ref = compute_reference(model, ids, batch_size=2)
     seen: list[float] = []
+    said: list[str] = []
     rows = sensitivity_sweep(
         model,
         "FP8_DYNAMIC",
         ids,
         ref,
         layers=["model.layers.0.self_attn.q_proj", "lm_head"],
-        progress=lambda f, m: seen.append(f),
+        progress=lambda f, m: (seen.append(f), said.append(m)),
     )
     assert {r.layer for r in rows} == {"model.layers.0.self_attn.{q,k,v}_proj", "lm_head"}
     assert seen == sorted(seen) and seen[-1] == 1.0 and len(seen) == 2 * 2  # 2 batches x 2 units
+    # each step says how far the sweep is and, until the last, how long the rest takes at its pace so far
+    assert [m.split(" (")[1].split(",")[0].rstrip(")") for m in said] == ["1 of 4", "2 of 4", "3 of 4", "4 of 4"]
+    assert all(re.search(r", about \d+ s left\)$", m) for m in said[:-1]) and said[-1] == "lm_head (4 of 4)"
     with pytest.raises(PlanError, match="model.layers.9.mlp.down_proj"):
         sensitivity_sweep(model, "FP8_DYNAMIC", ids, ref, layers=["model.layers.9.mlp.down_proj"])
+
+
+def test_time_left_reads_in_the_unit_a_person_would_use():
+    assert [time_left_text(t) for t in (0.2, 42.4, 89, 90, 1800, 5399, 5400, 9000)] == [
+        ", about 1 s left", ", about 42 s left", ", about 89 s left", ", about 2 min left", ", about 30 min left",
+        ", about 90 min left", ", about 1.5 h left", ", about 2.5 h left"]
 
 
 def test_reference_of_other_weights_is_refused(tiny_model_factory):
