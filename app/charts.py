@@ -712,7 +712,8 @@ def kernel_heatmap(
 
     Input columns: shape (a label such as "down_proj 576x1536 M=512"), ``column`` (default
     path; e.g. "device" to compare devices on one path), speedup (NaN where the device does
-    not run the path natively: drawn as "n/a", never as a speed-up).
+    not run the path natively: drawn as "n/a", never as a speed-up)[, note: drawn instead of
+    "n/a" where it is not empty, e.g. "skipped" for a case with no time].
     """
     _check_columns(df, ["shape", column, "speedup"], "kernel_heatmap")
     if len(df) > MAX_MARKS // 2:  # one rect and one text mark per cell
@@ -724,7 +725,8 @@ def kernel_heatmap(
     extent = float(np.exp(max(log_extent, np.log(KERNEL_MIN_EXTENT))))
     dark = valid & (np.abs(np.log(np.where(valid, speedup, 1.0))) > KERNEL_DARK_SHARE * np.log(extent))
     df = df.assign(
-        text=[f"{v:.2f}×" if ok else "n/a" for v, ok in zip(speedup, valid, strict=True)],
+        text=[f"{v:.2f}×" if ok else (note or "n/a") for v, ok, note in
+              zip(speedup, valid, df["note"] if "note" in df.columns else [""] * len(df), strict=True)],
         text_color=np.where(dark, "white", "black"),
     )
     base = alt.Chart(df).encode(

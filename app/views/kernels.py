@@ -86,8 +86,13 @@ if stale:
                f"benchmark on {device_name}: it measures them again and keeps these in the history.")
 heat = frame[frame["path"] != "baseline"].copy()
 heat["speedup"] = np.where(heat["native"] & heat["ms"].notna(), heat["speedup"], np.nan)
+heat["note"] = np.where(heat["ms"].isna(), "skipped", "")  # no time at all: not the same as "not native"
 st.subheader("Speed-up over the baseline GEMM")
-st.altair_chart(charts.kernel_heatmap(heat[["shape", "path", "speedup"]], title=""), width="stretch")  # the heading says it
+st.altair_chart(charts.kernel_heatmap(heat[["shape", "path", "speedup", "note"]], title=""),  # the heading says it
+                width="stretch")
+if skipped := int(heat["ms"].isna().sum()):
+    st.caption(f"{skipped} case(s) read \"skipped\": no time within the budget per shape (the table below says "
+               "why); queue the benchmark again with a larger budget to time them.")
 
 peak = frame[frame["pct_peak"].notna()]
 if not peak.empty:

@@ -404,6 +404,10 @@ def test_kernel_heatmap_speedup_and_unsupported() -> None:
     # |log v| > 0.6 * log 2 (v > 1.516 or v < 0.660): white text on the dark cells only
     assert [r["text_color"] for r in rows] == ["white", "white", "black", "white", "black", "black"]
     assert total_rows(spec) == 6
+    # a case with no time says why instead of "n/a", which means "not native"
+    noted = df.assign(note=["", "", "", "", "", "skipped"])
+    spec = spec_of(charts.kernel_heatmap(noted))
+    assert [r["text"] for r in data_rows(spec, view_with(spec, "rect"))][-2:] == ["0.80×", "skipped"]
 
 
 def test_peak_bars() -> None:

@@ -853,6 +853,7 @@ def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
     assert table["layers"].sum() == len(linears())
     at = _run("kernels", seeded.id)
     assert not at.exception
+    assert '1 case(s) read "skipped": no time within the budget per shape' in " ".join(c.value for c in at.caption)
     (prefill,) = [m for m in at.metric if "of" in m.label and "layers measured" in m.label]
     # the speed-up beside it is over the layers measured both ways, and so is the baseline it names
     assert est["common_baseline_prefill_ms"] < est["baseline_prefill_ms"]
