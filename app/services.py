@@ -1790,6 +1790,26 @@ def verify_tokens(sweeps: list[JobRecord], schemes: set[str]) -> tuple[dict[str,
     return of(newest), note
 
 
+def side_by_side_tokens_note(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False) -> str | None:
+    """Where the sweeps :func:`sensitivity_by_scheme` draws side by side were made on different tokens, which of
+    each (a KL mean over fewer tokens is noisier; over another text, of other tokens); else None."""
+    from worker.scoring_bodies import TOKEN_DEFAULTS
+
+    newest = {sweep_scheme(j): j for j in sorted(planner_sweeps(model, tensor_parallel, expert_parallel),
+                                                 key=lambda j: j.id)}
+    names = {d.id: d.name for d in list_datasets()}
+    tokens = {}
+    for scheme, job in sorted(newest.items()):
+        p = {**TOKEN_DEFAULTS, **{k: v for k, v in (job.params or {}).items() if v is not None}}
+        text = "lee.cor" if p.get("dataset") is None else names.get(p["dataset"], f"text #{p['dataset']}")
+        tokens[scheme] = f"{p['samples']} × {p['seq_len']} of {text}"
+    if len(set(tokens.values())) < 2:
+        return None
+    return ("These sweeps were made on different tokens (" + "; ".join(f"{s}: {t}" for s, t in tokens.items())
+            + "): a KL over fewer tokens is noisier, so compare their colours loosely, or sweep them again on one "
+            "size.")
+
+
 def _token_label(params: dict[str, Any]) -> str:
     """A short, stable label of token parameters: 'samples=2 seq_len=32' ('defaults' when none is set)."""
     return " ".join(f"{k}={params[k]}" for k in sorted(params)) or "defaults"

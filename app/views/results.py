@@ -311,4 +311,6 @@ if len(counts) > 1 or by_scheme["scheme"].nunique() >= 2:
                + (f" On {svc.gpus_label(*side_at)}, a scheme not swept there shows its one-GPU sweep, as a plan for "
                   "as many GPUs reads it (it overstates a dynamic scale's KL on o_proj and down_proj)."
                   if side_at[0] > 1 else ""))
+    if differ := svc.side_by_side_tokens_note(model, *side_at):
+        st.caption(differ)
     st.altair_chart(charts.sensitivity_by_scheme(by_scheme), width="content")

@@ -465,6 +465,17 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
     assert (frame[frame["scheme"] == "FP8_DYNAMIC"]["kl"] == 1e-3).all()
     head = frame[frame["unit"] == "lm_head"]
     assert head["block"].isna().all() and set(head["proj"]) == {"lm_head"}
+    assert not any("different tokens" in c.value for c in at.caption)  # both on the defaults
+    with session_scope() as s:  # FP8_DYNAMIC again, on fewer tokens: the newest is what the panel shows
+        small = repo.create_job(s, kind="sensitivity", params={"scheme": "FP8_DYNAMIC", "samples": 2, "seq_len": 64},
+                                queue="cpu", user=None, model_id=seeded.id)
+        repo.save_sensitivity(s, job_id=small.id, model_id=seeded.id, scheme="FP8_DYNAMIC",
+                              rows=[{"layer": n, "layers": [n], "kl_mean": 2e-3, "top1_agree": 0.99,
+                                     "sqnr_db": 30.0} for n in names])
+        repo.finish_job(s, small.id, status="succeeded", result={"units": len(names)})
+    at = _run("results", seeded.id)
+    assert ("These sweeps were made on different tokens (FP8_DYNAMIC: 2 × 64 of lee.cor; INT8_PER_TENSOR: 16 × 256 "
+            "of lee.cor)") in " ".join(c.value for c in at.caption)
 
 
 def test_every_swept_scheme_side_by_side_as_served_on_several_gpus(seeded):
