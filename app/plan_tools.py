@@ -12,7 +12,8 @@ from quantcore.kvcache import KV_FORMATS
 AUTO_OUTCOME = "auto_plan_outcome"  # (what was said, notes, layers per scheme) of the automatic plan just saved
 
 
-def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> None:
+def render(model, target: str, tp: int = 1, expert_parallel: bool = False, unsaved: bool = False) -> None:
+    """``unsaved``: the plan edited above has changes not saved; an automatic plan then does not replace it."""
     st.subheader("Automatic plan")
     sens, _units = svc.sensitivity_map(model, tp, expert_parallel)
     if model.causal_lm is False:
@@ -58,6 +59,7 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
                                    "BF16 with this KV cache on the Results page), comes off the budget first.")
             if st.form_submit_button("Choose and verify", type="primary"):
                 try:
+                    before = {p.id for p in svc.list_plans(model.id)}
                     result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
                                                       candidates=cands, cost=cost, m=int(m), kv_cache=kv,
                                                       tensor_parallel=tp, expert_parallel=expert_parallel)
@@ -70,15 +72,19 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False) -> No
                         f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "
                         f"({result.cost / result.baseline_cost:.0%}). Verification: score job #{job.id} "
                         "(Results page shows predicted vs measured).",
-                        list(result.notes), pd.Series(result.plan).value_counts().rename("layers"))
-                    state.plan_saved(f"Saved the automatic plan {plan.label} (verification: score job #{job.id})",
-                                     plan.name)
+                        list(result.notes), pd.Series(result.plan).value_counts().to_dict())
+                    said = (f"Saved the automatic plan {plan.label}" if plan.id not in before
+                            else f"The automatic plan is {plan.label}, saved before: no new version")
+                    said += f" (verification: score job #{job.id})"
+                    if unsaved:  # the page would otherwise load the automatic plan over the user's edits
+                        said += ". Your unsaved changes above are kept: choose it under Start from to open it"
+                    state.plan_saved(said, None if unsaved else plan.name)
         if outcome := st.session_state.pop(AUTO_OUTCOME, None):  # the plan chosen in the run before
             said, notes, counts = outcome
             st.success(said)
             for note in notes:
                 st.caption(note)
-            st.dataframe(counts, width="content")
+            st.dataframe(pd.Series(counts, name="layers"), width="content")
     scored = [s for s in svc.list_scores(model.id) if s.predicted_kl is not None]
     if scored:
         st.dataframe(pd.DataFrame([{"plan": s.plan_label, "predicted KL": s.predicted_kl, "measured KL": s.kl_mean,

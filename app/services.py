@@ -628,7 +628,7 @@ def score_frames(scores: list[ScoreRecord]):
             pos_parts.append({"position": (b["bucket_start"] + b["bucket_end"]) / 2, "kl": b["kl_mean"],
                               "label": label})
     hist = pd.DataFrame()
-    if hist_parts:  # one empty bin kept each side of the occupied span, so every step line starts and ends at 0
+    if hist_parts:  # one bin kept each side of the occupied span (where there is one), so the lines drop to 0
         first, last = min(a for a, _ in occupied) - 1, max(b for _, b in occupied) + 1
         hist = pd.concat(hist_parts, ignore_index=True)
         hist = hist[hist["bin"].between(first, last)].drop(columns="bin").reset_index(drop=True)
@@ -647,6 +647,21 @@ TRADEOFF_COSTS = ("weight_mib", "kv_kib", "serving_gib", "prefill_ms", "decode_m
                   "ideal_decode_ms")
 TRADEOFF_COLUMNS = ["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib", "weight_ratio", "kv_cache", "kv_kib",
                     "serving_gib", "prefill_ms", "decode_ms", "ideal_prefill_ms", "ideal_decode_ms"]
+
+
+def no_time_notes(ms, skipped) -> list[str]:
+    """What a heatmap cell with no time reads instead of "n/a" (which says the device does not run the path):
+    "skipped" where the case did not fit the time budget per shape, "failed" where the kernel refused the shape or
+    the torch build (quantcore.kernels' ``skipped`` reasons); "" elsewhere."""
+    import pandas as pd
+
+    notes = []
+    for t, why in zip(ms, skipped, strict=True):
+        why = "" if why is None or (isinstance(why, float) and pd.isna(why)) else str(why)
+        timed = t is not None and not pd.isna(t)
+        notes.append("" if timed else "skipped" if why.startswith("over budget") else
+                     "failed" if why.startswith("failed") else "")
+    return notes
 
 
 def measured_ms(model: ModelRecord, records) -> list[int]:
@@ -1800,9 +1815,12 @@ def side_by_side_tokens_note(model: ModelRecord, tensor_parallel: int = 1, exper
     names = {d.id: d.name for d in list_datasets()}
     tokens = {}
     for scheme, job in sorted(newest.items()):
-        p = {**TOKEN_DEFAULTS, **{k: v for k, v in (job.params or {}).items() if v is not None}}
-        text = "lee.cor" if p.get("dataset") is None else names.get(p["dataset"], f"text #{p['dataset']}")
-        tokens[scheme] = f"{p['samples']} × {p['seq_len']} of {text}"
+        done = job.result or {}
+        p = {**TOKEN_DEFAULTS, **{k: v for k, v in (job.params or {}).items() if v}}  # the worker's: 0 is unset
+        samples, seq_len = done.get("tokens") or (p["samples"], p["seq_len"])  # what it ran on, where it says
+        text = (Path(str(done["text"]).removeprefix("builtin:")).name if done.get("text") else
+                "lee.cor" if p.get("dataset") is None else names.get(p["dataset"], f"text #{p['dataset']}"))
+        tokens[scheme] = f"{samples} × {seq_len} of {text}"
     if len(set(tokens.values())) < 2:
         return None
     return ("These sweeps were made on different tokens (" + "; ".join(f"{s}: {t}" for s, t in tokens.items())

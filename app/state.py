@@ -78,8 +78,8 @@ def current_model():
 PLAN_SAVED = "plan_saved"  # (what was said, plan name) of a plan saved or imported, for the Plans page's next run
 
 
-def plan_saved(said: str, name: str) -> None:
+def plan_saved(said: str, name: str | None) -> None:
     """Draw the Plans page again after a plan is saved or imported: its lists above (Start from, Versions, Export)
-    were drawn before it existed. The next run says ``said`` and edits plan ``name``."""
+    were drawn before it existed. The next run says ``said`` and edits plan ``name`` (None: what it was editing)."""
     st.session_state[PLAN_SAVED] = (said, name)
     st.rerun()

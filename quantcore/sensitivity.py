@@ -498,6 +498,10 @@ def _one_at_a_time(
     positions = [0] * len(labels)
     total = len(ranges) * len(labels)
     done = 0
+    # a unit's pass runs the blocks from its own on (the ones before are replayed) and the head: units early in the
+    # model cost more, so the time left is paced by this work, not by the count of units
+    work = [len(stack.blocks) - start + 1 for start in starts]
+    work_left = sum(work) * len(ranges)
     started = time.perf_counter()
     for bi, (s, e) in enumerate(ranges):
         check_cancel(should_cancel, f"sensitivity sweep (batch {bi + 1} of {len(ranges)}, reference pass)")
@@ -517,7 +521,9 @@ def _one_at_a_time(
             agree_sum[ui] += a
             positions[ui] += n
             done += 1
-            left = time_left_text((time.perf_counter() - started) / done * (total - done)) if done < total else ""
+            work_left -= work[ui]
+            work_done = sum(work) * len(ranges) - work_left
+            left = time_left_text((time.perf_counter() - started) / work_done * work_left) if done < total else ""
             report_progress(progress, done / total, f"{label} ({done} of {total}{left})")
         del ref, outputs
     return [k / n for k, n in zip(kl_sum, positions, strict=True)], [

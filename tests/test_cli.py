@@ -1091,6 +1091,7 @@ def test_a_smoothquant_sweep_leaves_out_the_layers_no_recipe_can_smooth(tiny_mod
     assert "units swept; not swept: 3 layer(s) no llm-compressor recipe can smooth ('model" in svc.get_job(swept["job"]).message
     plain = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", *args, "--json")
     assert plain["not_swept"] == [] and sorted(n for r in plain["layers"] for n in r["layers"]) == sorted(names)
+    assert svc.get_job(plain["job"]).result["tokens"] == [2, 32]  # what it ran on, for the Results page's notes
     code, out, _ = run(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8_SQ", *args)
     assert code == 0 and "not swept: 3 layer(s) no llm-compressor recipe can smooth" in out
 

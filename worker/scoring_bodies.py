@@ -472,7 +472,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
     dicts = [r.to_dict() for r in rows]
     from quantcore.schemes import NUMERICS
 
-    result = {"scheme": name, "units": len(dicts), "text": label, "numerics": NUMERICS,
+    result = {"scheme": name, "units": len(dicts), "text": label, "tokens": list(ids.shape), "numerics": NUMERICS,
               "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
     if cal_ids is not None:  # GPTQ Hessians, AWQ scales or KV cache scales came from it
         result.update(calibration_text=cal_text, calibration_tokens=list(cal_ids.shape))

@@ -86,13 +86,16 @@ if stale:
                f"benchmark on {device_name}: it measures them again and keeps these in the history.")
 heat = frame[frame["path"] != "baseline"].copy()
 heat["speedup"] = np.where(heat["native"] & heat["ms"].notna(), heat["speedup"], np.nan)
-heat["note"] = np.where(heat["ms"].isna(), "skipped", "")  # no time at all: not the same as "not native"
+heat["note"] = svc.no_time_notes(heat["ms"], heat["skipped"])  # "skipped" / "failed" where not merely n/a
 st.subheader("Speed-up over the baseline GEMM")
 st.altair_chart(charts.kernel_heatmap(heat[["shape", "path", "speedup", "note"]], title=""),  # the heading says it
                 width="stretch")
-if skipped := int(heat["ms"].isna().sum()):
-    st.caption(f"{skipped} case(s) read \"skipped\": no time within the budget per shape (the table below says "
-               "why); queue the benchmark again with a larger budget to time them.")
+if over := int((heat["note"] == "skipped").sum()):
+    st.caption(f"{over} case(s) read \"skipped\": they did not fit in the time budget per shape; queue the "
+               "benchmark again with a larger budget to time them.")
+if failed := int((heat["note"] == "failed").sum()):
+    st.caption(f"{failed} case(s) read \"failed\": the kernel refused the shape or this torch build (the table "
+               "below says how).")
 
 peak = frame[frame["pct_peak"].notna()]
 if not peak.empty:

@@ -40,6 +40,7 @@ if st.session_state.get(f"{EDIT}_from") != start:
     st.session_state[EDIT] = (dict(latest[start].body) if start in latest
                               else {"model": model.name, "default": "FP8_DYNAMIC", "rules": head})
     st.session_state[f"{EDIT}_from"] = start
+    st.session_state.pop(f"{EDIT}_base", None)  # the body as loaded, once the widgets below have read it
 body = st.session_state[EDIT]
 
 # ----------------------------------------------------------------------------- preset + rules
@@ -117,6 +118,7 @@ with st.container(border=True):
             "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
                       for r in rules.to_dict("records") if r.get("match") and r.get("scheme")]}
     st.session_state[EDIT] = body
+    st.session_state.setdefault(f"{EDIT}_base", body)
 
 resolved, problem = svc.resolve(model, body)
 if problem:
@@ -130,7 +132,8 @@ table = svc.layer_table(model, body, target)
 table["alpha"] = [f"{a:g}" if pd.notna(a) else "" for a in table["alpha"]]
 # a column of None for every quantized layer says nothing (BF16 ones read 0 without a sweep): say it once instead
 quantized = table["scheme"] != "BF16"
-no_sensitivity = bool(quantized.any()) and table.loc[quantized, "sensitivity_kl"].isna().all()
+no_sensitivity = model.causal_lm is False or (  # an encoder has no sweeps at all
+    bool(quantized.any()) and table.loc[quantized, "sensitivity_kl"].isna().all())
 if no_sensitivity:
     table = table.drop(columns="sensitivity_kl")
 edited = st.data_editor(
@@ -172,7 +175,9 @@ if len(changed):
     st.rerun()
 if no_sensitivity and model.causal_lm is not False:
     swept = sorted(svc.sensitivity_map(model, tp, bool(body.get("expert_parallel")))[0])
-    st.caption(f"No sensitivity KL column: no sweep of {', '.join(sorted(set(table.loc[quantized, 'scheme'])))} yet"
+    unswept = sorted(set(table.loc[quantized, "scheme"]) - set(swept))
+    st.caption("No sensitivity KL column: "
+               + (f"no sweep of {', '.join(unswept)} yet" if unswept else "no sweep of this plan's layers")
                + (f" (swept: {', '.join(swept)})" if swept else "")
                + ". The Results page queues one; each layer then shows the KL of its own scheme.")
 counts = table["on_target"].value_counts().to_dict()
@@ -338,4 +343,5 @@ if plans:
 
 from app import plan_tools  # noqa: E402  (auto plan + export sections)
 
-plan_tools.render(model, target, tp, bool(body.get("expert_parallel")))
+plan_tools.render(model, target, tp, bool(body.get("expert_parallel")),
+                  unsaved=st.session_state[EDIT] != st.session_state.get(f"{EDIT}_base"))

@@ -416,6 +416,9 @@ def test_plans_page_of_an_encoder_starts_from_a_plan_that_applies(seeded):
     assert not at.exception and not at.error
     assert not next(b for b in at.button if "Save as a new version" in b.label).disabled
     assert any("not a causal language model" in i.value for i in at.info)
+    # no sweep can exist for it: no sensitivity column, and no line asking for a sweep
+    assert "sensitivity_kl" not in next(d.value for d in at.dataframe if "on_target" in d.value.columns).columns
+    assert not any(c.value.startswith("No sensitivity KL column") for c in at.caption)
 
 
 def test_plans_page_shows_the_weight_memory_of_the_plan(seeded):
@@ -467,12 +470,14 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
     assert head["block"].isna().all() and set(head["proj"]) == {"lm_head"}
     assert not any("different tokens" in c.value for c in at.caption)  # both on the defaults
     with session_scope() as s:  # FP8_DYNAMIC again, on fewer tokens: the newest is what the panel shows
-        small = repo.create_job(s, kind="sensitivity", params={"scheme": "FP8_DYNAMIC", "samples": 2, "seq_len": 64},
+        small = repo.create_job(s, kind="sensitivity", params={"scheme": "FP8_DYNAMIC", "samples": 4, "seq_len": 64},
                                 queue="cpu", user=None, model_id=seeded.id)
         repo.save_sensitivity(s, job_id=small.id, model_id=seeded.id, scheme="FP8_DYNAMIC",
                               rows=[{"layer": n, "layers": [n], "kl_mean": 2e-3, "top1_agree": 0.99,
                                      "sqnr_db": 30.0} for n in names])
-        repo.finish_job(s, small.id, status="succeeded", result={"units": len(names)})
+        # the text held 2 windows of 64 tokens, not the 4 asked for: the job says what it ran on
+        repo.finish_job(s, small.id, status="succeeded",
+                        result={"units": len(names), "tokens": [2, 64], "text": "builtin:lee.cor"})
     at = _run("results", seeded.id)
     assert ("These sweeps were made on different tokens (FP8_DYNAMIC: 2 × 64 of lee.cor; INT8_PER_TENSOR: 16 × 256 "
             "of lee.cor)") in " ".join(c.value for c in at.caption)
@@ -699,6 +704,20 @@ def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
     auto = next(p for p in svc.list_plans(seeded.id) if p.name == "auto-h100-kl0.5")
     resolved, _ = svc.resolve(seeded, auto.body)
     assert table.set_index("layer")["scheme"].to_dict() == {name: s.name for name, s in resolved.items()}
+    # the same choice again: nothing new to save, and the page says so rather than "Saved"
+    next(b for b in at.button if b.label == "Choose and verify").click().run()
+    assert any(m.value.startswith("The automatic plan is auto-h100-kl0.5 v1, saved before: no new version")
+               for m in at.success)
+    assert [p.name for p in svc.list_plans(seeded.id)] == ["auto-h100-kl0.5"]
+    # with unsaved edits to the plan open above, they stay; the new plan waits under Start from
+    at.selectbox(key=f"plan_default_{seeded.id}_auto-h100-kl0.5").set_value("W8A16").run()
+    at.number_input(key="auto_budget").set_value(0.4)
+    next(b for b in at.button if b.label == "Choose and verify").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("Your unsaved changes above are kept" in m.value for m in at.success)
+    assert at.selectbox(key=f"plan_start_{seeded.id}").value == "auto-h100-kl0.5"
+    assert at.selectbox(key=f"plan_default_{seeded.id}_auto-h100-kl0.5").value == "W8A16"
+    assert "auto-h100-kl0.4" in at.selectbox(key=f"plan_start_{seeded.id}").options
     # the same, minimising the ideal decode step of an H100 (no H100 timings are stored)
     at.radio(key="auto_cost").set_value("ideal")
     at.number_input(key="auto_m").set_value(1)
@@ -864,7 +883,9 @@ def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
     assert table["layers"].sum() == len(linears())
     at = _run("kernels", seeded.id)
     assert not at.exception
-    assert '1 case(s) read "skipped": no time within the budget per shape' in " ".join(c.value for c in at.caption)
+    said = " ".join(c.value for c in at.caption)
+    assert '1 case(s) read "skipped": they did not fit in the time budget per shape' in said
+    assert 'read "failed"' not in said  # nothing failed
     (prefill,) = [m for m in at.metric if "of" in m.label and "layers measured" in m.label]
     # the speed-up beside it is over the layers measured both ways, and so is the baseline it names
     assert est["common_baseline_prefill_ms"] < est["baseline_prefill_ms"]

@@ -116,3 +116,11 @@ def test_the_kl_histogram_spans_the_bins_that_hold_tokens_with_one_empty_bin_eac
     assert hist["center"].max() < 1  # not out to the stored last edge of 100 nats
     edge, _ = svc.score_frames([_score(3, [4, 0, 0, 0, 0, 0, 0, 0, 6])])  # occupied at both ends: nothing to trim
     assert len(edge) == 9
+
+
+def test_a_case_with_no_time_says_why_only_where_the_device_runs_the_path() -> None:
+    ms = [0.5, None, None, None, float("nan")]
+    why = [None, "over budget: ~20 s needed, 10 s left of 60 s for shape N=1 K=1", "failed on cuda: bad shape",
+           "not supported on cpu: no FP4 unit", None]
+    # timed; over the budget; refused by the kernel; not run at all (n/a, the chart's default); no reason kept
+    assert svc.no_time_notes(ms, why) == ["", "skipped", "failed", "", ""]
