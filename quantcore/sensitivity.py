@@ -498,11 +498,7 @@ def _one_at_a_time(
     positions = [0] * len(labels)
     total = len(ranges) * len(labels)
     done = 0
-    # a unit's pass runs the blocks from its own on (the ones before are replayed) and the head: units early in the
-    # model cost more, so the time left is paced by this work, not by the count of units
-    work = [len(stack.blocks) - start + 1 for start in starts]
-    work_left = sum(work) * len(ranges)
-    started = time.perf_counter()
+    pace = SweepPace(_pass_work(model, stack, starts), len(ranges))
     for bi, (s, e) in enumerate(ranges):
         check_cancel(should_cancel, f"sensitivity sweep (batch {bi + 1} of {len(ranges)}, reference pass)")
         ref_logits, outputs = _block_outputs(model, stack, ids[s:e])
@@ -511,6 +507,7 @@ def _one_at_a_time(
         del ref_logits
         for ui, label in enumerate(labels):
             check_cancel(should_cancel, f"sensitivity sweep (unit {ui + 1} of {len(labels)}: {label})")
+            unit_started = time.perf_counter()
             with ExitStack() as ctx:
                 apply_unit(ui, bi, ctx)
                 ctx.enter_context(_replayed(stack.blocks[: starts[ui]], outputs[: starts[ui]]))
@@ -521,13 +518,53 @@ def _one_at_a_time(
             agree_sum[ui] += a
             positions[ui] += n
             done += 1
-            work_left -= work[ui]
-            work_done = sum(work) * len(ranges) - work_left
-            left = time_left_text((time.perf_counter() - started) / work_done * work_left) if done < total else ""
+            pace.timed(ui, time.perf_counter() - unit_started)
+            left = time_left_text(pace.left_s(bi, ui)) if done < total else ""
             report_progress(progress, done / total, f"{label} ({done} of {total}{left})")
         del ref, outputs
     return [k / n for k, n in zip(kl_sum, positions, strict=True)], [
         a / n for a, n in zip(agree_sum, positions, strict=True)]
+
+
+def _pass_work(model: nn.Module, stack: DecoderStack, starts: Sequence[int]) -> list[float]:
+    """Each unit's pass in blocks' worth of work: the blocks from its own on (the ones before are replayed) plus the
+    head, weighed as its weights against a block's (SmolLM2's 49,152-row head: about 8 blocks)."""
+    per_block = sum(p.numel() for b in stack.blocks for p in b.parameters()) / max(len(stack.blocks), 1)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    head_blocks = weight.numel() / per_block if weight is not None and per_block else 1.0
+    return [len(stack.blocks) - start + head_blocks for start in starts]
+
+
+class SweepPace:
+    """A sweep's time left from the units timed so far. A unit early in the model runs more blocks than a late one,
+    and every unit also pays for its head pass, its quantization and its KL: each unit's time is fitted as
+    ``a + b × work`` (:func:`_pass_work`) over the units timed, and the units left are summed on that line."""
+
+    def __init__(self, work: Sequence[float], batches: int) -> None:
+        self.work, self.batches = list(work), batches
+        self.xs: list[float] = []
+        self.ys: list[float] = []
+
+    def timed(self, unit: int, seconds: float) -> None:
+        self.xs.append(self.work[unit])
+        self.ys.append(seconds)
+
+    def left_s(self, batch: int, unit: int) -> float:
+        """Seconds left after ``unit`` of ``batch`` (both from 0)."""
+        rest = self.work[unit + 1:] + self.work * (self.batches - batch - 1)
+        n = len(self.ys)
+        if not n or not rest:
+            return 0.0
+        mx, my = sum(self.xs) / n, sum(self.ys) / n
+        var = sum((x - mx) ** 2 for x in self.xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(self.xs, self.ys, strict=True)) / var if var > 0 else 0.0
+        a = my - b * mx
+        if b <= 0:  # no slope seen yet (one unit, or noise): every unit as long as the mean
+            a, b = my, 0.0
+        elif a < 0:  # a line through 0 instead: time in proportion to work
+            a, b = 0.0, my / mx
+        return a * len(rest) + b * sum(rest)
 
 
 def time_left_text(seconds: float) -> str:

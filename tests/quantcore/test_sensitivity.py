@@ -14,6 +14,7 @@ from quantcore.errors import Cancelled, PlanError
 from quantcore.quantize import sqnr_db
 from quantcore.scoring import ReferenceMismatch, compute_reference, plan_applied
 from quantcore.sensitivity import (
+    SweepPace,
     find_decoder_blocks,
     linear_layer_names,
     sensitivity_sweep,
@@ -294,3 +295,21 @@ def test_kv_sweep_equals_a_full_forward_with_every_other_layer_kept(arch, fmt, t
         assert math.isnan(row.sqnr_db) and row.to_dict()["sqnr_db"] is None
     with pytest.raises(PlanError, match="AUTO changes nothing"):
         kv_sensitivity_sweep(model, "AUTO", ids, ref)
+
+
+def test_a_sweeps_time_left_follows_the_work_of_the_units_still_to_run():
+    # 3 units of work 10, 6, 2 (blocks from their own on, plus the head), over 2 batches
+    pace = SweepPace([10.0, 6.0, 2.0], batches=2)
+    assert pace.left_s(0, 0) == 0.0  # nothing timed yet: nothing to pace by
+    pace.timed(0, 1.0 + 0.5 * 10)  # each unit takes 1 s plus 0.5 s a block's worth of work
+    assert pace.left_s(0, 0) == pytest.approx(6.0 * 5)  # one point: every unit left as long as the mean
+    pace.timed(1, 1.0 + 0.5 * 6)
+    # the line through the two: 1 + 0.5 w for the unit of work 2 left in this batch and all three of the next
+    assert pace.left_s(0, 1) == pytest.approx((1 + 0.5 * 2) + (1 + 5) + (1 + 3) + (1 + 1))
+    pace.timed(2, 1.0 + 0.5 * 2)
+    assert pace.left_s(0, 2) == pytest.approx(6 + 4 + 2)
+    assert pace.left_s(1, 2) == 0.0  # the last unit of the last batch
+    flat = SweepPace([10.0, 6.0, 2.0], batches=1)
+    flat.timed(0, 3.0)
+    flat.timed(1, 3.5)  # slower on less work (noise): no slope, the mean for the unit left
+    assert flat.left_s(0, 1) == pytest.approx(3.25)
