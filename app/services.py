@@ -314,6 +314,12 @@ def save_plan(model_id: int, name: str, body: dict[str, Any], note: str = "",
                               parent_id=parent_id)
 
 
+def unchanged_version(model_id: int, name: str, body: dict[str, Any]) -> PlanRecord | None:
+    """The newest version of plan ``name`` when its body is ``body`` already: saving it again would only repeat it."""
+    versions = [p for p in list_plans(model_id) if p.name == name]
+    return versions[-1] if versions and versions[-1].body == body else None
+
+
 def save_layer_alpha(model: ModelRecord, plan_name: str, layer: str, alpha: float,
                      base: PlanRecord | None) -> PlanRecord:
     """A new version of plan_name with this SmoothQuant alpha for `layer` and its fusion group
@@ -322,10 +328,18 @@ def save_layer_alpha(model: ModelRecord, plan_name: str, layer: str, alpha: floa
     from quantcore.schemes import fusion_group_of
 
     names = [lin["name"] for lin in model.linears]
-    spec = PlanSpec.from_dict(base.body) if base else PlanSpec(model=model.name, default="BF16", name=plan_name)
+    if base is None:  # a new plan that can carry the alpha: INT8 with dynamic per-token activations, lm_head in BF16
+        head = [{"match": "lm_head", "scheme": "BF16"}] if "lm_head" in names else []
+        spec = PlanSpec.from_dict({"model": model.name, "name": plan_name, "default": "INT8_W8A8", "rules": head})
+    else:
+        spec = PlanSpec.from_dict(base.body)
     for member in fusion_group_of(layer, names) or [layer]:
         spec.layer_alpha[member] = float(alpha)
-    return save_plan(model.id, plan_name, spec.to_dict(), note=f"alpha {alpha:.2f} for {layer}",
+    body = spec.to_dict()
+    _, problem = resolve(model, body)
+    if problem:  # e.g. the layer's scheme quantizes no activations: nothing to smooth, and no plan to save
+        raise ValueError(problem)
+    return save_plan(model.id, plan_name, body, note=f"alpha {alpha:.2f} for {layer}",
                      parent_id=base.id if base else None)
 
 
@@ -1421,7 +1435,8 @@ def _safe_name(name: str) -> str:
 
 def import_plan(model: ModelRecord, filename: str, text: str, name: str | None = None) -> PlanRecord:
     """Import a plan file (YAML, quantplan's format), an llm-compressor recipe (YAML) or a compressed-tensors
-    quantization_config / config.json (JSON) as a new plan version of `model`."""
+    quantization_config / config.json (JSON) as a new plan version of `model`; the newest version of that name
+    when it holds the same plan already."""
     import json
 
     import yaml
@@ -1454,6 +1469,8 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
             spec.kv_cache = export.kv_cache_of_recipe(text)
     plan_name = name or spec.name or stem
     spec.name, spec.model = plan_name, model.name
+    if same := unchanged_version(model.id, plan_name, spec.to_dict()):  # imported twice: no second, equal version
+        return same
     return save_plan(model.id, plan_name, spec.to_dict(), note=f"imported from {Path(filename).name}")
 
 

@@ -357,6 +357,9 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     plan_file.write_text("model: tiny\nname: mixed\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'lm_head', scheme: BF16}\n"
                          "  - {match: 'down_proj', scheme: INT8_W8A8}\n")
     imported = run_json(capsys, "plan", "import", str(plan_file), "--json")
+    assert imported["new_version"] is True
+    code, out, _ = run(capsys, "plan", "import", str(plan_file))  # the same file again: nothing new to store
+    assert code == 0 and out.startswith(f"already stored as plan #{imported['id']} mixed v1 for tiny: no new version")
     recipe = tmp_path / "recipe.yaml"
     code, _, err = run(capsys, "plan", "export", "mixed", "--format", "llmcompressor", "-o", str(recipe))
     assert code == 0, err

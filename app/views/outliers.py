@@ -102,9 +102,15 @@ with st.form("save_alpha"):
     if st.form_submit_button(f"Save α = {alpha:.2f} for {layer} (and its fusion group)"):
         base = latest.get(plan_name)
         name = new_name if base is None else base.name
-        saved = svc.save_layer_alpha(model, name, layer, alpha, base)
-        st.success(f"Saved {saved.label}: α = {alpha:.2f} for {saved.note.split(' for ', 1)[-1]} and its fusion "
-                   "group. Its scheme must smooth (a *_SQ preset) for α to matter.")
+        try:
+            saved = svc.save_layer_alpha(model, name, layer, alpha, base)
+        except ValueError as exc:
+            st.error(f"Not saved: {exc}")
+        else:
+            scheme = svc.resolve(model, saved.body)[0][layer]
+            st.success(f"Saved {saved.label}: α = {alpha:.2f} for {layer} and its fusion group, smoothed before "
+                       f"its {scheme.name.split('(')[0].strip()} quantization"
+                       + (" (a new plan: INT8_W8A8 on every layer but lm_head)" if base is None else "") + ".")
 
 # ----------------------------------------------------------------------------- 5. histogram + grid
 st.subheader("|x| histogram with a format's grid")

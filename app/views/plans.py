@@ -26,6 +26,7 @@ START = f"plan_start_{model.id}"
 if saved := st.session_state.pop(state.PLAN_SAVED, None):  # saved or imported in the run before: edit it from here
     label, name = saved
     st.success(f"{label}.")
+    st.toast(f"{label}.")  # seen beside the button pressed too (Import sits at the foot of a long page)
     if name in latest:
         st.session_state[START] = name
         st.session_state.pop(f"{EDIT}_from", None)  # edit the version saved (an import may reuse the name shown)
@@ -302,13 +303,18 @@ if resolved is not None:
             st.info(backend)
 
 # ----------------------------------------------------------------------------- save
-with st.form("plan_save"):
+with st.form("plan_save", enter_to_submit=False):  # Enter in a field saves nothing: the button does
     c1, c2 = st.columns([1, 2])
-    name = c1.text_input("Plan name", value=start if start in latest else f"{model.name}-plan", key="plan_name")
-    note = c2.text_input("What changed", key="plan_note")
+    name = c1.text_input("Plan name", value=start if start in latest else f"{model.name}-plan",
+                         key=f"plan_name_{model.id}_{start}")  # the plan opened's own name, whichever it is
+    note = c2.text_input("What changed", key=f"plan_note_{model.id}_{start}")
     if st.form_submit_button("Save as a new version", type="primary", disabled=problem is not None):
-        saved = svc.save_plan(model.id, name, {**body, "name": name, "model": model.name}, note=note)
-        state.plan_saved(f"Saved {saved.label}", saved.name)
+        to_save = {**body, "name": name, "model": model.name}
+        if same := svc.unchanged_version(model.id, name, to_save):
+            st.info(f"No change from {same.label}: nothing saved.")
+        else:
+            saved = svc.save_plan(model.id, name, to_save, note=note)
+            state.plan_saved(f"Saved {saved.label}", saved.name)
 
 # ----------------------------------------------------------------------------- versions and diff
 plans = sorted(plans, key=lambda p: p.id)  # as saved, the newest last
@@ -317,7 +323,8 @@ if plans:
     st.dataframe(pd.DataFrame([{"id": p.id, "plan": p.label, "parent": "" if p.parent_id is None else f"{p.parent_id}",
                                 "author": p.author or "", "note": p.note, "saved": p.created_at} for p in plans]),
                  hide_index=True, width="stretch",
-                 column_config={"parent": st.column_config.TextColumn(
+                 column_config={"plan": st.column_config.TextColumn(width="large"),
+                                "parent": st.column_config.TextColumn(
                      help="the id of the version this one was saved from; empty: a plan's first version")})
     if len(plans) >= 2:
         c1, c2 = st.columns(2)
@@ -326,16 +333,20 @@ if plans:
         # keyed by the newest version: a version saved since shows as the newest two compared, not an older pair
         a = c1.selectbox("Compare", ids, index=len(ids) - 2, format_func=lab.get, key=f"diff_a_{ids[-1]}")
         b = c2.selectbox("with", ids, index=len(ids) - 1, format_func=lab.get, key=f"diff_b_{ids[-1]}")
-        diff = svc.plan_diff(model, next(p for p in plans if p.id == a), next(p for p in plans if p.id == b))
+        try:
+            diff = svc.plan_diff(model, next(p for p in plans if p.id == a), next(p for p in plans if p.id == b))
+        except ValueError as exc:  # a version that no longer resolves (saved by an older quantplan, or by hand)
+            st.error(f"Cannot compare these versions: {exc}")
+            diff = None
         kv_a, kv_b = (kv_label(next(p for p in plans if p.id == i).body) for i in (a, b))
         if kv_a != kv_b:
             st.caption(f"KV cache: {lab[a]} {kv_a} → {lab[b]} {kv_b}.")
         gpus_a, gpus_b = (gpus_label(next(p for p in plans if p.id == i).body) for i in (a, b))
         if gpus_a != gpus_b:
             st.caption(f"Served on: {lab[a]} {gpus_a} → {lab[b]} {gpus_b}.")
-        if diff.empty:
+        if diff is not None and diff.empty:
             st.caption("Same scheme on every layer.")
-        else:
+        elif diff is not None:
             st.dataframe(diff, hide_index=True, width="stretch")
             sizes = [svc.plan_footprint(model, next(p for p in plans if p.id == i).body) for i in (a, b)]
             st.caption(f"Linear weights: {lab[a]} {svc.mib_text(sizes[0].bits)} → {lab[b]} "

@@ -27,6 +27,11 @@ def _run(page: str | None, model_id: int | None):
     return at
 
 
+def _plan_name(at):
+    """The Plans page's "Plan name" field (keyed by the plan opened)."""
+    return next(t for t in at.text_input if t.label == "Plan name")
+
+
 def test_models_page_empty_database_offers_the_demo(qp_settings):
     at = _run(None, None)
     assert any("Register the demo model" in b.label for b in at.button)
@@ -205,6 +210,19 @@ def test_outliers_page_saves_alpha_into_a_plan_for_the_fusion_group(seeded):
     from quantcore.plans import PlanSpec
 
     assert PlanSpec.from_dict(plan.body).layer_alpha == {f"model.layers.1.self_attn.{p}_proj": 0.7 for p in "qkv"}
+    from app import services as svc
+
+    resolved, problem = svc.resolve(seeded, plan.body)  # a new plan that can be scored and exported as it is
+    assert problem is None and resolved["model.layers.1.self_attn.k_proj"].smoothquant_alpha == 0.7
+    assert any("smoothed before its INT8_W8A8 quantization" in m.value for m in at.success)
+    # a plan whose layer quantizes no activations cannot carry an alpha: refused, nothing saved
+    weight_only = svc.save_plan(seeded.id, "w4", {"model": seeded.name, "default": "W4A16"})
+    at.run()
+    at.selectbox(key="alpha_plan").set_value("w4")
+    at.button[-1].click().run()
+    assert not at.exception
+    assert any(e.value.startswith("Not saved:") and "quantizes no activations" in e.value for e in at.error)
+    assert [p.id for p in svc.list_plans(seeded.id) if p.name == "w4"] == [weight_only.id]
 
 
 def test_results_page_shows_scores_and_sensitivity(seeded):
@@ -384,12 +402,18 @@ def test_an_import_under_the_name_being_edited_replaces_what_the_page_shows(seed
     from app import state
 
     at = _run("plans", seeded.id)
-    at.text_input(key="plan_name").set_value("foo")
+    _plan_name(at).set_value("foo")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     assert at.selectbox(key=f"plan_start_{seeded.id}").value == "foo"
+    assert _plan_name(at).value == "foo"  # the plan opened keeps its name: saving again makes foo v2
+    next(b for b in at.button if "Save as a new version" in b.label).click().run()  # nothing changed
+    assert any(i.value == "No change from foo v1: nothing saved." for i in at.info)
+    assert [p.version for p in svc.list_plans(seeded.id) if p.name == "foo"] == [1]
     at.selectbox(key=f"plan_default_{seeded.id}_foo").set_value("INT8_W8A8").run()  # edited, not saved
     rec = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
     assert rec.label == "foo v2"
+    again = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
+    assert again.id == rec.id  # the same file twice: no third, equal version
     at.session_state[state.PLAN_SAVED] = (f"Imported {rec.label}", "foo")  # what the Import button leaves
     at.run()
     assert not at.exception and any(m.value == "Imported foo v2." for m in at.success)
@@ -1168,7 +1192,7 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
     assert table.loc["model.layers.0.self_attn.o_proj", "on_target"] == "refused: groups do not divide K"
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"
-    at.text_input(key="plan_name").set_value("two-gpus")
+    _plan_name(at).set_value("two-gpus")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     saved = next(p for p in svc.list_plans(seeded.id) if p.name == "two-gpus")
     assert saved.body["tensor_parallel"] == 2
@@ -1216,7 +1240,7 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     at.selectbox(key="plan_target").set_value("a100").run()
     assert not any("FlashAttention 3" in i.value for i in at.info)
     at.selectbox(key="plan_target").set_value("h100").run()
-    at.text_input(key="plan_name").set_value("with-kv")
+    _plan_name(at).set_value("with-kv")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     assert not at.exception
     saved = next(p for p in svc.list_plans(seeded.id) if p.name == "with-kv")
@@ -1231,7 +1255,7 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     one = next(m for m in at.metric if m.label.startswith("Cache of one"))
     assert f"{(layers + 1) / (2 * layers):.0%} of BF16" in one.proto.delta
     assert any("1 layer(s) keep their cache in BF16" in c.value for c in at.caption)
-    at.text_input(key="plan_name").set_value("with-kv-skip")
+    _plan_name(at).set_value("with-kv-skip")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     kept = next(p for p in svc.list_plans(seeded.id) if p.name == "with-kv-skip")
     assert kept.body["kv_cache_skip"] == ["0"]
@@ -1910,3 +1934,19 @@ def test_results_table_shows_a_predicted_kl_column_only_where_a_score_has_one(se
     [table] = [d.value for d in at.dataframe if "plan" in d.value.columns and "KV cache" in d.value.columns]
     assert table["predicted KL"].tolist()[0] == 0.025 and table["calibrated on"].tolist() == [
         "builtin:lee_background.cor", ""]
+
+
+def test_plans_page_compares_versions_or_says_why_it_cannot(seeded):
+    """A version that no longer resolves (saved by hand or by an older quantplan) is an error beside the compare
+    boxes; the rest of the page (automatic plan, export) is still drawn."""
+    from app import services as svc
+
+    svc.save_plan(seeded.id, "ok", {"model": seeded.name, "default": "FP8_DYNAMIC"})
+    bad = svc.save_plan(seeded.id, "bad", {"model": seeded.name, "default": "BF16",
+                                           "layers": {"lm_head": {"smoothquant_alpha": 0.7}}})
+    at = _run("plans", seeded.id)
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(e.value.startswith("Cannot compare these versions:") and "quantizes no activations" in e.value
+               for e in at.error)
+    assert any(h.value == "Export" for h in at.subheader)
+    assert bad.id == max(p.id for p in svc.list_plans(seeded.id))
