@@ -360,6 +360,12 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert imported["new_version"] is True
     code, out, _ = run(capsys, "plan", "import", str(plan_file))  # the same file again: nothing new to store
     assert code == 0 and out.startswith(f"already stored as plan #{imported['id']} mixed v1 for tiny: no new version")
+    from app import services as svc
+    from quantplan.cli import _run as run_job_here
+
+    scored = run_job_here("score", {"samples": 2, "seq_len": 32}, model_id=svc.get_model("tiny").id,
+                          plan_id=imported["id"], local=True, quiet=True)  # as the Results page queues a plan
+    assert scored.result["plan"] == "mixed v1"  # which version of the plan was measured
     recipe = tmp_path / "recipe.yaml"
     code, _, err = run(capsys, "plan", "export", "mixed", "--format", "llmcompressor", "-o", str(recipe))
     assert code == 0, err

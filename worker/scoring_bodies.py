@@ -38,7 +38,7 @@ def plan_spec(ctx: JobContext, layer_names: list[str]):
         with session_scope(ctx.settings) as s:
             rec = repo.get_plan(s, ctx.plan_id)
         spec = PlanSpec.from_dict(rec.body)
-        spec.name = spec.name or rec.label
+        spec.name = rec.label  # "name vN": a score says which version of the plan it measured
         return spec
     if p.get("scheme"):
         return plan_from_scheme(p["scheme"], layer_names)

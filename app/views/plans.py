@@ -45,6 +45,13 @@ if st.session_state.get(f"{EDIT}_from") != start:
 body = st.session_state[EDIT]
 
 # ----------------------------------------------------------------------------- preset + rules
+
+
+def _filled(cell) -> bool:
+    """A rules-table cell holds something: not empty, and not the NaN / None a new row starts with."""
+    return cell is not None and not (isinstance(cell, float) and pd.isna(cell)) and str(cell).strip() != ""
+
+
 with st.container(border=True):
     st.markdown("**Preset for all layers, then rules** (regular expressions on layer names; the last "
                 "matching rule wins; per-row choices below win over rules).")
@@ -117,8 +124,13 @@ with st.container(border=True):
             **({"tensor_parallel": tp} if tp > 1 else {}),
             **({"expert_parallel": True} if ep and tp > 1 else {}),
             "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
-                      for r in rules.to_dict("records") if r.get("match") and r.get("scheme")]}
+                      for r in rules.to_dict("records") if _filled(r.get("match")) and _filled(r.get("scheme"))]}
     st.session_state[EDIT] = body
+    half = [i for i, r in enumerate(rules.to_dict("records"), start=1)
+            if _filled(r.get("match")) != _filled(r.get("scheme"))]
+    if half:  # a row with only one of the two is left out of the plan: say so, rather than drop it unseen
+        st.warning(f"Rule row(s) {', '.join(map(str, half))} need both a match and a scheme: left out of the plan "
+                   "until they have both.")
     st.session_state.setdefault(f"{EDIT}_base", body)
 
 resolved, problem = svc.resolve(model, body)

@@ -1950,3 +1950,21 @@ def test_plans_page_compares_versions_or_says_why_it_cannot(seeded):
                for e in at.error)
     assert any(h.value == "Export" for h in at.subheader)
     assert bad.id == max(p.id for p in svc.list_plans(seeded.id))
+
+
+def test_a_rule_row_with_only_a_scheme_is_left_out_and_said_so(seeded):
+    """A new rules row starts empty: one with a scheme but no match was read as the rule 'nan' (matching nothing,
+    an error naming a rule the user never wrote); it is left out, with a line naming the row."""
+    at = _run("plans", seeded.id)
+    key = f"plan_rules_{seeded.id}_(new plan)"  # the starting rule, lm_head → BF16, is row 1
+    at.session_state[key] = {"edited_rows": {}, "added_rows": [{"scheme": "W4A16"}], "deleted_rows": []}
+    at.run()
+    assert not at.exception and not at.error
+    assert [w.value for w in at.warning if w.value.startswith("Rule row(s)")] == [
+        "Rule row(s) 2 need both a match and a scheme: left out of the plan until they have both."]
+    at.session_state[key] = {"edited_rows": {}, "added_rows": [{"match": "down_proj", "scheme": "W4A16"}],
+                             "deleted_rows": []}
+    at.run()
+    assert not any(w.value.startswith("Rule row(s)") for w in at.warning)
+    table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
+    assert table.loc["model.layers.0.mlp.down_proj", "scheme"] == "W4A16"
