@@ -161,6 +161,9 @@ def register_upload(filename: str, data: bytes, name: str | None = None) -> JobR
         raise ValueError(f"{safe}: upload a .zip or .tar.gz of a Hugging Face folder, or a .gguf file")
     if len(data) > s.upload_limit_bytes:
         raise ValueError(f"{safe} is {len(data) / MIB:.0f} MiB, over the {s.upload_limit_mb} MiB limit")
+    if (kind := _upload_kind_mismatch(safe, data)) is not None:  # at once, rather than after the queue ahead of it
+        raise ValueError(f"{safe} is not a {kind} (its first bytes say otherwise): nothing was queued. Upload a "
+                         ".zip or .tar.gz of a Hugging Face folder, or a .gguf file")
     staging = Path(str(s.artifact_dir)) / "uploads" / uuid.uuid4().hex
     staging.mkdir(parents=True)
     try:
@@ -170,6 +173,26 @@ def register_upload(filename: str, data: bytes, name: str | None = None) -> JobR
     except Exception:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _upload_kind_mismatch(filename: str, data: bytes) -> str | None:
+    """The kind of file ``filename``'s suffix promises where its bytes are not one ("zip archive", "tar archive",
+    "GGUF file"); None where they are. Only the signature is read: the worker validates the whole file."""
+    import io
+    import tarfile
+    import zipfile
+
+    lower = filename.lower()
+    if lower.endswith(".zip"):
+        return None if zipfile.is_zipfile(io.BytesIO(data)) else "zip archive"
+    if lower.endswith(".gguf"):
+        return None if data[:4] == b"GGUF" else "GGUF file"
+    try:  # .tar, .tar.gz, .tgz: tarfile reads the compression itself
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.next()
+        return None
+    except (tarfile.TarError, OSError, EOFError):
+        return "tar archive"
 
 
 # ----------------------------------------------------------------------------- datasets

@@ -22,6 +22,13 @@ if model.causal_lm is False:
 
 presets = svc.preset_options(model)
 plans = svc.list_plans(model.id)
+SAID = f"results_said_{model.id}"  # (kind, text) of what the last Queue did, shown below the form
+
+
+def say(kind: str, text: str) -> None:
+    st.session_state.setdefault(SAID, []).append((kind, text))
+
+
 with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no job
     st.markdown("**Score a plan** against the unquantized model on held-out text (default: gensim's lee.cor, "
                 "50 news articles). The reference log-probabilities are computed once and cached.")
@@ -80,14 +87,15 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
     kv_sens = st.checkbox("Also sweep the chosen KV cache format one attention layer at a time (which layers a "
                           "plan should keep in BF16)", key="score_kv_sens")
     if st.form_submit_button("Queue", type="primary"):
+        st.session_state[SAID] = []  # this submission's outcome replaces the last one's
         if not chosen_plans:
-            st.error("Choose at least one plan or preset to score.")
+            say("error", "Choose at least one plan or preset to score.")
         cal_ok = True
         if cal_upload is not None:
             try:
                 cal_id = svc.upload_dataset(cal_upload.name, cal_upload.getvalue(), "calibration").id
             except ValueError as exc:
-                st.error(f"The calibration text was not stored, so nothing was queued: {exc}")
+                say("error", f"The calibration text was not stored, so nothing was queued: {exc}")
                 cal_ok = False
         if tp_choice != "(as planned)":
             refusals = svc.split_refusals(model, int(tp_choice))
@@ -97,7 +105,7 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
                         for kind, _, ref in [what.partition(":")] if kind == "plan"
                         for why in svc.plan_split_refusals(model, by_id[int(ref)].body)]
         if refusals:
-            st.error("Nothing was queued: " + "; ".join(refusals))
+            say("error", "Nothing was queued: " + "; ".join(refusals))
         if cal_ok and not refusals:
             params = {"samples": int(samples), "seq_len": int(seq_len), "device": device,
                       "cal_samples": int(cal_samples), "cal_seq_len": int(cal_seq_len)}
@@ -117,32 +125,35 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
                     job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
                 gpus_note = f" on {svc.gpus_label(int(tp_choice))}" if "tensor_parallel" in params else ""
                 kv_note = (f" + KV {kv_choice}" if "kv_cache" in params else "") + gpus_note
-                st.success(f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
+                say("success", f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
                 if sens and kind == "preset":  # swept on the same GPUs: what an automatic plan for them reads
                     sweep = {**params, "samples": min(int(samples), 8), "scheme": ref}
                     one_gpu = svc.same_on_any_gpus(ref, int(params.get("tensor_parallel", 1)))
                     if one_gpu:
                         sweep.pop("tensor_parallel")
                     sj = svc.submit("sensitivity", sweep, model_id=model.id)
-                    st.success(f"Queued sensitivity job #{sj.id} ({ref}{'' if one_gpu else gpus_note})."
+                    say("success", f"Queued sensitivity job #{sj.id} ({ref}{'' if one_gpu else gpus_note})."
                                + (f" {one_gpu}." if one_gpu else ""))
             if sens and any(not w.startswith("preset:") for w in chosen_plans):
-                st.warning("A sensitivity sweep takes one preset: stored plans were scored, not swept.")
+                say("warning", "A sensitivity sweep takes one preset: stored plans were scored, not swept.")
             if kv_sens and kv_choice in ("(as planned)", "AUTO"):
-                st.warning("A KV cache sweep needs a quantized format: choose one under KV cache.")
+                say("warning", "A KV cache sweep needs a quantized format: choose one under KV cache.")
             elif kv_sens:
                 sweep = {k: v for k, v in params.items() if k not in ("kv_cache", "tensor_parallel")}
                 sj = svc.submit("sensitivity", {**sweep, "samples": min(int(samples), 8), "kv_sweep": kv_choice},
                                 model_id=model.id)
-                st.success(f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
+                say("success", f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
+
+for kind, text in st.session_state.get(SAID, []):  # kept until the next Queue: the page redraws when a job ends
+    getattr(st, kind)(text)
 
 live.job_progress("results", ["score", "sensitivity"], model_id=model.id,
                   done_notes={"score": "Scored plans below.", "sensitivity": "Per-layer sensitivity below."})
 
 size = svc.reference_cache_bytes(model, int(samples), int(seq_len))
 if size:
-    st.caption(f"The unquantized model's log-probabilities on these {int(samples)} × {int(seq_len)} tokens are "
-               f"computed once per model and text and cached: {size / 2**30:,.2f} GiB on disk "
+    st.caption(f"The unquantized model's log-probabilities on {int(samples)} × {int(seq_len)} tokens (the sizes "
+               f"as last queued) are computed once per model and text and cached: {size / 2**30:,.2f} GiB on disk "
                f"({int(samples) * (int(seq_len) - 1):,} positions × a {svc.vocab_size(model):,}-token vocabulary × "
                "2 bytes). Large vocabularies (Gemma's 262k) make this the size to watch.")
 

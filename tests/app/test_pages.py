@@ -127,7 +127,9 @@ def test_enter_in_a_field_of_a_form_that_queues_a_job_queues_nothing(seeded):
         found.update({f.proto.form.form_id: f.proto.form.enter_to_submit for f in at.get("form")})
     assert {k: found[k] for k in ("calibrate_form", "score_form", "bench_form")} == dict.fromkeys(
         ("calibrate_form", "score_form", "bench_form"), False)
-    assert found["plan_save"] is True  # a plan's name and note: Enter saves, as a user expects there
+    # nor does Enter in a plan's name or note save it: typing a name and pressing Enter saved a version without
+    # its note, and Enter in the note saved it again
+    assert found["plan_save"] is False
 
 
 def test_jobs_page_queues_a_cancelled_job_again(seeded):
@@ -1968,3 +1970,15 @@ def test_a_rule_row_with_only_a_scheme_is_left_out_and_said_so(seeded):
     assert not any(w.value.startswith("Rule row(s)") for w in at.warning)
     table = next(d.value for d in at.dataframe if "on_target" in d.value.columns).set_index("layer")
     assert table.loc["model.layers.0.mlp.down_proj", "scheme"] == "W4A16"
+
+
+def test_what_queueing_did_stays_on_the_page_when_it_redraws(seeded):
+    """The page draws itself again when a job ends: what the Queue button said (a sweep that could not be queued)
+    stays until the next Queue, instead of vanishing with the redraw."""
+    at = _run("results", seeded.id)
+    at.checkbox(key="score_kv_sens").check()
+    next(b for b in at.button if b.label == "Queue").click().run()
+    note = "A KV cache sweep needs a quantized format: choose one under KV cache."
+    assert note in [w.value for w in at.warning]
+    at.run()  # a redraw, as when the score job ends
+    assert note in [w.value for w in at.warning] and any(m.value.startswith("Queued score job") for m in at.success)

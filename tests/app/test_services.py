@@ -124,3 +124,31 @@ def test_a_case_with_no_time_says_why_only_where_the_device_runs_the_path() -> N
            "not supported on cpu: no FP4 unit", None]
     # timed; over the budget; refused by the kernel; not run at all (n/a, the chart's default); no reason kept
     assert svc.no_time_notes(ms, why) == ["", "skipped", "failed", "", ""]
+
+
+def test_an_upload_whose_bytes_are_not_what_its_name_says_is_refused_at_once(qp_settings) -> None:
+    import io
+    import tarfile
+    import zipfile
+
+    import pytest
+
+    noise = bytes(range(256)) * 8
+    for name, kind in (("model.zip", "zip archive"), ("model.tar.gz", "tar archive"), ("model.tgz", "tar archive"),
+                       ("model.tar", "tar archive"), ("model.gguf", "GGUF file")):
+        with pytest.raises(ValueError, match=f"model.* is not a {kind} .*nothing was queued"):
+            svc.register_upload(name, noise)
+    assert svc.list_jobs() == []  # nothing queued, nothing staged
+    assert not (qp_settings.artifact_dir / "uploads").exists() or not any((qp_settings.artifact_dir / "uploads").iterdir())
+    # real archives pass the check (the worker validates their contents)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("config.json", "{}")
+    assert svc._upload_kind_mismatch("m.zip", buf.getvalue()) is None
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        info = tarfile.TarInfo("config.json")
+        info.size = 2
+        t.addfile(info, io.BytesIO(b"{}"))
+    assert svc._upload_kind_mismatch("m.tar.gz", buf.getvalue()) is None
+    assert svc._upload_kind_mismatch("m.gguf", b"GGUF\x03\x00\x00\x00") is None
