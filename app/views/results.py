@@ -213,8 +213,10 @@ else:
     c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
     target = c2.selectbox("Ideal step times (roofline) on", [None, *svc.target_names()],
                           format_func=lambda k: "(none)" if k is None else svc.target_names()[k], key="tradeoff_target")
-    ideal_decode = int(c3.number_input("decode batch", 1, 65536, 1, key="tradeoff_ideal_decode"))
-    ideal_prefill = int(c4.number_input("prefill tokens", 1, 1 << 20, 2048, key="tradeoff_ideal_prefill"))
+    ideal_decode = int(c3.number_input("ideal decode batch", 1, 65536, 1, key="tradeoff_ideal_decode",
+                                       help="M of the roofline decode step; measured steps use the M timed"))
+    ideal_prefill = int(c4.number_input("ideal prefill tokens", 1, 1 << 20, 2048, key="tradeoff_ideal_prefill",
+                                        help="M of the roofline prefill step; measured steps use the M timed"))
     if target:
         costs |= {"ideal_decode_ms": f"ideal decode step on {target}, M={ideal_decode} (ms)",
                   "ideal_prefill_ms": f"ideal prefill step on {target}, M={ideal_prefill} (ms)"}
@@ -226,6 +228,9 @@ else:
         m_prefill, m_decode = max(measured), min(measured)
         costs |= {"decode_ms": f"decode step on {device_name}, M={m_decode} (ms)",
                   "prefill_ms": f"prefill step on {device_name}, M={m_prefill} (ms)"}
+        st.caption(f"Measured steps are at the M values {device_name} timed ({', '.join(map(str, measured))}): "
+                   f"prefill at the largest, M={m_prefill}, decode at the smallest, M={m_decode}. Queue a benchmark "
+                   "with other M values on the Kernels page to weigh other steps.")
     elif device_name:
         st.caption(f"{device_name} has no timings of {model.name}'s shapes.")
     c1, c2, _ = st.columns([1, 1, 2])

@@ -615,6 +615,9 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
     assert any(h.value == "Quality against cost" for h in at.subheader)
     at.selectbox(key="tradeoff_device").set_value("Test CPU").run()
     assert not at.exception
+    # the ideal step's M is not the measured one's: the page says which M the measured steps are at
+    assert ("Measured steps are at the M values Test CPU timed (1, 16): prefill at the largest, M=16, decode at the "
+            "smallest, M=1.") in " ".join(c.value for c in at.caption)
     at.radio(key="tradeoff_cost").set_value("decode_ms").run()
     assert not at.exception
     assert any("Not drawn" in c.value and "INT8_PER_TENSOR" in c.value for c in at.caption)
