@@ -360,12 +360,6 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert imported["new_version"] is True
     code, out, _ = run(capsys, "plan", "import", str(plan_file))  # the same file again: nothing new to store
     assert code == 0 and out.startswith(f"already stored as plan #{imported['id']} mixed v1 for tiny: no new version")
-    from app import services as svc
-    from quantplan.cli import _run as run_job_here
-
-    scored = run_job_here("score", {"samples": 2, "seq_len": 32}, model_id=svc.get_model("tiny").id,
-                          plan_id=imported["id"], local=True, quiet=True)  # as the Results page queues a plan
-    assert scored.result["plan"] == "mixed v1"  # which version of the plan was measured
     recipe = tmp_path / "recipe.yaml"
     code, _, err = run(capsys, "plan", "export", "mixed", "--format", "llmcompressor", "-o", str(recipe))
     assert code == 0, err
@@ -1407,3 +1401,17 @@ def test_a_local_job_on_a_device_this_machine_lacks_is_refused_before_any_job(ti
         code, _, err = run(capsys, *argv)
         assert code == 1 and "no CUDA device" in err and "without --local" in err and "Traceback" not in err
     assert len(svc.list_jobs(limit=100)) == jobs  # nothing written
+
+
+def test_a_score_of_a_stored_plan_names_the_version_it_measured(tiny_model, capsys, tmp_path):
+    from app import services as svc
+    from quantplan.cli import _run as run_job_here
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text("model: tiny\nname: mine\ndefault: INT8_W8A8\nrules:\n  - {match: 'lm_head', scheme: BF16}\n")
+    run_json(capsys, "plan", "import", str(plan_file), "--json")
+    plan_file.write_text("model: tiny\nname: mine\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'lm_head', scheme: BF16}\n")
+    second = run_json(capsys, "plan", "import", str(plan_file), "--json")
+    scored = run_job_here("score", {"samples": 2, "seq_len": 32}, model_id=svc.get_model("tiny").id,
+                          plan_id=second["id"], local=True, quiet=True)  # as the Results page queues a plan
+    assert scored.result["plan"] == "mine v2"  # which version of the plan was measured
