@@ -125,10 +125,9 @@ def _import(model) -> None:
                           type=["yaml", "yml", "json"], key="import_plan")
     if up is not None and st.button("Import", key="import_btn"):
         try:
-            before = {p.id for p in svc.list_plans(model.id)}
-            rec = svc.import_plan(model, up.name, up.getvalue().decode("utf-8", "replace"))
+            rec, new = svc.import_plan(model, up.name, up.getvalue().decode("utf-8", "replace"))
         except ValueError as exc:
             st.error(str(exc))
         else:
-            state.plan_saved(f"Imported {rec.label}" if rec.id not in before
-                             else f"{up.name} holds {rec.label} already: no new version", rec.name)
+            state.plan_saved(f"Imported {rec.label}" if new else f"{up.name} holds {rec.label} already: no new version",
+                             rec.name)

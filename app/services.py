@@ -337,6 +337,12 @@ def save_plan(model_id: int, name: str, body: dict[str, Any], note: str = "",
                               parent_id=parent_id)
 
 
+def new_plan_body(model: ModelRecord, default: str) -> dict[str, Any]:
+    """A new plan of ``default`` on every layer, lm_head (where the model has one: not an encoder) kept in BF16."""
+    head = [{"match": "lm_head", "scheme": "BF16"}] if "lm_head" in layer_names(model) else []
+    return {"model": model.name, "default": default, "rules": head}
+
+
 def unchanged_version(model_id: int, name: str, body: dict[str, Any]) -> PlanRecord | None:
     """The newest version of plan ``name`` when its body is ``body`` already: saving it again would only repeat it."""
     versions = [p for p in list_plans(model_id) if p.name == name]
@@ -350,12 +356,9 @@ def save_layer_alpha(model: ModelRecord, plan_name: str, layer: str, alpha: floa
     from quantcore.plans import PlanSpec
     from quantcore.schemes import fusion_group_of
 
-    names = [lin["name"] for lin in model.linears]
-    if base is None:  # a new plan that can carry the alpha: INT8 with dynamic per-token activations, lm_head in BF16
-        head = [{"match": "lm_head", "scheme": "BF16"}] if "lm_head" in names else []
-        spec = PlanSpec.from_dict({"model": model.name, "name": plan_name, "default": "INT8_W8A8", "rules": head})
-    else:
-        spec = PlanSpec.from_dict(base.body)
+    names = layer_names(model)
+    # a new plan that can carry the alpha: INT8 with dynamic per-token activations
+    spec = PlanSpec.from_dict(base.body if base else {**new_plan_body(model, "INT8_W8A8"), "name": plan_name})
     for member in fusion_group_of(layer, names) or [layer]:
         spec.layer_alpha[member] = float(alpha)
     body = spec.to_dict()
@@ -694,9 +697,8 @@ def no_time_notes(ms, skipped) -> list[str]:
 
     notes = []
     for t, why in zip(ms, skipped, strict=True):
-        why = "" if why is None or (isinstance(why, float) and pd.isna(why)) else str(why)
-        timed = t is not None and not pd.isna(t)
-        notes.append("" if timed else "skipped" if why.startswith("over budget") else
+        why = "" if pd.isna(why) else str(why)  # None and NaN alike
+        notes.append("" if not pd.isna(t) else "skipped" if why.startswith("over budget") else
                      "failed" if why.startswith("failed") else "")
     return notes
 
@@ -1456,10 +1458,10 @@ def _safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-") or "model"
 
 
-def import_plan(model: ModelRecord, filename: str, text: str, name: str | None = None) -> PlanRecord:
+def import_plan(model: ModelRecord, filename: str, text: str, name: str | None = None) -> tuple[PlanRecord, bool]:
     """Import a plan file (YAML, quantplan's format), an llm-compressor recipe (YAML) or a compressed-tensors
-    quantization_config / config.json (JSON) as a new plan version of `model`; the newest version of that name
-    when it holds the same plan already."""
+    quantization_config / config.json (JSON) as a new plan version of `model`: (the version, True); (the newest
+    version of that name, False) when it holds the same plan already."""
     import json
 
     import yaml
@@ -1493,8 +1495,8 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
     plan_name = name or spec.name or stem
     spec.name, spec.model = plan_name, model.name
     if same := unchanged_version(model.id, plan_name, spec.to_dict()):  # imported twice: no second, equal version
-        return same
-    return save_plan(model.id, plan_name, spec.to_dict(), note=f"imported from {Path(filename).name}")
+        return same, False
+    return save_plan(model.id, plan_name, spec.to_dict(), note=f"imported from {Path(filename).name}"), True
 
 
 def sweep_parallel(job: JobRecord) -> tuple[int, bool]:
@@ -1821,14 +1823,18 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
 SWEEP_TOKEN_PARAMS = ("dataset", "samples", "seq_len", "cal_dataset", "cal_samples", "cal_seq_len")
 
 
+def newest_sweeps(sweeps: list[JobRecord]) -> dict[str, JobRecord]:
+    """{scheme: its newest sweep} among ``sweeps`` (a later sweep replaces an earlier)."""
+    return {sweep_scheme(j): j for j in sorted(sweeps, key=lambda j: j.id)}
+
+
 def verify_tokens(sweeps: list[JobRecord], schemes: set[str]) -> tuple[dict[str, Any], str | None]:
     """The token parameters (evaluation and calibration text, sequences, tokens each) of the sweeps an automatic
     plan's chosen ``schemes`` were read from (the newest of each scheme), for the score that checks its prediction:
     a KL predicted on the sweeps' tokens is checked on the same tokens (and the GPTQ roundings the sweeps kept are
     read again). Where those sweeps differ, the newest one's and a note; ({}, None) where no sweep is read (an
     all-BF16 plan)."""
-    newest_of = {sweep_scheme(j): j for j in sorted(sweeps, key=lambda j: j.id)}  # a later sweep replaces an earlier
-    used = [j for scheme, j in newest_of.items() if scheme in schemes]
+    used = [j for scheme, j in newest_sweeps(sweeps).items() if scheme in schemes]
     if not used:
         return {}, None
 
@@ -1850,11 +1856,9 @@ def side_by_side_tokens_note(model: ModelRecord, tensor_parallel: int = 1, exper
     each (a KL mean over fewer tokens is noisier; over another text, of other tokens); else None."""
     from worker.scoring_bodies import TOKEN_DEFAULTS
 
-    newest = {sweep_scheme(j): j for j in sorted(planner_sweeps(model, tensor_parallel, expert_parallel),
-                                                 key=lambda j: j.id)}
     names = {d.id: d.name for d in list_datasets()}
     tokens = {}
-    for scheme, job in sorted(newest.items()):
+    for scheme, job in sorted(newest_sweeps(planner_sweeps(model, tensor_parallel, expert_parallel)).items()):
         done = job.result or {}
         p = {**TOKEN_DEFAULTS, **{k: v for k, v in (job.params or {}).items() if v}}  # the worker's: 0 is unset
         samples, seq_len = done.get("tokens") or (p["samples"], p["seq_len"])  # what it ran on, where it says

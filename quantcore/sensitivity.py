@@ -568,8 +568,8 @@ class SweepPace:
 
 
 def time_left_text(seconds: float) -> str:
-    """", about 40 s left" / ", about 3 min left" / ", about 1.5 h left": a sweep's remaining time at its pace so
-    far (every unit of a sweep costs about one forward pass of the blocks after it)."""
+    """", about 40 s left" / ", about 3 min left" / ", about 1.5 h left": a sweep's remaining time
+    (:class:`SweepPace`) in the unit a person would use."""
     if seconds < 90:
         return f", about {max(1, round(seconds))} s left"
     if seconds < 90 * 60:

@@ -173,12 +173,11 @@ def cmd_plan_import(args) -> int:
     if model_ref is None:
         raise CliError("say which model the plan is for: --model NAME (or `model:` in the plan file)")
     model = _model(str(model_ref))
-    before = {p.id for p in svc.list_plans(model.id)}
-    plan = svc.import_plan(model, path.name, text, name=args.name)
+    plan, new = svc.import_plan(model, path.name, text, name=args.name)
     if args.json:
         _print_json({"id": plan.id, "name": plan.name, "version": plan.version, "model": model.name,
-                     "body": plan.body, "new_version": plan.id not in before})
-    elif plan.id in before:
+                     "body": plan.body, "new_version": new})
+    elif not new:
         print(f"already stored as plan #{plan.id} {plan.label} for {model.name}: no new version")
     else:
         print(f"imported plan #{plan.id} {plan.label} for {model.name}")

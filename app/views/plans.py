@@ -37,9 +37,8 @@ start = c1.selectbox("Start from", ["(new plan)"] + sorted(latest), key=START)
 target = c2.selectbox("Target GPU", [t.key for t in list_targets()], index=2,
                       format_func=lambda k: next(t.name for t in list_targets() if t.key == k), key="plan_target")
 if st.session_state.get(f"{EDIT}_from") != start:
-    head = [{"match": r"lm_head", "scheme": "BF16"}] if "lm_head" in svc.layer_names(model) else []  # not an encoder's
     st.session_state[EDIT] = (dict(latest[start].body) if start in latest
-                              else {"model": model.name, "default": "FP8_DYNAMIC", "rules": head})
+                              else svc.new_plan_body(model, "FP8_DYNAMIC"))
     st.session_state[f"{EDIT}_from"] = start
     st.session_state.pop(f"{EDIT}_base", None)  # the body as loaded, once the widgets below have read it
 body = st.session_state[EDIT]
@@ -49,7 +48,7 @@ body = st.session_state[EDIT]
 
 def _filled(cell) -> bool:
     """A rules-table cell holds something: not empty, and not the NaN / None a new row starts with."""
-    return cell is not None and not (isinstance(cell, float) and pd.isna(cell)) and str(cell).strip() != ""
+    return not pd.isna(cell) and str(cell).strip() != ""
 
 
 with st.container(border=True):
@@ -116,6 +115,7 @@ with st.container(border=True):
                            column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES,
                                                                                      required=True)})
     st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
+    rule_rows = rules.to_dict("records")
     body = {**{k: v for k, v in body.items()
                if k not in ("kv_cache", "kv_cache_skip", "tensor_parallel", "expert_parallel")},
             "default": default,
@@ -124,10 +124,9 @@ with st.container(border=True):
             **({"tensor_parallel": tp} if tp > 1 else {}),
             **({"expert_parallel": True} if ep and tp > 1 else {}),
             "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
-                      for r in rules.to_dict("records") if _filled(r.get("match")) and _filled(r.get("scheme"))]}
+                      for r in rule_rows if _filled(r.get("match")) and _filled(r.get("scheme"))]}
     st.session_state[EDIT] = body
-    half = [i for i, r in enumerate(rules.to_dict("records"), start=1)
-            if _filled(r.get("match")) != _filled(r.get("scheme"))]
+    half = [i for i, r in enumerate(rule_rows, start=1) if _filled(r.get("match")) != _filled(r.get("scheme"))]
     if half:  # a row with only one of the two is left out of the plan: say so, rather than drop it unseen
         st.warning(f"Rule row(s) {', '.join(map(str, half))} need both a match and a scheme: left out of the plan "
                    "until they have both.")

@@ -412,10 +412,10 @@ def test_an_import_under_the_name_being_edited_replaces_what_the_page_shows(seed
     assert any(i.value == "No change from foo v1: nothing saved." for i in at.info)
     assert [p.version for p in svc.list_plans(seeded.id) if p.name == "foo"] == [1]
     at.selectbox(key=f"plan_default_{seeded.id}_foo").set_value("INT8_W8A8").run()  # edited, not saved
-    rec = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
-    assert rec.label == "foo v2"
-    again = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
-    assert again.id == rec.id  # the same file twice: no third, equal version
+    rec, new = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
+    assert rec.label == "foo v2" and new
+    again, new = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
+    assert again.id == rec.id and not new  # the same file twice: no third, equal version
     at.session_state[state.PLAN_SAVED] = (f"Imported {rec.label}", "foo")  # what the Import button leaves
     at.run()
     assert not at.exception and any(m.value == "Imported foo v2." for m in at.success)
