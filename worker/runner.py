@@ -53,10 +53,12 @@ class JobContext:
     settings: Settings
     _last_write: float = 0.0
     _cancel: bool = False
+    _fraction: float = 0.0  # the furthest fraction reported, written or throttled
     cache_used: bool = False  # the body read or wrote files beside a model (store.cache): its end trims the cache
 
     def progress(self, fraction: float, message: str) -> None:
         """Report progress (throttled); raises JobCancelled when a cancel was requested."""
+        self._fraction = max(self._fraction, fraction)
         now = time.monotonic()
         if now - self._last_write >= PROGRESS_INTERVAL_S or fraction >= 1.0:
             self._last_write = now
@@ -64,6 +66,14 @@ class JobContext:
                 self._cancel = repo.report_progress(s, self.job_id, fraction, message)
         if self._cancel:
             raise JobCancelled()
+
+    def rest(self) -> Callable[[float, str], None]:
+        """A progress callback for a job's last phase: its fraction 0..1 fills what is left of the bar from the
+        furthest point reported so far. A score or sweep whose reference log-probs came from the cache (reported at
+        0.1) starts there rather than at the 0.3 computing them would have reached, so the bar tracks the phase's
+        own count ("30 of 121 units")."""
+        start = self._fraction
+        return lambda fraction, message: self.progress(start + (1.0 - start) * fraction, message)
 
     def should_cancel(self) -> bool:
         """Checked between batches by quantcore functions."""

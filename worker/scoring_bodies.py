@@ -383,7 +383,7 @@ def score(ctx: JobContext) -> Outcome:
     report = score_plan(model, plan, ids, ref, act_amax=act_amax, act_channel_max=act_channel_max,
                         batch_size=None, kv_cache=kv.name, kv_amax=kv_amax, kv_skip=spec.kv_cache_skip,
                         weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache, parallel=parallel,
-                        progress=lambda f, m: ctx.progress(0.3 + 0.7 * f, m), should_cancel=ctx.should_cancel)
+                        progress=ctx.rest(), should_cancel=ctx.should_cancel)
     not_kept = _keep_gptq(ctx, gptq_cache, keep_at)
     rep = report.to_dict()
     if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
@@ -428,9 +428,6 @@ def sensitivity(ctx: JobContext) -> Outcome:
 
     rec, model, tok, ids, label = _prepare(ctx)
 
-    def progress(fraction: float, message: str) -> None:
-        ctx.progress(0.3 + 0.7 * fraction, message)
-
     awq, parallel, rerouted, gptq_summary = None, ONE_GPU, False, None
     unsmoothable: list[str] = []  # layers a SmoothQuant sweep leaves out (_sweepable)
     if ctx.params.get("kv_sweep"):  # K and V are quantized per head: the same on any number of GPUs
@@ -438,7 +435,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         ref = reference_for(ctx, rec, model, ids, label)
         cal_ids, cal_text = _calibration_ids(ctx, tok, ids.device, kv.calibrated)
         amax, _ = _kv_amax(ctx, rec, model, kv, {}, cal_ids)
-        rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, progress=progress,
+        rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, progress=ctx.rest(),
                                     should_cancel=ctx.should_cancel)
         name = repo.KV_SWEEP_PREFIX + kv.name
     else:
@@ -462,7 +459,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         awq = _awq(ctx, rec, model, every, cal_ids, cal_text)
         gptq_cache = dict(kept)
         rows = sensitivity_sweep(model, scheme, ids, ref, groups=groups, layers=swept,
-                                 act_amax=act_amax, act_channel_max=act_channel_max, progress=progress,
+                                 act_amax=act_amax, act_channel_max=act_channel_max, progress=ctx.rest(),
                                  should_cancel=ctx.should_cancel, weight_hessians=hessians, awq=awq,
                                  parallel=parallel, gptq_cache=gptq_cache)
         not_kept = _keep_gptq(ctx, gptq_cache, keep_at)

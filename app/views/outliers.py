@@ -97,7 +97,8 @@ with st.form("save_alpha"):
     plans = [p for p in svc.list_plans(model.id)]
     latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
     c1, c2 = st.columns(2)
-    plan_name = c1.selectbox("Save α into plan", sorted(latest) + ["(new plan)"], key="alpha_plan")
+    newest_first = sorted(latest, key=lambda n: latest[n].id, reverse=True)  # the plan last saved comes first
+    plan_name = c1.selectbox("Save α into plan", newest_first + ["(new plan)"], key="alpha_plan")
     new_name = c2.text_input("New plan name", value=f"{model.name}-smoothquant", key="alpha_new_name")
     if st.form_submit_button(f"Save α = {alpha:.2f} for {layer} (and its fusion group)"):
         base = latest.get(plan_name)

@@ -220,6 +220,7 @@ def test_outliers_page_saves_alpha_into_a_plan_for_the_fusion_group(seeded):
     # a plan whose layer quantizes no activations cannot carry an alpha: refused, nothing saved
     weight_only = svc.save_plan(seeded.id, "w4", {"model": seeded.name, "default": "W4A16"})
     at.run()
+    assert at.selectbox(key="alpha_plan").options[:2] == ["w4", plan.name]  # the plan saved last comes first
     at.selectbox(key="alpha_plan").set_value("w4")
     at.button[-1].click().run()
     assert not at.exception

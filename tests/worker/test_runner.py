@@ -36,6 +36,26 @@ def test_success_stores_result_and_status_together(qp_settings):
     assert done.worker_host and done.device == "cpu" and done.started_at and done.finished_at
 
 
+def test_last_phase_fills_the_rest_of_the_bar_from_where_the_job_is(qp_settings, monkeypatch):
+    """ctx.rest(): a score's or sweep's own count maps onto what is left of the bar. With the reference log-probs
+    from the cache (0.1) a quarter of the units is 0.325, not the 0.475 a fixed 0.3 + 0.7 × f start would say."""
+    import worker.runner as runner
+
+    monkeypatch.setattr(runner, "PROGRESS_INTERVAL_S", 0.0)
+    job, seen = _job(qp_settings), []
+
+    def body(ctx):
+        ctx.progress(0.1, "reference log-probs from the cache")
+        step = ctx.rest()
+        for f in (0.0, 0.25, 1.0):
+            step(f, f"{f:g} of the units")
+            seen.append(_get(qp_settings, job.id).progress)
+        return Outcome()
+
+    assert run_job(job.id, body, settings=qp_settings) == "succeeded"
+    assert seen == pytest.approx([0.1, 0.325, 1.0])
+
+
 def test_bad_input_fails_without_a_traceback_in_the_log_and_a_bug_with_one(qp_settings, caplog):
     """A person's mistake (a damaged archive: a QuantcoreError) is logged as its message at INFO, no traceback on
     a CLI's stderr; anything else is logged with its traceback. Both keep the traceback in the job's row."""
