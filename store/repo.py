@@ -602,18 +602,34 @@ def kernel_results(session: Session, *, device_name: str | None = None, torch_ve
             for r in session.scalars(q)]
 
 
+OVER_BUDGET = "over budget"  # how quantcore.kernels begins the reason of a case that did not fit its time budget
+
+
 def newest_kernel_results(session: Session, *, device_name: str, torch_version: str | None = None,
-                          usable_only: bool = False) -> list[KernelRecordRow]:
+                          usable_only: bool = False, budget_s: float | None = None) -> list[KernelRecordRow]:
     """The newest timing per (M, N, K, path) on one device (and torch version, when given).
 
     usable_only: pass over records skipped "over budget" or "failed" (a later run measures those
     again), so an older time for the same case, or none, stands; "not supported" records count.
+    budget_s (with usable_only): a case with no time that a job skipped "over budget" under a budget per shape of
+    at least this many seconds (its result's ``budget_s``) counts too: measuring it again would only skip it again.
     """
     newest: dict[tuple[int, int, int, str], KernelRecordRow] = {}
+    over_budget: dict[tuple[int, int, int, str], KernelRecordRow] = {}
     for r in kernel_results(session, device_name=device_name, torch_version=torch_version):  # newest first
+        case = (r.m, r.n, r.k, r.path)
         if usable_only and r.skipped and not r.skipped.startswith("not supported"):
+            if r.skipped.startswith(OVER_BUDGET):
+                over_budget.setdefault(case, r)
             continue
-        newest.setdefault((r.m, r.n, r.k, r.path), r)
+        newest.setdefault(case, r)
+    if usable_only and budget_s is not None and over_budget:
+        jobs = {r.job_id for case, r in over_budget.items() if case not in newest}
+        under = {j: (res or {}).get("budget_s") for j, res in session.execute(
+            select(m.Job.id, m.Job.result).where(m.Job.id.in_(jobs)))} if jobs else {}
+        for case, r in over_budget.items():
+            if case not in newest and (under.get(r.job_id) or 0) >= budget_s:
+                newest[case] = r
     return list(newest.values())
 
 

@@ -647,6 +647,26 @@ def test_a_stored_timing_whose_native_flag_is_outdated_is_measured_again(tiny_mo
         newest["message"]
 
 
+def test_cases_skipped_for_time_are_measured_again_only_under_a_larger_budget(tiny_model, capsys):
+    """Asking again with the same budget per shape would only skip the same cases: the stored skips are reused and
+    nothing is measured; a larger budget measures the shapes that had them."""
+    def newest_bench_message():
+        return max((j for j in run_json(capsys, "jobs", "--json") if j["kind"] == "bench"),
+                   key=lambda j: j["id"])["message"]
+
+    tight = ("bench", "tiny", "--local", "--m", "1,32", "--budget", "0.0005", "--json")
+    first = run_json(capsys, *tight)
+    skipped = {(r["n"], r["k"]) for r in first if (r["skipped"] or "").startswith("over budget")}
+    assert skipped, "a budget of 0.5 ms skips some cases"
+    again = run_json(capsys, *tight)
+    assert newest_bench_message().startswith(f"0 cases measured, {len(first)} reused")
+    assert [r["skipped"] for r in again] == [r["skipped"] for r in first]
+    run_json(capsys, "bench", "tiny", "--local", "--m", "1,32", "--budget", "20", "--json")
+    per_shape = len(first) // len({(r["n"], r["k"]) for r in first})
+    measured = len(skipped) * per_shape
+    assert newest_bench_message().startswith(f"{measured} cases measured, {len(first) - measured} reused")
+
+
 def test_a_stored_timing_timed_another_way_is_measured_again(tiny_model, capsys):
     """Records from before quantplan flushed a CPU's caches between timed calls (timing NULL) are measured again
     the next time the device is asked, and stay in the history; the new ones say how they were timed."""

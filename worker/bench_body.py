@@ -2,8 +2,9 @@
 ``tensor_parallel`` > 1, each GPU's share of every layer: quantcore.parallel).
 
 Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same
-device again measures only what is missing (unless params['force']), what was stored with a native
-flag that the device's probe no longer gives, or what was timed another way (quantcore.kernels.TIMING).
+device again measures only what is missing (unless params['force']), what failed, what was skipped for time under
+a smaller budget per shape than the one asked now, what was stored with a native flag that the device's probe no
+longer gives, or what was timed another way (quantcore.kernels.TIMING).
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ def bench(ctx: JobContext) -> Outcome:
         shapes = list(DEFAULT_SHAPES)
     wanted_paths = p.get("paths") or None
 
+    budget = float(p.get("budget_s") or kernels.DEFAULT_BUDGET_S)
     reused: list[dict[str, Any]] = []
     todo = shapes
     if not p.get("force"):
-        with session_scope(ctx.settings) as s:  # a case skipped for time or a failure is measured again
+        # a failure is measured again, and so is a case skipped for time under a smaller budget than this one
+        with session_scope(ctx.settings) as s:
             stored = repo.newest_kernel_results(s, device_name=info.name, torch_version=info.torch_version,
-                                                usable_only=True)
+                                                usable_only=True, budget_s=budget)
         # a record whose native flag is not what this worker's probe says now (quantplan's rules for the
         # device changed, e.g. INT8 on a VNNI CPU) is measured again, so the Kernels page shows the new flag
         native = {path: sup.native for path, sup in hardware.device_paths(info).items()}
@@ -70,7 +73,6 @@ def bench(ctx: JobContext) -> Outcome:
             else:
                 todo.append((n, k))
     ctx.progress(0.02, f"{info.name}: {len(todo)} shapes to measure, {len(shapes) - len(todo)} stored")
-    budget = float(p.get("budget_s") or kernels.DEFAULT_BUDGET_S)
     records = kernels.run_benchmarks(todo, ms, device=device, paths=wanted_paths, budget_s_per_shape=budget,
                                      progress=lambda f, m: ctx.progress(0.02 + 0.97 * f, m),
                                      should_cancel=ctx.should_cancel) if todo else []
@@ -78,7 +80,8 @@ def bench(ctx: JobContext) -> Outcome:
     for r in reused:
         r.pop("job_id", None)
     all_records = sorted(new + reused, key=lambda r: (r["n"], r["k"], r["m"], r["path"]))
-    result = {"device": info.to_dict(), "measured": len(new), "reused": len(reused), "records": all_records}
+    result = {"device": info.to_dict(), "measured": len(new), "reused": len(reused), "records": all_records,
+              "budget_s": budget}  # a later job reuses what this one skipped for time when its budget is no larger
 
     def write(s: Session) -> None:
         repo.save_kernel_results(s, job_id=ctx.job_id, records=new)

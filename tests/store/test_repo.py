@@ -127,6 +127,41 @@ def test_newest_kernel_results_per_case(qp_settings):
         assert repo.newest_kernel_results(s, device_name="GPU Y") == []
 
 
+def test_a_case_skipped_for_time_is_reused_unless_the_budget_is_now_larger(qp_settings):
+    """A case skipped "over budget" under a budget per shape of 60 s: asked again with 60 s or less, measuring
+    it would skip it again, so the skip is reused; with 120 s it is measured; a time (even older) comes first."""
+    def rec(path, ms, skipped=None, m=16):
+        return {"device": "cpu", "device_name": "CPU X", "torch_version": "2.13", "m": m, "n": 64, "k": 32,
+                "path": path, "ms": ms, "tflops": None, "pct_peak": None, "speedup": None, "native": True,
+                "max_rel_err": None, "padded_m": None, "skipped": skipped}
+
+    with session_scope(qp_settings) as s:
+        timed = repo.create_job(s, kind="bench", params={}, queue="cpu", user="ann")
+        repo.save_kernel_results(s, job_id=timed.id, records=[rec("w8_row", 3.0, m=1)])
+        repo.finish_job(s, timed.id, status="succeeded", result={"budget_s": 600.0})
+        job = repo.create_job(s, kind="bench", params={}, queue="cpu", user="ann")
+        repo.save_kernel_results(s, job_id=job.id, records=[
+            rec("baseline", 2.0), rec("w8_row", None, "over budget: ~90 s needed"),
+            rec("w8_row", None, "over budget: ~90 s needed", m=1), rec("w4_ch", None, "failed on cpu: x")])
+        repo.finish_job(s, job.id, status="succeeded", result={"budget_s": 60.0})
+        older = repo.create_job(s, kind="bench", params={}, queue="cpu", user="ann")  # a result without budget_s
+        repo.save_kernel_results(s, job_id=older.id, records=[rec("int8_row", None, "over budget: ~1 s needed")])
+        repo.finish_job(s, older.id, status="succeeded", result={})
+
+        def usable(budget):
+            return {(r.m, r.path): r for r in repo.newest_kernel_results(
+                s, device_name="CPU X", usable_only=True, budget_s=budget)}
+
+        for budget in (30.0, 60.0):
+            got = usable(budget)
+            assert got[(16, "w8_row")].skipped.startswith("over budget") and got[(16, "w8_row")].job_id == job.id
+            assert got[(1, "w8_row")].ms == 3.0  # a time, though older, before a skip
+            assert (16, "w4_ch") not in got and (16, "int8_row") not in got  # failed; budget unknown
+        assert (16, "w8_row") not in usable(120.0)
+        assert (16, "w8_row") not in {(r.m, r.path) for r in repo.newest_kernel_results(
+            s, device_name="CPU X", usable_only=True)}  # no budget asked: every skip is measured again
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def any_db(request, qp_env, monkeypatch):
     """Migrated settings on the embedded SQLite file, then on PostgreSQL (skipped when it does not answer)."""
