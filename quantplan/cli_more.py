@@ -369,7 +369,8 @@ def add_commands(sub) -> None:
     sp = sub.add_parser("bench", help="time the real FP8 / INT8 GEMMs on the model's shapes")
     sp.add_argument("model", nargs="?", help="registered model (default: SmolLM2-135M's shapes)")
     sp.add_argument("--m", help="comma-separated M values (batch × tokens), default 1,16,128,2048")
-    sp.add_argument("--budget", type=float, default=None, help="seconds per shape before a case is skipped")
+    sp.add_argument("--budget", type=float, default=None, help="seconds per shape before a case is skipped "
+                    "(default 60); a case skipped under this budget or a larger one is not measured again")
     sp.add_argument("--queue", help="route to this queue (e.g. gpu.sm90); default from the device")
     sp.add_argument("--force", action="store_true", help="measure again even where results are stored")
     sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help="time each GPU's share of every "

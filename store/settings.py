@@ -76,7 +76,9 @@ class Settings(BaseSettings):
     default_device: str = Field(
         "cpu", description="Device that calibration / scoring jobs run on when the request does not say."
     )
-    job_soft_time_limit_s: int = Field(3 * 3600, description="A job running longer fails with 'timed out'.")
+    job_soft_time_limit_s: int = Field(
+        3 * 3600, ge=0, description="A job running longer fails with 'timed out' where it next reports progress (0: no limit)."
+    )
     heartbeat_stale_s: int = Field(
         300, description="A running job whose heartbeat is older than this is failed by the sweep."
     )

@@ -33,8 +33,10 @@ def make_celery(settings: Settings | None = None) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,  # one job at a time per worker: jobs are long and memory-hungry
         task_default_queue="cpu",
-        task_soft_time_limit=s.job_soft_time_limit_s,
-        task_time_limit=s.job_soft_time_limit_s + 120,
+        # Celery enforces these only in its prefork / gevent pools; `quantplan worker` runs the solo pool, where the
+        # job's own limit applies (worker.runner.JobTimedOut, checked whenever the job reports progress)
+        task_soft_time_limit=s.job_soft_time_limit_s or None,  # 0: no limit
+        task_time_limit=s.job_soft_time_limit_s + 120 if s.job_soft_time_limit_s else None,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         task_ignore_result=True,  # job state lives in the jobs table

@@ -34,6 +34,12 @@ class JobCancelled(Exception):
     """Raised inside a body when the job's cancel flag is set (also quantcore.errors.Cancelled works)."""
 
 
+class JobTimedOut(Exception):
+    """Raised inside a body that runs past QUANTPLAN_JOB_SOFT_TIME_LIMIT_S, where it reports progress or asks
+    whether to stop. The worker's solo pool never enforces Celery's own time limits (they need the prefork or gevent
+    pool), and a CLI --local run has none, so the limit is the job's own, checked as a cancel request is."""
+
+
 @dataclass
 class Outcome:
     """What a body produced: a small JSON summary for the jobs list, and a writer for the results."""
@@ -54,10 +60,13 @@ class JobContext:
     _last_write: float = 0.0
     _cancel: bool = False
     _fraction: float = 0.0  # the furthest fraction reported, written or throttled
+    _deadline: float = float("inf")  # time.monotonic() past which the job times out (run_job sets it)
     cache_used: bool = False  # the body read or wrote files beside a model (store.cache): its end trims the cache
 
     def progress(self, fraction: float, message: str) -> None:
-        """Report progress (throttled); raises JobCancelled when a cancel was requested."""
+        """Report progress (throttled); raises JobCancelled when a cancel was requested, JobTimedOut past the
+        time limit."""
+        self._check_time()
         self._fraction = max(self._fraction, fraction)
         now = time.monotonic()
         if now - self._last_write >= PROGRESS_INTERVAL_S or fraction >= 1.0:
@@ -66,6 +75,10 @@ class JobContext:
                 self._cancel = repo.report_progress(s, self.job_id, fraction, message)
         if self._cancel:
             raise JobCancelled()
+
+    def _check_time(self) -> None:
+        if time.monotonic() > self._deadline:
+            raise JobTimedOut()
 
     def rest(self) -> Callable[[float, str], None]:
         """A progress callback for a job's last phase: its fraction 0..1 fills what is left of the bar from the
@@ -76,7 +89,8 @@ class JobContext:
         return lambda fraction, message: self.progress(start + (1.0 - start) * fraction, message)
 
     def should_cancel(self) -> bool:
-        """Checked between batches by quantcore functions."""
+        """Checked between batches by quantcore functions; raises JobTimedOut past the time limit."""
+        self._check_time()
         if not self._cancel:
             with session_scope(self.settings) as s:
                 self._cancel = repo.get_job(s, self.job_id).cancel_requested
@@ -111,6 +125,8 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
             return "skipped"
     ctx = JobContext(job_id=job_id, kind=job.kind, params=job.params, model_id=job.model_id,
                      plan_id=job.plan_id, settings=settings)
+    if settings.job_soft_time_limit_s > 0:
+        ctx._deadline = time.monotonic() + settings.job_soft_time_limit_s
     try:
         outcome = body(ctx)
         with session_scope(settings) as s:
@@ -125,14 +141,16 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
     except Exception as exc:  # every failure is stored, then the task ends normally
         from celery.exceptions import SoftTimeLimitExceeded
 
-        if isinstance(exc, SoftTimeLimitExceeded):
-            error = f"timed out after {settings.job_soft_time_limit_s} s"
+        if isinstance(exc, JobTimedOut | SoftTimeLimitExceeded):
+            error = f"timed out after {settings.job_soft_time_limit_s} s (QUANTPLAN_JOB_SOFT_TIME_LIMIT_S)"
         elif isinstance(exc, QuantcoreError | ValueError | LookupError | FileNotFoundError):
             error = str(exc)  # our own messages are written for a person already
         else:
             error = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, QuantcoreError):  # bad input, a device without the kernel: the message says it all, in
             log.info("job %s failed: %s", job_id, error)  # the worker's log (INFO) and the row, with the traceback
+        elif isinstance(exc, JobTimedOut | SoftTimeLimitExceeded):
+            log.warning("job %s failed: %s", job_id, error)
         else:
             log.exception("job %s failed", job_id)
         with session_scope(settings) as s:

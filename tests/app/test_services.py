@@ -126,6 +126,34 @@ def test_a_case_with_no_time_says_why_only_where_the_device_runs_the_path() -> N
     assert svc.no_time_notes(ms, why) == ["", "skipped", "failed", "", ""]
 
 
+def test_uploads_and_paths_the_app_refuses_before_any_job(qp_settings, monkeypatch, tmp_path) -> None:
+    """A pickle checkpoint, a file of no upload kind, an upload over the limit, a relative or missing path: each
+    refused with what to do instead, nothing queued or staged. A folder that exists is queued for a worker."""
+    import pytest
+
+    from store.settings import get_settings
+
+    for name in ("pytorch_model.bin", "model.pt", "ckpt.pth", "weights.pkl"):
+        with pytest.raises(ValueError, match=f"{name} is a pickle checkpoint; quantplan never unpickles uploads. "
+                                             r"Save the model with save_pretrained\(safe_serialization=True\)"):
+            svc.register_upload(name, b"\x80\x04")
+    with pytest.raises(ValueError, match=r"model.safetensors: upload a .zip or .tar.gz of a Hugging Face folder"):
+        svc.register_upload("model.safetensors", b"{}")
+    with pytest.raises(ValueError, match="give an absolute path"):
+        svc.register_path("models/llama")
+    with pytest.raises(ValueError, match="does not exist"):
+        svc.register_path(str(tmp_path / "nowhere"))
+    monkeypatch.setenv("QUANTPLAN_UPLOAD_LIMIT_MB", "1")
+    get_settings.cache_clear()
+    with pytest.raises(ValueError, match=r"big.zip is 2 MiB, over the 1 MiB limit"):
+        svc.register_upload("big.zip", b"PK\x03\x04" + bytes(2 * 1024 * 1024))
+    assert svc.list_jobs() == []
+    assert not (qp_settings.artifact_dir / "uploads").exists() or not any((qp_settings.artifact_dir / "uploads").iterdir())
+    (tmp_path / "folder").mkdir()
+    job = svc.register_path(str(tmp_path / "folder"), name="mine")
+    assert (job.kind, job.params["source"], job.params["name"]) == ("register", str(tmp_path / "folder"), "mine")
+
+
 def test_an_upload_whose_bytes_are_not_what_its_name_says_is_refused_at_once(qp_settings) -> None:
     import io
     import tarfile

@@ -100,6 +100,28 @@ def test_cancel_a_running_calibration(qp_settings, worker):
         assert repo.stats_overview(s, cal.id) == []
 
 
+def test_a_job_past_the_time_limit_fails_as_timed_out_on_the_real_worker(qp_settings, monkeypatch, tmp_path):
+    """The worker runs Celery's solo pool, which never enforces Celery's own time limits: the job's own limit
+    (QUANTPLAN_JOB_SOFT_TIME_LIMIT_S, checked where it reports progress) fails it, and the worker takes the next."""
+    from tests.e2e.conftest import start_worker
+
+    monkeypatch.setenv("QUANTPLAN_JOB_SOFT_TIME_LIMIT_S", "3")
+    proc = start_worker(tmp_path)
+    try:  # a CPU benchmark of every default shape up to M = 2048 takes minutes
+        long = submit_job("bench", {"device": "cpu", "m": [1, 16, 128, 2048], "budget_s": 600.0},
+                          settings=qp_settings)
+        done = wait_for(long.id, timeout_s=120, settings=qp_settings)
+        assert done.status == "failed" and done.error == "timed out after 3 s (QUANTPLAN_JOB_SOFT_TIME_LIMIT_S)", done
+        assert (done.finished_at - done.started_at).total_seconds() < 30
+        with session_scope(qp_settings) as s:
+            assert repo.kernel_results(s, job_id=long.id) == []  # nothing half-written
+        short = wait_for(submit_job("bench", {"device": "cpu", "m": [1], "budget_s": 0.2, "paths": ["baseline"]},
+                                    settings=qp_settings).id, timeout_s=120, settings=qp_settings)
+        assert short.status == "succeeded", short.error
+    finally:
+        proc.stop()
+
+
 def test_bad_upload_fails_with_a_clear_message_and_leaves_nothing(qp_settings, worker, tmp_path):
     import io
     import zipfile

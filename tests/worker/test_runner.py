@@ -56,6 +56,34 @@ def test_last_phase_fills_the_rest_of_the_bar_from_where_the_job_is(qp_settings,
     assert seen == pytest.approx([0.1, 0.325, 1.0])
 
 
+def test_a_job_past_its_time_limit_fails_as_timed_out_where_it_next_checks(qp_settings):
+    """The job's own limit: reporting progress or asking whether to stop past it raises, the job fails with the
+    limit's name in its error, and what it had not written stays unwritten."""
+    import time
+
+    from worker.runner import JobTimedOut
+
+    limited = qp_settings.model_copy(update={"job_soft_time_limit_s": 1})
+    for check in ("progress", "should_cancel"):
+        job, seen = _job(qp_settings), []
+
+        def body(ctx, check=check, seen=seen):
+            while True:  # a loop that would never end on its own
+                ctx.progress(0.5, "working") if check == "progress" else ctx.should_cancel()
+                seen.append(1)
+                time.sleep(0.05)
+
+        started = time.monotonic()
+        assert run_job(job.id, body, settings=limited) == "failed"
+        done = _get(qp_settings, job.id)
+        assert done.error == "timed out after 1 s (QUANTPLAN_JOB_SOFT_TIME_LIMIT_S)" and "JobTimedOut" in done.traceback
+        assert 1.0 <= time.monotonic() - started < 5 and len(seen) > 5
+    unlimited = qp_settings.model_copy(update={"job_soft_time_limit_s": 0})
+    job = _job(qp_settings)
+    assert run_job(job.id, lambda ctx: (ctx.should_cancel(), Outcome())[1], settings=unlimited) == "succeeded"
+    assert issubclass(JobTimedOut, Exception) and not issubclass(JobTimedOut, RuntimeError)  # no kernel try catches it
+
+
 def test_bad_input_fails_without_a_traceback_in_the_log_and_a_bug_with_one(qp_settings, caplog):
     """A person's mistake (a damaged archive: a QuantcoreError) is logged as its message at INFO, no traceback on
     a CLI's stderr; anything else is logged with its traceback. Both keep the traceback in the job's row."""
