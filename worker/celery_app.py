@@ -44,7 +44,9 @@ def make_celery(settings: Settings | None = None) -> Celery:
     if str(s.broker_url).startswith(("redis://", "rediss://")):
         # Redis redelivers an unacknowledged task after the visibility timeout: it must exceed the
         # longest job, or a long job would run twice. (kombu's SQLAlchemy transport takes no such option.)
-        app.conf.broker_transport_options = {"visibility_timeout": s.job_soft_time_limit_s + 600}
+        # (No limit, 0: a week; a redelivered job already running is skipped by worker.runner.run_job anyway.)
+        longest = s.job_soft_time_limit_s or 7 * 24 * 3600
+        app.conf.broker_transport_options = {"visibility_timeout": longest + 600}
     return app
 
 

@@ -281,3 +281,17 @@ def test_every_job_ends_with_the_cache_under_its_limit(qp_settings, fails):
     qp_settings.cache_max_gib = 0  # no limit: nothing goes
     assert run_job(_job(qp_settings).id, keeps, settings=qp_settings) == "succeeded"
     assert cache.kept_files(folder)[cache.AWQ] == (1, 600) and cache.kept_files(folder)[cache.KV] == (1, 600)
+
+
+def test_celery_limits_follow_the_setting_and_zero_means_none(qp_settings):
+    """Celery's own limits (enforced only by its prefork / gevent pools) and Redis's redelivery follow the job
+    time limit; 0 sets no limit at all, not a 120 s hard one."""
+    from worker.celery_app import make_celery
+
+    redis = {"broker_url": "redis://127.0.0.1:6379/9"}
+    limited = make_celery(qp_settings.model_copy(update={"job_soft_time_limit_s": 100, **redis})).conf
+    assert (limited.task_soft_time_limit, limited.task_time_limit) == (100, 220)
+    assert limited.broker_transport_options["visibility_timeout"] == 700
+    none = make_celery(qp_settings.model_copy(update={"job_soft_time_limit_s": 0, **redis})).conf
+    assert (none.task_soft_time_limit, none.task_time_limit) == (None, None)
+    assert none.broker_transport_options["visibility_timeout"] == 7 * 24 * 3600 + 600
