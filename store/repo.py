@@ -292,6 +292,11 @@ def report_progress(session: Session, job_id: int, fraction: float, message: str
     return bool(session.scalar(select(m.Job.cancel_requested).where(m.Job.id == job_id)))
 
 
+def job_heartbeat(session: Session, job_id: int) -> None:
+    """Its process is alive: the heartbeat of a running job, without touching its progress."""
+    session.execute(update(m.Job).where(m.Job.id == job_id, m.Job.status == "running").values(heartbeat_at=m.utcnow()))
+
+
 def request_cancel(session: Session, job_id: int) -> JobRecord:
     """A queued job is cancelled at once; a running one stops at its next batch."""
     row = session.get(m.Job, job_id)

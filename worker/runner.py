@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import time
 import traceback as tb
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from store.settings import Settings, get_settings
 log = logging.getLogger("quantplan.worker")
 
 PROGRESS_INTERVAL_S = 0.5  # at most two progress writes a second: SQLite is shared with the app
+JOB_HEARTBEAT_S = 30.0  # a running job's heartbeat, written from a thread also while the job reports nothing
 
 
 class JobCancelled(Exception):
@@ -127,6 +129,7 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
                      plan_id=job.plan_id, settings=settings)
     if settings.job_soft_time_limit_s > 0:
         ctx._deadline = time.monotonic() + settings.job_soft_time_limit_s
+    stop_beating = _beat_while_running(ctx)
     try:
         outcome = body(ctx)
         with session_scope(settings) as s:
@@ -157,8 +160,29 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
             repo.finish_job(s, job_id, status="failed", message="failed", error=error, traceback=tb.format_exc())
         return "failed"
     finally:
+        stop_beating.set()
         if ctx.cache_used:
             trim_cache(settings)
+
+
+def _beat_while_running(ctx: JobContext) -> threading.Event:
+    """Refresh the job's heartbeat from a daemon thread until the returned event is set, so a long step that
+    reports no progress (hashing a large upload, loading a 70B checkpoint) is not taken for a dead worker by the
+    stale-job sweep: a job goes stale only when its process is gone. Past its time limit it stops beating, so a job
+    stuck where it never checks the limit is failed by the sweep after all."""
+    stop = threading.Event()
+    interval = max(min(JOB_HEARTBEAT_S, ctx.settings.heartbeat_stale_s / 4), 0.05)
+
+    def beat() -> None:
+        while not stop.wait(interval) and time.monotonic() <= ctx._deadline:
+            try:
+                with session_scope(ctx.settings) as s:
+                    repo.job_heartbeat(s, ctx.job_id)
+            except Exception:  # the heartbeat must never take a job down
+                log.exception("job %s heartbeat failed", ctx.job_id)
+
+    threading.Thread(target=beat, name=f"quantplan-job-{ctx.job_id}", daemon=True).start()
+    return stop
 
 
 def trim_cache(settings: Settings) -> list[tuple[Path, int]]:

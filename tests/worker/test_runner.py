@@ -84,6 +84,35 @@ def test_a_job_past_its_time_limit_fails_as_timed_out_where_it_next_checks(qp_se
     assert issubclass(JobTimedOut, Exception) and not issubclass(JobTimedOut, RuntimeError)  # no kernel try catches it
 
 
+def test_a_running_job_keeps_its_heartbeat_while_it_reports_nothing(qp_settings):
+    """A long step with no progress (hashing a large upload, loading a big checkpoint) is not taken for a dead
+    worker: the job's heartbeat is written from a thread. Past its time limit it stops, so a job stuck where it never
+    checks the limit is failed by the stale-job sweep after all."""
+    import time
+
+    quick = qp_settings.model_copy(update={"heartbeat_stale_s": 1})  # a beat every 0.25 s
+    job, swept = _job(qp_settings), []
+
+    def silent(ctx):
+        time.sleep(1.6)
+        with session_scope(qp_settings) as s:
+            swept.append(repo.sweep_stale_jobs(s, stale_after_s=1))
+        return Outcome()
+
+    assert run_job(job.id, silent, settings=quick) == "succeeded" and swept == [[]]
+    stuck = _job(qp_settings)
+    limited = quick.model_copy(update={"job_soft_time_limit_s": 1})
+
+    def stuck_body(ctx):
+        time.sleep(2.6)  # never reports, never checks: past its limit at 1 s, stale from about 1.25 s
+        with session_scope(qp_settings) as s:
+            swept.append(repo.sweep_stale_jobs(s, stale_after_s=1))
+        return Outcome()
+
+    run_job(stuck.id, stuck_body, settings=limited)
+    assert swept[-1] == [stuck.id]
+
+
 def test_bad_input_fails_without_a_traceback_in_the_log_and_a_bug_with_one(qp_settings, caplog):
     """A person's mistake (a damaged archive: a QuantcoreError) is logged as its message at INFO, no traceback on
     a CLI's stderr; anything else is logged with its traceback. Both keep the traceback in the job's row."""
