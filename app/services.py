@@ -6,6 +6,7 @@ statistics come back from the store as numpy arrays.
 
 from __future__ import annotations
 
+import datetime as dt
 import shutil
 import threading
 import uuid
@@ -287,6 +288,16 @@ def no_worker_note(queue: str) -> str | None:
     from worker import presence
 
     return presence.no_worker_note(queue, settings())
+
+
+def silent_note(job: JobRecord, now: dt.datetime | None = None) -> str | None:
+    """A warning for a running job that missed two heartbeats (its worker may have died), else None."""
+    silent = job.silent_seconds(now)
+    if silent is None or silent < 2 * repo.JOB_HEARTBEAT_S:
+        return None
+    return (f"No heartbeat from {job.worker_host or 'its worker'} for {silent:.0f} s (a running job sends one every "
+            f"{repo.JOB_HEARTBEAT_S:.0f} s): its worker may have stopped. The job is marked failed after "
+            f"{settings().heartbeat_stale_s} s without one; queue it again then.")
 
 
 def sweep_stale() -> list[int]:

@@ -130,6 +130,12 @@ class JobRecord:
             return self.message
         return "waiting for a worker" if self.status == "queued" else self.status
 
+    def silent_seconds(self, now: dt.datetime | None = None) -> float | None:
+        """Seconds since a running job's last heartbeat (None when it is not running)."""
+        if self.status != "running" or self.heartbeat_at is None:
+            return None
+        return max(0.0, ((now or dt.datetime.now(self.heartbeat_at.tzinfo)) - self.heartbeat_at).total_seconds())
+
     def run_seconds(self, now: dt.datetime | None = None) -> float | None:
         """Seconds the job has run: from its start to its end, or to ``now`` (default: the clock) while it runs;
         None when it never started (still queued, or cancelled while queued)."""

@@ -292,6 +292,9 @@ def report_progress(session: Session, job_id: int, fraction: float, message: str
     return bool(session.scalar(select(m.Job.cancel_requested).where(m.Job.id == job_id)))
 
 
+JOB_HEARTBEAT_S = 30.0  # a running job's heartbeat, written from a thread also while it reports nothing
+
+
 def job_heartbeat(session: Session, job_id: int) -> None:
     """Its process is alive: the heartbeat of a running job, without touching its progress."""
     session.execute(update(m.Job).where(m.Job.id == job_id, m.Job.status == "running").values(heartbeat_at=m.utcnow()))

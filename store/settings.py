@@ -80,7 +80,7 @@ class Settings(BaseSettings):
         3 * 3600, ge=0, description="A job running longer fails with 'timed out' where it next reports progress (0: no limit)."
     )
     heartbeat_stale_s: int = Field(
-        300, gt=0, description="A running job whose heartbeat is older than this is failed by the sweep."
+        120, gt=0, description="A running job whose heartbeat (every 30 s) is older than this is failed by the sweep."
     )
     user: str | None = Field(None, description="Name recorded as 'who asked' (default: the OS user).")
 

@@ -29,7 +29,6 @@ from store.settings import Settings, get_settings
 log = logging.getLogger("quantplan.worker")
 
 PROGRESS_INTERVAL_S = 0.5  # at most two progress writes a second: SQLite is shared with the app
-JOB_HEARTBEAT_S = 30.0  # a running job's heartbeat, written from a thread also while the job reports nothing
 
 
 class JobCancelled(Exception):
@@ -171,7 +170,7 @@ def _beat_while_running(ctx: JobContext) -> threading.Event:
     stale-job sweep: a job goes stale only when its process is gone. Past its time limit it stops beating, so a job
     stuck where it never checks the limit is failed by the sweep after all."""
     stop = threading.Event()
-    interval = max(min(JOB_HEARTBEAT_S, ctx.settings.heartbeat_stale_s / 4), 0.05)
+    interval = max(min(repo.JOB_HEARTBEAT_S, ctx.settings.heartbeat_stale_s / 4), 0.05)
 
     def beat() -> None:
         while not stop.wait(interval) and time.monotonic() <= ctx._deadline:

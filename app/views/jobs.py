@@ -16,9 +16,8 @@ if RETRIED in st.session_state:
     ok, note = st.session_state.pop(RETRIED)
     (st.success if ok else st.error)(note)
 
-stale = svc.sweep_stale()
-if stale:
-    st.warning(f"Jobs {stale} had a worker that stopped reporting; they were marked failed.")
+SWEPT = "jobs_swept"  # jobs the stale-job sweep failed while the page was drawn, said until it is drawn anew
+st.session_state[SWEPT] = []
 
 PAGE = 100  # jobs per page of the history
 c1, c2, c3 = st.columns([1, 1, 2])
@@ -42,6 +41,10 @@ def _removed(job) -> str | None:
 
 @st.fragment(run_every=2.0)
 def job_table() -> None:
+    st.session_state[SWEPT] += svc.sweep_stale()  # while the page is watched, not only when it opens
+    if st.session_state[SWEPT]:
+        st.warning(f"Jobs {sorted(st.session_state[SWEPT])} had a worker that stopped reporting; they were marked "
+                   "failed.")
     jobs = svc.list_jobs(limit=PAGE, kind=kind, status=statuses, offset=(int(page) - 1) * PAGE)
     # queued and running jobs are drawn with their progress and a cancel button whatever the page shows
     active = svc.list_jobs(limit=PAGE, kind=kind, status=[a for a in ACTIVE if statuses is None or a in statuses])
@@ -56,7 +59,7 @@ def job_table() -> None:
             a.markdown(f"**#{job.id} {job.kind}**{f' {what}' if what else ''} · {job.status} · "
                        f"{job.device or job.queue} · asked by {job.requested_by or '?'}")
             a.progress(job.progress, text=job.progress_text)
-            note = svc.no_worker_note(job.queue) if job.status == "queued" else None
+            note = svc.no_worker_note(job.queue) if job.status == "queued" else svc.silent_note(job)
             if note:
                 a.warning(note)
             if job.cancel_requested:

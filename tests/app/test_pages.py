@@ -1010,6 +1010,36 @@ def test_jobs_page_warns_when_no_worker_takes_a_queue(seeded):
     assert job.status == "queued"
 
 
+def test_jobs_page_flags_a_running_job_gone_silent_and_fails_one_past_the_limit(seeded):
+    """A running job beats every 30 s: after two missed beats its card says its worker may have stopped; past
+    QUANTPLAN_HEARTBEAT_STALE_S (120 s) the sweep marks it failed, and the page says which."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from store import models as m
+    from store import repo
+    from store.db import session_scope
+
+    ids = []
+    with session_scope() as s:
+        for silent_s in (10, 90, 200):
+            job = repo.create_job(s, kind="calibrate", params={"device": "cpu"}, queue="cpu", user="t",
+                                  model_id=seeded.id)
+            repo.mark_running(s, job.id, worker_host="box-7", device="cpu", torch_version="2.13")
+            s.execute(update(m.Job).where(m.Job.id == job.id).values(
+                heartbeat_at=m.utcnow() - dt.timedelta(seconds=silent_s)))
+            ids.append(job.id)
+    beating, late, gone = ids
+    at = _run("jobs", seeded.id)
+    [late_note] = [w.value for w in at.warning if w.value.startswith("No heartbeat")]
+    assert late_note.startswith("No heartbeat from box-7 for 9") and "marked failed after 120 s" in late_note
+    assert any(w.value == f"Jobs [{gone}] had a worker that stopped reporting; they were marked failed."
+               for w in at.warning)
+    with session_scope() as s:
+        assert [repo.get_job(s, i).status for i in ids] == ["running", "running", "failed"]
+
+
 def test_sidebar_flags_jobs_no_worker_will_take(seeded):
     from store import repo
     from store.db import session_scope
