@@ -122,6 +122,48 @@ def test_a_job_past_the_time_limit_fails_as_timed_out_on_the_real_worker(qp_sett
         proc.stop()
 
 
+def test_a_job_whose_worker_is_killed_stops_beating_and_is_failed_by_the_sweep(qp_settings, monkeypatch, tmp_path):
+    """A worker killed mid-job (SIGKILL: no clean-up runs) leaves its job running; the job's heartbeat, written
+    every QUANTPLAN_HEARTBEAT_STALE_S / 4 while it lived, stops; the sweep then fails it with a message that says
+    to queue it again, and a new worker takes new jobs."""
+    import time
+
+    from tests.e2e.conftest import start_worker
+    from worker.runner import sweep
+
+    monkeypatch.setenv("QUANTPLAN_HEARTBEAT_STALE_S", "2")  # a beat every 0.5 s
+    proc = start_worker(tmp_path)
+    try:
+        long = submit_job("bench", {"device": "cpu", "m": [1, 16, 128, 2048], "budget_s": 600.0},
+                          settings=qp_settings)
+        beats, deadline = set(), time.monotonic() + 120
+        while len(beats) < 3 and time.monotonic() < deadline:
+            with session_scope(qp_settings) as s:
+                job = repo.get_job(s, long.id)
+            if job.status == "running":
+                beats.add(job.heartbeat_at)
+            time.sleep(0.2)
+        assert len(beats) >= 3, "the running job's heartbeat did not advance"
+        proc.p.kill()
+        proc.p.wait(timeout=30)
+        time.sleep(3)
+        stale = qp_settings.model_copy(update={"heartbeat_stale_s": 2})
+        assert sweep(stale) == [long.id]
+        with session_scope(qp_settings) as s:
+            dead = repo.get_job(s, long.id)
+        assert dead.status == "failed" and "the worker stopped reporting" in dead.error and "Queue the job again" in dead.error
+    finally:
+        proc.stop()
+    (tmp_path / "again").mkdir()  # the new worker's log beside the first one's
+    proc = start_worker(tmp_path / "again")
+    try:
+        short = wait_for(submit_job("bench", {"device": "cpu", "m": [1], "budget_s": 0.2, "paths": ["baseline"]},
+                                    settings=qp_settings).id, timeout_s=120, settings=qp_settings)
+        assert short.status == "succeeded", short.error
+    finally:
+        proc.stop()
+
+
 def test_bad_upload_fails_with_a_clear_message_and_leaves_nothing(qp_settings, worker, tmp_path):
     import io
     import zipfile
