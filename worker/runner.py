@@ -140,6 +140,10 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
         with session_scope(settings) as s:
             repo.finish_job(s, job_id, status="cancelled", message="cancelled by request")
         return "cancelled"
+    except KeyboardInterrupt:  # Ctrl-C on a CLI --local run: the job ends as cancelled, not left running
+        with session_scope(settings) as s:
+            repo.finish_job(s, job_id, status="cancelled", message="interrupted (Ctrl-C) before it finished")
+        raise
     except Exception as exc:  # every failure is stored, then the task ends normally
         from celery.exceptions import SoftTimeLimitExceeded
 

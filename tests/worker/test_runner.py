@@ -113,6 +113,19 @@ def test_a_running_job_keeps_its_heartbeat_while_it_reports_nothing(qp_settings)
     assert swept[-1] == [stuck.id]
 
 
+def test_ctrl_c_on_a_local_run_ends_the_job_as_cancelled_and_still_stops_the_run(qp_settings):
+    job = _job(qp_settings)
+
+    def body(ctx):
+        ctx.progress(0.3, "working")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job.id, body, settings=qp_settings)
+    done = _get(qp_settings, job.id)
+    assert (done.status, done.message) == ("cancelled", "interrupted (Ctrl-C) before it finished")
+
+
 def test_bad_input_fails_without_a_traceback_in_the_log_and_a_bug_with_one(qp_settings, caplog):
     """A person's mistake (a damaged archive: a QuantcoreError) is logged as its message at INFO, no traceback on
     a CLI's stderr; anything else is logged with its traceback. Both keep the traceback in the job's row."""
