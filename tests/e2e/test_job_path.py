@@ -100,6 +100,16 @@ def test_cancel_a_running_calibration(qp_settings, worker):
         assert repo.stats_overview(s, cal.id) == []
 
 
+LONG_BENCH = {"device": "cpu", "m": [1, 16, 128, 2048], "budget_s": 600.0}  # minutes of CPU timings
+
+
+def _a_short_job_succeeds(settings) -> None:
+    """The worker takes the next job (a baseline GEMM at M = 1)."""
+    job = submit_job("bench", {"device": "cpu", "m": [1], "budget_s": 0.2, "paths": ["baseline"]}, settings=settings)
+    done = wait_for(job.id, timeout_s=120, settings=settings)
+    assert done.status == "succeeded", done.error
+
+
 def test_a_job_past_the_time_limit_fails_as_timed_out_on_the_real_worker(qp_settings, monkeypatch, tmp_path):
     """The worker runs Celery's solo pool, which never enforces Celery's own time limits: the job's own limit
     (QUANTPLAN_JOB_SOFT_TIME_LIMIT_S, checked where it reports progress) fails it, and the worker takes the next."""
@@ -107,17 +117,14 @@ def test_a_job_past_the_time_limit_fails_as_timed_out_on_the_real_worker(qp_sett
 
     monkeypatch.setenv("QUANTPLAN_JOB_SOFT_TIME_LIMIT_S", "3")
     proc = start_worker(tmp_path)
-    try:  # a CPU benchmark of every default shape up to M = 2048 takes minutes
-        long = submit_job("bench", {"device": "cpu", "m": [1, 16, 128, 2048], "budget_s": 600.0},
-                          settings=qp_settings)
+    try:
+        long = submit_job("bench", LONG_BENCH, settings=qp_settings)
         done = wait_for(long.id, timeout_s=120, settings=qp_settings)
         assert done.status == "failed" and done.error == "timed out after 3 s (QUANTPLAN_JOB_SOFT_TIME_LIMIT_S)", done
         assert (done.finished_at - done.started_at).total_seconds() < 30
         with session_scope(qp_settings) as s:
             assert repo.kernel_results(s, job_id=long.id) == []  # nothing half-written
-        short = wait_for(submit_job("bench", {"device": "cpu", "m": [1], "budget_s": 0.2, "paths": ["baseline"]},
-                                    settings=qp_settings).id, timeout_s=120, settings=qp_settings)
-        assert short.status == "succeeded", short.error
+        _a_short_job_succeeds(qp_settings)
     finally:
         proc.stop()
 
@@ -134,8 +141,7 @@ def test_a_job_whose_worker_is_killed_stops_beating_and_is_failed_by_the_sweep(q
     monkeypatch.setenv("QUANTPLAN_HEARTBEAT_STALE_S", "2")  # a beat every 0.5 s
     proc = start_worker(tmp_path)
     try:
-        long = submit_job("bench", {"device": "cpu", "m": [1, 16, 128, 2048], "budget_s": 600.0},
-                          settings=qp_settings)
+        long = submit_job("bench", LONG_BENCH, settings=qp_settings)
         beats, deadline = set(), time.monotonic() + 120
         while len(beats) < 3 and time.monotonic() < deadline:
             with session_scope(qp_settings) as s:
@@ -157,9 +163,7 @@ def test_a_job_whose_worker_is_killed_stops_beating_and_is_failed_by_the_sweep(q
     (tmp_path / "again").mkdir()  # the new worker's log beside the first one's
     proc = start_worker(tmp_path / "again")
     try:
-        short = wait_for(submit_job("bench", {"device": "cpu", "m": [1], "budget_s": 0.2, "paths": ["baseline"]},
-                                    settings=qp_settings).id, timeout_s=120, settings=qp_settings)
-        assert short.status == "succeeded", short.error
+        _a_short_job_succeeds(qp_settings)
     finally:
         proc.stop()
 
