@@ -525,7 +525,7 @@ def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
 
     missing = list(dict.fromkeys([*est["missing_prefill"], *est["missing_decode"]]))
     why = {**est.get("skipped_prefill", {}), **est.get("skipped_decode", {})}
-    over = [n for n in missing if why.get(n, "").startswith("over budget")]
+    over = [n for n in missing if why.get(n, "").startswith(repo.OVER_BUDGET)]
     cannot = [n for n in missing if n in why and n not in over]
     unmeasured = [n for n in missing if n not in why]
     gpus = f" on {plan_tp} GPUs" if plan_tp > 1 else ""
@@ -709,7 +709,7 @@ def no_time_notes(ms, skipped) -> list[str]:
     notes = []
     for t, why in zip(ms, skipped, strict=True):
         why = "" if pd.isna(why) else str(why)  # None and NaN alike
-        notes.append("" if not pd.isna(t) else "skipped" if why.startswith("over budget") else
+        notes.append("" if not pd.isna(t) else "skipped" if why.startswith(repo.OVER_BUDGET) else
                      "failed" if why.startswith("failed") else "")
     return notes
 

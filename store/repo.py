@@ -631,13 +631,11 @@ def newest_kernel_results(session: Session, *, device_name: str, torch_version: 
                 over_budget.setdefault(case, r)
             continue
         newest.setdefault(case, r)
-    if usable_only and budget_s is not None and over_budget:
-        jobs = {r.job_id for case, r in over_budget.items() if case not in newest}
+    untimed = {case: r for case, r in over_budget.items() if case not in newest}
+    if usable_only and budget_s is not None and untimed:
         under = {j: (res or {}).get("budget_s") for j, res in session.execute(
-            select(m.Job.id, m.Job.result).where(m.Job.id.in_(jobs)))} if jobs else {}
-        for case, r in over_budget.items():
-            if case not in newest and (under.get(r.job_id) or 0) >= budget_s:
-                newest[case] = r
+            select(m.Job.id, m.Job.result).where(m.Job.id.in_({r.job_id for r in untimed.values()})))}
+        newest |= {case: r for case, r in untimed.items() if (under.get(r.job_id) or 0) >= budget_s}
     return list(newest.values())
 
 

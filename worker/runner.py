@@ -61,7 +61,7 @@ class JobContext:
     _last_write: float = 0.0
     _cancel: bool = False
     _fraction: float = 0.0  # the furthest fraction reported, written or throttled
-    _deadline: float = float("inf")  # time.monotonic() past which the job times out (run_job sets it)
+    _deadline: float = float("inf")  # time.monotonic() past which the job times out (run_job passes it)
     cache_used: bool = False  # the body read or wrote files beside a model (store.cache): its end trims the cache
 
     def progress(self, fraction: float, message: str) -> None:
@@ -124,10 +124,10 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
                                  torch_version=torch_version):
             log.info("job %s is %s; nothing to do", job_id, job.status)
             return "skipped"
+    limit = settings.job_soft_time_limit_s
     ctx = JobContext(job_id=job_id, kind=job.kind, params=job.params, model_id=job.model_id,
-                     plan_id=job.plan_id, settings=settings)
-    if settings.job_soft_time_limit_s > 0:
-        ctx._deadline = time.monotonic() + settings.job_soft_time_limit_s
+                     plan_id=job.plan_id, settings=settings,
+                     _deadline=time.monotonic() + limit if limit > 0 else float("inf"))
     stop_beating = _beat_while_running(ctx)
     try:
         outcome = body(ctx)
@@ -147,7 +147,8 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
     except Exception as exc:  # every failure is stored, then the task ends normally
         from celery.exceptions import SoftTimeLimitExceeded
 
-        if isinstance(exc, JobTimedOut | SoftTimeLimitExceeded):
+        timed_out = isinstance(exc, JobTimedOut | SoftTimeLimitExceeded)
+        if timed_out:
             error = f"timed out after {settings.job_soft_time_limit_s} s (QUANTPLAN_JOB_SOFT_TIME_LIMIT_S)"
         elif isinstance(exc, QuantcoreError | ValueError | LookupError | FileNotFoundError):
             error = str(exc)  # our own messages are written for a person already
@@ -155,7 +156,7 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
             error = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, QuantcoreError):  # bad input, a device without the kernel: the message says it all, in
             log.info("job %s failed: %s", job_id, error)  # the worker's log (INFO) and the row, with the traceback
-        elif isinstance(exc, JobTimedOut | SoftTimeLimitExceeded):
+        elif timed_out:
             log.warning("job %s failed: %s", job_id, error)
         else:
             log.exception("job %s failed", job_id)
