@@ -333,18 +333,26 @@ def _aware(t: dt.datetime) -> dt.datetime:
 
 
 def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
-    """Fail running jobs whose heartbeat is older than stale_after_s (their worker died)."""
+    """Fail running jobs whose heartbeat is older than stale_after_s (their worker died).
+
+    Each is failed by an UPDATE that still asks for the status and heartbeat it was read with, so a job
+    whose worker beats, finishes or is cancelled between the read and the write is left as that worker set it.
+    """
     cutoff = m.utcnow() - dt.timedelta(seconds=stale_after_s)
-    rows = list(session.scalars(select(m.Job).where(m.Job.status == "running")))
+    rows = session.execute(select(m.Job.id, m.Job.heartbeat_at, m.Job.started_at, m.Job.created_at,
+                                  m.Job.worker_host).where(m.Job.status == "running")).all()
     stale = []
-    for row in rows:
-        hb = _aware(row.heartbeat_at or row.started_at or row.created_at)
-        if hb < cutoff:
-            row.status, row.finished_at = "failed", m.utcnow()
-            row.error = (f"the worker stopped reporting (no heartbeat for over {stale_after_s} s; "
-                         f"last from {row.worker_host or 'unknown host'}). Queue the job again.")
-            stale.append(row.id)
-    session.flush()
+    for job_id, heartbeat_at, started_at, created_at, host in rows:
+        if _aware(heartbeat_at or started_at or created_at) >= cutoff:
+            continue
+        unchanged = m.Job.heartbeat_at.is_(None) if heartbeat_at is None else m.Job.heartbeat_at == heartbeat_at
+        res = session.execute(
+            update(m.Job).where(m.Job.id == job_id, m.Job.status == "running", unchanged).values(
+                status="failed", finished_at=m.utcnow(),
+                error=(f"the worker stopped reporting (no heartbeat for over {stale_after_s} s; "
+                       f"last from {host or 'unknown host'}). Queue the job again.")))
+        if res.rowcount == 1:
+            stale.append(job_id)
     return stale
 
 
