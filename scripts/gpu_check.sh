@@ -79,7 +79,7 @@ print(len(r), \"records on\", {x[\"device_name\"] for x in r})'"
 step bench-reuse "$PY" -m quantplan bench --device "$DEVICE" --m "$M_CSV" ${BUDGET:+--budget "$BUDGET"} --local
 
 # The other job bodies on the device, end to end through the store, on a tiny random-weight Llama made
-# here (no weights travel) and a few paragraphs of this README as text (gensim's corpus does not travel).
+# here (no weights travel) and this README as the evaluation and calibration text (gensim's corpus does not travel).
 TINY="$QUANTPLAN_HOME/tiny-llama"
 TEXT="$QUANTPLAN_HOME/text.txt"
 cp README.md "$TEXT"
@@ -88,6 +88,9 @@ save_tiny_llama(Path('$TINY'))"
 step models-add "$PY" -m quantplan models add "$TINY" --name tiny
 JOB_ARGS=(--text "$TEXT" --samples 4 --seq-len 32 --device "$DEVICE" --local)
 step calibrate "$PY" -m quantplan calibrate tiny "${JOB_ARGS[@]}"
+# score and sensitivity also read calibration text (KV cache scales, GPTQ's Hessians), whose default, gensim's
+# corpus, is not on that machine's image: --cal-text
+JOB_ARGS+=(--cal-text "$TEXT" --cal-samples 4 --cal-seq-len 32)
 step score "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}"
 step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
 step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"

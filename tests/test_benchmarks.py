@@ -82,8 +82,13 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     # scripts/gpu_check.sh is what a session with a lent GPU runs, once, in a few minutes of device
     # time: keep it working here, where DEVICE=cpu runs every step but the nvidia-smi one.
     out = tmp_path / "out"
+    # That machine's image has no gensim, whose corpus is the default text: an empty gensim package ahead of ours
+    # on the path, so a step that falls back to the default text fails here as it would there.
+    (tmp_path / "no-corpus" / "gensim").mkdir(parents=True)
+    (tmp_path / "no-corpus" / "gensim" / "__init__.py").write_text("")
     env = {**os.environ, "DEVICE": "cpu", "BUDGET": "0.5", "MS": "1", "PYTHON": sys.executable,
-           "OUT": str(out), "GPU_CHECK_HOME": str(tmp_path / "home"), "QUANTPLAN_CACHE_DIR": str(tmp_path / "cache")}
+           "OUT": str(out), "GPU_CHECK_HOME": str(tmp_path / "home"), "QUANTPLAN_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "no-corpus"), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
