@@ -656,8 +656,23 @@ def _try_tiny(device: str, path: str) -> str | None:
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
     except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
-        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return torch_error_text(exc)
     return None
+
+
+_TORCH_ASSERT_TAIL = "please report a bug to PyTorch."
+
+
+def torch_error_text(exc: BaseException) -> str:
+    """The part of a torch error a person can act on: its first line, and of an internal assert (torch 2.11's
+    "(scale_a.numel() == 1 ...) INTERNAL ASSERT FAILED at ".../Blas.cpp":249, please report a bug to PyTorch.
+    Now _scaled_mm only supports per-tensor scaling for CPU backend.") the sentence after the boilerplate."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    if _TORCH_ASSERT_TAIL in text and (after := text.split(_TORCH_ASSERT_TAIL, 1)[1].strip()):
+        text = after
+    return text.splitlines()[0]
 
 
 def _weight_only(out: dict[str, PathSupport], dev: str, where: str,

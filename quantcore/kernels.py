@@ -659,7 +659,7 @@ def run_benchmarks(
     """
     import torch
 
-    from quantcore.hardware import device_paths, probe_device
+    from quantcore.hardware import device_paths, probe_device, torch_error_text
 
     want = _check_paths(paths if paths is not None else PATHS)
     if PATH_BASELINE not in want:
@@ -739,8 +739,7 @@ def run_benchmarks(
             rows = _err_rows(m, dev)
             err = _max_rel_err(case.fn()[rows], case.emulate(rows))
         except (RuntimeError, ValueError) as exc:  # a kernel this torch build or shape refuses
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return {"native": False, "skipped": f"failed on {kind}: {msg}"}
+            return {"native": False, "skipped": f"failed on {kind}: {torch_error_text(exc)}"}
         rates[path] = flops / (t_ms * 1e-3)
         tflops = flops / (t_ms * 1e-3) / 1e12
         peak = peaks.get(peak_key[bp]) if kind == "cuda" else None

@@ -287,3 +287,16 @@ def test_device_paths_cuda_follow_the_capability() -> None:
     for p in ("w4_g128", "w4_g64", "w4_g32", "w4_ch"):
         assert paths[p].runs == paths[p].native == (sm >= hw.SM_INT4_TINYGEMM)
     assert paths["w8_row"].native == paths["w8_row"].runs  # native wherever this torch build runs it
+
+
+def test_a_torch_error_is_told_by_the_sentence_a_person_can_act_on() -> None:
+    # torch 2.11's CPU _scaled_mm with row-wise scales, as it raised on the GPU image's torch
+    internal = RuntimeError('(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED at '
+                            '"/pytorch/aten/src/ATen/native/Blas.cpp":249, please report a bug to PyTorch. '
+                            'Now _scaled_mm only supports per-tensor scaling for CPU backend.')
+    assert hw.torch_error_text(internal) == "Now _scaled_mm only supports per-tensor scaling for CPU backend."
+    two_lines = RuntimeError("self.size(0) needs to be greater than 16, but got 1\nException raised from ...")
+    assert hw.torch_error_text(two_lines) == "self.size(0) needs to be greater than 16, but got 1"
+    assert hw.torch_error_text(NotImplementedError()) == "NotImplementedError"
+    bare = RuntimeError("x INTERNAL ASSERT FAILED at y, please report a bug to PyTorch. ")
+    assert hw.torch_error_text(bare) == "x INTERNAL ASSERT FAILED at y, please report a bug to PyTorch."
