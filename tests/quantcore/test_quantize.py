@@ -201,7 +201,8 @@ def test_reference_emulation_e4m3_agrees_with_ours_and_torch():
     x = torch.randn(4096, generator=gen) * torch.exp2(torch.randint(-12, 10, (4096,), generator=gen).float())
     ours = fake_quantize(x, "fp8_e4m3", scale=1.0)
     assert torch.equal(ours, _reference_fp_round(x, 3, -6, 448.0))
-    assert torch.equal(ours, x.to(torch.float8_e4m3fn).float())
+    # clamped first, as quantize does: torch 2.13's CPU cast saturates at 448, torch 2.11's gives NaN
+    assert torch.equal(ours, x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float())
 
 
 # ------------------------------------------------------------------ bit-identity with torch
