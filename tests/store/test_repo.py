@@ -57,10 +57,10 @@ def test_stale_running_job_is_failed_by_the_sweep(qp_settings):
         assert repo.get_job(s, fresh.id).status == "running"
 
 
-def test_the_sweep_leaves_a_job_whose_worker_spoke_after_it_was_read(qp_settings, monkeypatch):
+def test_the_sweep_leaves_a_job_whose_worker_spoke_after_it_was_read(any_db, monkeypatch):
     """The sweep reads the running jobs, then fails the stale ones; a worker that beats or finishes in between
     keeps what it wrote (the UPDATE asks for the heartbeat it read)."""
-    with session_scope(qp_settings) as s:
+    with session_scope(any_db) as s:
         beating = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
         done = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
         dead = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None)
@@ -72,16 +72,16 @@ def test_the_sweep_leaves_a_job_whose_worker_spoke_after_it_was_read(qp_settings
     def read_then_workers_speak(t):  # called on each row between the read and its UPDATE
         if not spoken:
             spoken.append(True)
-            with session_scope(qp_settings) as other:
+            with session_scope(any_db) as other:
                 repo.job_heartbeat(other, beating.id)
                 repo.finish_job(other, done.id, status="succeeded", result={"ok": 1})
         return real_aware(t)
 
     spoken: list[bool] = []
     monkeypatch.setattr(repo, "_aware", read_then_workers_speak)
-    with session_scope(qp_settings) as s:
+    with session_scope(any_db) as s:
         assert repo.sweep_stale_jobs(s, stale_after_s=300) == [dead.id]
-    with session_scope(qp_settings) as s:
+    with session_scope(any_db) as s:
         assert repo.get_job(s, beating.id).status == "running"
         assert repo.get_job(s, done.id).status == "succeeded" and repo.get_job(s, done.id).error is None
         assert repo.get_job(s, dead.id).status == "failed"
