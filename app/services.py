@@ -694,6 +694,16 @@ def score_sets(scores: list[ScoreRecord]) -> list[tuple[str, int]]:
     return [key for key, _ in Counter((s.dataset, s.tokens) for s in scores).most_common()]
 
 
+def default_comparison(scores: list[ScoreRecord], n: int = 3) -> list[int]:
+    """Job ids of the ``n`` newest scores measured on the same tokens (text and positions) as the newest score
+    (``scores`` newest first): what the Results page compares before anything is picked, never scores whose KLs
+    are not comparable."""
+    if not scores:
+        return []
+    key = (scores[0].dataset, scores[0].tokens)
+    return [s.job_id for s in scores if (s.dataset, s.tokens) == key][:n]
+
+
 TRADEOFF_COSTS = ("weight_mib", "kv_kib", "serving_gib", "prefill_ms", "decode_ms", "ideal_prefill_ms",
                   "ideal_decode_ms")
 TRADEOFF_COLUMNS = ["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib", "weight_ratio", "kv_cache", "kv_kib",

@@ -173,7 +173,7 @@ else:
     st.dataframe(table, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
                                 "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f")})
-    picked = st.multiselect("Compare", [s.job_id for s in scores], default=[s.job_id for s in scores[:3]],
+    picked = st.multiselect("Compare", [s.job_id for s in scores], default=svc.default_comparison(scores),
                             format_func=lambda j: next(f"#{s.job_id} {s.plan_label}" for s in scores
                                                        if s.job_id == j), key="results_compare")
     chosen = [s for s in scores if s.job_id in picked]

@@ -278,8 +278,27 @@ def test_results_page_says_when_the_scores_compared_were_measured_on_different_t
         repo.finish_job(s, job.id, status="succeeded")
     at = _run("results", seeded.id)
     assert not at.exception
+    # before anything is picked, only scores on the newest one's tokens are compared: nothing to warn about
+    assert at.multiselect(key="results_compare").value == [job.id]
+    assert not any("different tokens" in w.value for w in at.warning)
+    at.multiselect(key="results_compare").set_value([job.id, first.job_id]).run()
     warning = next(w.value for w in at.warning if "different tokens" in w.value)
     assert f"{mine.dataset}, {mine.tokens:,} positions" in warning and f"{mine.tokens * 4:,} positions" in warning
+
+
+def test_the_default_comparison_is_the_newest_scores_on_the_newest_ones_tokens() -> None:
+    from types import SimpleNamespace
+
+    from app import services as svc
+
+    def score(job_id: int, text: str, tokens: int):
+        return SimpleNamespace(job_id=job_id, dataset=text, tokens=tokens)
+
+    newest_first = [score(9, "a", 100), score(8, "b", 100), score(7, "a", 400), score(6, "a", 100),
+                    score(5, "a", 100), score(4, "a", 100)]
+    assert svc.default_comparison(newest_first) == [9, 6, 5]
+    assert svc.default_comparison(newest_first[1:]) == [8]
+    assert svc.default_comparison(newest_first, n=1) == [9] and svc.default_comparison([]) == []
 
 
 def test_kernels_page_marks_non_native_paths(seeded):
