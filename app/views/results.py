@@ -175,7 +175,7 @@ else:
                                 "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f")})
     picked = st.multiselect("Compare", [s.job_id for s in scores], default=svc.default_comparison(scores),
                             format_func=lambda j: next(f"#{s.job_id} {s.plan_label}" for s in scores
-                                                       if s.job_id == j), key="results_compare")
+                                                       if s.job_id == j), key=f"results_compare_{model.id}")  # each model its own
     chosen = [s for s in scores if s.job_id in picked]
     if len(chosen_sets := svc.score_sets(chosen)) > 1:
         st.warning("These scores were measured on different tokens ("

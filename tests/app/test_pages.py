@@ -279,11 +279,34 @@ def test_results_page_says_when_the_scores_compared_were_measured_on_different_t
     at = _run("results", seeded.id)
     assert not at.exception
     # before anything is picked, only scores on the newest one's tokens are compared: nothing to warn about
-    assert at.multiselect(key="results_compare").value == [job.id]
+    assert at.multiselect(key=f"results_compare_{seeded.id}").value == [job.id]
     assert not any("different tokens" in w.value for w in at.warning)
-    at.multiselect(key="results_compare").set_value([job.id, first.job_id]).run()
+    at.multiselect(key=f"results_compare_{seeded.id}").set_value([job.id, first.job_id]).run()
     warning = next(w.value for w in at.warning if "different tokens" in w.value)
     assert f"{mine.dataset}, {mine.tokens:,} positions" in warning and f"{mine.tokens * 4:,} positions" in warning
+
+
+def test_each_model_keeps_its_own_comparison_on_the_results_page(seeded):
+    """Switching models in the sidebar opens the other model's default comparison, not an empty one filtered from
+    the first model's jobs; coming back finds the first model's picks."""
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        other = repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="other",
+                               path="models/other", summary=dict(repo.get_model(s, seeded.id).summary), user="t")
+    mine = _add_score(seeded.id, "W8A16", {"default": "W8A16"}, 0.01)
+    theirs = _add_score(other.id, "W4A16", {"default": "W4A16"}, 0.3)
+    at = _run("results", seeded.id)
+    first = at.multiselect(key=f"results_compare_{seeded.id}")
+    assert mine in first.value and len(first.value) == 2
+    first.set_value([mine]).run()
+    at.selectbox(key="sidebar_model").set_value(other.id).run()
+    assert not at.exception
+    assert at.multiselect(key=f"results_compare_{other.id}").value == [theirs]
+    assert [m.label for m in at.metric] == ["W4A16"]
+    at.selectbox(key="sidebar_model").set_value(seeded.id).run()
+    assert at.multiselect(key=f"results_compare_{seeded.id}").value == [mine]
 
 
 def test_the_default_comparison_is_the_newest_scores_on_the_newest_ones_tokens() -> None:
@@ -1660,7 +1683,7 @@ def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
     at = _run("results", seeded.id)
     table = at.dataframe[0].value.set_index("job")
     assert table.loc[new, "calibrated on"] == "domain.txt, 64 × 256 tokens"  # what its GPTQ / KV scales saw
-    at.multiselect(key="results_compare").set_value([old, new]).run()
+    at.multiselect(key=f"results_compare_{seeded.id}").set_value([old, new]).run()
     assert not at.exception
     warnings = [w.value for w in at.warning]
     assert any(w.startswith(f"#{old} INT8_W8A8: scored by an older quantplan") for w in warnings)
