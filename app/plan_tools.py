@@ -48,8 +48,11 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False, unsav
             c1, c2 = st.columns(2)
             budget = c1.number_input("KL budget (nats per token)", 0.0, 10.0, 0.02, step=0.005, format="%.4f",
                                      key="auto_budget")
-            cands = c2.multiselect("Candidate schemes", sorted(set(sens) | {"BF16"}),
-                                   default=sorted(set(sens) | {"BF16"}), key="auto_cands")
+            swept = sorted(set(sens) | {"BF16"})
+            # keyed by the model and what it has sweeps for: another model, or a sweep finished since, opens on
+            # every swept scheme again, not on the picks left from other options (filtered, they can leave BF16 alone)
+            cands = c2.multiselect("Candidate schemes", swept, default=swept,
+                                   key=f"auto_cands_{model.id}_{'+'.join(swept)}")
             c1, c2, c3 = st.columns([3, 1, 1])
             cost = c1.radio("Minimise", list(svc.AUTO_COSTS), format_func=svc.AUTO_COSTS.get, key="auto_cost")
             m = c2.number_input("M (tokens per step)", 1, 1 << 20, 2048, key="auto_m",

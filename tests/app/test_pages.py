@@ -756,6 +756,45 @@ def test_a_session_whose_model_was_removed_elsewhere_moves_on(seeded):
     assert at.session_state["model_id"] == other.id
 
 
+def _candidates(at):
+    return next(w for w in at.multiselect if w.label == "Candidate schemes")
+
+
+def test_the_automatic_plans_candidates_are_every_swept_scheme_of_the_model_shown(seeded):
+    """Another model, or a sweep finished since, opens the candidates on every scheme swept: not on the picks left
+    from other options, which Streamlit filters (switching to a model swept for FP8_DYNAMIC alone had left BF16
+    as the only candidate)."""
+    from store import repo
+    from store.db import session_scope
+    from tests.app.conftest import linears
+
+    def sweep(model_id: int, scheme: str) -> None:
+        with session_scope() as s:
+            job = repo.create_job(s, kind="sensitivity", params={"scheme": scheme}, queue="cpu", user=None,
+                                  model_id=model_id)
+            repo.save_sensitivity(s, job_id=job.id, model_id=model_id, scheme=scheme, rows=[
+                {"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 0.01, "top1_agree": 0.9, "sqnr_db": 20.0}
+                for lin in linears()])
+            repo.finish_job(s, job.id, status="succeeded", result={"units": len(linears())})
+
+    with session_scope() as s:
+        other = repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="other",
+                               path="models/other", summary=dict(repo.get_model(s, seeded.id).summary), user="t")
+    sweep(other.id, "FP8_DYNAMIC")
+    at = _run("plans", seeded.id)
+    assert _candidates(at).value == ["BF16", "INT8_PER_TENSOR"]  # seeded: one INT8_PER_TENSOR sweep
+    at.selectbox(key="sidebar_model").set_value(other.id).run()
+    assert not at.exception
+    assert _candidates(at).value == ["BF16", "FP8_DYNAMIC"]
+    _candidates(at).set_value(["FP8_DYNAMIC"])  # a pick of the user's stays while nothing changes
+    next(b for b in at.button if b.label == "Choose and verify").click().run()
+    at.run()
+    assert not at.exception and _candidates(at).value == ["FP8_DYNAMIC"]
+    sweep(other.id, "W8A16")  # a sweep finishes
+    at.run()
+    assert _candidates(at).value == ["BF16", "FP8_DYNAMIC", "W8A16"]
+
+
 def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
     from app import services as svc
 
