@@ -35,8 +35,9 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     options = [f"preset:{p}" for p in presets] + [f"plan:{p.id}" for p in plans]
     labels = {f"preset:{k}": k for k in presets} | {f"plan:{p.id}": f"plan {p.label}" for p in plans}
-    chosen_plans = c1.multiselect("Plans (one score job each, scored on the same tokens)", options,
-                                  default=["preset:FP8_DYNAMIC"], format_func=labels.get, key="score_what")
+    chosen_plans = c1.multiselect("Plans (one score job each, scored on the same tokens)", options,  # per model:
+                                  default=["preset:FP8_DYNAMIC"], format_func=labels.get,  # its plans are its own
+                                  key=f"score_what_{model.id}")
     samples = c2.number_input("Sequences", 1, 1024, 16, key="score_samples")
     seq_len = c3.number_input("Tokens each", 16, 8192, 256, step=16, key="score_seq_len")
     device = c4.selectbox("Device", ["cpu", "cuda"], key="score_device")

@@ -844,7 +844,7 @@ def test_results_page_queues_one_score_job_per_chosen_plan(seeded):
 
     plan = svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "FP8_DYNAMIC"})
     at = _run("results", seeded.id)
-    at.multiselect(key="score_what").set_value(["preset:FP8_DYNAMIC", "preset:INT8_W8A8", f"plan:{plan.id}"])
+    at.multiselect(key=f"score_what_{seeded.id}").set_value(["preset:FP8_DYNAMIC", "preset:INT8_W8A8", f"plan:{plan.id}"])
     at.checkbox(key="score_sens").check()
     at.button[0].click().run()
     assert not at.exception
@@ -872,7 +872,7 @@ def test_results_page_queues_scores_on_the_texts_chosen(seeded, tmp_path):
     assert at.selectbox(key="score_eval_text").options == ["built-in: lee.cor (50 news articles)", "held-out.txt"]
     assert at.selectbox(key="score_cal_text").options == ["built-in: lee_background.cor (300 articles)",
                                                           "domain.txt"]
-    at.multiselect(key="score_what").set_value(["preset:W4A16_GPTQ"])
+    at.multiselect(key=f"score_what_{seeded.id}").set_value(["preset:W4A16_GPTQ"])
     at.selectbox(key="score_eval_text").set_value(ev.id)
     at.selectbox(key="score_cal_text").set_value(cal.id)
     at.number_input(key="score_cal_samples").set_value(64)
@@ -1404,7 +1404,7 @@ def test_results_page_scores_on_several_gpus_or_says_why_it_cannot(seeded):
     assert any(f"Queued sensitivity job #{sweep.id} (FP8_DYNAMIC on 3 GPUs)." in m.value for m in at.success)
     assert svc.job_what(sweep) == "FP8_DYNAMIC sweep on 3 GPUs · 8 × 256"
     # a weight-only scheme quantizes the same on any number of GPUs: swept once, on one, and the page says why
-    at.multiselect(key="score_what").set_value(["preset:W8A16"])
+    at.multiselect(key=f"score_what_{seeded.id}").set_value(["preset:W8A16"])
     at.button[0].click().run()
     assert not at.exception
     w8 = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.params.get("scheme") == "W8A16")
@@ -1422,13 +1422,13 @@ def test_results_page_refuses_a_stored_plan_whose_own_tensor_parallel_does_not_s
     bad = svc.save_plan(seeded.id, "two-gpus", {"default": "FP8_DYNAMIC", "tensor_parallel": 2})
     good = svc.save_plan(seeded.id, "three-gpus", {"default": "FP8_DYNAMIC", "tensor_parallel": 3})
     at = _run("results", seeded.id)
-    at.multiselect(key="score_what").set_value([f"plan:{bad.id}", f"plan:{good.id}"])
+    at.multiselect(key=f"score_what_{seeded.id}").set_value([f"plan:{bad.id}", f"plan:{good.id}"])
     at.button[0].click().run()
     assert not at.exception
     assert any("Nothing was queued" in e.value and f"plan {bad.label}" in e.value and "9 attention heads" in e.value
                for e in at.error)
     assert not [j for j in svc.list_jobs(limit=5) if j.status == "queued"]
-    at.multiselect(key="score_what").set_value([f"plan:{good.id}"])
+    at.multiselect(key=f"score_what_{seeded.id}").set_value([f"plan:{good.id}"])
     at.button[0].click().run()
     assert not at.exception and not at.error
     job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
