@@ -35,9 +35,9 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     options = [f"preset:{p}" for p in presets] + [f"plan:{p.id}" for p in plans]
     labels = {f"preset:{k}": k for k in presets} | {f"plan:{p.id}": f"plan {p.label}" for p in plans}
-    chosen_plans = c1.multiselect("Plans (one score job each, scored on the same tokens)", options,  # per model:
-                                  default=["preset:FP8_DYNAMIC"], format_func=labels.get,  # its plans are its own
-                                  key=f"score_what_{model.id}")
+    chosen_plans = c1.multiselect("Plans (one score job each, scored on the same tokens)", options,
+                                  default=["preset:FP8_DYNAMIC"], format_func=labels.get,
+                                  key=f"score_what_{model.id}")  # keyed per model: its plans are its own
     samples = c2.number_input("Sequences", 1, 1024, 16, key="score_samples")
     seq_len = c3.number_input("Tokens each", 16, 8192, 256, step=16, key="score_seq_len")
     device = c4.selectbox("Device", ["cpu", "cuda"], key="score_device")
@@ -176,7 +176,8 @@ else:
                                 "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f")})
     picked = st.multiselect("Compare", [s.job_id for s in scores], default=svc.default_comparison(scores),
                             format_func=lambda j: next(f"#{s.job_id} {s.plan_label}" for s in scores
-                                                       if s.job_id == j), key=f"results_compare_{model.id}")  # each model its own
+                                                       if s.job_id == j),
+                            key=f"results_compare_{model.id}")  # keyed per model: its picks are its own job ids
     chosen = [s for s in scores if s.job_id in picked]
     if len(chosen_sets := svc.score_sets(chosen)) > 1:
         st.warning("These scores were measured on different tokens ("
