@@ -289,12 +289,7 @@ def test_results_page_says_when_the_scores_compared_were_measured_on_different_t
 def test_each_model_keeps_its_own_comparison_on_the_results_page(seeded):
     """Switching models in the sidebar opens the other model's default comparison, not an empty one filtered from
     the first model's jobs; coming back finds the first model's picks."""
-    from store import repo
-    from store.db import session_scope
-
-    with session_scope() as s:
-        other = repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="other",
-                               path="models/other", summary=dict(repo.get_model(s, seeded.id).summary), user="t")
+    other = _add_other_model(seeded)
     mine = _add_score(seeded.id, "W8A16", {"default": "W8A16"}, 0.01)
     theirs = _add_score(other.id, "W4A16", {"default": "W4A16"}, 0.3)
     at = _run("results", seeded.id)
@@ -605,6 +600,31 @@ def _add_score(model_id: int, label: str, body: dict, kl: float, *, dataset: str
         return job.id
 
 
+def _add_other_model(seeded):
+    """A second model of the same shapes, registered beside the seeded one."""
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        return repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="other",
+                              path="models/other", summary=dict(seeded.summary), user="t")
+
+
+def _add_sweep(model, scheme: str, kl: float, **params) -> int:
+    """A finished sensitivity sweep of ``scheme`` on every linear of ``model``, each layer at KL ``kl``."""
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        job = repo.create_job(s, kind="sensitivity", params={"scheme": scheme, **params}, queue="cpu", user=None,
+                              model_id=model.id)
+        repo.save_sensitivity(s, job_id=job.id, model_id=model.id, scheme=scheme,
+                              rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": kl,
+                                     "top1_agree": 0.99, "sqnr_db": 40.0} for lin in model.linears])
+        repo.finish_job(s, job.id, status="succeeded", result={"scheme": scheme})
+        return job.id
+
+
 def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
     """Quality against cost: the newest score of each plan on one text, its weight memory and its step times
     from the stored kernel timings, and the plans no other plan beats on both."""
@@ -741,12 +761,8 @@ def test_models_page_removes_a_model_after_a_confirmation(seeded, qp_settings):
 
 def test_a_session_whose_model_was_removed_elsewhere_moves_on(seeded):
     from app import services as svc
-    from store import repo
-    from store.db import session_scope
 
-    with session_scope() as s:
-        other = repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="other",
-                               path="models/other", summary={**svc.get_model(seeded.id).summary}, user="t")
+    other = _add_other_model(seeded)
     at = _run("outliers", seeded.id)
     at.selectbox(key="sidebar_model").set_value(seeded.id).run()
     assert at.session_state["model_id"] == seeded.id
@@ -764,23 +780,8 @@ def test_the_automatic_plans_candidates_are_every_swept_scheme_of_the_model_show
     """Another model, or a sweep finished since, opens the candidates on every scheme swept: not on the picks left
     from other options, which Streamlit filters (switching to a model swept for FP8_DYNAMIC alone had left BF16
     as the only candidate)."""
-    from store import repo
-    from store.db import session_scope
-    from tests.app.conftest import linears
-
-    def sweep(model_id: int, scheme: str) -> None:
-        with session_scope() as s:
-            job = repo.create_job(s, kind="sensitivity", params={"scheme": scheme}, queue="cpu", user=None,
-                                  model_id=model_id)
-            repo.save_sensitivity(s, job_id=job.id, model_id=model_id, scheme=scheme, rows=[
-                {"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 0.01, "top1_agree": 0.9, "sqnr_db": 20.0}
-                for lin in linears()])
-            repo.finish_job(s, job.id, status="succeeded", result={"units": len(linears())})
-
-    with session_scope() as s:
-        other = repo.add_model(s, name="other", sha256="cd" * 32, source_kind="folder", source_name="other",
-                               path="models/other", summary=dict(repo.get_model(s, seeded.id).summary), user="t")
-    sweep(other.id, "FP8_DYNAMIC")
+    other = _add_other_model(seeded)
+    _add_sweep(other, "FP8_DYNAMIC", 0.01)
     at = _run("plans", seeded.id)
     assert _candidates(at).value == ["BF16", "INT8_PER_TENSOR"]  # seeded: one INT8_PER_TENSOR sweep
     at.selectbox(key="sidebar_model").set_value(other.id).run()
@@ -790,7 +791,7 @@ def test_the_automatic_plans_candidates_are_every_swept_scheme_of_the_model_show
     next(b for b in at.button if b.label == "Choose and verify").click().run()
     at.run()
     assert not at.exception and _candidates(at).value == ["FP8_DYNAMIC"]
-    sweep(other.id, "W8A16")  # a sweep finishes
+    _add_sweep(other, "W8A16", 0.01)  # a sweep finishes
     at.run()
     assert _candidates(at).value == ["BF16", "FP8_DYNAMIC", "W8A16"]
 
@@ -1823,13 +1824,7 @@ def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
 
     assert svc.split_scale_schemes(["W4A16", "FP8_DYNAMIC", "FP8", "INT8_W8A8_SQ"]) == ["FP8_DYNAMIC", "INT8_W8A8_SQ"]
     for scheme in ("W4A16", "FP8_DYNAMIC"):  # weight-only: a one-GPU sweep is exact on 3; dynamic scales: it is not
-        with session_scope() as s:
-            job = repo.create_job(s, kind="sensitivity", params={"scheme": scheme}, queue="cpu", user=None,
-                                  model_id=seeded.id)
-            repo.save_sensitivity(s, job_id=job.id, model_id=seeded.id, scheme=scheme,
-                                  rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 1e-4,
-                                         "top1_agree": 0.99, "sqnr_db": 40.0} for lin in seeded.linears])
-            repo.finish_job(s, job.id, status="succeeded", result={"scheme": scheme})
+        _add_sweep(seeded, scheme, 1e-4)
         at.run()
         assert not at.exception
         if scheme == "W4A16":
@@ -1996,18 +1991,9 @@ def test_an_automatic_plan_is_checked_on_the_tokens_its_sweeps_were_made_on(seed
     """The verifying score reads the sweeps' evaluation (and calibration) text and sizes, so the predicted and the
     measured KL are of the same tokens; where the sweeps read differ, the newest one's and a note."""
     from app import services as svc
-    from store import repo
-    from store.db import session_scope
 
     def sweep(scheme, **tokens):
-        with session_scope() as s:
-            job = repo.create_job(s, kind="sensitivity", params={"scheme": scheme, **tokens}, queue="cpu", user=None,
-                                  model_id=seeded.id)
-            repo.save_sensitivity(s, job_id=job.id, model_id=seeded.id, scheme=scheme,
-                                  rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": 1e-6,
-                                         "top1_agree": 0.99, "sqnr_db": 40.0} for lin in seeded.linears])
-            repo.finish_job(s, job.id, status="succeeded", result={"scheme": scheme})
-        return job.id
+        return _add_sweep(seeded, scheme, 1e-6, **tokens)
 
     sweep("INT8_W8A8", samples=2, seq_len=32, cal_samples=4, cal_seq_len=64)
     result, plan, job = svc.auto_plan(seeded, kl_budget=0.5, target="h100")
