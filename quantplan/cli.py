@@ -321,24 +321,39 @@ def cmd_app(args) -> int:
     return 0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def cmd_up(args) -> int:
-    """Migrate, then start one worker and the app; Ctrl-C stops both."""
+    """Migrate, then start one worker and the app; Ctrl-C stops both, and so does a SIGTERM or SIGHUP to this
+    process alone (``kill PID``, a supervisor stopping it, its terminal gone): it stops its children before it ends
+    rather than leaving them running, holding the port and the queue. One child that ends stops the other."""
     from store.db import upgrade
 
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: a shell's `cmd &` ignores it
+        signal.signal(sig, _interrupt)
     s = _settings()
     upgrade(s)
     env = dict(os.environ, QUANTPLAN_HOME=str(s.home))
-    worker = subprocess.Popen([sys.executable, "-m", "quantplan", "worker"], env=env, cwd=REPO_ROOT)
-    app = subprocess.Popen(_streamlit_cmd(s), env=env, cwd=REPO_ROOT)
-    print(f"\nquantplan is starting: open http://{s.ui_address}:{s.ui_port}  "
-          f"(database {s.database_url}, worker queues {s.worker_queues}). Ctrl-C stops it.\n", flush=True)
-    procs = [worker, app]
-    try:
+    procs: list[subprocess.Popen] = []
+    try:  # a signal between the two starts still stops the first
+        procs.append(subprocess.Popen([sys.executable, "-m", "quantplan", "worker"], env=env, cwd=REPO_ROOT))
+        procs.append(subprocess.Popen(_streamlit_cmd(s), env=env, cwd=REPO_ROOT))
+        print(f"\nquantplan is starting: open http://{s.ui_address}:{s.ui_port}  "
+              f"(database {s.database_url}, worker queues {s.worker_queues}). Ctrl-C stops it.\n", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(1)
+        names = dict(zip(procs, ("worker", "app"), strict=True))
+        ended = next(p for p in procs if p.returncode is not None)
+        others = " and ".join(names[p] for p in procs if p is not ended)
+        print(f"quantplan: the {names[ended]} exited (code {ended.returncode}); stopping the {others}.",
+              file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
