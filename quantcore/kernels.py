@@ -151,6 +151,7 @@ DEFAULT_REPEATS = {"cpu": 5, "cuda": 50}
 DEFAULT_WARMUP = {"cpu": 1, "cuda": 10}
 MIN_REPEATS = 3  # fewer timed calls than this and the median means little: skip instead
 _PROBE_ROWS = 16  # rows of the cheap call that estimates a path's rate before its first case
+_PROBE_STEP = 4  # a case's cost is predicted from a rate measured at no less than 1/4 of its M
 
 
 def base_path(path: str) -> str:
@@ -648,8 +649,10 @@ def run_benchmarks(
     The baseline is always timed (speed-ups need it), whatever ``paths`` says. Cases run
     shape by shape; within a shape's budget the baselines of every M come first, then the
     paths the device runs natively, then the emulated ones, each M ascending: a budget
-    cuts the emulated paths and the largest M first. Records come back in (shape, M,
-    path) order whatever order they ran in.
+    cuts the emulated paths and the largest M first. A case runs only when its predicted cost fits what is
+    left: its FLOPs over the path's rate, measured at no less than a quarter of its M (single calls at growing M
+    learn it, so a small M's fixed cost per call is never scaled up to a large one). Records come back in
+    (shape, M, path) order whatever order they ran in.
     Repeats and warm-up default to 50 / 10 on CUDA and 5 / 1 on CPU; fewer repeats are
     run when the budget is tight, never fewer than MIN_REPEATS (the case is skipped).
 
@@ -695,8 +698,25 @@ def run_benchmarks(
     total = len(shape_list) * len(m_list) * len(want)
     done = 0
     records: list[KernelRecord] = []
-    rates: dict[str, float] = {}  # path -> measured FLOP/s (latest), to predict case costs
+    rates: dict[str, tuple[int, float]] = {}  # path -> (M, FLOP/s measured at that M), to predict case costs
     timer = _Timer(dev, kind)
+
+    def learn_rate(ops: _ShapeOperands, x: torch.Tensor, path: str, left_s: Callable[[], float]) -> None:
+        """``rates[path]`` measured near ``x``'s M, by single calls at M growing _PROBE_STEP-fold from the
+        largest M timed so far (the first at _PROBE_ROWS rows), each made only while its cost predicted from the
+        last fits a quarter of what is left. A rate is FLOP/s, which a small M's fixed cost per call drags down:
+        scaled from M = 1 to M = 2^17 it can predict a minute for a 20 ms call and skip a case that fits."""
+        m, n, k = x.shape[0], ops.n, ops.k
+        if path not in rates:
+            rows = min(m, _PROBE_ROWS)
+            probe = _build_case(ops, path, x[:rows], kind)
+            timer.once_s(probe.fn)  # the very first call pays library set-up
+            rates[path] = (rows, 2.0 * rows * n * k / max(timer.once_s(probe.fn), 1e-9))
+        while (rows := rates[path][0] * _PROBE_STEP) < m:
+            if 2.0 * rows * n * k / rates[path][1] > left_s() / 4:
+                break  # the case's need comes from the last rate: an upper bound
+            probe = _build_case(ops, path, x[:rows], kind)
+            rates[path] = (rows, 2.0 * rows * n * k / max(timer.once_s(probe.fn), 1e-9))
 
     def measure(
         ops: _ShapeOperands, x: torch.Tensor, path: str, left_s: Callable[[], float]
@@ -710,11 +730,8 @@ def run_benchmarks(
         flops = 2.0 * m * n * k
         budget = f"{budget_s_per_shape:g} s for shape N={n} K={k}"
         try:
-            if path not in rates:  # a cheap call to learn this path's rate on this device
-                probe = _build_case(ops, path, x[: min(m, _PROBE_ROWS)], kind)
-                timer.once_s(probe.fn)  # the very first call pays library set-up
-                rates[path] = 2.0 * min(m, _PROBE_ROWS) * n * k / max(timer.once_s(probe.fn), 1e-9)
-            need = flops / rates[path] * (n_warm + min_rep + 1) + min_rep * timer.flush_s
+            learn_rate(ops, x, path, left_s)
+            need = flops / rates[path][1] * (n_warm + min_rep + 1) + min_rep * timer.flush_s
             if need > (left := left_s()):
                 return {
                     "native": sup.native,
@@ -725,7 +742,7 @@ def run_benchmarks(
             t1 = timer.once_s(case.fn)  # first call: a warm-up, and the real cost of one call
             for _ in range(n_warm - 1):
                 case.fn()
-            rates[path] = flops / max(t1, 1e-9)
+            rates[path] = (m, flops / max(t1, 1e-9))
             reps = min(n_rep, int(left_s() / max(t1 + timer.flush_s, 1e-9)))
             if reps < min_rep:
                 return {
@@ -740,7 +757,7 @@ def run_benchmarks(
             err = _max_rel_err(case.fn()[rows], case.emulate(rows))
         except (RuntimeError, ValueError) as exc:  # a kernel this torch build or shape refuses
             return {"native": False, "skipped": f"failed on {kind}: {torch_error_text(exc)}"}
-        rates[path] = flops / (t_ms * 1e-3)
+        rates[path] = (m, flops / (t_ms * 1e-3))
         tflops = flops / (t_ms * 1e-3) / 1e12
         peak = peaks.get(peak_key[bp]) if kind == "cuda" else None
         return {

@@ -309,7 +309,8 @@ def test_max_rel_err_definition() -> None:
 
 
 def test_budget_skips_what_does_not_fit() -> None:
-    # M = 1 fits easily; M = 2^17 would need seconds per call on CPU (int8: minutes). Every timed call is preceded
+    # M = 1 fits easily; M = 2^17 needs a tenth of a second to seconds per call on a CPU (the weight-only INT4
+    # kernels ~3 us a row), five calls a case, so the twelve paths cannot all fit. Every timed call is preceded
     # by a flush of the last-level caches, which the budget pays too: a few ms on an 8 MiB L3, 64 ms on a VM that
     # sees a 480 MiB one. So the budget is 1.5 s plus twice the flushes of the M = 1 cases (3 repeats + 1 warm-up).
     budget = 1.5 + 2 * len(kn.PATHS) * (3 + 1) * kn._Timer("cpu", "cpu").flush_s
@@ -319,10 +320,27 @@ def test_budget_skips_what_does_not_fit() -> None:
     assert len(small) == len(big) == len(kn.PATHS)
     assert all(r.skipped is None and r.ms is not None for r in small)
     skipped = [r for r in big if r.skipped is not None]
-    assert any(r.path.startswith("int8") for r in skipped)
+    assert skipped
     for r in skipped:
         assert r.skipped.startswith("over budget"), r.skipped
         assert r.ms is None and r.tflops is None and r.speedup is None and r.max_rel_err is None
+    for r in big:  # what was timed fitted: its repeats alone inside the budget
+        assert r.ms is None or r.ms * 1e-3 * kn.MIN_REPEATS < budget, r
+
+
+def test_a_large_m_is_predicted_from_a_rate_measured_near_it_not_scaled_from_m_1() -> None:
+    """M = 1's time is mostly the fixed cost of a call: scaled by FLOPs to M = 2^17 it predicts seconds a call for
+    a GEMM that takes milliseconds, and a budget that fits the real case would skip it. Calls at growing M learn
+    the rate first, so the case is measured."""
+    flush_s = kn._Timer("cpu", "cpu").flush_s
+    budget = 2.0 + 10 * flush_s
+    recs = kn.run_benchmarks([(64, 64)], ms=(1, 1 << 17), paths=["baseline"], budget_s_per_shape=budget,
+                             repeats=3)
+    one, big = recs
+    scaled_s = one.ms * 1e-3 * (1 << 17) * (kn.DEFAULT_WARMUP["cpu"] + kn.MIN_REPEATS + 1)
+    assert scaled_s > budget  # the old prediction would skip it (one M = 1 call: tens of microseconds)
+    assert big.skipped is None and big.ms is not None, big.skipped
+    assert big.ms * 1e-3 * 4 < budget  # and it really fits
 
 
 def test_baselines_then_native_paths_then_emulated_ones_within_a_shape() -> None:
