@@ -707,16 +707,19 @@ def run_benchmarks(
         last fits a quarter of what is left. A rate is FLOP/s, which a small M's fixed cost per call drags down:
         scaled from M = 1 to M = 2^17 it can predict a minute for a 20 ms call and skip a case that fits."""
         m, n, k = x.shape[0], ops.n, ops.k
+
+        def probe(rows: int, calls: int = 1) -> None:  # the rate of the last of ``calls`` calls at ``rows``
+            fn = _build_case(ops, path, x[:rows], kind).fn
+            for _ in range(calls - 1):
+                fn()
+            rates[path] = (rows, 2.0 * rows * n * k / max(timer.once_s(fn), 1e-9))
+
         if path not in rates:
-            rows = min(m, _PROBE_ROWS)
-            probe = _build_case(ops, path, x[:rows], kind)
-            timer.once_s(probe.fn)  # the very first call pays library set-up
-            rates[path] = (rows, 2.0 * rows * n * k / max(timer.once_s(probe.fn), 1e-9))
+            probe(min(m, _PROBE_ROWS), calls=2)  # the very first call pays library set-up
         while (rows := rates[path][0] * _PROBE_STEP) < m:
             if 2.0 * rows * n * k / rates[path][1] > left_s() / 4:
                 break  # the case's need comes from the last rate: an upper bound
-            probe = _build_case(ops, path, x[:rows], kind)
-            rates[path] = (rows, 2.0 * rows * n * k / max(timer.once_s(probe.fn), 1e-9))
+            probe(rows)
 
     def measure(
         ops: _ShapeOperands, x: torch.Tensor, path: str, left_s: Callable[[], float]

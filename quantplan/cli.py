@@ -344,11 +344,10 @@ def cmd_up(args) -> int:
               f"(database {s.database_url}, worker queues {s.worker_queues}). Ctrl-C stops it.\n", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(1)
-        names = dict(zip(procs, ("worker", "app"), strict=True))
-        ended = next(p for p in procs if p.returncode is not None)
-        others = " and ".join(names[p] for p in procs if p is not ended)
-        print(f"quantplan: the {names[ended]} exited (code {ended.returncode}); stopping the {others}.",
-              file=sys.stderr, flush=True)
+        names = ("worker", "app")
+        ended = next(i for i, p in enumerate(procs) if p.returncode is not None)
+        print(f"quantplan: the {names[ended]} exited (code {procs[ended].returncode}); stopping the "
+              f"{names[1 - ended]}.", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
     finally:
