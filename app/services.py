@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from quantcore.kernels import SKIP_FAILED, SKIP_OVER_BUDGET
 from quantcore.stats import LayerStats
 from store import cache, repo
 from store.datasets import add_text_file
@@ -525,7 +526,7 @@ def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
 
     missing = list(dict.fromkeys([*est["missing_prefill"], *est["missing_decode"]]))
     why = {**est.get("skipped_prefill", {}), **est.get("skipped_decode", {})}
-    over = [n for n in missing if why.get(n, "").startswith(repo.OVER_BUDGET)]
+    over = [n for n in missing if why.get(n, "").startswith(SKIP_OVER_BUDGET)]
     cannot = [n for n in missing if n in why and n not in over]
     unmeasured = [n for n in missing if n not in why]
     gpus = f" on {plan_tp} GPUs" if plan_tp > 1 else ""
@@ -719,8 +720,8 @@ def no_time_notes(ms, skipped) -> list[str]:
     notes = []
     for t, why in zip(ms, skipped, strict=True):
         why = "" if pd.isna(why) else str(why)  # None and NaN alike
-        notes.append("" if not pd.isna(t) else "skipped" if why.startswith(repo.OVER_BUDGET) else
-                     "failed" if why.startswith("failed") else "")
+        notes.append("" if not pd.isna(t) else "skipped" if why.startswith(SKIP_OVER_BUDGET) else
+                     "failed" if why.startswith(SKIP_FAILED) else "")
     return notes
 
 

@@ -79,6 +79,12 @@ PATH_W4_G32 = "w4_g32"
 PATH_W4_CH = "w4_ch"
 QUANT_ACT_SUFFIX = "+q"
 
+#: How a case's ``skipped`` reason begins; the store and the app tell the three apart by these prefixes:
+#: the device cannot run the path (final), the case did not fit its time budget, or the kernel raised.
+SKIP_NOT_SUPPORTED = "not supported"
+SKIP_OVER_BUDGET = "over budget"
+SKIP_FAILED = "failed"
+
 #: Paths whose activations stay in the baseline dtype (no ``+q`` variant).
 WEIGHT_ONLY_PATHS: tuple[str, ...] = (PATH_W8_ROW, PATH_W4_G128, PATH_W4_G64, PATH_W4_G32, PATH_W4_CH)
 BASE_PATHS: tuple[str, ...] = (PATH_BASELINE, PATH_FP8_TENSOR, PATH_FP8_ROW, PATH_INT8_ROW, *WEIGHT_ONLY_PATHS)
@@ -729,7 +735,7 @@ def run_benchmarks(
         bp = base_path(path)
         sup = support[bp]
         if not sup.runs:
-            return {"native": False, "skipped": f"not supported on {kind}: {sup.note}"}
+            return {"native": False, "skipped": f"{SKIP_NOT_SUPPORTED} on {kind}: {sup.note}"}
         flops = 2.0 * m * n * k
         budget = f"{budget_s_per_shape:g} s for shape N={n} K={k}"
         try:
@@ -738,7 +744,7 @@ def run_benchmarks(
             if need > (left := left_s()):
                 return {
                     "native": sup.native,
-                    "skipped": (f"over budget: ~{_secs(need)} needed, " + (f"{_secs(left)} left of {budget}"
+                    "skipped": (f"{SKIP_OVER_BUDGET}: ~{_secs(need)} needed, " + (f"{_secs(left)} left of {budget}"
                                 if left > 0 else f"the shape's earlier cases took all {budget}")),
                 }
             case = _build_case(ops, path, x, kind)
@@ -751,7 +757,7 @@ def run_benchmarks(
                 return {
                     "native": sup.native,
                     "skipped": (
-                        f"over budget: one call takes {t1:.2f} s, {min_rep} repeats do not fit in the "
+                        f"{SKIP_OVER_BUDGET}: one call takes {t1:.2f} s, {min_rep} repeats do not fit in the "
                         f"{max(left_s(), 0):.1f} s left of {budget}"
                     ),
                 }
@@ -759,7 +765,7 @@ def run_benchmarks(
             rows = _err_rows(m, dev)
             err = _max_rel_err(case.fn()[rows], case.emulate(rows))
         except (RuntimeError, ValueError) as exc:  # a kernel this torch build or shape refuses
-            return {"native": False, "skipped": f"failed on {kind}: {torch_error_text(exc)}"}
+            return {"native": False, "skipped": f"{SKIP_FAILED} on {kind}: {torch_error_text(exc)}"}
         rates[path] = (m, flops / (t_ms * 1e-3))
         tflops = flops / (t_ms * 1e-3) / 1e12
         peak = peaks.get(peak_key[bp]) if kind == "cuda" else None

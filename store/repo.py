@@ -15,6 +15,7 @@ import numpy as np
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from quantcore.kernels import SKIP_NOT_SUPPORTED, SKIP_OVER_BUDGET
 from quantcore.stats import LayerStats
 from store import models as m
 from store.records import (
@@ -618,7 +619,6 @@ def kernel_results(session: Session, *, device_name: str | None = None, torch_ve
             for r in session.scalars(q)]
 
 
-OVER_BUDGET = "over budget"  # how quantcore.kernels begins the reason of a case that did not fit its time budget
 
 
 def newest_kernel_results(session: Session, *, device_name: str, torch_version: str | None = None,
@@ -634,8 +634,8 @@ def newest_kernel_results(session: Session, *, device_name: str, torch_version: 
     over_budget: dict[tuple[int, int, int, str], KernelRecordRow] = {}
     for r in kernel_results(session, device_name=device_name, torch_version=torch_version):  # newest first
         case = (r.m, r.n, r.k, r.path)
-        if usable_only and r.skipped and not r.skipped.startswith("not supported"):
-            if r.skipped.startswith(OVER_BUDGET):
+        if usable_only and r.skipped and not r.skipped.startswith(SKIP_NOT_SUPPORTED):
+            if r.skipped.startswith(SKIP_OVER_BUDGET):
                 over_budget.setdefault(case, r)
             continue
         newest.setdefault(case, r)
