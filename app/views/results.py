@@ -22,6 +22,7 @@ if model.causal_lm is False:
 
 presets = svc.preset_options(model)
 plans = svc.list_plans(model.id)
+scores = svc.list_scores(model.id)  # newest first
 SAID = f"results_said_{model.id}"  # (kind, text) of what the last Queue did, shown below the form
 
 
@@ -36,7 +37,8 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
     options = [f"preset:{p}" for p in presets] + [f"plan:{p.id}" for p in plans]
     labels = {f"preset:{k}": k for k in presets} | {f"plan:{p.id}": f"plan {p.label}" for p in plans}
     chosen_plans = c1.multiselect("Plans (one score job each, scored on the same tokens)", options,
-                                  default=["preset:FP8_DYNAMIC"], format_func=labels.get,
+                                  default=[svc.default_score_choice(plans, (s.plan_id for s in scores))],
+                                  format_func=labels.get,
                                   key=f"score_what_{model.id}")  # keyed per model: its plans are its own
     samples = c2.number_input("Sequences", 1, 1024, 16, key="score_samples")
     seq_len = c3.number_input("Tokens each", 16, 8192, 256, step=16, key="score_seq_len")
@@ -158,7 +160,6 @@ if size:
                f"({int(samples) * (int(seq_len) - 1):,} positions × a {svc.vocab_size(model):,}-token vocabulary × "
                "2 bytes). Large vocabularies (Gemma's 262k) make this the size to watch.")
 
-scores = svc.list_scores(model.id)
 st.subheader(f"Scored plans ({len(scores)})")
 if not scores:
     st.info("Nothing scored yet for this model.")

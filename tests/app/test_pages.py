@@ -2083,3 +2083,18 @@ def test_what_queueing_did_stays_on_the_page_when_it_redraws(seeded):
     assert note in [w.value for w in at.warning]
     at.run()  # a redraw, as when the score job ends
     assert note in [w.value for w in at.warning] and any(m.value.startswith("Queued score job") for m in at.success)
+
+
+def test_the_score_form_offers_the_plan_just_saved_until_it_is_scored(seeded) -> None:
+    from app import services as svc
+
+    at = _run("results", seeded.id)
+    assert at.multiselect(key=f"score_what_{seeded.id}").value == ["preset:FP8_DYNAMIC"]  # no plan saved yet
+    older = svc.save_plan(seeded.id, "older", {"model": seeded.name, "default": "W8A16"})
+    newest = svc.save_plan(seeded.id, "mlp-int8", {"model": seeded.name, "default": "INT8_W8A8"})
+    at = _run("results", seeded.id)
+    assert at.multiselect(key=f"score_what_{seeded.id}").value == [f"plan:{newest.id}"]
+    _add_score(seeded.id, newest.label, newest.body, 0.02, plan_id=older.id)  # another plan's score changes nothing
+    assert _run("results", seeded.id).multiselect(key=f"score_what_{seeded.id}").value == [f"plan:{newest.id}"]
+    _add_score(seeded.id, newest.label, newest.body, 0.02, plan_id=newest.id)
+    assert _run("results", seeded.id).multiselect(key=f"score_what_{seeded.id}").value == ["preset:FP8_DYNAMIC"]
