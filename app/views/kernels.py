@@ -151,8 +151,9 @@ plans = svc.list_plans(model.id)
 options = [f"preset:{s}" for s in list_schemes()] + [f"plan:{p.id}" for p in plans]
 plan_labels = {f"preset:{s}": f"{s} on every layer" for s in list_schemes()} | {
     f"plan:{p.id}": f"plan {p.label}" for p in plans}
-choice = st.selectbox("Plan", options, index=options.index("preset:FP8_DYNAMIC"), format_func=plan_labels.get,
-                      key="kernels_plan")
+newest = max(plans, key=lambda p: p.id, default=None)  # the plan saved last, else a preset
+choice = st.selectbox("Plan", options, index=options.index(f"plan:{newest.id}" if newest else "preset:FP8_DYNAMIC"),
+                      format_func=plan_labels.get, key=f"kernels_plan_{model.id}")  # per model: its plans are its own
 c1, c2 = st.columns(2)
 m_prefill = c1.selectbox("Prefill M (batch × prompt tokens)", available_m, index=len(available_m) - 1,
                          key="kernels_m_prefill")

@@ -337,14 +337,31 @@ def test_kernels_page_says_which_layers_it_counts_at_the_baseline(seeded):
     model = svc.get_model(seeded.id)
     assert svc.untimed_schemes(model, {"default": "FP8_DYNAMIC"}) == {}
     assert svc.untimed_schemes(model, {"default": "W4A16"}) == {}  # the INT4 weight-only kernel times it
-    at = _run("kernels", seeded.id)
-    assert not any("no kernel quantplan times" in c.value for c in at.caption)
     assert svc.untimed_schemes(model, {"default": "NVFP4"}, ["lm_head"]) == {"NVFP4": 1}  # only the layers counted
-    at.selectbox(key="kernels_plan").set_value(f"plan:{plan.id}").run()
+    at = _run("kernels", seeded.id)
     assert not at.exception
+    assert at.selectbox(key=f"kernels_plan_{seeded.id}").value == f"plan:{plan.id}"  # the plan saved last
     caption = next(c.value for c in at.caption if "no kernel quantplan times" in c.value)
     assert "count them at the baseline's time" in caption
     assert caption.startswith(f"{3 * 4} layer(s) of this plan (NVFP4: 12) are in formats no kernel")  # 3 MLP x 4
+    at.selectbox(key=f"kernels_plan_{seeded.id}").set_value("preset:FP8_DYNAMIC").run()
+    assert not any("no kernel quantplan times" in c.value for c in at.caption)
+
+
+def test_the_kernels_page_estimates_each_models_own_plan(seeded):
+    """The step estimate starts on the model's plan saved last (a preset when it has none); another model's plan
+    is never offered, nor estimated on this one's shapes."""
+    from app import services as svc
+
+    other = _add_other_model(seeded)
+    mine = svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "W8A16"})
+    at = _run("kernels", seeded.id)
+    assert at.selectbox(key=f"kernels_plan_{seeded.id}").value == f"plan:{mine.id}"
+    at.selectbox(key=f"kernels_plan_{seeded.id}").set_value("preset:INT8_W8A8").run()
+    at.selectbox(key="sidebar_model").set_value(other.id).run()
+    assert not at.exception
+    assert at.selectbox(key=f"kernels_plan_{other.id}").value == "preset:FP8_DYNAMIC"  # it has no plan
+    assert f"plan:{mine.id}" not in at.selectbox(key=f"kernels_plan_{other.id}").options
 
 
 def test_kernels_page_warns_of_timings_taken_with_warm_caches(seeded):
@@ -1015,9 +1032,9 @@ def test_kernels_page_step_says_what_it_rests_on(seeded):
     assert not at.exception
     # the default plan, FP8_DYNAMIC: fp8_row+q, which the seeded Test CPU does not run natively
     assert any(w.value.startswith("This plan's fp8_row+q path(s) are not native on Test CPU") for w in at.warning)
-    at.selectbox(key="kernels_plan").set_value("preset:BF16").run()
+    at.selectbox(key=f"kernels_plan_{seeded.id}").set_value("preset:BF16").run()
     assert not any(w.value.startswith("This plan's") for w in at.warning)
-    at.selectbox(key="kernels_plan").set_value("preset:W4A16").run()  # no w4_g128 timings stored
+    at.selectbox(key=f"kernels_plan_{seeded.id}").set_value("preset:W4A16").run()  # no w4_g128 timings stored
     assert not at.exception
     steps = {m.label: m.value for m in at.metric if m.label.startswith(("Prefill", "Decode"))}
     assert steps == {"Prefill (M=16)": "not measured", "Decode (M=1)": "not measured"}
