@@ -695,12 +695,17 @@ def score_sets(scores: list[ScoreRecord]) -> list[tuple[str, int]]:
     return [key for key, _ in Counter((s.dataset, s.tokens) for s in scores).most_common()]
 
 
+def newest_plan(plans: list[PlanRecord]) -> PlanRecord | None:
+    """The plan saved last (any name), which the Results and Kernels pages start on; None without plans."""
+    return max(plans, key=lambda p: p.id, default=None)
+
+
 def default_score_choice(plans: list[PlanRecord], scored_plan_ids: Iterable[int | None],
                          preset: str = "FP8_DYNAMIC") -> str:
     """What the Results page's score form offers before anything is picked: the newest saved plan (the one a
     person just saved on the Plans page) while it has no score, else ``preset``; as the form's option keys
     (``plan:<id>`` / ``preset:<name>``)."""
-    newest = max(plans, key=lambda p: p.id, default=None)
+    newest = newest_plan(plans)
     if newest is not None and newest.id not in set(scored_plan_ids):
         return f"plan:{newest.id}"
     return f"preset:{preset}"

@@ -151,7 +151,7 @@ plans = svc.list_plans(model.id)
 options = [f"preset:{s}" for s in list_schemes()] + [f"plan:{p.id}" for p in plans]
 plan_labels = {f"preset:{s}": f"{s} on every layer" for s in list_schemes()} | {
     f"plan:{p.id}": f"plan {p.label}" for p in plans}
-newest = max(plans, key=lambda p: p.id, default=None)  # the plan saved last, else a preset
+newest = svc.newest_plan(plans)  # else a preset
 choice = st.selectbox("Plan", options, index=options.index(f"plan:{newest.id}" if newest else "preset:FP8_DYNAMIC"),
                       format_func=plan_labels.get, key=f"kernels_plan_{model.id}")  # per model: its plans are its own
 c1, c2 = st.columns(2)
