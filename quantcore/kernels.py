@@ -153,6 +153,26 @@ ERR_MAX_ROWS = 256  # rows of the output compared with the float64 emulation (ev
 
 DEFAULT_MS: tuple[int, ...] = (1, 16, 128, 2048)
 DEFAULT_BUDGET_S = 60.0  # wall-clock seconds per (N, K) shape, all M and paths together
+
+
+def parse_ms(text: str) -> list[int]:
+    """The M values (batch x tokens) a person types, ``"1,16,128"``: sorted, each once, empty items passed over.
+    ValueError says which item is not a positive integer, before any job is queued."""
+    ms: set[int] = set()
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"M values are positive integers separated by commas (batch x tokens), e.g. "
+                             f"1,16,128: {item!r} is not one")
+        ms.add(value)
+    if not ms:
+        raise ValueError("no M value given: type positive integers separated by commas, e.g. 1,16,128")
+    return sorted(ms)
 DEFAULT_REPEATS = {"cpu": 5, "cuda": 50}
 DEFAULT_WARMUP = {"cpu": 1, "cuda": 10}
 MIN_REPEATS = 3  # fewer timed calls than this and the median means little: skip instead

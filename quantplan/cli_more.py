@@ -206,7 +206,15 @@ def cmd_sensitivity(args) -> int:
 def cmd_bench(args) -> int:
     _checked_settings()
     model = _model(args.model) if args.model else None
-    ms = [int(x) for x in args.m.split(",")] if args.m else None
+    if args.m is not None:
+        from quantcore.kernels import parse_ms
+
+        try:
+            ms = parse_ms(args.m)
+        except ValueError as exc:
+            raise CliError(f"--m: {exc}") from exc
+    else:
+        ms = None
     params: dict[str, Any] = {"device": args.device, "m": ms, "budget_s": args.budget, "force": args.force}
     if args.tensor_parallel:
         from quantcore.parallel import parse_tp

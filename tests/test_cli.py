@@ -1435,3 +1435,14 @@ def test_a_score_of_a_stored_plan_names_the_version_it_measured(tiny_model, caps
     scored = run_job_here("score", {"samples": 2, "seq_len": 32}, model_id=svc.get_model("tiny").id,
                           plan_id=second["id"], local=True, quiet=True)  # as the Results page queues a plan
     assert scored.result["plan"] == "mine v2"  # which version of the plan was measured
+
+
+def test_bench_m_values_that_are_not_positive_integers_are_refused_before_any_job(tiny_model, capsys):
+    from app import services as svc
+
+    jobs = len(svc.list_jobs(limit=100))
+    for bad, named in (("abc", "'abc' is not one"), ("1,0", "'0' is not one"), ("16,-2", "'-2' is not one"),
+                       ("1.5", "'1.5' is not one"), (",", "no M value given")):
+        code, _, err = run(capsys, "bench", "tiny", "--local", "--m", bad)
+        assert code == 1 and err.startswith("quantplan: --m: ") and named in err and "Traceback" not in err, err
+    assert len(svc.list_jobs(limit=100)) == jobs  # nothing queued, nothing run

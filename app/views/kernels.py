@@ -10,6 +10,7 @@ import streamlit as st
 from app import charts, live, state
 from app import services as svc
 from quantcore.kernels import PATHS as KERNEL_PATHS
+from quantcore.kernels import parse_ms
 from quantcore.schemes import list_schemes
 
 st.title("Kernels")
@@ -42,9 +43,7 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
                    "expert at that M, times the chance a step touches it (tokens routed evenly).")
     if st.form_submit_button("Queue benchmark", type="primary"):
         try:
-            m_values = [int(x) for x in ms.split(",") if x.strip()]
-            if not m_values or min(m_values) < 1:
-                raise ValueError("M values must be positive integers, e.g. 1,16,128")
+            m_values = parse_ms(ms)
             params = {"device": device, "m": m_values, "budget_s": float(budget),
                       **({"tensor_parallel": bench_tp} if bench_tp > 1 else {})}
             if queue.strip():

@@ -395,6 +395,21 @@ def test_kernels_page_queues_a_benchmark_split_over_gpus(seeded):
     assert job.status == "queued" and job.params["tensor_parallel"] == 3 and job.model_id == seeded.id
 
 
+def test_kernels_page_names_an_m_value_it_cannot_read_and_queues_nothing(seeded):
+    from app import services as svc
+
+    at = _run("kernels", seeded.id)
+    at.text_input(key="bench_m").set_value("1,16,abc")
+    next(b for b in at.button if b.label == "Queue benchmark").click().run()
+    assert not at.exception and not svc.list_jobs(kind="bench", status=("queued",))
+    assert [e.value for e in at.error] == ["M values are positive integers separated by commas (batch x tokens), "
+                                           "e.g. 1,16,128: 'abc' is not one"]
+    at.text_input(key="bench_m").set_value("128, 1,16,")
+    next(b for b in at.button if b.label == "Queue benchmark").click().run()
+    job = max((j for j in svc.list_jobs(kind="bench")), key=lambda j: j.id)
+    assert job.status == "queued" and job.params["m"] == [1, 16, 128]
+
+
 def test_kernels_page_names_the_paths_a_device_does_not_run_natively(seeded):
     """A CPU with VNNI runs INT8 natively but not FP8: the page says which cells read n/a and why."""
     from store import repo

@@ -701,3 +701,15 @@ def test_step_estimate_counts_a_nan_time_as_missing(hand_records: list[kn.Kernel
     est = kn.step_estimate(recs, {"c": (16, 32)}, {"c": "int8_row"}, m_prefill=128, m_decode=1)
     assert est["decode_ms"] == 0.0 and est["missing_decode"] == ["c"]
     assert est["prefill_ms"] == pytest.approx(1.0) and math.isfinite(est["speedup_prefill"])
+
+
+def test_m_values_are_parsed_sorted_once_each_and_bad_ones_named() -> None:
+    from quantcore.kernels import parse_ms
+
+    assert parse_ms("1,16,128,2048") == [1, 16, 128, 2048]
+    assert parse_ms(" 128, 1,,16 ,1, ") == [1, 16, 128]  # spaces and empty items pass, each M once, sorted
+    for bad, named in (("abc", "'abc'"), ("1,0", "'0'"), ("-4", "'-4'"), ("2.5", "'2.5'"), ("1;16", "'1;16'")):
+        with pytest.raises(ValueError, match=f"{named} is not one"):
+            parse_ms(bad)
+    with pytest.raises(ValueError, match="no M value given"):
+        parse_ms(" , ")
