@@ -557,6 +557,8 @@ def test_asking_the_same_automatic_plan_twice_keeps_one_version(tiny_model, caps
     from app import services as svc
 
     assert [p.version for p in svc.list_plans(svc.get_model("tiny").id) if p.name == "auto-h100-kl1000"] == [1]
+    spaced = run_json(capsys, *args, "--candidates", "INT8_PER_TENSOR, BF16", "--no-verify")  # as people type lists
+    assert spaced["plan_id"] == first["plan_id"]
 
 
 def test_plan_show_prints_the_weight_memory_of_a_plan(tiny_model, capsys, tmp_path):
