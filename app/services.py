@@ -1724,6 +1724,8 @@ def job_what(job: JobRecord, plan_labels: dict[int, str] | None = None) -> str:
     if job.kind == "bench":
         parts.append(" ".join(x for x in (p.get("device") or "", f"M {','.join(map(str, p['m']))}" if p.get("m")
                                           else "") if x))
+        if paths := p.get("paths"):  # a chosen subset (all paths when absent)
+            parts.append(", ".join(paths) if len(paths) <= 3 else f"{len(paths)} paths")
     return " · ".join(x for x in parts if x)
 
 

@@ -190,7 +190,8 @@ def quantizes_activation(path: str) -> bool:
     return path.endswith(QUANT_ACT_SUFFIX)
 
 
-def _check_paths(paths: Iterable[str]) -> list[str]:
+def check_paths(paths: Iterable[str]) -> list[str]:
+    """``paths`` in the order given, each once; ValueError names one that is not a benchmark path."""
     out = []
     for p in paths:
         if p not in PATHS:
@@ -690,7 +691,7 @@ def run_benchmarks(
 
     from quantcore.hardware import device_paths, probe_device, torch_error_text
 
-    want = _check_paths(paths if paths is not None else PATHS)
+    want = check_paths(paths if paths is not None else PATHS)
     if PATH_BASELINE not in want:
         want.insert(0, PATH_BASELINE)
     want.sort(key=PATHS.index)

@@ -216,6 +216,13 @@ def cmd_bench(args) -> int:
     else:
         ms = None
     params: dict[str, Any] = {"device": args.device, "m": ms, "budget_s": args.budget, "force": args.force}
+    if args.paths:
+        from quantcore.kernels import check_paths
+
+        try:
+            params["paths"] = check_paths(p.strip() for p in args.paths.split(",") if p.strip())
+        except ValueError as exc:
+            raise CliError(f"--paths: {exc}") from exc
     if args.tensor_parallel:
         from quantcore.parallel import parse_tp
 
@@ -377,6 +384,8 @@ def add_commands(sub) -> None:
     sp = sub.add_parser("bench", help="time the real FP8 / INT8 GEMMs on the model's shapes")
     sp.add_argument("model", nargs="?", help="registered model (default: SmolLM2-135M's shapes)")
     sp.add_argument("--m", help="comma-separated M values (batch × tokens), default 1,16,128,2048")
+    sp.add_argument("--paths", help="comma-separated kernel paths to time (default: all; the baseline is always "
+                    "timed), e.g. int8_row,int8_row+q,w8_row: leave out the FP8 a CPU only emulates")
     sp.add_argument("--budget", type=float, default=None, help="seconds per shape before a case is skipped "
                     "(default 60); a case skipped under this budget or a larger one is not measured again")
     sp.add_argument("--queue", help="route to this queue (e.g. gpu.sm90); default from the device")

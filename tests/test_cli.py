@@ -1448,3 +1448,18 @@ def test_bench_m_values_that_are_not_positive_integers_are_refused_before_any_jo
         code, _, err = run(capsys, "bench", "tiny", "--local", "--m", bad)
         assert code == 1 and err.startswith("quantplan: --m: ") and named in err and "Traceback" not in err, err
     assert len(svc.list_jobs(limit=100)) == jobs  # nothing queued, nothing run
+
+
+def test_bench_paths_times_those_and_the_baseline_and_refuses_an_unknown_one_before_any_job(tiny_model, capsys):
+    from app import services as svc
+
+    records = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--paths",
+                       "int8_row+q, w8_row", "--json")
+    assert {r["path"] for r in records} == {"baseline", "int8_row+q", "w8_row"}
+    assert all(r["speedup"] is not None for r in records if r["ms"] is not None)  # against the baseline beside them
+    job = max(svc.list_jobs(kind="bench"), key=lambda j: j.id)
+    assert job.params["paths"] == ["int8_row+q", "w8_row"] and "int8_row+q, w8_row" in svc.jobs_what([job])[job.id]
+    jobs = len(svc.list_jobs(limit=100))
+    code, _, err = run(capsys, "bench", "tiny", "--local", "--m", "1", "--paths", "int8_row,fp16")
+    assert code == 1 and err.startswith("quantplan: --paths: unknown kernel path 'fp16'") and "Traceback" not in err
+    assert len(svc.list_jobs(limit=100)) == jobs

@@ -37,6 +37,11 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
     bench_tp = int(c5.number_input("GPUs (tensor parallel)", 1, 1024, 1, key="bench_tp",
                                    help="Time each GPU's share of every layer, as vLLM splits it over this many "
                                         "GPUs: the shapes a plan for that many GPUs runs (Plans page)."))
+    timed_paths = [p for p in KERNEL_PATHS if p != "baseline"]
+    paths = st.multiselect("Paths", timed_paths, default=timed_paths, key="bench_paths",
+                           help="The kernel paths to time; the baseline always is (speed-ups need it). A CPU only "
+                                "emulates FP8: leaving those four out gives their budget to INT8 and the weight-only "
+                                "kernels.")
     if svc.routed_layers(model):
         st.caption("A routed expert runs on a share of each step's tokens: the benchmark also times every shape at "
                    "the M one touched expert gets at each of your M values, and the step estimate below counts each "
@@ -44,8 +49,11 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
     if st.form_submit_button("Queue benchmark", type="primary"):
         try:
             m_values = parse_ms(ms)
+            if not paths:
+                raise ValueError("choose at least one kernel path to time against the baseline")
             params = {"device": device, "m": m_values, "budget_s": float(budget),
-                      **({"tensor_parallel": bench_tp} if bench_tp > 1 else {})}
+                      **({"tensor_parallel": bench_tp} if bench_tp > 1 else {}),
+                      **({"paths": [p for p in timed_paths if p in paths]} if set(paths) != set(timed_paths) else {})}
             if queue.strip():
                 params["queue"] = queue.strip()
             job = svc.submit("bench", params, model_id=model.id)

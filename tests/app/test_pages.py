@@ -410,6 +410,28 @@ def test_kernels_page_names_an_m_value_it_cannot_read_and_queues_nothing(seeded)
     assert job.status == "queued" and job.params["m"] == [1, 16, 128]
 
 
+def test_kernels_page_queues_the_paths_chosen_and_all_of_them_by_default(seeded):
+    from app import services as svc
+    from quantcore.kernels import PATHS
+
+    def queue(paths=None):
+        at = _run("kernels", seeded.id)
+        if paths is not None:
+            at.multiselect(key="bench_paths").set_value(paths)
+        next(b for b in at.button if b.label == "Queue benchmark").click().run()
+        assert not at.exception
+        return at, max(svc.list_jobs(kind="bench"), key=lambda j: j.id)
+
+    at, job = queue()
+    assert at.multiselect(key="bench_paths").value == [p for p in PATHS if p != "baseline"]
+    assert job.status == "queued" and "paths" not in job.params  # every path, as the worker reads no "paths"
+    _, job = queue(["w8_row", "int8_row"])
+    assert job.params["paths"] == ["int8_row", "w8_row"]  # in the benchmark's order
+    at, newest = queue([])
+    assert newest.id == job.id  # nothing queued
+    assert [e.value for e in at.error] == ["choose at least one kernel path to time against the baseline"]
+
+
 def test_kernels_page_names_the_paths_a_device_does_not_run_natively(seeded):
     """A CPU with VNNI runs INT8 natively but not FP8: the page says which cells read n/a and why."""
     from store import repo
