@@ -153,6 +153,21 @@ ERR_MAX_ROWS = 256  # rows of the output compared with the float64 emulation (ev
 
 DEFAULT_MS: tuple[int, ...] = (1, 16, 128, 2048)
 DEFAULT_BUDGET_S = 60.0  # wall-clock seconds per (N, K) shape, all M and paths together
+DEFAULT_REPEATS = {"cpu": 5, "cuda": 50}
+DEFAULT_WARMUP = {"cpu": 1, "cuda": 10}
+MIN_REPEATS = 3  # fewer timed calls than this and the median means little: skip instead
+_PROBE_ROWS = 16  # rows of the cheap call that estimates a path's rate before its first case
+_PROBE_STEP = 4  # a case's cost is predicted from a rate measured at no less than 1/4 of its M
+
+
+def base_path(path: str) -> str:
+    """``"fp8_row+q"`` -> ``"fp8_row"``; base paths are returned unchanged."""
+    return path[: -len(QUANT_ACT_SUFFIX)] if path.endswith(QUANT_ACT_SUFFIX) else path
+
+
+def quantizes_activation(path: str) -> bool:
+    """Whether ``path`` times the on-the-fly activation quantization (the ``+q`` variants)."""
+    return path.endswith(QUANT_ACT_SUFFIX)
 
 
 def parse_ms(text: str) -> list[int]:
@@ -173,21 +188,6 @@ def parse_ms(text: str) -> list[int]:
     if not ms:
         raise ValueError("no M value given: type positive integers separated by commas, e.g. 1,16,128")
     return sorted(ms)
-DEFAULT_REPEATS = {"cpu": 5, "cuda": 50}
-DEFAULT_WARMUP = {"cpu": 1, "cuda": 10}
-MIN_REPEATS = 3  # fewer timed calls than this and the median means little: skip instead
-_PROBE_ROWS = 16  # rows of the cheap call that estimates a path's rate before its first case
-_PROBE_STEP = 4  # a case's cost is predicted from a rate measured at no less than 1/4 of its M
-
-
-def base_path(path: str) -> str:
-    """``"fp8_row+q"`` -> ``"fp8_row"``; base paths are returned unchanged."""
-    return path[: -len(QUANT_ACT_SUFFIX)] if path.endswith(QUANT_ACT_SUFFIX) else path
-
-
-def quantizes_activation(path: str) -> bool:
-    """Whether ``path`` times the on-the-fly activation quantization (the ``+q`` variants)."""
-    return path.endswith(QUANT_ACT_SUFFIX)
 
 
 def check_paths(paths: Iterable[str]) -> list[str]:
