@@ -32,7 +32,10 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
     c1, c2, c3, c4, c5 = st.columns([2, 3, 2, 3, 2])
     device = c1.selectbox("Device", ["cpu", "cuda"], key="bench_device")
     ms = c2.text_input("M values (batch × tokens)", "1,16,128,2048", key="bench_m")
-    budget = c3.number_input("CPU budget per shape (s)", 5, 3600, 60, key="bench_budget")
+    budget = c3.number_input("Budget per shape (s)", 5, 3600, 60, key="bench_budget",
+                             help="Wall-clock seconds for all M values and paths of one (N, K) shape, on any device: "
+                                  "a case predicted not to fit in what is left is skipped and reported \"over "
+                                  "budget\", and measured when asked again with a larger budget.")
     queue = c4.text_input("Queue (optional, e.g. gpu.sm90)", "", key="bench_queue")
     bench_tp = int(c5.number_input("GPUs (tensor parallel)", 1, 1024, 1, key="bench_tp",
                                    help="Time each GPU's share of every layer, as vLLM splits it over this many "
