@@ -203,11 +203,24 @@ def cmd_models_cache(args) -> int:
     return 0
 
 
+def check_at_least(option: str, value: int, least: int, why: str = "") -> int:
+    """``value`` of ``--option``, refused before any job is made when below ``least``."""
+    if value < least:
+        raise CliError(f"--{option.replace('_', '-')} must be at least {least}{why}, got {value}")
+    return value
+
+
+def text_sizes(args, *, scored: bool) -> dict[str, int]:
+    """--samples / --seq-len as a job's params; a scored sequence needs two tokens (the first predicts nothing)."""
+    return {"samples": check_at_least("samples", args.samples, 1),
+            "seq_len": check_at_least("seq_len", args.seq_len, 2 if scored else 1,
+                                      " (a sequence's first token is predicted by nothing)" if scored else "")}
+
+
 def cmd_calibrate(args) -> int:
     _checked_settings()
     model = _model(args.model)
-    params = {"samples": args.samples, "seq_len": args.seq_len, "device": args.device,
-              **_dataset_param(args.text, "calibration")}
+    params = {**text_sizes(args, scored=False), "device": args.device, **_dataset_param(args.text, "calibration")}
     job = _run("calibrate", params, model_id=model.id, local=args.local, quiet=args.json)
     from store import repo
     from store.db import session_scope

@@ -19,9 +19,11 @@ from quantplan.cli import (
     add_ideal_options,
     add_run_options,
     add_text_job_options,
+    check_at_least,
     check_target,
     kv_format_arg,
     scheme_arg,
+    text_sizes,
 )
 
 
@@ -42,9 +44,7 @@ def _calibration_params(args) -> dict[str, Any]:
         out["cal_dataset"] = _dataset_param(args.cal_text, "calibration")["dataset"]
     for key, value in (("cal_samples", args.cal_samples), ("cal_seq_len", args.cal_seq_len)):
         if value is not None:
-            if value < 1:
-                raise CliError(f"--{key.replace('_', '-')} must be at least 1, got {value}")
-            out[key] = value
+            out[key] = check_at_least(key, value, 1)
     return out
 
 
@@ -58,7 +58,7 @@ def add_calibration_options(sp) -> None:
 def cmd_score(args) -> int:
     _checked_settings()
     model = _model(args.model)
-    base: dict[str, Any] = {"samples": args.samples, "seq_len": args.seq_len, "device": args.device,
+    base: dict[str, Any] = {**text_sizes(args, scored=True), "device": args.device,
                             **_dataset_param(args.text, "evaluation"), **_calibration_params(args)}
     if args.kv_cache:
         base["kv_cache"] = kv_format_arg(args.kv_cache)
@@ -175,9 +175,8 @@ def cmd_sensitivity(args) -> int:
         if why := svc.same_on_any_gpus(what["scheme"], gpus["tensor_parallel"]):
             print(f"note: {why}", file=sys.stderr)
             gpus = {}
-    params = {**what, "samples": args.samples, "seq_len": args.seq_len, "device": args.device,
-              "groups": not args.no_groups, **_dataset_param(args.text, "evaluation"), **_calibration_params(args),
-              **gpus}
+    params = {**what, **text_sizes(args, scored=True), "device": args.device, "groups": not args.no_groups,
+              **_dataset_param(args.text, "evaluation"), **_calibration_params(args), **gpus}
     job = _run("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json)
     swept = job.result["scheme"]
     from store import repo

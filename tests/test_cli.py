@@ -1463,3 +1463,19 @@ def test_bench_paths_times_those_and_the_baseline_and_refuses_an_unknown_one_bef
     code, _, err = run(capsys, "bench", "tiny", "--local", "--m", "1", "--paths", "int8_row,fp16")
     assert code == 1 and err.startswith("quantplan: --paths: unknown kernel path 'fp16'") and "Traceback" not in err
     assert len(svc.list_jobs(limit=100)) == jobs
+
+
+def test_text_sizes_a_job_cannot_use_are_refused_before_any_job(tiny_model, capsys):
+    """--samples 0 used to score 16 sequences (0 read as "not given"), and --seq-len 1 or --samples -1 made a job
+    that then failed: each is now refused by name, and nothing is written."""
+    from app import services as svc
+
+    jobs = len(svc.list_jobs(limit=100))
+    for argv, said in ((("score", "tiny", "--scheme", "FP8", "--samples", "0"), "--samples must be at least 1, got 0"),
+                       (("score", "tiny", "--scheme", "FP8", "--seq-len", "1"), "--seq-len must be at least 2"),
+                       (("sensitivity", "tiny", "--scheme", "FP8", "--seq-len", "1"), "--seq-len must be at least 2"),
+                       (("calibrate", "tiny", "--samples", "-1"), "--samples must be at least 1, got -1"),
+                       (("calibrate", "tiny", "--seq-len", "0"), "--seq-len must be at least 1, got 0")):
+        code, _, err = run(capsys, *argv, "--local")
+        assert code == 1 and said in err and "Traceback" not in err, (argv, err)
+    assert len(svc.list_jobs(limit=100)) == jobs
