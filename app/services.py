@@ -538,8 +538,10 @@ def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
         reasons = list(dict.fromkeys(why[n] for n in cannot))
         parts.append(f"{name_list(cannot, 3)} with no time on this device ({'; '.join(reasons[:2])}"
                      + (f"; and {len(reasons) - 2} more reasons" if len(reasons) > 2 else "") + ")")
-    if unmeasured:
-        parts.append(f"{name_list(unmeasured, 3)} not measured: queue a benchmark with these M values{gpus}")
+    if unmeasured:  # the M values were asked for other paths, or never: name both
+        paths = list(dict.fromkeys(est["per_layer"][n]["path"] for n in unmeasured if n in est["per_layer"]))
+        parts.append(f"{name_list(unmeasured, 3)} not measured: queue a benchmark with these M values{gpus}"
+                     + (f" and path{'s' if len(paths) > 1 else ''} {', '.join(paths)}" if paths else ""))
     counts = " and ".join(f"{len(est[f'missing_{step}'])} of the {step}'s (M={est.get(f'm_{step}', '?')})"
                           for step in ("prefill", "decode") if est[f"missing_{step}"])
     return (f"Layers with no time for their path: {counts}; the sums and speed-ups above leave them out: "

@@ -1075,6 +1075,8 @@ def test_kernels_page_step_says_what_it_rests_on(seeded):
     assert not at.exception
     steps = {m.label: m.value for m in at.metric if m.label.startswith(("Prefill", "Decode"))}
     assert steps == {"Prefill (M=16)": "not measured", "Decode (M=1)": "not measured"}
+    note = next(c.value for c in at.caption if "no time for their path" in c.value)  # which benchmark times them
+    assert "more not measured: queue a benchmark with these M values and path w4_g128." in note
 
 
 def test_kernels_page_compares_devices(seeded):
