@@ -350,8 +350,8 @@ def cmd_scores(args) -> int:
               f"{svc.target_bandwidth(args.target):g} TB/s or math at the native peak, whichever is longer)")
     if args.timings and any(r[c] is None for r in rows for c in ("prefill_ms", "decode_ms")):
         print(f"  n/a: a layer of the plan has no time at that M on {args.timings} (skipped over budget, not "
-              "supported, or not measured); a partial sum is never shown. `quantplan bench` with a larger "
-              "--budget fills it in.")
+              "supported, or not measured); a partial sum is never shown. `quantplan bench` at those M (with a "
+              "larger --budget, and the plan's paths if --paths left them out) fills it in.")
     return 0
 
 
