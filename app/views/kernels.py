@@ -101,8 +101,11 @@ st.subheader("Speed-up over the baseline GEMM")
 st.altair_chart(charts.kernel_heatmap(heat[["shape", "path", "speedup", "note"]], title=""),  # the heading says it
                 width="stretch")
 if over := int((heat["note"] == "skipped").sum()):
+    over_emulated = sorted(set(heat.loc[heat["note"] == "skipped", "path"]).intersection(emulated))
     st.caption(f"{over} case(s) read \"skipped\": they did not fit in the time budget per shape; queue the "
-               "benchmark again with a larger budget to time them.")
+               "benchmark again with a larger budget to time them"
+               + (f", or without {', '.join(over_emulated)} (Paths), which {device_name} only emulates and times last"
+                  if over_emulated else "") + ".")
 if failed := int((heat["note"] == "failed").sum()):
     st.caption(f"{failed} case(s) read \"failed\": the kernel refused the shape or this torch build (the table "
                "below says how).")

@@ -457,6 +457,37 @@ def test_kernels_page_names_the_paths_a_device_does_not_run_natively(seeded):
     assert set(cases["padded_m"]) == {""} and set(cases["skipped"]) == {""}
 
 
+def test_kernels_page_suggests_leaving_out_only_the_emulated_paths_that_went_over_budget(seeded):
+    """A skipped native case wants a larger budget; a skipped emulated one can also be left out under Paths."""
+    from store import repo
+    from store.db import session_scope
+
+    def save(skipped_paths: dict[int, str]) -> None:
+        with session_scope() as s:
+            bj = repo.create_job(s, kind="bench", params={"device": "cpu"}, queue="cpu", user=None)
+            lin = seeded.linears[0]
+            recs = [dict(device="cpu", device_name="VNNI CPU", torch_version="2.13.0", m=m, n=lin["out_features"],
+                         k=lin["in_features"], path=path, ms=None if skipped_paths.get(m) == path else 1.0,
+                         tflops=None, pct_peak=None, speedup=None, native=path != "fp8_tensor", max_rel_err=None,
+                         padded_m=None, skipped="over budget: test" if skipped_paths.get(m) == path else None)
+                    for m in (16, 32) for path in ("baseline", "fp8_tensor", "int8_row")]
+            repo.save_kernel_results(s, job_id=bj.id, records=recs)
+            repo.finish_job(s, bj.id, status="succeeded")
+
+    def skipped_caption() -> str:
+        at = _run("kernels", seeded.id)
+        at.selectbox(key="kernels_device").set_value("VNNI CPU").run()
+        assert not at.exception
+        return next(c.value for c in at.caption if 'read "skipped"' in c.value)
+
+    save({16: "int8_row"})  # native: only a larger budget times it
+    assert skipped_caption().endswith("queue the benchmark again with a larger budget to time them.")
+    save({16: "int8_row", 32: "fp8_tensor"})
+    assert skipped_caption().startswith('2 case(s) read "skipped"')
+    assert skipped_caption().endswith("to time them, or without fp8_tensor (Paths), which VNNI CPU only emulates and "
+                                      "times last.")
+
+
 def test_plans_page_resolves_and_saves_a_version(seeded):
     from app import services as svc
     from store import repo
@@ -1051,6 +1082,7 @@ def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
     assert not at.exception
     said = " ".join(c.value for c in at.caption)
     assert '1 case(s) read "skipped": they did not fit in the time budget per shape' in said
+    assert "with a larger budget to time them, or without fp8_row+q (Paths), which Test CPU only emulates" in said
     assert 'read "failed"' not in said  # nothing failed
     (prefill,) = [m for m in at.metric if "of" in m.label and "layers measured" in m.label]
     # the speed-up beside it is over the layers measured both ways, and so is the baseline it names
