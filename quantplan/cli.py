@@ -203,6 +203,11 @@ def cmd_models_cache(args) -> int:
     return 0
 
 
+def comma_items(text: str) -> list[str]:
+    """The items of a comma-separated option as people type them ("A, B,"): stripped, empty ones dropped."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def check_at_least(option: str, value: int, least: int, why: str = "") -> int:
     """``value`` of ``--option``, refused before any job is made when below ``least``."""
     if value < least:
@@ -303,7 +308,7 @@ def advertised_queues(configured: str) -> str:
     'gpu' and 'gpu.sm90', so a job routed to the hardware it must measure lands on that hardware."""
     from worker.presence import describe_device
 
-    queues = list(dict.fromkeys(q.strip() for q in configured.split(",") if q.strip()))
+    queues = list(dict.fromkeys(comma_items(configured)))
     device, _, device_class, _ = describe_device(queues)  # a GPU only when a gpu queue asks for one
     if device == "cuda" and "gpu" in queues and device_class not in queues:
         queues.append(device_class)

@@ -21,6 +21,7 @@ from quantplan.cli import (
     add_text_job_options,
     check_at_least,
     check_target,
+    comma_items,
     kv_format_arg,
     scheme_arg,
     text_sizes,
@@ -219,7 +220,7 @@ def cmd_bench(args) -> int:
         from quantcore.kernels import check_paths
 
         try:
-            params["paths"] = check_paths(p.strip() for p in args.paths.split(",") if p.strip())
+            params["paths"] = check_paths(comma_items(args.paths))
         except ValueError as exc:
             raise CliError(f"--paths: {exc}") from exc
     if args.tensor_parallel:

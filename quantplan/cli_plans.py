@@ -14,6 +14,7 @@ from quantplan.cli import (
     _progress_printer,
     add_ideal_options,
     check_target,
+    comma_items,
     kv_format_arg,
 )
 
@@ -215,7 +216,7 @@ def cmd_plan_auto(args) -> int:
 
     s = _checked_settings()
     model = _model(args.model)
-    cands = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None  # "A, B" too
+    cands = comma_items(args.candidates) if args.candidates else None
     result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
                                       candidates=cands, verify=not args.no_verify, device=args.device or "cpu",
                                       cost=args.cost, kv_cache=kv_format_arg(args.kv_cache),
