@@ -682,7 +682,7 @@ def _weight_only(out: dict[str, PathSupport], dev: str, where: str,
     for path, what in WEIGHT_ONLY_NOTE.items():
         ok, need = (sm_ok or {}).get(path, (True, ""))
         if not ok:
-            out[path] = PathSupport(path, False, False, f"not supported {where}: {need}")
+            out[path] = PathSupport(path, False, False, f"{need}; this device is {where.removeprefix('on ')}")
             continue
         err = _try_tiny(dev, path)
         out[path] = (PathSupport(path, True, True, f"native {where}: {what}") if err is None
@@ -735,7 +735,7 @@ def device_paths(info: DeviceInfo, *, flags: set[str] | None = None) -> dict[str
     }
     for path, (native_hw, need) in rules.items():
         if not native_hw:
-            out[path] = PathSupport(path, False, False, f"not supported on sm{sm}: {need}")
+            out[path] = PathSupport(path, False, False, f"{need}; this device is sm{sm}")
             continue
         err = _try_tiny(dev, path)
         if err is None:
@@ -752,6 +752,6 @@ def device_paths(info: DeviceInfo, *, flags: set[str] | None = None) -> dict[str
         )
     else:
         out["fp4"] = PathSupport(
-            "fp4", False, False, f"not supported on sm{sm}: FP4 needs sm{SM_BLOCK_SCALED}+"
+            "fp4", False, False, f"FP4 tensor cores need sm{SM_BLOCK_SCALED}+; this device is sm{sm}"
         )
     return out

@@ -300,3 +300,24 @@ def test_a_torch_error_is_told_by_the_sentence_a_person_can_act_on() -> None:
     assert hw.torch_error_text(NotImplementedError()) == "NotImplementedError"
     bare = RuntimeError("x INTERNAL ASSERT FAILED at y, please report a bug to PyTorch. ")
     assert hw.torch_error_text(bare) == "x INTERNAL ASSERT FAILED at y, please report a bug to PyTorch."
+
+
+@pytest.mark.parametrize("cc", [(7, 0), (7, 5), (8, 0), (8, 9), (9, 0), (10, 0)])
+def test_device_paths_cuda_rules_say_what_the_device_lacks(monkeypatch, cc) -> None:
+    # The capability rules, without a GPU: every tiny kernel "runs" (what this test is not about), so
+    # runs / native and the notes come from the compute capability alone.
+    monkeypatch.setattr(hw, "_try_tiny", lambda device, path: None)
+    info = hw.DeviceInfo(kind="cuda", name="test GPU", device_class=hw.device_class("cuda", cc),
+                         compute_capability=cc, memory_bytes=None, torch_version=torch.__version__,
+                         cuda_version="12.8", peak_tflops=None, target_key=None, device="cuda:0")
+    sm = cc[0] * 10 + cc[1]
+    paths = hw.device_paths(info)
+    for path, need in (("fp8_tensor", hw.SM_FP8_MMA), ("fp8_row", hw.SM_FP8_MMA), ("int8_row", hw.SM_INT8_MMA),
+                       ("w4_g128", hw.SM_INT4_TINYGEMM), ("w4_ch", hw.SM_INT4_TINYGEMM)):
+        s = paths[path]
+        assert s.runs == s.native == (sm >= need), (path, sm)
+        if sm < need:  # one plain sentence: what is needed, and what this device is
+            assert s.note.endswith((f"need sm{need}+; this device is sm{sm}", f"needs sm{need}+; this device is sm{sm}")), s.note
+            assert "not supported" not in s.note  # a benchmark record adds "not supported on cuda: " itself
+    assert paths["fp4"].native == (sm >= hw.SM_BLOCK_SCALED) and not paths["fp4"].runs
+    assert paths["baseline"].runs and paths["w8_row"].runs
