@@ -409,6 +409,23 @@ def kernel_devices() -> list[tuple[str, str, str]]:
 # ----------------------------------------------------------------------------- kernels
 
 
+def device_probe(device_name: str) -> dict[str, Any] | None:
+    """The device a benchmark measured, as its newest job found it (store.repo.device_probe)."""
+    with session_scope(settings()) as s:
+        return repo.device_probe(s, device_name)
+
+
+def capability_frame(paths: list[dict[str, Any]]):
+    """A stored capability table (PathSupport dicts) as rows for a person: path, verdict, why."""
+    import pandas as pd
+
+    from quantcore.hardware import support_status, support_why
+
+    return pd.DataFrame([{"path": p["path"], "here": support_status(p["runs"], p["native"]),
+                          "why": support_why(p["runs"], p["native"], p["note"])}
+                         for p in paths], columns=["path", "here", "why"])
+
+
 def timed_otherwise(frame) -> int:
     """How many timings of a :func:`kernel_frame` were taken otherwise than quantplan times now
     (quantcore.kernels.TIMING: before a CPU's caches were flushed between calls); a benchmark measures them again."""

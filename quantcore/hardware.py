@@ -601,6 +601,46 @@ class PathSupport:
     native: bool
     note: str
 
+    @property
+    def status(self) -> str:
+        """One of "native", "runs, not accelerated", "does not run"."""
+        return support_status(self.runs, self.native)
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "runs": self.runs, "native": self.native, "note": self.note}
+
+
+def support_status(runs: bool, native: bool) -> str:
+    """A :class:`PathSupport`'s verdict in words (also of one stored as a dict): the hardware may have a unit
+    (FP4 on sm100) that quantplan does not run yet; that reads "native, not run by quantplan"."""
+    if runs:
+        return "native" if native else "runs, not accelerated"
+    return "native, not run by quantplan" if native else "does not run"
+
+
+def support_why(runs: bool, native: bool, note: str) -> str:
+    """A :class:`PathSupport`'s note without the verdict it may open with (shown beside the verdict)."""
+    return note.removeprefix(f"{support_status(runs, native)}: ")
+
+
+def describe_probe(device: Mapping) -> str:
+    """One line for a person from a probe as stored (:meth:`DeviceInfo.to_dict`): the device, its compute
+    capability, memory, torch / CUDA versions and the dense peaks its percent-of-peak figures divide by."""
+    parts = [str(device.get("name") or "unknown device")]
+    if cc := device.get("compute_capability"):
+        parts.append(f"compute capability {cc[0]}.{cc[1]} ({device.get('device_class')})")
+    if mem := device.get("memory_bytes"):
+        parts.append(f"{mem / 2**30:.1f} GiB {'memory' if device.get('kind') == 'cuda' else 'RAM'}")
+    parts.append(f"torch {device.get('torch_version')}")
+    if device.get("cuda_version"):
+        parts.append(f"CUDA {device['cuda_version']}")
+    if peaks := device.get("peak_tflops"):
+        dense = ", ".join(f"{k} {peaks[k]:g}" for k in ("bf16", "fp8", "int8", "fp4") if peaks.get(k))
+        parts.append(f"dense peak {dense} TFLOP/s (table entry {device.get('target_key')})")
+    elif device.get("kind") == "cuda":
+        parts.append("not in the peak table: measured figures only")
+    return " · ".join(parts)
+
 
 WEIGHT_ONLY_NOTE = {  # what a weight-only kernel does, for the notes of device_paths
     "w8_row": "torch._weight_int8pack_mm reads INT8 weights and dequantizes them inside the kernel",

@@ -201,6 +201,12 @@ def check_paths(paths: Iterable[str]) -> list[str]:
     return out
 
 
+def bench_paths(paths: Iterable[str] | None) -> list[str]:
+    """The paths a benchmark asked for ``paths`` (None: all) times: those, and the baseline, in :data:`PATHS` order."""
+    want = check_paths(paths if paths is not None else PATHS)
+    return sorted({PATH_BASELINE, *want}, key=PATHS.index)
+
+
 # --------------------------------------------------------------------------- records
 
 
@@ -691,10 +697,7 @@ def run_benchmarks(
 
     from quantcore.hardware import device_paths, probe_device, torch_error_text
 
-    want = check_paths(paths if paths is not None else PATHS)
-    if PATH_BASELINE not in want:
-        want.insert(0, PATH_BASELINE)
-    want.sort(key=PATHS.index)
+    want = bench_paths(paths)
     m_list = sorted({int(m) for m in ms})
     if not m_list or m_list[0] <= 0:
         raise ValueError(f"M values must be positive integers, got {list(ms)!r}")

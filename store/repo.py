@@ -653,6 +653,19 @@ def kernel_devices(session: Session) -> list[tuple[str, str, str]]:
     return [tuple(r) for r in session.execute(q)]
 
 
+def device_probe(session: Session, device_name: str, *, scan: int = 500) -> dict[str, Any] | None:
+    """What the newest succeeded benchmark on ``device_name`` found its device to be: ``{"device": the probe
+    (quantcore.hardware.DeviceInfo.to_dict), "paths": [PathSupport.to_dict, ...] or None (a job from before
+    quantplan stored them), "job_id": ...}``; None when no benchmark of the newest ``scan`` said which device."""
+    q = (select(m.Job.id, m.Job.result).where(m.Job.kind == "bench", m.Job.status == "succeeded")
+         .order_by(m.Job.id.desc()).limit(scan))
+    for job_id, result in session.execute(q):
+        device = (result or {}).get("device")
+        if isinstance(device, dict) and device.get("name") == device_name:
+            return {"device": device, "paths": result.get("paths"), "job_id": job_id}
+    return None
+
+
 def count_rows(session: Session, table: type[m.Base]) -> int:
     return int(session.scalar(select(func.count()).select_from(table)) or 0)
 

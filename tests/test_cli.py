@@ -1459,6 +1459,20 @@ def test_bench_paths_times_those_and_the_baseline_and_refuses_an_unknown_one_bef
     assert all(r["speedup"] is not None for r in records if r["ms"] is not None)  # against the baseline beside them
     job = max(svc.list_jobs(kind="bench"), key=lambda j: j.id)
     assert job.params["paths"] == ["int8_row+q", "w8_row"] and "int8_row+q, w8_row" in svc.jobs_what([job])[job.id]
+    # asked again: all of it reused from the store, the baselines too (they were left out of a subset's reuse)
+    again = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--paths",
+                     "int8_row+q, w8_row", "--json")
+    key = lambda r: (r["m"], r["n"], r["k"], r["path"])  # noqa: E731
+    assert sorted(map(key, again)) == sorted(map(key, records))
+    newest = max(svc.list_jobs(kind="bench"), key=lambda j: j.id)
+    assert newest.result["measured"] == 0 and newest.result["reused"] == len(records)
+    # the job stores what it found the device to be, and the text output leads with it
+    support = {p["path"]: p for p in newest.result["paths"]}
+    assert support["baseline"]["runs"] and support["baseline"]["native"] and not support["fp4"]["runs"]
+    code, out, _ = run(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--paths", "w8_row")
+    device = newest.result["device"]
+    assert code == 0 and f"\n{device['name']} · " in out and f"torch {device['torch_version']}" in out
+    assert re.search(r"^  fp4 +does not run +FP4 matmul needs Blackwell", out, re.M), out
     jobs = len(svc.list_jobs(limit=100))
     code, _, err = run(capsys, "bench", "tiny", "--local", "--m", "1", "--paths", "int8_row,fp16")
     assert code == 1 and err.startswith("quantplan: --paths: unknown kernel path 'fp16'") and "Traceback" not in err

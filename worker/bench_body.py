@@ -51,6 +51,7 @@ def bench(ctx: JobContext) -> Outcome:
         shapes = list(DEFAULT_SHAPES)
     wanted_paths = p.get("paths") or None
 
+    support = hardware.device_paths(info)  # what runs natively here: stored with the job, shown beside its timings
     budget = float(p.get("budget_s") or kernels.DEFAULT_BUDGET_S)
     reused: list[dict[str, Any]] = []
     todo = shapes
@@ -61,13 +62,14 @@ def bench(ctx: JobContext) -> Outcome:
                                                 usable_only=True, budget_s=budget)
         # a record whose native flag is not what this worker's probe says now (quantplan's rules for the
         # device changed, e.g. INT8 on a VNNI CPU) is measured again, so the Kernels page shows the new flag
-        native = {path: sup.native for path, sup in hardware.device_paths(info).items()}
+        native = {path: sup.native for path, sup in support.items()}
         # and one timed otherwise (a CPU's caches left warm between calls, before TIMING 1) is measured again
         newest = {(r.m, r.n, r.k, r.path): {**r.__dict__} for r in stored
                   if r.native == native.get(kernels.base_path(r.path), r.native) and r.timing == kernels.TIMING}
         todo = []
+        timed = kernels.bench_paths(wanted_paths)  # the baseline too: the records of a reused shape carry it
         for n, k in shapes:
-            have = [newest.get((m, n, k, path)) for m in ms for path in (wanted_paths or kernels.PATHS)]
+            have = [newest.get((m, n, k, path)) for m in ms for path in timed]
             if all(h is not None for h in have):
                 reused.extend(h for h in have if h is not None)
             else:
@@ -80,7 +82,7 @@ def bench(ctx: JobContext) -> Outcome:
     for r in reused:
         r.pop("job_id", None)
     all_records = sorted(new + reused, key=lambda r: (r["n"], r["k"], r["m"], r["path"]))
-    result = {"device": info.to_dict(), "measured": len(new), "reused": len(reused), "records": all_records,
+    result = {"device": info.to_dict(), "paths": [sup.to_dict() for sup in support.values()], "measured": len(new), "reused": len(reused), "records": all_records,
               "budget_s": budget}  # a later job reuses what this one skipped for time when its budget is no larger
 
     def write(s: Session) -> None:

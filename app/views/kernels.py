@@ -9,6 +9,7 @@ import streamlit as st
 
 from app import charts, live, state
 from app import services as svc
+from quantcore.hardware import describe_probe
 from quantcore.kernels import PATHS as KERNEL_PATHS
 from quantcore.kernels import parse_ms
 from quantcore.schemes import list_schemes
@@ -72,6 +73,20 @@ if not devices:
     st.stop()
 labels = {d[1]: f"{d[1]} ({d[0]}, torch {d[2]})" for d in devices}
 device_name = st.selectbox("Device measured", list(labels), format_func=labels.get, key="kernels_device")
+probe = svc.device_probe(device_name)
+if probe is None:
+    st.caption(f"No stored benchmark job says what {device_name} is (its timings came without the probe).")
+else:
+    st.caption(describe_probe(probe["device"]))
+    with st.expander(f"What runs natively on {device_name}"):
+        if probe["paths"]:
+            st.dataframe(svc.capability_frame(probe["paths"]), hide_index=True, width="stretch")
+            st.caption(f"As benchmark job #{probe['job_id']} probed it: each path's tiny kernel was run on the device; "
+                       "\"native\" follows the device's low-precision units (FP8 from sm89, INT8 from sm75, FP4 from "
+                       "sm100; on a CPU, INT8 dot-product instructions).")
+        else:
+            st.caption(f"Benchmark job #{probe['job_id']} predates quantplan storing the capability table: queue a "
+                       f"benchmark on {device_name} to see it.")
 frame = svc.kernel_frame(device_name)
 labels = svc.shape_labels(model)  # the model's shapes, and each GPU's share of them split over a node's GPUs
 frame = frame[[(n, k) in labels for n, k in zip(frame["n"], frame["k"], strict=True)]] if len(frame) else frame

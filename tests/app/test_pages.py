@@ -2186,3 +2186,41 @@ def test_the_score_form_offers_the_plan_just_saved_until_it_is_scored(seeded) ->
     assert _run("results", seeded.id).multiselect(key=f"score_what_{seeded.id}").value == [f"plan:{newest.id}"]
     _add_score(seeded.id, newest.label, newest.body, 0.02, plan_id=newest.id)
     assert _run("results", seeded.id).multiselect(key=f"score_what_{seeded.id}").value == ["preset:FP8_DYNAMIC"]
+
+
+def test_kernels_page_says_what_the_device_is_and_what_runs_natively_on_it(seeded):
+    """The device probe a benchmark job stored (name, compute capability, memory, torch / CUDA, peaks) and its
+    capability table, for the device chosen; a device whose jobs stored no probe says so."""
+    from quantcore.hardware import TARGETS
+    from store import repo
+    from store.db import session_scope
+    from tests.app.conftest import linears
+
+    h200 = {"kind": "cuda", "name": "NVIDIA H200", "device_class": "gpu.sm90", "compute_capability": [9, 0],
+            "memory_bytes": 150_000_000_000, "torch_version": "2.13.0+cu128", "cuda_version": "12.8",
+            "peak_tflops": dict(TARGETS["h200"].peak_tflops), "target_key": "h200", "device": "cuda:0"}
+    paths = [{"path": "baseline", "runs": True, "native": True, "note": "bf16 matmul (cuBLAS): the GPU baseline"},
+             {"path": "fp8_row", "runs": True, "native": True, "note": "native on sm90"},
+             {"path": "fp4", "runs": False, "native": False, "note": "FP4 tensor cores need sm100+; this device is sm90"}]
+    with session_scope() as s:
+        for result in ({"device": {**h200, "name": "NVIDIA H200", "torch_version": "2.12.0"}}, {"device": h200,
+                                                                                                "paths": paths}):
+            job = repo.create_job(s, kind="bench", params={"device": "cuda"}, queue="gpu.sm90", user=None)
+            lin = linears()[0]
+            repo.save_kernel_results(s, job_id=job.id, records=[dict(
+                device="cuda", device_name="NVIDIA H200", torch_version="2.13.0+cu128", m=16, n=lin["out_features"],
+                k=lin["in_features"], path=path, ms=0.5, tflops=1.0, pct_peak=1.0, speedup=1.0, native=True,
+                max_rel_err=1e-3, padded_m=None, skipped=None) for path in ("baseline", "fp8_row")])
+            repo.finish_job(s, job.id, status="succeeded", result=result)
+    at = _run("kernels", seeded.id)
+    assert any("No stored benchmark job says what Test CPU is" in c.value for c in at.caption)  # the seeded one
+    at.selectbox(key="kernels_device").set_value("NVIDIA H200").run()
+    assert not at.exception
+    line = next(c.value for c in at.caption if c.value.startswith("NVIDIA H200 · "))
+    assert "compute capability 9.0 (gpu.sm90)" in line and "139.7 GiB memory" in line and "CUDA 12.8" in line
+    assert f"fp8 {TARGETS['h200'].peak_tflops['fp8']:g}" in line and "torch 2.13.0+cu128" in line  # the newest job's
+    assert any(e.label == "What runs natively on NVIDIA H200" for e in at.expander)
+    table = next(d.value for d in at.dataframe if list(d.value.columns) == ["path", "here", "why"])
+    assert table.set_index("path")["here"].to_dict() == {"baseline": "native", "fp8_row": "native",
+                                                         "fp4": "does not run"}
+    assert table.set_index("path").loc["fp4", "why"] == "FP4 tensor cores need sm100+; this device is sm90"

@@ -321,3 +321,21 @@ def test_device_paths_cuda_rules_say_what_the_device_lacks(monkeypatch, cc) -> N
             assert "not supported" not in s.note  # a benchmark record adds "not supported on cuda: " itself
     assert paths["fp4"].native == (sm >= hw.SM_BLOCK_SCALED) and not paths["fp4"].runs
     assert paths["baseline"].runs and paths["w8_row"].runs
+
+
+def test_a_stored_probe_reads_as_one_line_and_a_capability_as_a_verdict() -> None:
+    cpu = hw.probe_device("cpu").to_dict()
+    line = hw.describe_probe(cpu)
+    assert line.startswith(cpu["name"]) and f"torch {torch.__version__}" in line
+    assert "compute capability" not in line and "peak" not in line  # a CPU has neither
+    unknown_gpu = {"kind": "cuda", "name": "Some GPU", "device_class": "gpu.sm120", "compute_capability": [12, 0],
+                   "memory_bytes": 32 * 2**30, "torch_version": "2.13.0", "cuda_version": "13.0", "peak_tflops": None,
+                   "target_key": None}
+    assert hw.describe_probe(unknown_gpu) == ("Some GPU · compute capability 12.0 (gpu.sm120) · 32.0 GiB memory · "
+                                              "torch 2.13.0 · CUDA 13.0 · not in the peak table: measured figures only")
+    verdicts = {(True, True): "native", (True, False): "runs, not accelerated", (False, False): "does not run",
+                (False, True): "native, not run by quantplan"}  # FP4 on sm100: the unit is there, no path yet
+    assert {rn: hw.support_status(*rn) for rn in verdicts} == verdicts
+    for sup in hw.device_paths(hw.probe_device("cpu")).values():
+        why = hw.support_why(sup.runs, sup.native, sup.note)
+        assert why and not why.startswith(f"{sup.status}:")  # the verdict is said once, beside the reason

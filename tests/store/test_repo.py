@@ -282,3 +282,22 @@ def test_a_job_says_what_it_is_doing(qp_settings):
         repo.mark_running(s, job.id, worker_host="h", device="cpu", torch_version="x")
         repo.report_progress(s, job.id, 0.5, "batch 2 of 4")
         assert repo.get_job(s, job.id).progress_text == "batch 2 of 4"
+
+
+def test_the_device_probe_is_the_newest_succeeded_benchmarks_on_that_device(qp_settings):
+    probe = {"kind": "cpu", "name": "A CPU", "device_class": "cpu", "torch_version": "2.13.0"}
+    with session_scope(qp_settings) as s:
+        assert repo.device_probe(s, "A CPU") is None
+        ids = []
+        for status, result in (("succeeded", {"device": probe}),
+                               ("succeeded", {"device": {**probe, "torch_version": "2.14.0"}, "paths": [{"path": "x"}]}),
+                               ("failed", {"device": {**probe, "torch_version": "9"}}),
+                               ("succeeded", {"device": {**probe, "name": "Another CPU"}}),
+                               ("succeeded", None)):
+            job = repo.create_job(s, kind="bench", params={}, queue="cpu", user=None)
+            repo.finish_job(s, job.id, status=status, result=result)
+            ids.append(job.id)
+        got = repo.device_probe(s, "A CPU")
+        assert got == {"device": {**probe, "torch_version": "2.14.0"}, "paths": [{"path": "x"}], "job_id": ids[1]}
+        assert repo.device_probe(s, "Another CPU")["paths"] is None  # a job from before the table was stored
+        assert repo.device_probe(s, "No such CPU") is None
