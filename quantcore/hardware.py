@@ -619,8 +619,11 @@ def support_status(runs: bool, native: bool) -> str:
 
 
 def support_why(runs: bool, native: bool, note: str) -> str:
-    """A :class:`PathSupport`'s note without the verdict it may open with (shown beside the verdict)."""
-    return note.removeprefix(f"{support_status(runs, native)}: ")
+    """A :class:`PathSupport`'s note without the verdict it may open with ("native on this CPU: ..."), which is
+    shown beside it; a note that is only the verdict and where ("native on sm90") stays whole."""
+    if note.startswith(support_status(runs, native)) and ": " in note:
+        return note.split(": ", 1)[1]
+    return note
 
 
 def describe_probe(device: Mapping) -> str:
