@@ -14,6 +14,8 @@ from quantcore.kernels import PATHS as KERNEL_PATHS
 from quantcore.kernels import parse_ms
 from quantcore.schemes import list_schemes
 
+KEPT_PLAN = "kernels_plan_kept"  # {model id: the step estimate's plan option picked}
+
 st.title("Kernels")
 st.caption("Measured, not assumed: each low-precision path is timed against the baseline GEMM (bf16 on GPU, "
            "fp32 on CPU) for every (N, K) of the model's linear layers; '+q' includes quantizing the "
@@ -180,8 +182,13 @@ options = [f"preset:{s}" for s in list_schemes()] + [f"plan:{p.id}" for p in pla
 plan_labels = {f"preset:{s}": f"{s} on every layer" for s in list_schemes()} | {
     f"plan:{p.id}": f"plan {p.label}" for p in plans}
 newest = svc.newest_plan(plans)  # else a preset
-choice = st.selectbox("Plan", options, index=options.index(f"plan:{newest.id}" if newest else "preset:FP8_DYNAMIC"),
+# Streamlit forgets a widget's value while another model's page is drawn: each model's pick is kept here too
+kept = st.session_state.setdefault(KEPT_PLAN, {})
+default = kept.get(model.id) if kept.get(model.id) in options else (
+    f"plan:{newest.id}" if newest else "preset:FP8_DYNAMIC")
+choice = st.selectbox("Plan", options, index=options.index(default),
                       format_func=plan_labels.get, key=f"kernels_plan_{model.id}")  # per model: its plans are its own
+kept[model.id] = choice
 c1, c2 = st.columns(2)
 m_prefill = c1.selectbox("Prefill M (batch × prompt tokens)", available_m, index=len(available_m) - 1,
                          key="kernels_m_prefill")

@@ -362,6 +362,8 @@ def test_the_kernels_page_estimates_each_models_own_plan(seeded):
     assert not at.exception
     assert at.selectbox(key=f"kernels_plan_{other.id}").value == "preset:FP8_DYNAMIC"  # it has no plan
     assert f"plan:{mine.id}" not in at.selectbox(key=f"kernels_plan_{other.id}").options
+    at.selectbox(key="sidebar_model").set_value(seeded.id).run()  # and back: the plan picked for it is kept
+    assert at.selectbox(key=f"kernels_plan_{seeded.id}").value == "preset:INT8_W8A8"
 
 
 def test_kernels_page_warns_of_timings_taken_with_warm_caches(seeded):
