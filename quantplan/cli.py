@@ -23,6 +23,10 @@ class CliError(Exception):
     pass
 
 
+class Interrupted(CliError):
+    """Ctrl-C while a job command ran or waited: said in one line (exit 130, as a shell reports SIGINT)."""
+
+
 # ----------------------------------------------------------------------------- plumbing
 
 
@@ -73,7 +77,10 @@ def _run(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: in
                            ) from exc
         job = create_local_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
         print(f"job #{job.id}: running {kind} in this process", file=sys.stderr)
-        run_job(job.id, getattr(bodies, kind), settings=s)
+        try:
+            run_job(job.id, getattr(bodies, kind), settings=s)
+        except KeyboardInterrupt:  # run_job has stored the job as cancelled
+            raise Interrupted(f"job #{job.id} {_status(job.id)}: interrupted (Ctrl-C) before it finished") from None
     else:
         job = submit_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
         print(f"job #{job.id}: queued {kind} on queue '{job.queue}' (Ctrl-C stops waiting, not the job)",
@@ -82,11 +89,36 @@ def _run(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: in
 
         note = no_worker_note(job.queue, s)
         if note:
-            print(f"quantplan: {note} (or run it here with --local)", file=sys.stderr)
-    job = wait_for(job.id, on_update=_progress_printer(quiet), settings=s)
+            print(f"quantplan: {note}{_local_hint(params)}", file=sys.stderr)
+    try:
+        job = wait_for(job.id, on_update=_progress_printer(quiet), settings=s)
+    except KeyboardInterrupt:
+        raise Interrupted(f"stopped waiting; job #{job.id} is still {_status(job.id)} "
+                          f"(`quantplan jobs show {job.id}`, `quantplan jobs cancel {job.id}`)") from None
     if job.status != "succeeded":
         raise CliError(f"job #{job.id} {job.status}: {job.error or job.message}")
     return job
+
+
+def _local_hint(params: dict[str, Any]) -> str:
+    """' Or run it here with --local.' where this machine has the job's device, else ''."""
+    from quantcore.errors import UnsupportedOnDevice
+    from worker import bodies
+
+    try:
+        bodies.resolve_device(params.get("device"))
+    except UnsupportedOnDevice:
+        return ""
+    return " Or run it here with --local."
+
+
+def _status(job_id: int) -> str:
+    """A job's status now, as stored."""
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope(_settings()) as s:
+        return repo.get_job(s, job_id).status
 
 
 def _model(ref: str):
@@ -508,9 +540,15 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows up here, where it is handled, not at interpreter exit
         return code
+    except Interrupted as exc:
+        print(f"\nquantplan: {exc}", file=sys.stderr)
+        return 130
     except CliError as exc:
         print(f"quantplan: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\nquantplan: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # the reader went away (`quantplan jobs --json | head`): stop quietly, as other Unix tools do;
         # point stdout at devnull so the interpreter's final flush does not raise again

@@ -1493,3 +1493,32 @@ def test_text_sizes_a_job_cannot_use_are_refused_before_any_job(tiny_model, caps
         code, _, err = run(capsys, *argv, "--local")
         assert code == 1 and said in err and "Traceback" not in err, (argv, err)
     assert len(svc.list_jobs(limit=100)) == jobs
+
+
+def test_ctrl_c_says_what_became_of_the_job_in_one_line(tiny_model, capsys, monkeypatch):
+    """Ctrl-C while waiting leaves the job queued and says so; Ctrl-C in a --local run ends the job as cancelled;
+    either way one line and exit 130, never a traceback. A job for a device this machine lacks is not offered
+    --local."""
+    from app import services as svc
+    from worker import bodies, client
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client, "wait_for", ctrl_c)
+    code, _, err = run(capsys, "bench", "tiny", "--m", "1")  # queued on 'cpu'; no worker runs in the tests
+    job = max(svc.list_jobs(kind="bench"), key=lambda j: j.id)
+    assert code == 130 and "Traceback" not in err
+    assert err.rstrip().endswith(f"quantplan: stopped waiting; job #{job.id} is still queued "
+                                 f"(`quantplan jobs show {job.id}`, `quantplan jobs cancel {job.id}`)")
+    assert "No worker consuming queue 'cpu'" in err and "Or run it here with --local." in err
+    assert "worker --queues cpu`. Or run" in err
+    code, _, err = run(capsys, "bench", "tiny", "--m", "1", "--device", "cuda")
+    if not __import__("torch").cuda.is_available():
+        assert code == 130 and "No worker consuming queue 'gpu" in err and "--local" not in err
+    monkeypatch.undo()
+    monkeypatch.setattr(bodies, "calibrate", ctrl_c)
+    code, _, err = run(capsys, "calibrate", "tiny", "--samples", "2", "--seq-len", "16", "--local")
+    job = max(svc.list_jobs(kind="calibrate"), key=lambda j: j.id)
+    assert code == 130 and "Traceback" not in err and job.status == "cancelled"
+    assert err.rstrip().endswith(f"quantplan: job #{job.id} cancelled: interrupted (Ctrl-C) before it finished")
