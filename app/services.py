@@ -11,7 +11,7 @@ import shutil
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1762,7 +1762,8 @@ def kv_alone_score(model: ModelRecord, kv_cache: str) -> ScoreRecord | None:
 
 def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 2048,
               candidates: list[str] | None = None, verify: bool = True, device: str = "cpu", cost: str = "auto",
-              kv_cache: str = "AUTO", tensor_parallel: int = 1, expert_parallel: bool = False):
+              kv_cache: str = "AUTO", tensor_parallel: int = 1, expert_parallel: bool = False,
+              queue_job: Callable[..., JobRecord] | None = None):
     """Choose the cheapest plan under the KL budget from the stored sensitivity sweeps, save it as a plan
     version, and queue a score job that checks the prediction. ``cost`` (:data:`AUTO_COSTS`): the target's
     measured kernel times at M = ``m`` when stored, else weight bits (``"auto"``); weight bits; or the
@@ -1770,8 +1771,9 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     that format; its KL, measured alone (:func:`kv_alone_score`), comes off the budget before the linears
     are chosen and is added to their predicted KL. ``tensor_parallel``: the GPUs the plan is served on; a scheme is
     not offered to a layer whose share on one GPU vLLM would refuse (quantcore.parallel), and the plan keeps the
-    size (and ``expert_parallel``: an MoE model's experts whole, one GPU each). Returns (AutoPlanResult, PlanRecord,
-    JobRecord | None)."""
+    size (and ``expert_parallel``: an MoE model's experts whole, one GPU each). ``queue_job(kind, params, model_id=,
+    plan_id=)`` writes the verifying job (default :func:`submit`; the CLI's --local writes one to run itself).
+    Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
     from quantcore.autoplan import COST_IDEAL, COST_MEASURED, cost_from_kernel_records
     from quantcore.autoplan import auto_plan as solve
     from quantcore.kvcache import get_kv_format
@@ -1821,6 +1823,10 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     result = solve(layer_names(model), sens, kl_budget=kl_budget - kv_kl, target=target, candidates=cands,
                    cost=table, layer_shapes=shapes, unit_layers=unit_layers, cost_source=source,
                    tied=model.tied_linears, parallel=parallel)
+    if not [c for c in cands if c != "BF16" and c not in result.excluded]:  # a plan of BF16 alone answers nothing
+        raise ValueError(f"no candidate scheme can be used on {model.name} for {target}: " + "; ".join(
+            why for c, why in result.excluded.items() if c != "BF16"))
+    result.notes += [f"{c} not used: {why}" for c, why in result.excluded.items() if c != "BF16"]
     if alone is not None:
         result.predicted_kl += kv_kl
         result.kl_budget = kl_budget
@@ -1874,8 +1880,8 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         tokens, note = verify_tokens(read, set(result.plan.values()))
         if note:
             result.notes.append(note)
-        job = submit("score", {"predicted_kl": result.predicted_kl, "label": plan.label, "device": device, **tokens},
-                     model_id=model.id, plan_id=plan.id)
+        job = (queue_job or submit)("score", {"predicted_kl": result.predicted_kl, "label": plan.label,
+                                              "device": device, **tokens}, model_id=model.id, plan_id=plan.id)
     return result, plan, job
 
 

@@ -61,43 +61,60 @@ def _progress_printer(quiet: bool):
 
 def _run(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: int | None = None,
          local: bool, quiet: bool):
-    """Queue the job and wait (default), or run its body in this process (--local)."""
-    from worker.client import create_local_job, submit_job, wait_for
+    """Queue the job and wait (default), or run its body in this process (--local); a job that did not
+    succeed is a CliError."""
+    job = _start(kind, params, model_id=model_id, plan_id=plan_id, local=local)
+    job = _finish(job, local=local, quiet=quiet)
+    if job.status != "succeeded":
+        raise CliError(f"job #{job.id} {job.status}: {job.error or job.message}")
+    return job
+
+
+def _start(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: int | None = None, local: bool):
+    """Write the job: queued for a worker (saying when no worker consumes its queue), or, with ``local``, a row
+    for :func:`_finish` to run here (refused before anything is written when this machine lacks its device)."""
+    from worker.client import create_local_job, submit_job
 
     s = _settings()
     if local:
         from quantcore.errors import UnsupportedOnDevice
         from worker import bodies
-        from worker.runner import run_job
 
         try:  # a device this machine lacks: refused before a job is written
             bodies.resolve_device(params.get("device"))
         except UnsupportedOnDevice as exc:
             raise CliError(f"{exc} (this machine runs --local jobs; without --local the job is queued for a worker)"
                            ) from exc
-        job = create_local_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
-        print(f"job #{job.id}: running {kind} in this process", file=sys.stderr)
+        return create_local_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
+    job = submit_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
+    print(f"job #{job.id}: queued {kind} on queue '{job.queue}' (Ctrl-C stops waiting, not the job)", file=sys.stderr)
+    from worker.presence import no_worker_note
+
+    note = no_worker_note(job.queue, s)
+    if note:
+        print(f"quantplan: {note}{_local_hint(params)}", file=sys.stderr)
+    return job
+
+
+def _finish(job, *, local: bool, quiet: bool):
+    """Run a :func:`_start`-ed local job here, or wait for a queued one; the job as it ended. Ctrl-C: Interrupted."""
+    from worker.client import wait_for
+
+    s = _settings()
+    if local:
+        from worker import bodies
+        from worker.runner import run_job
+
+        print(f"job #{job.id}: running {job.kind} in this process", file=sys.stderr)
         try:
-            run_job(job.id, getattr(bodies, kind), settings=s)
+            run_job(job.id, getattr(bodies, job.kind), settings=s)
         except KeyboardInterrupt:  # run_job has stored the job as cancelled
             raise Interrupted(f"job #{job.id} {_status(job.id)}: interrupted (Ctrl-C) before it finished") from None
-    else:
-        job = submit_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
-        print(f"job #{job.id}: queued {kind} on queue '{job.queue}' (Ctrl-C stops waiting, not the job)",
-              file=sys.stderr)
-        from worker.presence import no_worker_note
-
-        note = no_worker_note(job.queue, s)
-        if note:
-            print(f"quantplan: {note}{_local_hint(params)}", file=sys.stderr)
     try:
-        job = wait_for(job.id, on_update=_progress_printer(quiet), settings=s)
+        return wait_for(job.id, on_update=_progress_printer(quiet), settings=s)
     except KeyboardInterrupt:
         raise Interrupted(f"stopped waiting; job #{job.id} is still {_status(job.id)} "
                           f"(`quantplan jobs show {job.id}`, `quantplan jobs cancel {job.id}`)") from None
-    if job.status != "succeeded":
-        raise CliError(f"job #{job.id} {job.status}: {job.error or job.message}")
-    return job
 
 
 def _local_hint(params: dict[str, Any]) -> str:

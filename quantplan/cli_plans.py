@@ -9,9 +9,10 @@ from quantcore.kvcache import KV_FORMATS
 from quantplan.cli import (
     CliError,
     _checked_settings,
+    _finish,
     _model,
     _print_json,
-    _progress_printer,
+    _start,
     add_ideal_options,
     check_target,
     comma_items,
@@ -212,27 +213,21 @@ def cmd_plan_kv_skip(args) -> int:
 def cmd_plan_auto(args) -> int:
     from app import services as svc
     from quantcore.parallel import parse_tp
-    from worker.client import wait_for
 
     s = _checked_settings()
     model = _model(args.model)
     cands = comma_items(args.candidates) if args.candidates else None
+
+    def queue_job(kind: str, params: dict, *, model_id: int, plan_id: int):
+        return _start(kind, {**params, "user": s.user}, model_id=model_id, plan_id=plan_id, local=args.local)
+
     result, plan, job = svc.auto_plan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
                                       candidates=cands, verify=not args.no_verify, device=args.device or "cpu",
                                       cost=args.cost, kv_cache=kv_format_arg(args.kv_cache),
                                       tensor_parallel=parse_tp(args.tensor_parallel or 1),
-                                      expert_parallel=args.expert_parallel)
+                                      expert_parallel=args.expert_parallel, queue_job=queue_job)
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
-    if job is not None and args.wait:
-        done = wait_for(job.id, on_update=_progress_printer(args.json), settings=s)
-        out["verify_job"] = done.id
-        out["measured_kl"] = (done.result or {}).get("kl_mean")
-        out["verify_status"] = done.status
-    elif job is not None:
-        out["verify_job"] = job.id
-    if args.json:
-        _print_json(out)
-    else:
+    if not args.json:  # the plan first: it is saved whatever becomes of the verification
         print(f"{plan.label}: predicted KL {result.predicted_kl:.5f} ≤ {args.kl_budget:g}; cost "
               f"{svc.cost_text(result.cost, result.cost_unit)} vs "
               f"{svc.cost_text(result.baseline_cost, result.cost_unit)} all-BF16 on {args.target} "
@@ -243,13 +238,23 @@ def cmd_plan_auto(args) -> int:
         print("  " + ", ".join(f"{n} layers {sch}" for sch, n in sorted(counts.items())))
         for note in result.notes:
             print(f"  note: {note}")
-        if out.get("measured_kl") is not None:
-            print(f"  verified by score job #{out['verify_job']}: measured KL {out['measured_kl']:.4g} (predicted "
-                  f"{result.predicted_kl:.4g})")
-        elif "measured_kl" in out:  # the score job ended without a result
-            print(f"  verification: score job #{out['verify_job']} {out['verify_status']} (see `quantplan jobs`)")
-        elif job is not None:
-            print(f"  verification queued: score job #{job.id}")
+        sys.stdout.flush()
+    if job is not None:
+        out["verify_job"] = job.id
+        run_here = job.queue == "local" and job.status == "queued"  # written just now by --local
+        if args.wait or run_here:
+            done = _finish(job, local=run_here, quiet=args.json)
+            out["measured_kl"] = (done.result or {}).get("kl_mean")
+            out["verify_status"] = done.status
+    if args.json:
+        _print_json(out)
+    elif out.get("measured_kl") is not None:
+        print(f"  verified by score job #{out['verify_job']}: measured KL {out['measured_kl']:.4g} (predicted "
+              f"{result.predicted_kl:.4g})")
+    elif "measured_kl" in out:  # the score job ended without a result
+        print(f"  verification: score job #{out['verify_job']} {out['verify_status']} (see `quantplan jobs`)")
+    elif job is not None:
+        print(f"  verification queued: score job #{job.id}")
     return 0
 
 
@@ -273,6 +278,7 @@ def add_commands(sub) -> None:
                     "(vLLM --enable-expert-parallel), not split over the GPUs")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     sp.add_argument("--wait", action="store_true", help="wait for the verifying score job")
+    sp.add_argument("--local", action="store_true", help="run the verifying score job in this process (no worker)")
     sp.add_argument("--device", default=None, help="device of the verifying score job (default: cpu)")
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
     sp.set_defaults(func=cmd_plan_auto)

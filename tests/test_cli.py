@@ -539,7 +539,9 @@ def test_a_job_for_a_queue_without_a_worker_says_so(tiny_model):
         while "quantplan worker --queues gpu" not in seen:
             assert time.monotonic() < deadline and proc.poll() is None, seen
             seen += proc.stderr.readline()
-        assert "queued calibrate on queue 'gpu'" in seen and "--local" in seen
+        assert "queued calibrate on queue 'gpu'" in seen
+        # --local is offered only where this machine could run it
+        assert ("--local" in seen) == __import__("torch").cuda.is_available()
     finally:
         proc.kill()
         proc.wait()
@@ -1522,3 +1524,29 @@ def test_ctrl_c_says_what_became_of_the_job_in_one_line(tiny_model, capsys, monk
     job = max(svc.list_jobs(kind="calibrate"), key=lambda j: j.id)
     assert code == 130 and "Traceback" not in err and job.status == "cancelled"
     assert err.rstrip().endswith(f"quantplan: job #{job.id} cancelled: interrupted (Ctrl-C) before it finished")
+
+
+def test_plan_auto_local_verifies_here_and_names_what_it_could_not_use(tiny_model, capsys):
+    """--local runs the verifying score in this process; the plan is printed before it runs. A candidate the
+    planner cannot use is named with its reason; when none of them can be used, nothing is saved."""
+    from app import services as svc
+
+    run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", "--local", "--samples", "2", "--seq-len", "32",
+             "--json")
+    plans = len(svc.list_plans(svc.get_model("tiny").id))
+    code, out, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100",
+                         "--candidates", "W4A16_G64")
+    assert code == 1 and "no candidate scheme can be used on tiny for h100: no sensitivity results for W4A16_G64" in err
+    assert len(svc.list_plans(svc.get_model("tiny").id)) == plans  # no all-BF16 plan saved in its name
+    code, out, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--candidates",
+                         "INT8_W8A8,W4A16_G64", "--local")
+    assert code == 0, err
+    assert "note: W4A16_G64 not used: no sensitivity results for W4A16_G64" in out
+    job = max(svc.list_jobs(kind="score"), key=lambda j: j.id)
+    assert job.queue == "local" and job.status == "succeeded" and job.plan_id is not None
+    measured = re.search(r"verified by score job #(\d+): measured KL ([\d.e-]+)", out)
+    assert measured and int(measured.group(1)) == job.id
+    assert out.index("layers INT8_W8A8") < out.index("verified by")  # the plan first, then its verification
+    code, out, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "a100", "--candidates",
+                         "INT8_W8A8,FP8_DYNAMIC", "--no-verify")
+    assert code == 0 and "note: FP8_DYNAMIC not used:" in out  # an A100 has no FP8 tensor cores
