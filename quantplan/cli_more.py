@@ -34,7 +34,10 @@ def _plan_param(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise CliError(f"plan file {p} does not exist")
-    return {"plan": load_plan_file(p).to_dict()}
+    spec = load_plan_file(p)
+    if not spec.name:  # its scores are labelled by name: the file's, not its default scheme's (a preset's label)
+        spec.name = p.name
+    return {"plan": spec.to_dict()}
 
 
 def _calibration_params(args) -> dict[str, Any]:

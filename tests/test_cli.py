@@ -1550,3 +1550,28 @@ def test_plan_auto_local_verifies_here_and_names_what_it_could_not_use(tiny_mode
     code, out, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "a100", "--candidates",
                          "INT8_W8A8,FP8_DYNAMIC", "--no-verify")
     assert code == 0 and "note: FP8_DYNAMIC not used:" in out  # an A100 has no FP8 tensor cores
+
+
+def test_a_nameless_plan_files_score_is_labelled_by_the_file_not_as_its_default_preset(tiny_model, capsys, tmp_path):
+    plan_file = tmp_path / "mixed.yaml"
+    plan_file.write_text("model: tiny\ndefault: FP8_DYNAMIC\nrules:\n  - {match: 'mlp', scheme: INT8_W8A8}\n")
+    scored = run_json(capsys, "score", "tiny", "--plan", str(plan_file), "--local", "--samples", "2", "--seq-len", "32",
+                      "--json")
+    assert scored["plan"] == "mixed.yaml"
+    preset = run_json(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--local", "--samples", "2", "--seq-len",
+                      "32", "--json")
+    assert preset["plan"] == "FP8_DYNAMIC"
+    labels = {r["plan"] for r in run_json(capsys, "scores", "tiny", "--json")["plans"]}
+    assert {"mixed.yaml", "FP8_DYNAMIC"} <= labels
+
+
+def test_a_nameless_plan_of_rules_is_not_labelled_as_its_default_preset() -> None:
+    from types import SimpleNamespace
+
+    from quantcore.plans import PlanSpec, Rule
+    from worker.scoring_bodies import base_label
+
+    spec = PlanSpec(default="FP8_DYNAMIC", rules=[Rule(match="mlp", scheme="INT8_W8A8")])
+    assert base_label(SimpleNamespace(params={}), spec) == "FP8_DYNAMIC + 1 rule(s) / override(s)"
+    assert base_label(SimpleNamespace(params={}), PlanSpec(default="W8A16")) == "W8A16"
+    assert base_label(SimpleNamespace(params={"label": "auto v1"}), spec) == "auto v1"

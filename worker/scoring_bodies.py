@@ -117,6 +117,16 @@ def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
     return ref
 
 
+def base_label(ctx: JobContext, spec) -> str:
+    """A score's plan label before its KV cache and GPUs are added: the label asked for, the plan's name, its preset,
+    or, for a nameless plan of rules, the preset and how many rules and overrides change it (never the preset alone,
+    which a score of that preset is labelled)."""
+    if label := ctx.params.get("label") or spec.name:
+        return label
+    changes = len(spec.rules) + len(spec.layers)
+    return f"{spec.default} + {changes} rule(s) / override(s)" if changes else spec.default
+
+
 def _prepare(ctx: JobContext):
     rec = _model_record(ctx)
     device = resolve_device(ctx.params.get("device"))
@@ -388,7 +398,7 @@ def score(ctx: JobContext) -> Outcome:
     rep = report.to_dict()
     if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
         rep["calibration"] = f"{cal_text}, {cal_ids.shape[0]} × {cal_ids.shape[1]} tokens"
-    plan_label = ctx.params.get("label") or spec.name or spec.default
+    plan_label = base_label(ctx, spec)
     if ctx.params.get("kv_cache") and not ctx.params.get("label") and not kv.is_identity:
         plan_label = f"{plan_label} + KV {kv_label(spec)}"
     if parallel.split and not ctx.params.get("label") and not plan_label.endswith(f"-tp{parallel.tp}"):
