@@ -237,8 +237,8 @@ def cmd_models_cache(args) -> int:
 
     _checked_settings()
     model = _model(args.model)
-    cached = svc.cached_files(model)
     freed = svc.clear_cached_files(model.id) if args.clear else None
+    cached = svc.cached_files(model)  # what is left: every figure below is after the clearing
     if args.json:
         _print_json({"model": model.name, "files": {k: {"files": n, "bytes": b} for k, (n, b) in cached.items()},
                      "all_models_bytes": svc.cached_bytes(), "limit_gib": svc.settings().cache_max_gib,

@@ -175,6 +175,7 @@ def test_gptq_rounded_weights_are_kept_and_read_again_only_where_the_rounding_re
     svc.cancel_job(queued.id)
     cleared = run_json(capsys, "models", "cache", "tiny", "--clear", "--json")
     assert cleared["cleared_bytes"] == sum(on_disk.values()) and not kept.parent.exists()
+    assert all(f == {"files": 0, "bytes": 0} for f in cleared["files"].values())  # what is left, as the total says
     assert all(f == {"files": 0, "bytes": 0} for f in run_json(capsys, "models", "cache", "tiny", "--json")[
         "files"].values())
     assert score("INT8_W8A8_SQ_GPTQ")["gptq"]["from_cache"] == 0  # rounded again, results untouched
