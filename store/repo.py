@@ -622,13 +622,17 @@ def kernel_results(session: Session, *, device_name: str | None = None, torch_ve
 
 
 def newest_kernel_results(session: Session, *, device_name: str, torch_version: str | None = None,
-                          usable_only: bool = False, budget_s: float | None = None) -> list[KernelRecordRow]:
+                          usable_only: bool = False, budget_s: float | None = None,
+                          cases_per_shape: int | None = None) -> list[KernelRecordRow]:
     """The newest timing per (M, N, K, path) on one device (and torch version, when given).
 
     usable_only: pass over records skipped "over budget" or "failed" (a later run measures those
     again), so an older time for the same case, or none, stands; "not supported" records count.
     budget_s (with usable_only): a case with no time that a job skipped "over budget" under a budget per shape of
     at least this many seconds (its result's ``budget_s``) counts too: measuring it again would only skip it again.
+    cases_per_shape (with budget_s): the M values × paths (the baseline's too) the asking job times per shape; a
+    skip then counts only where its job's budget per case was no smaller (a job that times fewer paths or M values
+    gives each case a larger share of the same budget, so it measures what a broader one skipped).
     """
     newest: dict[tuple[int, int, int, str], KernelRecordRow] = {}
     over_budget: dict[tuple[int, int, int, str], KernelRecordRow] = {}
@@ -641,10 +645,23 @@ def newest_kernel_results(session: Session, *, device_name: str, torch_version: 
         newest.setdefault(case, r)
     untimed = {case: r for case, r in over_budget.items() if case not in newest}
     if usable_only and budget_s is not None and untimed:
-        under = {j: (res or {}).get("budget_s") for j, res in session.execute(
-            select(m.Job.id, m.Job.result).where(m.Job.id.in_({r.job_id for r in untimed.values()})))}
-        newest |= {case: r for case, r in untimed.items() if (under.get(r.job_id) or 0) >= budget_s}
+        under = {j: _budget_per_case(params, res, cases_per_shape is not None) for j, params, res in session.execute(
+            select(m.Job.id, m.Job.params, m.Job.result).where(m.Job.id.in_({r.job_id for r in untimed.values()})))}
+        ours = budget_s / cases_per_shape if cases_per_shape else budget_s
+        newest |= {case: r for case, r in untimed.items() if under.get(r.job_id, 0.0) >= ours}
     return list(newest.values())
+
+
+def _budget_per_case(params: dict[str, Any] | None, result: dict[str, Any] | None, per_case: bool) -> float:
+    """A benchmark job's budget per shape (its result's ``budget_s``), divided, with ``per_case``, by the cases it
+    timed per shape: its M values (the default ones when it named none) × its paths and the baseline."""
+    from quantcore.kernels import DEFAULT_MS, bench_paths
+
+    budget = float((result or {}).get("budget_s") or 0.0)
+    if not per_case:
+        return budget
+    params = params or {}
+    return budget / (len(params.get("m") or DEFAULT_MS) * len(bench_paths(params.get("paths"))))
 
 
 def kernel_devices(session: Session) -> list[tuple[str, str, str]]:

@@ -666,6 +666,9 @@ def test_cases_skipped_for_time_are_measured_again_only_under_a_larger_budget(ti
     again = run_json(capsys, *tight)
     assert newest_bench_message().startswith(f"0 cases measured, {len(first)} reused")
     assert [r["skipped"] for r in again] == [r["skipped"] for r in first]
+    # the same budget for fewer paths gives each case more of it: the shapes with skips are measured again
+    run_json(capsys, *tight[:-1], "--paths", "int8_row", "--json")
+    assert not newest_bench_message().startswith("0 cases measured"), newest_bench_message()
     run_json(capsys, "bench", "tiny", "--local", "--m", "1,32", "--budget", "20", "--json")
     per_shape = len(first) // len({(r["n"], r["k"]) for r in first})
     measured = len(skipped) * per_shape

@@ -3,7 +3,7 @@
 
 Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same
 device again measures only what is missing (unless params['force']), what failed, what was skipped for time under
-a smaller budget per shape than the one asked now, what was stored with a native flag that the device's probe no
+a smaller budget per case (per shape, over its M values x paths) than asked now, what was stored with a native flag that the device's probe no
 longer gives, or what was timed another way (quantcore.kernels.TIMING).
 """
 
@@ -56,10 +56,12 @@ def bench(ctx: JobContext) -> Outcome:
     reused: list[dict[str, Any]] = []
     todo = shapes
     if not p.get("force"):
-        # a failure is measured again, and so is a case skipped for time under a smaller budget than this one
+        # a failure is measured again, and so is a case skipped for time under a smaller budget per case than this
+        # job's (its budget per shape over the M values x paths it times)
         with session_scope(ctx.settings) as s:
-            stored = repo.newest_kernel_results(s, device_name=info.name, torch_version=info.torch_version,
-                                                usable_only=True, budget_s=budget)
+            stored = repo.newest_kernel_results(
+                s, device_name=info.name, torch_version=info.torch_version, usable_only=True, budget_s=budget,
+                cases_per_shape=len(p.get("m") or kernels.DEFAULT_MS) * len(kernels.bench_paths(wanted_paths)))
         # a record whose native flag is not what this worker's probe says now (quantplan's rules for the
         # device changed, e.g. INT8 on a VNNI CPU) is measured again, so the Kernels page shows the new flag
         native = {path: sup.native for path, sup in support.items()}

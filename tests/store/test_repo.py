@@ -191,6 +191,20 @@ def test_a_case_skipped_for_time_is_reused_unless_the_budget_is_now_larger(qp_se
         assert (16, "w8_row") not in {(r.m, r.path) for r in repo.newest_kernel_results(
             s, device_name="CPU X", usable_only=True)}  # no budget asked: every skip is measured again
 
+        # per case: that job timed the default 4 M values x every path (and the baseline) in its 60 s per shape
+        from quantcore.kernels import DEFAULT_MS, PATHS
+
+        def usable_for(budget, cases):
+            return {(r.m, r.path) for r in repo.newest_kernel_results(
+                s, device_name="CPU X", usable_only=True, budget_s=budget, cases_per_shape=cases)}
+
+        broad = len(DEFAULT_MS) * len(PATHS)
+        assert (16, "w8_row") in usable_for(60.0, broad)  # asked as it was: the skip stands
+        # the same 60 s for w8_row and the baseline at 4 M values: each case gets far more of it, so it is measured
+        assert (16, "w8_row") not in usable_for(60.0, len(DEFAULT_MS) * 2)
+        assert (16, "w8_row") not in usable_for(30.0, 2)  # even with half the budget per shape
+        assert (16, "w8_row") in usable_for(1.0, 2)  # 0.5 s a case: less than that job gave it; it would skip again
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def any_db(request, qp_env, monkeypatch):
