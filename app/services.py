@@ -1539,7 +1539,9 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ValueError(f"{filename} is not valid YAML: {exc}") from exc
+            from quantcore.plans import yaml_problem
+
+            raise ValueError(f"{filename} is not valid YAML: {yaml_problem(exc)}") from exc
         if not isinstance(data, dict):
             raise ValueError(f"{filename}: expected a YAML mapping (a quantplan plan or an llm-compressor recipe)")
         if {"default", "rules", "layers"} & set(data):

@@ -1695,7 +1695,9 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise PlanError(f"the recipe is not valid YAML or JSON: {exc}") from exc
+        from quantcore.plans import yaml_problem
+
+        raise PlanError(f"the recipe is not valid YAML or JSON: {yaml_problem(exc)}") from exc
     modifiers = _recipe_modifiers(data, problems)
     quant = [(w, t, a) for w, t, a in modifiers if t in QUANT_MODIFIERS]
     alphas: dict[str, float] = {}

@@ -321,14 +321,15 @@ class PlanSpec:
                          allow_unicode=True)
 
     @classmethod
-    def from_yaml(cls, text: str) -> PlanSpec:
-        """Parse a plan file's text (``yaml.safe_load``: no Python objects are ever built)."""
+    def from_yaml(cls, text: str, source: str = "the plan file") -> PlanSpec:
+        """Parse a plan file's text (``yaml.safe_load``: no Python objects are ever built); ``source`` names it in
+        errors."""
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise PlanError(f"the plan file is not valid YAML: {exc}") from exc
+            raise PlanError(f"{source} is not valid YAML: {yaml_problem(exc)}") from exc
         if data is None:
-            raise PlanError("the plan file is empty; it needs at least 'default: <scheme>'")
+            raise PlanError(f"{source} is empty; it needs at least 'default: <scheme>'")
         return cls.from_dict(data)
 
 
@@ -339,7 +340,20 @@ def load_plan_file(path: str | Path) -> PlanSpec:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise PlanError(f"cannot read plan file {str(p)!r}: {exc.strerror or exc}") from exc
-    return PlanSpec.from_yaml(text)
+    return PlanSpec.from_yaml(text, source=f"plan file {str(p)!r}")
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A YAML error in one line: the problem, where (line and column, counted from 1), and for the usual mistake
+    in a plan, a backslash of a regular expression in a double-quoted string, what to write instead."""
+    problem = getattr(exc, "problem", None)
+    if not problem:
+        return " ".join(str(exc).split())
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    hint = ("; in double quotes a backslash starts an escape: write a regular expression in single quotes "
+            "('layers\\.0\\.')" if "escape character" in problem else "")
+    return f"{problem}{where}{hint}"
 
 
 def save_plan_file(spec: PlanSpec, path: str | Path) -> Path:

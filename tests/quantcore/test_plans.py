@@ -189,6 +189,20 @@ def test_malformed_files_are_plan_errors(text, needle):
     assert needle in str(info.value)
 
 
+def test_a_yaml_mistake_is_told_in_one_line_with_the_file_and_where(tmp_path):
+    from quantcore.plans import load_plan_file
+
+    path = tmp_path / "typo.yaml"
+    path.write_text('default: FP8\nrules:\n  - {match: "layers\\.(0|29)", scheme: BF16}\n')
+    with pytest.raises(PlanError) as info:
+        load_plan_file(path)
+    said = str(info.value)
+    assert "\n" not in said and said.startswith(f"plan file {str(path)!r} is not valid YAML: found unknown escape")
+    assert "at line 3, column 21" in said and "single quotes" in said
+    path.write_text("default: FP8\nrules:\n  - {match: 'layers\\.(0|29)', scheme: BF16}\n")  # as it says
+    assert load_plan_file(path).rules[0].match == "layers\\.(0|29)"
+
+
 def test_yaml_never_builds_python_objects():
     with pytest.raises(PlanError):
         PlanSpec.from_yaml("default: !!python/object/apply:os.system ['true']\n")
