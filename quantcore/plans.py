@@ -232,7 +232,7 @@ class PlanSpec:
                 kv_skip = normalize_kv_skip(raw_skip)
             except PlanError as exc:
                 problems.append(f"'kv_cache_skip': {exc}")
-            if kv_skip and kv_cache == KV_AUTO:
+            if kv_skip and kv_cache == KV_AUTO and data.get("kv_cache") is None:  # not when kv_cache was misspelt
                 problems.append("'kv_cache_skip' keeps layers out of a quantized KV cache, but 'kv_cache' is AUTO "
                                 "(nothing is quantized); set kv_cache or drop kv_cache_skip")
         tp = 1

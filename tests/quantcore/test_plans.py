@@ -203,6 +203,14 @@ def test_a_yaml_mistake_is_told_in_one_line_with_the_file_and_where(tmp_path):
     assert load_plan_file(path).rules[0].match == "layers\\.(0|29)"
 
 
+def test_a_misspelt_kv_cache_is_one_problem_not_two():
+    with pytest.raises(PlanError) as info:
+        PlanSpec.from_yaml("default: FP8\nkv_cache: FP8_E4M3\nkv_cache_skip: [0]\n")
+    assert "unknown KV cache format 'FP8_E4M3'" in str(info.value) and "is AUTO" not in str(info.value)
+    with pytest.raises(PlanError, match="but 'kv_cache' is AUTO"):  # a skip list with no cache format at all
+        PlanSpec.from_yaml("default: FP8\nkv_cache_skip: [0]\n")
+
+
 def test_yaml_never_builds_python_objects():
     with pytest.raises(PlanError):
         PlanSpec.from_yaml("default: !!python/object/apply:os.system ['true']\n")
