@@ -218,11 +218,13 @@ class PlanSpec:
             problems.append(f"'default' must be a scheme name such as 'FP8', got {default!r}")
         alpha = _parse_alpha(data.get("smoothquant_alpha"), "smoothquant_alpha", problems)
         kv_cache = KV_AUTO
+        kv_unknown = False  # a misspelt format: said once, not again through kv_cache_skip
         if data.get("kv_cache") is not None:
             try:
                 kv_cache = get_kv_format(data["kv_cache"]).name
             except PlanError as exc:
                 problems.append(f"'kv_cache': {exc}")
+                kv_unknown = True
         kv_skip: list[str] = []
         raw_skip = data.get("kv_cache_skip")
         if raw_skip is not None:
@@ -232,7 +234,7 @@ class PlanSpec:
                 kv_skip = normalize_kv_skip(raw_skip)
             except PlanError as exc:
                 problems.append(f"'kv_cache_skip': {exc}")
-            if kv_skip and kv_cache == KV_AUTO and data.get("kv_cache") is None:  # not when kv_cache was misspelt
+            if kv_skip and kv_cache == KV_AUTO and not kv_unknown:
                 problems.append("'kv_cache_skip' keeps layers out of a quantized KV cache, but 'kv_cache' is AUTO "
                                 "(nothing is quantized); set kv_cache or drop kv_cache_skip")
         tp = 1

@@ -207,8 +207,9 @@ def test_a_misspelt_kv_cache_is_one_problem_not_two():
     with pytest.raises(PlanError) as info:
         PlanSpec.from_yaml("default: FP8\nkv_cache: FP8_E4M3\nkv_cache_skip: [0]\n")
     assert "unknown KV cache format 'FP8_E4M3'" in str(info.value) and "is AUTO" not in str(info.value)
-    with pytest.raises(PlanError, match="but 'kv_cache' is AUTO"):  # a skip list with no cache format at all
-        PlanSpec.from_yaml("default: FP8\nkv_cache_skip: [0]\n")
+    for kv in ("", "kv_cache: AUTO\n"):  # a skip list with no cache format, or with AUTO said
+        with pytest.raises(PlanError, match="but 'kv_cache' is AUTO"):
+            PlanSpec.from_yaml(f"default: FP8\n{kv}kv_cache_skip: [0]\n")
 
 
 def test_yaml_never_builds_python_objects():
