@@ -1713,6 +1713,16 @@ def jobs_what(jobs: Iterable[JobRecord]) -> dict[int, str]:
     return {j.id: job_what(j, labels) for j in jobs}
 
 
+def jobs_model(jobs: Iterable[JobRecord]) -> dict[int, str]:
+    """The model each job ran on, by job id: its name, "NAME (removed)" for a model removed since, "" for none."""
+    names = {m.id: m.name for m in list_models()}
+    out = {}
+    for j in jobs:
+        removed = j.params.get(repo.REMOVED_MODEL_KEY)
+        out[j.id] = names.get(j.model_id) or (f"{removed} (removed)" if removed else "")
+    return out
+
+
 def job_what(job: JobRecord, plan_labels: dict[int, str] | None = None) -> str:
     """What a job works on, in a few words, from its parameters: "FP8_DYNAMIC + KV FP8 · 16 × 256",
     "plan my-plan v3", "INT8_W8A8 sweep", "cuda M 1,16". ``plan_labels``: the labels of plans by id, read already

@@ -341,13 +341,14 @@ def cmd_jobs(args) -> int:
     if args.json:
         _print_json([j.__dict__ for j in jobs])
     else:
-        from app.services import jobs_what
+        from app.services import jobs_model, jobs_what
 
-        whats = jobs_what(jobs)
+        whats, models = jobs_what(jobs), jobs_model(jobs)
+        width = max([len(models[j.id][:30]) for j in jobs] or [0])
         for j in jobs:
             ran = j.run_seconds()
             print(f"#{j.id:<4} {j.kind:11s} {j.status:9s} {j.progress * 100:5.1f}%  "
-                  f"{'' if ran is None else f'{ran:.0f} s':>7}  {whats[j.id][:40]:<40}  "
+                  f"{'' if ran is None else f'{ran:.0f} s':>7}  {models[j.id][:30]:<{width}}  {whats[j.id][:40]:<40}  "
                   f"{j.message[:60]}" + (f"  ERROR: {j.error[:100]}" if j.error else ""))
     return 0
 

@@ -736,6 +736,8 @@ def test_models_remove_deletes_the_model_its_results_and_its_files(tiny_model, c
     code, _, err = run(capsys, "calibrate", "tiny", "--local")
     assert code == 1 and "no model 'tiny'" in err
     assert any(j["kind"] == "score" and j["model_id"] is None for j in run_json(capsys, "jobs", "--json"))
+    code, out, _ = run(capsys, "jobs")  # the list names each job's model, a removed one as such
+    assert code == 0 and re.search(r"^#\d+ +score .* tiny \(removed\) ", out, re.M), out
 
 
 def test_a_damaged_model_path_never_deletes_outside_the_artifacts(tiny_model, qp_settings, tmp_path):

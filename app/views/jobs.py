@@ -34,11 +34,6 @@ page = c3.number_input(f"Page (of {pages}; {total:,} job(s), {PAGE} a page, newe
                        max_value=pages, value=1, step=1, key="jobs_page") if pages > 1 else 1
 
 
-def _removed(job) -> str | None:
-    name = job.params.get(svc.repo.REMOVED_MODEL_KEY)
-    return f"{name} (removed)" if name else None
-
-
 @st.fragment(run_every=2.0)
 def job_table() -> None:
     st.session_state[SWEPT] += svc.sweep_stale()  # while the page is watched, not only when it opens
@@ -67,11 +62,11 @@ def job_table() -> None:
             elif b.button("Cancel", key=f"cancel_{job.id}"):
                 svc.cancel_job(job.id)
                 st.rerun()
-    model_names = {m.id: m.name for m in svc.list_models()}
+    models = svc.jobs_model(jobs)
     st.dataframe(pd.DataFrame([{
         "id": j.id, "kind": j.kind, "what": whats[j.id], "status": j.status, "progress": j.progress,
         "ran (s)": j.run_seconds(), "message": j.message,
-        "model": model_names.get(j.model_id) or _removed(j) or "", "queue": j.queue, "device": j.device, "worker": j.worker_host,
+        "model": models[j.id], "queue": j.queue, "device": j.device, "worker": j.worker_host,
         "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
         "error": j.error or "",
     } for j in jobs]), hide_index=True, width="stretch",
