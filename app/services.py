@@ -1406,13 +1406,16 @@ def unsplit_experts_warning(model: ModelRecord) -> str | None:
 
 def parallel_notes(model: ModelRecord, par) -> list[str]:
     """What the tensor-parallel checks could not see: the model's attention heads (q/k/v are then taken to split
-    evenly), layers outside the Llama-style layout (taken whole). None at tensor_parallel 1."""
+    evenly), layers outside the Llama-style layout (taken whole); and expert parallelism asked of a dense model."""
     from quantcore.parallel import unknown_layers
 
+    out = []
+    if par.expert_parallel and not routed_layers(model):
+        out.append(f"expert_parallel: {model.name} has no routed experts (a dense model), so it changes nothing "
+                   "here; vLLM's --enable-expert-parallel is for MoE models: drop it from the plan")
     tp = par.tp
     if tp <= 1:
-        return []
-    out = []
+        return out
     if par.heads is None:
         out.append(f"tensor_parallel {tp}: the model's config does not say how many attention heads it has, so "
                    f"q/k/v are checked as if each split in {tp} evenly; vLLM splits them by heads")

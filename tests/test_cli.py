@@ -1581,3 +1581,13 @@ def test_a_nameless_plan_of_rules_is_not_labelled_as_its_default_preset() -> Non
     assert base_label(SimpleNamespace(params={}), spec) == "FP8_DYNAMIC + 1 rule(s) / override(s)"
     assert base_label(SimpleNamespace(params={}), PlanSpec(default="W8A16")) == "W8A16"
     assert base_label(SimpleNamespace(params={"label": "auto v1"}), spec) == "auto v1"
+
+
+def test_expert_parallelism_asked_of_a_dense_model_is_warned_about(tiny_model, capsys, tmp_path):
+    plan_file = tmp_path / "ep.yaml"
+    plan_file.write_text("model: tiny\ndefault: FP8_DYNAMIC\ntensor_parallel: 2\nexpert_parallel: true\n")
+    code, _, err = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
+    assert code == 0 and "quantplan: warning: expert_parallel: tiny has no routed experts (a dense model)" in err
+    plan_file.write_text("model: tiny\ndefault: FP8_DYNAMIC\ntensor_parallel: 2\n")
+    code, _, err = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
+    assert code == 0 and "expert_parallel" not in err
