@@ -344,6 +344,8 @@ def list_plans(model_id: int | None = None) -> list[PlanRecord]:
 
 def save_plan(model_id: int, name: str, body: dict[str, Any], note: str = "",
               parent_id: int | None = None) -> PlanRecord:
+    if not name.strip():
+        raise ValueError("a plan needs a name: its versions are saved, listed and exported under it")
     with session_scope(settings()) as s:
         return repo.save_plan(s, model_id=model_id, name=name, body=body, user=settings().user, note=note,
                               parent_id=parent_id)

@@ -320,8 +320,14 @@ with st.form("plan_save", enter_to_submit=False):  # Enter in a field saves noth
                          key=f"plan_name_{model.id}_{start}")  # the plan opened's own name, whichever it is
     note = c2.text_input("What changed", key=f"plan_note_{model.id}_{start}")
     if st.form_submit_button("Save as a new version", type="primary", disabled=problem is not None):
+        name = name.strip()
         to_save = {**body, "name": name, "model": model.name}
-        if same := svc.unchanged_version(model.id, name, to_save):
+        if not name:
+            st.error("Give the plan a name: its versions are saved, listed and exported under it.")
+        elif half:
+            st.error(f"Rule row(s) {', '.join(map(str, half))} have a match or a scheme but not both: finish or "
+                     "delete them first, or they would be lost from the version saved.")
+        elif same := svc.unchanged_version(model.id, name, to_save):
             st.info(f"No change from {same.label}: nothing saved.")
         else:
             saved = svc.save_plan(model.id, name, to_save, note=note)

@@ -2226,3 +2226,16 @@ def test_kernels_page_says_what_the_device_is_and_what_runs_natively_on_it(seede
     assert table.set_index("path")["here"].to_dict() == {"baseline": "native", "fp8_row": "native",
                                                          "fp4": "does not run"}
     assert table.set_index("path").loc["fp4", "why"] == "FP4 tensor cores need sm100+; this device is sm90"
+
+
+def test_plans_page_refuses_to_save_a_plan_without_a_name(seeded):
+    from app import services as svc
+
+    at = _run("plans", seeded.id)
+    before = len(svc.list_plans(seeded.id))
+    _plan_name(at).set_value("   ")
+    next(b for b in at.button if "Save as a new version" in b.label).click().run()
+    assert not at.exception and any("Give the plan a name" in e.value for e in at.error)
+    assert len(svc.list_plans(seeded.id)) == before
+    with pytest.raises(ValueError, match="needs a name"):
+        svc.save_plan(seeded.id, "", {"default": "FP8_DYNAMIC"})
