@@ -537,6 +537,19 @@ def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: st
     return {**est, "untimed": _untimed(plan, paths, shapes)}
 
 
+def thin_estimate_note(est: dict[str, Any]) -> str | None:
+    """A warning when a step estimate rests on fewer than half the plan's layers (for the step missing most), yet on
+    some: its sums and speed-ups are then those few layers', not the plan's. None otherwise (none measured: the
+    metrics say "not measured" themselves)."""
+    n = len(est["per_layer"])
+    worst = max(len(est["missing_prefill"]), len(est["missing_decode"]))
+    if not n or worst == n or 2 * worst <= n:
+        return None
+    return (f"Only {n - worst} of this plan's {n} layers have a time for their path at these M values: the step "
+            "times and speed-ups above are of those layers alone, not of the plan. Benchmark the paths it uses "
+            "(named below) before reading them as the plan's.")
+
+
 def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
     """What a step estimate leaves out (layers with no time for their path at its M values), named, and what to do
     about each: a case skipped over the time budget wants a larger budget, not the same benchmark again; a path the

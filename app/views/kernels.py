@@ -213,6 +213,8 @@ for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_deco
                (f"×{speedup:.2f} vs baseline {base_ms:.3f} ms" + (" on the same layers" if missing else "")
                 if speedup else "no baseline"),
                delta_color="normal" if speedup and speedup >= 1 else "inverse", delta_arrow="off")
+if thin := svc.thin_estimate_note(est):
+    st.warning(thin)
 target = svc.target_of_device(device_name)
 if target:  # a GPU of the table: how far the measured eager kernels are from the roofline bound
     ideal = {step: svc.step_bound(model, body, target, m).ms for step, m in (("prefill", m_prefill),

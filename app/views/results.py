@@ -155,8 +155,8 @@ live.job_progress("results", ["score", "sensitivity"], model_id=model.id,
 
 size = svc.reference_cache_bytes(model, int(samples), int(seq_len))
 if size:
-    st.caption(f"The unquantized model's log-probabilities on {int(samples)} × {int(seq_len)} tokens (the sizes "
-               f"as last queued) are computed once per model and text and cached: {size / 2**30:,.2f} GiB on disk "
+    st.caption(f"The unquantized model's log-probabilities on {int(samples)} × {int(seq_len)} tokens (the form's "
+               f"sizes as last submitted, its defaults before) are computed once per model and text and cached: {size / 2**30:,.2f} GiB on disk "
                f"({int(samples) * (int(seq_len) - 1):,} positions × a {svc.vocab_size(model):,}-token vocabulary × "
                "2 bytes). Large vocabularies (Gemma's 262k) make this the size to watch.")
 

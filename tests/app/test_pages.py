@@ -1111,6 +1111,18 @@ def test_kernels_page_step_says_what_it_rests_on(seeded):
     assert steps == {"Prefill (M=16)": "not measured", "Decode (M=1)": "not measured"}
     note = next(c.value for c in at.caption if "no time for their path" in c.value)  # which benchmark times them
     assert "more not measured: queue a benchmark with these M values and path w4_g128." in note
+    assert not any(w.value.startswith("Only ") for w in at.warning)  # none measured: the metrics say so
+    # a few layers timed, most not: the sums are said to be of those few, not of the plan
+    from app import services as svc
+
+    few = svc.save_plan(seeded.id, "few", {"default": "W4A16", "rules": [{"match": "layers\\.0\\.self_attn",
+                                                                          "scheme": "FP8_DYNAMIC"}]})
+    at.run()  # drawn again: the plan saved is among the options
+    at.selectbox(key=f"kernels_plan_{seeded.id}").set_value(f"plan:{few.id}").run()
+    thin = next(w.value for w in at.warning if w.value.startswith("Only "))
+    assert thin.startswith(f"Only 4 of this plan's {len(seeded.linears)} layers have a time for their path")
+    at.selectbox(key=f"kernels_plan_{seeded.id}").set_value("preset:BF16").run()
+    assert not any(w.value.startswith("Only ") for w in at.warning)  # every layer timed
 
 
 def test_kernels_page_compares_devices(seeded):
