@@ -44,9 +44,12 @@ with st.container(border=True):
                 st.error(str(exc))
         path = st.text_input("…or a path on shared storage (a folder, archive or .gguf the workers can read)",
                              key="shared_path")
-        if path and st.button("Register path", key="register_path"):
+        if st.button("Register path", key="register_path"):  # drawn before a path is typed: it says what to do
             try:
-                job = svc.register_path(path, name or None)
+                if not path.strip():
+                    raise ValueError("Type the path of a Hugging Face folder, a .zip / .tar.gz of one, or a .gguf "
+                                     "file first.")
+                job = svc.register_path(path.strip(), name or None)
                 st.success(f"Queued registration job #{job.id} for {path}.")
             except ValueError as exc:
                 refused = True

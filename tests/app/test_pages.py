@@ -95,6 +95,8 @@ def test_a_path_refused_before_any_job_replaces_the_last_registrations_failure(s
         repo.finish_job(s, job.id, status="failed", error="no config.json in the folder")
     at = _run("models", seeded.id)
     assert any(f"Registration job #{job.id}" in e.value and "no config.json" in e.value for e in at.error)
+    at.button(key="register_path").click().run()  # the button is there before a path is: it says what to type
+    assert any(e.value.startswith("Type the path of a Hugging Face folder") for e in at.error)
     at.text_input(key="shared_path").input(str(tmp_path / "does" / "not" / "exist")).run()
     at.button(key="register_path").click().run()
     assert not at.exception
