@@ -15,6 +15,7 @@ from quantcore.kernels import parse_ms
 from quantcore.schemes import list_schemes
 
 KEPT_PLAN = "kernels_plan_kept"  # {model id: the step estimate's plan option picked}
+KEPT_FORM = "kernels_form_kept"  # the benchmark form's values as last queued
 
 st.title("Kernels")
 st.caption("Measured, not assumed: each low-precision path is timed against the baseline GEMM (bf16 on GPU, "
@@ -33,18 +34,21 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
     st.markdown(f"**Queue a benchmark** of {model.name}'s {len(model.linears)} linear layers "
                 f"({len({(lin['out_features'], lin['in_features']) for lin in model.linears})} distinct shapes).")
     c1, c2, c3, c4, c5 = st.columns([2, 3, 2, 3, 2])
-    device = c1.selectbox("Device", ["cpu", "cuda"], key="bench_device")
-    ms = c2.text_input("M values (batch × tokens)", "1,16,128,2048", key="bench_m")
-    budget = c3.number_input("Budget per shape (s)", 5, 3600, 60, key="bench_budget",
+    # the values last queued, kept for this session: Streamlit forgets a form's widgets while another page is drawn
+    last = st.session_state.setdefault(KEPT_FORM, {})
+    device = c1.selectbox("Device", ["cpu", "cuda"], index=["cpu", "cuda"].index(last.get("device", "cpu")),
+                          key="bench_device")
+    ms = c2.text_input("M values (batch × tokens)", last.get("ms", "1,16,128,2048"), key="bench_m")
+    budget = c3.number_input("Budget per shape (s)", 5, 3600, last.get("budget", 60), key="bench_budget",
                              help="Wall-clock seconds for all M values and paths of one (N, K) shape, on any device: "
                                   "a case predicted not to fit in what is left is skipped and reported \"over "
                                   "budget\", and measured when asked again with a larger budget.")
-    queue = c4.text_input("Queue (optional, e.g. gpu.sm90)", "", key="bench_queue")
-    bench_tp = int(c5.number_input("GPUs (tensor parallel)", 1, 1024, 1, key="bench_tp",
+    queue = c4.text_input("Queue (optional, e.g. gpu.sm90)", last.get("queue", ""), key="bench_queue")
+    bench_tp = int(c5.number_input("GPUs (tensor parallel)", 1, 1024, last.get("tp", 1), key="bench_tp",
                                    help="Time each GPU's share of every layer, as vLLM splits it over this many "
                                         "GPUs: the shapes a plan for that many GPUs runs (Plans page)."))
     timed_paths = [p for p in KERNEL_PATHS if p != "baseline"]
-    paths = st.multiselect("Paths", timed_paths, default=timed_paths, key="bench_paths",
+    paths = st.multiselect("Paths", timed_paths, default=last.get("paths", timed_paths), key="bench_paths",
                            help="The kernel paths to time; the baseline always is (speed-ups need it). A CPU only "
                                 "emulates FP8: leaving those four out gives their budget to INT8 and the weight-only "
                                 "kernels.")
@@ -64,6 +68,8 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
                 params["queue"] = queue.strip()
             job = svc.submit("bench", params, model_id=model.id)
             st.success(f"Queued benchmark job #{job.id} on queue '{job.queue}'.")
+            st.session_state[KEPT_FORM] = {"device": device, "ms": ms, "budget": int(budget), "queue": queue,
+                                           "tp": bench_tp, "paths": [p for p in timed_paths if p in paths]}
         except ValueError as exc:
             st.error(str(exc))
 

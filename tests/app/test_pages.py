@@ -2253,3 +2253,17 @@ def test_plans_page_refuses_to_save_a_plan_without_a_name(seeded):
     assert len(svc.list_plans(seeded.id)) == before
     with pytest.raises(ValueError, match="needs a name"):
         svc.save_plan(seeded.id, "", {"default": "FP8_DYNAMIC"})
+
+
+def test_kernels_page_keeps_the_benchmark_form_as_last_queued_across_pages(seeded):
+    at = _run("kernels", seeded.id)
+    at.text_input(key="bench_m").set_value("1,16")
+    at.number_input(key="bench_budget").set_value(10)
+    at.multiselect(key="bench_paths").set_value(["int8_row", "w8_row"])
+    next(b for b in at.button if b.label == "Queue benchmark").click().run()
+    assert not at.exception and any("Queued benchmark job" in m.value for m in at.success)
+    at.switch_page("views/jobs.py").run()
+    at.switch_page("views/kernels.py").run()
+    assert not at.exception
+    assert at.text_input(key="bench_m").value == "1,16" and at.number_input(key="bench_budget").value == 10
+    assert at.multiselect(key="bench_paths").value == ["int8_row", "w8_row"]
