@@ -369,8 +369,9 @@ def cmd_worker(args) -> int:
     s = _checked_settings()
     queues = advertised_queues(args.queues or s.worker_queues)
     print(f"quantplan worker: consuming queues {queues}", file=sys.stderr, flush=True)
+    # solo: one job at a time in the worker's own process (say so: Celery's banner would show the CPU count)
     cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app:celery_app", "worker", "-P", "solo",
-           "-Q", queues, "-n", f"quantplan-{queues.replace(',', '-')}@%h", "--loglevel", args.loglevel]
+           "--concurrency", "1", "-Q", queues, "-n", f"quantplan-{queues.replace(',', '-')}@%h", "--loglevel", args.loglevel]
     os.execvp(cmd[0], cmd)
     return 0  # not reached
 
