@@ -421,11 +421,11 @@ def capability_frame(paths: list[dict[str, Any]]):
     """A stored capability table (PathSupport dicts) as rows for a person: path, verdict, why."""
     import pandas as pd
 
-    from quantcore.hardware import support_status, support_why
+    from quantcore.hardware import PathSupport
 
-    return pd.DataFrame([{"path": p["path"], "here": support_status(p["runs"], p["native"]),
-                          "why": support_why(p["runs"], p["native"], p["note"])}
-                         for p in paths], columns=["path", "here", "why"])
+    rows = [PathSupport(**p) for p in paths]
+    return pd.DataFrame([{"path": r.path, "here": r.status, "why": r.why} for r in rows],
+                        columns=["path", "here", "why"])
 
 
 def timed_otherwise(frame) -> int:

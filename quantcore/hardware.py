@@ -603,8 +603,13 @@ class PathSupport:
 
     @property
     def status(self) -> str:
-        """One of "native", "runs, not accelerated", "does not run"."""
+        """One of "native", "runs, not accelerated", "does not run" (:func:`support_status`)."""
         return support_status(self.runs, self.native)
+
+    @property
+    def why(self) -> str:
+        """The note, without the verdict it may open with (:func:`support_why`): shown beside :attr:`status`."""
+        return support_why(self.runs, self.native, self.note)
 
     def to_dict(self) -> dict:
         return {"path": self.path, "runs": self.runs, "native": self.native, "note": self.note}

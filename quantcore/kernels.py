@@ -207,6 +207,12 @@ def bench_paths(paths: Iterable[str] | None) -> list[str]:
     return sorted({PATH_BASELINE, *want}, key=PATHS.index)
 
 
+def cases_per_shape(ms: Sequence[int] | None, paths: Iterable[str] | None) -> int:
+    """The cases a benchmark asked for M values ``ms`` (None: :data:`DEFAULT_MS`) and ``paths`` times per (N, K)
+    shape, all sharing its budget per shape: what a stored skip for time is weighed by (store.repo)."""
+    return len(ms or DEFAULT_MS) * len(bench_paths(paths))
+
+
 # --------------------------------------------------------------------------- records
 
 

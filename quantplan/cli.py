@@ -77,14 +77,9 @@ def _start(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: 
 
     s = _settings()
     if local:
-        from quantcore.errors import UnsupportedOnDevice
-        from worker import bodies
-
-        try:  # a device this machine lacks: refused before a job is written
-            bodies.resolve_device(params.get("device"))
-        except UnsupportedOnDevice as exc:
-            raise CliError(f"{exc} (this machine runs --local jobs; without --local the job is queued for a worker)"
-                           ) from exc
+        if missing := _missing_device(params):  # a device this machine lacks: refused before a job is written
+            raise CliError(f"{missing} (this machine runs --local jobs; without --local the job is queued for a "
+                           "worker)") from missing
         return create_local_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
     job = submit_job(kind, params, model_id=model_id, plan_id=plan_id, settings=s)
     print(f"job #{job.id}: queued {kind} on queue '{job.queue}' (Ctrl-C stops waiting, not the job)", file=sys.stderr)
@@ -117,16 +112,21 @@ def _finish(job, *, local: bool, quiet: bool):
                           f"(`quantplan jobs show {job.id}`, `quantplan jobs cancel {job.id}`)") from None
 
 
-def _local_hint(params: dict[str, Any]) -> str:
-    """' Or run it here with --local.' where this machine has the job's device, else ''."""
+def _missing_device(params: dict[str, Any]):
+    """The UnsupportedOnDevice a job's device raises on this machine (a CUDA job without CUDA), else None."""
     from quantcore.errors import UnsupportedOnDevice
     from worker import bodies
 
     try:
         bodies.resolve_device(params.get("device"))
-    except UnsupportedOnDevice:
-        return ""
-    return " Or run it here with --local."
+    except UnsupportedOnDevice as exc:
+        return exc
+    return None
+
+
+def _local_hint(params: dict[str, Any]) -> str:
+    """' Or run it here with --local.' where this machine has the job's device, else ''."""
+    return "" if _missing_device(params) else " Or run it here with --local."
 
 
 def _status(job_id: int) -> str:

@@ -242,13 +242,12 @@ def cmd_bench(args) -> int:
     else:
         print(f"job #{job.id} on {job.device}: {len(records)} records "
               f"({job.result.get('measured', 0)} measured now, {job.result.get('reused', 0)} reused)")
-        from quantcore.hardware import describe_probe, support_status, support_why
+        from quantcore.hardware import PathSupport, describe_probe
 
         if device := job.result.get("device"):
             print(describe_probe(device))
-        for sup in job.result.get("paths") or []:
-            print(f"  {sup['path']:11s} {support_status(sup['runs'], sup['native']):22s} "
-                  f"{support_why(sup['runs'], sup['native'], sup['note'])}")
+        for sup in (PathSupport(**p) for p in job.result.get("paths") or []):
+            print(f"  {sup.path:11s} {sup.status:22s} {sup.why}")
         for r in records:
             if r.get("skipped"):
                 print(f"  M={r['m']:<5} N={r['n']:<6} K={r['k']:<6} {r['path']:12s} skipped: {r['skipped']}")

@@ -645,23 +645,16 @@ def newest_kernel_results(session: Session, *, device_name: str, torch_version: 
         newest.setdefault(case, r)
     untimed = {case: r for case, r in over_budget.items() if case not in newest}
     if usable_only and budget_s is not None and untimed:
-        under = {j: _budget_per_case(params, res, cases_per_shape is not None) for j, params, res in session.execute(
+        from quantcore.kernels import cases_per_shape as cases_of
+
+        def share(budget: float, params: dict[str, Any]) -> float:  # of one case, or of the shape when not asked
+            return budget if cases_per_shape is None else budget / cases_of(params.get("m"), params.get("paths"))
+
+        under = {j: share(float((res or {}).get("budget_s") or 0.0), params or {}) for j, params, res in session.execute(
             select(m.Job.id, m.Job.params, m.Job.result).where(m.Job.id.in_({r.job_id for r in untimed.values()})))}
-        ours = budget_s / cases_per_shape if cases_per_shape else budget_s
+        ours = budget_s if cases_per_shape is None else budget_s / cases_per_shape
         newest |= {case: r for case, r in untimed.items() if under.get(r.job_id, 0.0) >= ours}
     return list(newest.values())
-
-
-def _budget_per_case(params: dict[str, Any] | None, result: dict[str, Any] | None, per_case: bool) -> float:
-    """A benchmark job's budget per shape (its result's ``budget_s``), divided, with ``per_case``, by the cases it
-    timed per shape: its M values (the default ones when it named none) × its paths and the baseline."""
-    from quantcore.kernels import DEFAULT_MS, bench_paths
-
-    budget = float((result or {}).get("budget_s") or 0.0)
-    if not per_case:
-        return budget
-    params = params or {}
-    return budget / (len(params.get("m") or DEFAULT_MS) * len(bench_paths(params.get("paths"))))
 
 
 def kernel_devices(session: Session) -> list[tuple[str, str, str]]:

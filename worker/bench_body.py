@@ -3,8 +3,8 @@
 
 Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same
 device again measures only what is missing (unless params['force']), what failed, what was skipped for time under
-a smaller budget per case (per shape, over its M values x paths) than asked now, what was stored with a native flag that the device's probe no
-longer gives, or what was timed another way (quantcore.kernels.TIMING).
+a smaller budget per case (per shape, over its M values x paths) than asked now, what was stored with a native flag
+that the device's probe no longer gives, or what was timed another way (quantcore.kernels.TIMING).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def bench(ctx: JobContext) -> Outcome:
         with session_scope(ctx.settings) as s:
             stored = repo.newest_kernel_results(
                 s, device_name=info.name, torch_version=info.torch_version, usable_only=True, budget_s=budget,
-                cases_per_shape=len(p.get("m") or kernels.DEFAULT_MS) * len(kernels.bench_paths(wanted_paths)))
+                cases_per_shape=kernels.cases_per_shape(p.get("m"), wanted_paths))
         # a record whose native flag is not what this worker's probe says now (quantplan's rules for the
         # device changed, e.g. INT8 on a VNNI CPU) is measured again, so the Kernels page shows the new flag
         native = {path: sup.native for path, sup in support.items()}
@@ -84,7 +84,8 @@ def bench(ctx: JobContext) -> Outcome:
     for r in reused:
         r.pop("job_id", None)
     all_records = sorted(new + reused, key=lambda r: (r["n"], r["k"], r["m"], r["path"]))
-    result = {"device": info.to_dict(), "paths": [sup.to_dict() for sup in support.values()], "measured": len(new), "reused": len(reused), "records": all_records,
+    result = {"device": info.to_dict(), "paths": [sup.to_dict() for sup in support.values()],
+              "measured": len(new), "reused": len(reused), "records": all_records,
               "budget_s": budget}  # a later job reuses what this one skipped for time when its budget is no larger
 
     def write(s: Session) -> None:
