@@ -1089,6 +1089,15 @@ def split_refusals(model: ModelRecord, tp: int, expert_parallel: bool = False) -
     return tp_misfits(layer_shapes(model), Parallelism(tp, attention_heads(model), expert_parallel))
 
 
+def bench_shape_count(model: ModelRecord, tp: int = 1, expert_parallel: bool = False) -> int:
+    """How many distinct (N, K) GEMM shapes a benchmark of ``model`` times: its layers' own, or each GPU's share of
+    them split over ``tp`` GPUs (as the bench job shards them)."""
+    from quantcore.parallel import Parallelism
+
+    heads = attention_heads(model) if tp > 1 else None
+    return len(set(Parallelism(tp, heads, expert_parallel).shards(layer_shapes(model)).values()))
+
+
 def plan_split_refusals(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     """split_refusals at a plan body's own tensor_parallel / expert_parallel ([] for one GPU or a body that does
     not parse: the job says what is wrong with that)."""

@@ -875,6 +875,14 @@ def _secs(s: float) -> str:
     return f"{s:.2g} s" if s < 1 else f"{s:.1f} s" if s < 100 else f"{s:.0f} s"
 
 
+def duration_bound(shapes: int, budget_s: float) -> str:
+    """'at most 5 shapes × 60 s ≈ 5 min': the longest a benchmark of ``shapes`` (N, K) shapes times, each shape's M
+    values and paths within ``budget_s`` (its last case may run over by one call), before loading and probing."""
+    total = shapes * budget_s
+    about = _secs(total) if total < 120 else f"{total / 60:.0f} min" if total < 7200 else f"{total / 3600:.1f} h"
+    return f"at most {shapes} shape{'s' * (shapes != 1)} × {_secs(budget_s)} ≈ {about}"
+
+
 def has_time(record: KernelRecord) -> bool:
     """Whether a record carries a usable time (not skipped; a NaN from a table counts as none)."""
     return record.ms is not None and math.isfinite(record.ms) and record.ms > 0

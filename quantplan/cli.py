@@ -46,6 +46,7 @@ def _checked_settings():
 
 
 def _progress_printer(quiet: bool):
+    """show(job): a line on stderr for each new status, progress or message of a job (nothing when ``quiet``)."""
     last = {"msg": None}
 
     def show(job) -> None:
@@ -57,6 +58,14 @@ def _progress_printer(quiet: bool):
             last["msg"] = line
 
     return show
+
+
+def _local_progress(job, show):
+    """on_progress(fraction, message) for run_job: a --local run prints its progress as a queued job's wait does."""
+    from types import SimpleNamespace
+
+    return lambda fraction, message: show(SimpleNamespace(id=job.id, status="running", progress=fraction,
+                                                          message=message))
 
 
 def _run(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: int | None = None,
@@ -96,17 +105,18 @@ def _finish(job, *, local: bool, quiet: bool):
     from worker.client import wait_for
 
     s = _settings()
+    show = _progress_printer(quiet)
     if local:
         from worker import bodies
         from worker.runner import run_job
 
         print(f"job #{job.id}: running {job.kind} in this process", file=sys.stderr)
         try:
-            run_job(job.id, getattr(bodies, job.kind), settings=s)
+            run_job(job.id, getattr(bodies, job.kind), settings=s, on_progress=_local_progress(job, show))
         except KeyboardInterrupt:  # run_job has stored the job as cancelled
             raise Interrupted(f"job #{job.id} {_status(job.id)}: interrupted (Ctrl-C) before it finished") from None
     try:
-        return wait_for(job.id, on_update=_progress_printer(quiet), settings=s)
+        return wait_for(job.id, on_update=show, settings=s)
     except KeyboardInterrupt:
         raise Interrupted(f"stopped waiting; job #{job.id} is still {_status(job.id)} "
                           f"(`quantplan jobs show {job.id}`, `quantplan jobs cancel {job.id}`)") from None

@@ -248,13 +248,10 @@ def cmd_bench(args) -> int:
             print(describe_probe(device))
         for sup in (PathSupport(**p) for p in job.result.get("paths") or []):
             print(f"  {sup.path:11s} {sup.status:22s} {sup.why}")
-        for r in records:
-            if r.get("skipped"):
-                print(f"  M={r['m']:<5} N={r['n']:<6} K={r['k']:<6} {r['path']:12s} skipped: {r['skipped']}")
-            else:
-                print(f"  M={r['m']:<5} N={r['n']:<6} K={r['k']:<6} {r['path']:12s} {r['ms']:9.4f} ms "
-                      f"{r['tflops']:8.3f} TFLOP/s  x{r['speedup'] or 0:5.2f}  native={r['native']}  "
-                      f"err={r['max_rel_err']}")
+        from quantcore.kernels import KernelRecord, format_records
+
+        if records:
+            print(format_records(KernelRecord.from_dict(r) for r in records))
     return 0
 
 

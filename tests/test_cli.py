@@ -627,6 +627,25 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(qp_settings):
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
+def test_a_local_benchmark_prints_its_progress_and_a_table_of_its_cases(tiny_model, capsys):
+    """--local runs the job here: its progress reaches stderr as a queued job's wait prints it (the first line bounds
+    how long it may take), and the cases come as one table, every timed case with its error and speed-up."""
+    code, out, err = run(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--paths", "int8_row")
+    assert code == 0
+    progress = [line for line in err.splitlines() if re.match(r"job #\d+ running ", line)]
+    assert progress and "5 shapes to measure (at most 5 shapes × 20.0 s ≈ 100 s), 0 stored" in progress[0]
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "max_rel_err" in line)  # the table's head, then a rule
+    rule, rows = lines[at + 1], lines[at + 2:]
+    assert rule.startswith("---") and len(rows) == 10  # 5 shapes x (baseline, int8_row) at M=1
+    for row in rows:
+        m, n, k, path, ms, _tflops, _pct, speedup, native, err_ = row.split()[:10]
+        assert m == "1" and path in ("baseline", "int8_row") and float(ms) > 0 and float(speedup) > 0
+        assert float(err_) < 1e-3 and native in ("yes", "no")
+    code, _, err = run(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--paths", "int8_row")
+    assert code == 0 and re.search(r"running .*all 5 shapes stored", err)
+
+
 def test_a_stored_timing_whose_native_flag_is_outdated_is_measured_again(tiny_model, capsys):
     """Records stored under other rules for this device (INT8 on a VNNI CPU was once 'not native') are
     re-measured, so the Kernels page shows the flag the device's probe gives now; the others are reused."""
@@ -1368,6 +1387,8 @@ def test_a_benchmark_split_over_gpus_times_each_gpus_share(tiny_model, capsys, t
     assert one["missing_decode"]  # the whole layers were not timed here
     labels = svc.shape_labels(model)
     assert labels[(16, 64)] == "k_proj 16×64 (TP 2)" and labels[(64, 32)] == "o_proj 64×32 (TP 2)"
+    # the count the Kernels page's queued message bounds the run's duration by: the shapes the job timed
+    assert svc.bench_shape_count(model, 2) == len(measured) and svc.bench_shape_count(model) == 5
     code, _, err = run(capsys, "bench", "--tp", "2", "--local")
     assert code == 1 and "--tp needs a MODEL" in err
 

@@ -76,7 +76,11 @@ def bench(ctx: JobContext) -> Outcome:
                 reused.extend(h for h in have if h is not None)
             else:
                 todo.append((n, k))
-    ctx.progress(0.02, f"{info.name}: {len(todo)} shapes to measure, {len(shapes) - len(todo)} stored")
+    if todo:
+        ctx.progress(0.02, f"{info.name}: {len(todo)} shapes to measure ({kernels.duration_bound(len(todo), budget)}), "
+                           f"{len(shapes) - len(todo)} stored")
+    else:
+        ctx.progress(0.02, f"{info.name}: all {len(shapes)} shapes stored")
     records = kernels.run_benchmarks(todo, ms, device=device, paths=wanted_paths, budget_s_per_shape=budget,
                                      progress=lambda f, m: ctx.progress(0.02 + 0.97 * f, m),
                                      should_cancel=ctx.should_cancel) if todo else []

@@ -63,6 +63,7 @@ class JobContext:
     _fraction: float = 0.0  # the furthest fraction reported, written or throttled
     _deadline: float = float("inf")  # time.monotonic() past which the job times out (run_job passes it)
     cache_used: bool = False  # the body read or wrote files beside a model (store.cache): its end trims the cache
+    on_progress: Callable[[float, str], None] | None = None  # told each progress it writes (a CLI --local run prints)
 
     def progress(self, fraction: float, message: str) -> None:
         """Report progress (throttled); raises JobCancelled when a cancel was requested, JobTimedOut past the
@@ -74,6 +75,8 @@ class JobContext:
             self._last_write = now
             with session_scope(self.settings) as s:
                 self._cancel = repo.report_progress(s, self.job_id, fraction, message)
+            if self.on_progress is not None:
+                self.on_progress(self._fraction, message)
         if self._cancel:
             raise JobCancelled()
 
@@ -111,8 +114,10 @@ def _device_label(params: dict[str, Any]) -> tuple[str, str]:
     return device, version
 
 
-def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settings | None = None) -> str:
-    """Run one job to a final status; returns that status ('skipped' if it was not runnable)."""
+def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settings | None = None,
+            on_progress: Callable[[float, str], None] | None = None) -> str:
+    """Run one job to a final status; returns that status ('skipped' if it was not runnable). ``on_progress``
+    (fraction, message) hears each progress the job writes."""
     from quantcore.errors import Cancelled, QuantcoreError
 
     settings = settings or get_settings()
@@ -126,7 +131,7 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
             return "skipped"
     limit = settings.job_soft_time_limit_s
     ctx = JobContext(job_id=job_id, kind=job.kind, params=job.params, model_id=job.model_id,
-                     plan_id=job.plan_id, settings=settings,
+                     plan_id=job.plan_id, settings=settings, on_progress=on_progress,
                      _deadline=time.monotonic() + limit if limit > 0 else float("inf"))
     stop_beating = _beat_while_running(ctx)
     try:

@@ -11,7 +11,7 @@ from app import charts, live, state
 from app import services as svc
 from quantcore.hardware import describe_probe
 from quantcore.kernels import PATHS as KERNEL_PATHS
-from quantcore.kernels import parse_ms
+from quantcore.kernels import duration_bound, parse_ms
 from quantcore.schemes import list_schemes
 
 KEPT_PLAN = "kernels_plan_kept"  # {model id: the step estimate's plan option picked}
@@ -32,7 +32,7 @@ if model is None:
 
 with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no job
     st.markdown(f"**Queue a benchmark** of {model.name}'s {len(model.linears)} linear layers "
-                f"({len({(lin['out_features'], lin['in_features']) for lin in model.linears})} distinct shapes).")
+                f"({svc.bench_shape_count(model)} distinct shapes).")
     c1, c2, c3, c4, c5 = st.columns([2, 3, 2, 3, 2])
     # the values last queued, kept for this session: Streamlit forgets a form's widgets while another page is drawn
     last = st.session_state.setdefault(KEPT_FORM, {})
@@ -40,7 +40,8 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
                           key="bench_device")
     ms = c2.text_input("M values (batch × tokens)", last.get("ms", "1,16,128,2048"), key="bench_m")
     budget = c3.number_input("Budget per shape (s)", 5, 3600, last.get("budget", 60), key="bench_budget",
-                             help="Wall-clock seconds for all M values and paths of one (N, K) shape, on any device: "
+                             help="Wall-clock seconds for all M values and paths of one (N, K) shape, on any device "
+                                  "(a run takes at most shapes × budget): "
                                   "a case predicted not to fit in what is left is skipped and reported \"over "
                                   "budget\", and measured when asked again with a larger budget.")
     queue = c4.text_input("Queue (optional, e.g. gpu.sm90)", last.get("queue", ""), key="bench_queue")
@@ -67,7 +68,9 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
             if queue.strip():
                 params["queue"] = queue.strip()
             job = svc.submit("bench", params, model_id=model.id)
-            st.success(f"Queued benchmark job #{job.id} on queue '{job.queue}'.")
+            bound = duration_bound(svc.bench_shape_count(model, bench_tp), float(budget))
+            st.success(f"Queued benchmark job #{job.id} on queue '{job.queue}': {bound} of timing, less where "
+                       "shapes finish early or were timed on that device before.")
             st.session_state[KEPT_FORM] = {"device": device, "ms": ms, "budget": int(budget), "queue": queue,
                                            "tp": bench_tp, "paths": [p for p in timed_paths if p in paths]}
         except ValueError as exc:

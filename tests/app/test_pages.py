@@ -2262,6 +2262,8 @@ def test_kernels_page_keeps_the_benchmark_form_as_last_queued_across_pages(seede
     at.multiselect(key="bench_paths").set_value(["int8_row", "w8_row"])
     next(b for b in at.button if b.label == "Queue benchmark").click().run()
     assert not at.exception and any("Queued benchmark job" in m.value for m in at.success)
+    shapes = len({(lin["out_features"], lin["in_features"]) for lin in seeded.linears})
+    assert any(re.search(rf"at most {shapes} shapes × 10.0 s ≈ {shapes * 10}(.0)? s of timing", m.value) for m in at.success)
     at.switch_page("views/jobs.py").run()
     at.switch_page("views/kernels.py").run()
     assert not at.exception

@@ -713,3 +713,10 @@ def test_m_values_are_parsed_sorted_once_each_and_bad_ones_named() -> None:
             parse_ms(bad)
     with pytest.raises(ValueError, match="no M value given"):
         parse_ms(" , ")
+
+
+def test_duration_bound_names_shapes_budget_and_total_in_readable_units() -> None:
+    assert kn.duration_bound(5, 60) == "at most 5 shapes × 60.0 s ≈ 5 min"
+    assert kn.duration_bound(1, 20) == "at most 1 shape × 20.0 s ≈ 20.0 s"
+    assert kn.duration_bound(4, 30) == "at most 4 shapes × 30.0 s ≈ 2 min"
+    assert kn.duration_bound(300, 60) == "at most 300 shapes × 60.0 s ≈ 5.0 h"
