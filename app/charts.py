@@ -23,6 +23,7 @@ Scoring and kernel pages:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import altair as alt
@@ -53,6 +54,9 @@ OVERVIEW_HEIGHT = 420  # Streamlit fits a stretched chart into its height overal
 OUTSIDE_BLOCKS_COLOR = "#9e9e9e"  # lm_head and other layers outside the decoder blocks
 SMOOTH_WIDTH = 360  # each of the two SmoothQuant panels: both fit a wide page's column with their axes
 LABEL_FLIP_AT = 0.8  # channels chart: labels of points past this share of the channels read leftwards
+LABEL_SPAN = 0.12  # channels chart: the share of the channel axis one label covers ("ch 1229: 3.12e+03")
+LABEL_DECADES = 0.4  # ... and the decades of the log y axis it covers: labels closer on both stack upwards
+LABEL_STEP_PX = 13  # ... by this many pixels a level
 OVERVIEW_WIDTH = 720  # fixed: a band per projection x an offset per block would otherwise grow with depth
 
 INT8_FLUSH_LABEL = "INT8 per-tensor flush"
@@ -334,9 +338,14 @@ def channels_chart(
     )
     # a label reads rightwards from its point, leftwards in the last fifth of the channels (not off the chart)
     right = top["channel"] > LABEL_FLIP_AT * channels["channel"].max() if len(channels) else top["channel"] < 0
+    top = top.assign(right=right).sort_values("rank")  # the largest channel's label sits nearest its point
+    top = top.assign(level=label_levels(top["channel"], top["channel_max"], top["right"],
+                                        span=LABEL_SPAN * max(float(channels["channel"].max()), 1.0)))
     labels = alt.layer(*(
-        alt.Chart(part).mark_text(align=align, dx=dx, dy=-4, fontSize=11).encode(x="channel:Q", y=y, text="text:N")
-        for part, align, dx in ((top[~right], "left", 6), (top[right], "right", -6))
+        alt.Chart(part).mark_text(align="right" if is_right else "left", dx=-6 if is_right else 6,
+                                  dy=-4 - LABEL_STEP_PX * level, fontSize=11)
+        .encode(x="channel:Q", y=y, text="text:N")
+        for (is_right, level), part in top.groupby(["right", "level"])
     ))
     labels_known = [lbl for lbl in THRESHOLD_COLORS if lbl in set(thresholds["label"])]
     others = [lbl for lbl in thresholds["label"] if lbl not in THRESHOLD_COLORS]
@@ -358,6 +367,24 @@ def channels_chart(
     )
     chart = alt.layer(points, labels, rules, height=height)
     return chart.properties(title=title) if title else chart  # a page heading usually names the layer
+
+
+def label_levels(x: Iterable[float], y: Iterable[float], right: Iterable[bool], span: float,
+                 decades: float = LABEL_DECADES) -> list[int]:
+    """The level (0 = just above its point) of each point's label so that no two overlap: a label covers ``span`` of
+    the x axis rightwards of its point (leftwards where ``right``) and ``decades`` of a log y axis; in the order
+    given (the largest first), each takes the lowest level where it meets no label placed before it."""
+    placed: list[tuple[float, float, float, int]] = []  # x from, x to, log10 y, level
+    levels = []
+    for xi, yi, ri in zip(x, y, right, strict=True):
+        lo, hi = (xi - span, xi) if ri else (xi, xi + span)
+        ly = math.log10(max(float(yi), 1e-30))
+        level = 0
+        while any(lv == level and lo < b and a < hi and abs(ly - py) < decades for a, b, py, lv in placed):
+            level += 1
+        placed.append((lo, hi, ly, level))
+        levels.append(level)
+    return levels
 
 
 def depth_heatmap(df: pd.DataFrame, proj: str | None = None, height: int = CHART_HEIGHT) -> alt.Chart:
@@ -437,7 +464,19 @@ def smoothquant_chart(
             .mark_rule(strokeDash=[6, 3])
             .encode(y=alt.Y("step:Q", scale=y_scale), color=color, tooltip=["text:N"])
         )
-        panels.append(alt.layer(dots, rules, title=title, height=height, width=width))
+        # each rule named at its right end (the legend's colours say which tensor, not what a dashed line is): the
+        # activation's above its line, the weight's below (after smoothing the two steps often meet), each on a
+        # white halo over the points
+        named = stp.assign(channel=pts["channel"].max() if len(pts) else 0)
+        names = [
+            alt.Chart(named[named["tensor"] == tensor])
+            .mark_text(align="right", dy=dy, fontSize=11, **style)
+            .encode(x="channel:Q", y=alt.Y("step:Q", scale=y_scale), text="text:N",
+                    **({} if style else {"color": color}))
+            for tensor, dy in (("activation", -7), ("weight", 11))
+            for style in ({"stroke": "white", "strokeWidth": 3, "strokeOpacity": 0.9}, {})
+        ]
+        panels.append(alt.layer(dots, rules, *names, title=title, height=height, width=width))
     return alt.hconcat(*panels).resolve_scale(y="shared")
 
 

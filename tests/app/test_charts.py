@@ -174,15 +174,36 @@ def test_channels_chart_thresholds_and_labels() -> None:
     points = view_with(spec, "circle")
     assert points["encoding"]["x"]["field"] == "channel"
     assert len(data_rows(spec, points)) == 1536
-    labels = {v["mark"]["align"]: data_rows(spec, v) for v in views(spec) if mark_type(v) == "text"}
+    labels = text_rows(spec)
     assert sorted(r["channel"] for r in labels["left"]) == [17, 100, 200, 300, 400] and not labels["right"]
     assert any(r["text"].startswith("ch 17: 3e+03") for r in labels["left"])
+    # 200 (30) lies within the label of 100 (40) and a fraction of a decade from it: a level up; 300 (20) clears
+    # 100's label, and 400 (10) meets 300's
+    up = -4 - charts.LABEL_STEP_PX
+    assert {r["channel"]: r["dy"] for r in labels["left"]} == {17: -4, 100: -4, 200: up, 300: -4, 400: up}
     # a top channel in the last fifth is labelled leftwards of its point, so the label stays on the chart
     cm[1487] = 1140.0
     stat = make_stat("model.layers.11.mlp.down_proj", cm)
     spec = spec_of(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax), top_k=2))
-    labels = {v["mark"]["align"]: data_rows(spec, v) for v in views(spec) if mark_type(v) == "text"}
+    labels = text_rows(spec)
     assert [r["channel"] for r in labels["left"]] == [17] and [r["channel"] for r in labels["right"]] == [1487]
+
+
+def text_rows(spec: dict) -> dict[str, list[dict]]:
+    """{"left": rows, "right": rows} of a chart's text marks, each row with its mark's dy."""
+    out: dict[str, list[dict]] = {"left": [], "right": []}
+    for v in views(spec):
+        if mark_type(v) == "text":
+            out[v["mark"]["align"]] += [{**r, "dy": v["mark"]["dy"]} for r in data_rows(spec, v)]
+    return out
+
+
+def test_label_levels_stack_only_labels_that_would_overlap() -> None:
+    # x 0 and 50 overlap (span 100) at one y: the second goes up; x 500 is clear; y 100x apart never meet
+    assert charts.label_levels([0, 50, 500, 60], [10, 10, 10, 1000], [False] * 4, span=100) == [0, 1, 0, 0]
+    # a leftward label covers [x - span, x]: 150 leftwards meets 100 rightwards [100, 200]
+    assert charts.label_levels([100, 150], [5, 5], [False, True], span=100) == [0, 1]
+    assert charts.label_levels([100, 350], [5, 5], [False, True], span=100) == [0, 0]
 
 
 def test_channels_chart_bounded_for_wide_layers() -> None:
@@ -248,6 +269,16 @@ def test_smoothquant_chart_steps_and_panels() -> None:
     assert got[("before", "activation")] == pytest.approx(58.0 / 127)
     assert got[("before", "weight")] == pytest.approx(0.55 / 127)
     assert got[("after", "activation")] == pytest.approx(np.sqrt(58.0 * 0.020) / 127)
+    # every rule named in words at the last channel, in its tensor's colour, over a white halo; the activation's
+    # above its line, the weight's below
+    texts = [v for v in views(spec) if mark_type(v) == "text"]
+    names = [{**r, "dy": v["mark"]["dy"]} for v in texts if "color" in v["encoding"] for r in data_rows(spec, v)]
+    halos = [r for v in texts if v["mark"].get("stroke") == "white" for r in data_rows(spec, v)]
+    assert sorted((r["stage"], r["text"]) for r in names) == sorted(
+        (stage, f"{tensor} INT8 step {step:.3g}") for (stage, tensor), step in got.items())
+    assert sorted(r["text"] for r in halos) == sorted(r["text"] for r in names)
+    assert {r["channel"] for r in names} == {2}
+    assert all((r["dy"] < 0) == (r["tensor"] == "activation") for r in names)
     for v in views(spec):
         assert v["encoding"]["y"]["scale"]["type"] == "log"
     assert "0.50" in spec["hconcat"][1]["title"]
