@@ -76,7 +76,12 @@ class JobContext:
             with session_scope(self.settings) as s:
                 self._cancel = repo.report_progress(s, self.job_id, fraction, message)
             if self.on_progress is not None:
-                self.on_progress(self._fraction, message)
+                try:
+                    self.on_progress(self._fraction, message)
+                except Exception:  # a listener that fails (a CLI whose reader went away: BrokenPipeError) is
+                    log.warning("job %s: its progress listener failed; the job goes on without it", self.job_id,
+                                exc_info=True)
+                    self.on_progress = None  # dropped, never the job's failure
         if self._cancel:
             raise JobCancelled()
 

@@ -101,8 +101,18 @@ if not workers:
     st.info("No worker has reported yet. `quantplan up` starts one; `quantplan worker --queues gpu` on a GPU host "
             "adds another.")
 else:
+    now = pd.Timestamp.now(tz="UTC")
+
+    def liveness(w) -> str:
+        """'yes', or 'no: last seen 12 min ago' (a worker stopped, or its host gone)."""
+        if w.name in live:
+            return "yes"
+        seen = pd.Timestamp(w.seen_at)
+        minutes = (now - (seen if seen.tzinfo else seen.tz_localize("UTC"))).total_seconds() / 60
+        return f"no: last seen {minutes:.0f} min ago" if minutes < 120 else f"no: last seen {minutes / 60:.0f} h ago"
+
     st.dataframe(pd.DataFrame([{
-        "worker": w.name, "live": w.name in live, "queues": ", ".join(w.queues), "device": w.device_name,
+        "worker": w.name, "live": liveness(w), "queues": ", ".join(w.queues), "device": w.device_name,
         "class": w.device_class, "torch": w.torch_version, "started": w.started_at, "last seen": w.seen_at,
     } for w in workers]), hide_index=True, width="stretch")
     st.caption("A worker reports every 30 s; one not seen for 90 s is not live. Jobs wait in their queue until a "

@@ -65,8 +65,7 @@ if not models:
     st.info("No model yet. Register the demo model above to try quantplan in a minute.")
     st.stop()
 
-st.dataframe(
-    pd.DataFrame([{
+table = pd.DataFrame([{
         "id": m.id, "name": m.name, "architecture": m.architecture, "layers": m.num_layers,
         "parameters": svc.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
         "size (MiB)": round(m.total_bytes / 2**20, 1),
@@ -75,8 +74,11 @@ st.dataframe(
         "experts": f"{m.moe['experts']} (top-{m.moe.get('top_k') or '?'})" if m.moe else "",
         "active / token": svc.fmt_params(a) if (a := svc.active_params(m)) is not None else "",
         "sha256": m.sha256[:12], "registered": m.created_at,
-    } for m in models]),
-    hide_index=True, width="stretch",
+    } for m in models])
+# columns of a kind of model none registered is (no sliding window, no experts): left out, so the rest fit the page
+table = table.drop(columns=[c for c in ("sliding-window layers", "experts", "active / token") if not table[c].any()])
+st.dataframe(
+    table, hide_index=True, width="stretch",
     column_config={"cached (MiB)": st.column_config.NumberColumn(
         help="reference log-probs, AWQ scales, GPTQ-rounded weights and KV cache maxima jobs keep to skip work "
              "next time; the model's own section below lists and clears them"),

@@ -58,10 +58,24 @@ def test_models_page_lists_the_model(seeded):
     assert "tiny-smol" in table.index
     # SmolLM2's shapes in 4 blocks: 4 × (k_proj + v_proj of 192) × 2 bytes = 3 KiB a token, no sliding window
     assert table.loc["tiny-smol", "KV KiB / token (BF16)"] == 3.0
-    assert table.loc["tiny-smol", "sliding-window layers"] == 0
+    # no registered model has sliding windows or experts: those columns are left out
+    assert not {"sliding-window layers", "experts", "active / token"} & set(table.columns)
     # the newest calibration's size: its params say no sequences × tokens here, so the total alone
     assert any(c.value.startswith("1 calibration(s) stored; newest is job #") and c.value.endswith("(256 tokens).")
                for c in at.caption)
+
+
+def test_models_page_shows_sliding_windows_once_a_model_has_them(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    windows = {"model.layers.0.self_attn": 512, "model.layers.2.self_attn": 512}
+    with session_scope() as s:
+        repo.add_model(s, name="windowed", sha256="ef" * 32, source_kind="folder", source_name="w", path="models/w",
+                       summary={**seeded.summary, "attention_windows": windows}, user=None)
+    table = _run("models", seeded.id).dataframe[0].value.set_index("name")
+    assert table.loc["windowed", "sliding-window layers"] == 2 and table.loc["tiny-smol", "sliding-window layers"] == 0
+    assert "experts" not in table.columns
 
 
 def test_models_page_says_a_gguf_models_weights_were_rounded_once_already(seeded):
@@ -1192,8 +1206,18 @@ def test_jobs_page_warns_when_no_worker_takes_a_queue(seeded):
     at = _run("jobs", seeded.id)
     assert not any("No worker consuming queue" in w.value for w in at.warning)
     workers = at.dataframe[-1].value
-    assert workers["worker"].tolist() == ["gpu-box@host"] and bool(workers["live"].iloc[0])
+    assert workers["worker"].tolist() == ["gpu-box@host"] and workers["live"].iloc[0] == "yes"
     assert job.status == "queued"
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from store import models as m
+
+    with session_scope() as s:  # the worker stopped reporting 3 minutes ago
+        s.execute(update(m.Worker).values(seen_at=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=3)))
+    workers = _run("jobs", seeded.id).dataframe[-1].value
+    assert workers["live"].iloc[0] == "no: last seen 3 min ago"
 
 
 def test_jobs_page_flags_a_running_job_gone_silent_and_fails_one_past_the_limit(seeded):

@@ -36,6 +36,31 @@ def test_success_stores_result_and_status_together(qp_settings):
     assert done.worker_host and done.device == "cpu" and done.started_at and done.finished_at
 
 
+def test_a_progress_listener_hears_each_write_and_its_failure_never_fails_the_job(qp_settings, monkeypatch):
+    """run_job(on_progress=...): a CLI --local run prints what the job writes; a listener that fails (its reader
+    went away: BrokenPipeError) is dropped and the job still succeeds."""
+    monkeypatch.setattr("worker.runner.PROGRESS_INTERVAL_S", 0.0)
+    heard: list[tuple[float, str]] = []
+
+    def body(ctx):
+        ctx.progress(0.25, "a quarter")
+        ctx.progress(0.5, "half way")
+        return Outcome(result={"answer": 42})
+
+    assert run_job(_job(qp_settings).id, body, settings=qp_settings,
+                   on_progress=lambda f, m: heard.append((f, m))) == "succeeded"
+    assert heard == [(0.25, "a quarter"), (0.5, "half way")]
+
+    def gone(fraction, message):
+        heard.append((fraction, message))
+        raise BrokenPipeError(32, "Broken pipe")
+
+    heard.clear()
+    job = _job(qp_settings)
+    assert run_job(job.id, body, settings=qp_settings, on_progress=gone) == "succeeded"
+    assert heard == [(0.25, "a quarter")] and _get(qp_settings, job.id).result == {"answer": 42}
+
+
 def test_last_phase_fills_the_rest_of_the_bar_from_where_the_job_is(qp_settings, monkeypatch):
     """ctx.rest(): a score's or sweep's own count maps onto what is left of the bar. With the reference log-probs
     from the cache (0.1) a quarter of the units is 0.325, not the 0.475 a fixed 0.3 + 0.7 × f start would say."""
