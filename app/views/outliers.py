@@ -98,8 +98,10 @@ with st.form("save_alpha"):
     latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
     c1, c2 = st.columns(2)
     newest_first = sorted(latest, key=lambda n: latest[n].id, reverse=True)  # the plan last saved comes first
-    plan_name = c1.selectbox("Save α into plan", newest_first + ["(new plan)"], key="alpha_plan")
-    new_name = c2.text_input("New plan name", value=f"{model.name}-smoothquant", key="alpha_new_name")
+    # a new plan unless one is picked: saving into the plan last saved by default wrote into an unrelated plan
+    plan_name = c1.selectbox("Save α into plan", ["(new plan)"] + newest_first, key="alpha_plan",
+                             help="A new version of the plan picked, or a new plan under the name beside")
+    new_name = c2.text_input("Name, for a new plan", value=f"{model.name}-smoothquant", key="alpha_new_name")
     if st.form_submit_button(f"Save α = {alpha:.2f} for {layer} (and its fusion group)"):
         base = latest.get(plan_name)
         name = new_name if base is None else base.name

@@ -112,8 +112,9 @@ with st.container(border=True):
                        "cache on its own.")
     rules = st.data_editor(pd.DataFrame(body.get("rules") or [], columns=["match", "scheme"]),
                            num_rows="dynamic", key=f"plan_rules_{model.id}_{start}", width="stretch",
-                           column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES,
-                                                                                     required=True)})
+                           # not required: the browser would keep a row without a scheme to itself, and
+                           # the page could not say it was left out (below)
+                           column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES)})
     st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
     rule_rows = rules.to_dict("records")
     body = {**{k: v for k, v in body.items()
