@@ -102,6 +102,9 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False, unsav
     _import(model)
 
 
+EXPORT_FILES = {"llmcompressor": "recipe.yaml", "compressed-tensors": "quantization_config.json", "vllm": "serve.sh"}
+
+
 def _export(model, plans) -> None:
     c1, c2 = st.columns(2)
     ids = [p.id for p in plans]
@@ -110,8 +113,9 @@ def _export(model, plans) -> None:
                            key=f"export_plan_{ids[-1]}")
     fmt = c2.selectbox("Format", list(svc.EXPORT_FORMATS), key="export_fmt")
     plan = next(p for p in plans if p.id == plan_id)
-    try:
-        text = svc.export_plan(model, plan.body, fmt)
+    files = {f: f"{plan.name}-v{plan.version}-{ext}" for f, ext in EXPORT_FILES.items()}
+    try:  # the vLLM script's compression step reads the recipe under the name its Download button gives it
+        text = svc.export_plan(model, plan.body, fmt, recipe_file=files["llmcompressor"])
     except ValueError as exc:
         st.error(str(exc))
         return
@@ -119,8 +123,7 @@ def _export(model, plans) -> None:
         st.warning(warning)
     lang = {"llmcompressor": "yaml", "compressed-tensors": "json", "vllm": "bash"}[fmt]
     st.code(text, language=lang)
-    ext = {"llmcompressor": "recipe.yaml", "compressed-tensors": "quantization_config.json", "vllm": "serve.sh"}[fmt]
-    st.download_button("Download", text, file_name=f"{plan.name}-v{plan.version}-{ext}", key="export_download")
+    st.download_button("Download", text, file_name=files[fmt], key="export_download")
 
 
 def _import(model) -> None:

@@ -1502,9 +1502,10 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     return warnings
 
 
-def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
+def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str, recipe_file: str | None = None) -> str:
     """The plan as an llm-compressor recipe (YAML), a compressed-tensors quantization_config (JSON)
-    or the vLLM command line."""
+    or the vLLM command line (its compression step reading the recipe from ``recipe_file``, "recipe.yaml" unless
+    given: the name the recipe is saved under)."""
     import json
 
     from quantcore import export
@@ -1531,7 +1532,8 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str) -> str:
                                          compressed_path=_safe_name(model.name) + export.COMPRESSED_SUFFIX,
                                          kv_cache=kv, kv_skip=spec.kv_cache_skip,
                                          tensor_parallel=spec.tensor_parallel,
-                                         expert_parallel=spec.expert_parallel))
+                                         expert_parallel=spec.expert_parallel,
+                                         recipe_path=recipe_file or export.DEFAULT_RECIPE_FILE))
     raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
 
 

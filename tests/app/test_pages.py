@@ -2301,3 +2301,17 @@ def test_kernels_page_keeps_the_benchmark_form_as_last_queued_across_pages(seede
     assert not at.exception
     assert at.text_input(key="bench_m").value == "1,16" and at.number_input(key="bench_budget").value == 10
     assert at.multiselect(key="bench_paths").value == ["int8_row", "w8_row"]
+
+
+def test_the_vllm_export_reads_the_recipe_under_the_name_its_download_gives_it(seeded):
+    """The vLLM script's llm-compressor step names the recipe file; it used 'recipe.yaml' while the page's Download
+    saved the recipe as PLAN-vN-recipe.yaml, so the script as given did not run."""
+    from app import services as svc
+
+    plan = svc.save_plan(seeded.id, "served", {"default": "FP8_DYNAMIC"})
+    at = _run("plans", seeded.id)
+    at.selectbox(key="export_fmt").set_value("vllm").run()
+    assert not at.exception
+    script = next(c.value for c in at.code if "vllm serve" in c.value)
+    assert f"recipe='served-v{plan.version}-recipe.yaml'" in script
+    assert "recipe='recipe.yaml'" in svc.export_plan(seeded, plan.body, "vllm")  # the CLI's default name
