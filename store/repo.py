@@ -307,7 +307,8 @@ def request_cancel(session: Session, job_id: int) -> JobRecord:
     if row is None:
         raise NotFound(f"no job #{job_id}")
     if row.status == "queued":
-        row.status, row.finished_at, row.message, row.cancel_requested = "cancelled", m.utcnow(), "cancelled", True
+        row.status, row.finished_at, row.message, row.cancel_requested = ("cancelled", m.utcnow(),
+                                                                    "by request, before it started", True)
     elif row.status == "running":
         row.cancel_requested = True
         row.message = "cancel requested; stopping after the current batch"

@@ -148,7 +148,7 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
         return "succeeded"
     except (JobCancelled, Cancelled):
         with session_scope(settings) as s:
-            repo.finish_job(s, job_id, status="cancelled", message="cancelled by request")
+            repo.finish_job(s, job_id, status="cancelled", message="by request, while it ran")
         return "cancelled"
     except KeyboardInterrupt:  # Ctrl-C on a CLI --local run: the job ends as cancelled, not left running
         with session_scope(settings) as s:

@@ -9,7 +9,8 @@ from app import services as svc
 from app.live import ACTIVE
 
 st.title("Jobs")
-st.caption("Every calibration, scoring, sensitivity and benchmark job, newest first. Running jobs update live.")
+st.caption("Every registration, calibration, scoring, sensitivity and benchmark job, newest first. Running jobs "
+           "update live.")
 
 RETRIED = "jobs_retried"  # what the last "Queue it again" did, said once after the rerun
 if RETRIED in st.session_state:
@@ -65,10 +66,11 @@ def job_table() -> None:
     models = svc.jobs_model(jobs)
     st.dataframe(pd.DataFrame([{
         "id": j.id, "kind": j.kind, "what": whats[j.id], "status": j.status, "progress": j.progress,
-        "ran (s)": j.run_seconds(), "message": j.message,
+        # a failed job's message is "failed", which its status says: its error's first line says why
+        "ran (s)": j.run_seconds(),
+        "message": (j.error or j.message).splitlines()[0] if j.status == "failed" and j.error else j.message,
         "model": models[j.id], "queue": j.queue, "device": j.device, "worker": j.worker_host,
         "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
-        "error": j.error or "",
     } for j in jobs]), hide_index=True, width="stretch",
         column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0.0, max_value=1.0),
                        "ran (s)": st.column_config.NumberColumn(

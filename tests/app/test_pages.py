@@ -121,6 +121,9 @@ def test_a_path_refused_before_any_job_replaces_the_last_registrations_failure(s
 def test_jobs_page_shows_failures_with_their_message(seeded):
     at = _run("jobs", seeded.id)
     assert any("boom: a readable message" in e.value for e in at.error)
+    # in the table too: a failed job's message column gives its error's first line, not "failed" again
+    table = next(d.value for d in at.dataframe if "message" in d.value.columns).set_index("status")
+    assert table.loc["failed", "message"] == "boom: a readable message"
 
 
 def test_jobs_page_queues_a_failed_job_again(seeded):

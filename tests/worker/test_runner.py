@@ -216,7 +216,8 @@ def test_cancel_between_batches(qp_settings, exc):
 
     assert run_job(job.id, body, settings=qp_settings) == "cancelled"
     assert batches == [0, 1, 2]
-    assert _get(qp_settings, job.id).status == "cancelled"
+    done = _get(qp_settings, job.id)  # the message adds to the status rather than repeat it
+    assert (done.status, done.message) == ("cancelled", "by request, while it ran")
 
 
 def test_cancelled_before_start_never_runs(qp_settings):
@@ -225,7 +226,7 @@ def test_cancelled_before_start_never_runs(qp_settings):
         repo.request_cancel(s, job.id)
     ran = []
     assert run_job(job.id, lambda ctx: ran.append(1) or Outcome(), settings=qp_settings) == "skipped"
-    assert ran == []
+    assert ran == [] and _get(qp_settings, job.id).message == "by request, before it started"
 
 
 def test_worker_refuses_outdated_schema(qp_env):
