@@ -135,5 +135,6 @@ def _import(model) -> None:
         except ValueError as exc:
             st.error(str(exc))
         else:
-            state.plan_saved(f"Imported {rec.label}" if new else f"{up.name} holds {rec.label} already: no new version",
-                             rec.name)
+            said = f"Imported {rec.label}" if new else f"{up.name} holds {rec.label} already: no new version"
+            note = svc.import_note(up.name)
+            state.plan_saved(said + (f". Note: {note}" if note else ""), rec.name)

@@ -1544,6 +1544,17 @@ def _safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-") or "model"
 
 
+CONFIG_IMPORT_NOTE = ("a compressed-tensors config holds the formats only: SmoothQuant's α and GPTQ / AWQ rounding "
+                      "are steps of the recipe that made the checkpoint, not in its config, so the plan has none of "
+                      "them (import the llm-compressor recipe to keep them)")
+
+
+def import_note(filename: str) -> str | None:
+    """What an import of ``filename`` cannot carry over, to say beside it: :data:`CONFIG_IMPORT_NOTE` for a
+    compressed-tensors config (.json), None for a plan or a recipe (YAML), which keep everything."""
+    return CONFIG_IMPORT_NOTE if filename.lower().endswith(".json") else None
+
+
 def import_plan(model: ModelRecord, filename: str, text: str, name: str | None = None) -> tuple[PlanRecord, bool]:
     """Import a plan file (YAML, quantplan's format), an llm-compressor recipe (YAML) or a compressed-tensors
     quantization_config / config.json (JSON) as a new plan version of `model`: (the version, True); (the newest

@@ -183,6 +183,8 @@ def cmd_plan_import(args) -> int:
         print(f"already stored as plan #{plan.id} {plan.label} for {model.name}: no new version")
     else:
         print(f"imported plan #{plan.id} {plan.label} for {model.name}")
+    if note := svc.import_note(path.name):
+        print(f"quantplan: note: {note}", file=sys.stderr)
     return 0
 
 

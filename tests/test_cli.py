@@ -1612,3 +1612,29 @@ def test_expert_parallelism_asked_of_a_dense_model_is_warned_about(tiny_model, c
     plan_file.write_text("model: tiny\ndefault: FP8_DYNAMIC\ntensor_parallel: 2\n")
     code, _, err = run(capsys, "plan", "export", str(plan_file), "--format", "vllm")
     assert code == 0 and "expert_parallel" not in err
+
+
+def test_importing_a_compressed_tensors_config_says_what_it_cannot_carry(tiny_model, capsys, tmp_path):
+    """A compressed-tensors config holds formats, not SmoothQuant's α: the import keeps INT8 W8A8 without the
+    smoothing and says so; a recipe's import keeps the smoothing and says nothing."""
+    from app import services as svc
+
+    plan_file = tmp_path / "sq.yaml"
+    plan_file.write_text("model: tiny\nname: sq\ndefault: INT8_W8A8_SQ\nrules:\n  - {match: 'lm_head', scheme: BF16}\n"
+                         "  - {match: 'o_proj', scheme: INT8_W8A8}\n")  # a recipe cannot smooth o_proj under GQA
+    code, config, _ = run(capsys, "plan", "export", str(plan_file), "--format", "compressed-tensors")
+    assert code == 0
+    (tmp_path / "quantization_config.json").write_text(config)
+    code, out, err = run(capsys, "plan", "import", str(tmp_path / "quantization_config.json"), "--model", "tiny",
+                         "--name", "from-config")
+    assert code == 0 and "imported plan" in out and "note: a compressed-tensors config holds the formats only" in err
+    model = svc.get_model("tiny")
+    back = svc.resolve(model, svc.get_plan("from-config").body)[0]
+    assert {s.smoothquant_alpha for s in back.values()} == {None}  # what the note says is lost is lost
+    code, recipe, err = run(capsys, "plan", "export", str(plan_file), "--format", "llmcompressor")
+    assert code == 0, err
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    code, out, err = run(capsys, "plan", "import", str(tmp_path / "recipe.yaml"), "--model", "tiny", "--name", "r")
+    assert code == 0 and "note:" not in err, err
+    kept = svc.resolve(model, svc.get_plan("r").body)[0]
+    assert kept["model.layers.0.mlp.down_proj"].smoothquant_alpha is not None  # a recipe keeps the smoothing
