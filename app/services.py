@@ -246,22 +246,30 @@ def cancel_job(job_id: int) -> JobRecord:
         return repo.request_cancel(s, job_id)
 
 
+def retry_refusal(job: JobRecord) -> str | None:
+    """Why ``job`` cannot be queued again (:func:`retry_job`), or None where it can: the Jobs page offers no button
+    that could only answer with this."""
+    if job.status not in ("failed", "cancelled"):
+        return f"job #{job.id} is {job.status}: only a failed or cancelled job is queued again"
+    if job.kind == "register" and job.params.get("cleanup_dir"):
+        return f"job #{job.id} registered an upload whose staged copy is gone: upload the file again"
+    removed = job.params.get(repo.REMOVED_MODEL_KEY)
+    if removed or (job.kind in ("calibrate", "score", "sensitivity") and job.model_id is None):
+        which = f"model {removed}" if removed else "model"
+        return f"job #{job.id}'s {which} was removed: there is nothing to run it on"
+    if job.kind == "score" and "scheme" not in job.params and job.plan_id is None:
+        return f"job #{job.id} scored a plan that was removed"
+    return None
+
+
 def retry_job(job_id: int) -> JobRecord:
     """Queue a failed or cancelled job again: same kind, parameters, model and plan, asked by this user.
 
     Refused, with the reason, for a job still queued / running / done, an upload whose staged copy is
     gone, and a job whose model or plan was removed since."""
     job = get_job(job_id)
-    if job.status not in ("failed", "cancelled"):
-        raise ValueError(f"job #{job.id} is {job.status}: only a failed or cancelled job is queued again")
-    if job.kind == "register" and job.params.get("cleanup_dir"):
-        raise ValueError(f"job #{job.id} registered an upload whose staged copy is gone: upload the file again")
-    removed = job.params.get(repo.REMOVED_MODEL_KEY)
-    if removed or (job.kind in ("calibrate", "score", "sensitivity") and job.model_id is None):
-        which = f"model {removed}" if removed else "model"
-        raise ValueError(f"job #{job.id}'s {which} was removed: there is nothing to run it on")
-    if job.kind == "score" and "scheme" not in job.params and job.plan_id is None:
-        raise ValueError(f"job #{job.id} scored a plan that was removed")
+    if refusal := retry_refusal(job):
+        raise ValueError(refusal)
     params = {k: v for k, v in job.params.items() if k != "user"}  # submit() adds the current user
     return submit(job.kind, params, model_id=job.model_id, plan_id=job.plan_id)
 

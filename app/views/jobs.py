@@ -84,7 +84,9 @@ def job_table() -> None:
                 st.error(j.error)
             if j.traceback:
                 st.code(j.traceback, language="text")
-            if st.button("Queue it again", key=f"retry_{j.id}", help="same kind, parameters, model and plan"):
+            if refusal := svc.retry_refusal(j):  # say why, rather than offer a button that only refuses
+                st.caption(f"Not offered again: {refusal}.")
+            elif st.button("Queue it again", key=f"retry_{j.id}", help="same kind, parameters, model and plan"):
                 try:
                     again = svc.retry_job(j.id)
                     st.session_state[RETRIED] = (True, f"Job #{j.id} queued again as job #{again.id}.")

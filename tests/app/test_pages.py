@@ -138,6 +138,22 @@ def test_jobs_page_queues_a_failed_job_again(seeded):
     assert (again.kind, again.status, again.model_id) == (failed.kind, "queued", failed.model_id)
 
 
+def test_jobs_page_offers_no_retry_a_job_cannot_have(seeded):
+    """A failed upload registration whose staged copy is gone: the page says why instead of a button that could
+    only refuse."""
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        upload = repo.create_job(s, kind="register", params={"source": "/gone/x.zip", "cleanup_dir": "/gone"},
+                                 queue="cpu", user="t")
+        repo.finish_job(s, upload.id, status="failed", error="not a zip archive")
+    at = _run("jobs", seeded.id)
+    assert not any(b.key == f"retry_{upload.id}" for b in at.button)
+    assert any(c.value == f"Not offered again: job #{upload.id} registered an upload whose staged copy is gone: "
+               "upload the file again." for c in at.caption)
+
+
 def test_enter_in_a_field_of_a_form_that_queues_a_job_queues_nothing(seeded):
     """Enter in Sequences or Tokens used to submit the calibration form: three jobs for one intent."""
     found = {}
