@@ -221,7 +221,9 @@ for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_deco
     col.metric(label, f"{est[f'{step}_ms']:.3f} ms",
                (f"×{speedup:.2f} vs baseline {base_ms:.3f} ms" + (" on the same layers" if missing else "")
                 if speedup else "no baseline"),
-               delta_color="normal" if speedup and speedup >= 1 else "inverse", delta_arrow="off")
+               # grey while layers are missing: a partial sum's speed-up is no verdict on the plan
+               delta_color="off" if missing else "normal" if speedup and speedup >= 1 else "inverse",
+               delta_arrow="off")
 if thin := svc.thin_estimate_note(est):
     st.warning(thin)
 target = svc.target_of_device(device_name)

@@ -1127,6 +1127,9 @@ def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
     # the speed-up beside it is over the layers measured both ways, and so is the baseline it names
     assert est["common_baseline_prefill_ms"] < est["baseline_prefill_ms"]
     assert prefill.delta.endswith(f"vs baseline {est['common_baseline_prefill_ms']:.3f} ms on the same layers")
+    assert prefill.proto.color == 2  # grey (delta_color="off"): a partial sum's speed-up is no verdict
+    (decode,) = [m for m in at.metric if m.label == "Decode (M=1)"]
+    assert decode.proto.color != 2  # every layer measured: green or red
     note = next(c.value for c in at.caption if "no time for their path" in c.value)
     assert note.startswith("Layers with no time for their path: 1 of the prefill's (M=16); the sums")
     assert "'lm_head' skipped over the time budget per shape: queue the benchmark again with a larger budget" in note
