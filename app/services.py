@@ -457,22 +457,26 @@ TP_LABELLED = range(2, 9)  # the GPUs of one node: shapes a benchmark split over
 
 
 def shape_labels(model: ModelRecord) -> dict[tuple[int, int], str]:
-    """{(N, K): "down_proj 576×1536"}: each distinct GEMM shape named after the first layer type that has it; then
+    """{(N, K): "down_proj 576×1536"}: each distinct GEMM shape named after the layer types that have it; then
     each GPU's share of a layer at the tensor-parallel sizes of one node the model splits over evenly
     ("down_proj 576×512 (TP 3)"), which a benchmark with ``tensor_parallel`` measures."""
     from quantcore.parallel import Parallelism, tp_misfits
 
-    out: dict[tuple[int, int], str] = {}
-    for lin in model.linears:
-        n, k = lin["out_features"], lin["in_features"]
-        out.setdefault((n, k), f"{lin['name'].rsplit('.', 1)[-1]} {n}×{k}")
+    def named(shapes: dict[str, tuple[int, int]], suffix: str = "") -> dict[tuple[int, int], str]:
+        # every projection type with the shape ("q_proj/o_proj 576×576"), so none is missing from a heatmap's rows
+        kinds: dict[tuple[int, int], list[str]] = {}
+        for name, shape in shapes.items():
+            if (kind := name.rsplit(".", 1)[-1]) not in kinds.setdefault(shape, []):
+                kinds[shape].append(kind)
+        return {(n, k): f"{'/'.join(ks)} {n}×{k}{suffix}" for (n, k), ks in kinds.items()}
+
     shapes, heads = layer_shapes(model), attention_heads(model)
+    out = named(shapes)
     for tp in TP_LABELLED:
         par = Parallelism(tp, heads)
         if tp_misfits(shapes, par):
             continue
-        for name, (n, k) in par.shards(shapes).items():
-            out.setdefault((n, k), f"{name.rsplit('.', 1)[-1]} {n}×{k} (TP {tp})")
+        out = named(par.shards(shapes), f" (TP {tp})") | out  # a shape one GPU's share has too keeps its own label
     return out
 
 

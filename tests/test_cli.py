@@ -1386,7 +1386,8 @@ def test_a_benchmark_split_over_gpus_times_each_gpus_share(tiny_model, capsys, t
     one = svc.step_estimate(model, {"default": "FP8_DYNAMIC"}, device_name, m_prefill=1, m_decode=1)
     assert one["missing_decode"]  # the whole layers were not timed here
     labels = svc.shape_labels(model)
-    assert labels[(16, 64)] == "k_proj 16×64 (TP 2)" and labels[(64, 32)] == "o_proj 64×32 (TP 2)"
+    assert labels[(16, 64)] == "k_proj/v_proj 16×64 (TP 2)" and labels[(64, 32)] == "o_proj 64×32 (TP 2)"
+    assert labels[(64, 64)] == "q_proj/o_proj 64×64"  # every layer type with the shape names its row
     # the count the Kernels page's queued message bounds the run's duration by: the shapes the job timed
     assert svc.bench_shape_count(model, 2) == len(measured) and svc.bench_shape_count(model) == 5
     code, _, err = run(capsys, "bench", "--tp", "2", "--local")
