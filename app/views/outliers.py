@@ -29,9 +29,14 @@ def stats_of(job_id: int):
     return svc.layer_stats(job_id)  # a finished calibration never changes: cache without ttl
 
 
+def _count(n) -> str:
+    """'1,024' as the page's other counts read, '?' where the job did not say."""
+    return f"{n:,}" if isinstance(n, int) else "?"
+
+
 cal_id = st.selectbox(
     "Calibration", [c.id for c in cals],
-    format_func=lambda i: next(f"job #{c.id} · {c.result.get('tokens', '?')} tokens of "
+    format_func=lambda i: next(f"job #{c.id} · {_count(c.result.get('tokens'))} tokens of "
                                f"{c.result.get('text', '?')} · {c.finished_at:%Y-%m-%d %H:%M}"
                                for c in cals if c.id == i),
     key="outliers_cal",

@@ -225,6 +225,9 @@ def test_jobs_page_pages_through_the_history_and_keeps_running_jobs_in_view(seed
 
 def test_outliers_page_ranks_the_planted_outlier_first(seeded):
     at = _run("outliers", seeded.id)
+    # the calibration picked, its tokens counted as the page's other counts are ("1,024", not "1024")
+    assert all(re.fullmatch(r"job #\d+ · (\d{1,3}(,\d{3})*|\?) tokens of .+ · \d{4}-\d\d-\d\d \d\d:\d\d", o)
+               for o in at.selectbox(key="outliers_cal").options)
     assert at.selectbox(key="outliers_layer").value == OUTLIER_LAYER
     assert at.metric[0].value.endswith("×") and float(at.metric[0].value[:-1].replace(",", "")) > 1000
     # the breakage table is there, and moving α re-renders without error
