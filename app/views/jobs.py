@@ -68,7 +68,7 @@ def job_table() -> None:
         "id": j.id, "kind": j.kind, "what": whats[j.id], "status": j.status, "progress": j.progress,
         # a failed job's message is "failed", which its status says: its error's first line says why
         "ran (s)": j.run_seconds(),
-        "message": (j.error or j.message).splitlines()[0] if j.status == "failed" and j.error else j.message,
+        "message": j.error.splitlines()[0] if j.status == "failed" and j.error else j.message,
         "model": models[j.id], "queue": j.queue, "device": j.device, "worker": j.worker_host,
         "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
     } for j in jobs]), hide_index=True, width="stretch",
