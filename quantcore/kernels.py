@@ -688,12 +688,17 @@ def run_benchmarks(
     The baseline is always timed (speed-ups need it), whatever ``paths`` says. Cases run
     shape by shape; within a shape's budget the baselines of every M come first, then the
     paths the device runs natively, then the emulated ones, each M ascending: a budget
-    cuts the emulated paths and the largest M first. A case runs only when its predicted cost fits what is
-    left: its FLOPs over the path's rate, measured at no less than a quarter of its M (single calls at growing M
-    learn it, so a small M's fixed cost per call is never scaled up to a large one). Records come back in
-    (shape, M, path) order whatever order they ran in.
+    cuts the emulated paths and the largest M first. A case runs only when its predicted cost fits its share:
+    its FLOPs over the path's rate, measured at no less than a quarter of its M (single calls at growing M
+    learn it, so a small M's fixed cost per call is never scaled up to a large one). A first pass gives each case
+    but the baselines an even share of what is left (time a case leaves unused goes to those after it; a
+    baseline may take all that is left, as every speed-up needs one); a case that needs more is
+    put off to a second pass, which gives the cases put off, in the same order, all that is left: one slow case
+    (weight-only INT8 at a prefill M, a quarter of a second a call) cannot starve every case after it. Records
+    come back in (shape, M, path) order whatever order they ran in.
     Repeats and warm-up default to 50 / 10 on CUDA and 5 / 1 on CPU; fewer repeats are
-    run when the budget is tight, never fewer than MIN_REPEATS (the case is skipped).
+    run when the budget is tight, never fewer than MIN_REPEATS (the case is skipped), and warm-up calls
+    beyond the first stop once they would fill a quarter of the case's share.
 
     Returns one record per (shape, M, path), timed or skipped with a reason. Raises
     quantcore.errors.Cancelled when ``should_cancel()`` turns True (checked between cases),
@@ -757,6 +762,11 @@ def run_benchmarks(
                 break  # the case's need comes from the last rate: an upper bound
             probe(rows)
 
+    def warm_calls(call_s: float, left: float) -> int:
+        """Warm-up calls for a case whose call takes ``call_s``: ``n_warm``, but no more than fill a quarter of
+        the ``left`` seconds (at least the first call, which also measures it)."""
+        return max(min(n_warm, int(left / 4 / max(call_s, 1e-9))), min(n_warm, 1))
+
     def measure(
         ops: _ShapeOperands, x: torch.Tensor, path: str, left_s: Callable[[], float]
     ) -> dict[str, Any]:
@@ -770,7 +780,8 @@ def run_benchmarks(
         budget = f"{budget_s_per_shape:g} s for shape N={n} K={k}"
         try:
             learn_rate(ops, x, path, left_s)
-            need = flops / rates[path][1] * (n_warm + min_rep + 1) + min_rep * timer.flush_s
+            call_s = flops / rates[path][1]
+            need = call_s * (warm_calls(call_s, left_s()) + min_rep + 1) + min_rep * timer.flush_s
             if need > (left := left_s()):
                 return {
                     "native": sup.native,
@@ -779,7 +790,7 @@ def run_benchmarks(
                 }
             case = _build_case(ops, path, x, kind)
             t1 = timer.once_s(case.fn)  # first call: a warm-up, and the real cost of one call
-            for _ in range(n_warm - 1):
+            for _ in range(warm_calls(t1, left_s()) - 1):
                 case.fn()
             rates[path] = (m, flops / max(t1, 1e-9))
             reps = min(n_rep, int(left_s() / max(t1 + timer.flush_s, 1e-9)))
@@ -815,52 +826,74 @@ def run_benchmarks(
         phase = 0 if path == PATH_BASELINE else 1 if support[base_path(path)].native else 2
         return phase, m, PATHS.index(path)
 
+    def bench_shape(n: int, k: int) -> list[KernelRecord]:
+        """Every case of one (N, K) shape within its budget, in (M, path) order."""
+        nonlocal done
+        t_shape = time.perf_counter()
+
+        def left_s() -> float:
+            return budget_s_per_shape - (time.perf_counter() - t_shape)
+
+        gen = torch.Generator().manual_seed(seed + 1_000_003 * n + k)
+        ops = _ShapeOperands(n, k, dev, dtype, gen)
+        xs: dict[int, torch.Tensor] = {}
+        shape_records: list[KernelRecord] = []
+
+        def run_case(m: int, path: str, share: float) -> dict[str, Any]:
+            if should_cancel is not None and should_cancel():
+                raise Cancelled("kernel benchmark cancelled")
+            if progress is not None:
+                progress(done / total, f"N={n} K={k} M={m} {path}")
+            if m not in xs:  # activations ~ N(0, 1), the same for every path at this M
+                xs[m] = torch.randn(m, k, generator=torch.Generator().manual_seed(gen.initial_seed() + m))
+                xs[m] = xs[m].to(device=dev, dtype=dtype)
+            t_case = time.perf_counter()
+            return measure(ops, xs[m], path, lambda: share - (time.perf_counter() - t_case))
+
+        def keep(m: int, path: str, fields: dict[str, Any]) -> None:
+            nonlocal done
+            done += 1
+            pm, pk, pn = kernel_padding(path, m, k, n, kind)
+            shape_records.append(
+                KernelRecord(
+                    device=kind,
+                    device_name=info.name,
+                    torch_version=info.torch_version,
+                    m=m,
+                    n=n,
+                    k=k,
+                    path=path,
+                    ms=fields.get("ms"),
+                    tflops=fields.get("tflops"),
+                    pct_peak=fields.get("pct_peak"),
+                    speedup=None,  # filled in once the baselines are known
+                    native=bool(fields["native"]),
+                    max_rel_err=fields.get("max_rel_err"),
+                    padded_m=pm if pm != m else None,
+                    skipped=fields.get("skipped"),
+                    padded_k=pk if pk != k else None,
+                    padded_n=pn if pn != n else None,
+                    timing=TIMING,
+                )
+            )
+
+        cases = sorted(((m, p) for m in m_list for p in want), key=case_order)
+        put_off: list[tuple[int, str]] = []
+        for i, (m, path) in enumerate(cases):  # first pass: an even share of what is left each, but a baseline
+            share = left_s() if path == PATH_BASELINE else left_s() / (len(cases) - i)  # (speed-ups need it)
+            fields = run_case(m, path, share)
+            over = (fields.get("skipped") or "").startswith(SKIP_OVER_BUDGET)
+            if over and path != PATH_BASELINE and i < len(cases) - 1:
+                put_off.append((m, path))  # the second pass gives it whatever the others leave
+            else:
+                keep(m, path, fields)
+        for m, path in put_off:
+            keep(m, path, run_case(m, path, left_s()))
+        return sorted(shape_records, key=lambda r: (r.m, PATHS.index(r.path)))
+
     with torch.inference_mode():
         for n, k in shape_list:
-            t_shape = time.perf_counter()
-
-            def left_s(t0: float = t_shape) -> float:
-                return budget_s_per_shape - (time.perf_counter() - t0)
-
-            gen = torch.Generator().manual_seed(seed + 1_000_003 * n + k)
-            ops = _ShapeOperands(n, k, dev, dtype, gen)
-            xs: dict[int, torch.Tensor] = {}
-            shape_records = []
-            for m, path in sorted(((m, p) for m in m_list for p in want), key=case_order):
-                if should_cancel is not None and should_cancel():
-                    raise Cancelled("kernel benchmark cancelled")
-                if progress is not None:
-                    progress(done / total, f"N={n} K={k} M={m} {path}")
-                done += 1
-                if m not in xs:  # activations ~ N(0, 1), the same for every path at this M
-                    xs[m] = torch.randn(m, k, generator=torch.Generator().manual_seed(gen.initial_seed() + m))
-                    xs[m] = xs[m].to(device=dev, dtype=dtype)
-                fields = measure(ops, xs[m], path, left_s)
-                pm, pk, pn = kernel_padding(path, m, k, n, kind)
-                shape_records.append(
-                    KernelRecord(
-                        device=kind,
-                        device_name=info.name,
-                        torch_version=info.torch_version,
-                        m=m,
-                        n=n,
-                        k=k,
-                        path=path,
-                        ms=fields.get("ms"),
-                        tflops=fields.get("tflops"),
-                        pct_peak=fields.get("pct_peak"),
-                        speedup=None,  # filled in once the baselines are known
-                        native=bool(fields["native"]),
-                        max_rel_err=fields.get("max_rel_err"),
-                        padded_m=pm if pm != m else None,
-                        skipped=fields.get("skipped"),
-                        padded_k=pk if pk != k else None,
-                        padded_n=pn if pn != n else None,
-                        timing=TIMING,
-                    )
-                )
-            records.extend(sorted(shape_records, key=lambda r: (r.m, PATHS.index(r.path))))
-            del xs, ops
+            records.extend(bench_shape(n, k))
             if kind == "cuda":
                 torch.cuda.empty_cache()
 

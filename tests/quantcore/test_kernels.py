@@ -720,3 +720,44 @@ def test_duration_bound_names_shapes_budget_and_total_in_readable_units() -> Non
     assert kn.duration_bound(1, 20) == "at most 1 shape × 20.0 s ≈ 20.0 s"
     assert kn.duration_bound(4, 30) == "at most 4 shapes × 30.0 s ≈ 2 min"
     assert kn.duration_bound(300, 60) == "at most 300 shapes × 60.0 s ≈ 5.0 h"
+
+
+def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it(monkeypatch) -> None:
+    """Weight-only INT8 at a prefill M takes a quarter of a second a call on an H200, where FP8 takes 0.03 ms: run
+    with all that was left of a shape's budget it left the largest M of every path unmeasured. Each case but a
+    baseline first gets an even share of what is left; one that needs more is put off until the others have run,
+    and gets what they leave. Here w8_row is made slow from M = 64 on (the scheduling, not the kernel, is under
+    test); its rate probe at 16 rows stays fast, so its first real call is the surprise it is on a GPU."""
+    from quantcore.hardware import device_paths, probe_device
+
+    slow_s = 0.5  # a call at M = 64; twice that at 128
+    build = kn._build_case
+
+    def slow_w8(ops, path, x, kind):
+        case = build(ops, path, x, kind)
+        if path == "w8_row" and x.shape[0] >= 64:
+            fast, wait = case.fn, slow_s * x.shape[0] / 64
+            return kn._Case(fn=lambda: (time.sleep(wait), fast())[1], emulate=case.emulate, padded=case.padded)
+        return case
+
+    monkeypatch.setattr(kn, "_build_case", slow_w8)
+    ran: list[tuple[int, str]] = []
+
+    def seen(_f: float, msg: str) -> None:
+        if msg.startswith("N="):
+            m, path = msg.split(" ")[2:4]
+            ran.append((int(m[2:]), path))
+
+    ms, paths = (64, 128, 256), ["w8_row", "w4_g128"]
+    budget = 1.0 + 30 * kn._Timer("cpu", "cpu").flush_s  # the fast cases and their flushes fit, slow ones do not
+    recs = kn.run_benchmarks([(64, 64)], ms=ms, paths=paths, budget_s_per_shape=budget, repeats=3, progress=seen)
+    support = device_paths(probe_device("cpu"))
+    first_pass = [(m, "baseline") for m in ms] + sorted(
+        ((m, p) for m in ms for p in paths), key=lambda c: (not support[c[1]].native, c[0], kn.PATHS.index(c[1])))
+    assert ran == first_pass + [(m, "w8_row") for m in ms]  # the slow ones again, after every other case
+    got = {(r.m, r.path): r for r in recs}
+    assert len(recs) == 9 and [(r.m, r.path) for r in recs] == [(m, p) for m in ms for p in kn.bench_paths(paths)]
+    for m in ms:  # what came after the slow case was measured, the baselines first of all
+        assert got[(m, "baseline")].ms is not None and got[(m, "w4_g128")].ms is not None, got[(m, "w4_g128")]
+        slow = got[(m, "w8_row")]  # the second pass timed it or said why not
+        assert (slow.ms is not None and slow.ms >= slow_s * 1e3) or slow.skipped.startswith(kn.SKIP_OVER_BUDGET)
