@@ -1102,12 +1102,13 @@ def split_refusals(model: ModelRecord, tp: int, expert_parallel: bool = False) -
 
 
 def bench_shape_count(model: ModelRecord, tp: int = 1, expert_parallel: bool = False) -> int:
-    """How many distinct (N, K) GEMM shapes a benchmark of ``model`` times: its layers' own, or each GPU's share of
-    them split over ``tp`` GPUs (as the bench job shards them)."""
+    """How many distinct (N, K) GEMM shapes a benchmark of ``model`` times (quantcore.kernels.bench_shapes, as the
+    bench job counts them): its layers' own, or each GPU's share of them split over ``tp`` GPUs."""
+    from quantcore.kernels import bench_shapes
     from quantcore.parallel import Parallelism
 
     heads = attention_heads(model) if tp > 1 else None
-    return len(set(Parallelism(tp, heads, expert_parallel).shards(layer_shapes(model)).values()))
+    return len(bench_shapes(layer_shapes(model), Parallelism(tp, heads, expert_parallel)))
 
 
 def plan_split_refusals(model: ModelRecord, body: dict[str, Any]) -> list[str]:

@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # torch is imported inside functions: importing this module s
     import torch
 
     from quantcore.hardware import DeviceInfo
+    from quantcore.parallel import Parallelism
 
 # --------------------------------------------------------------------------- paths
 
@@ -280,6 +281,12 @@ def distinct_shapes(linears: Iterable[tuple[str, int, int]]) -> dict[tuple[int, 
             raise ValueError(f"layer {name!r} has a non-positive shape: in={in_features}, out={out_features}")
         out.setdefault((n, k), []).append(name)
     return out
+
+
+def bench_shapes(shapes: Mapping[str, tuple[int, int]], par: Parallelism) -> list[tuple[int, int]]:
+    """The distinct (N, K) a benchmark of a model times, in order of first appearance: from ``shapes``
+    ({layer: (N, K)}), each layer's share on one GPU of ``par`` (the layers themselves on one GPU)."""
+    return list(distinct_shapes((name, k, n) for name, (n, k) in par.shards(shapes).items()))
 
 
 def kernel_padding(path: str, m: int, k: int, n: int, device_kind: str) -> tuple[int, int, int]:
@@ -828,7 +835,6 @@ def run_benchmarks(
 
     def bench_shape(n: int, k: int) -> list[KernelRecord]:
         """Every case of one (N, K) shape within its budget, in (M, path) order."""
-        nonlocal done
         t_shape = time.perf_counter()
 
         def left_s() -> float:

@@ -40,9 +40,8 @@ def bench(ctx: JobContext) -> Outcome:
         # split over tp GPUs, each runs its share of every layer: those are the GEMMs to time
         heads = stored_heads(rec.attention_heads, Path(str(ctx.settings.artifact_dir)) / rec.path) if tp > 1 else None
         par = Parallelism(tp, heads, bool(p.get("expert_parallel")))
-        shapes = list(kernels.distinct_shapes(
-            (lin["name"], *par.shard(lin["name"], lin["out_features"], lin["in_features"])[::-1])
-            for lin in rec.linears))
+        shapes = kernels.bench_shapes({lin["name"]: (lin["out_features"], lin["in_features"]) for lin in rec.linears},
+                                      par)
         # an MoE model's experts run on a share of each step's tokens: time that M too (quantcore.routing)
         ms = bench_ms(ms, routed_layers([lin["name"] for lin in rec.linears], rec.moe))
     elif tp > 1:

@@ -43,6 +43,16 @@ def test_distinct_shapes_groups_layers_by_n_k() -> None:
         kn.distinct_shapes([("bad", 0, 4)])
 
 
+def test_bench_shapes_are_the_distinct_shapes_one_gpu_runs() -> None:
+    from quantcore.parallel import Parallelism
+
+    shapes = {"l0.self_attn.q_proj": (576, 576), "l0.self_attn.o_proj": (576, 576), "l0.mlp.up_proj": (1536, 576),
+              "l0.mlp.down_proj": (576, 1536), "l1.self_attn.q_proj": (576, 576)}
+    assert kn.bench_shapes(shapes, Parallelism(1)) == [(576, 576), (1536, 576), (576, 1536)]
+    # over 2 GPUs: q_proj / up_proj split their outputs, o_proj / down_proj their inputs
+    assert kn.bench_shapes(shapes, Parallelism(2)) == [(288, 576), (576, 288), (768, 576), (576, 768)]
+
+
 def test_path_names() -> None:
     assert kn.PATHS[0] == "baseline"
     assert set(kn.PATHS) == {
