@@ -30,8 +30,8 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from quantcore import outliers as ol
-from quantcore.stats import LayerStats
+from quantcore.evaluation import outliers as ol
+from quantcore.evaluation.stats import LayerStats
 
 # ---------------------------------------------------------------------------------------------
 # Named constants
@@ -168,7 +168,7 @@ def thresholds_frame(amax: float) -> pd.DataFrame:
 def depth_frame(
     stats: Iterable[LayerStats] | Mapping[str, LayerStats], proj: str, max_cells: int = HEATMAP_MAX_CELLS
 ) -> pd.DataFrame:
-    """Block x channel-bin maxima of one projection type (see ``quantcore.outliers.depth_table``).
+    """Block x channel-bin maxima of one projection type (see ``quantcore.evaluation.outliers.depth_table``).
 
     Columns: block, layer, bin, ch_lo, ch_hi, channel_max, argmax_channel; ``blocks x bins <= max_cells``.
     """
@@ -178,7 +178,7 @@ def depth_frame(
 def smoothquant_frame(
     view: ol.SmoothQuantView, max_points: int = DEFAULT_MAX_POINTS
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Long frames for :func:`smoothquant_chart` from a ``quantcore.outliers.smoothquant_view``.
+    """Long frames for :func:`smoothquant_chart` from a ``quantcore.evaluation.outliers.smoothquant_view``.
 
     Returns (points, steps):
       points: channel, stage ("before" | "after"), tensor ("activation" | "weight"), value, s
@@ -253,7 +253,7 @@ def breakage_frame(
     granularity: str = "tensor",
     block_size: int | None = None,
 ) -> pd.DataFrame:
-    """The "what will break" table (see ``quantcore.outliers.layer_breakage`` for each column)."""
+    """The "what will break" table (see ``quantcore.evaluation.outliers.layer_breakage`` for each column)."""
     return pd.DataFrame(ol.breakage_table(stats, formats, granularity, block_size))
 
 
@@ -483,7 +483,7 @@ def smoothquant_chart(
 def alpha_sweep_chart(sweep: pd.DataFrame, alpha: float, height: int = CHART_HEIGHT) -> alt.LayerChart:
     """Share of activation / weight channels flushed by per-tensor INT8 as alpha varies, chosen alpha marked.
 
-    sweep: alpha, act_flushed, weight_flushed (``quantcore.outliers.alpha_sweep``).
+    sweep: alpha, act_flushed, weight_flushed (``quantcore.evaluation.outliers.alpha_sweep``).
     """
     _check_columns(sweep, ["alpha", "act_flushed", "weight_flushed"], "alpha_sweep_chart")
     long = sweep.melt(

@@ -7,7 +7,7 @@ import streamlit as st
 
 from app import services as svc
 from app import state
-from quantcore.kvcache import KV_FORMATS
+from quantcore.evaluation.kvcache import KV_FORMATS
 
 AUTO_OUTCOME = "auto_plan_outcome"  # (what was said, notes, layers per scheme) of the automatic plan just saved
 

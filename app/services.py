@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from quantcore.kernels import SKIP_FAILED, SKIP_OVER_BUDGET
-from quantcore.stats import LayerStats
+from quantcore.evaluation.stats import LayerStats
+from quantcore.kernels.bench import SKIP_FAILED, SKIP_OVER_BUDGET
 from store import cache, repo
 from store.datasets import add_text_file
 from store.db import check_schema_current, session_scope
@@ -154,7 +154,7 @@ def register_upload(filename: str, data: bytes, name: str | None = None) -> JobR
     s = settings()
     safe = Path(filename).name
     if not safe.lower().endswith(UPLOAD_SUFFIXES):
-        from quantcore.checkpoint import PICKLE_SUFFIXES
+        from quantcore.models.checkpoint import PICKLE_SUFFIXES
 
         if safe.lower().endswith(PICKLE_SUFFIXES):
             raise ValueError(f"{safe} is a pickle checkpoint; quantplan never unpickles uploads. "
@@ -375,8 +375,8 @@ def save_layer_alpha(model: ModelRecord, plan_name: str, layer: str, alpha: floa
                      base: PlanRecord | None) -> PlanRecord:
     """A new version of plan_name with this SmoothQuant alpha for `layer` and its fusion group
     (layers fused at serving time share one input, so they must share the smoothing)."""
-    from quantcore.plans import PlanSpec
-    from quantcore.schemes import fusion_group_of
+    from quantcore.planning.plans import PlanSpec
+    from quantcore.schemes.specs import fusion_group_of
 
     names = layer_names(model)
     # a new plan that can carry the alpha: INT8 with dynamic per-token activations
@@ -429,7 +429,7 @@ def capability_frame(paths: list[dict[str, Any]]):
     """A stored capability table (PathSupport dicts) as rows for a person: path, verdict, why."""
     import pandas as pd
 
-    from quantcore.hardware import PathSupport
+    from quantcore.kernels.hardware import PathSupport
 
     rows = [PathSupport(**p) for p in paths]
     return pd.DataFrame([{"path": r.path, "here": r.status, "why": r.why} for r in rows],
@@ -438,8 +438,8 @@ def capability_frame(paths: list[dict[str, Any]]):
 
 def timed_otherwise(frame) -> int:
     """How many timings of a :func:`kernel_frame` were taken otherwise than quantplan times now
-    (quantcore.kernels.TIMING: before a CPU's caches were flushed between calls); a benchmark measures them again."""
-    from quantcore.kernels import TIMING
+    (quantcore.kernels.bench.TIMING: before a CPU's caches were flushed between calls); a benchmark measures them again."""
+    from quantcore.kernels.bench import TIMING
 
     return int((frame["timing"] != TIMING).sum()) if "timing" in frame else 0
 
@@ -460,7 +460,7 @@ def shape_labels(model: ModelRecord) -> dict[tuple[int, int], str]:
     """{(N, K): "down_proj 576×1536"}: each distinct GEMM shape named after the layer types that have it; then
     each GPU's share of a layer at the tensor-parallel sizes of one node the model splits over evenly
     ("down_proj 576×512 (TP 3)"), which a benchmark with ``tensor_parallel`` measures."""
-    from quantcore.parallel import Parallelism, tp_misfits
+    from quantcore.models.parallel import Parallelism, tp_misfits
 
     def named(shapes: dict[str, tuple[int, int]], suffix: str = "") -> dict[tuple[int, int], str]:
         # every projection type with the shape ("q_proj/o_proj 576×576"), so none is missing from a heatmap's rows
@@ -490,7 +490,7 @@ def device_comparison(model: ModelRecord, path: str, m: int):
 
     import pandas as pd
 
-    from quantcore.kernels import has_time
+    from quantcore.kernels.bench import has_time
 
     labels = shape_labels(model)
     rows = []
@@ -507,8 +507,8 @@ def device_comparison(model: ModelRecord, path: str, m: int):
 
 def _plan_paths(model: ModelRecord, plan_body: dict[str, Any]):
     """(the resolved plan, the kernel path each layer would run on: None for baseline speed / emulated)."""
-    from quantcore.kernels import scheme_path
-    from quantcore.plans import PlanSpec, resolve_plan
+    from quantcore.kernels.bench import scheme_path
+    from quantcore.planning.plans import PlanSpec, resolve_plan
 
     plan = resolve_plan(PlanSpec.from_dict(plan_body), [lin["name"] for lin in model.linears])
     return plan, {name: scheme_path(scheme) for name, scheme in plan.items()}
@@ -522,7 +522,7 @@ def layer_paths(model: ModelRecord, plan_body: dict[str, Any]) -> dict[str, str 
 def untimed_schemes(model: ModelRecord, plan_body: dict[str, Any], layers: Iterable[str] | None = None
                     ) -> dict[str, int]:
     """{scheme: layers} of a plan's quantized layers (of ``layers`` where given: those a step estimate counts, one
-    GPU's under expert parallelism) that no benchmarked kernel serves (quantcore.kernels.scheme_path is None: FP4,
+    GPU's under expert parallelism) that no benchmarked kernel serves (quantcore.kernels.bench.scheme_path is None: FP4,
     MX and block scales, E5M2 x E5M2, zero points on a path without them): a step estimate counts them at the
     baseline's time."""
     return _untimed(*_plan_paths(model, plan_body), layers)
@@ -540,7 +540,7 @@ def step_estimate(model: ModelRecord, plan_body: dict[str, Any], device_name: st
     """Prefill / decode GEMM time of a plan on a device, from the stored kernel timings; at the plan's
     tensor_parallel, one GPU's step: its share of every layer, timed by a benchmark split as the plan is. Adds
     ``untimed``: :func:`untimed_schemes` of the layers it sums."""
-    from quantcore.kernels import step_estimate as estimate
+    from quantcore.kernels.bench import step_estimate as estimate
 
     shapes = parallelism(model, plan_body).first_gpu_shapes(layer_shapes(model))  # EP: the experts one GPU holds
     plan, paths = _plan_paths(model, plan_body)
@@ -612,8 +612,8 @@ def step_breakdown(est: dict[str, Any]):
 
 
 def kernel_records(device_name: str):
-    """The newest timing per case on one device, as quantcore.kernels.KernelRecord objects."""
-    from quantcore.kernels import KernelRecord
+    """The newest timing per case on one device, as quantcore.kernels.bench.KernelRecord objects."""
+    from quantcore.kernels.bench import KernelRecord
 
     with session_scope(settings()) as s:  # straight from the rows: a DataFrame would turn a missing time into NaN
         rows = repo.newest_kernel_results(s, device_name=device_name)
@@ -626,9 +626,9 @@ def layer_shapes(model: ModelRecord) -> dict[str, tuple[int, int]]:
 
 
 def routed_layers(model: ModelRecord):
-    """{routed expert linear: quantcore.routing.Routing} of an MoE model (empty for a dense one): step times
+    """{routed expert linear: quantcore.models.routing.Routing} of an MoE model (empty for a dense one): step times
     count an expert's expected share of a step."""
-    from quantcore.routing import routed_layers as routed
+    from quantcore.models.routing import routed_layers as routed
 
     return routed(layer_names(model), model.moe)
 
@@ -636,7 +636,7 @@ def routed_layers(model: ModelRecord):
 # ----------------------------------------------------------------------------- scoring
 
 
-REFERENCE_BYTES_PER_LOGPROB = 2  # quantcore.scoring.LOGPROB_DTYPE is float16 (a test keeps the two equal)
+REFERENCE_BYTES_PER_LOGPROB = 2  # quantcore.evaluation.scoring.LOGPROB_DTYPE is float16 (a test keeps the two equal)
 
 
 def vocab_size(model: ModelRecord) -> int | None:
@@ -655,10 +655,10 @@ def reference_cache_bytes(model: ModelRecord, samples: int, seq_len: int) -> int
 
 def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
     """What to tell a person about a stored score: what its job noticed, and whether older numerics make it
-    incomparable with newer scores (quantcore.schemes.numerics_changes: int weights scored before they moved to
+    incomparable with newer scores (quantcore.schemes.specs.numerics_changes: int weights scored before they moved to
     compressed-tensors' grid, NVFP4 activations before their tensor scale was calibrated, a plan for several GPUs
     scored as if on one)."""
-    from quantcore.schemes import NUMERICS, expert_block, numerics_changes
+    from quantcore.schemes.specs import NUMERICS, expert_block, numerics_changes
 
     notes = list(score.notes)
     numerics = int(score.details.get("numerics") or 1)
@@ -682,8 +682,8 @@ def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:
 
 def stale_sweeps(model: ModelRecord) -> dict[int, tuple[str, str]]:
     """{sweep job id: (scheme, why to sweep again)} for the newest sweep of each scheme whose numerics changed since
-    the quantplan that made it (quantcore.schemes.numerics_changes; sensitivity jobs record ``numerics``)."""
-    from quantcore.schemes import get_scheme, numerics_changes
+    the quantplan that made it (quantcore.schemes.specs.numerics_changes; sensitivity jobs record ``numerics``)."""
+    from quantcore.schemes.specs import get_scheme, numerics_changes
 
     out: dict[int, tuple[str, str]] = {}
     seen: set[tuple[str, tuple[int, bool]]] = set()
@@ -776,7 +776,7 @@ TRADEOFF_COLUMNS = ["job", "plan", "kl_mean", "top1_agree", "ppl", "weight_mib",
 def no_time_notes(ms, skipped) -> list[str]:
     """What a heatmap cell with no time reads instead of "n/a" (which says the device does not run the path):
     "skipped" where the case did not fit the time budget per shape, "failed" where the kernel refused the shape or
-    the torch build (quantcore.kernels' ``skipped`` reasons); "" elsewhere."""
+    the torch build (quantcore.kernels.bench' ``skipped`` reasons); "" elsewhere."""
     import pandas as pd
 
     notes = []
@@ -804,7 +804,7 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
     prefill_ms / decode_ms, the plan's GEMM time of one step at ``m_prefill`` / ``m_decode`` from
     that device's stored timings (NaN unless every layer has one at that M: a partial sum is never
     shown as a cost); with ``target``, ideal_prefill_ms / ideal_decode_ms, the roofline bound of a
-    step on that GPU at ``ideal_m_prefill`` / ``ideal_m_decode`` tokens (quantcore.roofline; NaN for
+    step on that GPU at ``ideal_m_prefill`` / ``ideal_m_decode`` tokens (quantcore.kernels.roofline; NaN for
     a plan with a scheme the target cannot serve at all); with ``serve`` = (sequences, context),
     serving_gib, the GPU memory of serving that many sequences of that many tokens: every weight (the
     plan's linear weights, the other parameters in BF16) plus their KV cache (sliding windows counted).
@@ -814,12 +814,12 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
 
     import pandas as pd
 
-    from quantcore.kernels import scheme_path
-    from quantcore.kernels import step_estimate as estimate
-    from quantcore.kvcache import kv_bytes_per_sequence, kv_bytes_per_token
-    from quantcore.plans import kv_label
-    from quantcore.plans import plan_footprint as footprint
-    from quantcore.roofline import step_bound as bound
+    from quantcore.evaluation.kvcache import kv_bytes_per_sequence, kv_bytes_per_token
+    from quantcore.kernels.bench import scheme_path
+    from quantcore.kernels.bench import step_estimate as estimate
+    from quantcore.kernels.roofline import step_bound as bound
+    from quantcore.planning.plans import kv_label
+    from quantcore.planning.plans import plan_footprint as footprint
 
     newest: dict[tuple[int | None, str], ScoreRecord] = {}
     for sc in sorted(scores, key=lambda s: s.job_id):
@@ -860,8 +860,8 @@ def tradeoff_frame(model: ModelRecord, scores: list[ScoreRecord], *, device_name
 
 def with_front(frame, cost: str):
     """``frame`` (a :func:`tradeoff_frame`) with a ``front`` column: True for the plans no other plan beats
-    on both ``cost`` and KL (quantcore.plans.pareto_front); a plan without that cost is never on it."""
-    from quantcore.plans import pareto_front
+    on both ``cost`` and KL (quantcore.planning.plans.pareto_front); a plan without that cost is never on it."""
+    from quantcore.planning.plans import pareto_front
 
     if cost not in TRADEOFF_COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose from {', '.join(TRADEOFF_COSTS)}")
@@ -870,7 +870,7 @@ def with_front(frame, cost: str):
 
 
 def preset_options(model: ModelRecord) -> dict[str, str]:
-    from quantcore.schemes import get_scheme, list_schemes
+    from quantcore.schemes.specs import get_scheme, list_schemes
 
     return {name: f"{name}: {get_scheme(name).describe()}" for name in list_schemes()}
 
@@ -915,7 +915,7 @@ def resolve(model: ModelRecord, body: dict[str, Any]):
 
 def _resolve(model: ModelRecord, body: dict[str, Any]) -> tuple[dict | None, str | None]:
     from quantcore.errors import PlanError
-    from quantcore.plans import PlanSpec, resolve_plan
+    from quantcore.planning.plans import PlanSpec, resolve_plan
 
     try:
         spec = PlanSpec.from_dict(body)
@@ -944,7 +944,7 @@ SERVING_KEYS = ("kv_cache", "kv_cache_skip", "tensor_parallel", "expert_parallel
 def kv_skip_options(model: ModelRecord) -> list[str]:
     """What a plan may keep out of its quantized KV cache: ``sliding_window`` when the model has such layers,
     then every attention layer's decoder index (empty when the cache cannot be counted)."""
-    from quantcore.kvcache import SKIP_SLIDING, kv_layer_elements, layer_index
+    from quantcore.evaluation.kvcache import SKIP_SLIDING, kv_layer_elements, layer_index
 
     indices = sorted({i for n in kv_layer_elements(model.linears) if (i := layer_index(n)) is not None})
     return ([SKIP_SLIDING] if model.attention_windows else []) + [str(i) for i in indices]
@@ -953,12 +953,17 @@ def kv_skip_options(model: ModelRecord) -> list[str]:
 def choose_kv_skip(model: ModelRecord, kv_cache: str, kl_budget: float, context: int) -> dict[str, Any]:
     """The layers to keep in BF16 so that the cache's predicted KL (the newest KV cache sweep of ``kv_cache``:
     the sum of the one-layer KLs left in the format) fits ``kl_budget`` with the least cache for one sequence of
-    ``context`` tokens (quantcore.autoplan.choose_kv_skip); sliding-window layers hold only their window, so
+    ``context`` tokens (quantcore.planning.autoplan.choose_kv_skip); sliding-window layers hold only their window, so
     they are the cheap ones at a long context. ValueError without a sweep. Returns the plan's ``kv_cache_skip``
     entries ("sliding_window" when every windowed layer is kept), the predicted KL and the cache bytes of one
     sequence with that choice, in the format everywhere and in BF16."""
-    from quantcore.autoplan import choose_kv_skip as choose
-    from quantcore.kvcache import SKIP_SLIDING, get_kv_format, kv_sequence_bytes_by_layer, layer_index
+    from quantcore.evaluation.kvcache import (
+        SKIP_SLIDING,
+        get_kv_format,
+        kv_sequence_bytes_by_layer,
+        layer_index,
+    )
+    from quantcore.planning.autoplan import choose_kv_skip as choose
 
     kv = get_kv_format(kv_cache)
     if kv.is_identity:
@@ -988,10 +993,10 @@ def choose_kv_skip(model: ModelRecord, kv_cache: str, kl_budget: float, context:
 
 def kv_skipped(model: ModelRecord, body: dict[str, Any]) -> set[str]:
     """The attention modules a plan keeps out of its quantized KV cache (``kv_cache_skip``, resolved by
-    quantcore.kvcache.kv_skip_layers against the model's layers and sliding windows); PlanError for entries
+    quantcore.evaluation.kvcache.kv_skip_layers against the model's layers and sliding windows); PlanError for entries
     the model does not have."""
-    from quantcore.kvcache import kv_layer_elements, kv_skip_layers
-    from quantcore.plans import PlanSpec
+    from quantcore.evaluation.kvcache import kv_layer_elements, kv_skip_layers
+    from quantcore.planning.plans import PlanSpec
 
     spec = PlanSpec.from_dict(body)
     if spec.kv_cache == "AUTO" or not spec.kv_cache_skip:
@@ -1010,7 +1015,7 @@ def resolved_or_raise(model: ModelRecord, body: dict[str, Any]):
 def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, scheme: str) -> tuple[dict, list]:
     """The plan body with `scheme` set on `layer` and on every layer that must share it (its fusion group, or
     every routed expert of its MoE block)."""
-    from quantcore.schemes import plan_unit_of
+    from quantcore.schemes.specs import plan_unit_of
 
     group = plan_unit_of(layer, layer_names(model))
     return with_schemes(model, body, {scheme: group}), group
@@ -1021,8 +1026,8 @@ def with_schemes(model: ModelRecord, body: dict[str, Any], choices: dict[str, li
     """The plan body with each scheme of `choices` ({scheme: layers}) set on its layers as per-layer choices, and on
     every layer that must share a scheme with one of them (fusion group, an MoE block's experts); ``clear_alpha``:
     their own SmoothQuant alphas go too (a per-layer alpha would smooth an unsmoothed scheme again)."""
-    from quantcore.plans import PlanSpec
-    from quantcore.schemes import fusion_units
+    from quantcore.planning.plans import PlanSpec
+    from quantcore.schemes.specs import fusion_units
 
     spec = PlanSpec.from_dict(body)
     unit_of = {member: unit for unit in fusion_units(layer_names(model)) for member in unit}
@@ -1037,10 +1042,10 @@ def with_schemes(model: ModelRecord, body: dict[str, Any], choices: dict[str, li
 
 def unsmoothed_fixes(model: ModelRecord, body: dict[str, Any]) -> dict[str, list[str]]:
     """{preset without SmoothQuant: layers} for the plan's layers whose SmoothQuant no llm-compressor recipe can
-    carry (quantcore.export.smoothquant_unexportable): INT8_W8A8 where INT8_W8A8_SQ was, and so on; {} for a plan that
+    carry (quantcore.export.targets.smoothquant_unexportable): INT8_W8A8 where INT8_W8A8_SQ was, and so on; {} for a plan that
     does not resolve or has none."""
-    from quantcore.export import smoothquant_unexportable
-    from quantcore.schemes import list_schemes
+    from quantcore.export.targets import smoothquant_unexportable
+    from quantcore.schemes.specs import list_schemes
 
     resolved, problem = resolve(model, body)
     if problem:
@@ -1055,8 +1060,8 @@ def unsmoothed_fixes(model: ModelRecord, body: dict[str, Any]) -> dict[str, list
 
 def regroup_fixes(model: ModelRecord, body: dict[str, Any]) -> dict[str, list[str]]:
     """{preset: layers} that mends the plan's groups that do not divide a layer's K (or each GPU's share of it at the
-    plan's tensor_parallel): quantcore.plans.regroup_fixes; {} for a plan that does not resolve."""
-    from quantcore.plans import regroup_fixes as fixes
+    plan's tensor_parallel): quantcore.planning.plans.regroup_fixes; {} for a plan that does not resolve."""
+    from quantcore.planning.plans import regroup_fixes as fixes
 
     resolved, problem = resolve(model, body)
     if problem:
@@ -1066,9 +1071,9 @@ def regroup_fixes(model: ModelRecord, body: dict[str, Any]) -> dict[str, list[st
 
 def support_reasons(schemes: Iterable[str], target: str | None) -> list[str]:
     """Why each scheme of a plan that does not run natively on the target is emulated or unsupported there
-    (quantcore.hardware.support_reason), one line per scheme; none for a CPU target or native schemes."""
-    from quantcore.hardware import support_on_target, support_reason
-    from quantcore.schemes import get_scheme
+    (quantcore.kernels.hardware.support_reason), one line per scheme; none for a CPU target or native schemes."""
+    from quantcore.kernels.hardware import support_on_target, support_reason
+    from quantcore.schemes.specs import get_scheme
 
     if not target:
         return []
@@ -1084,17 +1089,17 @@ def support_reasons(schemes: Iterable[str], target: str | None) -> list[str]:
 
 
 def attention_heads(model: ModelRecord):
-    """quantcore.parallel.AttentionHeads of the model: from its intake summary, or for a model registered before
+    """quantcore.models.parallel.AttentionHeads of the model: from its intake summary, or for a model registered before
     that was kept, from the config.json quantplan stored; None where neither says."""
-    from quantcore.parallel import stored_heads
+    from quantcore.models.parallel import stored_heads
 
     return stored_heads(model.attention_heads, Path(str(settings().artifact_dir)) / model.path)
 
 
 def split_refusals(model: ModelRecord, tp: int, expert_parallel: bool = False) -> list[str]:
-    """Why vLLM would refuse to serve ``model`` over ``tp`` GPUs whatever the formats (quantcore.parallel.tp_misfits:
+    """Why vLLM would refuse to serve ``model`` over ``tp`` GPUs whatever the formats (quantcore.models.parallel.tp_misfits:
     heads, MLP widths); [] where it splits (and at one GPU). Asked before a job is queued for that many GPUs."""
-    from quantcore.parallel import Parallelism, tp_misfits
+    from quantcore.models.parallel import Parallelism, tp_misfits
 
     if tp <= 1:
         return []
@@ -1102,10 +1107,10 @@ def split_refusals(model: ModelRecord, tp: int, expert_parallel: bool = False) -
 
 
 def bench_shape_count(model: ModelRecord, tp: int = 1, expert_parallel: bool = False) -> int:
-    """How many distinct (N, K) GEMM shapes a benchmark of ``model`` times (quantcore.kernels.bench_shapes, as the
+    """How many distinct (N, K) GEMM shapes a benchmark of ``model`` times (quantcore.kernels.bench.bench_shapes, as the
     bench job counts them): its layers' own, or each GPU's share of them split over ``tp`` GPUs."""
-    from quantcore.kernels import bench_shapes
-    from quantcore.parallel import Parallelism
+    from quantcore.kernels.bench import bench_shapes
+    from quantcore.models.parallel import Parallelism
 
     heads = attention_heads(model) if tp > 1 else None
     return len(bench_shapes(layer_shapes(model), Parallelism(tp, heads, expert_parallel)))
@@ -1119,11 +1124,11 @@ def plan_split_refusals(model: ModelRecord, body: dict[str, Any]) -> list[str]:
 
 
 def parallelism(model: ModelRecord, body: dict[str, Any]):
-    """quantcore.parallel.Parallelism of a plan body on the model: its tensor_parallel and expert_parallel, with the
+    """quantcore.models.parallel.Parallelism of a plan body on the model: its tensor_parallel and expert_parallel, with the
     model's attention heads (one GPU for a body that does not parse)."""
     from quantcore.errors import PlanError
-    from quantcore.parallel import ONE_GPU
-    from quantcore.plans import PlanSpec
+    from quantcore.models.parallel import ONE_GPU
+    from quantcore.planning.plans import PlanSpec
 
     try:
         spec = PlanSpec.from_dict(body)
@@ -1132,32 +1137,32 @@ def parallelism(model: ModelRecord, body: dict[str, Any]):
     return spec.parallelism(attention_heads(model) if spec.tensor_parallel > 1 else None)
 
 
-REFUSED_PARTIAL = "groups do not divide K"  # quantcore.plans.group_misfits: llm-compressor and vLLM refuse the layer
-REFUSED_UNTILED = "N not a multiple of 128"  # quantcore.plans.w4afp8_misfits: vLLM's one W4AFP8 kernel refuses it
-REFUSED_BLOCKS = "FP8 blocks do not fit"  # quantcore.plans.fp8_block_misfits: vLLM's validate_fp8_block_shape
-REFUSED_KERNEL = "no vLLM kernel"  # quantcore.plans.vllm_unloadable: dynamic per-tensor INT8, unserved MoE experts
+REFUSED_PARTIAL = "groups do not divide K"  # quantcore.planning.plans.group_misfits: llm-compressor and vLLM refuse the layer
+REFUSED_UNTILED = "N not a multiple of 128"  # quantcore.planning.plans.w4afp8_misfits: vLLM's one W4AFP8 kernel refuses it
+REFUSED_BLOCKS = "FP8 blocks do not fit"  # quantcore.planning.plans.fp8_block_misfits: vLLM's validate_fp8_block_shape
+REFUSED_KERNEL = "no vLLM kernel"  # quantcore.planning.plans.vllm_unloadable: dynamic per-tensor INT8, unserved MoE experts
 
 
 def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
     """Every linear: name, N, K (and each GPU's share, "N / GPU" and "K / GPU", when the plan's tensor_parallel is
-    above 1: quantcore.parallel), outlier ratio (newest calibration), the sensitivity KL of the layer's
+    above 1: quantcore.models.parallel), outlier ratio (newest calibration), the sensitivity KL of the layer's
     own scheme (newest sweep of that scheme; None without one; 0 for a layer left in BF16), scheme, support on the target GPU
     ("refused: ..." where llm-compressor or vLLM would not make or load the layer: "no vLLM kernel",
-    quantcore.plans.vllm_unloadable; "groups do not divide K" (or each GPU's K), quantcore.plans.group_misfits;
-    "N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer, quantcore.plans.w4afp8_misfits;
-    "FP8 blocks do not fit", quantcore.plans.fp8_block_misfits; else the GPU's support, with ", off Marlin tiles" where a
-    weight-only layer fits neither of Marlin's thread tiles: quantcore.plans.marlin_misfits)."""
+    quantcore.planning.plans.vllm_unloadable; "groups do not divide K" (or each GPU's K), quantcore.planning.plans.group_misfits;
+    "N not a multiple of 128" where vLLM's W4AFP8 kernel cannot tile the fused layer, quantcore.planning.plans.w4afp8_misfits;
+    "FP8 blocks do not fit", quantcore.planning.plans.fp8_block_misfits; else the GPU's support, with ", off Marlin tiles" where a
+    weight-only layer fits neither of Marlin's thread tiles: quantcore.planning.plans.marlin_misfits)."""
     import pandas as pd
 
-    from quantcore.hardware import support_on_target
-    from quantcore.plans import (
+    from quantcore.kernels.hardware import support_on_target
+    from quantcore.planning.plans import (
         fp8_block_untileable,
         group_misfit_layers,
         marlin_untiled,
         vllm_unloadable,
         w4afp8_untileable,
     )
-    from quantcore.schemes import fusion_units
+    from quantcore.schemes.specs import fusion_units
 
     resolved, _ = resolve(model, body)
     shapes = layer_shapes(model)
@@ -1209,9 +1214,9 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None):
 
 
 def plan_footprint(model: ModelRecord, body: dict[str, Any]):
-    """quantcore.plans.Footprint of a plan body on the model (linear weights, scales included);
+    """quantcore.planning.plans.Footprint of a plan body on the model (linear weights, scales included);
     ValueError with the plan's problems when it does not resolve."""
-    from quantcore.plans import plan_footprint as footprint
+    from quantcore.planning.plans import plan_footprint as footprint
 
     return footprint(resolved_or_raise(model, body), layer_shapes(model))
 
@@ -1219,8 +1224,8 @@ def plan_footprint(model: ModelRecord, body: dict[str, Any]):
 def served_weight_bytes(model: ModelRecord, fp, resolved: dict[str, Any]) -> tuple[float, float]:
     """(plan, all-BF16) bytes of every weight a server loads: the linear weights of the plan's Footprint
     ``fp`` as stored, every other parameter (embeddings, norms, biases) in BF16, and the input embedding again
-    where the plan quantizes a head tied to it (``resolved``; quantcore.plans.untied_embedding_bits)."""
-    from quantcore.plans import untied_embedding_bits
+    where the plan quantizes a head tied to it (``resolved``; quantcore.planning.plans.untied_embedding_bits)."""
+    from quantcore.planning.plans import untied_embedding_bits
 
     other = max(0, model.num_params - fp.params) * 2
     untied = untied_embedding_bits(resolved, layer_shapes(model), model.tied_linears) / 8
@@ -1230,15 +1235,20 @@ def served_weight_bytes(model: ModelRecord, fp, resolved: dict[str, Any]) -> tup
 def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = None,
               context: int | None = None) -> dict[str, Any] | None:
     """The plan's KV cache next to BF16: bytes per token (every layer), and with a target GPU how many tokens
-    of cache fit beside the weights (quantcore.kvcache.kv_token_capacity: vLLM's 90 % memory share,
+    of cache fit beside the weights (quantcore.evaluation.kvcache.kv_token_capacity: vLLM's 90 % memory share,
     activations not counted); with a ``context`` too, the cache of one sequence of that many tokens
     (sliding-window layers keep only their window) and how many such sequences fit. Weights = the plan's
     linear weights + every other parameter in BF16. None when the model has no separate k_proj / v_proj to
     count the cache from."""
-    from quantcore.hardware import get_target
-    from quantcore.kvcache import get_kv_format, kv_bytes_per_sequence, kv_bytes_per_token, kv_token_capacity
-    from quantcore.parallel import kv_copies
-    from quantcore.plans import PlanSpec
+    from quantcore.evaluation.kvcache import (
+        get_kv_format,
+        kv_bytes_per_sequence,
+        kv_bytes_per_token,
+        kv_token_capacity,
+    )
+    from quantcore.kernels.hardware import get_target
+    from quantcore.models.parallel import kv_copies
+    from quantcore.planning.plans import PlanSpec
 
     kv = get_kv_format(PlanSpec.from_dict(body).kv_cache)
     skip = kv_skipped(model, body)
@@ -1257,7 +1267,7 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
                    sequence_bytes=kv_bytes_per_sequence(model.linears, kv, context, windows=windows, skip=skip),
                    bf16_sequence_bytes=kv_bytes_per_sequence(model.linears, "AUTO", context, windows=windows))
     if target:
-        from quantcore.plans import plan_footprint as footprint
+        from quantcore.planning.plans import plan_footprint as footprint
 
         resolved = resolved_or_raise(model, body)
         weights, bf16_weights = served_weight_bytes(model, footprint(resolved, layer_shapes(model)), resolved)
@@ -1275,7 +1285,7 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
 
 def kv_kib_per_token(model: ModelRecord) -> float | None:
     """The model's KV cache per token in BF16 (KiB, every layer); None without separate k_proj / v_proj."""
-    from quantcore.kvcache import kv_bytes_per_token
+    from quantcore.evaluation.kvcache import kv_bytes_per_token
 
     b = kv_bytes_per_token(model.linears, "AUTO")
     return None if b is None else b / 1024
@@ -1284,13 +1294,13 @@ def kv_kib_per_token(model: ModelRecord) -> float | None:
 def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, batch: int,
                       context: int) -> dict[str, float] | None:
     """The ideal decode step of ``batch`` sequences each holding ``context`` tokens of cache: the linears'
-    roofline bound at M = batch plus reading each sequence's cache once (quantcore.roofline.kv_read_ms;
+    roofline bound at M = batch plus reading each sequence's cache once (quantcore.kernels.roofline.kv_read_ms;
     sliding-window layers read only their window), for the plan and for all-BF16; at the plan's tensor_parallel,
     one GPU's step: its shard of the layers and its share of the cache. None where the model's
     cache cannot be counted (no k_proj / v_proj)."""
-    from quantcore.kvcache import kv_bytes_per_sequence
-    from quantcore.plans import PlanSpec
-    from quantcore.roofline import kv_read_ms
+    from quantcore.evaluation.kvcache import kv_bytes_per_sequence
+    from quantcore.kernels.roofline import kv_read_ms
+    from quantcore.planning.plans import PlanSpec
 
     kv = PlanSpec.from_dict(body).kv_cache
     seq = kv_bytes_per_sequence(model.linears, kv, context, windows=model.attention_windows,
@@ -1298,7 +1308,7 @@ def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, bat
     bf16_seq = kv_bytes_per_sequence(model.linears, "AUTO", context, windows=model.attention_windows)
     if seq is None or bf16_seq is None:
         return None
-    from quantcore.parallel import kv_copies
+    from quantcore.models.parallel import kv_copies
 
     par = parallelism(model, body)
     share = kv_copies(par) / par.tp  # what one GPU of tp caches and reads
@@ -1309,16 +1319,16 @@ def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, bat
 
 
 def target_names() -> dict[str, str]:
-    """{target key: GPU name} of the GPUs in quantcore.hardware's table."""
-    from quantcore.hardware import list_targets
+    """{target key: GPU name} of the GPUs in quantcore.kernels.hardware's table."""
+    from quantcore.kernels.hardware import list_targets
 
     return {t.key: t.name for t in list_targets()}
 
 
 def kv_backend_note(kv_cache: str, target: str) -> str | None:
-    """Whether the KV format's attention assumption holds on a target GPU (quantcore.kvcache.attention_backend_note)."""
-    from quantcore.hardware import get_target
-    from quantcore.kvcache import attention_backend_note
+    """Whether the KV format's attention assumption holds on a target GPU (quantcore.evaluation.kvcache.attention_backend_note)."""
+    from quantcore.evaluation.kvcache import attention_backend_note
+    from quantcore.kernels.hardware import get_target
 
     gpu = get_target(target)
     return attention_backend_note(kv_cache, gpu.sm, gpu.name)
@@ -1326,17 +1336,17 @@ def kv_backend_note(kv_cache: str, target: str) -> str | None:
 
 def target_bandwidth(target: str) -> float:
     """Memory bandwidth of a target GPU in TB/s, from its datasheet."""
-    from quantcore.hardware import get_target
+    from quantcore.kernels.hardware import get_target
 
     return get_target(target).memory_tbs
 
 
 def step_bound(model: ModelRecord, body: dict[str, Any], target: str, m: int):
-    """quantcore.roofline.StepBound of a plan body on a target GPU at ``m`` tokens per step (the ideal
+    """quantcore.kernels.roofline.StepBound of a plan body on a target GPU at ``m`` tokens per step (the ideal
     time where nothing was measured); at the plan's tensor_parallel, one GPU's step over its shard of every layer
-    (quantcore.parallel; the all-reduces between GPUs not counted). ValueError with the plan's problems when it
+    (quantcore.models.parallel; the all-reduces between GPUs not counted). ValueError with the plan's problems when it
     does not resolve."""
-    from quantcore.roofline import step_bound as bound
+    from quantcore.kernels.roofline import step_bound as bound
 
     resolved = resolved_or_raise(model, body)
     shapes = parallelism(model, body).first_gpu_shapes(layer_shapes(model))  # EP: the experts one GPU holds
@@ -1355,7 +1365,7 @@ def mib_text(bits: float) -> str:
 
 def cost_text(value: float, unit: str) -> str:
     """An automatic plan's cost as a person reads it: weight bits in MiB, times in ms."""
-    from quantcore.autoplan import UNIT_BITS
+    from quantcore.planning.autoplan import UNIT_BITS
 
     if unit == UNIT_BITS:
         return f"{mib_text(value)} of weights"
@@ -1374,7 +1384,7 @@ def footprint_frame(fp):
 def plan_diff(model: ModelRecord, a: PlanRecord, b: PlanRecord):
     import pandas as pd
 
-    from quantcore.plans import diff_plans
+    from quantcore.planning.plans import diff_plans
 
     ra, err_a = resolve(model, a.body)
     rb, err_b = resolve(model, b.body)
@@ -1391,7 +1401,7 @@ EXPORT_FORMATS = ("llmcompressor", "compressed-tensors", "vllm")
 def _mlp_norm(model: ModelRecord) -> str:
     """The norm in front of the MLP: Gemma has a pre-feedforward norm, Llama-style models reuse
     post_attention_layernorm (the name alone cannot tell them apart)."""
-    from quantcore.export import MLP_NORM_LLAMA
+    from quantcore.export.targets import MLP_NORM_LLAMA
 
     return "pre_feedforward_layernorm" if model.model_type.startswith("gemma") else MLP_NORM_LLAMA
 
@@ -1444,7 +1454,7 @@ def unsplit_experts_warning(model: ModelRecord) -> str | None:
 def parallel_notes(model: ModelRecord, par) -> list[str]:
     """What the tensor-parallel checks could not see: the model's attention heads (q/k/v are then taken to split
     evenly), layers outside the Llama-style layout (taken whole); and expert parallelism asked of a dense model."""
-    from quantcore.parallel import unknown_layers
+    from quantcore.models.parallel import unknown_layers
 
     out = []
     if par.expert_parallel and not routed_layers(model):
@@ -1465,19 +1475,23 @@ def parallel_notes(model: ModelRecord, par) -> list[str]:
 
 def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
     """What serving this plan will run into though it resolves: at the plan's tensor_parallel, what vLLM refuses
-    whatever the formats (quantcore.parallel.tp_misfits) and what the checks could not see (parallel_notes); groups
+    whatever the formats (quantcore.models.parallel.tp_misfits) and what the checks could not see (parallel_notes); groups
     that do not divide K (or each GPU's K)
-    (quantcore.plans.group_misfits), W4AFP8 layers vLLM's kernel cannot tile (quantcore.plans.w4afp8_misfits),
-    merged block-FP8 layers whose N the blocks do not divide (quantcore.plans.fp8_block_misfits), activations vLLM
-    quantizes otherwise than scored or not at all (quantcore.plans.vllm_activation_misfits), SmoothQuant no
-    llm-compressor recipe can carry (quantcore.export.smoothquant_unexportable), layers AWQ cannot scale
-    (quantcore.plans.awq_unscaled), a quantized lm_head
-    (quantcore.plans.quantized_head), fused experts no plan reaches, and an unscaled KV cache that the newest
-    calibration's K or V would overflow (quantcore.kvcache.kv_clipping)."""
-    from quantcore.export import serves_online_fp8, smoothquant_unexportable, smoothquant_unexportable_message
-    from quantcore.kvcache import kv_clipping
-    from quantcore.parallel import tp_misfits
-    from quantcore.plans import (
+    (quantcore.planning.plans.group_misfits), W4AFP8 layers vLLM's kernel cannot tile (quantcore.planning.plans.w4afp8_misfits),
+    merged block-FP8 layers whose N the blocks do not divide (quantcore.planning.plans.fp8_block_misfits), activations vLLM
+    quantizes otherwise than scored or not at all (quantcore.planning.plans.vllm_activation_misfits), SmoothQuant no
+    llm-compressor recipe can carry (quantcore.export.targets.smoothquant_unexportable), layers AWQ cannot scale
+    (quantcore.planning.plans.awq_unscaled), a quantized lm_head
+    (quantcore.planning.plans.quantized_head), fused experts no plan reaches, and an unscaled KV cache that the newest
+    calibration's K or V would overflow (quantcore.evaluation.kvcache.kv_clipping)."""
+    from quantcore.evaluation.kvcache import kv_clipping
+    from quantcore.export.targets import (
+        serves_online_fp8,
+        smoothquant_unexportable,
+        smoothquant_unexportable_message,
+    )
+    from quantcore.models.parallel import tp_misfits
+    from quantcore.planning.plans import (
         PlanSpec,
         awq_unscaled,
         fp8_block_misfits,
@@ -1521,9 +1535,9 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str, recipe_file:
     given: the name the recipe is saved under)."""
     import json
 
-    from quantcore import export
     from quantcore.errors import PlanError
-    from quantcore.plans import PlanSpec
+    from quantcore.export import targets as export
+    from quantcore.planning.plans import PlanSpec
 
     resolved, problem = resolve(model, body)
     if problem:
@@ -1576,8 +1590,8 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
 
     import yaml
 
-    from quantcore import export
-    from quantcore.plans import PlanSpec, resolve_plan, spec_from_plan
+    from quantcore.export import targets as export
+    from quantcore.planning.plans import PlanSpec, resolve_plan, spec_from_plan
 
     names = layer_names(model)
     stem = Path(filename).stem
@@ -1592,7 +1606,7 @@ def import_plan(model: ModelRecord, filename: str, text: str, name: str | None =
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            from quantcore.plans import yaml_problem
+            from quantcore.planning.plans import yaml_problem
 
             raise ValueError(f"{filename} is not valid YAML: {yaml_problem(exc)}") from exc
         if not isinstance(data, dict):
@@ -1655,7 +1669,7 @@ def schemes_swept_on(sweeps: list[JobRecord], tensor_parallel: int, expert_paral
 def split_scale_schemes(schemes) -> list[str]:
     """Those of ``schemes`` whose activation scale is dynamic over K (per tensor or per token): the ones each GPU
     of a split row-parallel layer scales on its own share, so a one-GPU sweep of them overstates the KL there."""
-    from quantcore.schemes import get_scheme
+    from quantcore.schemes.specs import get_scheme
 
     return sorted({s for s in schemes if get_scheme(s).scaled_per_gpu_share})
 
@@ -1674,7 +1688,7 @@ def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_paralle
     """{scheme: {unit: KL}} and {unit: layers} over the stored sensitivity sweeps of the model's linear layers
     that a plan on ``tensor_parallel`` GPUs reads (:func:`planner_sweeps`; KV cache sweeps, whose units are
     attention layers, are :func:`kv_sensitivity`'s)."""
-    from quantcore.autoplan import sensitivity_from_rows
+    from quantcore.planning.autoplan import sensitivity_from_rows
 
     rows = []
     for job in planner_sweeps(model, tensor_parallel, expert_parallel):
@@ -1685,7 +1699,7 @@ def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_paralle
 def kv_sensitivity(model: ModelRecord, kv_cache: str) -> tuple[int, dict[str, float]] | None:
     """(job id, {decoder layer index: KL}) of the newest KV cache sweep of that format: the KL with only that
     layer's K and V in the format, the layers a plan's kv_cache_skip is best spent on first; None without one."""
-    from quantcore.kvcache import layer_index
+    from quantcore.evaluation.kvcache import layer_index
 
     for job in sensitivity_jobs(model.id):  # newest first
         if (job.result or {}).get("scheme") == repo.KV_SWEEP_PREFIX + kv_cache:
@@ -1696,7 +1710,7 @@ def kv_sensitivity(model: ModelRecord, kv_cache: str) -> tuple[int, dict[str, fl
 def unit_block_proj(layers: list[str]) -> tuple[int | None, str]:
     """(block, projection label) of a sensitivity unit: a fusion group reads "q_proj/k_proj/v_proj", not
     its first member's type; lm_head has no block."""
-    from quantcore.outliers import parse_layer_name
+    from quantcore.evaluation.outliers import parse_layer_name
 
     parsed = [parse_layer_name(x) for x in layers]
     return parsed[0][0], "/".join(dict.fromkeys(p for _, p in parsed))
@@ -1711,8 +1725,8 @@ def sweep_gpu_counts(model: ModelRecord) -> list[tuple[int, bool]]:
 
 
 def gpus_label(tensor_parallel: int, expert_parallel: bool = False) -> str:
-    """"1 GPU", "3 GPUs", "2 GPUs, experts whole" (as :func:`quantcore.plans.gpus_label` says a plan's)."""
-    from quantcore.plans import gpus_label as plan_gpus
+    """"1 GPU", "3 GPUs", "2 GPUs, experts whole" (as :func:`quantcore.planning.plans.gpus_label` says a plan's)."""
+    from quantcore.planning.plans import gpus_label as plan_gpus
 
     return plan_gpus({"tensor_parallel": tensor_parallel, "expert_parallel": expert_parallel})
 
@@ -1740,7 +1754,7 @@ def sensitivity_by_scheme(model: ModelRecord, tensor_parallel: int = 1, expert_p
 
 def target_of_device(device_name: str) -> str | None:
     """The target-table key of a measured device (a GPU of the table), else None (a CPU, an unlisted GPU)."""
-    from quantcore.hardware import match_target
+    from quantcore.kernels.hardware import match_target
 
     return match_target(device_name)
 
@@ -1780,7 +1794,7 @@ def job_what(job: JobRecord, plan_labels: dict[int, str] | None = None) -> str:
     """What a job works on, in a few words, from its parameters: "FP8_DYNAMIC + KV FP8 · 16 × 256",
     "plan my-plan v3", "INT8_W8A8 sweep", "cuda M 1,16". ``plan_labels``: the labels of plans by id, read already
     (:func:`jobs_what`); a removed plan is '#id'."""
-    from quantcore.plans import kv_label
+    from quantcore.planning.plans import kv_label
 
     p = job.params or {}
     parts: list[str] = []
@@ -1835,17 +1849,17 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
     roofline bound at ``m`` on the target's datasheet (``"ideal"``). ``kv_cache``: the plan caches K and V in
     that format; its KL, measured alone (:func:`kv_alone_score`), comes off the budget before the linears
     are chosen and is added to their predicted KL. ``tensor_parallel``: the GPUs the plan is served on; a scheme is
-    not offered to a layer whose share on one GPU vLLM would refuse (quantcore.parallel), and the plan keeps the
+    not offered to a layer whose share on one GPU vLLM would refuse (quantcore.models.parallel), and the plan keeps the
     size (and ``expert_parallel``: an MoE model's experts whole, one GPU each). ``queue_job(kind, params, model_id=,
     plan_id=)`` writes the verifying job (default :func:`submit`; the CLI's --local writes one to run itself).
     Returns (AutoPlanResult, PlanRecord, JobRecord | None)."""
-    from quantcore.autoplan import COST_IDEAL, COST_MEASURED, cost_from_kernel_records
-    from quantcore.autoplan import auto_plan as solve
-    from quantcore.kvcache import get_kv_format
-    from quantcore.parallel import Parallelism
-    from quantcore.plans import spec_from_plan
-    from quantcore.roofline import cost_from_roofline
-    from quantcore.schemes import expert_block
+    from quantcore.evaluation.kvcache import get_kv_format
+    from quantcore.kernels.roofline import cost_from_roofline
+    from quantcore.models.parallel import Parallelism
+    from quantcore.planning.autoplan import COST_IDEAL, COST_MEASURED, cost_from_kernel_records
+    from quantcore.planning.autoplan import auto_plan as solve
+    from quantcore.planning.plans import spec_from_plan
+    from quantcore.schemes.specs import expert_block
 
     sens, unit_layers = sensitivity_map(model, tensor_parallel, expert_parallel)
     if not sens:
@@ -1881,7 +1895,7 @@ def auto_plan(model: ModelRecord, *, kl_budget: float, target: str, m: int = 204
         table = cost_from_roofline(sorted(set(cands) | {"BF16"}), per_gpu, target, m, routed_layers(model))
         source = COST_IDEAL
     if table is not None and parallel.split and parallel.expert_parallel:
-        # each GPU holds 1 / tp of the experts (quantcore.parallel.Parallelism.first_gpu): an expert's time
+        # each GPU holds 1 / tp of the experts (quantcore.models.parallel.Parallelism.first_gpu): an expert's time
         # counts on one GPU's step in that share
         table = {s: {layer: ms / tensor_parallel if expert_block(layer) is not None else ms
                      for layer, ms in times.items()} for s, times in table.items()}

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from quantcore.formats import get_format, list_formats  # noqa: E402
-from quantcore.quantize import fake_quantize, fake_quantize_with_report  # noqa: E402
+from quantcore.formats.catalog import get_format, list_formats  # noqa: E402
+from quantcore.formats.quantize import fake_quantize, fake_quantize_with_report  # noqa: E402
 
 DEFAULT_SIZE = 4096  # the 4096 x 4096 tensor (16.8 M elements)
 GROUP_SIZE = 128  # per-group along K, as W4A16 / FP8_BLOCK activations

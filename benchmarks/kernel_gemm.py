@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantcore import kernels as kn  # noqa: E402
-from quantcore.hardware import device_paths, probe_device  # noqa: E402
-from quantcore.roofline import step_bound  # noqa: E402
+from quantcore.kernels import bench as kn  # noqa: E402
+from quantcore.kernels.hardware import device_paths, probe_device  # noqa: E402
+from quantcore.kernels.roofline import step_bound  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ MODELS: dict[str, ModelShapes] = {
     # 8 KV heads of width 128 (k/v_proj: 4096 -> 1024), 32 decoder layers.
     "llama-3-8b": ModelShapes("Llama-3-8B", 4096, 14336, 1024, 32),
 }
-# the preset each path serves, for its roofline bound (quantcore.roofline) on a GPU of the table
+# the preset each path serves, for its roofline bound (quantcore.kernels.roofline) on a GPU of the table
 PATH_SCHEME = {"baseline": "BF16", "fp8_tensor": "FP8_PER_TENSOR", "fp8_row": "FP8_DYNAMIC", "int8_row": "INT8_W8A8",
                "w8_row": "W8A16", "w4_g128": "W4A16", "w4_g64": "W4A16_G64", "w4_g32": "W4A16_G32",
                "w4_ch": "W4A16_CHANNEL"}

@@ -1,7 +1,7 @@
 """What splitting an MoE model's experts into linears costs a forward pass, side by side in one run.
 
 quantplan splits transformers' fused experts (3-D parameters) into one nn.Linear per expert and projection
-(quantcore/moe.py) so a plan, a calibration and a score can reach them, and runs every expert on every token
+(quantcore/models/moe.py) so a plan, a calibration and a score can reach them, and runs every expert on every token
 in calibration passes (llm-compressor's ``moe_calibrate_all_experts``). This times, on one random Qwen3-MoE
 built from a config (no download), batch by batch and in alternating order:
 
@@ -50,7 +50,7 @@ def timed(fn) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    from quantcore.moe import all_experts, split_experts
+    from quantcore.models.moe import all_experts, split_experts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=32)

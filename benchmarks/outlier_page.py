@@ -31,8 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app import charts  # noqa: E402
-from quantcore import outliers as ol  # noqa: E402
-from quantcore.stats import HIST_BINS, HIST_BINS_PER_OCTAVE, HIST_LOG2_MIN, LayerStats  # noqa: E402
+from quantcore.evaluation import outliers as ol  # noqa: E402
+from quantcore.evaluation.stats import HIST_BINS, HIST_BINS_PER_OCTAVE, HIST_LOG2_MIN, LayerStats  # noqa: E402
 
 TARGET_S = 2.0  # issue 6: every chart of the page in under 2 s
 N_BLOCKS = 30  # SmolLM2-135M

@@ -8,8 +8,8 @@ are kept now, each timed here side by side with the recomputation it replaces, i
 
 - ``app.services.resolve``: the last few resolved plans, keyed by model and plan body (twelve asks: one resolve
   and eleven copies), against twelve full resolves;
-- ``quantcore.schemes.fusion_groups``: the groups of a model's layer names, against grouping them again;
-- ``quantcore.roofline.step_bound``: one bound per distinct (scheme, N, K, routing), against one per layer; the two
+- ``quantcore.schemes.specs.fusion_groups``: the groups of a model's layer names, against grouping them again;
+- ``quantcore.kernels.roofline.step_bound``: one bound per distinct (scheme, N, K, routing), against one per layer; the two
   step times must agree exactly, or the script exits 1.
 
     .venv/bin/python benchmarks/plans_page.py [--repeat 5] [--model qwen3-30b-a3b|smollm2-135m]
@@ -30,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app import services as svc  # noqa: E402
-from quantcore import roofline, schemes  # noqa: E402
+from quantcore.kernels import roofline  # noqa: E402
+from quantcore.schemes import specs as schemes  # noqa: E402
 from store.records import ModelRecord  # noqa: E402
 
 RESOLVES_PER_RENDER = 12  # counted on the Plans page (app/views/plans.py) by wrapping every service

@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from quantcore.awq import awq_search
-    from quantcore.gptq import collect_hessians, gptq_quantize
-    from quantcore.schemes import get_scheme
+    from quantcore.algorithms.awq import awq_search
+    from quantcore.algorithms.gptq import collect_hessians, gptq_quantize
+    from quantcore.schemes.specs import get_scheme
 
     model, tokenizer, what = bench_model(args.device)
     ids, source = bench_tokens(tokenizer, model.config.vocab_size, args.seqs, args.seq_len)

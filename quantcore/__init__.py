@@ -2,7 +2,7 @@
 
 Importing ``quantcore`` itself is cheap and never imports torch: the public
 functions are resolved lazily (PEP 562), so torch-free modules such as
-``quantcore.formats``, ``quantcore.schemes`` and ``quantcore.stats`` can be used by
+``quantcore.formats.catalog``, ``quantcore.schemes.specs`` and ``quantcore.evaluation.stats`` can be used by
 the Streamlit app, which must not import torch.
 """
 
@@ -12,39 +12,39 @@ import importlib
 
 # public name -> module that defines it
 _LAZY = {
-    "list_formats": "quantcore.formats",
-    "get_format": "quantcore.formats",
-    "Format": "quantcore.formats",
-    "list_schemes": "quantcore.schemes",
-    "get_scheme": "quantcore.schemes",
-    "Scheme": "quantcore.schemes",
-    "TensorSpec": "quantcore.schemes",
-    "representable_values": "quantcore.formats",
-    "Granularity": "quantcore.schemes",
-    "fusion_groups": "quantcore.schemes",
-    "fusion_group_of": "quantcore.schemes",
-    "fake_quantize": "quantcore.quantize",
-    "fake_quantize_with_report": "quantcore.quantize",
-    "quantize": "quantcore.quantize",
-    "dequantize": "quantcore.quantize",
-    "QuantizedTensor": "quantcore.quantize",
-    "QuantReport": "quantcore.quantize",
-    "compute_amax": "quantcore.quantize",
-    "scale_from_amax": "quantcore.quantize",
-    "delayed_scale": "quantcore.quantize",
-    "AmaxHistory": "quantcore.quantize",
-    "sqnr_db": "quantcore.quantize",
-    "fake_quantize_with_counts": "quantcore.quantize",
-    "gptq_quantize": "quantcore.gptq",
-    "collect_hessians": "quantcore.gptq",
-    "smoothing_factors": "quantcore.smoothquant",
-    "smooth_model": "quantcore.smoothquant",
-    "SmoothingHandle": "quantcore.smoothquant",
-    "apply_plan": "quantcore.apply",
-    "quantized_model": "quantcore.apply",
-    "AppliedPlan": "quantcore.apply",
-    "LayerQuantStats": "quantcore.apply",
-    "LayerStats": "quantcore.stats",
+    "list_formats": "quantcore.formats.catalog",
+    "get_format": "quantcore.formats.catalog",
+    "Format": "quantcore.formats.catalog",
+    "list_schemes": "quantcore.schemes.specs",
+    "get_scheme": "quantcore.schemes.specs",
+    "Scheme": "quantcore.schemes.specs",
+    "TensorSpec": "quantcore.schemes.specs",
+    "representable_values": "quantcore.formats.catalog",
+    "Granularity": "quantcore.schemes.specs",
+    "fusion_groups": "quantcore.schemes.specs",
+    "fusion_group_of": "quantcore.schemes.specs",
+    "fake_quantize": "quantcore.formats.quantize",
+    "fake_quantize_with_report": "quantcore.formats.quantize",
+    "quantize": "quantcore.formats.quantize",
+    "dequantize": "quantcore.formats.quantize",
+    "QuantizedTensor": "quantcore.formats.quantize",
+    "QuantReport": "quantcore.formats.quantize",
+    "compute_amax": "quantcore.formats.quantize",
+    "scale_from_amax": "quantcore.formats.quantize",
+    "delayed_scale": "quantcore.formats.quantize",
+    "AmaxHistory": "quantcore.formats.quantize",
+    "sqnr_db": "quantcore.formats.quantize",
+    "fake_quantize_with_counts": "quantcore.formats.quantize",
+    "gptq_quantize": "quantcore.algorithms.gptq",
+    "collect_hessians": "quantcore.algorithms.gptq",
+    "smoothing_factors": "quantcore.algorithms.smoothquant",
+    "smooth_model": "quantcore.algorithms.smoothquant",
+    "SmoothingHandle": "quantcore.algorithms.smoothquant",
+    "apply_plan": "quantcore.algorithms.apply",
+    "quantized_model": "quantcore.algorithms.apply",
+    "AppliedPlan": "quantcore.algorithms.apply",
+    "LayerQuantStats": "quantcore.algorithms.apply",
+    "LayerStats": "quantcore.evaluation.stats",
 }
 
 __all__ = sorted(_LAZY)

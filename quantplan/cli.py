@@ -307,7 +307,7 @@ def cmd_calibrate(args) -> int:
 def _kv_lines(kv_amax: dict) -> list[str]:
     """What a calibration says of the KV cache, for people: the largest |K|, |V| and |Q| against what E4M3 holds at
     scale 1.0, and how far the KV heads of one layer differ (what per-head scales would change)."""
-    from quantcore.kvcache import kv_head_spread
+    from quantcore.evaluation.kvcache import kv_head_spread
 
     largest = {t: max(kv_amax[t].items(), key=lambda item: item[1]) for t in ("k", "v", "q") if kv_amax.get(t)}
     if not largest:
@@ -473,7 +473,7 @@ def add_ideal_options(sp, what: str) -> None:
 def scheme_arg(name: str) -> str:
     """A preset scheme name, checked before any job is made: an unknown one is a CliError listing the valid names
     (and the right case, where only that was wrong)."""
-    from quantcore.schemes import get_scheme
+    from quantcore.schemes.specs import get_scheme
 
     try:
         return get_scheme(name).name
@@ -482,9 +482,9 @@ def scheme_arg(name: str) -> str:
 
 
 def kv_format_arg(name: str | None) -> str:
-    """A KV cache format name as quantcore.kvcache spells it (None is AUTO), or a CliError naming the known ones."""
+    """A KV cache format name as quantcore.evaluation.kvcache spells it (None is AUTO), or a CliError naming the known ones."""
     from quantcore.errors import PlanError
-    from quantcore.kvcache import get_kv_format
+    from quantcore.evaluation.kvcache import get_kv_format
 
     try:
         return get_kv_format(name).name
@@ -494,7 +494,7 @@ def kv_format_arg(name: str | None) -> str:
 
 def check_target(target: str | None) -> None:
     """A GPU key of the target table, or a CliError naming the valid ones."""
-    from quantcore.hardware import TARGETS
+    from quantcore.kernels.hardware import TARGETS
 
     if target is not None and target not in TARGETS:
         raise CliError(f"unknown GPU target {target!r}; choose one of: {', '.join(TARGETS)}")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from quantcore.errors import name_list
-from quantcore.kvcache import KV_FORMATS
+from quantcore.evaluation.kvcache import KV_FORMATS
 from quantplan.cli import (
     CliError,
     _checked_settings,
@@ -29,7 +29,7 @@ from quantplan.cli import (
 
 
 def _plan_param(path: str) -> dict[str, Any]:
-    from quantcore.plans import load_plan_file
+    from quantcore.planning.plans import load_plan_file
 
     p = Path(path)
     if not p.exists():
@@ -68,7 +68,7 @@ def cmd_score(args) -> int:
         base["kv_cache"] = kv_format_arg(args.kv_cache)
     base.update(_gpus_param(args, model))
     if args.all_presets:
-        from quantcore.schemes import list_schemes
+        from quantcore.schemes.specs import list_schemes
 
         rows = []
         for name in list_schemes():
@@ -130,7 +130,7 @@ def _gpus_param(args, model) -> dict[str, Any]:
             raise CliError("--expert-parallel needs --tp GPUS (more than one GPU to share the experts among)")
         return {}
     from app import services as svc
-    from quantcore.parallel import parse_tp
+    from quantcore.models.parallel import parse_tp
 
     tp = parse_tp(args.tensor_parallel)
     if refusals := svc.split_refusals(model, tp, args.expert_parallel):
@@ -210,7 +210,7 @@ def cmd_bench(args) -> int:
     _checked_settings()
     model = _model(args.model) if args.model else None
     if args.m is not None:
-        from quantcore.kernels import parse_ms
+        from quantcore.kernels.bench import parse_ms
 
         try:
             ms = parse_ms(args.m)
@@ -220,14 +220,14 @@ def cmd_bench(args) -> int:
         ms = None
     params: dict[str, Any] = {"device": args.device, "m": ms, "budget_s": args.budget, "force": args.force}
     if args.paths:
-        from quantcore.kernels import check_paths
+        from quantcore.kernels.bench import check_paths
 
         try:
             params["paths"] = check_paths(comma_items(args.paths))
         except ValueError as exc:
             raise CliError(f"--paths: {exc}") from exc
     if args.tensor_parallel:
-        from quantcore.parallel import parse_tp
+        from quantcore.models.parallel import parse_tp
 
         if not model:
             raise CliError("--tp needs a MODEL: its layers say how they split over the GPUs")
@@ -242,13 +242,13 @@ def cmd_bench(args) -> int:
     else:
         print(f"job #{job.id} on {job.device}: {len(records)} records "
               f"({job.result.get('measured', 0)} measured now, {job.result.get('reused', 0)} reused)")
-        from quantcore.hardware import PathSupport, describe_probe
+        from quantcore.kernels.hardware import PathSupport, describe_probe
 
         if device := job.result.get("device"):
             print(describe_probe(device))
         for sup in (PathSupport(**p) for p in job.result.get("paths") or []):
             print(f"  {sup.path:11s} {sup.status:22s} {sup.why}")
-        from quantcore.kernels import KernelRecord, format_records
+        from quantcore.kernels.bench import KernelRecord, format_records
 
         if records:
             print(format_records(KernelRecord.from_dict(r) for r in records))
@@ -426,8 +426,8 @@ def add_commands(sub) -> None:
 
 
 def cmd_schemes(args) -> int:
-    from quantcore.kvcache import KV_FORMATS
-    from quantcore.schemes import get_scheme, list_schemes
+    from quantcore.evaluation.kvcache import KV_FORMATS
+    from quantcore.schemes.specs import get_scheme, list_schemes
 
     for name in list_schemes():
         print(f"{name:20s} {get_scheme(name).describe()}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from quantcore.kvcache import KV_FORMATS
+from quantcore.evaluation.kvcache import KV_FORMATS
 from quantplan.cli import (
     CliError,
     _checked_settings,
@@ -23,7 +23,7 @@ from quantplan.cli import (
 def _stored_or_file(ref: str, model_ref: str | None):
     """(model, plan body, label) from a stored plan id/name or a plan YAML file."""
     from app import services as svc
-    from quantcore.plans import load_plan_file
+    from quantcore.planning.plans import load_plan_file
     from store.repo import NotFound
 
     path = Path(ref)
@@ -42,7 +42,7 @@ def _stored_or_file(ref: str, model_ref: str | None):
 
 def cmd_plan_show(args) -> int:
     from app import services as svc
-    from quantcore.plans import kv_label
+    from quantcore.planning.plans import kv_label
 
     _checked_settings()
     model, body, label = _stored_or_file(args.plan, args.model)
@@ -132,7 +132,7 @@ def cmd_plan_show(args) -> int:
 
 def _with_tp(body: dict, tp: int | None, ep: bool = False) -> dict:
     """The plan body at --tensor-parallel ``tp`` (the plan's own size when None), with --expert-parallel."""
-    from quantcore.parallel import parse_tp
+    from quantcore.models.parallel import parse_tp
 
     if tp is not None:
         tp = parse_tp(tp)
@@ -214,7 +214,7 @@ def cmd_plan_kv_skip(args) -> int:
 
 def cmd_plan_auto(args) -> int:
     from app import services as svc
-    from quantcore.parallel import parse_tp
+    from quantcore.models.parallel import parse_tp
 
     s = _checked_settings()
     model = _model(args.model)

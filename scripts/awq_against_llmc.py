@@ -9,7 +9,7 @@
    (its AWQModifier, then its QuantizationModifier); the fake-quantized linear weights and every norm weight (AWQ
    folds 1/s into them) are saved.
 3. Here: KL against the unquantized model on the evaluation text (lee.cor) of (a) quantcore's emulation of the plan
-   (quantcore.awq's search, then rounding to nearest), (b) the plan without AWQ (round to nearest) and (c)
+   (quantcore.algorithms.awq's search, then rounding to nearest), (b) the plan without AWQ (round to nearest) and (c)
    llm-compressor's weights loaded into the model. Also: how far apart the two searches' scales are. Prints one
    table; takes a few minutes on 2 CPU cores.
 
@@ -77,12 +77,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from safetensors.torch import load_file
 
-    from quantcore.awq import awq_search
-    from quantcore.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
-    from quantcore.export import to_llmcompressor_recipe
-    from quantcore.schemes import get_scheme
-    from quantcore.scoring import compute_reference, score_plan
-    from quantcore.text import default_calibration_text, default_eval_text, load_documents, token_batches
+    from quantcore.algorithms.awq import awq_search
+    from quantcore.evaluation.scoring import compute_reference, score_plan
+    from quantcore.evaluation.text import (
+        default_calibration_text,
+        default_eval_text,
+        load_documents,
+        token_batches,
+    )
+    from quantcore.export.targets import to_llmcompressor_recipe
+    from quantcore.models.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
+    from quantcore.schemes.specs import get_scheme
 
     scheme, rest = get_scheme(args.scheme), get_scheme(args.rest)
     if not scheme.awq:

@@ -77,7 +77,7 @@ def sequential_hessians(model, plan, cal, rounded: dict | None = None) -> tuple[
     """(Hessians, rounded weights) of ``plan``'s GPTQ layers (all inside decoder blocks ``*.layers.N``), block by
     block: block N's from a forward that stops after it, with the GPTQ layers of the blocks before it already
     rounded: by quantcore's GPTQ, or to the weights ``rounded`` gives (llm-compressor's)."""
-    from quantcore.gptq import collect_hessians, gptq_quantize
+    from quantcore.algorithms.gptq import collect_hessians, gptq_quantize
 
     modules = dict(model.named_modules())
     layers = [n for n, s in plan.items() if s.gptq]
@@ -115,12 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval", type=shape, default=(16, 256), help="evaluation sequences x tokens (default 16x256)")
     args = ap.parse_args(argv)
 
-    from quantcore.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
-    from quantcore.export import to_llmcompressor_recipe
-    from quantcore.gptq import collect_hessians
-    from quantcore.schemes import get_scheme, list_schemes
-    from quantcore.scoring import compute_reference, score_plan
-    from quantcore.text import default_calibration_text, default_eval_text, load_documents, token_batches
+    from quantcore.algorithms.gptq import collect_hessians
+    from quantcore.evaluation.scoring import compute_reference, score_plan
+    from quantcore.evaluation.text import (
+        default_calibration_text,
+        default_eval_text,
+        load_documents,
+        token_batches,
+    )
+    from quantcore.export.targets import to_llmcompressor_recipe
+    from quantcore.models.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
+    from quantcore.schemes.specs import get_scheme, list_schemes
 
     work = Path(tempfile.mkdtemp(prefix="gptq-vs-llmc-"))
     _, folder, _ = register_checkpoint(demo_gguf_path(), work / "models", max_bytes=2 * 1024**3,

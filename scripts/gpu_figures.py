@@ -58,7 +58,7 @@ def _pytest_summary(out: Path) -> str:
 
 
 def _baseline_dtype(path: Path) -> str:
-    """The baseline GEMM's dtype of a run (quantcore.kernels: bf16 on CUDA, fp32 on a CPU dry run)."""
+    """The baseline GEMM's dtype of a run (quantcore.kernels.bench: bf16 on CUDA, fp32 on a CPU dry run)."""
     if not path.is_file():
         return "the baseline"
     return "bf16" if json.loads(path.read_text())["device"]["kind"] == "cuda" else "fp32"

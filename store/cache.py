@@ -5,8 +5,8 @@ Nothing here is a result. Each file is a pure function of what its name's key ha
 ``Settings.model_reference_dir(<model sha256>)``::
 
     <eval key>.safetensors        reference log-probs of the unquantized model on one evaluation text
-                                  (quantcore.scoring.reference_cache_path)
-    awq-<key>.safetensors         AWQ's searched input scales (quantcore.awq.save_awq)
+                                  (quantcore.evaluation.scoring.reference_cache_path)
+    awq-<key>.safetensors         AWQ's searched input scales (quantcore.algorithms.awq.save_awq)
     kv-<key>.json                 the K/V maxima calibrated KV cache scales come from
     gptq/<key>.safetensors        one layer's GPTQ-rounded weight
 

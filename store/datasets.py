@@ -18,7 +18,7 @@ def add_text_file(path: Path, *, role: str, name: str | None = None,
                   settings: Settings | None = None) -> DatasetRecord:
     """Validate a .txt / .jsonl file (it must yield documents), copy it under data_dir/<sha256><suffix>
     and register it. Raises ValueError with the reason when the file is unusable."""
-    from quantcore.text import load_documents  # torch-free
+    from quantcore.evaluation.text import load_documents  # torch-free
 
     s = settings or get_settings()
     path = Path(path)

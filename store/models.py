@@ -118,7 +118,7 @@ class Plan(Base):
     name: Mapped[str] = mapped_column(String(200))
     version: Mapped[int] = mapped_column(Integer)
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("plans.id"), nullable=True)
-    body: Mapped[dict[str, Any]] = mapped_column(JSON)  # quantcore.plans.PlanSpec.to_dict()
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)  # quantcore.planning.plans.PlanSpec.to_dict()
     note: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
     created_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
@@ -249,7 +249,7 @@ class KernelResult(Base):
     padded_k: Mapped[int | None] = mapped_column(Integer, nullable=True)
     padded_n: Mapped[int | None] = mapped_column(Integer, nullable=True)
     skipped: Mapped[str | None] = mapped_column(Text, nullable=True)
-    timing: Mapped[str | None] = mapped_column(String(40), nullable=True)  # quantcore.kernels.TIMING; None: older
+    timing: Mapped[str | None] = mapped_column(String(40), nullable=True)  # quantcore.kernels.bench.TIMING; None: older
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
     __table_args__ = (
         Index("ix_kernel_results_lookup", "device_name", "torch_version", "m", "n", "k", "path"),

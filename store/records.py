@@ -46,7 +46,7 @@ class ModelRecord:
     @property
     def moe(self) -> dict[str, Any] | None:
         """{"experts", "top_k", "blocks"} of a mixture-of-experts model whose routed experts intake split into
-        linears (quantcore.moe); None for a dense model or a summary from before this was kept."""
+        linears (quantcore.models.moe); None for a dense model or a summary from before this was kept."""
         return self.summary.get("moe")
 
     @property
@@ -69,7 +69,7 @@ class ModelRecord:
 
     @property
     def attention_heads(self) -> dict[str, int] | None:
-        """{"heads", "kv_heads", "head_dim"} from the intake summary (quantcore.parallel.AttentionHeads); None when
+        """{"heads", "kv_heads", "head_dim"} from the intake summary (quantcore.models.parallel.AttentionHeads); None when
         the config does not say or the summary predates this field."""
         return self.summary.get("attention_heads")
 
@@ -190,7 +190,7 @@ class ScoreRecord:
 
     @property
     def kv_cache(self) -> str:
-        """The KV cache format the plan was scored with (quantcore.kvcache; AUTO: not quantized)."""
+        """The KV cache format the plan was scored with (quantcore.evaluation.kvcache; AUTO: not quantized)."""
         return str(self.plan_body.get("kv_cache") or "AUTO")
 
     @property
@@ -238,7 +238,7 @@ class KernelRecordRow:
     padded_k: int | None
     padded_n: int | None
     skipped: str | None
-    timing: str | None = None  # quantcore.kernels.TIMING of the run; None: recorded before it was
+    timing: str | None = None  # quantcore.kernels.bench.TIMING of the run; None: recorded before it was
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import numpy as np
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from quantcore.kernels import SKIP_NOT_SUPPORTED, SKIP_OVER_BUDGET
-from quantcore.stats import LayerStats
+from quantcore.evaluation.stats import LayerStats
+from quantcore.kernels.bench import SKIP_NOT_SUPPORTED, SKIP_OVER_BUDGET
 from store import models as m
 from store.records import (
     DatasetRecord,
@@ -646,7 +646,7 @@ def newest_kernel_results(session: Session, *, device_name: str, torch_version: 
         newest.setdefault(case, r)
     untimed = {case: r for case, r in over_budget.items() if case not in newest}
     if usable_only and budget_s is not None and untimed:
-        from quantcore.kernels import cases_per_shape as cases_of
+        from quantcore.kernels.bench import cases_per_shape as cases_of
 
         def share(budget: float, params: dict[str, Any]) -> float:  # of one case, or of the shape when not asked
             return budget if cases_per_shape is None else budget / cases_of(params.get("m"), params.get("paths"))
@@ -666,7 +666,7 @@ def kernel_devices(session: Session) -> list[tuple[str, str, str]]:
 
 def device_probe(session: Session, device_name: str, *, scan: int = 500) -> dict[str, Any] | None:
     """What the newest succeeded benchmark on ``device_name`` found its device to be: ``{"device": the probe
-    (quantcore.hardware.DeviceInfo.to_dict), "paths": [PathSupport.to_dict, ...] or None (a job from before
+    (quantcore.kernels.hardware.DeviceInfo.to_dict), "paths": [PathSupport.to_dict, ...] or None (a job from before
     quantplan stored them), "job_id": ...}``; None when no benchmark of the newest ``scan`` said which device."""
     q = (select(m.Job.id, m.Job.result).where(m.Job.kind == "bench", m.Job.status == "succeeded")
          .order_by(m.Job.id.desc()).limit(scan))

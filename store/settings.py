@@ -120,12 +120,12 @@ class Settings(BaseSettings):
 
     @property
     def reference_root(self) -> Path:
-        """Cache root of the reference log-probs; quantcore.scoring.reference_cache_path lays them out
+        """Cache root of the reference log-probs; quantcore.evaluation.scoring.reference_cache_path lays them out
         under it as ``reference/<model sha256>/<eval key>.safetensors``."""
         return Path(str(self.artifact_dir)) / "reference"
 
     def model_reference_dir(self, sha256: str) -> Path:
-        """Every cached reference of one model (the layout of quantcore.scoring.reference_cache_path)."""
+        """Every cached reference of one model (the layout of quantcore.evaluation.scoring.reference_cache_path)."""
         return self.reference_root / "reference" / sha256
 
     @property

@@ -59,8 +59,8 @@ def test_kernel_gemm_sets_each_step_against_the_roofline_of_a_gpu_of_the_table(m
     import dataclasses
     import re
 
-    from quantcore.hardware import probe_device
-    from quantcore.roofline import step_bound
+    from quantcore.kernels.hardware import probe_device
+    from quantcore.kernels.roofline import step_bound
 
     kg = _load("kernel_gemm")
     monkeypatch.setattr(kg, "probe_device", lambda device: dataclasses.replace(probe_device("cpu"), target_key="h100"))

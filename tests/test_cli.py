@@ -276,7 +276,7 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     ideal = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--cost", "ideal",
                      "--m", "1", "--no-verify", "--json")
     from app import services as svc
-    from quantcore.roofline import step_bound
+    from quantcore.kernels.roofline import step_bound
 
     shapes = svc.layer_shapes(svc.get_model("tiny"))
     assert ideal["cost_unit"] == "ms" and any("roofline" in n and "M=1" in n for n in ideal["notes"])
@@ -458,7 +458,7 @@ def check_scores_command(capsys, bench_records: list[dict]) -> None:
 
     ideal = run_json(capsys, "scores", "tiny", "--target", "h100", "--batch", "4", "--prompt", "512", "--json")
     assert (ideal["target"], ideal["ideal_m_decode"], ideal["ideal_m_prefill"]) == ("h100", 4, 512)
-    from quantcore.roofline import step_bound
+    from quantcore.kernels.roofline import step_bound
 
     for row in ideal["plans"]:  # the roofline of each plan's own layers, uniform plans here
         plan = {name: row["plan"] for name in svc.layer_shapes(model)}
@@ -699,7 +699,7 @@ def test_a_stored_timing_timed_another_way_is_measured_again(tiny_model, capsys)
     the next time the device is asked, and stay in the history; the new ones say how they were timed."""
     from sqlalchemy import update
 
-    from quantcore.kernels import TIMING
+    from quantcore.kernels.bench import TIMING
     from store import models as m
     from store.db import session_scope
 
@@ -722,8 +722,7 @@ def test_models_remove_deletes_the_model_its_results_and_its_files(tiny_model, c
     from pathlib import Path
 
     from app import services as svc
-    from quantcore import scoring
-
+    from quantcore.evaluation import scoring
     run_json(capsys, "score", "tiny", "--scheme", "FP8_DYNAMIC", "--local", "--samples", "1", "--seq-len", "16",
              "--json")
     model = svc.get_model("tiny")
@@ -1000,7 +999,7 @@ def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys,
     code, _, err = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args, "--cal-samples", "0")
     assert code != 0 and "--cal-samples must be at least 1" in err
     # with a calibrated KV cache too: both calibrate on the same text, GPTQ rounding each layer once for the job
-    import quantcore.apply as apply_mod
+    import quantcore.algorithms.apply as apply_mod
 
     rounded: list[int] = []
     real = apply_mod.gptq_quantize
@@ -1150,7 +1149,7 @@ def test_a_smoothquant_sweep_leaves_out_the_layers_no_recipe_can_smooth(tiny_mod
 
 def test_a_smoothquant_sweep_of_a_model_with_no_smoothable_layer_is_refused_clearly() -> None:
     from quantcore.errors import PlanError
-    from quantcore.schemes import get_scheme
+    from quantcore.schemes.specs import get_scheme
     from worker.scoring_bodies import _sweepable
 
     names = ["encoder.layer.0.attention.self.query", "encoder.layer.0.output.dense"]
@@ -1253,7 +1252,7 @@ def test_a_mixture_of_experts_model_is_planned_expert_by_expert(qp_settings, cap
     token): every expert linear is listed, calibrated, scored with static scales and GPTQ, swept as one unit per
     block, costed by its share of a step and exported under llm-compressor's names."""
     from app import services as svc
-    from quantcore.routing import Routing
+    from quantcore.models.routing import Routing
     from tests.quantcore.test_moe import save_tiny_moe
 
     folder = save_tiny_moe(tmp_path / "moe", num_experts=16, num_experts_per_tok=1)
@@ -1282,7 +1281,7 @@ def test_a_mixture_of_experts_model_is_planned_expert_by_expert(qp_settings, cap
     sweep = run_json(capsys, "sensitivity", "moe", "--scheme", "FP8_DYNAMIC", *args)
     assert len(sweep["layers"]) == 2 * 3 + 1  # per block q/k/v, o_proj and all its experts as one unit; lm_head
 
-    from quantcore.roofline import step_bound
+    from quantcore.kernels.roofline import step_bound
 
     body = {"default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}]}
     routed = svc.routed_layers(model)
@@ -1370,7 +1369,7 @@ def test_a_benchmark_split_over_gpus_times_each_gpus_share(tiny_model, capsys, t
     """bench --tp 2 times the tiny Llama's layers as each of 2 GPUs runs them (q_proj 32 of its 64 outputs, k_proj
     one of its 2 heads of 16, down_proj 64 of its 128 inputs); a plan for 2 GPUs then has a measured step."""
     from app import services as svc
-    from quantcore.kernels import distinct_shapes
+    from quantcore.kernels.bench import distinct_shapes
 
     model = svc.get_model("tiny")
     records = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--tp", "2", "--json")
@@ -1596,7 +1595,7 @@ def test_a_nameless_plan_files_score_is_labelled_by_the_file_not_as_its_default_
 def test_a_nameless_plan_of_rules_is_not_labelled_as_its_default_preset() -> None:
     from types import SimpleNamespace
 
-    from quantcore.plans import PlanSpec, Rule
+    from quantcore.planning.plans import PlanSpec, Rule
     from worker.scoring_bodies import base_label
 
     spec = PlanSpec(default="FP8_DYNAMIC", rules=[Rule(match="mlp", scheme="INT8_W8A8")])

@@ -1,10 +1,10 @@
 """Kernel benchmark job body: time the real GEMMs of the model's linear shapes on this worker's device (with
-``tensor_parallel`` > 1, each GPU's share of every layer: quantcore.parallel).
+``tensor_parallel`` > 1, each GPU's share of every layer: quantcore.models.parallel).
 
 Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same
 device again measures only what is missing (unless params['force']), what failed, what was skipped for time under
 a smaller budget per case (per shape, over its M values x paths) than asked now, what was stored with a native flag
-that the device's probe no longer gives, or what was timed another way (quantcore.kernels.TIMING).
+that the device's probe no longer gives, or what was timed another way (quantcore.kernels.bench.TIMING).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ DEFAULT_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))
 
 
 def bench(ctx: JobContext) -> Outcome:
-    from quantcore import hardware, kernels
-    from quantcore.routing import bench_ms, routed_layers
+    from quantcore.kernels import bench as kernels
+    from quantcore.kernels import hardware
+    from quantcore.models.routing import bench_ms, routed_layers
 
     p = ctx.params
     device = resolve_device(p.get("device"))
@@ -34,7 +35,7 @@ def bench(ctx: JobContext) -> Outcome:
     if ctx.model_id is not None:
         from pathlib import Path
 
-        from quantcore.parallel import Parallelism, stored_heads
+        from quantcore.models.parallel import Parallelism, stored_heads
 
         rec = _model_record(ctx)
         # split over tp GPUs, each runs its share of every layer: those are the GEMMs to time
@@ -42,7 +43,7 @@ def bench(ctx: JobContext) -> Outcome:
         par = Parallelism(tp, heads, bool(p.get("expert_parallel")))
         shapes = kernels.bench_shapes({lin["name"]: (lin["out_features"], lin["in_features"]) for lin in rec.linears},
                                       par)
-        # an MoE model's experts run on a share of each step's tokens: time that M too (quantcore.routing)
+        # an MoE model's experts run on a share of each step's tokens: time that M too (quantcore.models.routing)
         ms = bench_ms(ms, routed_layers([lin["name"] for lin in rec.linears], rec.moe))
     elif tp > 1:
         raise ValueError("a benchmark split over several GPUs needs a model: its layers say how they split")

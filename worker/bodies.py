@@ -40,7 +40,7 @@ def resolve_device(name: str | None) -> str:
 
 def load_model(ctx: JobContext, model_rec, device: str):
     """The job's model (kept loaded between jobs of the same worker: one model at a time)."""
-    from quantcore.checkpoint import load_model as qc_load
+    from quantcore.models.checkpoint import load_model as qc_load
 
     key = (model_rec.sha256, device)
     if key not in _MODEL_CACHE:
@@ -59,14 +59,14 @@ def _complete_summary(ctx: JobContext, model_rec, model) -> None:
     summary = model_rec.summary or {}
     fields: dict[str, Any] = {}
     if "attention_windows" not in summary:
-        from quantcore.checkpoint import attention_windows
+        from quantcore.models.checkpoint import attention_windows
 
         fields["attention_windows"] = attention_windows(model)
     if "moe" not in summary:
         from dataclasses import asdict
 
-        from quantcore.checkpoint import linear_infos
-        from quantcore.moe import moe_summary, unsplit_experts
+        from quantcore.models.checkpoint import linear_infos
+        from quantcore.models.moe import moe_summary, unsplit_experts
 
         fields.update(moe=moe_summary(model, model.config), unsplit_experts=unsplit_experts(model))
         if fields["moe"] is not None:
@@ -78,8 +78,7 @@ def _complete_summary(ctx: JobContext, model_rec, model) -> None:
 
 def text_path(ctx: JobContext, role: str, dataset_param: str = "dataset") -> tuple[Path, str]:
     """The text a job reads: an uploaded dataset (params[dataset_param]) or the built-in default for the role."""
-    from quantcore import text
-
+    from quantcore.evaluation import text
     ref = ctx.params.get(dataset_param)
     if ref is None:
         path = text.default_calibration_text() if role == "calibration" else text.default_eval_text()
@@ -94,8 +93,7 @@ def text_path(ctx: JobContext, role: str, dataset_param: str = "dataset") -> tup
 
 def token_ids(ctx: JobContext, tokenizer, role: str, *, samples: int, seq_len: int,
               dataset_param: str = "dataset"):
-    from quantcore import text
-
+    from quantcore.evaluation import text
     path, label = text_path(ctx, role, dataset_param)
     docs = text.load_documents(path)
     return text.token_batches(tokenizer, docs, n_samples=samples, seq_len=seq_len), label
@@ -111,8 +109,7 @@ def _model_record(ctx: JobContext):
 
 def register(ctx: JobContext) -> Outcome:
     """Validate, store (content-addressed) and summarise a checkpoint; then the model row is written."""
-    from quantcore import checkpoint
-
+    from quantcore.models import checkpoint
     p = ctx.params
     demo = bool(p.get("demo"))
     staging = Path(p["cleanup_dir"]) if p.get("cleanup_dir") else None
@@ -161,7 +158,7 @@ DEFAULT_CAL_SEQ_LEN = 256
 
 
 def calibrate(ctx: JobContext) -> Outcome:
-    from quantcore.calibrate import calibrate as run_calibration
+    from quantcore.evaluation.calibrate import calibrate as run_calibration
 
     rec = _model_record(ctx)
     device = resolve_device(ctx.params.get("device"))
@@ -193,10 +190,10 @@ def calibrate(ctx: JobContext) -> Outcome:
 
 def _with_kv_amax(model, run):
     """(run(), per attention layer max |K| and |V| as cached or None, why not): the K/V maxima come from the
-    same forwards (quantcore.kvcache.kv_amax_observed); a model whose attention cannot be observed is
+    same forwards (quantcore.evaluation.kvcache.kv_amax_observed); a model whose attention cannot be observed is
     calibrated all the same, and the note says why it has no K/V maxima."""
     from quantcore.errors import PlanError
-    from quantcore.kvcache import attention_modules, kv_amax_observed
+    from quantcore.evaluation.kvcache import attention_modules, kv_amax_observed
 
     if not attention_modules(model):
         return run(), None, "no attention module with k_proj and v_proj"

@@ -28,7 +28,7 @@ LIVE_WITHIN_S = 3 * WORKER_HEARTBEAT_S  # a worker seen this recently counts as 
 def describe_device(queues: Sequence[str]) -> tuple[str, str, str, str | None]:
     """(device, device_name, device_class, torch_version) of this process: its GPU when it consumes a
     gpu queue and has one, else its CPU."""
-    from quantcore.hardware import probe_device
+    from quantcore.kernels.hardware import probe_device
 
     info = None
     if any(q == "gpu" or q.startswith("gpu.") for q in queues):

@@ -255,7 +255,7 @@ def sweep_leftovers(settings: Settings | None = None, *, now: float | None = Non
       when it ends, but a job cancelled before it ran, or a lost message, leaves it. Removed
       when no queued or running job names it and it is older than UPLOAD_IDLE_S.
     """
-    from quantcore.checkpoint import STAGING_PREFIX
+    from quantcore.models.checkpoint import STAGING_PREFIX
 
     settings = settings or get_settings()
     now = time.time() if now is None else now

@@ -29,7 +29,7 @@ TOKEN_DEFAULTS = {"samples": DEFAULT_EVAL_SAMPLES, "seq_len": DEFAULT_EVAL_SEQ_L
 def plan_spec(ctx: JobContext, layer_names: list[str]):
     """The job's plan: params['plan'] (a PlanSpec dict), params['scheme'] (one preset for all layers),
     or the stored plan the job points at (plan_id)."""
-    from quantcore.plans import PlanSpec, plan_from_scheme
+    from quantcore.planning.plans import PlanSpec, plan_from_scheme
 
     p = ctx.params
     if p.get("plan"):
@@ -93,8 +93,7 @@ def _software() -> dict[str, str]:
 
 def reference_for(ctx: JobContext, model_rec, model, ids, eval_label: str):
     """Reference log-probs of the unquantized model on these tokens, cached in the artifact store."""
-    from quantcore import scoring
-
+    from quantcore.evaluation import scoring
     ctx.cache_used = True  # the job's end keeps the cache under its limit (worker.runner.trim_cache)
     key = _cache_key(text=eval_label, shape=list(ids.shape), ids=ids, **_software())
     path = scoring.reference_cache_path(ctx.settings.reference_root, model_rec.sha256, key)
@@ -160,7 +159,7 @@ def _calibration_ids(ctx: JobContext, tok, device, needed: bool = True):
 def _hessians(ctx: JobContext, model, plan, cal_ids, text, rounded=()) -> dict[str, Any] | None:
     """GPTQ Hessians of the plan's layers that round with GPTQ, from the unquantized model on the calibration
     tokens; None when no layer does, or all are ``rounded`` already (:func:`_kept_gptq`)."""
-    from quantcore.gptq import collect_hessians
+    from quantcore.algorithms.gptq import collect_hessians
 
     layers = [n for n, s in plan.items() if s.needs_hessians and n not in rounded]
     if rounded:
@@ -174,16 +173,16 @@ def _hessians(ctx: JobContext, model, plan, cal_ids, text, rounded=()) -> dict[s
 def _kept_gptq(ctx: JobContext, rec, model, reads: dict[str, dict[str, Any]], cal_ids, cal):
     """GPTQ-rounded weights kept beside the model's reference log-probs by earlier jobs: ({layer: weight} found,
     {layer: file} to keep the others at once rounded, :func:`_keep_gptq`). ``reads``: what each GPTQ layer's
-    rounding reads of the plan it is applied in (quantcore.gptq.rounding_inputs; a sweep applies one unit at a
+    rounding reads of the plan it is applied in (quantcore.algorithms.gptq.rounding_inputs; a sweep applies one unit at a
     time). The key is everything the rounding reads
-    (quantcore.gptq.rounding_inputs: the schemes of the layer's fusion group, of the o_proj / down_proj folding
+    (quantcore.algorithms.gptq.rounding_inputs: the schemes of the layer's fusion group, of the o_proj / down_proj folding
     into its rows and of the plan's AWQ layers; the calibration tokens, the calibration statistics where
     SmoothQuant divides by them, the weights' dtype, the device kind, torch's and transformers' versions,
     quantplan's numerics), so a
     plan rounds a layer once whichever job asks again: a second score, the automatic plan's check after a sweep."""
     from safetensors.torch import load_file
 
-    from quantcore.schemes import NUMERICS
+    from quantcore.schemes.specs import NUMERICS
 
     if cal_ids is None or not reads:
         return {}, {}
@@ -242,8 +241,8 @@ def _awq(ctx: JobContext, rec, model, plan, cal_ids, text):
     calibration tokens, the AWQ layers and their weight format, the grid, the device kind, the weights' dtype,
     torch's and transformers' versions, quantplan's numerics), so another score or a sweep of the same AWQ layers
     reuses it; ``.cached`` says whether it came from there (a damaged file is searched again)."""
-    from quantcore.awq import awq_search, load_awq, save_awq
-    from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID, NUMERICS
+    from quantcore.algorithms.awq import awq_search, load_awq, save_awq
+    from quantcore.schemes.specs import AWQ_DUO_SCALING, AWQ_N_GRID, NUMERICS
 
     layers = [n for n, s in plan.items() if s.needs_awq]
     if not layers:
@@ -289,9 +288,9 @@ def _kv_amax(ctx: JobContext, rec, model, kv, plan, cal_ids, cal=None, act_amax=
     KV cache (another format, another evaluation text) reads it; a damaged file (unreadable, or without every
     attention layer) is calibrated again. Returns
     (amax, whether it came from there)."""
-    from quantcore.kvcache import KvAmax, attention_modules
-    from quantcore.schemes import NUMERICS
-    from quantcore.scoring import calibrate_kv_cache
+    from quantcore.evaluation.kvcache import KvAmax, attention_modules
+    from quantcore.evaluation.scoring import calibrate_kv_cache
+    from quantcore.schemes.specs import NUMERICS
 
     if not kv.calibrated:
         return None, False
@@ -323,8 +322,8 @@ def _kv_amax(ctx: JobContext, rec, model, kv, plan, cal_ids, cal=None, act_amax=
 def served_on(ctx: JobContext, spec, model):
     """The GPUs a score job scores the plan on: the job's ``tensor_parallel`` / ``expert_parallel`` where it gives
     them (they replace the plan's, in ``spec`` too), else the plan's; refused with vLLM's reason where the model
-    cannot be split so (quantcore.parallel.tp_misfits)."""
-    from quantcore.parallel import attention_heads, parse_tp
+    cannot be split so (quantcore.models.parallel.tp_misfits)."""
+    from quantcore.models.parallel import attention_heads, parse_tp
 
     p = ctx.params
     if p.get("tensor_parallel"):
@@ -336,7 +335,7 @@ def served_on(ctx: JobContext, spec, model):
 def swept_on(ctx: JobContext, model):
     """The GPUs a sensitivity sweep quantizes each unit as on: the job's ``tensor_parallel`` /
     ``expert_parallel`` (one GPU without them), refused as :func:`served_on` refuses."""
-    from quantcore.parallel import Parallelism, attention_heads, parse_tp
+    from quantcore.models.parallel import Parallelism, attention_heads, parse_tp
 
     tp = parse_tp(ctx.params.get("tensor_parallel") or 1)
     return _splittable(model, Parallelism(tp, attention_heads(model.config) if tp > 1 else None,
@@ -345,10 +344,10 @@ def swept_on(ctx: JobContext, model):
 
 def _splittable(model, parallel):
     """``parallel``, or ValueError with vLLM's reasons where it would refuse to split the model so
-    (quantcore.parallel.tp_misfits)."""
+    (quantcore.models.parallel.tp_misfits)."""
     import torch
 
-    from quantcore.parallel import tp_misfits
+    from quantcore.models.parallel import tp_misfits
 
     shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     misfits = tp_misfits(shapes, parallel)
@@ -358,11 +357,11 @@ def _splittable(model, parallel):
 
 
 def score(ctx: JobContext) -> Outcome:
-    from quantcore.checkpoint import attention_windows
-    from quantcore.gptq import rounding_inputs
-    from quantcore.kvcache import attention_modules, get_kv_format, kv_skip_layers
-    from quantcore.plans import kv_label, resolve_plan
-    from quantcore.scoring import score_plan
+    from quantcore.algorithms.gptq import rounding_inputs
+    from quantcore.evaluation.kvcache import attention_modules, get_kv_format, kv_skip_layers
+    from quantcore.evaluation.scoring import score_plan
+    from quantcore.models.checkpoint import attention_windows
+    from quantcore.planning.plans import kv_label, resolve_plan
 
     rec, model, tok, ids, label = _prepare(ctx)
     names = linear_names(rec)
@@ -430,11 +429,16 @@ def score(ctx: JobContext) -> Outcome:
 def sensitivity(ctx: JobContext) -> Outcome:
     """A sweep of one preset over the linear units (params['scheme']), or of one KV cache format over the attention
     layers (params['kv_sweep']: stored as scheme "KV <format>")."""
-    from quantcore.gptq import rounding_inputs
-    from quantcore.kvcache import get_kv_format
-    from quantcore.parallel import ONE_GPU
-    from quantcore.schemes import get_scheme
-    from quantcore.sensitivity import kv_sensitivity_sweep, linear_layer_names, sensitivity_sweep, sweep_units
+    from quantcore.algorithms.gptq import rounding_inputs
+    from quantcore.evaluation.kvcache import get_kv_format
+    from quantcore.evaluation.sensitivity import (
+        kv_sensitivity_sweep,
+        linear_layer_names,
+        sensitivity_sweep,
+        sweep_units,
+    )
+    from quantcore.models.parallel import ONE_GPU
+    from quantcore.schemes.specs import get_scheme
 
     rec, model, tok, ids, label = _prepare(ctx)
 
@@ -477,7 +481,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         if unit_reads:
             gptq_summary = _gptq_summary(unit_reads, kept, not_kept)
     dicts = [r.to_dict() for r in rows]
-    from quantcore.schemes import NUMERICS
+    from quantcore.schemes.specs import NUMERICS
 
     result = {"scheme": name, "units": len(dicts), "text": label, "tokens": list(ids.shape), "numerics": NUMERICS,
               "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
@@ -506,10 +510,10 @@ def sensitivity(ctx: JobContext) -> Outcome:
 
 def _sweepable(layers: list[str], scheme) -> tuple[list[str], list[str]]:
     """(the layers a sweep of ``scheme`` quantizes, those it leaves out). A SmoothQuant scheme leaves out the layers
-    no llm-compressor recipe can smooth (o_proj, lm_head: quantcore.export.smoothquant_unmapped): no served
+    no llm-compressor recipe can smooth (o_proj, lm_head: quantcore.export.targets.smoothquant_unmapped): no served
     checkpoint holds that smoothing, the automatic planner never offers it there, and sweeping them would cost
     time for KLs nothing can use. A PlanError when that leaves nothing."""
-    from quantcore.export import smoothquant_unmapped
+    from quantcore.export.targets import smoothquant_unmapped
 
     if scheme.smoothquant_alpha is None:
         return layers, []

@@ -9,10 +9,10 @@ import streamlit as st
 
 from app import charts, live, state
 from app import services as svc
-from quantcore.hardware import describe_probe
-from quantcore.kernels import PATHS as KERNEL_PATHS
-from quantcore.kernels import duration_bound, parse_ms
-from quantcore.schemes import list_schemes
+from quantcore.kernels.bench import PATHS as KERNEL_PATHS
+from quantcore.kernels.bench import duration_bound, parse_ms
+from quantcore.kernels.hardware import describe_probe
+from quantcore.schemes.specs import list_schemes
 
 KEPT_PLAN = "kernels_plan_kept"  # {model id: the step estimate's plan option picked}
 KEPT_FORM = "kernels_form_kept"  # the benchmark form's values as last queued

@@ -8,9 +8,9 @@ import streamlit as st
 
 from app import charts, state
 from app import services as svc
-from quantcore import outliers as ol
-from quantcore.formats import list_formats
-from quantcore.kvcache import kv_head_spread
+from quantcore.evaluation import outliers as ol
+from quantcore.evaluation.kvcache import kv_head_spread
+from quantcore.formats.catalog import list_formats
 
 st.title("Outliers")
 model = state.current_model()

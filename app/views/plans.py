@@ -8,10 +8,10 @@ import streamlit as st
 
 from app import services as svc
 from app import state
-from quantcore.hardware import list_targets
-from quantcore.kvcache import KV_FORMATS, layer_index
-from quantcore.plans import gpus_label, group_label, kv_label
-from quantcore.schemes import list_schemes
+from quantcore.evaluation.kvcache import KV_FORMATS, layer_index
+from quantcore.kernels.hardware import list_targets
+from quantcore.planning.plans import gpus_label, group_label, kv_label
+from quantcore.schemes.specs import list_schemes
 
 st.title("Plans")
 model = state.current_model()

@@ -8,7 +8,7 @@ import streamlit as st
 
 from app import charts, live, state
 from app import services as svc
-from quantcore.kvcache import KV_FORMATS
+from quantcore.evaluation.kvcache import KV_FORMATS
 
 st.title("Results")
 model = state.current_model()

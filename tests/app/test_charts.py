@@ -20,8 +20,8 @@ import pandas as pd
 import pytest
 
 from app import charts
-from quantcore import outliers as ol
-from quantcore.stats import HIST_BINS, LayerStats, hist_edges
+from quantcore.evaluation import outliers as ol
+from quantcore.evaluation.stats import HIST_BINS, LayerStats, hist_edges
 
 
 # --------------------------------------------------------------------------- helpers

@@ -247,7 +247,7 @@ def test_outliers_page_saves_alpha_into_a_plan_for_the_fusion_group(seeded):
     assert not at.exception
     with session_scope() as s:
         plan = repo.list_plans(s, seeded.id)[-1]
-    from quantcore.plans import PlanSpec
+    from quantcore.planning.plans import PlanSpec
 
     assert PlanSpec.from_dict(plan.body).layer_alpha == {f"model.layers.1.self_attn.{p}_proj": 0.7 for p in "qkv"}
     from app import services as svc
@@ -454,7 +454,7 @@ def test_kernels_page_names_an_m_value_it_cannot_read_and_queues_nothing(seeded)
 
 def test_kernels_page_queues_the_paths_chosen_and_all_of_them_by_default(seeded):
     from app import services as svc
-    from quantcore.kernels import PATHS
+    from quantcore.kernels.bench import PATHS
 
     def queue(paths=None):
         at = _run("kernels", seeded.id)
@@ -623,8 +623,8 @@ def test_plans_page_shows_the_weight_memory_of_the_plan(seeded):
     assert f"{fp.ratio:.0%} of BF16" in metric.proto.delta
     frame = next(d.value for d in at.dataframe if "bits / weight" in d.value.columns)
     assert set(frame["scheme"]) == {"FP8_DYNAMIC", "BF16"} and frame["layers"].sum() == len(seeded.linears)
-    # the ideal step on the page's target GPU (an H100 by default), from quantcore.roofline
-    from quantcore.roofline import step_bound
+    # the ideal step on the page's target GPU (an H100 by default), from quantcore.kernels.roofline
+    from quantcore.kernels.roofline import step_bound
 
     resolved, _ = svc.resolve(svc.get_model(seeded.id), body)
     decode = next(m for m in at.metric if m.label.startswith("Ideal decode step, batch 1 on NVIDIA H100"))
@@ -758,7 +758,7 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
     import math
 
     from app import services as svc
-    from quantcore.plans import plan_footprint
+    from quantcore.planning.plans import plan_footprint
     from tests.app.conftest import linears
 
     # seeded: FP8_DYNAMIC at KL 0.02; a rescore replaces it, and a score on another text stays out
@@ -817,7 +817,7 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
     at.radio(key="tradeoff_cost").set_value("ideal_decode_ms").run()
     assert not at.exception
     table = next(d.value for d in at.dataframe if "ideal_decode_ms" in d.value.columns).set_index("plan")
-    from quantcore.roofline import step_bound
+    from quantcore.kernels.roofline import step_bound
 
     assert table.loc["W4A16", "ideal_decode_ms"] == pytest.approx(
         step_bound({n: "W4A16" for n in shapes}, shapes, "h100", 1).ms)
@@ -1016,8 +1016,8 @@ def test_results_page_queues_scores_on_the_texts_chosen(seeded, tmp_path):
 
 def test_the_app_never_imports_torch(qp_settings):
     code = ("import sys, runpy; sys.path.insert(0, '.');"
-            "import app.services, app.charts, app.state, quantcore.outliers, quantcore.plans, quantcore.kernels,"
-            " quantcore.hardware, quantcore.checkpoint, quantcore.text, worker.client;"
+            "import app.services, app.charts, app.state, quantcore.evaluation.outliers, quantcore.planning.plans, quantcore.kernels.bench,"
+            " quantcore.kernels.hardware, quantcore.models.checkpoint, quantcore.evaluation.text, worker.client;"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -1333,7 +1333,7 @@ def test_a_plan_the_target_cannot_serve_has_no_ideal_step_there(seeded):
 
 def test_kernels_page_sets_a_gpus_measured_step_against_its_roofline(seeded):
     from app import services as svc
-    from quantcore.roofline import step_bound
+    from quantcore.kernels.roofline import step_bound
     from store import repo
     from store.db import session_scope
     from tests.app.conftest import linears
@@ -1480,7 +1480,7 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
 
 def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     from app import services as svc
-    from quantcore.kvcache import kv_bytes_per_token
+    from quantcore.evaluation.kvcache import kv_bytes_per_token
 
     at = _run("plans", seeded.id)
     assert not at.exception
@@ -1835,7 +1835,7 @@ def test_a_score_for_several_gpus_made_as_if_on_one_says_so(seeded):
     scale is flagged, with the number of layers it touches (o_proj and down_proj of every block); the same plan on
     one GPU, a static-scale plan on 3, and a score made now are not."""
     from app import services as svc
-    from quantcore.schemes import NUMERICS, NUMERICS_TP_INPUT_SHARES
+    from quantcore.schemes.specs import NUMERICS, NUMERICS_TP_INPUT_SHARES
 
     before = NUMERICS_TP_INPUT_SHARES - 1
     jobs = {name: _add_score(seeded.id, name, body, 0.04, numerics=numerics) for name, body, numerics in (
@@ -1855,7 +1855,7 @@ def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
     """A score stored before int weights moved to compressed-tensors' grid is flagged when its plan has int weights;
     one from this quantcore, or a plan without int weights, is not."""
     from app import services as svc
-    from quantcore.schemes import NUMERICS
+    from quantcore.schemes.specs import NUMERICS
 
     old = _add_score(seeded.id, "INT8_W8A8", {"default": "INT8_W8A8"}, 0.04)  # no "numerics": an older quantplan
     new = _add_score(seeded.id, "W4A16", {"default": "W4A16"}, 0.8)
@@ -1906,7 +1906,7 @@ def test_a_sweep_from_before_the_int_weight_grid_is_named_on_results_and_in_the_
     """The seeded INT8_PER_TENSOR sweep has no numerics (an older quantplan): Results and the automatic plan say to
     sweep it again; once a newer sweep of the scheme is stored, neither does."""
     from app import services as svc
-    from quantcore.schemes import NUMERICS
+    from quantcore.schemes.specs import NUMERICS
     from store import repo
     from store.db import session_scope
 
@@ -1934,7 +1934,7 @@ def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
     plan for one GPU, or for another count, reads the one-GPU sweep; an older quantplan's one-GPU sweep replaced so is
     not named in the plan for 3 GPUs."""
     from app import services as svc
-    from quantcore.schemes import NUMERICS
+    from quantcore.schemes.specs import NUMERICS
     from store import repo
     from store.db import session_scope
 
@@ -2109,7 +2109,7 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
     decode = svc.step_bound(rec, bf16, "h100", 1)
     expert_bytes = sum(2 * e["in_features"] * e["out_features"] for e in experts)
     other_bytes = sum(2 * e["in_features"] * e["out_features"] for e in attn) + 2 * 512 * 1000
-    from quantcore.hardware import get_target
+    from quantcore.kernels.hardware import get_target
 
     bandwidth = get_target("h100").memory_tbs * 1e12
     assert decode.memory_ms == pytest.approx((other_bytes + expert_bytes * 2 / 8) / bandwidth * 1e3)  # 2 of 8 read
@@ -2117,7 +2117,7 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
     # Outliers: calibration gives every expert the block's input, so a block's 16 gate/up inputs are one, shown once
     import numpy as np
 
-    from quantcore.stats import HIST_BINS, LayerStats
+    from quantcore.evaluation.stats import HIST_BINS, LayerStats
 
     rng = np.random.default_rng(1)
     block_input = {b: rng.lognormal(0.0, 0.5, 512).astype(np.float32) * np.where(np.arange(512) == 3, 500, 1)
@@ -2264,7 +2264,7 @@ def test_the_score_form_offers_the_plan_just_saved_until_it_is_scored(seeded) ->
 def test_kernels_page_says_what_the_device_is_and_what_runs_natively_on_it(seeded):
     """The device probe a benchmark job stored (name, compute capability, memory, torch / CUDA, peaks) and its
     capability table, for the device chosen; a device whose jobs stored no probe says so."""
-    from quantcore.hardware import TARGETS
+    from quantcore.kernels.hardware import TARGETS
     from store import repo
     from store.db import session_scope
     from tests.app.conftest import linears

@@ -1,4 +1,4 @@
-"""The service layer's kept answers (app.services.resolve, quantcore.schemes' grouping of layer names): the same
+"""The service layer's kept answers (app.services.resolve, quantcore.schemes.specs' grouping of layer names): the same
 as computing them again, never shared with the caller, and never handed to another model or plan body."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 
 from app import services as svc
-from quantcore.schemes import expert_blocks, fusion_group_of, fusion_groups, get_scheme, plan_unit_of
+from quantcore.schemes.specs import expert_blocks, fusion_group_of, fusion_groups, get_scheme, plan_unit_of
 from store.records import ModelRecord, ScoreRecord
 
 

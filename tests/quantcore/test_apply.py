@@ -1,4 +1,4 @@
-"""quantcore.apply: every preset on tiny Llama / Qwen2 / Gemma3, exact restore, stats, errors."""
+"""quantcore.algorithms.apply: every preset on tiny Llama / Qwen2 / Gemma3, exact restore, stats, errors."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantcore.apply import apply_plan, quantized_model
+from quantcore.algorithms.apply import apply_plan, quantized_model
+from quantcore.algorithms.gptq import collect_hessians
 from quantcore.errors import PlanError
-from quantcore.gptq import collect_hessians
-from quantcore.quantize import fake_quantize, scale_from_amax
-from quantcore.schemes import get_scheme, list_schemes
+from quantcore.formats.quantize import fake_quantize, scale_from_amax
+from quantcore.schemes.specs import get_scheme, list_schemes
 
 from .conftest import linear_input_channel_max
 
@@ -183,7 +183,7 @@ def test_bf16_model(tiny_model_factory, tiny_input_ids):
 def test_per_tensor_fp8_weights_of_a_fusion_group_share_the_largest_scale_as_vllm_requantizes_them(tiny_llama):
     """vLLM's requantize_with_max_scale: a merged q/k/v (gate/up) GEMM with per-tensor FP8 weights runs on one
     scale, the largest of the members'; each other member is dequantized and rounded again on that grid."""
-    from quantcore.quantize import fake_quantize_weight, weight_scale
+    from quantcore.formats.quantize import fake_quantize_weight, weight_scale
 
     p = "model.layers.0.self_attn"
     names = [f"{p}.{x}_proj" for x in "qkv"]
@@ -314,7 +314,7 @@ def test_error_ranking_follows_the_reference(tiny_model, tiny_input_ids):
 def test_static_scale_follows_smoothing(tiny_llama, tiny_input_ids):
     # a static activation amax is calibrated on the unsmoothed input; after folding, channel j is
     # divided by s_j, so apply_plan must use max_j(channel_max_j / s_j) or the scale is wrong
-    from quantcore.schemes import Scheme, TensorSpec
+    from quantcore.schemes.specs import Scheme, TensorSpec
 
     static_sq = Scheme(
         "INT8_STATIC_SQ",
@@ -350,7 +350,7 @@ def test_static_scale_follows_smoothing(tiny_llama, tiny_input_ids):
 
 def _counting(monkeypatch):
     """Count the activation fake-quantizations the hooks compute (cache hits are not counted)."""
-    import quantcore.apply as apply_mod
+    import quantcore.algorithms.apply as apply_mod
 
     calls = {"n": 0}
     for fn_name in ("fake_quantize", "fake_quantize_with_counts"):
@@ -457,8 +457,8 @@ def test_shared_inputs_under_inference_mode(tiny_llama, tiny_input_ids, monkeypa
 def test_nvfp4_fusion_groups_share_one_tensor_scale(tiny_llama, tiny_input_ids):
     """q/k/v and gate/up in NVFP4 take one fp32 tensor scale, from the group's largest |W| (what the checkpoint
     stores and vLLM's fused GEMM reads); o_proj and down_proj keep their own; GPTQ rounds on the same scales."""
-    from quantcore.gptq import gptq_quantize
-    from quantcore.quantize import fake_quantize_weight, fused_tensor_scale, weight_scale
+    from quantcore.algorithms.gptq import gptq_quantize
+    from quantcore.formats.quantize import fake_quantize_weight, fused_tensor_scale, weight_scale
 
     model = tiny_llama
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
@@ -491,7 +491,7 @@ def test_on_several_gpus_each_takes_its_dynamic_scale_over_its_share_of_a_row_pa
     input on its own dynamic scale, per tensor or per token, as each GPU's kernel computes it from its own share;
     q/k/v and gate/up (column-parallel: the whole input on every GPU), static scales (one calibrated number every
     GPU loads) and group scales are the same as on one GPU. With one GPU nothing changes."""
-    from quantcore.parallel import Parallelism
+    from quantcore.models.parallel import Parallelism
 
     names = block_linears(tiny_llama)
     amax, _ = calibration(tiny_llama, tiny_input_ids)

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantcore.autoplan import (
+from quantcore.errors import PlanError
+from quantcore.models.parallel import Parallelism
+from quantcore.planning.autoplan import (
     DEFAULT_KL_STEPS,
     auto_plan,
     cost_from_kernel_records,
@@ -18,10 +20,8 @@ from quantcore.autoplan import (
     sensitivity_from_rows,
     solve_mck,
 )
-from quantcore.errors import PlanError
-from quantcore.parallel import Parallelism
-from quantcore.plans import group_label, resolve_plan, spec_from_plan
-from quantcore.schemes import fusion_groups, get_scheme, weight_storage_bits
+from quantcore.planning.plans import group_label, resolve_plan, spec_from_plan
+from quantcore.schemes.specs import fusion_groups, get_scheme, weight_storage_bits
 from tests.quantcore.test_kernels import _rec
 
 BLOCK = (
@@ -385,8 +385,8 @@ def test_realistic_size_runs_fast() -> None:
 def test_an_ideal_cost_plans_decode_and_prefill_differently_on_a_gpu_nobody_measured() -> None:
     """With the roofline of an H100 as the cost and the same KL for FP8 W8A8 and INT4 weights, a decode step
     (M=1, bound by the weight read) takes W4A16 and a prefill (M=2048, bound by the math) takes FP8."""
-    from quantcore.autoplan import COST_IDEAL
-    from quantcore.roofline import cost_from_roofline
+    from quantcore.kernels.roofline import cost_from_roofline
+    from quantcore.planning.autoplan import COST_IDEAL
 
     shapes = {n: (4096, 4096) for n in BLOCK}
     sens = {s: {label: 1e-4 for label in LABELS} for s in ("FP8_DYNAMIC", "W4A16")}
@@ -464,7 +464,7 @@ def test_w4afp8_is_offered_only_where_vllms_kernel_can_tile_the_fused_layer() ->
 
 
 def test_kv_skip_keeps_the_cheapest_layers_that_bring_the_cache_within_budget():
-    from quantcore.autoplan import choose_kv_skip
+    from quantcore.planning.autoplan import choose_kv_skip
 
     # a global layer holds every token (200 bytes kept, 100 in the format); a windowed one only its window
     kl = {"global": 0.010, "windowed": 0.020, "other": 0.001}
@@ -498,7 +498,7 @@ def test_smoothquant_is_not_offered_where_no_llm_compressor_recipe_can_carry_it(
     lm_head: the planner gives those the unsmoothed INT8_W8A8, says so, and the plan it returns exports."""
     import yaml
 
-    from quantcore.export import to_llmcompressor_recipe
+    from quantcore.export.targets import to_llmcompressor_recipe
 
     sens = {"INT8_W8A8_SQ": {label: 1e-6 for label in LABELS}, "INT8_W8A8": {label: 1e-3 for label in LABELS}}
     res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["INT8_W8A8_SQ", "INT8_W8A8"],
@@ -539,9 +539,9 @@ def test_int8_with_dynamic_per_tensor_activations_is_not_offered_to_a_layer_vllm
 
 def test_moe_experts_in_a_scheme_vllms_fused_moe_cannot_run_are_not_offered() -> None:
     """A block's experts take one scheme; INT8_PER_TENSOR there is something vLLM's fused MoE has no method for
-    (quantcore.plans.moe_unserved), however low its KL: the planner puts INT8_W8A8 on them, and the plan it returns
+    (quantcore.planning.plans.moe_unserved), however low its KL: the planner puts INT8_W8A8 on them, and the plan it returns
     has nothing moe_unserved or vllm_unloadable would refuse."""
-    from quantcore.plans import moe_unserved, vllm_unloadable
+    from quantcore.planning.plans import moe_unserved, vllm_unloadable
 
     experts = [f"model.layers.0.mlp.experts.{e}.{p}_proj" for e in range(4) for p in ("gate", "up", "down")]
     names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + experts + ["lm_head"]

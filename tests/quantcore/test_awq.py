@@ -1,16 +1,16 @@
-"""AWQ (quantcore.awq): the schemes it accepts, llm-compressor's candidate grid, the search and its folds."""
+"""AWQ (quantcore.algorithms.awq): the schemes it accepts, llm-compressor's candidate grid, the search and its folds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quantcore.awq import awq_mappings, awq_search, candidates, weight_means
+from quantcore.algorithms.awq import awq_mappings, awq_search, candidates, weight_means
+from quantcore.algorithms.smoothquant import fold_factors
 from quantcore.errors import PlanError
-from quantcore.schemes import AWQ_N_GRID, Scheme, TensorSpec, get_scheme
-from quantcore.scoring import compute_reference, forward_logits, plan_applied, score_plan
-from quantcore.sensitivity import sensitivity_sweep
-from quantcore.smoothquant import fold_factors
+from quantcore.evaluation.scoring import compute_reference, forward_logits, plan_applied, score_plan
+from quantcore.evaluation.sensitivity import sensitivity_sweep
+from quantcore.schemes.specs import AWQ_N_GRID, Scheme, TensorSpec, get_scheme
 from tests.quantcore.conftest import TINY_VOCAB
 
 INT4_G = TensorSpec("int4", "group", dynamic=False, group_size=128)
@@ -141,7 +141,7 @@ def test_awq_scores_lower_kl_than_rounding_to_nearest(tiny_llama, tiny_input_ids
 
 def test_plan_applied_rounds_the_scaled_weight_and_restores(tiny_llama):
     """A down_proj with AWQ holds Q(W · s) and up_proj's rows are divided by s; restore brings both back."""
-    from quantcore.quantize import fake_quantize_weight
+    from quantcore.formats.quantize import fake_quantize_weight
 
     model = tiny_llama
     layer, up = "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"
@@ -171,7 +171,7 @@ def test_sensitivity_sweep_with_awq(tiny_llama, tiny_input_ids):
 def test_awq_and_gptq_in_one_plan(tiny_llama, tiny_input_ids):
     """AWQ where it can fold, GPTQ on the o_proj it cannot scale (grouped-query attention): both apply, and the
     model comes back bit for bit."""
-    from quantcore.gptq import collect_hessians
+    from quantcore.algorithms.gptq import collect_hessians
 
     model = tiny_llama
     names = linears(model)
@@ -208,7 +208,7 @@ def test_cuda_awq_search_matches_cpu():
 
 
 def test_a_saved_search_reads_back_and_scores_the_same(tiny_llama, tiny_input_ids, tmp_path):
-    from quantcore.awq import load_awq, save_awq
+    from quantcore.algorithms.awq import load_awq, save_awq
 
     model = tiny_llama
     plan = dict.fromkeys(linears(model), "W4A16_AWQ")

@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from torch import nn
 
-from quantcore.calibrate import (
+from quantcore.errors import Cancelled
+from quantcore.evaluation.calibrate import (
     CPU_BLOCKING_ABOVE,
     Calibration,
     calibrate,
     fold_exponent_counts,
     reduce_input,
 )
-from quantcore.errors import Cancelled
-from quantcore.stats import HIST_BINS, hist_edges
+from quantcore.evaluation.stats import HIST_BINS, hist_edges
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS = 40, 64, 128, 2
 OUTLIER_CHANNEL, OUTLIER_GAIN = 5, 80.0

@@ -25,7 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from quantcore.checkpoint import (
+from quantcore.errors import CheckpointError
+from quantcore.models.checkpoint import (
     PICKLE_SUFFIXES,
     STAGING_PREFIX,
     CheckpointSummary,
@@ -39,7 +40,6 @@ from quantcore.checkpoint import (
     safe_extract,
     validate_folder,
 )
-from quantcore.errors import CheckpointError
 
 MAX_BYTES = 64 * 1024 * 1024  # generous for the tiny models (~0.3 MB)
 WORDS = "the a of to and in is it that was for on are with as at by this from news said year".split()
@@ -209,7 +209,7 @@ def test_encoder_checkpoint_is_registered_and_loaded_as_its_base_model(tmp_path,
     assert type(model).__name__ == "BertModel"
     # scoring needs next-token logits: a clear refusal, not an index error deep in the KL
     from quantcore.errors import PlanError
-    from quantcore.scoring import forward_logits
+    from quantcore.evaluation.scoring import forward_logits
 
     with pytest.raises(PlanError, match="not a causal language model"):
         forward_logits(model, torch.tensor([[1, 2, 3]]))
@@ -233,7 +233,7 @@ def test_summary_round_trips_through_json(src):
     restored = CheckpointSummary.from_dict(json.loads(json.dumps(summary.to_dict())))
     assert restored == summary
     assert isinstance(restored.linears[0], LinearInfo)
-    # how q/k/v split under tensor parallelism (quantcore.parallel)
+    # how q/k/v split under tensor parallelism (quantcore.models.parallel)
     assert summary.attention_heads == {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HIDDEN // HEADS}
 
 
@@ -514,7 +514,7 @@ def test_demo_gguf_is_packaged():
 
 
 def test_importing_intake_modules_does_not_import_torch():
-    code = ("import sys, quantcore.checkpoint, quantcore.text; "
+    code = ("import sys, quantcore.models.checkpoint, quantcore.evaluation.text; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "print(', '.join(bad)); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantcore.errors import PlanError
-from quantcore.export import (
+from quantcore.export.targets import (
     CT_PRESETS,
     KV_CACHE_FP8_ARGS,
     KV_CACHE_FP8_HEAD_ARGS,
@@ -35,8 +35,8 @@ from quantcore.export import (
     to_llmcompressor_recipe,
     to_vllm_command,
 )
-from quantcore.plans import diff_plans, resolve_plan, spec_from_plan
-from quantcore.schemes import Scheme, fusion_groups, get_scheme, list_schemes
+from quantcore.planning.plans import diff_plans, resolve_plan, spec_from_plan
+from quantcore.schemes.specs import Scheme, fusion_groups, get_scheme, list_schemes
 
 N_BLOCKS = 3
 
@@ -425,7 +425,7 @@ def test_e5m2_is_refused_naming_layers_and_reason() -> None:
 
 
 def test_custom_schemes_that_compressed_tensors_cannot_store() -> None:
-    from quantcore.schemes import Granularity, TensorSpec
+    from quantcore.schemes.specs import Granularity, TensorSpec
 
     fp4 = Scheme("FP4_CHANNEL", TensorSpec("fp4_e2m1", Granularity.CHANNEL, dynamic=False), None)
     block_acts = Scheme(
@@ -804,7 +804,7 @@ def test_vllm_unquantized_plan() -> None:
 
 def test_export_and_autoplan_are_torch_free() -> None:
     code = (
-        "import sys, quantcore.export, quantcore.autoplan; "
+        "import sys, quantcore.export.targets, quantcore.planning.autoplan; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -826,7 +826,7 @@ def test_a_plan_for_several_gpus_says_so_on_the_command_line() -> None:
 def test_smoothquant_on_every_o_proj_is_one_problem_naming_the_layers() -> None:
     """A plan smoothed on every o_proj (an automatic plan made before it avoided them did that) is refused in one
     line that names the layers and the fix, not one near-identical line per layer."""
-    from quantcore.export import smoothquant_unexportable
+    from quantcore.export.targets import smoothquant_unexportable
 
     plan = uniform("INT8_W8A8_SQ")
     o_projs = [n for n in LAYERS if n.endswith("o_proj")]

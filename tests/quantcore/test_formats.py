@@ -1,4 +1,4 @@
-"""quantcore.formats: the format table against its sources (OCP FP8 / MX specs and torch's own dtypes)."""
+"""quantcore.formats.catalog: the format table against its sources (OCP FP8 / MX specs and torch's own dtypes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from quantcore.formats import Format, element_format, get_format, list_formats, representable_values
+from quantcore.formats.catalog import Format, element_format, get_format, list_formats, representable_values
 
 # Golden field values. Sources: OCP 8-bit Floating Point Specification (OFP8) rev 1.0 table 1
 # (E4M3: max 448, min normal 2^-6, min subnormal 2^-9; E5M2: max 57344, 2^-14, 2^-16), OCP MX v1.0
@@ -116,7 +116,7 @@ def test_format_is_frozen():
 
 def test_formats_and_schemes_import_without_torch():
     code = (
-        "import sys, quantcore, quantcore.formats, quantcore.schemes; "
+        "import sys, quantcore, quantcore.formats.catalog, quantcore.schemes.specs; "
         "quantcore.list_formats(); quantcore.list_schemes(); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

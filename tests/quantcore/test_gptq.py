@@ -1,4 +1,4 @@
-"""GPTQ weight rounding (quantcore.gptq): the algorithm, its Hessians, and GPTQ schemes in plans, scores and sweeps."""
+"""GPTQ weight rounding (quantcore.algorithms.gptq): the algorithm, its Hessians, and GPTQ schemes in plans, scores and sweeps."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcore.apply import apply_plan
+from quantcore.algorithms.apply import apply_plan
+from quantcore.algorithms.gptq import collect_hessians, gptq_quantize, smoothed_hessian
 from quantcore.errors import PlanError
-from quantcore.gptq import collect_hessians, gptq_quantize, smoothed_hessian
-from quantcore.quantize import (
+from quantcore.evaluation.scoring import compute_reference, score_plan
+from quantcore.evaluation.sensitivity import sensitivity_sweep
+from quantcore.formats.quantize import (
     element_scales,
     fake_quantize_weight,
     round_to_weight_grid,
     weight_scale,
     weight_zero_point,
 )
-from quantcore.schemes import Scheme, get_scheme, list_schemes
-from quantcore.scoring import compute_reference, score_plan
-from quantcore.sensitivity import sensitivity_sweep
+from quantcore.schemes.specs import Scheme, get_scheme, list_schemes
 from tests.quantcore.conftest import TINY_VOCAB
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def weight(n: int, k: int, seed: int = 1) -> torch.Tensor:
 
 
 def rtn(w: torch.Tensor, spec, scale=None) -> torch.Tensor:
-    """Round to nearest on the grid the checkpoint stores (quantcore.quantize.fake_quantize_weight)."""
+    """Round to nearest on the grid the checkpoint stores (quantcore.formats.quantize.fake_quantize_weight)."""
     return fake_quantize_weight(w, spec, scale=scale)[0]
 
 
@@ -210,7 +210,7 @@ def test_apply_plan_needs_hessians_and_restores_exactly(tiny_llama, tiny_input_i
 
 def test_smoothquant_gptq_plan_uses_the_transformed_hessian(tiny_llama, tiny_input_ids, channel_max_of):
     """INT8_W8A8_SQ_GPTQ: smoothing first, then GPTQ of the smoothed weight with the smoothed input's Hessian."""
-    from quantcore.scoring import plan_applied
+    from quantcore.evaluation.scoring import plan_applied
 
     model = tiny_llama
     group = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up")]
@@ -228,7 +228,7 @@ def test_smoothquant_gptq_plan_uses_the_transformed_hessian(tiny_llama, tiny_inp
 def test_gptq_scores_lower_kl_than_rtn_and_sweeps_round_once(tiny_llama, tiny_input_ids, monkeypatch):
     """On the tiny model with planted outliers, W4A16 with GPTQ is closer to the unquantized model than W4A16;
     a sweep rounds every unit once, however many batches it scores."""
-    import quantcore.apply as apply_mod
+    import quantcore.algorithms.apply as apply_mod
 
     model = tiny_llama
     gen = torch.Generator().manual_seed(7)

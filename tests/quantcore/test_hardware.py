@@ -1,4 +1,4 @@
-"""Tests of quantcore.hardware: target table, support rules, device probe."""
+"""Tests of quantcore.kernels.hardware: target table, support rules, device probe."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcore import hardware as hw
 from quantcore.errors import UnsupportedOnDevice
+from quantcore.kernels import hardware as hw
 
 HAS_CUDA = torch.cuda.is_available()
 RANK = {"unsupported": 0, "emulated": 1, "native": 2}
@@ -176,13 +176,13 @@ def test_cpu_runs_nothing_low_precision_natively() -> None:
 
 
 def test_known_formats_match_the_formats_module() -> None:
-    formats = pytest.importorskip("quantcore.formats")
+    formats = pytest.importorskip("quantcore.formats.catalog")
     names = {f if isinstance(f, str) else f.name for f in formats.list_formats()}
     assert set(hw.KNOWN_FORMATS) <= names
 
 
 def test_import_is_torch_free() -> None:
-    code = "import sys, quantcore.hardware; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, quantcore.kernels.hardware; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

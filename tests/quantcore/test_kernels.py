@@ -1,4 +1,4 @@
-"""Tests of quantcore.kernels: real GEMM paths vs emulation, budget, step estimates.
+"""Tests of quantcore.kernels.bench: real GEMM paths vs emulation, budget, step estimates.
 
 CPU tests use tiny shapes: torch._int_mm on this kind of CPU runs at well under
 0.01 TOPS, so anything bigger than a few hundred rows costs seconds.
@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from quantcore import kernels as kn
 from quantcore.errors import Cancelled, UnsupportedOnDevice
+from quantcore.kernels import bench as kn
 
 HAS_CUDA = torch.cuda.is_available()
 E4M3 = torch.float8_e4m3fn
@@ -44,7 +44,7 @@ def test_distinct_shapes_groups_layers_by_n_k() -> None:
 
 
 def test_bench_shapes_are_the_distinct_shapes_one_gpu_runs() -> None:
-    from quantcore.parallel import Parallelism
+    from quantcore.models.parallel import Parallelism
 
     shapes = {"l0.self_attn.q_proj": (576, 576), "l0.self_attn.o_proj": (576, 576), "l0.mlp.up_proj": (1536, 576),
               "l0.mlp.down_proj": (576, 1536), "l1.self_attn.q_proj": (576, 576)}
@@ -82,7 +82,7 @@ def test_import_is_torch_free() -> None:
     import subprocess
     import sys
 
-    code = "import sys, quantcore.kernels; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, quantcore.kernels.bench; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -180,7 +180,7 @@ def test_every_path_every_m_is_timed_on_cpu(tiny_records: list[kn.KernelRecord])
 
 def test_native_flags_on_cpu(tiny_records: list[kn.KernelRecord]) -> None:
     """FP8 is never native on a CPU; INT8 is where the CPU has INT8 dot-product instructions (VNNI...)."""
-    from quantcore.hardware import int8_dot_isa
+    from quantcore.kernels.hardware import int8_dot_isa
 
     int8_native = int8_dot_isa() is not None
     for r in tiny_records:
@@ -362,7 +362,7 @@ def test_a_large_m_is_predicted_from_a_rate_measured_near_it_not_scaled_from_m_1
 def test_baselines_then_native_paths_then_emulated_ones_within_a_shape() -> None:
     """A slow emulated path (FP8 on a CPU) runs last in its shape's budget, so it can never starve the
     baselines and native paths a step estimate needs; records still come back in (M, path) order."""
-    from quantcore.hardware import device_paths, probe_device
+    from quantcore.kernels.hardware import device_paths, probe_device
 
     support = device_paths(probe_device("cpu"))
     ran: list[tuple[int, str]] = []
@@ -447,7 +447,7 @@ def test_scheme_to_path(w: str | None, a: str | None, g: str | None, path: str |
      ("MXFP4", None), ("FP8_BLOCK", None)],
 )
 def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:
-    from quantcore.schemes import get_scheme
+    from quantcore.schemes.specs import get_scheme
 
     assert kn.scheme_path(get_scheme(scheme)) == path
 
@@ -455,9 +455,9 @@ def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:
 @pytest.mark.parametrize("path", ["w4_g128", "w4_g64", "w4_g32", "w4_ch"])
 def test_int4_weight_only_kernel_agrees_with_the_int4_emulation(path: str) -> None:
     """The packed INT4 kernel computes x @ (q * scale)^T for quantcore's own INT4 per-group codes: the same
-    numbers as fake-quantizing the weight with W4A16's (W4A16_G64's, W4A16_G32's) spec (``quantcore.quantize``).
+    numbers as fake-quantizing the weight with W4A16's (W4A16_G64's, W4A16_G32's) spec (``quantcore.formats.quantize``).
     w4_ch runs the same kernel in groups that all carry their row's scale: W4A16_CHANNEL's per-channel product."""
-    from quantcore.quantize import fake_quantize
+    from quantcore.formats.quantize import fake_quantize
 
     group = kn.W4_GROUPS[path]
     per_channel = path in kn.W4_PER_CHANNEL
@@ -481,8 +481,8 @@ def test_int4_weight_only_kernel_serves_zero_points(scheme: str, device: str) ->
     """The INT4 kernel dequantizes (q - 8) * scale + zero per group: with zero = -zero_point * scale it computes
     compressed-tensors' (code - zero_point) * scale, so the _ASYM presets run on the same kernel (and timing them on
     its w4 path is honest); its output is quantcore's asymmetric emulation."""
-    from quantcore.quantize import fake_quantize_weight, weight_scale, weight_zero_point
-    from quantcore.schemes import get_scheme
+    from quantcore.formats.quantize import fake_quantize_weight, weight_scale, weight_zero_point
+    from quantcore.schemes.specs import get_scheme
 
     spec = get_scheme(scheme).weights
     gen = torch.Generator().manual_seed(4)
@@ -639,7 +639,13 @@ def test_format_markdown_refuses_mixed_devices() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
-    from quantcore.hardware import SM_FP8_MMA, SM_INT4_TINYGEMM, SM_INT8_MMA, device_paths, probe_device
+    from quantcore.kernels.hardware import (
+        SM_FP8_MMA,
+        SM_INT4_TINYGEMM,
+        SM_INT8_MMA,
+        device_paths,
+        probe_device,
+    )
 
     info = probe_device("cuda")
     sm = info.sm or 0
@@ -683,7 +689,7 @@ def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_int4_weights_beat_bf16_at_decode() -> None:
     """A decode step (M=1) reads every weight once: 4-bit weights move a quarter of bf16's bytes."""
-    from quantcore.hardware import SM_INT4_TINYGEMM, probe_device
+    from quantcore.kernels.hardware import SM_INT4_TINYGEMM, probe_device
 
     if (probe_device("cuda").sm or 0) < SM_INT4_TINYGEMM:
         pytest.skip("the INT4 weight-only kernel needs sm80+")
@@ -695,7 +701,7 @@ def test_gpu_int4_weights_beat_bf16_at_decode() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_fp8_is_faster_than_bf16_at_large_m_on_hopper() -> None:
-    from quantcore.hardware import probe_device
+    from quantcore.kernels.hardware import probe_device
 
     info = probe_device("cuda")
     if (info.sm or 0) < 90:
@@ -714,7 +720,7 @@ def test_step_estimate_counts_a_nan_time_as_missing(hand_records: list[kn.Kernel
 
 
 def test_m_values_are_parsed_sorted_once_each_and_bad_ones_named() -> None:
-    from quantcore.kernels import parse_ms
+    from quantcore.kernels.bench import parse_ms
 
     assert parse_ms("1,16,128,2048") == [1, 16, 128, 2048]
     assert parse_ms(" 128, 1,,16 ,1, ") == [1, 16, 128]  # spaces and empty items pass, each M once, sorted
@@ -738,7 +744,7 @@ def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it
     baseline first gets an even share of what is left; one that needs more is put off until the others have run,
     and gets what they leave. Here w8_row is made slow from M = 64 on (the scheduling, not the kernel, is under
     test); its rate probe at 16 rows stays fast, so its first real call is the surprise it is on a GPU."""
-    from quantcore.hardware import device_paths, probe_device
+    from quantcore.kernels.hardware import device_paths, probe_device
 
     slow_s = 0.5  # a call at M = 64; twice that at 128
     build = kn._build_case

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantcore import kvcache
 from quantcore.errors import PlanError
-from quantcore.kvcache import (
+from quantcore.evaluation import kvcache
+from quantcore.evaluation.kvcache import (
     KV_FORMATS,
     KvAmax,
     get_kv_format,
@@ -17,8 +17,8 @@ from quantcore.kvcache import (
     kv_elements_per_token,
     kv_token_capacity,
 )
-from quantcore.plans import PlanSpec
-from quantcore.scoring import calibrate_kv_cache, compute_reference, score_plan
+from quantcore.evaluation.scoring import calibrate_kv_cache, compute_reference, score_plan
+from quantcore.planning.plans import PlanSpec
 from tests.quantcore.conftest import TINY_ARCHS, TINY_HEAD_DIM, TINY_KV_HEADS, TINY_LAYERS, build_tiny_model
 
 E4M3_MAX = 448.0
@@ -59,7 +59,7 @@ def test_module_is_torch_free_at_import() -> None:
     import subprocess
     import sys
 
-    code = "import sys, quantcore.kvcache, quantcore.plans; sys.exit('torch' in sys.modules)"
+    code = "import sys, quantcore.evaluation.kvcache, quantcore.planning.plans; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
@@ -250,7 +250,7 @@ def test_scores_see_the_kv_cache_and_its_saturation() -> None:
 
 
 def test_clipping_warning_names_the_layers_an_unscaled_cache_overflows() -> None:
-    from quantcore.kvcache import kv_clipping
+    from quantcore.evaluation.kvcache import kv_clipping
 
     amax = {"k": {"model.layers.0.self_attn": 20.0, "model.layers.1.self_attn": 912.5},
             "v": {"model.layers.0.self_attn": 3.0, "model.layers.1.self_attn": 4.0}}
@@ -274,7 +274,7 @@ def test_clipping_warning_names_the_layers_an_unscaled_cache_overflows() -> None
 
 
 def test_sliding_window_layers_cache_only_their_window() -> None:
-    from quantcore.kvcache import kv_bytes_per_sequence, kv_layer_elements
+    from quantcore.evaluation.kvcache import kv_bytes_per_sequence, kv_layer_elements
 
     lin = _linears(6, 256)  # 512 elements a token in each of 6 layers
     assert kv_layer_elements(lin) == {f"model.layers.{b}.self_attn": 512 for b in range(6)}
@@ -290,7 +290,7 @@ def test_sliding_window_layers_cache_only_their_window() -> None:
 def test_intake_records_which_layers_attend_to_a_window() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    from quantcore.checkpoint import attention_windows
+    from quantcore.models.checkpoint import attention_windows
 
     gemma = build_tiny_model("gemma3")  # layer_types: sliding (window 8), full
     assert attention_windows(gemma) == {"model.layers.0.self_attn": 8}
@@ -355,7 +355,7 @@ def test_fp8_attention_rounds_the_probabilities_in_flash_attentions_range() -> N
 
 
 def test_the_backend_note_says_where_the_attention_assumption_and_the_gpu_part_ways() -> None:
-    from quantcore.kvcache import attention_backend_note
+    from quantcore.evaluation.kvcache import attention_backend_note
 
     hopper = attention_backend_note("FP8_UNSCALED", 90, "NVIDIA H100")
     assert hopper is not None and "FlashAttention 3" in hopper and "Score FP8_ATTN_UNSCALED" in hopper
@@ -434,7 +434,7 @@ def test_scores_of_fp8_attention_add_the_error_of_q_and_p() -> None:
 
 
 def test_skip_entries_resolve_to_attention_layers_or_are_refused() -> None:
-    from quantcore.kvcache import kv_skip_layers, normalize_kv_skip
+    from quantcore.evaluation.kvcache import kv_skip_layers, normalize_kv_skip
 
     assert normalize_kv_skip(["Sliding_Window", 3, "3", " 0 "]) == ["sliding_window", "3", "0"]
     for bad in (["x"], [1.5], [True], [-1]):
@@ -451,7 +451,7 @@ def test_skip_entries_resolve_to_attention_layers_or_are_refused() -> None:
 
 
 def test_skipped_layers_cost_the_model_dtype_in_memory() -> None:
-    from quantcore.kvcache import kv_bytes_per_sequence
+    from quantcore.evaluation.kvcache import kv_bytes_per_sequence
 
     lin = _linears(4, 256)  # 512 elements a token in each layer
     skip = {"model.layers.0.self_attn"}
@@ -462,7 +462,7 @@ def test_skipped_layers_cost_the_model_dtype_in_memory() -> None:
 
 
 def test_plan_files_carry_the_layers_kept_out_of_the_cache() -> None:
-    from quantcore.plans import kv_label
+    from quantcore.planning.plans import kv_label
 
     spec = PlanSpec.from_yaml("default: FP8_DYNAMIC\nkv_cache: FP8\nkv_cache_skip: [sliding_window, 0]\n")
     assert spec.kv_cache_skip == ["sliding_window", "0"] and spec.to_dict()["kv_cache_skip"] == ["sliding_window", 0]
@@ -479,8 +479,8 @@ def test_plan_files_carry_the_layers_kept_out_of_the_cache() -> None:
 def test_skipped_layers_keep_their_k_and_v_and_their_attention(spy) -> None:
     """Gemma 3's sliding-window layer kept out: its K and V reach attention untouched, the full layer's are
     rounded, and only the quantized layer is counted for saturation."""
-    from quantcore.checkpoint import attention_windows
-    from quantcore.kvcache import kv_skip_layers
+    from quantcore.evaluation.kvcache import kv_skip_layers
+    from quantcore.models.checkpoint import attention_windows
 
     model = build_tiny_model("gemma3")
     ids = _ids()
@@ -594,7 +594,7 @@ def test_per_head_scales_need_a_calibration_that_recorded_the_heads() -> None:
 
 
 def test_head_spread_ranks_the_layers_whose_heads_differ_most() -> None:
-    from quantcore.kvcache import kv_head_spread
+    from quantcore.evaluation.kvcache import kv_head_spread
 
     amax = {"k_head": {"a": [8.0, 2.0], "b": [1.0, 1.0]}, "v_head": {"a": [3.0, 1.0], "c": [0.0, 1.0]}}
     assert kv_head_spread(amax) == [("a", "K", 4.0), ("a", "V", 3.0), ("b", "K", 1.0)]  # an all-zero head: no ratio
@@ -604,8 +604,8 @@ def test_head_spread_ranks_the_layers_whose_heads_differ_most() -> None:
 def test_kv_calibration_and_score_round_each_gptq_layer_once(monkeypatch) -> None:
     """A GPTQ plan scored with a calibrated KV cache: the calibration and the score share one gptq_cache, so GPTQ
     runs once per layer (the score job's own order), and the score is the one without the cache, bit for bit."""
-    import quantcore.apply as apply_mod
-    from quantcore.gptq import collect_hessians
+    import quantcore.algorithms.apply as apply_mod
+    from quantcore.algorithms.gptq import collect_hessians
 
     model = build_tiny_model("llama")
     ids = _ids(4)

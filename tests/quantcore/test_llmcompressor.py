@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from quantcore.export import (
+from quantcore.evaluation.kvcache import get_kv_format
+from quantcore.export.targets import (
     CT_ARG_KEYS,
     CT_PRESETS,
     kv_cache_scheme,
@@ -29,8 +30,7 @@ from quantcore.export import (
     to_llmcompressor_recipe,
     to_vllm_command,
 )
-from quantcore.kvcache import get_kv_format
-from quantcore.schemes import Scheme, get_scheme
+from quantcore.schemes.specs import Scheme, get_scheme
 from tests.quantcore.test_export import EXPRESSIBLE, LAYERS, N_BLOCKS, uniform
 
 pytestmark = pytest.mark.slow
@@ -196,8 +196,8 @@ def test_every_layer_gets_the_planned_quantization(llmc, name: str) -> None:
 
 @pytest.mark.parametrize("name", [n for n, p in cases().items() if any(s.gptq for s in p.values())])
 def test_gptq_modifier_runs_gptq_as_quantcore_does(llmc, name: str) -> None:
-    """block size, dampening and activation order of the exported GPTQModifier are quantcore.gptq's."""
-    from quantcore.schemes import GPTQ_ACTORDER, GPTQ_BLOCK_SIZE, GPTQ_DAMPENING
+    """block size, dampening and activation order of the exported GPTQModifier are quantcore.algorithms.gptq's."""
+    from quantcore.schemes.specs import GPTQ_ACTORDER, GPTQ_BLOCK_SIZE, GPTQ_DAMPENING
 
     made, summary = llmc
     _, text, path = made[name]
@@ -211,10 +211,10 @@ def test_gptq_modifier_runs_gptq_as_quantcore_does(llmc, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["awq", "uniform-W4A16_AWQ", "awq-with-gptq-o-proj"])
 def test_awq_modifier_searches_exactly_the_planned_folds(llmc, name: str) -> None:
-    """The exported AWQModifier runs quantcore.awq's grid and resolves to exactly the folds quantcore searches for
+    """The exported AWQModifier runs quantcore.algorithms.awq's grid and resolves to exactly the folds quantcore searches for
     the plan's AWQ layers: q/k/v into input_layernorm, gate/up into post_attention_layernorm, down_proj into
     up_proj, and no v_proj -> o_proj (grouped-query attention, skipped by both)."""
-    from quantcore.schemes import AWQ_DUO_SCALING, AWQ_N_GRID
+    from quantcore.schemes.specs import AWQ_DUO_SCALING, AWQ_N_GRID
 
     made, summary = llmc
     plan, text, path = made[name]
@@ -437,9 +437,9 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(oneshots, base:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from quantcore.awq import awq_search, candidates, weight_means
-    from quantcore.quantize import fake_quantize_weight
-    from quantcore.scoring import plan_applied
+    from quantcore.algorithms.awq import awq_search, candidates, weight_means
+    from quantcore.evaluation.scoring import plan_applied
+    from quantcore.formats.quantize import fake_quantize_weight
 
     plan = awq_plan(base)
     got, workdir = run_oneshot(oneshots, f"awq-{base}", plan)
@@ -513,8 +513,8 @@ def test_round_to_nearest_checkpoint_is_quantcores_emulation(oneshots, name: str
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    import quantcore.apply as apply_mod
-    from quantcore.scoring import plan_applied
+    import quantcore.algorithms.apply as apply_mod
+    from quantcore.evaluation.scoring import plan_applied
 
     plan = uniform(name)
     _, workdir = run_oneshot(oneshots, f"rtn-{name}", plan)
@@ -549,7 +549,7 @@ def tiny_moe_layer_names() -> list[str]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantcore.moe import split_experts
+    from quantcore.models.moe import split_experts
 
     cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=128, intermediate_size=256,
                                moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
@@ -567,8 +567,8 @@ def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(o
     stores is quantcore's emulation of it, grid point for grid point."""
     from safetensors.torch import load_file
 
-    from quantcore.checkpoint import load_model
-    from quantcore.scoring import plan_applied
+    from quantcore.evaluation.scoring import plan_applied
+    from quantcore.models.checkpoint import load_model
 
     names = tiny_moe_layer_names()
     plan = moe_oneshot_plan()
@@ -608,11 +608,11 @@ def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(oneshots) -> Non
     from safetensors.torch import load_file
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from quantcore.awq import awq_mappings, awq_search, candidates, weight_means
-    from quantcore.checkpoint import load_model
-    from quantcore.moe import all_experts
-    from quantcore.quantize import fake_quantize_weight
-    from quantcore.scoring import plan_applied
+    from quantcore.algorithms.awq import awq_mappings, awq_search, candidates, weight_means
+    from quantcore.evaluation.scoring import plan_applied
+    from quantcore.formats.quantize import fake_quantize_weight
+    from quantcore.models.checkpoint import load_model
+    from quantcore.models.moe import all_experts
 
     names = tiny_moe_layer_names()
     plan = moe_awq_oneshot_plan()

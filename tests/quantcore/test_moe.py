@@ -1,5 +1,5 @@
-"""Mixture-of-experts models: experts split into linears (quantcore.moe), plans over them, routed step costs
-(quantcore.routing). Tiny Qwen3-MoE / Mixtral / gpt-oss built from configs; no download."""
+"""Mixture-of-experts models: experts split into linears (quantcore.models.moe), plans over them, routed step costs
+(quantcore.models.routing). Tiny Qwen3-MoE / Mixtral / gpt-oss built from configs; no download."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from quantcore.calibrate import calibrate
+from quantcore.algorithms.gptq import collect_hessians
 from quantcore.errors import PlanError
-from quantcore.gptq import collect_hessians
-from quantcore.moe import LinearExperts, all_experts, split_experts, unsplit_experts
-from quantcore.plans import PlanSpec, group_label, resolve_plan
-from quantcore.routing import Routing, bench_ms, routed_layers, step_share
-from quantcore.schemes import expert_block, fusion_units, plan_unit_of
+from quantcore.evaluation.calibrate import calibrate
+from quantcore.models.moe import LinearExperts, all_experts, split_experts, unsplit_experts
+from quantcore.models.routing import Routing, bench_ms, routed_layers, step_share
+from quantcore.planning.plans import PlanSpec, group_label, resolve_plan
+from quantcore.schemes.specs import expert_block, fusion_units, plan_unit_of
 from tests.quantcore.test_checkpoint import WORDS, tiny_tokenizer
 
 VOCAB = len(WORDS) + 3
@@ -103,7 +103,7 @@ def test_experts_of_another_layout_stay_fused_and_are_named():
 
 
 def test_intake_lists_every_expert_linear_and_the_routing(tmp_path):
-    from quantcore.checkpoint import inspect_folder, load_model
+    from quantcore.models.checkpoint import inspect_folder, load_model
 
     folder = save_tiny_moe(tmp_path / "moe")
     summary = inspect_folder(folder)
@@ -152,7 +152,7 @@ def test_calibration_runs_every_expert_on_every_token_as_llm_compressor_does():
     stats = calibrate(model, x)
     assert all(stats[n].amax > 0 for n in experts)  # a static scale for every expert, none resting on nothing
     # so the gate/up of every expert of a block read one input: the Outliers page shows each block's once
-    from quantcore.outliers import shared_expert_inputs
+    from quantcore.evaluation.outliers import shared_expert_inputs
 
     kept, stands_for = shared_expert_inputs(stats)
     per_block = 2 * len([n for n in experts if n.startswith("model.layers.0.") and n.endswith("down_proj")])
@@ -220,7 +220,7 @@ def test_routing_counts_an_experts_share_of_a_step():
 
 
 def test_the_roofline_bound_of_an_expert_is_its_share_of_the_step():
-    from quantcore.roofline import layer_bound, step_bound
+    from quantcore.kernels.roofline import layer_bound, step_bound
 
     r = Routing(experts=8, top_k=2)
     dense_1, dense_4096 = (layer_bound("BF16", 4096, 4096, "h100", m) for m in (1, 4096))
@@ -237,7 +237,7 @@ def test_the_roofline_bound_of_an_expert_is_its_share_of_the_step():
 
 
 def test_the_step_estimate_times_an_expert_at_its_own_m():
-    from quantcore.kernels import KernelRecord, step_estimate
+    from quantcore.kernels.bench import KernelRecord, step_estimate
 
     def rec(m, ms):
         return KernelRecord(device="cpu", device_name="cpu", torch_version="x", m=m, n=64, k=64, path="baseline",
@@ -260,8 +260,8 @@ def test_the_step_estimate_times_an_expert_at_its_own_m():
 def test_a_static_input_scale_is_one_per_block_as_vllms_fused_moe_reads_it():
     """vLLM keeps one static input scale for a block's expert gate/up and one for its down_proj, the largest of the
     experts' ("Using the maximum across experts for each layer"): the emulation does the same."""
-    from quantcore.apply import apply_plan
-    from quantcore.quantize import scale_from_amax
+    from quantcore.algorithms.apply import apply_plan
+    from quantcore.formats.quantize import scale_from_amax
 
     model = dead_expert_model()
     stats = calibrate(model, ids(1, 8))
@@ -298,7 +298,7 @@ def block_by_hand(block: LinearExperts, args: tuple, *, per_block: bool, shards:
     quantizes its share under tensor parallelism."""
     import torch.nn.functional as F
 
-    from quantcore.quantize import fake_quantize, scale_from_amax
+    from quantcore.formats.quantize import fake_quantize, scale_from_amax
 
     def q(t: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         return fake_quantize(t, "fp8_e4m3", "tensor", scale=scale_from_amax(amax, "fp8_e4m3"))
@@ -330,7 +330,7 @@ def test_a_dynamic_per_tensor_scale_covers_the_whole_block_as_in_vllms_fused_moe
     """vLLM's fused MoE quantizes the block's input once (one dynamic scale for every expert's gate/up) and all routed
     experts' down_proj inputs together (one more): FP8_PER_TENSOR experts are emulated so, not one scale per
     expert's own tokens. Checked against the block's forward written out by hand; per-token schemes are untouched."""
-    from quantcore.apply import quantized_model
+    from quantcore.algorithms.apply import quantized_model
 
     model = tiny_moe()
     split_experts(model)
@@ -357,8 +357,8 @@ def test_at_tensor_parallel_each_gpu_quantizes_its_share_of_the_experts_down_pro
     """Split over 2 GPUs (each expert's down_proj cut along K), each GPU's fused MoE takes the block-wide dynamic
     scale of its own share of the down_proj inputs; with expert parallelism every expert is whole on one GPU and the
     block takes one scale again. The gate/up input (the block's input, whole on every GPU) keeps one scale."""
-    from quantcore.apply import quantized_model
-    from quantcore.parallel import Parallelism
+    from quantcore.algorithms.apply import quantized_model
+    from quantcore.models.parallel import Parallelism
 
     model = tiny_moe()
     split_experts(model)
@@ -382,7 +382,7 @@ def test_at_tensor_parallel_each_gpu_quantizes_its_share_of_the_experts_down_pro
 
 
 def test_schemes_vllms_fused_moe_cannot_serve_on_experts_are_named():
-    from quantcore.plans import moe_unserved
+    from quantcore.planning.plans import moe_unserved
 
     def plan(experts: str, rest: str = "INT8_PER_TENSOR") -> dict[str, str]:
         return {n: experts if ".experts." in n else rest for n in NAMES}
@@ -402,8 +402,8 @@ def test_smoothquant_folds_an_experts_down_proj_into_its_own_up_proj_and_exports
     unsmoothed, and the router would read a rescaled input)."""
     import yaml
 
-    from quantcore.export import to_llmcompressor_recipe
-    from quantcore.smoothquant import smooth_model
+    from quantcore.algorithms.smoothquant import smooth_model
+    from quantcore.export.targets import to_llmcompressor_recipe
 
     model = tiny_moe()
     split_experts(model)
@@ -439,7 +439,7 @@ def test_smoothquant_folds_an_experts_down_proj_into_its_own_up_proj_and_exports
 def test_cuda_split_experts_match_the_cpu(scheme):
     """On a GPU (``pytest -m gpu``): the split experts compute what the fused ones do, calibration reaches every
     expert, and a plan over the experts quantizes them as on the CPU."""
-    from quantcore.apply import quantized_model
+    from quantcore.algorithms.apply import quantized_model
 
     cpu, gpu = tiny_moe(), tiny_moe().cuda()
     x = ids()
@@ -464,7 +464,7 @@ def test_awq_folds_an_experts_gate_up_into_the_norm_with_the_router_and_every_ex
     """AWQ's factors for a routed expert's gate/up fold into the norm before the MoE block: every expert's gate/up
     and the router's weight columns take s, so the routing and the logits are unchanged (SmoothQuant leaves them,
     see above)."""
-    from quantcore.smoothquant import fold_factors
+    from quantcore.algorithms.smoothquant import fold_factors
 
     model = dead_expert_model()
     x = ids(1, 12, seed=3)

@@ -1,4 +1,4 @@
-"""Golden values and properties of quantcore.outliers.
+"""Golden values and properties of quantcore.evaluation.outliers.
 
 Golden values come from the reference texts (shared/reference): INT8 per-tensor step
 amax/127 and flush below half a step; E4M3 smallest subnormal 2**-9 under the scale
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantcore import outliers as ol
-from quantcore.stats import HIST_BINS, LayerStats, hist_edges
+from quantcore.evaluation import outliers as ol
+from quantcore.evaluation.stats import HIST_BINS, LayerStats, hist_edges
 
 E4M3_MAN_BITS = 3
 E4M3_EMIN = -6
@@ -244,7 +244,7 @@ def test_breakage_block_granularity_rescues_small_tiles() -> None:
     assert block["frac_channels_flushed"] == pytest.approx(2 / 8)  # only 0.9 and 1.0 in the outlier's tile
     assert block["expected_saturation"] == 0.0  # dynamic scales do not clip
     # per-group along K (schemes.Granularity.GROUP) is the same estimate for activations
-    from quantcore.schemes import Granularity
+    from quantcore.schemes.specs import Granularity
 
     group = ol.layer_breakage(stat, "int8", Granularity.GROUP, block_size=4)
     assert group["frac_channels_flushed"] == pytest.approx(2 / 8)
@@ -446,7 +446,7 @@ def test_module_is_torch_free() -> None:
     import subprocess
     import sys
 
-    code = "import sys, quantcore.outliers; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, quantcore.evaluation.outliers; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quantcore.errors import PlanError
-from quantcore.parallel import (
+from quantcore.models.parallel import (
     AttentionHeads,
     Parallelism,
     attention_heads,
@@ -14,7 +14,7 @@ from quantcore.parallel import (
     partition,
     tp_misfits,
 )
-from quantcore.plans import (
+from quantcore.planning.plans import (
     PlanSpec,
     fp8_block_misfits,
     group_misfits,
@@ -221,7 +221,7 @@ def test_weight_only_layers_off_marlins_thread_tiles():
     """vLLM's Marlin wants (N, K) on a GPU multiples of (64, 128) or (128, 64): SmolLM2's fused q/k/v (960 x 576)
     and o_proj (576 x 576) are neither, gate/up (3072 x 576) and down_proj (576 x 1536) are. Recent vLLM pads
     them; older releases refuse Marlin there."""
-    from quantcore.plans import marlin_misfits, marlin_untiled
+    from quantcore.planning.plans import marlin_misfits, marlin_untiled
 
     shapes = llama_block(P, 576, SMOL, 1536)
     plan = dict.fromkeys(shapes, "W4A16_G64")
@@ -239,7 +239,7 @@ def test_weight_only_layers_off_marlins_thread_tiles():
 
 
 def test_the_gpus_of_a_plan_for_people():
-    from quantcore.plans import gpus_label
+    from quantcore.planning.plans import gpus_label
 
     assert gpus_label({"default": "FP8"}) == "1 GPU"
     assert gpus_label({"tensor_parallel": 4, "expert_parallel": True}) == "4 GPUs, experts whole"
@@ -259,7 +259,7 @@ def test_under_expert_parallelism_a_gpu_runs_its_range_of_experts():
 def test_the_inputs_the_gpus_share_are_the_row_parallel_ones():
     """A row-parallel layer's input is cut among the GPUs (each quantizes its own share); column-parallel layers,
     the router, lm_head, and a routed expert kept whole by expert parallelism read all of it."""
-    from quantcore.parallel import Parallelism
+    from quantcore.models.parallel import Parallelism
 
     split, ep = Parallelism(4), Parallelism(4, expert_parallel=True)
     assert [split.input_shards(f"model.layers.0.{leaf}") for leaf in

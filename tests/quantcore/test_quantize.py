@@ -1,4 +1,4 @@
-"""quantcore.quantize against named sources.
+"""quantcore.formats.quantize against named sources.
 
 Golden values: the OCP 8-bit floating point spec (OFP8 rev 1.0) and OCP MX v1.0 grids and
 rounding rule (round half to even, saturating conversion), torch's own float8 casts, and the
@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quantcore.formats import get_format, list_formats, representable_values
-from quantcore.quantize import (
+from quantcore.formats.catalog import get_format, list_formats, representable_values
+from quantcore.formats.quantize import (
     AmaxHistory,
     QuantReport,
     compute_amax,
@@ -338,8 +338,8 @@ def test_mx_weights_take_compressed_tensors_scales_activations_the_ocp_ones():
     """A checkpoint's MX weight scales are compressed-tensors' (generate_mx_scales): the block amax rounded to a power
     of two first, up from 1.75 x 2**e, so 7.5 (1.875 x 4) gets scale 2 where OCP's floor(log2 7.5) - 2 gives 1 and
     clips it to 6. Activations, quantized at serving time, keep the OCP rule."""
-    from quantcore.quantize import fake_quantize_weight, mx_weight_scale
-    from quantcore.schemes import TensorSpec
+    from quantcore.formats.quantize import fake_quantize_weight, mx_weight_scale
+    from quantcore.schemes.specs import TensorSpec
 
     spec = TensorSpec("mxfp4", "group", dynamic=False)
     w = torch.tensor([[7.5] + [1.0] * 31, [6.9] + [1.0] * 31, [1000.0] + [1.0] * 31])
@@ -446,7 +446,7 @@ def test_signed_zero_preserved():
 
 # ------------------------------------------------------------------ CPU fast paths == the reference formulas
 
-# The CPU shortcuts in quantcore.quantize (amax from max/min, rounding by exponent bits instead of
+# The CPU shortcuts in quantcore.formats.quantize (amax from max/min, rounding by exponent bits instead of
 # float8 casts, read-only report counts) must give the very same bits as the branch-free formulas
 # accelerators run; _may_branch switches between the two.
 MINIFLOATS = ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1"]
@@ -477,8 +477,7 @@ def _grid_points_midpoints_neighbours(fmt: str, dtype: torch.dtype) -> torch.Ten
 @pytest.mark.parametrize("fmt", MINIFLOATS)
 def test_in_place_minifloat_rounding_matches_torch_casts_and_reference(fmt, dtype, monkeypatch):
     # (every float32 in [-max, max] was also checked once, offline: 2.3e9 values per format, all equal)
-    from quantcore import quantize as qmod
-
+    from quantcore.formats import quantize as qmod
     e = get_format(fmt)
     pts = _grid_points_midpoints_neighbours(fmt, dtype)
     reference = round_minifloat(pts, e.man_bits, e.emin, e.max)
@@ -521,8 +520,7 @@ def _scales_for(fmt: str):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_cpu_shortcuts_match_branch_free_formulas(fmt, dtype, monkeypatch):
-    from quantcore import quantize as qmod
-
+    from quantcore.formats import quantize as qmod
     def run_all(x, gran, kw, scale):
         y, rep = fake_quantize_with_report(x, fmt, gran, scale=scale, **kw)
         q = quantize(x, fmt, gran, scale=scale, **kw) if not torch.isnan(x).any() else None
@@ -795,8 +793,8 @@ def grid_divisor(qmin: int, qmax: int) -> float:
 def test_int_weights_sit_on_compressed_tensors_grid(scheme, qmin, qmax, group):
     """Symmetric int weights as compressed-tensors stores them: scale amax / ((qmax - qmin) / 2), codes
     qmin..qmax; the most negative weight of a group lands on qmin, the largest positive one clips to qmax."""
-    from quantcore.quantize import fake_quantize_weight, int_weight_grid, weight_scale
-    from quantcore.schemes import get_scheme
+    from quantcore.formats.quantize import fake_quantize_weight, int_weight_grid, weight_scale
+    from quantcore.schemes.specs import get_scheme
 
     spec = get_scheme(scheme).weights
     gen = torch.Generator().manual_seed(3)
@@ -831,8 +829,8 @@ def test_asymmetric_int4_weights_span_each_groups_min_to_max(scheme, group):
     round(-8 - min / scale), so a group's 16 levels cover its own range. The group's minimum lands on code -8, its
     maximum on 7 (up to the rounding of the zero point), zero is exact, and on weights that are not centred on zero
     the error is smaller than the symmetric grid's."""
-    from quantcore.quantize import fake_quantize_weight, weight_scale, weight_zero_point
-    from quantcore.schemes import get_scheme
+    from quantcore.formats.quantize import fake_quantize_weight, weight_scale, weight_zero_point
+    from quantcore.schemes.specs import get_scheme
 
     spec = get_scheme(scheme).weights
     gen = torch.Generator().manual_seed(5)
@@ -856,9 +854,9 @@ def test_asymmetric_int4_weights_span_each_groups_min_to_max(scheme, group):
 
 
 def test_apply_plan_puts_int_weights_on_the_checkpoint_grid(tiny_llama):
-    from quantcore.apply import apply_plan
-    from quantcore.quantize import fake_quantize_weight
-    from quantcore.schemes import get_scheme
+    from quantcore.algorithms.apply import apply_plan
+    from quantcore.formats.quantize import fake_quantize_weight
+    from quantcore.schemes.specs import get_scheme
 
     layer = "model.layers.0.mlp.down_proj"
     w = tiny_llama.get_submodule(layer).weight.detach().clone()

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from quantcore.hardware import TARGETS
-from quantcore.roofline import step_bound
+from quantcore.kernels.hardware import TARGETS
+from quantcore.kernels.roofline import step_bound
 
 # an "8B model" as the reference counts it: 8e9 weights, here in eight 31,250 x 32,000 linears
 SHAPES = {f"layers.{i}": (31_250, 32_000) for i in range(8)}
@@ -90,12 +90,12 @@ def test_every_target_has_a_bandwidth_and_bad_input_is_refused() -> None:
 
 
 def test_import_is_torch_free() -> None:
-    code = "import sys, quantcore.roofline; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, quantcore.kernels.roofline; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_the_kv_cache_read_of_a_decode_step() -> None:
-    from quantcore.roofline import kv_read_ms
+    from quantcore.kernels.roofline import kv_read_ms
 
     # Llama 3 8B caches 128 KiB a token in BF16: batch 1 at 8k context reads 1 GiB, 0.32 ms on an H100 SXM
     assert kv_read_ms(128 * 1024, 8192, "h100") == pytest.approx(2**30 / 3.35e12 * 1e3)

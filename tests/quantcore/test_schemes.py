@@ -1,4 +1,4 @@
-"""quantcore.schemes: presets, validation, JSON round trip and fusion groups."""
+"""quantcore.schemes.specs: presets, validation, JSON round trip and fusion groups."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from quantcore.schemes import (
+from quantcore.schemes.specs import (
     Granularity,
     Scheme,
     TensorSpec,
@@ -24,7 +24,7 @@ ISSUE_PRESETS = [
     "INT8_PER_TENSOR_SQ", "INT8_W8A8", "INT8_W8A8_SQ", "W8A16", "W4A16", "MXFP8", "MXFP4",
     "NVFP4", "NVFP4A16", "BF16",
 ]  # fmt: skip
-# the same formats with GPTQ-rounded weights (quantcore.gptq): llm-compressor's GPTQModifier recipes
+# the same formats with GPTQ-rounded weights (quantcore.algorithms.gptq): llm-compressor's GPTQModifier recipes
 AWQ_PRESETS = ["W8A16_AWQ", "W4A16_AWQ", "W4A16_ASYM_AWQ", "W4A16_G64_AWQ", "W4A16_G64_ASYM_AWQ", "W4A16_G32_AWQ",
                "W4A16_G32_ASYM_AWQ", "W4A16_CHANNEL_AWQ", "NVFP4A16_AWQ"]
 GPTQ_PRESETS = ["INT8_W8A8_GPTQ", "INT8_W8A8_SQ_GPTQ", "W8A16_GPTQ", "W4A16_GPTQ", "W4A16_ASYM_GPTQ", "W4A16_G64_GPTQ",
@@ -213,7 +213,7 @@ def test_to_dict_is_json_safe_and_round_trips(name):
 
 
 def test_numerics_changes_name_what_an_older_quantplan_did_differently():
-    from quantcore.schemes import NUMERICS, numerics_changes
+    from quantcore.schemes.specs import NUMERICS, numerics_changes
 
     assert numerics_changes("W4A16", None) and numerics_changes("INT8_W8A8", 1)  # the former int grid
     assert numerics_changes("W4A16", 2) == numerics_changes("FP8_DYNAMIC", 1) == []
@@ -360,10 +360,10 @@ STORAGE_SHAPES = [(64, 256), (48, 200), (130, 129), (1, 16)]  # K not a multiple
 @pytest.mark.parametrize("name", [s for s in list_schemes() if get_scheme(s).weights is not None])
 @pytest.mark.parametrize("shape", STORAGE_SHAPES)
 def test_weight_scale_count_is_the_number_of_scales_quantize_makes(name, shape):
-    """The footprint counts exactly the scales quantcore.quantize produces for that weight."""
+    """The footprint counts exactly the scales quantcore.formats.quantize produces for that weight."""
     import torch
 
-    from quantcore.quantize import quantize
+    from quantcore.formats.quantize import quantize
 
     spec = get_scheme(name).weights
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from quantcore.errors import Cancelled, PlanError
-from quantcore.scoring import (
+from quantcore.evaluation.scoring import (
     KL_HIST_EDGES,
     ReferenceCache,
     ReferenceMismatch,
@@ -23,7 +23,7 @@ from quantcore.scoring import (
     score_plan,
     summarize,
 )
-from quantcore.sensitivity import linear_layer_names
+from quantcore.evaluation.sensitivity import linear_layer_names
 
 SEQS, LENGTH = 6, 24  # evaluation tokens of these tests: 6 sequences of 24 tokens
 BATCH = 4  # not a divisor of SEQS, so the last batch is short
@@ -264,8 +264,8 @@ def test_summarize_and_report_dict_round_trip():
 
 
 def calibration(model, ids):
-    """(act_amax, act_channel_max) as the worker passes them, from quantcore.calibrate."""
-    from quantcore.calibrate import calibrate
+    """(act_amax, act_channel_max) as the worker passes them, from quantcore.evaluation.calibrate."""
+    from quantcore.evaluation.calibrate import calibrate
 
     stats = calibrate(model, ids)
     return {n: s.amax for n, s in stats.items()}, {n: s.channel_max for n, s in stats.items()}
@@ -292,9 +292,9 @@ def test_smoothquant_helps_per_tensor_int8_and_restores(tiny_model_factory):
 def test_static_scale_of_a_smoothed_layer_is_its_smoothed_amax(tiny_model_factory):
     """For a static activation scale behind SmoothQuant the amax must be that of the smoothed input:
     max_j(channel_max_j / s_j). Checked against the amax measured on the smoothed model itself."""
-    from quantcore.apply import apply_plan
-    from quantcore.schemes import Scheme, get_scheme
-    from quantcore.smoothquant import smooth_model
+    from quantcore.algorithms.apply import apply_plan
+    from quantcore.algorithms.smoothquant import smooth_model
+    from quantcore.schemes.specs import Scheme, get_scheme
 
     fp8 = get_scheme("FP8")  # static per-tensor activations
     fp8_sq = Scheme("FP8_SQ", fp8.weights, fp8.activations, smoothquant_alpha=0.5)
@@ -345,8 +345,7 @@ def test_static_scales_that_clip_are_reported(tiny_model_factory):
 def test_token_stats_do_not_depend_on_the_block_size(monkeypatch):
     # blocks are a speed choice (cache-sized on a CPU); every reduction runs along one row, so the
     # stored form, NLL, argmax (ties included) and KL must be bit-identical for any block size
-    from quantcore import scoring
-
+    from quantcore.evaluation import scoring
     gen = torch.Generator().manual_seed(3)
     vocab, n = 1000, 37
     ref_logits = torch.randn(n, vocab, generator=gen) * 4
@@ -367,8 +366,8 @@ def test_token_stats_do_not_depend_on_the_block_size(monkeypatch):
 
 
 def test_score_reports_say_which_numerics_made_them():
-    from quantcore.schemes import NUMERICS
-    from quantcore.scoring import ScoreReport
+    from quantcore.evaluation.scoring import ScoreReport
+    from quantcore.schemes.specs import NUMERICS
 
     rep = ScoreReport(0.1, 0.1, 0.1, 0.1, 0.1, 0.9, 10.0, 11.0, 100)
     assert rep.numerics == NUMERICS >= 2 and rep.to_dict()["numerics"] == NUMERICS

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from quantcore.errors import Cancelled, PlanError
-from quantcore.quantize import sqnr_db
-from quantcore.scoring import ReferenceMismatch, compute_reference, plan_applied
-from quantcore.sensitivity import (
+from quantcore.evaluation.scoring import ReferenceMismatch, compute_reference, plan_applied
+from quantcore.evaluation.sensitivity import (
     SweepPace,
     find_decoder_blocks,
     linear_layer_names,
@@ -21,6 +20,7 @@ from quantcore.sensitivity import (
     sweep_units,
     time_left_text,
 )
+from quantcore.formats.quantize import sqnr_db
 
 SEQS, LENGTH = 4, 20  # evaluation tokens: 4 sequences of 20 tokens
 HEAD_SHARPEN = 15.0  # lm_head scale: next-token entropy ~2.5 nats, like a trained LM
@@ -108,7 +108,7 @@ def test_a_sweep_on_two_gpus_quantizes_each_unit_as_served_there(tiny_model_fact
     row-parallel layer with a dynamic per-tensor scale (each GPU's half of its input on its own scale) moves, a
     column-parallel one and lm_head do not. The planted outlier sits in one half of down_proj's input, so the other
     GPU's half keeps its resolution and the sweep on two GPUs blames that layer less."""
-    from quantcore.parallel import Parallelism
+    from quantcore.models.parallel import Parallelism
 
     model = sharp_model(tiny_model_factory, "llama", plant_outliers=False)
     planted = plant_down_proj_outlier(model, block=0)
@@ -237,7 +237,7 @@ def test_unsupported_architecture_is_named(tiny_model_factory):
 
 def test_smoothquant_sweep_tames_the_planted_outlier(tiny_model_factory):
     """SmoothQuant folds 1/s into up_proj's rows: the planted down_proj outlier stops dominating."""
-    from quantcore.calibrate import calibrate
+    from quantcore.evaluation.calibrate import calibrate
 
     model = sharp_model(tiny_model_factory, "llama", plant_outliers=False)
     planted = plant_down_proj_outlier(model, block=0)
@@ -269,8 +269,8 @@ def test_smoothquant_sweep_tames_the_planted_outlier(tiny_model_factory):
 def test_kv_sweep_equals_a_full_forward_with_every_other_layer_kept(arch, fmt, tiny_model_factory):
     """One attention layer's cache at a time: the replayed sweep gives the KL of a whole forward whose plan keeps
     every other layer out of the cache (kv_cache_skip), and the model is left as it was."""
-    from quantcore.kvcache import attention_modules, kv_amax_observed, kv_cache_quantized
-    from quantcore.sensitivity import kv_sensitivity_sweep
+    from quantcore.evaluation.kvcache import attention_modules, kv_amax_observed, kv_cache_quantized
+    from quantcore.evaluation.sensitivity import kv_sensitivity_sweep
 
     model = sharp_model(tiny_model_factory, arch)
     ids = eval_ids()

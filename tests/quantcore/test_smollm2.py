@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from quantcore.calibrate import calibrate
-from quantcore.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
-from quantcore.text import default_calibration_text, load_documents, token_batches
+from quantcore.evaluation.calibrate import calibrate
+from quantcore.evaluation.text import default_calibration_text, load_documents, token_batches
+from quantcore.models.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_outlier_ratios_over_all_linears_are_sane(stats):
 def test_gguf_converts_from_an_empty_cache(tmp_path, loaded):
     """A new machine has no conversion cache: the GGUF → safetensors path itself must work with the
     project's pinned dependencies (it once needed `accelerate`, which only a warm cache hid)."""
-    from quantcore.checkpoint import converted_gguf_folder
+    from quantcore.models.checkpoint import converted_gguf_folder
 
     folder = converted_gguf_folder(demo_gguf_path(), cache_dir=tmp_path)
     assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors"))
@@ -112,9 +112,9 @@ def test_fp8_attention_on_the_real_model(loaded):
     alone (README: 0.0121 against 0.0070 on 16 x 256 tokens)."""
     from functools import partial
 
-    from quantcore import kvcache
-    from quantcore.scoring import calibrate_kv_cache, compute_reference, score_plan
-    from quantcore.text import default_eval_text
+    from quantcore.evaluation import kvcache
+    from quantcore.evaluation.scoring import calibrate_kv_cache, compute_reference, score_plan
+    from quantcore.evaluation.text import default_eval_text
 
     model, tokenizer = loaded
     ids = token_batches(tokenizer, load_documents(default_eval_text()), n_samples=2, seq_len=64)

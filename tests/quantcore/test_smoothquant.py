@@ -1,4 +1,4 @@
-"""quantcore.smoothquant: the reference's worked example, exact folding on three architectures, restore."""
+"""quantcore.algorithms.smoothquant: the reference's worked example, exact folding on three architectures, restore."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from quantcore.algorithms.smoothquant import _gain_style, rows_divided_by, smooth_model, smoothing_factors
 from quantcore.errors import PlanError
-from quantcore.smoothquant import _gain_style, rows_divided_by, smooth_model, smoothing_factors
 
 from .conftest import linear_input_channel_max as channel_max
 
@@ -106,7 +106,7 @@ def test_folding_leaves_logits_unchanged(tiny_model, tiny_input_ids, alpha):
 
 
 def test_rows_divided_by_names_the_linears_an_o_proj_or_down_proj_fold_changes(tiny_model, tiny_input_ids):
-    # quantcore.gptq.rounding_inputs keys a kept GPTQ rounding by the folds that reach a layer's rows: they must be
+    # quantcore.algorithms.gptq.rounding_inputs keys a kept GPTQ rounding by the folds that reach a layer's rows: they must be
     # exactly the linears, besides the smoothed ones, whose weights smoothing o_proj and down_proj changes
     model = tiny_model
     before = snapshot(model)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantcore import text
-from quantcore.text import (
+from quantcore.evaluation import text
+from quantcore.evaluation.text import (
     ShortTextWarning,
     default_calibration_text,
     default_eval_text,

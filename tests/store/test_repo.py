@@ -7,7 +7,7 @@ import datetime as dt
 import numpy as np
 import pytest
 
-from quantcore.stats import HIST_BINS, LayerStats
+from quantcore.evaluation.stats import HIST_BINS, LayerStats
 from store import models as m
 from store import repo
 from store.db import session_scope
@@ -192,7 +192,7 @@ def test_a_case_skipped_for_time_is_reused_unless_the_budget_is_now_larger(qp_se
             s, device_name="CPU X", usable_only=True)}  # no budget asked: every skip is measured again
 
         # per case: that job timed the default 4 M values x every path (and the baseline) in its 60 s per shape
-        from quantcore.kernels import DEFAULT_MS, PATHS
+        from quantcore.kernels.bench import DEFAULT_MS, PATHS
 
         def usable_for(budget, cases):
             return {(r.m, r.path) for r in repo.newest_kernel_results(

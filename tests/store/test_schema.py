@@ -157,7 +157,7 @@ def test_upgrading_sqlite_to_0003_copies_the_tables_and_loses_no_row(qp_env):
 def test_upgrading_to_0004_marks_the_kernel_timings_taken_with_cold_caches(qp_env):
     """CUDA timings were always taken with the L2 flushed: 0004 marks them with the TIMING of that time (the current
     one, which a benchmark reuses); CPU ones (caches left warm) stay unmarked and are measured again."""
-    from quantcore.kernels import TIMING
+    from quantcore.kernels.bench import TIMING
     from store import repo
     from store.settings import get_settings
 

@@ -15,8 +15,8 @@ Module names and the model's structure are unchanged, so hooks that others regis
 name (calibration, scoring) still find the layers.
 
 SmoothQuant: pass ``act_channel_max`` and the schemes' α are folded first (see
-:mod:`quantcore.smoothquant`), before the weights are quantized; without it the caller is
-assumed to have smoothed the model already (as ``quantcore.scoring.plan_applied`` does)
+:mod:`quantcore.algorithms.smoothquant`), before the weights are quantized; without it the caller is
+assumed to have smoothed the model already (as ``quantcore.evaluation.scoring.plan_applied`` does)
 and the α are ignored here.
 
     with quantized_model(model, {"model.layers.0.mlp.down_proj": "FP8_DYNAMIC"}) as applied:
@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantcore.algorithms.gptq import gptq_quantize, smoothed_hessian
+from quantcore.algorithms.smoothquant import SmoothingHandle, smooth_model
 from quantcore.errors import PlanError, name_list
-from quantcore.gptq import gptq_quantize, smoothed_hessian
-from quantcore.parallel import Parallelism
-from quantcore.quantize import (
+from quantcore.formats.quantize import (
     QuantReport,
     fake_quantize,
     fake_quantize_weight,
@@ -48,11 +48,11 @@ from quantcore.quantize import (
     scale_from_amax,
     weight_scale,
 )
-from quantcore.schemes import Scheme, TensorSpec, expert_block, fusion_groups, get_scheme, list_schemes
-from quantcore.smoothquant import SmoothingHandle, smooth_model
+from quantcore.models.parallel import Parallelism
+from quantcore.schemes.specs import Scheme, TensorSpec, expert_block, fusion_groups, get_scheme, list_schemes
 
 _MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
-_N_COUNTS = 5  # [elements, nonzero, saturated, underflow, nan], as quantcore.quantize reports them
+_N_COUNTS = 5  # [elements, nonzero, saturated, underflow, nan], as quantcore.formats.quantize reports them
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class _LayerState:
     calls: int = 0
     hook: Any = None
     # a routed expert with dynamic per-tensor activations: (its LinearExperts block, "w13" | "w2"), whose
-    # block_amax for the current call sets the scale (quantcore.moe.LinearExperts._forward_block_scaled)
+    # block_amax for the current call sets the scale (quantcore.models.moe.LinearExperts._forward_block_scaled)
     block: tuple[nn.Module, str] | None = None
     # the GPUs' shares of the input a dynamic per-tensor / per-token scale is taken over (a row-parallel layer under
     # tensor parallelism: each GPU quantizes its own K / shards of the input; 1: the whole input)
@@ -220,7 +220,7 @@ def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] 
 def _moe_shared_scales(static: Mapping[str, float], schemes: Mapping[str, Scheme]) -> dict[str, float]:
     """Static input scales as vLLM's fused MoE layer reads them: for FP8 and INT8, one for the gate/up of every
     expert of a block (w13) and one for its down_proj (w2), the largest of its experts' ("Using the maximum across
-    experts for each layer"). With calibration running every expert on every token (quantcore.moe) the gate/up ones
+    experts for each layer"). With calibration running every expert on every token (quantcore.models.moe) the gate/up ones
     are equal anyway; the down_proj inputs differ from expert to expert. NVFP4's fused MoE keeps each expert's own
     input tensor scales (its w13 one the smaller global scale of the expert's gate and up, which read one input), so
     they are left as calibrated."""
@@ -406,17 +406,17 @@ def apply_plan(
     share_inputs:    quantize an input once for consecutive layers that read the same tensor with
                      the same activation spec and scale (q/k/v, gate/up); the results are
                      bit-identical either way, False only recomputes them per layer
-    weight_hessians: {layer: (K, K) Hessian of its input} (:func:`quantcore.gptq.collect_hessians`, on the
+    weight_hessians: {layer: (K, K) Hessian of its input} (:func:`quantcore.algorithms.gptq.collect_hessians`, on the
                      unsmoothed model: layers smoothed here get it transformed), required for layers whose
                      scheme rounds with GPTQ; their weight report is RTN's (the same scales)
     gptq_cache:      a dict that keeps the GPTQ-rounded weights by layer name and hands them out again on the
                      next apply (a sensitivity sweep applies one unit once per batch); the caller keeps the
                      weights, scheme and Hessian of a layer the same for as long as it passes the dict. A layer
                      already in it needs no Hessian (a job fills it from rounded weights kept on disk)
-    parallel:        the GPUs the plan is served on (:class:`quantcore.parallel.Parallelism`; None: one). A
+    parallel:        the GPUs the plan is served on (:class:`quantcore.models.parallel.Parallelism`; None: one). A
                      row-parallel layer's input is then quantized as each GPU quantizes its own share of it: a
                      dynamic per-tensor or per-token activation scale per share of K
-                     (:meth:`~quantcore.parallel.Parallelism.input_shards`), a routed expert's block-wide dynamic
+                     (:meth:`~quantcore.models.parallel.Parallelism.input_shards`), a routed expert's block-wide dynamic
                      scale per share too. Static scales (one calibrated number every GPU loads) and group / block
                      scales (whose groups a valid split never cuts) are the same on any number of GPUs.
 
@@ -540,7 +540,7 @@ def _requantize_fused_fp8(schemes: Mapping[str, Scheme], modules: Mapping[str, n
 
 def _fused_tensor_scales(schemes: Mapping[str, Scheme], modules: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:
     """{layer: NVFP4 tensor scale} for the members of every fusion group (q/k/v, gate/up) quantized here with NVFP4
-    weights: one scale from the largest |W| of the group (:func:`quantcore.quantize.fused_tensor_scale`), which is
+    weights: one scale from the largest |W| of the group (:func:`quantcore.formats.quantize.fused_tensor_scale`), which is
     what the checkpoint stores for them and vLLM's fused GEMM reads. Layers outside such a group keep their own."""
     out: dict[str, torch.Tensor] = {}
     nvfp4 = [n for n, s in schemes.items() if s.weights is not None and s.weights.format == "nvfp4"]
@@ -566,7 +566,7 @@ def gptq_hessians(
     if missing:
         raise PlanError(
             f"GPTQ rounds the weights of {name_list(missing)} from the Hessian of their inputs: collect it on "
-            "calibration text first (quantcore.gptq.collect_hessians), or choose a scheme without GPTQ"
+            "calibration text first (quantcore.algorithms.gptq.collect_hessians), or choose a scheme without GPTQ"
         )
     factors = smoothing_factors or {}
     assert hessians is not None or not wanted

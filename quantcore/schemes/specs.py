@@ -9,7 +9,7 @@ are quantplan's own.
 
 Granularity, for a weight W of shape (N, K) = (out_features, in_features) and an
 activation X of shape (..., K) (leading dims = tokens); the scale shapes are those of
-:func:`quantcore.quantize.quantize`:
+:func:`quantcore.formats.quantize.quantize`:
 
 ========  ================================  ====================================
 value     scale per                          scale shape
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from quantcore.formats import get_format
+from quantcore.formats.catalog import get_format
 
 SQ_DEFAULT_ALPHA = 0.5  # SmoothQuant migration strength used by the *_SQ presets [Xiao et al. 2022, sec. 4]
 W4_GROUP_SIZE = 128  # INT4 weight group along K, as in compressed-tensors' W4A16 preset
@@ -56,14 +56,14 @@ IDENTITY_BITS = 16  # bits reported for an unquantized operand (bf16 / fp16)
 # What a stored score's numbers mean, for reading old scores beside new ones (ScoreReport.numerics):
 #   1  int weights on a symmetric grid, the most negative code unused (scale amax / 127, amax / 7)
 #   2  int weights on compressed-tensors' grid (amax / 127.5, amax / 7.5; codes -128..127, -8..7), as llm-compressor
-#      writes them (quantcore.quantize.fake_quantize_weight); the GPTQ presets. A stored score without it is 1.
+#      writes them (quantcore.formats.quantize.fake_quantize_weight); the GPTQ presets. A stored score without it is 1.
 #   3  NVFP4 activations with their fp32 tensor scale calibrated (compressed-tensors' dynamic: local), not taken from
 #      each forward's own amax
 #   4  per-tensor E4M3 weights of a fusion group (q/k/v, gate/up) requantized to the group's largest scale, as vLLM
-#      loads them for its merged GEMM (quantcore.apply._requantize_fused_fp8)
+#      loads them for its merged GEMM (quantcore.algorithms.apply._requantize_fused_fp8)
 #   5  dynamic per-tensor activation scales of routed experts taken over the whole MoE block, as vLLM's fused MoE
-#      takes them (quantcore.moe.LinearExperts._forward_block_scaled), not over each expert's own tokens
-#   6  MX weights (MXFP4, MXFP8) on the E8M0 block scales compressed-tensors stores (quantcore.quantize.
+#      takes them (quantcore.models.moe.LinearExperts._forward_block_scaled), not over each expert's own tokens
+#   6  MX weights (MXFP4, MXFP8) on the E8M0 block scales compressed-tensors stores (quantcore.formats.quantize.
 #      mx_weight_scale: the amax rounded to a power of two first), not OCP's floor(log2 amax)
 #   7  a plan served on several GPUs (tensor_parallel): row-parallel layers (o_proj, down_proj, split routed
 #      experts' down_proj) take dynamic per-tensor / per-token activation scales over each GPU's share of K
@@ -74,7 +74,7 @@ NUMERICS_FUSED_FP8_TENSOR = 4  # the first version with fused per-tensor FP8 wei
 NUMERICS_MOE_BLOCK_DYNAMIC = 5  # the first version with routed experts' dynamic per-tensor scales block-wide
 NUMERICS_MX_WEIGHT_SCALES = 6  # the first version with MX weights on compressed-tensors' E8M0 scales
 NUMERICS_TP_INPUT_SHARES = 7  # the first version scoring a plan's row-parallel dynamic scales per GPU's share
-# GPTQ as quantcore.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
+# GPTQ as quantcore.algorithms.gptq runs it: llm-compressor 0.14's GPTQModifier defaults
 GPTQ_BLOCK_SIZE = 128  # GPTQModifier.block_size: columns per lazy batch update
 GPTQ_DAMPENING = 0.01  # GPTQModifier.dampening_frac: of mean(diag H), added to the diagonal
 AWQ_N_GRID = 20  # AWQModifier.n_grid: candidate scales per mapping
@@ -96,7 +96,7 @@ class Granularity(str, Enum):  # noqa: UP042 - the contract: (str, Enum) as comp
 class TensorSpec:
     """How one operand (weight or activation) is quantized.
 
-    format:      a registered format name (``quantcore.formats.list_formats()``)
+    format:      a registered format name (``quantcore.formats.catalog.list_formats()``)
     granularity: scale granularity; block formats (mxfp8/mxfp4/nvfp4) must use GROUP with
                  group_size equal to their block size (None is filled in)
     dynamic:     activation scales computed on every forward (True) or from a calibrated amax
@@ -107,7 +107,7 @@ class TensorSpec:
     block:       (rows, cols) tile for BLOCK granularity, e.g. (128, 128) for weights
     symmetric:   False: an int weight with a zero point per channel or group as well as a scale, so the
                  grid spans [min, max] of each group instead of [-amax, amax] (compressed-tensors'
-                 ``symmetric: false``, its W4A16_ASYM; :func:`quantcore.quantize.weight_zero_point`).
+                 ``symmetric: false``, its W4A16_ASYM; :func:`quantcore.formats.quantize.weight_zero_point`).
                  Only int formats with channel or group scales; activations are always symmetric.
     """
 
@@ -177,7 +177,7 @@ class TensorSpec:
     @property
     def dynamic_over_k(self) -> bool:
         """A dynamic scale taken over every element of K (per tensor or per token), which a row-parallel layer's
-        GPUs each take over their own share of K instead (quantcore.parallel.Parallelism.input_shards)."""
+        GPUs each take over their own share of K instead (quantcore.models.parallel.Parallelism.input_shards)."""
         return self.dynamic and self.granularity in (Granularity.TENSOR, Granularity.TOKEN)
 
     def to_dict(self) -> dict[str, Any]:
@@ -225,10 +225,10 @@ class Scheme:
     """Weight spec + activation spec (None: weight-only) + optional SmoothQuant α + weight rounding.
 
     A scheme with neither (``BF16``) leaves the layer unquantized. ``gptq``: the weights are rounded by
-    GPTQ on calibration inputs (:mod:`quantcore.gptq`, llm-compressor's ``GPTQModifier``) instead of to the
+    GPTQ on calibration inputs (:mod:`quantcore.algorithms.gptq`, llm-compressor's ``GPTQModifier``) instead of to the
     nearest grid point; the format, the scales and so the checkpoint's layout are the same. ``awq``: before
     rounding to nearest, each input channel of a weight-only layer is scaled by a factor searched on
-    calibration inputs and folded into the operator before it (:mod:`quantcore.awq`, llm-compressor's
+    calibration inputs and folded into the operator before it (:mod:`quantcore.algorithms.awq`, llm-compressor's
     ``AWQModifier``); the checkpoint's layout is again the same.
     """
 
@@ -409,7 +409,7 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool
     """How a result that quantcore numerics version ``numerics`` (None: a result stored before versions, 1) made
     of ``scheme`` differs from one made now, one phrase per change; [] when it would be the same. ``expert``: the
     result covers routed experts of an MoE block (some changes concern only them); ``input_shares``: the GPUs the
-    layer's input is cut among in the plan scored (quantcore.parallel.Parallelism.input_shards)."""
+    layer's input is cut among in the plan scored (quantcore.models.parallel.Parallelism.input_shards)."""
     scheme = get_scheme(scheme)
     version = int(numerics or 1)
     out = []
@@ -440,7 +440,7 @@ def numerics_changes(scheme: Scheme | str, numerics: int | None, *, expert: bool
 
 
 def gptq_unsupported(spec: TensorSpec | None) -> str | None:
-    """Why GPTQ cannot round weights of this spec, or None when it can (see :mod:`quantcore.gptq`).
+    """Why GPTQ cannot round weights of this spec, or None when it can (see :mod:`quantcore.algorithms.gptq`).
 
     GPTQ needs one fixed scale per weight element, known before it starts: the tensor, channel, group and
     block scales of the int and FP8 formats, and NVFP4's effective block scales (E4M3 block scale × fp32 tensor
@@ -456,7 +456,7 @@ def gptq_unsupported(spec: TensorSpec | None) -> str | None:
 
 
 def awq_unsupported(scheme: Scheme) -> str | None:
-    """Why AWQ cannot scale the layers of this scheme, or None when it can (see :mod:`quantcore.awq`).
+    """Why AWQ cannot scale the layers of this scheme, or None when it can (see :mod:`quantcore.algorithms.awq`).
 
     AWQ protects salient input channels of weight-only layers whose weights are rounded to nearest with one
     scale per row or per group along K: INT8 / INT4 (W8A16, W4A16: what llm-compressor's AWQ examples and vLLM's
@@ -901,7 +901,7 @@ def _fusion_index(layer_names: tuple[str, ...]) -> tuple[dict[str, tuple[str, ..
     return {m: g for g in _fusion_groups(layer_names) for m in g}, frozenset(layer_names)
 
 
-# The routed experts of one MoE block (quantcore.moe names them <block>.experts.<e>.<gate|up|down>_proj, as
+# The routed experts of one MoE block (quantcore.models.moe names them <block>.experts.<e>.<gate|up|down>_proj, as
 # llm-compressor does) are one fused MoE layer in vLLM, which quantizes every expert and projection of it with
 # one method: a plan gives the whole block one scheme.
 _EXPERT_RE = re.compile(r"^(?P<block>.*\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")

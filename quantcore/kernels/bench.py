@@ -58,14 +58,14 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import Cancelled
-from quantcore.routing import Routing, case_m, step_share
-from quantcore.schemes import W4_GROUP_SIZE, W4_SMALL_GROUP_SIZE, W4_TINY_GROUP_SIZE
+from quantcore.models.routing import Routing, case_m, step_share
+from quantcore.schemes.specs import W4_GROUP_SIZE, W4_SMALL_GROUP_SIZE, W4_TINY_GROUP_SIZE
 
 if TYPE_CHECKING:  # torch is imported inside functions: importing this module stays cheap
     import torch
 
-    from quantcore.hardware import DeviceInfo
-    from quantcore.parallel import Parallelism
+    from quantcore.kernels.hardware import DeviceInfo
+    from quantcore.models.parallel import Parallelism
 
 # --------------------------------------------------------------------------- paths
 
@@ -105,7 +105,7 @@ PATHS: tuple[str, ...] = (
     PATH_W4_CH,
 )
 
-#: Peak-table key (``quantcore.hardware.GpuTarget.peak_tflops``) of each base path on CUDA: the
+#: Peak-table key (``quantcore.kernels.hardware.GpuTarget.peak_tflops``) of each base path on CUDA: the
 #: weight-only kernels do their math in bf16.
 PEAK_KEY: dict[str, str] = {
     PATH_BASELINE: "bf16",
@@ -713,7 +713,7 @@ def run_benchmarks(
     """
     import torch
 
-    from quantcore.hardware import device_paths, probe_device, torch_error_text
+    from quantcore.kernels.hardware import device_paths, probe_device, torch_error_text
 
     want = bench_paths(paths)
     m_list = sorted({int(m) for m in ms})
@@ -999,7 +999,7 @@ def scheme_to_path(
 
 
 def scheme_path(scheme: Any) -> str | None:
-    """:func:`scheme_to_path` of a :class:`quantcore.schemes.Scheme` (``None`` weights: identity).
+    """:func:`scheme_to_path` of a :class:`quantcore.schemes.specs.Scheme` (``None`` weights: identity).
 
     An asymmetric INT4 weight (W4A16_ASYM) is timed on its group's ``w4_g*`` path: the INT4 kernel dequantizes
     ``(q - 8) * scale + zero`` with a zero per group either way (the benchmark's zeros are 0, which costs the same),
@@ -1043,7 +1043,7 @@ def step_estimate(
     and path, M = ``m_prefill`` or ``m_decode`` (batch x tokens); no interpolation: a
     layer whose case was not measured (absent or skipped) is listed under ``missing_*``
     and left out of the sum. A routed expert of an MoE model (``routed``: {layer:
-    :class:`quantcore.routing.Routing`}) counts its expected share: the time at the M of one
+    :class:`quantcore.models.routing.Routing`}) counts its expected share: the time at the M of one
     touched expert (``Routing.expert_m``, which the benchmark of an MoE model times) times the
     chance the step touches it. Returns::
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 # --------------------------------------------------------------------------- formats
 
-#: Format names understood here; they are the names of ``quantcore/formats.py``.
+#: Format names understood here; they are the names of ``quantcore/formats/catalog.py``.
 KNOWN_FORMATS: tuple[str, ...] = (
     "fp8_e4m3",
     "fp8_e5m2",
@@ -70,7 +70,7 @@ class GpuTarget:
     fp8, int8, fp4: whether W8A8 FP8, W8A8 INT8, W4A4 FP4 tensor-core math exists on it
     memory_gb:   device memory from the datasheet (GB, 10^9 bytes)
     memory_tbs:  memory bandwidth from the datasheet (TB/s, 10^12 bytes per second): what bounds a
-                 decode step (quantcore.roofline)
+                 decode step (quantcore.kernels.roofline)
     """
 
     key: str
@@ -383,7 +383,7 @@ def support_on_sm(sm: int | None, weight_format: str | None, act_format: str | N
 def support_on_target(target_key: str, weight_format: str | None, act_format: str | None) -> str:
     """Whether a layer's scheme runs ``"native"``, ``"emulated"`` or is ``"unsupported"`` on a GPU.
 
-    Formats are names from ``quantcore/formats.py`` (``fp8_e4m3``, ``fp8_e5m2``, ``int8``,
+    Formats are names from ``quantcore/formats/catalog.py`` (``fp8_e4m3``, ``fp8_e5m2``, ``int8``,
     ``int4``, ``fp4_e2m1``, ``mxfp8``, ``mxfp4``, ``nvfp4``); None means no quantization.
     Rules, first match wins (``sm`` = the target's compute capability):
 
@@ -662,7 +662,7 @@ WEIGHT_ONLY_NOTE = {  # what a weight-only kernel does, for the notes of device_
              "row's scale, where vLLM's Marlin reads the one scale)",
 }
 #: Kernel paths reported by :func:`device_paths` (the benchmark paths of
-#: ``quantcore.kernels`` plus FP4, which is reported but not benchmarked).
+#: ``quantcore.kernels.bench`` plus FP4, which is reported but not benchmarked).
 DEVICE_PATHS: tuple[str, ...] = ("baseline", "fp8_tensor", "fp8_row", "int8_row", *WEIGHT_ONLY_NOTE, "fp4")
 
 
@@ -690,7 +690,7 @@ def _try_tiny(device: str, path: str) -> str | None:
                 b = torch.ones(n, k, device=device, dtype=torch.int8)
                 torch._int_mm(a, b.t())
             elif path in WEIGHT_ONLY_NOTE:
-                from quantcore.kernels import W4_GROUP, W4_GROUPS, int4_weight_mm, pack_int4
+                from quantcore.kernels.bench import W4_GROUP, W4_GROUPS, int4_weight_mm, pack_int4
 
                 kind = "cuda" if device.startswith("cuda") else "cpu"
                 dtype = torch.bfloat16 if kind == "cuda" else torch.float32

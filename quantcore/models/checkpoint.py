@@ -141,11 +141,11 @@ class CheckpointSummary:
     # Qwen2.5-0.5B); None: summarised before this was kept
     tied_linears: list[str] | None = None
     # a mixture-of-experts model's routed experts, split into one linear per expert and projection
-    # (quantcore.moe): {"experts": E per block, "top_k": experts per token, "blocks": [module names]}; None: dense
+    # (quantcore.models.moe): {"experts": E per block, "top_k": experts per token, "blocks": [module names]}; None: dense
     moe: dict[str, Any] | None = None
-    # fused experts modules of a layout quantcore.moe cannot split (gpt-oss): their weights are in no plan
+    # fused experts modules of a layout quantcore.models.moe cannot split (gpt-oss): their weights are in no plan
     unsplit_experts: list[str] = field(default_factory=list)
-    # {"heads", "kv_heads", "head_dim"} of the attention (quantcore.parallel.AttentionHeads), which decide how q/k/v
+    # {"heads", "kv_heads", "head_dim"} of the attention (quantcore.models.parallel.AttentionHeads), which decide how q/k/v
     # split under tensor parallelism; None: the config does not say, or summarised before this was kept
     attention_heads: dict[str, int] | None = None
 
@@ -485,7 +485,7 @@ def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
     model's experts split into linears, as :func:`load_model` splits them)."""
     import torch
 
-    from quantcore.moe import split_experts
+    from quantcore.models.moe import split_experts
 
     try:
         with torch.device("meta"):
@@ -498,7 +498,7 @@ def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
 
 
 def linear_infos(model: PreTrainedModel) -> list[LinearInfo]:
-    """Every ``nn.Linear`` of a model (its experts split, :mod:`quantcore.moe`), in module order."""
+    """Every ``nn.Linear`` of a model (its experts split, :mod:`quantcore.models.moe`), in module order."""
     from torch import nn
 
     return [LinearInfo(name, module.in_features, module.out_features)
@@ -541,8 +541,8 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
     raw_config, tensors = _validate(folder)
     check_model_type(raw_config["model_type"])
     config = _load_config(folder)
-    from quantcore.moe import moe_summary, unsplit_experts
-    from quantcore.parallel import attention_heads
+    from quantcore.models.moe import moe_summary, unsplit_experts
+    from quantcore.models.parallel import attention_heads
 
     model = _meta_model(config)
     _check_shapes(model, tensors)
@@ -580,7 +580,7 @@ def attention_windows(model: PreTrainedModel) -> dict[str, int]:
     """{attention module: sliding window} of the windowed attention layers: a module's own ``sliding_window``
     where it keeps one (Gemma 3 and Qwen2 set it on their sliding layers only), else the config's for every
     layer (Mistral). A window no shorter than the longest context is no window."""
-    from quantcore.kvcache import attention_modules
+    from quantcore.evaluation.kvcache import attention_modules
 
     config = _text_config(model.config)
     longest = getattr(config, "max_position_embeddings", None)
@@ -974,7 +974,7 @@ def load_model(folder: Path, *, device: str = "cpu", dtype: torch.dtype | str | 
         tokenizer = AutoTokenizer.from_pretrained(folder, **options)
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
         raise CheckpointError(f"cannot load the checkpoint in {folder} ({type(exc).__name__}: {exc})") from exc
-    from quantcore.moe import split_experts
+    from quantcore.models.moe import split_experts
 
     split_experts(model)
     return model.to(device).eval(), tokenizer

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from quantcore.formats import E8M0_MAX_EXP, E8M0_MIN_EXP, Format, element_format, get_format
-from quantcore.schemes import Granularity, TensorSpec
+from quantcore.formats.catalog import E8M0_MAX_EXP, E8M0_MIN_EXP, Format, element_format, get_format
+from quantcore.schemes.specs import Granularity, TensorSpec
 
 F8E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 F8E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344.0
@@ -724,7 +724,7 @@ def fake_quantize(
     """Quantize then dequantize: a tensor of x's shape and dtype holding exactly representable values.
 
     x:           floating tensor, shape (..., K); any device
-    fmt:         a format name from :func:`quantcore.formats.list_formats`
+    fmt:         a format name from :func:`quantcore.formats.catalog.list_formats`
     granularity: "tensor" | "channel" | "token" | "group" | "block" (block formats fix their own)
     group_size:  G for "group"
     block:       (rows, cols) for "block", e.g. (128, 128)
@@ -774,7 +774,7 @@ def fake_quantize_with_counts(
 def fake_quantize_spec(
     x: torch.Tensor, spec: TensorSpec, *, scale: torch.Tensor | float | None = None
 ) -> torch.Tensor:
-    """:func:`fake_quantize` with the format and granularity of a :class:`~quantcore.schemes.TensorSpec`."""
+    """:func:`fake_quantize` with the format and granularity of a :class:`~quantcore.schemes.specs.TensorSpec`."""
     return fake_quantize(
         x, spec.format, spec.granularity, group_size=spec.group_size, block=spec.block, scale=scale
     )

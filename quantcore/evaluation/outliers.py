@@ -1,7 +1,7 @@
 """Outlier analysis from calibration statistics alone: thresholds, SmoothQuant, "what will break".
 
 numpy only (no torch, no pandas): the Streamlit app imports this module to draw the
-Outliers page, so everything here works on :class:`quantcore.stats.LayerStats` and
+Outliers page, so everything here works on :class:`quantcore.evaluation.stats.LayerStats` and
 plain arrays. Tables are returned as *columns* (``dict[str, np.ndarray]``, every
 column the same length) so ``pandas.DataFrame(columns)`` turns them into a frame
 without this module importing pandas.
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from quantcore.formats import Format, element_format, get_format, representable_values
-from quantcore.stats import LayerStats, hist_edges
+from quantcore.evaluation.stats import LayerStats, hist_edges
+from quantcore.formats.catalog import Format, element_format, get_format, representable_values
 
 Columns = dict[str, np.ndarray]
 """A table as named, equal-length numpy columns (``pandas.DataFrame(columns)`` reads it)."""
@@ -133,13 +133,13 @@ def shared_expert_inputs(
 ) -> tuple[list[LayerStats], dict[str, int]]:
     """The statistics with each MoE block's routed-expert gate/up inputs shown once.
 
-    Calibration runs every expert on every token (:func:`quantcore.moe.all_experts`), so the gate_proj and up_proj
+    Calibration runs every expert on every token (:func:`quantcore.models.moe.all_experts`), so the gate_proj and up_proj
     of all E experts of a block read one tensor, the block's input, and carry the same input statistics 2·E times.
     Returns (the statistics in their order with each such block's gate/up kept only as its first one, {kept layer:
     how many expert linears it stands for}). A block whose gate/up inputs differ (a calibration made before every
     expert saw every token) is left as it is.
     """
-    from quantcore.schemes import expert_block  # torch-free, like this module
+    from quantcore.schemes.specs import expert_block  # torch-free, like this module
 
     rows = _as_list(stats)
     blocks: dict[str, list[LayerStats]] = {}
@@ -244,7 +244,7 @@ def relative_error_bound(fmt_name: str, x_scaled: np.ndarray | float) -> np.ndar
 def _check_granularity(granularity: str) -> str:
     """The granularity as a plain string, ``group`` folded into ``block``; ValueError when unknown.
 
-    Accepts ``quantcore.schemes.Granularity`` members too (a ``str`` enum). For activations
+    Accepts ``quantcore.schemes.specs.Granularity`` members too (a ``str`` enum). For activations
     a per-group scale along K and a 1 x block tile are the same thing here: one scale per
     ``block_size`` consecutive channels of a token row.
     """

@@ -9,7 +9,7 @@ Three targets, all describing the same thing — which quantization every linear
   a compressed checkpoint's ``config.json`` and vLLM reads);
 - the matching **vLLM** ``serve`` command line.
 
-and the plan's KV cache format (:mod:`quantcore.kvcache`): ``FP8`` and ``FP8_ATTN`` are a
+and the plan's KV cache format (:mod:`quantcore.evaluation.kvcache`): ``FP8`` and ``FP8_ATTN`` are a
 ``kv_cache_scheme`` (static per-tensor E4M3, calibrated, so the recipe needs calibration data; vLLM
 reads the ``k_scale`` / ``v_scale`` it writes) plus ``--kv-cache-dtype fp8``, ``FP8_ATTN_HEAD`` the
 same with ``strategy: attn_head`` (a scale per KV head, read by vLLM's FlashAttention backend only); ``FP8_UNSCALED``,
@@ -49,7 +49,7 @@ their sources, and vLLM's compressed-tensors loader):
 
 Layer names
     ``layer_names`` must be every ``nn.Linear`` of the model, ``lm_head`` included (the
-    list :mod:`quantcore.calibrate` and the sensitivity sweep use): a single-scheme
+    list :mod:`quantcore.evaluation.calibrate` and the sensitivity sweep use): a single-scheme
     export targets the class ``Linear`` and relies on ``ignore`` for the BF16 layers.
 
 Import (``from_llmcompressor_recipe``, ``from_compressed_tensors_config``) gives each
@@ -74,11 +74,11 @@ import yaml
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
-from quantcore.formats import get_format
-from quantcore.kvcache import AUTO as KV_AUTO
-from quantcore.kvcache import KvCacheFormat, get_kv_format, normalize_kv_skip
-from quantcore.plans import TextDumper, group_label, is_w4afp8, scheme_label
-from quantcore.schemes import (
+from quantcore.evaluation.kvcache import AUTO as KV_AUTO
+from quantcore.evaluation.kvcache import KvCacheFormat, get_kv_format, normalize_kv_skip
+from quantcore.formats.catalog import get_format
+from quantcore.planning.plans import TextDumper, group_label, is_w4afp8, scheme_label
+from quantcore.schemes.specs import (
     AWQ_DUO_SCALING,
     AWQ_N_GRID,
     GPTQ_ACTORDER,
@@ -124,10 +124,10 @@ RECIPE_QUANT_GROUP = "quant_modifiers"
 RECIPE_SMOOTH_GROUP = "smoothing_modifiers"  # "smoothing_<i>_modifiers" when several alphas
 QUANT_MODIFIERS = ("QuantizationModifier", "GPTQModifier")  # GPTQ: same config, GPTQ-rounded weights
 GPTQ_MODIFIER = QUANT_MODIFIERS[1]
-# what quantcore.gptq runs, written out so that a later llm-compressor default cannot change the recipe
+# what quantcore.algorithms.gptq runs, written out so that a later llm-compressor default cannot change the recipe
 GPTQ_RECIPE_ARGS = {"block_size": GPTQ_BLOCK_SIZE, "dampening_frac": GPTQ_DAMPENING, "actorder": GPTQ_ACTORDER}
 AWQ_MODIFIER = "AWQModifier"  # llm-compressor 0.14: a transform before the quantization modifier that rounds
-# what quantcore.awq runs, written out so that a later llm-compressor default cannot change the recipe
+# what quantcore.algorithms.awq runs, written out so that a later llm-compressor default cannot change the recipe
 AWQ_RECIPE_ARGS = {"duo_scaling": AWQ_DUO_SCALING, "n_grid": AWQ_N_GRID}
 # AWQ mappings of Llama-style blocks (llm-compressor's default_mappings): leaf of the smooth layer (the norm's name
 # for the MLP is mlp_norm), leaves of the balance layers, and the submodule that holds them
@@ -853,7 +853,7 @@ class _Matcher:
 
 def _smoothquant_layers(plan: Mapping[str, Scheme], layer_names: Sequence[str]) -> dict[float, list[str]]:
     """{alpha: layers smoothed with it}, in order of first appearance. A routed expert's gate/up is never
-    smoothed (quantcore.smoothquant folds nothing into them: the norm before them also feeds the router), so no
+    smoothed (quantcore.algorithms.smoothquant folds nothing into them: the norm before them also feeds the router), so no
     mapping may name them, or llm-compressor would smooth what was scored unsmoothed; its down_proj is (into its
     own up_proj)."""
     out: dict[float, list[str]] = {}
@@ -1265,7 +1265,7 @@ def to_vllm_command(
       ``vllm serve <compressed_path> --quantization compressed-tensors``
       (``compressed_path`` defaults to ``<model_path>-quantplan``).
 
-    ``kv_cache`` (:mod:`quantcore.kvcache`) adds ``--kv-cache-dtype``: ``FP8_UNSCALED`` and
+    ``kv_cache`` (:mod:`quantcore.evaluation.kvcache`) adds ``--kv-cache-dtype``: ``FP8_UNSCALED`` and
     ``FP8_E5M2`` are that flag alone (scale 1.0); ``FP8``'s calibrated scales come from the
     llm-compressor checkpoint, so a plan with it always goes through the compression step.
     ``kv_skip`` (a plan's ``kv_cache_skip``: layer indices, ``sliding_window``) adds
@@ -1695,7 +1695,7 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        from quantcore.plans import yaml_problem
+        from quantcore.planning.plans import yaml_problem
 
         raise PlanError(f"the recipe is not valid YAML or JSON: {yaml_problem(exc)}") from exc
     modifiers = _recipe_modifiers(data, problems)

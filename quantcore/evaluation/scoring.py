@@ -37,7 +37,7 @@ Exactness
     reference computation operation for operation.
 
 Evaluation tokens are a LongTensor ``[S, L]``: S sequences of L tokens, no padding
-(``quantcore.text`` chunks the evaluation text that way). Position ``t`` of a
+(``quantcore.evaluation.text`` chunks the evaluation text that way). Position ``t`` of a
 sequence predicts token ``t + 1``; the L - 1 predicted positions of each sequence
 are scored.
 """
@@ -58,11 +58,11 @@ import torch
 from torch import Tensor, nn
 
 from quantcore.errors import Cancelled, PlanError, QuantcoreError, name_list
-from quantcore.schemes import NUMERICS, Scheme, get_scheme
+from quantcore.schemes.specs import NUMERICS, Scheme, get_scheme
 
 if TYPE_CHECKING:
-    from quantcore.awq import AwqResult
-    from quantcore.parallel import Parallelism
+    from quantcore.algorithms.awq import AwqResult
+    from quantcore.models.parallel import Parallelism
 
 Progress = Callable[[float, str], None]
 ShouldCancel = Callable[[], bool]
@@ -462,10 +462,10 @@ class ScoreReport:
     kl_hist:        ``{edges: [...], counts: [...]}`` on KL_HIST_EDGES (first bin holds exact zeros)
     act_saturation: ``{layer: fraction of input elements clipped}`` for layers with static
                     (calibrated) activation scales: a static scale that clips live traffic shows here
-    kv_cache:       the KV cache format scored (:mod:`quantcore.kvcache`; ``AUTO``: not quantized)
+    kv_cache:       the KV cache format scored (:mod:`quantcore.evaluation.kvcache`; ``AUTO``: not quantized)
     kv_saturation:  ``{attention layer: fraction of K and V elements clipped}`` under that format
     notes:          messages for people about how the plan was applied (e.g. smoothing skipped)
-    numerics:       :data:`quantcore.schemes.NUMERICS` of the quantcore that scored it (1 when a stored report
+    numerics:       :data:`quantcore.schemes.specs.NUMERICS` of the quantcore that scored it (1 when a stored report
                     has none)
     """
 
@@ -561,7 +561,7 @@ def _to_tensor(x: Any) -> Tensor:
 class AppliedContext:
     """What :func:`plan_applied` did to the model.
 
-    handle:    the handle ``quantcore.apply.apply_plan`` returned
+    handle:    the handle ``quantcore.algorithms.apply.apply_plan`` returned
     smoothing: ``{layer: [K] factor s}`` of every layer whose input was divided by s
     notes:     messages for people, e.g. a layer whose scheme asks for SmoothQuant that
                could not be smoothed exactly (it is quantized unsmoothed)
@@ -602,17 +602,17 @@ def plan_applied(
     track_saturation: count clipped activations of layers with static scales
         (``ctx.handle.stats()``); dynamic scales cannot clip, so they are never tracked.
     weight_hessians: ``{layer: Hessian}`` of the unsmoothed inputs, needed by every layer whose
-        scheme rounds with GPTQ (:func:`quantcore.gptq.collect_hessians`).
-    gptq_cache: see :func:`quantcore.apply.apply_plan`.
-    awq: the factors :func:`quantcore.awq.awq_search` found for the layers whose scheme scales with AWQ
+        scheme rounds with GPTQ (:func:`quantcore.algorithms.gptq.collect_hessians`).
+    gptq_cache: see :func:`quantcore.algorithms.apply.apply_plan`.
+    awq: the factors :func:`quantcore.algorithms.awq.awq_search` found for the layers whose scheme scales with AWQ
         (needed when there are any); they are folded after SmoothQuant's, before rounding. A layer the
         search skipped is rounded unscaled, with a note.
     parallel: the GPUs the plan is served on: row-parallel layers take their dynamic activation scales over
-        each GPU's share of the input (see :func:`quantcore.apply.apply_plan`); None: one GPU.
+        each GPU's share of the input (see :func:`quantcore.algorithms.apply.apply_plan`); None: one GPU.
 
     Yields an :class:`AppliedContext`.
     """
-    from quantcore.apply import apply_plan
+    from quantcore.algorithms.apply import apply_plan
 
     schemes = _as_schemes(plan)
     alphas = {
@@ -632,7 +632,7 @@ def plan_applied(
     if awq_layers and awq is None:
         raise PlanError(
             f"AWQ scales the inputs of {name_list(awq_layers)} by factors searched on calibration text: run "
-            "quantcore.awq.awq_search first, or choose a scheme without AWQ"
+            "quantcore.algorithms.awq.awq_search first, or choose a scheme without AWQ"
         )
     smoothing = None
     awq_folds = None
@@ -640,7 +640,7 @@ def plan_applied(
     try:
         amax = dict(act_amax) if act_amax is not None else None
         if alphas:
-            from quantcore.smoothquant import smooth_model
+            from quantcore.algorithms.smoothquant import smooth_model
 
             assert act_channel_max is not None  # checked above
             try:
@@ -658,7 +658,7 @@ def plan_applied(
                         amax[layer] = float((cm / _to_tensor(s)).max())
         awq_notes = []
         if awq_layers:
-            from quantcore.smoothquant import fold_factors
+            from quantcore.algorithms.smoothquant import fold_factors
 
             assert awq is not None
             found = {layer: awq.factors[layer] for layer in awq_layers if layer in awq.factors}
@@ -678,7 +678,7 @@ def plan_applied(
         static = any(s.activations is not None and not s.activations.dynamic for s in schemes.values())
         hessians = weight_hessians
         if smoothing is not None and weight_hessians is not None:
-            from quantcore.apply import gptq_hessians
+            from quantcore.algorithms.apply import gptq_hessians
 
             hessians = gptq_hessians(schemes, weight_hessians, smoothing.factors, rounded=gptq_cache or ())
         applied = apply_plan(model, schemes, act_amax=amax, track_stats=track_saturation and static,
@@ -723,10 +723,10 @@ def calibrate_kv_cache(
 ) -> Any:
     """Per attention layer max |K| and |V| on calibration tokens, with ``plan`` applied as it will be
     served (K and V come out of the quantized k_proj / v_proj): what calibrated KV cache scales
-    (amax / 448) are made of; |Q| is recorded too. Returns a :class:`quantcore.kvcache.KvAmax`.
+    (amax / 448) are made of; |Q| is recorded too. Returns a :class:`quantcore.evaluation.kvcache.KvAmax`.
     ``gptq_cache``: see :func:`score_plan` (the score that follows reuses its GPTQ-rounded weights); ``parallel``:
     the GPUs the plan is served on (see :func:`plan_applied`)."""
-    from quantcore.kvcache import kv_amax_observed
+    from quantcore.evaluation.kvcache import kv_amax_observed
 
     ids = as_token_batch(input_ids)
     ranges = batch_ranges(ids.shape[0], batch_size)
@@ -776,19 +776,24 @@ def score_plan(
     bit-identical to the reference), and restores the model exactly afterwards, also
     on error or cancel. Layers missing from ``plan`` stay unquantized.
 
-    kv_cache: a KV cache format (:mod:`quantcore.kvcache`) to store K and V in as well; a calibrated
+    kv_cache: a KV cache format (:mod:`quantcore.evaluation.kvcache`) to store K and V in as well; a calibrated
         one (``FP8``) needs ``kv_amax`` (:func:`calibrate_kv_cache`).
     kv_skip: a plan's ``kv_cache_skip`` entries (decoder layer indices, ``"sliding_window"``): those
-        attention layers keep the model's dtype (:func:`quantcore.kvcache.kv_skip_layers`).
+        attention layers keep the model's dtype (:func:`quantcore.evaluation.kvcache.kv_skip_layers`).
     weight_hessians: ``{layer: Hessian}`` for the layers whose scheme rounds with GPTQ (see :func:`plan_applied`).
     awq: AWQ's factors for the layers whose scheme scales with AWQ (see :func:`plan_applied`).
-    gptq_cache: GPTQ-rounded weights to reuse and fill (see :func:`quantcore.apply.apply_plan`): the same dict
+    gptq_cache: GPTQ-rounded weights to reuse and fill (see :func:`quantcore.algorithms.apply.apply_plan`): the same dict
         given to :func:`calibrate_kv_cache` before rounds each GPTQ layer once for both.
     parallel: the GPUs the plan is served on (a plan's ``tensor_parallel``, ``expert_parallel``): row-parallel
         layers quantize each GPU's share of their input on its own dynamic scale (see :func:`plan_applied`).
     """
-    from quantcore.checkpoint import attention_windows
-    from quantcore.kvcache import attention_modules, get_kv_format, kv_cache_quantized, kv_skip_layers
+    from quantcore.evaluation.kvcache import (
+        attention_modules,
+        get_kv_format,
+        kv_cache_quantized,
+        kv_skip_layers,
+    )
+    from quantcore.models.checkpoint import attention_windows
 
     kv = get_kv_format(kv_cache)
     skip = (kv_skip_layers(kv_skip, attention_modules(model), attention_windows(model))

@@ -12,15 +12,15 @@ INT4 shrinks the first term and leaves the second; FP8 W8A8 halves both on a GPU
 FP8 tensor cores run at twice the bf16 rate. A decode step (B = the batch) is bound by
 the weight read, a prefill (B = batch x prompt tokens) by the math.
 
-A routed expert of a mixture-of-experts model (``routed``: {layer: :class:`quantcore.routing.Routing`}) counts
+A routed expert of a mixture-of-experts model (``routed``: {layer: :class:`quantcore.models.routing.Routing`}) counts
 its expected share of a step: its weight read times the chance a token of the step reaches it, its math on
 the tokens it gets (``m * top_k / experts`` on average).
 
 What the bound counts: the plan's linear layers only (embeddings, attention over the KV
 cache, norms and activations are left out; :func:`kv_read_ms` bounds the KV cache read of a
 decode step apart, to add at a given context), weights at their stored size
-(:func:`quantcore.schemes.weight_storage_bits`), and the math at the peak of the
-precision that runs natively on the target (:func:`quantcore.hardware.support_on_target`):
+(:func:`quantcore.schemes.specs.weight_storage_bits`), and the math at the peak of the
+precision that runs natively on the target (:func:`quantcore.kernels.hardware.support_on_target`):
 FP8 / INT8 / FP4 tensor cores where the scheme's activations use them, bf16 otherwise
 (weight-only schemes, and schemes the target only emulates). A real engine gets less
 than the bound; it is the shape to plan with, where no measured kernel time exists.
@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from quantcore.hardware import get_target, support_on_target
-from quantcore.plans import scheme_label
-from quantcore.routing import Routing
-from quantcore.schemes import Scheme, get_scheme, weight_storage_bits
+from quantcore.kernels.hardware import get_target, support_on_target
+from quantcore.models.routing import Routing
+from quantcore.planning.plans import scheme_label
+from quantcore.schemes.specs import Scheme, get_scheme, weight_storage_bits
 
 BF16_KEY = "bf16"
 # activation format -> the peak-table key of the tensor cores that run it natively
@@ -72,7 +72,7 @@ class StepBound:
 @dataclass(frozen=True)
 class LayerBound:
     """One linear's roofline terms (ms) on a target: the weight read, the math, and how the target runs
-    its scheme (quantcore.hardware.support_on_target: only "native" math runs at the low precision)."""
+    its scheme (quantcore.kernels.hardware.support_on_target: only "native" math runs at the low precision)."""
 
     memory_ms: float
     compute_ms: float
@@ -101,7 +101,7 @@ def layer_bound(scheme: Scheme | str, n: int, k: int, target_key: str, m: int,
 def cost_from_roofline(schemes: Sequence[str], shapes: Mapping[str, tuple[int, int]], target_key: str,
                        m: int, routed: Mapping[str, Routing] | None = None) -> dict[str, dict[str, float]]:
     """{scheme: {layer: ideal ms}} at ``m`` tokens on a target: the cost table of
-    :func:`quantcore.autoplan.auto_plan` for a GPU nobody has measured."""
+    :func:`quantcore.planning.autoplan.auto_plan` for a GPU nobody has measured."""
     if m < 1:
         raise ValueError(f"m must be a positive number of tokens, got {m}")
     routed = routed or {}

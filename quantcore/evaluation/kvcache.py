@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import PlanError, name_list
-from quantcore.formats import get_format
+from quantcore.formats.catalog import get_format
 
 if TYPE_CHECKING:  # torch-free at import: the app reads the format registry and the memory figures
     import torch
@@ -579,7 +579,7 @@ def _fake_quantize_cache(x: torch.Tensor, elem: Any, scale: float | list[float])
     the heads become the rows of a per-channel quantization. (y, counts) as ``fake_quantize_with_counts``."""
     import torch
 
-    from quantcore.quantize import fake_quantize_with_counts
+    from quantcore.formats.quantize import fake_quantize_with_counts
 
     if not isinstance(scale, list):
         return fake_quantize_with_counts(x, elem, "tensor", scale=scale)
@@ -605,7 +605,7 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAm
     """
     import torch
 
-    from quantcore.quantize import fake_quantize_with_counts, scale_from_amax
+    from quantcore.formats.quantize import fake_quantize_with_counts, scale_from_amax
 
     kv = get_kv_format(fmt)
     applied = KvApplied(fmt=kv)

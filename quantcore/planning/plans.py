@@ -22,7 +22,7 @@ The plan file is YAML, the same format the UI saves and exports::
       model.layers.0.mlp.down_proj: {scheme: INT8_W8A8_SQ, smoothquant_alpha: 0.75}
       model.layers.1.mlp.down_proj: {smoothquant_alpha: 0.6}   # alpha only, scheme from rules
 
-Resolution (:func:`resolve_plan`) gives every layer a :class:`~quantcore.schemes.Scheme`:
+Resolution (:func:`resolve_plan`) gives every layer a :class:`~quantcore.schemes.specs.Scheme`:
 ``default`` first, then each rule in file order (a later match overrides an earlier
 one), then the explicit ``layers`` entries. SmoothQuant alpha: the global
 ``smoothquant_alpha`` replaces the preset alpha of every scheme that smooths
@@ -53,11 +53,11 @@ import yaml
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format_problems
 from quantcore.errors import name_list as _cut
-from quantcore.kvcache import AUTO as KV_AUTO
-from quantcore.kvcache import get_kv_format, normalize_kv_skip
-from quantcore.parallel import ONE_GPU, AttentionHeads, Parallelism, parse_tp, partition
-from quantcore.parallel import ROW as TP_ROW
-from quantcore.schemes import (
+from quantcore.evaluation.kvcache import AUTO as KV_AUTO
+from quantcore.evaluation.kvcache import get_kv_format, normalize_kv_skip
+from quantcore.models.parallel import ONE_GPU, AttentionHeads, Parallelism, parse_tp, partition
+from quantcore.models.parallel import ROW as TP_ROW
+from quantcore.schemes.specs import (
     IDENTITY_BITS,
     Granularity,
     Scheme,
@@ -117,13 +117,13 @@ class PlanSpec:
     layers:            ``{layer name: scheme name}`` overrides; win over rules
     smoothquant_alpha: global alpha for every scheme that smooths (``None``: each preset's own)
     layer_alpha:       ``{layer name: alpha}``; wins over the global alpha for that layer
-    kv_cache:          how the serving engine stores K and V (:mod:`quantcore.kvcache`: ``AUTO``,
+    kv_cache:          how the serving engine stores K and V (:mod:`quantcore.evaluation.kvcache`: ``AUTO``,
                        ``FP8``, ``FP8_UNSCALED``, ``FP8_E5M2``, ``FP8_ATTN``, ``FP8_ATTN_UNSCALED``, ``FP8_ATTN_HEAD``); not a
                        linear layer, one per plan
     kv_cache_skip:     attention layers whose cache stays in the model's dtype (vLLM's
                        ``--kv-cache-dtype-skip-layers``): decoder layer indices and/or ``"sliding_window"``,
-                       as strings; checked against the model by :func:`quantcore.kvcache.kv_skip_layers`
-    tensor_parallel:   GPUs vLLM splits every layer over (``--tensor-parallel-size``; :mod:`quantcore.parallel`):
+                       as strings; checked against the model by :func:`quantcore.evaluation.kvcache.kv_skip_layers`
+    tensor_parallel:   GPUs vLLM splits every layer over (``--tensor-parallel-size``; :mod:`quantcore.models.parallel`):
                        the serving checks then read each GPU's share; 1 by default
     expert_parallel:   an MoE model's routed experts whole, the GPUs sharing them out (``--enable-expert-parallel``)
                        instead of every expert split over the GPUs; False by default
@@ -494,9 +494,9 @@ def _mixed_fusion_groups(groups: Sequence[Sequence[str]], resolved: Mapping[str,
                          names: Sequence[str]) -> list[str]:
     """One problem per way fusion groups mix schemes: a rule that matched q_proj alone mixes every block's q/k/v
     the same way, which is one message naming the groups and a rule that sets exactly those groups whole
-    (quantcore.export.compact_targets over ``names``), not one message per block. Groups that differ only in their
+    (quantcore.export.targets.compact_targets over ``names``), not one message per block. Groups that differ only in their
     SmoothQuant alphas are told to share one alpha (no scheme rule mends that)."""
-    from quantcore.export import compact_targets  # export builds on this module
+    from quantcore.export.targets import compact_targets  # export builds on this module
 
     mixes: dict[tuple[tuple[str, str], ...], list[Sequence[str]]] = {}
     for group in groups:
@@ -656,7 +656,7 @@ def plan_footprint(
     """Weight memory of a resolved plan, per scheme and in total, next to BF16.
 
     ``shapes`` maps each layer to its (N, K); every layer of ``resolved`` needs one (a
-    ValueError names those without). Sizes come from :func:`quantcore.schemes.weight_storage_bits`:
+    ValueError names those without). Sizes come from :func:`quantcore.schemes.specs.weight_storage_bits`:
     the linear weights only (embeddings, norms and biases are not the plan's to change).
     """
     missing = [layer for layer in resolved if layer not in shapes]
@@ -737,7 +737,7 @@ def group_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tup
     how many layers and which K; an empty list when every group fits.
 
     Split over ``parallel.tp`` > 1 GPUs a row-parallel layer (o_proj, down_proj) holds K / tp inputs on each GPU
-    (:mod:`quantcore.parallel`), and a group of weights must not straddle two GPUs: vLLM refuses a shard that is not
+    (:mod:`quantcore.models.parallel`), and a group of weights must not straddle two GPUs: vLLM refuses a shard that is not
     a whole number of groups (``verify_group_size_divides_partition``: "This happens when tensor_parallel_size splits
     the layer input into shards that are not a whole number of quant groups"). Those layers get a message of their
     own, per (scheme, group). (FP8_BLOCK's shards are :func:`fp8_block_misfits`'.)
@@ -812,7 +812,7 @@ def fp8_block_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str,
       output_partition_size = ... is not divisible by weight quantization block_n"): one member's blocks would
       straddle the next (the last member may end in a partial block);
     - split over ``parallel.tp`` > 1 GPUs, each GPU's share of a column-parallel layer's members, all of them
-      (:mod:`quantcore.parallel`);
+      (:mod:`quantcore.models.parallel`);
     - split, each GPU's share of a row-parallel layer's K (o_proj, down_proj), a whole number of the blocks' columns
       ("Weight input_size_per_partition = ... is not divisible by weight quantization block_k").
 
@@ -995,13 +995,13 @@ def marlin_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
             "check your vLLM, or keep those layers in another scheme"]
 
 
-AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.awq
+AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.algorithms.awq
 
 
 def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
     """Why some layers planned with AWQ will be rounded unscaled, one message (or none).
 
-    AWQ folds 1/s into the operator before a layer (:mod:`quantcore.awq`): a layer with none (lm_head, a
+    AWQ folds 1/s into the operator before a layer (:mod:`quantcore.algorithms.awq`): a layer with none (lm_head, a
     projection outside the Llama-style blocks) or an o_proj under grouped-query attention (v_proj has fewer
     outputs than o_proj has inputs; llm-compressor's AWQModifier skips that mapping too) is rounded to nearest
     without scaling: the plan still serves, it just gains nothing from AWQ there.

@@ -12,7 +12,7 @@ With ``--tensor-parallel-size T`` vLLM cuts every linear layer in T shards, one 
 A quantization format that groups or tiles along an axis then needs that axis of each *shard* divisible, not just
 of the whole layer: a group of 128 inputs must not straddle two GPUs. :meth:`Parallelism.shards` gives each layer's (N, K)
 on one GPU; :func:`tp_misfits` says what vLLM refuses at that size before any quantization; the format checks of
-:mod:`quantcore.plans` take a :class:`Parallelism` and read the shards.
+:mod:`quantcore.planning.plans` take a :class:`Parallelism` and read the shards.
 
 Torch-free: the app imports it.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantcore.schemes import expert_block, expert_blocks
+from quantcore.schemes.specs import expert_block, expert_blocks
 
 
 def expert_index(layer: str) -> int:

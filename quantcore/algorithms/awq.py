@@ -2,7 +2,7 @@
 
 A weight-only layer computes ``X Wᵀ``. For any positive s (one per input channel) ``X Wᵀ = (X / s)(W · s)ᵀ``
 exactly, and the division by s folds into the operator that produces X, as SmoothQuant's does
-(:mod:`quantcore.smoothquant`: the norm gain before q/k/v and gate/up, v_proj's rows before o_proj, up_proj's
+(:mod:`quantcore.algorithms.smoothquant`: the norm gain before q/k/v and gate/up, v_proj's rows before o_proj, up_proj's
 rows before down_proj). SmoothQuant chooses s to flatten *activations* that will be quantized; AWQ keeps the
 activations in 16 bits and chooses s so that rounding ``W · s`` loses the least where the inputs are large:
 scaling a salient input channel up gives its weights more of the grid.
@@ -40,10 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantcore.algorithms.smoothquant import GQA_NO_FACTORS, SmoothingHandle, _plan_unit, _Unit, fold_factors
 from quantcore.errors import Cancelled, PlanError, name_list
-from quantcore.moe import all_experts
-from quantcore.quantize import fake_quantize_weight, fused_tensor_scale
-from quantcore.schemes import (
+from quantcore.formats.quantize import fake_quantize_weight, fused_tensor_scale
+from quantcore.models.moe import all_experts
+from quantcore.schemes.specs import (
     AWQ_DUO_SCALING,
     AWQ_N_GRID,
     Granularity,
@@ -52,7 +53,6 @@ from quantcore.schemes import (
     fusion_groups,
     get_scheme,
 )
-from quantcore.smoothquant import GQA_NO_FACTORS, SmoothingHandle, _plan_unit, _Unit, fold_factors
 
 W_MEAN_EPS = 1e-6  # llm-compressor's _compute_layer_means: |W| / (group max + 1e-6)
 SCALE_FLOOR = 1e-4  # its clamp of the candidate scales and the floor added to w̄^(1-r)
@@ -62,7 +62,7 @@ SCALE_FLOOR = 1e-4  # its clamp of the candidate scales and the floor added to w
 class AwqMapping:
     """One fold AWQ searches: the layers whose input is divided by one s, and the module whose output is compared."""
 
-    kind: str  # "norm" | "v_rows" | "up_rows", as quantcore.smoothquant's units
+    kind: str  # "norm" | "v_rows" | "up_rows", as quantcore.algorithms.smoothquant's units
     balance: tuple[str, ...]  # consumers: their weights are multiplied by s
     smooth: str  # the module that absorbs 1/s
     parent: str  # smallest module holding every balance layer; its output is the loss's
@@ -74,7 +74,7 @@ class AwqResult:
     """What :func:`awq_search` found.
 
     factors: {linear: (K,) s} for every balance layer of a searched mapping (fold them with
-             ``quantcore.smoothquant.fold_factors``, or let :func:`quantcore.scoring.plan_applied` do it)
+             ``quantcore.algorithms.smoothquant.fold_factors``, or let :func:`quantcore.evaluation.scoring.plan_applied` do it)
     skipped: {linear: reason} for planned layers left unscaled
     errors:  {mapping label: (loss without scaling, best loss, best r)}; r < 0 marks the unscaled candidate
     history: {mapping label: [(r, loss)] of every candidate, in grid order}
@@ -106,7 +106,7 @@ def awq_mappings(model: nn.Module, layers: Iterable[str]) -> tuple[list[AwqMappi
     A mapping covers a whole fusion group (q/k/v, gate/up): asking for one member scales them all, as they
     read one tensor.
     """
-    from quantcore.sensitivity import find_decoder_blocks
+    from quantcore.evaluation.sensitivity import find_decoder_blocks
 
     modules = dict(model.named_modules())
     linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
@@ -324,7 +324,7 @@ def awq_search(
         batch_list = list(batches)
     if not mappings:
         return result
-    from quantcore.sensitivity import find_decoder_blocks
+    from quantcore.evaluation.sensitivity import find_decoder_blocks
 
     stack = find_decoder_blocks(model)
     modules = dict(model.named_modules())
@@ -341,7 +341,7 @@ def awq_search(
             sums = {m.balance[0]: _AbsSum() for m in here}
             hooks = [modules[p].register_forward_pre_hook(c, with_kwargs=True) for p, c in captures.items()]
             hooks += [modules[n].register_forward_pre_hook(s) for n, s in sums.items()]
-            try:  # an MoE block's experts see every token, as in llm-compressor's calibration (quantcore.moe)
+            try:  # an MoE block's experts see every token, as in llm-compressor's calibration (quantcore.models.moe)
                 with all_experts():
                     outs = [_first(block(h, *extra, **kw)) for h, (extra, kw) in zip(hidden, rest[b], strict=True)]
             finally:

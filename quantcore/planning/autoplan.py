@@ -21,7 +21,7 @@ Which schemes a unit may take
 
 Sensitivity input
     ``sensitivity`` maps a scheme name to ``{key: KL}``, where a key is a *unit label*
-    (``model.layers.3.self_attn.{q,k,v}_proj``, as :func:`quantcore.plans.group_label`
+    (``model.layers.3.self_attn.{q,k,v}_proj``, as :func:`quantcore.planning.plans.group_label`
     writes it and the sensitivity sweep stores it) or a single layer name. Optionally
     ``unit_layers`` maps a label to its member layers (the sweep's ``layers`` column), for
     labels written some other way. A fusion group's KL is its own entry when present,
@@ -30,15 +30,15 @@ Sensitivity input
 
 Cost
     - ``cost=None``: a bits proxy, the stored weight bits of each layer, scales included
-      (:func:`quantcore.schemes.weight_storage_bits`: the weight memory, and the bytes a decode
+      (:func:`quantcore.schemes.specs.weight_storage_bits`: the weight memory, and the bytes a decode
       step reads), needing ``layer_shapes`` {layer: (N, K)}. It is the plan's
-      :func:`quantcore.plans.plan_footprint`, so W4A16 (4.125 bits) beats NVFP4A16 (4.5) on it.
+      :func:`quantcore.planning.plans.plan_footprint`, so W4A16 (4.125 bits) beats NVFP4A16 (4.5) on it.
     - ``cost={scheme: {layer: ms}}``: measured GEMM times on the target (see
       :func:`cost_from_kernel_records`). ``cost["BF16"]`` must time every layer (the
       baseline); a scheme without a time for a layer is *estimated* as the layer's BF16 time
       times ``weight_bits / 16`` — the same proxy, in milliseconds — and marked
       ``"estimated"`` in ``per_unit`` (``estimate_missing=False`` forbids instead). The same table
-      filled from the target's datasheet (:func:`quantcore.roofline.cost_from_roofline`, with
+      filled from the target's datasheet (:func:`quantcore.kernels.roofline.cost_from_roofline`, with
       ``cost_source="ideal"``) plans for a GPU nobody has measured: at M = 1 it follows the weight
       bytes, at a prefill's M the native math rate.
     Equal costs are broken towards the lower KL.
@@ -68,10 +68,11 @@ import numpy as np
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
-from quantcore.export import smoothquant_unexportable
-from quantcore.hardware import TARGETS, match_target, support_on_target, support_reason
-from quantcore.parallel import ONE_GPU, Parallelism
-from quantcore.plans import (
+from quantcore.export.targets import smoothquant_unexportable
+from quantcore.kernels.hardware import TARGETS, match_target, support_on_target, support_reason
+from quantcore.models.parallel import ONE_GPU, Parallelism
+from quantcore.models.routing import Routing, step_share
+from quantcore.planning.plans import (
     fp8_block_misfits,
     group_label,
     group_misfits,
@@ -83,8 +84,7 @@ from quantcore.plans import (
     vllm_unloadable,
     w4afp8_misfits,
 )
-from quantcore.routing import Routing, step_share
-from quantcore.schemes import (
+from quantcore.schemes.specs import (
     IDENTITY_BITS,
     Scheme,
     fusion_units,
@@ -137,7 +137,7 @@ MAX_KL_STEPS = 1_000_000  # beyond this the DP tables grow past ~100 MB for larg
 COST_TIE_RTOL = 1e-12  # plans whose costs differ by less than this (relative) count as equally cheap
 
 COST_MEASURED = "measured"  # a kernel time from the benchmark table
-COST_IDEAL = "ideal"  # the roofline bound on the target's datasheet (quantcore.roofline.cost_from_roofline)
+COST_IDEAL = "ideal"  # the roofline bound on the target's datasheet (quantcore.kernels.roofline.cost_from_roofline)
 COST_ESTIMATED = "estimated"  # BF16 time x weight_bits / 16
 COST_BITS = "bits"  # stored weight bits, scales included (weight_storage_bits)
 UNIT_MS = "ms"
@@ -249,7 +249,7 @@ def sensitivity_from_rows(rows: Iterable[Any]) -> tuple[dict[str, dict[str, floa
     """(sensitivity, unit_layers) from sensitivity-sweep rows.
 
     A row is a mapping or an object with ``scheme``, ``unit`` (or ``layer``), ``layers`` and
-    ``kl_mean`` (``store.records.SensitivityRecord``, ``quantcore.sensitivity.SensitivityRow``
+    ``kl_mean`` (``store.records.SensitivityRecord``, ``quantcore.evaluation.sensitivity.SensitivityRow``
     plus its scheme, or their dicts). A later row for the same scheme and unit replaces an
     earlier one.
     """
@@ -362,7 +362,7 @@ def _layer_costs(
 ) -> dict[str, dict[str, LayerCost]]:
     """{scheme: {layer: LayerCost}}; a layer missing under a scheme cannot take it. ``tied``: layers whose weight
     is the input embedding's; with the bits proxy, quantizing one costs the 16-bit embedding llm-compressor keeps
-    after untying them (quantcore.plans.untied_embedding_bits)."""
+    after untying them (quantcore.planning.plans.untied_embedding_bits)."""
     problems: list[str] = []
     out: dict[str, dict[str, LayerCost]] = {}
     if cost is None:
@@ -427,17 +427,17 @@ def cost_from_kernel_records(
     routed: Mapping[str, Routing] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-layer GEMM times {scheme: {layer: ms}} at M = ``m`` tokens, from kernel benchmark records (a routed
-    expert of an MoE model, ``routed``: its expected share, as :func:`quantcore.kernels.step_estimate` counts it).
+    expert of an MoE model, ``routed``: its expected share, as :func:`quantcore.kernels.bench.step_estimate` counts it).
 
-    ``records`` are :class:`quantcore.kernels.KernelRecord` or their dicts, from one device.
+    ``records`` are :class:`quantcore.kernels.bench.KernelRecord` or their dicts, from one device.
     BF16 takes the ``baseline`` path; another scheme takes the path
-    :func:`quantcore.kernels.scheme_path` gives it, timed with on-the-fly activation
+    :func:`quantcore.kernels.bench.scheme_path` gives it, timed with on-the-fly activation
     quantization (``+q``) as serving pays it (weight-only paths have none). Schemes without
     a path (FP4, MX, block scales) and shapes not measured are left out; :func:`auto_plan` estimates or
     forbids them. With ``target``, records from a GPU that is not that target raise
     PlanError: times from one GPU say nothing about another.
     """
-    from quantcore.kernels import PATH_BASELINE, KernelRecord, has_time, scheme_path, timed_path
+    from quantcore.kernels.bench import PATH_BASELINE, KernelRecord, has_time, scheme_path, timed_path
 
     recs = [r if isinstance(r, KernelRecord) else KernelRecord.from_dict(r) for r in records]
     devices = {(r.device, r.device_name) for r in recs}
@@ -567,7 +567,7 @@ def auto_plan(
     layer_names:  every linear layer of the model (names as in ``named_modules()``)
     sensitivity:  {scheme name: {unit label or layer name: KL}} (see the module docstring)
     kl_budget:    nats per token, >= 0
-    target:       GPU key of ``quantcore.hardware.TARGETS``; schemes it cannot serve are never chosen
+    target:       GPU key of ``quantcore.kernels.hardware.TARGETS``; schemes it cannot serve are never chosen
     candidates:   scheme names to consider; BF16 is always added
     cost:         {scheme: {layer: ms}} measured on the target (or its roofline bound, with
                   ``cost_source="ideal"``), or None for the bits proxy
@@ -576,7 +576,7 @@ def auto_plan(
     resolution:   budget steps of the DP (conservative rounding, see the module docstring)
     tied:         layers whose weight is the input embedding's (lm_head under tie_word_embeddings): with the bits
                   proxy, quantizing one costs the embedding again (it stays 16-bit once llm-compressor unties them)
-    parallel:     the GPUs the plan is served on (quantcore.parallel): a scheme is not offered to a unit whose share
+    parallel:     the GPUs the plan is served on (quantcore.models.parallel): a scheme is not offered to a unit whose share
                   on one GPU vLLM would refuse
 
     Raises PlanError for a negative or non-finite budget, unknown schemes, an unknown target,
@@ -665,24 +665,24 @@ def auto_plan(
     per_gpu = f" on each of {tp} GPUs" if tp > 1 else ""
     for s, n_units in misfit.items():
         note = (f"{s} was not offered to {n_units} unit(s) whose K{per_gpu} its groups do not divide: group kernels "
-                "cannot serve them (quantcore.plans.group_misfits)")
+                "cannot serve them (quantcore.planning.plans.group_misfits)")
         alt = regrouped_preset(s, misfit_ks[s])
         if alt is not None and alt.name not in usable:
             note += f"; {alt.name}, {regroup_reason(alt)}: sweep it to let the planner use it"
         notes.append(note)
     for s, n_units in untileable.items():
-        why = ("vLLM's W4AFP8 kernel cannot serve them (quantcore.plans.w4afp8_misfits)" if is_w4afp8(s) else
-               "vLLM refuses block-scaled FP8 there (quantcore.plans.fp8_block_misfits)")
+        why = ("vLLM's W4AFP8 kernel cannot serve them (quantcore.planning.plans.w4afp8_misfits)" if is_w4afp8(s) else
+               "vLLM refuses block-scaled FP8 there (quantcore.planning.plans.fp8_block_misfits)")
         notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up fused){per_gpu} "
                      f"{'or K on each GPU ' if tp > 1 else ''}is not a multiple of 128: {why}")
     for s, lost in unsmoothable.items():
         notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost, 3)}): an llm-compressor recipe cannot "
-                     "smooth them (quantcore.export.smoothquant_unmapped), so no served checkpoint would hold the "
+                     "smooth them (quantcore.export.targets.smoothquant_unmapped), so no served checkpoint would hold the "
                      "smoothing scored; they take another scheme (sweep one without SmoothQuant, e.g. INT8_W8A8, if none is)")
     for s, refused in unloadable.items():
         notes.append(f"{s} was not offered to {len(refused)} layer(s) ({_cut(refused, 3)}): vLLM has no kernel for "
                      "them (dense INT8 with dynamic per-tensor activations; MoE experts in INT8 without per-token "
-                     "activations, or in MXFP8), so the checkpoint would not load (quantcore.plans.vllm_unloadable); "
+                     "activations, or in MXFP8), so the checkpoint would not load (quantcore.planning.plans.vllm_unloadable); "
                      "INT8_W8A8 (per-token scales) is the INT8 vLLM serves")
     for s in usable:
         if s in unloadable:

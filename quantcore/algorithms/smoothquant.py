@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from quantcore.errors import PlanError, name_list
-from quantcore.schemes import fusion_groups
+from quantcore.schemes.specs import fusion_groups
 
 # why searched factors (AWQ's) cannot fold into v_proj for o_proj: one per o_proj input, fewer v_proj outputs
 GQA_NO_FACTORS = (
@@ -60,7 +60,7 @@ _GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.(?P<leaf>gate_proj|up_proj)$")
 _EXPERT_GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.experts\.\d+\.(?:gate_proj|up_proj)$")
 ROUTER = "gate"  # the router of an MoE block: <block>.mlp.gate (transformers' TopKRouter, a weight (E, K))
 _O_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.o_proj$")
-# a dense MLP's down_proj, or a routed expert's (quantcore.moe: <block>.mlp.experts.<e>.down_proj): its up_proj's rows
+# a dense MLP's down_proj, or a routed expert's (quantcore.models.moe: <block>.mlp.experts.<e>.down_proj): its up_proj's rows
 _DOWN = re.compile(r"^(?P<block>.+)\.mlp(?P<expert>\.experts\.\d+)?\.down_proj$")
 _V_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.v_proj$")
 _UP = re.compile(r"^(?P<mlp>.+\.mlp(?:\.experts\.\d+)?)\.up_proj$")
@@ -269,7 +269,7 @@ def _plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str
 def _expert_gate_up_unit(block: str, name: str, linears: Mapping[str, nn.Linear],
                          modules: Mapping[str, nn.Module]) -> _Unit | str:
     """Every routed expert's gate/up of a block, folded into the norm before the block's MLP with its router."""
-    count = len(modules.get(f"{block}.mlp.experts") or ())  # quantcore.moe.LinearExperts: one ExpertMLP each
+    count = len(modules.get(f"{block}.mlp.experts") or ())  # quantcore.models.moe.LinearExperts: one ExpertMLP each
     experts = [n for e in range(count) for leaf in ("gate_proj", "up_proj")
                if (n := f"{block}.mlp.experts.{e}.{leaf}") in linears]
     route = modules.get(f"{block}.mlp.{ROUTER}")
@@ -344,7 +344,7 @@ def smooth_model(
     layers:          linears to smooth (default: every key of act_channel_max)
 
     factors:         {linear name: (K,) s} to fold as given instead of computing s from maxima and α
-                     (AWQ's searched factors, :mod:`quantcore.awq`); act_channel_max and alpha are not
+                     (AWQ's searched factors, :mod:`quantcore.algorithms.awq`); act_channel_max and alpha are not
                      read for these layers. An o_proj under grouped-query attention is skipped: its
                      factors would have to be tied across the query heads of each kv head.
     router:          fold a routed expert's gate/up with the router of its block (AWQ's folds); without it

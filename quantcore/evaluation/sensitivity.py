@@ -28,7 +28,7 @@ How it stays cheap
     exactly 0, and no float16 storage error enters the per-layer numbers (which are
     much smaller than a whole plan's). KL is computed without materializing log-probs:
     KL = (lse_q - lse_ref) - sum_v p_ref(v) (z_q(v) - z_ref(v)), with z the logits.
-    The :class:`~quantcore.scoring.ReferenceCache` fixes the evaluation tokens and
+    The :class:`~quantcore.evaluation.scoring.ReferenceCache` fixes the evaluation tokens and
     guards against a cache made with other weights (the recomputed reference NLL
     must match it).
 
@@ -58,11 +58,9 @@ from torch import Tensor, nn
 from quantcore.errors import PlanError
 
 if TYPE_CHECKING:
-    from quantcore.awq import AwqResult
-    from quantcore.parallel import Parallelism
-from quantcore.plans import group_label
-from quantcore.schemes import Scheme, fusion_units, get_scheme
-from quantcore.scoring import (
+    from quantcore.algorithms.awq import AwqResult
+    from quantcore.models.parallel import Parallelism
+from quantcore.evaluation.scoring import (
     Progress,
     ReferenceCache,
     ReferenceMismatch,
@@ -75,6 +73,8 @@ from quantcore.scoring import (
     plan_applied,
     report_progress,
 )
+from quantcore.planning.plans import group_label
+from quantcore.schemes.specs import Scheme, fusion_units, get_scheme
 
 # candidate attribute paths of the decoder-block ModuleList, most common first
 DECODER_BLOCK_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers")
@@ -147,7 +147,7 @@ def find_decoder_blocks(model: nn.Module) -> DecoderStack:
     raise PlanError(
         f"cannot find the decoder blocks of {type(model).__name__}: looked for an nn.ModuleList at "
         f"{', '.join(DECODER_BLOCK_PATHS)}. Sensitivity supports Llama, Mistral, Qwen2/3 and Gemma/Gemma2/Gemma3 "
-        "causal LMs; for another architecture score one-layer plans with quantcore.scoring.score_plan instead"
+        "causal LMs; for another architecture score one-layer plans with quantcore.evaluation.scoring.score_plan instead"
     )
 
 
@@ -395,16 +395,16 @@ def sensitivity_sweep(
     groups:     sweep fusion groups (q/k/v, gate/up) as one unit each (default) or every layer alone
     layers:     restrict the sweep to these linear layers (default: every ``nn.Linear``)
     act_amax, act_channel_max: calibration statistics for static activation scales and
-                SmoothQuant (see :func:`quantcore.scoring.plan_applied`)
+                SmoothQuant (see :func:`quantcore.evaluation.scoring.plan_applied`)
     batch_size: sequences per pass (default: the reference's)
     weight_hessians: ``{layer: Hessian}`` of every swept layer when ``scheme`` rounds with GPTQ
-                (:func:`quantcore.gptq.collect_hessians`); each unit is rounded once and reused for every batch
-    awq:        AWQ's factors of the swept layers when ``scheme`` scales with AWQ (:func:`quantcore.awq.awq_search`)
+                (:func:`quantcore.algorithms.gptq.collect_hessians`); each unit is rounded once and reused for every batch
+    awq:        AWQ's factors of the swept layers when ``scheme`` scales with AWQ (:func:`quantcore.algorithms.awq.awq_search`)
     parallel:   the GPUs the plan will be served on: each unit is quantized as there (a row-parallel layer's dynamic
-                activation scale over each GPU's share of its input, :func:`quantcore.apply.apply_plan`), so an
+                activation scale over each GPU's share of its input, :func:`quantcore.algorithms.apply.apply_plan`), so an
                 automatic plan for that many GPUs adds up that many GPUs' KLs; None: one GPU
     gptq_cache: GPTQ-rounded weights of the swept layers, each rounded alone or in its unit (see
-                :func:`quantcore.apply.apply_plan`); filled with those rounded here. A layer in it needs no Hessian
+                :func:`quantcore.algorithms.apply.apply_plan`); filled with those rounded here. A layer in it needs no Hessian
 
     The model is restored exactly after every unit, also on error or cancel.
     """
@@ -591,8 +591,8 @@ def kv_sensitivity_sweep(
     """Store one attention layer's K and V at a time in the KV cache format ``kv_cache`` (with an FP8 attention
     format, that layer's attention in FP8 too); rows sorted by ``kl_mean``, largest first: which layers a plan
     should keep out of its cache (``kv_cache_skip``). ``amax``: the calibrated K/V maxima a calibrated format
-    needs (:func:`quantcore.scoring.calibrate_kv_cache`). Units are attention modules; ``sqnr_db`` is NaN."""
-    from quantcore.kvcache import attention_modules, get_kv_format, kv_cache_quantized
+    needs (:func:`quantcore.evaluation.scoring.calibrate_kv_cache`). Units are attention modules; ``sqnr_db`` is NaN."""
+    from quantcore.evaluation.kvcache import attention_modules, get_kv_format, kv_cache_quantized
 
     kv = get_kv_format(kv_cache)
     if kv.is_identity:

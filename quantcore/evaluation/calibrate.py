@@ -6,7 +6,7 @@ input ``x`` [tokens, K] to:
 - ``channel_max``  [K]: max |x[:, j]|, the per-input-channel amax;
 - per-token max |x[t, :]|, one float per token, summarised at the end
   (p50 / p90 / p99 / max / mean);
-- a histogram of |x| on the fixed log grid of :mod:`quantcore.stats`, exact
+- a histogram of |x| on the fixed log grid of :mod:`quantcore.evaluation.stats`, exact
   zeros counted apart;
 
 and once per layer its weight's per-input-channel max |W[:, j]| (the
@@ -22,7 +22,7 @@ floor(4·log2|x|) up to an offset.  Two in-place multiplies, one shift and one
 ``bincount`` over 256 exponent values replace a transcendental per element.
 Exactness: each multiply rounds to nearest, so a value within one float32 ulp
 of a bin edge may land in the neighbouring bin; everything else is binned
-exactly as a binary search over ``quantcore.stats.hist_edges()`` would (tested
+exactly as a binary search over ``quantcore.evaluation.stats.hist_edges()`` would (tested
 one ulp either side of every edge).  Zeros are counted apart.
 """
 
@@ -38,8 +38,14 @@ import torch
 from torch import nn
 
 from quantcore.errors import Cancelled
-from quantcore.moe import all_experts
-from quantcore.stats import HIST_BINS, HIST_BINS_PER_OCTAVE, HIST_LOG2_MAX, HIST_LOG2_MIN, LayerStats
+from quantcore.evaluation.stats import (
+    HIST_BINS,
+    HIST_BINS_PER_OCTAVE,
+    HIST_LOG2_MAX,
+    HIST_LOG2_MIN,
+    LayerStats,
+)
+from quantcore.models.moe import all_experts
 
 ProgressFn = Callable[[float, str], None]
 CancelFn = Callable[[], bool]
@@ -59,7 +65,7 @@ CPU_BLOCKING_ABOVE = 1 << 21  # smaller inputs (8 MiB) are reduced whole: blocki
 def _check_histogram_grid() -> None:
     """The exponent trick needs a power-of-two bin count per octave and a grid inside float32's normal range."""
     if 2**HIST_SQUARINGS != HIST_BINS_PER_OCTAVE:
-        raise RuntimeError(f"quantcore.calibrate needs HIST_BINS_PER_OCTAVE to be a power of two, "
+        raise RuntimeError(f"quantcore.evaluation.calibrate needs HIST_BINS_PER_OCTAVE to be a power of two, "
                            f"got {HIST_BINS_PER_OCTAVE}")
     low, high = HIST_BINS_PER_OCTAVE * HIST_LOG2_MIN, HIST_BINS_PER_OCTAVE * HIST_LOG2_MAX
     if low < 1 - F32_EXPONENT_BIAS or high > F32_EXPONENT_BIAS:
@@ -292,7 +298,7 @@ class Calibration:
                    for acc in self.layers.values()]
         self.model.eval()
         try:
-            with torch.no_grad(), all_experts():  # an MoE model's experts see every token (quantcore.moe)
+            with torch.no_grad(), all_experts():  # an MoE model's experts see every token (quantcore.models.moe)
                 self.model(input_ids=input_ids.to(self._device), **self._kwargs)
         finally:
             for handle in handles:

@@ -124,7 +124,7 @@ class LinearExperts(nn.ModuleList):
     def __init__(self, experts: list[ExpertMLP]) -> None:
         super().__init__(experts)
         self.num_experts = len(experts)
-        # set by quantcore.apply while a plan gives the experts dynamic per-tensor activation scales: the amax of
+        # set by quantcore.algorithms.apply while a plan gives the experts dynamic per-tensor activation scales: the amax of
         # the block's input ("w13") and of every routed expert's down_proj input together ("w2") for this call,
         # which vLLM's fused MoE quantizes as one tensor each
         self.block_amax: dict[str, torch.Tensor] | None = None
