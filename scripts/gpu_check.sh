@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared run for a lent GPU machine (issue #5, README "GPU figures").
+# The GPU checks, as one prepared run for a lent GPU machine (issue #5, docs/results/gpu-h200.md).
 #
 #   here:           bash scripts/gpu_wheels.sh          # fetches .whl/ for step 4 (that machine has no PyPI)
 #   device tool:    run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
@@ -12,13 +12,13 @@
 #      at 2048 x 4096 x 4096 on sm90, INT4 weights faster than bf16 at a 1 x 4096 x 4096 decode GEMM,
 #      CUDA fake-quant bit-identical to CPU, KV cache formats and FP8 attention on CUDA as on CPU
 #   3. benchmarks/kernel_gemm.py on the demo model's shapes (SmolLM2-135M) and on Llama-3-8B's,
-#      M = 1 16 128 2048 8192, 20 s per shape: JSON records + the Markdown tables for the README
+#      M = 1 16 128 2048 8192, 20 s per shape: JSON records + the Markdown tables for docs/results/gpu-h200.md
 #   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
 #      into a fresh SQLite home: measured and stored, then reused from the database; then a tiny
 #      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC, then with an FP8_ATTN KV cache) and swept
 #      (INT8_W8A8 linears, then the FP8_ATTN KV cache a layer at a time) on cuda; W4A16_GPTQ scored twice (rounded,
 #      then read from the roundings the first job kept)
-# Afterwards `python scripts/gpu_figures.py OUT_DIR` writes the figures into the README.
+# Afterwards `python scripts/gpu_figures.py OUT_DIR` writes the figures into docs/results/gpu-h200.md.
 # Writes into $OUT (the device tool's folder) or var/gpu-check: gpu_check.log, summary.txt,
 # kernel_smollm2.{json,md}, kernel_llama8b.{json,md}, quantplan_bench.json (7 files).
 set -uo pipefail
@@ -57,8 +57,8 @@ step device bash -c "nvidia-smi --query-gpu=name,compute_cap,memory.total,driver
   torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))'"
 
 step gpu-tests "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
-  tests/quantcore/test_kernels.py tests/quantcore/test_hardware.py tests/quantcore/test_quantize.py \
-  tests/quantcore/test_apply.py tests/quantcore/test_smoothquant.py tests/quantcore/test_kvcache.py \
+  tests/quantcore/kernels/test_kernels.py tests/quantcore/kernels/test_hardware.py tests/quantcore/test_quantize.py \
+  tests/quantcore/test_apply.py tests/quantcore/test_smoothquant.py tests/quantcore/evaluation/test_kvcache.py \
   tests/quantcore/test_gptq.py
 
 step kernels-smollm2 "$PY" benchmarks/kernel_gemm.py --device "$DEVICE" --model smollm2-135m --m "${MS[@]}" "${BUDGET_ARGS[@]}" \
@@ -82,10 +82,11 @@ print(len(r), \"records on\", {x[\"device_name\"] for x in r})'"
 step bench-reuse "$PY" -m quantplan bench --device "$DEVICE" --m "$M_CSV" --budget "$BUDGET" --local
 
 # The other job bodies on the device, end to end through the store, on a tiny random-weight Llama made
-# here (no weights travel) and this README as the evaluation and calibration text (gensim's corpus does not travel).
+# here (no weights travel) and the docs' concept pages as the evaluation and calibration text (gensim's corpus does not
+# travel).
 TINY="$QUANTPLAN_HOME/tiny-llama"
 TEXT="$QUANTPLAN_HOME/text.txt"
-cp README.md "$TEXT"
+cat docs/concepts/*.md > "$TEXT"
 step tiny-model "$PY" -c "from pathlib import Path; from tests.quantcore.test_checkpoint import save_tiny_llama; \
 save_tiny_llama(Path('$TINY'))"
 step models-add "$PY" -m quantplan models add "$TINY" --name tiny

@@ -1,7 +1,7 @@
-"""Write the figures of a scripts/gpu_check.sh run into the README's GPU block.
+"""Write the figures of a scripts/gpu_check.sh run into the GPU results page's block (docs/results/gpu-h200.md).
 
 Usage:
-    python scripts/gpu_figures.py OUT_DIR [--readme README.md]
+    python scripts/gpu_figures.py OUT_DIR [--page docs/results/gpu-h200.md]
 
 OUT_DIR is the folder gpu_check.sh wrote (the device tool's $OUT, copied back). The block between
 ``<!-- gpu-figures:start -->`` and ``<!-- gpu-figures:end -->`` in the README is replaced with: the
@@ -93,7 +93,8 @@ def update_readme(readme: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="the folder gpu_check.sh wrote")
-    ap.add_argument("--readme", type=Path, default=Path(__file__).resolve().parents[1] / "README.md")
+    ap.add_argument("--page", "--readme", dest="readme", type=Path,
+                    default=Path(__file__).resolve().parents[1] / "docs" / "results" / "gpu-h200.md")
     args = ap.parse_args(argv)
     if not args.out.is_dir():
         print(f"gpu_figures: {args.out} is not a folder", file=sys.stderr)

@@ -77,12 +77,16 @@ class Settings(BaseSettings):
         "cpu", description="Device that calibration / scoring jobs run on when the request does not say."
     )
     job_soft_time_limit_s: int = Field(
-        3 * 3600, ge=0, description="A job running longer fails with 'timed out' where it next reports progress (0: no limit)."
+        3 * 3600, ge=0,
+        description="A job running longer fails with 'timed out' where it next reports progress (0: no limit).",
     )
     heartbeat_stale_s: int = Field(
         120, gt=0, description="A running job whose heartbeat (every 30 s) is older than this is failed by the sweep."
     )
     user: str | None = Field(None, description="Name recorded as 'who asked' (default: the OS user).")
+    log_level: str = Field(
+        "INFO", description="Level of quantplan's own log lines on stderr (DEBUG, INFO, WARNING, ERROR)."
+    )
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:
@@ -120,12 +124,12 @@ class Settings(BaseSettings):
 
     @property
     def reference_root(self) -> Path:
-        """Cache root of the reference log-probs; quantcore.evaluation.scoring.reference_cache_path lays them out
+        """Cache root of the reference log-probs; quantcore.evaluation.reference.reference_cache_path lays them out
         under it as ``reference/<model sha256>/<eval key>.safetensors``."""
         return Path(str(self.artifact_dir)) / "reference"
 
     def model_reference_dir(self, sha256: str) -> Path:
-        """Every cached reference of one model (the layout of quantcore.evaluation.scoring.reference_cache_path)."""
+        """Every cached reference of one model (the layout of quantcore.evaluation.reference.reference_cache_path)."""
         return self.reference_root / "reference" / sha256
 
     @property

@@ -1,0 +1,40 @@
+"""Logging, configured once per process (app, worker, CLI) the same way.
+
+Every module logs under its own dotted name (``logging.getLogger(__name__)``: ``worker.runner``,
+``store.cache``, ``quantcore.models.checkpoint``...). :func:`configure_logging` gives those first-party
+loggers one stderr handler at ``QUANTPLAN_LOG_LEVEL`` (INFO by default), so a worker's lines such as
+"job 12 succeeded" reach its terminal or container log, and leaves the root logger and third-party
+loggers (Celery, Streamlit, transformers) as their own owners set them. Records still propagate to the
+root logger (pytest's caplog listens there); nothing here adds a root handler, so a line prints once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+FIRST_PARTY = ("app", "quantplan", "jobs", "store", "worker", "quantcore")  # the top-level packages
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_MARK = "_quantplan_handler"  # set on the handler this module adds, so a second call adds none
+
+
+def configure_logging(level: str | int | None = None) -> None:
+    """Send first-party log lines at ``level`` (default: the ``log_level`` setting) to stderr; idempotent."""
+    if level is None:
+        from store.settings import get_settings
+
+        level = get_settings().log_level
+    numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    if not isinstance(numeric, int):
+        raise ValueError(f"QUANTPLAN_LOG_LEVEL={level!r} is not a logging level: use DEBUG, INFO, WARNING or ERROR")
+    for name in FIRST_PARTY:
+        logger = logging.getLogger(name)
+        logger.setLevel(numeric)
+        if not any(getattr(h, _MARK, False) for h in logger.handlers):
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter(FORMAT))
+            setattr(handler, _MARK, True)
+            logger.addHandler(handler)
+
+
+__all__ = ["FIRST_PARTY", "configure_logging"]
