@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import streamlit as st
 
-from app import services as svc
+from quantplan.services import jobs as jobs_svc
+from quantplan.services import workers as workers_svc
 
 REFRESH_S = 2.0
 ACTIVE = ("queued", "running")
@@ -17,8 +18,8 @@ KIND_WORDS = {"register": "Registration", "calibrate": "Calibration", "score": "
 
 def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
            done_notes: Mapping[str, str], newer_try: bool = False) -> None:
-    running = svc.list_jobs(limit=100, kind=kinds, model_id=model_id, status=ACTIVE)
-    newest = svc.list_jobs(limit=recent, kind=kinds, model_id=model_id)  # newest first
+    running = jobs_svc.list_jobs(limit=100, kind=kinds, model_id=model_id, status=ACTIVE)
+    newest = jobs_svc.list_jobs(limit=recent, kind=kinds, model_id=model_id)  # newest first
     active = {j.id for j in running}
     ended = st.session_state.get(key, set()) - active
     st.session_state[key] = active
@@ -27,10 +28,10 @@ def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
         st.rerun()
     just_ended = st.session_state.pop(f"{key}:ended", set())
     shown = {j.id: j for j in [*running, *newest]}
-    shown.update((i, svc.get_job(i)) for i in just_ended - shown.keys())
+    shown.update((i, jobs_svc.get_job(i)) for i in just_ended - shown.keys())
     newest_id = newest[0].id if newest else None
     waiting: list[str] = []  # queues of queued jobs, each named once below the bars
-    whats = svc.jobs_what(shown.values())
+    whats = jobs_svc.jobs_what(shown.values())
     for job in sorted(shown.values(), key=lambda j: j.id, reverse=True):
         what = whats[job.id]
         name = f"{KIND_WORDS.get(job.kind, job.kind)} job #{job.id}" + (f" ({what})" if what else "")
@@ -46,7 +47,7 @@ def _panel(key: str, kinds: tuple[str, ...], model_id: int | None, recent: int,
             if job.status == "queued" and job.queue not in waiting:
                 waiting.append(job.queue)
     for queue in waiting:
-        note = svc.no_worker_note(queue)
+        note = workers_svc.no_worker_note(queue)
         if note:
             st.warning(note)
 
@@ -58,6 +59,6 @@ def job_progress(key: str, kinds: Sequence[str], *, model_id: int | None = None,
     was refused before a job was made, and says why itself); redrawn every REFRESH_S while any is active. Call it
     below the form that queues them, so a job queued in this run starts the refresh."""
     kinds = tuple(kinds)
-    live = bool(svc.list_jobs(limit=1, kind=kinds, model_id=model_id, status=ACTIVE))
+    live = bool(jobs_svc.list_jobs(limit=1, kind=kinds, model_id=model_id, status=ACTIVE))
     st.fragment(_panel, run_every=REFRESH_S if live else None)(
         f"live_jobs:{key}", kinds, model_id, recent, dict(done_notes or {}), newer_try)

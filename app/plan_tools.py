@@ -5,17 +5,24 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import services as svc
 from app import state
 from quantcore.evaluation.kvcache import KV_FORMATS
+from quantplan.services import autoplan as autoplan_svc
+from quantplan.services import exchange as exchange_svc
+from quantplan.services import kernels as kernels_svc
+from quantplan.services import plans as plans_svc
+from quantplan.services import scoring as scoring_svc
+from quantplan.services import serving as serving_svc
+from quantplan.services import sweeps as sweeps_svc
+from store.records import ModelRecord
 
 AUTO_OUTCOME = "auto_plan_outcome"  # (what was said, notes, layers per scheme) of the automatic plan just saved
 
 
-def render(model, target: str, tp: int = 1, expert_parallel: bool = False, unsaved: bool = False) -> None:
+def render(model: ModelRecord, target: str, tp: int = 1, expert_parallel: bool = False, unsaved: bool = False) -> None:
     """``unsaved``: the plan edited above has changes not saved; an automatic plan then does not replace it."""
     st.subheader("Automatic plan")
-    sens, _units = svc.sensitivity_map(model, tp, expert_parallel)
+    sens, _units = sweeps_svc.sensitivity_map(model, tp, expert_parallel)
     if model.causal_lm is False:
         st.info(f"An automatic plan chooses from per-layer sensitivity sweeps, which compare next-token "
                 f"distributions: {model.name} is a {model.architecture}, not a causal language model, so it has "
@@ -24,14 +31,15 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False, unsav
         st.info("An automatic plan needs per-layer sensitivity: queue sweeps for the candidate schemes on the "
                 "Results page (e.g. FP8_DYNAMIC, INT8_W8A8, W4A16).")
     else:
-        device_name = svc.measured_device_for(target)
+        device_name = kernels_svc.measured_device_for(target)
         st.caption(f"Sensitivity known for: {', '.join(sorted(sens))}. "
                    + (f"Kernel timings of this GPU are stored (from {device_name})." if device_name
                       else f"No {target} kernel timings are stored: the first cost falls back to weight memory."))
         if tp > 1:
-            on_tp = sorted(svc.schemes_swept_on(svc.planner_sweeps(model, tp, expert_parallel), tp, expert_parallel))
+            read = sweeps_svc.planner_sweeps(model, tp, expert_parallel)
+            on_tp = sorted(sweeps_svc.schemes_swept_on(read, tp, expert_parallel))
             standing_in = sorted(set(sens) - set(on_tp))
-            inexact = svc.split_scale_schemes(standing_in)
+            inexact = sweeps_svc.split_scale_schemes(standing_in)
             stand = ""
             if inexact:
                 stand = (f"One-GPU sweeps stand in for {', '.join(standing_in)}; those of {', '.join(inexact)} "
@@ -41,7 +49,8 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False, unsav
             elif standing_in:
                 stand = (f"One-GPU sweeps stand in for {', '.join(standing_in)}, exactly: their scales are the same "
                          "on any number of GPUs.")
-            st.caption(f"For {svc.gpus_label(tp, expert_parallel)} (the plan's tensor parallel above): no scheme is "
+            st.caption(f"For {plans_svc.gpus_label(tp, expert_parallel)} (the plan's tensor parallel above): no "
+                       "scheme is "
                        "chosen for a layer whose share on one GPU vLLM would refuse. "
                        + (f"Swept on {tp} GPUs: {', '.join(on_tp)}. " if on_tp else "") + stand)
         with st.form("auto_plan", enter_to_submit=False):  # Enter in a field queues no job
@@ -54,25 +63,27 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False, unsav
             cands = c2.multiselect("Candidate schemes", swept, default=swept,
                                    key=f"auto_cands_{model.id}_{'+'.join(swept)}")
             c1, c2, c3 = st.columns([3, 1, 1])
-            cost = c1.radio("Minimise", list(svc.AUTO_COSTS), format_func=svc.AUTO_COSTS.get, key="auto_cost")
-            m = c2.number_input("M (tokens per step)", 1, 1 << 20, 2048, key="auto_m",
+            cost = c1.radio("Minimise", list(autoplan_svc.AUTO_COSTS), format_func=autoplan_svc.AUTO_COSTS.get,
+                            key="auto_cost")
+            m = c2.number_input("M (tokens per step)", 1, 1 << 20, autoplan_svc.STEP_TOKENS, key="auto_m",
                                 help="1 for a decode step at batch 1; batch × prompt tokens for a prefill")
             kv = c3.selectbox("KV cache", list(KV_FORMATS), key="auto_kv",
                               help="Cache K and V in this format too: its KL, measured by scoring it alone (preset "
                                    "BF16 with this KV cache on the Results page), comes off the budget first.")
             if st.form_submit_button("Choose and verify", type="primary"):
                 try:
-                    before = {p.id for p in svc.list_plans(model.id)}
-                    result, plan, job = svc.auto_plan(model, kl_budget=float(budget), target=target,
-                                                      candidates=cands, cost=cost, m=int(m), kv_cache=kv,
-                                                      tensor_parallel=tp, expert_parallel=expert_parallel)
+                    before = {p.id for p in plans_svc.list_plans(model.id)}
+                    command = autoplan_svc.AutoPlan(model, kl_budget=float(budget), target=target,
+                                                    candidates=cands, cost=cost, m=int(m), kv_cache=kv,
+                                                    tensor_parallel=tp, expert_parallel=expert_parallel)
+                    result, plan, job = command.run()
                 except ValueError as exc:
                     st.error(str(exc))
                 else:  # drawn again from the top, the plan saved is in Start from and in the table above
                     st.session_state[AUTO_OUTCOME] = (
                         f"{plan.label}: predicted KL {result.predicted_kl:.4g}, cost "
-                        f"{svc.cost_text(result.cost, result.cost_unit)} vs "
-                        f"{svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "
+                        f"{autoplan_svc.cost_text(result.cost, result.cost_unit)} vs "
+                        f"{autoplan_svc.cost_text(result.baseline_cost, result.cost_unit)} in BF16 "
                         f"({result.cost / result.baseline_cost:.0%}). Verification: score job #{job.id} "
                         "(Results page shows predicted vs measured).",
                         list(result.notes), pd.Series(result.plan).value_counts().to_dict())
@@ -88,13 +99,13 @@ def render(model, target: str, tp: int = 1, expert_parallel: bool = False, unsav
             for note in notes:
                 st.caption(note)
             st.dataframe(pd.Series(counts, name="layers"), width="content")
-    scored = [s for s in svc.list_scores(model.id) if s.predicted_kl is not None]
+    scored = [s for s in scoring_svc.list_scores(model.id) if s.predicted_kl is not None]
     if scored:
         st.dataframe(pd.DataFrame([{"plan": s.plan_label, "predicted KL": s.predicted_kl, "measured KL": s.kl_mean,
                                     "top-1": s.top1_agree} for s in scored]), hide_index=True, width="stretch")
 
     st.subheader("Export")
-    plans = sorted(svc.list_plans(model.id), key=lambda p: p.id)  # again: the automatic plan may have saved one
+    plans = sorted(plans_svc.list_plans(model.id), key=lambda p: p.id)  # again: the automatic plan may have saved one
     if not plans:
         st.info("Save a plan first; then export it for llm-compressor, compressed-tensors or vLLM.")
     else:
@@ -111,15 +122,15 @@ def _export(model, plans) -> None:
     # the newest version, also after one is saved in this browser session (the key changes with it)
     plan_id = c1.selectbox("Plan", ids, index=len(ids) - 1, format_func={p.id: p.label for p in plans}.get,
                            key=f"export_plan_{ids[-1]}")
-    fmt = c2.selectbox("Format", list(svc.EXPORT_FORMATS), key="export_fmt")
+    fmt = c2.selectbox("Format", list(exchange_svc.EXPORT_FORMATS), key="export_fmt")
     plan = next(p for p in plans if p.id == plan_id)
     files = {f: f"{plan.name}-v{plan.version}-{ext}" for f, ext in EXPORT_FILES.items()}
     try:  # the vLLM script's compression step reads the recipe under the name its Download button gives it
-        text = svc.export_plan(model, plan.body, fmt, recipe_file=files["llmcompressor"])
+        text = exchange_svc.export_plan(model, plan.body, fmt, recipe_file=files["llmcompressor"])
     except ValueError as exc:
         st.error(str(exc))
         return
-    for warning in svc.serving_warnings(model, plan.body):
+    for warning in serving_svc.serving_warnings(model, plan.body):
         st.warning(warning)
     lang = {"llmcompressor": "yaml", "compressed-tensors": "json", "vllm": "bash"}[fmt]
     st.code(text, language=lang)
@@ -131,10 +142,10 @@ def _import(model) -> None:
                           type=["yaml", "yml", "json"], key="import_plan")
     if up is not None and st.button("Import", key="import_btn"):
         try:
-            rec, new = svc.import_plan(model, up.name, up.getvalue().decode("utf-8", "replace"))
+            rec, new = exchange_svc.import_plan(model, up.name, up.getvalue().decode("utf-8", "replace"))
         except ValueError as exc:
             st.error(str(exc))
         else:
             said = f"Imported {rec.label}" if new else f"{up.name} holds {rec.label} already: no new version"
-            note = svc.import_note(up.name)
+            note = exchange_svc.import_note(up.name)
             state.plan_saved(said + (f". Note: {note}" if note else ""), rec.name)

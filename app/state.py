@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import services as svc
+from quantplan.services import deployment as deployment_svc
+from quantplan.services import jobs as jobs_svc
+from quantplan.services import models as models_svc
+from quantplan.services import workers as workers_svc
+from store.records import ModelRecord
 
 MODEL_KEY = "model_id"
 WIDGET_KEY = "sidebar_model"  # the sidebar's model selectbox
@@ -12,11 +16,13 @@ URL_MODEL = "model"  # query parameter: /kernels?model=3
 
 
 def sidebar() -> None:
-    problem = svc.schema_problem()
+    """The sidebar every page shares: the model chosen (kept in the session and the address), jobs waiting; the
+    page stops with the fix where the database is not ready."""
+    problem = deployment_svc.schema_problem()
     if problem:
         st.error(problem)
         st.stop()
-    models = svc.list_models()
+    models = models_svc.list_models()
     with st.sidebar:
         st.markdown("### quantplan")
         if not models:
@@ -41,10 +47,10 @@ def sidebar() -> None:
                               key=WIDGET_KEY)
         st.session_state[MODEL_KEY] = chosen
         st.query_params[URL_MODEL] = str(chosen)  # the address names the model: links can be shared
-        active = [j for j in svc.list_jobs(limit=50) if not j.finished]
+        active = [j for j in jobs_svc.list_jobs(limit=50) if not j.finished]
         if active:
             st.caption(f"{len(active)} job(s) queued or running: see Jobs.")
-            orphans = svc.idle_queues(j.queue for j in active if j.status == "queued")
+            orphans = workers_svc.idle_queues(j.queue for j in active if j.status == "queued")
             if orphans:
                 st.warning(f"No live worker consumes queue {', '.join(repr(q) for q in orphans)}: "
                            "those jobs wait. See Jobs.")
@@ -60,19 +66,18 @@ def _model_from_url(ids: list[int]) -> int | None:
     return value if value in ids else None
 
 
-def current_model():
+def current_model() -> ModelRecord | None:
     """The model chosen in the sidebar, or None (with a hint shown) when there is none."""
     model_id = st.session_state.get(MODEL_KEY)
     if model_id is None:
         st.info("Register a model on the Models page first (the demo model is one click).")
         return None
     try:
-        return svc.get_model(model_id)
+        return models_svc.get_model(model_id)
     except LookupError:  # removed since (by this session or a colleague's)
         st.session_state.pop(MODEL_KEY, None)
         st.info(f"Model #{model_id} was removed: choose another in the sidebar, or register one on the Models page.")
         return None
-
 
 
 PLAN_SAVED = "plan_saved"  # (what was said, plan name) of a plan saved or imported, for the Plans page's next run

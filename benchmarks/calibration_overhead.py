@@ -41,7 +41,8 @@ import torch
 
 from quantcore.evaluation.calibrate import Calibration
 from quantcore.evaluation.text import default_calibration_text, load_documents, token_batches
-from quantcore.models.checkpoint import converted_gguf_folder, demo_gguf_path, load_model
+from quantcore.models.intake import converted_gguf_folder, demo_gguf_path
+from quantcore.models.loading import load_model
 
 TARGET_RATIO = 1.15  # issue 2: a calibration pass may cost at most 15% more than a plain forward
 

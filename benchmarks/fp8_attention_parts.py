@@ -39,7 +39,8 @@ from scoring_cost import bench_model, bench_tokens  # noqa: E402
 
 from quantcore.evaluation import kvcache  # noqa: E402
 from quantcore.formats.catalog import get_format  # noqa: E402
-from quantcore.formats.quantize import fake_quantize, scale_from_amax  # noqa: E402
+from quantcore.formats.quantize import fake_quantize  # noqa: E402
+from quantcore.formats.scales import scale_from_amax  # noqa: E402
 
 E4M3 = get_format("fp8_e4m3")
 ROWS = (  # label, Q scale ("one", "amax" or None: Q untouched), P rounded (None: the model's own attention)

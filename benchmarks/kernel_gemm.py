@@ -28,8 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantcore.kernels import bench as kn  # noqa: E402
-from quantcore.kernels.hardware import device_paths, probe_device  # noqa: E402
+from quantcore.kernels.bench import run_benchmarks  # noqa: E402
+from quantcore.kernels.device import device_paths, probe_device  # noqa: E402
+from quantcore.kernels.estimate import step_estimate  # noqa: E402
+from quantcore.kernels.paths import BASE_PATHS, PATHS, timed_path  # noqa: E402
+from quantcore.kernels.records import DEFAULT_MS  # noqa: E402
+from quantcore.kernels.report import format_markdown, format_records  # noqa: E402
 from quantcore.kernels.roofline import step_bound  # noqa: E402
 
 
@@ -68,10 +72,10 @@ DEFAULT_BUDGET_S = {"cpu": 40.0, "cuda": 60.0}  # CPU: 4 shapes x 40 s, about 3 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    ap.add_argument("--m", type=int, nargs="+", default=list(kn.DEFAULT_MS), help="rows M (batch x tokens)")
+    ap.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_MS), help="rows M (batch x tokens)")
     ap.add_argument("--budget", type=float, default=None, help="seconds per (N, K) shape")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per case (median)")
-    ap.add_argument("--paths", nargs="+", default=None, choices=kn.PATHS, help="paths to time")
+    ap.add_argument("--paths", nargs="+", default=None, choices=PATHS, help="paths to time")
     ap.add_argument("--json", type=Path, default=None, help="also write the records here")
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS), help="whose shapes")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the speed-up table (Markdown)")
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(frac: float, msg: str) -> None:
         print(f"\r[{frac:5.1%}] {msg:<40}", end="", file=sys.stderr, flush=True)
 
-    records = kn.run_benchmarks(
+    records = run_benchmarks(
         shapes,
         args.m,
         device=info.device,
@@ -120,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         progress=progress,
     )
     print(file=sys.stderr)
-    print(kn.format_records(records))
+    print(format_records(records))
     print(f"\nwall time: {time.perf_counter() - t0:.1f} s")
 
     # Per-step GEMM time of the whole model for uniform plans (every layer x 7 projections).
     all_layers = {f"layers.{i}.{p}": s for i in range(model.n_layers) for p, s in layer_shapes.items()}
     m_prefill, m_decode = max(args.m), min(args.m)
     print(f"\n{model.label} GEMM time per step (prefill M={m_prefill}, decode M={m_decode}):")
-    for plan in kn.BASE_PATHS:
-        est = kn.step_estimate(
+    for plan in BASE_PATHS:
+        est = step_estimate(
             records,
             all_layers,
             {name: plan for name in all_layers},
@@ -146,15 +150,16 @@ def main(argv: list[str] | None = None) -> int:
                 if info.target_key:  # a GPU of the table: the same step's roofline bound from its datasheet
                     ideal = step_bound({n: PATH_SCHEME[plan] for n in all_layers}, all_layers, info.target_key, m).ms
                     cells[-1] += f" [{est[f'{step}_ms'] / ideal:.1f}x the roofline {ideal:.3f} ms]"
-        print(f"  {kn.timed_path(plan):<13} " + "   ".join(cells))
+        print(f"  {timed_path(plan):<13} " + "   ".join(cells))
 
     if args.markdown:
         args.markdown.write_text(f"{model.label} shapes, M = {', '.join(map(str, args.m))}; "
-                                 + kn.format_markdown(records) + "\n")
+                                 + format_markdown(records) + "\n")
         print(f"\nMarkdown table written to {args.markdown}")
     if args.json:
         args.json.write_text(
-            json.dumps({"device": info.to_dict(), "model": args.model, "records": [r.to_dict() for r in records]}, indent=1)
+            json.dumps({"device": info.to_dict(), "model": args.model, "records": [r.to_dict() for r in records]},
+                       indent=1)
         )
         print(f"\nrecords written to {args.json}")
     return 0

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app import charts  # noqa: E402
+from app.charts import outliers as outlier_charts  # noqa: E402
 from quantcore.evaluation import outliers as ol  # noqa: E402
 from quantcore.evaluation.stats import HIST_BINS, HIST_BINS_PER_OCTAVE, HIST_LOG2_MIN, LayerStats  # noqa: E402
 
@@ -115,8 +115,8 @@ def build_page(stats: dict[str, LayerStats]) -> dict[str, float]:
         return out
 
     def overview() -> object:
-        df = charts.overview_frame(stats)
-        charts.overview_chart(df).to_dict()
+        df = outlier_charts.overview_frame(stats)
+        outlier_charts.overview_chart(df).to_dict()
         return df
 
     overview_df = timed("overview", overview)
@@ -125,33 +125,33 @@ def build_page(stats: dict[str, LayerStats]) -> dict[str, float]:
 
     timed(
         "channels",
-        lambda: charts.channels_chart(
-            charts.channels_frame(stat), charts.thresholds_frame(stat.amax), title=worst
+        lambda: outlier_charts.channels_chart(
+            outlier_charts.channels_frame(stat), outlier_charts.thresholds_frame(stat.amax), title=worst
         ).to_dict(),
     )
     timed(
         "depth heatmap",
-        lambda: charts.depth_heatmap(charts.depth_frame(stats, "down_proj"), "down_proj").to_dict(),
+        lambda: outlier_charts.depth_heatmap(outlier_charts.depth_frame(stats, "down_proj"), "down_proj").to_dict(),
     )
 
     def smoothquant() -> None:
         view = ol.smoothquant_view(stat.channel_max, stat.weight_channel_max, 0.5)
-        points, steps = charts.smoothquant_frame(view)
-        charts.smoothquant_chart(points, steps, 0.5).to_dict()
-        sweep = charts.pd.DataFrame(ol.alpha_sweep(stat.channel_max, stat.weight_channel_max))
-        charts.alpha_sweep_chart(sweep, 0.5).to_dict()
+        points, steps = outlier_charts.smoothquant_frame(view)
+        outlier_charts.smoothquant_chart(points, steps, 0.5).to_dict()
+        sweep = outlier_charts.pd.DataFrame(ol.alpha_sweep(stat.channel_max, stat.weight_channel_max))
+        outlier_charts.alpha_sweep_chart(sweep, 0.5).to_dict()
 
     timed("smoothquant", smoothquant)
 
     def histograms() -> None:
-        hist = charts.hist_frame(stat)
+        hist = outlier_charts.hist_frame(stat)
         lo, hi = float(hist["lo"].min()), float(hist["hi"].max())
         for fmt in ("fp8_e4m3", "int8"):
-            grid = charts.grid_frame(ol.format_grid(fmt, stat.amax), lo, hi)
-            charts.histogram_chart(hist, grid, fmt).to_dict()
+            grid = outlier_charts.grid_frame(ol.format_grid(fmt, stat.amax), lo, hi)
+            outlier_charts.histogram_chart(hist, grid, fmt).to_dict()
 
     timed("histogram", histograms)
-    timed("breakage table", lambda: charts.breakage_frame(stats))
+    timed("breakage table", lambda: outlier_charts.breakage_frame(stats))
     return timings
 
 

@@ -6,9 +6,9 @@ Qwen3-30B-A3B's shapes (48 blocks of 128 routed experts: 18,625 linears, every e
 them) each of those walks every layer, and the page took about 10 s to draw on this 2-core machine. Three things
 are kept now, each timed here side by side with the recomputation it replaces, in one run:
 
-- ``app.services.resolve``: the last few resolved plans, keyed by model and plan body (twelve asks: one resolve
-  and eleven copies), against twelve full resolves;
-- ``quantcore.schemes.specs.fusion_groups``: the groups of a model's layer names, against grouping them again;
+- ``quantplan.services.plans.resolve``: the last few resolved plans, keyed by model and plan body (twelve asks: one
+  resolve and eleven copies), against twelve full resolves;
+- ``quantcore.schemes.fusion.fusion_groups``: the groups of a model's layer names, against grouping them again;
 - ``quantcore.kernels.roofline.step_bound``: one bound per distinct (scheme, N, K, routing), against one per layer; the two
   step times must agree exactly, or the script exits 1.
 
@@ -29,9 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app import services as svc  # noqa: E402
 from quantcore.kernels import roofline  # noqa: E402
-from quantcore.schemes import specs as schemes  # noqa: E402
+from quantcore.schemes import fusion  # noqa: E402
+from quantplan.services import models as models_svc  # noqa: E402
+from quantplan.services import plans as plans_svc  # noqa: E402
 from store.records import ModelRecord  # noqa: E402
 
 RESOLVES_PER_RENDER = 12  # counted on the Plans page (app/views/plans.py) by wrapping every service
@@ -91,27 +92,27 @@ def main(argv: list[str] | None = None) -> int:
 
     model = _record(args.model)
     body = {"model": model.name, "default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}]}
-    names = svc.layer_names(model)
-    shapes, routed = svc.layer_shapes(model), svc.routed_layers(model)
-    resolved = svc.resolved_or_raise(model, body)
+    names = models_svc.layer_names(model)
+    shapes, routed = models_svc.layer_shapes(model), models_svc.routed_layers(model)
+    resolved = plans_svc.resolved_or_raise(model, body)
 
     def kept_resolves() -> None:
-        svc._RESOLVED.clear()
+        plans_svc._RESOLVED.clear()
         for _ in range(RESOLVES_PER_RENDER):
-            svc.resolve(model, body)
+            plans_svc.resolve(model, body)
 
     def fresh_resolves() -> None:
         for _ in range(RESOLVES_PER_RENDER):
-            svc._resolve(model, body)
+            plans_svc._resolve(model, body)
 
     def kept_groups() -> None:
-        schemes._fusion_groups.cache_clear()
+        fusion._fusion_groups.cache_clear()
         for _ in range(RESOLVES_PER_RENDER):
-            schemes.fusion_groups(names)
+            fusion.fusion_groups(names)
 
     def fresh_groups() -> None:
         for _ in range(RESOLVES_PER_RENDER):
-            schemes._fusion_groups.__wrapped__(tuple(names))
+            fusion._fusion_groups.__wrapped__(tuple(names))
 
     def deduped_bounds() -> None:
         for _ in range(BOUNDS_PER_RENDER):

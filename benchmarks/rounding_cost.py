@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from quantcore.algorithms.awq import awq_search
     from quantcore.algorithms.gptq import collect_hessians, gptq_quantize
-    from quantcore.schemes.specs import get_scheme
+    from quantcore.schemes.presets import get_scheme
 
     model, tokenizer, what = bench_model(args.device)
     ids, source = bench_tokens(tokenizer, model.config.vocab_size, args.seqs, args.seq_len)

@@ -71,14 +71,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from quantcore.evaluation.scoring import (  # noqa: E402
-    batch_ranges,
-    calibrate_kv_cache,
-    compute_reference,
-    forward_logits,
-    plan_applied,
-    score_plan,
-)
+from quantcore.algorithms.inputs import PlanInputs  # noqa: E402
+from quantcore.evaluation.batches import batch_ranges, forward_logits  # noqa: E402
+from quantcore.evaluation.reference import compute_reference  # noqa: E402
+from quantcore.evaluation.scoring import calibrate_kv_cache, plan_applied, score_plan  # noqa: E402
 from quantcore.evaluation.sensitivity import linear_layer_names  # noqa: E402
 
 TARGET_RATIO = 1.3  # issue 4: score one plan in at most 1.3 plain forward passes
@@ -102,7 +98,8 @@ DEFAULT_CPU_THREADS = 1  # one thread: CPU time then measures work, not spinning
 def bench_model(device: str) -> tuple[Any, Any, str]:
     """(model in eval mode, tokenizer or None, description of what it is)."""
     try:
-        from quantcore.models.checkpoint import converted_gguf_folder, demo_gguf_path, load_model
+        from quantcore.models.intake import converted_gguf_folder, demo_gguf_path
+        from quantcore.models.loading import load_model
 
         folder = converted_gguf_folder(demo_gguf_path())
         model, tokenizer = load_model(folder, device=device, dtype=torch.float32)
@@ -220,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def score(_plan: dict[str, str] = plan, _box: dict[str, Any] = box, _kv: str | None = kv,
                       _amax: Any = amax) -> None:
-                _box["r"] = score_plan(model, _plan, ids, ref, kv_cache=_kv, kv_amax=_amax)
+                _box["r"] = score_plan(model, _plan, ids, ref, kv_cache=_kv, inputs=PlanInputs(kv_amax=_amax))
 
             def apply_only(_plan: dict[str, str] = plan) -> None:
                 with plan_applied(model, _plan):

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from scoring_cost import DEFAULT_CPU_THREADS, bench_model, bench_tokens, clock, plain_pass, timed  # noqa: E402
 
-from quantcore.evaluation.scoring import compute_reference  # noqa: E402
+from quantcore.evaluation.reference import compute_reference  # noqa: E402
 from quantcore.evaluation.sensitivity import kv_sensitivity_sweep, linear_layer_names, sensitivity_sweep  # noqa: E402
 
 TARGET_RATIO = 0.6  # issue 4: a sweep costs at most 0.6 x (units x a full pass)

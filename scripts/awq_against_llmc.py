@@ -78,16 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file
 
     from quantcore.algorithms.awq import awq_search
-    from quantcore.evaluation.scoring import compute_reference, score_plan
+    from quantcore.algorithms.inputs import PlanInputs
+    from quantcore.evaluation.reference import compute_reference
+    from quantcore.evaluation.scoring import score_plan
     from quantcore.evaluation.text import (
         default_calibration_text,
         default_eval_text,
         load_documents,
         token_batches,
     )
-    from quantcore.export.targets import to_llmcompressor_recipe
-    from quantcore.models.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
-    from quantcore.schemes.specs import get_scheme
+    from quantcore.export.llmcompressor import to_llmcompressor_recipe
+    from quantcore.models.intake import demo_gguf_path, register_checkpoint
+    from quantcore.models.loading import load_model
+    from quantcore.models.validation import default_cache_dir
+    from quantcore.schemes.presets import get_scheme
 
     scheme, rest = get_scheme(args.scheme), get_scheme(args.rest)
     if not scheme.awq:
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     searched_s = time.perf_counter() - started
     rtn = get_scheme(scheme.name.removesuffix("_AWQ"))
     rows = [(f"quantcore {scheme.name} (its AWQ search, then round to nearest)",
-             score_plan(model, plan, ev, ref, awq=found)),
+             score_plan(model, plan, ev, ref, inputs=PlanInputs(awq=found))),
             (f"quantcore {rtn.name} (round to nearest, no AWQ)",
              score_plan(model, {n: rtn if s is scheme else s for n, s in plan.items()}, ev, ref))]
     params = dict(model.named_parameters())  # a tied lm_head is the embedding's, which AWQ never changes

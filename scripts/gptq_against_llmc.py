@@ -116,16 +116,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from quantcore.algorithms.gptq import collect_hessians
-    from quantcore.evaluation.scoring import compute_reference, score_plan
+    from quantcore.algorithms.inputs import PlanInputs
+    from quantcore.evaluation.reference import compute_reference
+    from quantcore.evaluation.scoring import score_plan
     from quantcore.evaluation.text import (
         default_calibration_text,
         default_eval_text,
         load_documents,
         token_batches,
     )
-    from quantcore.export.targets import to_llmcompressor_recipe
-    from quantcore.models.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
-    from quantcore.schemes.specs import get_scheme, list_schemes
+    from quantcore.export.llmcompressor import to_llmcompressor_recipe
+    from quantcore.models.intake import demo_gguf_path, register_checkpoint
+    from quantcore.models.loading import load_model
+    from quantcore.models.validation import default_cache_dir
+    from quantcore.schemes.presets import get_scheme, list_schemes
 
     work = Path(tempfile.mkdtemp(prefix="gptq-vs-llmc-"))
     _, folder, _ = register_checkpoint(demo_gguf_path(), work / "models", max_bytes=2 * 1024**3,
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     needed = gptq_layers + ([n for n, s in plan.items() if s is rest] if rest_too else [])
     hess = collect_hessians(model, needed, cal) if needed else {}
     their_h, their_w = load_file(their_hess), load_file(weights)  # the Hessians its GPTQ used, the weights it wrote
-    rows = [(f"quantcore {scheme.name}", score_plan(model, plan, ev, ref, weight_hessians=hess))]
+    rows = [(f"quantcore {scheme.name}", score_plan(model, plan, ev, ref, inputs=PlanInputs(weight_hessians=hess)))]
     rtn = get_scheme(scheme.name.removesuffix("_GPTQ"))
     if rtn != scheme:
         rows.append((f"quantcore {rtn.name} (round to nearest)",
@@ -170,20 +174,22 @@ def main(argv: list[str] | None = None) -> int:
     if rest_too:
         rows.append((f"quantcore, {rest.name} layers GPTQ-rounded too (a single GPTQModifier)",
                      score_plan(model, {n: gptq_rest if s is rest else s for n, s in plan.items()}, ev, ref,
-                                weight_hessians=hess)))
+                                inputs=PlanInputs(weight_hessians=hess))))
     notes = []
     if args.spread and scheme.gptq:
         for i in range(0, len(cal), 5):
             some = torch.cat([cal[:i], cal[i + 1:]])
             rows.append((f"quantcore, calibrated without sequence {i + 1} of {len(cal)}",
-                         score_plan(model, plan, ev, ref, weight_hessians=collect_hessians(model, gptq_layers, some))))
+                         score_plan(model, plan, ev, ref,
+                                    inputs=PlanInputs(weight_hessians=collect_hessians(model, gptq_layers, some)))))
         rows.append((f"quantcore, calibrated on the first {len(cal) // 2} sequences",
                      score_plan(model, plan, ev, ref,
-                                weight_hessians=collect_hessians(model, gptq_layers, cal[: len(cal) // 2]))))
+                                inputs=PlanInputs(weight_hessians=collect_hessians(model, gptq_layers,
+                                                                                   cal[: len(cal) // 2])))))
     if args.sequential:
         seq, rounded = sequential_hessians(model, plan, cal)
         rows.append(("quantcore, Hessians block by block (llm-compressor's sequential pipeline)",
-                     score_plan(model, plan, ev, ref, weight_hessians=seq)))
+                     score_plan(model, plan, ev, ref, inputs=PlanInputs(weight_hessians=seq))))
         if scheme.gptq:
             forced, _ = sequential_hessians(model, plan, cal, {n: their_w[n + ".weight"] for n in seq})
             fmt = lambda xs: ", ".join(f"{x:.0e}" for x in xs[:4])  # noqa: E731
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                          + ", ".join(f"{d:.2%}" for d in differ[:4]))
     if scheme.gptq:  # GPTQ is invariant to the Hessian's scale: theirs is 2XᵀX / sequences, ours / tokens
         rows.append(("quantcore's GPTQ with llm-compressor's own Hessians",
-                     score_plan(model, plan, ev, ref, weight_hessians=their_h)))
+                     score_plan(model, plan, ev, ref, inputs=PlanInputs(weight_hessians=their_h))))
     modules = dict(model.named_modules())
     with torch.no_grad():
         saved = {n: modules[n[: -len(".weight")]].weight.detach().clone() for n in their_w}

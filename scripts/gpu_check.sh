@@ -57,9 +57,9 @@ step device bash -c "nvidia-smi --query-gpu=name,compute_cap,memory.total,driver
   torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))'"
 
 step gpu-tests "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
-  tests/quantcore/kernels/test_kernels.py tests/quantcore/kernels/test_hardware.py tests/quantcore/test_quantize.py \
-  tests/quantcore/test_apply.py tests/quantcore/test_smoothquant.py tests/quantcore/evaluation/test_kvcache.py \
-  tests/quantcore/test_gptq.py
+  tests/quantcore/kernels/test_kernels.py tests/quantcore/kernels/test_hardware.py tests/quantcore/formats/test_quantize.py \
+  tests/quantcore/algorithms/test_apply.py tests/quantcore/algorithms/test_smoothquant.py tests/quantcore/evaluation/test_kvcache.py \
+  tests/quantcore/algorithms/test_gptq.py
 
 step kernels-smollm2 "$PY" benchmarks/kernel_gemm.py --device "$DEVICE" --model smollm2-135m --m "${MS[@]}" "${BUDGET_ARGS[@]}" \
   --json "$OUT/kernel_smollm2.json" --markdown "$OUT/kernel_smollm2.md"
@@ -87,7 +87,7 @@ step bench-reuse "$PY" -m quantplan bench --device "$DEVICE" --m "$M_CSV" --budg
 TINY="$QUANTPLAN_HOME/tiny-llama"
 TEXT="$QUANTPLAN_HOME/text.txt"
 cat docs/concepts/*.md > "$TEXT"
-step tiny-model "$PY" -c "from pathlib import Path; from tests.quantcore.test_checkpoint import save_tiny_llama; \
+step tiny-model "$PY" -c "from pathlib import Path; from tests.factories import save_tiny_llama; \
 save_tiny_llama(Path('$TINY'))"
 step models-add "$PY" -m quantplan models add "$TINY" --name tiny
 JOB_ARGS=(--text "$TEXT" --samples 4 --seq-len 32 --device "$DEVICE" --local)

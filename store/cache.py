@@ -5,7 +5,7 @@ Nothing here is a result. Each file is a pure function of what its name's key ha
 ``Settings.model_reference_dir(<model sha256>)``::
 
     <eval key>.safetensors        reference log-probs of the unquantized model on one evaluation text
-                                  (quantcore.evaluation.scoring.reference_cache_path)
+                                  (quantcore.evaluation.reference.reference_cache_path)
     awq-<key>.safetensors         AWQ's searched input scales (quantcore.algorithms.awq.save_awq)
     kv-<key>.json                 the K/V maxima calibrated KV cache scales come from
     gptq/<key>.safetensors        one layer's GPTQ-rounded weight
@@ -24,9 +24,10 @@ import os
 import time
 from pathlib import Path
 
-from quantcore.files import PART_SUFFIX  # torch-free
-
 log = logging.getLogger("quantplan.cache")
+#: The end of a file that quantcore.files.write_whole has not finished (or whose writer died). A copy, so the store
+#: imports nothing of quantcore: tests/store/test_cache.py checks the two are equal.
+PART_SUFFIX = ".part"
 
 REFERENCE = "reference log-probs"
 AWQ = "AWQ scales"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Callable, Sized
 from pathlib import Path
 
 from store import repo
@@ -14,17 +15,19 @@ from store.settings import Settings, get_settings
 TEXT_SUFFIXES = (".txt", ".jsonl", ".cor")
 
 
-def add_text_file(path: Path, *, role: str, name: str | None = None,
+def add_text_file(path: Path, *, role: str, read_documents: Callable[[Path], Sized], name: str | None = None,
                   settings: Settings | None = None) -> DatasetRecord:
-    """Validate a .txt / .jsonl file (it must yield documents), copy it under data_dir/<sha256><suffix>
-    and register it. Raises ValueError with the reason when the file is unusable."""
-    from quantcore.evaluation.text import load_documents  # torch-free
+    """Validate a .txt / .jsonl / .cor file, copy it under data_dir/<sha256><suffix> and register it.
 
+    ``read_documents(path)`` reads the documents of the file (the caller's reader, e.g.
+    ``quantcore.evaluation.text.load_documents``: the store does not parse texts), raising ValueError with the reason
+    when the file yields none; it is called after the suffix is checked. Raises ValueError with the reason when the
+    file is unusable."""
     s = settings or get_settings()
     path = Path(path)
     if path.suffix.lower() not in TEXT_SUFFIXES:
         raise ValueError(f"{path.name}: text must be one of {', '.join(TEXT_SUFFIXES)}")
-    docs = load_documents(path)  # raises ValueError with the reason
+    docs = read_documents(path)  # raises ValueError with the reason
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     data_dir = Path(str(s.data_dir))
     data_dir.mkdir(parents=True, exist_ok=True)

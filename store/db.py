@@ -115,7 +115,9 @@ def upgrade(settings: Settings | None = None, revision: str = "head") -> None:
 def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None  # migrations/ has a head revision
+    return head
 
 
 def current_revision(settings: Settings | None = None) -> str | None:

@@ -249,7 +249,8 @@ class KernelResult(Base):
     padded_k: Mapped[int | None] = mapped_column(Integer, nullable=True)
     padded_n: Mapped[int | None] = mapped_column(Integer, nullable=True)
     skipped: Mapped[str | None] = mapped_column(Text, nullable=True)
-    timing: Mapped[str | None] = mapped_column(String(40), nullable=True)  # quantcore.kernels.bench.TIMING; None: older
+    # how the run timed it (quantcore.kernels.records.TIMING); None: older
+    timing: Mapped[str | None] = mapped_column(String(40), nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
     __table_args__ = (
         Index("ix_kernel_results_lookup", "device_name", "torch_version", "m", "n", "k", "path"),

@@ -1,10 +1,16 @@
-"""Plain dataclasses that leave the store: the UI, CLI and worker never hold ORM objects."""
+"""Plain dataclasses that leave the store: the UI, CLI and worker never hold ORM objects.
+
+The store knows nothing of ``quantcore``: these records are its own (in the style of mlflow's entities), and the
+callers that need quantcore's types convert them (e.g. ``quantcore.evaluation.stats.LayerStats.from_record``).
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -69,8 +75,8 @@ class ModelRecord:
 
     @property
     def attention_heads(self) -> dict[str, int] | None:
-        """{"heads", "kv_heads", "head_dim"} from the intake summary (quantcore.models.parallel.AttentionHeads); None when
-        the config does not say or the summary predates this field."""
+        """{"heads", "kv_heads", "head_dim"} from the intake summary (quantcore.models.parallel.AttentionHeads);
+        None when the config does not say or the summary predates this field."""
         return self.summary.get("attention_heads")
 
     @property
@@ -238,7 +244,7 @@ class KernelRecordRow:
     padded_k: int | None
     padded_n: int | None
     skipped: str | None
-    timing: str | None = None  # quantcore.kernels.bench.TIMING of the run; None: recorded before it was
+    timing: str | None = None  # quantcore.kernels.records.TIMING of the run; None: recorded before it was
 
 
 @dataclass(frozen=True)
@@ -253,3 +259,53 @@ class WorkerRecord:
     torch_version: str | None
     started_at: dt.datetime
     seen_at: dt.datetime
+
+
+class ActivationStats(Protocol):
+    """What :func:`store.repo.save_activation_stats` reads of one linear layer's calibration statistics: any object
+    with these attributes (the worker's ``quantcore.evaluation.stats.LayerStats``, an :class:`ActivationStatRecord`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def in_features(self) -> int: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def n_tokens(self) -> int: ...
+    @property
+    def outlier_ratio(self) -> float: ...
+    @property
+    def amax(self) -> float: ...
+    @property
+    def channel_max(self) -> np.ndarray: ...
+    @property
+    def weight_channel_max(self) -> np.ndarray: ...
+    @property
+    def token_max(self) -> dict[str, float]: ...
+    @property
+    def hist_counts(self) -> np.ndarray: ...
+    @property
+    def zeros(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ActivationStatRecord:
+    """One linear layer's stored calibration statistics (:func:`store.repo.load_activation_stats`).
+
+    name: the layer; channel_max / weight_channel_max: float32 [in_features] per-channel max |x| and max |W|;
+    token_max: the per-token max |x| summary; hist_counts: int64 log-binned |x| counts; zeros: exact zeros seen;
+    outlier_ratio and amax: as the calibration computed them when they were saved (outlier_ratio capped at 1e30).
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    n_tokens: int
+    channel_max: np.ndarray
+    weight_channel_max: np.ndarray
+    token_max: dict[str, float]
+    hist_counts: np.ndarray
+    zeros: int
+    outlier_ratio: float
+    amax: float

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
-from quantcore.evaluation.stats import LayerStats
-from quantcore.kernels.bench import SKIP_NOT_SUPPORTED, SKIP_OVER_BUDGET
 from store import models as m
 from store.records import (
+    ActivationStatRecord,
+    ActivationStats,
     DatasetRecord,
     JobRecord,
     KernelRecordRow,
@@ -34,6 +35,11 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 class NotFound(LookupError):
     pass
+
+
+def _write(session: Session, statement: Any) -> CursorResult[Any]:
+    """Run an UPDATE / DELETE and return its result, whose ``rowcount`` says how many rows it changed."""
+    return cast(CursorResult[Any], session.execute(statement))
 
 
 # ----------------------------------------------------------------------------- users
@@ -274,7 +280,7 @@ def mark_running(session: Session, job_id: int, *, worker_host: str, device: str
     """queued (or running, on a redelivery after worker loss) → running. False if the job is finished
     or was cancelled before it started: the worker then does nothing."""
     now = m.utcnow()
-    res = session.execute(
+    res = _write(session,
         update(m.Job)
         .where(m.Job.id == job_id, m.Job.status.in_(("queued", "running")), m.Job.cancel_requested.is_(False))
         .values(status="running", worker_host=worker_host, device=device, torch_version=torch_version,
@@ -348,7 +354,7 @@ def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
         if _aware(heartbeat_at or started_at or created_at) >= cutoff:
             continue
         unchanged = m.Job.heartbeat_at.is_(None) if heartbeat_at is None else m.Job.heartbeat_at == heartbeat_at
-        res = session.execute(
+        res = _write(session,
             update(m.Job).where(m.Job.id == job_id, m.Job.status == "running", unchanged).values(
                 status="failed", finished_at=m.utcnow(),
                 error=(f"the worker stopped reporting (no heartbeat for over {stale_after_s} s; "
@@ -386,7 +392,7 @@ def worker_started(session: Session, *, name: str, host: str, queues: Sequence[s
 
 def worker_seen(session: Session, name: str) -> bool:
     """Refresh a worker's seen_at; False when no such worker was recorded."""
-    res = session.execute(update(m.Worker).where(m.Worker.name == name).values(seen_at=m.utcnow()))
+    res = _write(session, update(m.Worker).where(m.Worker.name == name).values(seen_at=m.utcnow()))
     return bool(res.rowcount)
 
 
@@ -416,7 +422,7 @@ def _f32(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a, dtype="<f4").tobytes()
 
 
-def save_activation_stats(session: Session, *, job_id: int, model_id: int, stats: Iterable[LayerStats]) -> int:
+def save_activation_stats(session: Session, *, job_id: int, model_id: int, stats: Iterable[ActivationStats]) -> int:
     """Replace the statistics of job_id (idempotent on a rerun) with these; returns the row count."""
     session.execute(delete(m.ActivationStat).where(m.ActivationStat.job_id == job_id))
     n = 0
@@ -434,17 +440,19 @@ def save_activation_stats(session: Session, *, job_id: int, model_id: int, stats
     return n
 
 
-def _layer_stats(row: m.ActivationStat) -> LayerStats:
-    return LayerStats(
+def _layer_stats(row: m.ActivationStat) -> ActivationStatRecord:
+    return ActivationStatRecord(
         name=row.layer, in_features=row.in_features, out_features=row.out_features, n_tokens=row.n_tokens,
         channel_max=np.frombuffer(row.channel_max, dtype="<f4").copy(),
         weight_channel_max=np.frombuffer(row.weight_channel_max, dtype="<f4").copy(),
         token_max=dict(row.token_max or {}),
         hist_counts=np.frombuffer(row.hist_counts, dtype="<i8").copy(), zeros=row.zeros,
+        outlier_ratio=float(row.outlier_ratio), amax=float(row.amax),
     )
 
 
-def load_activation_stats(session: Session, job_id: int) -> list[LayerStats]:
+def load_activation_stats(session: Session, job_id: int) -> list[ActivationStatRecord]:
+    """The statistics job_id saved, layer by layer in the order they were saved."""
     rows = session.scalars(select(m.ActivationStat).where(m.ActivationStat.job_id == job_id)
                            .order_by(m.ActivationStat.id))
     return [_layer_stats(r) for r in rows]
@@ -622,51 +630,35 @@ def kernel_results(session: Session, *, device_name: str | None = None, torch_ve
 
 
 
-def newest_kernel_results(session: Session, *, device_name: str, torch_version: str | None = None,
-                          usable_only: bool = False, budget_s: float | None = None,
-                          cases_per_shape: int | None = None) -> list[KernelRecordRow]:
-    """The newest timing per (M, N, K, path) on one device (and torch version, when given).
+def newest_kernel_results(session: Session, *, device_name: str,
+                          torch_version: str | None = None) -> list[KernelRecordRow]:
+    """The newest record per (M, N, K, path) on one device (and torch version, when given), timed or skipped.
 
-    usable_only: pass over records skipped "over budget" or "failed" (a later run measures those
-    again), so an older time for the same case, or none, stands; "not supported" records count.
-    budget_s (with usable_only): a case with no time that a job skipped "over budget" under a budget per shape of
-    at least this many seconds (its result's ``budget_s``) counts too: measuring it again would only skip it again.
-    cases_per_shape (with budget_s): the M values × paths (the baseline's too) the asking job times per shape; a
-    skip then counts only where its job's budget per case was no smaller (a job that times fewer paths or M values
-    gives each case a larger share of the same budget, so it measures what a broader one skipped).
+    Which stored records a new benchmark may reuse (a skip measured again, an older time standing) is not the
+    store's to decide: that is ``quantcore.kernels.records.reusable_records`` over :func:`kernel_results`.
     """
     newest: dict[tuple[int, int, int, str], KernelRecordRow] = {}
-    over_budget: dict[tuple[int, int, int, str], KernelRecordRow] = {}
     for r in kernel_results(session, device_name=device_name, torch_version=torch_version):  # newest first
-        case = (r.m, r.n, r.k, r.path)
-        if usable_only and r.skipped and not r.skipped.startswith(SKIP_NOT_SUPPORTED):
-            if r.skipped.startswith(SKIP_OVER_BUDGET):
-                over_budget.setdefault(case, r)
-            continue
-        newest.setdefault(case, r)
-    untimed = {case: r for case, r in over_budget.items() if case not in newest}
-    if usable_only and budget_s is not None and untimed:
-        from quantcore.kernels.bench import cases_per_shape as cases_of
-
-        def share(budget: float, params: dict[str, Any]) -> float:  # of one case, or of the shape when not asked
-            return budget if cases_per_shape is None else budget / cases_of(params.get("m"), params.get("paths"))
-
-        under = {j: share(float((res or {}).get("budget_s") or 0.0), params or {}) for j, params, res in session.execute(
-            select(m.Job.id, m.Job.params, m.Job.result).where(m.Job.id.in_({r.job_id for r in untimed.values()})))}
-        ours = budget_s if cases_per_shape is None else budget_s / cases_per_shape
-        newest |= {case: r for case, r in untimed.items() if under.get(r.job_id, 0.0) >= ours}
+        newest.setdefault((r.m, r.n, r.k, r.path), r)
     return list(newest.values())
+
+
+def params_and_results(session: Session, job_ids: Iterable[int]) -> dict[int, tuple[dict[str, Any] | None,
+                                                                                     dict[str, Any] | None]]:
+    """``{job id: (its params, its result)}`` of those of ``job_ids`` that exist."""
+    q = select(m.Job.id, m.Job.params, m.Job.result).where(m.Job.id.in_(set(job_ids)))
+    return {j: (params, result) for j, params, result in session.execute(q)}
 
 
 def kernel_devices(session: Session) -> list[tuple[str, str, str]]:
     """(device, device_name, torch_version) triples that have timings."""
     q = select(m.KernelResult.device, m.KernelResult.device_name, m.KernelResult.torch_version).distinct()
-    return [tuple(r) for r in session.execute(q)]
+    return [(r[0], r[1], r[2]) for r in session.execute(q)]
 
 
 def device_probe(session: Session, device_name: str, *, scan: int = 500) -> dict[str, Any] | None:
-    """What the newest succeeded benchmark on ``device_name`` found its device to be: ``{"device": the probe
-    (quantcore.kernels.hardware.DeviceInfo.to_dict), "paths": [PathSupport.to_dict, ...] or None (a job from before
+    """What the newest succeeded benchmark on ``device_name`` found its device to be: ``{"device": the
+    device probe the job stored (a dict), "paths": [one dict per kernel path, ...] or None (a job from before
     quantplan stored them), "job_id": ...}``; None when no benchmark of the newest ``scan`` said which device."""
     q = (select(m.Job.id, m.Job.result).where(m.Job.kind == "bench", m.Job.status == "succeeded")
          .order_by(m.Job.id.desc()).limit(scan))

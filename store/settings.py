@@ -142,6 +142,7 @@ class Settings(BaseSettings):
         """database_url with database_password filled in, when one is set."""
         from sqlalchemy.engine import make_url
 
+        assert self.database_url is not None  # filled in by the validator
         url = make_url(self.database_url)
         if self.database_password is not None:
             url = url.set(password=self.database_password.get_secret_value())
@@ -149,6 +150,7 @@ class Settings(BaseSettings):
 
     def ensure_dirs(self) -> None:
         for d in (self.home, self.artifact_dir, self.data_dir, self.models_dir):
+            assert d is not None  # filled in by the validator
             Path(d).mkdir(parents=True, exist_ok=True)
 
 

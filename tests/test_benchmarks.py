@@ -59,7 +59,7 @@ def test_kernel_gemm_sets_each_step_against_the_roofline_of_a_gpu_of_the_table(m
     import dataclasses
     import re
 
-    from quantcore.kernels.hardware import probe_device
+    from quantcore.kernels.device import probe_device
     from quantcore.kernels.roofline import step_bound
 
     kg = _load("kernel_gemm")
@@ -127,9 +127,9 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
         figures.update_readme(plain, out)
 
 
-def test_the_readme_has_the_block_gpu_figures_fills() -> None:
+def test_the_gpu_results_page_has_the_block_gpu_figures_fills() -> None:
     figures = _load_script("gpu_figures")
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "results" / "gpu-h200.md").read_text()
     assert text.count(figures.START) == 1 and text.count(figures.END) == 1
     assert text.index(figures.START) < text.index(figures.END)
 
@@ -144,7 +144,7 @@ def test_rounding_cost_times_gptq_and_awq_against_a_forward(capsys) -> None:
 
 
 def test_gptq_reuse_times_a_gptq_score_reading_its_kept_roundings(tmp_path: Path, capsys, monkeypatch) -> None:
-    from tests.quantcore.test_checkpoint import save_tiny_llama
+    from tests.factories import save_tiny_llama
 
     monkeypatch.setenv("QUANTPLAN_HOME", str(tmp_path / "mine"))  # the user's home: left as it was
     folder = save_tiny_llama(tmp_path / "tiny")
@@ -200,9 +200,9 @@ def test_plans_page_benchmark_keeps_what_it_recomputes(capsys) -> None:
     model = pp._record("qwen3-30b-a3b")
     assert len(model.linears) == 48 * (4 + 128 * 3) + 1
     body = {"default": "W4A16_G64"}
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
-    first, _ = svc.resolve(model, body)
-    again, _ = svc.resolve(model, body)
+    first, _ = plans_svc.resolve(model, body)
+    again, _ = plans_svc.resolve(model, body)
     assert again == first and again is not first  # a copy of the kept answer
-    assert again == svc._resolve(model, body)[0]
+    assert again == plans_svc._resolve(model, body)[0]

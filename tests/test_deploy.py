@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from quantplan.cli import advertised_queues, build_parser
+from quantplan.cli.main import build_parser
+from quantplan.cli.system import advertised_queues
 
 ROOT = Path(__file__).resolve().parents[1]
 

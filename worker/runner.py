@@ -111,7 +111,7 @@ def _device_label(params: dict[str, Any]) -> tuple[str, str]:
     try:
         import torch
 
-        version = torch.__version__
+        version = str(torch.__version__)
         if device.startswith("cuda") and torch.cuda.is_available():
             device = f"{device} ({torch.cuda.get_device_name(0)})"
     except ImportError:  # a register job on a worker without torch still runs
@@ -255,7 +255,7 @@ def sweep_leftovers(settings: Settings | None = None, *, now: float | None = Non
       when it ends, but a job cancelled before it ran, or a lost message, leaves it. Removed
       when no queued or running job names it and it is older than UPLOAD_IDLE_S.
     """
-    from quantcore.models.checkpoint import STAGING_PREFIX
+    from quantcore.models.validation import STAGING_PREFIX
 
     settings = settings or get_settings()
     now = time.time() if now is None else now

@@ -8,35 +8,37 @@ from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown
 
+from jobs.routing import TASK_NAMES
 from store.settings import get_settings
-from worker import bodies, presence
-from worker.celery_app import TASK_NAMES, celery_app
+from worker import presence
+from worker.bodies import body_for
+from worker.celery_app import celery_app
 from worker.runner import run_job, sweep, sweep_leftovers
 
 
 @celery_app.task(name=TASK_NAMES["register"])
 def register_task(job_id: int) -> str:
-    return run_job(job_id, bodies.register)
+    return run_job(job_id, body_for("register"))
 
 
 @celery_app.task(name=TASK_NAMES["calibrate"])
 def calibrate_task(job_id: int) -> str:
-    return run_job(job_id, bodies.calibrate)
+    return run_job(job_id, body_for("calibrate"))
 
 
 @celery_app.task(name=TASK_NAMES["score"])
 def score_task(job_id: int) -> str:
-    return run_job(job_id, bodies.score)
+    return run_job(job_id, body_for("score"))
 
 
 @celery_app.task(name=TASK_NAMES["sensitivity"])
 def sensitivity_task(job_id: int) -> str:
-    return run_job(job_id, bodies.sensitivity)
+    return run_job(job_id, body_for("sensitivity"))
 
 
 @celery_app.task(name=TASK_NAMES["bench"])
 def bench_task(job_id: int) -> str:
-    return run_job(job_id, bodies.bench)
+    return run_job(job_id, body_for("bench"))
 
 
 _NODE: dict[str, str] = {}  # this process's Celery node name, once ready

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import services as svc
 from app.live import ACTIVE
+from quantplan.services import jobs as jobs_svc
+from quantplan.services import workers as workers_svc
 
 st.title("Jobs")
 st.caption("Every registration, calibration, scoring, sensitivity and benchmark job, newest first. Running jobs "
@@ -27,7 +28,7 @@ kind = c1.selectbox("Kind", [None, "register", "calibrate", "score", "sensitivit
 status = c2.selectbox("Status", [None, "queued", "running", "succeeded", "failed", "cancelled"],
                       format_func=lambda k: "any" if k is None else k, key="jobs_status")
 statuses = (status,) if status else None
-total = svc.count_jobs(kind=kind, status=statuses)
+total = jobs_svc.count_jobs(kind=kind, status=statuses)
 pages = max(1, -(-total // PAGE))
 if st.session_state.get("jobs_page", 1) > pages:  # a filter left fewer pages than the one shown
     st.session_state["jobs_page"] = pages
@@ -37,17 +38,17 @@ page = c3.number_input(f"Page (of {pages}; {total:,} job(s), {PAGE} a page, newe
 
 @st.fragment(run_every=2.0)
 def job_table() -> None:
-    st.session_state[SWEPT] += svc.sweep_stale()  # while the page is watched, not only when it opens
+    st.session_state[SWEPT] += jobs_svc.sweep_stale()  # while the page is watched, not only when it opens
     if st.session_state[SWEPT]:
         st.warning(f"Jobs {sorted(st.session_state[SWEPT])} had a worker that stopped reporting; they were marked "
                    "failed.")
-    jobs = svc.list_jobs(limit=PAGE, kind=kind, status=statuses, offset=(int(page) - 1) * PAGE)
+    jobs = jobs_svc.list_jobs(limit=PAGE, kind=kind, status=statuses, offset=(int(page) - 1) * PAGE)
     # queued and running jobs are drawn with their progress and a cancel button whatever the page shows
-    active = svc.list_jobs(limit=PAGE, kind=kind, status=[a for a in ACTIVE if statuses is None or a in statuses])
+    active = jobs_svc.list_jobs(limit=PAGE, kind=kind, status=[a for a in ACTIVE if statuses is None or a in statuses])
     if not jobs and not active:
         st.info("No jobs yet." if total == 0 and not kind and not status else "No job matches.")
         return
-    whats = svc.jobs_what([*jobs, *active])  # the plans named read in one query, not one a row
+    whats = jobs_svc.jobs_what([*jobs, *active])  # the plans named read in one query, not one a row
     for job in active:
         with st.container(border=True):
             a, b = st.columns([4, 1])
@@ -55,15 +56,15 @@ def job_table() -> None:
             a.markdown(f"**#{job.id} {job.kind}**{f' {what}' if what else ''} · {job.status} · "
                        f"{job.device or job.queue} · asked by {job.requested_by or '?'}")
             a.progress(job.progress, text=job.progress_text)
-            note = svc.no_worker_note(job.queue) if job.status == "queued" else svc.silent_note(job)
+            note = workers_svc.no_worker_note(job.queue) if job.status == "queued" else jobs_svc.silent_note(job)
             if note:
                 a.warning(note)
             if job.cancel_requested:
                 b.caption("cancel requested")
             elif b.button("Cancel", key=f"cancel_{job.id}"):
-                svc.cancel_job(job.id)
+                jobs_svc.cancel_job(job.id)
                 st.rerun()
-    models = svc.jobs_model(jobs)
+    models = jobs_svc.jobs_model(jobs)
     st.dataframe(pd.DataFrame([{
         "id": j.id, "kind": j.kind, "what": whats[j.id], "status": j.status, "progress": j.progress,
         # a failed job's message is "failed", which its status says: its error's first line says why
@@ -84,11 +85,11 @@ def job_table() -> None:
                 st.error(j.error)
             if j.traceback:
                 st.code(j.traceback, language="text")
-            if refusal := svc.retry_refusal(j):  # say why, rather than offer a button that only refuses
+            if refusal := jobs_svc.retry_refusal(j):  # say why, rather than offer a button that only refuses
                 st.caption(f"Not offered again: {refusal}.")
             elif st.button("Queue it again", key=f"retry_{j.id}", help="same kind, parameters, model and plan"):
                 try:
-                    again = svc.retry_job(j.id)
+                    again = jobs_svc.retry_job(j.id)
                     st.session_state[RETRIED] = (True, f"Job #{j.id} queued again as job #{again.id}.")
                 except (ValueError, LookupError) as exc:
                     st.session_state[RETRIED] = (False, f"Job #{j.id} cannot be queued again: {exc}")
@@ -99,8 +100,8 @@ job_table()
 
 
 st.subheader("Workers")
-workers = svc.all_workers()
-live = {w.name for w in svc.live_workers()}
+workers = workers_svc.all_workers()
+live = {w.name for w in workers_svc.live_workers()}
 if not workers:
     st.info("No worker has reported yet. `quantplan up` starts one; `quantplan worker --queues gpu` on a GPU host "
             "adds another.")

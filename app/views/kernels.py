@@ -7,12 +7,19 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from app import charts, live, state
-from app import services as svc
-from quantcore.kernels.bench import PATHS as KERNEL_PATHS
-from quantcore.kernels.bench import duration_bound, parse_ms
-from quantcore.kernels.hardware import describe_probe
-from quantcore.schemes.specs import list_schemes
+from app import frames, live, state
+from app import text as page_text
+from app.charts import kernels as kernel_charts
+from jobs.specs import BenchSpec
+from quantcore.kernels.device import describe_probe
+from quantcore.kernels.paths import PATHS as KERNEL_PATHS
+from quantcore.kernels.records import duration_bound, parse_ms
+from quantcore.schemes.presets import list_schemes
+from quantplan.services import kernels as kernels_svc
+from quantplan.services import models as models_svc
+from quantplan.services import plans as plans_svc
+from quantplan.services import queue as queue_svc
+from quantplan.services import serving as serving_svc
 
 KEPT_PLAN = "kernels_plan_kept"  # {model id: the step estimate's plan option picked}
 KEPT_FORM = "kernels_form_kept"  # the benchmark form's values as last queued
@@ -32,14 +39,16 @@ if model is None:
 
 with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no job
     st.markdown(f"**Queue a benchmark** of {model.name}'s {len(model.linears)} linear layers "
-                f"({svc.bench_shape_count(model)} distinct shapes).")
+                f"({kernels_svc.bench_shape_count(model)} distinct shapes).")
     c1, c2, c3, c4, c5 = st.columns([2, 3, 2, 3, 2])
     # the values last queued, kept for this session: Streamlit forgets a form's widgets while another page is drawn
     last = st.session_state.setdefault(KEPT_FORM, {})
     device = c1.selectbox("Device", ["cpu", "cuda"], index=["cpu", "cuda"].index(last.get("device", "cpu")),
                           key="bench_device")
-    ms = c2.text_input("M values (batch × tokens)", last.get("ms", "1,16,128,2048"), key="bench_m")
-    budget = c3.number_input("Budget per shape (s)", 5, 3600, last.get("budget", 60), key="bench_budget",
+    ms = c2.text_input("M values (batch × tokens)", last.get("ms", ",".join(map(str, BenchSpec.DEFAULT_MS))),
+                       key="bench_m")
+    budget = c3.number_input("Budget per shape (s)", 5, 3600, last.get("budget", int(BenchSpec.budget_s)),
+                             key="bench_budget",
                              help="Wall-clock seconds for all M values and paths of one (N, K) shape, on any device "
                                   "(a run takes at most shapes × budget): "
                                   "a case predicted not to fit in what is left is skipped and reported \"over "
@@ -53,7 +62,7 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
                            help="The kernel paths to time; the baseline always is (speed-ups need it). A CPU only "
                                 "emulates FP8: leaving those four out gives their budget to INT8 and the weight-only "
                                 "kernels.")
-    if svc.routed_layers(model):
+    if models_svc.routed_layers(model):
         st.caption("A routed expert runs on a share of each step's tokens: the benchmark also times every shape at "
                    "the M one touched expert gets at each of your M values, and the step estimate below counts each "
                    "expert at that M, times the chance a step touches it (tokens routed evenly).")
@@ -67,8 +76,8 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
                       **({"paths": [p for p in timed_paths if p in paths]} if set(paths) != set(timed_paths) else {})}
             if queue.strip():
                 params["queue"] = queue.strip()
-            job = svc.submit("bench", params, model_id=model.id)
-            bound = duration_bound(svc.bench_shape_count(model, bench_tp), float(budget))
+            job = queue_svc.submit("bench", params, model_id=model.id)
+            bound = duration_bound(kernels_svc.bench_shape_count(model, bench_tp), float(budget))
             st.success(f"Queued benchmark job #{job.id} on queue '{job.queue}': {bound} of timing, less where "
                        "shapes finish early or were timed on that device before.")
             st.session_state[KEPT_FORM] = {"device": device, "ms": ms, "budget": int(budget), "queue": queue,
@@ -78,28 +87,28 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
 
 live.job_progress("kernels", ["bench"], model_id=model.id, done_notes={"bench": "Its timings are below."})
 
-devices = svc.kernel_devices()
+devices = kernels_svc.kernel_devices()
 if not devices:
     st.info("No kernel timings stored yet. Queue a benchmark above.")
     st.stop()
 labels = {d[1]: f"{d[1]} ({d[0]}, torch {d[2]})" for d in devices}
 device_name = st.selectbox("Device measured", list(labels), format_func=labels.get, key="kernels_device")
-probe = svc.device_probe(device_name)
+probe = kernels_svc.device_probe(device_name)
 if probe is None:
     st.caption(f"No stored benchmark job says what {device_name} is (its timings came without the probe).")
 else:
     st.caption(describe_probe(probe["device"]))
     with st.expander(f"What runs natively on {device_name}"):
         if probe["paths"]:
-            st.dataframe(svc.capability_frame(probe["paths"]), hide_index=True, width="stretch")
+            st.dataframe(frames.capability_frame(probe["paths"]), hide_index=True, width="stretch")
             st.caption(f"As benchmark job #{probe['job_id']} probed it: each path's tiny kernel was run on the device; "
                        "\"native\" follows the device's low-precision units (FP8 from sm89, INT8 from sm75, FP4 from "
                        "sm100; on a CPU, INT8 dot-product instructions).")
         else:
             st.caption(f"Benchmark job #{probe['job_id']} predates quantplan storing the capability table: queue a "
                        f"benchmark on {device_name} to see it.")
-frame = svc.kernel_frame(device_name)
-labels = svc.shape_labels(model)  # the model's shapes, and each GPU's share of them split over a node's GPUs
+frame = kernels_svc.kernel_frame(device_name)
+labels = kernels_svc.shape_labels(model)  # the model's shapes, and each GPU's share of them split over a node's GPUs
 frame = frame[[(n, k) in labels for n, k in zip(frame["n"], frame["k"], strict=True)]] if len(frame) else frame
 if frame.empty:
     st.info(f"No timings of {model.name}'s shapes on {device_name} yet.")
@@ -115,16 +124,17 @@ if not native_any:
 elif emulated:
     st.caption(f"Not native on {device_name}: {', '.join(emulated)}. Their cells read n/a; their times are "
                "in the table below.")
-stale = svc.timed_otherwise(frame)
+stale = frames.timed_otherwise(frame)
 if stale:
     st.warning(f"{stale} of these {len(frame)} timings were taken before quantplan flushed a CPU's caches between "
                "timed calls: a small weight then read from the cache, faster than a served step reads it. Queue a "
                f"benchmark on {device_name}: it measures them again and keeps these in the history.")
 heat = frame[frame["path"] != "baseline"].copy()
 heat["speedup"] = np.where(heat["native"] & heat["ms"].notna(), heat["speedup"], np.nan)
-heat["note"] = svc.no_time_notes(heat["ms"], heat["skipped"])  # "skipped" / "failed" where not merely n/a
+heat["note"] = frames.no_time_notes(heat["ms"], heat["skipped"])  # "skipped" / "failed" where not merely n/a
 st.subheader("Speed-up over the baseline GEMM")
-st.altair_chart(charts.kernel_heatmap(heat[["shape", "path", "speedup", "note"]], title=""),  # the heading says it
+# the heading says what the chart is
+st.altair_chart(kernel_charts.kernel_heatmap(heat[["shape", "path", "speedup", "note"]], title=""),
                 width="stretch")
 if over := int((heat["note"] == "skipped").sum()):
     over_emulated = sorted(set(heat.loc[heat["note"] == "skipped", "path"]).intersection(emulated))
@@ -139,7 +149,7 @@ if failed := int((heat["note"] == "failed").sum()):
 peak = frame[frame["pct_peak"].notna()]
 if not peak.empty:
     st.subheader("Percent of the device's peak")
-    st.altair_chart(charts.peak_bars(peak.assign(label=peak["shape"] + " · " + peak["path"])[
+    st.altair_chart(kernel_charts.peak_bars(peak.assign(label=peak["shape"] + " · " + peak["path"])[
         ["label", "pct_peak", "path"]], title=""), width="stretch")
 else:
     st.caption("No peak figure is known for this device (CPU or an unlisted GPU): only measured times.")
@@ -178,19 +188,19 @@ if len({d[1] for d in devices}) >= 2:
     cmp_path = c1.selectbox("Path", [p for p in KERNEL_PATHS if p != "baseline"],
                             index=[p for p in KERNEL_PATHS if p != "baseline"].index("fp8_row+q"), key="cmp_path")
     cmp_m = c2.selectbox("M (batch × tokens)", available_m, index=len(available_m) - 1, key="cmp_m")
-    cmp = svc.device_comparison(model, cmp_path, cmp_m)
+    cmp = kernels_svc.device_comparison(model, cmp_path, cmp_m)
     if cmp.empty:
         st.info(f"Fewer than two devices have {cmp_path} timings of this model's shapes at M={cmp_m}.")
     else:
-        st.altair_chart(charts.kernel_heatmap(cmp, column="device", column_title="device",
+        st.altair_chart(kernel_charts.kernel_heatmap(cmp, column="device", column_title="device",
                                               title=f"Speed-up of {cmp_path} at M={cmp_m}"), width="content")
 
 st.subheader("A plan's prefill and decode step")
-plans = svc.list_plans(model.id)
+plans = plans_svc.list_plans(model.id)
 options = [f"preset:{s}" for s in list_schemes()] + [f"plan:{p.id}" for p in plans]
 plan_labels = {f"preset:{s}": f"{s} on every layer" for s in list_schemes()} | {
     f"plan:{p.id}": f"plan {p.label}" for p in plans}
-newest = svc.newest_plan(plans)  # else a preset
+newest = plans_svc.newest_plan(plans)  # else a preset
 # Streamlit forgets a widget's value while another model's page is drawn: each model's pick is kept here too
 kept = st.session_state.setdefault(KEPT_PLAN, {})
 default = kept.get(model.id) if kept.get(model.id) in options else (
@@ -204,7 +214,7 @@ m_prefill = c1.selectbox("Prefill M (batch × prompt tokens)", available_m, inde
 m_decode = c2.selectbox("Decode M (batch)", available_m, index=0, key="kernels_m_decode")
 body = ({"default": choice.split(":", 1)[1]} if choice.startswith("preset:")
         else next(p.body for p in plans if f"plan:{p.id}" == choice))
-est = svc.step_estimate(model, body, device_name, m_prefill=m_prefill, m_decode=m_decode)
+est = kernels_svc.step_estimate(model, body, device_name, m_prefill=m_prefill, m_decode=m_decode)
 n_layers = len(est["per_layer"])
 cols = st.columns(2)
 for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_decode)):
@@ -224,11 +234,11 @@ for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_deco
                # grey while layers are missing: a partial sum's speed-up is no verdict on the plan
                delta_color="off" if missing else "normal" if speedup and speedup >= 1 else "inverse",
                delta_arrow="off")
-if thin := svc.thin_estimate_note(est):
+if thin := page_text.thin_estimate_note(est):
     st.warning(thin)
-target = svc.target_of_device(device_name)
+target = kernels_svc.target_of_device(device_name)
 if target:  # a GPU of the table: how far the measured eager kernels are from the roofline bound
-    ideal = {step: svc.step_bound(model, body, target, m).ms for step, m in (("prefill", m_prefill),
+    ideal = {step: serving_svc.step_bound(model, body, target, m).ms for step, m in (("prefill", m_prefill),
                                                                              ("decode", m_decode))}
     st.caption("Ideal (roofline) step on this GPU's datasheet: " + "; ".join(
         f"{step} {ideal[step]:.4f} ms" + (f", the measured sum is {est[f'{step}_ms'] / ideal[step]:.1f}× that"
@@ -247,10 +257,10 @@ if untimed:
 missing = sorted(set(est["missing_prefill"]) | set(est["missing_decode"]))
 plan_tp = int(body.get("tensor_parallel") or 1)
 if missing:
-    st.caption(svc.missing_times_note(est, plan_tp))
+    st.caption(page_text.missing_times_note(est, plan_tp))
 if plan_tp > 1:
     st.caption(f"The plan is for {plan_tp} GPUs: the step above is one GPU's, its share of every layer, the "
                "all-reduces between GPUs not counted.")
-st.dataframe(svc.step_breakdown(est), hide_index=True, width="stretch",
+st.dataframe(frames.step_breakdown(est), hide_index=True, width="stretch",
              column_config={"prefill_ms": st.column_config.NumberColumn(f"prefill ms (M={m_prefill})", format="%.4f"),
                             "decode_ms": st.column_config.NumberColumn(f"decode ms (M={m_decode})", format="%.4f")})

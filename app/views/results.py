@@ -6,9 +6,19 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import charts, live, state
-from app import services as svc
+from app import frames, live, state
+from app import text as page_text
+from app.charts import results as result_charts
+from jobs.specs import QUICK_SWEEP_SAMPLES, ScoreSpec
 from quantcore.evaluation.kvcache import KV_FORMATS
+from quantplan.services import datasets as datasets_svc
+from quantplan.services import kernels as kernels_svc
+from quantplan.services import models as models_svc
+from quantplan.services import plans as plans_svc
+from quantplan.services import queue as queue_svc
+from quantplan.services import scoring as scoring_svc
+from quantplan.services import serving as serving_svc
+from quantplan.services import sweeps as sweeps_svc
 
 st.title("Results")
 model = state.current_model()
@@ -20,9 +30,9 @@ if model.causal_lm is False:
             "next token. Its calibration statistics (Outliers), plans and export work as for any model.")
     st.stop()
 
-presets = svc.preset_options(model)
-plans = svc.list_plans(model.id)
-scores = svc.list_scores(model.id)  # newest first
+presets = page_text.preset_options(model)
+plans = plans_svc.list_plans(model.id)
+scores = scoring_svc.list_scores(model.id)  # newest first
 SAID = f"results_said_{model.id}"  # (kind, text) of what the last Queue did, shown below the form
 
 
@@ -37,17 +47,18 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
     options = [f"preset:{p}" for p in presets] + [f"plan:{p.id}" for p in plans]
     labels = {f"preset:{k}": k for k in presets} | {f"plan:{p.id}": f"plan {p.label}" for p in plans}
     chosen_plans = c1.multiselect("Plans (one score job each, scored on the same tokens)", options,
-                                  default=[svc.default_score_choice(plans, (s.plan_id for s in scores))],
+                                  default=[scoring_svc.default_score_choice(plans, (s.plan_id for s in scores))],
                                   format_func=labels.get,
                                   key=f"score_what_{model.id}")  # keyed per model: its plans are its own
-    samples = c2.number_input("Sequences", 1, 1024, 16, key="score_samples")
-    seq_len = c3.number_input("Tokens each", 16, 8192, 256, step=16, key="score_seq_len")
+    samples = c2.number_input("Sequences", 1, 1024, ScoreSpec.samples, key="score_samples")
+    seq_len = c3.number_input("Tokens each", 16, 8192, ScoreSpec.seq_len, step=16, key="score_seq_len")
     device = c4.selectbox("Device", ["cpu", "cuda"], key="score_device")
     with st.expander("What each preset does"):
         st.markdown("\n".join(f"- {text}" for text in presets.values()))
         st.caption("GPTQ: the `*_GPTQ` presets keep their format's grid and scales but choose each weight's grid "
-                   "point to keep the layer's output close on the calibration text (under Texts below; 16 × 256 "
-                   "tokens of the built-in one by default), as llm-compressor's GPTQModifier does; the others round to nearest. On SmolLM2, "
+                   "point to keep the layer's output close on the calibration text (under Texts below; "
+                   f"{ScoreSpec.cal_samples} × {ScoreSpec.cal_seq_len} tokens of the built-in one by default), as "
+                   "llm-compressor's GPTQModifier does; the others round to nearest. On SmolLM2, "
                    "W4A16 scores KL 0.81 and W4A16_GPTQ 0.36, NVFP4A16 0.36 and NVFP4A16_GPTQ 0.16. Each "
                    "rounded layer is kept: a later score or sweep that would round it the same way (same scheme "
                    "and fusion group, calibration text and statistics) reads it instead.")
@@ -57,7 +68,7 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
                    "grouped-query attention and lm_head have nothing to fold into and stay unscaled. On SmolLM2's "
                    "30 down_proj, W4A16 scores KL 0.23, W4A16_GPTQ 0.14 and W4A16_AWQ 0.105; on every layer but "
                    "lm_head GPTQ wins (0.31 against 0.43): sweep both and let the automatic plan choose per layer.")
-    eval_texts, cal_texts = svc.datasets_for("evaluation"), svc.datasets_for("calibration")
+    eval_texts, cal_texts = datasets_svc.datasets_for("evaluation"), datasets_svc.datasets_for("calibration")
     eval_sets, cal_sets = [None] + [d.id for d in eval_texts], [None] + [d.id for d in cal_texts]
     names = {d.id: d.name for d in eval_texts + cal_texts}
     with st.expander("Texts: what is scored, and what GPTQ, AWQ and the KV cache scales are calibrated on"):
@@ -67,8 +78,10 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
         cal_id = e2.selectbox("Calibration text", cal_sets, key="score_cal_text",
                               format_func=lambda i: "built-in: lee_background.cor (300 articles)" if i is None
                               else names[i])
-        cal_samples = e3.number_input("Calibration sequences", 1, 4096, 16, key="score_cal_samples")
-        cal_seq_len = e4.number_input("Tokens each", 16, 8192, 256, step=16, key="score_cal_seq_len")
+        cal_samples = e3.number_input("Calibration sequences", 1, 4096, ScoreSpec.cal_samples,
+                                      key="score_cal_samples")
+        cal_seq_len = e4.number_input("Tokens each", 16, 8192, ScoreSpec.cal_seq_len, step=16,
+                                      key="score_cal_seq_len")
         st.caption("The calibration text is never the evaluation text. GPTQ's result depends on it: on SmolLM2, "
                    "leaving out one of the 16 default sequences moves W4A16_GPTQ's KL by up to 6 %, and 8 "
                    "sequences instead of 16 raise it by a third; llm-compressor's examples calibrate on 512.")
@@ -96,17 +109,17 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
         cal_ok = True
         if cal_upload is not None:
             try:
-                cal_id = svc.upload_dataset(cal_upload.name, cal_upload.getvalue(), "calibration").id
+                cal_id = datasets_svc.upload_dataset(cal_upload.name, cal_upload.getvalue(), "calibration").id
             except ValueError as exc:
                 say("error", f"The calibration text was not stored, so nothing was queued: {exc}")
                 cal_ok = False
         if tp_choice != "(as planned)":
-            refusals = svc.split_refusals(model, int(tp_choice))
+            refusals = serving_svc.split_refusals(model, int(tp_choice))
         else:  # each stored plan at its own tensor_parallel (a plan file imported for another model may not split)
             by_id = {p.id: p for p in plans}
             refusals = [f"plan {by_id[int(ref)].label}: {why}" for what in chosen_plans
                         for kind, _, ref in [what.partition(":")] if kind == "plan"
-                        for why in svc.plan_split_refusals(model, by_id[int(ref)].body)]
+                        for why in serving_svc.plan_split_refusals(model, by_id[int(ref)].body)]
         if refusals:
             say("error", "Nothing was queued: " + "; ".join(refusals))
         if cal_ok and not refusals:
@@ -123,18 +136,18 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
             for what in chosen_plans:
                 kind, _, ref = what.partition(":")
                 if kind == "preset":
-                    job = svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
+                    job = queue_svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
                 else:
-                    job = svc.submit("score", params, model_id=model.id, plan_id=int(ref))
-                gpus_note = f" on {svc.gpus_label(int(tp_choice))}" if "tensor_parallel" in params else ""
+                    job = queue_svc.submit("score", params, model_id=model.id, plan_id=int(ref))
+                gpus_note = f" on {plans_svc.gpus_label(int(tp_choice))}" if "tensor_parallel" in params else ""
                 kv_note = (f" + KV {kv_choice}" if "kv_cache" in params else "") + gpus_note
                 say("success", f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
                 if sens and kind == "preset":  # swept on the same GPUs: what an automatic plan for them reads
-                    sweep = {**params, "samples": min(int(samples), 8), "scheme": ref}
-                    one_gpu = svc.same_on_any_gpus(ref, int(params.get("tensor_parallel", 1)))
+                    sweep = {**params, "samples": min(int(samples), QUICK_SWEEP_SAMPLES), "scheme": ref}
+                    one_gpu = sweeps_svc.same_on_any_gpus(ref, int(params.get("tensor_parallel", 1)))
                     if one_gpu:
                         sweep.pop("tensor_parallel")
-                    sj = svc.submit("sensitivity", sweep, model_id=model.id)
+                    sj = queue_svc.submit("sensitivity", sweep, model_id=model.id)
                     say("success", f"Queued sensitivity job #{sj.id} ({ref}{'' if one_gpu else gpus_note})."
                                + (f" {one_gpu}." if one_gpu else ""))
             if sens and any(not w.startswith("preset:") for w in chosen_plans):
@@ -143,7 +156,8 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
                 say("warning", "A KV cache sweep needs a quantized format: choose one under KV cache.")
             elif kv_sens:
                 sweep = {k: v for k, v in params.items() if k not in ("kv_cache", "tensor_parallel")}
-                sj = svc.submit("sensitivity", {**sweep, "samples": min(int(samples), 8), "kv_sweep": kv_choice},
+                sj = queue_svc.submit("sensitivity", {**sweep, "samples": min(int(samples), QUICK_SWEEP_SAMPLES),
+                                                      "kv_sweep": kv_choice},
                                 model_id=model.id)
                 say("success", f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
 
@@ -153,11 +167,12 @@ for kind, text in st.session_state.get(SAID, []):  # kept until the next Queue: 
 live.job_progress("results", ["score", "sensitivity"], model_id=model.id,
                   done_notes={"score": "Scored plans below.", "sensitivity": "Per-layer sensitivity below."})
 
-size = svc.reference_cache_bytes(model, int(samples), int(seq_len))
+size = scoring_svc.reference_cache_bytes(model, int(samples), int(seq_len))
 if size:
     st.caption(f"The unquantized model's log-probabilities on {int(samples)} × {int(seq_len)} tokens (the form's "
-               f"sizes as last submitted, its defaults before) are computed once per model and text and cached: {size / 2**30:,.2f} GiB on disk "
-               f"({int(samples) * (int(seq_len) - 1):,} positions × a {svc.vocab_size(model):,}-token vocabulary × "
+               "sizes as last submitted, its defaults before) are computed once per model and text and cached: "
+               f"{size / 2**30:,.2f} GiB on disk ({int(samples) * (int(seq_len) - 1):,} positions × a "
+               f"{models_svc.vocab_size(model):,}-token vocabulary × "
                "2 bytes). Large vocabularies (Gemma's 262k) make this the size to watch.")
 
 st.subheader(f"Scored plans ({len(scores)})")
@@ -175,36 +190,37 @@ else:
     st.dataframe(table, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
                                 "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f")})
-    picked = st.multiselect("Compare", [s.job_id for s in scores], default=svc.default_comparison(scores),
+    picked = st.multiselect("Compare", [s.job_id for s in scores], default=scoring_svc.default_comparison(scores),
                             format_func=lambda j: next(f"#{s.job_id} {s.plan_label}" for s in scores
                                                        if s.job_id == j),
                             key=f"results_compare_{model.id}")  # keyed per model: its picks are its own job ids
     chosen = [s for s in scores if s.job_id in picked]
-    if len(chosen_sets := svc.score_sets(chosen)) > 1:
+    if len(chosen_sets := scoring_svc.score_sets(chosen)) > 1:
         st.warning("These scores were measured on different tokens ("
                    + "; ".join(f"{text}, {n:,} positions" for text, n in chosen_sets)
                    + "): their KLs, perplexities and curves are not comparable. Compare scores of one text and size.")
     if chosen:
         cols = st.columns(len(chosen[:4]))
         for col, s in zip(cols, chosen[:4], strict=False):
-            col.metric(s.plan_label, f"KL {s.kl_mean:.4g}", f"top-1 {s.top1_agree:.3f}", delta_color="off", delta_arrow="off")
+            col.metric(s.plan_label, f"KL {s.kl_mean:.4g}", f"top-1 {s.top1_agree:.3f}", delta_color="off",
+                       delta_arrow="off")
             col.caption(f"perplexity {s.ppl_ref:.2f} → {s.ppl:.2f} · p99 KL {s.kl_p99:.3g} · max {s.kl_max:.3g}"
                         + (f" · KV cache {s.kv_cache}" if s.kv_cache != "AUTO" else ""))
         for s in chosen:
-            for note in svc.score_notes(model, s):
+            for note in scoring_svc.score_notes(model, s):
                 st.warning(f"#{s.job_id} {s.plan_label}: {note}")
-        hist, pos = svc.score_frames(chosen)
+        hist, pos = frames.score_frames(chosen)
         if not hist.empty:
-            st.altair_chart(charts.kl_distribution_chart(hist), width="stretch")
+            st.altair_chart(result_charts.kl_distribution_chart(hist), width="stretch")
         if not pos.empty:
-            st.altair_chart(charts.kl_by_position_chart(pos), width="stretch")
+            st.altair_chart(result_charts.kl_by_position_chart(pos), width="stretch")
         with_pred = [s for s in chosen if s.predicted_kl is not None]
         for s in with_pred:
             st.caption(f"#{s.job_id} {s.plan_label}: predicted KL (sum of per-layer KL) {s.predicted_kl:.4g}, "
                        f"measured {s.kl_mean:.4g}")
 
     st.subheader("Quality against cost")
-    sets = svc.score_sets(scores)
+    sets = scoring_svc.score_sets(scores)
     eval_set = sets[0]
     if len(sets) > 1:
         eval_set = st.selectbox("Scored on", sets, format_func=lambda t: f"{t[0]} · {t[1]:,} positions",
@@ -214,8 +230,9 @@ else:
         costs["kv_kib"] = "KV cache per token (KiB)"
     device_name = m_prefill = m_decode = None
     c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
-    target = c2.selectbox("Ideal step times (roofline) on", [None, *svc.target_names()],
-                          format_func=lambda k: "(none)" if k is None else svc.target_names()[k], key="tradeoff_target")
+    target = c2.selectbox("Ideal step times (roofline) on", [None, *serving_svc.target_names()],
+                          format_func=lambda k: "(none)" if k is None else serving_svc.target_names()[k],
+                          key="tradeoff_target")
     ideal_decode = int(c3.number_input("ideal decode batch", 1, 65536, 1, key="tradeoff_ideal_decode",
                                        help="M of the roofline decode step; measured steps use the M timed"))
     ideal_prefill = int(c4.number_input("ideal prefill tokens", 1, 1 << 20, 2048, key="tradeoff_ideal_prefill",
@@ -223,10 +240,10 @@ else:
     if target:
         costs |= {"ideal_decode_ms": f"ideal decode step on {target}, M={ideal_decode} (ms)",
                   "ideal_prefill_ms": f"ideal prefill step on {target}, M={ideal_prefill} (ms)"}
-    kernel_names = sorted({d[1] for d in svc.kernel_devices()})
+    kernel_names = sorted({d[1] for d in kernels_svc.kernel_devices()})
     device_name = c1.selectbox("Measured step times from the kernel timings of", [None, *kernel_names],
                                format_func=lambda d: "(none)" if d is None else d, key="tradeoff_device")
-    measured = svc.measured_ms(model, svc.kernel_records(device_name)) if device_name else []
+    measured = kernels_svc.measured_ms(model, kernels_svc.kernel_records(device_name)) if device_name else []
     if measured:
         m_prefill, m_decode = max(measured), min(measured)
         costs |= {"decode_ms": f"decode step on {device_name}, M={m_decode} (ms)",
@@ -241,22 +258,26 @@ else:
              int(c2.number_input("× tokens of context", 1, 1 << 21, 4096, step=1024, key="tradeoff_serve_context")))
     costs["serving_gib"] = f"weights + KV cache of {serve[0]:,} × {serve[1]:,} tokens (GiB)"
     cost = st.radio("Cost", list(costs), format_func=costs.get, horizontal=True, key="tradeoff_cost")
-    trade = svc.with_front(svc.tradeoff_frame(model, [s for s in scores if (s.dataset, s.tokens) == eval_set],
-                                              device_name=device_name, m_prefill=m_prefill, m_decode=m_decode,
-                                              target=target, ideal_m_prefill=ideal_prefill,
-                                              ideal_m_decode=ideal_decode, serve=serve), cost)
+    on_set = [s for s in scores if (s.dataset, s.tokens) == eval_set]
+    trade = scoring_svc.with_front(scoring_svc.tradeoff_frame(model, on_set,
+                                                              device_name=device_name, m_prefill=m_prefill,
+                                                              m_decode=m_decode, target=target,
+                                                              ideal_m_prefill=ideal_prefill,
+                                                              ideal_m_decode=ideal_decode, serve=serve), cost)
     st.caption("The newest score of each plan on this text. A plan is **on the front** when no other plan has "
                "both a lower KL and a lower cost: the plans worth choosing between. Measured times are the sum of "
                "the plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a "
-               "scheme with no kernel path measured (MX, NVFP4, W4AFP8) counts at the baseline GEMM's time. Ideal times "
+               "scheme with no kernel path measured (MX, NVFP4, W4AFP8) counts at the baseline GEMM's time. Ideal "
+               "times "
                "are the roofline bound on a GPU from its datasheet: each linear's weight read at the memory "
                "bandwidth or its math at the peak of the precision the GPU runs natively, whichever is longer "
-               "(a decode step is bound by the weights, a prefill by the math); a real engine gets less. Serving memory "
+               "(a decode step is bound by the weights, a prefill by the math); a real engine gets less. Serving "
+               "memory "
                "is every weight (the plan's linear weights, the rest in BF16) plus the KV cache of that many "
                "sequences of that many tokens in the format each plan was scored with: the cost where a KV format "
                "pays off. Every cost here is the whole model's on one GPU, whatever GPUs a plan is for, so plans "
                "compare on one footing; the Plans page shows one GPU's share of a plan split over several.")
-    st.altair_chart(charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
+    st.altair_chart(result_charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
     no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
     if no_cost:
         why = {"prefill_ms": " (a layer of the plan has no timing at that M: skipped over budget, not supported or "
@@ -285,27 +306,28 @@ else:
                                     f"ideal decode ms (M={ideal_decode})", format="%.4f")})
 
 st.subheader("Per-layer sensitivity")
-sweeps = svc.sensitivity_jobs(model.id)
+sweeps = sweeps_svc.sensitivity_jobs(model.id)
 if not sweeps:
     st.info("No sensitivity sweep yet: tick the box above to queue one with a preset.")
     st.stop()
 sweep_id = st.selectbox("Sweep", [j.id for j in sweeps],
-                        format_func=lambda i: next(f"job #{j.id} · {svc.sweep_label(j)} · "
+                        format_func=lambda i: next(f"job #{j.id} · {sweeps_svc.sweep_label(j)} · "
                                                    f"{(j.result or {}).get('units', '?')} units" for j in sweeps
                                                    if j.id == i), key="results_sweep")
-rows = svc.sensitivity_rows(sweep_id)
-stale = svc.stale_sweeps(model).get(sweep_id)
+rows = sweeps_svc.sensitivity_rows(sweep_id)
+stale = sweeps_svc.stale_sweeps(model).get(sweep_id)
 if stale:
     st.warning(stale[1][0].upper() + stale[1][1:])
 df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db,
-                    "proj": svc.unit_block_proj(r.layers)[1]} for r in rows])
-st.altair_chart(charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
+                    "proj": sweeps_svc.unit_block_proj(r.layers)[1]} for r in rows])
+st.altair_chart(result_charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
 st.dataframe(df, hide_index=True, width="stretch",
              column_config={"kl": st.column_config.NumberColumn("KL mean", format="%.3e",
                                                                 help="with only this unit quantized"),
                             "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
                             "sqnr_db": st.column_config.NumberColumn("SQNR dB", format="%.1f",
-                                                                     help="of the unit's output, quantized against unquantized"),
+                                                                     help="of the unit's output, quantized against "
+                                                                          "unquantized"),
                             "proj": st.column_config.TextColumn("projection")})
 if left_out := (next(j for j in sweeps if j.id == sweep_id).result or {}).get("not_swept"):
     st.caption(f"Not swept: {len(left_out)} layer(s) ({', '.join(left_out[:3])}{', …' if len(left_out) > 3 else ''}) "
@@ -313,23 +335,24 @@ if left_out := (next(j for j in sweeps if j.id == sweep_id).result or {}).get("n
                "and down_proj only), so no served checkpoint would hold the SmoothQuant measured there. The "
                "automatic plan gives them a scheme without SmoothQuant; sweep one (e.g. INT8_W8A8) for their KL.")
 
-counts = svc.sweep_gpu_counts(model)
-by_scheme = svc.sensitivity_by_scheme(model)  # one GPU's: the panels drawn unless another count is chosen
+counts = sweeps_svc.sweep_gpu_counts(model)
+by_scheme = sweeps_svc.sensitivity_by_scheme(model)  # one GPU's: the panels drawn unless another count is chosen
 if len(counts) > 1 or by_scheme["scheme"].nunique() >= 2:
     st.subheader("Every swept scheme side by side")
     side_at = counts[0]
     if len(counts) > 1:  # swept on several GPUs too: the panels a plan for as many reads
-        side_at = st.selectbox("As served on", counts, format_func=lambda c: svc.gpus_label(*c),
+        side_at = st.selectbox("As served on", counts, format_func=lambda c: plans_svc.gpus_label(*c),
                                key="results_side_gpus")
     if side_at != counts[0]:
-        by_scheme = svc.sensitivity_by_scheme(model, *side_at)
+        by_scheme = sweeps_svc.sensitivity_by_scheme(model, *side_at)
     st.caption("The newest sweep of each scheme: one cell per unit (block × projection), colour = KL with only that "
                "unit quantized, on one log scale for every panel. A cell bright in one panel and dark in another "
                "is a layer to give the other format; the Plans page's automatic plan makes that choice for every "
                "layer under a KL budget."
-               + (f" On {svc.gpus_label(*side_at)}, a scheme not swept there shows its one-GPU sweep, as a plan for "
+               + (f" On {plans_svc.gpus_label(*side_at)}, a scheme not swept there shows its one-GPU sweep, as a "
+                  "plan for "
                   "as many GPUs reads it (it overstates a dynamic scale's KL on o_proj and down_proj)."
                   if side_at[0] > 1 else ""))
-    if differ := svc.side_by_side_tokens_note(model, *side_at):
+    if differ := sweeps_svc.side_by_side_tokens_note(model, *side_at):
         st.caption(differ)
-    st.altair_chart(charts.sensitivity_by_scheme(by_scheme), width="content")
+    st.altair_chart(result_charts.sensitivity_by_scheme(by_scheme), width="content")

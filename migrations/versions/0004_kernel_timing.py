@@ -1,6 +1,6 @@
 """Kernel timings say how they were timed
 
-``kernel_results.timing`` holds quantcore.kernels.bench.TIMING of the run that measured a row. A benchmark job
+``kernel_results.timing`` holds quantcore.kernels.records.TIMING of the run that measured a row. A benchmark job
 reuses a stored row only when it was timed the way quantplan times now. CUDA rows from before this revision
 were already timed with the L2 flushed before each call: they are marked so. CPU rows stay NULL (their caches
 were left warm between calls, which flattered small weights): they are measured again the next time their
@@ -23,7 +23,7 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table('kernel_results') as batch:
         batch.add_column(sa.Column('timing', sa.String(length=40), nullable=True))
-    op.execute("UPDATE kernel_results SET timing = 'cold-caches-1' WHERE device = 'cuda'")  # quantcore.kernels.bench.TIMING
+    op.execute("UPDATE kernel_results SET timing = 'cold-caches-1' WHERE device = 'cuda'")  # quantcore.kernels.records.TIMING
 
 
 def downgrade() -> None:

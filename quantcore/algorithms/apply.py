@@ -14,10 +14,13 @@ A plan maps ``nn.Linear`` names to schemes. For every targeted layer :func:`appl
 Module names and the model's structure are unchanged, so hooks that others register by
 name (calibration, scoring) still find the layers.
 
-SmoothQuant: pass ``act_channel_max`` and the schemes' α are folded first (see
-:mod:`quantcore.algorithms.smoothquant`), before the weights are quantized; without it the caller is
-assumed to have smoothed the model already (as ``quantcore.evaluation.scoring.plan_applied`` does)
-and the α are ignored here.
+The weights are rounded by the handler of their scheme's rounding (RTN, GPTQ, AWQ:
+:mod:`quantcore.algorithms.registry`).
+
+SmoothQuant: pass ``act_channel_max`` (in :class:`~quantcore.algorithms.inputs.PlanInputs`) and the schemes' α are
+folded first (see :mod:`quantcore.algorithms.smoothquant`), before the weights are quantized; without it the caller
+is assumed to have smoothed the model already (as ``quantcore.evaluation.scoring.plan_applied`` does) and the α are
+ignored here.
 
     with quantized_model(model, {"model.layers.0.mlp.down_proj": "FP8_DYNAMIC"}) as applied:
         logits = model(ids).logits
@@ -36,20 +39,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantcore.algorithms.gptq import gptq_quantize, smoothed_hessian
+from quantcore.algorithms import awq as _awq  # noqa: F401 - registers AWQ's rounding handler and transform
+from quantcore.algorithms.gptq import smoothed_hessian
+from quantcore.algorithms.inputs import NO_INPUTS, PlanInputs
+from quantcore.algorithms.registry import WeightRounding, register_rounding_handler, rounding_method
 from quantcore.algorithms.smoothquant import SmoothingHandle, smooth_model
 from quantcore.errors import PlanError, name_list
-from quantcore.formats.quantize import (
-    QuantReport,
-    fake_quantize,
-    fake_quantize_weight,
-    fake_quantize_with_counts,
-    fused_tensor_scale,
-    scale_from_amax,
-    weight_scale,
-)
+from quantcore.formats.quantize import QuantReport, fake_quantize, fake_quantize_with_counts
+from quantcore.formats.scales import scale_from_amax
+from quantcore.formats.weights import fake_quantize_weight, fused_tensor_scale, weight_scale
+from quantcore.models.moe import LinearExperts
 from quantcore.models.parallel import Parallelism
-from quantcore.schemes.specs import Scheme, TensorSpec, expert_block, fusion_groups, get_scheme, list_schemes
+from quantcore.schemes.fusion import expert_block, fusion_groups
+from quantcore.schemes.presets import get_scheme, list_schemes
+from quantcore.schemes.specs import Rounding, Scheme, TensorSpec
 
 _MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
 _N_COUNTS = 5  # [elements, nonzero, saturated, underflow, nan], as quantcore.formats.quantize reports them
@@ -77,7 +80,7 @@ class _LayerState:
     name: str
     module: nn.Linear
     scheme: Scheme
-    original_weight: nn.Parameter
+    original_weight: torch.Tensor  # the layer's weight Parameter object itself (nn.Linear declares it a Tensor)
     weight_report: QuantReport
     static_scale: float | None = None
     counts: torch.Tensor | None = None
@@ -85,7 +88,7 @@ class _LayerState:
     hook: Any = None
     # a routed expert with dynamic per-tensor activations: (its LinearExperts block, "w13" | "w2"), whose
     # block_amax for the current call sets the scale (quantcore.models.moe.LinearExperts._forward_block_scaled)
-    block: tuple[nn.Module, str] | None = None
+    block: tuple[LinearExperts, str] | None = None
     # the GPUs' shares of the input a dynamic per-tensor / per-token scale is taken over (a row-parallel layer under
     # tensor parallelism: each GPU quantizes its own K / shards of the input; 1: the whole input)
     shards: int = 1
@@ -208,7 +211,9 @@ def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] 
             f"{name_list(missing)}; run calibration and pass "
             "act_amax={layer: max|x|}, or choose a dynamic scheme (e.g. FP8_DYNAMIC) for them"
         )
-    out = {}
+    out: dict[str, float] = {}
+    if act_amax is None:  # no layer is static (all of them would be missing above)
+        return out
     for n in static:
         amax = float(act_amax[n])
         if not amax >= 0 or amax == float("inf"):
@@ -220,12 +225,12 @@ def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] 
 def _moe_shared_scales(static: Mapping[str, float], schemes: Mapping[str, Scheme]) -> dict[str, float]:
     """Static input scales as vLLM's fused MoE layer reads them: for FP8 and INT8, one for the gate/up of every
     expert of a block (w13) and one for its down_proj (w2), the largest of its experts' ("Using the maximum across
-    experts for each layer"). With calibration running every expert on every token (quantcore.models.moe) the gate/up ones
-    are equal anyway; the down_proj inputs differ from expert to expert. NVFP4's fused MoE keeps each expert's own
+    experts for each layer"). With calibration running every expert on every token (quantcore.models.moe) the gate/up
+    ones are equal anyway; the down_proj inputs differ from expert to expert. NVFP4's fused MoE keeps each expert's own
     input tensor scales (its w13 one the smaller global scale of the expert's gate and up, which read one input), so
     they are left as calibrated."""
     key = {name: (block, name.endswith(".down_proj")) for name in static
-           if (block := expert_block(name)) and schemes[name].activations.format != "nvfp4"}
+           if (block := expert_block(name)) and schemes[name].activation_spec().format != "nvfp4"}
     shared: dict[tuple[str, bool], float] = {}
     for name, k in key.items():
         shared[k] = max(shared.get(k, static[name]), static[name])
@@ -339,7 +344,7 @@ def _quantize_shards(x: torch.Tensor, shards: int, fmt: str, kwargs: Mapping[str
 
 
 def _make_hook(state: _LayerState, track_stats: bool, shared: _SharedInputs | None):
-    spec = state.scheme.activations
+    spec = state.scheme.activation_spec()
     kwargs = _spec_kwargs(spec)
     # everything the hook's result depends on besides x (a smoothed layer's input arrives already
     # divided by its factors, folded into the norm before it, so smoothing adds nothing here)
@@ -352,16 +357,17 @@ def _make_hook(state: _LayerState, track_stats: bool, shared: _SharedInputs | No
             x, rest = kw["input"], ()
         else:
             return None
-        scale, block_scale = state.static_scale, False
+        scale: float | torch.Tensor | None = state.static_scale
+        block_scale: torch.Tensor | None = None
         if state.block is not None:  # a routed expert: the block's amax for this call, as vLLM's fused MoE
             amax = (state.block[0].block_amax or {}).get(state.block[1])
             if amax is not None:  # one amax, or one per GPU's share of a split input
-                scale, block_scale = scale_from_amax(amax, spec.format), True
+                scale = block_scale = scale_from_amax(amax, spec.format)
         if state.shards > 1:  # row-parallel under tensor parallelism: each GPU's share on its own scale (no other
             # layer reads this input, so nothing to share)
             xq, counts = _quantize_shards(x, state.shards, spec.format, kwargs, scale, track_stats)
         else:
-            call_key = (spec, tuple(scale.reshape(-1).tolist()), track_stats) if block_scale else key
+            call_key = (spec, tuple(block_scale.reshape(-1).tolist()), track_stats) if block_scale is not None else key
             hit = shared.get(x, call_key) if shared is not None else None
             if hit is not None:
                 xq, counts = hit
@@ -384,28 +390,30 @@ def _make_hook(state: _LayerState, track_stats: bool, shared: _SharedInputs | No
 def apply_plan(
     model: nn.Module,
     plan: Mapping[str, Scheme | str],
+    inputs: PlanInputs = NO_INPUTS,
     *,
-    act_amax: Mapping[str, float] | None = None,
-    act_channel_max: Mapping[str, Any] | None = None,
     track_stats: bool = True,
     share_inputs: bool = True,
-    weight_hessians: Mapping[str, torch.Tensor] | None = None,
-    gptq_cache: dict[str, torch.Tensor] | None = None,
-    parallel: Parallelism | None = None,
 ) -> AppliedPlan:
     """Fake-quantize the layers named in ``plan`` in place; ``AppliedPlan.restore()`` undoes it exactly.
 
     plan:            {nn.Linear name: Scheme or preset name}; identity schemes (BF16) are left untouched
-    act_amax:        {layer: calibrated max |x|}, required for layers whose activations are static
-                     (of the unsmoothed input: layers smoothed here get max_j(channel_max_j / s_j))
-    act_channel_max: {layer: (K,) calibrated max |x_j|}; when given, SmoothQuant α of the schemes
-                     is folded first (all layers with an α must be present). When omitted, α is
-                     ignored: smooth the model yourself with smooth_model() beforehand.
+    inputs:          the plan's calibrated inputs (:class:`~quantcore.algorithms.inputs.PlanInputs`); the fields read
+                     here are below. ``awq`` and ``kv_amax`` are not: fold AWQ's factors first
+                     (:func:`quantcore.evaluation.scoring.plan_applied` does), the KV cache is the scorer's.
     track_stats:     count activation saturation / underflow on every call (a few extra passes),
                      and report the weight quantization; False skips both (reports of zero counts)
     share_inputs:    quantize an input once for consecutive layers that read the same tensor with
                      the same activation spec and scale (q/k/v, gate/up); the results are
                      bit-identical either way, False only recomputes them per layer
+
+    Fields of ``inputs``:
+
+    act_amax:        {layer: calibrated max |x|}, required for layers whose activations are static
+                     (of the unsmoothed input: layers smoothed here get max_j(channel_max_j / s_j))
+    act_channel_max: {layer: (K,) calibrated max |x_j|}; when given, SmoothQuant α of the schemes
+                     is folded first (all layers with an α must be present). When omitted, α is
+                     ignored: smooth the model yourself with smooth_model() beforehand.
     weight_hessians: {layer: (K, K) Hessian of its input} (:func:`quantcore.algorithms.gptq.collect_hessians`, on the
                      unsmoothed model: layers smoothed here get it transformed), required for layers whose
                      scheme rounds with GPTQ; their weight report is RTN's (the same scales)
@@ -423,8 +431,10 @@ def apply_plan(
     Raises PlanError for unknown layers or schemes, non-linear targets, missing calibration,
     or layers already carrying an applied plan.
     """
+    act_amax, act_channel_max = inputs.act_amax, inputs.act_channel_max
+    weight_hessians, gptq_cache, parallel = inputs.weight_hessians, inputs.gptq_cache, inputs.parallel
     schemes = _resolve(plan)
-    _check_layers(model, list(schemes))
+    linears = _check_layers(model, list(schemes))
     static_amax = _static_layers(schemes, act_amax)
     active = {n: s for n, s in schemes.items() if not s.is_identity}
     untouched = [n for n, s in schemes.items() if s.is_identity]
@@ -443,7 +453,7 @@ def apply_plan(
         hessians = gptq_hessians(active, hessians, smoothing.factors, rounded=gptq_cache or ())
     static = {
         n: float(
-            scale_from_amax(_smoothed_amax(a, n, smoothing, act_channel_max), schemes[n].activations.format)
+            scale_from_amax(_smoothed_amax(a, n, smoothing, act_channel_max), schemes[n].activation_spec().format)
         )
         for n, a in static_amax.items()
     }
@@ -456,25 +466,20 @@ def apply_plan(
         _shared=_SharedInputs() if share_inputs else None,
     )
     modules = dict(model.named_modules())
-    tensor_scales = _fused_tensor_scales(active, modules)
+    tensor_scales = _fused_tensor_scales(active, linears)
     try:
         for name, scheme in active.items():
-            module = modules[name]
+            module = linears[name]
             original = module.weight
             w = original.detach()
             g = tensor_scales.get(name)
-            if track_stats or not scheme.gptq:  # on the grid the checkpoint stores (int: compressed-tensors')
-                wq, report = fake_quantize_weight(w, scheme.weights, report=track_stats, scale=g)
-            else:  # rounded below
-                wq, report = w, QuantReport(0, 0, 0, 0, 0)
-            if scheme.gptq:  # the same grid and scales, other grid points
-                if gptq_cache is not None and name in gptq_cache:
-                    wq = gptq_cache[name]
-                else:
-                    scale = None if g is None else weight_scale(w, scheme.weights, tensor_scale=g)
-                    wq = gptq_quantize(w, hessians[name], scheme.weights, scale=scale).weight
-                    if gptq_cache is not None:
-                        gptq_cache[name] = wq
+            method = rounding_method(scheme)  # RTN, GPTQ or AWQ: the same grid and scales, its own grid points
+            if track_stats or method.reads_nearest:  # on the grid the checkpoint stores (int: compressed-tensors')
+                nearest, report = fake_quantize_weight(w, scheme.weight_spec(), report=track_stats, scale=g)
+            else:  # the method rounds from the weight itself
+                nearest, report = None, QuantReport(0, 0, 0, 0, 0)
+            wq = method.handler(WeightRounding(name, w, scheme, nearest if method.reads_nearest else None, g,
+                                               hessians, gptq_cache))
             state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name),
                                 block=_expert_block_scale(name, scheme, modules),
                                 shards=_input_shards(name, scheme, parallel))
@@ -487,11 +492,18 @@ def apply_plan(
                 state.hook = module.register_forward_pre_hook(
                     _make_hook(state, track_stats, applied._shared), with_kwargs=True
                 )
-        _requantize_fused_fp8(active, modules, applied)
+        _requantize_fused_fp8(active, linears, applied)
     except Exception:
         applied.restore()
         raise
     return applied
+
+
+@register_rounding_handler(Rounding.RTN)
+def round_to_nearest(layer: WeightRounding) -> torch.Tensor:
+    """RTN: the weight on its grid point nearest to it (what :func:`fake_quantize_weight` computed)."""
+    assert layer.nearest is not None  # reads_nearest: apply_plan computes it
+    return layer.nearest
 
 
 def _input_shards(name: str, scheme: Scheme, parallel: Parallelism | None) -> int:
@@ -502,7 +514,8 @@ def _input_shards(name: str, scheme: Scheme, parallel: Parallelism | None) -> in
     return parallel.input_shards(name)
 
 
-def _expert_block_scale(name: str, scheme: Scheme, modules: Mapping[str, nn.Module]) -> tuple[nn.Module, str] | None:
+def _expert_block_scale(name: str, scheme: Scheme,
+                        modules: Mapping[str, nn.Module]) -> tuple[LinearExperts, str] | None:
     """(the LinearExperts block, "w13" | "w2") for a routed expert whose activations take a dynamic per-tensor scale,
     else None. vLLM's fused MoE quantizes the block's input once for every expert's gate/up and all routed experts'
     down_proj inputs together, each with one dynamic scale; the block's two-pass forward provides those amaxes."""
@@ -511,13 +524,13 @@ def _expert_block_scale(name: str, scheme: Scheme, modules: Mapping[str, nn.Modu
     if a is None or block is None or not a.dynamic or a.granularity.value != "tensor":
         return None
     experts = modules.get(block)
-    if experts is None or not hasattr(experts, "block_amax"):
+    if not isinstance(experts, LinearExperts):
         return None
     experts.block_amax = {}
     return experts, "w2" if name.endswith(".down_proj") else "w13"
 
 
-def _requantize_fused_fp8(schemes: Mapping[str, Scheme], modules: Mapping[str, nn.Module],
+def _requantize_fused_fp8(schemes: Mapping[str, Scheme], linears: Mapping[str, nn.Linear],
                           applied: AppliedPlan) -> None:
     """Per-tensor E4M3 weights of a fusion group (q/k/v, gate/up; a routed expert's gate/up) as vLLM serves them.
 
@@ -529,24 +542,24 @@ def _requantize_fused_fp8(schemes: Mapping[str, Scheme], modules: Mapping[str, n
     fp8 = [n for n, s in schemes.items()
            if s.weights is not None and s.weights.format == "fp8_e4m3" and s.weights.granularity.value == "tensor"]
     for group in fusion_groups(fp8):
-        own = {n: weight_scale(applied._states[n].original_weight.detach(), schemes[n].weights) for n in group}
+        own = {n: weight_scale(applied._states[n].original_weight.detach(), schemes[n].weight_spec()) for n in group}
         largest = torch.stack([own[n].reshape(()) for n in group]).max()
         for n in group:
             if bool(own[n].reshape(()) < largest):
-                module = modules[n]
+                module = linears[n]
                 module.weight = nn.Parameter(fake_quantize(module.weight.detach(), "fp8_e4m3", "tensor",
                                                            scale=largest), requires_grad=False)
 
 
-def _fused_tensor_scales(schemes: Mapping[str, Scheme], modules: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:
+def _fused_tensor_scales(schemes: Mapping[str, Scheme], linears: Mapping[str, nn.Linear]) -> dict[str, torch.Tensor]:
     """{layer: NVFP4 tensor scale} for the members of every fusion group (q/k/v, gate/up) quantized here with NVFP4
-    weights: one scale from the largest |W| of the group (:func:`quantcore.formats.quantize.fused_tensor_scale`), which is
-    what the checkpoint stores for them and vLLM's fused GEMM reads. Layers outside such a group keep their own."""
+    weights: one scale from the largest |W| of the group (:func:`quantcore.formats.weights.fused_tensor_scale`), which
+    is what the checkpoint stores for them and vLLM's fused GEMM reads. Layers outside such a group keep their own."""
     out: dict[str, torch.Tensor] = {}
     nvfp4 = [n for n, s in schemes.items() if s.weights is not None and s.weights.format == "nvfp4"]
     for group in fusion_groups(nvfp4):
         if len(group) > 1:
-            g = fused_tensor_scale(modules[n].weight for n in group)
+            g = fused_tensor_scale(linears[n].weight for n in group)
             out.update(dict.fromkeys(group, g))
     return out
 
@@ -568,17 +581,19 @@ def gptq_hessians(
             f"GPTQ rounds the weights of {name_list(missing)} from the Hessian of their inputs: collect it on "
             "calibration text first (quantcore.algorithms.gptq.collect_hessians), or choose a scheme without GPTQ"
         )
+    if hessians is None:  # no layer wants one (all of them would be missing above)
+        return {}
     factors = smoothing_factors or {}
-    assert hessians is not None or not wanted
     return {n: smoothed_hessian(hessians[n], factors[n]) if n in factors else hessians[n] for n in wanted}
 
 
 @contextmanager
 def quantized_model(
-    model: nn.Module, plan: Mapping[str, Scheme | str], **kwargs: Any
+    model: nn.Module, plan: Mapping[str, Scheme | str], inputs: PlanInputs = NO_INPUTS, **kwargs: Any
 ) -> Iterator[AppliedPlan]:
-    """Context manager around :func:`apply_plan`: the model is restored on exit, even on error."""
-    applied = apply_plan(model, plan, **kwargs)
+    """Context manager around :func:`apply_plan` (the same arguments): the model is restored on exit, even on
+    error."""
+    applied = apply_plan(model, plan, inputs, **kwargs)
     try:
         yield applied
     finally:

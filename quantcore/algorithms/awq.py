@@ -40,19 +40,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantcore.algorithms.smoothquant import GQA_NO_FACTORS, SmoothingHandle, _plan_unit, _Unit, fold_factors
+from quantcore.algorithms.registry import WeightRounding, register_rounding_handler, register_transform
+from quantcore.algorithms.smoothquant import GQA_NO_FACTORS, FoldUnit, SmoothingHandle, fold_factors, plan_unit
 from quantcore.errors import Cancelled, PlanError, name_list
-from quantcore.formats.quantize import fake_quantize_weight, fused_tensor_scale
+from quantcore.formats.granularity import Granularity
+from quantcore.formats.weights import fake_quantize_weight, fused_tensor_scale
+from quantcore.models.architectures import architecture_of
+from quantcore.models.decoder import find_decoder_blocks
 from quantcore.models.moe import all_experts
-from quantcore.schemes.specs import (
-    AWQ_DUO_SCALING,
-    AWQ_N_GRID,
-    Granularity,
-    Scheme,
-    TensorSpec,
-    fusion_groups,
-    get_scheme,
-)
+from quantcore.schemes.fusion import fusion_groups
+from quantcore.schemes.presets import get_scheme
+from quantcore.schemes.specs import AWQ_DUO_SCALING, AWQ_N_GRID, Rounding, Scheme, TensorSpec
 
 W_MEAN_EPS = 1e-6  # llm-compressor's _compute_layer_means: |W| / (group max + 1e-6)
 SCALE_FLOOR = 1e-4  # its clamp of the candidate scales and the floor added to w̄^(1-r)
@@ -74,7 +72,8 @@ class AwqResult:
     """What :func:`awq_search` found.
 
     factors: {linear: (K,) s} for every balance layer of a searched mapping (fold them with
-             ``quantcore.algorithms.smoothquant.fold_factors``, or let :func:`quantcore.evaluation.scoring.plan_applied` do it)
+             ``quantcore.algorithms.smoothquant.fold_factors``, or let
+             :func:`quantcore.evaluation.scoring.plan_applied` do it)
     skipped: {linear: reason} for planned layers left unscaled
     errors:  {mapping label: (loss without scaling, best loss, best r)}; r < 0 marks the unscaled candidate
     history: {mapping label: [(r, loss)] of every candidate, in grid order}
@@ -106,8 +105,6 @@ def awq_mappings(model: nn.Module, layers: Iterable[str]) -> tuple[list[AwqMappi
     A mapping covers a whole fusion group (q/k/v, gate/up): asking for one member scales them all, as they
     read one tensor.
     """
-    from quantcore.evaluation.sensitivity import find_decoder_blocks
-
     modules = dict(model.named_modules())
     linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
     wanted = list(dict.fromkeys(layers))
@@ -115,10 +112,11 @@ def awq_mappings(model: nn.Module, layers: Iterable[str]) -> tuple[list[AwqMappi
     if unknown:
         raise PlanError(f"AWQ scales nn.Linear layers; not one in this model: {name_list(unknown)}")
     stack = find_decoder_blocks(model)
-    units: dict[tuple[str, str], _Unit] = {}
+    arch = architecture_of(model)
+    units: dict[tuple[str, str], FoldUnit] = {}
     skipped: dict[str, str] = {}
     for name in wanted:
-        unit = _plan_unit(name, linears, modules, router=True)
+        unit = plan_unit(name, linears, modules, router=True, arch=arch)
         if isinstance(unit, str):
             skipped[name] = unit
             continue
@@ -131,11 +129,13 @@ def awq_mappings(model: nn.Module, layers: Iterable[str]) -> tuple[list[AwqMappi
             continue
         units.setdefault((unit.kind, unit.producer), unit)
     order = {n: i for i, n in enumerate(modules)}
-    mappings = [  # the loss is the output of the smallest module holding the consumers and what is scaled with them
-        AwqMapping(u.kind, tuple(u.consumers), u.producer, _parent_of([*u.consumers, *u.also]),
-                   stack.block_of(u.consumers[0]))
-        for u in sorted(units.values(), key=lambda u: order[u.consumers[0]])
-    ]
+    mappings = []
+    for u in sorted(units.values(), key=lambda u: order[u.consumers[0]]):
+        block = stack.block_of(u.consumers[0])
+        if block is None:  # the consumers share the block of the layer that asked for the unit, checked above
+            raise PlanError(f"AWQ: {u.consumers[0]!r} lies outside the decoder blocks though {u.producer!r} is in one")
+        # the loss is the output of the smallest module holding the consumers and what is scaled with them
+        mappings.append(AwqMapping(u.kind, tuple(u.consumers), u.producer, _parent_of([*u.consumers, *u.also]), block))
     return mappings, skipped
 
 
@@ -245,17 +245,25 @@ def _block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: Sequence[tor
     return first_hidden, rest
 
 
+def _linear(modules: Mapping[str, nn.Module], name: str) -> nn.Linear:
+    """The balance layer ``name`` (awq_mappings takes nn.Linear layers only)."""
+    module = modules[name]
+    if not isinstance(module, nn.Linear):
+        raise PlanError(f"AWQ scales nn.Linear layers; {name!r} is a {type(module).__name__}")
+    return module
+
+
 @torch.no_grad()
 def _search_one(modules: Mapping[str, nn.Module], mapping: AwqMapping, spec_of: Mapping[str, TensorSpec],
                 calls: list[tuple[tuple, dict]], x_mean: torch.Tensor, n_grid: int,
                 duo_scaling: bool) -> tuple[torch.Tensor, tuple[float, float, float], list[tuple[float, float]]]:
     parent = modules[mapping.parent]
     fp_out = [_first(parent(*a, **k)) for a, k in calls]
-    balance = [modules[n] for n in mapping.balance]
+    balance = [_linear(modules, n) for n in mapping.balance]
     originals = [m.weight.detach().clone() for m in balance]
     quantized = [n for n in mapping.balance if n in spec_of]
     spec = spec_of[quantized[0]]
-    w_mean = weight_means([modules[n].weight for n in quantized], spec).to(x_mean.device)
+    w_mean = weight_means([_linear(modules, n).weight for n in quantized], spec).to(x_mean.device)
     best: tuple[float, torch.Tensor, float] | None = None
     initial = None
     history: list[tuple[float, float]] = []
@@ -316,7 +324,7 @@ def awq_search(
         return result
     mappings, skipped = awq_mappings(model, wanted)
     result.skipped.update(skipped)
-    spec_of = {n: schemes[n].weights for n in wanted}
+    spec_of = {n: schemes[n].weight_spec() for n in wanted}
     if isinstance(batches, torch.Tensor):
         ids = batches if batches.dim() == 2 else batches.reshape(1, -1)
         batch_list: Sequence[torch.Tensor] = [ids[i:i + batch_size] for i in range(0, ids.shape[0], batch_size)]
@@ -324,8 +332,6 @@ def awq_search(
         batch_list = list(batches)
     if not mappings:
         return result
-    from quantcore.evaluation.sensitivity import find_decoder_blocks
-
     stack = find_decoder_blocks(model)
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
@@ -406,5 +412,15 @@ def load_awq(path: str | Path) -> AwqResult:
     )
 
 
-__all__ = ["AwqMapping", "AwqResult", "awq_mappings", "awq_search", "candidates", "load_awq", "save_awq",
-           "weight_means"]
+@register_rounding_handler(Rounding.AWQ, needs="awq")
+def round_after_awq(layer: WeightRounding) -> torch.Tensor:
+    """AWQ: the weight rounded to nearest, its input channels already scaled by the searched factors (the
+    ``awq`` transform folds them before rounding)."""
+    assert layer.nearest is not None  # reads_nearest: apply_plan computes it
+    return layer.nearest
+
+
+AWQ_TRANSFORM = register_transform("awq", applies_to=lambda scheme: scheme.needs_awq, needs="awq")
+
+__all__ = ["AWQ_TRANSFORM", "AwqMapping", "AwqResult", "awq_mappings", "awq_search", "candidates", "load_awq",
+           "round_after_awq", "save_awq", "weight_means"]

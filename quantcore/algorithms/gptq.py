@@ -1,7 +1,7 @@
 """GPTQ weight rounding: quantize a weight column by column and push each column's error onto the columns
 not yet quantized, weighted by the inverse Hessian of the layer's inputs [Frantar et al. 2022, GPTQ].
 
-Round-to-nearest (RTN, what :func:`quantcore.formats.quantize.fake_quantize_weight` does) minimises each weight's own
+Round-to-nearest (RTN, what :func:`quantcore.formats.weights.fake_quantize_weight` does) minimises each weight's own
 error. GPTQ minimises the error of the layer's *output* on calibration inputs, ``||X Wᵀ - X Qᵀ||²``, whose
 Hessian with respect to a weight row is ``H = 2 Xᵀ X / n`` (K × K, the same for every row). It is what
 llm-compressor's ``GPTQModifier`` runs, and what its W4A16 and W8A8 examples use, so a plan that will be
@@ -9,7 +9,7 @@ exported with GPTQ is scored with GPTQ here, not with RTN (which overstates a 4-
 
 The algorithm follows llm-compressor 0.14's ``quantize_weight`` (eager path), with its defaults:
 
-* scales (and their grid) come from the original weight, as RTN's do (:func:`quantcore.formats.quantize.weight_scale`:
+* scales (and their grid) come from the original weight, as RTN's do (:func:`quantcore.formats.weights.weight_scale`:
   for int formats compressed-tensors' min-max scales, amax / 7.5 or amax / 127.5, and codes -8..7 / -128..127;
   for NVFP4 the effective scale of each block of 16, E4M3 block scale × fp32 tensor scale, and E2M1 elements);
   GPTQ changes which grid point each weight takes, never the scales. Given the same weight, Hessian and scales,
@@ -45,16 +45,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantcore.algorithms.registry import WeightRounding, register_rounding_handler
 from quantcore.errors import Cancelled, PlanError, name_list
-from quantcore.formats.quantize import element_scales, round_to_weight_grid, weight_scale, weight_zero_point
+from quantcore.formats.weights import element_scales, round_to_weight_grid, weight_scale, weight_zero_point
+from quantcore.models.architectures import LLAMA_STYLE
 from quantcore.models.moe import all_experts
+from quantcore.schemes.fusion import fusion_groups
 from quantcore.schemes.specs import (
     GPTQ_ACTORDER,
     GPTQ_BLOCK_SIZE,
     GPTQ_DAMPENING,
+    Rounding,
     Scheme,
     TensorSpec,
-    fusion_groups,
     gptq_unsupported,
 )
 
@@ -107,7 +110,7 @@ def gptq_quantize(
     weight in ``weight``'s dtype (every value on the grid of RTN's scales).
 
     With a diagonal Hessian no error is propagated and the result is RTN's, bit for bit.
-    ``scale``: other scales to keep (the granularity's scale shape, as :func:`quantcore.formats.quantize.weight_scale`
+    ``scale``: other scales to keep (the granularity's scale shape, as :func:`quantcore.formats.weights.weight_scale`
     returns them); default RTN's, from the weight itself.
     """
     why = gptq_unsupported(spec)
@@ -293,19 +296,35 @@ def collect_hessians(
     return {n: hess[owner[n]] for n in names}
 
 
+@register_rounding_handler(Rounding.GPTQ, reads_nearest=False, needs="weight_hessians")
+def round_with_gptq(layer: WeightRounding) -> torch.Tensor:
+    """GPTQ: the layer's weight rounded column by column on its input Hessian (on the scales of its NVFP4 fusion
+    group's shared tensor scale, if any), or the rounding ``layer.gptq_cache`` keeps for it, which it then keeps."""
+    cache = layer.gptq_cache
+    if cache is not None and layer.name in cache:
+        return cache[layer.name]
+    spec = layer.scheme.weight_spec()
+    scale = None if layer.tensor_scale is None else weight_scale(layer.weight, spec, tensor_scale=layer.tensor_scale)
+    if layer.hessians is None or layer.name not in layer.hessians:  # apply_plan checks every GPTQ layer has one
+        raise PlanError(f"GPTQ rounds {layer.name!r} from the Hessian of its input, and none was given for it")
+    rounded = gptq_quantize(layer.weight, layer.hessians[layer.name], spec, scale=scale).weight
+    if cache is not None:
+        cache[layer.name] = rounded
+    return rounded
+
+
 def rounding_inputs(plan: Mapping[str, Scheme]) -> dict[str, dict[str, Any]]:
     """{layer: what of ``plan`` its GPTQ rounding reads} for every layer of ``plan`` that rounds with GPTQ, besides
     the model's weights, the calibration tokens its Hessian comes from and (when ``smoothed``) the calibration
     statistics SmoothQuant divides by: the schemes of its fusion group's quantized members (one NVFP4 tensor scale
-    and one SmoothQuant factor per group: :func:`quantcore.algorithms.apply.apply_plan`); of the o_proj / down_proj whose
-    SmoothQuant fold divides a member's rows (v_proj's, up_proj's: :func:`quantcore.algorithms.smoothquant.rows_divided_by`);
+    and one SmoothQuant factor per group: :func:`quantcore.algorithms.apply.apply_plan`); of the o_proj / down_proj
+    whose SmoothQuant fold divides a member's rows (v_proj's, up_proj's:
+    :meth:`quantcore.models.architectures.Architecture.rows_divided_by`);
     and of every layer the plan scales with AWQ (its folds reach the same rows; one digest for the plan). Two plans
     that agree on these, on the same model and tokens, round the layer to the same weight, so a job keeps it on
     disk keyed by them and rounds it once (worker.scoring_bodies). One pass over the plan, however many layers."""
     import hashlib
     import json
-
-    from quantcore.algorithms.smoothquant import rows_divided_by
 
     group_of = {n: g for g in fusion_groups([n for n, s in plan.items() if not s.is_identity]) for n in g}
     awq = {n: s.to_dict() for n, s in sorted(plan.items()) if s.needs_awq}
@@ -315,8 +334,8 @@ def rounding_inputs(plan: Mapping[str, Scheme]) -> dict[str, dict[str, Any]]:
         if not scheme.needs_hessians:
             continue
         group = group_of.get(layer, [layer])
-        folds = {c: plan[c].to_dict() for n in group
-                 if (c := rows_divided_by(n)) is not None and c in plan and plan[c].smoothquant_alpha is not None}
+        folds = {c: plan[c].to_dict() for n in group if (c := LLAMA_STYLE.rows_divided_by(n)) is not None
+                 and c in plan and plan[c].smoothquant_alpha is not None}
         out[layer] = {
             "layer": layer,
             "group": {n: plan[n].to_dict() for n in group},
@@ -329,13 +348,10 @@ def rounding_inputs(plan: Mapping[str, Scheme]) -> dict[str, dict[str, Any]]:
 
 
 __all__ = [
-    "GPTQ_ACTORDER",
-    "GPTQ_BLOCK_SIZE",
-    "GPTQ_DAMPENING",
     "GptqResult",
     "collect_hessians",
     "gptq_quantize",
+    "round_with_gptq",
     "rounding_inputs",
-    "gptq_unsupported",
     "smoothed_hessian",
 ]

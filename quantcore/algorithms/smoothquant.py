@@ -7,7 +7,7 @@ exactly. SmoothQuant [Xiao et al. 2022, eq. 4] chooses
 
 and folds the division by s into the operator that produces X, so inference runs a plain
 GEMM on the smoothed input. Folds implemented here (Hugging Face Llama / Mistral / Qwen2 /
-Gemma / Gemma3 naming):
+Gemma / Gemma3 naming, looked up by architecture in :mod:`quantcore.models.architectures`):
 
 =====================================  =====================================================
 consumer linears                       1/s folded into
@@ -34,7 +34,6 @@ Folded parameters are computed in float64 and rounded once to the parameter dtyp
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -42,8 +41,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from quantcore.algorithms.registry import register_transform
 from quantcore.errors import PlanError, name_list
-from quantcore.schemes.specs import fusion_groups
+from quantcore.models.architectures import LLAMA_STYLE, Architecture, architecture_of
+from quantcore.schemes.fusion import fusion_groups
 
 # why searched factors (AWQ's) cannot fold into v_proj for o_proj: one per o_proj input, fewer v_proj outputs
 GQA_NO_FACTORS = (
@@ -55,26 +56,10 @@ SQ_EPS = (
     1e-5  # clamp for channel maxima, as SmoothQuant's code and the reference text: dead channels get finite s
 )
 
-_QKV = re.compile(r"^(?P<block>.+)\.self_attn\.(?P<leaf>q_proj|k_proj|v_proj)$")
-_GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.(?P<leaf>gate_proj|up_proj)$")
-_EXPERT_GATE_UP = re.compile(r"^(?P<block>.+)\.mlp\.experts\.\d+\.(?:gate_proj|up_proj)$")
-ROUTER = "gate"  # the router of an MoE block: <block>.mlp.gate (transformers' TopKRouter, a weight (E, K))
-_O_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.o_proj$")
-# a dense MLP's down_proj, or a routed expert's (quantcore.models.moe: <block>.mlp.experts.<e>.down_proj): its up_proj's rows
-_DOWN = re.compile(r"^(?P<block>.+)\.mlp(?P<expert>\.experts\.\d+)?\.down_proj$")
-_V_PROJ = re.compile(r"^(?P<block>.+)\.self_attn\.v_proj$")
-_UP = re.compile(r"^(?P<mlp>.+\.mlp(?:\.experts\.\d+)?)\.up_proj$")
-
-
-def rows_divided_by(name: str) -> str | None:
-    """The linear whose fold (SmoothQuant's or AWQ's) divides the weight rows of ``name``: its block's o_proj for a
-    v_proj, its MLP's down_proj for an up_proj (a routed expert's too); None for a layer no fold reaches into
-    (q/k/v and gate/up fold into the norm before them)."""
-    if m := _V_PROJ.match(name):
-        return f"{m.group('block')}.self_attn.o_proj"
-    if m := _UP.match(name):
-        return f"{m.group('mlp')}.down_proj"
-    return None
+#: SmoothQuant as a transform of the registry: the schemes with an α, which read calibrated channel maxima
+SMOOTHQUANT_TRANSFORM = register_transform(
+    "smoothquant", applies_to=lambda scheme: scheme.smoothquant_alpha is not None, needs="act_channel_max"
+)
 
 
 @torch.no_grad()
@@ -220,7 +205,7 @@ def _column_max(linears: Iterable[nn.Linear]) -> torch.Tensor:
 
 
 @dataclass
-class _Unit:
+class FoldUnit:
     """One fold: consumers whose input is divided by one s, and what absorbs 1/s."""
 
     kind: str  # "norm" | "v_rows" | "up_rows"
@@ -230,66 +215,63 @@ class _Unit:
     also: tuple[str, ...] = ()  # modules read the same input, their weight columns scaled by s, never quantized
 
 
-def _plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str, nn.Module],
-               router: bool = False) -> _Unit | str:
-    """The fold for one requested linear, or the reason it cannot be folded exactly. With ``router`` (AWQ's
-    folds, as llm-compressor's MoE mappings make them) a routed expert's gate/up fold into the norm together
-    with every expert of the block, the router's weight columns scaled along so the routing is unchanged."""
+def plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str, nn.Module],
+              router: bool = False, arch: Architecture = LLAMA_STYLE) -> FoldUnit | str:
+    """The fold for one requested linear, or the reason it cannot be folded exactly; the names of the norms and
+    linears before it come from ``arch`` (:mod:`quantcore.models.architectures`). With ``router`` (AWQ's folds, as
+    llm-compressor's MoE mappings make them) a routed expert's gate/up fold into the norm together with every expert
+    of the block, the router's weight columns scaled along so the routing is unchanged."""
     all_names = list(linears)
-    if router and (m := _EXPERT_GATE_UP.match(name)):
-        return _expert_gate_up_unit(m.group("block"), name, linears, modules)
-    if m := _QKV.match(name):
-        block = m.group("block")
+    if router and (block := arch.expert_input_block(name)) is not None:
+        return _expert_gate_up_unit(block, name, linears, modules, arch)
+    if (block := arch.attention_input_block(name)) is not None:
         group = next((g for g in fusion_groups(all_names) if name in g), [name])
-        return _Unit("norm", group, f"{block}.input_layernorm", block)
-    if m := _GATE_UP.match(name):
-        block = m.group("block")
+        return FoldUnit("norm", group, arch.attention_norm_of(block), block)
+    if (block := arch.mlp_input_block(name)) is not None:
         group = next((g for g in fusion_groups(all_names) if name in g), [name])
-        pre_ff = f"{block}.pre_feedforward_layernorm"  # Gemma2/3: post_attention_layernorm is on the attention output
-        producer = pre_ff if pre_ff in modules else f"{block}.post_attention_layernorm"
-        return _Unit("norm", group, producer, block)
-    if m := _O_PROJ.match(name):
-        block = m.group("block")
-        v_name = f"{block}.self_attn.v_proj"
+        return FoldUnit("norm", group, arch.mlp_norm_of(block, modules), block)
+    if (block := arch.attention_output_block(name)) is not None:
+        v_name = arch.v_proj_of(block)
         if v_name not in linears:
             return "o_proj without a v_proj linear beside it: no foldable predecessor"
-        return _Unit("v_rows", [name], v_name, block)
-    if m := _DOWN.match(name):
-        block, mlp = m.group("block"), f"{m.group('block')}.mlp{m.group('expert') or ''}"
-        up_name, gate_name = f"{mlp}.up_proj", f"{mlp}.gate_proj"
+        return FoldUnit("v_rows", [name], v_name, block)
+    if (found := arch.mlp_output(name)) is not None:
+        block, mlp = found
+        gate_name, up_name = arch.gate_up_of(mlp)
         if up_name not in linears or gate_name not in linears:
             return "down_proj outside a gated MLP (act(gate) * up): its input is not linear in a predecessor"
-        return _Unit("up_rows", [name], up_name, block)
-    if _EXPERT_GATE_UP.match(name):
+        return FoldUnit("up_rows", [name], up_name, block)
+    if arch.expert_input_block(name) is not None:
         return ("a routed expert's gate/up: the norm before them also feeds the router, which would read a "
                 "rescaled input (AWQ scales the router with them; SmoothQuant does not)")
-    return "no foldable predecessor: only q/k/v, gate/up (norm-fed), o_proj (after v_proj) and down_proj (after up_proj) are folded"
+    return ("no foldable predecessor: only q/k/v, gate/up (norm-fed), o_proj (after v_proj) and down_proj "
+            "(after up_proj) are folded")
 
 
 def _expert_gate_up_unit(block: str, name: str, linears: Mapping[str, nn.Linear],
-                         modules: Mapping[str, nn.Module]) -> _Unit | str:
+                         modules: Mapping[str, nn.Module], arch: Architecture) -> FoldUnit | str:
     """Every routed expert's gate/up of a block, folded into the norm before the block's MLP with its router."""
-    count = len(modules.get(f"{block}.mlp.experts") or ())  # quantcore.models.moe.LinearExperts: one ExpertMLP each
-    experts = [n for e in range(count) for leaf in ("gate_proj", "up_proj")
-               if (n := f"{block}.mlp.experts.{e}.{leaf}") in linears]
-    route = modules.get(f"{block}.mlp.{ROUTER}")
+    count = len(modules.get(arch.experts_of(block)) or ())  # quantcore.models.moe.LinearExperts: one ExpertMLP each
+    experts = [n for e in range(count) for leaf in arch.gate_up
+               if (n := arch.expert_linear(block, e, leaf)) in linears]
+    router = arch.router_of(block)
+    route = modules.get(router)
     weight = getattr(route, "weight", None)
     k = linears[name].in_features
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != k:
-        return (f"a routed expert's gate/up without a router {block}.mlp.{ROUTER} of width {k} beside them: the "
+        return (f"a routed expert's gate/up without a router {router} of width {k} beside them: the "
                 "norm before them also feeds the router, which would read a rescaled input")
-    pre_ff = f"{block}.pre_feedforward_layernorm"
-    producer = pre_ff if pre_ff in modules else f"{block}.post_attention_layernorm"
-    return _Unit("norm", experts, producer, block, also=(f"{block}.mlp.{ROUTER}",))
+    return FoldUnit("norm", experts, arch.mlp_norm_of(block, modules), block, also=(router,))
 
 
-def _alpha_for(unit: _Unit, requested: set[str], alpha: float | Mapping[str, float]) -> float:
+def _alpha_for(unit: FoldUnit, requested: set[str], alpha: float | Mapping[str, float]) -> float:
     if not isinstance(alpha, Mapping):
         return float(alpha)
     values = {float(alpha[n]) for n in unit.consumers if n in requested and n in alpha}
     if not values:
         raise ValueError(
-            f"no alpha given for {', '.join(n for n in unit.consumers if n in requested)}; add them to the alpha mapping"
+            f"no alpha given for {', '.join(n for n in unit.consumers if n in requested)}; "
+            "add them to the alpha mapping"
         )
     if len(values) > 1:
         raise ValueError(
@@ -299,7 +281,7 @@ def _alpha_for(unit: _Unit, requested: set[str], alpha: float | Mapping[str, flo
 
 
 def _act_max_for(
-    unit: _Unit, act_channel_max: Mapping[str, object], k: int, device: torch.device
+    unit: FoldUnit, act_channel_max: Mapping[str, object], k: int, device: torch.device
 ) -> torch.Tensor:
     """Elementwise max of the calibrated input maxima of the unit's consumers (they read one tensor)."""
     found = []
@@ -357,6 +339,7 @@ def smooth_model(
     """
     modules = dict(model.named_modules())
     linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
+    arch = architecture_of(model)
     given = dict(factors or {})
     if layers is not None:
         requested = list(layers)
@@ -371,9 +354,9 @@ def smooth_model(
     if not isinstance(alpha, Mapping) and len(given) < len(requested):
         smoothing_factors(torch.ones(1), torch.ones(1), alpha)  # validates alpha early
     handle = SmoothingHandle()
-    units: dict[tuple[str, str], _Unit] = {}
+    units: dict[tuple[str, str], FoldUnit] = {}
     for name in requested:
-        unit = _plan_unit(name, linears, modules, router)
+        unit = plan_unit(name, linears, modules, router, arch)
         if isinstance(unit, str):
             handle.skipped[name] = unit
             continue
@@ -401,7 +384,7 @@ def fold_factors(model: nn.Module, factors: Mapping[str, torch.Tensor]) -> Smoot
 
 def _fold(
     handle: SmoothingHandle,
-    unit: _Unit,
+    unit: FoldUnit,
     modules: Mapping[str, nn.Module],
     linears: Mapping[str, nn.Linear],
     act_channel_max: Mapping[str, object],

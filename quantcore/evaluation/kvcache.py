@@ -58,7 +58,7 @@ import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from quantcore.errors import PlanError, name_list
 from quantcore.formats.catalog import get_format
@@ -289,6 +289,7 @@ def kv_clipping(kv_amax: Mapping[str, Mapping[str, float]] | None, fmt: str | Kv
     tensors = ([] if kv.is_identity or kv.calibrated else ["k", "v"]) + (["q"] if kv.attention else [])
     if not tensors or not kv_amax:
         return None
+    assert kv.element is not None  # a quantized KV cache format names its element format
     limit = get_format(kv.element).max
     over = {t: sorted(layer for layer, a in (kv_amax.get(t) or {}).items() if a > limit) for t in tensors}
     layers_over = sorted({layer for names in over.values() for layer in names})
@@ -369,7 +370,7 @@ class KvAmax:
         tables = {t: {str(a): float(b) for a, b in (data.get(t) or {}).items()} for t in ("k", "v", "q")}
         heads = {t: {str(a): [float(x) for x in b] for a, b in (data.get(t) or {}).items()}
                  for t in ("k_head", "v_head")}
-        return cls(**tables, **heads)
+        return cls(k=tables["k"], v=tables["v"], q=tables["q"], k_head=heads["k_head"], v_head=heads["v_head"])
 
 
 @dataclass
@@ -452,7 +453,7 @@ def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module], state
     if not modules:
         raise PlanError(f"{what}: this model has no attention module with k_proj and v_proj; quantplan cannot "
                         "emulate a KV cache format for it")
-    config = model.config
+    config: Any = model.config
     base = config._attn_implementation or "eager"
     if base.startswith(_WRAPPER_PREFIX):
         raise PlanError(f"{what}: a KV cache format is already applied to this model")
@@ -469,7 +470,8 @@ def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module], state
             return st.tensors(query, key, value)
         return _LayerState(tensors, st.attention)
 
-    hooks = [m.k_proj.register_forward_hook(lambda *_, n=name: projected.add(n)) for name, m in modules.items()]
+    hooks = [cast("nn.Module", m.k_proj).register_forward_hook(lambda *_, n=name: projected.add(n))
+             for name, m in modules.items()]
     try:
         for name, m in modules.items():
             setattr(m, _STATE_ATTR, tracking(name, states[name]))
@@ -568,6 +570,7 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
     with _attention_wrapped(model, modules, {n: observer(n) for n in modules}, "KV calibration"):
         yield result
     for name, (k, v, q) in acc.items():
+        assert k is not None and v is not None and q is not None  # every observed layer saw Q, K and V
         for table, heads, a in ((result.k, result.k_head, k), (result.v, result.v_head, v)):
             heads[name] = [float(x) for x in a.tolist()]
             table[name] = max(heads[name])  # the layer's maximum is its largest head's
@@ -605,13 +608,15 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAm
     """
     import torch
 
-    from quantcore.formats.quantize import fake_quantize_with_counts, scale_from_amax
+    from quantcore.formats.quantize import fake_quantize_with_counts
+    from quantcore.formats.scales import scale_from_amax
 
     kv = get_kv_format(fmt)
     applied = KvApplied(fmt=kv)
     if kv.is_identity:
         yield applied
         return
+    assert kv.element is not None  # a quantized KV cache format names its element format
     elem = get_format(kv.element)
     everything = attention_modules(model)
     unknown = sorted(set(skip) - set(everything))

@@ -133,13 +133,13 @@ def shared_expert_inputs(
 ) -> tuple[list[LayerStats], dict[str, int]]:
     """The statistics with each MoE block's routed-expert gate/up inputs shown once.
 
-    Calibration runs every expert on every token (:func:`quantcore.models.moe.all_experts`), so the gate_proj and up_proj
-    of all E experts of a block read one tensor, the block's input, and carry the same input statistics 2·E times.
-    Returns (the statistics in their order with each such block's gate/up kept only as its first one, {kept layer:
-    how many expert linears it stands for}). A block whose gate/up inputs differ (a calibration made before every
+    Calibration runs every expert on every token (:func:`quantcore.models.moe.all_experts`), so the gate_proj and
+    up_proj of all E experts of a block read one tensor, the block's input, and carry the same input statistics 2·E
+    times. Returns (the statistics in their order with each such block's gate/up kept only as its first one, {kept
+    layer: how many expert linears it stands for}). A block whose gate/up inputs differ (a calibration made before every
     expert saw every token) is left as it is.
     """
-    from quantcore.schemes.specs import expert_block  # torch-free, like this module
+    from quantcore.schemes.fusion import expert_block  # torch-free, like this module
 
     rows = _as_list(stats)
     blocks: dict[str, list[LayerStats]] = {}
@@ -413,6 +413,7 @@ def _breakage_row(
     fmt = get_format(fmt_name)
     if fmt.kind == "block":
         granularity = "block"
+        assert fmt.block_size is not None  # a block format has its block
         block_size = int(fmt.block_size)
     live = summary.live_sorted
     n_live = live.size

@@ -28,7 +28,7 @@ How it stays cheap
     exactly 0, and no float16 storage error enters the per-layer numbers (which are
     much smaller than a whole plan's). KL is computed without materializing log-probs:
     KL = (lse_q - lse_ref) - sum_v p_ref(v) (z_q(v) - z_ref(v)), with z the logits.
-    The :class:`~quantcore.evaluation.scoring.ReferenceCache` fixes the evaluation tokens and
+    The :class:`~quantcore.evaluation.reference.ReferenceCache` fixes the evaluation tokens and
     guards against a cache made with other weights (the recomputed reference NLL
     must match it).
 
@@ -46,38 +46,34 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quantcore.algorithms.inputs import NO_INPUTS, PlanInputs
 from quantcore.errors import PlanError
-
-if TYPE_CHECKING:
-    from quantcore.algorithms.awq import AwqResult
-    from quantcore.models.parallel import Parallelism
-from quantcore.evaluation.scoring import (
+from quantcore.evaluation.batches import (
     Progress,
-    ReferenceCache,
-    ReferenceMismatch,
     ShouldCancel,
     as_token_batch,
     batch_ranges,
     check_cancel,
-    chunk_rows,
     forward_logits,
-    plan_applied,
     report_progress,
 )
+from quantcore.evaluation.reference import ReferenceCache, ReferenceMismatch, chunk_rows
+from quantcore.evaluation.scoring import plan_applied
+from quantcore.models.decoder import DecoderStack, find_decoder_blocks
 from quantcore.planning.plans import group_label
-from quantcore.schemes.specs import Scheme, fusion_units, get_scheme
+from quantcore.schemes.fusion import fusion_units
+from quantcore.schemes.presets import get_scheme
+from quantcore.schemes.specs import Scheme
 
-# candidate attribute paths of the decoder-block ModuleList, most common first
-DECODER_BLOCK_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers")
 # the recomputed reference NLL must match the cache to this mean |difference| (nats/token); a
 # different model or weights differ by orders of magnitude more, run-to-run noise by far less
 REFERENCE_NLL_TOL = 1e-3
@@ -119,38 +115,6 @@ class SensitivityRow:
 # ---------------------------------------------------------------------- model structure
 
 
-@dataclass
-class DecoderStack:
-    """The decoder blocks of a causal LM: ``blocks[i]`` is module ``f"{prefix}.{i}"``."""
-
-    prefix: str
-    blocks: nn.ModuleList
-
-    def block_of(self, layer_name: str) -> int | None:
-        """Index of the block that contains ``layer_name``, or ``None`` when it is outside every block."""
-        head = self.prefix + "."
-        if not layer_name.startswith(head):
-            return None
-        index = layer_name[len(head) :].split(".", 1)[0]
-        return int(index) if index.isdigit() and int(index) < len(self.blocks) else None
-
-
-def find_decoder_blocks(model: nn.Module) -> DecoderStack:
-    """Locate the decoder-block ModuleList (see the module docstring for where it is looked for)."""
-    for path in DECODER_BLOCK_PATHS:
-        try:
-            mod = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            return DecoderStack(prefix=path, blocks=mod)
-    raise PlanError(
-        f"cannot find the decoder blocks of {type(model).__name__}: looked for an nn.ModuleList at "
-        f"{', '.join(DECODER_BLOCK_PATHS)}. Sensitivity supports Llama, Mistral, Qwen2/3 and Gemma/Gemma2/Gemma3 "
-        "causal LMs; for another architecture score one-layer plans with quantcore.evaluation.scoring.score_plan instead"
-    )
-
-
 def linear_layer_names(model: nn.Module) -> list[str]:
     """Names of every ``nn.Linear`` in ``model``, in module order."""
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -186,7 +150,7 @@ def sweep_units(
 
 
 @contextmanager
-def _replayed(blocks: Sequence[nn.Module], outputs: Sequence[Any]) -> Iterator[None]:
+def _replayed(blocks: Iterable[nn.Module], outputs: Sequence[Any]) -> Iterator[None]:
     """Make ``blocks[i]`` return ``outputs[i]`` without computing anything, for the block."""
     saved: list[tuple[nn.Module, bool, Any]] = []
     try:
@@ -252,7 +216,7 @@ class _LocalError:
 
     def snapshot(self, model: nn.Module, names: Sequence[str]) -> None:
         for n in names:
-            m = model.get_submodule(n)
+            m: Any = model.get_submodule(n)
             bias = getattr(m, "bias", None)
             self._weights[n] = (m.weight.detach().clone(), None if bias is None else bias.detach().clone())
 
@@ -379,32 +343,27 @@ def sensitivity_sweep(
     *,
     groups: bool = True,
     layers: Sequence[str] | None = None,
-    act_amax: Mapping[str, float] | None = None,
-    act_channel_max: Mapping[str, Any] | None = None,
+    inputs: PlanInputs = NO_INPUTS,
     batch_size: int | None = None,
     progress: Progress | None = None,
     should_cancel: ShouldCancel | None = None,
-    weight_hessians: Mapping[str, Tensor] | None = None,
-    awq: AwqResult | None = None,
-    parallel: Parallelism | None = None,
-    gptq_cache: dict[str, Tensor] | None = None,
 ) -> list[SensitivityRow]:
     """Quantize one unit at a time with ``scheme``; rows sorted by ``kl_mean``, largest first.
 
     input_ids:  evaluation tokens ``[S, L]``, the ones ``reference`` was computed on
     groups:     sweep fusion groups (q/k/v, gate/up) as one unit each (default) or every layer alone
     layers:     restrict the sweep to these linear layers (default: every ``nn.Linear``)
-    act_amax, act_channel_max: calibration statistics for static activation scales and
-                SmoothQuant (see :func:`quantcore.evaluation.scoring.plan_applied`)
+    inputs:     the calibrated inputs each unit is quantized with (:class:`quantcore.algorithms.inputs.PlanInputs`, as
+                :func:`quantcore.evaluation.scoring.plan_applied` reads them): ``act_amax`` / ``act_channel_max`` for
+                static activation scales and SmoothQuant; ``weight_hessians`` of every swept layer when ``scheme``
+                rounds with GPTQ (:func:`quantcore.algorithms.gptq.collect_hessians`), each unit rounded once and
+                reused for every batch; ``gptq_cache``, GPTQ-rounded weights of the swept layers, each rounded alone
+                or in its unit, filled with those rounded here (a layer in it needs no Hessian; None: a fresh dict);
+                ``awq``, AWQ's factors of the swept layers when ``scheme`` scales with AWQ
+                (:func:`quantcore.algorithms.awq.awq_search`); ``parallel``, the GPUs the plan will be served on: each
+                unit is quantized as there (a row-parallel layer's dynamic activation scale over each GPU's share of
+                its input), so an automatic plan for that many GPUs adds up that many GPUs' KLs; None: one GPU
     batch_size: sequences per pass (default: the reference's)
-    weight_hessians: ``{layer: Hessian}`` of every swept layer when ``scheme`` rounds with GPTQ
-                (:func:`quantcore.algorithms.gptq.collect_hessians`); each unit is rounded once and reused for every batch
-    awq:        AWQ's factors of the swept layers when ``scheme`` scales with AWQ (:func:`quantcore.algorithms.awq.awq_search`)
-    parallel:   the GPUs the plan will be served on: each unit is quantized as there (a row-parallel layer's dynamic
-                activation scale over each GPU's share of its input, :func:`quantcore.algorithms.apply.apply_plan`), so an
-                automatic plan for that many GPUs adds up that many GPUs' KLs; None: one GPU
-    gptq_cache: GPTQ-rounded weights of the swept layers, each rounded alone or in its unit (see
-                :func:`quantcore.algorithms.apply.apply_plan`); filled with those rounded here. A layer in it needs no Hessian
 
     The model is restored exactly after every unit, also on error or cancel.
     """
@@ -417,7 +376,8 @@ def sensitivity_sweep(
     if not units:
         raise PlanError("the sweep has no layer to quantize: the model has no nn.Linear layers")
 
-    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    output_embeddings = get_head() if get_head is not None else None
     head_names = {
         n for n, m in model.named_modules() if output_embeddings is not None and m is output_embeddings
     }
@@ -433,7 +393,8 @@ def sensitivity_sweep(
 
     starts = [start_block(u) for u in units]
     local = [_LocalError() for _ in units]
-    gptq_cache = {} if gptq_cache is None else gptq_cache
+    if inputs.gptq_cache is None:
+        inputs = inputs.replace(gptq_cache={})
     notes: list[list[str]] = [[] for _ in units]
 
     def apply_unit(ui: int, bi: int, ctx: ExitStack) -> None:
@@ -442,13 +403,8 @@ def sensitivity_sweep(
             plan_applied(
                 model,
                 {n: scheme for n in unit},
-                act_amax=act_amax,
-                act_channel_max=act_channel_max,
-                before_quantize=lambda m, _u=unit, _err=err: _err.snapshot(m, _u),
-                weight_hessians=weight_hessians,
-                gptq_cache=gptq_cache,
-                awq=awq,
-                parallel=parallel,
+                inputs=inputs,
+                before_quantize=lambda m: err.snapshot(m, unit),
             )
         )
         if bi == 0:
@@ -530,7 +486,8 @@ def _pass_work(model: nn.Module, stack: DecoderStack, starts: Sequence[int]) -> 
     """Each unit's pass in blocks' worth of work: the blocks from its own on (the ones before are replayed) plus the
     head, weighed as its weights against a block's (SmolLM2's 49,152-row head: about 8 blocks)."""
     per_block = sum(p.numel() for b in stack.blocks for p in b.parameters()) / max(len(stack.blocks), 1)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
     weight = getattr(head, "weight", None)
     head_blocks = weight.numel() / per_block if weight is not None and per_block else 1.0
     return [len(stack.blocks) - start + head_blocks for start in starts]

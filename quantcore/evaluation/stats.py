@@ -14,7 +14,8 @@ last bin; exact zeros are counted apart (``zeros``) because log2(0) has no bin.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -66,8 +67,15 @@ class LayerStats:
     hist_counts: np.ndarray = field(default_factory=lambda: np.zeros(HIST_BINS, dtype=np.int64))
     zeros: int = 0
 
+    @classmethod
+    def from_record(cls, record: Any) -> LayerStats:
+        """The statistics held by any object with these fields' attributes (a stored record, e.g. the store's
+        ``ActivationStatRecord``; attributes beyond the fields, such as its saved ``outlier_ratio``, are ignored)."""
+        return cls(**{f.name: getattr(record, f.name) for f in fields(cls)})
+
     @property
     def outlier_ratio(self) -> float:
+        """max channel max / median channel max of the input (:func:`outlier_ratio`)."""
         return outlier_ratio(self.channel_max)
 
     @property

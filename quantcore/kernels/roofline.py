@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from quantcore.kernels.hardware import get_target, support_on_target
 from quantcore.models.routing import Routing
 from quantcore.planning.plans import scheme_label
-from quantcore.schemes.specs import Scheme, get_scheme, weight_storage_bits
+from quantcore.schemes.presets import get_scheme
+from quantcore.schemes.specs import Scheme
+from quantcore.schemes.storage import weight_storage_bits
 
 BF16_KEY = "bf16"
 # activation format -> the peak-table key of the tensor cores that run it natively

@@ -26,7 +26,7 @@ their weights are not in the plan.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -124,13 +124,20 @@ class LinearExperts(nn.ModuleList):
     def __init__(self, experts: list[ExpertMLP]) -> None:
         super().__init__(experts)
         self.num_experts = len(experts)
-        # set by quantcore.algorithms.apply while a plan gives the experts dynamic per-tensor activation scales: the amax of
-        # the block's input ("w13") and of every routed expert's down_proj input together ("w2") for this call,
+        # set by quantcore.algorithms.apply while a plan gives the experts dynamic per-tensor activation scales: the
+        # amax of the block's input ("w13") and of every routed expert's down_proj input together ("w2") for this call,
         # which vLLM's fused MoE quantizes as one tensor each
         self.block_amax: dict[str, torch.Tensor] | None = None
         # the GPUs' shares of the down_proj input under tensor parallelism (each GPU's fused MoE quantizes its own
         # K / w2_shards of it): "w2" then holds one amax per share
         self.w2_shards = 1
+
+    def expert(self, index: int) -> ExpertMLP:
+        """The expert at ``index``; TypeError if something else was put into the list."""
+        expert = self[index]
+        if not isinstance(expert, ExpertMLP):
+            raise TypeError(f"LinearExperts holds ExpertMLP modules only; [{index}] is a {type(expert).__name__}")
+        return expert
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -138,7 +145,7 @@ class LinearExperts(nn.ModuleList):
         with torch.no_grad():  # an index of num_experts is a token routed nowhere (expert parallelism)
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        experts = range(self.num_experts) if _ALL_EXPERTS else [i for (i,) in hit.tolist() if i < self.num_experts]
+        experts: Sequence[int] = range(self.num_experts) if _ALL_EXPERTS else [i for (i,) in hit.tolist() if i < self.num_experts]
         if self.block_amax is not None and not _ALL_EXPERTS:
             return self._forward_block_scaled(hidden_states, mask, experts, top_k_weights, out)
         for index in experts:
@@ -151,7 +158,7 @@ class LinearExperts(nn.ModuleList):
             out.index_add_(0, token_idx, expert_out.to(out.dtype))
         return out
 
-    def _forward_block_scaled(self, hidden_states: torch.Tensor, mask: torch.Tensor, experts: list[int],
+    def _forward_block_scaled(self, hidden_states: torch.Tensor, mask: torch.Tensor, experts: Sequence[int],
                               top_k_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The routed forward in two passes, so a dynamic per-tensor activation scale covers the whole block as in
         vLLM's fused MoE: every expert's gate/up input scale from the block's input, then every down_proj input
@@ -160,7 +167,7 @@ class LinearExperts(nn.ModuleList):
         routed = []
         for index in experts:
             top_k_pos, token_idx = torch.where(mask[index])
-            routed.append((index, top_k_pos, token_idx, self[index].hidden(hidden_states[token_idx])))
+            routed.append((index, top_k_pos, token_idx, self.expert(index).hidden(hidden_states[token_idx])))
         if routed:
             self.block_amax["w2"] = torch.stack(
                 [torch.stack([part.detach().abs().amax().float() for part in h.tensor_split(self.w2_shards, dim=-1)])
@@ -168,29 +175,48 @@ class LinearExperts(nn.ModuleList):
             if self.w2_shards == 1:
                 self.block_amax["w2"] = self.block_amax["w2"].reshape(())
         for index, top_k_pos, token_idx, h in routed:
-            expert_out = self[index].down_proj(h) * top_k_weights[token_idx, top_k_pos, None]
+            expert_out = self.expert(index).down_proj(h) * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, expert_out.to(out.dtype))
         self.block_amax = {}
         return out
 
 
+def _flag(module: nn.Module, name: str) -> bool:
+    """A boolean layout attribute of a fused experts module (``is_transposed``, ``has_gate``, ``has_bias``)."""
+    value = getattr(module, name)
+    if not isinstance(value, bool):
+        raise TypeError(f"{type(module).__name__}.{name} is {value!r}; fused experts declare it as a bool")
+    return value
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """A weight of a fused experts module (``gate_up_proj``, ``down_proj``, their biases)."""
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} is a {type(value).__name__}, not a tensor")
+    return value
+
+
 @torch.no_grad()
 def _linear_experts(fused: nn.Module) -> LinearExperts:
-    transposed, gate, bias = fused.is_transposed, fused.has_gate, fused.has_bias
-    up_all = fused.gate_up_proj if gate else fused.up_proj
-    down_all = fused.down_proj
+    transposed, gate, bias = _flag(fused, "is_transposed"), _flag(fused, "has_gate"), _flag(fused, "has_bias")
+    act_fn = fused.act_fn
+    if not isinstance(act_fn, nn.Module):
+        raise TypeError(f"{type(fused).__name__}.act_fn is a {type(act_fn).__name__}, not an nn.Module")
+    up_all = _tensor(fused, "gate_up_proj" if gate else "up_proj")
+    down_all = _tensor(fused, "down_proj")
     num, hidden = down_all.shape[0], (down_all.shape[2] if transposed else down_all.shape[1])
     intermediate = down_all.shape[1] if transposed else down_all.shape[2]
     experts = []
     for e in range(num):
-        expert = ExpertMLP(hidden, intermediate, gate=gate, bias=bias, act_fn=fused.act_fn,
+        expert = ExpertMLP(hidden, intermediate, gate=gate, bias=bias, act_fn=act_fn,
                            device=down_all.device, dtype=down_all.dtype)
         up_w = up_all[e].T if transposed else up_all[e]  # (2·I or I, H)
         parts = {"down_proj": down_all[e].T if transposed else down_all[e]}
         parts.update({"gate_proj": up_w[:intermediate], "up_proj": up_w[intermediate:]} if gate else
                      {"up_proj": up_w})
         up_b = getattr(fused, "gate_up_proj_bias" if gate else "up_proj_bias", None) if bias else None
-        biases = {"down_proj": fused.down_proj_bias[e]} if bias else {}
+        biases = {"down_proj": _tensor(fused, "down_proj_bias")[e]} if bias else {}
         if up_b is not None:
             biases.update({"gate_proj": up_b[e, :intermediate], "up_proj": up_b[e, intermediate:]} if gate else
                           {"up_proj": up_b[e]})
@@ -229,7 +255,8 @@ def top_k(config: Any) -> int | None:
 
 def moe_summary(model: nn.Module, config: Any) -> dict[str, Any] | None:
     """{experts, top_k, blocks} of an MoE model whose experts :func:`split_experts` split; None otherwise."""
-    split = [name for name, m in model.named_modules() if isinstance(m, LinearExperts)]
+    split = {name: m for name, m in model.named_modules() if isinstance(m, LinearExperts)}
     if not split:
         return None
-    return {"experts": len(model.get_submodule(split[0])), "top_k": top_k(config), "blocks": split}
+    first = next(iter(split.values()))
+    return {"experts": len(first), "top_k": top_k(config), "blocks": list(split)}

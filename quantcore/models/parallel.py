@@ -10,8 +10,8 @@ With ``--tensor-parallel-size T`` vLLM cuts every linear layer in T shards, one 
 - the MoE router (``mlp.gate``) is replicated: every GPU holds all of it.
 
 A quantization format that groups or tiles along an axis then needs that axis of each *shard* divisible, not just
-of the whole layer: a group of 128 inputs must not straddle two GPUs. :meth:`Parallelism.shards` gives each layer's (N, K)
-on one GPU; :func:`tp_misfits` says what vLLM refuses at that size before any quantization; the format checks of
+of the whole layer: a group of 128 inputs must not straddle two GPUs. :meth:`Parallelism.shards` gives each layer's
+(N, K) on one GPU; :func:`tp_misfits` says what vLLM refuses at that size before any quantization; the format checks of
 :mod:`quantcore.planning.plans` take a :class:`Parallelism` and read the shards.
 
 Torch-free: the app imports it.
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantcore.schemes.specs import expert_block, expert_blocks
+from quantcore.models.architectures import LLAMA_STYLE
+from quantcore.schemes.fusion import expert_block, expert_blocks
 
 
 def expert_index(layer: str) -> int:
@@ -38,9 +39,9 @@ REPLICATED = "replicated"
 VOCAB = "vocab"
 UNKNOWN = "unknown"
 
-COLUMN_LEAVES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_LEAVES = ("o_proj", "down_proj")
-REPLICATED_LEAVES = ("gate", "shared_expert_gate")  # MoE routers: vLLM's ReplicatedLinear
+COLUMN_LEAVES = LLAMA_STYLE.column_leaves  # q/k/v, gate/up (quantcore.models.architectures)
+ROW_LEAVES = LLAMA_STYLE.row_leaves  # o_proj, down_proj
+REPLICATED_LEAVES = (LLAMA_STYLE.router, "shared_expert_gate")  # MoE routers: vLLM's ReplicatedLinear
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: lm_head's rows are padded to a multiple of it
 
 
@@ -187,7 +188,7 @@ def shard_shape(layer: str, n: int, k: int, tp: int, heads: AttentionHeads | Non
     kind = partition(layer)
     if kind == COLUMN:
         leaf = layer.rpartition(".")[2]
-        if leaf in ("k_proj", "v_proj") and heads is not None and expert_block(layer) is None \
+        if leaf in (LLAMA_STYLE.k_proj, LLAMA_STYLE.v_proj) and heads is not None and expert_block(layer) is None \
                 and n == heads.kv_heads * heads.head_dim:
             return kv_heads_per_gpu(heads, tp) * heads.head_dim, k
         return n // tp, k
@@ -233,8 +234,7 @@ def tp_misfits(shapes: Mapping[str, tuple[int, int]], parallel: Parallelism) -> 
         if parallel.expert_parallel and expert_block(layer) is not None:
             continue
         kind = partition(layer)
-        if kind == COLUMN and n % tp and not (heads is not None and layer.rpartition(".")[2] in ("q_proj", "k_proj",
-                                                                                                    "v_proj")):
+        if kind == COLUMN and n % tp and not (heads is not None and layer.rpartition(".")[2] in LLAMA_STYLE.qkv):
             uneven[COLUMN].append((layer, n))
         elif kind == ROW and k % tp:
             uneven[ROW].append((layer, k))

@@ -11,7 +11,7 @@ with more tokens), one expert
 So its expected share of a step is ``p`` times the time of that smaller GEMM: at decode with one sequence
 (m = 1) only ``top_k`` experts of a block run, each on one token; at a long prefill every expert runs on
 ``m * top_k / experts`` tokens. The roofline bound (:mod:`quantcore.kernels.roofline`) and the step estimate from
-measured kernel times (:func:`quantcore.kernels.bench.step_estimate`) count an expert linear this way; a benchmark
+measured kernel times (:func:`quantcore.kernels.estimate.step_estimate`) count an expert linear this way; a benchmark
 of an MoE model also times the expert shapes at those token counts (:meth:`Routing.expert_m`).
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from quantcore.schemes.specs import expert_block
+from quantcore.schemes.fusion import expert_block
 
 
 @dataclass(frozen=True)

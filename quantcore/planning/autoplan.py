@@ -28,31 +28,10 @@ Sensitivity input
     otherwise the sum of its members' single-layer entries. :func:`sensitivity_from_rows`
     builds both maps from stored sweep rows.
 
-Cost
-    - ``cost=None``: a bits proxy, the stored weight bits of each layer, scales included
-      (:func:`quantcore.schemes.specs.weight_storage_bits`: the weight memory, and the bytes a decode
-      step reads), needing ``layer_shapes`` {layer: (N, K)}. It is the plan's
-      :func:`quantcore.planning.plans.plan_footprint`, so W4A16 (4.125 bits) beats NVFP4A16 (4.5) on it.
-    - ``cost={scheme: {layer: ms}}``: measured GEMM times on the target (see
-      :func:`cost_from_kernel_records`). ``cost["BF16"]`` must time every layer (the
-      baseline); a scheme without a time for a layer is *estimated* as the layer's BF16 time
-      times ``weight_bits / 16`` — the same proxy, in milliseconds — and marked
-      ``"estimated"`` in ``per_unit`` (``estimate_missing=False`` forbids instead). The same table
-      filled from the target's datasheet (:func:`quantcore.kernels.roofline.cost_from_roofline`, with
-      ``cost_source="ideal"``) plans for a GPU nobody has measured: at M = 1 it follows the weight
-      bytes, at a prefill's M the native math rate.
-    Equal costs are broken towards the lower KL.
-
-Solver
-    Exact dynamic programming over a discretised KL budget: the budget is cut into
-    ``resolution`` steps of ``kl_budget / resolution`` and every KL is rounded **up** to a
-    whole number of steps, in exact rational arithmetic. The DP finds the cheapest plan
-    whose rounded KLs fit; since rounding only ever increases a KL, the true predicted KL of
-    the answer never exceeds the budget (conservative). The price of the rounding: the
-    answer is at least as cheap as the best plan with KL <= ``kl_budget - n_units * step``
-    (with the default 10,000 steps and 130 units, 1.3 % of the budget). When every KL is a
-    whole number of steps the answer is exactly optimal. Time and memory:
-    O(units * schemes * resolution) with numpy.
+Cost and solver
+    What a unit costs in each scheme (a bits proxy or measured GEMM times) is
+    :mod:`quantcore.planning.costs`; the multiple-choice knapsack is solved exactly on a discretised KL budget by
+    :mod:`quantcore.planning.solver`.
 """
 
 from __future__ import annotations
@@ -60,40 +39,37 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from fractions import Fraction
 from typing import Any
-
-import numpy as np
 
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
-from quantcore.export.targets import smoothquant_unexportable
-from quantcore.kernels.hardware import TARGETS, match_target, support_on_target, support_reason
+from quantcore.kernels.hardware import TARGETS, support_on_target, support_reason
+from quantcore.models.mappings import smoothquant_unexportable
 from quantcore.models.parallel import ONE_GPU, Parallelism
-from quantcore.models.routing import Routing, step_share
-from quantcore.planning.plans import (
+from quantcore.planning.costs import (
+    BASELINE_SCHEME,
+    COST_ESTIMATED,
+    COST_MEASURED,
+    UNIT_BITS,
+    UNIT_MS,
+    layer_costs,
+)
+from quantcore.planning.plans import group_label, scheme_label
+from quantcore.planning.serving import (
     fp8_block_misfits,
-    group_label,
     group_misfits,
     is_w4afp8,
     regroup_reason,
     regrouped_preset,
-    scheme_label,
-    untied_embedding_bits,
     vllm_unloadable,
     w4afp8_misfits,
 )
-from quantcore.schemes.specs import (
-    IDENTITY_BITS,
-    Scheme,
-    fusion_units,
-    get_scheme,
-    list_schemes,
-    weight_storage_bits,
-)
+from quantcore.planning.solver import DEFAULT_KL_STEPS, solve_mck
+from quantcore.schemes.fusion import fusion_units
+from quantcore.schemes.presets import get_scheme, list_schemes
+from quantcore.schemes.specs import Scheme
 
-BASELINE_SCHEME = "BF16"  # always available, KL 0
 DEFAULT_CANDIDATES: tuple[str, ...] = (
     "BF16",
     "FP8_DYNAMIC",
@@ -132,30 +108,6 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "MXFP4",
     "MXFP4A16",
 )
-DEFAULT_KL_STEPS = 10_000  # budget resolution of the DP (steps of kl_budget / 10,000)
-MAX_KL_STEPS = 1_000_000  # beyond this the DP tables grow past ~100 MB for large models
-COST_TIE_RTOL = 1e-12  # plans whose costs differ by less than this (relative) count as equally cheap
-
-COST_MEASURED = "measured"  # a kernel time from the benchmark table
-COST_IDEAL = "ideal"  # the roofline bound on the target's datasheet (quantcore.kernels.roofline.cost_from_roofline)
-COST_ESTIMATED = "estimated"  # BF16 time x weight_bits / 16
-COST_BITS = "bits"  # stored weight bits, scales included (weight_storage_bits)
-UNIT_MS = "ms"
-UNIT_BITS = "weight bits"
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """The cost of one layer in one scheme.
-
-    cost:   milliseconds per GEMM call (measured or estimated), or weight bits (bits proxy)
-    source: ``"measured"`` | ``"estimated"`` | ``"bits"`` (see the module docstring)
-    """
-
-    layer: str
-    scheme: str
-    cost: float
-    source: str
 
 
 @dataclass(frozen=True)
@@ -344,205 +296,6 @@ def _check_kl(value: Any, where: str, problems: list[str]) -> float | None:
     return max(kl, 0.0)  # KL >= 0; a tiny negative value is float noise of the sweep
 
 
-# ------------------------------------------------------------------ costs
-
-
-def _bits_cost(scheme: Scheme, shape: tuple[int, int]) -> float:
-    return float(weight_storage_bits(scheme, *shape))
-
-
-def _layer_costs(
-    layer_names: Sequence[str],
-    schemes: Sequence[str],
-    cost: Mapping[str, Mapping[str, float]] | None,
-    layer_shapes: Mapping[str, tuple[int, int]] | None,
-    estimate_missing: bool,
-    source: str = COST_MEASURED,
-    tied: Sequence[str] = (),
-) -> dict[str, dict[str, LayerCost]]:
-    """{scheme: {layer: LayerCost}}; a layer missing under a scheme cannot take it. ``tied``: layers whose weight
-    is the input embedding's; with the bits proxy, quantizing one costs the 16-bit embedding llm-compressor keeps
-    after untying them (quantcore.planning.plans.untied_embedding_bits)."""
-    problems: list[str] = []
-    out: dict[str, dict[str, LayerCost]] = {}
-    if cost is None:
-        shapes = layer_shapes or {}
-        missing = [n for n in layer_names if n not in shapes]
-        if missing:
-            raise PlanError(
-                f"the bits cost proxy needs every layer's (N, K): layer_shapes lacks {_cut(missing)}"
-            )
-        for n in layer_names:
-            shape = shapes[n]
-            if (
-                not isinstance(shape, (tuple, list))
-                or len(shape) != 2
-                or not all(isinstance(x, int) and x > 0 for x in shape)
-            ):
-                problems.append(f"layer_shapes[{n!r}] must be (N, K) positive integers, got {shape!r}")
-        if problems:
-            raise PlanError(_format("Layer shapes are malformed", problems))
-        for s in schemes:
-            scheme = get_scheme(s)
-            out[s] = {
-                n: LayerCost(n, s, _bits_cost(scheme, tuple(shapes[n]))
-                             + untied_embedding_bits({n: scheme}, shapes, tied), COST_BITS)
-                for n in layer_names
-            }
-        return out
-    base = cost.get(BASELINE_SCHEME, {})
-    missing = [n for n in layer_names if n not in base]
-    if missing:
-        raise PlanError(
-            f"measured costs need a BF16 (baseline) time for every layer; cost['BF16'] lacks "
-            f"{_cut(missing)}: benchmark the baseline for these shapes, or plan with the bits proxy "
-            "(cost=None)"
-        )
-    for s in schemes:
-        scheme = get_scheme(s)
-        times = cost.get(s, {})
-        row: dict[str, LayerCost] = {}
-        for n in layer_names:
-            if n in times:
-                v = times[n]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    problems.append(f"cost[{s!r}][{n!r}] must be a time in ms >= 0, got {v!r}")
-                    continue
-                row[n] = LayerCost(n, s, float(v), source)
-            elif estimate_missing:
-                row[n] = LayerCost(n, s, float(base[n]) * scheme.weight_bits / IDENTITY_BITS, COST_ESTIMATED)
-        out[s] = row
-    if problems:
-        raise PlanError(_format("The cost table is malformed", problems))
-    return out
-
-
-def cost_from_kernel_records(
-    records: Iterable[Any],
-    layer_shapes: Mapping[str, tuple[int, int]],
-    schemes: Sequence[str],
-    *,
-    m: int,
-    target: str | None = None,
-    routed: Mapping[str, Routing] | None = None,
-) -> dict[str, dict[str, float]]:
-    """Per-layer GEMM times {scheme: {layer: ms}} at M = ``m`` tokens, from kernel benchmark records (a routed
-    expert of an MoE model, ``routed``: its expected share, as :func:`quantcore.kernels.bench.step_estimate` counts it).
-
-    ``records`` are :class:`quantcore.kernels.bench.KernelRecord` or their dicts, from one device.
-    BF16 takes the ``baseline`` path; another scheme takes the path
-    :func:`quantcore.kernels.bench.scheme_path` gives it, timed with on-the-fly activation
-    quantization (``+q``) as serving pays it (weight-only paths have none). Schemes without
-    a path (FP4, MX, block scales) and shapes not measured are left out; :func:`auto_plan` estimates or
-    forbids them. With ``target``, records from a GPU that is not that target raise
-    PlanError: times from one GPU say nothing about another.
-    """
-    from quantcore.kernels.bench import PATH_BASELINE, KernelRecord, has_time, scheme_path, timed_path
-
-    recs = [r if isinstance(r, KernelRecord) else KernelRecord.from_dict(r) for r in records]
-    devices = {(r.device, r.device_name) for r in recs}
-    if len(devices) > 1:
-        raise PlanError(
-            f"kernel records come from several devices ({', '.join(sorted(d[1] for d in devices))}); "
-            "pass the records of one device"
-        )
-    if target is not None and recs:
-        if target not in TARGETS:
-            raise PlanError(f"unknown GPU target {target!r}; choose one of: {', '.join(TARGETS)}")
-        device, name = next(iter(devices))
-        found = match_target(name) if device == "cuda" else None
-        if found != target:
-            raise PlanError(
-                f"the kernel times were measured on {name!r} ({device}), not on target {target!r}; "
-                f"benchmark on a {TARGETS[target].name}, or plan with the bits proxy (no kernel times)"
-            )
-    times = {(r.m, r.n, r.k, r.path): r.ms for r in recs if has_time(r)}
-    out: dict[str, dict[str, float]] = {}
-    for s in schemes:
-        scheme = get_scheme(s)
-        if scheme.is_identity:
-            path: str | None = PATH_BASELINE
-        else:
-            base = scheme_path(scheme)
-            path = timed_path(base) if base else None
-        if path is None:
-            continue
-        row = {}
-        for layer, (n, k) in layer_shapes.items():
-            t = step_share(times, m, n, k, path, (routed or {}).get(layer))
-            if t is not None:
-                row[layer] = float(t)
-        if row:
-            out[s] = row
-    return out
-
-
-# ------------------------------------------------------------------ solver
-
-
-def _steps(kl: float, budget: float, resolution: int) -> int | None:
-    """ceil(kl / (budget / resolution)) exactly (rationals), or None when it cannot fit at all."""
-    if budget == 0.0:
-        return 0 if kl == 0.0 else None
-    q = Fraction(kl) * resolution / Fraction(budget)
-    w = -((-q.numerator) // q.denominator)
-    return w if w <= resolution else None
-
-
-def solve_mck(
-    options: Sequence[Sequence[tuple[float, float]]], kl_budget: float, resolution: int = DEFAULT_KL_STEPS
-) -> list[int]:
-    """Multiple-choice knapsack: one option per unit, min sum of costs, sum of KLs <= kl_budget.
-
-    ``options[u]`` lists ``(kl, cost)`` pairs of unit ``u``; returns the chosen option index
-    per unit. KLs are rounded up to steps of ``kl_budget / resolution`` (exact rationals), so
-    the chosen KLs always sum to <= kl_budget; among equally cheap answers (relative
-    tolerance COST_TIE_RTOL) the one using the fewest budget steps wins. Raises PlanError
-    when no choice fits (some unit has no option of KL 0 that fits, etc.).
-    """
-    if not math.isfinite(kl_budget) or kl_budget < 0:
-        raise PlanError(f"the KL budget must be a finite number >= 0 (nats per token), got {kl_budget!r}")
-    if not isinstance(resolution, int) or isinstance(resolution, bool) or not 1 <= resolution <= MAX_KL_STEPS:
-        raise PlanError(f"resolution must be an integer in [1, {MAX_KL_STEPS}], got {resolution!r}")
-    steps = 0 if kl_budget == 0.0 else resolution
-    size = steps + 1
-    dp = np.full(size, np.inf)
-    dp[0] = 0.0
-    choice = np.full((len(options), size), -1, dtype=np.int32)
-    weights: list[list[int | None]] = []
-    for u, opts in enumerate(options):
-        ws = [_steps(kl, kl_budget, steps) for kl, _ in opts]
-        weights.append(ws)
-        new = np.full(size, np.inf)
-        ch = np.full(size, -1, dtype=np.int32)
-        # try cheaper budget use first so that, at equal cost, fewer steps win
-        for j in sorted(range(len(opts)), key=lambda j: (ws[j] if ws[j] is not None else size, opts[j][1])):
-            w = ws[j]
-            if w is None:
-                continue
-            cand = np.full(size, np.inf)
-            cand[w:] = dp[: size - w] + opts[j][1]
-            better = cand < new
-            new[better] = cand[better]
-            ch[better] = j
-        dp = new
-        choice[u] = ch
-    finite = np.isfinite(dp)
-    if not finite.any():
-        raise PlanError(
-            f"no plan fits a KL budget of {kl_budget:g}: some unit has no scheme with a known KL that fits"
-        )
-    best = float(dp[finite].min())
-    tol = COST_TIE_RTOL * max(abs(best), 1.0)
-    b = int(np.flatnonzero(finite & (dp <= best + tol))[0])
-    picked = [0] * len(options)
-    for u in range(len(options) - 1, -1, -1):
-        j = int(choice[u][b])
-        picked[u] = j
-        b -= weights[u][j]
-    return picked
-
-
 # ------------------------------------------------------------------ the planner
 
 
@@ -576,8 +329,8 @@ def auto_plan(
     resolution:   budget steps of the DP (conservative rounding, see the module docstring)
     tied:         layers whose weight is the input embedding's (lm_head under tie_word_embeddings): with the bits
                   proxy, quantizing one costs the embedding again (it stays 16-bit once llm-compressor unties them)
-    parallel:     the GPUs the plan is served on (quantcore.models.parallel): a scheme is not offered to a unit whose share
-                  on one GPU vLLM would refuse
+    parallel:     the GPUs the plan is served on (quantcore.models.parallel): a scheme is not offered to a unit whose
+                  share on one GPU vLLM would refuse
 
     Raises PlanError for a negative or non-finite budget, unknown schemes, an unknown target,
     sensitivity keys that name nothing in the model, and missing costs or shapes.
@@ -624,7 +377,7 @@ def auto_plan(
     units = plan_units(names)
     kls = _unit_kls(units, sensitivity, unit_layers, [s for s in usable if s != BASELINE_SCHEME])
     kls[BASELINE_SCHEME] = {i: 0.0 for i in range(len(units))}
-    costs = _layer_costs(names, usable, cost, layer_shapes, estimate_missing, cost_source, tied)
+    costs = layer_costs(names, usable, cost, layer_shapes, estimate_missing, cost_source, tied)
 
     notes: list[str] = []
     misfit: dict[str, int] = {}  # scheme -> units it cannot take because its groups do not divide their K
@@ -665,25 +418,27 @@ def auto_plan(
     per_gpu = f" on each of {tp} GPUs" if tp > 1 else ""
     for s, n_units in misfit.items():
         note = (f"{s} was not offered to {n_units} unit(s) whose K{per_gpu} its groups do not divide: group kernels "
-                "cannot serve them (quantcore.planning.plans.group_misfits)")
+                "cannot serve them (quantcore.planning.serving.group_misfits)")
         alt = regrouped_preset(s, misfit_ks[s])
         if alt is not None and alt.name not in usable:
             note += f"; {alt.name}, {regroup_reason(alt)}: sweep it to let the planner use it"
         notes.append(note)
     for s, n_units in untileable.items():
-        why = ("vLLM's W4AFP8 kernel cannot serve them (quantcore.planning.plans.w4afp8_misfits)" if is_w4afp8(s) else
-               "vLLM refuses block-scaled FP8 there (quantcore.planning.plans.fp8_block_misfits)")
-        notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up fused){per_gpu} "
-                     f"{'or K on each GPU ' if tp > 1 else ''}is not a multiple of 128: {why}")
+        why = ("vLLM's W4AFP8 kernel cannot serve them (quantcore.planning.serving.w4afp8_misfits)" if is_w4afp8(s) else
+               "vLLM refuses block-scaled FP8 there (quantcore.planning.serving.fp8_block_misfits)")
+        notes.append(f"{s} was not offered to {n_units} unit(s) whose output width N (q/k/v and gate/up "
+                     f"fused){per_gpu} {'or K on each GPU ' if tp > 1 else ''}is not a multiple of 128: {why}")
     for s, lost in unsmoothable.items():
-        notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost, 3)}): an llm-compressor recipe cannot "
-                     "smooth them (quantcore.export.targets.smoothquant_unmapped), so no served checkpoint would hold the "
-                     "smoothing scored; they take another scheme (sweep one without SmoothQuant, e.g. INT8_W8A8, if none is)")
+        notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost, 3)}): an llm-compressor recipe "
+                     "cannot smooth them (quantcore.models.architectures.smoothquant_unmapped), so no served "
+                     "checkpoint would hold the smoothing scored; they take another scheme (sweep one without "
+                     "SmoothQuant, e.g. INT8_W8A8, if none is)")
     for s, refused in unloadable.items():
         notes.append(f"{s} was not offered to {len(refused)} layer(s) ({_cut(refused, 3)}): vLLM has no kernel for "
                      "them (dense INT8 with dynamic per-tensor activations; MoE experts in INT8 without per-token "
-                     "activations, or in MXFP8), so the checkpoint would not load (quantcore.planning.plans.vllm_unloadable); "
-                     "INT8_W8A8 (per-token scales) is the INT8 vLLM serves")
+                     "activations, or in MXFP8), so the checkpoint would not load "
+                     "(quantcore.planning.serving.vllm_unloadable); INT8_W8A8 (per-token scales) is the INT8 vLLM "
+                     "serves")
     for s in usable:
         if s in unloadable:
             continue  # said just above (an unsmoothable scheme's note names only some layers: checked here too)
@@ -757,7 +512,7 @@ def predicted_kl(
     """
     names = list(plan)
     labels = {n: scheme_label(plan[n]) if not isinstance(plan[n], str) else plan[n] for n in names}
-    scheme_of = {n: (plan[n] if isinstance(plan[n], str) else plan[n].name) for n in names}
+    scheme_of = {n: s if isinstance(s, str) else s.name for n, s in plan.items()}
     units: list[list[str]] = []
     for u in plan_units(names):
         if len({labels[m] for m in u}) == 1:
@@ -855,15 +610,11 @@ def choose_kv_skip(layer_kl: Mapping[str, float], format_bytes: Mapping[str, flo
 __all__ = [
     "AutoPlanResult",
     "DEFAULT_CANDIDATES",
-    "DEFAULT_KL_STEPS",
     "KvSkipChoice",
-    "LayerCost",
     "UnitChoice",
     "auto_plan",
     "choose_kv_skip",
-    "cost_from_kernel_records",
     "plan_units",
     "predicted_kl",
     "sensitivity_from_rows",
-    "solve_mck",
 ]

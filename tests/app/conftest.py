@@ -8,27 +8,15 @@ import numpy as np
 import pytest
 
 from quantcore.evaluation.stats import HIST_BINS, HIST_BINS_PER_OCTAVE, HIST_LOG2_MIN, LayerStats
-from quantcore.kernels.bench import TIMING
+from quantcore.kernels.records import TIMING
 from store import repo
 from store.db import session_scope
-
-HIDDEN, KV, MLP, LAYERS = 576, 192, 1536, 4
-PROJS = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (KV, HIDDEN), "self_attn.v_proj": (KV, HIDDEN),
-         "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (MLP, HIDDEN), "mlp.up_proj": (MLP, HIDDEN),
-         "mlp.down_proj": (HIDDEN, MLP)}
-OUTLIER_LAYER = "model.layers.2.mlp.down_proj"
-
-
-def linears() -> list[dict]:
-    out = [{"name": f"model.layers.{b}.{p}", "in_features": k, "out_features": n}
-           for b in range(LAYERS) for p, (n, k) in PROJS.items()]
-    out.append({"name": "lm_head", "in_features": HIDDEN, "out_features": 49152})
-    return out
+from tests.factories import OUTLIER_LAYER, SMOL_LAYERS, smol_linears
 
 
 def fake_stats(rng: np.random.Generator) -> list[LayerStats]:
     stats = []
-    for lin in linears():
+    for lin in smol_linears():
         k = lin["in_features"]
         cm = rng.lognormal(0.0, 0.5, k).astype(np.float32)
         if lin["name"] == OUTLIER_LAYER:
@@ -57,8 +45,8 @@ def _fresh_streamlit_caches():
 @pytest.fixture
 def seeded(qp_settings):
     rng = np.random.default_rng(0)
-    summary = {"architecture": "LlamaForCausalLM", "model_type": "llama", "num_layers": LAYERS,
-               "num_params": 10_000_000, "dtype": "float32", "total_bytes": 40_000_000, "linears": linears(),
+    summary = {"architecture": "LlamaForCausalLM", "model_type": "llama", "num_layers": SMOL_LAYERS,
+               "num_params": 10_000_000, "dtype": "float32", "total_bytes": 40_000_000, "linears": smol_linears(),
                "attention_heads": {"heads": 9, "kv_heads": 3, "head_dim": 64}}  # SmolLM2's
     with session_scope(qp_settings) as s:
         model = repo.add_model(s, name="tiny-smol", sha256="ab" * 32, source_kind="folder", source_name="tiny",
@@ -82,11 +70,11 @@ def seeded(qp_settings):
                              model_id=model.id)
         repo.save_sensitivity(s, job_id=sj.id, model_id=model.id, scheme="INT8_PER_TENSOR",
                               rows=[{"layer": lin["name"], "layers": [lin["name"]], "kl_mean": float(i) / 100,
-                                     "top1_agree": 0.9, "sqnr_db": 20.0} for i, lin in enumerate(linears())])
-        repo.finish_job(s, sj.id, status="succeeded", result={"units": len(linears())})
+                                     "top1_agree": 0.9, "sqnr_db": 20.0} for i, lin in enumerate(smol_linears())])
+        repo.finish_job(s, sj.id, status="succeeded", result={"units": len(smol_linears())})
         bj = repo.create_job(s, kind="bench", params={"device": "cpu"}, queue="cpu", user=None)
         recs = []
-        for n, k in {(lin["out_features"], lin["in_features"]) for lin in linears()}:
+        for n, k in {(lin["out_features"], lin["in_features"]) for lin in smol_linears()}:
             for m in (1, 16):
                 for path in ("baseline", "fp8_tensor", "fp8_row+q", "int8_row"):
                     recs.append(dict(device="cpu", device_name="Test CPU", torch_version="2.13.0", m=m, n=n, k=k,

@@ -19,7 +19,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from app import charts
+from app.charts import base as chart_base
+from app.charts import kernels as kernel_charts
+from app.charts import outliers as outlier_charts
+from app.charts import results as result_charts
 from quantcore.evaluation import outliers as ol
 from quantcore.evaluation.stats import HIST_BINS, LayerStats, hist_edges
 
@@ -102,7 +105,7 @@ def synthetic_model(
 # --------------------------------------------------------------------------- overview
 def test_overview_chart_encodings_and_selection() -> None:
     stats = synthetic_model()
-    df = charts.overview_frame(stats)
+    df = outlier_charts.overview_frame(stats)
     assert list(df.columns) == [
         "layer",
         "block",
@@ -113,7 +116,7 @@ def test_overview_chart_encodings_and_selection() -> None:
         "median_channel_max",
         "median_zero",
     ]
-    spec = spec_of(charts.overview_chart(df))
+    spec = spec_of(outlier_charts.overview_chart(df))
     assert mark_type(spec) == "circle"
     enc = spec["encoding"]
     assert enc["y"]["field"] == "outlier_ratio" and enc["y"]["scale"]["type"] == "log"
@@ -121,7 +124,7 @@ def test_overview_chart_encodings_and_selection() -> None:
     # blocks by colour; lm_head (block -1) grey, and in the middle of its column rather than at block 0's place
     assert enc["color"]["field"] == "block" and enc["color"]["type"] == "quantitative"
     assert enc["color"]["scale"]["domainMin"] == 0 and enc["color"]["scale"]["clamp"]
-    assert enc["color"]["condition"] == {"test": "datum.block < 0", "value": charts.OUTSIDE_BLOCKS_COLOR}
+    assert enc["color"]["condition"] == {"test": "datum.block < 0", "value": chart_base.OUTSIDE_BLOCKS_COLOR}
     assert enc["xOffset"]["field"] == "slot"
     slots = {r["layer"]: (r["block"], r["slot"]) for r in data_rows(spec, spec)}
     top = max(b for b, _ in slots.values())
@@ -137,10 +140,10 @@ def test_overview_chart_encodings_and_selection() -> None:
 
 
 def test_overview_frame_caps_infinite_ratio() -> None:
-    df = charts.overview_frame([make_stat("model.layers.0.self_attn.q_proj", [0, 0, 0, 2.0])])
+    df = outlier_charts.overview_frame([make_stat("model.layers.0.self_attn.q_proj", [0, 0, 0, 2.0])])
     assert bool(df["median_zero"].iloc[0])
-    assert df["outlier_ratio"].iloc[0] == charts.OUTLIER_RATIO_CAP
-    spec_of(charts.overview_chart(df))
+    assert df["outlier_ratio"].iloc[0] == chart_base.OUTLIER_RATIO_CAP
+    spec_of(outlier_charts.overview_chart(df))
 
 
 def test_overview_frame_bounds_mixture_of_experts() -> None:
@@ -149,7 +152,7 @@ def test_overview_frame_bounds_mixture_of_experts() -> None:
         for b in range(20)
         for e in range(64)
     ]
-    df = charts.overview_frame(stats, max_points=100)
+    df = outlier_charts.overview_frame(stats, max_points=100)
     assert len(df) <= 100
     assert len(df) == 20  # one per (block, proj)
     assert set(df["layer"]) == {f"model.layers.{b}.mlp.experts.5.down_proj" for b in range(20)}
@@ -162,7 +165,8 @@ def test_channels_chart_thresholds_and_labels() -> None:
     cm[[17, 100, 200, 300, 400, 500]] = [amax, 40.0, 30.0, 20.0, 10.0, 5.0]
     stat = make_stat("model.layers.11.mlp.down_proj", cm)
     spec = spec_of(
-        charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax), top_k=5)
+        outlier_charts.channels_chart(outlier_charts.channels_frame(stat), outlier_charts.thresholds_frame(stat.amax),
+                                      top_k=5)
     )
     rules = view_with(spec, "rule")
     values = {r["label"]: r["value"] for r in data_rows(spec, rules)}
@@ -179,12 +183,13 @@ def test_channels_chart_thresholds_and_labels() -> None:
     assert any(r["text"].startswith("ch 17: 3e+03") for r in labels["left"])
     # 200 (30) lies within the label of 100 (40) and a fraction of a decade from it: a level up; 300 (20) clears
     # 100's label, and 400 (10) meets 300's
-    up = -4 - charts.LABEL_STEP_PX
+    up = -4 - chart_base.LABEL_STEP_PX
     assert {r["channel"]: r["dy"] for r in labels["left"]} == {17: -4, 100: -4, 200: up, 300: -4, 400: up}
     # a top channel in the last fifth is labelled leftwards of its point, so the label stays on the chart
     cm[1487] = 1140.0
     stat = make_stat("model.layers.11.mlp.down_proj", cm)
-    spec = spec_of(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax), top_k=2))
+    spec = spec_of(outlier_charts.channels_chart(outlier_charts.channels_frame(stat),
+                                                 outlier_charts.thresholds_frame(stat.amax), top_k=2))
     labels = text_rows(spec)
     assert [r["channel"] for r in labels["left"]] == [17] and [r["channel"] for r in labels["right"]] == [1487]
 
@@ -200,10 +205,10 @@ def text_rows(spec: dict) -> dict[str, list[dict]]:
 
 def test_label_levels_stack_only_labels_that_would_overlap() -> None:
     # x 0 and 50 overlap (span 100) at one y: the second goes up; x 500 is clear; y 100x apart never meet
-    assert charts.label_levels([0, 50, 500, 60], [10, 10, 10, 1000], [False] * 4, span=100) == [0, 1, 0, 0]
+    assert outlier_charts.label_levels([0, 50, 500, 60], [10, 10, 10, 1000], [False] * 4, span=100) == [0, 1, 0, 0]
     # a leftward label covers [x - span, x]: 150 leftwards meets 100 rightwards [100, 200]
-    assert charts.label_levels([100, 150], [5, 5], [False, True], span=100) == [0, 1]
-    assert charts.label_levels([100, 350], [5, 5], [False, True], span=100) == [0, 0]
+    assert outlier_charts.label_levels([100, 150], [5, 5], [False, True], span=100) == [0, 1]
+    assert outlier_charts.label_levels([100, 350], [5, 5], [False, True], span=100) == [0, 0]
 
 
 def test_channels_chart_bounded_for_wide_layers() -> None:
@@ -211,40 +216,41 @@ def test_channels_chart_bounded_for_wide_layers() -> None:
     cm = rng.lognormal(size=50_000)
     cm[31_337] = 1e4
     stat = make_stat("model.layers.0.mlp.down_proj", cm)
-    spec = spec_of(charts.channels_chart(charts.channels_frame(stat), charts.thresholds_frame(stat.amax)))
+    spec = spec_of(outlier_charts.channels_chart(outlier_charts.channels_frame(stat),
+                                                 outlier_charts.thresholds_frame(stat.amax)))
     rows = data_rows(spec, view_with(spec, "circle"))
-    assert len(rows) <= charts.DEFAULT_MAX_POINTS
+    assert len(rows) <= chart_base.DEFAULT_MAX_POINTS
     assert max(r["channel_max"] for r in rows) == pytest.approx(1e4)
     # a raw, too long frame is downsampled by the builder itself
     raw = pd.DataFrame({"channel": np.arange(cm.size), "channel_max": cm})
-    spec = spec_of(charts.channels_chart(raw, charts.thresholds_frame(stat.amax), max_points=300))
+    spec = spec_of(outlier_charts.channels_chart(raw, outlier_charts.thresholds_frame(stat.amax), max_points=300))
     assert len(data_rows(spec, view_with(spec, "circle"))) <= 300
 
 
 def test_channels_frame_leaves_out_dead_channels() -> None:
-    df = charts.channels_frame(make_stat("q", [0.0, 1.0, 5.0, 0.0]))
+    df = outlier_charts.channels_frame(make_stat("q", [0.0, 1.0, 5.0, 0.0]))
     assert list(df["channel"]) == [1, 2]
     assert list(df["rank"]) == [2, 1]
 
 
 def test_channels_chart_rejects_missing_columns() -> None:
     with pytest.raises(ValueError, match="channel_max"):
-        charts.channels_chart(pd.DataFrame({"channel": [1]}), charts.thresholds_frame(1.0))
+        outlier_charts.channels_chart(pd.DataFrame({"channel": [1]}), outlier_charts.thresholds_frame(1.0))
 
 
 # --------------------------------------------------------------------------- depth heatmap
 def test_depth_heatmap_bounded_and_log_colour() -> None:
     stats = synthetic_model()
-    df = charts.depth_frame(stats, "down_proj")
-    assert len(df) <= charts.HEATMAP_MAX_CELLS
+    df = outlier_charts.depth_frame(stats, "down_proj")
+    assert len(df) <= chart_base.HEATMAP_MAX_CELLS
     assert df["block"].nunique() == 30
-    spec = spec_of(charts.depth_heatmap(df, "down_proj"))
+    spec = spec_of(outlier_charts.depth_heatmap(df, "down_proj"))
     assert mark_type(spec) == "rect"
     assert spec["encoding"]["color"]["scale"]["type"] == "log"
     assert spec["encoding"]["y"]["field"] == "block"
     assert spec["encoding"]["x"]["field"] == "ch_lo" and spec["encoding"]["x2"]["field"] == "ch_hi"
     rows = data_rows(spec, spec)
-    assert len(rows) <= charts.HEATMAP_MAX_CELLS
+    assert len(rows) <= chart_base.HEATMAP_MAX_CELLS
     hot = [r for r in rows if r["argmax_channel"] == 17]
     assert len(hot) == 30  # the planted channel stays the max of its bin at every depth
     assert max(r["channel_max"] for r in hot) == pytest.approx(3000.0)
@@ -253,15 +259,15 @@ def test_depth_heatmap_bounded_and_log_colour() -> None:
 def test_depth_heatmap_refuses_unbounded_frame() -> None:
     df = pd.DataFrame({"block": 0, "ch_lo": np.arange(6000), "ch_hi": np.arange(1, 6001), "channel_max": 1.0})
     with pytest.raises(ValueError, match="limit"):
-        charts.depth_heatmap(df)
+        outlier_charts.depth_heatmap(df)
 
 
 # --------------------------------------------------------------------------- SmoothQuant
 def test_smoothquant_chart_steps_and_panels() -> None:
     view = ol.smoothquant_view(np.array([1.3, 0.9, 58.0]), np.array([0.42, 0.55, 0.020]), 0.5)
-    points, steps = charts.smoothquant_frame(view)
+    points, steps = outlier_charts.smoothquant_frame(view)
     assert len(points) == 12  # 3 channels x before/after x activation/weight
-    spec = spec_of(charts.smoothquant_chart(points, steps, 0.5))
+    spec = spec_of(outlier_charts.smoothquant_chart(points, steps, 0.5))
     assert len(spec["hconcat"]) == 2
     assert spec["resolve"]["scale"]["y"] == "shared"
     step_rows = [r for v in views(spec) if mark_type(v) == "rule" for r in data_rows(spec, v)]
@@ -288,14 +294,14 @@ def test_smoothquant_frame_bounded() -> None:
     rng = np.random.default_rng(2)
     act, w = rng.lognormal(size=8192), rng.lognormal(size=8192) * 0.01
     act[4000] = 5000.0
-    points, _ = charts.smoothquant_frame(ol.smoothquant_view(act, w, 0.5), max_points=1000)
+    points, _ = outlier_charts.smoothquant_frame(ol.smoothquant_view(act, w, 0.5), max_points=1000)
     assert len(points) <= 1000
     assert 4000 in set(points["channel"])
 
 
 def test_alpha_sweep_chart_marks_chosen_alpha() -> None:
     sweep = pd.DataFrame(ol.alpha_sweep(np.array([100.0, 0.1, 0.2]), np.array([0.01, 0.5, 0.4])))
-    spec = spec_of(charts.alpha_sweep_chart(sweep, 0.65))
+    spec = spec_of(outlier_charts.alpha_sweep_chart(sweep, 0.65))
     chosen = view_with(spec, "rule")
     assert data_rows(spec, chosen) == [{"alpha": 0.65}]
     assert len(data_rows(spec, view_with(spec, "line"))) == 2 * len(ol.DEFAULT_ALPHAS)
@@ -311,11 +317,11 @@ def _hist_stat(amax: float) -> LayerStats:
 def test_histogram_chart_grid_clip_and_flush() -> None:
     amax = 254.0
     stat = _hist_stat(amax)
-    hist = charts.hist_frame(stat)
+    hist = outlier_charts.hist_frame(stat)
     assert len(hist) == 40 and hist["share"].sum() == pytest.approx(1.0)
     grid = ol.format_grid("int8", amax)
     lo, hi = float(hist["lo"].min()), float(hist["hi"].max())
-    spec = spec_of(charts.histogram_chart(hist, charts.grid_frame(grid, lo, hi), "INT8"))
+    spec = spec_of(outlier_charts.histogram_chart(hist, outlier_charts.grid_frame(grid, lo, hi), "INT8"))
     bars = view_with(spec, "rect")
     assert bars["encoding"]["x"]["scale"]["type"] == "log"
     assert bars["encoding"]["y"]["scale"]["type"] == "symlog"
@@ -333,15 +339,15 @@ def test_histogram_chart_grid_clip_and_flush() -> None:
 
 def test_histogram_chart_e4m3_grid() -> None:
     amax = 448.0
-    grid = charts.grid_frame(ol.format_grid("fp8_e4m3", amax))
+    grid = outlier_charts.grid_frame(ol.format_grid("fp8_e4m3", amax))
     assert (grid["kind"] == "representable").sum() == 126
     assert grid.loc[grid["kind"] == "flush to zero", "value"].item() == 2.0**-10
-    spec = spec_of(charts.histogram_chart(charts.hist_frame(_hist_stat(amax)), grid, "FP8 E4M3"))
-    assert total_rows(spec) <= charts.MAX_MARKS
+    spec = spec_of(outlier_charts.histogram_chart(outlier_charts.hist_frame(_hist_stat(amax)), grid, "FP8 E4M3"))
+    assert total_rows(spec) <= chart_base.MAX_MARKS
 
 
 def test_hist_edges_agree_with_frame() -> None:
-    hist = charts.hist_frame(_hist_stat(1.0))
+    hist = outlier_charts.hist_frame(_hist_stat(1.0))
     assert hist["lo"].iloc[0] == hist_edges()[60]
 
 
@@ -354,10 +360,10 @@ def test_kl_distribution_chart_bins_and_means() -> None:
             pd.DataFrame({"kl": np.r_[rng.lognormal(-1, 1, 49_999), 0.0], "label": "int8 per-tensor"}),
         ]
     )
-    spec = spec_of(charts.kl_distribution_chart(df))
+    spec = spec_of(result_charts.kl_distribution_chart(df))
     line = view_with(spec, "line")
     assert line["encoding"]["x"]["scale"]["type"] == "log"
-    assert len(data_rows(spec, line)) == 2 * charts.KL_BINS
+    assert len(data_rows(spec, line)) == 2 * chart_base.KL_BINS
     shares = pd.DataFrame(data_rows(spec, line)).groupby("label")["share"].sum()
     assert shares.to_numpy() == pytest.approx([1.0, 1.0])
     means = {r["label"]: r["mean"] for r in data_rows(spec, view_with(spec, "rule"))}
@@ -366,12 +372,12 @@ def test_kl_distribution_chart_bins_and_means() -> None:
 
 def test_kl_by_position_chart_bounded() -> None:
     df = pd.DataFrame({"position": np.arange(100_000), "kl": np.linspace(0.0, 1.0, 100_000)})
-    spec = spec_of(charts.kl_by_position_chart(df, max_points=1000))
+    spec = spec_of(result_charts.kl_by_position_chart(df, max_points=1000))
     rows = data_rows(spec, spec)
     assert len(rows) <= 1000
     assert spec["encoding"]["y"]["scale"]["type"] == "log"
     assert np.mean([r["kl"] for r in rows]) == pytest.approx(0.5, rel=1e-6)  # equal buckets keep the mean
-    assert min(r["kl_plot"] for r in rows) >= charts.KL_FLOOR
+    assert min(r["kl_plot"] for r in rows) >= chart_base.KL_FLOOR
 
 
 def test_sensitivity_chart_sorted_top_n() -> None:
@@ -382,7 +388,7 @@ def test_sensitivity_chart_sorted_top_n() -> None:
             "proj": "down_proj",
         }
     )
-    spec = spec_of(charts.sensitivity_chart(df, top_n=10))
+    spec = spec_of(result_charts.sensitivity_chart(df, top_n=10))
     assert mark_type(spec) == "bar"
     assert spec["encoding"]["y"]["field"] == "layer" and spec["encoding"]["y"]["sort"] == "-x"
     rows = data_rows(spec, spec)
@@ -401,19 +407,19 @@ def test_sensitivity_by_scheme_one_panel_per_scheme_with_the_head_last() -> None
             "kl": [0.3, 0.0, 0.01, 0.02, 0.001, 0.002, 0.003, 0.004],
         }
     )
-    spec = spec_of(charts.sensitivity_by_scheme(df))
+    spec = spec_of(result_charts.sensitivity_by_scheme(df))
     enc = spec["encoding"]
     assert mark_type(spec) == "rect" and enc["row"]["field"] == "scheme"
-    assert enc["x"]["sort"] == ["2", "10", charts.HEAD_BLOCK]  # blocks numerically, the head column last
+    assert enc["x"]["sort"] == ["2", "10", result_charts.HEAD_BLOCK]  # blocks numerically, the head column last
     assert enc["y"]["sort"] == ["q_proj/k_proj/v_proj", "down_proj", "lm_head"]  # projections in model order
     assert enc["color"]["scale"]["type"] == "log"
     rows = data_rows(spec, spec)
     assert len(rows) == 8
     zero = next(r for r in rows if r["scheme"] == "INT8_PER_TENSOR" and r["col"] == "2" and r["proj"] == "down_proj")
-    assert zero["kl"] == 0.0 and zero["kl_plot"] == charts.KL_FLOOR  # a log scale cannot draw 0
-    assert {r["col"] for r in rows if r["proj"] == "lm_head"} == {charts.HEAD_BLOCK}
+    assert zero["kl"] == 0.0 and zero["kl_plot"] == chart_base.KL_FLOOR  # a log scale cannot draw 0
+    assert {r["col"] for r in rows if r["proj"] == "lm_head"} == {result_charts.HEAD_BLOCK}
     with pytest.raises(ValueError, match="needs columns"):
-        charts.sensitivity_by_scheme(df.drop(columns=["proj"]))
+        result_charts.sensitivity_by_scheme(df.drop(columns=["proj"]))
 
 
 # --------------------------------------------------------------------------- kernels page
@@ -425,7 +431,7 @@ def test_kernel_heatmap_speedup_and_unsupported() -> None:
             "speedup": [1.8, 1.7, np.nan, 1.9, 0.8, np.nan],
         }
     )
-    spec = spec_of(charts.kernel_heatmap(df))
+    spec = spec_of(kernel_charts.kernel_heatmap(df))
     rect = view_with(spec, "rect")
     scale = rect["encoding"]["color"]["scale"]
     assert scale["domainMid"] == 1.0 and scale["type"] == "log"
@@ -437,7 +443,7 @@ def test_kernel_heatmap_speedup_and_unsupported() -> None:
     assert total_rows(spec) == 6
     # a case with no time says why instead of "n/a", which means "not native"
     noted = df.assign(note=["", "", "", "", "", "skipped"])
-    spec = spec_of(charts.kernel_heatmap(noted))
+    spec = spec_of(kernel_charts.kernel_heatmap(noted))
     assert [r["text"] for r in data_rows(spec, view_with(spec, "rect"))][-2:] == ["0.80×", "skipped"]
 
 
@@ -445,23 +451,23 @@ def test_peak_bars() -> None:
     df = pd.DataFrame(
         {"label": ["fp8 q_proj", "bf16 q_proj"], "pct_peak": [62.5, 71.0], "path": ["fp8", "bf16"]}
     )
-    spec = spec_of(charts.peak_bars(df))
+    spec = spec_of(kernel_charts.peak_bars(df))
     bars = view_with(spec, "bar")
     assert bars["encoding"]["x"]["field"] == "pct_peak"
     assert data_rows(spec, view_with(spec, "rule")) == [{"pct_peak": 100.0}]
     assert spec["title"] == "Share of peak throughput"
-    assert "title" not in spec_of(charts.peak_bars(df, title=""))  # under a page heading that says it already
+    assert "title" not in spec_of(kernel_charts.peak_bars(df, title=""))  # under a page heading that says it already
 
 
 def test_band_charts_size_by_row_not_by_total_height() -> None:
     # a fixed total height is shrunk by Streamlit's theme until row labels overlap and drop out;
     # a step per row keeps every shape / layer readable however many rows there are
     heat = pd.DataFrame({"shape": [f"s{i} M=1" for i in range(40)], "path": "fp8_row", "speedup": 1.5})
-    assert spec_of(charts.kernel_heatmap(heat))["height"] == {"step": charts.KERNEL_ROW_PX}
+    assert spec_of(kernel_charts.kernel_heatmap(heat))["height"] == {"step": chart_base.KERNEL_ROW_PX}
     bars = pd.DataFrame({"label": [f"case {i}" for i in range(40)], "pct_peak": 50.0})
-    assert spec_of(charts.peak_bars(bars))["height"] == {"step": 18}
+    assert spec_of(kernel_charts.peak_bars(bars))["height"] == {"step": 18}
     sens = pd.DataFrame({"layer": [f"model.layers.{i}.mlp.down_proj" for i in range(40)], "kl": 0.1})
-    spec = spec_of(charts.sensitivity_chart(sens))
+    spec = spec_of(result_charts.sensitivity_chart(sens))
     assert spec["height"] == {"step": 16}
     assert spec["encoding"]["y"]["axis"] == {"labelLimit": 360, "labelOverlap": False}
 
@@ -472,13 +478,14 @@ def test_every_outlier_chart_is_bounded_for_a_large_model() -> None:
     worst = max(stats, key=lambda s: s.outlier_ratio)
     view = ol.smoothquant_view(worst.channel_max, worst.weight_channel_max, 0.5)
     built = [
-        charts.overview_chart(charts.overview_frame(stats)),
-        charts.channels_chart(charts.channels_frame(worst), charts.thresholds_frame(worst.amax)),
-        charts.depth_heatmap(charts.depth_frame(stats, "down_proj")),
-        charts.smoothquant_chart(*charts.smoothquant_frame(view), 0.5),
+        outlier_charts.overview_chart(outlier_charts.overview_frame(stats)),
+        outlier_charts.channels_chart(outlier_charts.channels_frame(worst),
+                                      outlier_charts.thresholds_frame(worst.amax)),
+        outlier_charts.depth_heatmap(outlier_charts.depth_frame(stats, "down_proj")),
+        outlier_charts.smoothquant_chart(*outlier_charts.smoothquant_frame(view), 0.5),
     ]
     for chart in built:
-        assert total_rows(spec_of(chart)) <= charts.MAX_MARKS
+        assert total_rows(spec_of(chart)) <= chart_base.MAX_MARKS
 
 
 def test_charts_module_is_torch_free() -> None:
@@ -487,7 +494,7 @@ def test_charts_module_is_torch_free() -> None:
 
 
 def test_projection_order_puts_fusion_groups_with_their_first_member() -> None:
-    got = charts._proj_sort(["lm_head", "down_proj", "gate_proj/up_proj", "q_proj/k_proj/v_proj", "o_proj", "zz"])
+    got = chart_base.proj_sort(["lm_head", "down_proj", "gate_proj/up_proj", "q_proj/k_proj/v_proj", "o_proj", "zz"])
     assert got == ["q_proj/k_proj/v_proj", "o_proj", "gate_proj/up_proj", "down_proj", "lm_head", "zz"]
 
 
@@ -498,7 +505,7 @@ def test_tradeoff_chart_draws_costed_plans_and_joins_the_front() -> None:
                        "prefill_ms": [np.nan] * 5,
                        "front": [True, True, False, False, False],
                        "top1_agree": [1.0, 0.9, 0.5, 0.48, 0.55]})
-    spec = spec_of(charts.tradeoff_chart(df, "decode_ms", "decode step (ms)"))
+    spec = spec_of(result_charts.tradeoff_chart(df, "decode_ms", "decode step (ms)"))
     points = view_with(spec, "circle")
     rows = data_rows(spec, points)
     assert [r["plan"] for r in rows] == ["BF16", "FP8_DYNAMIC", "W4A16", "INT8_PER_TENSOR"]  # NVFP4: no time
@@ -511,20 +518,20 @@ def test_tradeoff_chart_draws_costed_plans_and_joins_the_front() -> None:
     assert [r["plan"] for r in data_rows(spec, line)] == ["FP8_DYNAMIC", "BF16"]  # the front, by cost
     assert line["mark"]["interpolate"] == "step-after"
     assert [r["plan"] for r in data_rows(spec, view_with(spec, "text"))] == ["FP8_DYNAMIC", "BF16"]  # labelled
-    only_zero = spec_of(charts.tradeoff_chart(df.head(1), "decode_ms", "decode step (ms)"))
-    assert data_rows(only_zero, view_with(only_zero, "circle"))[0]["kl_plot"] == charts.KL_FLOOR
+    only_zero = spec_of(result_charts.tradeoff_chart(df.head(1), "decode_ms", "decode step (ms)"))
+    assert data_rows(only_zero, view_with(only_zero, "circle"))[0]["kl_plot"] == chart_base.KL_FLOOR
     with pytest.raises(ValueError, match="front"):
-        charts.tradeoff_chart(df.drop(columns="front"), "decode_ms", "decode step (ms)")
+        result_charts.tradeoff_chart(df.drop(columns="front"), "decode_ms", "decode step (ms)")
 
 
 def test_kv_amax_chart_draws_k_and_v_per_block_against_the_e4m3_limit():
     kv = {"k": {"model.layers.0.self_attn": 21.5, "model.layers.1.self_attn": 900.0},
           "v": {"model.layers.0.self_attn": 3.0, "model.layers.1.self_attn": 0.0}}
-    df = charts.kv_amax_frame(kv)
+    df = outlier_charts.kv_amax_frame(kv)
     assert list(df.columns) == ["layer", "block", "tensor", "amax"]
     assert sorted(zip(df["tensor"], df["block"], df["amax"], strict=True)) == [
         ("K", 0, 21.5), ("K", 1, 900.0), ("V", 0, 3.0), ("V", 1, 0.0)]
-    spec = charts.kv_amax_chart(df).to_dict()
+    spec = outlier_charts.kv_amax_chart(df).to_dict()
     points, rule, _ = spec["layer"]
     assert points["encoding"]["y"]["scale"]["type"] == "log"
     assert points["encoding"]["y"]["scale"]["domainMax"] == 1800.0  # room above the largest value
@@ -532,8 +539,8 @@ def test_kv_amax_chart_draws_k_and_v_per_block_against_the_e4m3_limit():
     assert points["encoding"]["tooltip"][2]["field"] == "amax"
     rule_data = spec["datasets"][rule["data"]["name"]]
     assert rule_data[0]["y"] == 448.0
-    assert charts.kv_amax_frame(None).empty and charts.kv_amax_frame({}).empty
+    assert outlier_charts.kv_amax_frame(None).empty and outlier_charts.kv_amax_frame({}).empty
     # a calibration that recorded Q (what FP8 attention quantizes) draws it as a third line
-    with_q = charts.kv_amax_frame({**kv, "q": {"model.layers.0.self_attn": 30.0}})
+    with_q = outlier_charts.kv_amax_frame({**kv, "q": {"model.layers.0.self_attn": 30.0}})
     assert sorted(set(with_q["tensor"])) == ["K", "Q", "V"]
     assert with_q[with_q["tensor"] == "Q"]["amax"].tolist() == [30.0]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.app.conftest import OUTLIER_LAYER
+from tests.factories import OUTLIER_LAYER
 
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 
@@ -127,14 +127,14 @@ def test_jobs_page_shows_failures_with_their_message(seeded):
 
 
 def test_jobs_page_queues_a_failed_job_again(seeded):
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
 
-    failed = next(j for j in svc.list_jobs() if j.status == "failed")
+    failed = next(j for j in jobs_svc.list_jobs() if j.status == "failed")
     at = _run("jobs", seeded.id)
     at.button(key=f"retry_{failed.id}").click().run()
     assert not at.exception
     note = next(m.value for m in at.success if "queued again as job #" in m.value)
-    again = svc.get_job(int(note.rsplit("#", 1)[1].rstrip(".")))
+    again = jobs_svc.get_job(int(note.rsplit("#", 1)[1].rstrip(".")))
     assert (again.kind, again.status, again.model_id) == (failed.kind, "queued", failed.model_id)
 
 
@@ -168,7 +168,7 @@ def test_enter_in_a_field_of_a_form_that_queues_a_job_queues_nothing(seeded):
 
 
 def test_jobs_page_queues_a_cancelled_job_again(seeded):
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
     from store import repo
     from store.db import session_scope
 
@@ -181,14 +181,14 @@ def test_jobs_page_queues_a_cancelled_job_again(seeded):
     at.button(key=f"retry_{job.id}").click().run()
     assert not at.exception
     note = next(m.value for m in at.success if "queued again as job #" in m.value)
-    again = svc.get_job(int(note.rsplit("#", 1)[1].rstrip(".")))
+    again = jobs_svc.get_job(int(note.rsplit("#", 1)[1].rstrip(".")))
     assert (again.kind, again.status, again.params["scheme"]) == ("score", "queued", "FP8_DYNAMIC")
 
 
 def test_jobs_page_pages_through_the_history_and_keeps_running_jobs_in_view(seeded):
     """Beyond one page of 100 jobs the history is paged, newest first; a queued job older than the page shown still
     has its progress bar and cancel button; the status filter narrows both."""
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
     from store import repo
     from store.db import session_scope
 
@@ -198,8 +198,8 @@ def test_jobs_page_pages_through_the_history_and_keeps_running_jobs_in_view(seed
         for _ in range(130):
             done = repo.create_job(s, kind="bench", params={"device": "cpu"}, queue="cpu", user=None)
             repo.finish_job(s, done.id, status="succeeded")
-    total = svc.count_jobs()
-    assert total == len(svc.list_jobs(limit=1000)) > 130
+    total = jobs_svc.count_jobs()
+    assert total == len(jobs_svc.list_jobs(limit=1000)) > 130
     at = _run("jobs", seeded.id)
     assert not at.exception
     assert at.number_input(key="jobs_page").max == -(-total // 100)
@@ -220,7 +220,7 @@ def test_jobs_page_pages_through_the_history_and_keeps_running_jobs_in_view(seed
     assert not any(str(b.key).startswith("cancel_") for b in at.button)  # nor any other card to cancel
     at.selectbox(key="jobs_status").set_value("succeeded").run()
     assert not any(str(b.key).startswith("cancel_") for b in at.button) and not at.exception
-    assert svc.list_jobs(status=[]) == [] and svc.count_jobs(status=[]) == 0  # no status asked: none matches
+    assert jobs_svc.list_jobs(status=[]) == [] and jobs_svc.count_jobs(status=[]) == 0  # no status asked: none matches
 
 
 def test_outliers_page_ranks_the_planted_outlier_first(seeded):
@@ -250,13 +250,13 @@ def test_outliers_page_saves_alpha_into_a_plan_for_the_fusion_group(seeded):
     from quantcore.planning.plans import PlanSpec
 
     assert PlanSpec.from_dict(plan.body).layer_alpha == {f"model.layers.1.self_attn.{p}_proj": 0.7 for p in "qkv"}
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
-    resolved, problem = svc.resolve(seeded, plan.body)  # a new plan that can be scored and exported as it is
+    resolved, problem = plans_svc.resolve(seeded, plan.body)  # a new plan that can be scored and exported as it is
     assert problem is None and resolved["model.layers.1.self_attn.k_proj"].smoothquant_alpha == 0.7
     assert any("smoothed before its INT8_W8A8 quantization" in m.value for m in at.success)
     # a plan whose layer quantizes no activations cannot carry an alpha: refused, nothing saved
-    weight_only = svc.save_plan(seeded.id, "w4", {"model": seeded.name, "default": "W4A16"})
+    weight_only = plans_svc.save_plan(seeded.id, "w4", {"model": seeded.name, "default": "W4A16"})
     at.run()
     # a new plan by default; then the plans, the one saved last first
     assert at.selectbox(key="alpha_plan").value == "(new plan)"
@@ -265,7 +265,7 @@ def test_outliers_page_saves_alpha_into_a_plan_for_the_fusion_group(seeded):
     at.button[-1].click().run()
     assert not at.exception
     assert any(e.value.startswith("Not saved:") and "quantizes no activations" in e.value for e in at.error)
-    assert [p.id for p in svc.list_plans(seeded.id) if p.name == "w4"] == [weight_only.id]
+    assert [p.id for p in plans_svc.list_plans(seeded.id) if p.name == "w4"] == [weight_only.id]
 
 
 def test_results_page_shows_scores_and_sensitivity(seeded):
@@ -275,7 +275,7 @@ def test_results_page_shows_scores_and_sensitivity(seeded):
 
 
 def test_results_page_says_which_layers_a_smoothquant_sweep_left_out(seeded):
-    from app import services as svc
+    from quantplan.services import sweeps as sweeps_svc
     from store import repo
     from store.db import session_scope
 
@@ -293,19 +293,19 @@ def test_results_page_says_which_layers_a_smoothquant_sweep_left_out(seeded):
     assert at.selectbox(key="results_sweep").value == job.id  # the newest sweep is shown first
     [caption] = [c.value for c in at.caption if c.value.startswith("Not swept:")]
     assert caption.startswith(f"Not swept: {len(left_out)} layer(s) ({left_out[0]}") and "INT8_W8A8" in caption
-    plain = next(j.id for j in svc.sensitivity_jobs(seeded.id) if j.id != job.id)  # seeded: INT8_PER_TENSOR
+    plain = next(j.id for j in sweeps_svc.sensitivity_jobs(seeded.id) if j.id != job.id)  # seeded: INT8_PER_TENSOR
     at.selectbox(key="results_sweep").set_value(plain).run()  # a sweep without SmoothQuant: nothing to say
     assert not any(c.value.startswith("Not swept:") for c in at.caption)
 
 
 def test_results_page_says_when_the_scores_compared_were_measured_on_different_tokens(seeded):
-    from app import services as svc
+    from quantplan.services import scoring as scoring_svc
     from store import repo
     from store.db import session_scope
 
     at = _run("results", seeded.id)
     assert not any("different tokens" in w.value for w in at.warning)  # one score: nothing to say
-    (first,) = svc.list_scores(seeded.id)
+    (first,) = scoring_svc.list_scores(seeded.id)
     with session_scope() as s:
         mine = repo.get_score(s, first.job_id)
         job = repo.create_job(s, kind="score", params={"scheme": "INT8_W8A8"}, queue="cpu", user=None,
@@ -347,16 +347,16 @@ def test_each_model_keeps_its_own_comparison_on_the_results_page(seeded):
 def test_the_default_comparison_is_the_newest_scores_on_the_newest_ones_tokens() -> None:
     from types import SimpleNamespace
 
-    from app import services as svc
+    from quantplan.services import scoring as scoring_svc
 
     def score(job_id: int, text: str, tokens: int):
         return SimpleNamespace(job_id=job_id, dataset=text, tokens=tokens)
 
     newest_first = [score(9, "a", 100), score(8, "b", 100), score(7, "a", 400), score(6, "a", 100),
                     score(5, "a", 100), score(4, "a", 100)]
-    assert svc.default_comparison(newest_first) == [9, 6, 5]
-    assert svc.default_comparison(newest_first[1:]) == [8]
-    assert svc.default_comparison(newest_first, n=1) == [9] and svc.default_comparison([]) == []
+    assert scoring_svc.default_comparison(newest_first) == [9, 6, 5]
+    assert scoring_svc.default_comparison(newest_first[1:]) == [8]
+    assert scoring_svc.default_comparison(newest_first, n=1) == [9] and scoring_svc.default_comparison([]) == []
 
 
 def test_kernels_page_marks_non_native_paths(seeded):
@@ -367,17 +367,19 @@ def test_kernels_page_marks_non_native_paths(seeded):
 
 def test_kernels_page_says_which_layers_it_counts_at_the_baseline(seeded):
     """An NVFP4 plan has no timed kernel here: the step estimate says its layers count at the baseline's time."""
-    from app import services as svc
+    from quantplan.services import kernels as kernels_svc
+    from quantplan.services import models as models_svc
     from store import repo
     from store.db import session_scope
 
     with session_scope() as s:
         plan = repo.save_plan(s, model_id=seeded.id, name="fp4-mlp", user="t", body={
             "default": "FP8_DYNAMIC", "rules": [{"match": "mlp", "scheme": "NVFP4"}]})
-    model = svc.get_model(seeded.id)
-    assert svc.untimed_schemes(model, {"default": "FP8_DYNAMIC"}) == {}
-    assert svc.untimed_schemes(model, {"default": "W4A16"}) == {}  # the INT4 weight-only kernel times it
-    assert svc.untimed_schemes(model, {"default": "NVFP4"}, ["lm_head"]) == {"NVFP4": 1}  # only the layers counted
+    model = models_svc.get_model(seeded.id)
+    assert kernels_svc.untimed_schemes(model, {"default": "FP8_DYNAMIC"}) == {}
+    assert kernels_svc.untimed_schemes(model, {"default": "W4A16"}) == {}  # the INT4 weight-only kernel times it
+    assert kernels_svc.untimed_schemes(model, {"default": "NVFP4"},
+                                       ["lm_head"]) == {"NVFP4": 1}  # only the layers counted
     at = _run("kernels", seeded.id)
     assert not at.exception
     assert at.selectbox(key=f"kernels_plan_{seeded.id}").value == f"plan:{plan.id}"  # the plan saved last
@@ -391,10 +393,10 @@ def test_kernels_page_says_which_layers_it_counts_at_the_baseline(seeded):
 def test_the_kernels_page_estimates_each_models_own_plan(seeded):
     """The step estimate starts on the model's plan saved last (a preset when it has none); another model's plan
     is never offered, nor estimated on this one's shapes."""
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
     other = _add_other_model(seeded)
-    mine = svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "W8A16"})
+    mine = plans_svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "W8A16"})
     at = _run("kernels", seeded.id)
     assert at.selectbox(key=f"kernels_plan_{seeded.id}").value == f"plan:{mine.id}"
     at.selectbox(key=f"kernels_plan_{seeded.id}").set_value("preset:INT8_W8A8").run()
@@ -427,34 +429,34 @@ def test_kernels_page_warns_of_timings_taken_with_warm_caches(seeded):
 
 def test_kernels_page_queues_a_benchmark_split_over_gpus(seeded):
     """The form's GPUs field: the job times each GPU's share of every layer (worker/bench_body.py)."""
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
 
     at = _run("kernels", seeded.id)
     at.number_input(key="bench_tp").set_value(3)
     next(b for b in at.button if b.label == "Queue benchmark").click().run()
     assert not at.exception
-    job = max((j for j in svc.list_jobs(kind="bench")), key=lambda j: j.id)
+    job = max((j for j in jobs_svc.list_jobs(kind="bench")), key=lambda j: j.id)
     assert job.status == "queued" and job.params["tensor_parallel"] == 3 and job.model_id == seeded.id
 
 
 def test_kernels_page_names_an_m_value_it_cannot_read_and_queues_nothing(seeded):
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
 
     at = _run("kernels", seeded.id)
     at.text_input(key="bench_m").set_value("1,16,abc")
     next(b for b in at.button if b.label == "Queue benchmark").click().run()
-    assert not at.exception and not svc.list_jobs(kind="bench", status=("queued",))
+    assert not at.exception and not jobs_svc.list_jobs(kind="bench", status=("queued",))
     assert [e.value for e in at.error] == ["M values are positive integers separated by commas (batch x tokens), "
                                            "e.g. 1,16,128: 'abc' is not one"]
     at.text_input(key="bench_m").set_value("128, 1,16,")
     next(b for b in at.button if b.label == "Queue benchmark").click().run()
-    job = max((j for j in svc.list_jobs(kind="bench")), key=lambda j: j.id)
+    job = max((j for j in jobs_svc.list_jobs(kind="bench")), key=lambda j: j.id)
     assert job.status == "queued" and job.params["m"] == [1, 16, 128]
 
 
 def test_kernels_page_queues_the_paths_chosen_and_all_of_them_by_default(seeded):
-    from app import services as svc
-    from quantcore.kernels.bench import PATHS
+    from quantcore.kernels.paths import PATHS
+    from quantplan.services import jobs as jobs_svc
 
     def queue(paths=None):
         at = _run("kernels", seeded.id)
@@ -462,7 +464,7 @@ def test_kernels_page_queues_the_paths_chosen_and_all_of_them_by_default(seeded)
             at.multiselect(key="bench_paths").set_value(paths)
         next(b for b in at.button if b.label == "Queue benchmark").click().run()
         assert not at.exception
-        return at, max(svc.list_jobs(kind="bench"), key=lambda j: j.id)
+        return at, max(jobs_svc.list_jobs(kind="bench"), key=lambda j: j.id)
 
     at, job = queue()
     assert at.multiselect(key="bench_paths").value == [p for p in PATHS if p != "baseline"]
@@ -531,7 +533,7 @@ def test_kernels_page_suggests_leaving_out_only_the_emulated_paths_that_went_ove
 
 
 def test_plans_page_resolves_and_saves_a_version(seeded):
-    from app import services as svc
+    from quantplan.services import exchange as exchange_svc
     from store import repo
     from store.db import session_scope
 
@@ -555,7 +557,7 @@ def test_plans_page_resolves_and_saves_a_version(seeded):
     assert v2.body["default"] == "INT8_W8A8"
     export = next(w for w in at.selectbox if w.label == "Plan")
     assert export.value == v2.id
-    shown = svc.export_plan(seeded, v2.body, "llmcompressor").rstrip("\n")  # st.code drops the last newline
+    shown = exchange_svc.export_plan(seeded, v2.body, "llmcompressor").rstrip("\n")  # st.code drops the last newline
     assert any(c.value.rstrip("\n") == shown for c in at.code) and "INT8_W8A8 x28" in shown
     assert next(w for w in at.selectbox if w.label == "with").value == v2.id
     versions = next(d.value for d in at.dataframe if "parent" in d.value.columns)
@@ -565,8 +567,9 @@ def test_plans_page_resolves_and_saves_a_version(seeded):
 def test_an_import_under_the_name_being_edited_replaces_what_the_page_shows(seeded):
     """Imported as a new version of the plan on screen: its widgets are drawn from the import, not from the edits
     they held (the same widget keys)."""
-    from app import services as svc
     from app import state
+    from quantplan.services import exchange as exchange_svc
+    from quantplan.services import plans as plans_svc
 
     at = _run("plans", seeded.id)
     _plan_name(at).set_value("foo")
@@ -575,11 +578,11 @@ def test_an_import_under_the_name_being_edited_replaces_what_the_page_shows(seed
     assert _plan_name(at).value == "foo"  # the plan opened keeps its name: saving again makes foo v2
     next(b for b in at.button if "Save as a new version" in b.label).click().run()  # nothing changed
     assert any(i.value == "No change from foo v1: nothing saved." for i in at.info)
-    assert [p.version for p in svc.list_plans(seeded.id) if p.name == "foo"] == [1]
+    assert [p.version for p in plans_svc.list_plans(seeded.id) if p.name == "foo"] == [1]
     at.selectbox(key=f"plan_default_{seeded.id}_foo").set_value("INT8_W8A8").run()  # edited, not saved
-    rec, new = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
+    rec, new = exchange_svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
     assert rec.label == "foo v2" and new
-    again, new = svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
+    again, new = exchange_svc.import_plan(seeded, "foo.yaml", f"model: {seeded.name}\ndefault: W4A16_G64\n", name="foo")
     assert again.id == rec.id and not new  # the same file twice: no third, equal version
     at.session_state[state.PLAN_SAVED] = (f"Imported {rec.label}", "foo")  # what the Import button leaves
     at.run()
@@ -593,7 +596,7 @@ def test_plans_page_of_an_encoder_starts_from_a_plan_that_applies(seeded):
     """An encoder has no lm_head: the new plan has no rule for one (a rule that matches nothing is an error), and
     the automatic plan says why it has none."""
 
-    from app import services as svc
+    from quantplan.services import models as models_svc
     from store import repo
     from store.db import session_scope
 
@@ -601,8 +604,8 @@ def test_plans_page_of_an_encoder_starts_from_a_plan_that_applies(seeded):
     with session_scope() as s:
         row = s.get(repo.m.Model, seeded.id)
         row.summary = {**row.summary, "linears": linears, "causal_lm": False, "architecture": "BertModel"}
-    encoder = svc.get_model(seeded.id)
-    assert encoder.causal_lm is False and "lm_head" not in svc.layer_names(encoder)
+    encoder = models_svc.get_model(seeded.id)
+    assert encoder.causal_lm is False and "lm_head" not in models_svc.layer_names(encoder)
     at = _run("plans", seeded.id)
     assert not at.exception and not at.error
     assert not next(b for b in at.button if "Save as a new version" in b.label).disabled
@@ -613,22 +616,24 @@ def test_plans_page_of_an_encoder_starts_from_a_plan_that_applies(seeded):
 
 
 def test_plans_page_shows_the_weight_memory_of_the_plan(seeded):
-    from app import services as svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import plans as plans_svc
+    from quantplan.services import units as units_svc
 
     at = _run("plans", seeded.id)
     metric = next(m for m in at.metric if m.label == "Linear weights")
     body = {"model": seeded.name, "default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}]}
-    fp = svc.plan_footprint(svc.get_model(seeded.id), body)  # the page's starting plan
-    assert metric.value == svc.mib_text(fp.bits) and metric.value.endswith(" MiB")
+    fp = plans_svc.plan_footprint(models_svc.get_model(seeded.id), body)  # the page's starting plan
+    assert metric.value == units_svc.mib_text(fp.bits) and metric.value.endswith(" MiB")
     assert f"{fp.ratio:.0%} of BF16" in metric.proto.delta
     frame = next(d.value for d in at.dataframe if "bits / weight" in d.value.columns)
     assert set(frame["scheme"]) == {"FP8_DYNAMIC", "BF16"} and frame["layers"].sum() == len(seeded.linears)
     # the ideal step on the page's target GPU (an H100 by default), from quantcore.kernels.roofline
     from quantcore.kernels.roofline import step_bound
 
-    resolved, _ = svc.resolve(svc.get_model(seeded.id), body)
+    resolved, _ = plans_svc.resolve(models_svc.get_model(seeded.id), body)
     decode = next(m for m in at.metric if m.label.startswith("Ideal decode step, batch 1 on NVIDIA H100"))
-    assert decode.value == f"{step_bound(resolved, svc.layer_shapes(seeded), 'h100', 1).ms:.3f} ms"
+    assert decode.value == f"{step_bound(resolved, models_svc.layer_shapes(seeded), 'h100', 1).ms:.3f} ms"
     assert "vs BF16" in decode.proto.delta
     assert any(m.label.startswith("Ideal prefill step, 2,048 tokens") for m in at.metric)
     at.selectbox(key="plan_target").set_value("a100").run()  # no FP8 tensor cores: the caption says so
@@ -652,9 +657,10 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
     at = _run("results", seeded.id)
     assert not at.exception
     assert any("side by side" in h.value for h in at.subheader)
-    from app import services as svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import sweeps as sweeps_svc
 
-    frame = svc.sensitivity_by_scheme(svc.get_model(seeded.id))
+    frame = sweeps_svc.sensitivity_by_scheme(models_svc.get_model(seeded.id))
     assert set(frame["scheme"]) == {"FP8_DYNAMIC", "INT8_PER_TENSOR"} and len(frame) == 2 * len(names)
     assert (frame[frame["scheme"] == "FP8_DYNAMIC"]["kl"] == 1e-3).all()
     head = frame[frame["unit"] == "lm_head"]
@@ -677,7 +683,8 @@ def test_results_page_shows_every_swept_scheme_side_by_side(seeded):
 def test_every_swept_scheme_side_by_side_as_served_on_several_gpus(seeded):
     """Once a scheme is swept on 3 GPUs, the side-by-side heatmap can show the panels a plan for 3 GPUs reads: that
     sweep, named so, and the one-GPU sweeps of the other schemes, named as standing in."""
-    from app import services as svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import sweeps as sweeps_svc
     from store import repo
     from store.db import session_scope
 
@@ -692,9 +699,9 @@ def test_every_swept_scheme_side_by_side_as_served_on_several_gpus(seeded):
             repo.finish_job(s, job.id, status="succeeded",
                             result={"scheme": scheme, "units": len(names),
                                     **({"tensor_parallel": tp, "expert_parallel": False} if tp > 1 else {})})
-    model = svc.get_model(seeded.id)
-    assert svc.sweep_gpu_counts(model) == [(1, False), (3, False)]
-    one, three = svc.sensitivity_by_scheme(model), svc.sensitivity_by_scheme(model, 3)
+    model = models_svc.get_model(seeded.id)
+    assert sweeps_svc.sweep_gpu_counts(model) == [(1, False), (3, False)]
+    one, three = sweeps_svc.sensitivity_by_scheme(model), sweeps_svc.sensitivity_by_scheme(model, 3)
     assert set(one["scheme"]) == {"FP8_DYNAMIC", "INT8_PER_TENSOR"}
     assert set(three["scheme"]) == {"FP8_DYNAMIC, one GPU's", "INT8_PER_TENSOR on 3 GPUs"}
     assert (three[three["scheme"] == "INT8_PER_TENSOR on 3 GPUs"]["kl"] == 1e-6).all()
@@ -757,9 +764,10 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
     from the stored kernel timings, and the plans no other plan beats on both."""
     import math
 
-    from app import services as svc
-    from quantcore.planning.plans import plan_footprint
-    from tests.app.conftest import linears
+    from quantcore.planning.footprint import plan_footprint
+    from quantplan.services import models as models_svc
+    from quantplan.services import scoring as scoring_svc
+    from tests.factories import smol_linears as linears
 
     # seeded: FP8_DYNAMIC at KL 0.02; a rescore replaces it, and a score on another text stays out
     newest_fp8 = _add_score(seeded.id, "FP8_DYNAMIC", {"default": "FP8_DYNAMIC"}, 0.03)
@@ -776,15 +784,15 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
             device="cpu", device_name="Test CPU", torch_version="2.13.0", m=m, n=n, k=k, path="w4_g128", ms=0.5,
             tflops=0.01, pct_peak=None, speedup=2.0, native=True, max_rel_err=1e-7, padded_m=None, skipped=None)
             for n, k in {(lin["out_features"], lin["in_features"]) for lin in linears()} for m in (1, 16)])
-    model = svc.get_model(seeded.id)
-    scores = svc.list_scores(seeded.id)
-    assert svc.score_sets(scores) == [("builtin:lee.cor", 1000), ("upload:other.txt", 1000)]
+    model = models_svc.get_model(seeded.id)
+    scores = scoring_svc.list_scores(seeded.id)
+    assert scoring_svc.score_sets(scores) == [("builtin:lee.cor", 1000), ("upload:other.txt", 1000)]
     on_lee = [s for s in scores if s.dataset == "builtin:lee.cor"]
-    frame = svc.tradeoff_frame(model, on_lee, device_name="Test CPU", m_prefill=16, m_decode=1)
+    frame = scoring_svc.tradeoff_frame(model, on_lee, device_name="Test CPU", m_prefill=16, m_decode=1)
     assert list(frame["plan"]) == ["BF16", "FP8_DYNAMIC", "W4A16", "INT8_PER_TENSOR"]  # lowest KL first
     row = frame.set_index("plan")
     assert row.loc["FP8_DYNAMIC", "job"] == newest_fp8 and row.loc["FP8_DYNAMIC", "kl_mean"] == 0.03
-    shapes = svc.layer_shapes(model)
+    shapes = models_svc.layer_shapes(model)
     for plan in frame["plan"]:
         assert row.loc[plan, "weight_mib"] == plan_footprint({n: plan for n in shapes}, shapes).bits / 8 / 2**20
     assert row.loc["BF16", "weight_ratio"] == 1.0
@@ -793,13 +801,13 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
     assert row.loc["FP8_DYNAMIC", "prefill_ms"] == 2 * len(linears())
     assert math.isnan(row.loc["INT8_PER_TENSOR", "decode_ms"])
 
-    by_memory = svc.with_front(frame, "weight_mib").set_index("plan")["front"]
+    by_memory = scoring_svc.with_front(frame, "weight_mib").set_index("plan")["front"]
     # W4A16 beats INT8 per-tensor on both; BF16 (best KL), FP8 and W4A16 (least memory) are each best somewhere
     assert by_memory.to_dict() == {"BF16": True, "FP8_DYNAMIC": True, "W4A16": True, "INT8_PER_TENSOR": False}
-    by_decode = svc.with_front(frame, "decode_ms").set_index("plan")["front"]
+    by_decode = scoring_svc.with_front(frame, "decode_ms").set_index("plan")["front"]
     assert by_decode.to_dict() == {"BF16": True, "FP8_DYNAMIC": False, "W4A16": True, "INT8_PER_TENSOR": False}
     with pytest.raises(ValueError, match="unknown cost"):
-        svc.with_front(frame, "kl_mean")
+        scoring_svc.with_front(frame, "kl_mean")
 
     at = _run("results", seeded.id)
     assert any(h.value == "Quality against cost" for h in at.subheader)
@@ -831,7 +839,7 @@ def test_results_page_weighs_each_scored_plan_against_its_cost(seeded):
 def test_models_page_shows_and_clears_the_files_jobs_keep(seeded, qp_settings):
     """The "cached (MiB)" column and the model's "Cached files": each kind's files and size; clearing them deletes
     the folder and keeps every result."""
-    from app import services as svc
+    from quantplan.services import scoring as scoring_svc
 
     refs = qp_settings.model_reference_dir(seeded.sha256)
     (refs / "gptq").mkdir(parents=True)
@@ -850,11 +858,11 @@ def test_models_page_shows_and_clears_the_files_jobs_keep(seeded, qp_settings):
             "1.0 MiB; KV cache amax: 1 file(s), 0.0 MiB") in text
     assert any(c.value.startswith("All models' cached files: 5.0 MiB of 100 GiB (QUANTPLAN_CACHE_MAX_GIB)")
                for c in at.caption)
-    scores = len(svc.list_scores(seeded.id))
+    scores = len(scoring_svc.list_scores(seeded.id))
     at.button(key=f"clear_cache_{seeded.id}").click().run()
     assert not at.exception
     assert any(f"Cleared 5.0 MiB of cached files of {seeded.name}." in m.value for m in at.success)
-    assert not refs.exists() and len(svc.list_scores(seeded.id)) == scores
+    assert not refs.exists() and len(scoring_svc.list_scores(seeded.id)) == scores
     assert at.button(key=f"clear_cache_{seeded.id}").disabled  # the page drew itself again: nothing left
     assert list(next(d.value for d in at.dataframe if "cached (MiB)" in d.value.columns)["cached (MiB)"]) == [0.0]
 
@@ -862,7 +870,7 @@ def test_models_page_shows_and_clears_the_files_jobs_keep(seeded, qp_settings):
 def test_models_page_removes_a_model_after_a_confirmation(seeded, qp_settings):
     from pathlib import Path
 
-    from app import services as svc
+    from quantplan.services import models as models_svc
 
     folder = Path(qp_settings.artifact_dir) / seeded.path
     folder.mkdir(parents=True)
@@ -877,7 +885,7 @@ def test_models_page_removes_a_model_after_a_confirmation(seeded, qp_settings):
     assert not at.exception
     assert any(f"Removed {seeded.name}" in m.value for m in at.success)
     assert not folder.exists()
-    assert svc.list_models() == []
+    assert models_svc.list_models() == []
     assert any("No model yet" in i.value for i in at.info)
     for page in ("outliers", "results", "kernels", "plans", "jobs"):  # every page copes with the model gone
         at.switch_page(f"views/{page}.py").run()
@@ -887,13 +895,13 @@ def test_models_page_removes_a_model_after_a_confirmation(seeded, qp_settings):
 
 
 def test_a_session_whose_model_was_removed_elsewhere_moves_on(seeded):
-    from app import services as svc
+    from quantplan.services import models as models_svc
 
     other = _add_other_model(seeded)
     at = _run("outliers", seeded.id)
     at.selectbox(key="sidebar_model").set_value(seeded.id).run()
     assert at.session_state["model_id"] == seeded.id
-    svc.remove_model(seeded.id)  # a colleague removes it while this session still shows it
+    models_svc.remove_model(seeded.id)  # a colleague removes it while this session still shows it
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.session_state["model_id"] == other.id
@@ -924,7 +932,7 @@ def test_the_automatic_plans_candidates_are_every_swept_scheme_of_the_model_show
 
 
 def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
     at = _run("plans", seeded.id)
     assert any("Save a plan first" in i.value for i in at.info)
@@ -940,14 +948,14 @@ def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
     assert at.selectbox(key=f"plan_start_{seeded.id}").value == "auto-h100-kl0.5"
     assert any(m.value.startswith("Saved the automatic plan auto-h100-kl0.5 v1") for m in at.success)
     [table] = [d.value for d in at.dataframe if "on_target" in d.value.columns]
-    auto = next(p for p in svc.list_plans(seeded.id) if p.name == "auto-h100-kl0.5")
-    resolved, _ = svc.resolve(seeded, auto.body)
+    auto = next(p for p in plans_svc.list_plans(seeded.id) if p.name == "auto-h100-kl0.5")
+    resolved, _ = plans_svc.resolve(seeded, auto.body)
     assert table.set_index("layer")["scheme"].to_dict() == {name: s.name for name, s in resolved.items()}
     # the same choice again: nothing new to save, and the page says so rather than "Saved"
     next(b for b in at.button if b.label == "Choose and verify").click().run()
     assert any(m.value.startswith("The automatic plan is auto-h100-kl0.5 v1, saved before: no new version")
                for m in at.success)
-    assert [p.name for p in svc.list_plans(seeded.id)] == ["auto-h100-kl0.5"]
+    assert [p.name for p in plans_svc.list_plans(seeded.id)] == ["auto-h100-kl0.5"]
     # with unsaved edits to the plan open above, they stay; the new plan waits under Start from
     at.selectbox(key=f"plan_default_{seeded.id}_auto-h100-kl0.5").set_value("W8A16").run()
     at.number_input(key="auto_budget").set_value(0.4)
@@ -968,15 +976,17 @@ def test_plans_page_automatic_plan_then_export_in_the_same_run(seeded):
 
 
 def test_results_page_queues_one_score_job_per_chosen_plan(seeded):
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
+    from quantplan.services import plans as plans_svc
 
-    plan = svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "FP8_DYNAMIC"})
+    plan = plans_svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "FP8_DYNAMIC"})
     at = _run("results", seeded.id)
-    at.multiselect(key=f"score_what_{seeded.id}").set_value(["preset:FP8_DYNAMIC", "preset:INT8_W8A8", f"plan:{plan.id}"])
+    at.multiselect(key=f"score_what_{seeded.id}").set_value(["preset:FP8_DYNAMIC", "preset:INT8_W8A8",
+                                                             f"plan:{plan.id}"])
     at.checkbox(key="score_sens").check()
     at.button[0].click().run()
     assert not at.exception
-    jobs = svc.list_jobs(limit=10)
+    jobs = jobs_svc.list_jobs(limit=10)
     scores = [j for j in jobs if j.kind == "score" and j.status == "queued"]
     sweeps = [j for j in jobs if j.kind == "sensitivity" and j.status == "queued"]
     assert sorted(j.params.get("scheme") or f"plan {j.plan_id}" for j in scores) == \
@@ -992,10 +1002,11 @@ def test_results_page_queues_one_score_job_per_chosen_plan(seeded):
 
 def test_results_page_queues_scores_on_the_texts_chosen(seeded, tmp_path):
     """The evaluation and calibration texts and the calibration size reach the score and sweep jobs."""
-    from app import services as svc
+    from quantplan.services import datasets as datasets_svc
+    from quantplan.services import jobs as jobs_svc
 
-    ev = svc.upload_dataset("held-out.txt", b"Some held-out text.\n\nAnother document.", "evaluation")
-    cal = svc.upload_dataset("domain.txt", b"Text of the serving domain.\n\nMore of it.", "calibration")
+    ev = datasets_svc.upload_dataset("held-out.txt", b"Some held-out text.\n\nAnother document.", "evaluation")
+    cal = datasets_svc.upload_dataset("domain.txt", b"Text of the serving domain.\n\nMore of it.", "calibration")
     at = _run("results", seeded.id)
     assert at.selectbox(key="score_eval_text").options == ["built-in: lee.cor (50 news articles)", "held-out.txt"]
     assert at.selectbox(key="score_cal_text").options == ["built-in: lee_background.cor (300 articles)",
@@ -1007,7 +1018,7 @@ def test_results_page_queues_scores_on_the_texts_chosen(seeded, tmp_path):
     at.checkbox(key="score_sens").check()
     at.button[0].click().run()
     assert not at.exception, [e.value for e in at.exception]
-    jobs = [j for j in svc.list_jobs(limit=10) if j.status == "queued"]
+    jobs = [j for j in jobs_svc.list_jobs(limit=10) if j.status == "queued"]
     assert sorted(j.kind for j in jobs) == ["score", "sensitivity"]
     for j in jobs:
         assert (j.params["dataset"], j.params["cal_dataset"]) == (ev.id, cal.id)
@@ -1016,8 +1027,14 @@ def test_results_page_queues_scores_on_the_texts_chosen(seeded, tmp_path):
 
 def test_the_app_never_imports_torch(qp_settings):
     code = ("import sys, runpy; sys.path.insert(0, '.');"
-            "import app.services, app.charts, app.state, quantcore.evaluation.outliers, quantcore.planning.plans, quantcore.kernels.bench,"
-            " quantcore.kernels.hardware, quantcore.models.checkpoint, quantcore.evaluation.text, worker.client;"
+            "import app.frames, app.text, app.charts, app.state, quantplan.services.autoplan,"
+            " quantplan.services.exchange,"
+            " quantplan.services.plan_editor, quantplan.services.serving, quantplan.services.workers,"
+            " quantcore.evaluation.outliers, quantcore.planning.plans, quantcore.kernels.bench,"
+            " quantcore.kernels.paths, quantcore.kernels.records, quantcore.kernels.device, quantcore.planning.serving,"
+            " quantcore.planning.footprint, quantcore.planning.costs, quantcore.planning.solver,"
+            " quantcore.kernels.hardware, quantcore.models.validation, quantcore.models.intake,"
+            " quantcore.models.summary, quantcore.evaluation.text, jobs.client;"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -1049,25 +1066,27 @@ def test_models_page_follows_its_jobs(qp_settings):
 
 
 def test_plan_table_shows_the_sensitivity_of_each_layers_own_scheme(seeded):
-    from app import services as svc
-    from tests.app.conftest import linears
+    from quantplan.services import plan_editor as plan_editor_svc
+    from tests.factories import smol_linears as linears
 
     first, last = linears()[0]["name"], linears()[-1]["name"]
-    int8 = svc.layer_table(seeded, {"default": "INT8_PER_TENSOR"}, "h100").set_index("layer")
+    int8 = plan_editor_svc.layer_table(seeded, {"default": "INT8_PER_TENSOR"}, "h100").set_index("layer")
     assert int8.loc[first, "sensitivity_kl"] == 0.0 and int8.loc[last, "sensitivity_kl"] == (len(linears()) - 1) / 100
     # no sweep of FP8_DYNAMIC: no number, rather than INT8's numbers under an FP8 scheme
-    mixed = svc.layer_table(seeded, {"default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "INT8_PER_TENSOR"}]},
+    mixed = plan_editor_svc.layer_table(seeded, {"default": "FP8_DYNAMIC",
+                                                 "rules": [{"match": "lm_head", "scheme": "INT8_PER_TENSOR"}]},
                             "h100").set_index("layer")
     assert mixed.drop(index="lm_head")["sensitivity_kl"].isna().all()
     assert mixed.loc["lm_head", "sensitivity_kl"] == int8.loc["lm_head", "sensitivity_kl"]
     # a layer left in BF16 adds no KL, with or without a sweep
-    kept = svc.layer_table(seeded, {"default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}]},
+    kept = plan_editor_svc.layer_table(seeded, {"default": "FP8_DYNAMIC",
+                                                "rules": [{"match": "lm_head", "scheme": "BF16"}]},
                            "h100").set_index("layer")
     assert kept.loc["lm_head", "sensitivity_kl"] == 0 and kept.drop(index="lm_head")["sensitivity_kl"].isna().all()
 
 
 def test_plan_table_without_a_sweep_of_its_schemes_says_so_instead_of_a_column_of_none(seeded):
-    from app import services as svc
+    from quantplan.services import plan_editor as plan_editor_svc
 
     at = _run("plans", seeded.id)  # FP8_DYNAMIC, lm_head BF16; the seeded sweep is of INT8_PER_TENSOR
 
@@ -1081,7 +1100,7 @@ def test_plan_table_without_a_sweep_of_its_schemes_says_so_instead_of_a_column_o
     assert not at.exception
     kl = table().set_index("layer")["sensitivity_kl"]
     assert kl.notna().all() and kl["lm_head"] == 0  # lm_head is BF16 by the rule: it adds nothing
-    assert (kl.drop(index="lm_head") == svc.layer_table(seeded, {"default": "INT8_PER_TENSOR"}, "h100")
+    assert (kl.drop(index="lm_head") == plan_editor_svc.layer_table(seeded, {"default": "INT8_PER_TENSOR"}, "h100")
             .set_index("layer")["sensitivity_kl"].drop(index="lm_head")).all()
     assert not any(c.value.startswith("No sensitivity KL column") for c in at.caption)
 
@@ -1101,10 +1120,11 @@ def test_plan_table_shows_alpha_only_where_the_scheme_smooths(seeded):
 def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
     import math
 
-    from app import services as svc
+    from app import frames
+    from quantplan.services import kernels as kernels_svc
     from store import repo
     from store.db import session_scope
-    from tests.app.conftest import linears
+    from tests.factories import smol_linears as linears
 
     lm = next(lin for lin in linears() if lin["name"] == "lm_head")
     n, k = lm["out_features"], lm["in_features"]
@@ -1114,9 +1134,9 @@ def test_step_estimate_with_a_skipped_case_stays_finite(seeded):
             device="cpu", device_name="Test CPU", torch_version="2.13.0", m=16, n=n, k=k, path="fp8_row+q",
             ms=None, tflops=None, pct_peak=None, speedup=None, native=False, max_rel_err=None, padded_m=None,
             skipped="over budget: test")])
-    est = svc.step_estimate(seeded, {"default": "FP8_DYNAMIC"}, "Test CPU", m_prefill=16, m_decode=1)
+    est = kernels_svc.step_estimate(seeded, {"default": "FP8_DYNAMIC"}, "Test CPU", m_prefill=16, m_decode=1)
     assert math.isfinite(est["prefill_ms"]) and est["missing_prefill"] == ["lm_head"]
-    table = svc.step_breakdown(est).set_index("projection")
+    table = frames.step_breakdown(est).set_index("projection")
     assert table.loc["lm_head", "prefill_ms"] is None or math.isnan(table.loc["lm_head", "prefill_ms"])
     assert table.loc["lm_head", "decode_ms"] == 2.0 and table.loc["lm_head", "path"] == "fp8_row+q"
     assert table["layers"].sum() == len(linears())
@@ -1156,9 +1176,9 @@ def test_kernels_page_step_says_what_it_rests_on(seeded):
     assert "more not measured: queue a benchmark with these M values and path w4_g128." in note
     assert not any(w.value.startswith("Only ") for w in at.warning)  # none measured: the metrics say so
     # a few layers timed, most not: the sums are said to be of those few, not of the plan
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
-    few = svc.save_plan(seeded.id, "few", {"default": "W4A16", "rules": [{"match": "layers\\.0\\.self_attn",
+    few = plans_svc.save_plan(seeded.id, "few", {"default": "W4A16", "rules": [{"match": "layers\\.0\\.self_attn",
                                                                           "scheme": "FP8_DYNAMIC"}]})
     at.run()  # drawn again: the plan saved is among the options
     at.selectbox(key=f"kernels_plan_{seeded.id}").set_value(f"plan:{few.id}").run()
@@ -1171,25 +1191,25 @@ def test_kernels_page_step_says_what_it_rests_on(seeded):
 def test_kernels_page_compares_devices(seeded):
     import math
 
-    from app import services as svc
+    from quantplan.services import kernels as kernels_svc
     from store import repo
     from store.db import session_scope
-    from tests.app.conftest import linears
+    from tests.factories import smol_linears as linears
 
     shapes = {(lin["out_features"], lin["in_features"]) for lin in linears()}
-    assert svc.device_comparison(seeded, "fp8_row+q", 16).empty  # one device: nothing to compare
+    assert kernels_svc.device_comparison(seeded, "fp8_row+q", 16).empty  # one device: nothing to compare
     with session_scope() as s:
         job = repo.create_job(s, kind="bench", params={"device": "cuda"}, queue="gpu.sm90", user=None)
         repo.save_kernel_results(s, job_id=job.id, records=[dict(
             device="cuda", device_name="NVIDIA H200", torch_version="2.11.0", m=16, n=n, k=k, path="fp8_row+q",
             ms=0.5, tflops=1.0, pct_peak=1.0, speedup=1.6, native=True, max_rel_err=1e-3, padded_m=None,
             skipped=None) for n, k in shapes])
-    cmp = svc.device_comparison(seeded, "fp8_row+q", 16)
+    cmp = kernels_svc.device_comparison(seeded, "fp8_row+q", 16)
     assert set(cmp["device"]) == {"NVIDIA H200", "Test CPU"} and len(cmp) == 2 * len(shapes)
     gpu, cpu = cmp[cmp["device"] == "NVIDIA H200"], cmp[cmp["device"] == "Test CPU"]
     assert (gpu["speedup"] == 1.6).all()
     assert all(math.isnan(v) for v in cpu["speedup"])  # not native on a CPU: n/a, never a speed-up
-    labels = svc.shape_labels(seeded)
+    labels = kernels_svc.shape_labels(seeded)
     assert set(cmp["shape"]) == {labels[shape] for shape in shapes}
     # and each GPU's share where SmolLM2 splits over a node's GPUs evenly (9 heads: 3 of them)
     assert labels[(576, 512)] == "down_proj 576×512 (TP 3)" and not any("(TP 2)" in v for v in labels.values())
@@ -1307,13 +1327,14 @@ def test_a_plan_the_target_cannot_serve_has_no_ideal_step_there(seeded):
     H100; the Plans page says the plan cannot be served on the B200 as it stands."""
     import math
 
-    from app import services as svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import scoring as scoring_svc
 
     job = _add_score(seeded.id, "W4AFP8", {"default": "W4AFP8"}, 0.7)
-    scores = [s for s in svc.list_scores(seeded.id) if s.job_id == job]
-    model = svc.get_model(seeded.id)
-    b200 = svc.tradeoff_frame(model, scores, target="b200").iloc[0]
-    h100 = svc.tradeoff_frame(model, scores, target="h100").iloc[0]
+    scores = [s for s in scoring_svc.list_scores(seeded.id) if s.job_id == job]
+    model = models_svc.get_model(seeded.id)
+    b200 = scoring_svc.tradeoff_frame(model, scores, target="b200").iloc[0]
+    h100 = scoring_svc.tradeoff_frame(model, scores, target="h100").iloc[0]
     assert math.isnan(b200["ideal_decode_ms"]) and math.isnan(b200["ideal_prefill_ms"])
     assert h100["ideal_decode_ms"] > 0 and h100["ideal_prefill_ms"] > h100["ideal_decode_ms"]
     at = _run("plans", seeded.id)
@@ -1326,17 +1347,20 @@ def test_a_plan_the_target_cannot_serve_has_no_ideal_step_there(seeded):
     assert not at.exception and not any("no serving kernel" in c.value for c in at.caption)
     at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("NVFP4").run()  # vLLM's W4A16 fallback
     assert not at.exception and not any("no serving kernel" in c.value for c in at.caption)
-    assert any(c.value.startswith("NVFP4: emulated on") and "score NVFP4A16 for its accuracy there" in c.value for c in at.caption)
+    assert any(c.value.startswith("NVFP4: emulated on") and "score NVFP4A16 for its accuracy there" in c.value
+               for c in at.caption)
     at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("NVFP4A16").run()  # FP4 Marlin: native
     assert not at.exception and not any(c.value.startswith("NVFP4A16:") for c in at.caption)
 
 
 def test_kernels_page_sets_a_gpus_measured_step_against_its_roofline(seeded):
-    from app import services as svc
     from quantcore.kernels.roofline import step_bound
+    from quantplan.services import kernels as kernels_svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import plans as plans_svc
     from store import repo
     from store.db import session_scope
-    from tests.app.conftest import linears
+    from tests.factories import smol_linears as linears
 
     shapes = {(lin["out_features"], lin["in_features"]) for lin in linears()}
     with session_scope() as s:  # an H100's timings: 0.01 ms a GEMM for every path the plan needs
@@ -1345,13 +1369,14 @@ def test_kernels_page_sets_a_gpus_measured_step_against_its_roofline(seeded):
             device="cuda", device_name="NVIDIA H100 80GB HBM3", torch_version="2.13.0", m=m, n=n, k=k, path=path,
             ms=0.01, tflops=1.0, pct_peak=1.0, speedup=1.0, native=True, max_rel_err=1e-3, padded_m=None,
             skipped=None) for n, k in shapes for m in (1, 16) for path in ("baseline", "fp8_row+q")])
-    assert svc.target_of_device("NVIDIA H100 80GB HBM3") == "h100" and svc.target_of_device("Test CPU") is None
+    assert kernels_svc.target_of_device("NVIDIA H100 80GB HBM3") == "h100"
+    assert kernels_svc.target_of_device("Test CPU") is None
     at = _run("kernels", seeded.id)
     at.selectbox(key="kernels_device").set_value("NVIDIA H100 80GB HBM3").run()
     assert not at.exception
-    model = svc.get_model(seeded.id)
-    resolved, _ = svc.resolve(model, {"default": "FP8_DYNAMIC"})
-    decode = step_bound(resolved, svc.layer_shapes(model), "h100", 1).ms
+    model = models_svc.get_model(seeded.id)
+    resolved, _ = plans_svc.resolve(model, {"default": "FP8_DYNAMIC"})
+    decode = step_bound(resolved, models_svc.layer_shapes(model), "h100", 1).ms
     measured = 0.01 * len(linears())
     caption = next(c.value for c in at.caption if c.value.startswith("Ideal (roofline) step"))
     assert f"decode {decode:.4f} ms, the measured sum is {measured / decode:.1f}× that" in caption
@@ -1391,7 +1416,8 @@ def test_plans_page_warns_where_no_llm_compressor_recipe_can_carry_the_smoothqua
     at.selectbox(key=f"plan_default_{seeded.id}_(new plan)").set_value("INT8_W8A8_SQ").run()
     assert not at.exception
     warning = next(w.value for w in at.warning if "No llm-compressor recipe" in w.value)
-    assert "SmoothQuant on 4 layer(s) the Llama-style mappings cannot smooth ('model.layers.0.self_attn.o_proj'" in warning
+    assert ("SmoothQuant on 4 layer(s) the Llama-style mappings cannot smooth ('model.layers.0.self_attn.o_proj'"
+            in warning)
     assert "e.g. INT8_W8A8 for INT8_W8A8_SQ" in warning
     # one click mends it: the unsmoothed preset on exactly those layers, and the plan then exports
     next(b for b in at.button if b.label == "Use INT8_W8A8 on the 4 layer(s) no llm-compressor recipe can smooth"
@@ -1441,7 +1467,9 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
     """The plan's tensor parallel: each GPU's share of every layer in the table, what vLLM refuses at that size in
     the warnings (SmolLM2's 9 heads do not split over 2 GPUs; a group of 64 would straddle two at K / 2 = 288), the
     ideal step and the cache per GPU, the size saved with the plan and on the vLLM command line."""
-    from app import services as svc
+    from quantplan.services import exchange as exchange_svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import plans as plans_svc
 
     at = _run("plans", seeded.id)
     assert not any(c in d.value.columns for d in at.dataframe for c in ("N / GPU", "K / GPU"))
@@ -1467,9 +1495,9 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
     assert table.loc["model.layers.0.mlp.down_proj", "on_target"] == "native"
     _plan_name(at).set_value("two-gpus")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
-    saved = next(p for p in svc.list_plans(seeded.id) if p.name == "two-gpus")
+    saved = next(p for p in plans_svc.list_plans(seeded.id) if p.name == "two-gpus")
     assert saved.body["tensor_parallel"] == 2
-    assert svc.export_plan(svc.get_model(seeded.id), saved.body, "vllm").splitlines()[-1].endswith(
+    assert exchange_svc.export_plan(models_svc.get_model(seeded.id), saved.body, "vllm").splitlines()[-1].endswith(
         "--tensor-parallel-size 2")
     at.number_input(key=f"plan_tp_{seeded.id}_two-gpus").set_value(3).run()  # the page now edits what it saved
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
@@ -1479,8 +1507,12 @@ def test_plans_page_checks_the_plan_split_over_several_gpus(seeded):
 
 
 def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
-    from app import services as svc
     from quantcore.evaluation.kvcache import kv_bytes_per_token
+    from quantplan.services import exchange as exchange_svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import plan_editor as plan_editor_svc
+    from quantplan.services import plans as plans_svc
+    from quantplan.services import serving as serving_svc
 
     at = _run("plans", seeded.id)
     assert not at.exception
@@ -1497,13 +1529,13 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     assert fit.proto.help.startswith("sequences of 4,096 tokens whose cache fits beside the weights on one NVIDIA H100")
     body = {"model": seeded.name, "default": "FP8_DYNAMIC", "kv_cache": "FP8",
             "rules": [{"match": "lm_head", "scheme": "BF16"}]}
-    kvm = svc.kv_memory(svc.get_model(seeded.id), body, "h100", 4096)
+    kvm = serving_svc.kv_memory(models_svc.get_model(seeded.id), body, "h100", 4096)
     assert fit.value == f"{kvm['sequences']:,}" and kvm["sequences"] > kvm["bf16_sequences"]
     assert kvm["sequences"] == kvm["tokens"] // 4096 or kvm["sequences"] == (kvm["tokens"] + 1) // 4096
     # the decode step at a long context: the linears' bound plus reading every cached token once
     at.number_input(key="plan_kv_batch").set_value(64)
     at.number_input(key="plan_kv_context").set_value(32768).run()
-    dec = svc.decode_with_cache(svc.get_model(seeded.id), body, "h100", 64, 32768)
+    dec = serving_svc.decode_with_cache(models_svc.get_model(seeded.id), body, "h100", 64, 32768)
     step = next(m for m in at.metric if m.label == "Ideal decode step, cache read")
     assert step.proto.help.startswith("the roofline step of 64 sequences")
     assert step.value == f"{dec['ms']:.3f} ms" and f"all-BF16 ({dec['bf16_ms']:.3f} ms)" in step.proto.delta
@@ -1516,23 +1548,23 @@ def test_plans_page_sets_the_kv_cache_and_shows_what_it_holds(seeded):
     _plan_name(at).set_value("with-kv")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     assert not at.exception
-    saved = next(p for p in svc.list_plans(seeded.id) if p.name == "with-kv")
+    saved = next(p for p in plans_svc.list_plans(seeded.id) if p.name == "with-kv")
     assert saved.body["kv_cache"] == "FP8"
-    assert "--kv-cache-dtype fp8" in svc.export_plan(svc.get_model(seeded.id), saved.body, "vllm")
+    assert "--kv-cache-dtype fp8" in exchange_svc.export_plan(models_svc.get_model(seeded.id), saved.body, "vllm")
     # one layer's cache kept in BF16 (vLLM's --kv-cache-dtype-skip-layers): its memory counted at two bytes
     skip = at.multiselect(key=f"plan_kv_skip_{seeded.id}_with-kv")  # the page now edits what it saved
-    assert skip.options == svc.kv_skip_options(svc.get_model(seeded.id)) and "0" in skip.options
+    assert skip.options == plan_editor_svc.kv_skip_options(models_svc.get_model(seeded.id)) and "0" in skip.options
     skip.set_value(["0"]).run()
     assert not at.exception
-    layers = len(svc.kv_skip_options(svc.get_model(seeded.id)))
+    layers = len(plan_editor_svc.kv_skip_options(models_svc.get_model(seeded.id)))
     one = next(m for m in at.metric if m.label.startswith("Cache of one"))
     assert f"{(layers + 1) / (2 * layers):.0%} of BF16" in one.proto.delta
     assert any("1 layer(s) keep their cache in BF16" in c.value for c in at.caption)
     _plan_name(at).set_value("with-kv-skip")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
-    kept = next(p for p in svc.list_plans(seeded.id) if p.name == "with-kv-skip")
+    kept = next(p for p in plans_svc.list_plans(seeded.id) if p.name == "with-kv-skip")
     assert kept.body["kv_cache_skip"] == ["0"]
-    assert svc.export_plan(svc.get_model(seeded.id), kept.body, "vllm").rstrip().endswith(
+    assert exchange_svc.export_plan(models_svc.get_model(seeded.id), kept.body, "vllm").rstrip().endswith(
         "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0")
 
 
@@ -1540,59 +1572,61 @@ def test_results_page_scores_on_several_gpus_or_says_why_it_cannot(seeded):
     """The score form's GPU count goes into the score job and into a sensitivity sweep queued beside it (what an
     automatic plan for that many GPUs reads); a count the model's heads cannot be split over is refused with vLLM's
     reason and queues nothing."""
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
+    from quantplan.services import sweeps as sweeps_svc
 
     at = _run("results", seeded.id)
     at.selectbox(key="score_tp").set_value(2)
     at.button[0].click().run()
     assert not at.exception
     assert any("Nothing was queued" in e.value and "9 attention heads" in e.value for e in at.error)
-    assert not [j for j in svc.list_jobs(limit=5) if j.status == "queued"]
+    assert not [j for j in jobs_svc.list_jobs(limit=5) if j.status == "queued"]
     at.selectbox(key="score_tp").set_value(3)
     at.checkbox(key="score_sens").check()
     at.button[0].click().run()
     assert not at.exception
-    job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
+    job = next(j for j in jobs_svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
     assert job.params["tensor_parallel"] == 3
     assert any(f"Queued score job #{job.id} (FP8_DYNAMIC on 3 GPUs)." in m.value for m in at.success)
-    sweep = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.status == "queued")
+    sweep = next(j for j in jobs_svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.status == "queued")
     assert sweep.params["tensor_parallel"] == 3
     assert any(f"Queued sensitivity job #{sweep.id} (FP8_DYNAMIC on 3 GPUs)." in m.value for m in at.success)
-    assert svc.job_what(sweep) == "FP8_DYNAMIC sweep on 3 GPUs · 8 × 256"
+    assert jobs_svc.job_what(sweep) == "FP8_DYNAMIC sweep on 3 GPUs · 8 × 256"
     # a weight-only scheme quantizes the same on any number of GPUs: swept once, on one, and the page says why
     at.multiselect(key=f"score_what_{seeded.id}").set_value(["preset:W8A16"])
     at.button[0].click().run()
     assert not at.exception
-    w8 = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.params.get("scheme") == "W8A16")
-    assert "tensor_parallel" not in w8.params and svc.job_what(w8) == "W8A16 sweep · 8 × 256"
+    w8 = next(j for j in jobs_svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.params.get("scheme") == "W8A16")
+    assert "tensor_parallel" not in w8.params and jobs_svc.job_what(w8) == "W8A16 sweep · 8 × 256"
     assert any(f"Queued sensitivity job #{w8.id} (W8A16). W8A16 has no dynamic activation scale over K" in m.value
                and "a plan for 3 reads exactly" in m.value for m in at.success)
-    assert svc.same_on_any_gpus("FP8_DYNAMIC", 3) is None and svc.same_on_any_gpus("W8A16", 1) is None
+    assert sweeps_svc.same_on_any_gpus("FP8_DYNAMIC", 3) is None and sweeps_svc.same_on_any_gpus("W8A16", 1) is None
 
 
 def test_results_page_refuses_a_stored_plan_whose_own_tensor_parallel_does_not_split(seeded):
     """"(as planned)" scores a stored plan at its own tensor_parallel: a plan file made for another model (2 GPUs
     on a model of 9 heads) is refused before anything is queued, as a GPU count chosen in the form is."""
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
+    from quantplan.services import plans as plans_svc
 
-    bad = svc.save_plan(seeded.id, "two-gpus", {"default": "FP8_DYNAMIC", "tensor_parallel": 2})
-    good = svc.save_plan(seeded.id, "three-gpus", {"default": "FP8_DYNAMIC", "tensor_parallel": 3})
+    bad = plans_svc.save_plan(seeded.id, "two-gpus", {"default": "FP8_DYNAMIC", "tensor_parallel": 2})
+    good = plans_svc.save_plan(seeded.id, "three-gpus", {"default": "FP8_DYNAMIC", "tensor_parallel": 3})
     at = _run("results", seeded.id)
     at.multiselect(key=f"score_what_{seeded.id}").set_value([f"plan:{bad.id}", f"plan:{good.id}"])
     at.button[0].click().run()
     assert not at.exception
     assert any("Nothing was queued" in e.value and f"plan {bad.label}" in e.value and "9 attention heads" in e.value
                for e in at.error)
-    assert not [j for j in svc.list_jobs(limit=5) if j.status == "queued"]
+    assert not [j for j in jobs_svc.list_jobs(limit=5) if j.status == "queued"]
     at.multiselect(key=f"score_what_{seeded.id}").set_value([f"plan:{good.id}"])
     at.button[0].click().run()
     assert not at.exception and not at.error
-    job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
+    job = next(j for j in jobs_svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
     assert job.plan_id == good.id and "tensor_parallel" not in job.params  # the plan's own 3 GPUs
 
 
 def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
 
     _add_score(seeded.id, "FP8_DYNAMIC + KV FP8_UNSCALED", {"default": "FP8_DYNAMIC", "kv_cache": "FP8_UNSCALED"},
                0.02, notes=["the FP8_UNSCALED KV cache clipped K or V in 3 layers"])  # as a score job writes it
@@ -1621,11 +1655,11 @@ def test_results_page_scores_with_a_kv_cache_and_shows_score_notes(seeded):
     at.checkbox(key="score_kv_sens").check()
     at.button[0].click().run()
     assert not at.exception
-    job = next(j for j in svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
+    job = next(j for j in jobs_svc.list_jobs(limit=5) if j.kind == "score" and j.status == "queued")
     assert job.params["kv_cache"] == "FP8_E5M2"
     assert any(f"Queued score job #{job.id} (FP8_DYNAMIC + KV FP8_E5M2)." in m.value for m in at.success)
     # and a KV cache sweep of that format, one attention layer at a time
-    sweep = next(j for j in svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.status == "queued")
+    sweep = next(j for j in jobs_svc.list_jobs(limit=5) if j.kind == "sensitivity" and j.status == "queued")
     assert sweep.params["kv_sweep"] == "FP8_E5M2" and "kv_cache" not in sweep.params
     from store import repo
     from store.db import session_scope
@@ -1683,13 +1717,14 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
     assert any("1 of 8 maxima exceed 448** (model.layers.2.self_attn)" in c.value for c in at.caption)
     assert not any("Q maxima" in c.value for c in at.caption)  # this calibration predates Q
     # the plan that would cache those K in E4M3 at scale 1.0 is warned about where it is made and exported
-    from app import services as svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import serving as serving_svc
 
     body = {"model": seeded.name, "default": "FP8_DYNAMIC", "rules": [{"match": "lm_head", "scheme": "BF16"}],
             "kv_cache": "FP8_UNSCALED"}
-    (warning,) = svc.serving_warnings(svc.get_model(seeded.id), body)
+    (warning,) = serving_svc.serving_warnings(models_svc.get_model(seeded.id), body)
     assert "reach 900 in 1 of 4 attention layer(s) ('model.layers.2.self_attn')" in warning
-    assert svc.serving_warnings(svc.get_model(seeded.id), {**body, "kv_cache": "FP8"}) == []
+    assert serving_svc.serving_warnings(models_svc.get_model(seeded.id), {**body, "kv_cache": "FP8"}) == []
     # a calibration with |Q| beyond 448: FP8 attention runs Q at scale 1.0, so FP8_ATTN is warned about too
     kv["q"] = {f"model.layers.{b}.self_attn": 10.0 + 600.0 * (b == 1) for b in range(4)}
     with session_scope() as s:
@@ -1699,7 +1734,7 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
     at = _run("outliers", seeded.id)
     assert any("1 of 4 Q maxima exceed 448** (model.layers.1.self_attn): FP8 attention clips them" in c.value
                for c in at.caption)
-    (warning,) = svc.serving_warnings(svc.get_model(seeded.id), {**body, "kv_cache": "FP8_ATTN"})
+    (warning,) = serving_svc.serving_warnings(models_svc.get_model(seeded.id), {**body, "kv_cache": "FP8_ATTN"})
     assert ": Q reach 610 in 1 of 4 attention layer(s) ('model.layers.1.self_attn')" in warning
     at = _run("plans", seeded.id)
     at.selectbox(key=f"plan_kv_{seeded.id}_(new plan)").set_value("FP8_UNSCALED").run()
@@ -1719,7 +1754,7 @@ def test_outliers_page_sets_k_and_v_against_the_e4m3_range(seeded):
 
 
 def test_plans_page_automatic_plan_with_a_kv_cache(seeded):
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
     at = _run("plans", seeded.id)
     at.number_input(key="auto_budget").set_value(0.5)
@@ -1730,22 +1765,25 @@ def test_plans_page_automatic_plan_with_a_kv_cache(seeded):
     next(b for b in at.button if b.label == "Choose and verify").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert any(f"KL 0.01 measured alone (score job #{job})" in c.value for c in at.caption)
-    plan = next(p for p in svc.list_plans(seeded.id) if p.name == "auto-h100-kl0.5-kv-fp8")
+    plan = next(p for p in plans_svc.list_plans(seeded.id) if p.name == "auto-h100-kl0.5-kv-fp8")
     assert plan.body["kv_cache"] == "FP8"
 
 
 def test_jobs_page_says_what_each_job_works_on(seeded):
-    from app import services as svc
+    from quantplan.services import jobs as jobs_svc
+    from quantplan.services import plans as plans_svc
+    from quantplan.services import queue as queue_svc
 
-    plan = svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "FP8_DYNAMIC"})
-    queued = [svc.submit("score", {"scheme": "FP8_DYNAMIC", "kv_cache": "FP8", "samples": 16, "seq_len": 256},
+    plan = plans_svc.save_plan(seeded.id, "mine", {"model": seeded.name, "default": "FP8_DYNAMIC"})
+    queued = [queue_svc.submit("score", {"scheme": "FP8_DYNAMIC", "kv_cache": "FP8", "samples": 16, "seq_len": 256},
                          model_id=seeded.id),
-              svc.submit("score", {"samples": 4, "seq_len": 128}, model_id=seeded.id, plan_id=plan.id),
-              svc.submit("sensitivity", {"scheme": "INT8_W8A8", "samples": 8, "seq_len": 256}, model_id=seeded.id),
-              svc.submit("bench", {"device": "cpu", "m": [1, 16]}, model_id=seeded.id),
-              svc.submit("score", {"plan": {"name": "mine-file", "default": "FP8", "kv_cache": "FP8_E5M2"}},
+              queue_svc.submit("score", {"samples": 4, "seq_len": 128}, model_id=seeded.id, plan_id=plan.id),
+              queue_svc.submit("sensitivity", {"scheme": "INT8_W8A8", "samples": 8, "seq_len": 256},
+                               model_id=seeded.id),
+              queue_svc.submit("bench", {"device": "cpu", "m": [1, 16]}, model_id=seeded.id),
+              queue_svc.submit("score", {"plan": {"name": "mine-file", "default": "FP8", "kv_cache": "FP8_E5M2"}},
                          model_id=seeded.id)]
-    assert [svc.job_what(j) for j in queued] == ["FP8_DYNAMIC + KV FP8 · 16 × 256", "plan mine v1 · 4 × 128",
+    assert [jobs_svc.job_what(j) for j in queued] == ["FP8_DYNAMIC + KV FP8 · 16 × 256", "plan mine v1 · 4 × 128",
                                                  "INT8_W8A8 sweep · 8 × 256", "cpu M 1,16",
                                                  "plan mine-file + KV FP8_E5M2"]
     at = _run("jobs", seeded.id)
@@ -1755,10 +1793,10 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
     assert table.loc[queued[3].id, "what"] == "cpu M 1,16"
     assert table.loc[queued[1].id, "what"] == "plan mine v1 · 4 × 128"
     # registrations name their upload or folder (a failed one has no model to name)
-    uploads = [svc.submit("register", {"source": "/srv/up/ab12/m.zip", "source_name": "m.zip", "name": None}),
-               svc.submit("register", {"source": "/shared/llama", "name": "llama-8b"}),
-               svc.submit("register", {"demo": True})]
-    assert [svc.job_what(j) for j in uploads] == ["m.zip", "/shared/llama as llama-8b", "the demo"]
+    uploads = [queue_svc.submit("register", {"source": "/srv/up/ab12/m.zip", "source_name": "m.zip", "name": None}),
+               queue_svc.submit("register", {"source": "/shared/llama", "name": "llama-8b"}),
+               queue_svc.submit("register", {"demo": True})]
+    assert [jobs_svc.job_what(j) for j in uploads] == ["m.zip", "/shared/llama as llama-8b", "the demo"]
     at.run()
     table = next(d.value for d in at.dataframe if "what" in d.value.columns).set_index("id")
     assert table.loc[uploads[0].id, "what"] == "m.zip" and table.loc[uploads[0].id, "model"] == ""
@@ -1767,8 +1805,8 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
 
     from store.db import get_engine
 
-    other = svc.save_plan(seeded.id, "other", {"model": seeded.name, "default": "W4A16"})
-    many = [*queued, *(svc.submit("score", {}, model_id=seeded.id, plan_id=p.id) for p in (plan, other, other))]
+    other = plans_svc.save_plan(seeded.id, "other", {"model": seeded.name, "default": "W4A16"})
+    many = [*queued, *(queue_svc.submit("score", {}, model_id=seeded.id, plan_id=p.id) for p in (plan, other, other))]
     selects: list[str] = []
 
     def count(conn, cursor, statement, *args):
@@ -1777,13 +1815,13 @@ def test_jobs_page_says_what_each_job_works_on(seeded):
 
     event.listen(get_engine(), "before_cursor_execute", count)
     try:
-        whats = svc.jobs_what(many)
+        whats = jobs_svc.jobs_what(many)
     finally:
         event.remove(get_engine(), "before_cursor_execute", count)
     assert len(selects) == 1 and whats[many[-1].id] == "plan other v1" and whats[many[-3].id] == "plan mine v1"
-    assert whats == {j.id: svc.job_what(j) for j in many}
+    assert whats == {j.id: jobs_svc.job_what(j) for j in many}
     gone = dataclasses.replace(queued[1], plan_id=plan.id + 1000)
-    assert svc.jobs_what([gone]) == {gone.id: f"plan #{plan.id + 1000} · 4 × 128"}
+    assert jobs_svc.jobs_what([gone]) == {gone.id: f"plan #{plan.id + 1000} · 4 × 128"}
 
 
 def test_results_and_kernels_pages_follow_their_jobs_live(seeded):
@@ -1834,8 +1872,8 @@ def test_a_score_for_several_gpus_made_as_if_on_one_says_so(seeded):
     """A plan for 3 GPUs scored before quantplan took each GPU's share of a row-parallel input on its own dynamic
     scale is flagged, with the number of layers it touches (o_proj and down_proj of every block); the same plan on
     one GPU, a static-scale plan on 3, and a score made now are not."""
-    from app import services as svc
-    from quantcore.schemes.specs import NUMERICS, NUMERICS_TP_INPUT_SHARES
+    from quantcore.schemes.numerics import NUMERICS, NUMERICS_TP_INPUT_SHARES
+    from quantplan.services import scoring as scoring_svc
 
     before = NUMERICS_TP_INPUT_SHARES - 1
     jobs = {name: _add_score(seeded.id, name, body, 0.04, numerics=numerics) for name, body, numerics in (
@@ -1843,19 +1881,19 @@ def test_a_score_for_several_gpus_made_as_if_on_one_says_so(seeded):
         ("tp1-old", {"default": "INT8_W8A8"}, before),
         ("static-tp3-old", {"default": "FP8", "tensor_parallel": 3}, before),
         ("tp3-now", {"default": "INT8_W8A8", "tensor_parallel": 3}, NUMERICS))}
-    scores = {s.job_id: s for s in svc.list_scores(seeded.id)}
-    (note,) = svc.score_notes(seeded, scores[jobs["tp3-old"]])
+    scores = {s.job_id: s for s in scoring_svc.list_scores(seeded.id)}
+    (note,) = scoring_svc.score_notes(seeded, scores[jobs["tp3-old"]])
     rows = [r["name"] for r in seeded.linears if r["name"].endswith(("o_proj", "down_proj"))]
     assert f"({len(rows)} layer(s) with a dynamic activation scale over the whole input" in note
     assert "3 GPUs' shares" in note
-    assert all(svc.score_notes(seeded, scores[jobs[k]]) == [] for k in ("tp1-old", "static-tp3-old", "tp3-now"))
+    assert all(scoring_svc.score_notes(seeded, scores[jobs[k]]) == [] for k in ("tp1-old", "static-tp3-old", "tp3-now"))
 
 
 def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
     """A score stored before int weights moved to compressed-tensors' grid is flagged when its plan has int weights;
     one from this quantcore, or a plan without int weights, is not."""
-    from app import services as svc
-    from quantcore.schemes.specs import NUMERICS
+    from quantcore.schemes.numerics import NUMERICS
+    from quantplan.services import scoring as scoring_svc
 
     old = _add_score(seeded.id, "INT8_W8A8", {"default": "INT8_W8A8"}, 0.04)  # no "numerics": an older quantplan
     new = _add_score(seeded.id, "W4A16", {"default": "W4A16"}, 0.8)
@@ -1869,11 +1907,11 @@ def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
                         report={**{k: getattr(score, k) for k in ("kl_mean", "kl_p50", "kl_p90", "kl_p99", "kl_max",
                                                                   "top1_agree", "ppl_ref", "ppl", "tokens")},
                                 "numerics": NUMERICS, "calibration": "domain.txt, 64 × 256 tokens"})
-    scores = {s.job_id: s for s in svc.list_scores(seeded.id)}
+    scores = {s.job_id: s for s in scoring_svc.list_scores(seeded.id)}
     fp8 = next(s for s in scores.values() if s.plan_label == "FP8_DYNAMIC")
-    assert svc.score_notes(seeded, fp8) == []  # no int weights: the grid change did not touch it
-    assert svc.score_notes(seeded, scores[new]) == []
-    (note,) = svc.score_notes(seeded, scores[old])
+    assert scoring_svc.score_notes(seeded, fp8) == []  # no int weights: the grid change did not touch it
+    assert scoring_svc.score_notes(seeded, scores[new]) == []
+    (note,) = scoring_svc.score_notes(seeded, scores[old])
     assert "older quantplan" in note and "-8..7" in note
     at = _run("results", seeded.id)
     table = at.dataframe[0].value.set_index("job")
@@ -1888,35 +1926,36 @@ def test_results_page_says_when_a_score_predates_the_int_weight_grid(seeded):
 def test_a_score_from_before_nvfp4_activations_were_calibrated_is_flagged(seeded):
     """NVFP4's activation tensor scale comes from the calibration since numerics 3: an NVFP4 score from version 2 is
     flagged, one of a weight-only NVFP4A16 plan is not; version 1 flags each change it predates, once."""
-    from app import services as svc
+    from quantplan.services import scoring as scoring_svc
 
     nv2 = _add_score(seeded.id, "NVFP4", {"default": "NVFP4"}, 0.7, numerics=2)
     a16 = _add_score(seeded.id, "NVFP4A16", {"default": "NVFP4A16"}, 0.4, numerics=2)
     mixed = _add_score(seeded.id, "mixed", {"default": "NVFP4", "rules": [{"match": "down_proj", "scheme": "W8A16"}]},
                        0.6)  # no numerics: version 1, before both changes
-    scores = {s.job_id: s for s in svc.list_scores(seeded.id)}
-    (note,) = svc.score_notes(seeded, scores[nv2])
+    scores = {s.job_id: s for s in scoring_svc.list_scores(seeded.id)}
+    (note,) = scoring_svc.score_notes(seeded, scores[nv2])
     assert note.startswith(f"scored by an older quantplan ({len(seeded.linears)} layer(s) with NVFP4 activations")
-    assert svc.score_notes(seeded, scores[a16]) == []
-    notes = svc.score_notes(seeded, scores[mixed])
+    assert scoring_svc.score_notes(seeded, scores[a16]) == []
+    notes = scoring_svc.score_notes(seeded, scores[mixed])
     assert len(notes) == 2 and any("-8..7" in n for n in notes) and any("calibrated" in n for n in notes)
 
 
 def test_a_sweep_from_before_the_int_weight_grid_is_named_on_results_and_in_the_auto_plan(seeded):
     """The seeded INT8_PER_TENSOR sweep has no numerics (an older quantplan): Results and the automatic plan say to
     sweep it again; once a newer sweep of the scheme is stored, neither does."""
-    from app import services as svc
-    from quantcore.schemes.specs import NUMERICS
+    from quantcore.schemes.numerics import NUMERICS
+    from quantplan.services import autoplan as autoplan_svc
+    from quantplan.services import sweeps as sweeps_svc
     from store import repo
     from store.db import session_scope
 
-    (old,) = [j.id for j in svc.sensitivity_jobs(seeded.id)]
-    assert set(svc.stale_sweeps(seeded)) == {old}
+    (old,) = [j.id for j in sweeps_svc.sensitivity_jobs(seeded.id)]
+    assert set(sweeps_svc.stale_sweeps(seeded)) == {old}
     at = _run("results", seeded.id)
     assert not at.exception
     assert any(w.value.startswith(f"The INT8_PER_TENSOR sweep (job #{old}) was made by an older quantplan")
                for w in at.warning)
-    result, _, _ = svc.auto_plan(seeded, kl_budget=0.5, target="h100", verify=False)
+    result, _, _ = autoplan_svc.AutoPlan(seeded, kl_budget=0.5, target="h100", verify=False).run()
     assert any(f"the INT8_PER_TENSOR sweep (job #{old})" in n for n in result.notes)
     with session_scope() as s:
         new = repo.create_job(s, kind="sensitivity", params={"scheme": "INT8_PER_TENSOR"}, queue="cpu", user=None,
@@ -1926,19 +1965,20 @@ def test_a_sweep_from_before_the_int_weight_grid_is_named_on_results_and_in_the_
                                      "top1_agree": 0.9, "sqnr_db": 20.0} for lin in seeded.linears])
         repo.finish_job(s, new.id, status="succeeded",
                         result={"scheme": "INT8_PER_TENSOR", "units": len(seeded.linears), "numerics": NUMERICS})
-    assert svc.stale_sweeps(seeded) == {}
+    assert sweeps_svc.stale_sweeps(seeded) == {}
 
 
 def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
     """A sweep on 3 GPUs is what an automatic plan for 3 GPUs reads of its scheme (and the Plans page says so); a
     plan for one GPU, or for another count, reads the one-GPU sweep; an older quantplan's one-GPU sweep replaced so is
     not named in the plan for 3 GPUs."""
-    from app import services as svc
-    from quantcore.schemes.specs import NUMERICS
+    from quantcore.schemes.numerics import NUMERICS
+    from quantplan.services import autoplan as autoplan_svc
+    from quantplan.services import sweeps as sweeps_svc
     from store import repo
     from store.db import session_scope
 
-    (old,) = [j.id for j in svc.sensitivity_jobs(seeded.id)]  # one GPU's, by an older quantplan
+    (old,) = [j.id for j in sweeps_svc.sensitivity_jobs(seeded.id)]  # one GPU's, by an older quantplan
     layer = seeded.linears[0]["name"]
     with session_scope() as s:
         two = repo.create_job(s, kind="sensitivity", params={"scheme": "INT8_PER_TENSOR", "tensor_parallel": 3},
@@ -1948,13 +1988,13 @@ def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
                                      "top1_agree": 0.99, "sqnr_db": 40.0} for lin in seeded.linears])
         repo.finish_job(s, two.id, status="succeeded", result={"scheme": "INT8_PER_TENSOR", "tensor_parallel": 3,
                                                                "expert_parallel": False})
-    assert [j.id for j in svc.planner_sweeps(seeded)] == [old]
-    assert [j.id for j in svc.planner_sweeps(seeded, 3)] == [two.id]
-    assert [j.id for j in svc.planner_sweeps(seeded, 6)] == [old]
-    assert svc.sensitivity_map(seeded, 3)[0]["INT8_PER_TENSOR"][layer] == 1e-6
-    assert svc.sensitivity_map(seeded)[0]["INT8_PER_TENSOR"][layer] != 1e-6
-    assert set(svc.stale_sweeps(seeded)) == {old, two.id}  # neither made with today's numerics
-    result, _, _ = svc.auto_plan(seeded, kl_budget=0.5, target="h100", verify=False, tensor_parallel=3)
+    assert [j.id for j in sweeps_svc.planner_sweeps(seeded)] == [old]
+    assert [j.id for j in sweeps_svc.planner_sweeps(seeded, 3)] == [two.id]
+    assert [j.id for j in sweeps_svc.planner_sweeps(seeded, 6)] == [old]
+    assert sweeps_svc.sensitivity_map(seeded, 3)[0]["INT8_PER_TENSOR"][layer] == 1e-6
+    assert sweeps_svc.sensitivity_map(seeded)[0]["INT8_PER_TENSOR"][layer] != 1e-6
+    assert set(sweeps_svc.stale_sweeps(seeded)) == {old, two.id}  # neither made with today's numerics
+    result, _, _ = autoplan_svc.AutoPlan(seeded, kl_budget=0.5, target="h100", verify=False, tensor_parallel=3).run()
     assert any(f"INT8_PER_TENSOR on 3 GPUs sweep (job #{two.id})" in n for n in result.notes)
     assert not any(f"(job #{old})" in n or "one-GPU sensitivity sweeps" in n for n in result.notes)
     # 1e-6 a unit would fit every layer in the budget, but vLLM loads no INT8 with dynamic per-tensor scales
@@ -1977,7 +2017,8 @@ def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
     def stand_in_caption():
         return next(c.value for c in at.caption if "Swept on 3 GPUs" in c.value).split("INT8_PER_TENSOR. ")[1]
 
-    assert svc.split_scale_schemes(["W4A16", "FP8_DYNAMIC", "FP8", "INT8_W8A8_SQ"]) == ["FP8_DYNAMIC", "INT8_W8A8_SQ"]
+    split = sweeps_svc.split_scale_schemes(["W4A16", "FP8_DYNAMIC", "FP8", "INT8_W8A8_SQ"])
+    assert split == ["FP8_DYNAMIC", "INT8_W8A8_SQ"]
     for scheme in ("W4A16", "FP8_DYNAMIC"):  # weight-only: a one-GPU sweep is exact on 3; dynamic scales: it is not
         _add_sweep(seeded, scheme, 1e-4)
         at.run()
@@ -2000,8 +2041,8 @@ def test_a_plan_for_several_gpus_reads_the_sweeps_made_on_as_many(seeded):
                             result={"scheme": "INT8_W8A8", "numerics": NUMERICS,
                                     **({"tensor_parallel": tp, "expert_parallel": False} if tp > 1 else {})})
     ask = {"kl_budget": 0.5, "target": "h100", "verify": False, "candidates": ["INT8_W8A8"]}
-    on_three, _, _ = svc.auto_plan(seeded, **ask, tensor_parallel=3)
-    on_one, _, _ = svc.auto_plan(seeded, **ask)
+    on_three, _, _ = autoplan_svc.AutoPlan(seeded, **ask, tensor_parallel=3).run()
+    on_one, _, _ = autoplan_svc.AutoPlan(seeded, **ask).run()
     assert set(on_three.plan.values()) == {"INT8_W8A8"} and set(on_one.plan.values()) == {"BF16"}
 
 
@@ -2010,26 +2051,29 @@ def test_a_quantized_tied_head_costs_its_embedding_again_in_serving_memory(seede
     the served weights hold the 16-bit embedding beside the quantized head, and the Plans page says so."""
     import dataclasses
 
-    from app import services as svc
-    from tests.app.conftest import HIDDEN
+    from quantplan.services import models as models_svc
+    from quantplan.services import plans as plans_svc
+    from quantplan.services import serving as serving_svc
+    from tests.factories import SMOL_HIDDEN as HIDDEN
 
-    untied = svc.get_model(seeded.id)
+    untied = models_svc.get_model(seeded.id)
     tied = dataclasses.replace(untied, summary={**untied.summary, "tied_linears": ["lm_head"]})
     assert untied.tied_linears == [] and tied.tied_linears == ["lm_head"]
     head_bf16 = {"model": seeded.name, "default": "W4A16_G64", "rules": [{"match": "lm_head", "scheme": "BF16"}]}
     head_q = {"model": seeded.name, "default": "W4A16_G64"}
     embedding = 49152 * HIDDEN * 2
     for body in (head_bf16, head_q):
-        fp = svc.plan_footprint(untied, body)
-        resolved = svc.resolved_or_raise(untied, body)
+        fp = plans_svc.plan_footprint(untied, body)
+        resolved = plans_svc.resolved_or_raise(untied, body)
         extra = embedding if body is head_q else 0
-        assert svc.served_weight_bytes(tied, fp, resolved)[0] == svc.served_weight_bytes(untied, fp, resolved)[0] + extra
-        assert svc.kv_memory(tied, body, "h100")["weight_bytes"] == \
-            svc.kv_memory(untied, body, "h100")["weight_bytes"] + extra
-    assert not any("lm_head is quantized" in w for w in svc.serving_warnings(tied, head_bf16))
-    [warning] = [w for w in svc.serving_warnings(tied, head_q) if "lm_head is quantized" in w]
+        assert (plans_svc.served_weight_bytes(tied, fp, resolved)[0]
+                == plans_svc.served_weight_bytes(untied, fp, resolved)[0] + extra)
+        assert serving_svc.kv_memory(tied, body, "h100")["weight_bytes"] == \
+            serving_svc.kv_memory(untied, body, "h100")["weight_bytes"] + extra
+    assert not any("lm_head is quantized" in w for w in serving_svc.serving_warnings(tied, head_bf16))
+    [warning] = [w for w in serving_svc.serving_warnings(tied, head_q) if "lm_head is quantized" in w]
     assert "ties lm_head to its input embeddings" in warning
-    [warning] = [w for w in svc.serving_warnings(untied, head_q) if "lm_head is quantized" in w]
+    [warning] = [w for w in serving_svc.serving_warnings(untied, head_q) if "lm_head is quantized" in w]
     assert "ties" not in warning
 
 
@@ -2038,10 +2082,10 @@ def test_an_older_summary_infers_a_tied_head_from_its_parameter_count(seeded) ->
     linears (each counted once) are fewer than a vocab x hidden embedding would hold."""
     import dataclasses
 
-    from app import services as svc
-    from tests.app.conftest import HIDDEN
+    from quantplan.services import models as models_svc
+    from tests.factories import SMOL_HIDDEN as HIDDEN
 
-    rec = svc.get_model(seeded.id)
+    rec = models_svc.get_model(seeded.id)
     linear = sum(lin["in_features"] * lin["out_features"] for lin in rec.linears)
     base = {k: v for k, v in rec.summary.items() if k != "tied_linears"}
     tied = dataclasses.replace(rec, vocab_size=49152, hidden_size=HIDDEN, num_params=linear + 10_000, summary=base)
@@ -2054,7 +2098,10 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
     """A mixture-of-experts model (summary rows only): the Models page says what its experts are, the Plans page
     keeps a block's experts on one scheme when one row changes, and its ideal decode step reads only the experts
     a token is routed to."""
-    from app import services as svc
+    from quantplan.services import models as models_svc
+    from quantplan.services import plan_editor as plan_editor_svc
+    from quantplan.services import plans as plans_svc
+    from quantplan.services import serving as serving_svc
     from store import repo
     from store.db import session_scope
 
@@ -2066,7 +2113,8 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
     summary = {"architecture": "Qwen3MoeForCausalLM", "model_type": "qwen3_moe", "num_layers": 2,
                "num_params": 10_000_000, "dtype": "bfloat16", "total_bytes": 20_000_000,
                "linears": attn + experts + [{"name": "lm_head", "in_features": 512, "out_features": 1000}],
-               "moe": {"experts": 8, "top_k": 2, "blocks": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]},
+               "moe": {"experts": 8, "top_k": 2, "blocks": ["model.layers.0.mlp.experts",
+                                                            "model.layers.1.mlp.experts"]},
                "unsplit_experts": []}
     with session_scope(qp_settings) as s:
         model = repo.add_model(s, name="moe", sha256="cd" * 32, source_kind="folder", source_name="moe",
@@ -2093,20 +2141,21 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
     at.checkbox(key=f"plan_ep_{model.id}_(new plan)").check().run()
     assert not at.exception and not any("intermediate size" in w.value for w in at.warning)
     # one GPU's decode step: a quarter of each of the 8 experts, or 2 whole experts, read the same bytes
-    rec = svc.get_model(model.id)
-    split = svc.step_bound(rec, {"default": "BF16", "tensor_parallel": 4}, "h100", 1)
-    whole = svc.step_bound(rec, {"default": "BF16", "tensor_parallel": 4, "expert_parallel": True}, "h100", 1)
+    rec = models_svc.get_model(model.id)
+    split = serving_svc.step_bound(rec, {"default": "BF16", "tensor_parallel": 4}, "h100", 1)
+    whole = serving_svc.step_bound(rec, {"default": "BF16", "tensor_parallel": 4, "expert_parallel": True}, "h100", 1)
     assert whole.memory_ms == pytest.approx(split.memory_ms) and whole.layers < split.layers
 
-    rec = svc.get_model(model.id)
-    body, unit = svc.with_layer_scheme(rec, {"default": "FP8_DYNAMIC"}, "model.layers.1.mlp.experts.3.up_proj",
+    rec = models_svc.get_model(model.id)
+    body, unit = plan_editor_svc.with_layer_scheme(rec, {"default": "FP8_DYNAMIC"},
+                                                   "model.layers.1.mlp.experts.3.up_proj",
                                        "W4A16")
     assert len(unit) == 24 and all(n.startswith("model.layers.1.mlp.experts.") for n in unit)
-    resolved, problem = svc.resolve(rec, body)
+    resolved, problem = plans_svc.resolve(rec, body)
     assert problem is None and {resolved[n].name for n in unit} == {"W4A16"}
     assert resolved["model.layers.0.mlp.experts.3.up_proj"].name == "FP8_DYNAMIC"
     bf16 = {"default": "BF16"}
-    decode = svc.step_bound(rec, bf16, "h100", 1)
+    decode = serving_svc.step_bound(rec, bf16, "h100", 1)
     expert_bytes = sum(2 * e["in_features"] * e["out_features"] for e in experts)
     other_bytes = sum(2 * e["in_features"] * e["out_features"] for e in attn) + 2 * 512 * 1000
     from quantcore.kernels.hardware import get_target
@@ -2145,32 +2194,34 @@ def test_an_moe_model_is_planned_block_by_block_on_its_pages(qp_settings) -> Non
 def test_an_automatic_plan_is_checked_on_the_tokens_its_sweeps_were_made_on(seeded):
     """The verifying score reads the sweeps' evaluation (and calibration) text and sizes, so the predicted and the
     measured KL are of the same tokens; where the sweeps read differ, the newest one's and a note."""
-    from app import services as svc
+    from quantplan.services import autoplan as autoplan_svc
+    from quantplan.services import sweeps as sweeps_svc
 
     def sweep(scheme, **tokens):
         return _add_sweep(seeded, scheme, 1e-6, **tokens)
 
     sweep("INT8_W8A8", samples=2, seq_len=32, cal_samples=4, cal_seq_len=64)
-    result, plan, job = svc.auto_plan(seeded, kl_budget=0.5, target="h100")
+    result, plan, job = autoplan_svc.AutoPlan(seeded, kl_budget=0.5, target="h100").run()
     assert set(result.plan.values()) == {"INT8_W8A8"}
     assert {k: job.params.get(k) for k in ("samples", "seq_len", "cal_samples", "cal_seq_len", "dataset")} == {
         "samples": 2, "seq_len": 32, "cal_samples": 4, "cal_seq_len": 64, "dataset": None}
     assert not any("different tokens" in n for n in result.notes)
     # a newer sweep of another scheme on other tokens: a plan of both schemes is checked on the newest's, and says so
     newer = sweep("FP8_DYNAMIC", samples=8, seq_len=128)
-    tokens, note = svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC", "BF16"})
+    tokens, note = sweeps_svc.verify_tokens(sweeps_svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC", "BF16"})
     assert tokens == {"samples": 8, "seq_len": 128}
     assert note.startswith("the sweeps this plan was predicted from were made on different tokens "
                            "(cal_samples=16 cal_seq_len=256 samples=8 seq_len=128, "
                            "cal_samples=4 cal_seq_len=64 samples=2 seq_len=32)")  # unset ones read as the defaults
     assert note.endswith(f"those of the newest, job #{newer}")
-    assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8"})[0]["samples"] == 2
-    assert svc.verify_tokens(svc.planner_sweeps(seeded), {"BF16"}) == ({}, None)
+    assert sweeps_svc.verify_tokens(sweeps_svc.planner_sweeps(seeded), {"INT8_W8A8"})[0]["samples"] == 2
+    assert sweeps_svc.verify_tokens(sweeps_svc.planner_sweeps(seeded), {"BF16"}) == ({}, None)
     # a sweep left at the defaults and one that names them read the same tokens: nothing to say
     sweep("INT8_W8A8", samples=16, seq_len=256)
-    assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC"})[1] is not None  # FP8: 8 x 128
+    read = sweeps_svc.planner_sweeps(seeded)
+    assert sweeps_svc.verify_tokens(read, {"INT8_W8A8", "FP8_DYNAMIC"})[1] is not None  # FP8: 8 x 128
     sweep("FP8_DYNAMIC")
-    assert svc.verify_tokens(svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC"}) == ({}, None)
+    assert sweeps_svc.verify_tokens(sweeps_svc.planner_sweeps(seeded), {"INT8_W8A8", "FP8_DYNAMIC"}) == ({}, None)
 
 
 def test_results_table_shows_a_predicted_kl_column_only_where_a_score_has_one(seeded):
@@ -2197,17 +2248,17 @@ def test_results_table_shows_a_predicted_kl_column_only_where_a_score_has_one(se
 def test_plans_page_compares_versions_or_says_why_it_cannot(seeded):
     """A version that no longer resolves (saved by hand or by an older quantplan) is an error beside the compare
     boxes; the rest of the page (automatic plan, export) is still drawn."""
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
-    svc.save_plan(seeded.id, "ok", {"model": seeded.name, "default": "FP8_DYNAMIC"})
-    bad = svc.save_plan(seeded.id, "bad", {"model": seeded.name, "default": "BF16",
+    plans_svc.save_plan(seeded.id, "ok", {"model": seeded.name, "default": "FP8_DYNAMIC"})
+    bad = plans_svc.save_plan(seeded.id, "bad", {"model": seeded.name, "default": "BF16",
                                            "layers": {"lm_head": {"smoothquant_alpha": 0.7}}})
     at = _run("plans", seeded.id)
     assert not at.exception, [e.value for e in at.exception]
     assert any(e.value.startswith("Cannot compare these versions:") and "quantizes no activations" in e.value
                for e in at.error)
     assert any(h.value == "Export" for h in at.subheader)
-    assert bad.id == max(p.id for p in svc.list_plans(seeded.id))
+    assert bad.id == max(p.id for p in plans_svc.list_plans(seeded.id))
 
 
 def test_a_rule_row_with_only_a_scheme_is_left_out_and_said_so(seeded):
@@ -2247,12 +2298,12 @@ def test_what_queueing_did_stays_on_the_page_when_it_redraws(seeded):
 
 
 def test_the_score_form_offers_the_plan_just_saved_until_it_is_scored(seeded) -> None:
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
     at = _run("results", seeded.id)
     assert at.multiselect(key=f"score_what_{seeded.id}").value == ["preset:FP8_DYNAMIC"]  # no plan saved yet
-    older = svc.save_plan(seeded.id, "older", {"model": seeded.name, "default": "W8A16"})
-    newest = svc.save_plan(seeded.id, "mlp-int8", {"model": seeded.name, "default": "INT8_W8A8"})
+    older = plans_svc.save_plan(seeded.id, "older", {"model": seeded.name, "default": "W8A16"})
+    newest = plans_svc.save_plan(seeded.id, "mlp-int8", {"model": seeded.name, "default": "INT8_W8A8"})
     at = _run("results", seeded.id)
     assert at.multiselect(key=f"score_what_{seeded.id}").value == [f"plan:{newest.id}"]
     _add_score(seeded.id, newest.label, newest.body, 0.02, plan_id=older.id)  # another plan's score changes nothing
@@ -2267,17 +2318,18 @@ def test_kernels_page_says_what_the_device_is_and_what_runs_natively_on_it(seede
     from quantcore.kernels.hardware import TARGETS
     from store import repo
     from store.db import session_scope
-    from tests.app.conftest import linears
+    from tests.factories import smol_linears as linears
 
     h200 = {"kind": "cuda", "name": "NVIDIA H200", "device_class": "gpu.sm90", "compute_capability": [9, 0],
             "memory_bytes": 150_000_000_000, "torch_version": "2.13.0+cu128", "cuda_version": "12.8",
             "peak_tflops": dict(TARGETS["h200"].peak_tflops), "target_key": "h200", "device": "cuda:0"}
     paths = [{"path": "baseline", "runs": True, "native": True, "note": "bf16 matmul (cuBLAS): the GPU baseline"},
              {"path": "fp8_row", "runs": True, "native": True, "note": "native on sm90"},
-             {"path": "fp4", "runs": False, "native": False, "note": "FP4 tensor cores need sm100+; this device is sm90"}]
+             {"path": "fp4", "runs": False, "native": False,
+              "note": "FP4 tensor cores need sm100+; this device is sm90"}]
     with session_scope() as s:
-        for result in ({"device": {**h200, "name": "NVIDIA H200", "torch_version": "2.12.0"}}, {"device": h200,
-                                                                                                "paths": paths}):
+        for result in ({"device": {**h200, "name": "NVIDIA H200", "torch_version": "2.12.0"}},
+                       {"device": h200, "paths": paths}):
             job = repo.create_job(s, kind="bench", params={"device": "cuda"}, queue="gpu.sm90", user=None)
             lin = linears()[0]
             repo.save_kernel_results(s, job_id=job.id, records=[dict(
@@ -2300,16 +2352,16 @@ def test_kernels_page_says_what_the_device_is_and_what_runs_natively_on_it(seede
 
 
 def test_plans_page_refuses_to_save_a_plan_without_a_name(seeded):
-    from app import services as svc
+    from quantplan.services import plans as plans_svc
 
     at = _run("plans", seeded.id)
-    before = len(svc.list_plans(seeded.id))
+    before = len(plans_svc.list_plans(seeded.id))
     _plan_name(at).set_value("   ")
     next(b for b in at.button if "Save as a new version" in b.label).click().run()
     assert not at.exception and any("Give the plan a name" in e.value for e in at.error)
-    assert len(svc.list_plans(seeded.id)) == before
+    assert len(plans_svc.list_plans(seeded.id)) == before
     with pytest.raises(ValueError, match="needs a name"):
-        svc.save_plan(seeded.id, "", {"default": "FP8_DYNAMIC"})
+        plans_svc.save_plan(seeded.id, "", {"default": "FP8_DYNAMIC"})
 
 
 def test_kernels_page_keeps_the_benchmark_form_as_last_queued_across_pages(seeded):
@@ -2320,7 +2372,8 @@ def test_kernels_page_keeps_the_benchmark_form_as_last_queued_across_pages(seede
     next(b for b in at.button if b.label == "Queue benchmark").click().run()
     assert not at.exception and any("Queued benchmark job" in m.value for m in at.success)
     shapes = len({(lin["out_features"], lin["in_features"]) for lin in seeded.linears})
-    assert any(re.search(rf"at most {shapes} shapes × 10.0 s ≈ {shapes * 10}(.0)? s of timing", m.value) for m in at.success)
+    assert any(re.search(rf"at most {shapes} shapes × 10.0 s ≈ {shapes * 10}(.0)? s of timing",
+                         m.value) for m in at.success)
     at.switch_page("views/jobs.py").run()
     at.switch_page("views/kernels.py").run()
     assert not at.exception
@@ -2331,12 +2384,13 @@ def test_kernels_page_keeps_the_benchmark_form_as_last_queued_across_pages(seede
 def test_the_vllm_export_reads_the_recipe_under_the_name_its_download_gives_it(seeded):
     """The vLLM script's llm-compressor step names the recipe file; it used 'recipe.yaml' while the page's Download
     saved the recipe as PLAN-vN-recipe.yaml, so the script as given did not run."""
-    from app import services as svc
+    from quantplan.services import exchange as exchange_svc
+    from quantplan.services import plans as plans_svc
 
-    plan = svc.save_plan(seeded.id, "served", {"default": "FP8_DYNAMIC"})
+    plan = plans_svc.save_plan(seeded.id, "served", {"default": "FP8_DYNAMIC"})
     at = _run("plans", seeded.id)
     at.selectbox(key="export_fmt").set_value("vllm").run()
     assert not at.exception
     script = next(c.value for c in at.code if "vllm serve" in c.value)
     assert f"recipe='served-v{plan.version}-recipe.yaml'" in script
-    assert "recipe='recipe.yaml'" in svc.export_plan(seeded, plan.body, "vllm")  # the CLI's default name
+    assert "recipe='recipe.yaml'" in exchange_svc.export_plan(seeded, plan.body, "vllm")  # the CLI's default name

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from store import repo
 from store.db import session_scope
-from tests.e2e.conftest import Proc
+from tests.factories import Proc, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
@@ -24,15 +23,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 SHOTS = Path(os.environ.get("QUANTPLAN_SCREENSHOTS", "")) if os.environ.get("QUANTPLAN_SCREENSHOTS") else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def app_url(qp_settings, worker, tmp_path, monkeypatch):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, QUANTPLAN_UI_PORT=str(port))
     proc = Proc([sys.executable, "-m", "quantplan", "app"], env, tmp_path / "app.log")
     try:
@@ -91,7 +84,7 @@ def _wait_job(settings, kind: str, timeout: float = 300):
 def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     from playwright.sync_api import expect
 
-    from tests.quantcore.test_checkpoint import save_tiny_llama
+    from tests.factories import save_tiny_llama
 
     page.goto(app_url + "/")  # Models is the default page: it lives at the root URL
     _settle(page)
@@ -129,7 +122,8 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
 
     # Results: a calibration text uploaded with the score it is for; the queued job names it
     cal_text = tmp_path / "domain.txt"
-    cal_text.write_text("\n\n".join(f"Serving-domain document {i}: what the deployed model will read." for i in range(30)))
+    cal_text.write_text("\n\n".join(f"Serving-domain document {i}: what the deployed model will read."
+                                   for i in range(30)))
     page.goto(app_url + "/results")
     _settle(page)
     page.get_by_text("Texts: what is scored").click()
@@ -150,7 +144,8 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     _shot(page, "results-calibration-upload")
 
     # an upload through the browser's file picker: a zipped Hugging Face folder
-    archive = shutil.make_archive(str(tmp_path / "tiny-llama"), "zip", save_tiny_llama(tmp_path / "up" / "tiny-llama").parent)
+    archive = shutil.make_archive(str(tmp_path / "tiny-llama"), "zip",
+                                  save_tiny_llama(tmp_path / "up" / "tiny-llama").parent)
     page.goto(app_url + "/")
     _settle(page)
     page.locator("[data-testid='stFileUploaderDropzoneInput']").first.set_input_files(archive)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from jobs.client import submit_job, wait_for
 from store import repo
 from store.db import session_scope
-from worker.client import submit_job, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -17,13 +17,13 @@ OUTLIER_LAYER = "model.layers.11.mlp.down_proj"
 
 
 def _spine(settings) -> None:
-    from worker import presence
+    from jobs import workers
 
     # the worker process recorded itself: its queue and device, seen just now
-    live = presence.live_workers(settings)
+    live = workers.live_workers(settings)
     assert len(live) == 1 and live[0].queues == ["cpu"] and live[0].device == "cpu"
-    assert presence.no_worker_note("cpu", settings) is None
-    assert "quantplan worker --queues gpu" in presence.no_worker_note("gpu", settings)
+    assert workers.no_worker_note("cpu", settings) is None
+    assert "quantplan worker --queues gpu" in workers.no_worker_note("gpu", settings)
 
     reg = submit_job("register", {"demo": True}, settings=settings)
     reg = wait_for(reg.id, timeout_s=300, settings=settings)
@@ -58,7 +58,7 @@ def test_spine_postgres_redis(qp_env, pg_database, redis_url, monkeypatch, tmp_p
     from store.db import upgrade
     from store.settings import get_settings
     from tests.conftest import clear_settings_cache
-    from tests.e2e.conftest import start_worker
+    from tests.factories import start_worker
 
     redis.Redis.from_url(redis_url).flushdb()  # our own test database number only
     monkeypatch.setenv("QUANTPLAN_DATABASE_URL", pg_database)
@@ -113,7 +113,7 @@ def _a_short_job_succeeds(settings) -> None:
 def test_a_job_past_the_time_limit_fails_as_timed_out_on_the_real_worker(qp_settings, monkeypatch, tmp_path):
     """The worker runs Celery's solo pool, which never enforces Celery's own time limits: the job's own limit
     (QUANTPLAN_JOB_SOFT_TIME_LIMIT_S, checked where it reports progress) fails it, and the worker takes the next."""
-    from tests.e2e.conftest import start_worker
+    from tests.factories import start_worker
 
     monkeypatch.setenv("QUANTPLAN_JOB_SOFT_TIME_LIMIT_S", "3")
     proc = start_worker(tmp_path)
@@ -135,7 +135,7 @@ def test_a_job_whose_worker_is_killed_stops_beating_and_is_failed_by_the_sweep(q
     to queue it again, and a new worker takes new jobs."""
     import time
 
-    from tests.e2e.conftest import start_worker
+    from tests.factories import start_worker
     from worker.runner import sweep
 
     monkeypatch.setenv("QUANTPLAN_HEARTBEAT_STALE_S", "2")  # a beat every 0.5 s
@@ -157,7 +157,8 @@ def test_a_job_whose_worker_is_killed_stops_beating_and_is_failed_by_the_sweep(q
         assert sweep(stale) == [long.id]
         with session_scope(qp_settings) as s:
             dead = repo.get_job(s, long.id)
-        assert dead.status == "failed" and "the worker stopped reporting" in dead.error and "Queue the job again" in dead.error
+        assert dead.status == "failed" and "the worker stopped reporting" in dead.error
+        assert "Queue the job again" in dead.error
     finally:
         proc.stop()
     (tmp_path / "again").mkdir()  # the new worker's log beside the first one's
@@ -172,12 +173,12 @@ def test_bad_upload_fails_with_a_clear_message_and_leaves_nothing(qp_settings, w
     import io
     import zipfile
 
-    from app import services
+    from quantplan.services import models as models_svc
 
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("../evil/config.json", "{}")
-    job = services.register_upload("evil.zip", buf.getvalue())
+    job = models_svc.register_upload("evil.zip", buf.getvalue())
     done = wait_for(job.id, timeout_s=120, settings=qp_settings)
     assert done.status == "failed" and ".." in done.error
     uploads = qp_settings.artifact_dir / "uploads"

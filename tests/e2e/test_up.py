@@ -14,8 +14,7 @@ from urllib.error import URLError
 
 import pytest
 
-from tests.e2e.conftest import Proc
-from tests.e2e.test_browser import _free_port
+from tests.factories import Proc, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -51,7 +50,7 @@ def _health(port: int) -> str | None:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_up_starts_worker_and_app_on_a_new_home_and_a_sigterm_to_it_alone_stops_both(qp_env, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, QUANTPLAN_UI_PORT=str(port))
     up = Proc([sys.executable, "-m", "quantplan", "up"], env, tmp_path / "up.log")
     kids: list[int] = []

@@ -84,3 +84,11 @@ def test_a_tiny_limit_stays_a_limit_and_a_negative_one_is_refused(monkeypatch):
     assert Settings(cache_max_gib=0).cache_max_bytes == 0
     with pytest.raises(ValidationError):
         Settings(cache_max_gib=-1)
+
+
+def test_the_store_names_unfinished_files_as_quantcore_writes_them():
+    """store.cache keeps its own copy of the suffix (the store imports nothing of quantcore): the two must agree, or
+    the trim would count a write in progress as a kept file."""
+    from quantcore.files import PART_SUFFIX
+
+    assert cache.PART_SUFFIX == PART_SUFFIX

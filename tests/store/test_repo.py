@@ -11,18 +11,12 @@ from quantcore.evaluation.stats import HIST_BINS, LayerStats
 from store import models as m
 from store import repo
 from store.db import session_scope
-
-
-def _model(s, name="tiny"):
-    return repo.add_model(s, name=name, sha256=name * 4, source_kind="folder", source_name=name, path=f"models/{name}",
-                          summary={"architecture": "LlamaForCausalLM", "model_type": "llama", "num_layers": 2,
-                                   "num_params": 1000, "dtype": "float32", "total_bytes": 4000,
-                                   "linears": [{"name": "a", "in_features": 4, "out_features": 8}]}, user="ann")
+from tests.factories import stored_model
 
 
 def test_job_life_and_cancel(qp_settings):
     with session_scope(qp_settings) as s:
-        mod = _model(s)
+        mod = stored_model(s)
         job = repo.create_job(s, kind="calibrate", params={"samples": 2}, queue="cpu", user="ann", model_id=mod.id)
         assert job.status == "queued" and job.requested_by == "ann"
         assert repo.mark_running(s, job.id, worker_host="h", device="cpu", torch_version="x")
@@ -93,7 +87,7 @@ def test_activation_stats_round_trip_and_rerun_replaces(qp_settings):
                     channel_max=rng.random(16).astype(np.float32), weight_channel_max=rng.random(16).astype(np.float32),
                     token_max={"p50": 1.0, "max": 2.0}, hist_counts=np.arange(HIST_BINS, dtype=np.int64), zeros=3)
     with session_scope(qp_settings) as s:
-        mod = _model(s)
+        mod = stored_model(s)
         job = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=mod.id)
         repo.save_activation_stats(s, job_id=job.id, model_id=mod.id, stats=[st])
         repo.save_activation_stats(s, job_id=job.id, model_id=mod.id, stats=[st])  # idempotent rerun
@@ -104,22 +98,24 @@ def test_activation_stats_round_trip_and_rerun_replaces(qp_settings):
     np.testing.assert_array_equal(back[0].hist_counts, st.hist_counts)
     assert back[0].zeros == 3 and back[0].token_max == {"p50": 1.0, "max": 2.0}
     assert back[0].outlier_ratio == pytest.approx(st.outlier_ratio)
+    again = LayerStats.from_record(back[0])  # the worker's and the app's conversion of the store's record
+    assert again.name == st.name and again.amax == pytest.approx(st.amax) and again.token_max == st.token_max
 
 
 def test_model_lookup_by_id_name_and_demo(qp_settings):
     with session_scope(qp_settings) as s:
-        mod = _model(s, "abc")
+        mod = stored_model(s, "abc")
         assert repo.get_model(s, str(mod.id)).name == "abc"
         assert repo.get_model(s, "abc").id == mod.id
         with pytest.raises(repo.NotFound, match="models add --demo"):
             repo.get_model(s, "demo")
         # same content registered again → the same record
-        assert _model(s, "abc").id == mod.id
+        assert stored_model(s, "abc").id == mod.id
 
 
 def test_plans_are_versioned_with_parents(qp_settings):
     with session_scope(qp_settings) as s:
-        mod = _model(s)
+        mod = stored_model(s)
         v1 = repo.save_plan(s, model_id=mod.id, name="p", body={"default": "FP8"}, user="ann")
         v2 = repo.save_plan(s, model_id=mod.id, name="p", body={"default": "INT8_W8A8"}, user="bob")
         assert (v1.version, v2.version, v2.parent_id) == (1, 2, v1.id)
@@ -136,74 +132,26 @@ def test_newest_kernel_results_per_case(qp_settings):
 
     with session_scope(qp_settings) as s:
         old = repo.create_job(s, kind="bench", params={}, queue="gpu", user="ann")
-        new = repo.create_job(s, kind="bench", params={}, queue="gpu", user="ann")
+        new = repo.create_job(s, kind="bench", params={"m": [16]}, queue="gpu", user="ann")
         other = repo.create_job(s, kind="bench", params={}, queue="gpu", user="ann")
         repo.save_kernel_results(s, job_id=old.id, records=[
             rec("baseline", 2.0), rec("fp8_row", 1.0), rec("int8_row", None, "not supported on cuda: sm80")])
         repo.save_kernel_results(s, job_id=new.id, records=[
-            rec("baseline", 1.9), rec("fp8_row", None, "over budget: 60 s"), rec("fp8_tensor", None, "failed on cuda: x")])
+            rec("baseline", 1.9), rec("fp8_row", None, "over budget: 60 s"),
+            rec("fp8_tensor", None, "failed on cuda: x")])
         repo.save_kernel_results(s, job_id=other.id, records=[rec("baseline", 5.0, torch_version="2.11")])
+        repo.finish_job(s, new.id, status="succeeded", result={"budget_s": 60.0})
 
         every = {r.path: r for r in repo.newest_kernel_results(s, device_name="GPU X", torch_version="2.13")}
         assert (every["baseline"].ms, every["baseline"].job_id) == (1.9, new.id)
         assert every["fp8_row"].skipped.startswith("over budget") and every["fp8_tensor"].skipped
-        usable = {r.path: r for r in repo.newest_kernel_results(s, device_name="GPU X", torch_version="2.13",
-                                                                usable_only=True)}
-        assert usable["fp8_row"].ms == 1.0 and usable["fp8_row"].job_id == old.id  # the older time stands
-        assert "fp8_tensor" not in usable  # failed: measured again, nothing to reuse
-        assert usable["int8_row"].skipped.startswith("not supported")  # final answers are kept
         any_torch = repo.newest_kernel_results(s, device_name="GPU X")
         assert [r.ms for r in any_torch if r.path == "baseline"] == [5.0]  # newest job, any torch version
         assert repo.newest_kernel_results(s, device_name="GPU Y") == []
-
-
-def test_a_case_skipped_for_time_is_reused_unless_the_budget_is_now_larger(qp_settings):
-    """A case skipped "over budget" under a budget per shape of 60 s: asked again with 60 s or less, measuring
-    it would skip it again, so the skip is reused; with 120 s it is measured; a time (even older) comes first."""
-    def rec(path, ms, skipped=None, m=16):
-        return {"device": "cpu", "device_name": "CPU X", "torch_version": "2.13", "m": m, "n": 64, "k": 32,
-                "path": path, "ms": ms, "tflops": None, "pct_peak": None, "speedup": None, "native": True,
-                "max_rel_err": None, "padded_m": None, "skipped": skipped}
-
-    with session_scope(qp_settings) as s:
-        timed = repo.create_job(s, kind="bench", params={}, queue="cpu", user="ann")
-        repo.save_kernel_results(s, job_id=timed.id, records=[rec("w8_row", 3.0, m=1)])
-        repo.finish_job(s, timed.id, status="succeeded", result={"budget_s": 600.0})
-        job = repo.create_job(s, kind="bench", params={}, queue="cpu", user="ann")
-        repo.save_kernel_results(s, job_id=job.id, records=[
-            rec("baseline", 2.0), rec("w8_row", None, "over budget: ~90 s needed"),
-            rec("w8_row", None, "over budget: ~90 s needed", m=1), rec("w4_ch", None, "failed on cpu: x")])
-        repo.finish_job(s, job.id, status="succeeded", result={"budget_s": 60.0})
-        older = repo.create_job(s, kind="bench", params={}, queue="cpu", user="ann")  # a result without budget_s
-        repo.save_kernel_results(s, job_id=older.id, records=[rec("int8_row", None, "over budget: ~1 s needed")])
-        repo.finish_job(s, older.id, status="succeeded", result={})
-
-        def usable(budget):
-            return {(r.m, r.path): r for r in repo.newest_kernel_results(
-                s, device_name="CPU X", usable_only=True, budget_s=budget)}
-
-        for budget in (30.0, 60.0):
-            got = usable(budget)
-            assert got[(16, "w8_row")].skipped.startswith("over budget") and got[(16, "w8_row")].job_id == job.id
-            assert got[(1, "w8_row")].ms == 3.0  # a time, though older, before a skip
-            assert (16, "w4_ch") not in got and (16, "int8_row") not in got  # failed; budget unknown
-        assert (16, "w8_row") not in usable(120.0)
-        assert (16, "w8_row") not in {(r.m, r.path) for r in repo.newest_kernel_results(
-            s, device_name="CPU X", usable_only=True)}  # no budget asked: every skip is measured again
-
-        # per case: that job timed the default 4 M values x every path (and the baseline) in its 60 s per shape
-        from quantcore.kernels.bench import DEFAULT_MS, PATHS
-
-        def usable_for(budget, cases):
-            return {(r.m, r.path) for r in repo.newest_kernel_results(
-                s, device_name="CPU X", usable_only=True, budget_s=budget, cases_per_shape=cases)}
-
-        broad = len(DEFAULT_MS) * len(PATHS)
-        assert (16, "w8_row") in usable_for(60.0, broad)  # asked as it was: the skip stands
-        # the same 60 s for w8_row and the baseline at 4 M values: each case gets far more of it, so it is measured
-        assert (16, "w8_row") not in usable_for(60.0, len(DEFAULT_MS) * 2)
-        assert (16, "w8_row") not in usable_for(30.0, 2)  # even with half the budget per shape
-        assert (16, "w8_row") in usable_for(1.0, 2)  # 0.5 s a case: less than that job gave it; it would skip again
+        # every record of the device, newest job first: what quantcore.kernels.records.reusable_records weighs
+        assert [r.job_id for r in repo.kernel_results(s, device_name="GPU X", torch_version="2.13")] == [new.id] * 3 + [
+            old.id] * 3
+        assert repo.params_and_results(s, [new.id, 10**6]) == {new.id: ({"m": [16]}, {"budget_s": 60.0})}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -230,7 +178,7 @@ def test_deleting_a_model_takes_what_was_measured_on_it_and_keeps_the_jobs(any_d
                       hist_counts=np.zeros(HIST_BINS, dtype=np.int64), zeros=0)
     tag = uuid.uuid4().hex[:6]  # the PostgreSQL database is shared by the session's tests
     with session_scope(any_db) as s:
-        gone, kept = _model(s, f"gone{tag}"), _model(s, f"kept{tag}")
+        gone, kept = stored_model(s, f"gone{tag}"), stored_model(s, f"kept{tag}")
         jobs = {}
         for mod in (gone, kept):
             cal = repo.create_job(s, kind="calibrate", params={}, queue="cpu", user=None, model_id=mod.id)
@@ -269,7 +217,8 @@ def test_deleting_a_model_takes_what_was_measured_on_it_and_keeps_the_jobs(any_d
         # the other model is untouched
         assert repo.model_usage(s, kept.id) == {"calibrations": 1, "scores": 1, "sensitivity sweeps": 1,
                                                 "plan versions": 2, "active": 0}
-        assert [p.version for p in repo.list_plans(s, kept.id)] and len(repo.load_activation_stats(s, jobs[kept.id][0])) == 1
+        assert [p.version for p in repo.list_plans(s, kept.id)]
+        assert len(repo.load_activation_stats(s, jobs[kept.id][0])) == 1
 
 
 def test_a_job_says_how_long_it_ran(qp_settings):
@@ -304,7 +253,8 @@ def test_the_device_probe_is_the_newest_succeeded_benchmarks_on_that_device(qp_s
         assert repo.device_probe(s, "A CPU") is None
         ids = []
         for status, result in (("succeeded", {"device": probe}),
-                               ("succeeded", {"device": {**probe, "torch_version": "2.14.0"}, "paths": [{"path": "x"}]}),
+                               ("succeeded", {"device": {**probe, "torch_version": "2.14.0"},
+                                              "paths": [{"path": "x"}]}),
                                ("failed", {"device": {**probe, "torch_version": "9"}}),
                                ("succeeded", {"device": {**probe, "name": "Another CPU"}}),
                                ("succeeded", None)):

@@ -66,9 +66,9 @@ def test_status_check_constraint_rejects_unknown_status(qp_settings):
 
 
 def _tiny_model(s, name: str):
-    from tests.store.test_repo import _model
+    from tests.factories import stored_model
 
-    return _model(s, name)
+    return stored_model(s, name)
 
 
 def _removed_ids_are_not_given_again(settings) -> None:
@@ -157,7 +157,7 @@ def test_upgrading_sqlite_to_0003_copies_the_tables_and_loses_no_row(qp_env):
 def test_upgrading_to_0004_marks_the_kernel_timings_taken_with_cold_caches(qp_env):
     """CUDA timings were always taken with the L2 flushed: 0004 marks them with the TIMING of that time (the current
     one, which a benchmark reuses); CPU ones (caches left warm) stay unmarked and are measured again."""
-    from quantcore.kernels.bench import TIMING
+    from quantcore.kernels.records import TIMING
     from store import repo
     from store.settings import get_settings
 

@@ -279,38 +279,39 @@ def test_worker_presence(qp_settings):
     import datetime as dt
     import time
 
+    from jobs import workers
     from store import models as m
     from worker import presence
 
-    assert presence.live_workers(qp_settings) == []
-    note = presence.no_worker_note("gpu", qp_settings)
+    assert workers.live_workers(qp_settings) == []
+    note = workers.no_worker_note("gpu", qp_settings)
     assert "No worker consuming queue 'gpu'" in note and "quantplan worker --queues gpu" in note
-    assert presence.no_worker_note("local", qp_settings) is None  # --local jobs need no worker
+    assert workers.no_worker_note("local", qp_settings) is None  # --local jobs need no worker
 
     rec = presence.announce("w1@host", ["cpu", "gpu"], qp_settings)  # no CUDA here: described by its CPU
     assert rec.queues == ["cpu", "gpu"] and rec.device == "cpu" and rec.device_class == "cpu"
-    assert presence.no_worker_note("gpu", qp_settings) is None and presence.no_worker_note("cpu", qp_settings) is None
-    assert presence.no_worker_note("gpu.sm90", qp_settings) is not None
+    assert workers.no_worker_note("gpu", qp_settings) is None and workers.no_worker_note("cpu", qp_settings) is None
+    assert workers.no_worker_note("gpu.sm90", qp_settings) is not None
 
-    old = m.utcnow() - dt.timedelta(seconds=presence.LIVE_WITHIN_S + 5)
+    old = m.utcnow() - dt.timedelta(seconds=workers.LIVE_WITHIN_S + 5)
     with session_scope(qp_settings) as s:  # it stopped reporting
         s.query(m.Worker).update({m.Worker.seen_at: old})
-    assert presence.live_workers(qp_settings) == [] and presence.no_worker_note("cpu", qp_settings)
+    assert workers.live_workers(qp_settings) == [] and workers.no_worker_note("cpu", qp_settings)
     with session_scope(qp_settings) as s:
         assert repo.worker_seen(s, "w1@host") and not repo.worker_seen(s, "nobody@host")
         assert [w.name for w in repo.list_workers(s)] == ["w1@host"]
-    assert [w.name for w in presence.live_workers(qp_settings)] == ["w1@host"]
+    assert [w.name for w in workers.live_workers(qp_settings)] == ["w1@host"]
 
     stop = presence.start_heartbeat("w2@host", ["cpu"], qp_settings, interval_s=0.05)  # unknown: recorded
     try:
         deadline = time.monotonic() + 10
-        while "w2@host" not in [w.name for w in presence.live_workers(qp_settings)]:
+        while "w2@host" not in [w.name for w in workers.live_workers(qp_settings)]:
             assert time.monotonic() < deadline, "the heartbeat never recorded the worker"
             time.sleep(0.05)
     finally:
         stop.set()
     presence.forget("w1@host", qp_settings)
-    assert [w.name for w in presence.live_workers(qp_settings)] == ["w2@host"]
+    assert [w.name for w in workers.live_workers(qp_settings)] == ["w2@host"]
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -349,17 +350,3 @@ def test_every_job_ends_with_the_cache_under_its_limit(qp_settings, fails):
     qp_settings.cache_max_gib = 0  # no limit: nothing goes
     assert run_job(_job(qp_settings).id, keeps, settings=qp_settings) == "succeeded"
     assert cache.kept_files(folder)[cache.AWQ] == (1, 600) and cache.kept_files(folder)[cache.KV] == (1, 600)
-
-
-def test_celery_limits_follow_the_setting_and_zero_means_none(qp_settings):
-    """Celery's own limits (enforced only by its prefork / gevent pools) and Redis's redelivery follow the job
-    time limit; 0 sets no limit at all, not a 120 s hard one."""
-    from worker.celery_app import make_celery
-
-    redis = {"broker_url": "redis://127.0.0.1:6379/9"}
-    limited = make_celery(qp_settings.model_copy(update={"job_soft_time_limit_s": 100, **redis})).conf
-    assert (limited.task_soft_time_limit, limited.task_time_limit) == (100, 220)
-    assert limited.broker_transport_options["visibility_timeout"] == 700
-    none = make_celery(qp_settings.model_copy(update={"job_soft_time_limit_s": 0, **redis})).conf
-    assert (none.task_soft_time_limit, none.task_time_limit) == (None, None)
-    assert none.broker_transport_options["visibility_timeout"] == 7 * 24 * 3600 + 600

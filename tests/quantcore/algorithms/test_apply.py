@@ -9,11 +9,12 @@ from torch import nn
 
 from quantcore.algorithms.apply import apply_plan, quantized_model
 from quantcore.algorithms.gptq import collect_hessians
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.errors import PlanError
-from quantcore.formats.quantize import fake_quantize, scale_from_amax
-from quantcore.schemes.specs import get_scheme, list_schemes
-
-from .conftest import linear_input_channel_max
+from quantcore.formats.quantize import fake_quantize
+from quantcore.formats.scales import scale_from_amax
+from quantcore.schemes.presets import get_scheme, list_schemes
+from tests.factories import linear_input_channel_max
 
 
 def logits(model, ids):
@@ -51,7 +52,7 @@ def test_every_preset_applies_and_restores(tiny_model, tiny_input_ids, scheme):
     plan = {n: scheme for n in block_linears(model)}
     hessians = collect_hessians(model, list(plan), tiny_input_ids) if get_scheme(scheme).gptq else None
 
-    applied = apply_plan(model, plan, act_amax=act_amax, act_channel_max=cmax, weight_hessians=hessians)
+    applied = apply_plan(model, plan, PlanInputs(act_amax=act_amax, act_channel_max=cmax, weight_hessians=hessians))
     out = logits(model, tiny_input_ids)
     assert torch.isfinite(out).all()
     if get_scheme(scheme).is_identity:
@@ -107,7 +108,7 @@ def test_static_scale_uses_calibrated_amax_and_reports_saturation(tiny_llama, ti
     layer = tiny_llama.get_submodule(name)
     seen = {}
     layer.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach().clone()))
-    with quantized_model(tiny_llama, {name: "FP8"}, act_amax=low) as applied:
+    with quantized_model(tiny_llama, {name: "FP8"}, PlanInputs(act_amax=low)) as applied:
         y = {}
         layer.register_forward_hook(lambda m, a, out: y.__setitem__("y", out.detach().clone()))
         logits(tiny_llama, tiny_input_ids)
@@ -115,7 +116,7 @@ def test_static_scale_uses_calibrated_amax_and_reports_saturation(tiny_llama, ti
         assert torch.equal(y["y"], F.linear(fake_quantize(seen["x"], "fp8_e4m3", scale=s), layer.weight))
         sat = applied.stats()[name].activations
         assert sat.saturation > 0 and sat.n_saturated > 0
-    with quantized_model(tiny_llama, {name: "FP8"}, act_amax=act_amax) as applied:
+    with quantized_model(tiny_llama, {name: "FP8"}, PlanInputs(act_amax=act_amax)) as applied:
         logits(tiny_llama, tiny_input_ids)
         assert applied.stats()[name].activations.saturation == 0.0
 
@@ -128,7 +129,7 @@ def test_smoothquant_helps_int8_per_tensor_on_planted_outliers(tiny_llama, tiny_
     with quantized_model(tiny_llama, {n: "INT8_PER_TENSOR" for n in names}):
         plain = mean_kl(ref, logits(tiny_llama, tiny_input_ids))
     with quantized_model(
-        tiny_llama, {n: "INT8_PER_TENSOR_SQ" for n in names}, act_channel_max=cmax
+        tiny_llama, {n: "INT8_PER_TENSOR_SQ" for n in names}, PlanInputs(act_channel_max=cmax)
     ) as applied:
         smoothed = mean_kl(ref, logits(tiny_llama, tiny_input_ids))
         assert applied.smoothing is not None and applied.smoothing.skipped == {}
@@ -172,7 +173,7 @@ def test_bf16_model(tiny_model_factory, tiny_input_ids):
     ref = logits(model, tiny_input_ids)
     # NVFP4's activations take their fp32 tensor scale from a calibrated amax
     amax = {n: 8.0 for n in block_linears(model)}
-    with quantized_model(model, {n: "NVFP4" for n in block_linears(model)}, act_amax=amax) as applied:
+    with quantized_model(model, {n: "NVFP4" for n in block_linears(model)}, PlanInputs(act_amax=amax)) as applied:
         out = logits(model, tiny_input_ids)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
         assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
@@ -183,7 +184,7 @@ def test_bf16_model(tiny_model_factory, tiny_input_ids):
 def test_per_tensor_fp8_weights_of_a_fusion_group_share_the_largest_scale_as_vllm_requantizes_them(tiny_llama):
     """vLLM's requantize_with_max_scale: a merged q/k/v (gate/up) GEMM with per-tensor FP8 weights runs on one
     scale, the largest of the members'; each other member is dequantized and rounded again on that grid."""
-    from quantcore.formats.quantize import fake_quantize_weight, weight_scale
+    from quantcore.formats.weights import fake_quantize_weight, weight_scale
 
     p = "model.layers.0.self_attn"
     names = [f"{p}.{x}_proj" for x in "qkv"]
@@ -224,11 +225,11 @@ def test_nvfp4_activations_take_the_calibrated_tensor_scale_and_clip_above_it(ti
     logits(tiny_llama, tiny_input_ids)
     hook.remove()
     ok = {layer: seen["amax"] * 1.01}
-    with quantized_model(tiny_llama, {layer: "NVFP4"}, act_amax=ok, track_stats=True) as applied:
+    with quantized_model(tiny_llama, {layer: "NVFP4"}, PlanInputs(act_amax=ok), track_stats=True) as applied:
         logits(tiny_llama, tiny_input_ids)
         assert applied.stats()[layer].activations.saturation == 0
     low = {layer: seen["amax"] / 100}  # a calibration that saw a hundredth of the live input
-    with quantized_model(tiny_llama, {layer: "NVFP4"}, act_amax=low, track_stats=True) as applied:
+    with quantized_model(tiny_llama, {layer: "NVFP4"}, PlanInputs(act_amax=low), track_stats=True) as applied:
         logits(tiny_llama, tiny_input_ids)
         assert applied.stats()[layer].activations.saturation > 0
     with pytest.raises(PlanError, match="no calibrated amax"):
@@ -249,11 +250,10 @@ def test_errors_name_the_problem(tiny_llama):
     with pytest.raises(PlanError, match="finite"):
         apply_plan(
             tiny_llama,
-            {"model.layers.0.mlp.up_proj": "FP8"},
-            act_amax={"model.layers.0.mlp.up_proj": float("nan")},
+            {"model.layers.0.mlp.up_proj": "FP8"}, PlanInputs(act_amax={"model.layers.0.mlp.up_proj": float("nan")}),
         )
     with pytest.raises(PlanError, match="SmoothQuant needs act_channel_max"):
-        apply_plan(tiny_llama, {"model.layers.0.mlp.up_proj": "INT8_W8A8_SQ"}, act_channel_max={})
+        apply_plan(tiny_llama, {"model.layers.0.mlp.up_proj": "INT8_W8A8_SQ"}, PlanInputs(act_channel_max={}))
     applied = apply_plan(tiny_llama, {"lm_head": "FP8_DYNAMIC"})
     with pytest.raises(PlanError, match="already carry an applied plan"):
         apply_plan(tiny_llama, {"lm_head": "W8A16"})
@@ -289,7 +289,7 @@ def test_cuda_matches_cpu(tiny_model_factory, tiny_input_ids, scheme):
     gpu = tiny_model_factory("llama").cuda()
     plan = {n: scheme for n in block_linears(cpu)}
     amax = {n: 4.0 for n in plan}  # NVFP4's calibrated activation tensor scale (the others ignore it)
-    with quantized_model(cpu, plan, act_amax=amax), quantized_model(gpu, plan, act_amax=amax):
+    with quantized_model(cpu, plan, PlanInputs(act_amax=amax)), quantized_model(gpu, plan, PlanInputs(act_amax=amax)):
         a = logits(cpu, tiny_input_ids)
         b = logits(gpu, tiny_input_ids.cuda()).cpu()
         for name in plan:  # weights are quantized identically on both devices
@@ -326,7 +326,7 @@ def test_static_scale_follows_smoothing(tiny_llama, tiny_input_ids):
     names = block_linears(tiny_llama)
     ref = logits(tiny_llama, tiny_input_ids)
     with quantized_model(
-        tiny_llama, {n: static_sq for n in names}, act_amax=act_amax, act_channel_max=cmax
+        tiny_llama, {n: static_sq for n in names}, PlanInputs(act_amax=act_amax, act_channel_max=cmax)
     ) as a:
         static_kl = mean_kl(ref, logits(tiny_llama, tiny_input_ids))
         stats = a.stats()
@@ -338,7 +338,7 @@ def test_static_scale_follows_smoothing(tiny_llama, tiny_input_ids):
         assert a._states[names[0]].static_scale == pytest.approx(
             float((cmax[names[0]] / s).max()) / 127, rel=1e-6
         )
-    with quantized_model(tiny_llama, {n: "INT8_PER_TENSOR_SQ" for n in names}, act_channel_max=cmax):
+    with quantized_model(tiny_llama, {n: "INT8_PER_TENSOR_SQ" for n in names}, PlanInputs(act_channel_max=cmax)):
         dynamic_kl = mean_kl(ref, logits(tiny_llama, tiny_input_ids))
     # calibrated on this very input, the static scales are about as good as live per-tensor ones
     # (later layers differ a little: calibration saw unquantized upstream activations)
@@ -389,7 +389,7 @@ def test_shared_inputs_quantized_once_with_identical_results(
     for share in (False, True):
         calls = _counting(monkeypatch)
         with quantized_model(
-            tiny_model, plan, act_amax=act_amax, track_stats=track_stats, share_inputs=share
+            tiny_model, plan, PlanInputs(act_amax=act_amax), track_stats=track_stats, share_inputs=share
         ) as applied:
             calls["n"] = 0  # count the forwards only, not the weights quantized at apply
             out = logits(tiny_model, tiny_input_ids)
@@ -458,7 +458,7 @@ def test_nvfp4_fusion_groups_share_one_tensor_scale(tiny_llama, tiny_input_ids):
     """q/k/v and gate/up in NVFP4 take one fp32 tensor scale, from the group's largest |W| (what the checkpoint
     stores and vLLM's fused GEMM reads); o_proj and down_proj keep their own; GPTQ rounds on the same scales."""
     from quantcore.algorithms.gptq import gptq_quantize
-    from quantcore.formats.quantize import fake_quantize_weight, fused_tensor_scale, weight_scale
+    from quantcore.formats.weights import fake_quantize_weight, fused_tensor_scale, weight_scale
 
     model = tiny_llama
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
@@ -479,7 +479,7 @@ def test_nvfp4_fusion_groups_share_one_tensor_scale(tiny_llama, tiny_input_ids):
     assert not torch.equal(got[small], fake_quantize_weight(w[small], spec, report=False)[0])
     # GPTQ keeps the fused scales: its weights sit on the grid of g_group's effective block scales
     hess = collect_hessians(model, qkv, tiny_input_ids)
-    with quantized_model(model, dict.fromkeys(qkv, "NVFP4A16_GPTQ"), weight_hessians=hess):
+    with quantized_model(model, dict.fromkeys(qkv, "NVFP4A16_GPTQ"), PlanInputs(weight_hessians=hess)):
         k = model.get_submodule(qkv[1]).weight.detach().clone()
     scale = weight_scale(w[qkv[1]], spec, tensor_scale=g_qkv)
     assert torch.equal(k, gptq_quantize(w[qkv[1]], hess[qkv[1]], spec, scale=scale).weight)
@@ -502,7 +502,7 @@ def test_on_several_gpus_each_takes_its_dynamic_scale_over_its_share_of_a_row_pa
         seen.clear()
         raw = [tiny_llama.get_submodule(n).register_forward_pre_hook(
             lambda _m, a, _n=n: seen.setdefault(_n, []).append(a[0].detach().clone())) for n in names]
-        with quantized_model(tiny_llama, dict.fromkeys(names, scheme), act_amax=amax, parallel=parallel):
+        with quantized_model(tiny_llama, dict.fromkeys(names, scheme), PlanInputs(act_amax=amax, parallel=parallel)):
             after = [tiny_llama.get_submodule(n).register_forward_pre_hook(  # after the plan's own hook
                 lambda _m, a, _n=n: seen[_n].append(a[0].detach().clone())) for n in names]
             logits(tiny_llama, tiny_input_ids)

@@ -6,12 +6,16 @@ import pytest
 import torch
 
 from quantcore.algorithms.awq import awq_mappings, awq_search, candidates, weight_means
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.algorithms.smoothquant import fold_factors
 from quantcore.errors import PlanError
-from quantcore.evaluation.scoring import compute_reference, forward_logits, plan_applied, score_plan
+from quantcore.evaluation.batches import forward_logits
+from quantcore.evaluation.reference import compute_reference
+from quantcore.evaluation.scoring import plan_applied, score_plan
 from quantcore.evaluation.sensitivity import sensitivity_sweep
-from quantcore.schemes.specs import AWQ_N_GRID, Scheme, TensorSpec, get_scheme
-from tests.quantcore.conftest import TINY_VOCAB
+from quantcore.schemes.presets import get_scheme
+from quantcore.schemes.specs import AWQ_N_GRID, Scheme, TensorSpec
+from tests.factories import TINY_VOCAB
 
 INT4_G = TensorSpec("int4", "group", dynamic=False, group_size=128)
 
@@ -131,7 +135,7 @@ def test_awq_scores_lower_kl_than_rounding_to_nearest(tiny_llama, tiny_input_ids
         score_plan(model, plan, tiny_input_ids, ref)
     found = awq_search(model, plan, calibration())
     rtn = score_plan(model, dict.fromkeys(names, base), tiny_input_ids, ref)
-    awq = score_plan(model, plan, tiny_input_ids, ref, awq=found)
+    awq = score_plan(model, plan, tiny_input_ids, ref, inputs=PlanInputs(awq=found))
     assert awq.kl_mean < 0.9 * rtn.kl_mean
     # GQA: both o_proj rounded unscaled, and said so in one note
     (note,) = [n for n in awq.notes if "AWQ not applied" in n]
@@ -141,14 +145,14 @@ def test_awq_scores_lower_kl_than_rounding_to_nearest(tiny_llama, tiny_input_ids
 
 def test_plan_applied_rounds_the_scaled_weight_and_restores(tiny_llama):
     """A down_proj with AWQ holds Q(W · s) and up_proj's rows are divided by s; restore brings both back."""
-    from quantcore.formats.quantize import fake_quantize_weight
+    from quantcore.formats.weights import fake_quantize_weight
 
     model = tiny_llama
     layer, up = "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"
     found = awq_search(model, {layer: "W4A16_AWQ"}, calibration())
     s = found.factors[layer]
     w0, u0 = model.get_submodule(layer).weight.clone(), model.get_submodule(up).weight.clone()
-    with plan_applied(model, {layer: "W4A16_AWQ"}, awq=found):
+    with plan_applied(model, {layer: "W4A16_AWQ"}, inputs=PlanInputs(awq=found)):
         want, _ = fake_quantize_weight((w0 * s).float(), get_scheme("W4A16").weights, report=False)
         torch.testing.assert_close(model.get_submodule(layer).weight, want)
         torch.testing.assert_close(model.get_submodule(up).weight, (u0 / s[:, None]).float())
@@ -162,7 +166,7 @@ def test_sensitivity_sweep_with_awq(tiny_llama, tiny_input_ids):
     with pytest.raises(PlanError, match="AWQ"):
         sensitivity_sweep(model, "W4A16_AWQ", tiny_input_ids, ref, layers=only)
     found = awq_search(model, dict.fromkeys(only, "W4A16_AWQ"), calibration())
-    rows = sensitivity_sweep(model, "W4A16_AWQ", tiny_input_ids, ref, layers=only, awq=found)
+    rows = sensitivity_sweep(model, "W4A16_AWQ", tiny_input_ids, ref, layers=only, inputs=PlanInputs(awq=found))
     plain = {r.layer: r.kl_mean for r in sensitivity_sweep(model, "W4A16", tiny_input_ids, ref, layers=only)}
     assert {n for r in rows for n in r.layers} == set(only)
     assert sum(r.kl_mean for r in rows) < sum(plain.values())
@@ -180,8 +184,8 @@ def test_awq_and_gptq_in_one_plan(tiny_llama, tiny_input_ids):
     found = awq_search(model, plan, calibration())
     hess = collect_hessians(model, [n for n in names if n.endswith("o_proj")], calibration())
     ref = compute_reference(model, tiny_input_ids, batch_size=1)
-    both = score_plan(model, plan, tiny_input_ids, ref, awq=found, weight_hessians=hess)
-    awq_only = score_plan(model, dict.fromkeys(names, "W4A16_AWQ"), tiny_input_ids, ref, awq=found)
+    both = score_plan(model, plan, tiny_input_ids, ref, inputs=PlanInputs(awq=found, weight_hessians=hess))
+    awq_only = score_plan(model, dict.fromkeys(names, "W4A16_AWQ"), tiny_input_ids, ref, inputs=PlanInputs(awq=found))
     assert not [n for n in both.notes if "AWQ not applied" in n]  # every AWQ layer was scaled
     assert both.kl_mean != awq_only.kl_mean
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -191,7 +195,7 @@ def test_awq_and_gptq_in_one_plan(tiny_llama, tiny_input_ids):
 def test_cuda_awq_search_matches_cpu():
     """The search on CUDA takes the CPU's candidate for every fold whose best candidate is clear (within 1 % the
     order of two candidates is float noise, on either device), and folds in place on the GPU's weights."""
-    from tests.quantcore.conftest import build_tiny_model
+    from tests.factories import build_tiny_model
 
     cpu = build_tiny_model("llama")
     gpu = build_tiny_model("llama").cuda()
@@ -219,5 +223,5 @@ def test_a_saved_search_reads_back_and_scores_the_same(tiny_llama, tiny_input_id
     assert set(back.factors) == set(found.factors)
     assert all(torch.equal(back.factors[n], found.factors[n].cpu()) for n in found.factors)
     ref = compute_reference(model, tiny_input_ids, batch_size=1)
-    assert score_plan(model, plan, tiny_input_ids, ref, awq=back).kl_mean == score_plan(
-        model, plan, tiny_input_ids, ref, awq=found).kl_mean
+    assert score_plan(model, plan, tiny_input_ids, ref, inputs=PlanInputs(awq=back)).kl_mean == score_plan(
+        model, plan, tiny_input_ids, ref, inputs=PlanInputs(awq=found)).kl_mean

@@ -1,4 +1,5 @@
-"""GPTQ weight rounding (quantcore.algorithms.gptq): the algorithm, its Hessians, and GPTQ schemes in plans, scores and sweeps."""
+"""GPTQ weight rounding (quantcore.algorithms.gptq): the algorithm, its Hessians, and GPTQ schemes in plans, scores
+and sweeps."""
 
 from __future__ import annotations
 
@@ -10,20 +11,23 @@ import torch
 
 from quantcore.algorithms.apply import apply_plan
 from quantcore.algorithms.gptq import collect_hessians, gptq_quantize, smoothed_hessian
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.errors import PlanError
-from quantcore.evaluation.scoring import compute_reference, score_plan
+from quantcore.evaluation.reference import compute_reference
+from quantcore.evaluation.scoring import score_plan
 from quantcore.evaluation.sensitivity import sensitivity_sweep
-from quantcore.formats.quantize import (
+from quantcore.formats.weights import (
     element_scales,
     fake_quantize_weight,
     round_to_weight_grid,
     weight_scale,
     weight_zero_point,
 )
-from quantcore.schemes.specs import Scheme, get_scheme, list_schemes
-from tests.quantcore.conftest import TINY_VOCAB
+from quantcore.schemes.presets import get_scheme, list_schemes
+from quantcore.schemes.specs import Scheme
+from tests.factories import TINY_VOCAB
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"
 
 
@@ -45,7 +49,7 @@ def weight(n: int, k: int, seed: int = 1) -> torch.Tensor:
 
 
 def rtn(w: torch.Tensor, spec, scale=None) -> torch.Tensor:
-    """Round to nearest on the grid the checkpoint stores (quantcore.formats.quantize.fake_quantize_weight)."""
+    """Round to nearest on the grid the checkpoint stores (quantcore.formats.weights.fake_quantize_weight)."""
     return fake_quantize_weight(w, spec, scale=scale)[0]
 
 
@@ -200,7 +204,7 @@ def test_apply_plan_needs_hessians_and_restores_exactly(tiny_llama, tiny_input_i
         apply_plan(model, {layer: "W4A16_GPTQ"})
     assert torch.equal(model.get_submodule(layer).weight, before)
     hess = collect_hessians(model, [layer], tiny_input_ids)
-    applied = apply_plan(model, {layer: "W4A16_GPTQ"}, weight_hessians=hess)
+    applied = apply_plan(model, {layer: "W4A16_GPTQ"}, PlanInputs(weight_hessians=hess))
     got = model.get_submodule(layer).weight.detach().clone()
     applied.restore()
     assert torch.equal(model.get_submodule(layer).weight, before)
@@ -216,8 +220,8 @@ def test_smoothquant_gptq_plan_uses_the_transformed_hessian(tiny_llama, tiny_inp
     group = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up")]
     cmax = channel_max_of(model, tiny_input_ids)
     hess = collect_hessians(model, group, tiny_input_ids)
-    with plan_applied(model, dict.fromkeys(group, "INT8_W8A8_SQ_GPTQ"), act_channel_max=cmax,
-                      weight_hessians=hess) as ctx:
+    with plan_applied(model, dict.fromkeys(group, "INT8_W8A8_SQ_GPTQ"),
+                      inputs=PlanInputs(act_channel_max=cmax, weight_hessians=hess)) as ctx:
         s = ctx.smoothing[group[0]]
         got = model.get_submodule(group[0]).weight.detach().clone()
     w_smoothed = model.get_submodule(group[0]).weight.detach() * s
@@ -228,7 +232,7 @@ def test_smoothquant_gptq_plan_uses_the_transformed_hessian(tiny_llama, tiny_inp
 def test_gptq_scores_lower_kl_than_rtn_and_sweeps_round_once(tiny_llama, tiny_input_ids, monkeypatch):
     """On the tiny model with planted outliers, W4A16 with GPTQ is closer to the unquantized model than W4A16;
     a sweep rounds every unit once, however many batches it scores."""
-    import quantcore.algorithms.apply as apply_mod
+    import quantcore.algorithms.gptq as gptq_mod  # round_with_gptq calls gptq_quantize from there
 
     model = tiny_llama
     gen = torch.Generator().manual_seed(7)
@@ -237,14 +241,16 @@ def test_gptq_scores_lower_kl_than_rtn_and_sweeps_round_once(tiny_llama, tiny_in
     hess = collect_hessians(model, names, cal)
     ref = compute_reference(model, tiny_input_ids, batch_size=1)
     rtn = score_plan(model, dict.fromkeys(names, "W4A16"), tiny_input_ids, ref)
-    gptq = score_plan(model, dict.fromkeys(names, "W4A16_GPTQ"), tiny_input_ids, ref, weight_hessians=hess)
+    gptq = score_plan(model, dict.fromkeys(names, "W4A16_GPTQ"), tiny_input_ids, ref,
+                      inputs=PlanInputs(weight_hessians=hess))
     assert gptq.kl_mean < 0.8 * rtn.kl_mean
 
     calls: list[int] = []
-    real = apply_mod.gptq_quantize
-    monkeypatch.setattr(apply_mod, "gptq_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gptq_mod.gptq_quantize
+    monkeypatch.setattr(gptq_mod, "gptq_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
     only = [n for n in names if ".layers.0." in n]
-    rows = sensitivity_sweep(model, "W4A16_GPTQ", tiny_input_ids, ref, layers=only, weight_hessians=hess)
+    rows = sensitivity_sweep(model, "W4A16_GPTQ", tiny_input_ids, ref, layers=only,
+                             inputs=PlanInputs(weight_hessians=hess))
     assert ref.batch_size == 1 and tiny_input_ids.shape[0] == 2  # two batches per unit
     assert len(calls) == len(only) and {n for r in rows for n in r.layers} == set(only)
     with pytest.raises(PlanError, match="GPTQ"):
@@ -324,7 +330,7 @@ def test_cuda_gptq_matches_cpu(name):
 
 @pytest.mark.gpu
 def test_cuda_hessians_match_cpu(tiny_input_ids):
-    from tests.quantcore.conftest import build_tiny_model
+    from tests.factories import build_tiny_model
 
     cpu = build_tiny_model("llama")
     gpu = build_tiny_model("llama").cuda()

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from quantcore.algorithms.smoothquant import _gain_style, rows_divided_by, smooth_model, smoothing_factors
+from quantcore.algorithms.smoothquant import _gain_style, smooth_model, smoothing_factors
 from quantcore.errors import PlanError
-
-from .conftest import linear_input_channel_max as channel_max
+from quantcore.models.architectures import LLAMA_STYLE
+from tests.factories import linear_input_channel_max as channel_max
 
 
 def logits(model, ids):
@@ -106,8 +106,8 @@ def test_folding_leaves_logits_unchanged(tiny_model, tiny_input_ids, alpha):
 
 
 def test_rows_divided_by_names_the_linears_an_o_proj_or_down_proj_fold_changes(tiny_model, tiny_input_ids):
-    # quantcore.algorithms.gptq.rounding_inputs keys a kept GPTQ rounding by the folds that reach a layer's rows: they must be
-    # exactly the linears, besides the smoothed ones, whose weights smoothing o_proj and down_proj changes
+    # quantcore.algorithms.gptq.rounding_inputs keys a kept GPTQ rounding by the folds that reach a layer's rows: they
+    # must be exactly the linears, besides the smoothed ones, whose weights smoothing o_proj and down_proj changes
     model = tiny_model
     before = snapshot(model)
     cmax = channel_max(model, tiny_input_ids)
@@ -115,13 +115,14 @@ def test_rows_divided_by_names_the_linears_an_o_proj_or_down_proj_fold_changes(t
     handle = smooth_model(model, {n: cmax[n] for n in smoothed}, 0.5)
     assert handle.skipped == {}
     changed = {k.rsplit(".", 1)[0] for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
-    reached = {n for n in block_linears(model) if rows_divided_by(n) in smoothed}
+    reached = {n for n in block_linears(model) if LLAMA_STYLE.rows_divided_by(n) in smoothed}
     assert reached and changed - set(smoothed) == reached
-    assert {rows_divided_by(n) for n in reached} == set(smoothed)
+    assert {LLAMA_STYLE.rows_divided_by(n) for n in reached} == set(smoothed)
     handle.restore()
+    rows_divided_by = LLAMA_STYLE.rows_divided_by
     assert rows_divided_by("model.layers.3.mlp.experts.7.up_proj") == "model.layers.3.mlp.experts.7.down_proj"
-    assert rows_divided_by("model.layers.3.self_attn.q_proj") is None
-    assert rows_divided_by("model.layers.3.mlp.experts.7.gate_proj") is None
+    assert LLAMA_STYLE.rows_divided_by("model.layers.3.self_attn.q_proj") is None
+    assert LLAMA_STYLE.rows_divided_by("model.layers.3.mlp.experts.7.gate_proj") is None
 
 
 def test_smoothed_inputs_have_balanced_maxima(tiny_llama, tiny_input_ids):

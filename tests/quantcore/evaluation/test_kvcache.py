@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.errors import PlanError
 from quantcore.evaluation import kvcache
 from quantcore.evaluation.kvcache import (
@@ -17,9 +18,10 @@ from quantcore.evaluation.kvcache import (
     kv_elements_per_token,
     kv_token_capacity,
 )
-from quantcore.evaluation.scoring import calibrate_kv_cache, compute_reference, score_plan
+from quantcore.evaluation.reference import compute_reference
+from quantcore.evaluation.scoring import calibrate_kv_cache, score_plan
 from quantcore.planning.plans import PlanSpec
-from tests.quantcore.conftest import TINY_ARCHS, TINY_HEAD_DIM, TINY_KV_HEADS, TINY_LAYERS, build_tiny_model
+from tests.factories import TINY_ARCHS, TINY_HEAD_DIM, TINY_KV_HEADS, TINY_LAYERS, build_tiny_model
 
 E4M3_MAX = 448.0
 
@@ -235,7 +237,7 @@ def test_scores_see_the_kv_cache_and_its_saturation() -> None:
     none = score_plan(model, {}, ids, ref)
     assert none.kl_mean == 0 and none.kv_cache == "AUTO" and none.kv_saturation == {}
     amax = calibrate_kv_cache(model, {}, _ids(7))
-    fp8 = score_plan(model, {}, ids, ref, kv_cache="FP8", kv_amax=amax)
+    fp8 = score_plan(model, {}, ids, ref, kv_cache="FP8", inputs=PlanInputs(kv_amax=amax))
     assert fp8.kl_mean > 0 and fp8.kv_cache == "FP8" and set(fp8.kv_saturation) == set(amax.k)
     # K projections scaled far beyond E4M3's range: scale 1.0 clips, and the report says so
     with torch.no_grad():
@@ -245,7 +247,8 @@ def test_scores_see_the_kv_cache_and_its_saturation() -> None:
     clipped = score_plan(model, {}, ids, ref, kv_cache="FP8_UNSCALED")
     assert max(clipped.kv_saturation.values()) > 0.01
     assert any("FP8_UNSCALED KV cache clipped K or V" in n and "calibrated K/V scales" in n for n in clipped.notes)
-    calibrated = score_plan(model, {}, ids, ref, kv_cache="FP8", kv_amax=calibrate_kv_cache(model, {}, ids))
+    calibrated = score_plan(model, {}, ids, ref, kv_cache="FP8",
+                            inputs=PlanInputs(kv_amax=calibrate_kv_cache(model, {}, ids)))
     assert max(calibrated.kv_saturation.values()) == 0 and calibrated.kl_mean < clipped.kl_mean
 
 
@@ -290,7 +293,7 @@ def test_sliding_window_layers_cache_only_their_window() -> None:
 def test_intake_records_which_layers_attend_to_a_window() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    from quantcore.models.checkpoint import attention_windows
+    from quantcore.models.summary import attention_windows
 
     gemma = build_tiny_model("gemma3")  # layer_types: sliding (window 8), full
     assert attention_windows(gemma) == {"model.layers.0.self_attn": 8}
@@ -359,7 +362,8 @@ def test_the_backend_note_says_where_the_attention_assumption_and_the_gpu_part_w
 
     hopper = attention_backend_note("FP8_UNSCALED", 90, "NVIDIA H100")
     assert hopper is not None and "FlashAttention 3" in hopper and "Score FP8_ATTN_UNSCALED" in hopper
-    assert attention_backend_note("FP8", 90, "NVIDIA H100").endswith("Score FP8_ATTN to see what FlashAttention 3 costs.")
+    assert attention_backend_note("FP8", 90, "NVIDIA H100").endswith(
+        "Score FP8_ATTN to see what FlashAttention 3 costs.")
     blackwell = attention_backend_note("FP8_ATTN", 100, "NVIDIA B200")
     assert blackwell is not None and "Hopper (sm90) only" in blackwell and "scored by FP8." in blackwell
     for sm, gpu in ((100, "NVIDIA B200"), (89, "NVIDIA L40S")):
@@ -419,13 +423,13 @@ def test_scores_of_fp8_attention_add_the_error_of_q_and_p() -> None:
     ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
     amax = calibrate_kv_cache(model, {}, _ids(7))
     assert set(amax.q) == set(amax.k)
-    cache = score_plan(model, {}, ids, ref, kv_cache="FP8", kv_amax=amax)
-    attn = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", kv_amax=amax)
+    cache = score_plan(model, {}, ids, ref, kv_cache="FP8", inputs=PlanInputs(kv_amax=amax))
+    attn = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", inputs=PlanInputs(kv_amax=amax))
     assert attn.kv_cache == "FP8_ATTN" and set(attn.kv_saturation) == set(amax.k)
     assert attn.kl_mean > cache.kl_mean > 0
     # per-head K/V scales: the calibration recorded every head, and the score differs from one scale per layer
     assert set(amax.k_head) == set(amax.k)
-    head = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN_HEAD", kv_amax=amax)
+    head = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN_HEAD", inputs=PlanInputs(kv_amax=amax))
     assert head.kv_cache == "FP8_ATTN_HEAD" and head.kl_mean > 0 and head.kl_mean != attn.kl_mean
     assert model.config._attn_implementation == "sdpa"
 
@@ -480,7 +484,7 @@ def test_skipped_layers_keep_their_k_and_v_and_their_attention(spy) -> None:
     """Gemma 3's sliding-window layer kept out: its K and V reach attention untouched, the full layer's are
     rounded, and only the quantized layer is counted for saturation."""
     from quantcore.evaluation.kvcache import kv_skip_layers
-    from quantcore.models.checkpoint import attention_windows
+    from quantcore.models.summary import attention_windows
 
     model = build_tiny_model("gemma3")
     ids = _ids()
@@ -604,7 +608,7 @@ def test_head_spread_ranks_the_layers_whose_heads_differ_most() -> None:
 def test_kv_calibration_and_score_round_each_gptq_layer_once(monkeypatch) -> None:
     """A GPTQ plan scored with a calibrated KV cache: the calibration and the score share one gptq_cache, so GPTQ
     runs once per layer (the score job's own order), and the score is the one without the cache, bit for bit."""
-    import quantcore.algorithms.apply as apply_mod
+    import quantcore.algorithms.gptq as gptq_mod  # the module whose GPTQ rounding handler calls gptq_quantize
     from quantcore.algorithms.gptq import collect_hessians
 
     model = build_tiny_model("llama")
@@ -614,13 +618,13 @@ def test_kv_calibration_and_score_round_each_gptq_layer_once(monkeypatch) -> Non
     hessians = collect_hessians(model, list(plan), ids)
     ref = compute_reference(model, ids, batch_size=2, model_sha="x", eval_key="y")
     calls: list[int] = []
-    real = apply_mod.gptq_quantize
-    monkeypatch.setattr(apply_mod, "gptq_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gptq_mod.gptq_quantize
+    monkeypatch.setattr(gptq_mod, "gptq_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def score(cache):
-        amax = calibrate_kv_cache(model, plan, ids, weight_hessians=hessians, gptq_cache=cache)
-        return score_plan(model, plan, ids, ref, kv_cache="FP8", kv_amax=amax, weight_hessians=hessians,
-                          gptq_cache=cache)
+        amax = calibrate_kv_cache(model, plan, ids, inputs=PlanInputs(weight_hessians=hessians, gptq_cache=cache))
+        return score_plan(model, plan, ids, ref, kv_cache="FP8",
+                          inputs=PlanInputs(kv_amax=amax, weight_hessians=hessians, gptq_cache=cache))
 
     plain = score(None)
     assert len(calls) == 2 * len(plan)  # rounded for the calibration, and again for the score

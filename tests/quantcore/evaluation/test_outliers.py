@@ -244,7 +244,7 @@ def test_breakage_block_granularity_rescues_small_tiles() -> None:
     assert block["frac_channels_flushed"] == pytest.approx(2 / 8)  # only 0.9 and 1.0 in the outlier's tile
     assert block["expected_saturation"] == 0.0  # dynamic scales do not clip
     # per-group along K (schemes.Granularity.GROUP) is the same estimate for activations
-    from quantcore.schemes.specs import Granularity
+    from quantcore.formats.granularity import Granularity
 
     group = ol.layer_breakage(stat, "int8", Granularity.GROUP, block_size=4)
     assert group["frac_channels_flushed"] == pytest.approx(2 / 8)

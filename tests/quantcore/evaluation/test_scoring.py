@@ -10,19 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.errors import Cancelled, PlanError
-from quantcore.evaluation.scoring import (
-    KL_HIST_EDGES,
+from quantcore.evaluation.reference import (
     ReferenceCache,
     ReferenceMismatch,
-    ScoreReport,
     compute_reference,
     eval_key_for,
-    plan_applied,
     reference_cache_path,
-    score_plan,
-    summarize,
 )
+from quantcore.evaluation.scoring import KL_HIST_EDGES, ScoreReport, plan_applied, score_plan, summarize
 from quantcore.evaluation.sensitivity import linear_layer_names
 
 SEQS, LENGTH = 6, 24  # evaluation tokens of these tests: 6 sequences of 24 tokens
@@ -158,7 +155,7 @@ def test_static_scales_need_calibration_and_use_it(tiny_model_factory):
     ids = eval_ids()
     ref = compute_reference(model, ids)
     plan = whole_plan(model, "FP8")  # static per-tensor activation scales
-    report = score_plan(model, plan, ids, ref, act_amax=act_amax_of(model, ids))
+    report = score_plan(model, plan, ids, ref, inputs=PlanInputs(act_amax=act_amax_of(model, ids)))
     assert 0.0 < report.kl_mean < 1.0
 
 
@@ -281,7 +278,8 @@ def test_smoothquant_helps_per_tensor_int8_and_restores(tiny_model_factory):
     before = state(model)
     plain = score_plan(model, whole_plan(model, "INT8_PER_TENSOR"), ids, ref)
     smoothed = score_plan(
-        model, whole_plan(model, "INT8_PER_TENSOR_SQ"), ids, ref, act_amax=amax, act_channel_max=channel_max
+        model, whole_plan(model, "INT8_PER_TENSOR_SQ"), ids, ref,
+        inputs=PlanInputs(act_amax=amax, act_channel_max=channel_max)
     )
     assert_same_state(model, before)
     assert smoothed.kl_mean < 0.7 * plain.kl_mean, (smoothed.kl_mean, plain.kl_mean)
@@ -294,7 +292,8 @@ def test_static_scale_of_a_smoothed_layer_is_its_smoothed_amax(tiny_model_factor
     max_j(channel_max_j / s_j). Checked against the amax measured on the smoothed model itself."""
     from quantcore.algorithms.apply import apply_plan
     from quantcore.algorithms.smoothquant import smooth_model
-    from quantcore.schemes.specs import Scheme, get_scheme
+    from quantcore.schemes.presets import get_scheme
+    from quantcore.schemes.specs import Scheme
 
     fp8 = get_scheme("FP8")  # static per-tensor activations
     fp8_sq = Scheme("FP8_SQ", fp8.weights, fp8.activations, smoothquant_alpha=0.5)
@@ -304,7 +303,7 @@ def test_static_scale_of_a_smoothed_layer_is_its_smoothed_amax(tiny_model_factor
     amax, channel_max = calibration(model, ids)
     layers = [n for n in linear_layer_names(model) if n != "lm_head"]
     plan = {n: fp8_sq for n in layers}
-    report = score_plan(model, plan, ids, ref32, act_amax=amax, act_channel_max=channel_max)
+    report = score_plan(model, plan, ids, ref32, inputs=PlanInputs(act_amax=amax, act_channel_max=channel_max))
 
     handle = smooth_model(model, {n: channel_max[n] for n in layers}, 0.5, layers=layers)
     measured = act_amax_of(model, ids)  # the real amax of every smoothed input
@@ -312,7 +311,7 @@ def test_static_scale_of_a_smoothed_layer_is_its_smoothed_amax(tiny_model_factor
         assert float((torch.as_tensor(channel_max[n]) / handle.factors[n].cpu()).max()) == pytest.approx(
             measured[n], rel=1e-4
         ), n
-    applied = apply_plan(model, {n: fp8_sq.with_alpha(None) for n in layers}, act_amax=measured)
+    applied = apply_plan(model, {n: fp8_sq.with_alpha(None) for n in layers}, PlanInputs(act_amax=measured))
     with torch.no_grad():
         q_logits = model(input_ids=ids, use_cache=False).logits
     applied.restore()
@@ -328,13 +327,13 @@ def test_static_scales_that_clip_are_reported(tiny_model_factory):
     ref = compute_reference(model, ids)
     amax = act_amax_of(model, ids)
     plan = whole_plan(model, "FP8")
-    fitted = score_plan(model, plan, ids, ref, act_amax=amax)
+    fitted = score_plan(model, plan, ids, ref, inputs=PlanInputs(act_amax=amax))
     # calibrated on this very text: only upstream quantization error can push an input past its amax
     assert set(fitted.act_saturation) == set(plan) and max(fitted.act_saturation.values()) < 1e-3
     assert not fitted.notes
     # a calibration that saw a tenth of the real range clips the live inputs
     short = {k: v / 10 for k, v in amax.items()}
-    clipped = score_plan(model, plan, ids, ref, act_amax=short)
+    clipped = score_plan(model, plan, ids, ref, inputs=PlanInputs(act_amax=short))
     assert sum(clipped.act_saturation.values()) / len(plan) > 1e-2
     assert clipped.kl_mean > fitted.kl_mean
     assert any("clipped live traffic" in n for n in clipped.notes)
@@ -345,7 +344,7 @@ def test_static_scales_that_clip_are_reported(tiny_model_factory):
 def test_token_stats_do_not_depend_on_the_block_size(monkeypatch):
     # blocks are a speed choice (cache-sized on a CPU); every reduction runs along one row, so the
     # stored form, NLL, argmax (ties included) and KL must be bit-identical for any block size
-    from quantcore.evaluation import scoring
+    from quantcore.evaluation import reference
     gen = torch.Generator().manual_seed(3)
     vocab, n = 1000, 37
     ref_logits = torch.randn(n, vocab, generator=gen) * 4
@@ -354,9 +353,9 @@ def test_token_stats_do_not_depend_on_the_block_size(monkeypatch):
     targets = torch.randint(0, vocab, (n,), generator=gen)
     results = []
     for elements in (1, 3 * vocab, 1 << 22):
-        monkeypatch.setattr(scoring, "KL_CHUNK_ELEMENTS_CPU", elements)
-        ref = scoring.token_stats(ref_logits, targets)
-        results.append((ref, scoring.token_stats(logits, targets, ref.stored, ref.lognorm)))
+        monkeypatch.setattr(reference, "KL_CHUNK_ELEMENTS_CPU", elements)
+        ref = reference.token_stats(ref_logits, targets)
+        results.append((ref, reference.token_stats(logits, targets, ref.stored, ref.lognorm)))
     for ref, got in results[1:]:
         for field in ("stored", "lognorm", "nll", "argmax"):
             assert torch.equal(getattr(ref, field), getattr(results[0][0], field)), field
@@ -367,7 +366,7 @@ def test_token_stats_do_not_depend_on_the_block_size(monkeypatch):
 
 def test_score_reports_say_which_numerics_made_them():
     from quantcore.evaluation.scoring import ScoreReport
-    from quantcore.schemes.specs import NUMERICS
+    from quantcore.schemes.numerics import NUMERICS
 
     rep = ScoreReport(0.1, 0.1, 0.1, 0.1, 0.1, 0.9, 10.0, 11.0, 100)
     assert rep.numerics == NUMERICS >= 2 and rep.to_dict()["numerics"] == NUMERICS

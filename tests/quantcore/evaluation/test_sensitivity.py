@@ -10,17 +10,19 @@ import pytest
 import torch
 from torch import nn
 
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.errors import Cancelled, PlanError
-from quantcore.evaluation.scoring import ReferenceMismatch, compute_reference, plan_applied
+from quantcore.evaluation.reference import ReferenceMismatch, compute_reference
+from quantcore.evaluation.scoring import plan_applied
 from quantcore.evaluation.sensitivity import (
     SweepPace,
-    find_decoder_blocks,
     linear_layer_names,
     sensitivity_sweep,
     sweep_units,
     time_left_text,
 )
 from quantcore.formats.quantize import sqnr_db
+from quantcore.models.decoder import find_decoder_blocks
 
 SEQS, LENGTH = 4, 20  # evaluation tokens: 4 sequences of 20 tokens
 HEAD_SHARPEN = 15.0  # lm_head scale: next-token entropy ~2.5 nats, like a trained LM
@@ -116,11 +118,12 @@ def test_a_sweep_on_two_gpus_quantizes_each_unit_as_served_there(tiny_model_fact
     ref = compute_reference(model, ids)
     two = Parallelism(2)
     one_gpu = {r.layer: r.kl_mean for r in sensitivity_sweep(model, "INT8_PER_TENSOR", ids, ref, groups=False)}
-    rows = {r.layer: r for r in sensitivity_sweep(model, "INT8_PER_TENSOR", ids, ref, groups=False, parallel=two)}
+    rows = {r.layer: r for r in sensitivity_sweep(model, "INT8_PER_TENSOR", ids, ref, groups=False,
+                                                  inputs=PlanInputs(parallel=two))}
     with torch.no_grad():
         lr = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
     for layer in (planted, "model.layers.1.self_attn.o_proj", "lm_head"):
-        with plan_applied(model, {layer: "INT8_PER_TENSOR"}, parallel=two), torch.no_grad():
+        with plan_applied(model, {layer: "INT8_PER_TENSOR"}, inputs=PlanInputs(parallel=two)), torch.no_grad():
             lq = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
         golden = float((lr.exp() * (lr - lq)).sum(-1).mean())
         assert rows[layer].kl_mean == pytest.approx(golden, rel=1e-4, abs=1e-7), layer
@@ -252,7 +255,8 @@ def test_smoothquant_sweep_tames_the_planted_outlier(tiny_model_factory):
     smooth = {
         r.layer: r
         for r in sensitivity_sweep(
-            model, "INT8_PER_TENSOR_SQ", ids, ref, layers=[planted, "lm_head"], act_channel_max=channel_max
+            model, "INT8_PER_TENSOR_SQ", ids, ref, layers=[planted, "lm_head"],
+            inputs=PlanInputs(act_channel_max=channel_max)
         )
     }
     assert_clean(model, before)

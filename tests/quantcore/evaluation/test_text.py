@@ -19,21 +19,10 @@ from quantcore.evaluation.text import (
     prefix_ids,
     token_batches,
 )
+from tests.factories import tiny_tokenizer
 
-WORDS = "the a of to and in is it that was for on are with as at by this from news said year".split()
 BOS_ID = 1
 EOS_ID = 2
-
-
-def tiny_tokenizer():
-    """A word-level fast tokenizer: ids 0..2 are <unk>, <s>, </s>, then WORDS in order."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 @pytest.fixture(scope="module")

@@ -18,56 +18,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantcore.errors import PlanError
-from quantcore.export.targets import (
+from quantcore.export.compressed_tensors import (
+    from_compressed_tensors_config,
+    kv_cache_of_config,
+    to_compressed_tensors_config,
+)
+from quantcore.export.llmcompressor import (
+    LLAMA_SQ_MAPPINGS,
+    from_llmcompressor_recipe,
+    kv_cache_of_recipe,
+    to_llmcompressor_recipe,
+)
+from quantcore.export.quant_args import (
     CT_PRESETS,
     KV_CACHE_FP8_ARGS,
     KV_CACHE_FP8_HEAD_ARGS,
-    LLAMA_SQ_MAPPINGS,
-    compact_targets,
     ct_args,
     ct_preset_name,
-    from_compressed_tensors_config,
-    from_llmcompressor_recipe,
-    kv_cache_of_config,
-    kv_cache_of_recipe,
     scheme_from_ct_args,
-    to_compressed_tensors_config,
-    to_llmcompressor_recipe,
-    to_vllm_command,
 )
+from quantcore.export.vllm import to_vllm_command
 from quantcore.planning.plans import diff_plans, resolve_plan, spec_from_plan
-from quantcore.schemes.specs import Scheme, fusion_groups, get_scheme, list_schemes
+from quantcore.schemes.fusion import fusion_groups
+from quantcore.schemes.presets import get_scheme, list_schemes
+from quantcore.schemes.specs import Scheme
+from quantcore.schemes.targets import compact_targets
+from tests.factories import EXPRESSIBLE, LAYERS, uniform
 
-N_BLOCKS = 3
-
-
-def llama_layer_names(n_blocks: int = N_BLOCKS) -> list[str]:
-    """Every nn.Linear of a Llama-style model, in module order (lm_head last)."""
-    names = []
-    for b in range(n_blocks):
-        p = f"model.layers.{b}"
-        names += [f"{p}.self_attn.{x}_proj" for x in "qkvo"]
-        names += [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")]
-    return names + ["lm_head"]
-
-
-LAYERS = llama_layer_names()
-#: presets compressed-tensors cannot store (and why they fail is tested below)
-INEXPRESSIBLE = {"FP8_E5M2"}
-EXPRESSIBLE = [s for s in list_schemes() if s not in INEXPRESSIBLE]
 SQ_PRESETS = [s for s in list_schemes() if get_scheme(s).smoothquant_alpha is not None]
-
-
-def uniform(scheme: str, *, head: str = "BF16") -> dict[str, Scheme]:
-    """``scheme`` on every layer, ``head`` on lm_head; o_proj of a *_SQ scheme gets the unsmoothed preset
-    (llm-compressor's SmoothQuant cannot fold o_proj under grouped-query attention)."""
-    plan = {n: get_scheme(scheme) for n in LAYERS}
-    if "_SQ" in scheme:
-        for n in LAYERS:
-            if n.endswith("o_proj"):
-                plan[n] = get_scheme(scheme.replace("_SQ", ""))
-    plan["lm_head"] = get_scheme(head)
-    return plan
 
 
 def without_alpha(plan: dict[str, Scheme]) -> dict[str, Scheme]:
@@ -216,7 +194,8 @@ def test_uniform_preset_uses_scheme_name_targets_linear_and_ignores_bf16() -> No
 
 def test_seen_here_recipe_imports() -> None:
     """The recipe shape SEEN-HERE.md records as loading in the real llmcompressor."""
-    text = "quant_stage: {quant_modifiers: {QuantizationModifier: {targets: [Linear], scheme: FP8_DYNAMIC, ignore: [lm_head]}}}"
+    text = ("quant_stage: {quant_modifiers: {QuantizationModifier: "
+            "{targets: [Linear], scheme: FP8_DYNAMIC, ignore: [lm_head]}}}")
     assert from_llmcompressor_recipe(text, layer_names=LAYERS) == uniform("FP8_DYNAMIC")
 
 
@@ -425,7 +404,8 @@ def test_e5m2_is_refused_naming_layers_and_reason() -> None:
 
 
 def test_custom_schemes_that_compressed_tensors_cannot_store() -> None:
-    from quantcore.schemes.specs import Granularity, TensorSpec
+    from quantcore.formats.granularity import Granularity
+    from quantcore.schemes.specs import TensorSpec
 
     fp4 = Scheme("FP4_CHANNEL", TensorSpec("fp4_e2m1", Granularity.CHANNEL, dynamic=False), None)
     block_acts = Scheme(
@@ -730,7 +710,8 @@ def test_per_head_kv_scales_are_the_attn_head_strategy_and_round_trip() -> None:
     recipe = to_llmcompressor_recipe(plan, layer_names=LAYERS, kv_cache="FP8_ATTN_HEAD")
     assert quant_modifier(recipe)["kv_cache_scheme"] == KV_CACHE_FP8_HEAD_ARGS
     assert "strategy attn_head" in recipe.split("quant_stage")[0] and "calibration data" in recipe
-    assert kv_cache_of_recipe(recipe) == "FP8_ATTN_HEAD" and from_llmcompressor_recipe(recipe, layer_names=LAYERS) == plan
+    assert kv_cache_of_recipe(recipe) == "FP8_ATTN_HEAD"
+    assert from_llmcompressor_recipe(recipe, layer_names=LAYERS) == plan
     cfg = json.loads(json.dumps(to_compressed_tensors_config(plan, layer_names=LAYERS, kv_cache="FP8_ATTN_HEAD")))
     assert cfg["kv_cache_scheme"] == KV_CACHE_FP8_HEAD_ARGS and kv_cache_of_config(cfg) == "FP8_ATTN_HEAD"
     cmd = to_vllm_command(plan, model_path="/m", layer_names=LAYERS, kv_cache="FP8_ATTN_HEAD")
@@ -804,7 +785,8 @@ def test_vllm_unquantized_plan() -> None:
 
 def test_export_and_autoplan_are_torch_free() -> None:
     code = (
-        "import sys, quantcore.export.targets, quantcore.planning.autoplan; "
+        "import sys, quantcore.export.llmcompressor, quantcore.export.compressed_tensors, quantcore.export.vllm, "
+        "quantcore.planning.autoplan; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -826,7 +808,7 @@ def test_a_plan_for_several_gpus_says_so_on_the_command_line() -> None:
 def test_smoothquant_on_every_o_proj_is_one_problem_naming_the_layers() -> None:
     """A plan smoothed on every o_proj (an automatic plan made before it avoided them did that) is refused in one
     line that names the layers and the fix, not one near-identical line per layer."""
-    from quantcore.export.targets import smoothquant_unexportable
+    from quantcore.models.mappings import smoothquant_unexportable
 
     plan = uniform("INT8_W8A8_SQ")
     o_projs = [n for n in LAYERS if n.endswith("o_proj")]

@@ -21,21 +21,18 @@ from typing import Any
 import pytest
 import yaml
 
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.evaluation.kvcache import get_kv_format
-from quantcore.export.targets import (
-    CT_ARG_KEYS,
-    CT_PRESETS,
-    kv_cache_scheme,
-    scheme_from_ct_args,
-    to_llmcompressor_recipe,
-    to_vllm_command,
-)
-from quantcore.schemes.specs import Scheme, get_scheme
-from tests.quantcore.test_export import EXPRESSIBLE, LAYERS, N_BLOCKS, uniform
+from quantcore.export.llmcompressor import to_llmcompressor_recipe
+from quantcore.export.quant_args import CT_ARG_KEYS, CT_PRESETS, kv_cache_scheme, scheme_from_ct_args
+from quantcore.export.vllm import to_vllm_command
+from quantcore.schemes.presets import get_scheme
+from quantcore.schemes.specs import Scheme
+from tests.factories import EXPRESSIBLE, LAYERS, N_BLOCKS, uniform
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"
 ENV_TIMEOUT_S = 1800  # a first build on a slow mirror; a warm environment returns at once
 CHECK_TIMEOUT_S = 600  # one llmc_check.py run: ~20 s to import llmcompressor, then milliseconds per recipe
@@ -211,9 +208,9 @@ def test_gptq_modifier_runs_gptq_as_quantcore_does(llmc, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["awq", "uniform-W4A16_AWQ", "awq-with-gptq-o-proj"])
 def test_awq_modifier_searches_exactly_the_planned_folds(llmc, name: str) -> None:
-    """The exported AWQModifier runs quantcore.algorithms.awq's grid and resolves to exactly the folds quantcore searches for
-    the plan's AWQ layers: q/k/v into input_layernorm, gate/up into post_attention_layernorm, down_proj into
-    up_proj, and no v_proj -> o_proj (grouped-query attention, skipped by both)."""
+    """The exported AWQModifier runs quantcore.algorithms.awq's grid and resolves to exactly the folds quantcore
+    searches for the plan's AWQ layers: q/k/v into input_layernorm, gate/up into post_attention_layernorm, down_proj
+    into up_proj, and no v_proj -> o_proj (grouped-query attention, skipped by both)."""
     from quantcore.schemes.specs import AWQ_DUO_SCALING, AWQ_N_GRID
 
     made, summary = llmc
@@ -391,7 +388,9 @@ def oneshots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     return {name: (workdir, run.stderr) for name, workdir in workdirs.items()}
 
 
-def run_oneshot(oneshots: dict[str, tuple[Path, str]], case: str, plan: dict[str, Scheme]) -> tuple[dict[str, Any], Path]:
+def run_oneshot(
+    oneshots: dict[str, tuple[Path, str]], case: str, plan: dict[str, Scheme]
+) -> tuple[dict[str, Any], Path]:
     """Case ``case``'s oneshot.json and workdir (oneshot.safetensors and the tiny model lie there); ``plan`` is the
     plan the test means, which must be the one that ran."""
     ran, _ = oneshot_cases()[case]
@@ -439,7 +438,7 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(oneshots, base:
 
     from quantcore.algorithms.awq import awq_search, candidates, weight_means
     from quantcore.evaluation.scoring import plan_applied
-    from quantcore.formats.quantize import fake_quantize_weight
+    from quantcore.formats.weights import fake_quantize_weight
 
     plan = awq_plan(base)
     got, workdir = run_oneshot(oneshots, f"awq-{base}", plan)
@@ -491,7 +490,7 @@ def test_exported_awq_recipe_makes_quantcores_weights_in_oneshot(oneshots, base:
         if ours_r in picks:
             agree[label] = first
     assert len(agree) >= len(found.errors) - 1, f"only {sorted(agree)} picked the same scale"
-    with plan_applied(model, plan, awq=found):
+    with plan_applied(model, plan, inputs=PlanInputs(awq=found)):
         ours = {n: p.detach().clone() for n, p in model.named_parameters() if n in theirs}
     for label, first in agree.items():
         assert off_grid(ours[first + ".weight"], theirs[first + ".weight"]) < 0.002, first
@@ -568,7 +567,7 @@ def test_an_moe_plan_quantizes_each_expert_in_oneshot_as_quantcore_emulates_it(o
     from safetensors.torch import load_file
 
     from quantcore.evaluation.scoring import plan_applied
-    from quantcore.models.checkpoint import load_model
+    from quantcore.models.loading import load_model
 
     names = tiny_moe_layer_names()
     plan = moe_oneshot_plan()
@@ -610,8 +609,8 @@ def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(oneshots) -> Non
 
     from quantcore.algorithms.awq import awq_mappings, awq_search, candidates, weight_means
     from quantcore.evaluation.scoring import plan_applied
-    from quantcore.formats.quantize import fake_quantize_weight
-    from quantcore.models.checkpoint import load_model
+    from quantcore.formats.weights import fake_quantize_weight
+    from quantcore.models.loading import load_model
     from quantcore.models.moe import all_experts
 
     names = tiny_moe_layer_names()
@@ -666,7 +665,7 @@ def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(oneshots) -> Non
         if ours_r in picks:
             agree.append(label)
     assert len(agree) >= len(mappings) - 1, f"only {sorted(agree)} picked the same scale"
-    with plan_applied(model, plan, awq=found):
+    with plan_applied(model, plan, inputs=PlanInputs(awq=found)):
         ours = {n: p.detach().clone() for n, p in model.named_parameters() if n in theirs}
         routers = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
     for label in agree:

@@ -18,20 +18,15 @@ from hypothesis import strategies as st
 
 from quantcore.formats.catalog import get_format, list_formats, representable_values
 from quantcore.formats.quantize import (
-    AmaxHistory,
     QuantReport,
-    compute_amax,
-    decode,
-    delayed_scale,
     dequantize,
     fake_quantize,
     fake_quantize_with_report,
     quantize,
-    round_minifloat,
-    round_to_format,
-    scale_from_amax,
     sqnr_db,
 )
+from quantcore.formats.rounding import decode, round_minifloat, round_to_format
+from quantcore.formats.scales import AmaxHistory, compute_amax, delayed_scale, scale_from_amax
 
 INF, NAN = math.inf, math.nan
 ALL_FORMATS = list_formats()
@@ -338,7 +333,7 @@ def test_mx_weights_take_compressed_tensors_scales_activations_the_ocp_ones():
     """A checkpoint's MX weight scales are compressed-tensors' (generate_mx_scales): the block amax rounded to a power
     of two first, up from 1.75 x 2**e, so 7.5 (1.875 x 4) gets scale 2 where OCP's floor(log2 7.5) - 2 gives 1 and
     clips it to 6. Activations, quantized at serving time, keep the OCP rule."""
-    from quantcore.formats.quantize import fake_quantize_weight, mx_weight_scale
+    from quantcore.formats.weights import fake_quantize_weight, mx_weight_scale
     from quantcore.schemes.specs import TensorSpec
 
     spec = TensorSpec("mxfp4", "group", dynamic=False)
@@ -477,16 +472,17 @@ def _grid_points_midpoints_neighbours(fmt: str, dtype: torch.dtype) -> torch.Ten
 @pytest.mark.parametrize("fmt", MINIFLOATS)
 def test_in_place_minifloat_rounding_matches_torch_casts_and_reference(fmt, dtype, monkeypatch):
     # (every float32 in [-max, max] was also checked once, offline: 2.3e9 values per format, all equal)
-    from quantcore.formats import quantize as qmod
+    from quantcore.formats import rounding
+
     e = get_format(fmt)
     pts = _grid_points_midpoints_neighbours(fmt, dtype)
     reference = round_minifloat(pts, e.man_bits, e.emin, e.max)
-    monkeypatch.setattr(qmod, "_ROUND_CHUNK", 1000)  # several slices, a partial last one
-    ours = qmod._round_minifloat_(pts.clone(), e.man_bits, e.emin)
+    monkeypatch.setattr(rounding, "_ROUND_CHUNK", 1000)  # several slices, a partial last one
+    ours = rounding._round_minifloat_(pts.clone(), e.man_bits, e.emin)
     assert torch.equal(_int_bits(ours), _int_bits(reference))
     strided = pts.clone().reshape(-1, 2).t()  # a non-contiguous view is rounded in one piece
     assert torch.equal(
-        _int_bits(qmod._round_minifloat_(strided, e.man_bits, e.emin).t().reshape(-1)), _int_bits(reference)
+        _int_bits(rounding._round_minifloat_(strided, e.man_bits, e.emin).t().reshape(-1)), _int_bits(reference)
     )
     if fmt in TORCH_FP8:
         cast = pts.to(TORCH_FP8[fmt]).to(dtype)
@@ -521,6 +517,8 @@ def _scales_for(fmt: str):
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_cpu_shortcuts_match_branch_free_formulas(fmt, dtype, monkeypatch):
     from quantcore.formats import quantize as qmod
+    from quantcore.formats import rounding, scales
+
     def run_all(x, gran, kw, scale):
         y, rep = fake_quantize_with_report(x, fmt, gran, scale=scale, **kw)
         q = quantize(x, fmt, gran, scale=scale, **kw) if not torch.isnan(x).any() else None
@@ -543,7 +541,8 @@ def test_cpu_shortcuts_match_branch_free_formulas(fmt, dtype, monkeypatch):
                 if scale is not None and gran != "tensor":
                     continue
                 fast = run_all(x, gran, kw, scale)
-                monkeypatch.setattr(qmod, "_may_branch", lambda t: False)
+                for module in (qmod, rounding, scales):  # every module that branches on may_branch
+                    monkeypatch.setattr(module, "may_branch", lambda t: False)
                 slow = run_all(x, gran, kw, scale)
                 monkeypatch.undo()
                 for a, b in zip(fast, slow, strict=True):
@@ -793,8 +792,8 @@ def grid_divisor(qmin: int, qmax: int) -> float:
 def test_int_weights_sit_on_compressed_tensors_grid(scheme, qmin, qmax, group):
     """Symmetric int weights as compressed-tensors stores them: scale amax / ((qmax - qmin) / 2), codes
     qmin..qmax; the most negative weight of a group lands on qmin, the largest positive one clips to qmax."""
-    from quantcore.formats.quantize import fake_quantize_weight, int_weight_grid, weight_scale
-    from quantcore.schemes.specs import get_scheme
+    from quantcore.formats.weights import fake_quantize_weight, int_weight_grid, weight_scale
+    from quantcore.schemes.presets import get_scheme
 
     spec = get_scheme(scheme).weights
     gen = torch.Generator().manual_seed(3)
@@ -829,8 +828,8 @@ def test_asymmetric_int4_weights_span_each_groups_min_to_max(scheme, group):
     round(-8 - min / scale), so a group's 16 levels cover its own range. The group's minimum lands on code -8, its
     maximum on 7 (up to the rounding of the zero point), zero is exact, and on weights that are not centred on zero
     the error is smaller than the symmetric grid's."""
-    from quantcore.formats.quantize import fake_quantize_weight, weight_scale, weight_zero_point
-    from quantcore.schemes.specs import get_scheme
+    from quantcore.formats.weights import fake_quantize_weight, weight_scale, weight_zero_point
+    from quantcore.schemes.presets import get_scheme
 
     spec = get_scheme(scheme).weights
     gen = torch.Generator().manual_seed(5)
@@ -855,8 +854,8 @@ def test_asymmetric_int4_weights_span_each_groups_min_to_max(scheme, group):
 
 def test_apply_plan_puts_int_weights_on_the_checkpoint_grid(tiny_llama):
     from quantcore.algorithms.apply import apply_plan
-    from quantcore.formats.quantize import fake_quantize_weight
-    from quantcore.schemes.specs import get_scheme
+    from quantcore.formats.weights import fake_quantize_weight
+    from quantcore.schemes.presets import get_scheme
 
     layer = "model.layers.0.mlp.down_proj"
     w = tiny_llama.get_submodule(layer).weight.detach().clone()

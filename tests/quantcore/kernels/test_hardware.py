@@ -1,4 +1,4 @@
-"""Tests of quantcore.kernels.hardware: target table, support rules, device probe."""
+"""Tests of quantcore.kernels.hardware (target table, support rules) and quantcore.kernels.device (device probe)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from quantcore.errors import UnsupportedOnDevice
+from quantcore.kernels import device as dev
 from quantcore.kernels import hardware as hw
 
 HAS_CUDA = torch.cuda.is_available()
@@ -182,7 +183,8 @@ def test_known_formats_match_the_formats_module() -> None:
 
 
 def test_import_is_torch_free() -> None:
-    code = "import sys, quantcore.kernels.hardware; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, quantcore.kernels.hardware, quantcore.kernels.device; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -190,16 +192,16 @@ def test_import_is_torch_free() -> None:
 
 
 def test_device_class() -> None:
-    assert hw.device_class("cpu") == "cpu"
-    assert hw.device_class("cuda", (9, 0)) == "gpu.sm90"
-    assert hw.device_class("cuda", (10, 0)) == "gpu.sm100"
-    assert hw.device_class("cuda") == "gpu"
+    assert dev.device_class("cpu") == "cpu"
+    assert dev.device_class("cuda", (9, 0)) == "gpu.sm90"
+    assert dev.device_class("cuda", (10, 0)) == "gpu.sm100"
+    assert dev.device_class("cuda") == "gpu"
     with pytest.raises(ValueError):
-        hw.device_class("tpu")
+        dev.device_class("tpu")
 
 
 def test_probe_cpu() -> None:
-    info = hw.probe_device("cpu")
+    info = dev.probe_device("cpu")
     assert info.kind == "cpu"
     assert info.device_class == "cpu"
     assert info.compute_capability is None and info.sm is None
@@ -217,9 +219,9 @@ def test_probe_cpu() -> None:
     ({"fp", "asimd", "asimddp"}, "asimddp"),  # Arm with the dot-product extension
 ])
 def test_device_paths_on_cpu_say_what_runs_and_what_is_accelerated(flags, isa) -> None:
-    assert hw.int8_dot_isa(flags) == isa
-    paths = hw.device_paths(hw.probe_device("cpu"), flags=flags)
-    assert set(paths) == set(hw.DEVICE_PATHS)
+    assert dev.int8_dot_isa(flags) == isa
+    paths = dev.device_paths(dev.probe_device("cpu"), flags=flags)
+    assert set(paths) == set(dev.DEVICE_PATHS)
     assert paths["baseline"].runs and paths["baseline"].native
     for p in ("fp8_tensor", "fp8_row", "int8_row"):
         assert paths[p].runs, paths[p].note  # torch 2.13 CPU: _scaled_mm (E4M3) and _int_mm both execute
@@ -231,27 +233,28 @@ def test_device_paths_on_cpu_say_what_runs_and_what_is_accelerated(flags, isa) -
     else:
         assert int8.native and isa in int8.note
     assert not paths["fp4"].runs and not paths["fp4"].native
-    for p in ("w8_row", "w4_g128", "w4_g64", "w4_g32", "w4_ch"):  # weight-only kernels run in fp32 on any CPU torch builds for
+    # weight-only kernels run in fp32 on any CPU torch builds for
+    for p in ("w8_row", "w4_g128", "w4_g64", "w4_g32", "w4_ch"):
         assert paths[p].runs and paths[p].native and "dequantizes them inside the kernel" in paths[p].note
 
 
 def test_this_cpus_flags_are_read() -> None:
-    flags = hw.cpu_flags()
+    flags = dev.cpu_flags()
     if not Path("/proc/cpuinfo").exists():
         pytest.skip("no /proc/cpuinfo")
     assert flags, "/proc/cpuinfo has a flags / Features line on Linux"
-    assert hw.device_paths(hw.probe_device("cpu"))["int8_row"].native == (hw.int8_dot_isa(flags) is not None)
+    assert dev.device_paths(dev.probe_device("cpu"))["int8_row"].native == (dev.int8_dot_isa(flags) is not None)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where there is no CUDA")
 def test_probe_cuda_without_cuda_says_so() -> None:
     with pytest.raises(UnsupportedOnDevice, match="no CUDA"):
-        hw.probe_device("cuda")
+        dev.probe_device("cuda")
 
 
 def test_probe_rejects_other_devices() -> None:
     with pytest.raises(UnsupportedOnDevice):
-        hw.probe_device("meta")
+        dev.probe_device("meta")
 
 
 # --------------------------------------------------------------------------- GPU
@@ -260,7 +263,7 @@ def test_probe_rejects_other_devices() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_probe_cuda() -> None:
-    info = hw.probe_device("cuda")
+    info = dev.probe_device("cuda")
     assert info.kind == "cuda" and info.compute_capability is not None
     assert info.device_class == f"gpu.sm{info.compute_capability[0]}{info.compute_capability[1]}"
     assert info.memory_bytes and info.memory_bytes > 0
@@ -273,8 +276,8 @@ def test_probe_cuda() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_device_paths_cuda_follow_the_capability() -> None:
-    info = hw.probe_device("cuda")
-    paths = hw.device_paths(info)
+    info = dev.probe_device("cuda")
+    paths = dev.device_paths(info)
     sm = info.sm or 0
     assert paths["baseline"].runs and paths["baseline"].native
     assert paths["int8_row"].native == paths["int8_row"].runs == (sm >= hw.SM_INT8_MMA)
@@ -294,50 +297,51 @@ def test_a_torch_error_is_told_by_the_sentence_a_person_can_act_on() -> None:
     internal = RuntimeError('(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED at '
                             '"/pytorch/aten/src/ATen/native/Blas.cpp":249, please report a bug to PyTorch. '
                             'Now _scaled_mm only supports per-tensor scaling for CPU backend.')
-    assert hw.torch_error_text(internal) == "Now _scaled_mm only supports per-tensor scaling for CPU backend."
+    assert dev.torch_error_text(internal) == "Now _scaled_mm only supports per-tensor scaling for CPU backend."
     two_lines = RuntimeError("self.size(0) needs to be greater than 16, but got 1\nException raised from ...")
-    assert hw.torch_error_text(two_lines) == "self.size(0) needs to be greater than 16, but got 1"
-    assert hw.torch_error_text(NotImplementedError()) == "NotImplementedError"
+    assert dev.torch_error_text(two_lines) == "self.size(0) needs to be greater than 16, but got 1"
+    assert dev.torch_error_text(NotImplementedError()) == "NotImplementedError"
     bare = RuntimeError("x INTERNAL ASSERT FAILED at y, please report a bug to PyTorch. ")
-    assert hw.torch_error_text(bare) == "x INTERNAL ASSERT FAILED at y, please report a bug to PyTorch."
+    assert dev.torch_error_text(bare) == "x INTERNAL ASSERT FAILED at y, please report a bug to PyTorch."
 
 
 @pytest.mark.parametrize("cc", [(7, 0), (7, 5), (8, 0), (8, 9), (9, 0), (10, 0)])
 def test_device_paths_cuda_rules_say_what_the_device_lacks(monkeypatch, cc) -> None:
     # The capability rules, without a GPU: every tiny kernel "runs" (what this test is not about), so
     # runs / native and the notes come from the compute capability alone.
-    monkeypatch.setattr(hw, "_try_tiny", lambda device, path: None)
-    info = hw.DeviceInfo(kind="cuda", name="test GPU", device_class=hw.device_class("cuda", cc),
+    monkeypatch.setattr(dev, "_try_tiny", lambda device, path: None)
+    info = dev.DeviceInfo(kind="cuda", name="test GPU", device_class=dev.device_class("cuda", cc),
                          compute_capability=cc, memory_bytes=None, torch_version=torch.__version__,
                          cuda_version="12.8", peak_tflops=None, target_key=None, device="cuda:0")
     sm = cc[0] * 10 + cc[1]
-    paths = hw.device_paths(info)
+    paths = dev.device_paths(info)
     for path, need in (("fp8_tensor", hw.SM_FP8_MMA), ("fp8_row", hw.SM_FP8_MMA), ("int8_row", hw.SM_INT8_MMA),
                        ("w4_g128", hw.SM_INT4_TINYGEMM), ("w4_ch", hw.SM_INT4_TINYGEMM)):
         s = paths[path]
         assert s.runs == s.native == (sm >= need), (path, sm)
         if sm < need:  # one plain sentence: what is needed, and what this device is
-            assert s.note.endswith((f"need sm{need}+; this device is sm{sm}", f"needs sm{need}+; this device is sm{sm}")), s.note
+            assert s.note.endswith((f"need sm{need}+; this device is sm{sm}",
+                                    f"needs sm{need}+; this device is sm{sm}")), s.note
             assert "not supported" not in s.note  # a benchmark record adds "not supported on cuda: " itself
     assert paths["fp4"].native == (sm >= hw.SM_BLOCK_SCALED) and not paths["fp4"].runs
     assert paths["baseline"].runs and paths["w8_row"].runs
 
 
 def test_a_stored_probe_reads_as_one_line_and_a_capability_as_a_verdict() -> None:
-    cpu = hw.probe_device("cpu").to_dict()
-    line = hw.describe_probe(cpu)
+    cpu = dev.probe_device("cpu").to_dict()
+    line = dev.describe_probe(cpu)
     assert line.startswith(cpu["name"]) and f"torch {torch.__version__}" in line
     assert "compute capability" not in line and "peak" not in line  # a CPU has neither
     unknown_gpu = {"kind": "cuda", "name": "Some GPU", "device_class": "gpu.sm120", "compute_capability": [12, 0],
                    "memory_bytes": 32 * 2**30, "torch_version": "2.13.0", "cuda_version": "13.0", "peak_tflops": None,
                    "target_key": None}
-    assert hw.describe_probe(unknown_gpu) == ("Some GPU · compute capability 12.0 (gpu.sm120) · 32.0 GiB memory · "
+    assert dev.describe_probe(unknown_gpu) == ("Some GPU · compute capability 12.0 (gpu.sm120) · 32.0 GiB memory · "
                                               "torch 2.13.0 · CUDA 13.0 · not in the peak table: measured figures only")
     verdicts = {(True, True): "native", (True, False): "runs, not accelerated", (False, False): "does not run",
                 (False, True): "native, not run by quantplan"}  # FP4 on sm100: the unit is there, no path yet
-    assert {rn: hw.support_status(*rn) for rn in verdicts} == verdicts
-    for sup in hw.device_paths(hw.probe_device("cpu")).values():
-        why = hw.support_why(sup.runs, sup.native, sup.note)
+    assert {rn: dev.support_status(*rn) for rn in verdicts} == verdicts
+    for sup in dev.device_paths(dev.probe_device("cpu")).values():
+        why = dev.support_why(sup.runs, sup.native, sup.note)
         assert why and not why.startswith(sup.status)  # the verdict is said once, beside the reason
-    assert hw.support_why(True, True, "native on sm90") == "native on sm90"
-    assert hw.support_why(False, False, "does not run on this CPU: no kernel") == "no kernel"
+    assert dev.support_why(True, True, "native on sm90") == "native on sm90"
+    assert dev.support_why(False, False, "does not run on this CPU: no kernel") == "no kernel"

@@ -1,4 +1,5 @@
-"""Tests of quantcore.kernels.bench: real GEMM paths vs emulation, budget, step estimates.
+"""Tests of quantcore.kernels (paths, ops, timing, bench, estimate, report): real GEMM paths vs emulation, budget,
+step estimates.
 
 CPU tests use tiny shapes: torch._int_mm on this kind of CPU runs at well under
 0.01 TOPS, so anything bigger than a few hundred rows costs seconds.
@@ -13,7 +14,48 @@ import pytest
 import torch
 
 from quantcore.errors import Cancelled, UnsupportedOnDevice
-from quantcore.kernels import bench as kn
+from quantcore.kernels import bench
+from quantcore.kernels.bench import DEFAULT_WARMUP, MIN_REPEATS, run_benchmarks
+from quantcore.kernels.estimate import step_estimate
+from quantcore.kernels.ops import (
+    E4M3_MAX,
+    Case,
+    ShapeOperands,
+    build_case,
+    int4_weight_mm,
+    max_rel_err,
+    pack_int4,
+    quantize_fp8,
+    quantize_int4_groups,
+    quantize_int8_rows,
+)
+from quantcore.kernels.paths import (
+    INT_MM_MIN_M_CUDA,
+    PATHS,
+    W4_GROUPS,
+    W4_PER_CHANNEL,
+    WEIGHT_ONLY_PATHS,
+    base_path,
+    bench_paths,
+    bench_shapes,
+    distinct_shapes,
+    kernel_padding,
+    quantizes_activation,
+    scheme_path,
+    scheme_to_path,
+    timed_path,
+)
+from quantcore.kernels.records import SKIP_OVER_BUDGET, KernelRecord, duration_bound, fill_speedups
+from quantcore.kernels.report import format_markdown, format_records
+from quantcore.kernels.timing import (
+    CPU_FLUSH_MAX_BYTES,
+    CPU_FLUSH_MIN_BYTES,
+    L2_FLUSH_BYTES,
+    Timer,
+    cpu_cache_bytes,
+    flush_bytes,
+)
+from tests.factories import kernel_record
 
 HAS_CUDA = torch.cuda.is_available()
 E4M3 = torch.float8_e4m3fn
@@ -31,7 +73,7 @@ def test_distinct_shapes_groups_layers_by_n_k() -> None:
         ("l0.up_proj", 576, 1536),
         ("l0.down_proj", 1536, 576),
     ]
-    got = kn.distinct_shapes(linears)
+    got = distinct_shapes(linears)
     assert got == {
         (576, 576): ["l0.q_proj", "l0.o_proj"],
         (192, 576): ["l0.k_proj", "l0.v_proj"],
@@ -40,7 +82,7 @@ def test_distinct_shapes_groups_layers_by_n_k() -> None:
     }
     assert list(got) == [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # first-seen order
     with pytest.raises(ValueError, match="bad"):
-        kn.distinct_shapes([("bad", 0, 4)])
+        distinct_shapes([("bad", 0, 4)])
 
 
 def test_bench_shapes_are_the_distinct_shapes_one_gpu_runs() -> None:
@@ -48,14 +90,14 @@ def test_bench_shapes_are_the_distinct_shapes_one_gpu_runs() -> None:
 
     shapes = {"l0.self_attn.q_proj": (576, 576), "l0.self_attn.o_proj": (576, 576), "l0.mlp.up_proj": (1536, 576),
               "l0.mlp.down_proj": (576, 1536), "l1.self_attn.q_proj": (576, 576)}
-    assert kn.bench_shapes(shapes, Parallelism(1)) == [(576, 576), (1536, 576), (576, 1536)]
+    assert bench_shapes(shapes, Parallelism(1)) == [(576, 576), (1536, 576), (576, 1536)]
     # over 2 GPUs: q_proj / up_proj split their outputs, o_proj / down_proj their inputs
-    assert kn.bench_shapes(shapes, Parallelism(2)) == [(288, 576), (576, 288), (768, 576), (576, 768)]
+    assert bench_shapes(shapes, Parallelism(2)) == [(288, 576), (576, 288), (768, 576), (576, 768)]
 
 
 def test_path_names() -> None:
-    assert kn.PATHS[0] == "baseline"
-    assert set(kn.PATHS) == {
+    assert PATHS[0] == "baseline"
+    assert set(PATHS) == {
         "baseline",
         "fp8_tensor",
         "fp8_tensor+q",
@@ -69,11 +111,11 @@ def test_path_names() -> None:
         "w4_g32",
         "w4_ch",
     }
-    assert kn.base_path("fp8_row+q") == "fp8_row" and kn.base_path("int8_row") == "int8_row"
-    assert kn.quantizes_activation("int8_row+q") and not kn.quantizes_activation("fp8_tensor")
+    assert base_path("fp8_row+q") == "fp8_row" and base_path("int8_row") == "int8_row"
+    assert quantizes_activation("int8_row+q") and not quantizes_activation("fp8_tensor")
     # serving times a path with its activation quantization; weight-only paths have none to add
-    assert kn.timed_path("fp8_row") == "fp8_row+q" and kn.timed_path("fp8_row", quant_act=False) == "fp8_row"
-    assert [kn.timed_path(p) for p in ("baseline", "w8_row", "w4_g128", "w4_g64", "w4_g32", "w4_ch", "int8_row+q")] == \
+    assert timed_path("fp8_row") == "fp8_row+q" and timed_path("fp8_row", quant_act=False) == "fp8_row"
+    assert [timed_path(p) for p in ("baseline", "w8_row", "w4_g128", "w4_g64", "w4_g32", "w4_ch", "int8_row+q")] == \
         ["baseline", "w8_row", "w4_g128", "w4_g64", "w4_g32", "w4_ch", "int8_row+q"]
 
 
@@ -82,7 +124,9 @@ def test_import_is_torch_free() -> None:
     import subprocess
     import sys
 
-    code = "import sys, quantcore.kernels.bench; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, quantcore.kernels.bench, quantcore.kernels.paths, quantcore.kernels.records, "
+            "quantcore.kernels.ops, quantcore.kernels.timing, quantcore.kernels.report; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -117,7 +161,7 @@ def test_import_is_torch_free() -> None:
 def test_kernel_padding(
     path: str, mkn: tuple[int, int, int], device: str, expected: tuple[int, int, int]
 ) -> None:
-    assert kn.kernel_padding(path, *mkn, device) == expected
+    assert kernel_padding(path, *mkn, device) == expected
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -127,12 +171,12 @@ def test_quantize_fp8_matches_torch_cast_and_bounds() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 64, generator=g) * torch.logspace(-2, 2, 64)
     for rowwise in (False, True):
-        codes, scale = kn.quantize_fp8(x, rowwise=rowwise)
+        codes, scale = quantize_fp8(x, rowwise=rowwise)
         assert codes.dtype == E4M3
         assert scale.shape == ((8, 1) if rowwise else ())
         # the largest |x| (per row or overall) maps exactly onto 448
         amax_codes = codes.float().abs().amax(dim=1) if rowwise else codes.float().abs().amax()
-        assert torch.all(amax_codes == kn.E4M3_MAX)
+        assert torch.all(amax_codes == E4M3_MAX)
         # codes are torch's own E4M3 cast of x / scale
         assert torch.equal(codes.view(torch.uint8), (x / scale).to(E4M3).view(torch.uint8))
         # E4M3 keeps 3 mantissa bits: relative error <= 2^-4 in the normal range
@@ -144,7 +188,7 @@ def test_quantize_fp8_matches_torch_cast_and_bounds() -> None:
 
 def test_quantize_int8_rows() -> None:
     x = torch.tensor([[1.0, -2.0, 0.5, 127.0], [0.0, 0.0, 0.0, 0.0], [-3.0, 1.5, 0.0, 0.75]])
-    codes, scale = kn.quantize_int8_rows(x)
+    codes, scale = quantize_int8_rows(x)
     assert codes.dtype == torch.int8 and scale.shape == (3, 1)
     assert codes[0].tolist() == [1, -2, 0, 127]  # scale 1.0; 0.5 rounds half to even -> 0
     assert codes[1].tolist() == [0, 0, 0, 0]  # all-zero row: finite scale, zero codes
@@ -156,14 +200,14 @@ def test_quantize_int8_rows() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_records() -> list[kn.KernelRecord]:
-    return kn.run_benchmarks([(64, 64)], ms=(1, 32), device="cpu", budget_s_per_shape=60, repeats=3)
+def tiny_records() -> list[KernelRecord]:
+    return run_benchmarks([(64, 64)], ms=(1, 32), device="cpu", budget_s_per_shape=60, repeats=3)
 
 
-def test_every_path_every_m_is_timed_on_cpu(tiny_records: list[kn.KernelRecord]) -> None:
+def test_every_path_every_m_is_timed_on_cpu(tiny_records: list[KernelRecord]) -> None:
     got = {(r.m, r.path) for r in tiny_records}
-    assert got == {(m, p) for m in (1, 32) for p in kn.PATHS}
-    assert len(tiny_records) == 2 * len(kn.PATHS)
+    assert got == {(m, p) for m in (1, 32) for p in PATHS}
+    assert len(tiny_records) == 2 * len(PATHS)
     for r in tiny_records:
         assert r.skipped is None, (r.path, r.skipped)
         assert r.device == "cpu" and r.torch_version == torch.__version__
@@ -178,19 +222,19 @@ def test_every_path_every_m_is_timed_on_cpu(tiny_records: list[kn.KernelRecord])
         assert r.speedup is not None
 
 
-def test_native_flags_on_cpu(tiny_records: list[kn.KernelRecord]) -> None:
+def test_native_flags_on_cpu(tiny_records: list[KernelRecord]) -> None:
     """FP8 is never native on a CPU; INT8 is where the CPU has INT8 dot-product instructions (VNNI...)."""
-    from quantcore.kernels.hardware import int8_dot_isa
+    from quantcore.kernels.device import int8_dot_isa
 
     int8_native = int8_dot_isa() is not None
     for r in tiny_records:
         # a weight-only kernel's math is fp32: it is native wherever it runs (what it saves is weight traffic)
-        expected = r.path in ("baseline", *kn.WEIGHT_ONLY_PATHS) or (kn.base_path(r.path) == "int8_row"
+        expected = r.path in ("baseline", *WEIGHT_ONLY_PATHS) or (base_path(r.path) == "int8_row"
                                                                      and int8_native)
         assert r.native == expected, r.path
 
 
-def test_speedup_is_baseline_over_path(tiny_records: list[kn.KernelRecord]) -> None:
+def test_speedup_is_baseline_over_path(tiny_records: list[KernelRecord]) -> None:
     base = {r.m: r.ms for r in tiny_records if r.path == "baseline"}
     for r in tiny_records:
         assert r.speedup == pytest.approx(base[r.m] / r.ms)
@@ -198,13 +242,13 @@ def test_speedup_is_baseline_over_path(tiny_records: list[kn.KernelRecord]) -> N
             assert r.speedup == pytest.approx(1.0)
 
 
-def test_kernels_agree_with_emulation(tiny_records: list[kn.KernelRecord]) -> None:
+def test_kernels_agree_with_emulation(tiny_records: list[KernelRecord]) -> None:
     for r in tiny_records:
         assert r.max_rel_err is not None and math.isfinite(r.max_rel_err)
-        if kn.base_path(r.path) == "int8_row":
+        if base_path(r.path) == "int8_row":
             # integer products are exact; only the fp32 epilogue rounds
             assert r.max_rel_err < 1e-5, r
-        elif r.path in kn.WEIGHT_ONLY_PATHS:  # fp32 math on dequantized weights, against float64
+        elif r.path in WEIGHT_ONLY_PATHS:  # fp32 math on dequantized weights, against float64
             assert r.max_rel_err < 1e-5, r
         elif r.path.startswith("fp8"):
             assert r.max_rel_err < 1e-2, r
@@ -212,7 +256,7 @@ def test_kernels_agree_with_emulation(tiny_records: list[kn.KernelRecord]) -> No
             assert r.max_rel_err < 1e-5, r  # fp32 baseline vs float64
 
 
-def test_record_round_trip(tiny_records: list[kn.KernelRecord]) -> None:
+def test_record_round_trip(tiny_records: list[KernelRecord]) -> None:
     r = tiny_records[3]
     d = r.to_dict()
     for key in (
@@ -233,7 +277,7 @@ def test_record_round_trip(tiny_records: list[kn.KernelRecord]) -> None:
         "skipped",
     ):
         assert key in d
-    assert kn.KernelRecord.from_dict({**d, "job_id": 7}) == r
+    assert KernelRecord.from_dict({**d, "job_id": 7}) == r
 
 
 def test_the_timer_flushes_the_caches_before_every_timed_call(tmp_path) -> None:
@@ -250,15 +294,15 @@ def test_the_timer_flushes_the_caches_before_every_timed_call(tmp_path) -> None:
             d.mkdir(parents=True)
             for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
                 (d / name).write_text(f"{value}\n")
-    assert kn.cpu_cache_bytes(str(tmp_path)) == 2 * 32 * 2**20
+    assert cpu_cache_bytes(str(tmp_path)) == 2 * 32 * 2**20
     (tmp_path / "cpu3" / "cache" / "index3" / "size").write_text("garbage\n")  # unreadable: passed over
-    assert kn.cpu_cache_bytes(str(tmp_path)) == 2 * 32 * 2**20
-    assert kn.cpu_cache_bytes(str(tmp_path / "none")) is None
-    assert kn.flush_bytes("cuda") == kn.L2_FLUSH_BYTES
-    assert kn.CPU_FLUSH_MIN_BYTES <= kn.flush_bytes("cpu") <= kn.CPU_FLUSH_MAX_BYTES
-    assert kn.flush_bytes("cpu") >= min(kn.CPU_FLUSH_MAX_BYTES, 2 * (kn.cpu_cache_bytes() or 0))
-    timer = kn._Timer("cpu", "cpu")
-    assert timer._flush.numel() * 4 == kn.flush_bytes("cpu") and timer.flush_s > 0
+    assert cpu_cache_bytes(str(tmp_path)) == 2 * 32 * 2**20
+    assert cpu_cache_bytes(str(tmp_path / "none")) is None
+    assert flush_bytes("cuda") == L2_FLUSH_BYTES
+    assert CPU_FLUSH_MIN_BYTES <= flush_bytes("cpu") <= CPU_FLUSH_MAX_BYTES
+    assert flush_bytes("cpu") >= min(CPU_FLUSH_MAX_BYTES, 2 * (cpu_cache_bytes() or 0))
+    timer = Timer("cpu", "cpu")
+    assert timer._flush.numel() * 4 == flush_bytes("cpu") and timer.flush_s > 0
     seen = []
 
     def call() -> None:
@@ -270,7 +314,7 @@ def test_the_timer_flushes_the_caches_before_every_timed_call(tmp_path) -> None:
 
 
 def test_unaligned_shapes_run_on_cpu() -> None:
-    recs = kn.run_benchmarks([(40, 24)], ms=(3,), paths=["int8_row", "fp8_row+q"], repeats=3)
+    recs = run_benchmarks([(40, 24)], ms=(3,), paths=["int8_row", "fp8_row+q"], repeats=3)
     assert [r.path for r in recs] == ["baseline", "fp8_row+q", "int8_row"]  # baseline always added
     for r in recs:
         assert r.skipped is None and r.max_rel_err is not None and r.max_rel_err < 1e-2
@@ -278,20 +322,20 @@ def test_unaligned_shapes_run_on_cpu() -> None:
 
 def test_emulation_separates_quantization_error_from_kernel_error() -> None:
     """Kernel == emulation to fp32 rounding, while both differ from the unquantized product."""
-    ops = kn._ShapeOperands(64, 64, "cpu", torch.float32, torch.Generator().manual_seed(0))
+    ops = ShapeOperands(64, 64, "cpu", torch.float32, torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 64, generator=g)
     rows = torch.arange(8)
     exact = x.double() @ ops.w.double().t()
     for path in ("fp8_tensor", "fp8_row+q", "int8_row"):
-        case = kn._build_case(ops, path, x, "cpu")
+        case = build_case(ops, path, x, "cpu")
         out, emu = case.fn(), case.emulate(rows)
-        assert kn._max_rel_err(out, emu) < 1e-5, path  # the kernel computes what the codes say
-        assert kn._max_rel_err(emu, exact) > 1e-3, path  # the codes carry quantization error
+        assert max_rel_err(out, emu) < 1e-5, path  # the kernel computes what the codes say
+        assert max_rel_err(emu, exact) > 1e-3, path  # the codes carry quantization error
 
     # the check can fail: a kernel output for other operands is flagged
-    other = kn._build_case(ops, "int8_row", torch.randn(8, 64, generator=g), "cpu")
-    assert kn._max_rel_err(other.fn(), kn._build_case(ops, "int8_row", x, "cpu").emulate(rows)) > 0.3
+    other = build_case(ops, "int8_row", torch.randn(8, 64, generator=g), "cpu")
+    assert max_rel_err(other.fn(), build_case(ops, "int8_row", x, "cpu").emulate(rows)) > 0.3
 
 
 @pytest.mark.parametrize(
@@ -300,23 +344,23 @@ def test_emulation_separates_quantization_error_from_kernel_error() -> None:
 )
 def test_cuda_padding_keeps_the_result(path: str, m: int, padded: tuple[int, int, int]) -> None:
     """The CUDA padding rules, exercised with CPU kernels (which accept any shape)."""
-    ops = kn._ShapeOperands(30, 60, "cpu", torch.float32, torch.Generator().manual_seed(2))
+    ops = ShapeOperands(30, 60, "cpu", torch.float32, torch.Generator().manual_seed(2))
     x = torch.randn(m, 60, generator=torch.Generator().manual_seed(3))
-    case = kn._build_case(ops, path, x, "cuda")
+    case = build_case(ops, path, x, "cuda")
     assert case.padded == padded
     out = case.fn()
     assert out.shape == (m, 30)
     rows = torch.arange(m)
-    assert kn._max_rel_err(out, case.emulate(rows)) < 1e-5
+    assert max_rel_err(out, case.emulate(rows)) < 1e-5
     # and the padded case computes the same as the unpadded one
-    ref = kn._build_case(ops, path, x, "cpu").fn()
+    ref = build_case(ops, path, x, "cpu").fn()
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_max_rel_err_definition() -> None:
     emu = torch.tensor([[2.0, -4.0]], dtype=torch.float64)
-    assert kn._max_rel_err(torch.tensor([[2.0, -3.0]]), emu) == pytest.approx(0.25)
-    assert kn._max_rel_err(torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.float64)) == 0.0
+    assert max_rel_err(torch.tensor([[2.0, -3.0]]), emu) == pytest.approx(0.25)
+    assert max_rel_err(torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.float64)) == 0.0
 
 
 def test_budget_skips_what_does_not_fit() -> None:
@@ -325,12 +369,12 @@ def test_budget_skips_what_does_not_fit() -> None:
     # M = 1 cases alone take on this machine, measured first: their cache flushes (64 ms each on a VM that sees a
     # 480 MiB L3) and a busy machine make any fixed figure too tight somewhere.
     t0 = time.perf_counter()
-    assert all(r.ms is not None for r in kn.run_benchmarks([(64, 64)], ms=(1,), budget_s_per_shape=60, repeats=3))
+    assert all(r.ms is not None for r in run_benchmarks([(64, 64)], ms=(1,), budget_s_per_shape=60, repeats=3))
     budget = 1.0 + 2 * (time.perf_counter() - t0)
-    recs = kn.run_benchmarks([(64, 64)], ms=(1, 1 << 17), budget_s_per_shape=budget, repeats=3)
+    recs = run_benchmarks([(64, 64)], ms=(1, 1 << 17), budget_s_per_shape=budget, repeats=3)
     small = [r for r in recs if r.m == 1]
     big = [r for r in recs if r.m == 1 << 17]
-    assert len(small) == len(big) == len(kn.PATHS)
+    assert len(small) == len(big) == len(PATHS)
     # the baselines and native paths of M = 1 run before every M = 2^17 case but the baseline; the emulated
     # ones (FP8 on a CPU) run after every native case, so a native M = 2^17 that fits may leave them over budget
     first = [r for r in small if r.path == "baseline" or r.native]
@@ -341,19 +385,19 @@ def test_budget_skips_what_does_not_fit() -> None:
         assert r.skipped.startswith("over budget"), r.skipped
         assert r.ms is None and r.tflops is None and r.speedup is None and r.max_rel_err is None
     for r in big:  # what was timed fitted: its repeats alone inside the budget
-        assert r.ms is None or r.ms * 1e-3 * kn.MIN_REPEATS < budget, r
+        assert r.ms is None or r.ms * 1e-3 * MIN_REPEATS < budget, r
 
 
 def test_a_large_m_is_predicted_from_a_rate_measured_near_it_not_scaled_from_m_1() -> None:
     """M = 1's time is mostly the fixed cost of a call: scaled by FLOPs to M = 2^17 it predicts seconds a call for
     a GEMM that takes milliseconds, and a budget that fits the real case would skip it. Calls at growing M learn
     the rate first, so the case is measured."""
-    flush_s = kn._Timer("cpu", "cpu").flush_s
+    flush_s = Timer("cpu", "cpu").flush_s
     budget = 2.0 + 10 * flush_s
-    recs = kn.run_benchmarks([(64, 64)], ms=(1, 1 << 17), paths=["baseline"], budget_s_per_shape=budget,
+    recs = run_benchmarks([(64, 64)], ms=(1, 1 << 17), paths=["baseline"], budget_s_per_shape=budget,
                              repeats=3)
     one, big = recs
-    scaled_s = one.ms * 1e-3 * (1 << 17) * (kn.DEFAULT_WARMUP["cpu"] + kn.MIN_REPEATS + 1)
+    scaled_s = one.ms * 1e-3 * (1 << 17) * (DEFAULT_WARMUP["cpu"] + MIN_REPEATS + 1)
     assert scaled_s > budget  # the old prediction would skip it (one M = 1 call: tens of microseconds)
     assert big.skipped is None and big.ms is not None, big.skipped
     assert big.ms * 1e-3 * 4 < budget  # and it really fits
@@ -362,7 +406,7 @@ def test_a_large_m_is_predicted_from_a_rate_measured_near_it_not_scaled_from_m_1
 def test_baselines_then_native_paths_then_emulated_ones_within_a_shape() -> None:
     """A slow emulated path (FP8 on a CPU) runs last in its shape's budget, so it can never starve the
     baselines and native paths a step estimate needs; records still come back in (M, path) order."""
-    from quantcore.kernels.hardware import device_paths, probe_device
+    from quantcore.kernels.device import device_paths, probe_device
 
     support = device_paths(probe_device("cpu"))
     ran: list[tuple[int, str]] = []
@@ -372,19 +416,19 @@ def test_baselines_then_native_paths_then_emulated_ones_within_a_shape() -> None
             m, path = msg.split(" ")[2:4]
             ran.append((int(m[2:]), path))
 
-    recs = kn.run_benchmarks([(32, 32)], ms=(4, 2), repeats=3, progress=seen)
-    phase = [0 if p == "baseline" else 1 if support[kn.base_path(p)].native else 2 for _, p in ran]
+    recs = run_benchmarks([(32, 32)], ms=(4, 2), repeats=3, progress=seen)
+    phase = [0 if p == "baseline" else 1 if support[base_path(p)].native else 2 for _, p in ran]
     assert phase == sorted(phase) and ran[:2] == [(2, "baseline"), (4, "baseline")]
     assert 2 in phase  # FP8 is never native on a CPU: it runs, last
     for ph in set(phase):  # each phase runs M ascending
         ms = [m for (m, _), p in zip(ran, phase, strict=True) if p == ph]
         assert ms == sorted(ms)
-    assert [(r.m, r.path) for r in recs] == [(m, p) for m in (2, 4) for p in kn.PATHS]
+    assert [(r.m, r.path) for r in recs] == [(m, p) for m in (2, 4) for p in PATHS]
 
 
 def test_progress_and_cancel() -> None:
     seen: list[float] = []
-    kn.run_benchmarks(
+    run_benchmarks(
         [(32, 32)], ms=(2,), paths=["fp8_tensor"], repeats=3, progress=lambda f, msg: seen.append(f)
     )
     assert seen[-1] == 1.0 and seen == sorted(seen) and all(0.0 <= f <= 1.0 for f in seen)
@@ -396,22 +440,22 @@ def test_progress_and_cancel() -> None:
         return calls["n"] > 2
 
     with pytest.raises(Cancelled):
-        kn.run_benchmarks([(32, 32)], ms=(2, 4), repeats=3, should_cancel=cancel_after_two)
+        run_benchmarks([(32, 32)], ms=(2, 4), repeats=3, should_cancel=cancel_after_two)
 
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="fp8_row"):
-        kn.run_benchmarks([(32, 32)], ms=(2,), paths=["fp16"])
+        run_benchmarks([(32, 32)], ms=(2,), paths=["fp16"])
     with pytest.raises(ValueError):
-        kn.run_benchmarks([(32, 32)], ms=(0,))
+        run_benchmarks([(32, 32)], ms=(0,))
     with pytest.raises(ValueError):
-        kn.run_benchmarks([(32, 32)], ms=(2,), device="meta")
+        run_benchmarks([(32, 32)], ms=(2,), device="meta")
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where there is no CUDA")
 def test_cuda_without_cuda() -> None:
     with pytest.raises(UnsupportedOnDevice):
-        kn.run_benchmarks([(32, 32)], ms=(2,), device="cuda")
+        run_benchmarks([(32, 32)], ms=(2,), device="cuda")
 
 
 # --------------------------------------------------------------------------- schemes and plans
@@ -434,7 +478,7 @@ def test_cuda_without_cuda() -> None:
     ],
 )
 def test_scheme_to_path(w: str | None, a: str | None, g: str | None, path: str | None) -> None:
-    assert kn.scheme_to_path(w, a, g) == path
+    assert scheme_to_path(w, a, g) == path
 
 
 @pytest.mark.parametrize(
@@ -447,9 +491,9 @@ def test_scheme_to_path(w: str | None, a: str | None, g: str | None, path: str |
      ("MXFP4", None), ("FP8_BLOCK", None)],
 )
 def test_scheme_path_of_the_presets(scheme: str, path: str | None) -> None:
-    from quantcore.schemes.specs import get_scheme
+    from quantcore.schemes.presets import get_scheme
 
-    assert kn.scheme_path(get_scheme(scheme)) == path
+    assert scheme_path(get_scheme(scheme)) == path
 
 
 @pytest.mark.parametrize("path", ["w4_g128", "w4_g64", "w4_g32", "w4_ch"])
@@ -459,16 +503,16 @@ def test_int4_weight_only_kernel_agrees_with_the_int4_emulation(path: str) -> No
     w4_ch runs the same kernel in groups that all carry their row's scale: W4A16_CHANNEL's per-channel product."""
     from quantcore.formats.quantize import fake_quantize
 
-    group = kn.W4_GROUPS[path]
-    per_channel = path in kn.W4_PER_CHANNEL
+    group = W4_GROUPS[path]
+    per_channel = path in W4_PER_CHANNEL
     g = torch.Generator().manual_seed(3)
     w = torch.randn(48, 256, generator=g) / 16
     x = torch.randn(5, 256, generator=g)
-    codes, scales = kn.quantize_int4_groups(w, 256, group, per_channel=per_channel)
+    codes, scales = quantize_int4_groups(w, 256, group, per_channel=per_channel)
     assert codes.abs().max() <= 7 and scales.shape == (256 // group, 48)
     assert (scales == scales[:1]).all() == per_channel  # one scale down each column of groups: the row's
     sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
-    out = kn.int4_weight_mm(x, kn.pack_int4(codes, "cpu"), sz, "cpu", group)
+    out = int4_weight_mm(x, pack_int4(codes, "cpu"), sz, "cpu", group)
     w_q = (fake_quantize(w, "int4", "channel") if per_channel else
            fake_quantize(w, "int4", "group", group_size=group))
     torch.testing.assert_close(out, x @ w_q.t(), rtol=1e-5, atol=1e-5)
@@ -481,8 +525,8 @@ def test_int4_weight_only_kernel_serves_zero_points(scheme: str, device: str) ->
     """The INT4 kernel dequantizes (q - 8) * scale + zero per group: with zero = -zero_point * scale it computes
     compressed-tensors' (code - zero_point) * scale, so the _ASYM presets run on the same kernel (and timing them on
     its w4 path is honest); its output is quantcore's asymmetric emulation."""
-    from quantcore.formats.quantize import fake_quantize_weight, weight_scale, weight_zero_point
-    from quantcore.schemes.specs import get_scheme
+    from quantcore.formats.weights import fake_quantize_weight, weight_scale, weight_zero_point
+    from quantcore.schemes.presets import get_scheme
 
     spec = get_scheme(scheme).weights
     gen = torch.Generator().manual_seed(4)
@@ -495,7 +539,7 @@ def test_int4_weight_only_kernel_serves_zero_points(scheme: str, device: str) ->
     codes = codes.reshape(48, 256).to(torch.int8)
     sz = torch.stack([scale.t(), (-zp * scale).t()], dim=-1).contiguous()  # [K / group, N, 2]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16  # tinygemm on CUDA reads bf16 scales and zeros
-    out = kn.int4_weight_mm(x.to(device, dtype), kn.pack_int4(codes.to(device), device), sz.to(device, dtype),
+    out = int4_weight_mm(x.to(device, dtype), pack_int4(codes.to(device), device), sz.to(device, dtype),
                             device, g).float().cpu()
     want = x @ fake_quantize_weight(w, spec)[0].t()
     tol = 1e-5 if device == "cpu" else 3e-2  # bf16 activations, scales and output on CUDA
@@ -504,45 +548,25 @@ def test_int4_weight_only_kernel_serves_zero_points(scheme: str, device: str) ->
                               rtol=1e-3, atol=1e-3)
 
 
-def _rec(m: int, n: int, k: int, path: str, ms: float | None, name: str = "GPU X") -> kn.KernelRecord:
-    return kn.KernelRecord(
-        device="cuda",
-        device_name=name,
-        torch_version="t",
-        m=m,
-        n=n,
-        k=k,
-        path=path,
-        ms=ms,
-        tflops=None,
-        pct_peak=None,
-        speedup=None,
-        native=True,
-        max_rel_err=None,
-        padded_m=None,
-        skipped=None if ms is not None else "over budget: test",
-    )
-
-
 @pytest.fixture
-def hand_records() -> list[kn.KernelRecord]:
+def hand_records() -> list[KernelRecord]:
     return [
-        _rec(128, 64, 32, "baseline", 4.0),
-        _rec(128, 64, 32, "fp8_row+q", 2.0),
-        _rec(128, 64, 32, "fp8_row", 1.5),
-        _rec(1, 64, 32, "baseline", 1.0),
-        _rec(1, 64, 32, "fp8_row+q", 0.8),
-        _rec(128, 16, 32, "baseline", 3.0),
-        _rec(128, 16, 32, "int8_row+q", 1.0),
-        _rec(1, 16, 32, "baseline", 0.5),
-        _rec(1, 16, 32, "int8_row+q", None),  # skipped
+        kernel_record(128, 64, 32, "baseline", 4.0),
+        kernel_record(128, 64, 32, "fp8_row+q", 2.0),
+        kernel_record(128, 64, 32, "fp8_row", 1.5),
+        kernel_record(1, 64, 32, "baseline", 1.0),
+        kernel_record(1, 64, 32, "fp8_row+q", 0.8),
+        kernel_record(128, 16, 32, "baseline", 3.0),
+        kernel_record(128, 16, 32, "int8_row+q", 1.0),
+        kernel_record(1, 16, 32, "baseline", 0.5),
+        kernel_record(1, 16, 32, "int8_row+q", None),  # skipped
     ]
 
 
-def test_step_estimate_sums(hand_records: list[kn.KernelRecord]) -> None:
+def test_step_estimate_sums(hand_records: list[KernelRecord]) -> None:
     shapes = {"a": (64, 32), "b": (64, 32), "c": (16, 32), "d": (16, 32)}
     paths = {"a": "fp8_row", "b": "fp8_row", "c": "int8_row"}  # d: not in the plan -> baseline
-    est = kn.step_estimate(hand_records, shapes, paths, m_prefill=128, m_decode=1)
+    est = step_estimate(hand_records, shapes, paths, m_prefill=128, m_decode=1)
     # prefill: a, b at fp8_row+q (2.0 each), c at int8_row+q (1.0), d at baseline (3.0)
     assert est["prefill_ms"] == pytest.approx(8.0)
     assert est["baseline_prefill_ms"] == pytest.approx(4.0 + 4.0 + 3.0 + 3.0)
@@ -561,8 +585,8 @@ def test_step_estimate_sums(hand_records: list[kn.KernelRecord]) -> None:
     assert est["per_layer"]["d"]["path"] == "baseline"
 
 
-def test_step_estimate_without_act_quant_cost(hand_records: list[kn.KernelRecord]) -> None:
-    est = kn.step_estimate(
+def test_step_estimate_without_act_quant_cost(hand_records: list[KernelRecord]) -> None:
+    est = step_estimate(
         hand_records, {"a": (64, 32)}, {"a": "fp8_row"}, m_prefill=128, m_decode=1, quant_act=False
     )
     assert est["prefill_ms"] == pytest.approx(1.5)
@@ -571,21 +595,21 @@ def test_step_estimate_without_act_quant_cost(hand_records: list[kn.KernelRecord
     assert est["decode_ms"] == 0.0 and est["speedup_decode"] is None
 
 
-def test_step_estimate_refuses_mixed_devices_and_bad_paths(hand_records: list[kn.KernelRecord]) -> None:
+def test_step_estimate_refuses_mixed_devices_and_bad_paths(hand_records: list[KernelRecord]) -> None:
     with pytest.raises(ValueError, match="several devices"):
-        kn.step_estimate(
-            [*hand_records, _rec(1, 64, 32, "baseline", 1.0, name="GPU Y")],
+        step_estimate(
+            [*hand_records, kernel_record(1, 64, 32, "baseline", 1.0, name="GPU Y")],
             {"a": (64, 32)},
             {},
             m_prefill=128,
             m_decode=1,
         )
     with pytest.raises(ValueError, match="unknown kernel path"):
-        kn.step_estimate(hand_records, {"a": (64, 32)}, {"a": "fp4"}, m_prefill=128, m_decode=1)
+        step_estimate(hand_records, {"a": (64, 32)}, {"a": "fp4"}, m_prefill=128, m_decode=1)
 
 
-def test_step_estimate_on_real_records(tiny_records: list[kn.KernelRecord]) -> None:
-    est = kn.step_estimate(
+def test_step_estimate_on_real_records(tiny_records: list[KernelRecord]) -> None:
+    est = step_estimate(
         tiny_records, {"x": (64, 64), "y": (64, 64)}, {"x": "int8_row"}, m_prefill=32, m_decode=1
     )
     assert est["complete"] is True
@@ -594,23 +618,23 @@ def test_step_estimate_on_real_records(tiny_records: list[kn.KernelRecord]) -> N
     assert est["decode_ms"] == pytest.approx(t[(1, "int8_row+q")] + t[(1, "baseline")])
 
 
-def test_format_records(tiny_records: list[kn.KernelRecord]) -> None:
-    text = kn.format_records(tiny_records)
+def test_format_records(tiny_records: list[KernelRecord]) -> None:
+    text = format_records(tiny_records)
     lines = text.splitlines()
     assert "TFLOP/s" in lines[0]
     assert len(lines) == 2 + len(tiny_records)
     assert any("int8_row+q" in line for line in lines)
 
 
-def test_format_markdown_cells(hand_records: list[kn.KernelRecord]) -> None:
-    recs = [kn.KernelRecord(**{**r.to_dict()}) for r in hand_records]
+def test_format_markdown_cells(hand_records: list[KernelRecord]) -> None:
+    recs = [KernelRecord(**{**r.to_dict()}) for r in hand_records]
     for r in recs:
         if r.path == "fp8_row+q" and r.m == 128:
             r.pct_peak, r.max_rel_err = 41.4, 2.5e-3
         if r.path == "baseline" and r.m == 128 and r.n == 64:
             r.pct_peak = 12.0
-    kn._fill_speedups(recs)
-    text = kn.format_markdown(recs)
+    fill_speedups(recs)
+    text = format_markdown(recs)
     lines = text.splitlines()
     assert lines[0] == "GPU X · torch t"
     head = [c.strip() for c in lines[2].strip("|").split("|")]
@@ -629,8 +653,9 @@ def test_format_markdown_cells(hand_records: list[kn.KernelRecord]) -> None:
 
 def test_format_markdown_refuses_mixed_devices() -> None:
     with pytest.raises(ValueError, match="several devices"):
-        kn.format_markdown([_rec(1, 16, 16, "baseline", 1.0), _rec(1, 16, 16, "baseline", 1.0, name="GPU Y")])
-    assert kn.format_markdown([]) == "(no records)"
+        format_markdown([kernel_record(1, 16, 16, "baseline", 1.0),
+                         kernel_record(1, 16, 16, "baseline", 1.0, name="GPU Y")])
+    assert format_markdown([]) == "(no records)"
 
 
 # --------------------------------------------------------------------------- GPU
@@ -639,22 +664,17 @@ def test_format_markdown_refuses_mixed_devices() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
-    from quantcore.kernels.hardware import (
-        SM_FP8_MMA,
-        SM_INT4_TINYGEMM,
-        SM_INT8_MMA,
-        device_paths,
-        probe_device,
-    )
+    from quantcore.kernels.device import device_paths, probe_device
+    from quantcore.kernels.hardware import SM_FP8_MMA, SM_INT4_TINYGEMM, SM_INT8_MMA
 
     info = probe_device("cuda")
     sm = info.sm or 0
     w8_runs = device_paths(info)["w8_row"].runs  # a CUDA _weight_int8pack_mm depends on the torch build
-    recs = kn.run_benchmarks([(576, 576), (192, 576)], ms=(1, 32, 256), device="cuda", budget_s_per_shape=60)
-    assert len(recs) == 2 * 3 * len(kn.PATHS)
+    recs = run_benchmarks([(576, 576), (192, 576)], ms=(1, 32, 256), device="cuda", budget_s_per_shape=60)
+    assert len(recs) == 2 * 3 * len(PATHS)
     for r in recs:
         assert r.device == "cuda" and r.device_name == info.name
-        base = kn.base_path(r.path)
+        base = base_path(r.path)
         expect_native = {
             "baseline": True,
             "fp8_tensor": sm >= SM_FP8_MMA,
@@ -678,22 +698,23 @@ def test_gpu_benchmark_native_and_agrees_with_emulation() -> None:
         if info.peak_tflops:
             assert r.pct_peak is not None and 0 < r.pct_peak < 100
         if base == "int8_row" and r.m <= 16:
-            assert r.padded_m == kn.INT_MM_MIN_M_CUDA
+            assert r.padded_m == INT_MM_MIN_M_CUDA
         else:
             assert r.padded_m is None
         # K=576: INT4 groups of 128; groups of 64 and 32 fit, but tinygemm's tiles want a multiple of 128 too
-        assert r.padded_k == (640 if base in kn.W4_GROUPS else None)
+        assert r.padded_k == (640 if base in W4_GROUPS else None)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_int4_weights_beat_bf16_at_decode() -> None:
     """A decode step (M=1) reads every weight once: 4-bit weights move a quarter of bf16's bytes."""
-    from quantcore.kernels.hardware import SM_INT4_TINYGEMM, probe_device
+    from quantcore.kernels.device import probe_device
+    from quantcore.kernels.hardware import SM_INT4_TINYGEMM
 
     if (probe_device("cuda").sm or 0) < SM_INT4_TINYGEMM:
         pytest.skip("the INT4 weight-only kernel needs sm80+")
-    recs = kn.run_benchmarks([(4096, 4096)], ms=(1,), device="cuda", paths=["w4_g128"])
+    recs = run_benchmarks([(4096, 4096)], ms=(1,), device="cuda", paths=["w4_g128"])
     w4 = next(r for r in recs if r.path == "w4_g128")
     assert w4.speedup is not None and w4.speedup > 1.2, w4
 
@@ -701,26 +722,26 @@ def test_gpu_int4_weights_beat_bf16_at_decode() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_fp8_is_faster_than_bf16_at_large_m_on_hopper() -> None:
-    from quantcore.kernels.hardware import probe_device
+    from quantcore.kernels.device import probe_device
 
     info = probe_device("cuda")
     if (info.sm or 0) < 90:
         pytest.skip("FP8 speed-up expected on sm90+ only")
-    recs = kn.run_benchmarks([(4096, 4096)], ms=(2048,), device="cuda", paths=["fp8_tensor"])
+    recs = run_benchmarks([(4096, 4096)], ms=(2048,), device="cuda", paths=["fp8_tensor"])
     fp8 = next(r for r in recs if r.path == "fp8_tensor")
     assert fp8.speedup is not None and fp8.speedup > 1.2, fp8
 
 
-def test_step_estimate_counts_a_nan_time_as_missing(hand_records: list[kn.KernelRecord]) -> None:
+def test_step_estimate_counts_a_nan_time_as_missing(hand_records: list[KernelRecord]) -> None:
     # records that went through a DataFrame carry NaN, not None, for a skipped case
-    recs = [kn.KernelRecord(**{**r.to_dict(), "ms": math.nan if r.ms is None else r.ms}) for r in hand_records]
-    est = kn.step_estimate(recs, {"c": (16, 32)}, {"c": "int8_row"}, m_prefill=128, m_decode=1)
+    recs = [KernelRecord(**{**r.to_dict(), "ms": math.nan if r.ms is None else r.ms}) for r in hand_records]
+    est = step_estimate(recs, {"c": (16, 32)}, {"c": "int8_row"}, m_prefill=128, m_decode=1)
     assert est["decode_ms"] == 0.0 and est["missing_decode"] == ["c"]
     assert est["prefill_ms"] == pytest.approx(1.0) and math.isfinite(est["speedup_prefill"])
 
 
 def test_m_values_are_parsed_sorted_once_each_and_bad_ones_named() -> None:
-    from quantcore.kernels.bench import parse_ms
+    from quantcore.kernels.records import parse_ms
 
     assert parse_ms("1,16,128,2048") == [1, 16, 128, 2048]
     assert parse_ms(" 128, 1,,16 ,1, ") == [1, 16, 128]  # spaces and empty items pass, each M once, sorted
@@ -732,10 +753,10 @@ def test_m_values_are_parsed_sorted_once_each_and_bad_ones_named() -> None:
 
 
 def test_duration_bound_names_shapes_budget_and_total_in_readable_units() -> None:
-    assert kn.duration_bound(5, 60) == "at most 5 shapes × 60.0 s ≈ 5 min"
-    assert kn.duration_bound(1, 20) == "at most 1 shape × 20.0 s ≈ 20.0 s"
-    assert kn.duration_bound(4, 30) == "at most 4 shapes × 30.0 s ≈ 2 min"
-    assert kn.duration_bound(300, 60) == "at most 300 shapes × 60.0 s ≈ 5.0 h"
+    assert duration_bound(5, 60) == "at most 5 shapes × 60.0 s ≈ 5 min"
+    assert duration_bound(1, 20) == "at most 1 shape × 20.0 s ≈ 20.0 s"
+    assert duration_bound(4, 30) == "at most 4 shapes × 30.0 s ≈ 2 min"
+    assert duration_bound(300, 60) == "at most 300 shapes × 60.0 s ≈ 5.0 h"
 
 
 def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it(monkeypatch) -> None:
@@ -744,19 +765,19 @@ def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it
     baseline first gets an even share of what is left; one that needs more is put off until the others have run,
     and gets what they leave. Here w8_row is made slow from M = 64 on (the scheduling, not the kernel, is under
     test); its rate probe at 16 rows stays fast, so its first real call is the surprise it is on a GPU."""
-    from quantcore.kernels.hardware import device_paths, probe_device
+    from quantcore.kernels.device import device_paths, probe_device
 
     slow_s = 0.5  # a call at M = 64; twice that at 128
-    build = kn._build_case
+    build = build_case
 
     def slow_w8(ops, path, x, kind):
         case = build(ops, path, x, kind)
         if path == "w8_row" and x.shape[0] >= 64:
             fast, wait = case.fn, slow_s * x.shape[0] / 64
-            return kn._Case(fn=lambda: (time.sleep(wait), fast())[1], emulate=case.emulate, padded=case.padded)
+            return Case(fn=lambda: (time.sleep(wait), fast())[1], emulate=case.emulate, padded=case.padded)
         return case
 
-    monkeypatch.setattr(kn, "_build_case", slow_w8)
+    monkeypatch.setattr(bench, "build_case", slow_w8)
     ran: list[tuple[int, str]] = []
 
     def seen(_f: float, msg: str) -> None:
@@ -765,15 +786,15 @@ def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it
             ran.append((int(m[2:]), path))
 
     ms, paths = (64, 128, 256), ["w8_row", "w4_g128"]
-    budget = 1.0 + 30 * kn._Timer("cpu", "cpu").flush_s  # the fast cases and their flushes fit, slow ones do not
-    recs = kn.run_benchmarks([(64, 64)], ms=ms, paths=paths, budget_s_per_shape=budget, repeats=3, progress=seen)
+    budget = 1.0 + 30 * Timer("cpu", "cpu").flush_s  # the fast cases and their flushes fit, slow ones do not
+    recs = run_benchmarks([(64, 64)], ms=ms, paths=paths, budget_s_per_shape=budget, repeats=3, progress=seen)
     support = device_paths(probe_device("cpu"))
     first_pass = [(m, "baseline") for m in ms] + sorted(
-        ((m, p) for m in ms for p in paths), key=lambda c: (not support[c[1]].native, c[0], kn.PATHS.index(c[1])))
+        ((m, p) for m in ms for p in paths), key=lambda c: (not support[c[1]].native, c[0], PATHS.index(c[1])))
     assert ran == first_pass + [(m, "w8_row") for m in ms]  # the slow ones again, after every other case
     got = {(r.m, r.path): r for r in recs}
-    assert len(recs) == 9 and [(r.m, r.path) for r in recs] == [(m, p) for m in ms for p in kn.bench_paths(paths)]
+    assert len(recs) == 9 and [(r.m, r.path) for r in recs] == [(m, p) for m in ms for p in bench_paths(paths)]
     for m in ms:  # what came after the slow case was measured, the baselines first of all
         assert got[(m, "baseline")].ms is not None and got[(m, "w4_g128")].ms is not None, got[(m, "w4_g128")]
         slow = got[(m, "w8_row")]  # the second pass timed it or said why not
-        assert (slow.ms is not None and slow.ms >= slow_s * 1e3) or slow.skipped.startswith(kn.SKIP_OVER_BUDGET)
+        assert (slow.ms is not None and slow.ms >= slow_s * 1e3) or slow.skipped.startswith(SKIP_OVER_BUDGET)

@@ -26,60 +26,30 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from quantcore.errors import CheckpointError
-from quantcore.models.checkpoint import (
+from quantcore.models.intake import demo_gguf_path, register_checkpoint, safe_extract
+from quantcore.models.loading import load_model
+from quantcore.models.summary import CheckpointSummary, LinearInfo, inspect_folder
+from quantcore.models.validation import (
     PICKLE_SUFFIXES,
     STAGING_PREFIX,
-    CheckpointSummary,
-    LinearInfo,
     content_hash,
-    demo_gguf_path,
-    inspect_folder,
-    load_model,
     read_safetensors_header,
-    register_checkpoint,
-    safe_extract,
     validate_folder,
 )
+from tests.factories import (
+    TINY_HEADS,
+    TINY_HIDDEN,
+    TINY_INTERMEDIATE,
+    TINY_KV_HEADS,
+    TINY_LAYERS,
+    WORDS,
+    save_tiny_bert,
+    save_tiny_llama,
+    tiny_tokenizer,
+)
 
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = TINY_HIDDEN, TINY_INTERMEDIATE, TINY_LAYERS, TINY_HEADS, TINY_KV_HEADS
 MAX_BYTES = 64 * 1024 * 1024  # generous for the tiny models (~0.3 MB)
-WORDS = "the a of to and in is it that was for on are with as at by this from news said year".split()
-HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
-
-
-def tiny_tokenizer():
-    """A word-level fast tokenizer over WORDS, with <unk>, <s> and </s>."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
-def save_tiny_llama(folder: Path, *, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 64, GQA 4/2) with random weights and its tokenizer, saved to folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=128, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
-def save_tiny_bert(folder: Path) -> Path:
-    """A 2-layer BERT encoder (BertModel) with random weights and its tokenizer."""
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(WORDS) + 3, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                        num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=64)
-    BertModel(config).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +179,7 @@ def test_encoder_checkpoint_is_registered_and_loaded_as_its_base_model(tmp_path,
     assert type(model).__name__ == "BertModel"
     # scoring needs next-token logits: a clear refusal, not an index error deep in the KL
     from quantcore.errors import PlanError
-    from quantcore.evaluation.scoring import forward_logits
+    from quantcore.evaluation.batches import forward_logits
 
     with pytest.raises(PlanError, match="not a causal language model"):
         forward_logits(model, torch.tensor([[1, 2, 3]]))
@@ -514,7 +484,8 @@ def test_demo_gguf_is_packaged():
 
 
 def test_importing_intake_modules_does_not_import_torch():
-    code = ("import sys, quantcore.models.checkpoint, quantcore.evaluation.text; "
+    code = ("import sys, quantcore.models.validation, quantcore.models.intake, quantcore.models.summary, "
+            "quantcore.models.loading, quantcore.evaluation.text; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "print(', '.join(bad)); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -540,7 +511,7 @@ def test_summary_counts_tied_embeddings_once(tmp_path):
 
 
 def test_an_untied_head_is_not_recorded_as_tied(tmp_path):
-    from tests.quantcore.conftest import build_tiny_model
+    from tests.factories import build_tiny_model
 
     folder = tmp_path / "llama"
     build_tiny_model("llama").save_pretrained(folder)  # tie_word_embeddings=False
@@ -551,7 +522,7 @@ def test_an_untied_head_is_not_recorded_as_tied(tmp_path):
 def test_intake_summary_records_sliding_window_layers(tmp_path):
     """A saved Gemma 3 with one sliding layer: the summary names it and its window (the KV cache estimate needs
     it); the Llama demo shape records none."""
-    from tests.quantcore.conftest import build_tiny_model
+    from tests.factories import build_tiny_model
 
     folder = tmp_path / "gemma"
     build_tiny_model("gemma3").save_pretrained(folder)

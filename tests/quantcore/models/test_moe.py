@@ -3,55 +3,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 from quantcore.algorithms.gptq import collect_hessians
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.errors import PlanError
 from quantcore.evaluation.calibrate import calibrate
 from quantcore.models.moe import LinearExperts, all_experts, split_experts, unsplit_experts
 from quantcore.models.routing import Routing, bench_ms, routed_layers, step_share
 from quantcore.planning.plans import PlanSpec, group_label, resolve_plan
-from quantcore.schemes.specs import expert_block, fusion_units, plan_unit_of
-from tests.quantcore.test_checkpoint import WORDS, tiny_tokenizer
+from quantcore.schemes.fusion import expert_block, fusion_units, plan_unit_of
+from tests.factories import MOE_ARCHS, WORDS, save_tiny_moe, tiny_moe
 
 VOCAB = len(WORDS) + 3
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False)
-ARCHS = {
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
-    # multi-head latent attention, a dense first block and shared experts beside the routed ones
-    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                        n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=16),
-}
 MOE_BLOCKS = {"deepseek_v3": ["model.layers.1.mlp.experts"]}  # the others: both blocks
-
-
-def moe_config(arch: str = "qwen3_moe", **overrides):
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(arch, **{**COMMON, **ARCHS.get(arch, {}), **overrides})
-
-
-def tiny_moe(arch: str = "qwen3_moe", *, seed: int = 0, **overrides) -> nn.Module:
-    """A 2-layer MoE causal LM with random weights, experts still fused (transformers' own layout)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(moe_config(arch, **overrides)).eval()
-
-
-def save_tiny_moe(folder: Path, *, seed: int = 0, **overrides) -> Path:
-    """A tiny Qwen3-MoE and its tokenizer, saved as a Hugging Face folder (one linear per expert on disk)."""
-    tiny_moe(seed=seed, **overrides).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def ids(n: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
@@ -65,7 +32,7 @@ def linear_names(model: nn.Module) -> list[str]:
 # ----------------------------------------------------------------------------- splitting
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
 def test_split_experts_keeps_the_logits_and_names_one_linear_per_expert(arch):
     model = tiny_moe(arch)
     x = ids()
@@ -103,7 +70,8 @@ def test_experts_of_another_layout_stay_fused_and_are_named():
 
 
 def test_intake_lists_every_expert_linear_and_the_routing(tmp_path):
-    from quantcore.models.checkpoint import inspect_folder, load_model
+    from quantcore.models.loading import load_model
+    from quantcore.models.summary import inspect_folder
 
     folder = save_tiny_moe(tmp_path / "moe")
     summary = inspect_folder(folder)
@@ -237,7 +205,8 @@ def test_the_roofline_bound_of_an_expert_is_its_share_of_the_step():
 
 
 def test_the_step_estimate_times_an_expert_at_its_own_m():
-    from quantcore.kernels.bench import KernelRecord, step_estimate
+    from quantcore.kernels.estimate import step_estimate
+    from quantcore.kernels.records import KernelRecord
 
     def rec(m, ms):
         return KernelRecord(device="cpu", device_name="cpu", torch_version="x", m=m, n=64, k=64, path="baseline",
@@ -261,13 +230,14 @@ def test_a_static_input_scale_is_one_per_block_as_vllms_fused_moe_reads_it():
     """vLLM keeps one static input scale for a block's expert gate/up and one for its down_proj, the largest of the
     experts' ("Using the maximum across experts for each layer"): the emulation does the same."""
     from quantcore.algorithms.apply import apply_plan
-    from quantcore.formats.quantize import scale_from_amax
+    from quantcore.formats.scales import scale_from_amax
 
     model = dead_expert_model()
     stats = calibrate(model, ids(1, 8))
     amax = {n: s.amax for n, s in stats.items()}
     names = linear_names(model)
-    applied = apply_plan(model, {n: "FP8" for n in names}, act_amax=amax)  # FP8: static per-tensor input scales
+    # FP8: static per-tensor input scales
+    applied = apply_plan(model, {n: "FP8" for n in names}, PlanInputs(act_amax=amax))
     try:
         scales = {n: applied._states[n].static_scale for n in names}
     finally:
@@ -282,7 +252,7 @@ def test_a_static_input_scale_is_one_per_block_as_vllms_fused_moe_reads_it():
     q = "model.layers.0.self_attn.q_proj"
     assert scales[q] == pytest.approx(float(scale_from_amax(amax[q], "fp8_e4m3")))  # a dense layer keeps its own
     # NVFP4's fused MoE keeps every expert's own input tensor scale (vLLM's w2_input_global_scale per expert)
-    applied = apply_plan(model, {n: "NVFP4" for n in names}, act_amax=amax)
+    applied = apply_plan(model, {n: "NVFP4" for n in names}, PlanInputs(act_amax=amax))
     try:
         scales = {n: applied._states[n].static_scale for n in names}
     finally:
@@ -298,7 +268,8 @@ def block_by_hand(block: LinearExperts, args: tuple, *, per_block: bool, shards:
     quantizes its share under tensor parallelism."""
     import torch.nn.functional as F
 
-    from quantcore.formats.quantize import fake_quantize, scale_from_amax
+    from quantcore.formats.quantize import fake_quantize
+    from quantcore.formats.scales import scale_from_amax
 
     def q(t: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         return fake_quantize(t, "fp8_e4m3", "tensor", scale=scale_from_amax(amax, "fp8_e4m3"))
@@ -367,14 +338,14 @@ def test_at_tensor_parallel_each_gpu_quantizes_its_share_of_the_experts_down_pro
     seen = {}
     handle = block.register_forward_hook(lambda _m, args, out: seen.update(args=args, out=out.detach()))
     with torch.no_grad():
-        with quantized_model(model, plan, parallel=Parallelism(2)):  # (by hand with the quantized weights)
+        with quantized_model(model, plan, PlanInputs(parallel=Parallelism(2))):  # (by hand with the quantized weights)
             model(ids())
             torch.testing.assert_close(seen["out"], block_by_hand(block, seen["args"], per_block=True, shards=2),
                                        rtol=1e-5, atol=1e-6)
             assert not torch.allclose(seen["out"], block_by_hand(block, seen["args"], per_block=True), rtol=1e-5,
                                       atol=1e-6)
         assert block.w2_shards == 1  # restored
-        with quantized_model(model, plan, parallel=Parallelism(2, expert_parallel=True)):
+        with quantized_model(model, plan, PlanInputs(parallel=Parallelism(2, expert_parallel=True))):
             model(ids())
             torch.testing.assert_close(seen["out"], block_by_hand(block, seen["args"], per_block=True), rtol=1e-5,
                                        atol=1e-6)
@@ -382,7 +353,7 @@ def test_at_tensor_parallel_each_gpu_quantizes_its_share_of_the_experts_down_pro
 
 
 def test_schemes_vllms_fused_moe_cannot_serve_on_experts_are_named():
-    from quantcore.planning.plans import moe_unserved
+    from quantcore.planning.serving import moe_unserved
 
     def plan(experts: str, rest: str = "INT8_PER_TENSOR") -> dict[str, str]:
         return {n: experts if ".experts." in n else rest for n in NAMES}
@@ -403,7 +374,7 @@ def test_smoothquant_folds_an_experts_down_proj_into_its_own_up_proj_and_exports
     import yaml
 
     from quantcore.algorithms.smoothquant import smooth_model
-    from quantcore.export.targets import to_llmcompressor_recipe
+    from quantcore.export.llmcompressor import to_llmcompressor_recipe
 
     model = tiny_moe()
     split_experts(model)
@@ -454,7 +425,8 @@ def test_cuda_split_experts_match_the_cpu(scheme):
     assert all(stats[n].amax > 0 for n in experts)
     plan = {n: scheme for n in experts}
     amax = {n: stats[n].amax for n in experts}  # NVFP4's calibrated activation tensor scale (the others ignore it)
-    with quantized_model(cpu, plan, act_amax=amax), quantized_model(gpu, plan, act_amax=amax), torch.no_grad():
+    calibrated = PlanInputs(act_amax=amax)
+    with quantized_model(cpu, plan, calibrated), quantized_model(gpu, plan, calibrated), torch.no_grad():
         for name in experts:
             assert torch.equal(cpu.get_submodule(name).weight, gpu.get_submodule(name).weight.cpu()), name
         torch.testing.assert_close(gpu(x.cuda()).logits.cpu(), cpu(x).logits, rtol=0, atol=1e-3)

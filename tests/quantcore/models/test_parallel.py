@@ -14,14 +14,8 @@ from quantcore.models.parallel import (
     partition,
     tp_misfits,
 )
-from quantcore.planning.plans import (
-    PlanSpec,
-    fp8_block_misfits,
-    group_misfits,
-    marlin_misfits,
-    regroup_fixes,
-    w4afp8_misfits,
-)
+from quantcore.planning.plans import PlanSpec
+from quantcore.planning.serving import fp8_block_misfits, group_misfits, marlin_misfits, regroup_fixes, w4afp8_misfits
 
 
 def llama_block(p: str, hidden: int, heads: AttentionHeads, intermediate: int) -> dict[str, tuple[int, int]]:
@@ -80,8 +74,8 @@ def test_what_vllm_refuses_at_a_tensor_parallel_size_before_quantizing():
     column, row = tp_misfits(smol, Parallelism(9, SMOL))
     assert column.startswith("tensor_parallel 9: 2 column-parallel layer(s) split along N, which 9 does not divide "
                              f"(N = 1536, e.g. {P}.mlp.gate_proj)")
-    assert row.startswith("tensor_parallel 9: 1 row-parallel layer(s) split along K, which 9 does not divide (K = 1536, "
-                          f"e.g. {P}.mlp.down_proj)")
+    assert row.startswith("tensor_parallel 9: 1 row-parallel layer(s) split along K, which 9 does not divide "
+                          f"(K = 1536, e.g. {P}.mlp.down_proj)")
     odd = AttentionHeads(12, 4, 64)
     [msg] = tp_misfits(llama_block(P, 768, odd, 3072), Parallelism(6, odd))
     assert "4 key-value heads, which neither divide among 6 GPUs nor copy onto them evenly" in msg
@@ -160,7 +154,8 @@ def test_the_tensor_parallel_size_is_part_of_the_plan_file():
 
 
 def test_key_value_heads_copied_onto_more_gpus_cost_cache_memory():
-    assert kv_copies(Parallelism(1, QWEN72)) == kv_copies(Parallelism(8, QWEN72)) == 1.0  # 8 heads over 8 GPUs: one each
+    # 8 heads over 8 GPUs: one each
+    assert kv_copies(Parallelism(1, QWEN72)) == kv_copies(Parallelism(8, QWEN72)) == 1.0
     assert kv_copies(Parallelism(16, QWEN72)) == 2.0  # each head cached on two GPUs
     assert kv_copies(Parallelism(9, SMOL)) == 3.0 and kv_copies(Parallelism(4, None)) == 1.0
 
@@ -221,7 +216,7 @@ def test_weight_only_layers_off_marlins_thread_tiles():
     """vLLM's Marlin wants (N, K) on a GPU multiples of (64, 128) or (128, 64): SmolLM2's fused q/k/v (960 x 576)
     and o_proj (576 x 576) are neither, gate/up (3072 x 576) and down_proj (576 x 1536) are. Recent vLLM pads
     them; older releases refuse Marlin there."""
-    from quantcore.planning.plans import marlin_misfits, marlin_untiled
+    from quantcore.planning.serving import marlin_misfits, marlin_untiled
 
     shapes = llama_block(P, 576, SMOL, 1536)
     plan = dict.fromkeys(shapes, "W4A16_G64")

@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from quantcore.algorithms.inputs import PlanInputs
 from quantcore.evaluation.calibrate import calibrate
 from quantcore.evaluation.text import default_calibration_text, load_documents, token_batches
-from quantcore.models.checkpoint import default_cache_dir, demo_gguf_path, load_model, register_checkpoint
+from quantcore.models.intake import demo_gguf_path, register_checkpoint
+from quantcore.models.loading import load_model
+from quantcore.models.validation import default_cache_dir
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +98,7 @@ def test_outlier_ratios_over_all_linears_are_sane(stats):
 def test_gguf_converts_from_an_empty_cache(tmp_path, loaded):
     """A new machine has no conversion cache: the GGUF → safetensors path itself must work with the
     project's pinned dependencies (it once needed `accelerate`, which only a warm cache hid)."""
-    from quantcore.models.checkpoint import converted_gguf_folder
+    from quantcore.models.intake import converted_gguf_folder
 
     folder = converted_gguf_folder(demo_gguf_path(), cache_dir=tmp_path)
     assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors"))
@@ -113,7 +116,8 @@ def test_fp8_attention_on_the_real_model(loaded):
     from functools import partial
 
     from quantcore.evaluation import kvcache
-    from quantcore.evaluation.scoring import calibrate_kv_cache, compute_reference, score_plan
+    from quantcore.evaluation.reference import compute_reference
+    from quantcore.evaluation.scoring import calibrate_kv_cache, score_plan
     from quantcore.evaluation.text import default_eval_text
 
     model, tokenizer = loaded
@@ -129,6 +133,6 @@ def test_fp8_attention_on_the_real_model(loaded):
                                                        n_samples=2, seq_len=64))
     assert len(amax.q) == LAYERS and 1 < max(amax.q.values()) < 448
     ref = compute_reference(model, ids, batch_size=2)
-    cache = score_plan(model, {}, ids, ref, kv_cache="FP8", kv_amax=amax)
-    attention = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", kv_amax=amax)
+    cache = score_plan(model, {}, ids, ref, kv_cache="FP8", inputs=PlanInputs(kv_amax=amax))
+    attention = score_plan(model, {}, ids, ref, kv_cache="FP8_ATTN", inputs=PlanInputs(kv_amax=amax))
     assert attention.kl_mean > cache.kl_mean > 0

@@ -11,18 +11,14 @@ from hypothesis import strategies as st
 
 from quantcore.errors import PlanError
 from quantcore.models.parallel import Parallelism
-from quantcore.planning.autoplan import (
-    DEFAULT_KL_STEPS,
-    auto_plan,
-    cost_from_kernel_records,
-    plan_units,
-    predicted_kl,
-    sensitivity_from_rows,
-    solve_mck,
-)
+from quantcore.planning.autoplan import auto_plan, plan_units, predicted_kl, sensitivity_from_rows
+from quantcore.planning.costs import cost_from_kernel_records
 from quantcore.planning.plans import group_label, resolve_plan, spec_from_plan
-from quantcore.schemes.specs import fusion_groups, get_scheme, weight_storage_bits
-from tests.quantcore.test_kernels import _rec
+from quantcore.planning.solver import DEFAULT_KL_STEPS, solve_mck
+from quantcore.schemes.fusion import fusion_groups
+from quantcore.schemes.presets import get_scheme
+from quantcore.schemes.storage import weight_storage_bits
+from tests.factories import kernel_record
 
 BLOCK = (
     [f"model.layers.0.self_attn.{x}_proj" for x in "qkvo"]
@@ -280,7 +276,7 @@ def test_predicted_kl_of_a_split_group_uses_layer_entries() -> None:
 
 
 def record(m, n, k, path, ms, device_name="NVIDIA H100 80GB HBM3"):
-    return _rec(m, n, k, path, ms, name=device_name)
+    return kernel_record(m, n, k, path, ms, name=device_name)
 
 
 def measured_records(m=2048):
@@ -386,7 +382,7 @@ def test_an_ideal_cost_plans_decode_and_prefill_differently_on_a_gpu_nobody_meas
     """With the roofline of an H100 as the cost and the same KL for FP8 W8A8 and INT4 weights, a decode step
     (M=1, bound by the weight read) takes W4A16 and a prefill (M=2048, bound by the math) takes FP8."""
     from quantcore.kernels.roofline import cost_from_roofline
-    from quantcore.planning.autoplan import COST_IDEAL
+    from quantcore.planning.costs import COST_IDEAL
 
     shapes = {n: (4096, 4096) for n in BLOCK}
     sens = {s: {label: 1e-4 for label in LABELS} for s in ("FP8_DYNAMIC", "W4A16")}
@@ -498,7 +494,7 @@ def test_smoothquant_is_not_offered_where_no_llm_compressor_recipe_can_carry_it(
     lm_head: the planner gives those the unsmoothed INT8_W8A8, says so, and the plan it returns exports."""
     import yaml
 
-    from quantcore.export.targets import to_llmcompressor_recipe
+    from quantcore.export.llmcompressor import to_llmcompressor_recipe
 
     sens = {"INT8_W8A8_SQ": {label: 1e-6 for label in LABELS}, "INT8_W8A8": {label: 1e-3 for label in LABELS}}
     res = auto_plan(BLOCK, sens, kl_budget=1.0, target="h100", candidates=["INT8_W8A8_SQ", "INT8_W8A8"],
@@ -539,9 +535,9 @@ def test_int8_with_dynamic_per_tensor_activations_is_not_offered_to_a_layer_vllm
 
 def test_moe_experts_in_a_scheme_vllms_fused_moe_cannot_run_are_not_offered() -> None:
     """A block's experts take one scheme; INT8_PER_TENSOR there is something vLLM's fused MoE has no method for
-    (quantcore.planning.plans.moe_unserved), however low its KL: the planner puts INT8_W8A8 on them, and the plan it returns
-    has nothing moe_unserved or vllm_unloadable would refuse."""
-    from quantcore.planning.plans import moe_unserved, vllm_unloadable
+    (quantcore.planning.serving.moe_unserved), however low its KL: the planner puts INT8_W8A8 on them, and the plan it
+    returns has nothing moe_unserved or vllm_unloadable would refuse."""
+    from quantcore.planning.serving import moe_unserved, vllm_unloadable
 
     experts = [f"model.layers.0.mlp.experts.{e}.{p}_proj" for e in range(4) for p in ("gate", "up", "down")]
     names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + experts + ["lm_head"]

@@ -11,20 +11,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantcore.errors import PlanError
+from quantcore.planning.footprint import plan_footprint
 from quantcore.planning.plans import (
     PlanSpec,
     Rule,
     diff_plans,
     group_label,
     load_plan_file,
-    plan_footprint,
     plan_from_scheme,
     resolve_plan,
     save_plan_file,
     scheme_label,
     spec_from_plan,
 )
-from quantcore.schemes.specs import get_scheme, list_schemes, weight_storage_bits
+from quantcore.schemes.presets import get_scheme, list_schemes
+from quantcore.schemes.storage import weight_storage_bits
 
 
 def llama_layer_names(n_blocks: int = 2) -> list[str]:
@@ -362,7 +363,7 @@ def test_pareto_front_keeps_the_plans_no_other_plan_beats():
 
 
 def test_group_misfits_name_the_layers_a_group_kernel_cannot_serve():
-    from quantcore.planning.plans import group_misfit_layers, group_misfits
+    from quantcore.planning.serving import group_misfit_layers, group_misfits
 
     shapes = {"a.q_proj": (576, 576), "a.down_proj": (576, 1536), "lm_head": (49152, 576)}
     # W4A16 groups of 128: 576 = 4.5 groups (a partial one), 1536 = 12 groups
@@ -384,7 +385,7 @@ def test_group_misfits_name_the_layers_a_group_kernel_cannot_serve():
 @pytest.mark.parametrize("suffix", ["", "_GPTQ", "_AWQ"])
 def test_group_misfits_point_at_the_preset_whose_groups_fit(suffix):
     """A W4A16 plan on SmolLM2 (K = 576 = 9 x 64) is told which preset serves: the same rounding in groups of 64."""
-    from quantcore.planning.plans import group_misfits
+    from quantcore.planning.serving import group_misfits
 
     shapes = {"a.q_proj": (576, 576), "a.down_proj": (576, 1536)}
     [msg] = group_misfits({n: f"W4A16{suffix}" for n in shapes}, shapes)
@@ -405,7 +406,7 @@ def test_group_misfits_point_at_the_preset_whose_groups_fit(suffix):
 
 
 def test_regroup_fixes_name_the_preset_for_exactly_the_layers_it_mends():
-    from quantcore.planning.plans import regroup_fixes
+    from quantcore.planning.serving import regroup_fixes
 
     shapes = {"a.q_proj": (576, 576), "a.k_proj": (192, 576), "a.down_proj": (576, 1536), "b": (64, 96),
               "c": (64, 100), "d": (64, 100)}
@@ -420,7 +421,7 @@ def test_regroup_fixes_name_the_preset_for_exactly_the_layers_it_mends():
 def test_fp8_block_misfits_name_merged_layers_whose_n_the_blocks_do_not_divide():
     """vLLM's validate_fp8_block_shape: every output partition of a merged q/k/v or gate/up GEMM but the last must be
     a whole number of 128-row blocks; a layer loaded alone (o_proj, down_proj) takes any N on one GPU."""
-    from quantcore.planning.plans import fp8_block_misfits, fp8_block_untileable, group_misfits
+    from quantcore.planning.serving import fp8_block_misfits, fp8_block_untileable, group_misfits
 
     p = "model.layers.0"
     shapes = {f"{p}.self_attn.q_proj": (2048, 2048), f"{p}.self_attn.k_proj": (256, 2048),
@@ -450,8 +451,8 @@ def test_fp8_block_misfits_name_merged_layers_whose_n_the_blocks_do_not_divide()
 def test_activations_vllm_runs_otherwise_than_scored_are_named():
     """vLLM's INT8 W8A8 takes calibrated per-tensor or dynamic per-token activation scales only; its checkpoint FP8
     quantizes every dynamic activation per token; its online FP8 (the whole plan FP8_PER_TENSOR) per tensor."""
-    from quantcore.export.targets import serves_online_fp8
-    from quantcore.planning.plans import vllm_activation_misfits
+    from quantcore.export.vllm import serves_online_fp8
+    from quantcore.planning.serving import vllm_activation_misfits
 
     layers = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head"]
     [msg] = vllm_activation_misfits({n: "INT8_PER_TENSOR_SQ" for n in layers})
@@ -471,7 +472,7 @@ def test_activations_vllm_runs_otherwise_than_scored_are_named():
 
 def test_w4afp8_misfits_count_n_as_vllm_fuses_the_layers():
     """vLLM's CUTLASS W4A8 kernel wants N and K multiples of 128 for the layer it loads: q/k/v as one qkv_proj."""
-    from quantcore.planning.plans import w4afp8_misfits
+    from quantcore.planning.serving import w4afp8_misfits
 
     p = "model.layers.0"
     shapes = {f"{p}.self_attn.q_proj": (2048, 2048), f"{p}.self_attn.k_proj": (64, 2048),
@@ -490,7 +491,7 @@ def test_w4afp8_misfits_count_n_as_vllm_fuses_the_layers():
 
 
 def test_a_quantized_head_is_warned_about_and_a_tied_one_costs_its_embedding_again():
-    from quantcore.planning.plans import quantized_head, untied_embedding_bits
+    from quantcore.planning.serving import quantized_head, untied_embedding_bits
 
     shapes = {"b.mlp.down_proj": (576, 1536), "lm_head": (49152, 576)}
     bf16_head = {"b.mlp.down_proj": "W4A16", "lm_head": "BF16"}
@@ -509,7 +510,7 @@ def test_a_quantized_head_is_warned_about_and_a_tied_one_costs_its_embedding_aga
 
 
 def test_awq_unscaled_names_layers_awq_has_nothing_to_fold_into():
-    from quantcore.planning.plans import awq_unscaled
+    from quantcore.planning.serving import awq_unscaled
 
     gqa = {"b.self_attn.v_proj": (128, 576), "b.self_attn.o_proj": (576, 576), "b.mlp.down_proj": (576, 1536),
            "lm_head": (1000, 576)}

@@ -7,17 +7,11 @@ import json
 
 import pytest
 
-from quantcore.schemes.specs import (
-    Granularity,
-    Scheme,
-    TensorSpec,
-    fusion_group_of,
-    fusion_groups,
-    get_scheme,
-    list_schemes,
-    weight_scale_count,
-    weight_storage_bits,
-)
+from quantcore.formats.granularity import Granularity
+from quantcore.schemes.fusion import fusion_group_of, fusion_groups
+from quantcore.schemes.presets import get_scheme, list_schemes
+from quantcore.schemes.specs import Scheme, TensorSpec
+from quantcore.schemes.storage import weight_scale_count, weight_storage_bits
 
 ISSUE_PRESETS = [
     "FP8", "FP8_PER_TENSOR", "FP8_DYNAMIC", "FP8_BLOCK", "FP8_E5M2", "INT8_PER_TENSOR",
@@ -45,6 +39,15 @@ W4_PRESETS = [n for n in GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS
 def test_every_preset_of_the_issue_is_registered():
     assert sorted(list_schemes()) == sorted(ISSUE_PRESETS + GPTQ_PRESETS + AWQ_PRESETS + G64_PRESETS + ASYM_PRESETS
                                          + W4A8_PRESETS + MX_WEIGHT_ONLY_PRESETS)
+
+
+def test_each_preset_is_a_named_constant_gathered_in_one_table():
+    from quantcore.schemes import presets
+
+    assert list(presets.PRESET_SCHEMES) == list_schemes()
+    for name in ("FP8", "INT8_W8A8_SQ", "W4A16_ASYM_AWQ", "NVFP4A16_GPTQ", "BF16"):
+        assert getattr(presets, name) is presets.PRESET_SCHEMES[name] is get_scheme(name)
+    assert presets.PRESET_SCHEMES["W4A16_G64_GPTQ"].weights.group_size == presets.W4_SMALL_GROUP_SIZE
 
 
 def test_mxfp4a16_is_mxfp4s_weights_alone():
@@ -213,7 +216,7 @@ def test_to_dict_is_json_safe_and_round_trips(name):
 
 
 def test_numerics_changes_name_what_an_older_quantplan_did_differently():
-    from quantcore.schemes.specs import NUMERICS, numerics_changes
+    from quantcore.schemes.numerics import NUMERICS, numerics_changes
 
     assert numerics_changes("W4A16", None) and numerics_changes("INT8_W8A8", 1)  # the former int grid
     assert numerics_changes("W4A16", 2) == numerics_changes("FP8_DYNAMIC", 1) == []

@@ -1,0 +1,81 @@
+"""What every chart of the pages shares: the bounds on what a chart embeds, sizes, colours, the order of
+projection types, and the checks of a frame's columns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from quantcore.evaluation import outliers as ol
+
+# ---------------------------------------------------------------------------------------------
+# Named constants
+# ---------------------------------------------------------------------------------------------
+MAX_MARKS = 5000  # hard bound on data rows embedded in one chart (Altair's own default limit)
+DEFAULT_MAX_POINTS = ol.DEFAULT_MAX_POINTS  # 2000 channel points per chart
+DEFAULT_TOP_K = 5  # channels labelled in the channels chart
+HEATMAP_MAX_CELLS = 3000  # blocks x channel bins in the depth heatmap
+OUTLIER_RATIO_CAP = 1e6  # plotted in place of an infinite ratio (median channel exactly 0)
+KL_FLOOR = 1e-6  # KL values below this are drawn at it (log axes cannot show 0)
+KL_BINS = 40  # log bins of the per-token KL histogram
+SENSITIVITY_TOP_N = 40  # bars in the sensitivity chart
+SELECTION_NAME = "layer_pick"  # point selection of the overview; Streamlit returns it on rerun
+CHART_HEIGHT = 320
+KERNEL_COLUMN_PX = 110  # width of one kernel-path column of the kernel heatmap
+KERNEL_ROW_PX = 26  # height of one GEMM-shape row
+KERNEL_MIN_EXTENT = 2.0  # the speed-up colour scale spans at least 0.5x .. 2x
+KERNEL_DARK_SHARE = 0.6  # cells beyond this share of the log extent are dark: white text
+OVERVIEW_HEIGHT = 420  # Streamlit fits a stretched chart into its height overall: its axes and labels take part of it
+OUTSIDE_BLOCKS_COLOR = "#9e9e9e"  # lm_head and other layers outside the decoder blocks
+SMOOTH_WIDTH = 360  # each of the two SmoothQuant panels: both fit a wide page's column with their axes
+LABEL_FLIP_AT = 0.8  # channels chart: labels of points past this share of the channels read leftwards
+LABEL_SPAN = 0.12  # channels chart: the share of the channel axis one label covers ("ch 1229: 3.12e+03")
+LABEL_DECADES = 0.4  # ... and the decades of the log y axis it covers: labels closer on both stack upwards
+LABEL_STEP_PX = 13  # ... by this many pixels a level
+OVERVIEW_WIDTH = 720  # fixed: a band per projection x an offset per block would otherwise grow with depth
+
+INT8_FLUSH_LABEL = "INT8 per-tensor flush"
+E4M3_SUBNORMAL_LABEL = "E4M3 min subnormal"
+THRESHOLD_COLORS = {INT8_FLUSH_LABEL: "#d62728", E4M3_SUBNORMAL_LABEL: "#2ca02c"}
+SERIES_COLORS = {"activation": "#1f77b4", "weight": "#ff7f0e"}
+GRID_KIND_COLORS = {"representable": "#9e9e9e", "clipping point": "#d62728", "flush to zero": "#ff7f0e"}
+
+# Projection types in data-flow order; others follow alphabetically.
+PROJ_ORDER = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "down_proj",
+    "lm_head",
+)
+
+
+def proj_sort(projs: Iterable[str]) -> list[str]:
+    """Projection types in model order; a fusion group ("q_proj/k_proj/v_proj") sorts as its first member."""
+
+    def key(p: str) -> tuple[int, str]:
+        first = p.split("/")[0]
+        return (PROJ_ORDER.index(first) if first in PROJ_ORDER else len(PROJ_ORDER), p)
+
+    return sorted(set(projs), key=key)
+
+
+def check_columns(df: pd.DataFrame, required: Sequence[str], what: str) -> None:
+    """ValueError naming the columns ``what`` needs that ``df`` lacks."""
+    missing = [c for c in required if c not in df.columns]
+    if missing:
+        raise ValueError(f"{what} needs columns {list(required)}; missing {missing} (got {list(df.columns)})")
+
+
+def positive_floor(values: Iterable[float], default: float = 1e-12) -> float:
+    """The smallest finite positive value (``default`` where there is none): the floor of a log axis."""
+    arr = np.asarray(list(values), dtype=np.float64)
+    arr = arr[np.isfinite(arr) & (arr > 0)]
+    return float(arr.min()) if arr.size else default

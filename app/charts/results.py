@@ -1,0 +1,234 @@
+"""The Results page's charts: the per-token KL distribution and KL by position of scored plans, sensitivity per
+unit (one scheme, or every swept scheme side by side), and the KL of each scored plan against its cost."""
+
+from __future__ import annotations
+
+import altair as alt
+import numpy as np
+import pandas as pd
+
+from app.charts.base import (
+    CHART_HEIGHT,
+    DEFAULT_MAX_POINTS,
+    KL_BINS,
+    KL_FLOOR,
+    MAX_MARKS,
+    SENSITIVITY_TOP_N,
+    check_columns,
+    positive_floor,
+    proj_sort,
+)
+
+
+def kl_histogram_frame(df: pd.DataFrame, bins: int = KL_BINS) -> pd.DataFrame:
+    """Per-token KL values (columns kl[, label]) binned on shared log bins: label, lo, hi, center, count, share.
+
+    Values below :data:`KL_FLOOR` (including exact zeros) fall in the first bin.
+    """
+    check_columns(df, ["kl"], "kl_histogram_frame")
+    if "label" not in df.columns:
+        df = df.assign(label="run")
+    kl = df["kl"].to_numpy(dtype=np.float64)
+    finite = np.isfinite(kl)
+    top = max(float(kl[finite].max()) if finite.any() else KL_FLOOR, KL_FLOOR * 10)
+    lo_edge = max(KL_FLOOR, positive_floor(kl[finite], KL_FLOOR))
+    if lo_edge >= top:
+        lo_edge = top / 10
+    edges = np.geomspace(lo_edge, top, bins + 1)
+    out = []
+    for label, group in df.groupby("label", sort=False):
+        v = np.clip(group["kl"].to_numpy(dtype=np.float64), lo_edge, top)
+        v = v[np.isfinite(v)]
+        counts, _ = np.histogram(v, bins=edges)
+        out.append(
+            pd.DataFrame(
+                {
+                    "label": str(label),
+                    "lo": edges[:-1],
+                    "hi": edges[1:],
+                    "center": np.sqrt(edges[:-1] * edges[1:]),
+                    "count": counts,
+                    "share": counts / max(1, v.size),
+                }
+            )
+        )
+    return pd.concat(out, ignore_index=True)
+
+
+def kl_distribution_chart(df: pd.DataFrame, height: int = 260) -> alt.LayerChart:
+    """Distribution of per-token KL(p_ref || p_quant), log x, one step line per label, means as rules.
+
+    Input: either raw values (kl[, label]) — binned here with :func:`kl_histogram_frame` —
+    or an already binned frame (label, center, share).
+    """
+    if "kl" in df.columns:
+        means = (
+            df.assign(label=df["label"] if "label" in df.columns else "run")
+            .groupby("label", sort=False)["kl"]
+            .mean()
+            .reset_index()
+            .rename(columns={"kl": "mean"})
+        )
+        binned = kl_histogram_frame(df)
+    else:
+        check_columns(df, ["label", "center", "share"], "kl_distribution_chart")
+        binned = df
+        means = pd.DataFrame({"label": [], "mean": []})
+    if len(binned) > MAX_MARKS:
+        raise ValueError(f"kl_distribution_chart got {len(binned)} bins (limit {MAX_MARKS})")
+    means["mean"] = means["mean"].clip(lower=KL_FLOOR)
+    color = alt.Color("label:N", title="")
+    lines = (
+        alt.Chart(binned)
+        .mark_line(interpolate="step")
+        .encode(
+            x=alt.X("center:Q", title="per-token KL (nats)", scale=alt.Scale(type="log")),
+            y=alt.Y("share:Q", title="share of tokens", axis=alt.Axis(format="%")),
+            color=color,
+            tooltip=["label:N", alt.Tooltip("center:Q", format=".3g"), alt.Tooltip("share:Q", format=".1%")],
+        )
+    )
+    rules = (
+        alt.Chart(means)
+        .mark_rule(strokeDash=[4, 3])
+        .encode(x="mean:Q", color=color, tooltip=["label:N", alt.Tooltip("mean:Q", format=".4g")])
+    )
+    return alt.layer(lines, rules, height=height, title="Per-token KL against the unquantized model")
+
+
+def kl_by_position_chart(
+    df: pd.DataFrame, height: int = 260, max_points: int = DEFAULT_MAX_POINTS
+) -> alt.Chart:
+    """Mean KL by token position (log y), one line per label.
+
+    Input columns: position, kl[, label]. Positions beyond ``max_points`` per label are
+    averaged in contiguous buckets (the chart keeps the mean, not single tokens).
+    """
+    check_columns(df, ["position", "kl"], "kl_by_position_chart")
+    if "label" not in df.columns:
+        df = df.assign(label="run")
+    df = df.groupby(["label", "position"], sort=True, as_index=False)["kl"].mean()
+    n_labels = max(1, df["label"].nunique())
+    per_label = max(1, min(max_points, MAX_MARKS // n_labels))
+    parts = []
+    for label, group in df.groupby("label", sort=False):
+        if len(group) > per_label:
+            bucket = np.arange(len(group)) * per_label // len(group)
+            group = group.groupby(bucket).agg(position=("position", "mean"), kl=("kl", "mean"))
+            group["label"] = label
+        parts.append(group)
+    df = pd.concat(parts, ignore_index=True)
+    df["kl_plot"] = df["kl"].clip(lower=KL_FLOOR)
+    return (
+        alt.Chart(df, height=height, title="KL by position")
+        .mark_line()
+        .encode(
+            x=alt.X("position:Q", title="token position"),
+            y=alt.Y("kl_plot:Q", title="mean KL (nats)", scale=alt.Scale(type="log")),
+            color=alt.Color("label:N", title=""),
+            tooltip=["label:N", alt.Tooltip("position:Q", format=".0f"), alt.Tooltip("kl:Q", format=".4g")],
+        )
+    )
+
+
+def sensitivity_chart(df: pd.DataFrame, top_n: int = SENSITIVITY_TOP_N, bar_height: int = 16) -> alt.Chart:
+    """Per-layer sensitivity as horizontal bars, most sensitive first (the ``top_n`` largest).
+
+    Input columns: layer, kl (mean KL with only that layer quantized)[, proj]. Bars are
+    coloured by projection type when ``proj`` is present.
+    """
+    check_columns(df, ["layer", "kl"], "sensitivity_chart")
+    top = df.nlargest(min(top_n, MAX_MARKS), "kl")
+    encodings = {
+        "x": alt.X("kl:Q", title="mean KL with only this layer quantized"),
+        # every bar labelled in full: layer names are long and each one is the point of a row
+        "y": alt.Y("layer:N", title="", sort="-x", axis=alt.Axis(labelLimit=360, labelOverlap=False)),
+        "tooltip": ["layer:N", alt.Tooltip("kl:Q", format=".4g")],
+    }
+    if "proj" in top.columns:
+        encodings["color"] = alt.Color("proj:N", title="projection", sort=proj_sort(top["proj"]))
+    return (
+        alt.Chart(top, height=alt.Step(bar_height), title=f"Most sensitive layers (top {len(top)})")
+        .mark_bar()
+        .encode(**encodings)
+    )
+
+
+HEAD_BLOCK = "head"  # the column of layers outside the decoder blocks (lm_head) in sensitivity_by_scheme
+
+
+def sensitivity_by_scheme(df: pd.DataFrame, cell: int = 18) -> alt.Chart:
+    """Per-unit KL of every swept scheme at once: one panel per scheme, block x projection cells.
+
+    Input columns: scheme, block (int; None/NaN for layers outside the blocks, drawn in a last
+    "head" column), proj (e.g. "q_proj/k_proj/v_proj"), kl[, unit]. The colour is log KL on one
+    scale shared by every panel, so a site that only one format cannot take (a down_proj that
+    breaks INT8 per-tensor and barely moves FP8) stands out in that format's panel alone.
+    """
+    check_columns(df, ["scheme", "block", "proj", "kl"], "sensitivity_by_scheme")
+    if len(df) > MAX_MARKS:
+        raise ValueError(f"sensitivity_by_scheme got {len(df)} cells (limit {MAX_MARKS})")
+    blocks = pd.to_numeric(df["block"], errors="coerce")
+    order = [str(b) for b in sorted(blocks.dropna().astype(int).unique())]
+    df = df.assign(
+        col=[str(int(b)) if pd.notna(b) else HEAD_BLOCK for b in blocks],
+        kl_plot=df["kl"].clip(lower=KL_FLOOR),
+    )
+    if (df["col"] == HEAD_BLOCK).any():
+        order.append(HEAD_BLOCK)
+    tooltip = ["scheme:N"] + (["unit:N"] if "unit" in df.columns else ["col:N", "proj:N"])
+    tooltip.append(alt.Tooltip("kl:Q", format=".4g", title="KL"))
+    return (
+        alt.Chart(df, width=alt.Step(cell), height=alt.Step(cell))
+        .mark_rect()
+        .encode(
+            x=alt.X("col:O", title="block", sort=order),
+            # every projection labelled: the default overlap rule drops every other one
+            y=alt.Y("proj:N", title="", sort=proj_sort(df["proj"]),
+                    axis=alt.Axis(labelOverlap=False, labelLimit=240)),
+            color=alt.Color("kl_plot:Q", title="KL (nats)", scale=alt.Scale(type="log", scheme="inferno"),
+                            legend=alt.Legend(format=".1e")),
+            row=alt.Row("scheme:N", title=None, header=alt.Header(labelAngle=0, labelAlign="left")),
+            tooltip=tooltip,
+        )
+        .properties(title="KL with one unit quantized, per swept scheme")
+    )
+
+
+FRONT_COLORS = {"on the front": "#d62728", "beaten": "#9e9e9e"}
+
+
+def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = CHART_HEIGHT) -> alt.LayerChart:
+    """KL of each scored plan (log y) against what it costs (x), the Pareto front joined and labelled.
+
+    Input columns: plan, kl_mean, ``cost``, front (bool: no other plan has both a lower cost and a
+    lower KL)[, top1_agree]. Rows without a cost are left out (the page names them). A KL of 0
+    (BF16) is drawn a decade below the smallest positive KL (never below :data:`KL_FLOOR`); the
+    tooltip keeps the true value. The front is a step line, its plans labelled: from each, the
+    best KL available for no more cost.
+    """
+    check_columns(df, ["plan", "kl_mean", cost, "front"], "tradeoff_chart")
+    keep = ["plan", "kl_mean", cost, "front"] + (["top1_agree"] if "top1_agree" in df.columns else [])
+    df = df.loc[df[cost].notna(), keep].head(MAX_MARKS // 3).copy()  # three marks per row
+    # a KL of 0 (BF16) sits a decade below the smallest positive KL, not at KL_FLOOR: the plans worth
+    # comparing keep the height of the chart
+    floor = max(positive_floor(df["kl_mean"], default=KL_FLOOR) / 10, KL_FLOOR)
+    df["kl_plot"] = df["kl_mean"].clip(lower=floor)
+    df["where"] = np.where(df["front"], "on the front", "beaten")
+    x = alt.X(f"{cost}:Q", title=cost_title, scale=alt.Scale(zero=False),
+              axis=alt.Axis(format=",.4~r"))  # one plan alone: its value is the only tick, not 128.640381
+    y = alt.Y("kl_plot:Q", title="KL mean (nats, log)", scale=alt.Scale(type="log"))
+    tooltip = ["plan:N", alt.Tooltip("kl_mean:Q", title="KL mean", format=".4g"),
+               alt.Tooltip(f"{cost}:Q", title=cost_title, format=".4g")]
+    if "top1_agree" in df.columns:
+        tooltip.append(alt.Tooltip("top1_agree:Q", title="top-1 agree", format=".3f"))
+    color = alt.Color("where:N", title="", scale=alt.Scale(domain=list(FRONT_COLORS),
+                                                           range=list(FRONT_COLORS.values())))
+    base = alt.Chart(df)
+    points = base.mark_circle(size=90).encode(x=x, y=y, color=color, tooltip=tooltip)
+    front = df[df["front"]].sort_values(cost)
+    line = (alt.Chart(front).mark_line(interpolate="step-after", color=FRONT_COLORS["on the front"], opacity=0.5)
+            .encode(x=x, y=y))
+    labels = alt.Chart(front).mark_text(align="left", dx=7, dy=-6, fontSize=11).encode(
+        x=x, y=y, text="plan:N", color=alt.value("#333333"))  # the beaten ones crowd: they have tooltips
+    return alt.layer(line, points, labels, height=height, title=f"KL against {cost_title}")

@@ -1,0 +1,64 @@
+"""Text the pages show beside their tables and charts, built from what the application layer returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quantcore.kernels.records import SKIP_OVER_BUDGET
+from store.records import ModelRecord
+
+
+def thin_estimate_note(est: dict[str, Any]) -> str | None:
+    """A warning when a step estimate rests on fewer than half the plan's layers (for the step missing most), yet on
+    some: its sums and speed-ups are then those few layers', not the plan's. None otherwise (none measured: the
+    metrics say "not measured" themselves)."""
+    n = len(est["per_layer"])
+    worst = max(len(est["missing_prefill"]), len(est["missing_decode"]))
+    if not n or worst == n or 2 * worst <= n:
+        return None
+    return (f"Only {n - worst} of this plan's {n} layers have a time for their path at these M values: the step "
+            "times and speed-ups above are of those layers alone, not of the plan. Benchmark the paths it uses "
+            "(named below) before reading them as the plan's.")
+
+
+def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
+    """What a step estimate leaves out (layers with no time for their path at its M values), named, and what to do
+    about each: a case skipped over the time budget wants a larger budget, not the same benchmark again; a path the
+    device does not run, or that failed at that shape, says why; a case never measured wants a benchmark."""
+    from quantcore.errors import name_list
+
+    missing = list(dict.fromkeys([*est["missing_prefill"], *est["missing_decode"]]))
+    why = {**est.get("skipped_prefill", {}), **est.get("skipped_decode", {})}
+    over = [n for n in missing if why.get(n, "").startswith(SKIP_OVER_BUDGET)]
+    cannot = [n for n in missing if n in why and n not in over]
+    unmeasured = [n for n in missing if n not in why]
+    gpus = f" on {plan_tp} GPUs" if plan_tp > 1 else ""
+    parts = []
+    if over:
+        parts.append(f"{name_list(over, 3)} skipped over the time budget per shape: queue the benchmark again with a "
+                     "larger budget to time them")
+    if cannot:
+        reasons = list(dict.fromkeys(why[n] for n in cannot))
+        parts.append(f"{name_list(cannot, 3)} with no time on this device ({'; '.join(reasons[:2])}"
+                     + (f"; and {len(reasons) - 2} more reasons" if len(reasons) > 2 else "") + ")")
+    if unmeasured:  # the M values were asked for other paths, or never: name both
+        paths = list(dict.fromkeys(est["per_layer"][n]["path"] for n in unmeasured if n in est["per_layer"]))
+        parts.append(f"{name_list(unmeasured, 3)} not measured: queue a benchmark with these M values{gpus}"
+                     + (f" and path{'s' if len(paths) > 1 else ''} {', '.join(paths)}" if paths else ""))
+    counts = " and ".join(f"{len(est[f'missing_{step}'])} of the {step}'s (M={est.get(f'm_{step}', '?')})"
+                          for step in ("prefill", "decode") if est[f"missing_{step}"])
+    return (f"Layers with no time for their path: {counts}; the sums and speed-ups above leave them out: "
+            + "; ".join(parts) + ".")
+
+
+FUSION_REASON = ("q/k/v (and gate/up) of a block read the same input and are fused into one GEMM when "
+                 "served, so they share one weight format and one activation scale: a scheme set on one "
+                 "of them is set on the whole group. The routed experts of an MoE block are one fused MoE "
+                 "layer when served, with one quantization method, so they too share one scheme.")
+
+
+def preset_options(model: ModelRecord) -> dict[str, str]:
+    """{preset: "PRESET: what it does"} of every preset scheme, as the Results page offers them."""
+    from quantcore.schemes.presets import get_scheme, list_schemes
+
+    return {name: f"{name}: {get_scheme(name).describe()}" for name in list_schemes()}

@@ -1,0 +1,68 @@
+"""The ``quantplan`` command: migrate, run the product, and queue or run jobs from a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import quantplan.cli.jobs as job_commands
+import quantplan.cli.models as model_commands
+import quantplan.cli.plans as plan_commands
+import quantplan.cli.run as run_commands
+import quantplan.cli.scores as score_commands
+import quantplan.cli.system as system_commands
+from quantplan.cli.common import CliError, Interrupted, current_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command group, in the order ``quantplan --help`` lists them."""
+    p = argparse.ArgumentParser(prog="quantplan", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    system_commands.add_commands(sub)
+    model_commands.add_commands(sub)
+    run_commands.add_calibrate_command(sub)
+    job_commands.add_commands(sub)
+    run_commands.add_commands(sub)
+    score_commands.add_commands(sub)
+    plan_commands.add_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (default: the process's arguments); its exit status: 0 done, 1 refused or failed
+    (a line on stderr), 130 interrupted, 141 a closed pipe."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # transformers' own tqdm bars (GGUF conversion, weight loading) would interleave with quantplan's job
+    # progress lines in the terminal and fill worker logs with carriage returns
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "device", "unset") is None:
+        args.device = current_settings().default_device
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here, where it is handled, not at interpreter exit
+        return code
+    except Interrupted as exc:
+        print(f"\nquantplan: {exc}", file=sys.stderr)
+        return 130
+    except CliError as exc:
+        print(f"quantplan: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nquantplan: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader went away (`quantplan jobs --json | head`): stop quietly, as other Unix tools do;
+        # point stdout at devnull so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool ended by a closed pipe
+    except Exception as exc:
+        from store.db import StoreError
+
+        if isinstance(exc, StoreError | ValueError | LookupError):
+            print(f"quantplan: {exc}", file=sys.stderr)
+            return 1
+        raise

@@ -1,0 +1,122 @@
+"""The options several commands share, each defined once: the model argument, the job sizes and their defaults
+(from the job specs, jobs.specs), the device, --local, --wait, --json, the GPUs a plan is served on, the KV cache
+format, the KL budget and the ideal step's target. A command adds them with its own help text where it means
+something of its own by them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TypeAlias
+
+from jobs.specs import BenchSpec, ScoreSpec
+
+ParserT = argparse.ArgumentParser
+SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # what add_subparsers() returns
+
+MODEL_HELP = "registered model id or name, or 'demo'"
+GPU_TARGETS = "a100, l40s, h100, h100-pcie, h200, b200"
+
+
+def add_model(sp: ParserT, help: str = MODEL_HELP, *, optional: bool = False) -> None:
+    """The MODEL argument: a registered model's id or name (``optional``: may be left out)."""
+    sp.add_argument("model", help=help, **({"nargs": "?"} if optional else {}))
+
+
+def add_plan_model(sp: ParserT, help: str = "model of a plan file that does not name one") -> None:
+    """--model: the model of a plan file (or of an imported file) that does not name one."""
+    sp.add_argument("--model", help=help)
+
+
+def add_json(sp: ParserT, help: str = "print the result as JSON") -> None:
+    """--json: machine-readable output instead of lines for people."""
+    sp.add_argument("--json", action="store_true", help=help)
+
+
+def add_device(sp: ParserT, help: str = "cpu or cuda (default: QUANTPLAN_DEFAULT_DEVICE)") -> None:
+    """--device: where the job runs (None: the command or QUANTPLAN_DEFAULT_DEVICE decides)."""
+    sp.add_argument("--device", default=None, help=help)
+
+
+def add_local(sp: ParserT, help: str = "run in this process instead of on a worker") -> None:
+    """--local: run the job's body in this process (quantplan.cli.local), no worker."""
+    sp.add_argument("--local", action="store_true", help=help)
+
+
+def add_wait(sp: ParserT, help: str) -> None:
+    """--wait: wait for a job the command queues besides its own answer."""
+    sp.add_argument("--wait", action="store_true", help=help)
+
+
+def add_run_options(sp: ParserT) -> None:
+    """--device / --local / --json, shared by every job command."""
+    add_device(sp)
+    add_local(sp)
+    add_json(sp)
+
+
+def add_text_job_options(sp: ParserT, *, text: str, samples: int, seq_len: int = ScoreSpec.seq_len) -> None:
+    """The model argument and the options every job over text shares (calibrate, score, sensitivity): the text,
+    its sequences (default ``samples``, the job spec's) and tokens each, then :func:`add_run_options`."""
+    add_model(sp)
+    sp.add_argument("--text", help=text)
+    sp.add_argument("--samples", type=int, default=samples, help=f"number of sequences (default {samples})")
+    sp.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})")
+    add_run_options(sp)
+
+
+def add_calibration_options(sp: ParserT) -> None:
+    """The calibration text of a score or sweep (GPTQ Hessians, AWQ and KV cache scales); unset: the spec's."""
+    sp.add_argument("--cal-text", metavar="FILE", help="calibration text for GPTQ Hessians, AWQ scales and KV cache "
+                    "scales (.txt / .jsonl); default: gensim's lee_background.cor, never the evaluation text")
+    sp.add_argument("--cal-samples", type=int, metavar="N",
+                    help=f"calibration sequences (default {ScoreSpec.cal_samples})")
+    sp.add_argument("--cal-seq-len", type=int, metavar="L",
+                    help=f"tokens per calibration sequence (default {ScoreSpec.cal_seq_len})")
+
+
+def add_tensor_parallel(sp: ParserT, help: str) -> None:
+    """--tensor-parallel / --tp GPUS: the GPUs a plan is served (scored, timed, exported) on."""
+    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help=help)
+
+
+def add_expert_parallel(sp: ParserT, help: str = "an MoE model's experts whole, one GPU each (vLLM "
+                        "--enable-expert-parallel), not split over the GPUs") -> None:
+    """--expert-parallel: with several GPUs, an MoE model's experts whole, one GPU each."""
+    sp.add_argument("--expert-parallel", action="store_true", help=help)
+
+
+def add_gpu_options(sp: ParserT, what: str, more: str = "") -> None:
+    """--tp / --expert-parallel of a score or sweep: ``what`` is quantized as served on that many GPUs."""
+    add_tensor_parallel(sp, f"{what} as served on this many GPUs: each GPU quantizes its share of a row-parallel "
+                        f"layer's input (o_proj, down_proj) on its own dynamic scale{more}")
+    add_expert_parallel(sp, "with --tp: an MoE model's routed experts whole, one GPU each (vLLM "
+                        "--enable-expert-parallel)")
+
+
+def add_kv_cache(sp: ParserT, help: str, *, required: bool = False) -> None:
+    """--kv-cache FORMAT: a KV cache format of quantcore.evaluation.kvcache."""
+    sp.add_argument("--kv-cache", metavar="FORMAT", required=required, help=help)
+
+
+def add_kl_budget(sp: ParserT, help: str) -> None:
+    """--kl-budget: the most KL (nats per token) a plan's prediction may reach."""
+    sp.add_argument("--kl-budget", type=float, required=True, help=help)
+
+
+def add_budget(sp: ParserT) -> None:
+    """--budget: a benchmark's seconds per shape (unset: the bench spec's)."""
+    sp.add_argument("--budget", type=float, default=None, help="seconds per shape before a case is skipped "
+                    f"(default {BenchSpec.budget_s:g}); a case skipped under this budget or a larger one is not "
+                    "measured again")
+
+
+def add_target(sp: ParserT, help: str, *, required: bool = False) -> None:
+    """--target: a GPU of quantcore.kernels.hardware's table."""
+    sp.add_argument("--target", required=required, help=help)
+
+
+def add_ideal_options(sp: ParserT, what: str) -> None:
+    """--target / --batch / --prompt: the ideal (roofline) step times on a GPU of the table."""
+    add_target(sp, f"add {what} on this GPU: {GPU_TARGETS}")
+    sp.add_argument("--batch", type=int, default=1, help="tokens of the ideal decode step (default 1)")
+    sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")

@@ -1,0 +1,253 @@
+"""Automatic plans: the cheapest plan under a KL budget from the stored sweeps, saved and verified.
+
+:class:`AutoPlan` is a command in the style of Superset's ``commands/``: built with what a person asked,
+:meth:`AutoPlan.validate` refuses (:class:`~quantplan.services.errors.Refused`, nothing saved) what cannot be
+answered, and :meth:`AutoPlan.run` validates, decides (quantcore.planning.autoplan), saves the plan version and
+queues the score that checks its prediction, in named steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantplan.services.errors import Refused
+from quantplan.services.jobs import list_jobs
+from quantplan.services.kernels import kernel_records, measured_device_for
+from quantplan.services.models import attention_heads, layer_names, layer_shapes, routed_layers
+from quantplan.services.plans import list_plans, save_plan
+from quantplan.services.queue import submit
+from quantplan.services.scoring import kv_alone_score
+from quantplan.services.sweeps import (
+    planner_sweeps,
+    schemes_swept_on,
+    sensitivity_map,
+    split_scale_schemes,
+    stale_sweeps,
+    verify_tokens,
+)
+from quantplan.services.units import mib_text
+from store.records import JobRecord, ModelRecord, PlanRecord, ScoreRecord
+
+
+def cost_text(value: float, unit: str) -> str:
+    """An automatic plan's cost as a person reads it: weight bits in MiB, times in ms."""
+    from quantcore.planning.costs import UNIT_BITS
+
+    if unit == UNIT_BITS:
+        return f"{mib_text(value)} of weights"
+    return f"{value:.4g} {unit}"
+
+
+STEP_TOKENS = 2048  # M of the step whose time an automatic plan minimises, unless asked otherwise (a prefill)
+
+AUTO_COSTS = {  # what an automatic plan minimises
+    "auto": "measured step time on the target where its kernel timings are stored, else weight memory",
+    "bits": "weight memory (stored bits, scales included)",
+    "ideal": "ideal (roofline) step time on the target at M tokens",
+}
+
+
+@dataclass
+class AutoPlan:
+    """Choose the cheapest plan under the KL budget from the stored sensitivity sweeps, save it as a plan version,
+    and queue a score job that checks the prediction.
+
+    ``cost`` (:data:`AUTO_COSTS`): the target's measured kernel times at M = ``m`` when stored, else weight bits
+    (``"auto"``); weight bits; or the roofline bound at ``m`` on the target's datasheet (``"ideal"``). ``kv_cache``:
+    the plan caches K and V in that format; its KL, measured alone (:func:`kv_alone_score`), comes off the budget
+    before the linears are chosen and is added to their predicted KL. ``tensor_parallel``: the GPUs the plan is
+    served on; a scheme is not offered to a layer whose share on one GPU vLLM would refuse
+    (quantcore.models.parallel), and the plan keeps the size (and ``expert_parallel``: an MoE model's experts whole,
+    one GPU each). ``queue_job(kind, params, model_id=, plan_id=)`` writes the verifying job (default
+    :func:`~quantplan.services.queue.submit`; the CLI's --local writes one to run itself).
+    """
+
+    model: ModelRecord
+    kl_budget: float
+    target: str
+    m: int = STEP_TOKENS
+    candidates: list[str] | None = None
+    verify: bool = True
+    device: str = "cpu"
+    cost: str = "auto"
+    kv_cache: str = "AUTO"
+    tensor_parallel: int = 1
+    expert_parallel: bool = False
+    queue_job: Callable[..., JobRecord] | None = None
+    # what validate() found, for the steps of run()
+    _sens: dict[str, dict[str, float]] = field(default_factory=dict, init=False, repr=False)
+    _unit_layers: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False)
+    _kv: str = field(default="AUTO", init=False, repr=False)
+    _alone: ScoreRecord | None = field(default=None, init=False, repr=False)
+
+    def validate(self) -> None:
+        """Refused (nothing saved or queued): a model with no sensitivity sweep, an unknown cost, a KV cache format
+        whose KL alone is not measured yet or already spends the budget."""
+        from quantcore.evaluation.kvcache import get_kv_format
+
+        model = self.model
+        self._sens, self._unit_layers = sensitivity_map(model, self.tensor_parallel, self.expert_parallel)
+        if not self._sens:
+            raise Refused(f"{model.name} has no sensitivity sweep yet: run one per candidate scheme first "
+                          f"(Results page, or `quantplan sensitivity {model.name} --scheme FP8_DYNAMIC`)")
+        if self.cost not in AUTO_COSTS:
+            raise Refused(f"unknown cost {self.cost!r}; choose one of: {', '.join(AUTO_COSTS)}")
+        kv = self._kv = get_kv_format(self.kv_cache).name
+        self._alone = None
+        if kv != "AUTO":
+            alone = self._alone = kv_alone_score(model, kv)
+            if alone is None:
+                raise Refused(f"the KL of a {kv} KV cache on {model.name} is not known yet: score it alone first "
+                              f"(`quantplan score {model.name} --scheme BF16 --kv-cache {kv}`, or preset BF16 with "
+                              f"KV cache {kv} on the Results page)")
+            if alone.kl_mean >= self.kl_budget:
+                raise Refused(f"a {kv} KV cache alone costs KL {alone.kl_mean:.4g} on {model.name} (score job "
+                              f"#{alone.job_id}), no less than the budget {self.kl_budget:g}: raise the budget or "
+                              "keep the KV cache in AUTO")
+
+    def run(self) -> tuple[Any, PlanRecord, JobRecord | None]:
+        """(quantcore.planning.autoplan.AutoPlanResult, the plan version saved or found, the verifying score job
+        or None): :meth:`validate`, then choose, explain, save and verify. Refused where no candidate can be used."""
+        self.validate()
+        result, table = self._choose()
+        read = planner_sweeps(self.model, self.tensor_parallel, self.expert_parallel)
+        self._explain(result, table, read)
+        plan, job = self._save(result)
+        if self.verify and job is None:
+            job = self._queue_verification(result, plan, read)
+        return result, plan, job
+
+    # ------------------------------------------------------------------------- the steps
+
+    @property
+    def _candidates(self) -> list[str]:
+        return self.candidates or sorted(set(self._sens) | {"BF16"})
+
+    @property
+    def _kv_kl(self) -> float:
+        return self._alone.kl_mean if self._alone is not None else 0.0
+
+    def _parallel(self):
+        from quantcore.models.parallel import Parallelism
+
+        tp = self.tensor_parallel
+        return Parallelism(tp, attention_heads(self.model) if tp > 1 else None, self.expert_parallel)
+
+    def _cost_table(self) -> tuple[dict[str, dict[str, float]] | None, str]:
+        """({scheme: {layer: cost}} or None for weight bits, the cost's source) of one GPU's share of each layer."""
+        from quantcore.kernels.roofline import cost_from_roofline
+        from quantcore.planning.costs import COST_IDEAL, COST_MEASURED, cost_from_kernel_records
+        from quantcore.schemes.fusion import expert_block
+
+        model, cands, parallel = self.model, self._candidates, self._parallel()
+        per_gpu = parallel.shards(layer_shapes(model))  # what one GPU runs: the time costs are of these shapes
+        table, source = None, COST_MEASURED
+        device_name = measured_device_for(self.target) if self.cost == "auto" else None
+        if device_name:
+            table = cost_from_kernel_records(kernel_records(device_name), per_gpu, cands, m=self.m,
+                                             target=self.target, routed=routed_layers(model))
+            if not table.get("BF16"):
+                table = None
+        if self.cost == "ideal":
+            table = cost_from_roofline(sorted(set(cands) | {"BF16"}), per_gpu, self.target, self.m,
+                                       routed_layers(model))
+            source = COST_IDEAL
+        if table is not None and parallel.split and parallel.expert_parallel:
+            # each GPU holds 1 / tp of the experts (quantcore.models.parallel.Parallelism.first_gpu): an expert's
+            # time counts on one GPU's step in that share
+            table = {s: {layer: ms / self.tensor_parallel if expert_block(layer) is not None else ms
+                         for layer, ms in times.items()} for s, times in table.items()}
+        return table, source
+
+    def _choose(self):
+        """(the solver's result, the cost table it minimised); Refused where every candidate but BF16 is excluded."""
+        from quantcore.planning.autoplan import auto_plan as solve
+
+        model, cands = self.model, self._candidates
+        table, source = self._cost_table()
+        result = solve(layer_names(model), self._sens, kl_budget=self.kl_budget - self._kv_kl, target=self.target,
+                       candidates=cands, cost=table, layer_shapes=layer_shapes(model), unit_layers=self._unit_layers,
+                       cost_source=source, tied=model.tied_linears, parallel=self._parallel())
+        if not [c for c in cands if c != "BF16" and c not in result.excluded]:  # a plan of BF16 alone answers nothing
+            raise Refused(f"no candidate scheme can be used on {model.name} for {self.target}: " + "; ".join(
+                why for c, why in result.excluded.items() if c != "BF16"))
+        return result, table
+
+    def _explain(self, result, table, read: list[JobRecord]) -> None:
+        """The notes a person reads beside the plan: candidates left out, the KV cache's share of the budget, stale
+        sweeps, one-GPU sweeps standing in for several GPUs, and what the cost is."""
+        model, cost, m, target, tp = self.model, self.cost, self.m, self.target, self.tensor_parallel
+        parallel = self._parallel()
+        result.notes += [f"{c} not used: {why}" for c, why in result.excluded.items() if c != "BF16"]
+        if self._alone is not None:
+            kv_kl = self._kv_kl
+            result.predicted_kl += kv_kl
+            result.kl_budget = self.kl_budget
+            result.notes.append(f"KV cache {self._kv}: KL {kv_kl:.4g} measured alone (score job "
+                                f"#{self._alone.job_id}); the linear layers were chosen under the rest of the budget "
+                                f"({self.kl_budget - kv_kl:.4g}) and the prediction adds the two (the KLs of "
+                                "independent small errors roughly add)")
+        stale = stale_sweeps(model)
+        result.notes += [stale[j.id][1] for j in read if j.id in stale and stale[j.id][0] in self._candidates]
+        if parallel.split:
+            at_tp = schemes_swept_on(read, tp, self.expert_parallel)
+            split = split_scale_schemes({scheme for n, scheme in result.plan.items()
+                                         if parallel.input_shards(n) > 1 and scheme not in at_tp})
+            if split:
+                gpus = f"--tp {tp}" + (" --expert-parallel" if parallel.expert_parallel else "")
+                result.notes.append(f"predicted from one-GPU sensitivity sweeps of {', '.join(split)}: on {tp} "
+                                    "GPUs each quantizes its share of o_proj's and down_proj's input on its own "
+                                    "dynamic scale, which those sweeps do not see, so the plan's KL there is likely "
+                                    f"lower than predicted (the verifying score runs on {tp} GPUs). Sweep them on "
+                                    f"{tp} GPUs for a closer prediction (`quantplan sensitivity {model.name} "
+                                    f"--scheme {split[0]} {gpus}`, or the Results page's GPU count)")
+        if cost == "ideal":
+            result.notes.append(f"cost: the ideal (roofline) step time at M={m} on {target}, from its datasheet"
+                                + (f", of one GPU's share of every layer over {tp}" if parallel.split else ""))
+        elif table is None:
+            result.notes.append(f"no kernel timings of a {target} are stored"
+                                + (f" for one GPU's share of every layer over {tp} (bench --tp {tp})"
+                                   if parallel.split else "")
+                                + ": cost is the stored weight bits, scales included"
+                                if cost == "auto" else "cost: the stored weight bits, scales included")
+
+    def plan_name(self) -> str:
+        """One plan name per question asked, the cost minimised part of it: ``auto-h100-kl0.05-ideal-m1``."""
+        return (f"auto-{self.target}-kl{self.kl_budget:g}"
+                + {"auto": "", "bits": "-bits", "ideal": f"-ideal-m{self.m}"}[self.cost]
+                + ("" if self._kv == "AUTO" else f"-kv-{self._kv.lower()}")
+                + (f"-tp{self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+                + ("-ep" if self.expert_parallel else ""))
+
+    def _save(self, result) -> tuple[PlanRecord, JobRecord | None]:
+        """(the plan version, a score job already checking it): a new version, or, asked again with nothing new,
+        the newest one of that name and its queued, running or finished score."""
+        from quantcore.planning.plans import spec_from_plan
+
+        model, name = self.model, self.plan_name()
+        spec = spec_from_plan(result.plan, model=model.name, name=name)
+        spec.kv_cache = self._kv
+        spec.tensor_parallel = self.tensor_parallel
+        spec.expert_parallel = self.expert_parallel
+        body = spec.to_dict()
+        versions = [p for p in list_plans(model.id) if p.name == name]
+        if versions and versions[-1].body == body:  # asked again with nothing new: the same plan, no new version
+            plan = versions[-1]
+            result.notes.append(f"the same plan as {plan.label}: no new version saved")
+            job = next((j for j in list_jobs(limit=500, kind="score")
+                        if j.plan_id == plan.id and j.status in ("queued", "running", "succeeded")), None)
+            return plan, job
+        plan = save_plan(model.id, name, body,
+                         note=f"auto: predicted KL {result.predicted_kl:.4g} ≤ {self.kl_budget:g} on {self.target}")
+        return plan, None
+
+    def _queue_verification(self, result, plan: PlanRecord, read: list[JobRecord]) -> JobRecord:
+        """The score job that checks the prediction, on the tokens of the sweeps it was predicted from."""
+        tokens, note = verify_tokens(read, set(result.plan.values()))
+        if note:
+            result.notes.append(note)
+        return (self.queue_job or submit)("score", {"predicted_kl": result.predicted_kl, "label": plan.label,
+                                                    "device": self.device, **tokens},
+                                          model_id=self.model.id, plan_id=plan.id)

@@ -1,0 +1,124 @@
+"""The score job: KL of a plan against the unquantized model on held-out text, with the GPTQ roundings, AWQ
+scales and KV cache scales the plan needs (worker.bodies.evaluation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from jobs.specs import ScoreSpec
+from store import repo
+from store.db import session_scope
+from worker.bodies import evaluation as ev
+from worker.runner import JobContext, Outcome
+
+
+def plan_spec(ctx: JobContext, asked: ScoreSpec, layer_names: list[str]):
+    """The job's plan (a quantcore PlanSpec): its ``plan`` (a plan file's dict), the stored plan the job points
+    at (plan_id), or its ``scheme`` (one preset for all layers)."""
+    from quantcore.planning.plans import PlanSpec, plan_from_scheme
+
+    if asked.plan:
+        return PlanSpec.from_dict(asked.plan)
+    if ctx.plan_id is not None:
+        with session_scope(ctx.settings) as s:
+            rec = repo.get_plan(s, ctx.plan_id)
+        spec = PlanSpec.from_dict(rec.body)
+        spec.name = rec.label  # "name vN": a score says which version of the plan it measured
+        return spec
+    if asked.scheme:
+        return plan_from_scheme(asked.scheme, layer_names)
+    raise ValueError("a score job needs a scheme, a plan or a stored plan id")
+
+
+def base_label(label: str | None, spec: Any) -> str:
+    """A score's plan label before its KV cache and GPUs are added: the ``label`` asked for, the plan's name, its
+    preset, or, for a nameless plan of rules, the preset and how many rules and overrides change it (never the
+    preset alone, which a score of that preset is labelled)."""
+    if label := label or spec.name:
+        return label
+    changes = len(spec.rules) + len(spec.layers)
+    return f"{spec.default} + {changes} rule(s) / override(s)" if changes else spec.default
+
+
+def served_on(asked: ScoreSpec, spec: Any, model: Any):
+    """The GPUs a score job scores the plan on: the job's ``tensor_parallel`` / ``expert_parallel`` where it gives
+    them (they replace the plan's, in ``spec`` too), else the plan's; refused with vLLM's reason where the model
+    cannot be split so (quantcore.models.parallel.tp_misfits)."""
+    from quantcore.models.parallel import attention_heads, parse_tp
+
+    if asked.tensor_parallel:
+        spec.tensor_parallel = parse_tp(asked.tensor_parallel)
+        spec.expert_parallel = asked.expert_parallel and spec.tensor_parallel > 1
+    return ev.splittable(model, spec.parallelism(attention_heads(model.config)))
+
+
+def score(ctx: JobContext) -> Outcome:
+    """Score the job's plan (:class:`jobs.specs.ScoreSpec`); the report is stored with the job."""
+    from quantcore.algorithms.gptq import rounding_inputs
+    from quantcore.evaluation.kvcache import attention_modules, get_kv_format, kv_skip_layers
+    from quantcore.evaluation.scoring import score_plan
+    from quantcore.models.summary import attention_windows
+    from quantcore.planning.plans import kv_label, resolve_plan
+
+    asked = ScoreSpec.from_params(ctx.params)
+    rec, model, tok, ids, label = ev.prepare(ctx, asked)
+    names = ev.linear_names(rec)
+    spec = plan_spec(ctx, asked, names)
+    if asked.kv_cache:  # the job's KV cache format replaces the plan's
+        spec.kv_cache = get_kv_format(asked.kv_cache).name
+    kv = get_kv_format(spec.kv_cache)
+    if kv.is_identity:
+        spec.kv_cache_skip = []  # nothing quantized, nothing kept out (a stored AUTO plan has no skip list)
+    plan = resolve_plan(spec, names)
+    parallel = served_on(asked, spec, model)  # checked before the reference is computed, as the KV cache skips are
+    if spec.kv_cache_skip:  # checked before the reference is computed
+        kv_skip_layers(spec.kv_cache_skip, attention_modules(model), attention_windows(model))
+    cal = ev.calibration_for(ctx, asked, rec, any(s.needs_calibration for s in plan.values()))
+    ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size)
+    gptq = any(s.needs_hessians for s in plan.values())
+    awq_needed = any(s.needs_awq for s in plan.values())
+    cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device, gptq or awq_needed or kv.calibrated)
+    gptq_reads = rounding_inputs(plan)
+    kept, keep_at = ev.kept_gptq(ctx, rec, model, gptq_reads, cal_ids, cal)
+    hessians = ev.hessians(ctx, model, plan, cal_ids, cal_text, rounded=kept)
+    awq = ev.awq_scales(ctx, rec, model, plan, cal_ids, cal_text)
+    gptq_cache = dict(kept)  # the KV cache calibration and the score round each GPTQ layer once between them
+    inputs = ev.calibration_inputs(cal).replace(weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache,
+                                                parallel=parallel)
+    kv_amax, kv_cached = ev.kv_amax(ctx, rec, model, kv, plan, cal_ids, cal, inputs)
+    # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
+    report = score_plan(model, plan, ids, ref, inputs=inputs.replace(kv_amax=kv_amax), batch_size=None,
+                        kv_cache=kv.name, kv_skip=spec.kv_cache_skip, progress=ctx.rest(),
+                        should_cancel=ctx.should_cancel)
+    not_kept = ev.keep_gptq(ctx, gptq_cache, keep_at)
+    rep = report.to_dict()
+    if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
+        rep["calibration"] = f"{cal_text}, {cal_ids.shape[0]} × {cal_ids.shape[1]} tokens"
+    plan_label = base_label(asked.label, spec)
+    if asked.kv_cache and not asked.label and not kv.is_identity:
+        plan_label = f"{plan_label} + KV {kv_label(spec)}"
+    if parallel.split and not asked.label and not plan_label.endswith(f"-tp{parallel.tp}"):
+        plan_label = f"{plan_label} (TP {parallel.tp}{', EP' if parallel.expert_parallel else ''})"
+    result = {k: rep[k] for k in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl",
+                                  "tokens", "kv_cache")}
+    result.update(plan=plan_label, calibration_job=cal[0] if cal else None)
+    if kv.calibrated:
+        result.update(kv_calibration_text=cal_text, kv_amax_cached=kv_cached)
+    if gptq:
+        result.update(gptq_calibration_text=cal_text, gptq=ev.gptq_summary(gptq_reads, kept, not_kept))
+    if awq is not None:
+        result["awq_calibration_text"] = cal_text
+        result["awq"] = ev.awq_summary(awq)
+    if cal_ids is not None:
+        result["calibration_tokens"] = list(cal_ids.shape)  # sequences, tokens each
+
+    def write(s: Session) -> None:
+        repo.save_score(s, job_id=ctx.job_id, model_id=rec.id, plan_id=ctx.plan_id, plan_label=plan_label,
+                        plan_body=spec.to_dict(), dataset=label, report=rep, predicted_kl=asked.predicted_kl)
+
+    reused = ([f"GPTQ {len(kept)} of {len(gptq_reads)} layers"] if kept else []) + (["KV maxima"] if kv_cached else [])
+    return Outcome(result=result, write=write,
+                   message=f"{plan_label}: KL {rep['kl_mean']:.4g}, top-1 {rep['top1_agree']:.3f}"
+                   + (f" (from the cache: {', '.join(reused)})" if reused else ""))

@@ -1,0 +1,122 @@
+"""The sensitivity job: KL of quantizing one linear unit (a layer or its fusion group) at a time with one preset,
+or of storing one attention layer's K and V at a time in one KV cache format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from jobs.specs import SensitivitySpec
+from quantcore.errors import PlanError, name_list
+from store import repo
+from worker.bodies import evaluation as ev
+from worker.runner import JobContext, Outcome
+
+
+def swept_on(asked: SensitivitySpec, model: Any):
+    """The GPUs a sensitivity sweep quantizes each unit as on: the job's ``tensor_parallel`` / ``expert_parallel``
+    (one GPU without them), refused with vLLM's reason where the model cannot be split so."""
+    from quantcore.models.parallel import Parallelism, attention_heads, parse_tp
+
+    tp = parse_tp(asked.gpus)
+    return ev.splittable(model, Parallelism(tp, attention_heads(model.config) if tp > 1 else None,
+                                            asked.expert_parallel and tp > 1))
+
+
+def sensitivity(ctx: JobContext) -> Outcome:
+    """A sweep of one preset over the linear units (the job's ``scheme``), or of one KV cache format over the
+    attention layers (its ``kv_sweep``: stored as scheme "KV <format>"); :class:`jobs.specs.SensitivitySpec`."""
+    from quantcore.algorithms.gptq import rounding_inputs
+    from quantcore.evaluation.kvcache import get_kv_format
+    from quantcore.evaluation.sensitivity import (
+        kv_sensitivity_sweep,
+        linear_layer_names,
+        sensitivity_sweep,
+        sweep_units,
+    )
+    from quantcore.models.parallel import ONE_GPU
+    from quantcore.schemes.numerics import NUMERICS
+    from quantcore.schemes.presets import get_scheme
+
+    asked = SensitivitySpec.from_params(ctx.params)
+    rec, model, tok, ids, label = ev.prepare(ctx, asked)
+
+    awq, parallel, rerouted, gptq_summary = None, ONE_GPU, False, None
+    unsmoothable: list[str] = []  # layers a SmoothQuant sweep leaves out (sweepable)
+    if asked.kv_sweep:  # K and V are quantized per head: the same on any number of GPUs
+        kv = get_kv_format(asked.kv_sweep)
+        ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size)
+        cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device, kv.calibrated)
+        amax, _ = ev.kv_amax(ctx, rec, model, kv, {}, cal_ids)
+        rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, progress=ctx.rest(),
+                                    should_cancel=ctx.should_cancel)
+        name = repo.KV_SWEEP_PREFIX + kv.name
+    else:
+        scheme = get_scheme(str(asked.scheme))
+        if asked.alpha is not None:
+            scheme = scheme.with_alpha(asked.alpha)
+        parallel = swept_on(asked, model)  # checked before the reference is computed
+        swept, unsmoothable = sweepable(linear_layer_names(model), scheme)  # so is what is left to sweep
+        if parallel.split and not scheme.scaled_per_gpu_share:
+            parallel, rerouted = ONE_GPU, True  # its scales are the same on any number of GPUs: read exactly so
+        cal = ev.calibration_for(ctx, asked, rec, scheme.needs_calibration)
+        ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size)
+        cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device, scheme.needs_hessians or scheme.needs_awq)
+        every = {n: scheme for n in ev.linear_names(rec) if n not in unsmoothable}
+        unit_reads = {n: read for unit in sweep_units(swept, groups=asked.groups)
+                      for n, read in rounding_inputs(dict.fromkeys(unit, scheme)).items()}
+        kept, keep_at = ev.kept_gptq(ctx, rec, model, unit_reads, cal_ids, cal)
+        hessians = ev.hessians(ctx, model, every, cal_ids, cal_text, rounded=kept)
+        awq = ev.awq_scales(ctx, rec, model, every, cal_ids, cal_text)
+        gptq_cache = dict(kept)
+        inputs = ev.calibration_inputs(cal).replace(weight_hessians=hessians, awq=awq, parallel=parallel,
+                                                    gptq_cache=gptq_cache)
+        rows = sensitivity_sweep(model, scheme, ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
+                                 progress=ctx.rest(), should_cancel=ctx.should_cancel)
+        not_kept = ev.keep_gptq(ctx, gptq_cache, keep_at)
+        name = scheme.name
+        if unit_reads:
+            gptq_summary = ev.gptq_summary(unit_reads, kept, not_kept)
+    dicts = [r.to_dict() for r in rows]
+    result = {"scheme": name, "units": len(dicts), "text": label, "tokens": list(ids.shape), "numerics": NUMERICS,
+              "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
+    if cal_ids is not None:  # GPTQ Hessians, AWQ scales or KV cache scales came from it
+        result.update(calibration_text=cal_text, calibration_tokens=list(cal_ids.shape))
+    if awq is not None:
+        result["awq"] = ev.awq_summary(awq)
+    if gptq_summary is not None:
+        result["gptq"] = gptq_summary
+    if parallel.split:  # the planner reads a sweep for the GPU count it was made at
+        result.update(tensor_parallel=parallel.tp, expert_parallel=parallel.expert_parallel)
+    if unsmoothable:
+        result["not_swept"] = unsmoothable
+
+    def write(s: Session) -> None:
+        repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)
+
+    kept_note = (f" (from the cache: GPTQ {gptq_summary['from_cache']} of {gptq_summary['layers']} layers)"
+                 if gptq_summary and gptq_summary["from_cache"] else "")
+    not_swept = (f"; not swept: {len(unsmoothable)} layer(s) no llm-compressor recipe can smooth "
+                 f"({name_list(unsmoothable, 2)})" if unsmoothable else "")
+    return Outcome(result=result, write=write, message=f"{name}: {len(dicts)} units swept"
+                   + (" on one GPU (its scales are the same on any number)" if rerouted else "") + kept_note
+                   + not_swept)
+
+
+def sweepable(layers: list[str], scheme: Any) -> tuple[list[str], list[str]]:
+    """(the layers a sweep of ``scheme`` quantizes, those it leaves out). A SmoothQuant scheme leaves out the layers
+    no llm-compressor recipe can smooth (o_proj, lm_head: quantcore.models.architectures.smoothquant_unmapped): no
+    served checkpoint holds that smoothing, the automatic planner never offers it there, and sweeping them would
+    cost time for KLs nothing can use. A PlanError when that leaves nothing."""
+    from quantcore.models.mappings import smoothquant_unmapped
+
+    if scheme.smoothquant_alpha is None:
+        return layers, []
+    left_out = [n for n in layers if smoothquant_unmapped(n)]
+    swept = [n for n in layers if not smoothquant_unmapped(n)]
+    if not swept:
+        raise PlanError(f"{scheme.name}: no layer of this model can carry SmoothQuant in an llm-compressor recipe "
+                        "(its Llama-style mappings smooth q/k/v_proj, gate/up_proj and down_proj); sweep a scheme "
+                        "without SmoothQuant, e.g. INT8_W8A8")
+    return swept, left_out
