@@ -9,7 +9,8 @@ Model and tokens as in ``scoring_cost.py`` (SmolLM2 real weights when ``llm-smol
 packaged evaluation text). K/V scales are calibrated (amax / 448) on the packaged calibration text, as a
 score job does. Every row runs the same emulation as ``quantcore.evaluation.kvcache.kv_cache_quantized`` with one
 piece switched on or off: Q at scale 1.0 (what vLLM runs without a ``q_scale``), Q at its own amax / 448
-(a calibrated ``q_scale``), P rounded (FlashAttention 3's FP8 path, ``quantcore.evaluation.kvcache.fp8_attention_forward``).
+(a calibrated ``q_scale``), P rounded (FlashAttention 3's FP8 path,
+``quantcore.evaluation.kvcache.fp8_attention_forward``).
 
 Measured (2-core AMD EPYC, SmolLM2 real weights, 16 x 256 tokens of lee.cor):
 
@@ -41,6 +42,7 @@ from quantcore.evaluation import kvcache  # noqa: E402
 from quantcore.formats.catalog import get_format  # noqa: E402
 from quantcore.formats.quantize import fake_quantize  # noqa: E402
 from quantcore.formats.scales import scale_from_amax  # noqa: E402
+from quantcore.models.decoder import attention_modules  # noqa: E402
 
 E4M3 = get_format("fp8_e4m3")
 ROWS = (  # label, Q scale ("one", "amax" or None: Q untouched), P rounded (None: the model's own attention)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad(), kvcache.kv_amax_observed(model) as amax:
         log_probs(model, cal, args.batch_size)
     ref = log_probs(model, ids, args.batch_size)
-    modules = kvcache.attention_modules(model)
+    modules = attention_modules(model)
 
     def state(name: str, q_mode: str | None, round_probs: bool | None) -> kvcache._LayerState:
         ks, vs = scale_from_amax(amax.k[name], E4M3), scale_from_amax(amax.v[name], E4M3)

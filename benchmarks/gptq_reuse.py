@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise SystemExit(f"the second job did not read every rounding the first kept: {anew['gptq']}, {kept['gptq']}")
     if kept["kl_mean"] != anew["kl_mean"]:
         raise SystemExit(f"the kept roundings score KL {kept['kl_mean']}, rounding anew {anew['kl_mean']}")
-    print(f"{args.model or 'SmolLM2-135M-Instruct (the demo)'} ({model['linears']} linears), {args.scheme} against {rtn}, "
+    name = args.model or "SmolLM2-135M-Instruct (the demo)"
+    print(f"{name} ({model['linears']} linears), {args.scheme} against {rtn}, "
           f"{args.samples} x {args.seq_len} evaluation tokens, {args.cal_samples} x {args.cal_seq_len} calibration")
     for name, what in (("rtn", f"{rtn}, rounded to nearest"), ("anew", f"{args.scheme}, {layers} layers rounded"),
                        ("kept", f"{args.scheme}, {layers} layers read as kept")):

@@ -9,8 +9,8 @@ are kept now, each timed here side by side with the recomputation it replaces, i
 - ``quantplan.services.plans.resolve``: the last few resolved plans, keyed by model and plan body (twelve asks: one
   resolve and eleven copies), against twelve full resolves;
 - ``quantcore.schemes.fusion.fusion_groups``: the groups of a model's layer names, against grouping them again;
-- ``quantcore.kernels.roofline.step_bound``: one bound per distinct (scheme, N, K, routing), against one per layer; the two
-  step times must agree exactly, or the script exits 1.
+- ``quantcore.kernels.roofline.step_bound``: one bound per distinct (scheme, N, K, routing), against one per layer;
+  the two step times must agree exactly, or the script exits 1.
 
     .venv/bin/python benchmarks/plans_page.py [--repeat 5] [--model qwen3-30b-a3b|smollm2-135m]
 

@@ -6,7 +6,8 @@ Usage:
     python benchmarks/rounding_cost.py --device cuda
 
 Model and tokens as ``scoring_cost.py`` (SmolLM2-135M's real weights when installed, else its shape with random
-weights; the packaged evaluation text when a tokenizer is available, which times the same as calibration text). Timed side by side in one run (``--repeats``
+weights; the packaged evaluation text when a tokenizer is available, which times the same as calibration text).
+Timed side by side in one run (``--repeats``
 rounds, the median of each):
 
 - plain: ``model(input_ids)`` over the calibration tokens, 4 sequences per forward

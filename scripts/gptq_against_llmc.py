@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             forced, _ = sequential_hessians(model, plan, cal, {n: their_w[n + ".weight"] for n in seq})
             fmt = lambda xs: ", ".join(f"{x:.0e}" for x in xs[:4])  # noqa: E731
             notes.append(f"Hessians block by block against llm-compressor's, relative distance, first 4 GPTQ blocks: "
-                         f"{fmt(hessians_against_theirs(seq, their_h, cal.shape[1]))} with quantcore's own roundings before them, "
+                         f"{fmt(hessians_against_theirs(seq, their_h, cal.shape[1]))} "
+                         "with quantcore's own roundings before them, "
                          f"{fmt(hessians_against_theirs(forced, their_h, cal.shape[1]))} with llm-compressor's")
             differ = [float((rounded[n] != their_w[n + ".weight"]).float().mean()) for n in seq]
             notes.append("share of weights rounded differently from llm-compressor, first 4 GPTQ blocks: "

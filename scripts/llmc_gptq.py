@@ -10,7 +10,7 @@ shape) and ``NAME.args``, a 1-D int tensor (num_bits, group_size or 0, float: 0 
 symmetric: 1, or 0 for zero points). OUT holds ``NAME.weight``: the GPTQ-rounded weight, with llm-compressor's
 defaults (block 128, dampening 0.01, activation order static); ``NAME.ct_scale``, ``NAME.ct_zp`` and
 ``NAME.ct_rtn``: the scales and zero points compressed-tensors computes from the weight's min and max (NVFP4: the
-effective scales, block scale / global scale) and its round-to-nearest weight. tests/quantcore/test_gptq.py
+effective scales, block scale / global scale) and its round-to-nearest weight. tests/quantcore/algorithms/test_gptq.py
 compares it with quantcore.algorithms.gptq.
 
 NVFP4 (strategy tensor_group): GPTQ gets the effective scales in ``NAME.scale`` and a global scale of 1, so that

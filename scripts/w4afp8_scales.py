@@ -2,8 +2,8 @@
 
 A W4AFP8 checkpoint (compressed-tensors, llm-compressor's W4AFP8 recipe) stores each group of 128 weights along K
 as INT4 codes −8..7 and one scale in the model's dtype (bf16): amax / 7.5, the grid quantplan scores
-(``quantcore.formats.quantize.fake_quantize_weight``; a slow test checks oneshot's checkpoint against it). vLLM serves the
-layer with its CUTLASS W4A8 kernel, whose multiply runs in FP8, so on load it re-encodes the scales
+(``quantcore.formats.weights.fake_quantize_weight``; a slow test checks oneshot's checkpoint against it). vLLM serves
+the layer with its CUTLASS W4A8 kernel, whose multiply runs in FP8, so on load it re-encodes the scales
 (``convert_bf16_scales_to_fp8`` in vLLM's quant_utils): each output row's group scales are divided by a per-row
 fp32 factor (the row's largest scale / 448, as dynamic per-token FP8 quantization takes it), rounded to E4M3,
 divided by 8 and rounded to E4M3 again (an INT4 code of up to 8 times a scale must stay within E4M3's 448), and

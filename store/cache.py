@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-log = logging.getLogger("quantplan.cache")
+log = logging.getLogger(__name__)
 #: The end of a file that quantcore.files.write_whole has not finished (or whose writer died). A copy, so the store
 #: imports nothing of quantcore: tests/store/test_cache.py checks the two are equal.
 PART_SUFFIX = ".part"

@@ -85,6 +85,13 @@ class ModelRecord:
         summary predates this field (the job itself then says so if it is not)."""
         return self.summary.get("causal_lm")
 
+    @property
+    def context(self) -> int | None:
+        """The longest sequence the model reads, in tokens (its config's max_position_embeddings); None when the
+        config does not say or its intake summary predates this field (no sequence length is then refused)."""
+        value = self.summary.get("max_position_embeddings")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
 
 @dataclass(frozen=True)
 class DatasetRecord:

@@ -277,12 +277,13 @@ def set_celery_task_id(session: Session, job_id: int, task_id: str) -> None:
 
 
 def mark_running(session: Session, job_id: int, *, worker_host: str, device: str, torch_version: str) -> bool:
-    """queued (or running, on a redelivery after worker loss) → running. False if the job is finished
-    or was cancelled before it started: the worker then does nothing."""
+    """queued → running, in one UPDATE that asks for ``queued``: exactly one delivery of a job's task runs it.
+    False for any other status: a job running elsewhere (a task redelivered while its worker lives, or after it
+    died: the sweep fails that job), finished, or cancelled before it started; the worker then drops the task."""
     now = m.utcnow()
     res = _write(session,
         update(m.Job)
-        .where(m.Job.id == job_id, m.Job.status.in_(("queued", "running")), m.Job.cancel_requested.is_(False))
+        .where(m.Job.id == job_id, m.Job.status == "queued", m.Job.cancel_requested.is_(False))
         .values(status="running", worker_host=worker_host, device=device, torch_version=torch_version,
                 started_at=now, heartbeat_at=now, progress=0.0, message="started", error=None, traceback=None)
     )
@@ -300,6 +301,13 @@ def report_progress(session: Session, job_id: int, fraction: float, message: str
 
 
 JOB_HEARTBEAT_S = 30.0  # a running job's heartbeat, written from a thread also while it reports nothing
+
+
+def beat_interval_s(stale_after_s: float) -> float:
+    """Seconds between a running job's heartbeats and between two stale-job sweeps of a live worker (or a waiting
+    CLI): a quarter of the stale limit, at most :data:`JOB_HEARTBEAT_S`. A job whose process died is failed within
+    ``stale_after_s`` plus this after its last heartbeat (120 + 30 s by default)."""
+    return max(min(JOB_HEARTBEAT_S, stale_after_s / 4), 0.05)
 
 
 def job_heartbeat(session: Session, job_id: int) -> None:
@@ -340,12 +348,43 @@ def _aware(t: dt.datetime) -> dt.datetime:
     return t.replace(tzinfo=dt.UTC) if t.tzinfo is None else t
 
 
-def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
-    """Fail running jobs whose heartbeat is older than stale_after_s (their worker died).
+LOCAL_QUEUE = "local"  # = jobs.routing.LOCAL_QUEUE: a job its own process runs (CLI --local), sent to no broker
+
+
+def sweep_stale_jobs(session: Session, *, stale_after_s: float) -> list[int]:
+    """Fail running jobs whose heartbeat is older than stale_after_s (their worker died), and jobs of queue
+    ``local`` still queued that long after they were written (the process that wrote them to run them at once
+    died first: nothing else will ever take them); the ids failed.
 
     Each is failed by an UPDATE that still asks for the status and heartbeat it was read with, so a job
     whose worker beats, finishes or is cancelled between the read and the write is left as that worker set it.
     """
+    stale = _sweep_running(session, stale_after_s)
+    cutoff = m.utcnow() - dt.timedelta(seconds=stale_after_s)
+    for job_id, created_at in session.execute(select(m.Job.id, m.Job.created_at).where(
+            m.Job.status == "queued", m.Job.queue == LOCAL_QUEUE)).all():
+        if _aware(created_at) >= cutoff:
+            continue
+        res = _write(session, update(m.Job).where(m.Job.id == job_id, m.Job.status == "queued").values(
+            status="failed", finished_at=m.utcnow(), message="failed",
+            error=f"the process that was to run it here (--local) stopped before it started (over {stale_after_s:g} "
+                  "s ago). Run it again."))
+        if res.rowcount == 1:
+            stale.append(job_id)
+    return stale
+
+
+def queued_for_workers(session: Session, *, older_than_s: float) -> list[tuple[int, str]]:
+    """(job id, Celery task id) of the jobs queued for a worker (not ``local``) for over ``older_than_s``: those
+    whose message a worker took and then died before marking them running are among them (jobs.broker)."""
+    cutoff = m.utcnow() - dt.timedelta(seconds=older_than_s)
+    rows = session.execute(select(m.Job.id, m.Job.celery_task_id, m.Job.created_at).where(
+        m.Job.status == "queued", m.Job.queue != LOCAL_QUEUE, m.Job.celery_task_id.is_not(None))).all()
+    return [(job_id, str(task_id)) for job_id, task_id, created_at in rows if _aware(created_at) < cutoff]
+
+
+def _sweep_running(session: Session, stale_after_s: float) -> list[int]:
+    """The running half of :func:`sweep_stale_jobs`."""
     cutoff = m.utcnow() - dt.timedelta(seconds=stale_after_s)
     rows = session.execute(select(m.Job.id, m.Job.heartbeat_at, m.Job.started_at, m.Job.created_at,
                                   m.Job.worker_host).where(m.Job.status == "running")).all()
@@ -357,7 +396,7 @@ def sweep_stale_jobs(session: Session, *, stale_after_s: int) -> list[int]:
         res = _write(session,
             update(m.Job).where(m.Job.id == job_id, m.Job.status == "running", unchanged).values(
                 status="failed", finished_at=m.utcnow(),
-                error=(f"the worker stopped reporting (no heartbeat for over {stale_after_s} s; "
+                error=(f"the worker stopped reporting (no heartbeat for over {stale_after_s:g} s; "
                        f"last from {host or 'unknown host'}). Queue the job again.")))
         if res.rowcount == 1:
             stale.append(job_id)

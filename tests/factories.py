@@ -366,3 +366,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- archives of checkpoints (intake and hardening tests)
+
+
+def folder_members(folder: Path, prefix: str = "") -> dict[str, bytes]:
+    """{prefix + file name: bytes} of the files directly in folder: the members of an archive of it."""
+    return {prefix + p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def make_zip(path: Path, members: dict[str, bytes]) -> Path:
+    """A deflated .zip of ``members`` at path."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+def make_tar(path: Path, members: dict[str, bytes], extra: list | tuple = ()) -> Path:
+    """A .tar.gz of ``members`` at path, then the ``extra`` TarInfo entries (links, devices) as they are."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+        for info in extra:
+            archive.addfile(info)
+    return path

@@ -19,7 +19,7 @@ from store.db import session_scope
 from store.records import WorkerRecord
 from store.settings import Settings, get_settings
 
-log = logging.getLogger("quantplan.worker")
+log = logging.getLogger(__name__)
 
 
 def describe_device(queues: Sequence[str]) -> tuple[str, str, str, str | None]:

@@ -26,13 +26,23 @@ from store import repo
 from store.db import check_schema_current, session_scope
 from store.settings import Settings, get_settings
 
-log = logging.getLogger("quantplan.worker")
+log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5  # at most two progress writes a second: SQLite is shared with the app
 
 
 class JobCancelled(Exception):
     """Raised inside a body when the job's cancel flag is set (also quantcore.errors.Cancelled works)."""
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Raised in a CLI --local run's main thread by its signal handler (quantplan.cli.local): SIGTERM, SIGHUP or
+    SIGINT. :func:`run_job` ends the job cancelled, saying ``how`` ("Ctrl-C", "SIGTERM"), and raises it again;
+    ``signum`` gives the conventional exit status, 128 + signum."""
+
+    def __init__(self, signum: int, how: str):
+        super().__init__(how)
+        self.signum, self.how = signum, how
 
 
 class JobTimedOut(Exception):
@@ -130,10 +140,12 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
     with session_scope(settings) as s:
         job = repo.get_job(s, job_id)
         device, torch_version = _device_label(job.params)
-        if not repo.mark_running(s, job_id, worker_host=socket.gethostname(), device=device,
-                                 torch_version=torch_version):
-            log.info("job %s is %s; nothing to do", job_id, job.status)
-            return "skipped"
+        started_here = repo.mark_running(s, job_id, worker_host=socket.gethostname(), device=device,
+                                         torch_version=torch_version)
+    if not started_here:
+        return _drop(job_id, settings)
+    log.info("job %s (%s) running on %s", job_id, job.kind, device)
+    started = time.monotonic()
     limit = settings.job_soft_time_limit_s
     ctx = JobContext(job_id=job_id, kind=job.kind, params=job.params, model_id=job.model_id,
                      plan_id=job.plan_id, settings=settings, on_progress=on_progress,
@@ -145,14 +157,21 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
             if outcome.write is not None:
                 outcome.write(s)
             repo.finish_job(s, job_id, status="succeeded", message=outcome.message, result=outcome.result)
+        log.info("job %s (%s) succeeded in %.1f s: %s", job_id, job.kind, time.monotonic() - started, outcome.message)
         return "succeeded"
     except (JobCancelled, Cancelled):
         with session_scope(settings) as s:
             repo.finish_job(s, job_id, status="cancelled", message="by request, while it ran")
         return "cancelled"
-    except KeyboardInterrupt:  # Ctrl-C on a CLI --local run: the job ends as cancelled, not left running
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM on a CLI --local run: the job ends cancelled, not running
+        how = exc.how if isinstance(exc, JobInterrupted) else "Ctrl-C"
         with session_scope(settings) as s:
-            repo.finish_job(s, job_id, status="cancelled", message="interrupted (Ctrl-C) before it finished")
+            repo.finish_job(s, job_id, status="cancelled", message=f"interrupted ({how}) before it finished")
+        raise
+    except SystemExit:  # Celery's hard shutdown (WorkerTerminate) stops the task where it is: never left running
+        with session_scope(settings) as s:
+            repo.finish_job(s, job_id, status="failed", message="failed",
+                            error="the worker was shut down before the job finished. Queue the job again.")
         raise
     except Exception as exc:  # every failure is stored, then the task ends normally
         from celery.exceptions import SoftTimeLimitExceeded
@@ -185,7 +204,7 @@ def _beat_while_running(ctx: JobContext) -> threading.Event:
     stale-job sweep: a job goes stale only when its process is gone. Past its time limit it stops beating, so a job
     stuck where it never checks the limit is failed by the sweep after all."""
     stop = threading.Event()
-    interval = max(min(repo.JOB_HEARTBEAT_S, ctx.settings.heartbeat_stale_s / 4), 0.05)
+    interval = repo.beat_interval_s(ctx.settings.heartbeat_stale_s)
 
     def beat() -> None:
         while not stop.wait(interval) and time.monotonic() <= ctx._deadline:
@@ -217,8 +236,24 @@ def trim_cache(settings: Settings) -> list[tuple[Path, int]]:
     return removed
 
 
+def _drop(job_id: int, settings: Settings) -> str:
+    """A task whose job is not queued (mark_running refused it): acknowledged and dropped, never run again, with a
+    log line. That is a task Redis redelivered (its visibility timeout passed, jobs.broker) or one sent twice: its job
+    already finished, was cancelled, or runs on another worker (or ran on one that died: then it is stale and this
+    sweep fails it now rather than at the next periodic one). 'skipped'."""
+    with session_scope(settings) as s:
+        status = repo.get_job(s, job_id).status
+    log.log(logging.INFO if status == "cancelled" else logging.WARNING,
+            "job %s is %s, not queued: its task is acknowledged and dropped, not run (a task redelivered or sent "
+            "again, or a job cancelled before it started)", job_id, status)
+    if status == "running":
+        sweep(settings)
+    return "skipped"
+
+
 def sweep(settings: Settings | None = None) -> list[int]:
-    """Fail jobs whose worker stopped sending heartbeats."""
+    """Fail jobs whose worker stopped sending heartbeats (and --local jobs whose process died before they started:
+    store.repo.sweep_stale_jobs); their ids. Never raises."""
     settings = settings or get_settings()
     try:
         with session_scope(settings) as s:
@@ -229,6 +264,56 @@ def sweep(settings: Settings | None = None) -> list[int]:
     if stale:
         log.warning("failed stale jobs: %s", stale)
     return stale
+
+
+def start_sweeping(settings: Settings | None = None, interval_s: float | None = None) -> threading.Event:
+    """Sweep stale jobs (:func:`sweep`) every ``interval_s`` (default store.repo.beat_interval_s of the stale limit:
+    30 s of 120) from a daemon thread, for as long as this process lives; set the returned event to stop. Every
+    live worker runs one, so a job whose worker was killed is failed within QUANTPLAN_HEARTBEAT_STALE_S plus one
+    interval of its last heartbeat, whether or not a page is open or a worker (re)starts. No Celery beat: each
+    worker sweeps on its own; the sweep's UPDATEs ask for the row as read, so two workers never both fail a job."""
+    s = settings or get_settings()
+    interval = repo.beat_interval_s(s.heartbeat_stale_s) if interval_s is None else interval_s
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            sweep(s)
+            restore_lost_tasks(s)
+
+    threading.Thread(target=loop, name="quantplan-sweep", daemon=True).start()
+    return stop
+
+
+_TAKEN_SINCE: dict[str, float] = {}  # task id → when this process first saw its message taken, its job still queued
+
+
+def restore_lost_tasks(settings: Settings | None = None) -> list[int]:
+    """Queued jobs whose message a worker took and then died before marking them running (kombu's SQLAlchemy
+    transport never redelivers it): once this process has seen such a message taken, its job still queued, for
+    QUANTPLAN_HEARTBEAT_STALE_S, it is put back on the queue for the next worker (mark_running still lets only one
+    delivery run the job). The ids of those jobs; never raises. Redis needs none of this (its visibility timeout)."""
+    from jobs.broker import restore_messages, taken_messages
+
+    s = settings or get_settings()
+    try:
+        with session_scope(s) as session:
+            waiting = repo.queued_for_workers(session, older_than_s=s.heartbeat_stale_s)
+        taken = taken_messages(s, [task_id for _, task_id in waiting])
+        now = time.monotonic()
+        for task_id in list(_TAKEN_SINCE):
+            if task_id not in taken:
+                del _TAKEN_SINCE[task_id]
+        lost = [(job_id, taken[task_id]) for job_id, task_id in waiting
+                if task_id in taken and now - _TAKEN_SINCE.setdefault(task_id, now) >= s.heartbeat_stale_s]
+        if lost:
+            restore_messages(s, [message_id for _, message_id in lost])
+            log.warning("jobs %s: their tasks were taken by a worker that died before starting them; put back on "
+                        "the queue", [job_id for job_id, _ in lost])
+        return [job_id for job_id, _ in lost]
+    except Exception:  # the restore must never take a worker down
+        log.exception("restoring lost tasks failed")
+        return []
 
 
 STAGING_IDLE_S = 3600  # an intake copy nobody has written to for an hour: its process died

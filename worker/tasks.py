@@ -13,7 +13,7 @@ from store.settings import get_settings
 from worker import presence
 from worker.bodies import body_for
 from worker.celery_app import celery_app
-from worker.runner import run_job, sweep, sweep_leftovers
+from worker.runner import run_job, start_sweeping, sweep, sweep_leftovers
 
 
 @celery_app.task(name=TASK_NAMES["register"])
@@ -57,7 +57,10 @@ def _consumed_queues(sender: Any) -> list[str]:
 
 @worker_ready.connect
 def _on_worker_ready(sender: Any = None, **_kwargs) -> None:
+    """Sweep now and every store.repo.beat_interval_s from a timer thread (worker.runner.start_sweeping: a job whose
+    worker died is failed with no page open), remove abandoned intake folders, record this worker, beat."""
     sweep()
+    start_sweeping()
     sweep_leftovers()
     name = getattr(sender, "hostname", None) or f"{os.getpid()}@{socket.gethostname()}"
     queues = _consumed_queues(sender)

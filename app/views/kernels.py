@@ -10,7 +10,7 @@ import streamlit as st
 from app import frames, live, state
 from app import text as page_text
 from app.charts import kernels as kernel_charts
-from jobs.specs import BenchSpec
+from jobs.specs import BUDGET_S, TENSOR_PARALLEL, BenchSpec
 from quantcore.kernels.device import describe_probe
 from quantcore.kernels.paths import PATHS as KERNEL_PATHS
 from quantcore.kernels.records import duration_bound, parse_ms
@@ -47,14 +47,15 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
                           key="bench_device")
     ms = c2.text_input("M values (batch × tokens)", last.get("ms", ",".join(map(str, BenchSpec.DEFAULT_MS))),
                        key="bench_m")
-    budget = c3.number_input("Budget per shape (s)", 5, 3600, last.get("budget", int(BenchSpec.budget_s)),
-                             key="bench_budget",
+    budget = c3.number_input("Budget per shape (s)", *BUDGET_S.form_bounds(),  # the bench spec's own bounds
+                             float(last.get("budget", BenchSpec.budget_s)), step=1.0, format="%g", key="bench_budget",
                              help="Wall-clock seconds for all M values and paths of one (N, K) shape, on any device "
                                   "(a run takes at most shapes × budget): "
                                   "a case predicted not to fit in what is left is skipped and reported \"over "
                                   "budget\", and measured when asked again with a larger budget.")
     queue = c4.text_input("Queue (optional, e.g. gpu.sm90)", last.get("queue", ""), key="bench_queue")
-    bench_tp = int(c5.number_input("GPUs (tensor parallel)", 1, 1024, last.get("tp", 1), key="bench_tp",
+    bench_tp = int(c5.number_input("GPUs (tensor parallel)", *TENSOR_PARALLEL.form_bounds(), last.get("tp", 1),
+                                   key="bench_tp",
                                    help="Time each GPU's share of every layer, as vLLM splits it over this many "
                                         "GPUs: the shapes a plan for that many GPUs runs (Plans page)."))
     timed_paths = [p for p in KERNEL_PATHS if p != "baseline"]
@@ -80,7 +81,7 @@ with st.form("bench_form", enter_to_submit=False):  # Enter in a field queues no
             bound = duration_bound(kernels_svc.bench_shape_count(model, bench_tp), float(budget))
             st.success(f"Queued benchmark job #{job.id} on queue '{job.queue}': {bound} of timing, less where "
                        "shapes finish early or were timed on that device before.")
-            st.session_state[KEPT_FORM] = {"device": device, "ms": ms, "budget": int(budget), "queue": queue,
+            st.session_state[KEPT_FORM] = {"device": device, "ms": ms, "budget": float(budget), "queue": queue,
                                            "tp": bench_tp, "paths": [p for p in timed_paths if p in paths]}
         except ValueError as exc:
             st.error(str(exc))

@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from app import live, state
-from jobs.specs import CalibrateSpec
+from jobs.specs import SAMPLES, SEQ_LEN, CalibrateSpec
 from quantplan.services import calibration as calibration_svc
 from quantplan.services import datasets as datasets_svc
 from quantplan.services import deployment as deployment_svc
@@ -117,8 +117,12 @@ with st.form("calibrate_form", enter_to_submit=False):  # Enter in a field queue
     st.markdown("**Calibrate**: run text through the model with hooks on every linear layer and store "
                 "per-channel max|x|, a |x| histogram and per-channel max|W|.")
     c1, c2, c3, c4 = st.columns(4)
-    samples = c1.number_input("Sequences", 1, 4096, CalibrateSpec.samples, key="cal_samples")
-    seq_len = c2.number_input("Tokens per sequence", 16, 8192, CalibrateSpec.seq_len, step=16, key="cal_seq_len")
+    # the job spec's own bounds (jobs.specs), a sequence no longer than the model's context: as the CLI checks them
+    samples = c1.number_input("Sequences", *SAMPLES.form_bounds(), CalibrateSpec.samples, key="cal_samples")
+    tokens = SEQ_LEN.within(model.context)
+    seq_len = c2.number_input("Tokens per sequence", *tokens.form_bounds(), min(CalibrateSpec.seq_len, tokens.most),
+                              step=16, key=f"cal_seq_len_{tokens.most}",
+                              help=f"At most {tokens.most:,}: the model's context" if model.context else None)
     device = c3.selectbox("Device", ["cpu", "cuda"],
                           index=0 if deployment_svc.settings().default_device == "cpu" else 1,
                           key="cal_device")

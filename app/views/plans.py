@@ -8,6 +8,7 @@ import streamlit as st
 
 from app import frames, state
 from app import text as page_text
+from jobs.specs import TENSOR_PARALLEL
 from quantcore.evaluation.kvcache import KV_FORMATS, layer_index
 from quantcore.kernels.hardware import list_targets
 from quantcore.planning.plans import gpus_label, group_label, kv_label
@@ -64,11 +65,12 @@ with st.container(border=True):
     default = c1.selectbox("Default scheme", SCHEMES, index=SCHEMES.index(body.get("default", "BF16")),
                            key=f"plan_default_{model.id}_{start}")
     tp_now = int(body.get("tensor_parallel") or 1)
-    tp = int(c3.number_input("GPUs (tensor parallel)", 1, 1024, tp_now, step=1, key=f"plan_tp_{model.id}_{start}",
-                      help="vLLM's --tensor-parallel-size: every layer is split over this many GPUs (q/k/v and "
-                           "gate/up by output rows, o_proj and down_proj by input columns). The serving checks "
-                           "below read each GPU's share: a quantization group or FP8 block may not straddle two "
-                           "GPUs. The ideal step and the KV cache figures are per GPU."))
+    tp = int(c3.number_input("GPUs (tensor parallel)", *TENSOR_PARALLEL.form_bounds(), tp_now, step=1,
+                             key=f"plan_tp_{model.id}_{start}",
+                             help="vLLM's --tensor-parallel-size: every layer is split over this many GPUs (q/k/v "
+                                  "and gate/up by output rows, o_proj and down_proj by input columns). The serving "
+                                  "checks below read each GPU's share: a quantization group or FP8 block may not "
+                                  "straddle two GPUs. The ideal step and the KV cache figures are per GPU."))
     ep = bool(model.moe) and c3.checkbox(
         "Experts whole (expert parallel)", bool(body.get("expert_parallel")), key=f"plan_ep_{model.id}_{start}",
         disabled=tp == 1, help="vLLM's --enable-expert-parallel: every routed expert stays whole on one GPU and the "

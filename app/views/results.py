@@ -9,7 +9,7 @@ import streamlit as st
 from app import frames, live, state
 from app import text as page_text
 from app.charts import results as result_charts
-from jobs.specs import QUICK_SWEEP_SAMPLES, ScoreSpec
+from jobs.specs import CAL_SAMPLES, CAL_SEQ_LEN, QUICK_SWEEP_SAMPLES, SAMPLES, SCORED_SEQ_LEN, ScoreSpec
 from quantcore.evaluation.kvcache import KV_FORMATS
 from quantplan.services import datasets as datasets_svc
 from quantplan.services import kernels as kernels_svc
@@ -50,8 +50,11 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
                                   default=[scoring_svc.default_score_choice(plans, (s.plan_id for s in scores))],
                                   format_func=labels.get,
                                   key=f"score_what_{model.id}")  # keyed per model: its plans are its own
-    samples = c2.number_input("Sequences", 1, 1024, ScoreSpec.samples, key="score_samples")
-    seq_len = c3.number_input("Tokens each", 16, 8192, ScoreSpec.seq_len, step=16, key="score_seq_len")
+    # the job spec's own bounds (jobs.specs), a sequence no longer than the model's context: as the CLI checks them
+    samples = c2.number_input("Sequences", *SAMPLES.form_bounds(), ScoreSpec.samples, key="score_samples")
+    tokens, cal_tokens = SCORED_SEQ_LEN.within(model.context), CAL_SEQ_LEN.within(model.context)
+    seq_len = c3.number_input("Tokens each", *tokens.form_bounds(), min(ScoreSpec.seq_len, tokens.most), step=16,
+                              key=f"score_seq_len_{tokens.most}")
     device = c4.selectbox("Device", ["cpu", "cuda"], key="score_device")
     with st.expander("What each preset does"):
         st.markdown("\n".join(f"- {text}" for text in presets.values()))
@@ -78,10 +81,11 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
         cal_id = e2.selectbox("Calibration text", cal_sets, key="score_cal_text",
                               format_func=lambda i: "built-in: lee_background.cor (300 articles)" if i is None
                               else names[i])
-        cal_samples = e3.number_input("Calibration sequences", 1, 4096, ScoreSpec.cal_samples,
+        cal_samples = e3.number_input("Calibration sequences", *CAL_SAMPLES.form_bounds(), ScoreSpec.cal_samples,
                                       key="score_cal_samples")
-        cal_seq_len = e4.number_input("Tokens each", 16, 8192, ScoreSpec.cal_seq_len, step=16,
-                                      key="score_cal_seq_len")
+        cal_seq_len = e4.number_input("Tokens each", *cal_tokens.form_bounds(),
+                                      min(ScoreSpec.cal_seq_len, cal_tokens.most), step=16,
+                                      key=f"score_cal_seq_len_{cal_tokens.most}")
         st.caption("The calibration text is never the evaluation text. GPTQ's result depends on it: on SmolLM2, "
                    "leaving out one of the 16 default sequences moves W4A16_GPTQ's KL by up to 6 %, and 8 "
                    "sequences instead of 16 raise it by a third; llm-compressor's examples calibrate on 512.")

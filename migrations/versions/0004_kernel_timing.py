@@ -14,18 +14,20 @@ Create Date: 2026-12-03
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0004'
-down_revision = '0003'
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('kernel_results') as batch:
-        batch.add_column(sa.Column('timing', sa.String(length=40), nullable=True))
-    op.execute("UPDATE kernel_results SET timing = 'cold-caches-1' WHERE device = 'cuda'")  # quantcore.kernels.records.TIMING
+    with op.batch_alter_table("kernel_results") as batch:
+        batch.add_column(sa.Column("timing", sa.String(length=40), nullable=True))
+    op.execute(
+        "UPDATE kernel_results SET timing = 'cold-caches-1' WHERE device = 'cuda'"
+    )  # quantcore.kernels.records.TIMING
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('kernel_results') as batch:
-        batch.drop_column('timing')
+    with op.batch_alter_table("kernel_results") as batch:
+        batch.drop_column("timing")

@@ -13,7 +13,7 @@ The algorithm follows llm-compressor 0.14's ``quantize_weight`` (eager path), wi
   for int formats compressed-tensors' min-max scales, amax / 7.5 or amax / 127.5, and codes -8..7 / -128..127;
   for NVFP4 the effective scale of each block of 16, E4M3 block scale × fp32 tensor scale, and E2M1 elements);
   GPTQ changes which grid point each weight takes, never the scales. Given the same weight, Hessian and scales,
-  the result is llm-compressor's bit for bit (tests/quantcore/test_gptq.py; NVFP4 is its ``tensor_group``
+  the result is llm-compressor's bit for bit (tests/quantcore/algorithms/test_gptq.py; NVFP4 is its ``tensor_group``
   strategy); a block whose scale is 0 (all zero) rounds what error reaches it to zero;
 * dead inputs (``H[j, j] == 0``: a channel that was always 0) get ``H[j, j] = 1`` and weight 0;
 * dampening ``H += 0.01 · mean(diag H) · I``; a Hessian that is still not positive definite falls back to RTN
@@ -322,7 +322,8 @@ def rounding_inputs(plan: Mapping[str, Scheme]) -> dict[str, dict[str, Any]]:
     :meth:`quantcore.models.architectures.Architecture.rows_divided_by`);
     and of every layer the plan scales with AWQ (its folds reach the same rows; one digest for the plan). Two plans
     that agree on these, on the same model and tokens, round the layer to the same weight, so a job keeps it on
-    disk keyed by them and rounds it once (worker.scoring_bodies). One pass over the plan, however many layers."""
+    disk keyed by them and rounds it once (worker.bodies.evaluation.kept_gptq). One pass over the plan, however many
+    layers."""
     import hashlib
     import json
 

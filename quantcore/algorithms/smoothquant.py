@@ -163,10 +163,18 @@ def _gain_style(norm: nn.Module) -> str | None:
     return None
 
 
-def _scale_columns(handle: SmoothingHandle, linear: nn.Linear, s: torch.Tensor) -> None:
-    """W[:, j] *= s_j (the consumer side)."""
-    handle._save(linear.weight)
-    w = linear.weight
+def _weight(module: nn.Module) -> torch.Tensor:
+    """``module.weight``: a linear's or a router's weight, a norm's gain; TypeError for a module without one."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor to fold smoothing factors into")
+    return weight
+
+
+def _scale_columns(handle: SmoothingHandle, module: nn.Module, s: torch.Tensor) -> None:
+    """W[:, j] *= s_j (the consumer side: a linear, or a router read with them)."""
+    w = _weight(module)
+    handle._save(w)
     w.data.copy_((w.detach().double() * s.to(w.device, torch.float64)).to(w.dtype))
 
 
@@ -183,7 +191,7 @@ def _divide_rows(handle: SmoothingHandle, linear: nn.Linear, s: torch.Tensor) ->
 
 def _divide_norm(handle: SmoothingHandle, norm: nn.Module, style: str, s: torch.Tensor) -> None:
     """Fold 1/s into a norm's gain per its style (see :func:`_gain_style`)."""
-    w = norm.weight
+    w = _weight(norm)
     s64 = s.to(w.device, torch.float64)
     handle._save(w)
     if style == "one_plus":
@@ -251,7 +259,8 @@ def plan_unit(name: str, linears: Mapping[str, nn.Linear], modules: Mapping[str,
 def _expert_gate_up_unit(block: str, name: str, linears: Mapping[str, nn.Linear],
                          modules: Mapping[str, nn.Module], arch: Architecture) -> FoldUnit | str:
     """Every routed expert's gate/up of a block, folded into the norm before the block's MLP with its router."""
-    count = len(modules.get(arch.experts_of(block)) or ())  # quantcore.models.moe.LinearExperts: one ExpertMLP each
+    experts_module = modules.get(arch.experts_of(block))  # quantcore.models.moe.LinearExperts: one ExpertMLP each
+    count = len(experts_module) if isinstance(experts_module, nn.ModuleList) else 0
     experts = [n for e in range(count) for leaf in arch.gate_up
                if (n := arch.expert_linear(block, e, leaf)) in linears]
     router = arch.router_of(block)
@@ -382,6 +391,13 @@ def fold_factors(model: nn.Module, factors: Mapping[str, torch.Tensor]) -> Smoot
     return smooth_model(model, {}, 0.0, layers=list(factors), factors=factors, router=True)
 
 
+def _calibrated(act: torch.Tensor | None, unit: FoldUnit) -> torch.Tensor:
+    """The consumers' calibrated input maxima, which :func:`_fold` has whenever it was not given the factors."""
+    if act is None:
+        raise ValueError(f"no calibrated input maxima for {', '.join(unit.consumers)} and no factors given")
+    return act
+
+
 def _fold(
     handle: SmoothingHandle,
     unit: FoldUnit,
@@ -412,11 +428,12 @@ def _fold(
         if norm is None:
             return f"expected the norm {unit.producer!r} before these layers; the model has none"
         style = _gain_style(norm)
-        if style is None or norm.weight.shape[0] != k:
+        if style is None or _weight(norm).shape[0] != k:
             return (
                 f"{unit.producer} is not a norm with a per-channel gain of width {k}; cannot fold 1/s into it"
             )
-        s = fixed if fixed is not None else smoothing_factors(act, _column_max(consumers), alpha).to(device)
+        s = fixed if fixed is not None else smoothing_factors(_calibrated(act, unit), _column_max(consumers),
+                                                              alpha).to(device)
         _divide_norm(handle, norm, style, s)
         for c in consumers + [modules[a] for a in unit.also]:
             _scale_columns(handle, c, s)
@@ -432,22 +449,25 @@ def _fold(
         if fixed is not None:  # one factor per o_proj input, which is one per v_proj output (no GQA: checked)
             s_kv = s = fixed
         else:
-            act_t, w_t = act, _column_max([o])
+            act_t, w_t = _calibrated(act, unit), _column_max([o])
             if n_rep > 1:  # GQA: tie s across the query heads that read one kv head
                 attn = modules[unit.producer.rsplit(".", 1)[0]]
                 head_dim = getattr(attn, "head_dim", None)
                 if not isinstance(head_dim, int) or v.out_features % head_dim:
                     return "GQA attention without a usable head_dim attribute: cannot tie factors across heads"
                 n_kv = v.out_features // head_dim
-                act_t = act.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
+                act_t = act_t.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
                 w_t = w_t.view(n_kv, n_rep, head_dim).amax(dim=1).flatten()
-            s_kv = smoothing_factors(act_t, w_t, alpha).to(device)
-            s = s_kv.view(-1, 1, head_dim).expand(-1, n_rep, head_dim).flatten() if n_rep > 1 else s_kv
+                s_kv = smoothing_factors(act_t, w_t, alpha).to(device)
+                s = s_kv.view(-1, 1, head_dim).expand(-1, n_rep, head_dim).flatten()
+            else:
+                s_kv = s = smoothing_factors(act_t, w_t, alpha).to(device)
         _divide_rows(handle, v, s_kv)
         _scale_columns(handle, o, s)
     else:  # "up_rows"
         up, down = linears[unit.producer], consumers[0]
-        s = fixed if fixed is not None else smoothing_factors(act, _column_max([down]), alpha).to(device)
+        s = fixed if fixed is not None else smoothing_factors(_calibrated(act, unit), _column_max([down]),
+                                                              alpha).to(device)
         _divide_rows(handle, up, s)
         _scale_columns(handle, down, s)
 

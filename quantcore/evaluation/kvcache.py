@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from quantcore.errors import PlanError, name_list
 from quantcore.formats.catalog import get_format
+from quantcore.models.architectures import LLAMA_STYLE
 
 if TYPE_CHECKING:  # torch-free at import: the app reads the format registry and the memory figures
     import torch
@@ -74,7 +75,7 @@ GIB = 1024**3
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 _WRAPPER_PREFIX = "quantplan_kv_"
 _STATE_ATTR = "_quantplan_kv_state"
-KV_PROJ_SUFFIXES = ("k_proj", "v_proj")  # linears whose outputs are the cached K and V
+KV_PROJ_SUFFIXES = LLAMA_STYLE.kv_proj  # linears whose outputs are the cached K and V
 
 
 @dataclass(frozen=True)
@@ -403,14 +404,6 @@ class _LayerState:
     attention: Callable[..., Any] | None = None
 
 
-def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """``{name: module}`` of every attention module whose K and V come from ``k_proj`` / ``v_proj``."""
-    from torch import nn
-
-    return {name: m for name, m in model.named_modules()
-            if all(isinstance(getattr(m, s, None), nn.Module) for s in KV_PROJ_SUFFIXES)}
-
-
 def _module_eager(module: nn.Module) -> Callable[..., Any]:
     fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if fn is None:
@@ -421,7 +414,8 @@ def _module_eager(module: nn.Module) -> Callable[..., Any]:
 def _wrapped_attention(base: str) -> Callable[..., Any]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    def attention(module, query, key, value, attention_mask, **kwargs):
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
         state: _LayerState | None = getattr(module, _STATE_ATTR, None)
         fn = _module_eager(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
         if state is not None:
@@ -448,8 +442,8 @@ def _register(base: str, *, fp8_attention: bool = False) -> str:
 @contextmanager
 def _attention_wrapped(model: nn.Module, modules: Mapping[str, nn.Module], states: Mapping[str, _LayerState],
                        what: str) -> Iterator[Mapping[str, nn.Module]]:
-    """Route the Q, K and V of every module of ``modules`` (:func:`attention_modules` of ``model``) through
-    ``states[name]`` for the block."""
+    """Route the Q, K and V of every module of ``modules`` (:func:`quantcore.models.decoder.attention_modules` of
+    ``model``) through ``states[name]`` for the block."""
     if not modules:
         raise PlanError(f"{what}: this model has no attention module with k_proj and v_proj; quantplan cannot "
                         "emulate a KV cache format for it")
@@ -565,6 +559,8 @@ def kv_amax_observed(model: nn.Module) -> Iterator[KvAmax]:
             return query, key, value
         return _LayerState(tensors)
 
+    from quantcore.models.decoder import attention_modules
+
     result = KvAmax()
     modules = attention_modules(model)
     with _attention_wrapped(model, modules, {n: observer(n) for n in modules}, "KV calibration"):
@@ -618,6 +614,8 @@ def kv_cache_quantized(model: nn.Module, fmt: str | KvCacheFormat, *, amax: KvAm
         return
     assert kv.element is not None  # a quantized KV cache format names its element format
     elem = get_format(kv.element)
+    from quantcore.models.decoder import attention_modules
+
     everything = attention_modules(model)
     unknown = sorted(set(skip) - set(everything))
     if unknown:

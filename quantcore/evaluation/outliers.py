@@ -244,7 +244,7 @@ def relative_error_bound(fmt_name: str, x_scaled: np.ndarray | float) -> np.ndar
 def _check_granularity(granularity: str) -> str:
     """The granularity as a plain string, ``group`` folded into ``block``; ValueError when unknown.
 
-    Accepts ``quantcore.schemes.specs.Granularity`` members too (a ``str`` enum). For activations
+    Accepts ``quantcore.formats.granularity.Granularity`` members too (a ``str`` enum). For activations
     a per-group scale along K and a 1 x block tile are the same thing here: one scale per
     ``block_size`` consecutive channels of a token row.
     """

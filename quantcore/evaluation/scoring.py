@@ -62,7 +62,7 @@ class ScoreReport:
     kv_cache:       the KV cache format scored (:mod:`quantcore.evaluation.kvcache`; ``AUTO``: not quantized)
     kv_saturation:  ``{attention layer: fraction of K and V elements clipped}`` under that format
     notes:          messages for people about how the plan was applied (e.g. smoothing skipped)
-    numerics:       :data:`quantcore.schemes.specs.NUMERICS` of the quantcore that scored it (1 when a stored report
+    numerics:       :data:`quantcore.schemes.numerics.NUMERICS` of the quantcore that scored it (1 when a stored report
                     has none)
     """
 
@@ -372,12 +372,8 @@ def score_plan(
     kv_skip: a plan's ``kv_cache_skip`` entries (decoder layer indices, ``"sliding_window"``): those
         attention layers keep the model's dtype (:func:`quantcore.evaluation.kvcache.kv_skip_layers`).
     """
-    from quantcore.evaluation.kvcache import (
-        attention_modules,
-        get_kv_format,
-        kv_cache_quantized,
-        kv_skip_layers,
-    )
+    from quantcore.evaluation.kvcache import get_kv_format, kv_cache_quantized, kv_skip_layers
+    from quantcore.models.decoder import attention_modules
     from quantcore.models.summary import attention_windows
 
     kv = get_kv_format(kv_cache)

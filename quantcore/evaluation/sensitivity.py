@@ -549,7 +549,8 @@ def kv_sensitivity_sweep(
     format, that layer's attention in FP8 too); rows sorted by ``kl_mean``, largest first: which layers a plan
     should keep out of its cache (``kv_cache_skip``). ``amax``: the calibrated K/V maxima a calibrated format
     needs (:func:`quantcore.evaluation.scoring.calibrate_kv_cache`). Units are attention modules; ``sqnr_db`` is NaN."""
-    from quantcore.evaluation.kvcache import attention_modules, get_kv_format, kv_cache_quantized
+    from quantcore.evaluation.kvcache import get_kv_format, kv_cache_quantized
+    from quantcore.models.decoder import attention_modules
 
     kv = get_kv_format(kv_cache)
     if kv.is_identity:

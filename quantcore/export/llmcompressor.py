@@ -42,11 +42,13 @@ from quantcore.models.architectures import (
 )
 from quantcore.models.mappings import smoothquant_layers, smoothquant_unexportable_message, smoothquant_unmapped
 from quantcore.planning.plans import TextDumper
+from quantcore.safeload import load_yaml
 from quantcore.schemes.fusion import expert_block
 from quantcore.schemes.specs import AWQ_DUO_SCALING, AWQ_N_GRID, GPTQ_ACTORDER, GPTQ_BLOCK_SIZE, GPTQ_DAMPENING, Scheme
 from quantcore.schemes.targets import LINEAR_CLASS, compact_targets, target_matches
 
 # llm-compressor recipe layout: <stage>_stage -> <group>_modifiers -> {ModifierType: args}
+RECIPE_SOURCE = "the recipe"  # what a recipe's text is called in messages when no file name is known
 RECIPE_STAGE = "quant_stage"
 RECIPE_QUANT_GROUP = "quant_modifiers"
 RECIPE_SMOOTH_GROUP = "smoothing_modifiers"  # "smoothing_<i>_modifiers" when several alphas
@@ -381,12 +383,12 @@ def to_llmcompressor_recipe(
     return header + body
 
 
-def kv_cache_of_recipe(text: str) -> str:
+def kv_cache_of_recipe(text: str | bytes) -> str:
     """The KV cache format an llm-compressor recipe asks for (``FP8`` or ``AUTO``), read like
     :func:`from_llmcompressor_recipe`, which refuses what quantplan cannot represent."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
+        data = load_yaml(text, RECIPE_SOURCE, PlanError)
+    except PlanError:
         return KV_AUTO
     for _, mod_type, args in _recipe_modifiers(data, []):
         if mod_type in QUANT_MODIFIERS and isinstance(args, Mapping):
@@ -448,7 +450,8 @@ def _modifier_claim(where: str, mod_type: str, args: Any, problems: list[str]) -
     return Claim(where, groups, ignore, mod_type == GPTQ_MODIFIER)
 
 
-def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[str, Scheme]:
+def from_llmcompressor_recipe(text: str | bytes, *, layer_names: Sequence[str],
+                              source: str = RECIPE_SOURCE) -> dict[str, Scheme]:
     """The per-layer plan an llm-compressor recipe (YAML or JSON text) applies to a model.
 
     Reads each ``QuantizationModifier`` and ``GPTQModifier`` (same formats, GPTQ rounding: its groups get
@@ -459,16 +462,12 @@ def from_llmcompressor_recipe(text: str, *, layer_names: Sequence[str]) -> dict[
     ``config_groups``; ``ignore``; and any ``SmoothQuantModifier`` (``smoothing_strength``,
     default 0.5; ``mappings``, default llm-compressor's q/k/v and gate/up mappings), whose
     balance layers get that alpha. Raises PlanError for anything it cannot represent,
-    naming the modifier, group or layer.
+    naming the modifier, group or layer. The text is read with the bounded loader
+    (:func:`quantcore.safeload.load_yaml`); ``source`` names it in messages.
     """
     names = list(layer_names)
     problems: list[str] = []
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        from quantcore.planning.plans import yaml_problem
-
-        raise PlanError(f"the recipe is not valid YAML or JSON: {yaml_problem(exc)}") from exc
+    data = load_yaml(text, source, PlanError)
     modifiers = _recipe_modifiers(data, problems)
     quant = [(w, t, a) for w, t, a in modifiers if t in QUANT_MODIFIERS]
     alphas: dict[str, float] = {}

@@ -120,7 +120,7 @@ def _fp(
 
 #: compressed-tensors 0.19.0 ``PRESET_SCHEMES`` (quant_scheme.py), as plain args. Observers are
 #: left out (they change calibration, not the stored format). Checked against the real package by
-#: tests/quantcore/test_llmcompressor.py.
+#: tests/quantcore/export/test_llmcompressor.py.
 CT_PRESETS: dict[str, dict[str, Any]] = {
     "UNQUANTIZED": {"weights": None, "input_activations": None},
     "W4A16_ASYM": {

@@ -19,7 +19,7 @@ the tokens it gets (``m * top_k / experts`` on average).
 What the bound counts: the plan's linear layers only (embeddings, attention over the KV
 cache, norms and activations are left out; :func:`kv_read_ms` bounds the KV cache read of a
 decode step apart, to add at a given context), weights at their stored size
-(:func:`quantcore.schemes.specs.weight_storage_bits`), and the math at the peak of the
+(:func:`quantcore.schemes.storage.weight_storage_bits`), and the math at the peak of the
 precision that runs natively on the target (:func:`quantcore.kernels.hardware.support_on_target`):
 FP8 / INT8 / FP4 tensor cores where the scheme's activations use them, bf16 otherwise
 (weight-only schemes, and schemes the target only emulates). A real engine gets less

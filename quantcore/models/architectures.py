@@ -69,6 +69,11 @@ class Architecture:
         return (self.gate_proj, self.up_proj)
 
     @property
+    def kv_proj(self) -> tuple[str, str]:
+        """The attention's linears whose outputs are the cached K and V."""
+        return (self.k_proj, self.v_proj)
+
+    @property
     def column_leaves(self) -> tuple[str, ...]:
         """Linears that tensor parallelism splits by output (q/k/v, gate/up)."""
         return (*self.qkv, *self.gate_up)
@@ -83,6 +88,13 @@ class Architecture:
         """{linear: the linear before it whose output rows a fold divides}: o_proj after v_proj, down_proj after
         up_proj (the input of down_proj is act(gate) ⊙ up, linear in up's output)."""
         return {self.o_proj: self.v_proj, self.down_proj: self.up_proj}
+
+    @property
+    def fold_leaves(self) -> tuple[str, ...]:
+        """Linears a fold can scale the input of: q/k/v and gate/up (into the norm before them), o_proj and down_proj
+        (into the rows of :attr:`previous_linear`). AWQ folds into all of them (o_proj only without grouped-query
+        attention); SmoothQuant's recipes leave o_proj out (:attr:`smoothquant_kinds`)."""
+        return (*self.qkv, *self.gate_up, *self.previous_linear)
 
     @functools.cached_property
     def smoothquant_kinds(self) -> dict[str, str]:
@@ -180,7 +192,7 @@ class Architecture:
         return f"{block}.{self.mlp}.{self.router}"
 
 
-#: Hugging Face's Llama naming: Llama, Mistral, Qwen2 / Qwen3 (and their MoE models), SmolLM2.
+#: Hugging Face's Llama naming: Llama, Mistral, Qwen2 / Qwen3 (and their MoE models), SmolLM2, Gemma 1.
 LLAMA = Architecture("llama")
 #: Gemma 2 / Gemma 3: the norm before the MLP is ``pre_feedforward_layernorm``.
 GEMMA2 = Architecture("gemma2", mlp_norm=MLP_NORM_GEMMA)
@@ -204,7 +216,7 @@ def register_architecture(*model_types: str) -> Callable[[Architecture], Archite
     return register
 
 
-register_architecture("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")(LLAMA)
+register_architecture("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma")(LLAMA)
 register_architecture("gemma2", "gemma3", "gemma3_text")(GEMMA2)
 
 

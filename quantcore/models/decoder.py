@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from quantcore.errors import PlanError
+from quantcore.models.architectures import LLAMA_STYLE
 
 # candidate attribute paths of the decoder-block ModuleList, most common first
 DECODER_BLOCK_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers")
@@ -51,4 +52,11 @@ def find_decoder_blocks(model: nn.Module) -> DecoderStack:
     )
 
 
-__all__ = ["DECODER_BLOCK_PATHS", "DecoderStack", "find_decoder_blocks"]
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of every attention module whose K and V come from ``k_proj`` / ``v_proj`` (the KV cache's
+    layers)."""
+    return {name: m for name, m in model.named_modules()
+            if all(isinstance(getattr(m, s, None), nn.Module) for s in LLAMA_STYLE.kv_proj)}
+
+
+__all__ = ["DECODER_BLOCK_PATHS", "DecoderStack", "attention_modules", "find_decoder_blocks"]

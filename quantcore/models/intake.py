@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import stat
+import struct
 import tarfile
 import tempfile
 import zipfile
@@ -23,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import CheckpointError
+from quantcore.models.gguf_check import check_gguf
 from quantcore.models.summary import CheckpointSummary, inspect_folder
 from quantcore.models.validation import (
     ARCHIVE_JUNK_DIRS,
@@ -47,11 +49,14 @@ from quantcore.models.validation import (
     matches_any,
     top_files,
 )
+from quantcore.safeload import display_name, short, short_name
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     pass
 
 log = logging.getLogger(__name__)
+MAX_MEMBER_NAME = 1024  # characters of an archive member's path; a model file's is tens
+MAX_NAME_PART = 255  # bytes of one path component: what filesystems allow
 # --- archives -----------------------------------------------------------------------------------
 
 
@@ -69,13 +74,16 @@ def _safe_member_path(name: str) -> PurePosixPath | None:
     normalized = name.replace("\\", "/")
     path = PurePosixPath(normalized)
     if normalized.startswith("/") or path.is_absolute() or (len(normalized) > 1 and normalized[1] == ":"):
-        raise CheckpointError(f"archive member {name!r} has an absolute path: refusing the archive "
+        raise CheckpointError(f"archive member {short_name(name)} has an absolute path: refusing the archive "
                               "(make it with relative paths, e.g. `tar czf model.tar.gz -C parent model`)")
     if ".." in path.parts:
-        raise CheckpointError(f"archive member {name!r} contains '..': refusing an archive that could write "
+        raise CheckpointError(f"archive member {short_name(name)} contains '..': refusing an archive that could write "
                               "outside its folder")
+    if len(normalized) > MAX_MEMBER_NAME or any(len(part.encode()) > MAX_NAME_PART for part in path.parts):
+        raise CheckpointError(f"archive member {short_name(name)} has a name too long for a model file: refusing "
+                              "the archive")
     if "\0" in normalized:
-        raise CheckpointError(f"archive member {name!r} has a NUL byte in its name: refusing the archive")
+        raise CheckpointError(f"archive member {short_name(name)} has a NUL byte in its name: refusing the archive")
     parts = [part for part in path.parts if part not in ("", ".")]
     if not parts or parts[0] in ARCHIVE_JUNK_DIRS:
         return None
@@ -86,10 +94,10 @@ def _zip_members(archive: zipfile.ZipFile) -> Iterator[tuple[_Member, zipfile.Zi
     for info in archive.infolist():
         mode = info.external_attr >> 16  # Unix mode when the zip was made on Unix; 0 or bare permissions otherwise
         if stat.S_ISLNK(mode):
-            raise CheckpointError(f"archive member {info.filename!r} is a symbolic link: refusing the archive "
-                                  "(links could point outside it); archive the files themselves")
+            raise CheckpointError(f"archive member {short_name(info.filename)} is a symbolic link: refusing the "
+                                  "archive (links could point outside it); archive the files themselves")
         if stat.S_IFMT(mode) not in (0, stat.S_IFREG, stat.S_IFDIR):
-            raise CheckpointError(f"archive member {info.filename!r} is not a plain file or folder: refusing "
+            raise CheckpointError(f"archive member {short_name(info.filename)} is not a plain file or folder: refusing "
                                   "the archive")
         yield _Member(info.filename, info.is_dir(), info.file_size), info
 
@@ -97,11 +105,12 @@ def _zip_members(archive: zipfile.ZipFile) -> Iterator[tuple[_Member, zipfile.Zi
 def _tar_members(archive: tarfile.TarFile) -> Iterator[tuple[_Member, tarfile.TarInfo]]:
     for info in archive:
         if info.issym() or info.islnk():
-            raise CheckpointError(f"archive member {info.name!r} is a {'symbolic' if info.issym() else 'hard'} "
+            kind = "symbolic" if info.issym() else "hard"
+            raise CheckpointError(f"archive member {short_name(info.name)} is a {kind} "
                                   "link: refusing the archive (links could point outside it); archive the "
                                   "files themselves (tar without -h links)")
         if not (info.isfile() or info.isdir()):
-            raise CheckpointError(f"archive member {info.name!r} is a device, FIFO or other special file: "
+            raise CheckpointError(f"archive member {short_name(info.name)} is a device, FIFO or other special file: "
                                   "refusing the archive")
         yield _Member(info.name, info.isdir(), info.size), info
 
@@ -139,7 +148,8 @@ def _write_member(source: Any, target: Path, budget: _Budget) -> None:
     try:
         handle = target.open("xb")
     except FileExistsError as exc:
-        raise CheckpointError(f"the archive holds {target.name!r} twice: refusing an ambiguous archive") from exc
+        raise CheckpointError(f"the archive holds {short_name(target.name)} twice: refusing an ambiguous "
+                              "archive") from exc
     with handle:
         while chunk := source.read(COPY_CHUNK):
             budget.take(len(chunk))
@@ -199,13 +209,15 @@ def safe_extract(archive: Path, dest: Path, *, max_bytes: int) -> Path:
                 _check_declared([member for member, _ in tar_pairs], max_bytes)
                 _extract_members(tar_pairs, handle.extractfile, dest, max_bytes)
         else:
-            raise CheckpointError(f"{archive.name} is not a supported archive ({', '.join(ARCHIVE_SUFFIXES)})")
+            raise CheckpointError(f"{display_name(archive.name)} is not a supported archive "
+                                  f"({', '.join(ARCHIVE_SUFFIXES)})")
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, ValueError, RuntimeError,
             NotImplementedError) as exc:  # RuntimeError: encrypted zip; NotImplementedError: unknown compression
         if isinstance(exc, CheckpointError):
             raise
-        raise CheckpointError(f"cannot extract {archive.name} ({type(exc).__name__}: {exc}): the archive is "
-                              "damaged or not of the type its name says; re-create it") from exc
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else short(exc, 160)
+        raise CheckpointError(f"cannot extract {display_name(archive.name)} ({type(exc).__name__}: {reason}): the "
+                              "archive is damaged or not of the type its name says; re-create it") from exc
     return _config_root(dest)
 
 
@@ -229,7 +241,8 @@ def _check_gguf(path: Path) -> None:
     with path.open("rb") as handle:
         magic = handle.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
-        raise CheckpointError(f"{path.name} is not a GGUF file (it does not start with 'GGUF')")
+        raise CheckpointError(f"{display_name(path.name)} is not a GGUF file (it does not start with 'GGUF')")
+    check_gguf(path)  # header, metadata and tensor table fit the file: a truncated one is refused here
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
@@ -252,9 +265,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         try:
             model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(**source)
-        except (ValueError, KeyError, TypeError, RuntimeError, OSError, ImportError) as exc:
-            raise CheckpointError(f"transformers cannot convert {gguf_file.name} ({type(exc).__name__}: {exc}); "
-                                  "only GGUF architectures transformers supports can be read") from exc
+        except (ValueError, KeyError, TypeError, RuntimeError, OSError, ImportError, IndexError,
+                struct.error) as exc:  # the traceback stays on the exception chain (the job row keeps it)
+            raise CheckpointError(f"transformers cannot convert {display_name(gguf_file.name)} "
+                                  f"({type(exc).__name__}: {short(exc, 160)}); only GGUF architectures "
+                                  "transformers supports can be read") from exc
         # weights are dequantized fp32 now; save them as a plain model. hf_quantizer is a plain attribute that
         # from_pretrained sets; mypy types it through Module.__setattr__'s stub (Tensor | Module), which is narrower
         # than what nn.Module accepts at runtime (any value)
@@ -392,9 +407,12 @@ def register_checkpoint(src: Path, models_root: Path, *, max_bytes: int,
         summary = inspect_folder(staged)
         sha = content_hash(src if kind == "gguf" else staged)
         return sha, _publish(staged, models_root / sha), summary
-    except CheckpointError:
-        raise
+    except CheckpointError as exc:
+        if src.name in str(exc):
+            raise
+        raise CheckpointError(f"{display_name(src.name)}: {exc}") from exc  # the message names the upload
     except Exception as exc:
-        raise CheckpointError(f"could not register {src.name}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(f"could not register {display_name(src.name)}: {type(exc).__name__}: "
+                              f"{short(exc, 200)}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)

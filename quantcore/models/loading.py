@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import CheckpointError
 from quantcore.models.validation import CAUSAL_LM_SUFFIXES, CONFIG_FILE, validate_folder
+from quantcore.safeload import short
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -61,20 +62,26 @@ def load_model(folder: Path, *, device: str = "cpu", dtype: torch.dtype | str | 
 
     AutoModelForCausalLM for decoders, AutoModel for encoders; safetensors only,
     local files only, never remote code.  dtype None means float32 on CPU and
-    the checkpoint's own dtype on an accelerator.
+    the checkpoint's own dtype on an accelerator.  CheckpointError when any weight the architecture needs is
+    missing from the files, any tensor is unused or of another shape (:mod:`quantcore.models.weights`).
     """
     from transformers import AutoTokenizer
+
+    from quantcore.models.weights import refuse_incomplete
 
     folder = Path(folder)
     validate_folder(folder)
     config = load_config(folder)
     options = dict(local_files_only=True, trust_remote_code=False)
     try:
-        model = auto_class(config).from_pretrained(folder, config=config, use_safetensors=True,
-                                                    dtype=_resolve_dtype(dtype, device), **options)
+        model, info = auto_class(config).from_pretrained(folder, config=config, use_safetensors=True,
+                                                          dtype=_resolve_dtype(dtype, device), output_loading_info=True,
+                                                          ignore_mismatched_sizes=True, **options)
         tokenizer = AutoTokenizer.from_pretrained(folder, **options)
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
-        raise CheckpointError(f"cannot load the checkpoint in {folder} ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(f"cannot load the checkpoint in {folder.name} ({type(exc).__name__}: "
+                              f"{short(exc, 300)})") from exc
+    refuse_incomplete(info)  # a weight missing (transformers would fill it at random), unused or of another shape
     from quantcore.models.moe import split_experts
 
     split_experts(model)

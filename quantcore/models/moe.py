@@ -145,7 +145,8 @@ class LinearExperts(nn.ModuleList):
         with torch.no_grad():  # an index of num_experts is a token routed nowhere (expert parallelism)
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        experts: Sequence[int] = range(self.num_experts) if _ALL_EXPERTS else [i for (i,) in hit.tolist() if i < self.num_experts]
+        experts: Sequence[int] = (range(self.num_experts) if _ALL_EXPERTS
+                                  else [i for (i,) in hit.tolist() if i < self.num_experts])
         if self.block_amax is not None and not _ALL_EXPERTS:
             return self._forward_block_scaled(hidden_states, mask, experts, top_k_weights, out)
         for index in experts:

@@ -19,7 +19,6 @@ Torch-free: the app imports it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +96,9 @@ def stored_heads(summary_heads: Mapping[str, Any] | None, folder: str | Path) ->
     if heads is not None:
         return heads
     try:
-        config = json.loads((Path(folder) / "config.json").read_text("utf-8"))
+        from quantcore.safeload import read_json
+
+        config = read_json(Path(folder) / "config.json", ValueError)  # bounded: size and nesting capped
     except (OSError, ValueError):
         return None
     return attention_heads(config) if isinstance(config, dict) else None

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from quantcore.errors import CheckpointError
 from quantcore.models.loading import auto_class, is_causal_lm, load_config
 from quantcore.models.validation import (
-    CONFIG_FILE,
     HIDDEN_SIZE_KEYS,
     LAYER_COUNT_KEYS,
     SAFETENSORS_DTYPE_NAMES,
@@ -24,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
+MAX_LINEARS = 100_000  # Kimi K2 / DeepSeek-V3, experts split: ~47,000-71,000; ~90 bytes each in the summary
 # --- summary ------------------------------------------------------------------------------------
 
 
@@ -65,6 +65,9 @@ class CheckpointSummary:
     # {"heads", "kv_heads", "head_dim"} of the attention (quantcore.models.parallel.AttentionHeads), which decide how
     # q/k/v split under tensor parallelism; None: the config does not say, or summarised before this was kept
     attention_heads: dict[str, int] | None = None
+    # the longest sequence the model reads, in tokens (its config's max_position_embeddings): a job's sequence
+    # length is refused above it before any job (jobs.specs.context_problem); None: not said, or summarised before
+    max_position_embeddings: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (linears as a list of dicts)."""
@@ -95,21 +98,20 @@ def _first_attr(config: PretrainedConfig, keys: tuple[str, ...]) -> int | None:
     return None
 
 
-def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The model built from its config on the meta device: shapes without memory or init time (an MoE
-    model's experts split into linears, as :func:`load_model` splits them)."""
-    import torch
-
+def _meta_model(folder: Path, config: PretrainedConfig) -> PreTrainedModel:
+    """The model of ``folder`` on the meta device, its weights' names and shapes checked against the safetensors
+    headers (:func:`quantcore.models.weights.meta_model_checked`: none missing, none unused, no weight read), an
+    MoE model's experts then split into linears, as :func:`load_model` splits them."""
     from quantcore.models.moe import split_experts
+    from quantcore.models.weights import meta_model_checked
 
+    model = meta_model_checked(folder, config, auto_class(config))
     try:
-        with torch.device("meta"):
-            model = auto_class(config).from_config(config, trust_remote_code=False)
         split_experts(model)
-        return model
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
-        raise CheckpointError(f"transformers cannot build a {config.model_type} model from {CONFIG_FILE} "
+        raise CheckpointError(f"cannot split the experts of this {config.model_type} model "
                               f"({type(exc).__name__}: {exc}); check the configuration values") from exc
+    return model
 
 
 def linear_infos(model: PreTrainedModel) -> list[LinearInfo]:
@@ -131,26 +133,14 @@ def _weights_dtype(tensors: dict[str, SafetensorsTensor], config: dict[str, Any]
     return str(config.get("dtype") or config.get("torch_dtype") or "unknown")
 
 
-def _check_shapes(model: PreTrainedModel, tensors: dict[str, SafetensorsTensor]) -> None:
-    """Weights whose names match the model's parameters must have the shapes config.json implies."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    for name, tensor in tensors.items():
-        for candidate in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}"):
-            shape = expected.get(candidate)
-            if shape is not None and shape != tensor.shape:
-                raise CheckpointError(
-                    f"weight {name!r} has shape {list(tensor.shape)} but {CONFIG_FILE} implies {list(shape)}: "
-                    "the configuration and the weights come from different models")
-
-
 def inspect_folder(folder: Path) -> CheckpointSummary:
     """Validate a checkpoint folder and summarise it (imports transformers and torch).
 
-    Runs :func:`validate_folder`, refuses model types transformers does not ship,
-    builds the model on the meta device (no weights loaded, no remote code) to
-    list every nn.Linear and count parameters (tied weights once), and checks
-    that weights named like the model's parameters have matching shapes.
+    Runs :func:`validate_folder` (plausible sizes included), refuses model types transformers does not ship,
+    builds the model on the meta device from its config and the safetensors headers (no weight read, no remote
+    code), refusing a checkpoint where any weight the architecture needs is missing, any tensor is unused or of
+    another shape (:mod:`quantcore.models.weights`); then lists every nn.Linear and counts parameters (tied
+    weights once).
     """
     folder = Path(folder)
     raw_config, tensors = validate_with_tensors(folder)
@@ -159,8 +149,11 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
     from quantcore.models.moe import moe_summary, unsplit_experts
     from quantcore.models.parallel import attention_heads
 
-    model = _meta_model(config)
-    _check_shapes(model, tensors)
+    model = _meta_model(folder, config)
+    linears = linear_infos(model)
+    if len(linears) > MAX_LINEARS:  # the stored summary keeps one entry a linear: it stays a few MB at most
+        raise CheckpointError(f"this {config.model_type} model has {len(linears):,} linear layers, more than the "
+                              f"{MAX_LINEARS:,} any model has: refusing an implausible configuration")
     text_config = _text_config(config)
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     return CheckpointSummary(
@@ -171,7 +164,7 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         dtype=_weights_dtype(tensors, raw_config),
         hidden_size=_first_attr(text_config, HIDDEN_SIZE_KEYS),
         vocab_size=_first_attr(text_config, ("vocab_size",)),
-        linears=linear_infos(model),
+        linears=linears,
         total_bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
         causal_lm=is_causal_lm(config),
         attention_windows=attention_windows(model),
@@ -179,6 +172,7 @@ def inspect_folder(folder: Path) -> CheckpointSummary:
         moe=moe_summary(model, config),
         unsplit_experts=unsplit_experts(model),
         attention_heads=heads.to_dict() if (heads := attention_heads(config)) else None,
+        max_position_embeddings=_first_attr(text_config, ("max_position_embeddings",)),
     )
 
 
@@ -195,7 +189,7 @@ def attention_windows(model: PreTrainedModel) -> dict[str, int]:
     """{attention module: sliding window} of the windowed attention layers: a module's own ``sliding_window``
     where it keeps one (Gemma 3 and Qwen2 set it on their sliding layers only), else the config's for every
     layer (Mistral). A window no shorter than the longest context is no window."""
-    from quantcore.evaluation.kvcache import attention_modules
+    from quantcore.models.decoder import attention_modules
 
     config = _text_config(model.config)
     longest = getattr(config, "max_position_embeddings", None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import logging
 import math
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import CheckpointError
+from quantcore.safeload import load_json, read_json
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     pass
@@ -62,6 +62,8 @@ ARCHIVE_JUNK_DIRS = ("__MACOSX",)  # resource-fork folders that macOS's zip adds
 # --- limits -------------------------------------------------------------------------------------
 
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # same cap as the safetensors library: 100 MB of JSON header
+SAFETENSORS_MAX_DEPTH = 4  # {"name": {"shape": [..]}, "__metadata__": {..}}: 3 levels, one to spare
+MAX_JSON_BYTES = 16 * 1024 * 1024  # config.json is KBs; tokenizer_config.json / a shard index a few MBs
 SAFETENSORS_LEN_BYTES = 8  # little-endian u64 header length at the start of every safetensors file
 # bits per element of every dtype the safetensors format defines
 SAFETENSORS_DTYPE_BITS = {
@@ -75,6 +77,9 @@ SAFETENSORS_DTYPE_NAMES = {  # safetensors dtype -> torch dtype name, for the su
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
+# tensors in one checkpoint: DeepSeek-V3 / Kimi K2 hold ~90,000-120,000 (experts and their scales); this bounds the
+# meta model a registration builds and the per-linear list its stored summary keeps (~90 bytes a linear)
+MAX_TENSORS = 250_000
 MAX_ARCHIVE_MEMBERS = 10_000  # a model archive has tens of files; more is a zip bomb of inodes
 COPY_CHUNK = 1024 * 1024  # bytes per read when hashing or extracting
 STAGING_PREFIX = ".staging-"  # temp folders under the models root; never a sha256 name
@@ -154,14 +159,9 @@ def content_hash(path: Path) -> str:
 
 
 def _read_json_object(path: Path, what: str) -> dict[str, Any]:
-    """A JSON file that must hold an object; CheckpointError naming the file otherwise."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path.name} is not UTF-8 text: {what} must be a JSON file") from exc
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path.name} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                              f"{exc.msg}): fix or re-export {what}") from exc
+    """A JSON file that must hold an object; CheckpointError naming the file otherwise (too large, not text, not
+    JSON, nested deeper than :data:`quantcore.safeload.MAX_DEPTH`: :func:`quantcore.safeload.read_json`)."""
+    data = read_json(path, CheckpointError, max_bytes=MAX_JSON_BYTES)  # size and nesting capped before parsing
     if not isinstance(data, dict):
         raise CheckpointError(f"{path.name} must hold a JSON object, found {type(data).__name__}: "
                               f"re-export {what} with save_pretrained")
@@ -259,11 +259,11 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             raise CheckpointError(f"{path.name} is truncated or not a safetensors file: its header claims "
                                   f"{header_len} bytes but the file has {size}; re-upload or re-export it")
         raw = handle.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path.name} is corrupt: its header is not valid JSON; re-export the "
-                              "weights with save_pretrained") from exc
+    try:  # a header nests 3 levels ({name: {shape: [...]}}): deeper is refused before json.loads
+        header = load_json(raw, f"the header of {path.name}", CheckpointError, max_bytes=SAFETENSORS_MAX_HEADER,
+                           max_depth=SAFETENSORS_MAX_DEPTH)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path.name} is corrupt: {exc}; re-export the weights with save_pretrained") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name} is corrupt: its header is not a JSON object")
     return header, size - SAFETENSORS_LEN_BYTES - header_len
@@ -328,6 +328,9 @@ def check_weights(folder: Path) -> dict[str, SafetensorsTensor]:
     for name in names:
         if name.endswith(".safetensors"):
             tensors.update(read_safetensors_header(folder / name))
+            if len(tensors) > MAX_TENSORS:
+                raise CheckpointError(f"the safetensors files hold more than {MAX_TENSORS:,} tensors, more than any "
+                                      "model has (DeepSeek-V3: ~92,000): refusing an implausible checkpoint")
     for name in names:
         if name.endswith(SAFETENSORS_INDEX_SUFFIX):
             _check_index(folder, folder / name, set(names))
@@ -346,12 +349,70 @@ def check_tokenizer(folder: Path) -> None:
                               "quantplan never runs: upload a checkpoint whose tokenizer is built into transformers")
 
 
+# --- plausibility ----------------------------------------------------------------------------------
+
+# the largest value of each size any released model has, with ample room (Llama 3.1 405B: 126 layers, hidden
+# 16,384, MLP 53,248; Gemma 3: vocabulary 262,144; Kimi K2: 384 experts); a config beyond them is a mistake or an
+# attack (a 200,000-layer config once took a worker 393 s and stored a 121 MB summary)
+PLAUSIBLE_LIMITS: dict[tuple[str, ...], int] = {
+    LAYER_COUNT_KEYS: 1024,
+    HIDDEN_SIZE_KEYS: 65_536,
+    ("intermediate_size", "moe_intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"): 1_048_576,
+    ("vocab_size",): 2_097_152,
+    ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"): 4096,
+    ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads"): 4096,
+    ("max_position_embeddings", "n_positions"): 16_777_216,
+}
+# a config is refused when the parameters it implies at the least (embeddings + one hidden x hidden matrix per
+# layer) exceed this many times the elements its safetensors hold
+PARAMS_SLACK = 2
+
+
+def _subconfigs(config: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The config and its nested model configs (text_config, vision_config, ...), named for messages."""
+    out = [("", config)]
+    out += [(f"{key}.", value) for key, value in config.items() if key.endswith("_config") and isinstance(value, dict)]
+    return out
+
+
+def _first_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def check_plausible(config: dict[str, Any], tensors: dict[str, SafetensorsTensor]) -> None:
+    """Refuse a config.json whose sizes no real model has (:data:`PLAUSIBLE_LIMITS`), or which implies far more
+    parameters than the safetensors hold (both numbers said). Torch-free: runs before any model is built."""
+    for where, sub in _subconfigs(config):
+        for keys, limit in PLAUSIBLE_LIMITS.items():
+            for key in keys:
+                value = sub.get(key)
+                if isinstance(value, bool) or not isinstance(value, int):
+                    continue
+                if value < 0 or value > limit:
+                    raise CheckpointError(f"{CONFIG_FILE} says {where}{key}: {value:,}, "
+                                          f"{'below 0' if value < 0 else f'more than the {limit:,} any model has'}: "
+                                          "refusing an implausible configuration; check the file")
+    held = sum(math.prod(t.shape) for t in tensors.values())
+    implied = 0
+    for _, sub in _subconfigs(config):
+        layers, hidden = _first_int(sub, LAYER_COUNT_KEYS), _first_int(sub, HIDDEN_SIZE_KEYS)
+        if layers and hidden:
+            implied += layers * hidden * hidden + (_first_int(sub, ("vocab_size",)) or 0) * hidden
+    if implied > PARAMS_SLACK * held:
+        raise CheckpointError(f"{CONFIG_FILE} implies at least {implied:,} parameters but the safetensors hold "
+                              f"{held:,}: the weights are missing or the configuration belongs to another model")
+
+
 def validate_folder(folder: Path) -> dict[str, Any]:
     """All torch-free checks of a checkpoint folder; returns the parsed config.json.
 
     config.json (present, JSON, model_type, no auto_map, not pre-quantized),
     weights (safetensors present and intact, shard index complete, no pickle-only
-    weights) and tokenizer files.
+    weights), plausible sizes (:func:`check_plausible`) and tokenizer files.
     """
     return validate_with_tensors(Path(folder))[0]
 
@@ -362,5 +423,6 @@ def validate_with_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, Safet
         raise CheckpointError(f"{folder} is not a folder")
     config = check_config(folder)
     tensors = check_weights(folder)
+    check_plausible(config, tensors)
     check_tokenizer(folder)
     return config, tensors

@@ -430,7 +430,7 @@ def auto_plan(
                      f"fused){per_gpu} {'or K on each GPU ' if tp > 1 else ''}is not a multiple of 128: {why}")
     for s, lost in unsmoothable.items():
         notes.append(f"{s} was not offered to {len(lost)} layer(s) ({_cut(lost, 3)}): an llm-compressor recipe "
-                     "cannot smooth them (quantcore.models.architectures.smoothquant_unmapped), so no served "
+                     "cannot smooth them (quantcore.models.mappings.smoothquant_unmapped), so no served "
                      "checkpoint would hold the smoothing scored; they take another scheme (sweep one without "
                      "SmoothQuant, e.g. INT8_W8A8, if none is)")
     for s, refused in unloadable.items():

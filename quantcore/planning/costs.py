@@ -2,7 +2,7 @@
 
 Cost
     - ``cost=None``: a bits proxy, the stored weight bits of each layer, scales included
-      (:func:`quantcore.schemes.specs.weight_storage_bits`: the weight memory, and the bytes a decode
+      (:func:`quantcore.schemes.storage.weight_storage_bits`: the weight memory, and the bytes a decode
       step reads), needing ``layer_shapes`` {layer: (N, K)}. It is the plan's
       :func:`quantcore.planning.footprint.plan_footprint`, so W4A16 (4.125 bits) beats NVFP4A16 (4.5) on it.
     - ``cost={scheme: {layer: ms}}``: measured GEMM times on the target (see

@@ -71,7 +71,7 @@ def plan_footprint(
     """Weight memory of a resolved plan, per scheme and in total, next to BF16.
 
     ``shapes`` maps each layer to its (N, K); every layer of ``resolved`` needs one (a
-    ValueError names those without). Sizes come from :func:`quantcore.schemes.specs.weight_storage_bits`:
+    ValueError names those without). Sizes come from :func:`quantcore.schemes.storage.weight_storage_bits`:
     the linear weights only (embeddings, norms and biases are not the plan's to change).
     """
     missing = [layer for layer in resolved if layer not in shapes]

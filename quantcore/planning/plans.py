@@ -56,10 +56,12 @@ from quantcore.errors import name_list as _cut
 from quantcore.evaluation.kvcache import AUTO as KV_AUTO
 from quantcore.evaluation.kvcache import get_kv_format, normalize_kv_skip
 from quantcore.models.parallel import AttentionHeads, Parallelism, parse_tp
+from quantcore.safeload import load_yaml, read_input, yaml_problem  # noqa: F401 - yaml_problem: re-exported
 from quantcore.schemes.fusion import expert_block, expert_blocks, fusion_groups
 from quantcore.schemes.presets import get_scheme, list_schemes
 from quantcore.schemes.specs import Scheme
 
+PLAN_SOURCE = "the plan file"  # what a plan's text is called in messages when no file name is known
 # Unicode line breaks that PyYAML writes raw inside a quoted scalar and reads back as a space
 _YAML_BREAKS = ("\x85", "\u2028", "\u2029")
 
@@ -313,39 +315,26 @@ class PlanSpec:
                          allow_unicode=True)
 
     @classmethod
-    def from_yaml(cls, text: str, source: str = "the plan file") -> PlanSpec:
-        """Parse a plan file's text (``yaml.safe_load``: no Python objects are ever built); ``source`` names it in
+    def from_yaml(cls, text: str | bytes, source: str = PLAN_SOURCE) -> PlanSpec:
+        """Parse a plan file's text with the bounded loader (:func:`quantcore.safeload.load_yaml`: plain data only,
+        no anchors / aliases, a size and a nesting cap, a binary file refused as such); ``source`` names it in
         errors."""
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise PlanError(f"{source} is not valid YAML: {yaml_problem(exc)}") from exc
+        data = load_yaml(text, source, PlanError)
         if data is None:
             raise PlanError(f"{source} is empty; it needs at least 'default: <scheme>'")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            if source == PLAN_SOURCE:
+                raise
+            raise PlanError(f"{source}: {exc}") from None
 
 
 def load_plan_file(path: str | Path) -> PlanSpec:
-    """Read and parse a plan YAML file (structure only; see :func:`resolve_plan`)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanError(f"cannot read plan file {str(p)!r}: {exc.strerror or exc}") from exc
-    return PlanSpec.from_yaml(text, source=f"plan file {str(p)!r}")
-
-
-def yaml_problem(exc: Exception) -> str:
-    """A YAML error in one line: the problem, where (line and column, counted from 1), and for the usual mistake
-    in a plan, a backslash of a regular expression in a double-quoted string, what to write instead."""
-    problem = getattr(exc, "problem", None)
-    if not problem:
-        return " ".join(str(exc).split())
-    mark = getattr(exc, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    hint = ("; in double quotes a backslash starts an escape: write a regular expression in single quotes "
-            "('layers\\.0\\.')" if "escape character" in problem else "")
-    return f"{problem}{where}{hint}"
+    """Read and parse a plan YAML file (structure only; see :func:`resolve_plan`), refused past
+    :data:`quantcore.safeload.MAX_PLAN_BYTES` before it is read."""
+    text, source = read_input(path, PlanError, what="plan file")
+    return PlanSpec.from_yaml(text, source=source)
 
 
 def save_plan_file(spec: PlanSpec, path: str | Path) -> Path:

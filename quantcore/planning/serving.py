@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from quantcore.formats.granularity import Granularity
+from quantcore.models.architectures import LLAMA_STYLE
 from quantcore.models.parallel import ONE_GPU, Parallelism, partition
 from quantcore.models.parallel import ROW as TP_ROW
 from quantcore.planning.plans import example_names, group_label, scheme_label
@@ -343,7 +344,9 @@ def marlin_misfits(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tu
             "check your vLLM, or keep those layers in another scheme"]
 
 
-AWQ_FOLDABLE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")  # quantcore.algorithms.awq
+# the linears AWQ can fold its factors for (quantcore.algorithms.awq: awq_mappings), by the architecture registry's
+# names (the plan's layer names carry no model type; every registered architecture names these leaves alike)
+AWQ_FOLDABLE = LLAMA_STYLE.fold_leaves
 
 
 def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
@@ -359,8 +362,8 @@ def awq_unscaled(resolved: Mapping[str, Scheme | str], shapes: Mapping[str, tupl
         if not get_scheme(scheme).needs_awq:
             continue
         head, _, leaf = layer.rpartition(".")
-        v = shapes.get(f"{head}.v_proj")
-        if leaf not in AWQ_FOLDABLE or (leaf == "o_proj" and (v is None or v[0] != shapes[layer][1])):
+        v = shapes.get(f"{head}.{LLAMA_STYLE.v_proj}")
+        if leaf not in AWQ_FOLDABLE or (leaf == LLAMA_STYLE.o_proj and (v is None or v[0] != shapes[layer][1])):
             lost.append(layer)
     if not lost:
         return []

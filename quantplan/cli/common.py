@@ -26,7 +26,12 @@ class CliError(Exception):
 
 
 class Interrupted(CliError):
-    """Ctrl-C while a job command ran or waited: said in one line (exit 130, as a shell reports SIGINT)."""
+    """Ctrl-C (or SIGTERM / SIGHUP on a --local run) while a job command ran or waited: said in one line; the exit
+    status is ``exit_code``, 128 + the signal's number as a shell reports it (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def current_settings() -> Settings:
@@ -69,11 +74,11 @@ def _local_progress(job, show):
 
 
 def run_job(kind: str, params: dict[str, Any], *, model_id: int | None, plan_id: int | None = None,
-            local: bool, quiet: bool) -> JobRecord:
-    """Queue the job and wait (default), or run its body in this process (--local); a job that did not
-    succeed is a CliError."""
+            local: bool, quiet: bool, timeout_s: float | None = None) -> JobRecord:
+    """Queue the job and wait (default; at most ``timeout_s``, the --timeout option), or run its body in this
+    process (--local); a job that did not succeed, or is not done in time, is a CliError."""
     job = start_job(kind, params, model_id=model_id, plan_id=plan_id, local=local)
-    job = finish_job(job, local=local, quiet=quiet)
+    job = finish_job(job, local=local, quiet=quiet, timeout_s=timeout_s)
     if job.status != "succeeded":
         raise CliError(f"job #{job.id} {job.status}: {job.error or job.message}")
     return job
@@ -101,8 +106,13 @@ def start_job(kind: str, params: dict[str, Any], *, model_id: int | None, plan_i
     return job
 
 
-def finish_job(job: JobRecord, *, local: bool, quiet: bool) -> JobRecord:
-    """Run a :func:`start_job`-ed local job here, or wait for a queued one; the job as it ended. Ctrl-C: Interrupted."""
+def finish_job(job: JobRecord, *, local: bool, quiet: bool, timeout_s: float | None = None) -> JobRecord:
+    """Run a :func:`start_job`-ed local job here, or wait for a queued one (at most ``timeout_s``: then a CliError
+    saying the job goes on); the job as it ended. Ctrl-C, or SIGTERM / SIGHUP on a local run: Interrupted (the local
+    job ends cancelled, never left running: quantplan.cli.local.run_here).
+
+    The wait sweeps stale jobs as it polls (jobs.client.wait_for), so a job whose worker was killed ends failed
+    within QUANTPLAN_HEARTBEAT_STALE_S plus one sweep interval, and the command with it."""
     from jobs.client import wait_for
 
     s = current_settings()
@@ -111,13 +121,19 @@ def finish_job(job: JobRecord, *, local: bool, quiet: bool) -> JobRecord:
         print(f"job #{job.id}: running {job.kind} in this process", file=sys.stderr)
         try:
             run_here(job, settings=s, on_progress=_local_progress(job, show))
-        except KeyboardInterrupt:  # run_job has stored the job as cancelled
-            raise Interrupted(f"job #{job.id} {job_status(job.id)}: interrupted (Ctrl-C) before it finished") from None
+        except KeyboardInterrupt as exc:  # the job is stored as cancelled
+            how, signum = getattr(exc, "how", "Ctrl-C"), getattr(exc, "signum", 2)
+            raise Interrupted(f"job #{job.id} {job_status(job.id)}: interrupted ({how}) before it finished",
+                              exit_code=128 + signum) from None
     try:
-        return wait_for(job.id, on_update=show, settings=s)
+        done = wait_for(job.id, on_update=show, settings=s, timeout_s=timeout_s)
     except KeyboardInterrupt:
         raise Interrupted(f"stopped waiting; job #{job.id} is still {job_status(job.id)} "
                           f"(`quantplan jobs show {job.id}`, `quantplan jobs cancel {job.id}`)") from None
+    if not done.finished:
+        raise CliError(f"stopped waiting after {timeout_s:g} s (--timeout); job #{job.id} is still {done.status} and "
+                       f"goes on (`quantplan jobs show {job.id}`, `quantplan jobs cancel {job.id}`)")
+    return done
 
 
 def _local_hint(params: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ import quantplan.cli.run as run_commands
 import quantplan.cli.scores as score_commands
 import quantplan.cli.system as system_commands
 from quantplan.cli.common import CliError, Interrupted, current_settings
+from store.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default: the process's arguments); its exit status: 0 done, 1 refused or failed
-    (a line on stderr), 130 interrupted, 141 a closed pipe."""
+    (a line on stderr), 130 interrupted
+    (143: a --local job ended by SIGTERM), 141 a closed pipe."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # transformers' own tqdm bars (GGUF conversion, weight loading) would interleave with quantplan's job
     # progress lines in the terminal and fill worker logs with carriage returns
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the command prints its own progress: first-party log lines only from WARNING up, unless asked for
+    configure_logging(os.environ.get("QUANTPLAN_LOG_LEVEL") or "WARNING")
     if getattr(args, "device", "unset") is None:
         args.device = current_settings().default_device
     try:
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except Interrupted as exc:
         print(f"\nquantplan: {exc}", file=sys.stderr)
-        return 130
+        return exc.exit_code  # 130 for Ctrl-C, 143 for a SIGTERM that ended a --local job
     except CliError as exc:
         print(f"quantplan: {exc}", file=sys.stderr)
         return 1

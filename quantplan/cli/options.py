@@ -6,15 +6,41 @@ something of its own by them."""
 from __future__ import annotations
 
 import argparse
-from typing import TypeAlias
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
-from jobs.specs import BenchSpec, ScoreSpec
+from jobs.specs import (
+    BUDGET_S,
+    CAL_SAMPLES,
+    CAL_SEQ_LEN,
+    SAMPLES,
+    SCORED_SEQ_LEN,
+    SEQ_LEN,
+    TENSOR_PARALLEL,
+    BenchSpec,
+    Limit,
+    ScoreSpec,
+)
 
 ParserT = argparse.ArgumentParser
 SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # what add_subparsers() returns
 
 MODEL_HELP = "registered model id or name, or 'demo'"
 GPU_TARGETS = "a100, l40s, h100, h100-pcie, h200, b200"
+
+
+def bounded(limit: Limit) -> Callable[[str], Any]:
+    """An argparse ``type=``: the option's text as a number that keeps ``limit``, the job parameter's one rule
+    (jobs.specs), refused at parse time (exit status 2, before anything is read or written) in the rule's words."""
+
+    def parse(text: str) -> Any:
+        number, problem = limit.problem(text.strip())
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return number
+
+    parse.__name__ = limit.name
+    return parse
 
 
 def add_model(sp: ParserT, help: str = MODEL_HELP, *, optional: bool = False) -> None:
@@ -47,20 +73,44 @@ def add_wait(sp: ParserT, help: str) -> None:
     sp.add_argument("--wait", action="store_true", help=help)
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds, or argparse's error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def add_timeout(sp: ParserT) -> None:
+    """--timeout SECONDS: how long a command waits for the job it queued (None: until it ends; a job whose worker
+    died ends failed by the wait's own stale sweep). The one definition every waiting command adds."""
+    sp.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                    help="stop waiting for the queued job after this many seconds (it goes on; exit 1); default: "
+                    "wait until it ends (a job whose worker died is failed after QUANTPLAN_HEARTBEAT_STALE_S)")
+
+
 def add_run_options(sp: ParserT) -> None:
-    """--device / --local / --json, shared by every job command."""
+    """--device / --local / --timeout / --json, shared by every job command."""
     add_device(sp)
     add_local(sp)
+    add_timeout(sp)
     add_json(sp)
 
 
-def add_text_job_options(sp: ParserT, *, text: str, samples: int, seq_len: int = ScoreSpec.seq_len) -> None:
+def add_text_job_options(sp: ParserT, *, text: str, samples: int, seq_len: int = ScoreSpec.seq_len,
+                         scored: bool = True) -> None:
     """The model argument and the options every job over text shares (calibrate, score, sensitivity): the text,
-    its sequences (default ``samples``, the job spec's) and tokens each, then :func:`add_run_options`."""
+    its sequences (default ``samples``, the job spec's) and tokens each (``scored``: at least two, the first
+    predicts nothing), then :func:`add_run_options`."""
     add_model(sp)
     sp.add_argument("--text", help=text)
-    sp.add_argument("--samples", type=int, default=samples, help=f"number of sequences (default {samples})")
-    sp.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})")
+    sp.add_argument("--samples", type=bounded(SAMPLES), default=samples,
+                    help=f"number of sequences (default {samples})")
+    sp.add_argument("--seq-len", type=bounded(SCORED_SEQ_LEN if scored else SEQ_LEN), default=seq_len,
+                    help=f"tokens per sequence, at most the model's context (default {seq_len})")
     add_run_options(sp)
 
 
@@ -68,15 +118,15 @@ def add_calibration_options(sp: ParserT) -> None:
     """The calibration text of a score or sweep (GPTQ Hessians, AWQ and KV cache scales); unset: the spec's."""
     sp.add_argument("--cal-text", metavar="FILE", help="calibration text for GPTQ Hessians, AWQ scales and KV cache "
                     "scales (.txt / .jsonl); default: gensim's lee_background.cor, never the evaluation text")
-    sp.add_argument("--cal-samples", type=int, metavar="N",
+    sp.add_argument("--cal-samples", type=bounded(CAL_SAMPLES), metavar="N",
                     help=f"calibration sequences (default {ScoreSpec.cal_samples})")
-    sp.add_argument("--cal-seq-len", type=int, metavar="L",
+    sp.add_argument("--cal-seq-len", type=bounded(CAL_SEQ_LEN), metavar="L",
                     help=f"tokens per calibration sequence (default {ScoreSpec.cal_seq_len})")
 
 
 def add_tensor_parallel(sp: ParserT, help: str) -> None:
     """--tensor-parallel / --tp GPUS: the GPUs a plan is served (scored, timed, exported) on."""
-    sp.add_argument("--tensor-parallel", "--tp", type=int, metavar="GPUS", help=help)
+    sp.add_argument("--tensor-parallel", "--tp", type=bounded(TENSOR_PARALLEL), metavar="GPUS", help=help)
 
 
 def add_expert_parallel(sp: ParserT, help: str = "an MoE model's experts whole, one GPU each (vLLM "
@@ -105,7 +155,7 @@ def add_kl_budget(sp: ParserT, help: str) -> None:
 
 def add_budget(sp: ParserT) -> None:
     """--budget: a benchmark's seconds per shape (unset: the bench spec's)."""
-    sp.add_argument("--budget", type=float, default=None, help="seconds per shape before a case is skipped "
+    sp.add_argument("--budget", type=bounded(BUDGET_S), default=None, help="seconds per shape before a case is skipped "
                     f"(default {BenchSpec.budget_s:g}); a case skipped under this budget or a larger one is not "
                     "measured again")
 

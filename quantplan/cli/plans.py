@@ -33,6 +33,7 @@ from quantplan.cli.options import (
     add_plan_model,
     add_target,
     add_tensor_parallel,
+    add_timeout,
     add_wait,
 )
 from quantplan.services.autoplan import AUTO_COSTS, STEP_TOKENS
@@ -195,12 +196,13 @@ def cmd_plan_import(args: argparse.Namespace) -> int:
     path = Path(args.file)
     if not path.exists():
         raise CliError(f"{path} does not exist")
-    text = path.read_text()
+    from quantcore.safeload import load_yaml, read_input
+
+    # the bounded loader: a size cap, no YAML aliases, a binary file said to be one, the file named
+    text, source = read_input(path, CliError)
     model_ref = args.model
     if model_ref is None and path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text)
+        data = load_yaml(text, source, CliError)
         model_ref = data.get("model") if isinstance(data, dict) else None
     if model_ref is None:
         raise CliError("say which model the plan is for: --model NAME (or `model:` in the plan file)")
@@ -279,7 +281,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         out["verify_job"] = job.id
         run_here = job.queue == "local" and job.status == "queued"  # written just now by --local
         if args.wait or run_here:
-            done = finish_job(job, local=run_here, quiet=args.json)
+            done = finish_job(job, local=run_here, quiet=args.json, timeout_s=args.timeout)
             out["measured_kl"] = (done.result or {}).get("kl_mean")
             out["verify_status"] = done.status
     if args.json:
@@ -315,6 +317,7 @@ def add_commands(sub: SubParsers) -> None:
     add_expert_parallel(sp)
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     add_wait(sp, "wait for the verifying score job")
+    add_timeout(sp)
     add_local(sp, "run the verifying score job in this process (no worker)")
     add_device(sp, "device of the verifying score job (default: cpu)")
     add_json(sp)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobs.specs import QUICK_SWEEP_SAMPLES, BenchSpec, CalibrateSpec, ScoreSpec
+from jobs.specs import QUICK_SWEEP_SAMPLES, BenchSpec, CalibrateSpec, ScoreSpec, context_problem
 from quantcore.errors import name_list
 from quantcore.evaluation.kvcache import KV_FORMATS
 from quantplan.cli.common import (
@@ -42,8 +42,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """`quantplan calibrate MODEL`: activation statistics of every linear layer; the largest outlier ratios."""
     checked_settings()
     model = find_model(args.model)
+    _check_context(args, model, CalibrateSpec.seq_len)
     params = {**text_sizes(args, scored=False), "device": args.device, **dataset_param(args.text, "calibration")}
-    job = run_job("calibrate", params, model_id=model.id, local=args.local, quiet=args.json)
+    job = run_job("calibrate", params, model_id=model.id, local=args.local, quiet=args.json,
+                  timeout_s=args.timeout)
     from quantplan.services import calibration as calibration_svc
 
     rows = calibration_svc.stats_overview(job.id)
@@ -58,6 +60,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         for line in _kv_lines(kv):
             print(line)
     return 0
+
+
+def _check_context(args: argparse.Namespace, model: Any, default_seq_len: int) -> None:
+    """Refuse, before any job, a --seq-len / --cal-seq-len longer than the model's context (its config's
+    max_position_embeddings, from the stored summary; jobs.specs.context_problem): the job would read positions
+    the model never learned (or fail inside the job row). A default it was not asked for is not refused."""
+    asked = [("--seq-len", args.seq_len if args.seq_len != default_seq_len else None),
+             ("--cal-seq-len", getattr(args, "cal_seq_len", None))]
+    for option, tokens in asked:
+        if tokens is not None and (problem := context_problem(option, tokens, model.context, model.name)):
+            raise CliError(problem)
 
 
 def _kv_lines(kv_amax: dict) -> list[str]:
@@ -109,6 +122,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     unquantized model."""
     checked_settings()
     model = find_model(args.model)
+    _check_context(args, model, ScoreSpec.seq_len)
     base: dict[str, Any] = {**text_sizes(args, scored=True), "device": args.device,
                             **dataset_param(args.text, "evaluation"), **_calibration_params(args)}
     if args.kv_cache:
@@ -119,7 +133,8 @@ def cmd_score(args: argparse.Namespace) -> int:
 
         rows = []
         for name in list_schemes():
-            job = run_job("score", {**base, "scheme": name}, model_id=model.id, local=args.local, quiet=args.json)
+            job = run_job("score", {**base, "scheme": name}, model_id=model.id, local=args.local, quiet=args.json,
+                          timeout_s=args.timeout)
             rows.append({**job.result, "scheme": name, "job": job.id})
         if args.json:
             print_json(rows)
@@ -140,7 +155,8 @@ def cmd_score(args: argparse.Namespace) -> int:
             par = plans_svc.parallelism(model, params["plan"])
             if refusals := serving_svc.split_refusals(model, par.tp, par.expert_parallel):
                 raise CliError("; ".join(refusals))
-    job = run_job("score", params, model_id=model.id, local=args.local, quiet=args.json)
+    job = run_job("score", params, model_id=model.id, local=args.local, quiet=args.json,
+                  timeout_s=args.timeout)
     if args.json:
         print_json({"job": job.id, **job.result})
     else:
@@ -173,7 +189,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 def _gpus_param(args, model) -> dict[str, Any]:
     """The job params of --tp / --expert-parallel ({} without --tp), refused here with vLLM's reason where the model
     cannot be split over that many GPUs."""
-    if not args.tensor_parallel:
+    if args.tensor_parallel is None:  # --tp was checked when parsed (jobs.specs.TENSOR_PARALLEL): 0 is refused
         if args.expert_parallel:
             raise CliError("--expert-parallel needs --tp GPUS (more than one GPU to share the experts among)")
         return {}
@@ -206,6 +222,7 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
     """`quantplan sensitivity MODEL --scheme S | --kv-cache F`: the KL of quantizing one unit at a time."""
     checked_settings()
     model = find_model(args.model)
+    _check_context(args, model, ScoreSpec.seq_len)
     if bool(args.scheme) == bool(args.kv_cache):
         raise CliError("give exactly one of --scheme NAME (linear layers) or --kv-cache FORMAT (attention layers)")
     what = {"scheme": scheme_arg(args.scheme)} if args.scheme else {"kv_sweep": kv_format_arg(args.kv_cache)}
@@ -223,7 +240,8 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
             gpus = {}
     params = {**what, **text_sizes(args, scored=True), "device": args.device, "groups": not args.no_groups,
               **dataset_param(args.text, "evaluation"), **_calibration_params(args), **gpus}
-    job = run_job("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json)
+    job = run_job("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json,
+                  timeout_s=args.timeout)
     swept = job.result["scheme"]
     from quantplan.services import sweeps as sweeps_svc
 
@@ -267,7 +285,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             params["paths"] = check_paths(comma_items(args.paths))
         except ValueError as exc:
             raise CliError(f"--paths: {exc}") from exc
-    if args.tensor_parallel:
+    if args.tensor_parallel is not None:
         from quantcore.models.parallel import parse_tp
 
         if not model:
@@ -276,7 +294,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         params["expert_parallel"] = args.expert_parallel
     if args.queue:
         params["queue"] = args.queue
-    job = run_job("bench", params, model_id=model.id if model else None, local=args.local, quiet=args.json)
+    job = run_job("bench", params, model_id=model.id if model else None, local=args.local, quiet=args.json,
+                  timeout_s=args.timeout)
     records = job.result.get("records", [])
     if args.json:
         print_json(records)
@@ -301,7 +320,7 @@ def add_calibrate_command(sub: SubParsers) -> None:
     """calibrate MODEL."""
     sp = sub.add_parser("calibrate", help="collect activation statistics of every linear layer")
     add_text_job_options(sp, text="calibration text (.txt or .jsonl); default: gensim's lee_background.cor",
-                         samples=CalibrateSpec.samples, seq_len=CalibrateSpec.seq_len)
+                         samples=CalibrateSpec.samples, seq_len=CalibrateSpec.seq_len, scored=False)
     sp.set_defaults(func=cmd_calibrate)
 
 

@@ -15,11 +15,11 @@ EXPORT_FORMATS = ("llmcompressor", "compressed-tensors", "vllm")
 
 
 def _mlp_norm(model: ModelRecord) -> str:
-    """The norm in front of the MLP: Gemma has a pre-feedforward norm, Llama-style models reuse
-    post_attention_layernorm (the name alone cannot tell them apart)."""
-    from quantcore.models.architectures import MLP_NORM_LLAMA
+    """The norm in front of the MLP, from the architecture registry: Gemma 2 / 3 have a pre-feedforward norm,
+    Llama-style models (Gemma 1 included) reuse post_attention_layernorm; the name alone cannot tell them apart."""
+    from quantcore.models.architectures import get_architecture
 
-    return "pre_feedforward_layernorm" if model.model_type.startswith("gemma") else MLP_NORM_LLAMA
+    return get_architecture(model.model_type).mlp_norm
 
 
 def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str, recipe_file: str | None = None) -> str:
@@ -77,45 +77,39 @@ def import_note(filename: str) -> str | None:
     return CONFIG_IMPORT_NOTE if filename.lower().endswith(".json") else None
 
 
-def import_plan(model: ModelRecord, filename: str, text: str, name: str | None = None) -> tuple[PlanRecord, bool]:
+def import_plan(model: ModelRecord, filename: str, text: str | bytes,
+                name: str | None = None) -> tuple[PlanRecord, bool]:
     """Import a plan file (YAML, quantplan's format), an llm-compressor recipe (YAML) or a compressed-tensors
     quantization_config / config.json (JSON) as a new plan version of `model`: (the version, True); (the newest
-    version of that name, False) when it holds the same plan already."""
-    import json
-
-    import yaml
-
+    version of that name, False) when it holds the same plan already. The text (or the uploaded bytes) is read
+    with quantcore's bounded loader: a file too large, binary, with YAML aliases or nested too deeply is Refused
+    with a sentence naming it."""
     from quantcore.export import compressed_tensors, llmcompressor
     from quantcore.planning.plans import PlanSpec, resolve_plan, spec_from_plan
+    from quantcore.safeload import load_json, load_yaml, short_name
 
     names = layer_names(model)
     stem = Path(filename).stem
+    source = short_name(Path(filename).name)
     if filename.lower().endswith(".json"):
-        try:
-            cfg = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise Refused(f"{filename} is not valid JSON: {exc}") from exc
+        cfg = load_json(text, source, Refused)
         plan = compressed_tensors.from_compressed_tensors_config(cfg, layer_names=names)
         spec = spec_from_plan(plan, model=model.name)
         spec.kv_cache = compressed_tensors.kv_cache_of_config(cfg)
     else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            from quantcore.planning.plans import yaml_problem
-
-            raise Refused(f"{filename} is not valid YAML: {yaml_problem(exc)}") from exc
+        data = load_yaml(text, source, Refused)
         if not isinstance(data, dict):
-            raise Refused(f"{filename}: expected a YAML mapping (a quantplan plan or an llm-compressor recipe)")
+            raise Refused(f"{source}: expected a YAML mapping (a quantplan plan or an llm-compressor recipe)")
         if {"default", "rules", "layers"} & set(data):
             spec = PlanSpec.from_dict(data)
             resolve_plan(spec, names)  # refuse what does not fit this model, with the reasons
             kv_skipped(model, spec.to_dict())  # its kv_cache_skip too
         else:
-            spec = spec_from_plan(llmcompressor.from_llmcompressor_recipe(text, layer_names=names), model=model.name)
+            spec = spec_from_plan(llmcompressor.from_llmcompressor_recipe(text, layer_names=names, source=source),
+                                  model=model.name)
             spec.kv_cache = llmcompressor.kv_cache_of_recipe(text)
     plan_name = name or spec.name or stem
     spec.name, spec.model = plan_name, model.name
     if same := unchanged_version(model.id, plan_name, spec.to_dict()):  # imported twice: no second, equal version
         return same, False
-    return save_plan(model.id, plan_name, spec.to_dict(), note=f"imported from {Path(filename).name}"), True
+    return save_plan(model.id, plan_name, spec.to_dict(), note=f"imported from {Path(filename).name[:200]}"), True

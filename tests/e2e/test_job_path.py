@@ -50,6 +50,10 @@ def _spine(settings) -> None:
 def test_spine_sqlite_sqlalchemy_broker(qp_settings, worker):
     assert qp_settings.broker_url.startswith("sqla+sqlite:")
     _spine(qp_settings)
+    # the worker's own INFO lines reach its stderr, under the module's name (store.logs, configured once)
+    log = worker.text()
+    assert "INFO worker.runner: job 1 (register) running on cpu" in log
+    assert "INFO worker.runner: job 2 (calibrate) succeeded in " in log
 
 
 def test_spine_postgres_redis(qp_env, pg_database, redis_url, monkeypatch, tmp_path):

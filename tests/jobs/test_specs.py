@@ -9,13 +9,26 @@ import pytest
 
 from jobs.errors import InvalidJob
 from jobs.specs import (
+    ALPHA,
+    BATCH_SIZE,
+    BUDGET_S,
+    CAL_SAMPLES,
+    CAL_SEQ_LEN,
+    LIMITS,
+    M_VALUE,
+    MAX_GPUS,
+    SAMPLES,
+    SCORED_SEQ_LEN,
+    SEQ_LEN,
     SPECS,
+    TENSOR_PARALLEL,
     TOKEN_DEFAULTS,
     BenchSpec,
     CalibrateSpec,
     RegisterSpec,
     ScoreSpec,
     SensitivitySpec,
+    context_problem,
     read_params,
     spec_class,
 )
@@ -51,16 +64,18 @@ def test_the_benchmark_defaults_are_the_kernel_benchmarks_own():
 
 
 @pytest.mark.parametrize(("build", "words"), [
-    (lambda: CalibrateSpec(samples=0), ["calibrate job's samples", "from 1 to", "got 0"]),
+    (lambda: CalibrateSpec(samples=0), ["calibrate job's samples", "between 1 and", "got 0"]),
+    (lambda: CalibrateSpec(samples=100_000_000), ["samples", "65,536 sequences", "got 100,000,000"]),
     (lambda: CalibrateSpec(seq_len=10_000_000), ["seq_len", "1,048,576", "got 10,000,000"]),
-    (lambda: ScoreSpec(seq_len=1), ["score job's seq_len", "first is predicted by nothing", "from 2", "got 1"]),
+    (lambda: ScoreSpec(seq_len=1), ["score job's seq_len", "first token is predicted by nothing", "between 2",
+                                    "got 1"]),
     (lambda: ScoreSpec(cal_samples="many"), ["cal_samples", "whole number", "'many'"]),
-    (lambda: ScoreSpec(tensor_parallel=0), ["tensor_parallel", "from 1 to 1,024", "got 0"]),
+    (lambda: ScoreSpec(tensor_parallel=0), ["tensor_parallel must be between 1 and 1024 GPUs, got 0"]),
     (lambda: SensitivitySpec(), ["sensitivity job", "scheme", "kv_sweep", "neither"]),
-    (lambda: SensitivitySpec(scheme="FP8_DYNAMIC", alpha=1.5), ["alpha", "from 0 to 1", "got 1.5"]),
+    (lambda: SensitivitySpec(scheme="FP8_DYNAMIC", alpha=1.5), ["alpha", "between 0 and 1", "got 1.5"]),
     (lambda: RegisterSpec(), ["register job needs a source", "or demo"]),
     (lambda: BenchSpec(budget_s=0), ["budget_s", "more than 0", "got 0"]),
-    (lambda: BenchSpec(m=[1, 0]), ["bench job's m", "from 1", "got 0"]),
+    (lambda: BenchSpec(m=[1, 0]), ["bench job's m", "between 1", "got 0"]),
     (lambda: BenchSpec(m="1,16"), ["bench job's m", "list of whole numbers", "'1,16'"]),
     (lambda: BenchSpec(device="tpu"), ["bench job's device", "'cpu' or 'cuda'", "'tpu'"]),
     (lambda: BenchSpec(queue=" "), ["queue", "gpu.sm90"]),
@@ -148,3 +163,55 @@ def test_with_changes_checks_again():
     assert spec.with_changes(samples=4).samples == 4
     with pytest.raises(InvalidJob):
         spec.with_changes(samples=0)
+
+
+# ----------------------------------------------------------------------------- one rule per parameter
+
+
+def test_every_numeric_parameter_of_every_spec_is_checked_by_its_one_rule():
+    """The spec, the CLI's options and the pages read the same Limit: a value just outside it is refused by the
+    spec in the rule's own sentence, and the bounds themselves are accepted."""
+    cases = [(CalibrateSpec, {}, "samples", SAMPLES), (CalibrateSpec, {}, "seq_len", SEQ_LEN),
+             (ScoreSpec, {}, "seq_len", SCORED_SEQ_LEN), (ScoreSpec, {}, "cal_samples", CAL_SAMPLES),
+             (ScoreSpec, {}, "cal_seq_len", CAL_SEQ_LEN), (ScoreSpec, {}, "batch_size", BATCH_SIZE),
+             (ScoreSpec, {}, "tensor_parallel", TENSOR_PARALLEL), (BenchSpec, {}, "tensor_parallel", TENSOR_PARALLEL),
+             (SensitivitySpec, {"scheme": "FP8"}, "alpha", ALPHA), (BenchSpec, {}, "budget_s", BUDGET_S)]
+    for spec, given, name, limit in cases:
+        low, high = limit.form_bounds()
+        assert getattr(spec(**given, **{name: low}), name) == low
+        assert getattr(spec(**given, **{name: high}), name) == high
+        for bad in ((limit.least if limit.above else limit.least - 1), limit.most * 2):
+            with pytest.raises(InvalidJob) as caught:
+                spec(**given, **{name: bad})
+            assert str(caught.value) == f"a {spec.kind} job's {limit.problem(bad)[1]}"
+    assert BenchSpec(m=[1, M_VALUE.most]).m == (1, M_VALUE.most)
+    with pytest.raises(InvalidJob, match="m must be between 1 and 16,777,216"):
+        BenchSpec(m=[M_VALUE.most + 1])
+    assert LIMITS["seq_len"] is SEQ_LEN and LIMITS["budget_s"] is BUDGET_S
+
+
+def test_a_rule_reads_the_text_a_person_types_and_names_what_is_wrong():
+    assert SAMPLES.problem(" 16 ") == (16, None) and BUDGET_S.problem("0.5") == (0.5, None)
+    assert SAMPLES.problem("2.5")[1] == "samples must be a whole number of sequences such as 16, got '2.5'"
+    assert BUDGET_S.problem("nan")[1] == "budget_s must be a number of seconds such as 60, got 'nan'"
+    assert BUDGET_S.problem("-1")[1] == "budget_s must be more than 0 and at most 604,800 seconds, got -1"
+    assert SAMPLES.problem(True)[0] is None  # a flag is no count
+
+
+def test_a_plan_files_tensor_parallel_and_the_jobs_are_refused_in_the_same_words():
+    parallel = pytest.importorskip("quantcore.models.parallel")
+    from quantcore.errors import PlanError
+
+    for bad in (0, 1025, "two"):
+        with pytest.raises(PlanError) as caught:
+            parallel.parse_tp(bad)
+        assert str(caught.value) == TENSOR_PARALLEL.problem(bad)[1]
+    assert parallel.parse_tp(MAX_GPUS) == TENSOR_PARALLEL.check(MAX_GPUS)
+
+
+def test_a_sequence_longer_than_the_models_context_is_named_with_the_context():
+    assert context_problem("--seq-len", 128, 128, "tiny") is None
+    assert context_problem("--seq-len", 10**6, None, "tiny") is None  # a context not known refuses nothing
+    assert context_problem("--seq-len", 1000, 128, "tiny") == (
+        "--seq-len 1000 is longer than tiny's context: its config's max_position_embeddings is 128 tokens")
+    assert SEQ_LEN.within(128).form_bounds() == (1, 128) and SEQ_LEN.within(None) is SEQ_LEN

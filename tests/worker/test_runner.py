@@ -162,7 +162,7 @@ def test_bad_input_fails_without_a_traceback_in_the_log_and_a_bug_with_one(qp_se
     def bug(ctx):
         raise RuntimeError("index out of range")
 
-    caplog.set_level(logging.INFO, logger="quantplan.worker")
+    caplog.set_level(logging.INFO, logger="worker.runner")
     mistake, crash = _job(qp_settings), _job(qp_settings)
     assert run_job(mistake.id, damaged, settings=qp_settings) == "failed"
     assert run_job(crash.id, bug, settings=qp_settings) == "failed"

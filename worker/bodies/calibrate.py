@@ -52,7 +52,8 @@ def _with_kv_amax(model: Any, run: Callable[[], Any]) -> tuple[Any, dict[str, An
     same forwards (quantcore.evaluation.kvcache.kv_amax_observed); a model whose attention cannot be observed is
     calibrated all the same, and the note says why it has no K/V maxima."""
     from quantcore.errors import PlanError
-    from quantcore.evaluation.kvcache import attention_modules, kv_amax_observed
+    from quantcore.evaluation.kvcache import kv_amax_observed
+    from quantcore.models.decoder import attention_modules
 
     if not attention_modules(model):
         return run(), None, "no attention module with k_proj and v_proj"

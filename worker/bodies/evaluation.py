@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,26 @@ def calibration_inputs(cal) -> PlanInputs:
     _, stats = cal
     return PlanInputs(act_amax={st.name: st.amax for st in stats},
                       act_channel_max={st.name: st.channel_max for st in stats})
+
+
+# the PlanInputs fields a job computes here by forwards of the calibration text (GPTQ Hessians, AWQ's searched
+# scales); the calibrated statistics (act_amax, act_channel_max) come from a calibration job instead
+TEXT_INPUTS = ("weight_hessians", "awq")
+
+
+def calibration_needs(schemes: Iterable[Any]) -> dict[str, list[str]]:
+    """{PlanInputs field: the rounding methods and transforms that read it} for ``schemes``
+    (quantcore.algorithms.registry.calibration_needs), with every method and transform registered first."""
+    import quantcore.algorithms.apply  # noqa: F401 - importing it registers RTN, GPTQ, AWQ and SmoothQuant
+    from quantcore.algorithms.registry import calibration_needs as needs_of
+
+    return needs_of(schemes)
+
+
+def reads_calibration_text(needs: Mapping[str, Any]) -> bool:
+    """True when a plan of these :func:`calibration_needs` needs forwards of the calibration text (GPTQ
+    Hessians, AWQ scales)."""
+    return any(field in needs for field in TEXT_INPUTS)
 
 
 def calibration_ids(ctx: JobContext, asked: TextJobSpec, tok: Any, device: Any, needed: bool = True):
@@ -262,8 +283,9 @@ def kv_amax(ctx: JobContext, rec: ModelRecord, model: Any, kv: Any, plan: dict[s
     numerics; not the KV format: K and V are observed before it quantizes them), so another score of the plan
     with a calibrated KV cache (another format, another evaluation text) reads it; a damaged file (unreadable,
     or without every attention layer) is calibrated again. Returns (amax, whether it came from there)."""
-    from quantcore.evaluation.kvcache import KvAmax, attention_modules
+    from quantcore.evaluation.kvcache import KvAmax
     from quantcore.evaluation.scoring import calibrate_kv_cache
+    from quantcore.models.decoder import attention_modules
     from quantcore.schemes.numerics import NUMERICS
 
     if not kv.calibrated:

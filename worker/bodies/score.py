@@ -57,8 +57,9 @@ def served_on(asked: ScoreSpec, spec: Any, model: Any):
 def score(ctx: JobContext) -> Outcome:
     """Score the job's plan (:class:`jobs.specs.ScoreSpec`); the report is stored with the job."""
     from quantcore.algorithms.gptq import rounding_inputs
-    from quantcore.evaluation.kvcache import attention_modules, get_kv_format, kv_skip_layers
+    from quantcore.evaluation.kvcache import get_kv_format, kv_skip_layers
     from quantcore.evaluation.scoring import score_plan
+    from quantcore.models.decoder import attention_modules
     from quantcore.models.summary import attention_windows
     from quantcore.planning.plans import kv_label, resolve_plan
 
@@ -77,9 +78,10 @@ def score(ctx: JobContext) -> Outcome:
         kv_skip_layers(spec.kv_cache_skip, attention_modules(model), attention_windows(model))
     cal = ev.calibration_for(ctx, asked, rec, any(s.needs_calibration for s in plan.values()))
     ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size)
-    gptq = any(s.needs_hessians for s in plan.values())
-    awq_needed = any(s.needs_awq for s in plan.values())
-    cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device, gptq or awq_needed or kv.calibrated)
+    needs = ev.calibration_needs(plan.values())  # the calibrated inputs the plan's rounding and transforms read
+    gptq = "weight_hessians" in needs
+    cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device,
+                                           ev.reads_calibration_text(needs) or kv.calibrated)
     gptq_reads = rounding_inputs(plan)
     kept, keep_at = ev.kept_gptq(ctx, rec, model, gptq_reads, cal_ids, cal)
     hessians = ev.hessians(ctx, model, plan, cal_ids, cal_text, rounded=kept)

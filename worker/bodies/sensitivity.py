@@ -62,7 +62,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
             parallel, rerouted = ONE_GPU, True  # its scales are the same on any number of GPUs: read exactly so
         cal = ev.calibration_for(ctx, asked, rec, scheme.needs_calibration)
         ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size)
-        cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device, scheme.needs_hessians or scheme.needs_awq)
+        cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device,
+                                               ev.reads_calibration_text(ev.calibration_needs([scheme])))
         every = {n: scheme for n in ev.linear_names(rec) if n not in unsmoothable}
         unit_reads = {n: read for unit in sweep_units(swept, groups=asked.groups)
                       for n, read in rounding_inputs(dict.fromkeys(unit, scheme)).items()}
@@ -106,7 +107,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
 
 def sweepable(layers: list[str], scheme: Any) -> tuple[list[str], list[str]]:
     """(the layers a sweep of ``scheme`` quantizes, those it leaves out). A SmoothQuant scheme leaves out the layers
-    no llm-compressor recipe can smooth (o_proj, lm_head: quantcore.models.architectures.smoothquant_unmapped): no
+    no llm-compressor recipe can smooth (o_proj, lm_head: quantcore.models.mappings.smoothquant_unmapped): no
     served checkpoint holds that smoothing, the automatic planner never offers it there, and sweeping them would
     cost time for KLs nothing can use. A PlanError when that leaves nothing."""
     from quantcore.models.mappings import smoothquant_unmapped

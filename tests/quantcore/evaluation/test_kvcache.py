@@ -20,6 +20,7 @@ from quantcore.evaluation.kvcache import (
 )
 from quantcore.evaluation.reference import compute_reference
 from quantcore.evaluation.scoring import calibrate_kv_cache, score_plan
+from quantcore.models.decoder import attention_modules
 from quantcore.planning.plans import PlanSpec
 from tests.factories import TINY_ARCHS, TINY_HEAD_DIM, TINY_KV_HEADS, TINY_LAYERS, build_tiny_model
 
@@ -215,7 +216,7 @@ def test_refusals_restore_the_model() -> None:
             raise RuntimeError("boom")
     assert model.config._attn_implementation == "sdpa"
     assert not any(hasattr(m, kvcache._STATE_ATTR) for m in model.modules())
-    assert not any(m.k_proj._forward_hooks for m in kvcache.attention_modules(model).values())
+    assert not any(m.k_proj._forward_hooks for m in attention_modules(model).values())
 
 
 def test_attention_that_bypasses_the_interface_is_refused(monkeypatch) -> None:
@@ -316,7 +317,7 @@ def _identity_attention(model, *, round_probs: bool):
     """Every attention of ``model`` through :func:`kvcache.fp8_attention_forward`, with Q, K and V untouched."""
     from functools import partial
 
-    modules = kvcache.attention_modules(model)
+    modules = attention_modules(model)
     state = kvcache._LayerState(lambda q, k, v: (q, k, v),
                                 partial(kvcache.fp8_attention_forward, round_probs=round_probs))
     return kvcache._attention_wrapped(model, modules, dict.fromkeys(modules, state), "test")
@@ -492,7 +493,7 @@ def test_skipped_layers_keep_their_k_and_v_and_their_attention(spy) -> None:
         model(ids)
         plain = list(spy)
         spy.clear()
-        skip = kv_skip_layers(["sliding_window"], kvcache.attention_modules(model), attention_windows(model))
+        skip = kv_skip_layers(["sliding_window"], attention_modules(model), attention_windows(model))
         assert skip == {"model.layers.0.self_attn"}
         with kv_cache_quantized(model, "FP8_UNSCALED", skip=skip) as applied:
             model(ids)

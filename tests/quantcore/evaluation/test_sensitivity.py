@@ -273,8 +273,9 @@ def test_smoothquant_sweep_tames_the_planted_outlier(tiny_model_factory):
 def test_kv_sweep_equals_a_full_forward_with_every_other_layer_kept(arch, fmt, tiny_model_factory):
     """One attention layer's cache at a time: the replayed sweep gives the KL of a whole forward whose plan keeps
     every other layer out of the cache (kv_cache_skip), and the model is left as it was."""
-    from quantcore.evaluation.kvcache import attention_modules, kv_amax_observed, kv_cache_quantized
+    from quantcore.evaluation.kvcache import kv_amax_observed, kv_cache_quantized
     from quantcore.evaluation.sensitivity import kv_sensitivity_sweep
+    from quantcore.models.decoder import attention_modules
 
     model = sharp_model(tiny_model_factory, arch)
     ids = eval_ids()

@@ -8,7 +8,6 @@ CPU tests use tiny shapes: torch._int_mm on this kind of CPU runs at well under
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -363,14 +362,62 @@ def test_max_rel_err_definition() -> None:
     assert max_rel_err(torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.float64)) == 0.0
 
 
-def test_budget_skips_what_does_not_fit() -> None:
-    # M = 1 fits easily; M = 2^17 needs a tenth of a second to seconds per call on a CPU (the weight-only INT4
-    # kernels ~3 us a row), five calls a case, so the twelve paths cannot all fit. The budget is twice what the
-    # M = 1 cases alone take on this machine, measured first: their cache flushes (64 ms each on a VM that sees a
-    # 480 MiB L3) and a busy machine make any fixed figure too tight somewhere.
-    t0 = time.perf_counter()
-    assert all(r.ms is not None for r in run_benchmarks([(64, 64)], ms=(1,), budget_s_per_shape=60, repeats=3))
-    budget = 1.0 + 2 * (time.perf_counter() - t0)
+class FakeClock:
+    """The clock the benchmark's scheduler and timer read (``time.perf_counter`` of quantcore.kernels.bench and
+    .timing), advanced only by the modelled cost of each kernel call: what a scheduling test asserts then depends on
+    the budget and the costs it states, never on how fast or how busy the machine is. The kernels still run."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """A :class:`FakeClock` in place of the benchmark's clock; ``fake_clock.cost(fn)`` makes every case's calls
+    (rate probes, warm-ups, timed repeats) cost ``fn(path, rows)`` seconds of it."""
+    import types
+
+    from quantcore.kernels import timing
+
+    clock = FakeClock()
+    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)
+    monkeypatch.setattr(bench, "time", fake_time)
+    monkeypatch.setattr(timing, "time", fake_time)
+    build = bench.build_case
+
+    def cost(seconds) -> None:
+        def build_costed(ops, path, x, kind):
+            case = build(ops, path, x, kind)
+            real, spent = case.fn, seconds(path, x.shape[0])
+
+            def fn():
+                out = real()
+                clock.now += spent
+                return out
+
+            return Case(fn=fn, emulate=case.emulate, padded=case.padded)
+
+        monkeypatch.setattr(bench, "build_case", build_costed)
+
+    clock.cost = cost
+    return clock
+
+
+def test_budget_skips_what_does_not_fit(fake_clock) -> None:
+    """M = 1 fits easily; at M = 2^17 a call costs a tenth of a second (the baseline) to seconds (an emulated FP8
+    path), five calls a case, so the twelve paths cannot all fit in 2 s. The costs are the fake clock's, so the
+    machine's speed and load decide nothing (they once did: a budget measured on the machine was too tight
+    somewhere)."""
+    from quantcore.kernels.device import device_paths, probe_device
+
+    support = device_paths(probe_device("cpu"))
+    per_row = {path: 1e-6 if path == "baseline" else 3e-6 if support[base_path(path)].native else 3e-5
+               for path in PATHS}
+    fake_clock.cost(lambda path, rows: 1e-4 + rows * per_row[path])
+    budget = 2.0
     recs = run_benchmarks([(64, 64)], ms=(1, 1 << 17), budget_s_per_shape=budget, repeats=3)
     small = [r for r in recs if r.m == 1]
     big = [r for r in recs if r.m == 1 << 17]
@@ -379,6 +426,7 @@ def test_budget_skips_what_does_not_fit() -> None:
     # ones (FP8 on a CPU) run after every native case, so a native M = 2^17 that fits may leave them over budget
     first = [r for r in small if r.path == "baseline" or r.native]
     assert first and all(r.skipped is None and r.ms is not None for r in first), [r.skipped for r in first]
+    assert all(r.ms == pytest.approx((1e-4 + per_row[r.path]) * 1e3) for r in first)  # the modelled cost, timed
     skipped = [r for r in recs if r.skipped is not None]
     assert any(r.m == 1 << 17 for r in skipped)
     for r in skipped:
@@ -386,6 +434,7 @@ def test_budget_skips_what_does_not_fit() -> None:
         assert r.ms is None and r.tflops is None and r.speedup is None and r.max_rel_err is None
     for r in big:  # what was timed fitted: its repeats alone inside the budget
         assert r.ms is None or r.ms * 1e-3 * MIN_REPEATS < budget, r
+    assert fake_clock.now < 2 * budget  # the benchmark stopped at its budget (a case may overrun what is left)
 
 
 def test_a_large_m_is_predicted_from_a_rate_measured_near_it_not_scaled_from_m_1() -> None:
@@ -759,7 +808,7 @@ def test_duration_bound_names_shapes_budget_and_total_in_readable_units() -> Non
     assert duration_bound(300, 60) == "at most 300 shapes × 60.0 s ≈ 5.0 h"
 
 
-def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it(monkeypatch) -> None:
+def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it(fake_clock) -> None:
     """Weight-only INT8 at a prefill M takes a quarter of a second a call on an H200, where FP8 takes 0.03 ms: run
     with all that was left of a shape's budget it left the largest M of every path unmeasured. Each case but a
     baseline first gets an even share of what is left; one that needs more is put off until the others have run,
@@ -767,17 +816,8 @@ def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it
     test); its rate probe at 16 rows stays fast, so its first real call is the surprise it is on a GPU."""
     from quantcore.kernels.device import device_paths, probe_device
 
-    slow_s = 0.5  # a call at M = 64; twice that at 128
-    build = build_case
-
-    def slow_w8(ops, path, x, kind):
-        case = build(ops, path, x, kind)
-        if path == "w8_row" and x.shape[0] >= 64:
-            fast, wait = case.fn, slow_s * x.shape[0] / 64
-            return Case(fn=lambda: (time.sleep(wait), fast())[1], emulate=case.emulate, padded=case.padded)
-        return case
-
-    monkeypatch.setattr(bench, "build_case", slow_w8)
+    slow_s = 0.5  # a call at M = 64; twice that at 128 (seconds of the fake clock: the machine's load is no part)
+    fake_clock.cost(lambda path, rows: slow_s * rows / 64 if path == "w8_row" and rows >= 64 else 1e-5 + rows * 1e-8)
     ran: list[tuple[int, str]] = []
 
     def seen(_f: float, msg: str) -> None:
@@ -786,7 +826,7 @@ def test_a_case_over_its_share_is_put_off_so_it_cannot_starve_the_cases_after_it
             ran.append((int(m[2:]), path))
 
     ms, paths = (64, 128, 256), ["w8_row", "w4_g128"]
-    budget = 1.0 + 30 * Timer("cpu", "cpu").flush_s  # the fast cases and their flushes fit, slow ones do not
+    budget = 1.0  # the fast cases fit, slow ones do not (a flush costs nothing on the fake clock)
     recs = run_benchmarks([(64, 64)], ms=ms, paths=paths, budget_s_per_shape=budget, repeats=3, progress=seen)
     support = device_paths(probe_device("cpu"))
     first_pass = [(m, "baseline") for m in ms] + sorted(

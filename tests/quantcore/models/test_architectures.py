@@ -66,6 +66,11 @@ def test_tensor_parallelism_splits_the_registry_s_column_and_row_leaves():
     assert LLAMA_STYLE.row_leaves == ("o_proj", "down_proj")
 
 
+def test_folds_reach_the_norm_fed_linears_and_those_after_a_linear_and_the_kv_cache_reads_k_and_v():
+    assert set(LLAMA_STYLE.fold_leaves) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj"}
+    assert LLAMA_STYLE.kv_proj == ("k_proj", "v_proj")
+
+
 def test_a_split_moe_model_names_its_experts_as_the_registry_does():
     from quantcore.models.moe import split_experts
 
@@ -76,3 +81,12 @@ def test_a_split_moe_model_names_its_experts_as_the_registry_does():
     block = "model.layers.0"
     assert arch.router_of(block) in names and arch.experts_of(block) in names
     assert {arch.expert_linear(block, 0, leaf) for leaf in (*arch.gate_up, arch.down_proj)} <= names
+
+
+def test_gemma_1_names_its_mlp_norm_as_llama_does_and_gemma_2_and_3_their_pre_feedforward_norm():
+    from quantcore.models.architectures import MLP_NORM_GEMMA, MLP_NORM_LLAMA, get_architecture
+
+    # Gemma 1's blocks have input_layernorm / post_attention_layernorm only (an export naming
+    # pre_feedforward_layernorm for it would point at a module that does not exist)
+    assert get_architecture("gemma").mlp_norm == MLP_NORM_LLAMA == "post_attention_layernorm"
+    assert get_architecture("gemma2").mlp_norm == get_architecture("gemma3_text").mlp_norm == MLP_NORM_GEMMA

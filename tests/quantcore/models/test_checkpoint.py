@@ -7,7 +7,6 @@ save_pretrained; no download, no real weights.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import shutil
 import stat
@@ -43,6 +42,9 @@ from tests.factories import (
     TINY_KV_HEADS,
     TINY_LAYERS,
     WORDS,
+    folder_members,
+    make_tar,
+    make_zip,
     save_tiny_bert,
     save_tiny_llama,
     tiny_tokenizer,
@@ -80,28 +82,6 @@ def assert_refused(source: Path, root: Path, match: str, **kwargs) -> Checkpoint
     leftovers = sorted(p.name for p in root.iterdir()) if root.exists() else []
     assert leftovers == [], f"left behind in the store: {leftovers}"
     return info.value
-
-
-def make_zip(path: Path, members: dict[str, bytes]) -> Path:
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    return path
-
-
-def folder_members(folder: Path, prefix: str = "") -> dict[str, bytes]:
-    return {prefix + p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def make_tar(path: Path, members: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> Path:
-    with tarfile.open(path, "w:gz") as archive:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-        for info in extra:
-            archive.addfile(info)
-    return path
 
 
 # --- registering ---------------------------------------------------------------------------------

@@ -119,10 +119,11 @@ def test_fp8_attention_on_the_real_model(loaded):
     from quantcore.evaluation.reference import compute_reference
     from quantcore.evaluation.scoring import calibrate_kv_cache, score_plan
     from quantcore.evaluation.text import default_eval_text
+    from quantcore.models.decoder import attention_modules
 
     model, tokenizer = loaded
     ids = token_batches(tokenizer, load_documents(default_eval_text()), n_samples=2, seq_len=64)
-    modules = kvcache.attention_modules(model)
+    modules = attention_modules(model)
     plain = kvcache._LayerState(lambda q, k, v: (q, k, v), partial(kvcache.fp8_attention_forward, round_probs=False))
     with torch.no_grad():
         ref_logits = model(ids).logits

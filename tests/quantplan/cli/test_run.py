@@ -487,20 +487,100 @@ def test_bench_paths_times_those_and_the_baseline_and_refuses_an_unknown_one_bef
     assert len(jobs_svc.list_jobs(limit=100)) == jobs
 
 
+def _parse_refusal(capsys, *argv: str) -> tuple[int, str]:
+    """Run ``quantplan ARGV`` that argparse refuses: (exit status, stderr)."""
+    from quantplan.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(list(argv))
+    return caught.value.code, capsys.readouterr().err
+
+
+def _job_rows() -> int:
+    from sqlalchemy import func, select
+
+    from store import models as m
+    from store.db import session_scope
+
+    with session_scope() as s:
+        return s.scalar(select(func.count()).select_from(m.Job))
+
+
 def test_text_sizes_a_job_cannot_use_are_refused_before_any_job(tiny_model, capsys):
     """--samples 0 used to score 16 sequences (0 read as "not given"), and --seq-len 1 or --samples -1 made a job
-    that then failed: each is now refused by name, and nothing is written."""
-    from quantplan.services import jobs as jobs_svc
+    that then failed: each is now refused by name when the command line is parsed, and nothing is written."""
+    jobs = _job_rows()
+    for argv, said in ((("score", "tiny", "--scheme", "FP8", "--samples", "0"),
+                        "argument --samples: samples must be between 1 and 65,536 sequences, got 0"),
+                       (("score", "tiny", "--scheme", "FP8", "--seq-len", "1"), "seq_len must be between 2 and"),
+                       (("sensitivity", "tiny", "--scheme", "FP8", "--seq-len", "1"), "first token is predicted"),
+                       (("calibrate", "tiny", "--samples", "-1"), "samples must be between 1 and 65,536 sequences, "
+                                                                  "got -1"),
+                       (("calibrate", "tiny", "--seq-len", "0"), "seq_len must be between 1 and")):
+        code, err = _parse_refusal(capsys, *argv, "--local")
+        assert code == 2 and said in err and "Traceback" not in err, (argv, err)
+    assert _job_rows() == jobs
 
-    jobs = len(jobs_svc.list_jobs(limit=100))
-    for argv, said in ((("score", "tiny", "--scheme", "FP8", "--samples", "0"), "--samples must be at least 1, got 0"),
-                       (("score", "tiny", "--scheme", "FP8", "--seq-len", "1"), "--seq-len must be at least 2"),
-                       (("sensitivity", "tiny", "--scheme", "FP8", "--seq-len", "1"), "--seq-len must be at least 2"),
-                       (("calibrate", "tiny", "--samples", "-1"), "--samples must be at least 1, got -1"),
-                       (("calibrate", "tiny", "--seq-len", "0"), "--seq-len must be at least 1, got 0")):
+
+@pytest.mark.parametrize(("argv", "said"), [
+    # `score --tp 0` meant one GPU (0 read as "not given") while a plan file's tensor_parallel: 0 is refused
+    (("score", "tiny", "--scheme", "FP8", "--tp", "0"),
+     "argument --tensor-parallel/--tp: tensor_parallel must be between 1 and 1024 GPUs, got 0"),
+    (("sensitivity", "tiny", "--scheme", "FP8", "--tp", "2000"), "tensor_parallel must be between 1 and 1024 GPUs"),
+    (("bench", "--m", "1", "--paths", "int8_row", "--tp", "0"), "tensor_parallel must be between 1 and 1024 GPUs"),
+    # `bench --budget -1` made a job row that failed; `--budget 0` was timed for the default 60 s a shape
+    (("bench", "--m", "1", "--paths", "int8_row", "--budget", "-1"),
+     "argument --budget: budget_s must be more than 0 and at most 604,800 seconds, got -1"),
+    (("bench", "--m", "1", "--paths", "int8_row", "--budget", "0"), "budget_s must be more than 0"),
+    (("bench", "--m", "1", "--paths", "int8_row", "--budget", "nan"),
+     "budget_s must be a number of seconds such as 60, got 'nan'"),
+    # a sequence of a billion tokens made a job row that failed; a hundred million sequences likewise
+    (("calibrate", "tiny", "--seq-len", "1000000000"), "seq_len must be between 1 and 1,048,576 tokens, "
+                                                       "got 1,000,000,000"),
+    (("calibrate", "tiny", "--samples", "100000000"), "samples must be between 1 and 65,536 sequences, "
+                                                      "got 100,000,000"),
+    (("score", "tiny", "--scheme", "FP8", "--cal-samples", "100000000"), "argument --cal-samples: cal_samples"),
+    (("score", "tiny", "--scheme", "FP8", "--cal-seq-len", "0"), "argument --cal-seq-len: cal_seq_len must be"),
+    (("score", "tiny", "--scheme", "FP8", "--samples", "2.5"), "samples must be a whole number of sequences"),
+])
+def test_numbers_no_job_can_use_are_refused_when_parsed_and_no_job_row_is_written(qp_settings, capsys, argv, said):
+    """Every numeric option of a job command is checked when the command line is parsed, by the job parameter's
+    one rule (jobs.specs): exit status 2, the rule's sentence, and the jobs table stays empty (no model is even
+    looked up: none is registered here)."""
+    code, err = _parse_refusal(capsys, *argv, "--local")
+    assert code == 2 and said in err and "Traceback" not in err, err
+    assert _job_rows() == 0
+
+
+def test_score_tp_0_is_refused_in_the_words_a_plan_files_tensor_parallel_0_is(tiny_model, capsys, tmp_path):
+    plan = tmp_path / "tp0.yaml"
+    plan.write_text("model: tiny\ndefault: FP8\ntensor_parallel: 0\n")
+    jobs = _job_rows()
+    code, _, from_file = run(capsys, "score", "tiny", "--plan", str(plan), "--local")
+    code_tp, from_option = _parse_refusal(capsys, "score", "tiny", "--scheme", "FP8", "--tp", "0", "--local")
+    words = "tensor_parallel must be between 1 and 1024 GPUs, got 0"
+    assert (code, code_tp) == (1, 2) and words in from_file and words in from_option, (from_file, from_option)
+    assert _job_rows() == jobs
+
+
+def test_a_sequence_longer_than_the_models_context_is_refused_before_any_job(tiny_model, capsys):
+    """The tiny Llama reads 128 positions (its config's max_position_embeddings, kept in its stored summary): a
+    longer --seq-len or --cal-seq-len is refused before any job row, naming the context; the context itself is
+    accepted."""
+    from quantplan.services import models as models_svc
+
+    assert models_svc.get_model("tiny").context == 128
+    jobs = _job_rows()
+    for argv, option in ((("calibrate", "tiny", "--seq-len", "129"), "--seq-len 129"),
+                         (("score", "tiny", "--scheme", "FP8", "--seq-len", "1000"), "--seq-len 1000"),
+                         (("sensitivity", "tiny", "--scheme", "FP8", "--seq-len", "32", "--cal-seq-len", "4096"),
+                          "--cal-seq-len 4096")):
         code, _, err = run(capsys, *argv, "--local")
-        assert code == 1 and said in err and "Traceback" not in err, (argv, err)
-    assert len(jobs_svc.list_jobs(limit=100)) == jobs
+        assert code == 1 and f"quantplan: {option} is longer than tiny's context: its config's " \
+            "max_position_embeddings is 128 tokens" in err, err
+    assert _job_rows() == jobs
+    calibrated = run_json(capsys, "calibrate", "tiny", "--samples", "2", "--seq-len", "128", "--local", "--json")
+    assert calibrated["layers"]
 
 
 def test_a_nameless_plan_files_score_is_labelled_by_the_file_not_as_its_default_preset(tiny_model, capsys, tmp_path):
