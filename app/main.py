@@ -12,7 +12,9 @@ if str(ROOT) not in sys.path:  # `streamlit run app/main.py` puts app/ on the pa
 import streamlit as st  # noqa: E402
 
 from app import state  # noqa: E402
+from store.logs import configure_logging  # noqa: E402
 
+configure_logging()  # idempotent: Streamlit runs this file again on every interaction
 st.set_page_config(page_title="quantplan", page_icon="🧮", layout="wide")
 
 # not "pages/": Streamlit would also auto-discover that folder as a second, unmanaged navigation

@@ -21,6 +21,7 @@ class UnsupportedOnDevice(QuantcoreError):
     """A kernel or format that the chosen device cannot run natively."""
 
 
+MAX_PROBLEM_CHARS = 2000  # one problem of a message, at most
 MAX_NAMES_IN_MESSAGE = 12  # long lists of layer names are cut in error messages
 
 
@@ -34,7 +35,8 @@ def name_list(names, limit: int = MAX_NAMES_IN_MESSAGE) -> str:
 
 def format_problems(title: str, problems) -> str:
     """One message for every problem found at once: 'title: p' or 'title (n problems):' and a list."""
-    problems = list(problems)
+    # a problem quoting a value of the input (a rule, a layer entry) is cut: a message never prints a whole document
+    problems = [p if len(str(p)) <= MAX_PROBLEM_CHARS else str(p)[: MAX_PROBLEM_CHARS - 1] + "…" for p in problems]
     if len(problems) == 1:
         return f"{title}: {problems[0]}"
     return f"{title} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)

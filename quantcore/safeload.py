@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 MAX_PLAN_BYTES = 4 * 1024 * 1024  # a plan for a 100-layer MoE model is ~1 MB of YAML; 4 MiB is a generous cap
-MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json is KBs; a tokenizer_config.json or a shard index can be MBs
+MAX_JSON_BYTES = 16 * 1024 * 1024  # config.json is KBs; a tokenizer_config.json or a shard index a few MBs
 MAX_DEPTH = 64  # a plan or a config nests 3-6 levels; deeper is a mistake or an attack
 QUOTE_CHARS = 80  # at most this much of one input line is quoted in a message
 MAX_NAME_CHARS = 120  # a file or member name longer than this is cut in a message

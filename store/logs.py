@@ -5,7 +5,8 @@ Every module logs under its own dotted name (``logging.getLogger(__name__)``: ``
 loggers one stderr handler at ``QUANTPLAN_LOG_LEVEL`` (INFO by default), so a worker's lines such as
 "job 12 succeeded" reach its terminal or container log, and leaves the root logger and third-party
 loggers (Celery, Streamlit, transformers) as their own owners set them. Records still propagate to the
-root logger (pytest's caplog listens there); nothing here adds a root handler, so a line prints once.
+root logger (pytest's caplog listens there) except in a worker, whose root logger Celery gives a handler of its
+own: a line prints once.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def configure_logging(level: str | int | None = None, stream: TextIO | None = None) -> None:
+def configure_logging(level: str | int | None = None, stream: TextIO | None = None, *,
+                      propagate: bool = True) -> None:
     """Send first-party log lines at ``level`` (default: the ``log_level`` setting) to ``stream`` (default: the
     process's ``sys.stderr`` at the time of each line); idempotent.
 
-    A Celery worker passes ``sys.__stderr__``: it replaces ``sys.stderr`` with a proxy into its own logging once
-    it starts, and lines written there would be lost."""
+    A Celery worker passes ``sys.__stderr__`` (it replaces ``sys.stderr`` with a proxy into its own logging once it
+    starts, and lines written there would be lost) and ``propagate=False`` (its root logger prints every record
+    again, in Celery's format)."""
     if level is None:
         from store.settings import get_settings
 
@@ -48,6 +51,7 @@ def configure_logging(level: str | int | None = None, stream: TextIO | None = No
     for name in FIRST_PARTY:
         logger = logging.getLogger(name)
         logger.setLevel(numeric)
+        logger.propagate = propagate
         if not any(getattr(h, _MARK, False) for h in logger.handlers):
             handler = _StderrHandler() if stream is None else logging.StreamHandler(stream)
             handler.setFormatter(logging.Formatter(FORMAT))

@@ -19,4 +19,4 @@ celery_app = make_celery(include=["worker.tasks"])
 @worker_init.connect
 def _configure_logging(**_kwargs: object) -> None:
     """A worker's own lines ("job 12 succeeded", "failed stale jobs: [7]") on its stderr, at QUANTPLAN_LOG_LEVEL."""
-    configure_logging(stream=sys.__stderr__)
+    configure_logging(stream=sys.__stderr__, propagate=False)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantcore.errors import CheckpointError
-from quantcore.safeload import load_json, read_json
+from quantcore.safeload import MAX_JSON_BYTES, load_json, read_json
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     pass
@@ -63,7 +63,6 @@ ARCHIVE_JUNK_DIRS = ("__MACOSX",)  # resource-fork folders that macOS's zip adds
 
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # same cap as the safetensors library: 100 MB of JSON header
 SAFETENSORS_MAX_DEPTH = 4  # {"name": {"shape": [..]}, "__metadata__": {..}}: 3 levels, one to spare
-MAX_JSON_BYTES = 16 * 1024 * 1024  # config.json is KBs; tokenizer_config.json / a shard index a few MBs
 SAFETENSORS_LEN_BYTES = 8  # little-endian u64 header length at the start of every safetensors file
 # bits per element of every dtype the safetensors format defines
 SAFETENSORS_DTYPE_BITS = {

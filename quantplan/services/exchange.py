@@ -86,13 +86,13 @@ def import_plan(model: ModelRecord, filename: str, text: str | bytes,
     with a sentence naming it."""
     from quantcore.export import compressed_tensors, llmcompressor
     from quantcore.planning.plans import PlanSpec, resolve_plan, spec_from_plan
-    from quantcore.safeload import load_json, load_yaml, short_name
+    from quantcore.safeload import MAX_PLAN_BYTES, load_json, load_yaml, short_name
 
     names = layer_names(model)
     stem = Path(filename).stem
     source = short_name(Path(filename).name)
     if filename.lower().endswith(".json"):
-        cfg = load_json(text, source, Refused)
+        cfg = load_json(text, source, Refused, max_bytes=MAX_PLAN_BYTES)
         plan = compressed_tensors.from_compressed_tensors_config(cfg, layer_names=names)
         spec = spec_from_plan(plan, model=model.name)
         spec.kv_cache = compressed_tensors.kv_cache_of_config(cfg)

@@ -54,6 +54,7 @@ def test_spine_sqlite_sqlalchemy_broker(qp_settings, worker):
     log = worker.text()
     assert "INFO worker.runner: job 1 (register) running on cpu" in log
     assert "INFO worker.runner: job 2 (calibrate) succeeded in " in log
+    assert log.count("job 2 (calibrate) succeeded in ") == 1  # once: not again through Celery's root handler
 
 
 def test_spine_postgres_redis(qp_env, pg_database, redis_url, monkeypatch, tmp_path):

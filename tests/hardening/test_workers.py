@@ -332,13 +332,13 @@ def test_a_redelivered_task_of_a_finished_or_running_job_is_dropped_by_a_real_wo
         with session_scope(s) as session:
             elsewhere = repo.create_job(session, kind="bench", params=dict(LONG_BENCH), queue="cpu", user="t")
             repo.mark_running(session, elsewhere.id, worker_host="other-host", device="cpu", torch_version="t")
-        for job in (done, job_now(s, elsewhere.id)):
-            celery_client(s).send_task(task_name("bench"), args=[job.id], queue="cpu")
-            wait_for_line([worker], f"job {job.id} is {job.status}, not queued: its task is acknowledged and dropped",
-                          120)
+        for job in (job_now(s, elsewhere.id), done):
+            sent = celery_client(s).send_task(task_name("bench"), args=[job.id], queue="cpu")
+            wait_for_line([worker], f"[{sent.id}] succeeded", 300)  # Celery's own line: the task ended, acknowledged
             after = job_now(s, job.id)
             assert (after.status, after.started_at, after.finished_at, after.worker_host) == (
-                job.status, job.started_at, job.finished_at, job.worker_host)
+                job.status, job.started_at, job.finished_at, job.worker_host)  # not run again
+            assert f"job {job.id} is {job.status}, not queued: its task is acknowledged and dropped" in worker.text()
         assert runs_of(worker.text(), done.id) == 1 and runs_of(worker.text(), elsewhere.id) == 0
     finally:
         worker.stop()

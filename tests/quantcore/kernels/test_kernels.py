@@ -437,12 +437,13 @@ def test_budget_skips_what_does_not_fit(fake_clock) -> None:
     assert fake_clock.now < 2 * budget  # the benchmark stopped at its budget (a case may overrun what is left)
 
 
-def test_a_large_m_is_predicted_from_a_rate_measured_near_it_not_scaled_from_m_1() -> None:
+def test_a_large_m_is_predicted_from_a_rate_measured_near_it_not_scaled_from_m_1(fake_clock) -> None:
     """M = 1's time is mostly the fixed cost of a call: scaled by FLOPs to M = 2^17 it predicts seconds a call for
     a GEMM that takes milliseconds, and a budget that fits the real case would skip it. Calls at growing M learn
-    the rate first, so the case is measured."""
-    flush_s = Timer("cpu", "cpu").flush_s
-    budget = 2.0 + 10 * flush_s
+    the rate first, so the case is measured. A call costs 1 ms plus 0.1 us a row of the fake clock: a real CPU's
+    shape, without its load."""
+    fake_clock.cost(lambda path, rows: 1e-3 + rows * 1e-7)
+    budget = 2.0
     recs = run_benchmarks([(64, 64)], ms=(1, 1 << 17), paths=["baseline"], budget_s_per_shape=budget,
                              repeats=3)
     one, big = recs

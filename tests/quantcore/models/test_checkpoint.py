@@ -512,3 +512,46 @@ def test_intake_summary_records_sliding_window_layers(tmp_path):
     assert CheckpointSummary.from_dict(json.loads(json.dumps(summary.to_dict()))) == summary
     assert CheckpointSummary.from_dict({k: v for k, v in summary.to_dict().items()
                                         if k != "attention_windows"}).attention_windows == {}
+
+
+# --- plausibility: the summary a registration stores stays bounded -------------------------------------------
+
+
+def test_a_checkpoint_with_more_tensors_than_any_model_is_refused(src, root, monkeypatch):
+    from quantcore.models import validation
+
+    monkeypatch.setattr(validation, "MAX_TENSORS", 10)  # the tiny Llama holds 21
+    assert_refused(src, root, "more than 10 tensors")
+
+
+def test_a_model_with_more_linears_than_any_model_is_refused_before_its_summary_is_stored(src, root, monkeypatch):
+    from quantcore.models import summary
+
+    monkeypatch.setattr(summary, "MAX_LINEARS", 5)  # the tiny Llama has 15
+    assert_refused(src, root, "15 linear layers, more than the 5")
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 200_000), ("hidden_size", 10**6),
+                                        ("vocab_size", 10**9), ("num_attention_heads", -1)])
+def test_implausible_config_sizes_are_refused_before_any_model_is_built(src, root, key, value):
+    config = json.loads((src / "config.json").read_text())
+    config[key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    assert_refused(src, root, f"config.json says {key}: {value:,}")
+
+
+def test_the_stored_summary_of_the_tiny_model_is_small(src, root):
+    _, _, summary = register(src, root)
+    assert len(json.dumps(summary.to_dict())) < 4096
+
+
+def test_loading_refuses_a_stored_checkpoint_whose_weights_went_missing(src, root):
+    from safetensors.torch import load_file
+
+    _, folder, _ = register(src, root)
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()  # a hard link to the upload's copy may be shared: write a new file
+    save_file({k: v for k, v in tensors.items() if "layers.1.self_attn" not in k}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"not in the files \('model.layers.1.self_attn.k_proj.weight'"):
+        load_model(folder)

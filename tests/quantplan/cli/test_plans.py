@@ -196,8 +196,10 @@ def test_gptq_schemes_are_scored_swept_exported_and_imported(tiny_model, capsys,
     assert listed[own["job"]] == stored[own["job"]] and listed[rtn["job"]] is None
     code, out, _ = run(capsys, "scores", "tiny")
     assert code == 0 and f"calibrated on: #{own['job']} W8A16_GPTQ: {stored[own['job']]}" in out
-    code, _, err = run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args, "--cal-samples", "0")
-    assert code != 0 and "--cal-samples must be at least 1" in err
+    with pytest.raises(SystemExit) as refused:  # refused when parsed, by the spec's rule (jobs.specs.CAL_SAMPLES)
+        run(capsys, "score", "tiny", "--scheme", "W8A16_GPTQ", *args, "--cal-samples", "0")
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "argument --cal-samples: cal_samples must be between 1 and" in err
     # with a calibrated KV cache too: both calibrate on the same text, GPTQ rounding each layer once for the job
     import quantcore.algorithms.gptq as gptq_mod
 
@@ -473,8 +475,10 @@ def test_a_plan_checked_and_exported_for_several_gpus(tiny_model, capsys, tmp_pa
     assert "K / 2 = 64" in err  # the warning goes to stderr beside the command
     code, out, _ = run(capsys, "plan", "export", str(plan_file), "--format", "vllm", "--tp", "2", "--expert-parallel")
     assert code == 0 and out.splitlines()[-1].endswith("--tensor-parallel-size 2 --enable-expert-parallel")
-    code, _, err = run(capsys, "plan", "show", str(plan_file), "--tp", "0")
-    assert code == 1 and "tensor_parallel must be between 1 and 1024 GPUs, got 0" in err
+    with pytest.raises(SystemExit) as refused:  # refused when parsed, in the words a plan file's 0 is refused in
+        run(capsys, "plan", "show", str(plan_file), "--tp", "0")
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "tensor_parallel must be between 1 and 1024 GPUs, got 0" in err
     # a model registered before its heads were kept: they come from the config.json quantplan stored
     model = models_svc.get_model("tiny")
     older = dataclasses.replace(model, summary={k: v for k, v in model.summary.items() if k != "attention_heads"})

@@ -257,12 +257,12 @@ def test_a_stored_timing_whose_native_flag_is_outdated_is_measured_again(tiny_mo
     from store import models as m
     from store.db import session_scope
 
-    first = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--json")
+    first = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "600", "--json")
     with session_scope() as s:
         n, k = first[0]["n"], first[0]["k"]  # one shape's INT8 record, as an older quantplan stored it
         s.execute(update(m.KernelResult).where(m.KernelResult.path == "int8_row", m.KernelResult.n == n,
                                                m.KernelResult.k == k).values(native=~m.KernelResult.native))
-    again = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--json")
+    again = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "600", "--json")
     assert len(again) == len(first)
     assert {(r["n"], r["k"], r["path"]): r["native"] for r in again} == \
         {(r["n"], r["k"], r["path"]): r["native"] for r in first}  # the probe's flags, not the tampered ones
@@ -291,7 +291,7 @@ def test_cases_skipped_for_time_are_measured_again_only_under_a_larger_budget(ti
     # the same budget for fewer paths gives each case more of it: the shapes with skips are measured again
     run_json(capsys, *tight[:-1], "--paths", "int8_row", "--json")
     assert not newest_bench_message().startswith("0 cases measured"), newest_bench_message()
-    run_json(capsys, "bench", "tiny", "--local", "--m", "1,32", "--budget", "20", "--json")
+    run_json(capsys, "bench", "tiny", "--local", "--m", "1,32", "--budget", "600", "--json")
     per_shape = len(first) // len({(r["n"], r["k"]) for r in first})
     measured = len(skipped) * per_shape
     assert newest_bench_message().startswith(f"{measured} cases measured, {len(first) - measured} reused")
@@ -306,12 +306,12 @@ def test_a_stored_timing_timed_another_way_is_measured_again(tiny_model, capsys)
     from store import models as m
     from store.db import session_scope
 
-    first = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--json")
+    first = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "600", "--json")
     assert {r["timing"] for r in first} == {TIMING}
     with session_scope() as s:
         n, k = first[0]["n"], first[0]["k"]  # one shape, as an older quantplan stored it
         s.execute(update(m.KernelResult).where(m.KernelResult.n == n, m.KernelResult.k == k).values(timing=None))
-    again = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--json")
+    again = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "600", "--json")
     assert len(again) == len(first) and {r["timing"] for r in again} == {TIMING}
     per_shape = sum((r["n"], r["k"]) == (n, k) for r in first)
     bench_jobs = [j for j in run_json(capsys, "jobs", "--json") if j["kind"] == "bench"]
@@ -395,7 +395,7 @@ def test_a_benchmark_split_over_gpus_times_each_gpus_share(tiny_model, capsys, t
     from quantplan.services import plans as plans_svc
 
     model = models_svc.get_model("tiny")
-    records = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "20", "--tp", "2", "--json")
+    records = run_json(capsys, "bench", "tiny", "--local", "--m", "1", "--budget", "600", "--tp", "2", "--json")
     measured = {(r["n"], r["k"]) for r in records}
     par = plans_svc.parallelism(model, {"default": "BF16", "tensor_parallel": 2})
     shards = par.shards(models_svc.layer_shapes(model))
