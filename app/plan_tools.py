@@ -142,7 +142,7 @@ def _import(model) -> None:
                           type=["yaml", "yml", "json"], key="import_plan")
     if up is not None and st.button("Import", key="import_btn"):
         try:
-            rec, new = exchange_svc.import_plan(model, up.name, up.getvalue().decode("utf-8", "replace"))
+            rec, new = exchange_svc.import_plan(model, up.name, up.getvalue())  # bytes: the loader tells binary
         except ValueError as exc:
             st.error(str(exc))
         else:

@@ -117,7 +117,7 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
 
     # a small calibration: 4 sequences of 64 tokens
     page.get_by_label("Sequences").fill("4")
-    page.get_by_label("Tokens per sequence").fill("64")
+    page.get_by_label("Tokens per sequence", exact=True).fill("64")  # not its help button
     before = _newest_job_id(qp_settings)
     page.get_by_role("button", name="Queue calibration").click()
     _settle(page)
