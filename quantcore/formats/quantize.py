@@ -40,18 +40,8 @@ Special values (tested in tests/quantcore/formats/test_quantize.py)
   cast), counted as saturated.
 * All-zero tensors or blocks get scale 1 (any scale is exact for zeros); -0 keeps its sign.
 
-Granularity and scale shapes, for x of shape (..., K), rows R = prod(shape[:-1]):
-
-========  ===========================  =======================================
-tensor    one scale                    ()
-channel   one per row (weight rows)    (*shape[:-1], 1)
-token     one per row (tokens)         (*shape[:-1], 1)
-group     G elements along K           (*shape[:-1], ceil(K / G))
-block     (br, bc) tiles of (R, K)     (ceil(R / br), ceil(K / bc))
-========  ===========================  =======================================
-
-A K not divisible by G (or by the block) leaves a partial last group whose scale comes
-from the elements it has. Block formats fix their own grouping (32 or 16 along K).
+Granularity and the shape of its scales (one per tensor, row, group of G along K or 2-D block; a partial last
+group takes its scale from the elements it has): the table in :mod:`quantcore.formats.blocks`.
 """
 
 from __future__ import annotations

@@ -10,17 +10,7 @@ groups in :mod:`quantcore.schemes.fusion`, storage sizes in :mod:`quantcore.sche
 
 Granularity (:class:`quantcore.formats.granularity.Granularity`), for a weight W of shape (N, K) =
 (out_features, in_features) and an activation X of shape (..., K) (leading dims = tokens); the scale shapes are those of
-:func:`quantcore.formats.quantize.quantize`:
-
-========  ================================  ====================================
-value     scale per                          scale shape
-========  ================================  ====================================
-tensor    whole tensor                       ()
-channel   weight output row                  (N, 1)
-token     activation row (token)             (..., 1)
-group     G consecutive elements along K     (..., ceil(K / G))
-block     (br, bc) tile of the 2-D view      (ceil(rows / br), ceil(K / bc))
-========  ================================  ====================================
+:func:`quantcore.formats.quantize.quantize`, tabled on :class:`~quantcore.formats.granularity.Granularity`.
 
 For weights, "static" and "dynamic" make no difference: the scale is computed once from the
 weight itself. For activations, static means one calibrated amax per tensor (a calibration
