@@ -41,15 +41,16 @@ REDIS_DB = 12  # not the e2e tests' database number: each test flushes its own
 
 def start_workers(tmp_path: Path, *names: str) -> list[Proc]:
     """Celery workers as `quantplan worker` starts them (solo pool, queue cpu), each with its own node name and log,
-    started together and returned once each says it is ready."""
-    procs = []
-    for name in names:
-        cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app:celery_app", "worker", "-P", "solo",
-               "--concurrency", "1", "-Q", "cpu", "-n", f"{name}@%h", "--loglevel", "INFO"]
-        procs.append(Proc(cmd, dict(os.environ), tmp_path / f"{name}.log"))
+    returned once each says it is ready. One after another: two workers connecting at the same instant to a fresh
+    embedded broker race to create kombu's queue row, and on a busy machine the loser exits with "UNIQUE constraint
+    failed: kombu_queue.name" (kombu's SQLAlchemy transport, not quantplan; a worker started later is fine)."""
+    procs: list[Proc] = []
     try:
-        for proc in procs:
-            proc.wait_for(" ready.", timeout=240)
+        for name in names:
+            cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app:celery_app", "worker", "-P", "solo",
+                   "--concurrency", "1", "-Q", "cpu", "-n", f"{name}@%h", "--loglevel", "INFO"]
+            procs.append(Proc(cmd, dict(os.environ), tmp_path / f"{name}.log"))
+            procs[-1].wait_for(" ready.", timeout=240)
     except Exception:
         stop_all(procs)
         raise
