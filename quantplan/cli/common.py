@@ -174,18 +174,9 @@ def comma_items(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def check_at_least(option: str, value: int, least: int, why: str = "") -> int:
-    """``value`` of ``--option``, refused before any job is made when below ``least``."""
-    if value < least:
-        raise CliError(f"--{option.replace('_', '-')} must be at least {least}{why}, got {value}")
-    return value
-
-
-def text_sizes(args: argparse.Namespace, *, scored: bool) -> dict[str, int]:
-    """--samples / --seq-len as a job's params; a scored sequence needs two tokens (the first predicts nothing)."""
-    return {"samples": check_at_least("samples", args.samples, 1),
-            "seq_len": check_at_least("seq_len", args.seq_len, 2 if scored else 1,
-                                      " (a sequence's first token is predicted by nothing)" if scored else "")}
+def text_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """--samples / --seq-len as a job's params (already bounded when parsed: options.add_text_job_options)."""
+    return {"samples": args.samples, "seq_len": args.seq_len}
 
 
 def scheme_arg(name: str) -> str:

@@ -13,7 +13,6 @@ from quantcore.errors import name_list
 from quantcore.evaluation.kvcache import KV_FORMATS
 from quantplan.cli.common import (
     CliError,
-    check_at_least,
     checked_settings,
     comma_items,
     dataset_param,
@@ -43,7 +42,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     checked_settings()
     model = find_model(args.model)
     _check_context(args, model, CalibrateSpec.seq_len)
-    params = {**text_sizes(args, scored=False), "device": args.device, **dataset_param(args.text, "calibration")}
+    params = {**text_sizes(args), "device": args.device, **dataset_param(args.text, "calibration")}
     job = run_job("calibrate", params, model_id=model.id, local=args.local, quiet=args.json,
                   timeout_s=args.timeout)
     from quantplan.services import calibration as calibration_svc
@@ -113,7 +112,7 @@ def _calibration_params(args) -> dict[str, Any]:
         out["cal_dataset"] = dataset_param(args.cal_text, "calibration")["dataset"]
     for key, value in (("cal_samples", args.cal_samples), ("cal_seq_len", args.cal_seq_len)):
         if value is not None:
-            out[key] = check_at_least(key, value, 1)
+            out[key] = value  # bounded when parsed (options.add_text_job_options)
     return out
 
 
@@ -123,7 +122,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     checked_settings()
     model = find_model(args.model)
     _check_context(args, model, ScoreSpec.seq_len)
-    base: dict[str, Any] = {**text_sizes(args, scored=True), "device": args.device,
+    base: dict[str, Any] = {**text_sizes(args), "device": args.device,
                             **dataset_param(args.text, "evaluation"), **_calibration_params(args)}
     if args.kv_cache:
         base["kv_cache"] = kv_format_arg(args.kv_cache)
@@ -238,7 +237,7 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
         if why := sweeps_svc.same_on_any_gpus(what["scheme"], gpus["tensor_parallel"]):
             print(f"note: {why}", file=sys.stderr)
             gpus = {}
-    params = {**what, **text_sizes(args, scored=True), "device": args.device, "groups": not args.no_groups,
+    params = {**what, **text_sizes(args), "device": args.device, "groups": not args.no_groups,
               **dataset_param(args.text, "evaluation"), **_calibration_params(args), **gpus}
     job = run_job("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json,
                   timeout_s=args.timeout)
