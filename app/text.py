@@ -31,7 +31,10 @@ def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
     why = {**est.get("skipped_prefill", {}), **est.get("skipped_decode", {})}
     over = [n for n in missing if why.get(n, "").startswith(SKIP_OVER_BUDGET)]
     cannot = [n for n in missing if n in why and n not in over]
-    unmeasured = [n for n in missing if n not in why]
+    # timed, but with a p20-p80 band too wide to add up (quantcore.kernels.records.UNSTABLE_SPREAD)
+    shaky_set = {*est.get("unstable_prefill", []), *est.get("unstable_decode", [])}
+    shaky = [n for n in missing if n in shaky_set and n not in why]
+    unmeasured = [n for n in missing if n not in why and n not in shaky_set]
     gpus = f" on {plan_tp} GPUs" if plan_tp > 1 else ""
     parts = []
     if over:
@@ -41,6 +44,9 @@ def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
         reasons = list(dict.fromkeys(why[n] for n in cannot))
         parts.append(f"{name_list(cannot, 3)} with no time on this device ({'; '.join(reasons[:2])}"
                      + (f"; and {len(reasons) - 2} more reasons" if len(reasons) > 2 else "") + ")")
+    if shaky:
+        parts.append(f"{name_list(shaky, 3)} left out as unstable (their timed calls spread too widely): queue the "
+                     "benchmark again to measure them")
     if unmeasured:  # the M values were asked for other paths, or never: name both
         paths = list(dict.fromkeys(est["per_layer"][n]["path"] for n in unmeasured if n in est["per_layer"]))
         parts.append(f"{name_list(unmeasured, 3)} not measured: queue a benchmark with these M values{gpus}"

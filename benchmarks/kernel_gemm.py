@@ -33,7 +33,7 @@ from quantcore.kernels.device import device_paths, probe_device  # noqa: E402
 from quantcore.kernels.estimate import step_estimate  # noqa: E402
 from quantcore.kernels.paths import BASE_PATHS, PATHS, timed_path  # noqa: E402
 from quantcore.kernels.records import DEFAULT_MS  # noqa: E402
-from quantcore.kernels.report import format_markdown, format_records  # noqa: E402
+from quantcore.kernels.report import format_markdown, format_records, unstable_summary  # noqa: E402
 from quantcore.kernels.roofline import step_bound  # noqa: E402
 
 
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         progress=progress,
     )
     print(file=sys.stderr)
+    if shaky := unstable_summary(records):
+        print(shaky)
     print(format_records(records))
     print(f"\nwall time: {time.perf_counter() - t0:.1f} s")
 
@@ -143,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for step, m in (("prefill", m_prefill), ("decode", m_decode)):
             if est[f"missing_{step}"]:
-                cells.append(f"{step} not measured ({len(est[f'missing_{step}'])} layers skipped)")
+                shaky = len(est[f"unstable_{step}"])
+                cells.append(f"{step} not measured ({len(est[f'missing_{step}'])} layers skipped"
+                             + (f", {shaky} of them unstable" if shaky else "") + ")")
             else:
                 sp = est[f"speedup_{step}"]
                 cells.append(f"{step} {est[f'{step}_ms']:9.3f} ms (x{sp:.2f} vs baseline)")

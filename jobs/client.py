@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from jobs.broker import make_celery
 from jobs.errors import InvalidJob
 from jobs.routing import LOCAL_QUEUE, NEEDS_CAUSAL_LM, queue_for, task_name
-from jobs.specs import JobSpec, read_params
+from jobs.specs import LIMITS, JobSpec, read_params
 from store import repo
 from store.db import session_scope
 from store.records import JobRecord
@@ -55,6 +55,9 @@ def job_params(kind: str, params: Mapping[str, Any] | JobSpec) -> dict[str, Any]
         if params.kind != kind:
             raise InvalidJob(f"a {params.kind} job's parameters were given for a {kind} job")
         return params.to_params()
+    for key, value in params.items():  # a row of an older version read 0 as unset; a job asked for now may not
+        if key in LIMITS and isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+            LIMITS[key].check(value, kind)
     read_params(kind, params)  # checked; stored as given, so a job queued again is the same job
     return dict(params)
 

@@ -135,10 +135,27 @@ TENSOR_PARALLEL = Limit("tensor_parallel", "GPUs", 1, MAX_GPUS)
 M_VALUE = Limit("m", "rows (batch x tokens)", 1, MAX_M, example="128")
 BUDGET_S = Limit("budget_s", "seconds", 0.0, MAX_BUDGET_S, whole=False, above=True, example="60")
 ALPHA = Limit("alpha", "", 0.0, 1.0, whole=False, example="0.5")  # SmoothQuant's migration strength
+MAX_ROLLOUTS = 4096  # sequences a score samples from the quantized model (quantcore.evaluation.rollouts)
+ROLLOUTS = Limit("rollouts", "rollouts", 1, MAX_ROLLOUTS, example="32")
+ROLLOUT_LEN = Limit("rollout_len", "tokens", 1, MAX_SEQ_LEN, example="1000")
+CLIP_EPS = Limit("clip_eps", "", 0.0, 0.99, whole=False, above=True, example="0.2",
+                 why="PPO clips the importance ratio to [1 - ε, 1 + ε]")
 LIMITS: dict[str, Limit] = {"samples": SAMPLES, "seq_len": SEQ_LEN, "cal_samples": CAL_SAMPLES,
                             "cal_seq_len": CAL_SEQ_LEN, "batch_size": BATCH_SIZE, "tensor_parallel": TENSOR_PARALLEL,
-                            "m": M_VALUE, "budget_s": BUDGET_S, "alpha": ALPHA}
+                            "m": M_VALUE, "budget_s": BUDGET_S, "alpha": ALPHA, "rollouts": ROLLOUTS,
+                            "rollout_len": ROLLOUT_LEN, "clip_eps": CLIP_EPS}
 """Every numeric job parameter's rule by name (a score's and a sweep's seq_len: :data:`SCORED_SEQ_LEN`)."""
+
+# Numbers the CLI and the pages ask for that are no job's parameter (what a plan is checked or timed at), each with
+# its one rule here too, so an option and a page's input refuse the same values in the same words.
+KL_BUDGET = Limit("kl_budget", "nats per token", 0.0, 1000.0, whole=False, example="0.02")  # 0: all BF16
+CONTEXT = Limit("context", "tokens", 1, MAX_SEQ_LEN, example="4096")
+SERVED_BATCH = Limit("batch", "sequences", 1, MAX_BATCH_SIZE, example="16")
+PROMPT_TOKENS = Limit("prompt", "tokens", 1, MAX_M, example="2048")
+SERVE_SIZE = Limit("serve", "sequences or tokens", 1, MAX_SEQ_LEN, example="16")
+LIST_LIMIT = Limit("limit", "jobs", 1, 100_000, example="30")
+OPTION_LIMITS: dict[str, Limit] = {lim.name: lim for lim in (KL_BUDGET, CONTEXT, SERVED_BATCH, PROMPT_TOKENS,
+                                                                SERVE_SIZE, LIST_LIMIT)}
 
 
 def context_problem(option: str, tokens: int, context: int | None, model: str) -> str | None:
@@ -249,8 +266,9 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class RegisterSpec(JobSpec):
-    """Register a checkpoint: the built-in demo (``demo``) or ``source``, a path the workers can read (a Hugging
-    Face folder, .zip, .tar.gz or .gguf). ``name``: the model's name (default: the file's, without its suffix);
+    """Register a checkpoint: the built-in demo (``demo``), ``source``, a path the workers can read (a Hugging
+    Face folder, .zip, .tar.gz or .gguf), or ``hub``, a Hugging Face Hub id (ORG/NAME) at ``revision``.
+    ``name``: the model's name (default: the file's, without its suffix; a hub model's NAME);
     ``source_name``: the file name shown for an upload; ``cleanup_dir``: the staged upload folder the job deletes
     when it ends."""
 
@@ -261,16 +279,25 @@ class RegisterSpec(JobSpec):
     name: str | None = None
     source_name: str | None = None
     cleanup_dir: str | None = None
+    demo_model: str | None = None  # which demo (quantcore.models.intake.DEMO_MODELS); None: SmolLM2
+    hub: str | None = None  # a Hugging Face Hub id, ORG/NAME (never a token: the worker reads QUANTPLAN_HF_TOKEN)
+    revision: str | None = None  # the hub id's branch, tag or commit (None: main)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._set("demo", bool(self.demo))
         for name, what in (("source", "the checkpoint's path"), ("name", "the model's name"),
+                           ("demo_model", "the demo model's key"), ("hub", "the Hugging Face model id"),
+                           ("revision", "the hub revision"),
                            ("source_name", "the uploaded file's name"), ("cleanup_dir", "the staged upload folder")):
             _text(self.kind, name, getattr(self, name), what)
-        if not self.demo and not self.source:
+        if not self.demo and not self.source and not self.hub:
             raise InvalidJob("a register job needs a source (a Hugging Face folder, .zip, .tar.gz or .gguf the "
-                             "workers can read) or demo; it got neither")
+                             "workers can read), a hub id or demo; it got none")
+        if self.hub and (self.demo or self.source):
+            raise InvalidJob("a register job takes one of source, hub and demo; it got a hub id and another")
+        if self.revision and not self.hub:
+            raise InvalidJob("a register job's revision belongs to a hub id; it got no hub")
 
 
 # ----------------------------------------------------------------------------- calibrate
@@ -350,7 +377,9 @@ class ScoreSpec(TextJobSpec):
     """Score a plan against the unquantized model: ``scheme`` (one preset for every layer), ``plan`` (a plan file's
     dict) or, with neither, the stored plan the job row points at (its ``plan_id``). ``kv_cache``: a KV cache
     format that replaces the plan's; ``label``: the score's label (default: from the plan); ``predicted_kl``: the
-    KL an automatic plan predicted, stored beside the measured one."""
+    KL an automatic plan predicted, stored beside the measured one. ``rollouts``: also sample that many sequences
+    of ``rollout_len`` tokens from the quantized model and measure their drift from the unquantized one, with PPO's
+    clip range ``clip_eps`` (quantcore.evaluation.rollouts; None: none)."""
 
     kind: ClassVar[str] = "score"
 
@@ -359,6 +388,9 @@ class ScoreSpec(TextJobSpec):
     kv_cache: str | None = None
     label: str | None = None
     predicted_kl: float | None = _exact(None)
+    rollouts: int | None = None
+    rollout_len: int = _quiet(1000)  # = quantcore.evaluation.rollouts.DEFAULT_ROLLOUT_LENGTH
+    clip_eps: float = _quiet(0.2)  # = quantcore.evaluation.rollouts.DEFAULT_CLIP_EPS
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -372,6 +404,10 @@ class ScoreSpec(TextJobSpec):
         if self.predicted_kl is not None:
             self._set("predicted_kl", _real(k, "predicted_kl", self.predicted_kl, -float("inf"), float("inf"),
                                             "the KL an automatic plan predicted"))
+        if self.rollouts is not None:
+            self._set("rollouts", ROLLOUTS.check(self.rollouts, k))
+        self._set("rollout_len", ROLLOUT_LEN.check(self.rollout_len, k))
+        self._set("clip_eps", CLIP_EPS.check(self.clip_eps, k))
 
 
 TOKEN_DEFAULTS: dict[str, int] = {name: ScoreSpec().token_params()[name]

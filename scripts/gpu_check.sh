@@ -101,6 +101,8 @@ step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_
 step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step score-gptq "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"
 step score-gptq-kept "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"  # reads the roundings kept
+# rollout drift samples token by token with a KV cache on the device (the sampler's generator stays on the CPU)
+step score-rollouts "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --rollouts 4 --rollout-len 64 "${JOB_ARGS[@]}"
 step jobs "$PY" -m quantplan jobs
 
 echo "===== summary" | tee -a "$LOG"

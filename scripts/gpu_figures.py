@@ -75,7 +75,8 @@ def figures_block(out: Path) -> str:
     for stem, label in TABLES:
         md = out / f"{stem}.md"
         parts += ["", f"**{label}**: speed-up over {_baseline_dtype(out / f'{stem}.json')} · percent of the dense "
-                  "peak for the path's dtype", ""]
+                  "peak for the path's dtype (speed-ups: medians of calls timed interleaved with the baseline's; "
+                  "\"(unstable)\": the p20-p80 band of the case's calls is wider than a quarter of its median)", ""]
         parts.append(md.read_text().strip() if md.is_file() else f"({md.name} missing: that step did not finish)")
     parts.append(END)
     return "\n".join(parts)

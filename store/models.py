@@ -83,11 +83,13 @@ class Model(Base):
     hidden_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     vocab_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     total_bytes: Mapped[int] = mapped_column(BigInteger)
-    summary: Mapped[dict[str, Any]] = mapped_column(JSON)
+    summary: Mapped[dict[str, Any]] = mapped_column(JSON)  # per-layer details: read for one model at a time
+    # what a listing shows of the summary, a few numbers (records.ModelListing); None until first listed
+    overview: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
     created_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
     __table_args__ = (
-        CheckConstraint(_in("source_kind", ("folder", "archive", "gguf", "demo")), name="source_kind"),
+        CheckConstraint(_in("source_kind", ("folder", "archive", "gguf", "demo", "hub")), name="source_kind"),
         {"sqlite_autoincrement": True},  # a removed model's id is never given to another (migration 0003)
     )
 
@@ -206,7 +208,13 @@ class ScoreResult(Base):
     ppl_ref: Mapped[float] = mapped_column(Float)
     ppl: Mapped[float] = mapped_column(Float)
     predicted_kl: Mapped[float | None] = mapped_column(Float, nullable=True)
-    details: Mapped[dict[str, Any]] = mapped_column(JSON)  # kl_by_position, kl_hist
+    # standard errors and the figures pages sort by (quantcore.evaluation.statistics); NULL: scored before them
+    kl_mean_err: Mapped[float | None] = mapped_column(Float, nullable=True)
+    top1_agree_err: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ln_ppl_ratio: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ln_ppl_ratio_err: Mapped[float | None] = mapped_column(Float, nullable=True)
+    dp_mean: Mapped[float | None] = mapped_column(Float, nullable=True)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON)  # kl_by_position, kl_hist, percentiles, per-sequence means
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
 
 
@@ -223,6 +231,7 @@ class SensitivityResult(Base):
     kl_mean: Mapped[float] = mapped_column(Float)
     top1_agree: Mapped[float] = mapped_column(Float)
     sqnr_db: Mapped[float | None] = mapped_column(Float, nullable=True)
+    kl_mean_err: Mapped[float | None] = mapped_column(Float, nullable=True)  # NULL: swept before errors were kept
     __table_args__ = (UniqueConstraint("job_id", "unit", name="uq_sensitivity_results_job_unit"),)
 
 
@@ -251,6 +260,14 @@ class KernelResult(Base):
     skipped: Mapped[str | None] = mapped_column(Text, nullable=True)
     # how the run timed it (quantcore.kernels.records.TIMING); None: older
     timing: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    # the spread of the timed calls (ms is their median) and the baseline timed interleaved with them; None: older
+    repeats: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    ms_p20: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ms_p80: Mapped[float | None] = mapped_column(Float, nullable=True)
+    baseline_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    baseline_ms_p20: Mapped[float | None] = mapped_column(Float, nullable=True)
+    baseline_ms_p80: Mapped[float | None] = mapped_column(Float, nullable=True)
+    unstable: Mapped[bool | None] = mapped_column(Boolean, nullable=True)  # p20-p80 band wide against the median
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
     __table_args__ = (
         Index("ix_kernel_results_lookup", "device_name", "torch_version", "m", "n", "k", "path"),

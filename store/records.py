@@ -94,6 +94,32 @@ class ModelRecord:
 
 
 @dataclass(frozen=True)
+class ModelListing:
+    """A registered model as a listing shows it: the row's headline columns and its small ``overview``, never the
+    per-layer summary (a checkpoint's summary can run to megabytes; a listing of every model reads none of them).
+
+    overview: ``{linears, kv_kib_per_token, sliding_window_layers, experts, top_k, active_params}``, written by
+        quantplan.services.models the first time the model is listed; empty until then.
+    """
+
+    id: int
+    name: str
+    sha256: str
+    source_kind: str
+    source_name: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_params: int
+    dtype: str
+    hidden_size: int | None
+    vocab_size: int | None
+    total_bytes: int
+    overview: dict[str, Any]
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True)
 class DatasetRecord:
     id: int
     name: str
@@ -179,6 +205,16 @@ class PlanRecord:
         return f"{name} v{version}"
 
 
+# the statistics of a score beyond its headline metrics, as `quantplan score --json` names them
+# (quantcore.evaluation.scoring.ScoreReport; errors are per-sequence block standard errors)
+SCORE_STATISTICS = (
+    "kl_mean_err", "kl_p999", "kl_p95", "kl_p10", "kl_p05", "kl_p01", "kl_p001", "kl_min",
+    "top1_agree_err", "ln_ppl_ratio", "ln_ppl_ratio_err",
+    "dp_mean", "dp_mean_err", "dp_rms", "dp_rms_err", "dp_max", "dp_p999", "dp_p99", "dp_p95", "dp_p90", "dp_p50",
+    "dp_p10", "dp_p05", "dp_p01", "dp_p001", "dp_min", "sequences",
+)
+
+
 @dataclass(frozen=True)
 class ScoreRecord:
     id: int
@@ -200,6 +236,19 @@ class ScoreRecord:
     predicted_kl: float | None
     details: dict[str, Any] = field(default_factory=dict)
     created_at: dt.datetime | None = None
+    # quantcore.evaluation.statistics' figures kept as columns; None: scored before they existed
+    kl_mean_err: float | None = None
+    top1_agree_err: float | None = None
+    ln_ppl_ratio: float | None = None
+    ln_ppl_ratio_err: float | None = None
+    dp_mean: float | None = None
+
+    def figure(self, key: str) -> Any:
+        """One figure of the score's report (a column, else its stored details: ``kl_p999``, ``dp_rms``,
+        ``kl_by_sequence``, ``eval_key``, ...); None where the score has none (scored before it existed)."""
+        if key in self.__dataclass_fields__:
+            return getattr(self, key)
+        return self.details.get(key)
 
     @property
     def kv_cache(self) -> str:
@@ -218,6 +267,11 @@ class ScoreRecord:
             "tokens": self.tokens,
         }
 
+    def statistics(self) -> dict[str, Any]:
+        """The figures with their uncertainty (quantcore.evaluation.statistics; None where the score has none):
+        the keys of ``quantplan score --json`` beyond :meth:`metrics`."""
+        return {k: self.figure(k) for k in SCORE_STATISTICS}
+
 
 @dataclass(frozen=True)
 class SensitivityRecord:
@@ -229,6 +283,7 @@ class SensitivityRecord:
     kl_mean: float
     top1_agree: float
     sqnr_db: float | None
+    kl_mean_err: float | None = None  # None: swept before errors were kept, or one sequence
 
 
 @dataclass(frozen=True)
@@ -252,6 +307,14 @@ class KernelRecordRow:
     padded_n: int | None
     skipped: str | None
     timing: str | None = None  # quantcore.kernels.records.TIMING of the run; None: recorded before it was
+    # the spread of the timed calls and the interleaved baseline (quantcore.kernels.records.KernelRecord); None: older
+    repeats: int | None = None
+    ms_p20: float | None = None
+    ms_p80: float | None = None
+    baseline_ms: float | None = None
+    baseline_ms_p20: float | None = None
+    baseline_ms_p80: float | None = None
+    unstable: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable, Sequence
+from dataclasses import fields as dataclass_fields
 from typing import Any, cast
 
 import numpy as np
@@ -23,6 +24,7 @@ from store.records import (
     DatasetRecord,
     JobRecord,
     KernelRecordRow,
+    ModelListing,
     ModelRecord,
     PlanRecord,
     ScoreRecord,
@@ -82,6 +84,13 @@ def model_by_sha(session: Session, sha256: str) -> ModelRecord | None:
     return None if row is None else _model_record(row)
 
 
+def model_by_source(session: Session, source_kind: str, source_name: str) -> ModelRecord | None:
+    """The model registered from this source (e.g. kind "hub", ``hf://ORG/NAME@<commit>``), if any."""
+    row = session.scalar(select(m.Model).where(m.Model.source_kind == source_kind,
+                                               m.Model.source_name == source_name).order_by(m.Model.id).limit(1))
+    return None if row is None else _model_record(row)
+
+
 def add_model(session: Session, *, name: str, sha256: str, source_kind: str, source_name: str, path: str,
               summary: dict[str, Any], user: str | None) -> ModelRecord:
     """Register a stored checkpoint. The same content registered twice returns the first record."""
@@ -105,8 +114,20 @@ def add_model(session: Session, *, name: str, sha256: str, source_kind: str, sou
     return _model_record(row)
 
 
-def list_models(session: Session) -> list[ModelRecord]:
-    return [_model_record(r) for r in session.scalars(select(m.Model).order_by(m.Model.id))]
+_LISTING_COLUMNS = tuple(getattr(m.Model, f.name) for f in dataclass_fields(ModelListing))
+
+
+def list_models(session: Session) -> list[ModelListing]:
+    """Every registered model, oldest first, as a listing shows it: the summary column is not read."""
+    rows = session.execute(select(*_LISTING_COLUMNS).order_by(m.Model.id))
+    return [ModelListing(**{**row._asdict(), "overview": row.overview or {}}) for row in rows]
+
+
+def set_model_overview(session: Session, model_id: int, overview: dict[str, Any]) -> None:
+    """Store what a listing shows of a model (records.ModelListing.overview)."""
+    row = session.get(m.Model, model_id)
+    if row is not None:
+        row.overview = dict(overview)
 
 
 def get_model(session: Session, ref: int | str) -> ModelRecord:
@@ -136,6 +157,7 @@ def add_model_summary_fields(session: Session, model_id: int, fields: dict[str, 
         raise NotFound(f"no model #{model_id}")
     kept = {k: v for k, v in (row.summary or {}).items() if k not in replace or k not in fields}
     row.summary = {**fields, **kept}  # a new dict: the JSON column sees the change
+    row.overview = None  # derived from the summary: the next listing writes it anew
     session.flush()
     return _model_record(row)
 
@@ -582,14 +604,16 @@ def save_score(session: Session, *, job_id: int, model_id: int, plan_id: int | N
                plan_body: dict[str, Any], dataset: str, report: dict[str, Any],
                predicted_kl: float | None = None) -> None:
     session.execute(delete(m.ScoreResult).where(m.ScoreResult.job_id == job_id))
-    details = {k: v for k, v in report.items() if k not in _SCORE_SCALARS}
+    details = {k: v for k, v in report.items() if k not in _SCORE_SCALARS + _SCORE_OPTIONAL}
     session.add(m.ScoreResult(job_id=job_id, model_id=model_id, plan_id=plan_id, plan_label=plan_label,
                               plan_body=plan_body, dataset=dataset, predicted_kl=predicted_kl, details=details,
-                              **{k: report[k] for k in _SCORE_SCALARS}))
+                              **{k: report[k] for k in _SCORE_SCALARS}, **{k: report.get(k) for k in _SCORE_OPTIONAL}))
     session.flush()
 
 
 _SCORE_SCALARS = ("tokens", "kl_mean", "kl_p50", "kl_p90", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl")
+# columns a report may lack (scored before quantcore.evaluation.statistics): NULL then
+_SCORE_OPTIONAL = ("kl_mean_err", "top1_agree_err", "ln_ppl_ratio", "ln_ppl_ratio_err", "dp_mean")
 
 
 def _score_record(row: m.ScoreResult) -> ScoreRecord:
@@ -597,7 +621,8 @@ def _score_record(row: m.ScoreResult) -> ScoreRecord:
                        plan_label=row.plan_label, plan_body=row.plan_body, dataset=row.dataset, tokens=row.tokens,
                        kl_mean=row.kl_mean, kl_p50=row.kl_p50, kl_p90=row.kl_p90, kl_p99=row.kl_p99,
                        kl_max=row.kl_max, top1_agree=row.top1_agree, ppl_ref=row.ppl_ref, ppl=row.ppl,
-                       predicted_kl=row.predicted_kl, details=row.details or {}, created_at=row.created_at)
+                       predicted_kl=row.predicted_kl, details=row.details or {}, created_at=row.created_at,
+                       **{k: getattr(row, k) for k in _SCORE_OPTIONAL})
 
 
 def list_scores(session: Session, model_id: int | None = None) -> list[ScoreRecord]:
@@ -623,7 +648,8 @@ def save_sensitivity(session: Session, *, job_id: int, model_id: int, scheme: st
     for r in rows:
         session.add(m.SensitivityResult(job_id=job_id, model_id=model_id, scheme=scheme, unit=r["layer"],
                                         layers=list(r.get("layers") or [r["layer"]]), kl_mean=r["kl_mean"],
-                                        top1_agree=r["top1_agree"], sqnr_db=r.get("sqnr_db")))
+                                        top1_agree=r["top1_agree"], sqnr_db=r.get("sqnr_db"),
+                                        kl_mean_err=r.get("kl_mean_err")))
     session.flush()
 
 
@@ -632,7 +658,7 @@ def list_sensitivity(session: Session, job_id: int) -> list[SensitivityRecord]:
         .order_by(m.SensitivityResult.kl_mean.desc())
     return [SensitivityRecord(job_id=r.job_id, model_id=r.model_id, scheme=r.scheme, unit=r.unit,
                               layers=list(r.layers), kl_mean=r.kl_mean, top1_agree=r.top1_agree,
-                              sqnr_db=r.sqnr_db) for r in session.scalars(q)]
+                              sqnr_db=r.sqnr_db, kl_mean_err=r.kl_mean_err) for r in session.scalars(q)]
 
 
 def sensitivity_jobs(session: Session, model_id: int) -> list[JobRecord]:
@@ -640,7 +666,8 @@ def sensitivity_jobs(session: Session, model_id: int) -> list[JobRecord]:
 
 
 _KERNEL_FIELDS = ("device", "device_name", "torch_version", "m", "n", "k", "path", "ms", "tflops", "pct_peak",
-                  "speedup", "native", "max_rel_err", "padded_m", "padded_k", "padded_n", "skipped", "timing")
+                  "speedup", "native", "max_rel_err", "padded_m", "padded_k", "padded_n", "skipped", "timing",
+                  "repeats", "ms_p20", "ms_p80", "baseline_ms", "baseline_ms_p20", "baseline_ms_p80", "unstable")
 
 
 def save_kernel_results(session: Session, *, job_id: int, records: Iterable[dict[str, Any]]) -> int:

@@ -13,7 +13,7 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = Path("var")
@@ -64,10 +64,40 @@ class Settings(BaseSettings):
         "AWQ scales, GPTQ roundings, KV cache maxima; store/cache.py) may take, all models together (GiB). After "
         "each score or sensitivity job a worker deletes the least recently used past it. 0: no limit.",
     )
+    reference_full_max_mb: float = Field(
+        128.0,
+        ge=0,
+        description="Largest full-vocabulary reference (every next-token log-prob in float16, tokens x vocabulary x "
+        "2 bytes) a score keeps, MiB; a larger one is kept as the compact top-k record (docs/scoring.md). 0: always "
+        "compact.",
+    )
+    reference_topk: int = Field(
+        1024, ge=1, le=8192,
+        description="The most tokens per position the compact reference keeps (its top-k log-probs; as many tail "
+        "tokens are sampled): it keeps vocabulary / 256 of them, at least 64, at most this. More tokens: a smaller "
+        "tail bound, a larger file.",
+    )
     ui_port: int = Field(8501, description="Port of the Streamlit app.")
     ui_address: str = Field("127.0.0.1", description="Address the Streamlit app binds to.")
     upload_limit_mb: int = Field(
         4096, description="Largest accepted upload, and largest size an archive may expand to (MiB)."
+    )
+    hf_token: SecretStr | None = Field(
+        None,
+        description="Hugging Face token for registering private or gated models by hub id (hf://ORG/NAME), set by "
+        "an admin. Passed to the download alone: never shown on a page, in a job's parameters or in a log line; "
+        "pages and `quantplan system` say only whether it is set. No token is sent when it is not set.",
+    )
+    hf_endpoint: str = Field(
+        "https://huggingface.co",
+        validation_alias=AliasChoices("HF_ENDPOINT", "QUANTPLAN_HF_ENDPOINT"),
+        description="The Hugging Face Hub (or a company mirror of it) that hub ids are fetched from: HF_ENDPOINT, "
+        "as huggingface_hub reads it.",
+    )
+    hub_max_gib: float = Field(
+        256.0, ge=0,
+        description="Largest model a registration by hub id downloads (its files, GiB); a larger one is refused "
+        "before the download starts, as is one larger than the artifact store's free space. 0: free space only.",
     )
     worker_queues: str = Field(
         "cpu",
@@ -98,6 +128,8 @@ class Settings(BaseSettings):
             self.broker_url = f"sqla+sqlite:///{home / 'broker.sqlite'}"
         if self.result_backend is None:
             self.result_backend = f"db+sqlite:///{home / 'celery-results.sqlite'}"
+        if self.hf_token is not None and not self.hf_token.get_secret_value().strip():
+            self.hf_token = None  # QUANTPLAN_HF_TOKEN= (a compose file passing an unset variable): no token
         self.artifact_dir = (self.artifact_dir or home / "artifacts").expanduser().resolve()
         self.data_dir = (self.data_dir or home / "data").expanduser().resolve()
         self.cache_dir = (self.cache_dir or Path.home() / ".cache" / "quantplan").expanduser().resolve()
@@ -117,6 +149,11 @@ class Settings(BaseSettings):
     @property
     def upload_limit_bytes(self) -> int:
         return self.upload_limit_mb * 1024 * 1024
+
+    @property
+    def hub_max_bytes(self) -> int:
+        """hub_max_gib in bytes; 0: no limit but the free space."""
+        return math.ceil(self.hub_max_gib * 2**30)
 
     @property
     def models_dir(self) -> Path:

@@ -442,6 +442,59 @@ def alpha_sweep_chart(sweep: pd.DataFrame, alpha: float, height: int = CHART_HEI
     return alt.layer(lines, chosen, height=height, title="Choosing α")
 
 
+SUGGESTED_COLOR = "#2ca02c"  # the suggested α's rule: green, apart from the activation / weight series colours
+
+
+def alpha_choice_chart(sweep: pd.DataFrame, alpha: float, suggested: float, scheme: str,
+                       height: int = CHART_HEIGHT) -> alt.VConcatChart:
+    """"Choosing α" for the scheme that will be saved: the estimated relative output error (log axis) above the
+    shares of activation channels and weight columns that scheme flushes to zero; the chosen α a black rule, the
+    suggested one (least estimated error) a dashed green rule in both panels.
+
+    sweep: alpha, error, act_flushed, weight_flushed (``quantcore.evaluation.alpha.alpha_error_sweep``).
+    """
+    check_columns(sweep, ["alpha", "error", "act_flushed", "weight_flushed"], "alpha_choice_chart")
+    x = alt.X("alpha:Q", title="α", scale=alt.Scale(domain=[0, 1]))
+    rules = pd.DataFrame({"alpha": [float(alpha), float(suggested)], "which": ["chosen", "suggested"]})
+    marks = (
+        alt.Chart(rules)
+        .mark_rule()
+        .encode(
+            x="alpha:Q",
+            color=alt.Color("which:N", title="α", scale=alt.Scale(domain=["chosen", "suggested"],
+                                                                  range=["black", SUGGESTED_COLOR])),
+            strokeDash=alt.StrokeDash("which:N", scale=alt.Scale(domain=["chosen", "suggested"],
+                                                                 range=[[1, 0], [6, 3]]), legend=None),
+            tooltip=["which:N", alt.Tooltip("alpha:Q", format=".2f")],
+        )
+    )
+    errors = sweep[["alpha", "error"]].copy()
+    errors["error"] = errors["error"].clip(lower=positive_floor(errors["error"]))  # a log axis: no zeros
+    error_line = (
+        alt.Chart(errors)
+        .mark_line(point=True, color=SERIES_COLORS["activation"])
+        .encode(x=x, y=alt.Y("error:Q", title="estimated rel. output error", scale=alt.Scale(type="log")),
+                tooltip=["alpha:Q", alt.Tooltip("error:Q", format=".3g")])
+    )
+    long = sweep.melt(id_vars=["alpha"], value_vars=["act_flushed", "weight_flushed"], var_name="tensor",
+                      value_name="flushed")
+    long["tensor"] = long["tensor"].map({"act_flushed": "activation", "weight_flushed": "weight"})
+    flush_lines = (
+        alt.Chart(long)
+        .mark_line(point=True)
+        .encode(
+            x=x,
+            y=alt.Y("flushed:Q", title="channels flushed", axis=alt.Axis(format="%")),
+            color=alt.Color("tensor:N", scale=alt.Scale(domain=list(SERIES_COLORS),
+                                                        range=list(SERIES_COLORS.values()))),
+            tooltip=["alpha:Q", "tensor:N", alt.Tooltip("flushed:Q", format=".1%")],
+        )
+    )
+    top = alt.layer(error_line, marks, height=height // 2)
+    bottom = alt.layer(flush_lines, marks, height=height // 2)
+    return alt.vconcat(top, bottom, title=f"Choosing α for {scheme}").resolve_scale(color="independent")
+
+
 def histogram_chart(
     hist: pd.DataFrame, grid: pd.DataFrame, fmt_label: str = "", height: int = CHART_HEIGHT
 ) -> alt.LayerChart:

@@ -198,27 +198,35 @@ def sensitivity_by_scheme(df: pd.DataFrame, cell: int = 18) -> alt.Chart:
 FRONT_COLORS = {"on the front": "#d62728", "beaten": "#9e9e9e"}
 
 
+ERROR_BAR_Z = 2.0  # error bars of the trade-off chart: ± this many standard errors (quantcore.evaluation.statistics.Z)
+
+
 def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = CHART_HEIGHT) -> alt.LayerChart:
     """KL of each scored plan (log y) against what it costs (x), the Pareto front joined and labelled.
 
-    Input columns: plan, kl_mean, ``cost``, front (bool: no other plan has both a lower cost and a
-    lower KL)[, top1_agree]. Rows without a cost are left out (the page names them). A KL of 0
-    (BF16) is drawn a decade below the smallest positive KL (never below :data:`KL_FLOOR`); the
-    tooltip keeps the true value. The front is a step line, its plans labelled: from each, the
-    best KL available for no more cost.
+    Input columns: plan, kl_mean, ``cost``, front (bool: the plans worth choosing between, see
+    quantplan.services.scoring.with_front)[, kl_mean_err, top1_agree]. Rows without a cost are left out (the page
+    names them). A KL of 0 (BF16) is drawn a decade below the smallest positive KL (never below :data:`KL_FLOOR`);
+    the tooltip keeps the true value. With ``kl_mean_err``, each plan has an error bar of ± :data:`ERROR_BAR_Z`
+    standard errors (none where the error is NaN: a score stored before errors were kept). The front is a step line,
+    its plans labelled: from each, the best KL available for no more cost.
     """
     check_columns(df, ["plan", "kl_mean", cost, "front"], "tradeoff_chart")
-    keep = ["plan", "kl_mean", cost, "front"] + (["top1_agree"] if "top1_agree" in df.columns else [])
-    df = df.loc[df[cost].notna(), keep].head(MAX_MARKS // 3).copy()  # three marks per row
+    keep = ["plan", "kl_mean", cost, "front"] + [c for c in ("kl_mean_err", "top1_agree") if c in df.columns]
+    df = df.loc[df[cost].notna(), keep].head(MAX_MARKS // 4).copy()  # four marks per row
     # a KL of 0 (BF16) sits a decade below the smallest positive KL, not at KL_FLOOR: the plans worth
     # comparing keep the height of the chart
     floor = max(positive_floor(df["kl_mean"], default=KL_FLOOR) / 10, KL_FLOOR)
     df["kl_plot"] = df["kl_mean"].clip(lower=floor)
     df["where"] = np.where(df["front"], "on the front", "beaten")
+    err = df["kl_mean_err"] if "kl_mean_err" in df.columns else pd.Series(np.nan, index=df.index)
+    df["kl_lo"] = (df["kl_mean"] - ERROR_BAR_Z * err).clip(lower=floor)
+    df["kl_hi"] = (df["kl_mean"] + ERROR_BAR_Z * err).clip(lower=floor)
     x = alt.X(f"{cost}:Q", title=cost_title, scale=alt.Scale(zero=False),
               axis=alt.Axis(format=",.4~r"))  # one plan alone: its value is the only tick, not 128.640381
     y = alt.Y("kl_plot:Q", title="KL mean (nats, log)", scale=alt.Scale(type="log"))
     tooltip = ["plan:N", alt.Tooltip("kl_mean:Q", title="KL mean", format=".4g"),
+               *([alt.Tooltip("kl_mean_err:Q", title="± error", format=".2g")] if "kl_mean_err" in df.columns else []),
                alt.Tooltip(f"{cost}:Q", title=cost_title, format=".4g")]
     if "top1_agree" in df.columns:
         tooltip.append(alt.Tooltip("top1_agree:Q", title="top-1 agree", format=".3f"))
@@ -226,9 +234,12 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
                                                            range=list(FRONT_COLORS.values())))
     base = alt.Chart(df)
     points = base.mark_circle(size=90).encode(x=x, y=y, color=color, tooltip=tooltip)
+    bars = (alt.Chart(df[err.notna()]).mark_rule(opacity=0.6)
+            .encode(x=x, y=alt.Y("kl_lo:Q", title="KL mean (nats, log)", scale=alt.Scale(type="log")), y2="kl_hi:Q",
+                    color=color))
     front = df[df["front"]].sort_values(cost)
     line = (alt.Chart(front).mark_line(interpolate="step-after", color=FRONT_COLORS["on the front"], opacity=0.5)
             .encode(x=x, y=y))
     labels = alt.Chart(front).mark_text(align="left", dx=7, dy=-6, fontSize=11).encode(
         x=x, y=y, text="plan:N", color=alt.value("#333333"))  # the beaten ones crowd: they have tooltips
-    return alt.layer(line, points, labels, height=height, title=f"KL against {cost_title}")
+    return alt.layer(line, bars, points, labels, height=height, title=f"KL against {cost_title}")

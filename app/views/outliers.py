@@ -9,11 +9,14 @@ import streamlit as st
 from app import state
 from app.charts import base as chart_base
 from app.charts import outliers as outlier_charts
+from quantcore.evaluation import alpha as alpha_est
 from quantcore.evaluation import outliers as ol
 from quantcore.evaluation.kvcache import kv_head_spread
 from quantcore.formats.catalog import list_formats
+from quantcore.schemes.fusion import fusion_group_of
 from quantplan.services import calibration as calibration_svc
 from quantplan.services import plans as plans_svc
+from quantplan.services.models import layer_names
 
 st.title("Outliers")
 model = state.current_model()
@@ -32,6 +35,13 @@ def stats_of(job_id: int):
     return calibration_svc.layer_stats(job_id)  # a finished calibration never changes: cache without ttl
 
 
+@st.cache_data(show_spinner=False, max_entries=64)
+def alpha_sweep_of(job_id: int, group: tuple[str, ...], planned: alpha_est.PlannedScheme) -> dict:
+    """The α sweep of a layer's fusion group under the planned scheme (a slider move reruns the page: kept)."""
+    members = {s.name: s for s in stats_of(job_id)}
+    return alpha_est.alpha_error_sweep([members[m] for m in group], planned)
+
+
 def _count(n) -> str:
     """'1,024' as the page's other counts read, '?' where the job did not say."""
     return f"{n:,}" if isinstance(n, int) else "?"
@@ -44,7 +54,8 @@ cal_id = st.selectbox(
                                for c in cals if c.id == i),
     key="outliers_cal",
 )
-stats, shared = ol.shared_expert_inputs(stats_of(cal_id))
+all_stats = {st_.name: st_ for st_ in stats_of(cal_id)}  # every layer, MoE experts included (fusion groups)
+stats, shared = ol.shared_expert_inputs(all_stats)
 by_name = {s.name: s for s in stats}
 overview = outlier_charts.overview_frame(stats)
 
@@ -95,35 +106,66 @@ st.altair_chart(outlier_charts.depth_heatmap(outlier_charts.depth_frame(stats, p
 
 # ----------------------------------------------------------------------------- 4. SmoothQuant
 st.subheader("SmoothQuant")
-st.caption("s_j = max|X_j|^α / max|W_j|^(1−α): activations are divided by s, weights multiplied. The rules "
-           "are the per-tensor INT8 steps; after smoothing both tensors share the difficulty.")
+st.caption("s_j = max|X_j|^α / max|W_j|^(1−α): activations are divided by s, weights multiplied. The first chart "
+           "shows the per-tensor INT8 steps; after smoothing both tensors share the difficulty.")
+plans = plans_svc.list_plans(model.id)
+latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
+newest_first = sorted(latest, key=lambda n: latest[n].id, reverse=True)  # the plan last saved comes first
+c1, c2 = st.columns(2)
+# a new plan unless one is picked: saving into the plan last saved by default wrote into an unrelated plan
+plan_name = c1.selectbox("Save α into plan", ["(new plan)"] + newest_first, key="alpha_plan",
+                         help="A new version of the plan picked, or a new plan under the name below; the α chart "
+                              "counts what the layer's scheme in that plan does")
+base = latest.get(plan_name)
+new_scheme = alpha_est.DEFAULT_NEW_PLAN_SCHEME
+planned: alpha_est.PlannedScheme | None = None
+try:
+    if base is None:
+        new_scheme = c2.selectbox("Scheme of the new plan", list(alpha_est.SMOOTHABLE_PRESETS), key="alpha_scheme",
+                                  help="on every layer but lm_head, smoothed with the α saved for this layer's group")
+    planned = alpha_est.PlannedScheme.of(plans_svc.alpha_scheme(model, base, layer, new_scheme))
+except ValueError as exc:  # Refused is one: the base plan does not resolve; or its scheme quantizes no activations
+    st.info(f"No α to suggest for {layer} in {plan_name}: {exc}")
+group = [m for m in fusion_group_of(layer, layer_names(model)) if m in all_stats] or [layer]
 alpha = st.slider("α (migration strength)", 0.0, 1.0, 0.5, 0.05, key="outliers_alpha")
 view = ol.smoothquant_view(stat.channel_max, stat.weight_channel_max, alpha)
 points, steps = outlier_charts.smoothquant_frame(view)
 st.altair_chart(outlier_charts.smoothquant_chart(points, steps, alpha), width="content")  # two fixed panels
-sweep = pd.DataFrame(ol.alpha_sweep(stat.channel_max, stat.weight_channel_max))
-st.altair_chart(outlier_charts.alpha_sweep_chart(sweep, alpha), width="stretch")
+sweep = None
+if planned is not None:
+    sweep = alpha_sweep_of(cal_id, tuple(group), planned)
+    suggested = alpha_est.suggested_alpha(sweep)
+    error_at = {round(float(a), 2): float(e) for a, e in zip(sweep["alpha"], sweep["error"], strict=True)}
+    st.altair_chart(outlier_charts.alpha_choice_chart(pd.DataFrame(sweep), alpha, suggested, planned.name),
+                    width="stretch")
+    c1, c2 = st.columns([3, 1])
+    c1.markdown(f"**Suggested α = {suggested:.2f}** for {', '.join(group)} under {planned.label}: the least "
+                f"estimated output error from these statistics ({error_at[round(suggested, 2)]:.3g}; at α = 0.50: "
+                f"{error_at[0.5]:.3g}). One α smooths the whole fusion group.")
+    c2.button(f"Use α = {suggested:.2f}", key="alpha_use_suggested",
+              on_click=lambda: st.session_state.update(outliers_alpha=suggested))
 with st.form("save_alpha"):
-    plans = [p for p in plans_svc.list_plans(model.id)]
-    latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
-    c1, c2 = st.columns(2)
-    newest_first = sorted(latest, key=lambda n: latest[n].id, reverse=True)  # the plan last saved comes first
-    # a new plan unless one is picked: saving into the plan last saved by default wrote into an unrelated plan
-    plan_name = c1.selectbox("Save α into plan", ["(new plan)"] + newest_first, key="alpha_plan",
-                             help="A new version of the plan picked, or a new plan under the name beside")
-    new_name = c2.text_input("Name, for a new plan", value=f"{model.name}-smoothquant", key="alpha_new_name")
+    new_name = st.text_input("Name, for a new plan", value=f"{model.name}-smoothquant", key="alpha_new_name",
+                             disabled=base is not None)
+    warning = alpha_est.alpha_warning(sweep, alpha) if sweep is not None else None
+    anyway = False
+    if warning:
+        st.warning(warning)
+        anyway = st.checkbox("Save anyway", key=f"alpha_anyway_{layer}_{alpha:.2f}",
+                             help="the chart above estimates this α to be bad for the scheme; tick to save it")
     if st.form_submit_button(f"Save α = {alpha:.2f} for {layer} (and its fusion group)"):
-        base = latest.get(plan_name)
         name = new_name if base is None else base.name
         try:
-            saved = plans_svc.save_layer_alpha(model, name, layer, alpha, base)
-        except ValueError as exc:
+            if warning and not anyway:  # no silent save of an α the chart itself estimates to be bad
+                raise ValueError(f"{warning} Tick 'Save anyway' to save it all the same.")
+            saved = plans_svc.save_layer_alpha(model, name, layer, alpha, base, scheme=new_scheme)
+        except ValueError as exc:  # Refused is a ValueError
             st.error(f"Not saved: {exc}")
         else:
             scheme = plans_svc.resolve(model, saved.body)[0][layer]
             st.success(f"Saved {saved.label}: α = {alpha:.2f} for {layer} and its fusion group, smoothed before "
                        f"its {scheme.name.split('(')[0].strip()} quantization"
-                       + (" (a new plan: INT8_W8A8 on every layer but lm_head)" if base is None else "") + ".")
+                       + (f" (a new plan: {new_scheme} on every layer but lm_head)" if base is None else "") + ".")
 
 # ----------------------------------------------------------------------------- 5. histogram + grid
 st.subheader("|x| histogram with a format's grid")

@@ -13,6 +13,7 @@ from quantcore.evaluation.kvcache import KV_FORMATS, layer_index
 from quantcore.kernels.hardware import list_targets
 from quantcore.planning.plans import gpus_label, group_label, kv_label
 from quantcore.schemes.presets import list_schemes
+from quantplan.services import models as models_svc
 from quantplan.services import plan_editor as plan_editor_svc
 from quantplan.services import plans as plans_svc
 from quantplan.services import serving as serving_svc
@@ -281,7 +282,7 @@ if resolved is not None:
                + (f" **{refused} layer(s) would be refused** by llm-compressor or vLLM (\"refused\" in the table): "
                   "they count here as if served; mend them first (the warnings above)." if refused else ""))
 
-    if serving_svc.kv_kib_per_token(model) is not None:  # the model's cache can be counted (separate k_proj / v_proj)
+    if models_svc.kv_kib_per_token(model) is not None:  # the model's cache can be counted (separate k_proj / v_proj)
         st.subheader("KV cache")
         c1, c2 = st.columns(2)
         batch = int(c1.number_input("Sequences decoding", 1, 4096, 16, key="plan_kv_batch"))

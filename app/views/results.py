@@ -19,6 +19,7 @@ from quantplan.services import queue as queue_svc
 from quantplan.services import scoring as scoring_svc
 from quantplan.services import serving as serving_svc
 from quantplan.services import sweeps as sweeps_svc
+from quantplan.services.errors import Refused
 
 st.title("Results")
 model = state.current_model()
@@ -184,6 +185,8 @@ if not scores:
     st.info("Nothing scored yet for this model.")
 else:
     table = pd.DataFrame([{"job": s.job_id, "plan": s.plan_label, "KV cache": s.kv_cache, **s.metrics(),
+                           "KL ± error": scoring_svc.pm_text(s.kl_mean, s.kl_mean_err),
+                           "ln(PPL(Q)/PPL(base))": scoring_svc.pm_text(s.ln_ppl_ratio, s.ln_ppl_ratio_err),
                            "predicted KL": s.predicted_kl, "text": s.dataset, "positions": s.tokens,
                            "calibrated on": s.details.get("calibration"),  # GPTQ / KV scales; None: not needed
                            "scored": s.created_at} for s in scores])
@@ -206,13 +209,46 @@ else:
     if chosen:
         cols = st.columns(len(chosen[:4]))
         for col, s in zip(cols, chosen[:4], strict=False):
-            col.metric(s.plan_label, f"KL {s.kl_mean:.4g}", f"top-1 {s.top1_agree:.3f}", delta_color="off",
+            col.metric(s.plan_label, f"KL {scoring_svc.pm_text(s.kl_mean, s.kl_mean_err)}",
+                       f"top-1 {scoring_svc.pm_text(s.top1_agree, s.top1_agree_err, '.3f')}", delta_color="off",
                        delta_arrow="off")
             col.caption(f"perplexity {s.ppl_ref:.2f} → {s.ppl:.2f} · p99 KL {s.kl_p99:.3g} · max {s.kl_max:.3g}"
                         + (f" · KV cache {s.kv_cache}" if s.kv_cache != "AUTO" else ""))
         for s in chosen:
             for note in scoring_svc.score_notes(model, s):
                 st.warning(f"#{s.job_id} {s.plan_label}: {note}")
+        with st.expander("Statistics with their errors (as llama-perplexity --kl-divergence prints them)"):
+            st.caption("± one standard error, with each evaluation sequence an independent block (tokens along a "
+                       "sequence are correlated; an error over tokens as if independent would be too small); "
+                       "percentiles by linear interpolation. — : a figure the score was stored without (scored "
+                       "before it was kept).")
+            for s in chosen:
+                st.code(f"#{s.job_id} {s.plan_label}\n"
+                        + "\n".join(scoring_svc.statistics_lines({**s.metrics(), **s.statistics()})),
+                        language=None)
+        if len(chosen) >= 2:
+            st.markdown("**Compare two plans**")
+            q1, q2, q3 = st.columns([2, 2, 1])
+            ids = [s.job_id for s in chosen]
+            label_of = {s.job_id: f"#{s.job_id} {s.plan_label}" for s in chosen}
+            among = "_".join(map(str, ids))  # keyed by the scores compared: a new choice starts from its first two
+            first = q1.selectbox("A", ids, index=0, format_func=label_of.get, key=f"results_pair_a_{among}")
+            second = q2.selectbox("B", ids, index=1, format_func=label_of.get, key=f"results_pair_b_{among}")
+            figure = q3.selectbox("on", list(scoring_svc.PAIRED_FIGURES),
+                                  format_func=lambda f: scoring_svc.PAIRED_FIGURES[f][2], key="results_pair_figure")
+            if first == second:
+                st.info("Choose two different scores to compare.")
+            else:
+                a, b = (next(s for s in chosen if s.job_id == j) for j in (first, second))
+                try:
+                    verdict = scoring_svc.compare_scores(a, b, figure)
+                except Refused as exc:
+                    st.warning(str(exc))
+                else:
+                    (st.success if verdict.better else st.info)(verdict.verdict)
+                    st.caption("Two scores on the same evaluation tokens are compared sequence by sequence (the "
+                               "paired difference: what makes a passage hard makes it hard for both plans, and "
+                               "cancels), far sharper than two separate errors.")
         hist, pos = frames.score_frames(chosen)
         if not hist.empty:
             st.altair_chart(result_charts.kl_distribution_chart(hist), width="stretch")
@@ -221,7 +257,7 @@ else:
         with_pred = [s for s in chosen if s.predicted_kl is not None]
         for s in with_pred:
             st.caption(f"#{s.job_id} {s.plan_label}: predicted KL (sum of per-layer KL) {s.predicted_kl:.4g}, "
-                       f"measured {s.kl_mean:.4g}")
+                       f"measured {scoring_svc.pm_text(s.kl_mean, s.kl_mean_err)}")
 
     st.subheader("Quality against cost")
     sets = scoring_svc.score_sets(scores)
@@ -267,9 +303,12 @@ else:
                                                               device_name=device_name, m_prefill=m_prefill,
                                                               m_decode=m_decode, target=target,
                                                               ideal_m_prefill=ideal_prefill,
-                                                              ideal_m_decode=ideal_decode, serve=serve), cost)
-    st.caption("The newest score of each plan on this text. A plan is **on the front** when no other plan has "
-               "both a lower KL and a lower cost: the plans worth choosing between. Measured times are the sum of "
+                                                              ideal_m_decode=ideal_decode, serve=serve), cost, on_set)
+    st.caption("The newest score of each plan on this text, its KL with an error bar of ± two standard errors. A "
+               "plan is **on the front** when no other plan has both a lower KL and a lower cost, and its KL is "
+               "distinguishably lower (beyond two standard errors of the difference, paired on the same tokens) "
+               "than that of every cheaper plan on the front: the plans worth choosing between. Measured times are "
+               "the sum of "
                "the plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a "
                "scheme with no kernel path measured (MX, NVFP4, W4AFP8) counts at the baseline GEMM's time. Ideal "
                "times "
@@ -293,6 +332,9 @@ else:
                        + ([] if target else ["ideal_prefill_ms", "ideal_decode_ms"]))
     st.dataframe(shown, hide_index=True, width="stretch",
                  column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
+                                "kl_mean_err": st.column_config.NumberColumn("± error", format="%.2g",
+                                                                             help="standard error of the KL mean; "
+                                                                                  "blank: scored before errors"),
                                 "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
                                 "ppl": st.column_config.NumberColumn("perplexity", format="%.2f"),
                                 "front": st.column_config.CheckboxColumn("on the front"),
@@ -322,7 +364,8 @@ rows = sweeps_svc.sensitivity_rows(sweep_id)
 stale = sweeps_svc.stale_sweeps(model).get(sweep_id)
 if stale:
     st.warning(stale[1][0].upper() + stale[1][1:])
-df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db,
+df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "± error": scoring_svc.err_text(r.kl_mean_err),
+                    "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db,
                     "proj": sweeps_svc.unit_block_proj(r.layers)[1]} for r in rows])
 st.altair_chart(result_charts.sensitivity_chart(df[["layer", "kl", "proj"]]), width="stretch")
 st.dataframe(df, hide_index=True, width="stretch",

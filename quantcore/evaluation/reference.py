@@ -7,10 +7,18 @@ Reference
     safetensors in the artifact store (:func:`reference_cache_path`), so scoring many
     plans never recomputes them.
 
-Storage choice
+Two kinds
+    ``full``: every log-prob, exact KL. ``topk``: the compact record of
+    :mod:`quantcore.evaluation.compact` (top-k log-probs, tail mass, a tail sample: about
+    1 KB a position), whose KL is an exact lower part plus an unbiased estimate of the
+    divergence inside the tail, with a reported bound; the job picks ``topk`` where the
+    full one would be large (Gemma 3's 262,144-token vocabulary: 512 KB a position).
+    Logits reach this module a chunk of positions at a time
+    (:func:`quantcore.evaluation.batches.iter_logits`), never ``[B, L, V]``.
+
+Storage choice (kind ``full``)
     KL(p_ref || p_q) = sum_v p_ref(v) (log p_ref(v) - log p_q(v)) needs the *full*
-    reference distribution at every position, so top-k truncation is not an option
-    (it has no error bound on the high-entropy positions of small models). The cache
+    reference distribution at every position for an exact value. The cache
     keeps full-vocabulary log-probabilities in **float16** (2 bytes x vocab per
     token: SmolLM2, 49,152 tokens, 4k evaluation tokens -> 400 MB; float32 would be
     800 MB). float16 beats bfloat16 here: log-probs live in [-30, 0] for every token
@@ -42,8 +50,9 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -51,16 +60,24 @@ from torch import Tensor, nn
 from quantcore.errors import QuantcoreError
 from quantcore.evaluation.batches import (
     DEFAULT_BATCH_SIZE,
+    LOGIT_CHUNK_ELEMENTS,
     Progress,
     ShouldCancel,
     as_token_batch,
     batch_ranges,
     check_cancel,
-    forward_logits,
+    iter_logits,
     report_progress,
 )
+from quantcore.evaluation.compact import (
+    DEFAULT_TOPK,
+    SAMPLE_SEED,
+    CompactRows,
+    reference_rows,
+    score_rows,
+)
 
-CACHE_FORMAT = "quantplan.reference.v1"  # safetensors metadata tag; bump on any layout change
+CACHE_FORMAT = "quantplan.reference.v2"  # safetensors metadata tag; bump on any layout change
 LOGPROB_DTYPE = torch.float16  # storage dtype of the reference log-probs (see module docstring)
 # log-probs are clamped here before the float16 cast: float16 overflows to -inf below
 # -65504, and -inf - -inf = nan in the KL; exp(-1e4) is exactly 0 in float32 anyway.
@@ -93,6 +110,13 @@ def chunk_rows(vocab: int, device: torch.device | str = "cpu") -> int:
     """Rows of a ``[rows, vocab]`` float32 block of about KL_CHUNK_ELEMENTS(_CPU) elements."""
     budget = KL_CHUNK_ELEMENTS_CPU if torch.device(device).type == "cpu" else KL_CHUNK_ELEMENTS
     return max(1, budget // max(1, vocab))
+
+
+def logprob_at(logits: Tensor, index: Tensor) -> Tensor:
+    """float32 log p(index) per row of logits ``[n, V]`` (``index`` ``[n]``), full precision; the reference and a
+    scored plan compute it the same way, so equal logits give equal values."""
+    x = logits.float()
+    return x.gather(-1, index.to(x.device).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
 @dataclass
@@ -181,29 +205,68 @@ def token_stats(
 
 # ---------------------------------------------------------------------- reference cache
 
+KINDS = ("full", "topk")  # a cache's kind: full-vocabulary float16 log-probs, or the compact record
+
 
 @dataclass
 class ReferenceCache:
-    """The unquantized model's next-token predictions on one evaluation set.
+    """The unquantized model's next-token predictions on one evaluation set, of one of two kinds.
 
-    input_ids:   int64 ``[S, L]``, the evaluation tokens (kept to check that a score uses the same ones)
-    logprobs:    ``[S, L-1, V]`` in LOGPROB_DTYPE (or the dtype asked for): log p_ref at every predicted position
-    lognorm:     float32 ``[S, L-1]``, logsumexp of ``logprobs`` in float32 (the renormalizer, see token_stats)
-    nll:         float32 ``[S, L-1]``, -log p_ref(next token), from full-precision logits
-    argmax:      int64 ``[S, L-1]``, the reference's top-1 token
-    batch_size:  sequences per forward pass used; scoring reuses it for bit-identical batches
-    model_sha:   content hash of the model the reference was computed with (``None``: unknown)
-    eval_key:    key of the evaluation set (see :func:`eval_key_for`)
+    Both kinds:
+
+    input_ids:     int64 ``[S, L]``, the evaluation tokens (kept to check that a score uses the same ones)
+    nll:           float32 ``[S, L-1]``, -log p_ref(next token), from full-precision logits
+    argmax:        int64 ``[S, L-1]``, the reference's top-1 token
+    top1_logprob:  float32 ``[S, L-1]``, log p_ref(argmax), full precision (the reference side of Δp)
+    vocab:         the vocabulary size
+    batch_size:    sequences per forward pass used; scoring reuses it for bit-identical batches
+    model_sha:     content hash of the model the reference was computed with (``None``: unknown)
+    eval_key:      key of the evaluation set (see :func:`eval_key_for`)
+    recomputed:    True when it was computed for one job and not kept (too large for the cache)
+
+    Kind ``full`` (:attr:`logprobs` set):
+
+    logprobs:      ``[S, L-1, V]`` in LOGPROB_DTYPE (or the dtype asked for): log p_ref at every predicted position
+    lognorm:       float32 ``[S, L-1]``, logsumexp of ``logprobs`` in float32 (the renormalizer, see token_stats)
+
+    Kind ``topk`` (:attr:`compact` set): :class:`quantcore.evaluation.compact.CompactRows` with ``[S, L-1, ...]``
+    tensors, the top-k log-probs, the tail mass and a tail sample (its module docstring says how a KL comes out of
+    them, and what bound it carries).
     """
 
     input_ids: Tensor
-    logprobs: Tensor
-    lognorm: Tensor
     nll: Tensor
     argmax: Tensor
+    top1_logprob: Tensor
+    vocab: int
+    logprobs: Tensor | None = None
+    lognorm: Tensor | None = None
+    compact: CompactRows | None = None
     batch_size: int = DEFAULT_BATCH_SIZE
     model_sha: str | None = None
     eval_key: str | None = None
+    recomputed: bool = False  # computed for one job and not kept (a score then reports kind "recomputed")
+
+    def __post_init__(self) -> None:
+        if (self.logprobs is None) == (self.compact is None):
+            raise ValueError("a reference cache holds either full log-probs or a compact record, exactly one")
+        if self.logprobs is not None and self.lognorm is None:
+            raise ValueError("a full reference cache needs its lognorm")
+
+    @property
+    def kind(self) -> str:
+        """``full`` (every log-prob, float16) or ``topk`` (the compact record)."""
+        return "full" if self.logprobs is not None else "topk"
+
+    @property
+    def reported_kind(self) -> str:
+        """What a score says it was scored against: :attr:`kind`, or ``recomputed`` for a reference not kept."""
+        return "recomputed" if self.recomputed else self.kind
+
+    @property
+    def topk(self) -> int | None:
+        """Tokens kept per position in a compact cache; None for a full one."""
+        return int(self.compact.topk_ids.shape[-1]) if self.compact is not None else None
 
     @property
     def n_sequences(self) -> int:
@@ -215,7 +278,7 @@ class ReferenceCache:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.logprobs.shape[-1])
+        return self.vocab
 
     @property
     def tokens(self) -> int:
@@ -227,6 +290,17 @@ class ReferenceCache:
         """Perplexity of the reference model on the evaluation tokens."""
         return float(math.exp(float(self.nll.double().mean())))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors the cache file holds (about its size on disk)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+
+    def rows(self, seq: int, start: int, end: int) -> CompactRows:
+        """The compact record of positions ``start:end`` of sequence ``seq`` (kind ``topk`` only)."""
+        c = self.compact
+        assert c is not None, "rows() reads a compact reference"
+        return CompactRows(*(getattr(c, f.name)[seq, start:end] for f in fields(CompactRows)))
+
     def check_tokens(self, input_ids: Tensor) -> None:
         """Raise :class:`ReferenceMismatch` unless ``input_ids`` are the tokens this cache was made from."""
         ids = as_token_batch(input_ids)
@@ -237,21 +311,26 @@ class ReferenceCache:
                 f"{tuple(ids.shape)}); recompute the reference for this evaluation set"
             )
 
+    def _tensors(self) -> dict[str, Tensor]:
+        tensors = {"input_ids": self.input_ids, "nll": self.nll, "argmax": self.argmax,
+                   "top1_logprob": self.top1_logprob}
+        if self.logprobs is not None and self.lognorm is not None:
+            tensors.update(logprobs=self.logprobs, lognorm=self.lognorm)
+        if self.compact is not None:
+            tensors.update({f.name: getattr(self.compact, f.name) for f in fields(CompactRows)})
+        return {k: v.contiguous() for k, v in tensors.items()}
+
     def save(self, path: str | Path) -> Path:
         """Write as safetensors, whole or not at all (:func:`quantcore.files.write_whole`)."""
         from safetensors.torch import save_file
 
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            "input_ids": self.input_ids.contiguous(),
-            "logprobs": self.logprobs.contiguous(),
-            "lognorm": self.lognorm.contiguous(),
-            "nll": self.nll.contiguous(),
-            "argmax": self.argmax.contiguous(),
-        }
+        tensors = self._tensors()
         meta = {
             "format": CACHE_FORMAT,
+            "kind": self.kind,
+            "vocab": str(self.vocab),
             "batch_size": str(self.batch_size),
             "model_sha": self.model_sha or "",
             "eval_key": self.eval_key or "",
@@ -284,17 +363,25 @@ class ReferenceCache:
                 f"reference cache {str(p)!r} has format {meta.get('format')!r}, expected {CACHE_FORMAT!r}; "
                 "delete it and recompute"
             )
-        missing = {"input_ids", "logprobs", "lognorm", "nll", "argmax"} - set(tensors)
-        if missing:
+        kind = meta.get("kind")
+        need = {"input_ids", "nll", "argmax", "top1_logprob"} | (
+            {"logprobs", "lognorm"} if kind == "full" else {f.name for f in fields(CompactRows)})
+        missing = need - set(tensors)
+        if kind not in KINDS or missing:
             raise ReferenceMismatch(
-                f"reference cache {str(p)!r} lacks {sorted(missing)}; delete it and recompute"
+                f"reference cache {str(p)!r} (kind {kind!r}) lacks {sorted(missing)}; delete it and recompute"
             )
+        compact = (CompactRows(**{f.name: tensors[f.name] for f in fields(CompactRows)})
+                   if kind == "topk" else None)
         return cls(
             input_ids=tensors["input_ids"],
-            logprobs=tensors["logprobs"],
-            lognorm=tensors["lognorm"],
             nll=tensors["nll"],
             argmax=tensors["argmax"],
+            top1_logprob=tensors["top1_logprob"],
+            vocab=int(meta.get("vocab", 0)),
+            logprobs=tensors.get("logprobs") if kind == "full" else None,
+            lognorm=tensors.get("lognorm") if kind == "full" else None,
+            compact=compact,
             batch_size=int(meta.get("batch_size", DEFAULT_BATCH_SIZE)),
             model_sha=meta.get("model_sha") or None,
             eval_key=meta.get("eval_key") or None,
@@ -321,6 +408,43 @@ def reference_cache_path(cache_root: str | Path, model_sha: str, eval_key: str) 
     return Path(cache_root) / "reference" / model_sha / f"{eval_key}.safetensors"
 
 
+def model_vocab(model: nn.Module) -> int:
+    """Vocabulary size of a causal LM: its output embedding's rows, else its (text) config's ``vocab_size``."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    rows = getattr(head, "out_features", None)
+    if isinstance(rows, int) and rows > 0:
+        return rows
+    config: Any = cast(Any, model).config
+    return int(config.get_text_config().vocab_size)
+
+
+def full_cache_bytes(sequences: int, length: int, vocab: int, logprob_dtype: torch.dtype = LOGPROB_DTYPE) -> int:
+    """Bytes of a full-vocabulary reference of ``sequences`` x ``length`` tokens (its log-probs; the rest is small)."""
+    return sequences * (length - 1) * vocab * torch.empty((), dtype=logprob_dtype).element_size()
+
+
+# the compact reference keeps k = vocab / 256 tokens a position (at least 64, at most the setting): 8 (k + k) bytes
+# against 2 V, about 3 % of the full record whatever the vocabulary. Measured on gemma-3-270m (docs/concepts/
+# scoring.md): k = 64 leaves a bound of 7.9 % of the KL mean at 8 x 128 tokens, k = 1024 (its V / 256) 0.7 %.
+MIN_TOPK = 64
+VOCAB_PER_TOPK = 256
+
+
+def compact_topk(vocab: int, topk: int = DEFAULT_TOPK) -> int:
+    """Tokens a position the compact reference of a ``vocab``-token model keeps: ``vocab // 256``, at least
+    :data:`MIN_TOPK` (or ``topk`` where that is less) and at most ``topk`` (the setting)."""
+    return max(1, min(topk, max(MIN_TOPK, vocab // VOCAB_PER_TOPK), vocab))
+
+
+def choose_topk(sequences: int, length: int, vocab: int, *, full_max_bytes: int, topk: int = DEFAULT_TOPK,
+                ) -> int | None:
+    """The kind of reference to keep: None (full vocabulary, exact) when its log-probs fit in ``full_max_bytes``,
+    else the compact record of :mod:`quantcore.evaluation.compact` with :func:`compact_topk` tokens a position
+    (``topk``: the most)."""
+    return None if full_cache_bytes(sequences, length, vocab) <= full_max_bytes else compact_topk(vocab, topk)
+
+
 def compute_reference(
     model: nn.Module,
     input_ids: Tensor,
@@ -331,41 +455,119 @@ def compute_reference(
     model_sha: str | None = None,
     eval_key: str | None = None,
     logprob_dtype: torch.dtype = LOGPROB_DTYPE,
+    topk: int | None = None,
+    tail_samples: int | None = None,
+    chunk_elements: int = LOGIT_CHUNK_ELEMENTS,
 ) -> ReferenceCache:
     """Run the unquantized model on ``input_ids`` ``[S, L]`` and keep what scoring needs.
 
-    Returns a :class:`ReferenceCache` on the CPU (log-probs ``[S, L-1, V]`` in
-    ``logprob_dtype``). Checks ``should_cancel`` between batches.
+    topk: None keeps every log-prob (kind ``full``, ``[S, L-1, V]`` in ``logprob_dtype``); a number keeps the
+        compact record (kind ``topk``: that many top tokens and ``tail_samples`` tail tokens a position, by default
+        as many as ``topk``: the bound shrinks as 1 / sqrt(tail_samples) and with the tail mass past the top k).
+    chunk_elements: logits exist a chunk of about this many float32 elements at a time
+        (:func:`quantcore.evaluation.batches.iter_logits`); scoring must use the same to stay bit-exact.
+
+    Returns a :class:`ReferenceCache` on the CPU. Checks ``should_cancel`` between batches.
     """
     ids = as_token_batch(input_ids)
     n, length = ids.shape
+    if topk is not None and topk < 1:
+        raise ValueError(f"topk must be >= 1 (or None for the full vocabulary), got {topk}")
     ranges = batch_ranges(n, batch_size)
-    logprobs: Tensor | None = None  # allocated once the vocabulary size is known
-    lognorm = torch.empty((n, length - 1), dtype=torch.float32)
+    vocab = model_vocab(model)
+    full = topk is None
+    m = (topk or 0) if tail_samples is None else tail_samples
+    logprobs = torch.empty((n, length - 1, vocab), dtype=logprob_dtype) if full else None
+    lognorm = torch.empty((n, length - 1), dtype=torch.float32) if full else None
+    compact: CompactRows | None = None
+    if not full:
+        assert topk is not None
+        k = min(topk, vocab)
+        compact = CompactRows(
+            topk_ids=torch.empty((n, length - 1, k), dtype=torch.int32),
+            topk_logprobs=torch.empty((n, length - 1, k), dtype=torch.float32),
+            tail_logmass=torch.empty((n, length - 1), dtype=torch.float32),
+            sample_ids=torch.empty((n, length - 1, m), dtype=torch.int32),
+            sample_logprobs=torch.empty((n, length - 1, m), dtype=torch.float32),
+        )
+    generator = torch.Generator().manual_seed(SAMPLE_SEED)
     nll = torch.empty((n, length - 1), dtype=torch.float32)
     argmax = torch.empty((n, length - 1), dtype=torch.int64)
+    top1 = torch.empty((n, length - 1), dtype=torch.float32)
     for i, (s, e) in enumerate(ranges):
         check_cancel(should_cancel, f"computing the reference (batch {i + 1} of {len(ranges)})")
-        logits = forward_logits(model, ids[s:e])  # [B, L, V]
-        if logprobs is None:
-            logprobs = torch.empty((n, length - 1, logits.shape[-1]), dtype=logprob_dtype)
-        for j in range(e - s):
-            st = token_stats(logits[j, :-1], ids[s + j, 1:], dtype=logprob_dtype)
-            assert st.stored is not None  # no reference given: the storage form is returned
-            logprobs[s + j] = st.stored.cpu()
-            lognorm[s + j] = st.lognorm.cpu()
-            nll[s + j] = st.nll.cpu()
-            argmax[s + j] = st.argmax.cpu()
-        del logits
+        for j, a, b, logits in iter_logits(model, ids[s:e], chunk_elements=chunk_elements):
+            row, targets = s + j, ids[s + j, a + 1:b + 1]
+            if logprobs is not None and lognorm is not None:
+                st = token_stats(logits, targets, dtype=logprob_dtype)
+                assert st.stored is not None  # no reference given: the storage form is returned
+                logprobs[row, a:b] = st.stored.cpu()
+                lognorm[row, a:b] = st.lognorm.cpu()
+                nll[row, a:b], argmax[row, a:b] = st.nll.cpu(), st.argmax.cpu()
+                top1[row, a:b] = logprob_at(logits, st.argmax).cpu()
+            else:
+                assert compact is not None and topk is not None
+                got = reference_rows(logits, targets, topk=topk, tail_samples=m, generator=generator,
+                                     block=chunk_rows(vocab, logits.device))
+                assert got.rows is not None
+                nll[row, a:b], argmax[row, a:b], top1[row, a:b] = got.nll.cpu(), got.argmax.cpu(), got.picked.cpu()
+                for f in fields(CompactRows):
+                    getattr(compact, f.name)[row, a:b] = getattr(got.rows, f.name).cpu()
         report_progress(progress, (i + 1) / len(ranges), f"reference: {e} of {n} sequences")
-    assert logprobs is not None  # n >= 1 is checked by as_token_batch
     return ReferenceCache(
         input_ids=ids,
-        logprobs=logprobs,
-        lognorm=lognorm,
         nll=nll,
         argmax=argmax,
+        top1_logprob=top1,
+        vocab=vocab,
+        logprobs=logprobs,
+        lognorm=lognorm,
+        compact=compact,
         batch_size=batch_size,
         model_sha=model_sha,
         eval_key=eval_key if eval_key is not None else eval_key_for(ids),
     )
+
+
+@dataclass
+class RowComparison:
+    """A scored plan against the reference on positions ``start:end`` of one sequence (float32 ``[n]`` each).
+
+    kl:       KL(p_ref || p_q): exact against a full reference, the estimate against a compact one
+    kl_lower: the exact part of a compact estimate (a lower bound of the KL); equals ``kl`` against a full one
+    tail_var: variance of a compact estimate's sampled part (0 against a full one)
+    nll:      -log p_q(next token)
+    agree:    bool, the plan's top-1 token equals the reference's
+    dp:       p_q(reference's top-1) - p_ref(reference's top-1)
+    """
+
+    kl: Tensor
+    kl_lower: Tensor
+    tail_var: Tensor
+    nll: Tensor
+    agree: Tensor
+    dp: Tensor
+
+
+def compare_rows(reference: ReferenceCache, seq: int, start: int, end: int, logits: Tensor, targets: Tensor,
+                 ) -> RowComparison:
+    """Compare a plan's logits ``[end - start, V]`` of sequence ``seq`` with the reference at those positions
+    (``targets``: the next tokens). Full reference: :func:`token_stats`; compact:
+    :func:`quantcore.evaluation.compact.score_rows`. Either way an identity plan's logits give exactly 0 KL and
+    Δp, full agreement and the reference's NLL."""
+    ref_argmax = reference.argmax[seq, start:end]
+    ref_top1 = reference.top1_logprob[seq, start:end]
+    if reference.logprobs is not None and reference.lognorm is not None:
+        st = token_stats(logits, targets, reference.logprobs[seq, start:end], reference.lognorm[seq, start:end])
+        assert st.kl is not None
+        kl = st.kl.cpu()
+        nll, best = st.nll.cpu(), st.argmax.cpu()
+        q_top1 = logprob_at(logits, ref_argmax).cpu()
+        return RowComparison(kl=kl, kl_lower=kl, tail_var=torch.zeros_like(kl), nll=nll, agree=best == ref_argmax,
+                             dp=q_top1.exp() - ref_top1.exp())
+    got = score_rows(logits, targets, ref_argmax, reference.rows(seq, start, end),
+                     block=chunk_rows(logits.shape[-1], logits.device))
+    assert got.kl is not None and got.kl_lower is not None and got.tail_var is not None
+    return RowComparison(kl=got.kl.cpu(), kl_lower=got.kl_lower.cpu(), tail_var=got.tail_var.cpu(),
+                         nll=got.nll.cpu(), agree=got.argmax.cpu() == ref_argmax,
+                         dp=got.picked.cpu().exp() - ref_top1.exp())

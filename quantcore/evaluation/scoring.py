@@ -29,10 +29,12 @@ from quantcore.evaluation.batches import (
     as_token_batch,
     batch_ranges,
     check_cancel,
-    forward_logits,
+    iter_logits,
     report_progress,
+    run_forward,
 )
-from quantcore.evaluation.reference import ReferenceCache, token_stats
+from quantcore.evaluation.compact import tail_bound
+from quantcore.evaluation.reference import ReferenceCache, compare_rows
 from quantcore.schemes.numerics import NUMERICS
 from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
@@ -64,6 +66,30 @@ class ScoreReport:
     notes:          messages for people about how the plan was applied (e.g. smoothing skipped)
     numerics:       :data:`quantcore.schemes.numerics.NUMERICS` of the quantcore that scored it (1 when a stored report
                     has none)
+
+    Statistics with their uncertainty (:mod:`quantcore.evaluation.statistics`: standard errors over per-sequence
+    blocks, percentiles by numpy's linear interpolation); None in a report stored before they existed, errors None
+    with one sequence:
+
+    kl_mean_err:    standard error of kl_mean
+    kl_p999 .. kl_p001, kl_min: the rest of llama.cpp's percentile set of per-token KL (99.9, 95, 10, 5, 1, 0.1 %)
+    top1_agree_err: standard error of top1_agree ("same top p")
+    ln_ppl_ratio, ln_ppl_ratio_err: ln(PPL_q / PPL_ref) = mean(nll_q - nll_ref) on the same tokens, with its error
+    dp_*:           Δp, the probability of the reference's top token under the quantized model minus under the
+                    reference: dp_mean ± dp_mean_err, dp_rms ± dp_rms_err, dp_max, dp_p999 .. dp_p001, dp_min
+                    (None where the scorer gave no Δp)
+    sequences:      S, the number of evaluation sequences (the blocks of the errors)
+    eval_key:       the evaluation set's key (the reference cache's): two scores with the same key were measured on
+                    the same tokens and can be compared sequence by sequence
+    kl_by_sequence, top1_by_sequence, nll_diff_by_sequence, dp_by_sequence: per-sequence means (S floats each) of
+                    KL, top-1 agreement, nll_q - nll_ref and Δp: what a paired comparison of two stored scores reads
+    reference_kind: the reference scored against: ``full`` (every log-prob: the KL is exact), ``topk`` (the
+                    compact record, :mod:`quantcore.evaluation.compact`) or ``recomputed`` (computed in the
+                    job, not kept); None for a report stored before quantplan said
+    topk:           tokens per position of a compact reference (None otherwise)
+    kl_tail_bound:  half-width of the interval around kl_mean that holds the full-vocabulary KL mean (4
+                    standard errors of the compact estimate's sampled tail part; 0 for a full reference)
+    kl_lower:       the KL mean's exact part against a compact reference, a lower bound of the true KL mean
     """
 
     kl_mean: float
@@ -82,6 +108,42 @@ class ScoreReport:
     kv_saturation: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     numerics: int = NUMERICS
+    kl_mean_err: float | None = None
+    kl_p999: float | None = None
+    kl_p95: float | None = None
+    kl_p10: float | None = None
+    kl_p05: float | None = None
+    kl_p01: float | None = None
+    kl_p001: float | None = None
+    kl_min: float | None = None
+    top1_agree_err: float | None = None
+    ln_ppl_ratio: float | None = None
+    ln_ppl_ratio_err: float | None = None
+    dp_mean: float | None = None
+    dp_mean_err: float | None = None
+    dp_rms: float | None = None
+    dp_rms_err: float | None = None
+    dp_max: float | None = None
+    dp_p999: float | None = None
+    dp_p99: float | None = None
+    dp_p95: float | None = None
+    dp_p90: float | None = None
+    dp_p50: float | None = None
+    dp_p10: float | None = None
+    dp_p05: float | None = None
+    dp_p01: float | None = None
+    dp_p001: float | None = None
+    dp_min: float | None = None
+    sequences: int | None = None
+    eval_key: str | None = None
+    kl_by_sequence: list[float] | None = None
+    top1_by_sequence: list[float] | None = None
+    nll_diff_by_sequence: list[float] | None = None
+    dp_by_sequence: list[float] | None = None
+    reference_kind: str | None = None
+    topk: int | None = None
+    kl_tail_bound: float = 0.0
+    kl_lower: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (floats, ints, lists); :meth:`from_dict` inverts it."""
@@ -99,12 +161,19 @@ def summarize(
     nll_ref: Tensor,
     *,
     position_buckets: int = DEFAULT_POSITION_BUCKETS,
+    dp: Tensor | None = None,
 ) -> ScoreReport:
     """Build a :class:`ScoreReport` from per-position arrays, all ``[S, L-1]``.
 
-    kl: KL per position; agree: bool, top-1 equal; nll / nll_ref: -log p(next token).
+    kl: KL per position; agree: bool, top-1 equal; nll / nll_ref: -log p(next token); dp: Δp per position (the
+    probability of the reference's top token under the quantized model minus under the reference), or None (the
+    report's Δp figures stay None). Errors are per-sequence block errors (:mod:`quantcore.evaluation.statistics`).
     """
+    from quantcore.evaluation import statistics as stats
+
     kl_np = kl.detach().double().cpu().numpy()
+    if kl_np.ndim == 1:
+        kl_np = kl_np[None, :]
     flat = kl_np.reshape(-1)
     width = kl_np.shape[1]
     n_buckets = max(1, min(position_buckets, width))
@@ -115,20 +184,44 @@ def summarize(
     ]
     hist_edges = np.asarray(KL_HIST_EDGES)
     counts, _ = np.histogram(np.clip(flat, 0.0, hist_edges[-1]), bins=hist_edges)
-    p50, p90, p99 = np.quantile(flat, [0.5, 0.9, 0.99])
-    return ScoreReport(
+    agree_np = agree.detach().double().cpu().numpy().reshape(kl_np.shape)
+    nll_np = nll.detach().double().cpu().numpy().reshape(kl_np.shape)
+    nll_ref_np = nll_ref.detach().double().cpu().numpy().reshape(kl_np.shape)
+    kl_est, agree_est = stats.block_mean(kl_np), stats.block_mean(agree_np)
+    ratio = stats.block_mean(nll_np - nll_ref_np)
+    pct = stats.percentiles(flat)
+    report = ScoreReport(
         kl_mean=float(flat.mean()),
-        kl_p50=float(p50),
-        kl_p90=float(p90),
-        kl_p99=float(p99),
-        kl_max=float(flat.max()),
-        top1_agree=float(agree.double().mean()),
-        ppl_ref=float(math.exp(float(nll_ref.double().mean()))),
-        ppl=float(math.exp(float(nll.double().mean()))),
+        kl_p50=pct["p50"],
+        kl_p90=pct["p90"],
+        kl_p99=pct["p99"],
+        kl_max=pct["max"],
+        top1_agree=float(agree_np.mean()),
+        ppl_ref=float(math.exp(float(nll_ref_np.mean()))),
+        ppl=float(math.exp(float(nll_np.mean()))),
         tokens=int(flat.size),
         kl_by_position=by_pos,
         kl_hist={"edges": [float(x) for x in hist_edges], "counts": [int(c) for c in counts]},
+        kl_mean_err=kl_est.err,
+        kl_p999=pct["p999"], kl_p95=pct["p95"], kl_p10=pct["p10"], kl_p05=pct["p05"], kl_p01=pct["p01"],
+        kl_p001=pct["p001"], kl_min=pct["min"],
+        top1_agree_err=agree_est.err,
+        ln_ppl_ratio=ratio.value,
+        ln_ppl_ratio_err=ratio.err,
+        sequences=int(kl_np.shape[0]),
+        kl_by_sequence=stats.sequence_means(kl_np),
+        top1_by_sequence=stats.sequence_means(agree_np),
+        nll_diff_by_sequence=stats.sequence_means(nll_np - nll_ref_np),
     )
+    if dp is not None:
+        dp_np = dp.detach().double().cpu().numpy().reshape(kl_np.shape)
+        dp_est, dp_rms, dp_pct = stats.block_mean(dp_np), stats.rms(dp_np), stats.percentiles(dp_np)
+        report.dp_mean, report.dp_mean_err = dp_est.value, dp_est.err
+        report.dp_rms, report.dp_rms_err = dp_rms.value, dp_rms.err
+        for key, value in dp_pct.items():
+            setattr(report, f"dp_{key}", value)
+        report.dp_by_sequence = stats.sequence_means(dp_np)
+    return report
 
 
 # ---------------------------------------------------------------------- applying a plan
@@ -326,7 +419,7 @@ def calibrate_kv_cache(
     with plan_applied(model, plan, inputs=inputs), kv_amax_observed(model) as amax:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"KV cache calibration (batch {i + 1} of {len(ranges)})")
-            forward_logits(model, ids[s:e])
+            run_forward(model, ids[s:e])  # K and V are what it observes: no logits
     return amax
 
 
@@ -388,32 +481,31 @@ def score_plan(
     }
     bs = reference.batch_size if batch_size is None else batch_size
     ranges = batch_ranges(ids.shape[0], bs)
-    kl = torch.empty_like(reference.nll)
-    nll = torch.empty_like(reference.nll)
+    kl, kl_lower, tail_var, nll, dp = (torch.empty_like(reference.nll) for _ in range(5))
     agree = torch.empty(reference.nll.shape, dtype=torch.bool)
     with plan_applied(model, plan, inputs=inputs, track_saturation=True) as ctx, \
             kv_cache_quantized(model, kv, amax=inputs.kv_amax, skip=skip) as kv_ctx:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"scoring (batch {i + 1} of {len(ranges)})")
-            logits = forward_logits(model, ids[s:e])
-            for j in range(e - s):
-                st = token_stats(
-                    logits[j, :-1], ids[s + j, 1:], reference.logprobs[s + j], reference.lognorm[s + j]
-                )
-                assert st.kl is not None
-                kl[s + j] = st.kl.cpu()
-                nll[s + j] = st.nll.cpu()
-                agree[s + j] = st.argmax.cpu() == reference.argmax[s + j]
-            del logits
+            # logits a chunk of positions at a time, never [B, L, V]; compared with the reference as they come
+            for j, a, b, logits in iter_logits(model, ids[s:e]):
+                c = compare_rows(reference, s + j, a, b, logits, ids[s + j, a + 1:b + 1])
+                kl[s + j, a:b], kl_lower[s + j, a:b], tail_var[s + j, a:b] = c.kl, c.kl_lower, c.tail_var
+                nll[s + j, a:b], agree[s + j, a:b], dp[s + j, a:b] = c.nll, c.agree, c.dp
+                del logits
             report_progress(progress, (i + 1) / len(ranges), f"scoring: {e} of {ids.shape[0]} sequences")
         saturation = {
             layer: st.activations.saturation
             for layer, st in ctx.handle.stats().items()
             if layer in static_layers and st.activations is not None and st.activations.n_elements > 0
         }
-    report = summarize(kl, agree, nll, reference.nll, position_buckets=position_buckets)
+    report = summarize(kl, agree, nll, reference.nll, position_buckets=position_buckets, dp=dp)
+    report.reference_kind, report.topk = reference.reported_kind, reference.topk
+    report.kl_tail_bound = tail_bound(tail_var)
+    report.kl_lower = float(kl_lower.double().mean())
     report.act_saturation = saturation
     report.kv_cache = kv.name
+    report.eval_key = reference.eval_key  # scores with the same key can be paired sequence by sequence
     report.kv_saturation = kv_ctx.saturation
     report.notes = list(ctx.notes)
     if kv.attention:

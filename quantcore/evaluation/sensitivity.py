@@ -51,6 +51,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -68,6 +69,7 @@ from quantcore.evaluation.batches import (
 )
 from quantcore.evaluation.reference import ReferenceCache, ReferenceMismatch, chunk_rows
 from quantcore.evaluation.scoring import plan_applied
+from quantcore.evaluation.statistics import Estimate, block_mean
 from quantcore.models.decoder import DecoderStack, find_decoder_blocks
 from quantcore.planning.plans import group_label
 from quantcore.schemes.fusion import fusion_units
@@ -91,6 +93,8 @@ class SensitivityRow:
     sqnr_db:    local output SQNR of the unit, 10 log10(sum y^2 / sum (y - y_q)^2) over all its
                 members and tokens; +inf when its output is unchanged
     note:       for people: e.g. SmoothQuant could not be applied to this unit
+    kl_mean_err, top1_agree_err: standard errors of kl_mean and top1_agree over per-sequence blocks
+                (:func:`quantcore.evaluation.statistics.block_mean`); None with one sequence
     """
 
     layer: str
@@ -99,6 +103,8 @@ class SensitivityRow:
     top1_agree: float
     sqnr_db: float
     note: str = ""
+    kl_mean_err: float | None = None
+    top1_agree_err: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict; an infinite SQNR (no noise at all) becomes ``None``."""
@@ -106,7 +112,9 @@ class SensitivityRow:
             "layer": self.layer,
             "layers": list(self.layers),
             "kl_mean": self.kl_mean,
+            "kl_mean_err": self.kl_mean_err,
             "top1_agree": self.top1_agree,
+            "top1_agree_err": self.top1_agree_err,
             "sqnr_db": self.sqnr_db if math.isfinite(self.sqnr_db) else None,
             "note": self.note,
         }
@@ -297,8 +305,9 @@ def _batch_reference(logits: Tensor) -> _BatchReference:
     )
 
 
-def _kl_and_agree(ref: _BatchReference, logits: Tensor) -> tuple[float, float, int]:
-    """Sum of per-position KL(p_ref || p_q), number of top-1 agreements, positions (kept ones only).
+def _kl_and_agree(ref: _BatchReference, logits: Tensor) -> tuple[list[float], list[float], int]:
+    """Per sequence of the batch, the sum of per-position KL(p_ref || p_q) and the number of top-1 agreements (kept
+    positions only), and the positions of each sequence: the blocks of the sweep's standard errors.
 
     KL = (lse_q - lse_ref) - sum_v p_ref (z_q - z_ref): no log-softmax is materialized;
     equal logits give exactly 0 per position (z_q - z_ref = 0, lse_q = lse_ref).
@@ -316,8 +325,10 @@ def _kl_and_agree(ref: _BatchReference, logits: Tensor) -> tuple[float, float, i
         diff = torch.sub(z, ref.logits[s:e], out=work[: e - s])
         kl[s:e] = (lse_q - ref.lse[s:e]) - diff.mul_(ref.probs[s:e]).sum(dim=-1)
     kl.clamp_min_(0.0)  # rounding of two nearly equal distributions; the true KL is >= 0
-    kept = kl[ref.keep]
-    return float(kept.double().sum()), float(agree[ref.keep].sum()), int(kept.numel())
+    b = logits.shape[0]
+    kept = kl[ref.keep].double().reshape(b, -1)
+    agreed = agree[ref.keep].double().reshape(b, -1).sum(dim=1)
+    return kept.sum(dim=1).cpu().tolist(), agreed.cpu().tolist(), int(kept.shape[1])
 
 
 def _check_reference(ref_logits: Tensor, ids: Tensor, reference: ReferenceCache, s: int, e: int) -> None:
@@ -418,10 +429,12 @@ def sensitivity_sweep(
         SensitivityRow(
             layer=group_label(unit),
             layers=list(unit),
-            kl_mean=kl[i],
-            top1_agree=agree[i],
+            kl_mean=kl[i].value,
+            top1_agree=agree[i].value,
             sqnr_db=local[i].sqnr_db,
             note="; ".join(notes[i]),
+            kl_mean_err=kl[i].err,
+            top1_agree_err=agree[i].err,
         )
         for i, unit in enumerate(units)
     ]
@@ -441,17 +454,18 @@ def _one_at_a_time(
     batch_size: int | None,
     progress: Progress | None,
     should_cancel: ShouldCancel | None,
-) -> tuple[list[float], list[float]]:
-    """Mean KL and top-1 agreement of the model with one unit at a time changed, against its unquantized pass.
+) -> tuple[list[Estimate], list[Estimate]]:
+    """Mean KL and top-1 agreement (± their per-sequence block errors) of the model with one unit at a time changed,
+    against its unquantized pass.
 
     For every batch: one unquantized pass keeps each block's output; then per unit ``apply_unit(unit index,
     batch index, exit stack)`` enters whatever changes the model for that unit on the stack, the blocks before
     ``starts[unit]`` are replayed, and the rest runs. The stack unwinds (restoring the model) before the next
     unit, also on error or cancel."""
     ranges = batch_ranges(ids.shape[0], reference.batch_size if batch_size is None else batch_size)
-    kl_sum = [0.0] * len(labels)
-    agree_sum = [0.0] * len(labels)
-    positions = [0] * len(labels)
+    kl_seq: list[list[float]] = [[] for _ in labels]  # per unit, the KL summed over each sequence
+    agree_seq: list[list[float]] = [[] for _ in labels]  # and its top-1 agreements
+    per_sequence = 1
     total = len(ranges) * len(labels)
     done = 0
     pace = SweepPace(_pass_work(model, stack, starts), len(ranges))
@@ -468,18 +482,21 @@ def _one_at_a_time(
                 apply_unit(ui, bi, ctx)
                 ctx.enter_context(_replayed(stack.blocks[: starts[ui]], outputs[: starts[ui]]))
                 logits = forward_logits(model, ids[s:e])
-            k, a, n = _kl_and_agree(ref, logits)
+            k, a, per_sequence = _kl_and_agree(ref, logits)
             del logits
-            kl_sum[ui] += k
-            agree_sum[ui] += a
-            positions[ui] += n
+            kl_seq[ui] += k
+            agree_seq[ui] += a
             done += 1
             pace.timed(ui, time.perf_counter() - unit_started)
             left = time_left_text(pace.left_s(bi, ui)) if done < total else ""
             report_progress(progress, done / total, f"{label} ({done} of {total}{left})")
         del ref, outputs
-    return [k / n for k, n in zip(kl_sum, positions, strict=True)], [
-        a / n for a, n in zip(agree_sum, positions, strict=True)]
+
+    def estimate(sums: list[float]) -> Estimate:  # the mean over all positions, its error over sequences
+        return Estimate(math.fsum(sums) / (len(sums) * per_sequence),
+                        block_mean(np.asarray(sums)[:, None] / per_sequence).err)
+
+    return [estimate(k) for k in kl_seq], [estimate(a) for a in agree_seq]
 
 
 def _pass_work(model: nn.Module, stack: DecoderStack, starts: Sequence[int]) -> list[float]:
@@ -568,7 +585,8 @@ def kv_sensitivity_sweep(
 
     kl, agree = _one_at_a_time(model, stack, ids, reference, layers, starts, apply_unit, batch_size=batch_size,
                                progress=progress, should_cancel=should_cancel)
-    rows = [SensitivityRow(layer=n, layers=[n], kl_mean=kl[i], top1_agree=agree[i], sqnr_db=math.nan)
+    rows = [SensitivityRow(layer=n, layers=[n], kl_mean=kl[i].value, top1_agree=agree[i].value, sqnr_db=math.nan,
+                           kl_mean_err=kl[i].err, top1_agree_err=agree[i].err)
             for i, n in enumerate(layers)]
     rows.sort(key=lambda r: r.kl_mean, reverse=True)
     return rows

@@ -5,10 +5,15 @@ of the very same quantized operands (:mod:`quantcore.kernels.ops`), so a large `
 never quantization error.
 
 Timing: on CUDA, CUDA events around each call, warm-up first, the L2 cache flushed
-before every timed call, median of the repeats; on CPU, ``time.perf_counter`` and the
-median, the last-level cache flushed the same way (a decode GEMM's weights come from memory
-when served, and a CPU's 32 MB L3 holds a 4096 x 4096 INT8 weight but not its fp32 one: on a
-2-thread EPYC, INT8 timed warm was 20x faster than fp32 at M = 1 x 4096 x 4096, flushed 7x).
+before every timed call; on CPU, ``time.perf_counter``, the last-level cache flushed the same way
+(a decode GEMM's weights come from memory when served, and a CPU's 32 MB L3 holds a 4096 x 4096
+INT8 weight but not its fp32 one: on a 2-thread EPYC, INT8 timed warm was 20x faster than fp32
+at M = 1 x 4096 x 4096, flushed 7x).
+Each record keeps its repeats, median, 20th and 80th percentiles (as ``triton.testing.do_bench(quantiles=(0.5, 0.2,
+0.8))``), and is flagged ``unstable`` where the p20-p80 band is wide against the median
+(quantcore.kernels.records.UNSTABLE_SPREAD). A path's calls alternate with the baseline's at the same shape
+(baseline, path, baseline, path, ...), and its speed-up is the ratio of those two medians: a change of load while
+the case runs slows both alike instead of one of them.
 Each (N, K) shape has a wall-clock budget; a case predicted (from the rates already
 measured) not to fit in what is left is not run and comes back with
 ``skipped="over budget: ..."``. A path the device cannot run comes back with
@@ -36,7 +41,7 @@ from quantcore.kernels.records import (
     fill_speedups,
     seconds_text,
 )
-from quantcore.kernels.timing import Timer
+from quantcore.kernels.timing import Spread, Timer
 
 if TYPE_CHECKING:
     import torch
@@ -94,7 +99,9 @@ def run_benchmarks(
     come back in (shape, M, path) order whatever order they ran in.
     Repeats and warm-up default to 50 / 10 on CUDA and 5 / 1 on CPU; fewer repeats are
     run when the budget is tight, never fewer than MIN_REPEATS (the case is skipped), and warm-up calls
-    beyond the first stop once they would fill a quarter of the case's share.
+    beyond the first stop once they would fill a quarter of the case's share. A path's timed calls alternate with
+    the baseline's at its M (b, p, b, p, ...; both within the case's share); its record keeps both medians and
+    percentiles, the speed-up is their ratio, and ``unstable`` flags a wide p20-p80 band of either.
 
     Returns one record per (shape, M, path), timed or skipped with a reason. Raises
     quantcore.errors.Cancelled when ``should_cancel()`` turns True (checked between cases),
@@ -162,9 +169,11 @@ def run_benchmarks(
         return max(min(n_warm, int(left / 4 / max(call_s, 1e-9))), min(n_warm, 1))
 
     def measure(
-        ops: ShapeOperands, x: torch.Tensor, path: str, left_s: Callable[[], float]
+        ops: ShapeOperands, x: torch.Tensor, path: str, left_s: Callable[[], float], base_s: float | None = None
     ) -> dict[str, Any]:
-        """Record fields of one case: the timing, or why there is none."""
+        """Record fields of one case: the timing, or why there is none. ``base_s``: seconds of one baseline call at
+        this M (its own case's median), where the baseline was timed; a path's calls then alternate with the
+        baseline's, and both count against the case's share."""
         m, k, n = x.shape[0], ops.k, ops.n
         bp = base_path(path)
         sup = support[bp]
@@ -175,7 +184,10 @@ def run_benchmarks(
         try:
             learn_rate(ops, x, path, left_s)
             call_s = flops / rates[path][1]
-            need = call_s * (warm_calls(call_s, left_s()) + min_rep + 1) + min_rep * timer.flush_s
+            pair_s = base_s or 0.0  # what one interleaved baseline call adds to a repeat
+            flushes = 1 if base_s is None else 2
+            need = (call_s * (warm_calls(call_s, left_s()) + min_rep + 1)
+                    + min_rep * (pair_s + flushes * timer.flush_s) + pair_s)
             if need > (left := left_s()):
                 return {
                     "native": sup.native,
@@ -188,7 +200,12 @@ def run_benchmarks(
             for _ in range(warm_calls(t1, left_s()) - 1):
                 case.fn()
             rates[path] = (m, flops / max(t1, 1e-9))
-            reps = min(n_rep, int(left_s() / max(t1 + timer.flush_s, 1e-9)))
+            fns = [case.fn]
+            if base_s is not None:  # the baseline at this M, called once more to warm it here
+                base = build_case(ops, PATH_BASELINE, x, kind)
+                pair_s = timer.once_s(base.fn)
+                fns = [base.fn, case.fn]  # b, p, b, p, ...: a load change hits both
+            reps = min(n_rep, int(left_s() / max(t1 + pair_s + flushes * timer.flush_s, 1e-9)))
             if reps < min_rep:
                 return {
                     "native": sup.native,
@@ -197,7 +214,10 @@ def run_benchmarks(
                         f"{max(left_s(), 0):.1f} s left of {budget}"
                     ),
                 }
-            t_ms = timer.median_ms(case.fn, reps)
+            samples = timer.interleaved_ms(fns, reps)
+            spread = Spread.of(samples[-1])
+            base_spread = Spread.of(samples[0]) if len(fns) == 2 else None
+            t_ms = spread.ms
             rows = err_rows(m, dev)
             err = max_rel_err(case.fn()[rows], case.emulate(rows))
         except (RuntimeError, ValueError) as exc:  # a kernel this torch build or shape refuses
@@ -207,6 +227,13 @@ def run_benchmarks(
         peak = peaks.get(peak_key[bp]) if kind == "cuda" else None
         return {
             "ms": t_ms,
+            "repeats": spread.repeats,
+            "ms_p20": spread.p20,
+            "ms_p80": spread.p80,
+            # a wide band of the path's calls or of the baseline's between them: the load moved while the case ran
+            "unstable": spread.unstable or (base_spread is not None and base_spread.unstable),
+            **({"baseline_ms": base_spread.ms, "baseline_ms_p20": base_spread.p20,
+                "baseline_ms_p80": base_spread.p80, "speedup": base_spread.ms / t_ms} if base_spread else {}),
             "tflops": tflops,
             "pct_peak": (100.0 * tflops / peak) if peak else None,
             "native": sup.native,
@@ -232,6 +259,7 @@ def run_benchmarks(
         ops = ShapeOperands(n, k, dev, dtype, gen)
         xs: dict[int, torch.Tensor] = {}
         shape_records: list[KernelRecord] = []
+        base_s: dict[int, float] = {}  # M -> seconds of one baseline call, from its own case (timed first)
 
         def run_case(m: int, path: str, share: float) -> dict[str, Any]:
             if should_cancel is not None and should_cancel():
@@ -242,7 +270,11 @@ def run_benchmarks(
                 xs[m] = torch.randn(m, k, generator=torch.Generator().manual_seed(gen.initial_seed() + m))
                 xs[m] = xs[m].to(device=dev, dtype=dtype)
             t_case = time.perf_counter()
-            return measure(ops, xs[m], path, lambda: share - (time.perf_counter() - t_case))
+            fields = measure(ops, xs[m], path, lambda: share - (time.perf_counter() - t_case),
+                             None if path == PATH_BASELINE else base_s.get(m))
+            if path == PATH_BASELINE and fields.get("ms") is not None:
+                base_s[m] = fields["ms"] * 1e-3
+            return fields
 
         def keep(m: int, path: str, fields: dict[str, Any]) -> None:
             nonlocal done
@@ -260,7 +292,7 @@ def run_benchmarks(
                     ms=fields.get("ms"),
                     tflops=fields.get("tflops"),
                     pct_peak=fields.get("pct_peak"),
-                    speedup=None,  # filled in once the baselines are known
+                    speedup=fields.get("speedup"),  # of the interleaved medians; the baseline's: filled in below
                     native=bool(fields["native"]),
                     max_rel_err=fields.get("max_rel_err"),
                     padded_m=pm if pm != m else None,
@@ -268,6 +300,13 @@ def run_benchmarks(
                     padded_k=pk if pk != k else None,
                     padded_n=pn if pn != n else None,
                     timing=TIMING,
+                    repeats=fields.get("repeats"),
+                    ms_p20=fields.get("ms_p20"),
+                    ms_p80=fields.get("ms_p80"),
+                    baseline_ms=fields.get("baseline_ms"),
+                    baseline_ms_p20=fields.get("baseline_ms_p20"),
+                    baseline_ms_p80=fields.get("baseline_ms_p80"),
+                    unstable=fields.get("unstable"),
                 )
             )
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from quantcore.kernels.paths import PATH_BASELINE, PATHS, timed_path
-from quantcore.kernels.records import KernelRecord, case_times, has_time
+from quantcore.kernels.records import KernelRecord, case_times, has_time, unstable_cases
 from quantcore.models.routing import Routing, case_m, step_share
 
 
@@ -29,8 +29,10 @@ def step_estimate(
 
     The step time is the sum over layers of the measured time at that layer's (M, N, K)
     and path, M = ``m_prefill`` or ``m_decode`` (batch x tokens); no interpolation: a
-    layer whose case was not measured (absent or skipped) is listed under ``missing_*``
-    and left out of the sum. A routed expert of an MoE model (``routed``: {layer:
+    layer whose case was not measured (absent or skipped), or whose time is flagged ``unstable``
+    (its spread too wide to add up: measured again first), is listed under ``missing_*``
+    and left out of the sum; ``covered_*`` says how many of ``layers`` the sum rests on.
+    A routed expert of an MoE model (``routed``: {layer:
     :class:`quantcore.models.routing.Routing`}) counts its expected share: the time at the M of one
     touched expert (``Routing.expert_m``, which the benchmark of an MoE model times) times the
     chance the step touches it. Returns::
@@ -42,6 +44,8 @@ def step_estimate(
          "common_baseline_prefill_ms", "common_baseline_decode_ms",  # baseline over those layers (the speed-up's)
          "missing_prefill", "missing_decode",          # layers without a plan-path time
          "skipped_prefill", "skipped_decode",          # {missing layer: why its case has no time}, where recorded
+         "unstable_prefill", "unstable_decode",        # missing layers whose time is flagged unstable
+         "layers", "covered_prefill", "covered_decode",  # layers in all; of them, those the sums rest on
          "missing_baseline",                           # layers without a baseline time
          "complete": bool,                             # nothing missing anywhere
          "per_layer": {name: {"path", "prefill_ms", "decode_ms"}}}
@@ -54,7 +58,8 @@ def step_estimate(
     if len(devices) > 1:
         names = ", ".join(sorted(d[1] for d in devices))
         raise ValueError(f"records come from several devices ({names}); estimate one device at a time")
-    times = case_times(recs)
+    times = case_times(recs)  # without the unstable times
+    shaky = unstable_cases(recs)
     skips = {(r.m, r.n, r.k, r.path): r.skipped for r in recs if not has_time(r) and r.skipped}
     valid = set(PATHS)
 
@@ -63,6 +68,7 @@ def step_estimate(
     common = {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}  # [plan, baseline] over layers with both
     missing: dict[str, list[str]] = {"prefill": [], "decode": [], "baseline": []}
     skipped: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+    unstable: dict[str, list[str]] = {"prefill": [], "decode": []}
     routed = routed or {}
     for name, (n, k) in layer_shapes.items():
         path = layer_paths.get(name) or PATH_BASELINE
@@ -76,8 +82,11 @@ def step_estimate(
             entry[f"{step}_ms"] = t
             if t is None:
                 missing[step].append(name)
-                if (why := skips.get((case_m(int(m), routed.get(name)), int(n), int(k), path))) is not None:
+                case = (case_m(int(m), routed.get(name)), int(n), int(k), path)
+                if (why := skips.get(case)) is not None:
                     skipped[step][name] = why
+                elif case in shaky:
+                    unstable[step].append(name)
             else:
                 tot[step] += t
             if b is None:
@@ -98,6 +107,9 @@ def step_estimate(
         out[f"speedup_{step}"] = (base_t / plan_t) if plan_t > 0 else None
         out[f"common_baseline_{step}_ms"] = base_t
         out[f"skipped_{step}"] = skipped[step]
+        out[f"unstable_{step}"] = unstable[step]
+        out[f"covered_{step}"] = len(layer_shapes) - len(missing[step])
+    out["layers"] = len(layer_shapes)
     out["missing_prefill"] = missing["prefill"]
     out["missing_decode"] = missing["decode"]
     out["missing_baseline"] = missing["baseline"]

@@ -24,8 +24,31 @@ SKIP_FAILED = "failed"
 # records timed the same way. 1: caches flushed before every timed call on CPU as on CUDA (before: CUDA only).
 TIMING = "cold-caches-1"
 
+#: The quantiles a case's time is summed up by, as ``triton.testing.do_bench(quantiles=(0.5, 0.2, 0.8))`` reports
+#: them: the median (``KernelRecord.ms``), then the 20th and 80th percentiles (``ms_p20``, ``ms_p80``).
+QUANTILES = (0.5, 0.2, 0.8)
+#: A case whose p20-p80 band is wider than this share of its median is flagged ``unstable``. A steady kernel on an
+#: idle device stays well inside it (CUDA events: a few percent; a flushed CPU GEMM: about 10%), while the choices
+#: a step estimate informs hinge on differences of 10-30% between paths (FP8 against INT8, a path against its
+#: ``+q``): a band wider than a quarter of the median means the load moved while the case ran by more than the
+#: differences it is read for, so it is measured again rather than used.
+UNSTABLE_SPREAD = 0.25
+
 DEFAULT_MS: tuple[int, ...] = (1, 16, 128, 2048)
 DEFAULT_BUDGET_S = 60.0  # wall-clock seconds per (N, K) shape, all M and paths together
+
+
+def relative_spread(ms: float | None, p20: float | None, p80: float | None) -> float | None:
+    """(p80 - p20) / median; None where a figure is missing (a record from before quantplan kept the spread)."""
+    if ms is None or p20 is None or p80 is None or not (math.isfinite(ms) and ms > 0):
+        return None
+    return (p80 - p20) / ms
+
+
+def is_unstable(ms: float | None, p20: float | None, p80: float | None) -> bool:
+    """Whether a time's p20-p80 band is wider than :data:`UNSTABLE_SPREAD` of its median (False without a spread)."""
+    rel = relative_spread(ms, p20, p80)
+    return rel is not None and rel > UNSTABLE_SPREAD
 
 
 def parse_ms(text: str) -> list[int]:
@@ -61,10 +84,18 @@ class KernelRecord:
     device:       ``"cpu"`` or ``"cuda"``
     device_name:  CPU description or GPU name
     ms:           median time of one call in milliseconds (None when skipped)
+    repeats:      how many timed calls ``ms`` is the median of (None: recorded before quantplan kept it)
+    ms_p20/p80:   the 20th / 80th percentile of those calls (:data:`QUANTILES`, as triton's ``do_bench`` reports)
+    baseline_ms (_p20, _p80): the baseline's median (and percentiles) at the same shape, timed interleaved with this
+                  path (baseline, path, baseline, path, ...): what ``speedup`` is over; None for the baseline itself
+    unstable:     the p20-p80 band of this path's calls, or of its interleaved baseline's, is wider than
+                  :data:`UNSTABLE_SPREAD` of the median: a step estimate leaves the case out and a new benchmark
+                  measures it again (None: recorded before quantplan kept the spread, not flagged)
     tflops:       2*M*N*K / time, on the logical (unpadded) shape, in TFLOP/s (TOPS for INT8)
     pct_peak:     tflops as a percentage of the device's dense peak for the path's dtype
                   (None: device not in the peak table, e.g. any CPU)
-    speedup:      baseline ms / this ms at the same shape (None without a baseline time)
+    speedup:      baseline_ms / ms, both medians of the same interleaved calls (records from before the
+                  interleaving: the baseline record's ms / this ms); None without a baseline time
     native:       the path's low-precision math is hardware-accelerated on this device
     max_rel_err:  max |kernel - emulation| / max |emulation| on up to ERR_MAX_ROWS rows
     padded_m/k/n: the padded size where a kernel required padding, else None
@@ -92,6 +123,13 @@ class KernelRecord:
     padded_k: int | None = None
     padded_n: int | None = None
     timing: str | None = None
+    repeats: int | None = None
+    ms_p20: float | None = None
+    ms_p80: float | None = None
+    baseline_ms: float | None = None
+    baseline_ms_p20: float | None = None
+    baseline_ms_p80: float | None = None
+    unstable: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (JSON-friendly)."""
@@ -123,17 +161,42 @@ def has_time(record: KernelRecord) -> bool:
 
 
 def case_times(records: Iterable[KernelRecord]) -> dict[tuple[int, int, int, str], float]:
-    """``{(M, N, K, path): ms}`` of the records that carry a time (:func:`has_time`); a later record of a case wins."""
-    return {(r.m, r.n, r.k, r.path): r.ms for r in records if r.ms is not None and has_time(r)}
+    """``{(M, N, K, path): ms}`` of the records that carry a time (:func:`has_time`) that is not flagged ``unstable``
+    (a time whose spread is wide is not used until measured again); a later record of a case wins."""
+    return {(r.m, r.n, r.k, r.path): r.ms for r in records if r.ms is not None and has_time(r) and not r.unstable}
+
+
+def unstable_cases(records: Iterable[KernelRecord]) -> dict[tuple[int, int, int, str], KernelRecord]:
+    """``{(M, N, K, path): record}`` of the timed records flagged ``unstable``: what :func:`case_times` leaves out."""
+    return {(r.m, r.n, r.k, r.path): r for r in records if has_time(r) and r.unstable}
+
+
+def spread_text(record: KernelRecord) -> str:
+    """'p20-p80 0.91-1.40 ms (43% of the median), 5 repeats': a record's spread for a person; '—' where the record
+    has none (timed before quantplan kept it, or skipped)."""
+    rel = relative_spread(record.ms, record.ms_p20, record.ms_p80)
+    if rel is None or record.ms_p20 is None or record.ms_p80 is None:
+        return "—"
+    reps = f", {record.repeats} repeats" if record.repeats else ""
+    return f"p20-p80 {record.ms_p20:.4g}-{record.ms_p80:.4g} ms ({100 * rel:.0f}% of the median){reps}"
 
 
 def fill_speedups(records: list[KernelRecord]) -> None:
+    """Each timed record's ``speedup``: 1 for the baseline; a path's ``baseline_ms / ms`` where the baseline was
+    timed interleaved with it, else (a record from before the interleaving) the baseline record's time at the same
+    shape over its own."""
     base = {
         (r.device_name, r.m, r.n, r.k): r.ms for r in records if r.path == PATH_BASELINE and has_time(r)
     }
     for r in records:
-        b = base.get((r.device_name, r.m, r.n, r.k))
-        if b is not None and has_time(r) and r.ms is not None:  # has_time: a positive time
+        if not has_time(r) or r.ms is None:  # has_time: a positive time
+            continue
+        if r.path == PATH_BASELINE:
+            r.speedup = 1.0
+            continue
+        interleaved = r.baseline_ms is not None and math.isfinite(r.baseline_ms) and r.baseline_ms > 0
+        b = r.baseline_ms if interleaved else base.get((r.device_name, r.m, r.n, r.k))
+        if b is not None:
             r.speedup = b / r.ms
 
 
@@ -155,6 +218,8 @@ class StoredRecord(Protocol):
     def path(self) -> str: ...
     @property
     def skipped(self) -> str | None: ...
+    @property
+    def unstable(self) -> bool | None: ...
 
 
 StoredT = TypeVar("StoredT", bound=StoredRecord)
@@ -169,7 +234,8 @@ def reusable_records(stored: Iterable[StoredT], *, budget_s: float | None = None
     may reuse instead of measuring the case again.
 
     A record skipped "over budget" or "failed" is passed over (a new run measures it again), so an older time for
-    the same case, or none, stands; "not supported" records count (a final answer).
+    the same case, or none, stands; "not supported" records count (a final answer). A case whose newest time is
+    flagged ``unstable`` is not reused at all, an older time of it neither: it is measured again.
     budget_s: a case with no time that a job skipped "over budget" under a budget per shape of at least this many
     seconds (its result's ``budget_s``, read through ``job_runs``) counts too: measuring it again would only skip it
     again. cases (with budget_s): the M values × paths (the baseline's too) the asking job times per shape; a skip
@@ -179,8 +245,14 @@ def reusable_records(stored: Iterable[StoredT], *, budget_s: float | None = None
     """
     newest: dict[tuple[int, int, int, str], StoredT] = {}
     over_budget: dict[tuple[int, int, int, str], StoredT] = {}
+    remeasure: set[tuple[int, int, int, str]] = set()  # the newest time was unstable: nothing older stands for it
     for r in stored:  # newest first
         case = (r.m, r.n, r.k, r.path)
+        if case in remeasure:
+            continue
+        if r.unstable and not r.skipped and case not in newest:
+            remeasure.add(case)
+            continue
         if r.skipped and not r.skipped.startswith(SKIP_NOT_SUPPORTED):
             if r.skipped.startswith(SKIP_OVER_BUDGET):
                 over_budget.setdefault(case, r)

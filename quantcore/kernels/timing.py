@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from quantcore.kernels.records import QUANTILES, is_unstable
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes a 256 MB buffer to clear L2
 CPU_FLUSH_MIN_BYTES = 64 * 1024 * 1024  # at least this much on a CPU, twice its last-level caches where larger
@@ -77,22 +80,65 @@ class Timer:
 
     def median_ms(self, fn: Callable[[], Any], repeats: int) -> float:
         """Median milliseconds of ``repeats`` calls of ``fn``, the caches flushed before each."""
+        return statistics.median(self.interleaved_ms([fn], repeats)[0])
+
+    def interleaved_ms(self, fns: Sequence[Callable[[], Any]], repeats: int) -> list[list[float]]:
+        """Milliseconds of ``repeats`` calls of each of ``fns``, interleaved: fns[0], fns[1], ..., fns[0], fns[1], ...
+        (a baseline and a path: b, p, b, p, ...), the caches flushed before every call. A change of load while a
+        case runs (another process, a clock that throttles) then hits every function alike, so a ratio of their
+        medians is not skewed by it the way timing one after the other is. One list of samples per function."""
         import torch
 
+        n = len(fns)
         if self.kind == "cuda":
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+            starts = [[torch.cuda.Event(enable_timing=True) for _ in range(repeats)] for _ in range(n)]
+            ends = [[torch.cuda.Event(enable_timing=True) for _ in range(repeats)] for _ in range(n)]
             for i in range(repeats):
-                self._flush.zero_()  # evict the operands from L2
-                starts[i].record()
-                fn()
-                ends[i].record()
+                for j, fn in enumerate(fns):
+                    self._flush.zero_()  # evict the operands from L2
+                    starts[j][i].record()
+                    fn()
+                    ends[j][i].record()
             torch.cuda.synchronize(self.device)
-            return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-        times = []
+            return [[s.elapsed_time(e) for s, e in zip(starts[j], ends[j], strict=True)] for j in range(n)]
+        times: list[list[float]] = [[] for _ in range(n)]
         for _ in range(repeats):
-            self._flush.zero_()  # evict the operands from the last-level cache
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+            for j, fn in enumerate(fns):
+                self._flush.zero_()  # evict the operands from the last-level cache
+                t0 = time.perf_counter()
+                fn()
+                times[j].append((time.perf_counter() - t0) * 1e3)
+        return times
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, linearly interpolated between the closest ranks (numpy's and
+    ``torch.quantile``'s default, which ``triton.testing.do_bench`` reports through)."""
+    if not values:
+        raise ValueError("no samples")
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A case's timed calls summed up as ``triton.testing.do_bench(quantiles=(0.5, 0.2, 0.8))`` reports them."""
+
+    repeats: int  # how many timed calls
+    ms: float  # their median
+    p20: float  # 20th percentile
+    p80: float  # 80th percentile
+
+    @property
+    def unstable(self) -> bool:
+        """Whether the p20-p80 band is wide relative to the median (quantcore.kernels.records.UNSTABLE_SPREAD)."""
+        return is_unstable(self.ms, self.p20, self.p80)
+
+    @classmethod
+    def of(cls, samples_ms: Sequence[float]) -> Spread:
+        """The spread of a case's samples, in milliseconds."""
+        med, p20, p80 = (quantile(samples_ms, q) for q in QUANTILES)
+        return cls(repeats=len(samples_ms), ms=med, p20=p20, p80=p80)

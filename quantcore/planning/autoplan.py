@@ -607,12 +607,72 @@ def choose_kv_skip(layer_kl: Mapping[str, float], format_bytes: Mapping[str, flo
                         cache_bytes=sum(keep_bytes[n] if n in skip else format_bytes[n] for n in layers))
 
 
+@dataclass(frozen=True)
+class BudgetCheck:
+    """A verifying score's measured KL against the automatic plan's budget, within the measurement's error.
+
+    within:          True when ``kl + z · err <= budget``, False when ``kl - z · err > budget``, None when the budget
+                     lies inside the error (neither can be said at this sample size)
+    more_sequences:  with ``within`` None, about how many more evaluation sequences would settle it (the error
+                     shrinks as 1 / sqrt(sequences)); None when that cannot be estimated
+    more_tokens:     the same in tokens (``more_sequences`` × tokens per sequence), None without a sequence length
+    text:            what a person reads
+    """
+
+    kl: float
+    err: float | None
+    budget: float
+    within: bool | None
+    more_sequences: int | None
+    more_tokens: int | None
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_budget(kl: float, err: float | None, budget: float, *, sequences: int | None = None,
+                 seq_len: int | None = None, z: float | None = None) -> BudgetCheck:
+    """Whether a measured KL (± its standard error, :mod:`quantcore.evaluation.statistics`) is within ``budget``:
+    "within the budget" only when ``kl + z · err <= budget`` (z = :data:`quantcore.evaluation.statistics.Z`), "over"
+    when ``kl - z · err > budget``; otherwise the budget lies inside the error, and the text says how many more
+    sequences (``sequences`` scored so far, ``seq_len`` tokens each) would settle it. Without an error (one
+    sequence, or a score stored before errors were kept) the point estimate decides, and the text says so."""
+    from quantcore.evaluation.statistics import Estimate, Z, sequences_to_settle, within
+
+    zz = Z if z is None else z
+    est = Estimate(float(kl), err)
+    verdict = within(est, budget, zz)
+    shown = f"measured KL {est.text('.4g')} against the budget {budget:g}"
+    more = more_tokens = None
+    if err is None:
+        text = (f"measured KL {kl:.4g} {'within' if verdict else 'over'} the budget {budget:g} (no error estimate: "
+                "one sequence, or a score stored before errors were kept)")
+    elif verdict is True:
+        text = f"{shown}: within the budget (by more than {zz:g} standard errors)"
+    elif verdict is False:
+        text = f"{shown}: over the budget (by more than {zz:g} standard errors)"
+    else:
+        total = sequences_to_settle(est, budget, sequences) if sequences else None
+        more = None if total is None or sequences is None else total - sequences
+        more_tokens = None if more is None or seq_len is None else more * seq_len
+        text = (f"{shown}: the budget lies inside the error (± {zz:g} standard errors), so this score cannot say "
+                "whether the plan is within it")
+        if more is not None:
+            text += (f"; about {more:,} more sequences" + (f" ({more_tokens:,} tokens)" if more_tokens else "")
+                     + f", {total:,} in all, would settle it if the KL stays at {kl:.4g}")
+    return BudgetCheck(kl=float(kl), err=err, budget=float(budget), within=verdict, more_sequences=more,
+                       more_tokens=more_tokens, text=text)
+
+
 __all__ = [
     "AutoPlanResult",
+    "BudgetCheck",
     "DEFAULT_CANDIDATES",
     "KvSkipChoice",
     "UnitChoice",
     "auto_plan",
+    "check_budget",
     "choose_kv_skip",
     "plan_units",
     "predicted_kl",

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jobs.specs import LIST_LIMIT
 from quantplan.cli.common import (
     CliError,
     checked_settings,
     print_json,
 )
-from quantplan.cli.options import SubParsers, add_json
+from quantplan.cli.options import SubParsers, add_json, bounded
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -57,6 +58,6 @@ def add_commands(sub: SubParsers) -> None:
     sp.add_argument("action", nargs="?", default="list", choices=["list", "show", "cancel", "retry"],
                     help="list (default), show ID, cancel ID, or retry ID (queue a failed / cancelled job again)")
     sp.add_argument("id", nargs="?", type=int, help="job id (show, cancel, retry)")
-    sp.add_argument("--limit", type=int, default=30, help="newest jobs listed (default 30)")
+    sp.add_argument("--limit", type=bounded(LIST_LIMIT), default=30, help="newest jobs listed (default 30)")
     add_json(sp, "print as JSON")
     sp.set_defaults(func=cmd_jobs)

@@ -34,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default: the process's arguments); its exit status: 0 done, 1 refused or failed
     (a line on stderr), 130 interrupted
     (143: a --local job ended by SIGTERM), 141 a closed pipe."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # no HF_HUB_OFFLINE default: every checkpoint is read from a local folder (local_files_only), and the Hub is
+    # reached only by a registration by hub id (quantcore.models.hub), which an admin forbids by setting it
     # transformers' own tqdm bars (GGUF conversion, weight loading) would interleave with quantplan's job
     # progress lines in the terminal and fill worker logs with carriage returns
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     # the command prints its own progress: first-party log lines only from WARNING up, unless asked for

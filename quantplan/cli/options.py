@@ -13,9 +13,17 @@ from jobs.specs import (
     BUDGET_S,
     CAL_SAMPLES,
     CAL_SEQ_LEN,
+    CLIP_EPS,
+    CONTEXT,
+    KL_BUDGET,
+    M_VALUE,
+    PROMPT_TOKENS,
+    ROLLOUT_LEN,
+    ROLLOUTS,
     SAMPLES,
     SCORED_SEQ_LEN,
     SEQ_LEN,
+    SERVED_BATCH,
     TENSOR_PARALLEL,
     BenchSpec,
     Limit,
@@ -124,6 +132,18 @@ def add_calibration_options(sp: ParserT) -> None:
                     help=f"tokens per calibration sequence (default {ScoreSpec.cal_seq_len})")
 
 
+def add_rollout_options(sp: ParserT) -> None:
+    """--rollouts / --rollout-len / --clip-eps: a score's rollout drift (quantcore.evaluation.rollouts)."""
+    sp.add_argument("--rollouts", type=bounded(ROLLOUTS), metavar="N", help="also sample N sequences from the "
+                    "quantized model and measure their drift from the unquantized one (RL rollouts from a "
+                    "low-precision copy of the policy)")
+    sp.add_argument("--rollout-len", type=bounded(ROLLOUT_LEN), default=ScoreSpec.rollout_len, metavar="TOKENS",
+                    help=f"tokens each rollout generates (default {ScoreSpec.rollout_len})")
+    sp.add_argument("--clip-eps", type=bounded(CLIP_EPS), default=ScoreSpec.clip_eps, metavar="EPS",
+                    help=f"PPO's clip range ε: the share of rollouts whose importance ratio leaves [1-ε, 1+ε] "
+                    f"(default {ScoreSpec.clip_eps:g})")
+
+
 def add_tensor_parallel(sp: ParserT, help: str) -> None:
     """--tensor-parallel / --tp GPUS: the GPUs a plan is served (scored, timed, exported) on."""
     sp.add_argument("--tensor-parallel", "--tp", type=bounded(TENSOR_PARALLEL), metavar="GPUS", help=help)
@@ -150,7 +170,7 @@ def add_kv_cache(sp: ParserT, help: str, *, required: bool = False) -> None:
 
 def add_kl_budget(sp: ParserT, help: str) -> None:
     """--kl-budget: the most KL (nats per token) a plan's prediction may reach."""
-    sp.add_argument("--kl-budget", type=float, required=True, help=help)
+    sp.add_argument("--kl-budget", type=bounded(KL_BUDGET), required=True, help=help)
 
 
 def add_budget(sp: ParserT) -> None:
@@ -168,5 +188,33 @@ def add_target(sp: ParserT, help: str, *, required: bool = False) -> None:
 def add_ideal_options(sp: ParserT, what: str) -> None:
     """--target / --batch / --prompt: the ideal (roofline) step times on a GPU of the table."""
     add_target(sp, f"add {what} on this GPU: {GPU_TARGETS}")
-    sp.add_argument("--batch", type=int, default=1, help="tokens of the ideal decode step (default 1)")
-    sp.add_argument("--prompt", type=int, default=2048, help="tokens of the ideal prefill step (default 2048)")
+    sp.add_argument("--batch", type=bounded(SERVED_BATCH), default=1,
+                    help="sequences of the ideal decode step, one token each (default 1)")
+    sp.add_argument("--prompt", type=bounded(PROMPT_TOKENS), default=2048,
+                    help="tokens of the ideal prefill step (default 2048)")
+
+
+def m_values(text: str) -> list[int]:
+    """An argparse ``type=``: comma-separated M values (quantcore.kernels.records.parse_ms), each within the
+    benchmark spec's rule for M (jobs.specs.M_VALUE), refused at parse time."""
+    from quantcore.kernels.records import parse_ms
+
+    try:
+        ms = parse_ms(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    for m in ms:
+        _, problem = M_VALUE.problem(m)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+    return ms
+
+
+def add_context(sp: ParserT, help: str, default: int | None = None) -> None:
+    """--context: tokens of context a sequence holds (its KV cache)."""
+    sp.add_argument("--context", type=bounded(CONTEXT), default=default, help=help)
+
+
+def add_step_m(sp: ParserT, flag: str, help: str, default: int | None = None) -> None:
+    """An M option (``--m``, ``--m-prefill``...): rows of a step's GEMMs, batch x tokens, as a benchmark's M."""
+    sp.add_argument(flag, type=bounded(M_VALUE), default=default, help=help)

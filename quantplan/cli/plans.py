@@ -22,6 +22,7 @@ from quantplan.cli.common import (
 from quantplan.cli.options import (
     GPU_TARGETS,
     SubParsers,
+    add_context,
     add_device,
     add_expert_parallel,
     add_ideal_options,
@@ -31,6 +32,7 @@ from quantplan.cli.options import (
     add_local,
     add_model,
     add_plan_model,
+    add_step_m,
     add_target,
     add_tensor_parallel,
     add_timeout,
@@ -284,10 +286,14 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
             done = finish_job(job, local=run_here, quiet=args.json, timeout_s=args.timeout)
             out["measured_kl"] = (done.result or {}).get("kl_mean")
             out["verify_status"] = done.status
+            if out["measured_kl"] is not None:  # within the budget only beyond the measurement's error
+                check = autoplan_svc.budget_check(done.result or {}, args.kl_budget)
+                out.update(measured_kl_err=check.err, within_budget=check.within, budget_check=check.text,
+                           settle_sequences=check.more_sequences, settle_tokens=check.more_tokens)
     if args.json:
         print_json(out)
     elif out.get("measured_kl") is not None:
-        print(f"  verified by score job #{out['verify_job']}: measured KL {out['measured_kl']:.4g} (predicted "
+        print(f"  verified by score job #{out['verify_job']}: {out['budget_check']} (predicted "
               f"{result.predicted_kl:.4g})")
     elif "measured_kl" in out:  # the score job ended without a result
         print(f"  verification: score job #{out['verify_job']} {out['verify_status']} (see `quantplan jobs`)")
@@ -305,8 +311,7 @@ def add_commands(sub: SubParsers) -> None:
     add_kl_budget(sp, "nats per token, e.g. 0.02")
     add_target(sp, f"target GPU: {GPU_TARGETS}", required=True)
     sp.add_argument("--candidates", help="comma-separated schemes (default: every scheme with a sensitivity sweep)")
-    sp.add_argument("--m", type=int, default=STEP_TOKENS,
-                    help="tokens per step whose (measured or ideal) time is the cost")
+    add_step_m(sp, "--m", "tokens per step whose (measured or ideal) time is the cost", STEP_TOKENS)
     sp.add_argument("--cost", default="auto", choices=list(AUTO_COSTS),
                     help="what to minimise: auto = measured kernel times of the target where stored, else weight "
                          "bits; bits = weight memory; ideal = the roofline step time at --m on the target")
@@ -328,8 +333,8 @@ def add_commands(sub: SubParsers) -> None:
     add_model(sp)
     add_kv_cache(sp, "the KV cache format a sweep measured", required=True)
     add_kl_budget(sp, "the cache's predicted KL may not exceed this")
-    sp.add_argument("--context", type=int, default=4096, help="tokens of context whose cache memory is minimised "
-                    "(sliding-window layers hold at most their window; default 4096)")
+    add_context(sp, "tokens of context whose cache memory is minimised (sliding-window layers hold at most their "
+                "window; default 4096)", 4096)
     add_json(sp, "print the choice as JSON")
     sp.set_defaults(func=cmd_plan_kv_skip)
 
@@ -337,8 +342,8 @@ def add_commands(sub: SubParsers) -> None:
     sp.add_argument("plan", help=STORED_PLAN_HELP)
     add_plan_model(sp)
     add_ideal_options(sp, "the ideal (roofline) decode and prefill step")
-    sp.add_argument("--context", type=int, help="tokens of context a sequence holds: the KV cache of one such "
-                    "sequence, and with --target how many fit and the ideal decode step of --batch of them")
+    add_context(sp, "tokens of context a sequence holds: the KV cache of one such sequence, and with --target how "
+                "many fit and the ideal decode step of --batch of them")
     add_tensor_parallel(sp, "check and time the plan split over this many GPUs (default: the plan's "
                         "tensor_parallel)")
     add_expert_parallel(sp)

@@ -31,9 +31,11 @@ from quantplan.cli.options import (
     add_gpu_options,
     add_kv_cache,
     add_model,
+    add_rollout_options,
     add_run_options,
     add_tensor_parallel,
     add_text_job_options,
+    m_values,
 )
 
 
@@ -143,6 +145,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     if bool(args.scheme) == bool(args.plan):
         raise CliError("give exactly one of --scheme NAME or --plan FILE (or --all-presets)")
     params = {**base, **({"scheme": scheme_arg(args.scheme)} if args.scheme else _plan_param(args.plan))}
+    if args.rollouts:
+        params.update(rollouts=args.rollouts, rollout_len=args.rollout_len, clip_eps=args.clip_eps)
     if "plan" in params:  # refused here, before a job loads the model, when it does not fit this model
         from quantplan.services import plans as plans_svc
         from quantplan.services import serving as serving_svc
@@ -166,6 +170,12 @@ def cmd_score(args: argparse.Namespace) -> int:
         print(f"job #{job.id} {r['plan']}{kv} on {model.name}: KL mean {r['kl_mean']:.4g} (p50 {r['kl_p50']:.4g}, "
               f"p99 {r['kl_p99']:.4g}, max {r['kl_max']:.4g}), top-1 agreement {r['top1_agree']:.4f}, "
               f"perplexity {r['ppl_ref']:.2f} → {r['ppl']:.2f} over {r['tokens']} tokens")
+        from quantplan.services import scoring as scoring_svc
+
+        for line in scoring_svc.statistics_lines(r):  # llama-perplexity --kl-divergence's block, with its ±
+            print(f"  {line}" if line else "")
+        for line in scoring_svc.rollout_lines(r.get("rollout")):
+            print(f"  {line}")
         if r.get("gptq_calibration_text"):
             gptq = r.get("gptq") or {}
             kept = (f"; {gptq['from_cache']} of its {gptq['layers']} layer(s) as an earlier job rounded them"
@@ -245,8 +255,8 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
     from quantplan.services import sweeps as sweeps_svc
 
     rows = sweeps_svc.sensitivity_rows(job.id)
-    out = [{"layer": r.unit, "layers": r.layers, "kl_mean": r.kl_mean, "top1_agree": r.top1_agree,
-            "sqnr_db": r.sqnr_db} for r in rows]
+    out = [{"layer": r.unit, "layers": r.layers, "kl_mean": r.kl_mean, "kl_mean_err": r.kl_mean_err,
+            "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db} for r in rows]
     if args.json:
         print_json({"job": job.id, "scheme": swept, "tensor_parallel": job.result.get("tensor_parallel", 1),
                      "layers": out, "not_swept": job.result.get("not_swept", [])})
@@ -256,7 +266,8 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
         print(f"job #{job.id}: {sweeps_svc.sweep_label(job)} one unit at a time on {model.name}, most sensitive first:")
         for r in out[:20]:
             sq = "" if r["sqnr_db"] is None else f"  SQNR {r['sqnr_db']:6.1f} dB"
-            print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g}  top-1 {r['top1_agree']:.4f}{sq}")
+            err = "—" if r["kl_mean_err"] is None else format(r["kl_mean_err"], ".2g")
+            print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g} ± {err:<8}  top-1 {r['top1_agree']:.4f}{sq}")
         if left_out := job.result.get("not_swept"):
             print(f"not swept: {len(left_out)} layer(s) no llm-compressor recipe can smooth "
                   f"({name_list(left_out, 3)}); the automatic planner gives them a scheme without SmoothQuant")
@@ -267,16 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """`quantplan bench [MODEL]`: time the real GEMMs of the model's shapes on this job's device."""
     checked_settings()
     model = find_model(args.model) if args.model else None
-    if args.m is not None:
-        from quantcore.kernels.records import parse_ms
-
-        try:
-            ms = parse_ms(args.m)
-        except ValueError as exc:
-            raise CliError(f"--m: {exc}") from exc
-    else:
-        ms = None
-    params: dict[str, Any] = {"device": args.device, "m": ms, "budget_s": args.budget, "force": args.force}
+    params: dict[str, Any] = {"device": args.device, "m": args.m, "budget_s": args.budget, "force": args.force}
     if args.paths:
         from quantcore.kernels.paths import check_paths
 
@@ -308,10 +310,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for sup in (PathSupport(**p) for p in job.result.get("paths") or []):
             print(f"  {sup.path:11s} {sup.status:22s} {sup.why}")
         from quantcore.kernels.records import KernelRecord
-        from quantcore.kernels.report import format_records
+        from quantcore.kernels.report import format_records, unstable_summary
 
         if records:
-            print(format_records(KernelRecord.from_dict(r) for r in records))
+            kernel_records = [KernelRecord.from_dict(r) for r in records]
+            if shaky := unstable_summary(kernel_records):  # each such row's note says so too
+                print(shaky)
+            print(format_records(kernel_records))
     return 0
 
 
@@ -335,6 +340,7 @@ def add_commands(sub: SubParsers) -> None:
                  "replaces the plan file's kv_cache")
     add_gpu_options(sp, "score the plan (default: the plan file's tensor_parallel, else one GPU)")
     add_calibration_options(sp)
+    add_rollout_options(sp)
     sp.set_defaults(func=cmd_score)
 
     sp = sub.add_parser("sensitivity", help="KL of quantizing one layer (or fusion group) at a time")
@@ -351,7 +357,7 @@ def add_commands(sub: SubParsers) -> None:
 
     sp = sub.add_parser("bench", help="time the real FP8 / INT8 GEMMs on the model's shapes")
     add_model(sp, "registered model (default: SmolLM2-135M's shapes)", optional=True)
-    sp.add_argument("--m", help="comma-separated M values (batch × tokens), default "
+    sp.add_argument("--m", type=m_values, help="comma-separated M values (batch × tokens), default "
                     + ",".join(map(str, BenchSpec.DEFAULT_MS)))
     sp.add_argument("--paths", help="comma-separated kernel paths to time (default: all; the baseline is always "
                     "timed), e.g. int8_row,int8_row+q,w8_row: leave out the FP8 a CPU only emulates")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from jobs.specs import SERVE_SIZE
 from quantplan.cli.common import (
     CliError,
     check_target,
@@ -12,7 +13,7 @@ from quantplan.cli.common import (
     find_model,
     print_json,
 )
-from quantplan.cli.options import SubParsers, add_ideal_options, add_json, add_model
+from quantplan.cli.options import SubParsers, add_ideal_options, add_json, add_model, add_step_m, bounded
 
 
 def _set_label(score_set: tuple[str, int]) -> str:
@@ -81,25 +82,31 @@ def cmd_scores(args: argparse.Namespace) -> int:
     if args.target:
         costs += [("ideal_prefill_ms", f"ideal prefill ms (M={args.prompt})", ".4f", 26),
                   ("ideal_decode_ms", f"ideal decode ms (M={args.batch})", ".4f", 24)]
-    for cost, *_ in costs:
-        frame[f"front_{cost}"] = scoring_svc.with_front(frame, cost)["front"]
+    on_set = [s for s in scores if (s.dataset, s.tokens) == eval_set]
+    for cost, *_ in costs:  # told apart within the KLs' errors, paired where two scores share their tokens
+        frame[f"front_{cost}"] = scoring_svc.with_front(frame, cost, on_set)["front"]
     rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
             for row in frame.to_dict("records")]
     by_job = {s.job_id: s for s in scores}
     for r in rows:  # what each score's job noticed, whether older numerics made it, what GPTQ / KV scales saw
         r["notes"] = scoring_svc.score_notes(model, by_job[r["job"]])
         r["calibration"] = by_job[r["job"]].details.get("calibration")
+        sc = by_job[r["job"]]  # the percentiles and errors (quantcore.evaluation.statistics; None: not kept then)
+        r.update({"kl_p50": sc.kl_p50, "kl_p90": sc.kl_p90, "kl_p99": sc.kl_p99, "kl_max": sc.kl_max,
+                  "ppl_ref": sc.ppl_ref, **sc.statistics(), "kl_mean_err": sc.kl_mean_err})
     if args.json:
         print_json({"model": model.name, "text": eval_set[0], "positions": eval_set[1], "timings": args.timings,
                      "m_prefill": m_prefill, "m_decode": m_decode, "target": args.target,
                      "ideal_m_prefill": args.prompt, "ideal_m_decode": args.batch, "plans": rows})
         return 0
     print(f"{model.name}: {len(rows)} plan(s) scored on {eval_set[0]} ({eval_set[1]:,} positions), lowest KL first; "
-          "* = on the front (no other plan has both a lower KL and a lower cost)")
+          "* = on the front (no other plan has both a lower KL and a lower cost, and a dearer plan's KL is lower "
+          "beyond its error); ± one standard error")
     if len(sets) > 1:
         print(f"  also scored on: {', '.join(repr(_set_label(t)) for t in sets if t != eval_set)} (--text)")
     width = max(len(r["plan"]) for r in rows)
-    print(f"  {'plan':<{width}}  {'KL mean':>9}  {'top-1':>6}" + "".join(f"  {h:>{w}}" for _, h, _, w in costs))
+    print(f"  {'plan':<{width}}  {'KL mean':>9}  {'± err':>8}  {'top-1':>6}"
+          + "".join(f"  {h:>{w}}" for _, h, _, w in costs))
 
     def cell(row: dict[str, Any], cost: str, fmt: str, w: int) -> str:
         value = row[cost]
@@ -107,7 +114,8 @@ def cmd_scores(args: argparse.Namespace) -> int:
         return f"  {text:>{w}}"
 
     for r in rows:
-        print(f"  {r['plan']:<{width}}  {r['kl_mean']:9.5f}  {r['top1_agree']:6.3f}"
+        err = "—" if r["kl_mean_err"] is None else format(r["kl_mean_err"], ".2g")
+        print(f"  {r['plan']:<{width}}  {r['kl_mean']:9.5f}  {err:>8}  {r['top1_agree']:6.3f}"
               + "".join(cell(r, c, f, w) for c, _, f, w in costs))
     for r in rows:
         if r["calibration"]:
@@ -146,10 +154,10 @@ def add_commands(sub: SubParsers) -> None:
     sp.add_argument("--text", help="evaluation text the scores were measured on (default: the one with most scores)")
     sp.add_argument("--timings", metavar="DEVICE", help="add prefill / decode step times from this device's "
                     "kernel timings (its name as the Kernels page and `quantplan bench` show it)")
-    sp.add_argument("--m-prefill", type=int, help="M of the prefill step (default: the largest measured)")
-    sp.add_argument("--m-decode", type=int, help="M of the decode step (default: the smallest measured)")
+    add_step_m(sp, "--m-prefill", "M of the prefill step (default: the largest measured)")
+    add_step_m(sp, "--m-decode", "M of the decode step (default: the smallest measured)")
     add_ideal_options(sp, "the ideal (roofline) step times")
-    sp.add_argument("--serve", nargs=2, type=int, metavar=("SEQUENCES", "CONTEXT"),
+    sp.add_argument("--serve", nargs=2, type=bounded(SERVE_SIZE), metavar=("SEQUENCES", "CONTEXT"),
                     help="add the GPU memory of serving SEQUENCES sequences of CONTEXT tokens: every weight plus "
                          "their KV cache in the format each plan was scored with")
     add_json(sp, "machine-readable output")

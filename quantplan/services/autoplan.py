@@ -31,6 +31,18 @@ from quantplan.services.units import mib_text
 from store.records import JobRecord, ModelRecord, PlanRecord, ScoreRecord
 
 
+def budget_check(result: dict[str, Any], kl_budget: float) -> Any:
+    """The verifying score job's ``result`` (its measured KL ± error, sequences and positions) against the automatic
+    plan's budget (quantcore.planning.autoplan.check_budget): "within the budget" only beyond the error; where the
+    budget lies inside it, about how many more sequences and tokens would settle it."""
+    from quantcore.planning.autoplan import check_budget
+
+    sequences, positions = result.get("sequences"), result.get("tokens")
+    seq_len = positions // sequences + 1 if sequences and positions else None  # positions are tokens - 1 each
+    return check_budget(float(result["kl_mean"]), result.get("kl_mean_err"), kl_budget, sequences=sequences,
+                        seq_len=seq_len)
+
+
 def cost_text(value: float, unit: str) -> str:
     """An automatic plan's cost as a person reads it: weight bits in MiB, times in ms."""
     from quantcore.planning.costs import UNIT_BITS

@@ -6,6 +6,7 @@ import datetime as dt
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from jobs.specs import read_params
 from quantplan.services.deployment import settings
 from quantplan.services.errors import Refused
 from quantplan.services.models import list_models
@@ -65,7 +66,8 @@ def retry_job(job_id: int) -> JobRecord:
     job = get_job(job_id)
     if refusal := retry_refusal(job):
         raise Refused(refusal)
-    params = {k: v for k, v in job.params.items() if k != "user"}  # submit() adds the current user
+    # its spec's JSON: an older version's row (where 0 meant the default) is queued as what it meant
+    params = {k: v for k, v in read_params(job.kind, job.params).to_params().items() if k != "user"}
     return submit(job.kind, params, model_id=job.model_id, plan_id=job.plan_id)
 
 

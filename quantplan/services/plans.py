@@ -49,15 +49,16 @@ def unchanged_version(model_id: int, name: str, body: dict[str, Any]) -> PlanRec
 
 
 def save_layer_alpha(model: ModelRecord, plan_name: str, layer: str, alpha: float,
-                     base: PlanRecord | None) -> PlanRecord:
+                     base: PlanRecord | None, scheme: str = "INT8_W8A8") -> PlanRecord:
     """A new version of plan_name with this SmoothQuant alpha for `layer` and its fusion group
-    (layers fused at serving time share one input, so they must share the smoothing)."""
+    (layers fused at serving time share one input, so they must share the smoothing). Without a base plan, a new plan
+    of `scheme` on every layer (default INT8_W8A8: INT8 with dynamic per-token activations) carries the alpha; with
+    one, the layer keeps the base plan's scheme (:func:`alpha_scheme` says which)."""
     from quantcore.planning.plans import PlanSpec
     from quantcore.schemes.fusion import fusion_group_of
 
     names = layer_names(model)
-    # a new plan that can carry the alpha: INT8 with dynamic per-token activations
-    spec = PlanSpec.from_dict(base.body if base else {**new_plan_body(model, "INT8_W8A8"), "name": plan_name})
+    spec = PlanSpec.from_dict(base.body if base else {**new_plan_body(model, scheme), "name": plan_name})
     for member in fusion_group_of(layer, names) or [layer]:
         spec.layer_alpha[member] = float(alpha)
     body = spec.to_dict()
@@ -66,6 +67,19 @@ def save_layer_alpha(model: ModelRecord, plan_name: str, layer: str, alpha: floa
         raise Refused(problem)
     return save_plan(model.id, plan_name, body, note=f"alpha {alpha:.2f} for {layer}",
                      parent_id=base.id if base else None)
+
+
+def alpha_scheme(model: ModelRecord, base: PlanRecord | None, layer: str, scheme: str = "INT8_W8A8") -> Scheme:
+    """The scheme :func:`save_layer_alpha` smooths `layer` under: the base plan's for the layer, or `scheme` (a new
+    plan's); Refused when the base plan does not resolve on the model."""
+    from quantcore.schemes.presets import get_scheme
+
+    if base is None:
+        return get_scheme(scheme)
+    resolved, problem = resolve(model, base.body)
+    if resolved is None:
+        raise Refused(problem or f"plan {base.name} does not resolve on {model.name}")
+    return resolved[layer]
 
 
 def get_plan(ref: int | str) -> PlanRecord:

@@ -105,14 +105,6 @@ def kv_memory(model: ModelRecord, body: dict[str, Any], target: str | None = Non
     return out
 
 
-def kv_kib_per_token(model: ModelRecord) -> float | None:
-    """The model's KV cache per token in BF16 (KiB, every layer); None without separate k_proj / v_proj."""
-    from quantcore.evaluation.kvcache import kv_bytes_per_token
-
-    b = kv_bytes_per_token(model.linears, "AUTO")
-    return None if b is None else b / 1024
-
-
 def decode_with_cache(model: ModelRecord, body: dict[str, Any], target: str, batch: int,
                       context: int) -> dict[str, float] | None:
     """The ideal decode step of ``batch`` sequences each holding ``context`` tokens of cache: the linears'

@@ -12,6 +12,7 @@ from quantcore.kernels.records import TIMING
 from store import repo
 from store.db import session_scope
 from tests.factories import OUTLIER_LAYER, SMOL_LAYERS, smol_linears
+from tests.hub_server import hub, hub_checkpoints  # noqa: F401 - the local Hub's fixtures
 
 
 def fake_stats(rng: np.random.Generator) -> list[LayerStats]:

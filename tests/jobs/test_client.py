@@ -89,3 +89,26 @@ def test_a_score_of_an_encoder_is_refused_before_anything_is_queued(qp_settings,
     assert client.create_local_job("calibrate", CalibrateSpec(), model_id=bert.id, settings=qp_settings).kind == \
         "calibrate"  # its calibration works
     assert sent == [] and [j.kind for j in _jobs(qp_settings)] == ["calibrate"]
+
+
+def test_a_zero_asked_for_now_is_refused_although_an_old_rows_zero_reads_as_the_default(qp_settings, sent):
+    """A dict of parameters given now (a page, `plan auto`'s verifying score) with budget_s 0 or samples 0 was
+    queued with the default (0 read as "not given", as a row of an older version is still read); it is refused by
+    the parameter's rule, nothing written. Retrying an old row whose 0 meant the default queues its spec's JSON."""
+    from quantplan.services import jobs as jobs_svc
+
+    for kind, params, said in (("bench", {"budget_s": 0}, "bench job's budget_s must be more than 0"),
+                               ("calibrate", {"samples": 0}, "calibrate job's samples must be between 1"),
+                               ("bench", {"tensor_parallel": 0}, "tensor_parallel must be between 1 and 1024")):
+        with pytest.raises(InvalidJob, match=said):
+            client.submit_job(kind, params, settings=qp_settings)
+    assert _jobs(qp_settings) == [] and sent == []
+    from tests.factories import stored_model
+
+    with session_scope(qp_settings) as s:  # as an older version wrote it, then failed
+        model = stored_model(s)
+        old = repo.create_job(s, kind="calibrate", params={"samples": 0, "seq_len": 16}, queue="cpu", user="ann",
+                              model_id=model.id)
+        repo.finish_job(s, old.id, status="failed", error="lost")
+    again = jobs_svc.retry_job(old.id)
+    assert again.params["samples"] == CalibrateSpec.samples and again.params["seq_len"] == 16

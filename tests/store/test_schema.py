@@ -71,6 +71,15 @@ def _tiny_model(s, name: str):
     return stored_model(s, name)
 
 
+def _model_row_at_0002(s, name: str) -> int:
+    """A model row written with the columns of revision 0002 (the ORM's model is always the newest one's)."""
+    s.execute(text(
+        "INSERT INTO models (name, sha256, source_kind, source_name, path, architecture, model_type, num_layers, "
+        "num_params, dtype, total_bytes, summary, created_at) VALUES (:n, :sha, 'folder', :n, :p, 'LlamaForCausalLM',"
+        " 'llama', 2, 1000, 'float32', 4000, '{}', CURRENT_TIMESTAMP)"), {"n": name, "sha": name * 4, "p": f"m/{name}"})
+    return int(s.execute(text("SELECT id FROM models WHERE name = :n"), {"n": name}).scalar_one())
+
+
 def _removed_ids_are_not_given_again(settings) -> None:
     from store import repo
 
@@ -119,10 +128,10 @@ def test_upgrading_sqlite_to_0003_copies_the_tables_and_loses_no_row(qp_env):
     s.ensure_dirs()
     db.upgrade(s, "0002")
     with db.session_scope(s) as session:
-        mod = _tiny_model(session, "old")
-        v1 = repo.save_plan(session, model_id=mod.id, name="p", body={"default": "FP8"}, user="ann")
-        v2 = repo.save_plan(session, model_id=mod.id, name="p", body={"default": "BF16"}, user="ann")
-        job = repo.create_job(session, kind="score", params={"x": 1}, queue="cpu", user="ann", model_id=mod.id,
+        mod_id = _model_row_at_0002(session, "old")
+        v1 = repo.save_plan(session, model_id=mod_id, name="p", body={"default": "FP8"}, user="ann")
+        v2 = repo.save_plan(session, model_id=mod_id, name="p", body={"default": "BF16"}, user="ann")
+        job = repo.create_job(session, kind="score", params={"x": 1}, queue="cpu", user="ann", model_id=mod_id,
                               plan_id=v2.id)
     counts = "SELECT (SELECT count(*) FROM models), (SELECT count(*) FROM plans), (SELECT count(*) FROM jobs)"
     with db.make_engine(s.sqlalchemy_url).connect() as conn:
@@ -140,7 +149,7 @@ def test_upgrading_sqlite_to_0003_copies_the_tables_and_loses_no_row(qp_env):
         assert conn.execute(text("PRAGMA foreign_key_check")).fetchall() == []
     with db.session_scope(s) as session:
         assert repo.get_job(session, job.id).plan_id == v2.id
-        assert sorted(p.id for p in repo.list_plans(session, mod.id)) == [v1.id, v2.id]
+        assert sorted(p.id for p in repo.list_plans(session, mod_id)) == [v1.id, v2.id]
         assert repo.get_plan(session, v2.id).parent_id == v1.id
     with pytest.raises(db.StoreError, match="refused"):
         with db.session_scope(s) as session:

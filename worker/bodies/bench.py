@@ -4,7 +4,8 @@
 Results are stored per (device name, torch version, M, N, K, path) and reused: asking the same device again
 measures only what is missing (unless the job says ``force``), what failed, what was skipped for time under a
 smaller budget per case (per shape, over its M values x paths) than asked now, what was stored with a native flag
-that the device's probe no longer gives, or what was timed another way (quantcore.kernels.records.TIMING).
+that the device's probe no longer gives, what was timed another way (quantcore.kernels.records.TIMING), or what was
+flagged ``unstable`` (its timed calls spread too widely: quantcore.kernels.records.reusable_records).
 """
 
 from __future__ import annotations

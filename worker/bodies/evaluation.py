@@ -122,12 +122,18 @@ def software() -> dict[str, str]:
 
 
 def reference_for(ctx: JobContext, model_rec: ModelRecord, model: Any, ids: Any, eval_label: str, batch_size: int):
-    """Reference log-probs of the unquantized model on these tokens, cached in the artifact store."""
+    """The unquantized model's reference on these tokens, cached in the artifact store: every log-prob where that
+    is at most ``reference_full_max_mb``, else the compact top-k record (``reference_topk``); computed in the job
+    and not kept (its ``kind`` then reads ``recomputed``) where it would not fit in the cache at all."""
     from quantcore.evaluation import reference
 
     ctx.cache_used = True  # the job's end keeps the cache under its limit (worker.runner.trim_cache)
-    key = cache_key(text=eval_label, shape=list(ids.shape), ids=ids, **software())
-    path = reference.reference_cache_path(ctx.settings.reference_root, model_rec.sha256, key)
+    s = ctx.settings
+    n, length = int(ids.shape[0]), int(ids.shape[1])
+    topk = reference.choose_topk(n, length, reference.model_vocab(model),
+                                 full_max_bytes=int(s.reference_full_max_mb * 2**20), topk=s.reference_topk)
+    key = cache_key(text=eval_label, shape=list(ids.shape), ids=ids, topk=topk, **software())
+    path = reference.reference_cache_path(s.reference_root, model_rec.sha256, key)
     if Path(path).exists():
         try:
             ref = reference.ReferenceCache.load(path)
@@ -135,14 +141,18 @@ def reference_for(ctx: JobContext, model_rec: ModelRecord, model: Any, ids: Any,
             ctx.progress(0.05, f"computing reference log-probs again: {exc}")
         else:
             cache.mark_used(path)
-            ctx.progress(0.1, "reference log-probs from the cache")
+            ctx.progress(0.1, f"reference log-probs from the cache ({ref.kind})")
             return ref
     else:
-        ctx.progress(0.05, "computing reference log-probs (once per model and text)")
+        what = "every log-prob" if topk is None else f"top {topk} a position"
+        ctx.progress(0.05, f"computing reference log-probs ({what}; once per model and text)")
     ref = reference.compute_reference(model, ids, batch_size=batch_size, model_sha=model_rec.sha256, eval_key=key,
-                                      progress=lambda f, m: ctx.progress(0.05 + 0.25 * f, m),
+                                      topk=topk, progress=lambda f, m: ctx.progress(0.05 + 0.25 * f, m),
                                       should_cancel=ctx.should_cancel)
-    ref.save(path)
+    if s.cache_max_bytes and ref.nbytes > s.cache_max_bytes:
+        ref.recomputed = True  # one score's worth: kept only for this job, the cache could not hold it
+    else:
+        ref.save(path)
     return ref
 
 

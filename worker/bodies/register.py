@@ -14,14 +14,20 @@ from worker.runner import JobContext, Outcome
 
 
 def register(ctx: JobContext) -> Outcome:
-    """Register the job's checkpoint (:class:`jobs.specs.RegisterSpec`): the demo or its ``source``; a staged
+    """Register the job's checkpoint (:class:`jobs.specs.RegisterSpec`): the demo, its ``source``, or its ``hub``
+    id (:mod:`worker.bodies.register_hub`); a staged
     upload's folder is deleted whatever the outcome. The same content registered twice is one model."""
     from quantcore.models import intake
 
     asked = RegisterSpec.from_params(ctx.params)
+    if asked.hub:
+        from worker.bodies.register_hub import register_hub
+
+        return register_hub(ctx, asked)
     staging = Path(asked.cleanup_dir) if asked.cleanup_dir else None
     try:
-        src = intake.demo_gguf_path() if asked.demo else Path(str(asked.source))
+        src = (intake.demo_gguf_path(asked.demo_model or "smollm2", Path(str(ctx.settings.cache_dir)))
+               if asked.demo else Path(str(asked.source)))
         ctx.progress(0.05, f"validating {src.name}")
         sha, folder, summary = intake.register_checkpoint(
             src, ctx.settings.models_dir, max_bytes=ctx.settings.upload_limit_bytes,
@@ -31,7 +37,8 @@ def register(ctx: JobContext) -> Outcome:
         if staging is not None:  # an app upload: the staged copy is never needed again
             shutil.rmtree(staging, ignore_errors=True)
     kind = "demo" if asked.demo else ("gguf" if src.suffix == ".gguf" else ("folder" if src.is_dir() else "archive"))
-    name = asked.name or (repo.DEMO_MODEL_NAME if asked.demo else _default_name(src, summary))
+    demo_name = intake.DEMO_MODELS.get(asked.demo_model or "smollm2", repo.DEMO_MODEL_NAME)
+    name = asked.name or (demo_name if asked.demo else _default_name(src, summary))
     rel = str(folder.relative_to(Path(str(ctx.settings.artifact_dir))))
     result: dict[str, Any] = {}
 

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from jobs.specs import ScoreSpec
 from store import repo
 from store.db import session_scope
+from store.records import SCORE_STATISTICS
 from worker.bodies import evaluation as ev
 from worker.runner import JobContext, Outcome
 
@@ -90,12 +91,21 @@ def score(ctx: JobContext) -> Outcome:
     inputs = ev.calibration_inputs(cal).replace(weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache,
                                                 parallel=parallel)
     kv_amax, kv_cached = ev.kv_amax(ctx, rec, model, kv, plan, cal_ids, cal, inputs)
+    rest = ctx.rest()
+    share = 0.5 if asked.rollouts else 1.0  # of what is left of the bar: the score's, then the rollouts'
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
     report = score_plan(model, plan, ids, ref, inputs=inputs.replace(kv_amax=kv_amax), batch_size=None,
-                        kv_cache=kv.name, kv_skip=spec.kv_cache_skip, progress=ctx.rest(),
-                        should_cancel=ctx.should_cancel)
-    not_kept = ev.keep_gptq(ctx, gptq_cache, keep_at)
+                        kv_cache=kv.name, kv_skip=spec.kv_cache_skip,
+                        progress=lambda f, msg: rest(share * f, msg), should_cancel=ctx.should_cancel)
     rep = report.to_dict()
+    if asked.rollouts:  # sequences the quantized model generates itself, against the reference on them
+        from quantcore.evaluation.rollouts import rollout_drift
+
+        rep["rollout"] = rollout_drift(model, plan, ids, count=asked.rollouts, length=asked.rollout_len,
+                                       clip_eps=asked.clip_eps, inputs=inputs.replace(kv_amax=kv_amax),
+                                       progress=lambda f, msg: rest(0.5 + 0.5 * f, msg),
+                                       should_cancel=ctx.should_cancel).to_dict()
+    not_kept = ev.keep_gptq(ctx, gptq_cache, keep_at)
     if cal_ids is not None:  # stored with the score: two scores of one plan may differ only in this
         rep["calibration"] = f"{cal_text}, {cal_ids.shape[0]} × {cal_ids.shape[1]} tokens"
     plan_label = base_label(asked.label, spec)
@@ -105,7 +115,13 @@ def score(ctx: JobContext) -> Outcome:
         plan_label = f"{plan_label} (TP {parallel.tp}{', EP' if parallel.expert_parallel else ''})"
     result = {k: rep[k] for k in ("kl_mean", "kl_p50", "kl_p99", "kl_max", "top1_agree", "ppl_ref", "ppl",
                                   "tokens", "kv_cache")}
+    # which reference the KL came from and the bound it carries (docs/scoring.md, "The compact reference")
+    result.update({k: rep.get(k) for k in ("reference_kind", "topk", "kl_tail_bound")})
+    # the statistics with their uncertainty (quantcore.evaluation.statistics; None where not measured)
+    result.update({k: rep.get(k) for k in ("kl_p90", *SCORE_STATISTICS, "eval_key")})
     result.update(plan=plan_label, calibration_job=cal[0] if cal else None)
+    if "rollout" in rep:
+        result["rollout"] = {k: v for k, v in rep["rollout"].items() if k != "log_ratios"}
     if kv.calibrated:
         result.update(kv_calibration_text=cal_text, kv_amax_cached=kv_cached)
     if gptq:
@@ -122,5 +138,7 @@ def score(ctx: JobContext) -> Outcome:
 
     reused = ([f"GPTQ {len(kept)} of {len(gptq_reads)} layers"] if kept else []) + (["KV maxima"] if kv_cached else [])
     return Outcome(result=result, write=write,
-                   message=f"{plan_label}: KL {rep['kl_mean']:.4g}, top-1 {rep['top1_agree']:.3f}"
+                   message=f"{plan_label}: KL {rep['kl_mean']:.4g}"
+                   + (f" ± {rep['kl_tail_bound']:.2g} (top-{rep['topk']} reference)" if rep.get("topk") else "")
+                   + f", top-1 {rep['top1_agree']:.3f}"
                    + (f" (from the cache: {', '.join(reused)})" if reused else ""))

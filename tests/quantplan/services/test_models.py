@@ -63,3 +63,49 @@ def test_an_upload_whose_bytes_are_not_what_its_name_says_is_refused_at_once(qp_
         t.addfile(info, io.BytesIO(b"{}"))
     assert models_svc._upload_kind_mismatch("m.tar.gz", buf.getvalue()) is None
     assert models_svc._upload_kind_mismatch("m.gguf", b"GGUF\x03\x00\x00\x00") is None
+
+
+def test_a_model_listing_reads_no_per_layer_summary(qp_settings) -> None:
+    """A listing of every model reads each row's overview, never its summary (which lists every linear layer and
+    can run to megabytes): a model registered with 20,000 linears is listed with the right counts, and once its
+    overview is kept no statement of a listing names the summary column. A model whose summary changes (a later
+    quantplan adds fields) is listed anew from it."""
+    from sqlalchemy import event
+
+    from store import repo
+    from store.db import get_engine, session_scope
+
+    linears = [{"name": f"model.layers.{i}.mlp.experts.{e}.{p}", "in_features": 64, "out_features": 128}
+               for i in range(100) for e in range(50) for p in ("gate_proj", "up_proj", "down_proj", "x")]
+    big = {"architecture": "MixtralForCausalLM", "model_type": "mixtral", "num_layers": 100,
+           "num_params": 10**9, "dtype": "bfloat16", "total_bytes": 2 * 10**9, "linears": linears,
+           "moe": {"experts": 50, "top_k": 2}, "attention_windows": {"model.layers.0.self_attn": 4096}}
+    with session_scope(qp_settings) as s:
+        small = repo.add_model(s, name="small", sha256="a" * 64, source_kind="folder", source_name="small",
+                               path="models/small", summary={"architecture": "LlamaForCausalLM",
+                               "model_type": "llama", "num_layers": 2, "num_params": 1000, "dtype": "float32",
+                               "total_bytes": 4000, "linears": linears[:3]}, user="ann")
+        huge = repo.add_model(s, name="huge", sha256="b" * 64, source_kind="folder", source_name="huge",
+                              path="models/huge", summary=big, user="ann")
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, *args) -> None:
+        statements.append(statement)
+
+    engine = get_engine(qp_settings)
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        first = {m.name: m for m in models_svc.list_models()}  # writes the overviews: reads each summary once
+        assert first["huge"].overview == models_svc.overview(huge)
+        assert first["huge"].overview["linears"] == 20000 and first["small"].overview["linears"] == 3
+        assert first["huge"].overview["experts"] == 50 and first["huge"].overview["sliding_window_layers"] == 1
+        assert first["small"].overview == models_svc.overview(small)
+        statements.clear()
+        again = models_svc.list_models()
+        assert [m.overview for m in again] == [first["small"].overview, first["huge"].overview]
+        assert statements and not any("summary" in st for st in statements), statements
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    with session_scope(qp_settings) as s:  # a later quantplan summarises more: the overview follows the summary
+        repo.add_model_summary_fields(s, small.id, {"linears": linears[:7]}, replace=("linears",))
+    assert {m.name: m for m in models_svc.list_models()}["small"].overview["linears"] == 7
