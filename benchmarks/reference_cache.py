@@ -83,9 +83,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     ids = _tokens(tok, args.seqs, args.seq_len)
     path = Path(args.work) / f"ref-{args.kind}.safetensors"
     if args.child == "reference":
-        from quantcore.evaluation.reference import compact_topk, model_vocab
+        kw: dict[str, Any] = {}
+        if args.kind == "topk":  # (a baseline checkout knows no compact kind)
+            from quantcore.evaluation.reference import compact_topk, model_vocab
 
-        kw = {} if args.kind in ("full", "today") else {"topk": args.topk or compact_topk(model_vocab(model))}
+            kw["topk"] = args.topk or compact_topk(model_vocab(model))
         _peak_reset()
         t0 = time.perf_counter()
         ref = compute_reference(model, ids, batch_size=args.batch_size, **kw)

@@ -139,6 +139,7 @@ def score(ctx: JobContext) -> Outcome:
     reused = ([f"GPTQ {len(kept)} of {len(gptq_reads)} layers"] if kept else []) + (["KV maxima"] if kv_cached else [])
     return Outcome(result=result, write=write,
                    message=f"{plan_label}: KL {rep['kl_mean']:.4g}"
-                   + (f" ± {rep['kl_tail_bound']:.2g} (top-{rep['topk']} reference)" if rep.get("topk") else "")
+                   + (f" (top-{rep['topk']} reference, tail bound {rep['kl_tail_bound']:.2g})" if rep.get("topk")
+                      else "")
                    + f", top-1 {rep['top1_agree']:.3f}"
                    + (f" (from the cache: {', '.join(reused)})" if reused else ""))

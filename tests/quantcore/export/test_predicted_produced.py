@@ -193,7 +193,8 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Side, 
         jobs.append([family, str(workdir / "recipe.yaml"), str(workdir)])
     (root / "jobs.json").write_text(json.dumps(jobs))
     # llm-compressor's process runs while quantplan predicts, one core each (two torch thread pools on two cores
-    # would spin against each other): its imports, model loads and file writes overlap our forwards
+    # would spin against each other): its imports, model loads and file writes overlap our forwards. quantplan
+    # stays on one thread to the end: its checkpoint scores ran 2-3x slower on two threads of a shared 2-core box
     # its log goes to a file: a pipe nobody reads until the end would fill and stall it
     log = root / "llmc.log"
     with log.open("w") as sink:
@@ -204,22 +205,29 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Side, 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        stats = calibrate(model, cal)
-        inputs = PlanInputs(act_amax={n: st.amax for n, st in stats.items()},
-                            act_channel_max={n: st.channel_max for n, st in stats.items()},
-                            weight_hessians=collect_hessians(
-                                model, [n for p in plans.values() for n, s in p.items() if s.gptq], cal))
-        ref = compute_reference(model, ev)
-        predicted = {family: score_plan(model, plan, ev, ref, inputs=inputs) for family, plan in plans.items()}
-        explained = {family: score_plan(model, plans[family], ev, ref, inputs=dataclasses.replace(
-            inputs, act_channel_max=llmc_smoothing_statistics(model, plans[family], cal))) for family in EXPLAINED}
-        predicted_s = time.monotonic() - started
-        llmc.wait(timeout=PRODUCE_TIMEOUT_S)
-        produced_s = time.monotonic() - started
+        return _compare(model, plans, root, llmc, log, cal, ev, started)
     finally:
         torch.set_num_threads(threads)
         if llmc.poll() is None:
             llmc.kill()
+
+
+def _compare(model: torch.nn.Module, plans: dict[str, dict[str, Scheme]], root: Path, llmc: subprocess.Popen,
+             log: Path, cal: torch.Tensor, ev: torch.Tensor,
+             started: float) -> dict[str, tuple[Side, Side, Side | None]]:
+    """The predictions (while ``llmc`` runs), then the scores of the checkpoints it wrote under ``root``."""
+    stats = calibrate(model, cal)
+    inputs = PlanInputs(act_amax={n: st.amax for n, st in stats.items()},
+                        act_channel_max={n: st.channel_max for n, st in stats.items()},
+                        weight_hessians=collect_hessians(
+                            model, [n for p in plans.values() for n, s in p.items() if s.gptq], cal))
+    ref = compute_reference(model, ev)
+    predicted = {family: score_plan(model, plan, ev, ref, inputs=inputs) for family, plan in plans.items()}
+    explained = {family: score_plan(model, plans[family], ev, ref, inputs=dataclasses.replace(
+        inputs, act_channel_max=llmc_smoothing_statistics(model, plans[family], cal))) for family in EXPLAINED}
+    predicted_s = time.monotonic() - started
+    llmc.wait(timeout=PRODUCE_TIMEOUT_S)
+    produced_s = time.monotonic() - started
     errors = {f: (root / f / "produce.error").read_text()[-2000:] for f in plans
               if (root / f / "produce.error").exists()}
     assert not errors and llmc.returncode == 0, f"llm-compressor failed: {errors or log.read_text()[-3000:]}"
@@ -227,7 +235,9 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Side, 
     for family, plan in plans.items():
         meta = json.loads((root / family / "produced.json").read_text())
         check_layers(plan, meta["layers"])
-        produced = score_produced(model, plan, load_file(root / family / "produced.safetensors"), ev, ref)
+        weights = root / family / "produced.safetensors"
+        produced = score_produced(model, plan, load_file(weights), ev, ref)
+        weights.unlink()  # 425 MB a family in float32: pytest keeps its last three temporary folders
         why = explained.get(family)
         out[family] = (Side(predicted[family], per_sequence_kl(predicted[family])),
                        Side(produced, per_sequence_kl(produced)),
