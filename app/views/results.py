@@ -172,13 +172,15 @@ for kind, text in st.session_state.get(SAID, []):  # kept until the next Queue: 
 live.job_progress("results", ["score", "sensitivity"], model_id=model.id,
                   done_notes={"score": "Scored plans below.", "sensitivity": "Per-layer sensitivity below."})
 
-size = scoring_svc.reference_cache_bytes(model, int(samples), int(seq_len))
-if size:
-    st.caption(f"The unquantized model's log-probabilities on {int(samples)} × {int(seq_len)} tokens (the form's "
+kept = scoring_svc.reference_cache_bytes(model, int(samples), int(seq_len))
+if kept:
+    kind, size = kept
+    what = (f"every log-probability of a {models_svc.vocab_size(model):,}-token vocabulary in float16"
+            if kind == "full" else f"the {kind} log-probabilities and as many sampled tail tokens a position, "
+            "a KL exact over the top tokens with a stated bound on the rest")
+    st.caption(f"The unquantized model's predictions on {int(samples)} × {int(seq_len)} tokens (the form's "
                "sizes as last submitted, its defaults before) are computed once per model and text and cached: "
-               f"{size / 2**30:,.2f} GiB on disk ({int(samples) * (int(seq_len) - 1):,} positions × a "
-               f"{models_svc.vocab_size(model):,}-token vocabulary × "
-               "2 bytes). Large vocabularies (Gemma's 262k) make this the size to watch.")
+               f"{size / 2**20:,.1f} MiB on disk ({int(samples) * (int(seq_len) - 1):,} positions, {what}).")
 
 st.subheader(f"Scored plans ({len(scores)})")
 if not scores:

@@ -28,15 +28,23 @@ def list_scores(model_id: int | None = None) -> list[ScoreRecord]:
         return repo.list_scores(s, model_id)
 
 
-REFERENCE_BYTES_PER_LOGPROB = 2  # quantcore.evaluation.reference.LOGPROB_DTYPE is float16 (a test keeps the two equal)
+def reference_cache_bytes(model: ModelRecord, samples: int, seq_len: int) -> tuple[str, int] | None:
+    """What a score or sweep keeps of the unquantized model's predictions for this evaluation size, as its job
+    chooses it (quantcore.evaluation.reference.choose_topk, the deployment's reference settings): ("full", bytes)
+    for every log-prob of every position in float16, or ("top-k", bytes) for the compact record of k tokens a
+    position plus k sampled tail tokens (quantcore.evaluation.compact); None when the vocabulary is unknown."""
+    from quantcore.evaluation.compact import compact_bytes
+    from quantcore.evaluation.reference import choose_topk, full_cache_bytes
 
-
-def reference_cache_bytes(model: ModelRecord, samples: int, seq_len: int) -> int | None:
-    """Disk size of the reference log-probs a score or sweep caches for this evaluation size: every
-    predicted position (seq_len - 1 per sequence) times the vocabulary, in float16; None when the
-    vocabulary is unknown."""
     vocab = vocab_size(model)
-    return None if not vocab else samples * (seq_len - 1) * vocab * REFERENCE_BYTES_PER_LOGPROB
+    if not vocab:
+        return None
+    s = settings()
+    k = choose_topk(samples, seq_len, vocab, full_max_bytes=int(s.reference_full_max_mb * 2**20),
+                    topk=s.reference_topk)
+    if k is None:
+        return "full", full_cache_bytes(samples, seq_len, vocab)
+    return f"top-{k}", compact_bytes(samples * (seq_len - 1), topk=k, tail_samples=k)
 
 
 def score_notes(model: ModelRecord, score: ScoreRecord) -> list[str]:

@@ -35,6 +35,11 @@ def test_past_the_size_setting_the_compact_reference_is_kept_and_its_bound_repor
     from quantcore.evaluation.reference import ReferenceCache
 
     assert ReferenceCache.load(kept).kind == "topk"
+    from quantplan.services import models as models_svc
+    from quantplan.services import scoring as scoring_svc
+
+    kind, size = scoring_svc.reference_cache_bytes(models_svc.get_model(tiny_llama), 2, 16)  # the Results page's
+    assert kind == "top-8" and size <= kept.stat().st_size <= size + 8192  # + token ids, NLLs, the header
     identity = run_body("score", ScoreSpec(scheme="BF16", **TOKENS), model_id=tiny_llama)
     assert identity.result["kl_mean"] == 0.0 and identity.result["top1_agree"] == 1.0
     assert identity.result["reference_kind"] == "topk"
