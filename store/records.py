@@ -107,6 +107,7 @@ class ModelListing:
     sha256: str
     source_kind: str
     source_name: str
+    path: str
     architecture: str
     model_type: str
     num_layers: int

@@ -187,6 +187,16 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     with session_scope(qp_settings) as s:
         models = {m.name: m for m in repo.list_models(s)}
     tiny, smol = models["tiny-upload"], models["SmolLM2-135M-Instruct"]
+
+    # Results: the score queued above (it ran before the upload's registration), its KL with its error
+    scored = _wait_job(qp_settings, "score")
+    page.goto(app_url + f"/results?model={smol.id}")
+    _settle(page)
+    _no_exception(page)
+    kl = f"{scored.result['kl_mean']:.4g} ± {scored.result['kl_mean_err']:.2g}"
+    expect(page.get_by_text(f"KL {kl}").first).to_be_visible()  # the compared score's metric, ± one error
+    _shot(page, "results-statistics")
+
     page.goto(app_url + f"/?model={tiny.id}")
     _settle(page)
     sidebar_model = page.locator("[data-testid='stSidebar'] [data-testid='stSelectbox'] input").first
