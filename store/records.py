@@ -20,7 +20,9 @@ class UserRecord:
 
 
 @dataclass(frozen=True)
-class ModelRecord:
+class ModelColumns:
+    """The columns of a registered model's row that every view of it carries."""
+
     id: int
     name: str
     sha256: str
@@ -35,6 +37,12 @@ class ModelRecord:
     hidden_size: int | None
     vocab_size: int | None
     total_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelRecord(ModelColumns):
+    """A registered model with its intake summary (every linear layer, MoE layout, attention windows...)."""
+
     summary: dict[str, Any]
     created_at: dt.datetime
 
@@ -94,7 +102,7 @@ class ModelRecord:
 
 
 @dataclass(frozen=True)
-class ModelListing:
+class ModelListing(ModelColumns):
     """A registered model as a listing shows it: the row's headline columns and its small ``overview``, never the
     per-layer summary (a checkpoint's summary can run to megabytes; a listing of every model reads none of them).
 
@@ -102,20 +110,6 @@ class ModelListing:
         quantplan.services.models the first time the model is listed; empty until then.
     """
 
-    id: int
-    name: str
-    sha256: str
-    source_kind: str
-    source_name: str
-    path: str
-    architecture: str
-    model_type: str
-    num_layers: int
-    num_params: int
-    dtype: str
-    hidden_size: int | None
-    vocab_size: int | None
-    total_bytes: int
     overview: dict[str, Any]
     created_at: dt.datetime
 
