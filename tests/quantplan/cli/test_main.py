@@ -55,9 +55,10 @@ def test_cli_flow(tiny_model, capsys, tmp_path):
     assert ideal["plan_label"].startswith("auto-h100-kl1000-ideal-m1 ")  # its own plan, not a new version of auto
     assert ideal["cost"] == pytest.approx(step_bound(ideal["plan"], shapes, "h100", 1).ms)
     assert ideal["baseline_cost"] == pytest.approx(step_bound({n: "BF16" for n in shapes}, shapes, "h100", 1).ms)
-    code, _, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1", "--target", "h100", "--cost", "ideal",
-                       "--m", "0", "--no-verify")
-    assert code == 1 and "positive" in err
+    with pytest.raises(SystemExit) as refused:  # refused when parsed, by the benchmark's rule for M
+        run(capsys, "plan", "auto", "tiny", "--kl-budget", "1", "--target", "h100", "--cost", "ideal", "--m", "0",
+            "--no-verify")
+    assert refused.value.code == 2 and "argument --m: m must be between 1 and" in capsys.readouterr().err
     # for 2 GPUs: the cost is one GPU's step over its share of every layer, and the plan keeps the size
     two = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100", "--cost", "ideal",
                    "--m", "1", "--tp", "2", "--no-verify", "--json")

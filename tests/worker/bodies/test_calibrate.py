@@ -18,8 +18,18 @@ def test_a_calibration_stores_statistics_of_every_linear_and_the_kv_maxima(run_b
         assert len(repo.load_activation_stats(s, job.id)) == 15
 
 
-def test_an_old_row_without_token_counts_reads_the_specs_defaults(run_body, tiny_llama):
-    job = run_body("calibrate", {"device": "cpu", "samples": 0}, model_id=tiny_llama)  # 0: unset, as always
+def test_an_old_row_without_token_counts_reads_the_specs_defaults(run_body, tiny_llama, qp_settings):
+    """A row an older version wrote with samples 0 ("unset", as its worker read it) runs with the spec's default;
+    a 0 asked for now is refused before any row (tests/jobs/test_client.py)."""
+    from worker.bodies import body_for
+    from worker.runner import run_job
+
+    with session_scope(qp_settings) as s:  # written as that version wrote it, past today's client
+        old = repo.create_job(s, kind="calibrate", params={"device": "cpu", "samples": 0}, queue="cpu", user=None,
+                              model_id=tiny_llama)
+    run_job(old.id, body_for("calibrate"), settings=qp_settings)
+    with session_scope(qp_settings) as s:
+        job = repo.get_job(s, old.id)
     assert job.status == "succeeded", job.error
     assert job.result["tokens"] == CalibrateSpec().samples * CalibrateSpec().seq_len
 
