@@ -146,16 +146,15 @@ LIMITS: dict[str, Limit] = {"samples": SAMPLES, "seq_len": SEQ_LEN, "cal_samples
                             "rollout_len": ROLLOUT_LEN, "clip_eps": CLIP_EPS}
 """Every numeric job parameter's rule by name (a score's and a sweep's seq_len: :data:`SCORED_SEQ_LEN`)."""
 
-# Numbers the CLI and the pages ask for that are no job's parameter (what a plan is checked or timed at), each with
-# its one rule here too, so an option and a page's input refuse the same values in the same words.
+# Numbers the CLI asks for that are no job's parameter (what a plan is checked or timed at), each with its rule
+# here too, read by its option's parse-time check. (The Plans and Results pages' inputs for a serving batch and a
+# context still keep bounds of their own.)
 KL_BUDGET = Limit("kl_budget", "nats per token", 0.0, 1000.0, whole=False, example="0.02")  # 0: all BF16
 CONTEXT = Limit("context", "tokens", 1, MAX_SEQ_LEN, example="4096")
 SERVED_BATCH = Limit("batch", "sequences", 1, MAX_BATCH_SIZE, example="16")
 PROMPT_TOKENS = Limit("prompt", "tokens", 1, MAX_M, example="2048")
 SERVE_SIZE = Limit("serve", "sequences or tokens", 1, MAX_SEQ_LEN, example="16")
 LIST_LIMIT = Limit("limit", "jobs", 1, 100_000, example="30")
-OPTION_LIMITS: dict[str, Limit] = {lim.name: lim for lim in (KL_BUDGET, CONTEXT, SERVED_BATCH, PROMPT_TOKENS,
-                                                                SERVE_SIZE, LIST_LIMIT)}
 
 
 def context_problem(option: str, tokens: int, context: int | None, model: str) -> str | None:
