@@ -11,6 +11,7 @@ from jobs.client import create_local_job
 from jobs.specs import JobSpec
 from store.records import JobRecord
 from tests.factories import save_tiny_llama
+from tests.steady_timings import steady_kernel_timings  # noqa: F401 - autouse here
 from worker.bodies import body_for
 from worker.runner import run_job
 
@@ -43,14 +44,3 @@ def tiny_llama(run_body, tmp_path) -> int:
     job = run_body("register", {"source": str(save_tiny_llama(tmp_path / "tiny-llama")), "name": "tiny"})
     assert job.status == "succeeded", job.error
     return job.result["model_id"]
-
-
-@pytest.fixture(autouse=True)
-def steady_kernel_timings(monkeypatch):
-    """No kernel case is flagged unstable here: on a busy machine a tiny model's microsecond GEMMs often spread wider
-    than quantcore.kernels.records.UNSTABLE_SPREAD, and an unstable case is measured again rather than reused, so
-    what a test of reuse asserts would follow the machine's load. The flag's own tests set it as they need
-    (tests/quantcore/kernels/test_spread.py, tests/quantplan/cli/test_bench_spread.py)."""
-    import math
-
-    monkeypatch.setattr("quantcore.kernels.records.UNSTABLE_SPREAD", math.inf)
