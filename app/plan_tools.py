@@ -22,7 +22,12 @@ AUTO_OUTCOME = "auto_plan_outcome"  # (what was said, notes, layers per scheme) 
 def render(model: ModelRecord, target: str, tp: int = 1, expert_parallel: bool = False, unsaved: bool = False) -> None:
     """``unsaved``: the plan edited above has changes not saved; an automatic plan then does not replace it."""
     st.subheader("Automatic plan")
-    sens, _units = sweeps_svc.sensitivity_map(model, tp, expert_parallel)
+    method = st.radio("Search on", ["kl", "fisher"], horizontal=True, key=f"auto_sensitivity_{model.id}",
+                      format_func={"kl": "exact sensitivity sweeps", "fisher": "Fisher estimates (fast)"}.get,
+                      help="The unit KLs the search sums: the exact sweeps, or the sampled-Fisher estimates "
+                           "(Results page, method Fisher). Either way the plan is verified by a score, and the next "
+                           "search corrects its prediction by the verified plans of this architecture family.")
+    sens, _units = sweeps_svc.sensitivity_map(model, tp, expert_parallel, method)
     if model.causal_lm is False:
         st.info(f"An automatic plan chooses from per-layer sensitivity sweeps, which compare next-token "
                 f"distributions: {model.name} is a {model.architecture}, not a causal language model, so it has "
@@ -75,7 +80,8 @@ def render(model: ModelRecord, target: str, tp: int = 1, expert_parallel: bool =
                     before = {p.id for p in plans_svc.list_plans(model.id)}
                     command = autoplan_svc.AutoPlan(model, kl_budget=float(budget), target=target,
                                                     candidates=cands, cost=cost, m=int(m), kv_cache=kv,
-                                                    tensor_parallel=tp, expert_parallel=expert_parallel)
+                                                    tensor_parallel=tp, expert_parallel=expert_parallel,
+                                                    sensitivity=method)
                     result, plan, job = command.run()
                 except ValueError as exc:
                     st.error(str(exc))

@@ -68,3 +68,11 @@ def preset_options(model: ModelRecord) -> dict[str, str]:
     from quantcore.schemes.presets import get_scheme, list_schemes
 
     return {name: f"{name}: {get_scheme(name).describe()}" for name in list_schemes()}
+
+
+# the Models and Results pages' "Run the model" choice: a job's ``stream`` (jobs.specs)
+STREAM_CHOICES: dict[str, bool | None] = {"as the worker's memory allows": None, "block by block (streamed)": True,
+                                          "whole model": False}
+STREAM_HELP = ("Streamed: one decoder block at a time, read from the stored safetensors, for a model larger than the "
+               "worker's memory (QUANTPLAN_MODEL_MEMORY_GIB, else its free memory); the same results as whole. By "
+               "default a model whose weights fit runs whole, a larger one streamed.")

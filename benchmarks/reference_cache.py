@@ -104,7 +104,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     _peak_reset()
     t0 = time.perf_counter()
     ref = ReferenceCache.load(path)
-    report = score_plan(model, plan, ids, ref, inputs=PlanInputs(act_amax=amax))
+    kw = {"keep_originals": False} if args.kind != "today" else {}  # as a score job does (its model's last use)
+    report = score_plan(model, plan, ids, ref, inputs=PlanInputs(act_amax=amax), **kw)
     seconds = time.perf_counter() - t0
     rep = report.to_dict()
     return {"seconds": seconds, "peak": _peak_bytes(), "weights": params,

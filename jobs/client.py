@@ -10,14 +10,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from celery import Celery
+from celery import Celery, chord
 from sqlalchemy.orm import Session
 
 from jobs.broker import make_celery
 from jobs.errors import InvalidJob
 from jobs.routing import LOCAL_QUEUE, NEEDS_CAUSAL_LM, queue_for, task_name
-from jobs.specs import LIMITS, JobSpec, read_params
+from jobs.shards import MERGE_TASK, SHARD_TASK, shard_count
+from jobs.specs import LIMITS, JobSpec, SensitivitySpec, read_params
 from store import repo
+from store import shards as shard_rows
 from store.db import session_scope
 from store.records import JobRecord
 from store.settings import Settings, get_settings
@@ -71,6 +73,11 @@ def submit_job(kind: str, params: Mapping[str, Any] | JobSpec, *, model_id: int 
     stored = job_params(kind, params)
     queue = queue_for(kind, stored)
     name = task_name(kind)
+    if kind == SensitivitySpec.kind:  # a sweep over several workers: one chord of shard tasks (jobs.shards)
+        sweep = SensitivitySpec.from_params(stored)
+        count = shard_count(sweep, queue, s)
+        if count > 1:
+            return submit_sharded(sweep, count, queue=queue, model_id=model_id, user=user, settings=s)
     with session_scope(s) as session:
         refuse_unfit(session, kind, model_id)
         job = repo.create_job(session, kind=kind, params=stored, queue=queue, user=user or s.user,
@@ -79,6 +86,36 @@ def submit_job(kind: str, params: Mapping[str, Any] | JobSpec, *, model_id: int 
     with session_scope(s) as session:
         repo.set_celery_task_id(session, job.id, res.id)
         return repo.get_job(session, job.id)
+
+
+def submit_sharded(spec: SensitivitySpec, count: int, *, queue: str, model_id: int | None, user: str | None,
+                   settings: Settings | None = None) -> JobRecord:
+    """Write the sweep's parent row and ``count`` shard rows, then send the chord (a group of shard tasks, the merge
+    task as its callback) to ``queue``; the parent job. ``count`` >= 2."""
+    if count < 2:
+        raise ValueError(f"a sharded sweep needs two shards or more; got {count}")
+    s = settings or get_settings()
+    params = spec.with_changes(shards=count).to_params()
+    with session_scope(s) as session:
+        refuse_unfit(session, spec.kind, model_id)
+        parent = repo.create_job(session, kind=spec.kind, params=params, queue=queue, user=user or s.user,
+                                 model_id=model_id)
+        children = []
+        for i in range(count):
+            child = repo.create_job(session, kind=spec.kind, params={**params, "shard": [i, count]}, queue=queue,
+                                    user=user or s.user, model_id=model_id)
+            shard_rows.add_shard(session, parent_id=parent.id, job_id=child.id, shard=i, shards=count)
+            children.append(child.id)
+    app = celery_client(s)
+    header = [app.signature(SHARD_TASK, args=[job_id], queue=queue, immutable=True) for job_id in children]
+    callback = app.signature(MERGE_TASK, args=[parent.id], queue=queue, immutable=True)
+    result = chord(header)(callback)
+    group = result.parent
+    with session_scope(s) as session:
+        repo.set_celery_task_id(session, parent.id, result.id)
+        for job_id, sent in zip(children, group.results if group is not None else [], strict=False):
+            repo.set_celery_task_id(session, job_id, sent.id)
+        return repo.get_job(session, parent.id)
 
 
 def create_local_job(kind: str, params: Mapping[str, Any] | JobSpec, *, model_id: int | None = None,

@@ -135,6 +135,7 @@ TENSOR_PARALLEL = Limit("tensor_parallel", "GPUs", 1, MAX_GPUS)
 M_VALUE = Limit("m", "rows (batch x tokens)", 1, MAX_M, example="128")
 BUDGET_S = Limit("budget_s", "seconds", 0.0, MAX_BUDGET_S, whole=False, above=True, example="60")
 ALPHA = Limit("alpha", "", 0.0, 1.0, whole=False, example="0.5")  # SmoothQuant's migration strength
+SHARDS = Limit("shards", "tasks", 1, 256, example="4")  # a sweep's units split over this many workers
 MAX_ROLLOUTS = 4096  # sequences a score samples from the quantized model (quantcore.evaluation.rollouts)
 ROLLOUTS = Limit("rollouts", "rollouts", 1, MAX_ROLLOUTS, example="32")
 ROLLOUT_LEN = Limit("rollout_len", "tokens", 1, MAX_SEQ_LEN, example="1000")
@@ -143,7 +144,7 @@ CLIP_EPS = Limit("clip_eps", "", 0.0, 0.99, whole=False, above=True, example="0.
 LIMITS: dict[str, Limit] = {"samples": SAMPLES, "seq_len": SEQ_LEN, "cal_samples": CAL_SAMPLES,
                             "cal_seq_len": CAL_SEQ_LEN, "batch_size": BATCH_SIZE, "tensor_parallel": TENSOR_PARALLEL,
                             "m": M_VALUE, "budget_s": BUDGET_S, "alpha": ALPHA, "rollouts": ROLLOUTS,
-                            "rollout_len": ROLLOUT_LEN, "clip_eps": CLIP_EPS}
+                            "rollout_len": ROLLOUT_LEN, "clip_eps": CLIP_EPS, "shards": SHARDS}
 """Every numeric job parameter's rule by name (a score's and a sweep's seq_len: :data:`SCORED_SEQ_LEN`)."""
 
 # Numbers the CLI asks for that are no job's parameter (what a plan is checked or timed at), each with its rule
@@ -194,6 +195,15 @@ def _device(kind: str, value: Any) -> str:
     if device is None or not (device == "cpu" or device.startswith("cuda")):
         raise InvalidJob(f"a {kind} job's device must be 'cpu' or 'cuda' (or 'cuda:N'); got {value!r}")
     return device
+
+
+def _stream(kind: str, value: Any) -> bool | None:
+    """A job's ``stream``: True (block by block from the stored safetensors), False (the whole model at once) or
+    None (the worker decides by its memory budget, QUANTPLAN_MODEL_MEMORY_GIB; quantcore.models.streaming)."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise InvalidJob(f"a {kind} job's stream must be true (block by block), false (whole model) or none (the worker "
+                     f"decides by its memory budget); got {value!r}")
 
 
 def _dataset(kind: str, name: str, value: Any) -> int | str | None:
@@ -315,6 +325,10 @@ class CalibrateSpec(JobSpec):
     device: str = "cpu"
     dataset: int | str | None = _exact(None)
     batch_size: int = _quiet(4)
+    stream: bool | None = None  # block by block (True), whole (False), None: by the worker's memory budget
+    # a plan's transforms.rotation ({kind, rotations, block_size, seed}): calibrate the model rotated (issue #46);
+    # checked in full by the worker (quantcore.algorithms.rotation_spec), which this torch-free module cannot import
+    rotation: dict[str, Any] | None = _quiet(None)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -324,6 +338,13 @@ class CalibrateSpec(JobSpec):
         self._set("batch_size", BATCH_SIZE.check(self.batch_size, k))
         self._set("device", _device(k, self.device))
         self._set("dataset", _dataset(k, "dataset", self.dataset))
+        self._set("stream", _stream(k, self.stream))
+        if self.rotation is not None and not (isinstance(self.rotation, Mapping) and len(self.rotation) <= 4
+                                              and all(isinstance(key, str) for key in self.rotation)):
+            raise InvalidJob(f"a {k} job's rotation must be a plan's transforms.rotation mapping ({{kind, rotations, "
+                             f"block_size, seed}}), got {self.rotation!r}")
+        if self.rotation is not None:
+            self._set("rotation", dict(self.rotation))
 
 
 # ----------------------------------------------------------------------------- score and sensitivity
@@ -348,10 +369,12 @@ class TextJobSpec(JobSpec):
     batch_size: int = _quiet(4)
     tensor_parallel: int | None = None
     expert_parallel: bool = _quiet(False)
+    stream: bool | None = None  # block by block (True), whole (False), None: by the worker's memory budget
 
     def __post_init__(self) -> None:
         super().__post_init__()
         k = self.kind
+        self._set("stream", _stream(k, self.stream))
         self._set("samples", SAMPLES.check(self.samples, k))
         self._set("seq_len", SCORED_SEQ_LEN.check(self.seq_len, k))
         self._set("cal_samples", CAL_SAMPLES.check(self.cal_samples, k))
@@ -376,7 +399,8 @@ class ScoreSpec(TextJobSpec):
     """Score a plan against the unquantized model: ``scheme`` (one preset for every layer), ``plan`` (a plan file's
     dict) or, with neither, the stored plan the job row points at (its ``plan_id``). ``kv_cache``: a KV cache
     format that replaces the plan's; ``label``: the score's label (default: from the plan); ``predicted_kl``: the
-    KL an automatic plan predicted, stored beside the measured one. ``rollouts``: also sample that many sequences
+    KL an automatic plan predicted, stored beside the measured one (``sensitivity``: summed from Fisher estimates or
+    exact sweeps). ``rollouts``: also sample that many sequences
     of ``rollout_len`` tokens from the quantized model and measure their drift from the unquantized one, with PPO's
     clip range ``clip_eps`` (quantcore.evaluation.rollouts; None: none)."""
 
@@ -387,6 +411,7 @@ class ScoreSpec(TextJobSpec):
     kv_cache: str | None = None
     label: str | None = None
     predicted_kl: float | None = _exact(None)
+    sensitivity: str | None = None  # what predicted_kl was summed from: "fisher" estimates; None: exact sweeps ("kl")
     rollouts: int | None = None
     rollout_len: int = _quiet(1000)  # = quantcore.evaluation.rollouts.DEFAULT_ROLLOUT_LENGTH
     clip_eps: float = _quiet(0.2)  # = quantcore.evaluation.rollouts.DEFAULT_CLIP_EPS
@@ -403,6 +428,9 @@ class ScoreSpec(TextJobSpec):
         if self.predicted_kl is not None:
             self._set("predicted_kl", _real(k, "predicted_kl", self.predicted_kl, -float("inf"), float("inf"),
                                             "the KL an automatic plan predicted"))
+        if self.sensitivity is not None and self.sensitivity not in SENSITIVITY_METHODS:
+            raise InvalidJob(f"a {k} job's sensitivity (what its predicted_kl was summed from) must be one of "
+                             f"{', '.join(SENSITIVITY_METHODS)}; got {self.sensitivity!r}")
         if self.rollouts is not None:
             self._set("rollouts", ROLLOUTS.check(self.rollouts, k))
         self._set("rollout_len", ROLLOUT_LEN.check(self.rollout_len, k))
@@ -412,6 +440,9 @@ class ScoreSpec(TextJobSpec):
 TOKEN_DEFAULTS: dict[str, int] = {name: ScoreSpec().token_params()[name]
                                   for name in ("samples", "seq_len", "cal_samples", "cal_seq_len")}
 """What a score's or sweep's token counts mean when unset: two jobs, one of them explicit, read the same tokens."""
+
+
+SENSITIVITY_METHODS = ("kl", "fisher")  # a sweep's measurement: exact KL per unit, or the sampled-Fisher estimate
 
 
 @dataclass(frozen=True)
@@ -426,15 +457,28 @@ class SensitivitySpec(TextJobSpec):
     kv_sweep: str | None = None
     alpha: float | None = _exact(None)
     groups: bool = _exact(True)
+    method: str = _quiet("kl")  # "kl": the exact sweep; "fisher": the estimate (quantcore.evaluation.fisher)
+    shards: int | None = None  # tasks the sweep's units are split into (None: one per live worker on its queue)
+    shard: tuple[int, int] | None = None  # a shard's own row: (index, count) of its parent sweep's units
 
     def __post_init__(self) -> None:
         super().__post_init__()
         k = self.kind
         _text(k, "scheme", self.scheme, "a preset's name")
         _text(k, "kv_sweep", self.kv_sweep, "a KV cache format's name")
+        if self.shards is not None:
+            self._set("shards", SHARDS.check(self.shards, k))
+        if self.shard is not None:
+            self._set("shard", _shard(k, self.shard))
         if not self.scheme and not self.kv_sweep:
             raise InvalidJob("a sensitivity job sweeps a preset (scheme) over the linear layers or a KV cache format "
                              "(kv_sweep) over the attention layers; it got neither")
+        if self.method not in SENSITIVITY_METHODS:
+            raise InvalidJob(f"a {k} job's method must be one of {', '.join(SENSITIVITY_METHODS)} (kl: the exact "
+                             f"sweep, fisher: the fast estimate); got {self.method!r}")
+        if self.method == "fisher" and self.kv_sweep:
+            raise InvalidJob("the fast (fisher) estimate covers linear layers (scheme); a KV cache sweep (kv_sweep) is "
+                             "exact only: use method kl")
         if self.alpha is not None:
             self._set("alpha", ALPHA.check(self.alpha, k))
         self._set("groups", bool(self.groups))
@@ -443,6 +487,18 @@ class SensitivitySpec(TextJobSpec):
     def gpus(self) -> int:
         """The tensor-parallel size the sweep quantizes each unit as (one GPU when unset)."""
         return self.tensor_parallel or 1
+
+
+def _shard(kind: str, value: Any) -> tuple[int, int]:
+    """A shard's (index, count): 0 <= index < count, count within :data:`SHARDS`."""
+    try:
+        index, count = (int(v) for v in value) if not isinstance(value, str | bytes) else (None, None)
+    except (TypeError, ValueError):
+        index = count = None
+    if index is None or count is None or not 0 <= index < count:
+        raise InvalidJob(f"a {kind} job's shard must be [index, count] with 0 <= index < count; got {value!r}")
+    SHARDS.check(count, kind)
+    return index, count
 
 
 # ----------------------------------------------------------------------------- bench
@@ -512,7 +568,7 @@ def read_params(kind: str, params: Mapping[str, Any] | None) -> JobSpec:
     return spec_class(kind).from_params(params)
 
 
-__all__ = ["ALPHA", "BATCH_SIZE", "BUDGET_S", "CAL_SAMPLES", "CAL_SEQ_LEN", "LIMITS", "M_VALUE", "SAMPLES",
+__all__ = ["ALPHA", "BATCH_SIZE", "BUDGET_S", "CAL_SAMPLES", "CAL_SEQ_LEN", "LIMITS", "M_VALUE", "SAMPLES", "SHARDS",
            "SCORED_SEQ_LEN", "SEQ_LEN", "SPECS", "TENSOR_PARALLEL", "TOKEN_DEFAULTS", "QUICK_SWEEP_SAMPLES",
            "BenchSpec", "CalibrateSpec", "JobSpec", "Limit", "RegisterSpec", "ScoreSpec", "SensitivitySpec",
            "TextJobSpec", "context_problem", "read_params", "spec_class"]

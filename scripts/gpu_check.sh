@@ -11,13 +11,17 @@
 #      INT8 / INT4), FP8 faster than bf16
 #      at 2048 x 4096 x 4096 on sm90, INT4 weights faster than bf16 at a 1 x 4096 x 4096 decode GEMM,
 #      CUDA fake-quant bit-identical to CPU, KV cache formats and FP8 attention on CUDA as on CPU
+#   2b. placement: quantcore.models.placement (which block goes to which GPU; a device_map load; two GPUs if there)
 #   3. benchmarks/kernel_gemm.py on the demo model's shapes (SmolLM2-135M) and on Llama-3-8B's,
 #      M = 1 16 128 2048 8192, 20 s per shape: JSON records + the Markdown tables for docs/results/gpu-h200.md
 #   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
 #      into a fresh SQLite home: measured and stored, then reused from the database; then a tiny
 #      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC, then with an FP8_ATTN KV cache) and swept
-#      (INT8_W8A8 linears, then the FP8_ATTN KV cache a layer at a time) on cuda; W4A16_GPTQ scored twice (rounded,
-#      then read from the roundings the first job kept)
+#      (INT8_W8A8 linears, its Fisher estimate, then the FP8_ATTN KV cache a layer at a time) on cuda; W4A16_GPTQ
+#      scored twice (rounded, then read from the roundings the first job kept); then the Fisher estimate against the
+#      six exact sweeps on SmolLM2 (benchmarks/sensitivity_cost.py --fisher)
+#   5. rotation: scripts/rotation_check.py, the Hadamard rotation (R1 + R2 + R4) exact on the device, and MXFP4 /
+#      INT8 per-tensor KL plain and rotated (issue #46)
 # Afterwards `python scripts/gpu_figures.py OUT_DIR` writes the figures into docs/results/gpu-h200.md.
 # Writes into $OUT (the device tool's folder) or var/gpu-check: gpu_check.log, summary.txt,
 # kernel_smollm2.{json,md}, kernel_llama8b.{json,md}, quantplan_bench.json (7 files).
@@ -61,6 +65,10 @@ step gpu-tests "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
   tests/quantcore/algorithms/test_apply.py tests/quantcore/algorithms/test_smoothquant.py tests/quantcore/evaluation/test_kvcache.py \
   tests/quantcore/algorithms/test_gptq.py
 
+# a model over several GPUs (accelerate's device_map): the placement decided on the meta device, a device_map load
+# on CUDA giving the one-device logits, and a two-GPU split where the machine has two (skipped, with the count, else)
+step placement "$PY" -m pytest -p no:cacheprovider -q -rs tests/quantcore/models/test_placement.py
+
 step kernels-smollm2 "$PY" benchmarks/kernel_gemm.py --device "$DEVICE" --model smollm2-135m --m "${MS[@]}" "${BUDGET_ARGS[@]}" \
   --json "$OUT/kernel_smollm2.json" --markdown "$OUT/kernel_smollm2.md"
 step kernels-llama8b "$PY" benchmarks/kernel_gemm.py --device "$DEVICE" --model llama-3-8b --m "${MS[@]}" "${BUDGET_ARGS[@]}" \
@@ -74,6 +82,7 @@ if ! "$PY" -c "import sqlalchemy, alembic, celery, pydantic_settings" 2>/dev/nul
 fi
 export QUANTPLAN_HOME=${GPU_CHECK_HOME:-/tmp/quantplan-gpu-home} QUANTPLAN_USER=gpu-check  # a fresh home
 rm -rf "$QUANTPLAN_HOME"
+step rotation "$PY" scripts/rotation_check.py "$DEVICE"  # Hadamard R1/R2/R4 exact on the device (issue #46)
 step migrate "$PY" -m quantplan migrate
 step bench-measure bash -c "$PY -m quantplan bench --device $DEVICE --m $M_CSV --budget $BUDGET \
   --local --json >'$OUT/quantplan_bench.json' \
@@ -92,11 +101,17 @@ save_tiny_llama(Path('$TINY'))"
 step models-add "$PY" -m quantplan models add "$TINY" --name tiny
 JOB_ARGS=(--text "$TEXT" --samples 4 --seq-len 32 --device "$DEVICE" --local)
 step calibrate "$PY" -m quantplan calibrate tiny "${JOB_ARGS[@]}"
+# block-streamed execution (issue 42): the same calibration one decoder block at a time, read from the safetensors
+step calibrate-stream "$PY" -m quantplan calibrate tiny "${JOB_ARGS[@]}" --stream
 # score and sensitivity also read calibration text (KV cache scales, GPTQ's Hessians), whose default, gensim's
 # corpus, is not on that machine's image: --cal-text
 JOB_ARGS+=(--cal-text "$TEXT" --cal-samples 4 --cal-seq-len 32)
 step score "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}"
+step score-stream "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}" --stream
 step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
+# the fast (Fisher) estimate on the device: backward hooks and quantized GEMMs there; prints its rank correlation with
+# the sweep just above (the same tokens: read, not run again)
+step fisher "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}"
 step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step score-gptq "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"
@@ -104,6 +119,10 @@ step score-gptq-kept "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_AR
 # rollout drift samples token by token with a KV cache on the device (the sampler's generator stays on the CPU)
 step score-rollouts "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --rollouts 4 --rollout-len 64 "${JOB_ARGS[@]}"
 step jobs "$PY" -m quantplan jobs
+# the estimate against the six exact sweeps on SmolLM2 where installed (else a random Llama of its shape), side by
+# side with a plain forward: docs/concepts/sensitivity.md's figures (a short run on a CPU dry run)
+if [ "$DEVICE" = cpu ]; then FISHER_TOKENS=(--seqs 2 --seq-len 32); else FISHER_TOKENS=(--seqs 8 --seq-len 256); fi
+step fisher-bench "$PY" benchmarks/sensitivity_cost.py --fisher --device "$DEVICE" "${FISHER_TOKENS[@]}"
 
 echo "===== summary" | tee -a "$LOG"
 cat "$SUMMARY" | tee -a "$LOG"

@@ -58,11 +58,51 @@ class Base(DeclarativeBase):
 UTC = DateTime(timezone=True)
 
 
+ROLES = ("viewer", "member", "admin")
+
+
 class User(Base):
+    """A person named as who asked; one who signed in has a role, one of ROLES, checked by the application layer
+    (quantplan.services.access); None: only ever named (QUANTPLAN_USER, a CLI's --as), never signed in."""
+
     __tablename__ = "users"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    role: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    last_seen_at: Mapped[dt.datetime | None] = mapped_column(UTC, nullable=True)
+
+
+class AuditEntry(Base):
+    """One destructive or access-changing action: who (a name, kept whatever happens to the users row), when,
+    what, on what (a description that outlives its target)."""
+
+    __tablename__ = "audit"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(40))
+    target: Mapped[str] = mapped_column(String(500))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+NOTE_TARGETS = ("job", "plan", "model")
+
+
+class Note(Base):
+    """Free text and tags a person wrote on a run (job), a plan version or a model: who, when. The target is named
+    by kind and id, not a foreign key, so a note outlives what it is about (a removed model's notes stay readable)."""
+
+    __tablename__ = "notes"
+    __table_args__ = (CheckConstraint(_in("target_kind", NOTE_TARGETS), name="target_kind"),
+                      Index("ix_notes_target", "target_kind", "target_id"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    author: Mapped[str] = mapped_column(String(200))
+    target_kind: Mapped[str] = mapped_column(String(10))
+    target_id: Mapped[int] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text, default="")
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
 
 
 class Model(Base):
@@ -229,10 +269,27 @@ class SensitivityResult(Base):
     unit: Mapped[str] = mapped_column(String(300))
     layers: Mapped[list[str]] = mapped_column(JSON)
     kl_mean: Mapped[float] = mapped_column(Float)
-    top1_agree: Mapped[float] = mapped_column(Float)
+    top1_agree: Mapped[float | None] = mapped_column(Float, nullable=True)  # NULL: a Fisher estimate (not measured)
     sqnr_db: Mapped[float | None] = mapped_column(Float, nullable=True)
     kl_mean_err: Mapped[float | None] = mapped_column(Float, nullable=True)  # NULL: swept before errors were kept
     __table_args__ = (UniqueConstraint("job_id", "unit", name="uq_sensitivity_results_job_unit"),)
+
+
+class SweepShard(Base):
+    """One shard of a sharded sensitivity sweep: a job row of its own (``job_id``, kind ``sensitivity``, run by
+    whichever worker of the queue is free) sweeping ``shard`` of ``shards`` parts of its parent sweep's units
+    (``parent_id``: the sweep's job row, whose result the shards merge into). ``attempts``: how often a worker
+    started it; ``worker``: the Celery node (``name@host``) that started it last."""
+
+    __tablename__ = "sweep_shards"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    parent_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    shard: Mapped[int] = mapped_column(Integer)
+    shards: Mapped[int] = mapped_column(Integer)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(200), nullable=True)  # the Celery node that ran it last
+    __table_args__ = (UniqueConstraint("parent_id", "shard", name="uq_sweep_shards_parent_shard"),)
 
 
 class KernelResult(Base):

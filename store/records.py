@@ -276,7 +276,7 @@ class SensitivityRecord:
     unit: str
     layers: list[str]
     kl_mean: float
-    top1_agree: float
+    top1_agree: float | None  # None: a Fisher estimate (not measured)
     sqnr_db: float | None
     kl_mean_err: float | None = None  # None: swept before errors were kept, or one sequence
 

@@ -13,7 +13,7 @@ from dataclasses import fields as dataclass_fields
 from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
@@ -51,11 +51,8 @@ def user_id(session: Session, name: str | None) -> int | None:
     if not name:
         return None
     uid = session.scalar(select(m.User.id).where(m.User.name == name))
-    if uid is None:
-        user = m.User(name=name)
-        session.add(user)
-        session.flush()
-        uid = user.id
+    if uid is None:  # name and time only: a name recorded as who asked has no role (store.team), at any revision
+        uid = session.execute(insert(m.User).values(name=name, created_at=m.utcnow()).returning(m.User.id)).scalar_one()
     return uid
 
 
@@ -272,6 +269,7 @@ def get_job(session: Session, job_id: int) -> JobRecord:
 
 
 def _job_filter(q: Any, kind: str | Sequence[str] | None, model_id: int | None, status: Sequence[str] | None) -> Any:
+    q = q.where(m.Job.id.not_in(select(m.SweepShard.job_id)))  # a sharded sweep is listed once (store.shards)
     if kind:
         q = q.where(m.Job.kind.in_([kind] if isinstance(kind, str) else list(kind)))
     if model_id is not None:
@@ -348,6 +346,8 @@ def request_cancel(session: Session, job_id: int) -> JobRecord:
     elif row.status == "running":
         row.cancel_requested = True
         row.message = "cancel requested; stopping after the current batch"
+    for shard_id in list(session.scalars(select(m.SweepShard.job_id).where(m.SweepShard.parent_id == job_id))):
+        request_cancel(session, shard_id)  # a sharded sweep's every shard (store.shards)
     session.flush()
     return _job_record(session, row)
 
@@ -411,8 +411,10 @@ def _sweep_running(session: Session, stale_after_s: float) -> list[int]:
     rows = session.execute(select(m.Job.id, m.Job.heartbeat_at, m.Job.started_at, m.Job.created_at,
                                   m.Job.worker_host).where(m.Job.status == "running")).all()
     stale = []
+    beating = set(session.scalars(select(m.SweepShard.parent_id).join(m.Job, m.Job.id == m.SweepShard.job_id)
+                                  .where(m.Job.status.in_(("queued", "running")))))  # sweeps whose shards beat
     for job_id, heartbeat_at, started_at, created_at, host in rows:
-        if _aware(heartbeat_at or started_at or created_at) >= cutoff:
+        if _aware(heartbeat_at or started_at or created_at) >= cutoff or job_id in beating:
             continue
         unchanged = m.Job.heartbeat_at.is_(None) if heartbeat_at is None else m.Job.heartbeat_at == heartbeat_at
         res = _write(session,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -99,6 +100,13 @@ class Settings(BaseSettings):
         description="Largest model a registration by hub id downloads (its files, GiB); a larger one is refused "
         "before the download starts, as is one larger than the artifact store's free space. 0: free space only.",
     )
+    model_memory_gib: float | None = Field(
+        None, ge=0,
+        description="Memory a job's model may take on this worker (GiB): a checkpoint whose weights fit with room to "
+        "spare runs whole, a larger one streams block by block from its safetensors (docs/results/streaming.md), and "
+        "a job refuses a model one of whose blocks does not fit. Unset or 0: the device's free memory (free GPU "
+        "memory, or the host's available memory on a CPU worker).",
+    )
     worker_queues: str = Field(
         "cpu",
         description="Comma-separated queues this worker consumes: cpu, gpu, or a device class such as gpu.sm90.",
@@ -114,6 +122,30 @@ class Settings(BaseSettings):
         120, gt=0, description="A running job whose heartbeat (every 30 s) is older than this is failed by the sweep."
     )
     user: str | None = Field(None, description="Name recorded as 'who asked' (default: the OS user).")
+    auth: Literal["none", "oidc", "header"] = Field(
+        "none",
+        description="How the app knows who is there: none (one person on one machine: the app binds a loopback "
+        "address only and everyone is the OS user, as admin), oidc (Streamlit's st.login with the OpenID Connect "
+        "provider of .streamlit/secrets.toml [auth]) or header (behind an authenticating proxy such as "
+        "oauth2-proxy: the person is the value of auth_header). Any mode but none is required on a non-loopback "
+        "address (docs/deployment/team.md).",
+    )
+    auth_header: str = Field(
+        "X-Forwarded-Email", description="header mode: the request header that names the signed-in person."
+    )
+    auth_proxies: str = Field(
+        "",
+        description="header mode: comma-separated addresses of the authenticating proxy; a request from any other "
+        "address gets no access (where Streamlit tells the client's address). Empty: not checked.",
+    )
+    default_role: Literal["viewer", "member", "admin"] = Field(
+        "viewer", description="Role of a person signing in for the first time (the very first one is admin)."
+    )
+    model_roots: str = Field(
+        "",
+        description="Folders (separated by commas) under which a server path may be registered, symlinks "
+        "resolved first. Empty: anywhere with QUANTPLAN_AUTH=none, nowhere otherwise.",
+    )
     log_level: str = Field(
         "INFO", description="Level of quantplan's own log lines on stderr (DEBUG, INFO, WARNING, ERROR)."
     )
@@ -147,6 +179,11 @@ class Settings(BaseSettings):
         return [q.strip() for q in self.worker_queues.split(",") if q.strip()]
 
     @property
+    def model_root_paths(self) -> list[Path]:
+        """model_roots as resolved folders."""
+        return [Path(p.strip()).expanduser().resolve() for p in self.model_roots.split(",") if p.strip()]
+
+    @property
     def upload_limit_bytes(self) -> int:
         return self.upload_limit_mb * 1024 * 1024
 
@@ -168,6 +205,11 @@ class Settings(BaseSettings):
     def model_reference_dir(self, sha256: str) -> Path:
         """Every cached reference of one model (the layout of quantcore.evaluation.reference.reference_cache_path)."""
         return self.reference_root / "reference" / sha256
+
+    def job_scratch_dir(self, job_id: int) -> Path:
+        """Per-job scratch folder on this machine (a streamed job's memory-mapped hidden states): removed when the
+        job ends, and by the stale-job sweep for a job whose worker died."""
+        return Path(str(self.cache_dir)) / "scratch" / f"job-{job_id}"
 
     @property
     def cache_max_bytes(self) -> int:

@@ -97,7 +97,8 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     rcs = dict(line.split(": rc=") for line in (out / "summary.txt").read_text().splitlines())
     rcs = {k: v.split()[0] for k, v in rcs.items()}
     for step in ("gpu-tests", "kernels-smollm2", "kernels-llama8b", "migrate", "bench-measure",
-                 "bench-reuse", "tiny-model", "models-add", "calibrate", "score", "sensitivity", "score-kv", "kv-sweep",
+                 "bench-reuse", "tiny-model", "models-add", "calibrate", "calibrate-stream", "score", "score-stream",
+                 "sensitivity", "score-kv", "kv-sweep",
                  "score-gptq", "score-gptq-kept", "jobs"):
         assert rcs[step] == "0", (step, (out / "gpu_check.log").read_text()[-3000:])
     assert sorted(p.name for p in out.iterdir()) == [

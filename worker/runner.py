@@ -263,7 +263,33 @@ def sweep(settings: Settings | None = None) -> list[int]:
         return []
     if stale:
         log.warning("failed stale jobs: %s", stale)
+    sweep_scratch(settings)
     return stale
+
+
+def sweep_scratch(settings: Settings) -> list[Path]:
+    """Remove this machine's job scratch folders (``Settings.job_scratch_dir``: a streamed job's memory-mapped hidden
+    states) whose job is no longer running: a job's end removes its own, this catches a worker killed mid-stream
+    once the stale-job sweep has failed its job. The folders removed; never raises."""
+    root = settings.job_scratch_dir(0).parent
+    removed: list[Path] = []
+    try:
+        folders = [p for p in root.glob("job-*") if p.name[4:].isdigit()] if root.is_dir() else []
+        for folder in folders:
+            with session_scope(settings) as s:
+                try:
+                    status = repo.get_job(s, int(folder.name[4:])).status
+                except LookupError:
+                    status = None
+            if status != "running":
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    except Exception:  # the sweep must never take a worker down
+        log.exception("scratch sweep failed")
+    if removed:
+        log.warning("removed %d scratch folder(s) of jobs no longer running: %s", len(removed),
+                    ", ".join(p.name for p in removed))
+    return removed
 
 
 def start_sweeping(settings: Settings | None = None, interval_s: float | None = None) -> threading.Event:

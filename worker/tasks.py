@@ -6,9 +6,11 @@ import os
 import socket
 from typing import Any
 
+from celery.exceptions import Ignore
 from celery.signals import worker_ready, worker_shutdown
 
 from jobs.routing import TASK_NAMES
+from jobs.shards import MERGE_TASK, SHARD_ATTEMPTS, SHARD_TASK
 from store.settings import get_settings
 from worker import presence
 from worker.bodies import body_for
@@ -39,6 +41,28 @@ def sensitivity_task(job_id: int) -> str:
 @celery_app.task(name=TASK_NAMES["bench"])
 def bench_task(job_id: int) -> str:
     return run_job(job_id, body_for("bench"))
+
+
+@celery_app.task(name=SHARD_TASK, bind=True, ignore_result=False, max_retries=SHARD_ATTEMPTS)
+def sensitivity_shard_task(self: Any, job_id: int) -> str:
+    """One shard of a sharded sweep (jobs.shards): a header task of its chord, so its result is stored; a failed
+    shard is sent again alone (Celery's retry, the same task id: the chord waits for it)."""
+    from worker.bodies.sweep_shards import run_shard, shard_started
+
+    status, again = run_shard(job_id, body_for("sensitivity"), worker=str(self.request.hostname or "worker"))
+    if again:
+        raise self.retry(countdown=1)
+    if status == "skipped" and shard_started(job_id):  # a second delivery (Redis brings a long task back): only the
+        raise Ignore()  # one that ran it counts for the chord, or its callback would fire while the shard still runs
+    return status
+
+
+@celery_app.task(name=MERGE_TASK, ignore_result=False)
+def sensitivity_merge_task(parent_id: int) -> str:
+    """The chord's callback: the shards' rows merged into the sweep's (worker.bodies.sweep_shards.merge)."""
+    from worker.bodies.sweep_shards import merge
+
+    return merge(parent_id)
 
 
 _NODE: dict[str, str] = {}  # this process's Celery node name, once ready

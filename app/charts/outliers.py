@@ -585,3 +585,23 @@ def kv_amax_chart(df: pd.DataFrame, limit: float = 448.0, height: int = CHART_HE
     text = alt.Chart(pd.DataFrame({"y": [limit], "label": [f"E4M3 max {limit:g}: unscaled FP8 saturates above"]})) \
         .mark_text(align="left", dx=4, dy=-6, color="#c0392b").encode(y="y:Q", text="label:N")
     return alt.layer(points, rule, text)
+
+
+def rotation_frame(views: Sequence) -> pd.DataFrame:
+    """One row per (fix, channel rank) of a layer's input under each fix (quantcore.evaluation.rotation_view.FixView):
+    the per-channel max, sorted largest first, so the fixes' curves overlay."""
+    rows = []
+    for v in views:
+        ordered = np.sort(np.asarray(v.channel_max, dtype=np.float64))[::-1]
+        rows += [{"fix": v.fix, "rank": i, "channel_max": float(x)} for i, x in enumerate(ordered)]
+    return pd.DataFrame(rows)
+
+
+def rotation_chart(frame: pd.DataFrame) -> alt.Chart:
+    """Sorted per-channel max |x| of a layer's input: as calibrated, smoothed and rotated (log scale)."""
+    return alt.Chart(frame).mark_line().encode(
+        x=alt.X("rank:Q", title="input channels, largest max first"),
+        y=alt.Y("channel_max:Q", title="max |x| of the channel", scale=alt.Scale(type="log")),
+        color=alt.Color("fix:N", title="fix"),
+        tooltip=["fix", "rank", alt.Tooltip("channel_max:Q", format=".3g")],
+    ).properties(height=260)

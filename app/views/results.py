@@ -9,12 +9,13 @@ import streamlit as st
 from app import frames, live, state
 from app import text as page_text
 from app.charts import results as result_charts
-from jobs.specs import CAL_SAMPLES, CAL_SEQ_LEN, QUICK_SWEEP_SAMPLES, SAMPLES, SCORED_SEQ_LEN, ScoreSpec
+from jobs.specs import CAL_SAMPLES, CAL_SEQ_LEN, QUICK_SWEEP_SAMPLES, SAMPLES, SCORED_SEQ_LEN, SHARDS, ScoreSpec
 from quantcore.evaluation.kvcache import KV_FORMATS
 from quantplan.services import datasets as datasets_svc
 from quantplan.services import kernels as kernels_svc
 from quantplan.services import models as models_svc
 from quantplan.services import plans as plans_svc
+from quantplan.services import predictions as predictions_svc
 from quantplan.services import queue as queue_svc
 from quantplan.services import scoring as scoring_svc
 from quantplan.services import serving as serving_svc
@@ -105,8 +106,16 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
              "group and weight-only scales are the same on any number of GPUs.")
     sens = st.checkbox("Also run a per-layer sensitivity sweep with each chosen preset (one fusion group at a "
                        "time, on the GPUs above: an automatic plan for that many GPUs reads it)", key="score_sens")
+    fisher = st.checkbox("... as the fast Fisher estimate of every unit (a few backward passes) instead of the exact "
+                         "sweep (docs: concepts/sensitivity)", key="score_sens_fisher")
     kv_sens = st.checkbox("Also sweep the chosen KV cache format one attention layer at a time (which layers a "
                           "plan should keep in BF16)", key="score_kv_sens")
+    run_as = st.selectbox("Run the model (scores)", list(page_text.STREAM_CHOICES), key="score_stream",
+                          help=page_text.STREAM_HELP)
+    shards = st.number_input(
+        "Sweep shards (0: one per live worker)", 0, int(SHARDS.most), 0, key="score_shards",
+        help="A sweep's units split into this many tasks that the queue's workers run side by side, merged into "
+             "one sweep with the same rows as one task's; 0 takes one per live worker on the queue, 1 one task.")
     if st.form_submit_button("Queue", type="primary"):
         st.session_state[SAID] = []  # this submission's outcome replaces the last one's
         if not chosen_plans:
@@ -138,12 +147,14 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
                 params["kv_cache"] = kv_choice
             if tp_choice != "(as planned)":
                 params["tensor_parallel"] = int(tp_choice)
+            stream = page_text.STREAM_CHOICES[run_as]  # scores only: a sweep runs whole
+            scored = {**params, **({"stream": stream} if stream is not None else {})}
             for what in chosen_plans:
                 kind, _, ref = what.partition(":")
                 if kind == "preset":
-                    job = queue_svc.submit("score", {**params, "scheme": ref}, model_id=model.id)
+                    job = queue_svc.submit("score", {**scored, "scheme": ref}, model_id=model.id)
                 else:
-                    job = queue_svc.submit("score", params, model_id=model.id, plan_id=int(ref))
+                    job = queue_svc.submit("score", scored, model_id=model.id, plan_id=int(ref))
                 gpus_note = f" on {plans_svc.gpus_label(int(tp_choice))}" if "tensor_parallel" in params else ""
                 kv_note = (f" + KV {kv_choice}" if "kv_cache" in params else "") + gpus_note
                 say("success", f"Queued score job #{job.id} ({labels[what]}{kv_note}).")
@@ -152,6 +163,10 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
                     one_gpu = sweeps_svc.same_on_any_gpus(ref, int(params.get("tensor_parallel", 1)))
                     if one_gpu:
                         sweep.pop("tensor_parallel")
+                    if shards and not fisher:
+                        sweep["shards"] = int(shards)
+                    if fisher:
+                        sweep["method"] = "fisher"
                     sj = queue_svc.submit("sensitivity", sweep, model_id=model.id)
                     say("success", f"Queued sensitivity job #{sj.id} ({ref}{'' if one_gpu else gpus_note})."
                                + (f" {one_gpu}." if one_gpu else ""))
@@ -162,7 +177,8 @@ with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no
             elif kv_sens:
                 sweep = {k: v for k, v in params.items() if k not in ("kv_cache", "tensor_parallel")}
                 sj = queue_svc.submit("sensitivity", {**sweep, "samples": min(int(samples), QUICK_SWEEP_SAMPLES),
-                                                      "kv_sweep": kv_choice},
+                                                      "kv_sweep": kv_choice, **({"shards": int(shards)} if shards
+                                                                                else {})},
                                 model_id=model.id)
                 say("success", f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
 
@@ -260,6 +276,16 @@ else:
         for s in with_pred:
             st.caption(f"#{s.job_id} {s.plan_label}: predicted KL (sum of per-layer KL) {s.predicted_kl:.4g}, "
                        f"measured {scoring_svc.pm_text(s.kl_mean, s.kl_mean_err)}")
+
+    verified = predictions_svc.verified_predictions(model)  # every automatic plan of this architecture family
+    if verified:
+        st.subheader("Predicted against measured")
+        st.altair_chart(result_charts.prediction_chart(pd.DataFrame([v.to_dict() for v in verified])), width="stretch")
+        fits = {m: predictions_svc.correction_for(model, m) for m in ("fisher", "kl")}
+        st.caption(f"Every verified automatic plan of a {model.architecture} model. The next automatic plan's search "
+                   "corrects its prediction by them: " + "; ".join(
+                       f"from {'Fisher estimates' if m == 'fisher' else 'exact sweeps'}, {fit.text()}"
+                       for m, fit in fits.items() if fit is not None) + ".")
 
     st.subheader("Quality against cost")
     sets = scoring_svc.score_sets(scores)

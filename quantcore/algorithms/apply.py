@@ -55,6 +55,10 @@ from quantcore.schemes.presets import get_scheme, list_schemes
 from quantcore.schemes.specs import Rounding, Scheme, TensorSpec
 
 _MARKER = "_quantcore_applied"  # attribute set on a wrapped nn.Linear while a plan is applied
+# attribute set on a model whose weights a plan applied with keep_originals=False wrote over: {the layers}
+_ROUNDED = "_quantcore_rounded_in_place"
+# a weight rounded in place a block of rows at a time: about this many elements a block (16 MB in float32)
+ROW_BLOCK_ELEMENTS = 1 << 22
 _N_COUNTS = 5  # [elements, nonzero, saturated, underflow, nan], as quantcore.formats.quantize reports them
 
 
@@ -104,6 +108,8 @@ class AppliedPlan:
     _states: dict[str, _LayerState] = field(default_factory=dict, repr=False)
     _active: bool = True
     _shared: _SharedInputs | None = field(default=None, repr=False)
+    # the model, where the plan was applied with keep_originals=False: its weights cannot be put back
+    _model: Any = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
@@ -133,8 +139,25 @@ class AppliedPlan:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Remove the hooks, put the original weight Parameters back, undo smoothing. Idempotent."""
+        """Remove the hooks, put the original weight Parameters back, undo smoothing. Idempotent.
+
+        Applied with ``keep_originals=False``: the original weights are gone, so only the hooks are removed and
+        the model is marked as holding rounded weights (:func:`check_intact` refuses it from then on)."""
         if not self._active:
+            return
+        model = self._model() if self._model is not None else None
+        if self._model is not None:
+            for st in self._states.values():
+                if st.hook is not None:
+                    st.hook.remove()
+                if st.block is not None:
+                    st.block[0].block_amax = None
+                    st.block[0].w2_shards = 1
+            if model is not None:
+                setattr(model, _ROUNDED, sorted(self._states))
+            if self._shared is not None:
+                self._shared.clear()
+            self._active = False
             return
         for st in self._states.values():
             if st.hook is not None:
@@ -150,6 +173,63 @@ class AppliedPlan:
         if self.smoothing is not None:
             self.smoothing.restore()
         self._active = False
+
+
+def check_intact(model: nn.Module) -> None:
+    """PlanError when a plan applied with ``keep_originals=False`` wrote rounded weights over ``model``'s own: no
+    plan, reference or score on it would measure the model any more."""
+    rounded = getattr(model, _ROUNDED, None)
+    if rounded:
+        raise PlanError(f"this model's weights were rounded in place by a plan applied without keeping the originals "
+                        f"({name_list(list(rounded))}): load the model again to apply another plan")
+
+
+def two_level(spec: TensorSpec) -> bool:
+    """True for a format whose block scales sit under one fp32 scale of the whole tensor (NVFP4)."""
+    from quantcore.formats.catalog import get_format
+
+    fmt = get_format(spec.format)
+    return fmt.is_block and fmt.scale == "fp8_e4m3"
+
+
+def rows_independent(spec: TensorSpec, *, tensor_scale: bool = False) -> bool:
+    """True when each row of a weight is rounded on scales of its own (per channel, or per group along K) and no
+    tensor-wide scale (NVFP4's fp32 one) unless that one is given (``tensor_scale``): a block of rows then rounds
+    exactly as it does within the whole weight."""
+    from quantcore.formats.granularity import Granularity
+
+    return spec.granularity in (Granularity.CHANNEL, Granularity.GROUP) and (tensor_scale or not two_level(spec))
+
+
+@torch.no_grad()
+def round_rows_in_place(weight: torch.Tensor, spec: TensorSpec, report: bool = True, *,
+                        tensor_scale: torch.Tensor | None = None) -> QuantReport:
+    """Round ``weight`` (N, K) to its nearest grid points, written over it a block of about
+    :data:`ROW_BLOCK_ELEMENTS` elements at a time (rows of their own scales only: :func:`rows_independent`), bit-equal
+    to :func:`fake_quantize_weight` of the whole weight; the report's counts summed over the blocks, its scales put
+    together. ``tensor_scale``: NVFP4's fp32 scale of the whole weight (:func:`own_tensor_scale`, or a fusion
+    group's)."""
+    rows = max(1, ROW_BLOCK_ELEMENTS // max(1, weight.shape[1]))
+    counts = [0, 0, 0, 0, 0]
+    scales: list[torch.Tensor] = []
+    starts = range(0, weight.shape[0], rows)
+    for start in starts:
+        part = weight[start:start + rows]
+        q, rep = fake_quantize_weight(part, spec, report=report, scale=tensor_scale)
+        part.copy_(q)
+        del q
+        for i, n in enumerate((rep.n_elements, rep.n_nonzero, rep.n_saturated, rep.n_underflow, rep.n_nan)):
+            counts[i] += n
+        if rep.scale is not None:
+            scales.append(rep.scale)
+    scale = torch.cat(scales) if scales and len(scales) == len(starts) else None
+    return QuantReport(counts[0], counts[1], counts[2], counts[3], counts[4], scale=scale)
+
+
+def own_tensor_scale(weight: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A two-level format's fp32 tensor scale of ``weight`` alone, as :func:`fused_tensor_scale` of it computes it,
+    without a temporary of the weight's size (max |W| as the larger of max W and -min W)."""
+    return scale_from_amax(torch.maximum(weight.amax(), -weight.amin()).float(), spec.format)
 
 
 def _resolve(plan: Mapping[str, Scheme | str]) -> dict[str, Scheme]:
@@ -394,6 +474,7 @@ def apply_plan(
     *,
     track_stats: bool = True,
     share_inputs: bool = True,
+    keep_originals: bool = True,
 ) -> AppliedPlan:
     """Fake-quantize the layers named in ``plan`` in place; ``AppliedPlan.restore()`` undoes it exactly.
 
@@ -428,11 +509,21 @@ def apply_plan(
                      scale per share too. Static scales (one calibrated number every GPU loads) and group / block
                      scales (whose groups a valid split never cuts) are the same on any number of GPUs.
 
+    keep_originals:  False: the rounded weights are written over the original ones, in the weights' own memory, and
+                     no copy is kept (a layer rounded to nearest on per-channel or per-group scales a block of rows at
+                     a time, so no temporary of the whole weight exists either): a one-shot score of a large model
+                     then costs the model and not the model twice. The model cannot be restored: ``restore()``
+                     removes the hooks and marks it, and a later :func:`apply_plan` on it is refused
+                     (:func:`check_intact`). A weight that another module shares (a tied ``lm_head``) is written over
+                     too: the caller keeps what reads it unquantized (:func:`quantcore.evaluation.batches.
+                     embedding_rows` for the input embedding).
+
     Raises PlanError for unknown layers or schemes, non-linear targets, missing calibration,
     or layers already carrying an applied plan.
     """
     act_amax, act_channel_max = inputs.act_amax, inputs.act_channel_max
     weight_hessians, gptq_cache, parallel = inputs.weight_hessians, inputs.gptq_cache, inputs.parallel
+    check_intact(model)
     schemes = _resolve(plan)
     linears = _check_layers(model, list(schemes))
     static_amax = _static_layers(schemes, act_amax)
@@ -464,9 +555,11 @@ def apply_plan(
         untouched=untouched,
         smoothing=smoothing,
         _shared=_SharedInputs() if share_inputs else None,
+        _model=weakref.ref(model) if not keep_originals else None,
     )
     modules = dict(model.named_modules())
     tensor_scales = _fused_tensor_scales(active, linears)
+    fp8_scales = _fp8_group_scales(active, linears)  # of the original weights, before any is written over
     try:
         for name, scheme in active.items():
             module = linears[name]
@@ -474,25 +567,39 @@ def apply_plan(
             w = original.detach()
             g = tensor_scales.get(name)
             method = rounding_method(scheme)  # RTN, GPTQ or AWQ: the same grid and scales, its own grid points
-            if track_stats or method.reads_nearest:  # on the grid the checkpoint stores (int: compressed-tensors')
-                nearest, report = fake_quantize_weight(w, scheme.weight_spec(), report=track_stats, scale=g)
-            else:  # the method rounds from the weight itself
-                nearest, report = None, QuantReport(0, 0, 0, 0, 0)
-            wq = method.handler(WeightRounding(name, w, scheme, nearest if method.reads_nearest else None, g,
-                                               hessians, gptq_cache))
+            spec = scheme.weight_spec()
+            if not keep_originals and method.handler is round_to_nearest \
+                    and rows_independent(spec, tensor_scale=g is not None or two_level(spec)):
+                if g is None and two_level(spec):
+                    g = own_tensor_scale(w, spec)
+                report = round_rows_in_place(w, spec, track_stats, tensor_scale=g)
+                wq = None
+            else:
+                if track_stats or method.reads_nearest:  # on the grid the checkpoint stores (int: compressed-tensors')
+                    nearest, report = fake_quantize_weight(w, scheme.weight_spec(), report=track_stats, scale=g)
+                else:  # the method rounds from the weight itself
+                    nearest, report = None, QuantReport(0, 0, 0, 0, 0)
+                wq = method.handler(WeightRounding(name, w, scheme, nearest if method.reads_nearest else None, g,
+                                                   hessians, gptq_cache))
+                del nearest
             state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name),
                                 block=_expert_block_scale(name, scheme, modules),
                                 shards=_input_shards(name, scheme, parallel))
             if state.block is not None and state.block[1] == "w2":  # the block's down_proj amax, per GPU's share
                 state.block[0].w2_shards = state.shards
-            module.weight = nn.Parameter(wq, requires_grad=False)
+            if keep_originals:
+                assert wq is not None  # rounded beside the original
+                module.weight = nn.Parameter(wq, requires_grad=False)
+            elif wq is not None:  # written over the original, which nothing keeps
+                w.copy_(wq)
+                del wq
             setattr(module, _MARKER, True)
             applied._states[name] = state
             if scheme.activations is not None:
                 state.hook = module.register_forward_pre_hook(
                     _make_hook(state, track_stats, applied._shared), with_kwargs=True
                 )
-        _requantize_fused_fp8(active, linears, applied)
+        _requantize_fused_fp8(active, linears, fp8_scales, in_place=not keep_originals)
     except Exception:
         applied.restore()
         raise
@@ -530,8 +637,17 @@ def _expert_block_scale(name: str, scheme: Scheme,
     return experts, "w2" if name.endswith(".down_proj") else "w13"
 
 
+def _fp8_group_scales(schemes: Mapping[str, Scheme], linears: Mapping[str, nn.Linear]) -> list[dict[str, torch.Tensor]]:
+    """The own per-tensor E4M3 weight scale of every member of each fusion group (q/k/v, gate/up) quantized with
+    FP8 per-tensor weights, from the weights before they are rounded (:func:`_requantize_fused_fp8` reads them)."""
+    fp8 = [n for n, s in schemes.items()
+           if s.weights is not None and s.weights.format == "fp8_e4m3" and s.weights.granularity.value == "tensor"]
+    return [{n: weight_scale(linears[n].weight.detach(), schemes[n].weight_spec()) for n in group}
+            for group in fusion_groups(fp8)]
+
+
 def _requantize_fused_fp8(schemes: Mapping[str, Scheme], linears: Mapping[str, nn.Linear],
-                          applied: AppliedPlan) -> None:
+                          groups: list[dict[str, torch.Tensor]], *, in_place: bool = False) -> None:
     """Per-tensor E4M3 weights of a fusion group (q/k/v, gate/up; a routed expert's gate/up) as vLLM serves them.
 
     The checkpoint stores one scale per member; vLLM runs the merged GEMM with one scale, so on load it dequantizes
@@ -539,16 +655,16 @@ def _requantize_fused_fp8(schemes: Mapping[str, Scheme], linears: Mapping[str, n
     MoE does the same for each expert's w13). The members whose own scale was smaller are rounded a second time, on
     the coarser grid. vLLM dequantizes in fp16 first; the emulation in fp32 (the same grid points but for ties).
     """
-    fp8 = [n for n, s in schemes.items()
-           if s.weights is not None and s.weights.format == "fp8_e4m3" and s.weights.granularity.value == "tensor"]
-    for group in fusion_groups(fp8):
-        own = {n: weight_scale(applied._states[n].original_weight.detach(), schemes[n].weight_spec()) for n in group}
-        largest = torch.stack([own[n].reshape(()) for n in group]).max()
-        for n in group:
-            if bool(own[n].reshape(()) < largest):
+    for own in groups:
+        largest = torch.stack([s.reshape(()) for s in own.values()]).max()
+        for n, scale in own.items():
+            if bool(scale.reshape(()) < largest):
                 module = linears[n]
-                module.weight = nn.Parameter(fake_quantize(module.weight.detach(), "fp8_e4m3", "tensor",
-                                                           scale=largest), requires_grad=False)
+                wq = fake_quantize(module.weight.detach(), "fp8_e4m3", "tensor", scale=largest)
+                if in_place:
+                    module.weight.detach().copy_(wq)
+                else:
+                    module.weight = nn.Parameter(wq, requires_grad=False)
 
 
 def _fused_tensor_scales(schemes: Mapping[str, Scheme], linears: Mapping[str, nn.Linear]) -> dict[str, torch.Tensor]:

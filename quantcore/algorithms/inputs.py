@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # torch-bearing types only for the checker: this module stays
     from torch import Tensor
 
     from quantcore.algorithms.awq import AwqResult
+    from quantcore.algorithms.rotation_spec import RotationSpec
     from quantcore.models.parallel import Parallelism
 
 
@@ -32,6 +33,9 @@ class PlanInputs:
     awq: AWQ's searched input scales for the layers whose scheme scales with AWQ.
     kv_amax: the K / V maxima a calibrated KV cache format (``FP8``) needs.
     parallel: the GPUs the plan is served on (tensor / expert parallelism); ``None`` is one GPU.
+    rotation: the plan's Hadamard rotation (its ``transforms:``), folded into the model before anything else; the
+        other fields must then have been calibrated with it applied (:func:`quantcore.algorithms.rotation.
+        rotation_applied`). ``None``: no rotation.
     """
 
     act_amax: Mapping[str, float] | None = None
@@ -41,6 +45,7 @@ class PlanInputs:
     awq: AwqResult | None = None
     kv_amax: Any = None
     parallel: Parallelism | None = None
+    rotation: RotationSpec | None = None
 
     def replace(self, **changes: Any) -> PlanInputs:
         """A copy with ``changes`` (the GPTQ cache dict itself is shared, not copied)."""

@@ -63,11 +63,13 @@ class RoundingMethod:
 
 @dataclass(frozen=True)
 class Transform:
-    """A registered transform: its name, the schemes it applies to, and the PlanInputs field it reads."""
+    """A registered transform: its name, the schemes it applies to, and the PlanInputs field it reads (None: none).
+    plan_level: set for the whole plan (a rotation, by the plan's ``transforms:``), not by a layer's scheme."""
 
     name: str
     applies_to: Callable[[Scheme], bool]
-    needs: str
+    needs: str | None
+    plan_level: bool = False
 
 
 _ROUNDINGS: dict[Rounding, RoundingMethod] = {}
@@ -104,12 +106,14 @@ def rounding_method(rounding: Rounding | Scheme | str) -> RoundingMethod:
                          "quantcore.algorithms.apply, which registers RTN, GPTQ and AWQ") from None
 
 
-def register_transform(name: str, *, applies_to: Callable[[Scheme], bool], needs: str) -> Transform:
+def register_transform(name: str, *, applies_to: Callable[[Scheme], bool], needs: str | None,
+                       plan_level: bool = False) -> Transform:
     """Record a transform folded into the model before rounding: the schemes it ``applies_to`` and the PlanInputs
-    field it ``needs``. A name registered twice raises ValueError."""
+    field it ``needs`` (None: no calibrated input); ``plan_level``: chosen by the plan's ``transforms:`` section, not
+    by a scheme. A name registered twice raises ValueError."""
     if name in _TRANSFORMS:
         raise ValueError(f"a transform called {name!r} is already registered")
-    _TRANSFORMS[name] = Transform(name, applies_to, needs)
+    _TRANSFORMS[name] = Transform(name, applies_to, needs, plan_level)
     return _TRANSFORMS[name]
 
 
@@ -127,7 +131,7 @@ def calibration_needs(schemes: Iterable[Scheme]) -> dict[str, list[str]]:
             continue
         method = rounding_method(scheme)
         found = [(method.needs, method.rounding.value)] if method.needs else []
-        found += [(t.needs, t.name) for t in _TRANSFORMS.values() if t.applies_to(scheme)]
+        found += [(t.needs, t.name) for t in _TRANSFORMS.values() if t.needs and t.applies_to(scheme)]
         for field_name, who in found:
             names = out.setdefault(field_name, [])
             if who not in names:

@@ -10,6 +10,7 @@ model through these functions.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -108,6 +109,45 @@ def _head_split(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None] |
         return None  # a forward hook on the head would see chunks instead of the whole output
     cap = getattr(config, "final_logit_softcapping", None)
     return body, head, (float(cap) if cap is not None else None)
+
+
+def tied_head(model: nn.Module) -> bool:
+    """True when the model's head (``lm_head``) and its input embedding are one weight (``tie_word_embeddings``)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    weight = getattr(emb, "weight", None)
+    return weight is not None and weight is getattr(head, "weight", None)
+
+
+@contextmanager
+def embedding_rows(model: nn.Module, input_ids: Tensor) -> Iterator[None]:
+    """The input embedding reads, while the block runs, a copy of only the rows of the tokens in ``input_ids``: the
+    lookups are bit-equal to the whole table's, and the table itself can be rounded in place under a tied head (a
+    score that keeps no original weights, :func:`quantcore.algorithms.apply.apply_plan`) without the lookups seeing
+    it. A token outside ``input_ids`` is refused with PlanError."""
+    emb = cast(Any, model).get_input_embeddings()
+    if not isinstance(emb, nn.Embedding):
+        raise PlanError(f"the input embedding is a {type(emb).__name__}, not an nn.Embedding: its rows cannot be kept "
+                        "apart from a tied head")
+    table = emb.weight
+    tokens = torch.unique(input_ids.to(table.device))  # sorted
+    emb.weight = nn.Parameter(table.detach()[tokens].clone(), requires_grad=False)
+
+    def lookup(_module: nn.Module, args: tuple) -> tuple:
+        ids = args[0]
+        at = torch.searchsorted(tokens, ids).clamp_(max=tokens.numel() - 1)
+        if not bool((tokens[at] == ids).all()):
+            raise PlanError("a token outside the evaluation text reached the input embedding while only the "
+                            "evaluation's rows were kept")
+        return (at, *args[1:])
+
+    hook = emb.register_forward_pre_hook(lookup)
+    try:
+        yield
+    finally:
+        hook.remove()
+        emb.weight = table
 
 
 def run_forward(model: nn.Module, input_ids: Tensor) -> None:

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -257,12 +258,12 @@ class Calibration:
         stats = cal.results()
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, layers: Collection[str] | None = None) -> None:
         self.model = model
         self.layers = {
             name: _LayerAccumulator.for_module(name, module)
             for name, module in model.named_modules()
-            if isinstance(module, nn.Linear)
+            if isinstance(module, nn.Linear) and (layers is None or name in layers)
         }
         self._device = _model_device(model)
         self._kwargs = _forward_kwargs(model)
@@ -291,15 +292,23 @@ class Calibration:
         """One forward of input_ids [batch, seq_len] with the hooks on: eval mode, no grad.
 
         The model's train/eval mode is restored and the hooks removed afterwards,
-        also when the forward raises.
+        also when the forward raises. ``layers`` (at construction): only these linears are observed (a streamed
+        model's loaded block); default every one.
         """
+        with self.hooked():
+            self.model(input_ids=input_ids.to(self._device), **self._kwargs)
+
+    @contextmanager
+    def hooked(self) -> Iterator[None]:
+        """The hooks on, eval mode, no grad, for whatever forwards run in the block (:meth:`run`'s one, or a streamed
+        model's block by block: :mod:`quantcore.evaluation.streamed`); undone on exit, also on error."""
         was_training = self.model.training
         handles = [acc.module.register_forward_pre_hook(self._hook_for(acc), with_kwargs=True)
                    for acc in self.layers.values()]
         self.model.eval()
         try:
             with torch.no_grad(), all_experts():  # an MoE model's experts see every token (quantcore.models.moe)
-                self.model(input_ids=input_ids.to(self._device), **self._kwargs)
+                yield
         finally:
             for handle in handles:
                 handle.remove()

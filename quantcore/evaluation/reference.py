@@ -469,6 +469,9 @@ def compute_reference(
 
     Returns a :class:`ReferenceCache` on the CPU. Checks ``should_cancel`` between batches.
     """
+    from quantcore.algorithms.apply import check_intact
+
+    check_intact(model)  # a model whose weights a plan rounded in place is no reference
     ids = as_token_batch(input_ids)
     n, length = ids.shape
     if topk is not None and topk < 1:

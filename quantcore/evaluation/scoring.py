@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -29,9 +29,11 @@ from quantcore.evaluation.batches import (
     as_token_batch,
     batch_ranges,
     check_cancel,
+    embedding_rows,
     iter_logits,
     report_progress,
     run_forward,
+    tied_head,
 )
 from quantcore.evaluation.compact import tail_bound
 from quantcore.evaluation.reference import ReferenceCache, compare_rows
@@ -255,11 +257,14 @@ class AppliedContext:
     smoothing: ``{layer: [K] factor s}`` of every layer whose input was divided by s
     notes:     messages for people, e.g. a layer whose scheme asks for SmoothQuant that
                could not be smoothed exactly (it is quantized unsmoothed)
+    awq:       ``{layer: [K] factor s}`` of every layer whose input AWQ's factors divided, after the smoothing (the
+               Fisher estimate feeds a layer's kept input through ``x / (smoothing * awq)``)
     """
 
     handle: Any
     smoothing: dict[str, Tensor] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    awq: dict[str, Tensor] = field(default_factory=dict)
 
 
 @contextmanager
@@ -270,6 +275,7 @@ def plan_applied(
     *,
     before_quantize: Callable[[nn.Module], None] | None = None,
     track_saturation: bool = False,
+    keep_originals: bool = True,
 ) -> Iterator[AppliedContext]:
     """Smooth (where a scheme has a SmoothQuant alpha) and fake-quantize ``model`` for the block.
 
@@ -297,6 +303,9 @@ def plan_applied(
         quantization (the sensitivity sweep keeps the unquantized weights there).
     track_saturation: count clipped activations of layers with static scales
         (``ctx.handle.stats()``); dynamic scales cannot clip, so they are never tracked.
+    keep_originals: False: the rounded weights are written over the model's own (no copy: see
+        :func:`quantcore.algorithms.apply.apply_plan`); on exit only the hooks are removed and the model is left
+        unusable for another plan (the last use of a loaded model, as a score job's).
 
     Yields an :class:`AppliedContext`.
     """
@@ -325,10 +334,16 @@ def plan_applied(
             f"AWQ scales the inputs of {name_list(awq_layers)} by factors searched on calibration text: run "
             "quantcore.algorithms.awq.awq_search first, or choose a scheme without AWQ"
         )
+    rotated = None
+    rotation_notes: list[str] = []
     smoothing = None
     awq_folds = None
     applied = None
     try:
+        if inputs.rotation is not None:  # first: smoothing, rounding and scales see the rotated model
+            from quantcore.algorithms.rotation import rotate_for_plan
+
+            rotated, alphas, rotation_notes = rotate_for_plan(model, inputs.rotation, alphas)
         amax = dict(act_amax) if act_amax is not None else None
         if alphas:
             from quantcore.algorithms.smoothquant import smooth_model
@@ -373,7 +388,8 @@ def plan_applied(
 
             hessians = gptq_hessians(schemes, weight_hessians, smoothing.factors, rounded=gptq_cache or ())
         applied = apply_plan(model, schemes, PlanInputs(act_amax=amax, weight_hessians=hessians, gptq_cache=gptq_cache,
-                                                        parallel=parallel), track_stats=track_saturation and static)
+                                                        parallel=parallel), track_stats=track_saturation and static,
+                             keep_originals=keep_originals)
         unsmoothed: dict[str, list[str]] = {}  # one note per reason, however many layers share it (MoE experts)
         for layer, reason in (smoothing.skipped.items() if smoothing is not None else ()):
             unsmoothed.setdefault(reason, []).append(layer)
@@ -382,17 +398,22 @@ def plan_applied(
             else f"{len(layers)} layers ({name_list(layers, 3)}): SmoothQuant not applied ({reason}); they are "
                  "quantized unsmoothed"
             for reason, layers in unsmoothed.items()
-        ] + awq_notes
+        ] + awq_notes + rotation_notes
         yield AppliedContext(
-            handle=applied, smoothing=dict(smoothing.factors) if smoothing is not None else {}, notes=notes
+            handle=applied, smoothing=dict(smoothing.factors) if smoothing is not None else {}, notes=notes,
+            awq=dict(awq_folds.factors) if awq_folds is not None else {},
         )
     finally:
         if applied is not None:
             applied.restore()
-        if awq_folds is not None:
-            awq_folds.restore()
-        if smoothing is not None:
-            smoothing.restore()
+        # rounded in place (keep_originals=False): nothing to put back, the model says so (check_intact)
+        if keep_originals or applied is None:
+            if awq_folds is not None:
+                awq_folds.restore()
+            if smoothing is not None:
+                smoothing.restore()
+            if rotated is not None:
+                rotated.restore()
 
 
 # ---------------------------------------------------------------------- scoring
@@ -446,6 +467,7 @@ def score_plan(
     should_cancel: ShouldCancel | None = None,
     kv_cache: str | None = None,
     kv_skip: Sequence[str] = (),
+    keep_originals: bool = True,
 ) -> ScoreReport:
     """Score ``plan`` (``{layer: Scheme}``) on ``input_ids`` ``[S, L]`` against ``reference``.
 
@@ -464,6 +486,11 @@ def score_plan(
         one (``FP8``) needs ``inputs.kv_amax``.
     kv_skip: a plan's ``kv_cache_skip`` entries (decoder layer indices, ``"sliding_window"``): those
         attention layers keep the model's dtype (:func:`quantcore.evaluation.kvcache.kv_skip_layers`).
+    keep_originals: False for the last use of a loaded model (a score job's): the rounded weights are written over
+        the original ones instead of beside them, so the score's peak memory is the model's once, not up to twice
+        (:func:`quantcore.algorithms.apply.apply_plan`); under a tied head the input embedding reads a copy of the
+        evaluation's rows only (:func:`quantcore.evaluation.batches.embedding_rows`). The figures are bit-equal to
+        a score that keeps them; the model is not restored afterwards and refuses another plan.
     """
     from quantcore.evaluation.kvcache import get_kv_format, kv_cache_quantized, kv_skip_layers
     from quantcore.models.decoder import attention_modules
@@ -483,7 +510,8 @@ def score_plan(
     ranges = batch_ranges(ids.shape[0], bs)
     kl, kl_lower, tail_var, nll, dp = (torch.empty_like(reference.nll) for _ in range(5))
     agree = torch.empty(reference.nll.shape, dtype=torch.bool)
-    with plan_applied(model, plan, inputs=inputs, track_saturation=True) as ctx, \
+    rows = embedding_rows(model, ids) if not keep_originals and tied_head(model) else nullcontext()
+    with rows, plan_applied(model, plan, inputs=inputs, track_saturation=True, keep_originals=keep_originals) as ctx, \
             kv_cache_quantized(model, kv, amax=inputs.kv_amax, skip=skip) as kv_ctx:
         for i, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"scoring (batch {i + 1} of {len(ranges)})")
@@ -503,11 +531,19 @@ def score_plan(
     report.reference_kind, report.topk = reference.reported_kind, reference.topk
     report.kl_tail_bound = tail_bound(tail_var)
     report.kl_lower = float(kl_lower.double().mean())
+    report.eval_key = reference.eval_key  # scores with the same key can be paired sequence by sequence
+    return finish_report(report, kv=kv, saturation=saturation, kv_saturation=kv_ctx.saturation, notes=ctx.notes)
+
+
+def finish_report(report: ScoreReport, *, kv: Any, saturation: dict[str, float], kv_saturation: dict[str, float],
+                  notes: Sequence[str]) -> ScoreReport:
+    """``report`` with how the plan was applied: the static scales' and the KV cache's clipping (and a note for
+    people where it is large), the KV cache format and the plan's notes (:func:`score_plan`; a streamed score
+    gathers them block by block, :mod:`quantcore.evaluation.streamed`)."""
     report.act_saturation = saturation
     report.kv_cache = kv.name
-    report.eval_key = reference.eval_key  # scores with the same key can be paired sequence by sequence
-    report.kv_saturation = kv_ctx.saturation
-    report.notes = list(ctx.notes)
+    report.kv_saturation = kv_saturation
+    report.notes = list(notes)
     if kv.attention:
         fix = ("calibrate on text like this for K and V" if kv.calibrated else
                "calibrated K/V scales (kv_cache FP8_ATTN) avoid K/V clipping")

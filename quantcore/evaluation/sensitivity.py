@@ -107,13 +107,13 @@ class SensitivityRow:
     top1_agree_err: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict; an infinite SQNR (no noise at all) becomes ``None``."""
+        """JSON-able dict; an infinite SQNR (no noise at all) and an unestimated top-1 agreement become ``None``."""
         return {
             "layer": self.layer,
             "layers": list(self.layers),
             "kl_mean": self.kl_mean,
             "kl_mean_err": self.kl_mean_err,
-            "top1_agree": self.top1_agree,
+            "top1_agree": None if math.isnan(self.top1_agree) else self.top1_agree,  # NaN: not estimated (Fisher)
             "top1_agree_err": self.top1_agree_err,
             "sqnr_db": self.sqnr_db if math.isfinite(self.sqnr_db) else None,
             "note": self.note,
@@ -558,6 +558,7 @@ def kv_sensitivity_sweep(
     reference: ReferenceCache,
     *,
     amax: Any = None,
+    layers: Sequence[str] | None = None,
     batch_size: int | None = None,
     progress: Progress | None = None,
     should_cancel: ShouldCancel | None = None,
@@ -565,7 +566,8 @@ def kv_sensitivity_sweep(
     """Store one attention layer's K and V at a time in the KV cache format ``kv_cache`` (with an FP8 attention
     format, that layer's attention in FP8 too); rows sorted by ``kl_mean``, largest first: which layers a plan
     should keep out of its cache (``kv_cache_skip``). ``amax``: the calibrated K/V maxima a calibrated format
-    needs (:func:`quantcore.evaluation.scoring.calibrate_kv_cache`). Units are attention modules; ``sqnr_db`` is NaN."""
+    needs (:func:`quantcore.evaluation.scoring.calibrate_kv_cache`). Units are attention modules; ``sqnr_db`` is NaN.
+    ``layers``: sweep only these attention modules (a shard of the sweep), every other one kept out of the cache."""
     from quantcore.evaluation.kvcache import get_kv_format, kv_cache_quantized
     from quantcore.models.decoder import attention_modules
 
@@ -575,18 +577,22 @@ def kv_sensitivity_sweep(
     ids = as_token_batch(input_ids)
     reference.check_tokens(ids)
     stack = find_decoder_blocks(model)
-    layers = list(attention_modules(model))
-    if not layers:
+    every = list(attention_modules(model))
+    if not every:
         raise PlanError("this model has no attention module with k_proj and v_proj: no KV cache to sweep")
-    starts = [stack.block_of(n) or 0 for n in layers]
+    unknown = sorted(set(layers or ()) - set(every))
+    if unknown:
+        raise PlanError(f"attention module(s) the model does not have: {', '.join(map(repr, unknown[:10]))}")
+    swept = every if layers is None else [n for n in every if n in set(layers)]
+    starts = [stack.block_of(n) or 0 for n in swept]
 
     def apply_unit(ui: int, bi: int, ctx: ExitStack) -> None:
-        ctx.enter_context(kv_cache_quantized(model, kv, amax=amax, skip=set(layers) - {layers[ui]}))
+        ctx.enter_context(kv_cache_quantized(model, kv, amax=amax, skip=set(every) - {swept[ui]}))
 
-    kl, agree = _one_at_a_time(model, stack, ids, reference, layers, starts, apply_unit, batch_size=batch_size,
+    kl, agree = _one_at_a_time(model, stack, ids, reference, swept, starts, apply_unit, batch_size=batch_size,
                                progress=progress, should_cancel=should_cancel)
     rows = [SensitivityRow(layer=n, layers=[n], kl_mean=kl[i].value, top1_agree=agree[i].value, sqnr_db=math.nan,
                            kl_mean_err=kl[i].err, top1_agree_err=agree[i].err)
-            for i, n in enumerate(layers)]
+            for i, n in enumerate(swept)]
     rows.sort(key=lambda r: r.kl_mean, reverse=True)
     return rows

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from quantcore.algorithms.rotation_spec import RotationSpec, RotationWidths
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format
 from quantcore.errors import name_list as _cut
@@ -32,6 +33,7 @@ from quantcore.export.common import (
     targets_list,
 )
 from quantcore.export.quant_args import CT_PRESETS, kv_cache_from_args, kv_cache_scheme
+from quantcore.export.spinquant import ROTATION_HEADER, rotation_stage
 from quantcore.models.architectures import (
     LLAMA_STYLE,
     MLP_NORM_LLAMA,
@@ -256,6 +258,8 @@ def to_llmcompressor_recipe(
     smoothquant_mappings: Sequence[Any] | None = None,
     mlp_norm: str = MLP_NORM_LLAMA,
     kv_cache: str | KvCacheFormat | None = None,
+    rotation: RotationSpec | None = None,
+    rotation_widths: RotationWidths | None = None,
 ) -> str:
     """An llm-compressor recipe (YAML text) that quantizes the model as ``plan`` says.
 
@@ -276,6 +280,9 @@ def to_llmcompressor_recipe(
     recipe then needs calibration data); the unscaled KV formats are a vLLM flag, not a recipe
     entry, and are named in the header.
 
+    ``rotation`` (a plan's ``transforms.rotation``, over the model's ``rotation_widths``) comes first, as a
+    ``SpinQuantModifier`` (:mod:`quantcore.export.spinquant`, which refuses what it cannot express).
+
     Raises PlanError for layers llm-compressor cannot express (FP8 E5M2, plain FP4, 2-D
     activation blocks), split fusion groups, and SmoothQuant on layers no mapping covers.
     """
@@ -287,9 +294,14 @@ def to_llmcompressor_recipe(
         )
     resolved = checked_plan(plan, names)
     groups, unquantized = group_plan(resolved, names, split_gptq=True)
-    stage: dict[str, Any] = {}
+    stage: dict[str, Any] = rotation_stage(rotation, rotation_widths)  # rotate first, then smooth and round
     smooth = smoothquant_layers(resolved, names)
     problems: list[str] = []
+    if rotation is not None and "R4" in rotation.rotations:  # scored unsmoothed (quantcore.algorithms.rotation)
+        down = [n for alpha_layers in smooth.values() for n in alpha_layers if n.endswith(f".{_A.down_proj}")]
+        if down:
+            problems.append(f"SmoothQuant on {_cut(down)}: R4 rotates their input online, so quantplan scores them "
+                            "unsmoothed; drop their smoothquant_alpha (or R4) to export what was scored")
     if smooth and not groups:
         problems.append("SmoothQuant without any quantized layer")
     if smoothquant_mappings is not None and len(smooth) > 1:
@@ -360,6 +372,9 @@ def to_llmcompressor_recipe(
     elif not kv.is_identity:
         header += (f"# KV cache {kv.name} is not in the recipe: it is vLLM's --kv-cache-dtype {kv.vllm_dtype} "
                    "(scale 1.0)\n")
+    if rotation is not None:
+        header += ROTATION_HEADER.format(rotations=" + ".join(rotation.rotations),
+                                         block=f" blocks of {rotation.block_size}" if rotation.block_size else "")
     if not groups and kv_args is None:
         header += "# every layer stays unquantized: there is nothing for llm-compressor to do\n"
     if gptq:

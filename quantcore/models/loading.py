@@ -57,13 +57,16 @@ def _resolve_dtype(dtype: Any, device: str) -> Any:
     return dtype
 
 
-def load_model(folder: Path, *, device: str = "cpu", dtype: torch.dtype | str | None = None) -> tuple[Any, Any]:
+def load_model(folder: Path, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
+               device_map: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """Load a stored checkpoint: (model in eval mode on device, tokenizer).
 
     AutoModelForCausalLM for decoders, AutoModel for encoders; safetensors only,
     local files only, never remote code.  dtype None means float32 on CPU and
     the checkpoint's own dtype on an accelerator.  CheckpointError when any weight the architecture needs is
     missing from the files, any tensor is unused or of another shape (:mod:`quantcore.models.weights`).
+    ``device_map``: each module's device over several GPUs (:mod:`quantcore.models.placement`): every weight is
+    loaded onto its own device, and ``device`` (the first) is where the inputs go.
     """
     from transformers import AutoTokenizer
 
@@ -74,9 +77,10 @@ def load_model(folder: Path, *, device: str = "cpu", dtype: torch.dtype | str | 
     config = load_config(folder)
     options = dict(local_files_only=True, trust_remote_code=False)
     try:
+        placed = {"device_map": device_map} if device_map else {}
         model, info = auto_class(config).from_pretrained(folder, config=config, use_safetensors=True,
                                                           dtype=_resolve_dtype(dtype, device), output_loading_info=True,
-                                                          ignore_mismatched_sizes=True, **options)
+                                                          ignore_mismatched_sizes=True, **placed, **options)
         tokenizer = AutoTokenizer.from_pretrained(folder, **options)
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
         raise CheckpointError(f"cannot load the checkpoint in {folder.name} ({type(exc).__name__}: "
@@ -85,4 +89,4 @@ def load_model(folder: Path, *, device: str = "cpu", dtype: torch.dtype | str | 
     from quantcore.models.moe import split_experts
 
     split_experts(model)
-    return model.to(device).eval(), tokenizer
+    return (model if device_map else model.to(device)).eval(), tokenizer

@@ -14,6 +14,8 @@ The plan file is YAML, the same format the UI saves and exports::
     kv_cache_skip: [sliding_window, 0]           # optional; layers whose cache stays in the model's dtype
     tensor_parallel: 2                           # optional; GPUs vLLM splits each layer over (default 1)
     expert_parallel: true                        # optional; MoE experts whole, one GPU each (default false)
+    transforms:                                  # optional; a Hadamard rotation folded in before quantizing
+      rotation: {kind: hadamard, rotations: [R1, R2, R4], block_size: 64}   # (quantcore.algorithms.rotation_spec)
     rules:                                       # in order; the LAST matching rule wins
       - match: 'mlp\\.down_proj$'                # Python regular expression, re.search on the layer name
         scheme: INT8_W8A8_SQ
@@ -50,6 +52,7 @@ from typing import Any, TypeGuard
 
 import yaml
 
+from quantcore.algorithms.rotation_spec import RotationSpec, transforms_from_dict
 from quantcore.errors import PlanError
 from quantcore.errors import format_problems as _format_problems
 from quantcore.errors import name_list as _cut
@@ -83,7 +86,7 @@ ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ..
 ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
 
 _TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "kv_cache", "kv_cache_skip",
-             "tensor_parallel", "expert_parallel", "rules", "layers")
+             "tensor_parallel", "expert_parallel", "transforms", "rules", "layers")
 _RULE_KEYS = ("match", "scheme")
 _LAYER_KEYS = ("scheme", "smoothquant_alpha")
 
@@ -119,6 +122,9 @@ class PlanSpec:
                        the serving checks then read each GPU's share; 1 by default
     expert_parallel:   an MoE model's routed experts whole, the GPUs sharing them out (``--enable-expert-parallel``)
                        instead of every expert split over the GPUs; False by default
+    rotation:          the plan's Hadamard rotation (its ``transforms: {rotation: ...}``,
+                       :class:`~quantcore.algorithms.rotation_spec.RotationSpec`), applied to the whole model before
+                       its schemes quantize it; None: none
     name, description: free text for people
     """
 
@@ -132,6 +138,7 @@ class PlanSpec:
     kv_cache_skip: list[str] = field(default_factory=list)
     tensor_parallel: int = 1
     expert_parallel: bool = False
+    rotation: RotationSpec | None = None
     name: str | None = None
     description: str = ""
 
@@ -163,6 +170,8 @@ class PlanSpec:
             out["tensor_parallel"] = self.tensor_parallel
         if self.expert_parallel:
             out["expert_parallel"] = True
+        if self.rotation is not None:
+            out["transforms"] = {"rotation": self.rotation.to_dict()}
         out["rules"] = [r.to_dict() for r in self.rules]
         layers: dict[str, Any] = {}
         for layer in _ordered_union(self.layers, self.layer_alpha):
@@ -240,6 +249,11 @@ class PlanSpec:
             ep = False
         if not isinstance(ep, bool):
             problems.append(f"'expert_parallel' must be true or false, got {ep!r}")
+        rotation = None
+        try:
+            rotation = transforms_from_dict(data.get("transforms"))
+        except PlanError as exc:
+            problems.append(str(exc))
 
         rules: list[Rule] = []
         raw_rules = data.get("rules") or []
@@ -301,6 +315,7 @@ class PlanSpec:
             kv_cache_skip=kv_skip,
             tensor_parallel=tp,
             expert_parallel=ep is True,
+            rotation=rotation,
             name=name,
             description=description,
         )

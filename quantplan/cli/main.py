@@ -12,6 +12,7 @@ import quantplan.cli.plans as plan_commands
 import quantplan.cli.run as run_commands
 import quantplan.cli.scores as score_commands
 import quantplan.cli.system as system_commands
+import quantplan.cli.team as team_commands
 from quantplan.cli.common import CliError, Interrupted, current_settings
 from store.logs import configure_logging
 
@@ -19,6 +20,9 @@ from store.logs import configure_logging
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command group, in the order ``quantplan --help`` lists them."""
     p = argparse.ArgumentParser(prog="quantplan", description=__doc__)
+    p.add_argument("--as", dest="as_user", metavar="NAME",
+                   help="act as NAME: the name this command's jobs, plans and audit lines carry (QUANTPLAN_USER); "
+                        "the CLI has an operator's access to the database")
     sub = p.add_subparsers(dest="command", required=True)
     system_commands.add_commands(sub)
     model_commands.add_commands(sub)
@@ -27,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_commands.add_commands(sub)
     score_commands.add_commands(sub)
     plan_commands.add_commands(sub)
+    team_commands.add_commands(sub)
     return p
 
 
@@ -41,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "as_user", None):
+        from store.settings import get_settings
+
+        os.environ["QUANTPLAN_USER"] = args.as_user.strip()
+        get_settings.cache_clear()  # read again with the name
     # the command prints its own progress: first-party log lines only from WARNING up, unless asked for
     configure_logging(os.environ.get("QUANTPLAN_LOG_LEVEL") or "WARNING")
     if getattr(args, "device", "unset") is None:

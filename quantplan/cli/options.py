@@ -120,6 +120,21 @@ def add_text_job_options(sp: ParserT, *, text: str, samples: int, seq_len: int =
     sp.add_argument("--seq-len", type=bounded(SCORED_SEQ_LEN if scored else SEQ_LEN), default=seq_len,
                     help=f"tokens per sequence, at most the model's context (default {seq_len})")
     add_run_options(sp)
+    add_stream(sp)
+
+
+def add_stream(sp: ParserT) -> None:
+    """--stream / --no-stream: the job's ``stream`` (jobs.specs); unset, the worker decides by its memory budget."""
+    sp.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the model one decoder block at a time from its stored safetensors (--stream) or whole "
+                         "(--no-stream); default: whole where the weights fit the worker's memory budget "
+                         "(QUANTPLAN_MODEL_MEMORY_GIB, else the device's free memory), streamed where they do not")
+
+
+def stream_param(args: argparse.Namespace) -> dict[str, bool]:
+    """``{"stream": True | False}`` as --stream / --no-stream asked; empty when neither did."""
+    stream = getattr(args, "stream", None)
+    return {} if stream is None else {"stream": bool(stream)}
 
 
 def add_calibration_options(sp: ParserT) -> None:

@@ -33,10 +33,12 @@ from quantplan.cli.options import (
     add_model,
     add_plan_model,
     add_step_m,
+    add_stream,
     add_target,
     add_tensor_parallel,
     add_timeout,
     add_wait,
+    stream_param,
 )
 from quantplan.services.autoplan import AUTO_COSTS, STEP_TOKENS
 from quantplan.services.exchange import EXPORT_FORMATS
@@ -258,17 +260,25 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
     cands = comma_items(args.candidates) if args.candidates else None
 
     def queue_job(kind: str, params: dict, *, model_id: int, plan_id: int):
-        return start_job(kind, {**params, "user": s.user}, model_id=model_id, plan_id=plan_id, local=args.local)
+        return start_job(kind, {**params, **stream_param(args), "user": s.user}, model_id=model_id, plan_id=plan_id,
+                         local=args.local)
 
     command = autoplan_svc.AutoPlan(model, kl_budget=args.kl_budget, target=args.target, m=args.m,
                                     candidates=cands, verify=not args.no_verify, device=args.device or "cpu",
                                     cost=args.cost, kv_cache=kv_format_arg(args.kv_cache),
                                     tensor_parallel=parse_tp(args.tensor_parallel or 1),
-                                    expert_parallel=args.expert_parallel, queue_job=queue_job)
+                                    expert_parallel=args.expert_parallel, queue_job=queue_job,
+                                    sensitivity=args.sensitivity)
     result, plan, job = command.run()
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
+    correction = command.correction
+    out.update(sensitivity=args.sensitivity, corrected_kl=command.corrected_kl(result),
+               correction=None if correction is None else {"factor": correction.factor, "spread": correction.spread,
+                                                           "verifications": correction.verifications})
     if not args.json:  # the plan first: it is saved whatever becomes of the verification
-        print(f"{plan.label}: predicted KL {result.predicted_kl:.5f} ≤ {args.kl_budget:g}; cost "
+        corrected = "" if correction is None else (f" (corrected {out['corrected_kl']:.5f}, from "
+                                                   f"{correction.verifications} verification(s))")
+        print(f"{plan.label}: predicted KL {result.predicted_kl:.5f}{corrected} ≤ {args.kl_budget:g}; cost "
               f"{autoplan_svc.cost_text(result.cost, result.cost_unit)} vs "
               f"{autoplan_svc.cost_text(result.baseline_cost, result.cost_unit)} all-BF16 on {args.target} "
               f"({result.cost / result.baseline_cost:.0%})")
@@ -320,11 +330,16 @@ def add_commands(sub: SubParsers) -> None:
     add_tensor_parallel(sp, "GPUs the plan is served on (vLLM --tensor-parallel-size; default 1): no scheme is "
                         "chosen for a layer whose share on one GPU vLLM would refuse")
     add_expert_parallel(sp)
+    sp.add_argument("--sensitivity", choices=("kl", "fisher"), default="kl",
+                    help="the unit KLs to search on: kl (default) = the exact sweeps, fisher = the fast estimates "
+                         "(sensitivity --method fisher); either way the prediction is corrected by the verified "
+                         "automatic plans of the same architecture family and source, and verified by a score")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     add_wait(sp, "wait for the verifying score job")
     add_timeout(sp)
     add_local(sp, "run the verifying score job in this process (no worker)")
     add_device(sp, "device of the verifying score job (default: cpu)")
+    add_stream(sp)
     add_json(sp)
     sp.set_defaults(func=cmd_plan_auto)
 

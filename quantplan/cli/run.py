@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobs.specs import QUICK_SWEEP_SAMPLES, BenchSpec, CalibrateSpec, ScoreSpec, context_problem
+from jobs.specs import QUICK_SWEEP_SAMPLES, SHARDS, BenchSpec, CalibrateSpec, ScoreSpec, context_problem
 from quantcore.errors import name_list
 from quantcore.evaluation.kvcache import KV_FORMATS
 from quantplan.cli.common import (
@@ -35,7 +35,9 @@ from quantplan.cli.options import (
     add_run_options,
     add_tensor_parallel,
     add_text_job_options,
+    bounded,
     m_values,
+    stream_param,
 )
 
 
@@ -44,7 +46,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     checked_settings()
     model = find_model(args.model)
     _check_context(args, model, CalibrateSpec.seq_len)
-    params = {**text_sizes(args), "device": args.device, **dataset_param(args.text, "calibration")}
+    params = {**text_sizes(args), "device": args.device, **dataset_param(args.text, "calibration"),
+              **stream_param(args)}
     job = run_job("calibrate", params, model_id=model.id, local=args.local, quiet=args.json,
                   timeout_s=args.timeout)
     from quantplan.services import calibration as calibration_svc
@@ -124,7 +127,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     checked_settings()
     model = find_model(args.model)
     _check_context(args, model, ScoreSpec.seq_len)
-    base: dict[str, Any] = {**text_sizes(args), "device": args.device,
+    base: dict[str, Any] = {**text_sizes(args), "device": args.device, **stream_param(args),
                             **dataset_param(args.text, "evaluation"), **_calibration_params(args)}
     if args.kv_cache:
         base["kv_cache"] = kv_format_arg(args.kv_cache)
@@ -248,7 +251,13 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
             print(f"note: {why}", file=sys.stderr)
             gpus = {}
     params = {**what, **text_sizes(args), "device": args.device, "groups": not args.no_groups,
-              **dataset_param(args.text, "evaluation"), **_calibration_params(args), **gpus}
+              **dataset_param(args.text, "evaluation"), **_calibration_params(args), **gpus, **stream_param(args)}
+    if args.shards is not None:  # unset: one shard per live worker on the queue (jobs.shards)
+        params["shards"] = args.shards
+    if args.method != "kl":
+        if "kv_sweep" in what:
+            raise CliError("--method fisher estimates linear layers (--scheme); a KV cache sweep is exact only")
+        params["method"] = args.method
     job = run_job("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json,
                   timeout_s=args.timeout)
     swept = job.result["scheme"]
@@ -257,9 +266,21 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
     rows = sweeps_svc.sensitivity_rows(job.id)
     out = [{"layer": r.unit, "layers": r.layers, "kl_mean": r.kl_mean, "kl_mean_err": r.kl_mean_err,
             "top1_agree": r.top1_agree, "sqnr_db": r.sqnr_db} for r in rows]
+    compared = None
+    if args.method == "fisher" and args.compare:  # against the exact sweep of the same tokens, made if missing
+        exact = sweeps_svc.exact_twin(job)
+        if exact is None:
+            kl_params = {k: v for k, v in params.items() if k not in ("method", "shards")}
+            exact = run_job("sensitivity", kl_params, model_id=model.id, local=args.local, quiet=args.json,
+                            timeout_s=args.timeout)
+        compared = sweeps_svc.rank_correlation(job.id, exact.id)
     if args.json:
-        print_json({"job": job.id, "scheme": swept, "tensor_parallel": job.result.get("tensor_parallel", 1),
-                     "layers": out, "not_swept": job.result.get("not_swept", [])})
+        doc = {"job": job.id, "scheme": swept, "method": job.result.get("method", "kl"),
+               "tensor_parallel": job.result.get("tensor_parallel", 1), "layers": out,
+               "not_swept": job.result.get("not_swept", [])}
+        if compared is not None:
+            doc["rank_correlation"] = compared
+        print_json(doc)
     else:
         from quantplan.services import sweeps as sweeps_svc
 
@@ -267,7 +288,11 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
         for r in out[:20]:
             sq = "" if r["sqnr_db"] is None else f"  SQNR {r['sqnr_db']:6.1f} dB"
             err = "—" if r["kl_mean_err"] is None else format(r["kl_mean_err"], ".2g")
-            print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g} ± {err:<8}  top-1 {r['top1_agree']:.4f}{sq}")
+            top = "" if r["top1_agree"] is None else f"  top-1 {r['top1_agree']:.4f}"
+            print(f"  {r['layer']:56s} KL {r['kl_mean']:10.4g} ± {err:<8}{top}{sq}")
+        if compared is not None:
+            print(f"rank correlation (Spearman) with the exact sweep, job #{compared['exact_job']}, over "
+                  f"{compared['units']} units: {compared['spearman']:.3f}")
         if left_out := job.result.get("not_swept"):
             print(f"not swept: {len(left_out)} layer(s) no llm-compressor recipe can smooth "
                   f"({name_list(left_out, 3)}); the automatic planner gives them a scheme without SmoothQuant")
@@ -349,6 +374,15 @@ def add_commands(sub: SubParsers) -> None:
     add_kv_cache(sp, "instead: store one attention layer's K and V at a time in this KV cache format (which layers "
                  "a plan's kv_cache_skip should keep in BF16)")
     sp.add_argument("--no-groups", action="store_true", help="one layer at a time, not one fusion group")
+    sp.add_argument("--method", choices=("kl", "fisher"), default="kl",
+                    help="kl (default): the exact KL of each unit quantized alone; fisher: the sampled-Fisher estimate "
+                         "of every unit from a few backward passes (docs/concepts/sensitivity.md)")
+    sp.add_argument("--no-compare", dest="compare", action="store_false",
+                    help="with --method fisher: do not print its rank correlation with the exact sweep of the same "
+                         "tokens (by default that sweep is read, or run when there is none)")
+    sp.add_argument("--shards", type=bounded(SHARDS), metavar="N",
+                    help="split the units into N tasks that the queue's workers run side by side, merged into one "
+                         "sweep (default: one per live worker on the queue; 1: one task; --local: always one)")
     add_gpu_options(sp, "with --scheme: quantize each unit (default one GPU)", ". `plan auto --tp GPUS` reads the "
                     "sweep made at its GPU count; a scheme without a dynamic activation scale is swept on one GPU, "
                     "as it quantizes the same on any number")

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from quantplan.cli.common import checked_settings, comma_items, current_settings
+from quantplan.cli.common import CliError, checked_settings, comma_items, current_settings
 from quantplan.cli.local import describe_device
 from quantplan.cli.options import SubParsers
 
@@ -37,14 +37,26 @@ def advertised_queues(configured: str) -> str:
     return ",".join(queues)
 
 
+def _gpu_list(text: str) -> str:
+    """``--gpus``: comma-separated CUDA device indices (0,1,2,3), as CUDA_VISIBLE_DEVICES takes them."""
+    items = [t.strip() for t in text.split(",")]
+    if not items or not all(t.isdigit() for t in items) or len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"--gpus takes distinct device indices separated by commas, such as "
+                                         f"0,1,2,3; got {text!r}")
+    return ",".join(items)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     """`quantplan worker`: become a Celery worker on the configured queues (and this machine's device class)."""
     s = checked_settings()
     queues = advertised_queues(args.queues or s.worker_queues)
     print(f"quantplan worker: consuming queues {queues}", file=sys.stderr, flush=True)
+    if args.gpus is not None:  # the devices its jobs may spread a model over (quantcore.models.placement)
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
+    name = args.name or f"quantplan-{queues.replace(',', '-')}@%h"  # two workers on one host: give each a name
     # solo: one job at a time in the worker's own process (say so: Celery's banner would show the CPU count)
     cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app:celery_app", "worker", "-P", "solo",
-           "--concurrency", "1", "-Q", queues, "-n", f"quantplan-{queues.replace(',', '-')}@%h",
+           "--concurrency", "1", "-Q", queues, "-n", name,
            "--loglevel", args.loglevel]
     os.execvp(cmd[0], cmd)
     return 0  # not reached
@@ -57,9 +69,18 @@ def _streamlit_cmd(s) -> list[str]:
             "--client.toolbarMode", "viewer"]  # no "Deploy" (to Streamlit's cloud) or developer menu
 
 
+def refuse_open_binding(s) -> None:
+    """CliError, with the fix, where the app would listen beyond this machine without a sign-in."""
+    from quantplan.services.access import binding_problem
+
+    if problem := binding_problem(s.ui_address, s.auth):
+        raise CliError(problem)
+
+
 def cmd_app(args: argparse.Namespace) -> int:
-    """`quantplan app`: become the Streamlit app."""
+    """`quantplan app`: become the Streamlit app (refused on a non-loopback address without a sign-in)."""
     s = checked_settings()
+    refuse_open_binding(s)
     cmd = _streamlit_cmd(s)
     os.execvp(cmd[0], cmd)
     return 0
@@ -78,6 +99,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: a shell's `cmd &` ignores it
         signal.signal(sig, _interrupt)
     s = current_settings()
+    refuse_open_binding(s)
     upgrade(s)
     env = dict(os.environ, QUANTPLAN_HOME=str(s.home))
     procs: list[subprocess.Popen] = []
@@ -116,5 +138,10 @@ def add_commands(sub: SubParsers) -> None:
     sp = sub.add_parser("worker", help="start a Celery worker")
     sp.add_argument("--queues", help="comma-separated queues (default: QUANTPLAN_WORKER_QUEUES)")
     sp.add_argument("--loglevel", default="INFO", help="Celery log level (default INFO)")
+    sp.add_argument("--name", help="the worker's Celery node name (default quantplan-QUEUES@%%h); each worker on "
+                                   "one host needs its own, e.g. cpu2@%%h, to take shards of a sweep beside another")
+    sp.add_argument("--gpus", type=_gpu_list, help="the GPUs this worker's jobs use, e.g. 0,1,2,3 (sets "
+                                                   "CUDA_VISIBLE_DEVICES): a model that fits across them is placed "
+                                                   "with accelerate's device_map")
     sp.set_defaults(func=cmd_worker)
     sub.add_parser("app", help="start the Streamlit app").set_defaults(func=cmd_app)

@@ -17,6 +17,7 @@ from quantplan.services.jobs import list_jobs
 from quantplan.services.kernels import kernel_records, measured_device_for
 from quantplan.services.models import attention_heads, layer_names, layer_shapes, routed_layers
 from quantplan.services.plans import list_plans, save_plan
+from quantplan.services.predictions import correction_for
 from quantplan.services.queue import submit
 from quantplan.services.scoring import kv_alone_score
 from quantplan.services.sweeps import (
@@ -88,6 +89,9 @@ class AutoPlan:
     tensor_parallel: int = 1
     expert_parallel: bool = False
     queue_job: Callable[..., JobRecord] | None = None
+    sensitivity: str = "kl"  # the unit KLs searched on: exact sweeps ("kl") or Fisher estimates ("fisher")
+    correct: bool = True  # search under the budget corrected by the team's verified plans (services.predictions)
+    correction: Any = field(default=None, init=False)  # the quantcore.planning.correction.Correction used, or None
     # what validate() found, for the steps of run()
     _sens: dict[str, dict[str, float]] = field(default_factory=dict, init=False, repr=False)
     _unit_layers: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False)
@@ -100,10 +104,15 @@ class AutoPlan:
         from quantcore.evaluation.kvcache import get_kv_format
 
         model = self.model
-        self._sens, self._unit_layers = sensitivity_map(model, self.tensor_parallel, self.expert_parallel)
+        if self.sensitivity not in ("kl", "fisher"):
+            raise Refused(f"unknown sensitivity {self.sensitivity!r}; choose kl (exact sweeps) or fisher (estimates)")
+        self._sens, self._unit_layers = sensitivity_map(model, self.tensor_parallel, self.expert_parallel,
+                                                        self.sensitivity)
         if not self._sens:
-            raise Refused(f"{model.name} has no sensitivity sweep yet: run one per candidate scheme first "
-                          f"(Results page, or `quantplan sensitivity {model.name} --scheme FP8_DYNAMIC`)")
+            fast = self.sensitivity == "fisher"
+            raise Refused(f"{model.name} has no {'Fisher estimate' if fast else 'sensitivity sweep'} yet: run one per "
+                          f"candidate scheme first (Results page, or `quantplan sensitivity {model.name} --scheme "
+                          f"FP8_DYNAMIC{' --method fisher' if fast else ''}`)")
         if self.cost not in AUTO_COSTS:
             raise Refused(f"unknown cost {self.cost!r}; choose one of: {', '.join(AUTO_COSTS)}")
         kv = self._kv = get_kv_format(self.kv_cache).name
@@ -124,7 +133,7 @@ class AutoPlan:
         or None): :meth:`validate`, then choose, explain, save and verify. Refused where no candidate can be used."""
         self.validate()
         result, table = self._choose()
-        read = planner_sweeps(self.model, self.tensor_parallel, self.expert_parallel)
+        read = planner_sweeps(self.model, self.tensor_parallel, self.expert_parallel, self.sensitivity)
         self._explain(result, table, read)
         plan, job = self._save(result)
         if self.verify and job is None:
@@ -179,7 +188,11 @@ class AutoPlan:
 
         model, cands = self.model, self._candidates
         table, source = self._cost_table()
-        result = solve(layer_names(model), self._sens, kl_budget=self.kl_budget - self._kv_kl, target=self.target,
+        budget = self.kl_budget - self._kv_kl
+        self.correction = correction_for(model, self.sensitivity) if self.correct else None
+        if self.correction is not None:  # the sum of units to search under, so that the corrected KL fits
+            budget = self.correction.search_budget(budget)
+        result = solve(layer_names(model), self._sens, kl_budget=budget, target=self.target,
                        candidates=cands, cost=table, layer_shapes=layer_shapes(model), unit_layers=self._unit_layers,
                        cost_source=source, tied=model.tied_linears, parallel=self._parallel())
         if not [c for c in cands if c != "BF16" and c not in result.excluded]:  # a plan of BF16 alone answers nothing
@@ -193,6 +206,16 @@ class AutoPlan:
         model, cost, m, target, tp = self.model, self.cost, self.m, self.target, self.tensor_parallel
         parallel = self._parallel()
         result.notes += [f"{c} not used: {why}" for c, why in result.excluded.items() if c != "BF16"]
+        source = "Fisher estimates" if self.sensitivity == "fisher" else "exact sweeps"
+        if self.correction is not None:
+            result.kl_budget = self.kl_budget
+            result.notes.append(f"predicted from {source}, corrected by the verified automatic plans of "
+                                f"{model.architecture} models: {self.correction.text()}; the units' KLs were searched "
+                                f"to sum to at most {self.correction.search_budget(self.kl_budget - self._kv_kl):.4g} "
+                                f"(corrected prediction {self.corrected_kl(result):.4g})")
+        else:
+            result.notes.append(f"predicted from {source}; no verified automatic plan of a {model.architecture} model "
+                                f"from {source} yet to correct the prediction by")
         if self._alone is not None:
             kv_kl = self._kv_kl
             result.predicted_kl += kv_kl
@@ -225,13 +248,20 @@ class AutoPlan:
                                 + ": cost is the stored weight bits, scales included"
                                 if cost == "auto" else "cost: the stored weight bits, scales included")
 
+    def corrected_kl(self, result) -> float | None:
+        """The plan's predicted KL under the correction (None without one); the KV cache's KL, measured, stays."""
+        if self.correction is None:
+            return None
+        return self.correction.corrected(result.predicted_kl - self._kv_kl) + self._kv_kl
+
     def plan_name(self) -> str:
         """One plan name per question asked, the cost minimised part of it: ``auto-h100-kl0.05-ideal-m1``."""
         return (f"auto-{self.target}-kl{self.kl_budget:g}"
                 + {"auto": "", "bits": "-bits", "ideal": f"-ideal-m{self.m}"}[self.cost]
                 + ("" if self._kv == "AUTO" else f"-kv-{self._kv.lower()}")
                 + (f"-tp{self.tensor_parallel}" if self.tensor_parallel > 1 else "")
-                + ("-ep" if self.expert_parallel else ""))
+                + ("-ep" if self.expert_parallel else "")
+                + ("-fisher" if self.sensitivity == "fisher" else ""))
 
     def _save(self, result) -> tuple[PlanRecord, JobRecord | None]:
         """(the plan version, a score job already checking it): a new version, or, asked again with nothing new,
@@ -260,6 +290,7 @@ class AutoPlan:
         tokens, note = verify_tokens(read, set(result.plan.values()))
         if note:
             result.notes.append(note)
+        which = {"sensitivity": self.sensitivity} if self.sensitivity != "kl" else {}
         return (self.queue_job or submit)("score", {"predicted_kl": result.predicted_kl, "label": plan.label,
-                                                    "device": self.device, **tokens},
+                                                    "device": self.device, **tokens, **which},
                                           model_id=self.model.id, plan_id=plan.id)

@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 
 from quantcore.evaluation.text import load_documents  # torch-free
+from quantplan.services import access
 from quantplan.services.deployment import settings
 from store import repo
 from store.datasets import add_text_file
@@ -27,7 +28,9 @@ def datasets_for(role: str) -> list[DatasetRecord]:
 
 def add_dataset_file(path: Path, role: str) -> DatasetRecord:
     """Store the text file ``path`` (.txt, or .jsonl with a 'text' field) for ``role`` (calibration, evaluation or
-    any); the same text stored again is the stored one. ValueError for a file that holds no text."""
+    any); the same text stored again is the stored one. ValueError for a file that holds no text; access.Forbidden
+    for a viewer."""
+    access.require("upload_text")
     return add_text_file(path, role=role, read_documents=load_documents, settings=settings())
 
 

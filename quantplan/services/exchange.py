@@ -41,7 +41,12 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str, recipe_file:
     names = layer_names(model)
     if fmt == "llmcompressor":
         return llmcompressor.to_llmcompressor_recipe(resolved, layer_names=names, mlp_norm=_mlp_norm(model),
-                                                     kv_cache=kv)
+                                                     kv_cache=kv, rotation=spec.rotation,
+                                                     rotation_widths=_rotation_widths(model, spec))
+    if fmt == "compressed-tensors" and spec.rotation is not None:
+        raise PlanError(f"this plan rotates the model ({spec.rotation.label()}): a compressed-tensors "
+                        "quantization_config cannot carry the rotation; export the llmcompressor recipe "
+                        "(SpinQuantModifier), which rotates the weights and writes the transform config itself")
     if fmt == "compressed-tensors":
         return json.dumps(compressed_tensors.to_compressed_tensors_config(resolved, layer_names=names, kv_cache=kv),
                           indent=2) + "\n"
@@ -57,6 +62,17 @@ def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str, recipe_file:
                                          expert_parallel=spec.expert_parallel,
                                          recipe_path=recipe_file or vllm.DEFAULT_RECIPE_FILE))
     raise Refused(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
+
+
+def _rotation_widths(model: ModelRecord, spec: Any) -> Any:
+    """The widths a plan's rotation acts on (quantcore.export.spinquant.widths_from_linears), None without one."""
+    if spec.rotation is None:
+        return None
+    from quantcore.export.spinquant import widths_from_linears
+    from quantplan.services.models import attention_heads
+
+    heads = attention_heads(model)
+    return widths_from_linears(model.linears, heads.head_dim if heads is not None else None)
 
 
 def _safe_name(name: str) -> str:

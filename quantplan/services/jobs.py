@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jobs.specs import read_params
+from quantplan.services import access
 from quantplan.services.deployment import settings
 from quantplan.services.errors import Refused
 from quantplan.services.models import list_models
@@ -37,8 +38,14 @@ def get_job(job_id: int) -> JobRecord:
 
 
 def cancel_job(job_id: int) -> JobRecord:
-    """Cancel a queued job at once, or ask a running one to stop at its next check (store.repo.request_cancel)."""
+    """Cancel a queued job at once, or ask a running one to stop at its next check (store.repo.request_cancel).
+    A member cancels their own jobs, an admin anyone's (access.Forbidden otherwise); another's is audited."""
+    actor = access.require("cancel_own")
     with session_scope(settings()) as s:
+        job = repo.get_job(s, job_id)
+        if job.requested_by != actor.name:
+            access.require("cancel_any")
+            access.audit("cancel-job", f"job #{job.id} {job.kind} of {job.requested_by}", session=s)
         return repo.request_cancel(s, job_id)
 
 

@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from quantplan.services import access
 from quantplan.services.deployment import settings
 from quantplan.services.errors import Refused
 from quantplan.services.queue import submit
@@ -65,12 +66,17 @@ def remove_model(ref: int | str) -> ModelRecord:
     Its calibrations, scores, sensitivity sweeps and plan versions go with the row; its jobs stay in the history, naming
     it (store.repo.delete_model); kernel timings (per device, not per model) stay. The checkpoint folder and its cached
     reference log-probs are deleted after the rows are gone, so a failure leaves stray files, never rows that point at
-    missing ones. Refused while one of its jobs is queued or running."""
+    missing ones. Refused while one of its jobs is queued or running; access.Forbidden but for an admin. The removal
+    is audited (who, when, what the model was and how much was measured on it)."""
+    access.require("remove_model")
     s = settings()
     with session_scope(s) as db:
         rec = repo.get_model(db, ref)
         _refuse_while_active(db, rec, "cancel them or let them finish, then remove it")
+        usage = repo.model_usage(db, rec.id)
         repo.delete_model(db, rec.id)
+        access.audit("remove-model", f"model #{rec.id} {rec.name}",
+                     {"sha256": rec.sha256, "source": rec.source_name, **usage}, session=db)
     artifacts = Path(str(s.artifact_dir)).resolve()
     for folder in (artifacts / rec.path, s.model_reference_dir(rec.sha256)):
         folder = folder.resolve()
@@ -114,7 +120,8 @@ def cache_limit_note() -> str:
 
 def clear_cached_files(ref: int | str) -> int:
     """Delete what jobs keep beside a model (:func:`cached_files`); the bytes freed. Refused while one of its jobs
-    is queued or running (it may be reading them); its results and checkpoint stay."""
+    is queued or running (it may be reading them); its results and checkpoint stay. Admins only; audited."""
+    access.require("clear_cache")
     s = settings()
     with session_scope(s) as db:
         rec = repo.get_model(db, ref)
@@ -128,6 +135,7 @@ def clear_cached_files(ref: int | str) -> int:
             shutil.rmtree(folder, ignore_errors=True)
         if folder.exists():
             raise Refused(f"could not delete every cached file of {rec.name} under {folder}")
+    access.audit("clear-cache", f"model #{rec.id} {rec.name}", {"bytes": freed})
     return freed
 
 
@@ -138,13 +146,20 @@ def register_demo(which: str | None = None) -> JobRecord:
 
 
 def register_path(path: str, name: str | None = None) -> JobRecord:
-    """Register a checkpoint already on storage the workers can read (shared storage)."""
+    """Register a checkpoint already on storage the workers can read (shared storage): admins only, and only under
+    QUANTPLAN_MODEL_ROOTS (access.allowed_server_path, symlinks resolved first); audited."""
+    access.require("register_path")
     p = Path(path).expanduser()
     if not p.is_absolute():
         raise Refused("give an absolute path that the workers can read")
     if not p.exists():
         raise Refused(f"{p} does not exist (on the app's machine)")
-    return submit("register", {"source": str(p), "name": name or None})
+    real = access.allowed_server_path(p)
+    # under configured roots the job gets the resolved folder: a symlink changed after the check cannot redirect it
+    source = real if settings().model_root_paths else p
+    job = submit("register", {"source": str(source), "name": name or None})
+    access.audit("register-path", str(p), {"job": job.id, "name": name or None})
+    return job
 
 
 def hub_job_params(ref: str, revision: str | None = None, name: str | None = None) -> dict[str, Any]:

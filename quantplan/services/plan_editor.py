@@ -16,6 +16,27 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
+ROTATION_CHOICES = ("none", "hadamard", "random-hadamard")  # the Plans page's rotation control
+
+
+def with_rotation(body: dict[str, Any], kind: str, block_size: int) -> dict[str, Any]:
+    """``body`` with its ``transforms.rotation`` set to a Hadamard rotation of ``kind`` (``none`` removes it) in blocks
+    of ``block_size`` (0: the whole width), its rotations (R1, R2, R4 unless the plan names fewer) and seed kept. The
+    plan file's checks (quantcore.algorithms.rotation_spec) run when the plan is resolved."""
+    from quantcore.algorithms.rotation_spec import ROTATIONS
+
+    out = {k: v for k, v in body.items() if k != "transforms"}
+    if kind == "none":
+        return out
+    current = (body.get("transforms") or {}).get("rotation") or {}
+    entry: dict[str, Any] = {"kind": kind, "rotations": list(current.get("rotations") or ROTATIONS)}
+    if block_size:
+        entry["block_size"] = int(block_size)
+    if kind == "random-hadamard":
+        entry["seed"] = int(current.get("seed") or 0)
+    return {**out, "transforms": {"rotation": entry}}
+
+
 def kv_skip_options(model: ModelRecord) -> list[str]:
     """What a plan may keep out of its quantized KV cache: ``sliding_window`` when the model has such layers,
     then every attention layer's decoder index (empty when the cache cannot be counted)."""

@@ -6,6 +6,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from quantplan.services import access
 from quantplan.services.deployment import settings
 from quantplan.services.errors import Refused
 from quantplan.services.models import attention_heads, layer_names, layer_shapes
@@ -28,11 +29,12 @@ def list_plans(model_id: int | None = None) -> list[PlanRecord]:
 def save_plan(model_id: int, name: str, body: dict[str, Any], note: str = "",
               parent_id: int | None = None) -> PlanRecord:
     """Save ``body`` as the next version of plan ``name`` of the model, by the current user; Refused without a
-    name."""
+    name; access.Forbidden for a viewer."""
+    user = access.require("save_plan").name
     if not name.strip():
         raise Refused("a plan needs a name: its versions are saved, listed and exported under it")
     with session_scope(settings()) as s:
-        return repo.save_plan(s, model_id=model_id, name=name, body=body, user=settings().user, note=note,
+        return repo.save_plan(s, model_id=model_id, name=name, body=body, user=user, note=note,
                               parent_id=parent_id)
 
 

@@ -237,7 +237,8 @@ def serving_warnings(model: ModelRecord, body: dict[str, Any]) -> list[str]:
         warnings.append(unsplit)
     if kv != "AUTO":
         with session_scope(settings()) as s:
-            cal = repo.latest_calibration(s, model.id)
+            # not a rotated what-if calibration (issue #46): its V maxima are of the rotated model
+            cal = next((c for c in repo.calibrations(s, model.id) if not (c.params or {}).get("rotation")), None)
         clipping = kv_clipping((cal.result or {}).get("kv_amax") if cal else None, kv)
         if clipping:
             warnings.append(clipping)

@@ -68,21 +68,56 @@ def sweep_scheme(job: JobRecord) -> str:
 
 
 def sweep_label(job: JobRecord) -> str:
-    """"FP8_DYNAMIC", "FP8_DYNAMIC on 3 GPUs", "… on 2 GPUs, experts whole": what a sweep swept, and as on how
-    many GPUs."""
+    """"FP8_DYNAMIC", "FP8_DYNAMIC on 3 GPUs", "… on 2 GPUs, experts whole", "FP8_DYNAMIC (Fisher estimate)": what a
+    sweep swept, as on how many GPUs, and whether it was estimated rather than measured."""
     tp, ep = sweep_parallel(job)
-    return (sweep_scheme(job) or "?") + (f" on {gpus_label(tp, ep)}" if tp > 1 else "")
+    return ((sweep_scheme(job) or "?") + (f" on {gpus_label(tp, ep)}" if tp > 1 else "")
+            + (" (Fisher estimate)" if sweep_method(job) == "fisher" else ""))
 
 
-def planner_sweeps(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False) -> list[JobRecord]:
+def sweep_method(job: JobRecord) -> str:
+    """"kl" (the exact sweep: every sweep before the estimate existed) or "fisher" (quantcore.evaluation.fisher)."""
+    return str((job.params or {}).get("method") or "kl")
+
+
+def exact_twin(job: JobRecord) -> JobRecord | None:
+    """The newest exact sweep of ``job``'s model, scheme and GPUs over the very same tokens (text and shape), or
+    None: what a Fisher estimate is checked against."""
+    result = job.result or {}
+    if job.model_id is None:
+        return None
+    for other in sensitivity_jobs(job.model_id):  # newest first
+        theirs = other.result or {}
+        if (other.id != job.id and sweep_method(other) == "kl" and sweep_scheme(other) == sweep_scheme(job)
+                and sweep_parallel(other) == sweep_parallel(job) and theirs.get("text") == result.get("text")
+                and theirs.get("tokens") == result.get("tokens")
+                and bool(other.params.get("groups", True)) == bool(job.params.get("groups", True))):
+            return other
+    return None
+
+
+def rank_correlation(estimate_job: int, exact_job: int) -> dict[str, Any]:
+    """Spearman's rank correlation of two sweeps' per-unit KL over the units both have:
+    ``{"exact_job", "units", "spearman"}``."""
+    from quantcore.planning.correction import spearman
+
+    est = {r.unit: r.kl_mean for r in sensitivity_rows(estimate_job)}
+    exact = {r.unit: r.kl_mean for r in sensitivity_rows(exact_job)}
+    common = [u for u in exact if u in est]
+    return {"exact_job": exact_job, "units": len(common),
+            "spearman": spearman([exact[u] for u in common], [est[u] for u in common])}
+
+
+def planner_sweeps(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False,
+                   method: str = "kl") -> list[JobRecord]:
     """The sweeps of linear layers a plan for ``tensor_parallel`` GPUs reads, oldest first (a later one replaces an
     earlier one's units): those made on that many GPUs (as ``expert_parallel``), and for a scheme not swept so, its
     one-GPU sweeps. Those stand in exactly for every scheme but one with a dynamic per-tensor or per-token
     activation scale on a row-parallel layer (o_proj, down_proj), where each GPU's own scale makes the served KL
-    lower."""
+    lower. ``method``: the exact sweeps ("kl") or the Fisher estimates ("fisher"); the two are never mixed."""
     at = (tensor_parallel, tensor_parallel > 1 and expert_parallel)
     linear = [j for j in reversed(sensitivity_jobs(model.id))  # oldest first
-              if not sweep_scheme(j).startswith(repo.KV_SWEEP_PREFIX)]
+              if not sweep_scheme(j).startswith(repo.KV_SWEEP_PREFIX) and sweep_method(j) == method]
     swept_at = schemes_swept_on(linear, *at)
     return [j for j in linear if sweep_parallel(j) == at
             or (sweep_parallel(j) == (1, False) and sweep_scheme(j) not in swept_at)]
@@ -113,15 +148,15 @@ def same_on_any_gpus(scheme: str, tensor_parallel: int) -> str | None:
             f"on one GPU, which a plan for {tensor_parallel} reads exactly")
 
 
-def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False
+def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False, method: str = "kl"
                     ) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
     """{scheme: {unit: KL}} and {unit: layers} over the stored sensitivity sweeps of the model's linear layers
-    that a plan on ``tensor_parallel`` GPUs reads (:func:`planner_sweeps`; KV cache sweeps, whose units are
-    attention layers, are :func:`kv_sensitivity`'s)."""
+    that a plan on ``tensor_parallel`` GPUs reads (:func:`planner_sweeps`, of ``method``: exact or Fisher; KV cache
+    sweeps, whose units are attention layers, are :func:`kv_sensitivity`'s)."""
     from quantcore.planning.autoplan import sensitivity_from_rows
 
     rows: list[Any] = []
-    for job in planner_sweeps(model, tensor_parallel, expert_parallel):
+    for job in planner_sweeps(model, tensor_parallel, expert_parallel, method):
         rows.extend(r for r in sensitivity_rows(job.id) if not r.scheme.startswith(repo.KV_SWEEP_PREFIX))
     return sensitivity_from_rows(rows)
 

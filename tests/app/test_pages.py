@@ -2397,3 +2397,23 @@ def test_the_vllm_export_reads_the_recipe_under_the_name_its_download_gives_it(s
     script = next(c.value for c in at.code if "vllm serve" in c.value)
     assert f"recipe='served-v{plan.version}-recipe.yaml'" in script
     assert "recipe='recipe.yaml'" in exchange_svc.export_plan(seeded, plan.body, "vllm")  # the CLI's default name
+
+
+def test_the_calibration_and_score_forms_queue_a_streamed_or_whole_model_job(seeded):
+    """"Run the model" (issue 42): block by block or whole becomes the job's ``stream``; the default leaves it to the
+    worker's memory budget; a sweep queued beside a streamed score runs whole (sweeps do not stream)."""
+    from quantplan.services import jobs as jobs_svc
+
+    at = _run("models", seeded.id)
+    at.selectbox(key="cal_stream").set_value("block by block (streamed)")
+    at.button[[b.label for b in at.button].index("Queue calibration")].click().run()
+    assert not at.exception
+    at = _run("results", seeded.id)
+    at.multiselect(key=f"score_what_{seeded.id}").set_value(["preset:FP8_DYNAMIC"])
+    at.selectbox(key="score_stream").set_value("whole model")
+    at.checkbox(key="score_sens").check()
+    at.button[0].click().run()
+    assert not at.exception
+    queued = {j.kind: j.params for j in jobs_svc.list_jobs(limit=10) if j.status == "queued"}
+    assert queued["calibrate"]["stream"] is True and queued["score"]["stream"] is False
+    assert "stream" not in queued["sensitivity"]

@@ -11,40 +11,78 @@ from sqlalchemy.orm import Session
 from jobs.specs import CalibrateSpec
 from store import repo
 from worker.bodies.shared import load_model, model_record, resolve_device, token_ids
+from worker.bodies.streaming import Mode, choose_mode, streamed_model
 from worker.runner import JobContext, Outcome
 
 
 def calibrate(ctx: JobContext) -> Outcome:
     """Calibrate the job's model on ``samples`` x ``seq_len`` tokens of its calibration text
     (:class:`jobs.specs.CalibrateSpec`); the statistics are stored with the job."""
-    from quantcore.evaluation.calibrate import calibrate as run_calibration
-
     asked = CalibrateSpec.from_params(ctx.params)
     rec = model_record(ctx)
     device = resolve_device(asked.device)
-    model, tok = load_model(ctx, rec, device)
-    ids, label = token_ids(ctx, tok, "calibration", samples=asked.samples, seq_len=asked.seq_len,
-                           dataset=asked.dataset)
-    ctx.progress(0.05, f"calibrating on {ids.shape[0]}×{ids.shape[1]} tokens of {label}")
-
-    def run():
-        return run_calibration(
-            model, ids.to(device), batch_size=asked.batch_size,
-            progress=lambda f, msg: ctx.progress(0.05 + 0.9 * f, msg), should_cancel=ctx.should_cancel,
-        )
-
-    stats, kv_amax, kv_note = _with_kv_amax(model, run)
+    mode = choose_mode(ctx, rec, asked.stream, device)
+    if mode.stream:
+        with streamed_model(ctx, rec, device, mode) as (streamed, tok):
+            stats, kv_amax, kv_note, ids, label = _calibrated(ctx, asked, streamed.model, tok, mode, device, streamed)
+    else:
+        model, tok = load_model(ctx, rec, device)
+        stats, kv_amax, kv_note, ids, label = _calibrated(ctx, asked, model, tok, mode, device)
     ranked = sorted(stats.values(), key=lambda st: st.outlier_ratio, reverse=True)
     result = {
         "layers": len(stats), "tokens": int(ids.numel()), "text": label,
         "top": [{"name": st.name, "outlier_ratio": round(st.outlier_ratio, 2)} for st in ranked[:5]],
         "kv_amax": kv_amax, **({"kv_note": kv_note} if kv_note else {}),
+        "mode": "streamed" if mode.stream else "whole model",
+        **({"rotation": asked.rotation} if asked.rotation else {}),
     }
 
     def write(s: Session) -> None:
         repo.save_activation_stats(s, job_id=ctx.job_id, model_id=rec.id, stats=stats.values())
 
     return Outcome(result=result, write=write, message=f"{len(stats)} layers calibrated")
+
+
+def _calibrated(ctx: JobContext, asked: CalibrateSpec, model: Any, tok: Any, mode: Mode, device: str,
+                streamed: Any = None) -> tuple[Any, ...]:
+    """(statistics, K/V maxima, why none, token ids, text label) of the job's calibration, whole or streamed."""
+    from quantcore.evaluation.calibrate import calibrate as run_calibration
+    from quantcore.evaluation.streamed import calibrate_streamed
+
+    ids, label = token_ids(ctx, tok, "calibration", samples=asked.samples, seq_len=asked.seq_len,
+                           dataset=asked.dataset)
+    ctx.progress(0.05, f"calibrating on {ids.shape[0]}×{ids.shape[1]} tokens of {label}, {mode.text}")
+
+    def progress(f: float, msg: str) -> None:
+        ctx.progress(0.05 + 0.9 * f, msg if streamed is not None else f"{msg} (whole model)")
+
+    rotation = _rotation_of(asked, streamed)
+
+    def run():
+        if streamed is not None:
+            return calibrate_streamed(streamed, ids, batch_size=asked.batch_size, progress=progress,
+                                      should_cancel=ctx.should_cancel)
+        from quantcore.algorithms.rotation import rotation_applied
+
+        with rotation_applied(model, rotation):  # a what-if calibration of the rotated model (issue #46)
+            return run_calibration(model, ids.to(device), batch_size=asked.batch_size, progress=progress,
+                                   should_cancel=ctx.should_cancel)
+
+    return (*_with_kv_amax(model, run), ids, label)
+
+
+def _rotation_of(asked: CalibrateSpec, streamed: Any) -> Any:
+    """The job's rotation (quantcore.algorithms.rotation_spec.RotationSpec) or None; PlanError for a malformed one or
+    a streamed calibration (the rotation folds into the whole model)."""
+    if asked.rotation is None:
+        return None
+    from quantcore.algorithms.rotation_spec import rotation_from_dict
+    from quantcore.errors import PlanError
+
+    if streamed is not None:
+        raise PlanError("a rotated calibration needs the whole model in memory (the rotation folds into every "
+                        "block); run it with stream false")
+    return rotation_from_dict(asked.rotation, "the job's rotation")
 
 
 def _with_kv_amax(model: Any, run: Callable[[], Any]) -> tuple[Any, dict[str, Any] | None, str | None]:

@@ -49,10 +49,12 @@ def calibration_for(ctx: JobContext, asked: TextJobSpec, model_rec: ModelRecord,
     from worker.bodies.calibrate import calibrate
 
     with session_scope(ctx.settings) as s:
-        cal = repo.latest_calibration(s, model_rec.id)
+        # a rotated calibration (a what-if of the Outliers page) saw another model than the one scored here
+        cal = next((c for c in repo.calibrations(s, model_rec.id) if not (c.params or {}).get("rotation")), None)
     if cal is None:
         ctx.progress(0.02, "no stored calibration: calibrating first")
-        first = CalibrateSpec(device=asked.device, samples=asked.cal_samples, seq_len=asked.cal_seq_len)
+        first = CalibrateSpec(device=asked.device, samples=asked.cal_samples, seq_len=asked.cal_seq_len,
+                              stream=asked.stream)
         job = create_local_job("calibrate", first, model_id=model_rec.id, settings=ctx.settings)
         status = run_job(job.id, calibrate, settings=ctx.settings)
         if status != "succeeded":
@@ -62,6 +64,20 @@ def calibration_for(ctx: JobContext, asked: TextJobSpec, model_rec: ModelRecord,
     with session_scope(ctx.settings) as s:
         stats = [LayerStats.from_record(r) for r in repo.load_activation_stats(s, cal.id)]
     return cal.id, stats
+
+
+def refuse_rotated_calibration(rotation: Any, plan: Mapping[str, Any], kv: Any) -> None:
+    """ValueError when a rotated plan needs calibrated inputs (static scales, SmoothQuant, GPTQ, AWQ, calibrated KV
+    scales): the stored calibrations saw the unrotated model, whose statistics do not hold rotated."""
+    needing = [n for n, s in plan.items() if not s.is_identity and (s.needs_calibration or s.gptq or s.needs_awq)]
+    if needing or kv.calibrated:
+        from quantcore.errors import name_list
+
+        what = f"{len(needing)} layer(s) ({name_list(needing, 3)})" if needing else f"the {kv.name} KV cache"
+        raise ValueError(f"this plan rotates the model ({rotation.label()}) and {what} need calibrated statistics, "
+                         "which quantplan's stored calibrations hold for the unrotated model only; choose schemes "
+                         "with dynamic activation scales and round-to-nearest weights (MXFP4, MXFP8, FP8_DYNAMIC, "
+                         "INT8_W8A8), or measure it with benchmarks/rotations_smollm2.py, which calibrates rotated")
 
 
 def calibration_inputs(cal) -> PlanInputs:
@@ -121,10 +137,13 @@ def software() -> dict[str, str]:
     return {"torch": str(torch.__version__), "transformers": str(transformers.__version__)}
 
 
-def reference_for(ctx: JobContext, model_rec: ModelRecord, model: Any, ids: Any, eval_label: str, batch_size: int):
+def reference_for(ctx: JobContext, model_rec: ModelRecord, model: Any, ids: Any, eval_label: str, batch_size: int,
+                  compute: Any = None):
     """The unquantized model's reference on these tokens, cached in the artifact store: every log-prob where that
     is at most ``reference_full_max_mb``, else the compact top-k record (``reference_topk``); computed in the job
-    and not kept (its ``kind`` then reads ``recomputed``) where it would not fit in the cache at all."""
+    and not kept (its ``kind`` then reads ``recomputed``) where it would not fit in the cache at all. ``compute``:
+    what computes it (default quantcore.evaluation.reference.compute_reference; a streamed job's runs block by
+    block)."""
     from quantcore.evaluation import reference
 
     ctx.cache_used = True  # the job's end keeps the cache under its limit (worker.runner.trim_cache)
@@ -146,9 +165,10 @@ def reference_for(ctx: JobContext, model_rec: ModelRecord, model: Any, ids: Any,
     else:
         what = "every log-prob" if topk is None else f"top {topk} a position"
         ctx.progress(0.05, f"computing reference log-probs ({what}; once per model and text)")
-    ref = reference.compute_reference(model, ids, batch_size=batch_size, model_sha=model_rec.sha256, eval_key=key,
-                                      topk=topk, progress=lambda f, m: ctx.progress(0.05 + 0.25 * f, m),
-                                      should_cancel=ctx.should_cancel)
+    ref = (compute or reference.compute_reference)(model, ids, batch_size=batch_size, model_sha=model_rec.sha256,
+                                                   eval_key=key, topk=topk,
+                                                   progress=lambda f, m: ctx.progress(0.05 + 0.25 * f, m),
+                                                   should_cancel=ctx.should_cancel)
     if s.cache_max_bytes and ref.nbytes > s.cache_max_bytes:
         ref.recomputed = True  # one score's worth: kept only for this job, the cache could not hold it
     else:
@@ -283,7 +303,7 @@ def awq_summary(found: Any) -> dict[str, Any]:
 
 
 def kv_amax(ctx: JobContext, rec: ModelRecord, model: Any, kv: Any, plan: dict[str, Any], cal_ids: Any, cal=None,
-            inputs: PlanInputs = NO_INPUTS):
+            inputs: PlanInputs = NO_INPUTS, calibrate: Any = None):
     """Per-layer K/V amax for a calibrated KV format, with ``plan`` applied with its ``inputs`` (their
     ``gptq_cache`` filled here), on the calibration tokens (the job's
     ``cal_dataset`` or the built-in text), never the evaluation text; None for a format without calibrated
@@ -292,7 +312,9 @@ def kv_amax(ctx: JobContext, rec: ModelRecord, model: Any, kv: Any, plan: dict[s
     tokens, the GPUs, the weights' dtype, the device kind, torch's and transformers' versions, quantplan's
     numerics; not the KV format: K and V are observed before it quantizes them), so another score of the plan
     with a calibrated KV cache (another format, another evaluation text) reads it; a damaged file (unreadable,
-    or without every attention layer) is calibrated again. Returns (amax, whether it came from there)."""
+    or without every attention layer) is calibrated again. Returns (amax, whether it came from there).
+    ``calibrate``: what runs the pass (default quantcore.evaluation.scoring.calibrate_kv_cache; a streamed job's
+    runs block by block)."""
     from quantcore.evaluation.kvcache import KvAmax
     from quantcore.evaluation.scoring import calibrate_kv_cache
     from quantcore.models.decoder import attention_modules
@@ -318,7 +340,7 @@ def kv_amax(ctx: JobContext, rec: ModelRecord, model: Any, kv: Any, plan: dict[s
             ctx.progress(0.3, f"the {kv.name} KV cache scales' amax, from the cache")
             return amax, True
     ctx.progress(0.3, f"calibrating the {kv.name} KV cache scales")
-    amax = calibrate_kv_cache(model, plan, cal_ids, inputs=inputs, should_cancel=ctx.should_cancel)
+    amax = (calibrate or calibrate_kv_cache)(model, plan, cal_ids, inputs=inputs, should_cancel=ctx.should_cancel)
     write_whole(path, lambda part: Path(part).write_text(json.dumps(amax.to_dict())))
     return amax, False
 

@@ -3,6 +3,7 @@ scales and KV cache scales the plan needs (worker.bodies.evaluation)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -12,6 +13,8 @@ from store import repo
 from store.db import session_scope
 from store.records import SCORE_STATISTICS
 from worker.bodies import evaluation as ev
+from worker.bodies.shared import forget_model
+from worker.bodies.streaming import prepared, refuse_streamed
 from worker.runner import JobContext, Outcome
 
 
@@ -56,16 +59,24 @@ def served_on(asked: ScoreSpec, spec: Any, model: Any):
 
 
 def score(ctx: JobContext) -> Outcome:
-    """Score the job's plan (:class:`jobs.specs.ScoreSpec`); the report is stored with the job."""
+    """Score the job's plan (:class:`jobs.specs.ScoreSpec`), whole or streamed (worker.bodies.streaming); the report
+    is stored with the job."""
+    asked = ScoreSpec.from_params(ctx.params)
+    with prepared(ctx, asked) as (rec, model, tok, ids, label, streamed):
+        return _score(ctx, asked, rec, model, tok, ids, label, streamed)
+
+
+def _score(ctx: JobContext, asked: ScoreSpec, rec: Any, model: Any, tok: Any, ids: Any, label: str,
+           streamed: Any) -> Outcome:
+    """:func:`score` on the prepared model: whole, or streamed block by block (``streamed``, a StreamedModel)."""
     from quantcore.algorithms.gptq import rounding_inputs
     from quantcore.evaluation.kvcache import get_kv_format, kv_skip_layers
     from quantcore.evaluation.scoring import score_plan
+    from quantcore.evaluation.streamed import score_streamed
     from quantcore.models.decoder import attention_modules
     from quantcore.models.summary import attention_windows
     from quantcore.planning.plans import kv_label, resolve_plan
 
-    asked = ScoreSpec.from_params(ctx.params)
-    rec, model, tok, ids, label = ev.prepare(ctx, asked)
     names = ev.linear_names(rec)
     spec = plan_spec(ctx, asked, names)
     if asked.kv_cache:  # the job's KV cache format replaces the plan's
@@ -77,10 +88,16 @@ def score(ctx: JobContext) -> Outcome:
     parallel = served_on(asked, spec, model)  # checked before the reference is computed, as the KV cache skips are
     if spec.kv_cache_skip:  # checked before the reference is computed
         kv_skip_layers(spec.kv_cache_skip, attention_modules(model), attention_windows(model))
-    cal = ev.calibration_for(ctx, asked, rec, any(s.needs_calibration for s in plan.values()))
-    ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size)
     needs = ev.calibration_needs(plan.values())  # the calibrated inputs the plan's rounding and transforms read
     gptq = "weight_hessians" in needs
+    if streamed is not None:  # refused before anything runs
+        refuse_streamed([what for what, used in (("GPTQ rounding", gptq), ("AWQ's search", "awq" in needs),
+                                                 ("rollouts", bool(asked.rollouts))) if used])
+    if spec.rotation is not None:  # the stored calibration saw the unrotated model (quantcore.algorithms.rotation)
+        ev.refuse_rotated_calibration(spec.rotation, plan, kv)
+    cal = ev.calibration_for(ctx, asked, rec, any(s.needs_calibration for s in plan.values()))
+    ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size,
+                           compute=None if streamed is None else partial(_streamed_reference, streamed))
     cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device,
                                            ev.reads_calibration_text(needs) or kv.calibrated)
     gptq_reads = rounding_inputs(plan)
@@ -89,14 +106,24 @@ def score(ctx: JobContext) -> Outcome:
     awq = ev.awq_scales(ctx, rec, model, plan, cal_ids, cal_text)
     gptq_cache = dict(kept)  # the KV cache calibration and the score round each GPTQ layer once between them
     inputs = ev.calibration_inputs(cal).replace(weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache,
-                                                parallel=parallel)
-    kv_amax, kv_cached = ev.kv_amax(ctx, rec, model, kv, plan, cal_ids, cal, inputs)
+                                                parallel=parallel, rotation=spec.rotation)
+    kv_amax, kv_cached = ev.kv_amax(ctx, rec, model, kv, plan, cal_ids, cal, inputs,
+                                    calibrate=None if streamed is None else partial(_streamed_kv_amax, streamed))
     rest = ctx.rest()
     share = 0.5 if asked.rollouts else 1.0  # of what is left of the bar: the score's, then the rollouts'
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
-    report = score_plan(model, plan, ids, ref, inputs=inputs.replace(kv_amax=kv_amax), batch_size=None,
-                        kv_cache=kv.name, kv_skip=spec.kv_cache_skip,
-                        progress=lambda f, msg: rest(share * f, msg), should_cancel=ctx.should_cancel)
+    mode = "" if streamed is not None else " (whole model)"  # a streamed pass says "streamed, block i/N"
+    options = dict(inputs=inputs.replace(kv_amax=kv_amax), batch_size=None, kv_cache=kv.name,
+                   kv_skip=spec.kv_cache_skip, progress=lambda f, msg: rest(share * f, msg + mode),
+                   should_cancel=ctx.should_cancel)
+    # the model's last use unless rollouts follow: the rounded weights go over the originals (no second copy of
+    # the model in memory); the worker then loads it again for its next job
+    in_place = streamed is None and not asked.rollouts
+    if in_place:
+        forget_model()
+    report = (score_plan(model, plan, ids, ref, keep_originals=not in_place, **options)  # type: ignore[arg-type]
+              if streamed is None
+              else score_streamed(streamed, plan, ids, ref, **options))  # type: ignore[arg-type]
     rep = report.to_dict()
     if asked.rollouts:  # sequences the quantized model generates itself, against the reference on them
         from quantcore.evaluation.rollouts import rollout_drift
@@ -143,3 +170,17 @@ def score(ctx: JobContext) -> Outcome:
                       else "")
                    + f", top-1 {rep['top1_agree']:.3f}"
                    + (f" (from the cache: {', '.join(reused)})" if reused else ""))
+
+
+def _streamed_reference(streamed: Any, _model: Any, ids: Any, **options: Any) -> Any:
+    """compute_reference's call, run on the StreamedModel (quantcore.evaluation.streamed.reference_streamed)."""
+    from quantcore.evaluation.streamed import reference_streamed
+
+    return reference_streamed(streamed, ids, **options)
+
+
+def _streamed_kv_amax(streamed: Any, _model: Any, plan: Any, ids: Any, **options: Any) -> Any:
+    """calibrate_kv_cache's call, run on the StreamedModel (quantcore.evaluation.streamed)."""
+    from quantcore.evaluation.streamed import calibrate_kv_cache_streamed
+
+    return calibrate_kv_cache_streamed(streamed, plan, ids, **options)

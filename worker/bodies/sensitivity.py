@@ -11,6 +11,7 @@ from jobs.specs import SensitivitySpec
 from quantcore.errors import PlanError, name_list
 from store import repo
 from worker.bodies import evaluation as ev
+from worker.bodies import sweep_shards as shards
 from worker.runner import JobContext, Outcome
 
 
@@ -35,11 +36,17 @@ def sensitivity(ctx: JobContext) -> Outcome:
         sensitivity_sweep,
         sweep_units,
     )
+    from quantcore.models.decoder import attention_modules
     from quantcore.models.parallel import ONE_GPU
+    from quantcore.planning.plans import group_label
     from quantcore.schemes.numerics import NUMERICS
     from quantcore.schemes.presets import get_scheme
 
     asked = SensitivitySpec.from_params(ctx.params)
+    if asked.stream:  # refused before the model loads (worker.bodies.streaming)
+        from worker.bodies.streaming import refuse_streamed
+
+        refuse_streamed(["sensitivity sweeps"])
     rec, model, tok, ids, label = ev.prepare(ctx, asked)
 
     awq, parallel, rerouted, gptq_summary = None, ONE_GPU, False, None
@@ -49,8 +56,10 @@ def sensitivity(ctx: JobContext) -> Outcome:
         ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size)
         cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device, kv.calibrated)
         amax, _ = ev.kv_amax(ctx, rec, model, kv, {}, cal_ids)
-        rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, progress=ctx.rest(),
-                                    should_cancel=ctx.should_cancel)
+        labels = list(attention_modules(model))  # the whole sweep's units; a shard sweeps its part
+        mine = shards.my_part(asked, labels)
+        rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, layers=mine, progress=ctx.rest(),
+                                    should_cancel=ctx.should_cancel) if mine else []
         name = repo.KV_SWEEP_PREFIX + kv.name
     else:
         scheme = get_scheme(str(asked.scheme))
@@ -58,6 +67,9 @@ def sensitivity(ctx: JobContext) -> Outcome:
             scheme = scheme.with_alpha(asked.alpha)
         parallel = swept_on(asked, model)  # checked before the reference is computed
         swept, unsmoothable = sweepable(linear_layer_names(model), scheme)  # so is what is left to sweep
+        units = sweep_units(swept, groups=asked.groups)
+        labels = [group_label(u) for u in units]  # the whole sweep's units; a shard sweeps its part
+        swept = [n for unit in shards.my_part(asked, units) for n in unit]
         if parallel.split and not scheme.scaled_per_gpu_share:
             parallel, rerouted = ONE_GPU, True  # its scales are the same on any number of GPUs: read exactly so
         cal = ev.calibration_for(ctx, asked, rec, scheme.needs_calibration)
@@ -65,7 +77,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
         cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device,
                                                ev.reads_calibration_text(ev.calibration_needs([scheme])))
         every = {n: scheme for n in ev.linear_names(rec) if n not in unsmoothable}
-        unit_reads = {n: read for unit in sweep_units(swept, groups=asked.groups)
+        unit_reads = {n: read for unit in units if set(unit) <= set(swept)
                       for n, read in rounding_inputs(dict.fromkeys(unit, scheme)).items()}
         kept, keep_at = ev.kept_gptq(ctx, rec, model, unit_reads, cal_ids, cal)
         hessians = ev.hessians(ctx, model, every, cal_ids, cal_text, rounded=kept)
@@ -73,15 +85,21 @@ def sensitivity(ctx: JobContext) -> Outcome:
         gptq_cache = dict(kept)
         inputs = ev.calibration_inputs(cal).replace(weight_hessians=hessians, awq=awq, parallel=parallel,
                                                     gptq_cache=gptq_cache)
-        rows = sensitivity_sweep(model, scheme, ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
-                                 progress=ctx.rest(), should_cancel=ctx.should_cancel)
+        if asked.method == "fisher" and swept:  # every unit from a few backward passes (quantcore.evaluation.fisher)
+            from quantcore.evaluation.fisher import fisher_sensitivity
+
+            rows = fisher_sensitivity(model, [scheme], ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
+                                      progress=ctx.rest(), should_cancel=ctx.should_cancel)[scheme.name]
+        else:
+            rows = sensitivity_sweep(model, scheme, ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
+                                     progress=ctx.rest(), should_cancel=ctx.should_cancel) if swept else []
         not_kept = ev.keep_gptq(ctx, gptq_cache, keep_at)
         name = scheme.name
         if unit_reads:
             gptq_summary = ev.gptq_summary(unit_reads, kept, not_kept)
     dicts = [r.to_dict() for r in rows]
     result = {"scheme": name, "units": len(dicts), "text": label, "tokens": list(ids.shape), "numerics": NUMERICS,
-              "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]]}
+              "top": [{"layer": d["layer"], "kl_mean": d["kl_mean"]} for d in dicts[:5]], "method": asked.method}
     if cal_ids is not None:  # GPTQ Hessians, AWQ scales or KV cache scales came from it
         result.update(calibration_text=cal_text, calibration_tokens=list(cal_ids.shape))
     if awq is not None:
@@ -92,6 +110,8 @@ def sensitivity(ctx: JobContext) -> Outcome:
         result.update(tensor_parallel=parallel.tp, expert_parallel=parallel.expert_parallel)
     if unsmoothable:
         result["not_swept"] = unsmoothable
+    if asked.shard is not None:  # a shard's rows go to its sweep's merge (worker.bodies.sweep_shards), not the table
+        return shards.shard_outcome(asked, result, dicts, labels)
 
     def write(s: Session) -> None:
         repo.save_sensitivity(s, job_id=ctx.job_id, model_id=rec.id, scheme=name, rows=dicts)

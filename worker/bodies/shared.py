@@ -43,15 +43,26 @@ def model_record(ctx: JobContext) -> ModelRecord:
 def load_model(ctx: JobContext, model_rec: ModelRecord, device: str) -> tuple[Any, Any]:
     """(model, tokenizer) of the job's model (kept loaded between jobs of the same worker: one model at a time)."""
     from quantcore.models.loading import load_model as qc_load
+    from quantcore.models.placement import placement_for
 
     key = (model_rec.sha256, device)
     if key not in _MODEL_CACHE:
         _MODEL_CACHE.clear()
         ctx.progress(0.01, f"loading {model_rec.name}")
         folder = Path(str(ctx.settings.artifact_dir)) / model_rec.path
-        _MODEL_CACHE[key] = qc_load(folder, device=device)
+        placed = placement_for(folder, device)  # None: on the one device; else over this worker's GPUs
+        if placed is not None:
+            ctx.progress(0.01, f"loading {model_rec.name} over {len(placed.devices)} GPUs (blocks per GPU: "
+                               f"{', '.join(str(len(b)) for b in placed.blocks_on().values())})")
+        _MODEL_CACHE[key] = qc_load(folder, device=device, device_map=placed.device_map if placed else None)
         _complete_summary(ctx, model_rec, _MODEL_CACHE[key][0])
     return _MODEL_CACHE[key]
+
+
+def forget_model() -> None:
+    """Drop the model kept between jobs: a score that rounded its weights in place (its last use) leaves nothing
+    another job could use; the next job loads the checkpoint again."""
+    _MODEL_CACHE.clear()
 
 
 def _complete_summary(ctx: JobContext, model_rec: ModelRecord, model: Any) -> None:

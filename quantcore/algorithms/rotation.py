@@ -1,0 +1,379 @@
+"""Hadamard rotations folded into a model: R1 (residual stream), R2 (per attention head), R4 (online, down_proj).
+
+For any orthogonal Q, ``x Wᵀ = (x Q)(W Q)ᵀ``: a linear whose input is rotated by Q computes the same output when its
+weight is rotated by Q too. QuaRot and SpinQuant (SpinQuant's names R1 to R4) use it to spread an outlier channel's
+magnitude over every channel before quantization; the full-precision model is unchanged. Folds (Hugging Face
+Llama / Mistral / Qwen2 / Gemma naming, from :mod:`quantcore.models.architectures`):
+
+==========  ==========================================================================================================
+R1          The residual stream is carried rotated, ``h' = h Q₁``. First every RMSNorm's gain g is folded into the
+            linears it feeds (``W[:, j] *= g_j``, the gain set neutral: 1, or 0 for Gemma's ``(1 + w)``), since
+            ``rms(x Q) = rms(x)`` holds for a neutral norm only; then the embedding ``E Q₁``, every block's input
+            projections (q/k/v, gate/up) and the head ``W Q₁``, its output projections (o_proj, down_proj)
+            ``Q₁ᵀ W`` with the bias ``b Q₁``. Tied embeddings are untied for the duration (the head gets the final
+            norm's gain, the embedding does not). Refused (:class:`~quantcore.errors.PlanError` naming the norms) where
+            a norm sits on a branch's output before the residual add (Gemma 2/3's ``post_attention_layernorm`` and
+            ``post_feedforward_layernorm``): its per-channel gain does not commute with a rotation.
+R2          Each attention head's values are rotated, ``v_h' = v_h Q₂`` (head_dim): v_proj's rows of head h
+            ``Q₂ᵀ W_h`` (and its bias), o_proj's columns of every query head ``W[:, h] Q₂`` (under grouped-query
+            attention every query head of a kv head sees the same rotation, as it is one matrix for all heads).
+R4          down_proj's input is rotated online, ``x Q₄`` (intermediate width): a forward pre-hook on down_proj
+            multiplies its input by Q₄ at run time (in float32 at least) and the weight is ``W Q₄``. A
+            quantizer hooked on down_proj after it sees the rotated input.
+==========  ==========================================================================================================
+
+Q is a Hadamard matrix (:mod:`quantcore.algorithms.hadamard`), randomised by a seeded ±1 diagonal or block-diagonal as
+the :class:`~quantcore.algorithms.rotation_spec.RotationSpec` says. Every folded weight is computed in float64 and
+rounded once to its dtype into a new Parameter; :meth:`RotationHandle.restore` puts the original Parameters back
+(bit for bit, ties included) and removes the hooks. MoE blocks (routed experts) are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantcore.algorithms.hadamard import has_hadamard, rotation_matrix
+from quantcore.algorithms.registry import register_transform
+from quantcore.algorithms.rotation_spec import R1, R2, R4, RotationSpec, RotationWidths, block_of
+from quantcore.algorithms.smoothquant import _gain_style, _weight  # the probe SmoothQuant folds norms by
+from quantcore.errors import PlanError, name_list
+from quantcore.models.architectures import Architecture, architecture_of
+
+#: the rotation as a transform of the registry: set for the whole plan by its ``transforms:`` section; it reads no
+#: calibrated input (the calibration of a rotated plan runs with the rotation applied)
+ROTATION_TRANSFORM = register_transform("rotation", applies_to=lambda scheme: not scheme.is_identity, needs=None,
+                                        plan_level=True)
+POST_BRANCH_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")  # Gemma 2/3: on a branch's output
+NORM_PROBE_ATOL = 1e-4  # a neutral RMSNorm commutes with Q to float32 rounding; a mean-subtracting one misses by O(1)
+
+
+@dataclass
+class Block:
+    """The modules of one decoder block a rotation touches (full names)."""
+
+    name: str
+    attn_norm: str
+    mlp_norm: str
+    q: str
+    k: str
+    v: str
+    o: str
+    gate: str
+    up: str
+    down: str
+
+
+@dataclass
+class ModelLayout:
+    """Where a rotation folds in one model: its blocks, embedding, final norm, head and widths."""
+
+    arch: Architecture
+    blocks: list[Block]
+    embedding: str
+    final_norm: str | None
+    head: str | None
+    widths: RotationWidths
+
+
+@dataclass
+class RotationHandle:
+    """What :func:`rotate_model` did.
+
+    spec: the rotation; widths: the widths it acted on; matrices: {R1/R2/R4: (n, n) float64 Q};
+    folded_norms: norms whose gain went into the linears after them; online: linears with an online rotation hook.
+    """
+
+    spec: RotationSpec
+    widths: RotationWidths
+    matrices: dict[str, torch.Tensor] = field(default_factory=dict)
+    folded_norms: list[str] = field(default_factory=list)
+    online: list[str] = field(default_factory=list)
+    _saved: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict, repr=False)
+    _hooks: list[Any] = field(default_factory=list, repr=False)
+    _config: tuple[Any, Any] | None = field(default=None, repr=False)
+
+    def _set(self, module: nn.Module, attr: str, value: torch.Tensor) -> None:
+        """Replace ``module.<attr>`` by a new Parameter holding ``value`` (its dtype and device kept); the original
+        Parameter is kept once for :meth:`restore`."""
+        old = getattr(module, attr)
+        self._saved.setdefault((id(module), attr), (module, attr, old))
+        setattr(module, attr, nn.Parameter(value.to(device=old.device, dtype=old.dtype), requires_grad=False))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Remove the hooks and put every original Parameter back (a tied embedding is tied again); idempotent."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for module, attr, original in reversed(list(self._saved.values())):
+            setattr(module, attr, original)
+        self._saved.clear()
+        if self._config is not None:
+            config, tied = self._config
+            config.tie_word_embeddings = tied
+            self._config = None
+
+
+# ---------------------------------------------------------------------------- the model's layout
+
+
+def _head_dim(attn: nn.Module, model: nn.Module, v: nn.Linear) -> int:
+    head_dim = getattr(attn, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0 and v.out_features % head_dim == 0:
+        return head_dim
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if isinstance(heads, int) and isinstance(hidden, int) and heads and hidden % heads == 0:
+        return hidden // heads
+    raise PlanError(f"{type(attn).__name__} has no head_dim and its config no num_attention_heads: R2 needs the "
+                    "width of one attention head")
+
+
+def model_layout(model: nn.Module) -> ModelLayout:
+    """The blocks, embedding, final norm and head of a decoder ``model``, and the widths a rotation acts on;
+    PlanError for a model whose blocks are not Llama-style (no attention norm, routed experts)."""
+    modules = dict(model.named_modules())
+    arch = architecture_of(model)
+    suffix = f".{arch.attention_norm}"
+    names = [n[: -len(suffix)] for n in modules if n.endswith(suffix)]
+    if not names:
+        raise PlanError(f"{type(model).__name__} has no decoder blocks with an {arch.attention_norm}: rotations fold "
+                        "into Llama-style decoders only")
+    blocks, problems = [], []
+    for b in names:
+        attn, mlp = f"{b}.{arch.attention}", f"{b}.{arch.mlp}"
+        if arch.experts_of(b) in modules:
+            problems.append(f"{b}: routed experts (MoE) are not rotated here")
+            continue
+        block = Block(b, arch.attention_norm_of(b), arch.mlp_norm_of(b, modules), *(f"{attn}.{x}" for x in (
+            arch.q_proj, arch.k_proj, arch.v_proj, arch.o_proj)), *(f"{mlp}.{x}" for x in (
+                arch.gate_proj, arch.up_proj, arch.down_proj)))
+        missing = [n for n in (block.q, block.k, block.v, block.o, block.gate, block.up, block.down)
+                   if not isinstance(modules.get(n), nn.Linear)] + [
+            n for n in (block.attn_norm, block.mlp_norm) if n not in modules]
+        if missing:
+            problems.append(f"{b}: no {name_list(missing, 3)}")
+            continue
+        blocks.append(block)
+    if problems:
+        raise PlanError("This model cannot be rotated: " + "; ".join(problems[:3])
+                        + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+    by_id = {id(m): n for n, m in modules.items()}
+    get_emb, get_head = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    head = get_head() if callable(get_head) else None
+    if emb is None or id(emb) not in by_id:
+        raise PlanError(f"{type(model).__name__} has no input embedding module: R1 rotates it")
+    prefix = names[0].rsplit(".", 2)[0] if names[0].count(".") >= 2 else ""
+    final_norm = f"{prefix}.norm" if f"{prefix}.norm" in modules else None
+    first, down = _linear(modules, blocks[0].v), _linear(modules, blocks[0].down)
+    attn_module = modules[blocks[0].v.rsplit(".", 1)[0]]
+    widths = RotationWidths(
+        hidden=first.in_features, head_dim=_head_dim(attn_module, model, first), intermediate=down.in_features,
+        layers={
+            R1: (by_id[id(emb)], *(n for b in blocks for n in (b.q, b.k, b.v, b.o, b.gate, b.up, b.down)),
+                 *((by_id[id(head)],) if head is not None and id(head) in by_id else ())),
+            R2: tuple(n for b in blocks for n in (b.v, b.o)),
+            R4: tuple(b.down for b in blocks),
+        })
+    return ModelLayout(arch, blocks, by_id[id(emb)], final_norm,
+                       by_id[id(head)] if head is not None and id(head) in by_id else None, widths)
+
+
+def check_rotation(spec: RotationSpec, widths: RotationWidths) -> None:
+    """PlanError naming the layers whose width the rotation's Hadamard cannot cover (no matrix of that order is
+    built, or the block size does not divide it)."""
+    problems = []
+    for r in spec.rotations:
+        width = widths.of(r)
+        block = block_of(spec, r, width)
+        layers = widths.layers.get(r, ())
+        where = f"{r} on {len(layers)} layer(s) ({name_list(list(layers), 3)}), width {width}"
+        if width % block:
+            problems.append(f"{where}: the block size {block} does not divide {width}")
+        elif not has_hadamard(block):
+            problems.append(f"{where}: no Hadamard matrix of order {block} is built (orders: powers of two times "
+                            "products of 12, 20, 28, 36, 44); set transforms.rotation.block_size to a power of two "
+                            f"that divides {width}")
+    if problems:
+        raise PlanError("This rotation cannot be applied to this model: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------- folding
+
+
+def _linear(modules: Mapping[str, nn.Module], name: str) -> nn.Linear:
+    module = modules[name]
+    assert isinstance(module, nn.Linear)
+    return module
+
+
+def _fold_norm(handle: RotationHandle, norm: nn.Module, name: str, consumers: list[nn.Linear]) -> None:
+    """Fold the norm's gain into its consumers' input columns and set it neutral."""
+    style = _gain_style(norm)
+    if style not in ("mul", "one_plus"):
+        raise PlanError(f"{name} ({type(norm).__name__}) is not an RMSNorm with a per-channel gain: a rotation "
+                        "commutes only with a norm that rescales the whole vector")
+    w = _weight(norm).detach().double()
+    gain = 1.0 + w if style == "one_plus" else w
+    for linear in consumers:
+        handle._set(linear, "weight", linear.weight.detach().double() * gain.to(linear.weight.device))
+    handle._set(norm, "weight", torch.zeros_like(w) if style == "one_plus" else torch.ones_like(w))
+    handle.folded_norms.append(name)
+
+
+def _probe_norm(norm: nn.Module, name: str, q: torch.Tensor) -> None:
+    """PlanError unless the (neutral) norm commutes with ``q``: n(x Q) = n(x) Q on a random input."""
+    weight = getattr(norm, "weight", None)
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+    device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+    x = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    qd = q.to(device=device, dtype=torch.float32)
+    with torch.no_grad():
+        a = norm(x.to(device, torch.float32).to(dtype)).float() @ qd
+        b = norm((x.to(device, torch.float32) @ qd).to(dtype)).float()
+    if not torch.allclose(a, b, atol=NORM_PROBE_ATOL * max(1.0, float(a.abs().max())), rtol=1e-2):
+        raise PlanError(f"{name} ({type(norm).__name__}) does not commute with a rotation (it is not a plain RMSNorm "
+                        "once its gain is folded): R1 cannot be applied exactly")
+
+
+def _r1(handle: RotationHandle, model: nn.Module, layout: ModelLayout, modules: Mapping[str, nn.Module],
+        q: torch.Tensor) -> None:
+    post = [f"{b.name}.{n}" for b in layout.blocks for n in POST_BRANCH_NORMS
+            if f"{b.name}.{n}" in modules and f"{b.name}.{n}" not in (b.attn_norm, b.mlp_norm)]
+    if post:
+        raise PlanError(f"R1 cannot be applied exactly to this {layout.arch.name} model: {name_list(post, 3)} "
+                        "normalise a branch's output before the residual add, and their per-channel gain does not "
+                        "commute with a rotation of the residual stream (QuaRot and SpinQuant rotate Llama-style "
+                        "blocks only); drop R1 (R2 and R4 apply)")
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "tie_word_embeddings"):
+        handle._config = (config, config.tie_word_embeddings)
+        config.tie_word_embeddings = False  # untied while rotated: the head gets the final norm's gain
+    for b in layout.blocks:
+        _fold_norm(handle, modules[b.attn_norm], b.attn_norm, [_linear(modules, n) for n in (b.q, b.k, b.v)])
+        _fold_norm(handle, modules[b.mlp_norm], b.mlp_norm, [_linear(modules, n) for n in (b.gate, b.up)])
+    head = _linear(modules, layout.head) if layout.head is not None else None
+    if layout.final_norm is not None and head is not None:
+        _fold_norm(handle, modules[layout.final_norm], layout.final_norm, [head])
+    for name in handle.folded_norms:
+        _probe_norm(modules[name], name, q)
+    emb = modules[layout.embedding]
+    ew = _weight(emb)
+    handle._set(emb, "weight", ew.detach().double() @ q.to(ew.device))
+    for b in layout.blocks:
+        for n in (b.q, b.k, b.v, b.gate, b.up):
+            lin = _linear(modules, n)
+            handle._set(lin, "weight", lin.weight.detach().double() @ q.to(lin.weight.device))
+        for n in (b.o, b.down):
+            lin = _linear(modules, n)
+            qd = q.to(lin.weight.device)
+            handle._set(lin, "weight", qd.T @ lin.weight.detach().double())
+            if lin.bias is not None:
+                handle._set(lin, "bias", lin.bias.detach().double() @ qd)
+    if head is not None:
+        handle._set(head, "weight", head.weight.detach().double() @ q.to(head.weight.device))
+
+
+def _r2(handle: RotationHandle, layout: ModelLayout, modules: Mapping[str, nn.Module], q: torch.Tensor) -> None:
+    hd = q.shape[0]
+    for b in layout.blocks:
+        v, o = _linear(modules, b.v), _linear(modules, b.o)
+        qd = q.to(v.weight.device)
+        w = v.weight.detach().double().view(-1, hd, v.in_features)  # (kv heads, hd, in)
+        handle._set(v, "weight", torch.einsum("ji,hjk->hik", qd, w).reshape(v.out_features, v.in_features))
+        if v.bias is not None:
+            handle._set(v, "bias", (v.bias.detach().double().view(-1, hd) @ qd).flatten())
+        wo = o.weight.detach().double().view(o.out_features, -1, hd)  # (out, query heads, hd)
+        handle._set(o, "weight", (wo @ q.to(o.weight.device)).reshape(o.out_features, o.in_features))
+
+
+def _online_hook(q: torch.Tensor):
+    cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+        key = (x.device, dtype)
+        if key not in cache:
+            cache[key] = q.to(device=x.device, dtype=dtype)
+        return ((x.to(dtype) @ cache[key]).to(x.dtype), *args[1:])
+
+    return hook
+
+
+def _r4(handle: RotationHandle, layout: ModelLayout, modules: Mapping[str, nn.Module], q: torch.Tensor) -> None:
+    for b in layout.blocks:
+        down = _linear(modules, b.down)
+        handle._set(down, "weight", down.weight.detach().double() @ q.to(down.weight.device))
+        handle._hooks.append(down.register_forward_pre_hook(_online_hook(q), prepend=True))
+        handle.online.append(b.down)
+
+
+@torch.no_grad()
+def rotate_model(model: nn.Module, spec: RotationSpec) -> RotationHandle:
+    """Fold ``spec``'s rotations into ``model`` in place (R4 as an online hook); ``restore()`` undoes it bit for bit.
+
+    PlanError (nothing changed) for a width no Hadamard of the plan covers, naming the layers, or a model the
+    rotation cannot fold into exactly (see the module docstring)."""
+    layout = model_layout(model)
+    check_rotation(spec, layout.widths)
+    modules = dict(model.named_modules())
+    handle = RotationHandle(spec, layout.widths)
+    for r in spec.rotations:
+        width = layout.widths.of(r)
+        handle.matrices[r] = rotation_matrix(width, block_size=block_of(spec, r, width), seed=spec.seed_for(r))
+    try:
+        if R1 in spec.rotations:
+            _r1(handle, model, layout, modules, handle.matrices[R1])
+        if R2 in spec.rotations:
+            _r2(handle, layout, modules, handle.matrices[R2])
+        if R4 in spec.rotations:
+            _r4(handle, layout, modules, handle.matrices[R4])
+    except BaseException:
+        handle.restore()
+        raise
+    return handle
+
+
+@contextmanager
+def rotation_applied(model: nn.Module, spec: RotationSpec | None) -> Iterator[RotationHandle | None]:
+    """``model`` rotated as ``spec`` says for the block (None: unchanged), restored on exit."""
+    if spec is None:
+        yield None
+        return
+    handle = rotate_model(model, spec)
+    try:
+        yield handle
+    finally:
+        handle.restore()
+
+
+def rotate_for_plan(model: nn.Module, spec: RotationSpec, alphas: Mapping[str, float]
+                    ) -> tuple[RotationHandle, dict[str, float], list[str]]:
+    """Rotate ``model`` for a plan whose SmoothQuant alphas are ``alphas``: (handle, the alphas still exact after
+    the rotation, notes for people). SmoothQuant folds down_proj's factors into up_proj's rows, before R4's online
+    Hadamard, so a down_proj under R4 is left unsmoothed (the rotation already spreads its outliers)."""
+    handle = rotate_model(model, spec)
+    online = set(handle.online)
+    dropped = [n for n in alphas if n in online]
+    notes = [f"{len(dropped)} down_proj layer(s) ({name_list(dropped, 3)}): SmoothQuant not applied (R4 rotates "
+             "their input online, after up_proj's rows where the factors would fold); they are quantized rotated"
+             ] if dropped else []
+    return handle, {n: a for n, a in alphas.items() if n not in online}, notes
+
+
+def rotation_widths(model: nn.Module) -> RotationWidths:
+    """The widths R1, R2 and R4 act on in ``model`` and the layers each touches."""
+    return model_layout(model).widths
+
+
+__all__ = ["ROTATION_TRANSFORM", "RotationHandle", "check_rotation", "model_layout", "rotate_for_plan", "rotate_model",
+           "rotation_applied", "rotation_widths"]

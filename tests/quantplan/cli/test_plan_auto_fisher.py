@@ -1,0 +1,46 @@
+"""`quantplan plan auto --sensitivity fisher`: a plan searched on the Fisher estimates, verified by a score that
+records where its prediction came from; the next search of a model of that architecture family corrects its
+prediction by the verified plans, saying how many it rests on, and never mixes in plans predicted from exact sweeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.factories import run_cli as run
+from tests.factories import run_cli_json as run_json
+
+TOKENS = ("--samples", "4", "--seq-len", "32")
+
+
+def test_a_plan_searched_on_the_estimate_is_verified_and_corrects_the_next(tiny_model, capsys):
+    from quantplan.services import jobs as jobs_svc
+    from quantplan.services import models as models_svc
+    from quantplan.services.predictions import verified_predictions
+
+    code, _, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--target", "h100",
+                       "--sensitivity", "fisher", "--local")
+    assert code == 1 and "no Fisher estimate yet" in err and "--method fisher" in err
+    run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", "--method", "fisher", "--no-compare", "--local",
+             *TOKENS, "--json")
+    auto = ("plan", "auto", "tiny", "--target", "h100", "--sensitivity", "fisher", "--local", "--json")
+    first = run_json(capsys, *auto, "--kl-budget", "1000")
+    assert first["sensitivity"] == "fisher" and first["plan_label"].startswith("auto-h100-kl1000-fisher")
+    assert first["correction"] is None and first["corrected_kl"] is None
+    assert set(first["plan"].values()) == {"INT8_W8A8"}  # the budget fits everything
+    assert first["measured_kl"] > 0 and first["measured_kl_err"] is not None
+    verify = jobs_svc.get_job(first["verify_job"])
+    assert verify.params["sensitivity"] == "fisher" and verify.params["predicted_kl"] == first["predicted_kl"]
+    assert any("no verified automatic plan" in n for n in first["notes"])
+
+    model = models_svc.get_model("tiny")
+    (seen,) = verified_predictions(model, "fisher")
+    assert (seen.predicted_kl, seen.measured_kl) == (first["predicted_kl"], first["measured_kl"])
+    assert verified_predictions(model, "kl") == []  # the estimate's verifications never correct exact sweeps'
+
+    second = run_json(capsys, *auto, "--kl-budget", "999")
+    factor = first["measured_kl"] / first["predicted_kl"]
+    assert second["correction"]["verifications"] == 1
+    assert second["correction"]["factor"] == pytest.approx(factor)
+    assert second["corrected_kl"] == pytest.approx(factor * second["predicted_kl"])
+    assert any("from 1 verified plan" in n for n in second["notes"])
+    assert len(verified_predictions(model, "fisher")) == 2
