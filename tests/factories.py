@@ -344,13 +344,15 @@ class Proc:
         self._fh.close()
 
 
-def start_worker(tmp_path: Path, queues: str = "cpu") -> Proc:
-    """`quantplan worker --queues QUEUES` in the environment of this test, once it says it is ready."""
+def start_worker(tmp_path: Path, queues: str = "cpu", name: str | None = None) -> Proc:
+    """`quantplan worker --queues QUEUES` in the environment of this test, once it says it is ready; ``name``: its
+    node name (``--name NAME@%h``, several workers on this host) and log file ``NAME.log``."""
     import os
     import sys
 
-    proc = Proc([sys.executable, "-m", "quantplan", "worker", "--queues", queues], dict(os.environ),
-                tmp_path / "worker.log")
+    extra = ["--name", f"{name}@%h"] if name else []
+    proc = Proc([sys.executable, "-m", "quantplan", "worker", "--queues", queues, *extra], dict(os.environ),
+                tmp_path / f"{name or 'worker'}.log")
     try:
         proc.wait_for(" ready.", timeout=120)
     except Exception:

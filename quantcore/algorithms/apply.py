@@ -145,32 +145,24 @@ class AppliedPlan:
         the model is marked as holding rounded weights (:func:`check_intact` refuses it from then on)."""
         if not self._active:
             return
-        model = self._model() if self._model is not None else None
-        if self._model is not None:
-            for st in self._states.values():
-                if st.hook is not None:
-                    st.hook.remove()
-                if st.block is not None:
-                    st.block[0].block_amax = None
-                    st.block[0].w2_shards = 1
-            if model is not None:
-                setattr(model, _ROUNDED, sorted(self._states))
-            if self._shared is not None:
-                self._shared.clear()
-            self._active = False
-            return
+        rounded_in_place = self._model is not None
         for st in self._states.values():
             if st.hook is not None:
                 st.hook.remove()
             if st.block is not None:
                 st.block[0].block_amax = None
                 st.block[0].w2_shards = 1
-            st.module.weight = st.original_weight
-            if hasattr(st.module, _MARKER):
-                delattr(st.module, _MARKER)
+            if not rounded_in_place:
+                st.module.weight = st.original_weight
+                if hasattr(st.module, _MARKER):
+                    delattr(st.module, _MARKER)
         if self._shared is not None:
             self._shared.clear()
-        if self.smoothing is not None:
+        if rounded_in_place:
+            model = self._model()
+            if model is not None:
+                setattr(model, _ROUNDED, sorted(self._states))
+        elif self.smoothing is not None:
             self.smoothing.restore()
         self._active = False
 

@@ -3,32 +3,17 @@ result backend): both workers take shards, and the merged sweep equals the same 
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
 
 from jobs.client import submit_job, wait_for
 from store import repo
 from store import shards as shard_rows
 from store.db import session_scope
-from tests.factories import Proc, save_tiny_llama
+from tests.factories import save_tiny_llama, start_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SWEEP = {"scheme": "INT8_W8A8", "samples": 24, "seq_len": 96, "device": "cpu"}
-
-
-def _worker(tmp_path: Path, name: str) -> Proc:
-    proc = Proc([sys.executable, "-m", "quantplan", "worker", "--queues", "cpu", "--name", f"{name}@%h"],
-                dict(os.environ), tmp_path / f"{name}.log")
-    try:
-        proc.wait_for(" ready.", timeout=120)
-    except Exception:
-        proc.stop()
-        raise
-    return proc
 
 
 def _rows(settings, job_id: int) -> dict[str, tuple]:
@@ -64,7 +49,7 @@ def test_the_same_on_postgres_and_redis(qp_env, pg_database, redis_url, monkeypa
 def _sharded_equals_whole(qp_settings, tmp_path) -> None:
     from jobs.shards import live_on
 
-    workers = [_worker(tmp_path, "one"), _worker(tmp_path, "two")]
+    workers = [start_worker(tmp_path, name="one"), start_worker(tmp_path, name="two")]
     try:
         reg = submit_job("register", {"source": str(save_tiny_llama(tmp_path / "tiny-llama")), "name": "tiny"},
                          settings=qp_settings)

@@ -24,17 +24,24 @@ pytestmark = pytest.mark.slow  # three processes that each import torch and run 
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOWANCE_MIB = 160
+# the peak resident size of the job alone: VmHWM reset to the current size first (/proc/self/clear_refs), because
+# ru_maxrss survives the fork + exec from this pytest process and would start at pytest's own peak
 WRAPPER = """
-import json, resource, sys
+import json, sys
+from pathlib import Path
 import torch, transformers, safetensors
 from transformers.models.llama import modeling_llama
 import quantcore.evaluation.calibrate, quantcore.evaluation.scoring, quantcore.evaluation.streamed
 import quantcore.models.loading, quantcore.models.streaming, quantcore.algorithms.apply
 import worker.bodies.calibrate, worker.bodies.score
 from quantplan.cli import main
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak():
+    return next(int(x.split()[1]) * 1024 for x in Path("/proc/self/status").read_text().splitlines()
+                if x.startswith("VmHWM:"))
+Path("/proc/self/clear_refs").write_text("5")
+before = peak()
 code = main(sys.argv[1:])
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+after = peak()
 print("RSS " + json.dumps({"code": code, "before": before, "after": after}))
 """
 

@@ -98,6 +98,9 @@ KNOWN_GAPS: dict[str, tuple[float, str]] = {
     "INT8_W8A8_SQ": (1.6, "llm-compressor's SmoothQuantModifier takes s_j from the activation's range max_j - min_j "
                           "(of up_proj's output for down_proj) against 2 max|W_j|, quantplan from max|x_j| against "
                           "max|W_j| (the paper's formula)"),
+    # measured +0.0383 +- 0.0111 (+15.7 %) on 2026-12-05 with a fresh .venv-llmc, at this commit and the one before
+    "W4A16_GPTQ": (0.25, "llm-compressor collects GPTQ's Hessians block by block through the blocks it already "
+                         "rounded (its sequential pipeline), quantplan in one pass of the unquantized model"),
 }
 # Families whose gap the test explains: quantplan's score with the statistics llm-compressor reads (see
 # llmc_smoothing_statistics) must equal the produced checkpoint's within the paired error.
