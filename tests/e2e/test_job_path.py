@@ -57,24 +57,12 @@ def test_spine_sqlite_sqlalchemy_broker(qp_settings, worker):
     assert log.count("job 2 (calibrate) succeeded in ") == 1  # once: not again through Celery's root handler
 
 
-def test_spine_postgres_redis(qp_env, pg_database, redis_url, monkeypatch, tmp_path):
-    import redis
-
-    from store.db import upgrade
-    from store.settings import get_settings
-    from tests.conftest import clear_settings_cache
+def test_spine_postgres_redis(team_settings, tmp_path):
     from tests.factories import start_worker
 
-    redis.Redis.from_url(redis_url).flushdb()  # our own test database number only
-    monkeypatch.setenv("QUANTPLAN_DATABASE_URL", pg_database)
-    monkeypatch.setenv("QUANTPLAN_BROKER_URL", redis_url)
-    monkeypatch.setenv("QUANTPLAN_RESULT_BACKEND", redis_url)
-    clear_settings_cache()
-    s = get_settings()
-    upgrade(s)
     proc = start_worker(tmp_path)
     try:
-        _spine(s)
+        _spine(team_settings)
     finally:
         proc.stop()
 

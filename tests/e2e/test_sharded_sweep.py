@@ -28,22 +28,9 @@ def test_a_sweep_sharded_over_two_workers_equals_the_unsharded_sweep(qp_settings
     _sharded_equals_whole(qp_settings, tmp_path)
 
 
-def test_the_same_on_postgres_and_redis(qp_env, pg_database, redis_url, monkeypatch, tmp_path):
+def test_the_same_on_postgres_and_redis(team_settings, tmp_path):
     """The team setup: PostgreSQL, and Redis as broker and result backend (its native chord counter)."""
-    import redis
-
-    from store.db import upgrade
-    from store.settings import get_settings
-    from tests.conftest import clear_settings_cache
-
-    redis.Redis.from_url(redis_url).flushdb()  # our own test database number only
-    monkeypatch.setenv("QUANTPLAN_DATABASE_URL", pg_database)
-    monkeypatch.setenv("QUANTPLAN_BROKER_URL", redis_url)
-    monkeypatch.setenv("QUANTPLAN_RESULT_BACKEND", redis_url)
-    clear_settings_cache()
-    s = get_settings()
-    upgrade(s)
-    _sharded_equals_whole(s, tmp_path)
+    _sharded_equals_whole(team_settings, tmp_path)
 
 
 def _sharded_equals_whole(qp_settings, tmp_path) -> None:
