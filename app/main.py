@@ -39,8 +39,13 @@ pages = {
         st.Page(str(PAGES_DIR / "plans.py"), title="Plans", url_path="plans"),
         st.Page(str(PAGES_DIR / "results.py"), title="Results", url_path="results"),
         st.Page(str(PAGES_DIR / "kernels.py"), title="Kernels", url_path="kernels"),
+        st.Page(str(PAGES_DIR / "compare.py"), title="Compare", url_path="compare"),  # ?jobs=ID,ID,...
     ],
     "Queue": [st.Page(str(PAGES_DIR / "jobs.py"), title="Jobs", url_path="jobs")],
+    "Team history": [  # every run of the team; a run's own page (/run?job=ID) is reached from it
+        st.Page(str(PAGES_DIR / "history.py"), title="History", url_path="history"),
+        st.Page(str(PAGES_DIR / "run.py"), title="Run", url_path="run", visibility="hidden"),
+    ],
 }
 if actor is not None:  # a signed-in team: its people, their roles and (for admins) the audit log
     pages["Team"] = [st.Page(str(PAGES_DIR / "users.py"), title="Users", url_path="users")]

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import pandas as pd
 import streamlit as st
 
+from app.charts.base import vega_spec
 from quantplan.services import deployment as deployment_svc
 from quantplan.services import jobs as jobs_svc
 from quantplan.services import models as models_svc
@@ -88,3 +93,25 @@ def plan_saved(said: str, name: str | None) -> None:
     were drawn before it existed. The next run says ``said`` and edits plan ``name`` (None: what it was editing)."""
     st.session_state[PLAN_SAVED] = (said, name)
     st.rerun()
+
+
+# ----------------------------------------------------------------------------------------------- charts, cached
+@st.cache_resource(max_entries=256, show_spinner=False)
+def _spec(key: tuple[Hashable, ...], _build: Callable[[], Any]) -> dict:
+    return vega_spec(_build())
+
+
+def chart(key: tuple[Hashable, ...], build: Callable[[], Any], **kwargs: Any) -> Any:
+    """Draw the Altair chart ``build()`` makes, built once per ``key`` for every session (Streamlit copies a spec
+    before it changes it): the key names what the chart is of, by stored results' ids (a job's results never change; a
+    new job is a new id) or by :func:`frame_key` of the frame it draws. ``kwargs`` go to st.vega_lite_chart."""
+    return st.vega_lite_chart(_spec(key, build), **kwargs)
+
+
+def frame_key(df: pd.DataFrame) -> tuple[Hashable, ...]:
+    """A key for what a frame holds: its columns and a hash of its rows."""
+    try:
+        rows = int(pd.util.hash_pandas_object(df, index=False).sum()) if len(df) else 0
+    except TypeError:  # a cell holding a list or a dict
+        rows = hash(df.to_json())
+    return (tuple(map(str, df.columns)), rows)

@@ -2,10 +2,52 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from quantcore.kernels.records import SKIP_OVER_BUDGET
+from quantplan.services.jobs import duration_text, progress_cell  # noqa: F401  (the pages read them here)
 from store.records import ModelRecord
+
+# every time a page shows is said one way: relative ("12 min ago"), the absolute UTC time (UTC_FORMAT) on hover or
+# in the row's details
+UTC_FORMAT = "%Y-%m-%d %H:%M:%S UTC"
+AGO_HELP = "how long ago, from now; the exact UTC time is in the row's details (select the row)"
+
+
+def _utc(ts: dt.datetime) -> dt.datetime:
+    """A stored time as an aware UTC time (SQLite returns naive UTC ones)."""
+    return ts.replace(tzinfo=dt.UTC) if ts.tzinfo is None else ts.astimezone(dt.UTC)
+
+
+def utc_text(ts: dt.datetime | None) -> str:
+    """"2026-12-05 16:22:03 UTC"; "" for none."""
+    return "" if ts is None else _utc(ts).strftime(UTC_FORMAT)
+
+
+def ago(ts: dt.datetime | None, now: dt.datetime | None = None) -> str:
+    """"just now" / "40 s ago" / "12 min ago" / "3 h ago" / "5 d ago" / "2026-10-01" past 30 days; "" for none."""
+    if ts is None:
+        return ""
+    s = ((now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC) - _utc(ts)).total_seconds()
+    if s < 5:
+        return "just now"
+    if s < 90:
+        return f"{s:.0f} s ago"
+    if s < 90 * 60:
+        return f"{s / 60:.0f} min ago"
+    if s < 36 * 3600:
+        return f"{s / 3600:.0f} h ago"
+    if s < 30 * 86400:
+        return f"{s / 86400:.0f} d ago"
+    return _utc(ts).strftime("%Y-%m-%d")
+
+
+def ago_html(ts: dt.datetime | None, now: dt.datetime | None = None) -> str:
+    """:func:`ago` with the absolute UTC time on hover (a ``title``), for st.markdown(unsafe_allow_html=True)."""
+    return f'<span title="{utc_text(ts)}">{ago(ts, now)}</span>' if ts is not None else ""
+
+
 
 
 def thin_estimate_note(est: dict[str, Any]) -> str | None:

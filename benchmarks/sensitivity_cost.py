@@ -5,7 +5,7 @@ Usage:
     python benchmarks/sensitivity_cost.py --no-groups --scheme INT8_PER_TENSOR
     python benchmarks/sensitivity_cost.py --device cuda --seqs 8 --seq-len 512
     python benchmarks/sensitivity_cost.py --kv-cache FP8_ATTN  # a KV cache sweep: one attention layer at a time
-    python benchmarks/sensitivity_cost.py --fisher --seqs 4 --seq-len 128  # fast estimate vs exact, six schemes
+    python benchmarks/sensitivity_cost.py --fisher --passes 1,2  # fast estimate vs exact: six schemes, 2 KV formats
 
 Same model and tokens as ``benchmarks/scoring_cost.py`` (SmolLM2-135M with real weights
 when installed, else a random-weight Llama of its shape; the output says which).
@@ -30,9 +30,12 @@ unit's weight fake-quant (~5 %) and the KL over the vocabulary (~7 %).
 A KV cache sweep (``--kv-cache FP8_ATTN``: 30 attention layers, the FP8 attention emulation in the one layer
 swept) measured 0.76 here (AMD EPYC, 10.5 s): the same head-bound floor as the linear sweep.
 
-``--fisher`` (benchmarks/sensitivity_fisher.py), 2026-12-05, same machine, 2 x 64 tokens, 2 draws: the estimate of 121
-units x 6 schemes took 13.5 s against 184.1 s for the six exact sweeps (0.073 x, target 0.05) and 0.356 s a plain
-forward (38 forwards, target 10); Spearman 0.92-0.98 per scheme (docs/concepts/sensitivity.md).
+``--fisher`` (benchmarks/sensitivity_fisher.py), 2026-12-05, same machine busy (load 7-10), 2 x 64 tokens, 8 tokens a
+position, ``--passes 1,2``: the estimate of 121 units x 6 schemes took 8.3 s (1 pass) and 9.3 s (2, the default)
+against 243.7 s for the six exact sweeps (0.034 x and 0.038 x, target 0.05) and 0.468 s a plain forward (17.8 and
+20.0 forwards, target 10); Spearman 0.91-0.96 (1 pass) and 0.92-0.985 (2) per scheme. Then the KV cache formats FP8
+and FP8_ATTN over 30 attention layers against their exact KV sweeps (docs/concepts/sensitivity.md). Before (2 single-
+token draws, no batched quantization): 13.5 s against 184.1 s, 0.073 x and 38 forwards.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from scoring_cost import DEFAULT_CPU_THREADS, bench_model, bench_tokens, clock, plain_pass, timed  # noqa: E402
 
+from quantcore.evaluation.fisher import DEFAULT_PASSES, DEFAULT_SAMPLES  # noqa: E402
 from quantcore.evaluation.reference import compute_reference  # noqa: E402
 from quantcore.evaluation.sensitivity import kv_sensitivity_sweep, linear_layer_names, sensitivity_sweep  # noqa: E402
 
@@ -72,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fisher", action="store_true", help="the fast (Fisher) estimate of every unit under the six "
                     "schemes of issue 43 against their exact sweeps and one plain forward, side by side, with "
                     "each scheme's rank correlation (static activation maxima from the same tokens, untimed)")
-    ap.add_argument("--samples", type=int, default=2, help="--fisher: sampled tokens per position")
+    ap.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                    help="--fisher: sampled tokens per position, summed into one backward pass")
+    ap.add_argument("--passes", default=str(DEFAULT_PASSES), help="--fisher: backward passes per batch; several "
+                    "values (1,2) time and check one estimate each against the same exact sweeps")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 

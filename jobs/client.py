@@ -22,6 +22,7 @@ from store import repo
 from store import shards as shard_rows
 from store.db import session_scope
 from store.records import JobRecord
+from store.removal import refuse_removed
 from store.settings import Settings, get_settings
 
 _CLIENTS: dict[str, Celery] = {}
@@ -38,10 +39,15 @@ def celery_client(settings: Settings | None = None) -> Celery:
 
 def refuse_unfit(session: Session, kind: str, model_id: int | None) -> None:
     """Refuse (InvalidJob, a ValueError; nothing queued) a job its model cannot run: a score or sensitivity sweep
-    of a model that predicts no next token (an encoder), which would only fail on the worker."""
-    if model_id is None or kind not in NEEDS_CAUSAL_LM:
+    of a model that predicts no next token (an encoder), which would only fail on the worker; any job of a removed
+    model (store.removal: its files are gone)."""
+    if model_id is None:
         return
     model = repo.get_model(session, model_id)
+    if (refusal := refuse_removed(model, f"a {kind} job")) is not None:
+        raise InvalidJob(refusal)
+    if kind not in NEEDS_CAUSAL_LM:
+        return
     if model.causal_lm is False:
         raise InvalidJob(
             f"{model.name} is a {model.architecture} ({model.model_type}), not a causal language model: a {kind} "

@@ -457,6 +457,7 @@ class SensitivitySpec(TextJobSpec):
     kv_sweep: str | None = None
     alpha: float | None = _exact(None)
     groups: bool = _exact(True)
+    per_expert: bool = _quiet(False)  # an MoE block's routed experts one unit each (with groups), not the block as one
     method: str = _quiet("kl")  # "kl": the exact sweep; "fisher": the estimate (quantcore.evaluation.fisher)
     shards: int | None = None  # tasks the sweep's units are split into (None: one per live worker on its queue)
     shard: tuple[int, int] | None = None  # a shard's own row: (index, count) of its parent sweep's units
@@ -476,12 +477,13 @@ class SensitivitySpec(TextJobSpec):
         if self.method not in SENSITIVITY_METHODS:
             raise InvalidJob(f"a {k} job's method must be one of {', '.join(SENSITIVITY_METHODS)} (kl: the exact "
                              f"sweep, fisher: the fast estimate); got {self.method!r}")
-        if self.method == "fisher" and self.kv_sweep:
-            raise InvalidJob("the fast (fisher) estimate covers linear layers (scheme); a KV cache sweep (kv_sweep) is "
-                             "exact only: use method kl")
         if self.alpha is not None:
             self._set("alpha", ALPHA.check(self.alpha, k))
         self._set("groups", bool(self.groups))
+        self._set("per_expert", bool(self.per_expert))
+        if self.per_expert and not self.groups:
+            raise InvalidJob(f"a {k} job's per_expert sweeps each expert's gate/up/down as one unit: it needs groups "
+                             "(without groups every layer, expert or not, is its own unit already)")
 
     @property
     def gpus(self) -> int:

@@ -8,8 +8,8 @@
 #   LLMC_PIP_ARGS="--extra-index-url <a CPU torch index>" scripts/llmc_env.sh
 #
 # What it installs (measured here, 2 cores, Python 3.11): torch 2.13.0, llmcompressor 0.14.0.1 and
-# their dependencies (transformers 5.17, compressed-tensors 0.19.0, datasets, accelerate, auto-round,
-# pandas, pyarrow...), about 1.5 GB on disk, about 2 minutes. pip takes torch from any local wheel
+# their dependencies, each pinned by scripts/llmc-constraints.txt (transformers 5.17, compressed-tensors
+# 0.19.0, datasets, accelerate, auto-round, pandas, pyarrow...), about 1.5 GB on disk, about 2 minutes. pip takes torch from any local wheel
 # folder its configuration names (find-links); on a machine with nothing but PyPI it downloads
 # PyPI's torch 2.13.0, the CUDA build (several GB with its nvidia-* wheels): set LLMC_PIP_ARGS to a
 # CPU wheel index where one is reachable.
@@ -22,7 +22,9 @@ REQUIREMENTS="torch==2.13.0 llmcompressor==0.14.0.1"
 STAMP="$VENV/.quantplan-llmc-stamp"
 LOCK="$VENV/.quantplan-llmc.lock"
 
-want=$( (echo "$REQUIREMENTS ${LLMC_PIP_ARGS:-}"; cat "$0") | sha256sum | cut -d' ' -f1)
+CONSTRAINTS=scripts/llmc-constraints.txt  # every transitive dependency frozen: produced checkpoints stay comparable
+
+want=$( (echo "$REQUIREMENTS ${LLMC_PIP_ARGS:-}"; cat "$0" "$CONSTRAINTS") | sha256sum | cut -d' ' -f1)
 
 build() {
   if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
@@ -34,7 +36,7 @@ build() {
     "$PYTHON" -m venv "$VENV"
   fi
   # shellcheck disable=SC2086  # word splitting of the requirement list and extra pip args is intended
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${LLMC_PIP_ARGS:-} $REQUIREMENTS
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${LLMC_PIP_ARGS:-} -c "$CONSTRAINTS" $REQUIREMENTS
   "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 for dist, want in (("llmcompressor", "0.14.0.1"), ("torch", "2.13.0")):

@@ -128,6 +128,9 @@ class Model(Base):
     overview: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
     created_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
+    # removed (migration 0012): files freed, the row and its results kept with a "removed" marker until purged
+    removed_at: Mapped[dt.datetime | None] = mapped_column(UTC, nullable=True)
+    removed_by: Mapped[str | None] = mapped_column(String(200), nullable=True)  # a name, as audit.actor
     __table_args__ = (
         CheckConstraint(_in("source_kind", ("folder", "archive", "gguf", "demo", "hub")), name="source_kind"),
         {"sqlite_autoincrement": True},  # a removed model's id is never given to another (migration 0003)
@@ -170,6 +173,19 @@ class Plan(Base):
     )
 
 
+class ChosenPlan(Base):
+    """The plan version chosen for a model (one at a time: ``model_id`` unique), who chose it (a name), when and
+    why. Choosing another replaces the row; the history of choices is in the audit log (action ``plan.choose``)."""
+
+    __tablename__ = "chosen_plans"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), unique=True)
+    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id", ondelete="CASCADE"))
+    chosen_by: Mapped[str] = mapped_column(String(200))
+    chosen_at: Mapped[dt.datetime] = mapped_column(UTC, default=utcnow)
+    why: Mapped[str] = mapped_column(Text, default="")
+
+
 class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -187,6 +203,9 @@ class Job(Base):
     worker_host: Mapped[str | None] = mapped_column(String(200), nullable=True)
     device: Mapped[str | None] = mapped_column(String(200), nullable=True)
     torch_version: Mapped[str | None] = mapped_column(String(50), nullable=True)
+    # the software a worker ran the job with, recorded as it starts (store.history.ENVIRONMENT_KEYS: quantplan and
+    # its git commit, python, torch, transformers, CUDA); None: started before migration 0013, or never started
+    environment: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     celery_task_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     requested_by: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)

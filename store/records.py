@@ -45,6 +45,12 @@ class ModelRecord(ModelColumns):
 
     summary: dict[str, Any]
     created_at: dt.datetime
+    removed_at: dt.datetime | None = None  # removed (store.removal): files freed, results kept until purged
+    removed_by: str | None = None
+
+    @property
+    def removed(self) -> bool:
+        return self.removed_at is not None
 
     @property
     def linears(self) -> list[dict[str, Any]]:
@@ -112,6 +118,12 @@ class ModelListing(ModelColumns):
 
     overview: dict[str, Any]
     created_at: dt.datetime
+    removed_at: dt.datetime | None = None  # removed (store.removal): out of pickers, its history kept
+    removed_by: str | None = None
+
+    @property
+    def removed(self) -> bool:
+        return self.removed_at is not None
 
 
 @dataclass(frozen=True)

@@ -71,19 +71,20 @@ def _model_record(row: m.Model) -> ModelRecord:
         source_name=row.source_name, path=row.path, architecture=row.architecture,
         model_type=row.model_type, num_layers=row.num_layers, num_params=row.num_params, dtype=row.dtype,
         hidden_size=row.hidden_size, vocab_size=row.vocab_size, total_bytes=row.total_bytes,
-        summary=row.summary, created_at=row.created_at,
+        summary=row.summary, created_at=row.created_at, removed_at=row.removed_at, removed_by=row.removed_by,
     )
 
 
 def model_by_sha(session: Session, sha256: str) -> ModelRecord | None:
-    """The model registered with this checkpoint content, if any."""
-    row = session.scalar(select(m.Model).where(m.Model.sha256 == sha256))
+    """The model registered with this checkpoint content, if any (a removed one, whose files are gone, is not)."""
+    row = session.scalar(select(m.Model).where(m.Model.sha256 == sha256, m.Model.removed_at.is_(None)))
     return None if row is None else _model_record(row)
 
 
 def model_by_source(session: Session, source_kind: str, source_name: str) -> ModelRecord | None:
-    """The model registered from this source (e.g. kind "hub", ``hf://ORG/NAME@<commit>``), if any."""
-    row = session.scalar(select(m.Model).where(m.Model.source_kind == source_kind,
+    """The model registered from this source (e.g. kind "hub", ``hf://ORG/NAME@<commit>``), if any; not a removed
+    one (its files are gone)."""
+    row = session.scalar(select(m.Model).where(m.Model.source_kind == source_kind, m.Model.removed_at.is_(None),
                                                m.Model.source_name == source_name).order_by(m.Model.id).limit(1))
     return None if row is None else _model_record(row)
 
@@ -94,6 +95,11 @@ def add_model(session: Session, *, name: str, sha256: str, source_kind: str, sou
     existing = model_by_sha(session, sha256)
     if existing is not None:
         return existing
+    gone = session.scalar(select(m.Model).where(m.Model.sha256 == sha256))
+    if gone is not None:  # removed (store.removal), its files stored again now: back, with the results it kept
+        gone.removed_at, gone.removed_by, gone.path = None, None, path
+        session.flush()
+        return _model_record(gone)
     base, n = name, 1
     while session.scalar(select(m.Model.id).where(m.Model.name == name)) is not None:
         n += 1
@@ -114,9 +120,11 @@ def add_model(session: Session, *, name: str, sha256: str, source_kind: str, sou
 _LISTING_COLUMNS = tuple(getattr(m.Model, f.name) for f in dataclass_fields(ModelListing))
 
 
-def list_models(session: Session) -> list[ModelListing]:
-    """Every registered model, oldest first, as a listing shows it: the summary column is not read."""
-    rows = session.execute(select(*_LISTING_COLUMNS).order_by(m.Model.id))
+def list_models(session: Session, *, include_removed: bool = False) -> list[ModelListing]:
+    """Every registered model, oldest first, as a listing shows it: the summary column is not read. Removed models
+    (store.removal) only with ``include_removed`` (a history naming them), never for new work."""
+    q = select(*_LISTING_COLUMNS).order_by(m.Model.id)
+    rows = session.execute(q if include_removed else q.where(m.Model.removed_at.is_(None)))
     return [ModelListing(**{**row._asdict(), "overview": row.overview or {}}) for row in rows]
 
 

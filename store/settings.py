@@ -149,6 +149,14 @@ class Settings(BaseSettings):
     log_level: str = Field(
         "INFO", description="Level of quantplan's own log lines on stderr (DEBUG, INFO, WARNING, ERROR)."
     )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking server or store (http://mlflow:5000, sqlite:///mlflow.db...) every finished "
+        "job is also logged to as a run (worker.mlflow_log; needs quantplan[mlflow]). Unset: none.",
+    )
+    mlflow_experiment: str = Field(
+        "quantplan", description="The MLflow experiment jobs are logged under (created where missing)."
+    )
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:

@@ -209,3 +209,24 @@ def test_plans_page_benchmark_keeps_what_it_recomputes(capsys) -> None:
     again, _ = plans_svc.resolve(model, body)
     assert again == first and again is not first  # a copy of the kept answer
     assert again == plans_svc._resolve(model, body)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_page_speed_times_every_page_beside_the_floor(tmp_path: Path, capsys) -> None:
+    """benchmarks/page_speed.py in its quick mode (a tiny Llama, one visit): every page, the floor and the three
+    interactions are timed in the browser and printed with their ratios (the figures themselves are not checked)."""
+    ps = _load("page_speed")
+    if not Path(ps.CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (./dev.sh test installs it)")
+    out_json = tmp_path / "page_speed.json"
+    assert ps.main(["--quick", "--repeat", "1", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    assert [p["page"] for p in data["pages"]] == list(ps.PAGES) and "outliers" in ps.PAGES
+    for page in data["pages"]:
+        assert page["settled_s"] > 0 and any(line.startswith(page["page"] + " ") for line in out.splitlines())
+    assert data["floor"]["settled_s"] > 0 and "floor (one-line page)" in out
+    timed = {(p["page"], what) for p in data["pages"] for what in p["interactions_s"]}
+    assert {("outliers", "α slider step"), ("outliers", "layer pick"), ("results", "compare selection")} <= timed
+    assert re.search(r"outliers: α slider step\s+[\d.]+ s\s+[\d.]+×", out)  # its ratio to the floor's step

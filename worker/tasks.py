@@ -62,7 +62,13 @@ def sensitivity_merge_task(parent_id: int) -> str:
     """The chord's callback: the shards' rows merged into the sweep's (worker.bodies.sweep_shards.merge)."""
     from worker.bodies.sweep_shards import merge
 
-    return merge(parent_id)
+    status = merge(parent_id)
+    settings = get_settings()
+    if settings.mlflow_tracking_uri:  # the sweep itself is a run too (each shard was one, by worker.runner)
+        from worker.mlflow_log import log_finished_job
+
+        log_finished_job(parent_id, settings)
+    return status
 
 
 _NODE: dict[str, str] = {}  # this process's Celery node name, once ready

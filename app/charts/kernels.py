@@ -9,16 +9,20 @@ import numpy as np
 import pandas as pd
 
 from app.charts.base import (
+    DIVERGING_SCHEME,
     KERNEL_COLUMN_PX,
     KERNEL_DARK_SHARE,
     KERNEL_MIN_EXTENT,
     KERNEL_ROW_PX,
     MAX_MARKS,
+    NEUTRAL,
+    PURPLE,
+    category_scale,
     check_columns,
 )
 
-NOTE_COLOR = "#9a9a9a"  # the text of a cell with no time ("skipped", "failed"): lighter than a measured one's
-UNSTABLE_COLOR = "#e67e00"  # the outline of a cell whose case is flagged unstable
+NOTE_COLOR = NEUTRAL  # the text of a cell with no time ("skipped", "failed"): lighter than a measured one's
+UNSTABLE_COLOR = PURPLE  # the outline of a cell whose case is flagged unstable: apart from the blue-orange scale
 UNSTABLE_MARK = " ~"  # after an unstable cell's speed-up: its spread is wide, the figure is not to be trusted
 
 
@@ -94,7 +98,7 @@ def kernel_heatmap(
     column_title: str = "kernel path",
     title: str = "Speed-up over baseline",
 ) -> alt.LayerChart:
-    """Speed-up over the baseline GEMM, GEMM shape x kernel path; 1x is white, faster blue, slower red.
+    """Speed-up over the baseline GEMM, GEMM shape x kernel path; 1x is white, faster blue, slower orange.
 
     Input columns: shape (a label such as "down_proj 576x1536 M=512"), ``column`` (default
     path; e.g. "device" to compare devices on one path), speedup (NaN where the device does
@@ -133,9 +137,11 @@ def kernel_heatmap(
         color=alt.Color(
             "speedup:Q",
             title="speed-up",
-            scale=alt.Scale(type="log", scheme="redblue", domain=[1 / extent, extent], domainMid=1.0),
+            scale=alt.Scale(type="log", scheme=DIVERGING_SCHEME, domain=[1 / extent, extent], domainMid=1.0,
+                            reverse=True),  # faster (above 1x) blue, slower orange
         ),
-        tooltip=["shape:N", f"{column}:N", alt.Tooltip("text:N", title="speed-up"),
+        tooltip=[alt.Tooltip("shape:N", title="GEMM shape"), alt.Tooltip(f"{column}:N", title=column_title),
+                 alt.Tooltip("text:N", title="speed-up"),
                  *(alt.Tooltip(f"{c}:N", title=c) for c in extra)],
         # an unstable case is outlined: its figure is shown, but not to be trusted
         stroke=alt.condition("datum.unstable", alt.value(UNSTABLE_COLOR), alt.value(None)),
@@ -163,10 +169,11 @@ def peak_bars(df: pd.DataFrame, height: int | None = None, title: str = "Share o
     encodings = {
         "x": alt.X("pct_peak:Q", title="% of peak", scale=alt.Scale(domainMin=0)),
         "y": alt.Y("label:N", title="", sort="-x", axis=alt.Axis(labelLimit=320)),
-        "tooltip": ["label:N", alt.Tooltip("pct_peak:Q", format=".1f")],
+        "tooltip": [alt.Tooltip("label:N", title="case"), alt.Tooltip("pct_peak:Q", format=".1f", title="% of peak")],
     }
     if "path" in df.columns:
-        encodings["color"] = alt.Color("path:N", title="path")
+        paths = sorted(set(df["path"]))
+        encodings["color"] = alt.Color("path:N", title="kernel path", scale=category_scale(paths))
     bars = alt.Chart(df).mark_bar().encode(**encodings)
     full = alt.Chart(pd.DataFrame({"pct_peak": [100.0]})).mark_rule(strokeDash=[4, 3]).encode(x="pct_peak:Q")
     return alt.layer(bars, full, height=height or alt.Step(18), **({"title": title} if title else {}))

@@ -13,10 +13,12 @@ import numpy as np
 import pandas as pd
 
 from app.charts.base import (
+    CHANNEL_POINTS,
     CHART_HEIGHT,
     DEFAULT_MAX_POINTS,
     DEFAULT_TOP_K,
     E4M3_SUBNORMAL_LABEL,
+    GREEN,
     GRID_KIND_COLORS,
     HEATMAP_MAX_CELLS,
     INT8_FLUSH_LABEL,
@@ -24,15 +26,20 @@ from app.charts.base import (
     LABEL_FLIP_AT,
     LABEL_SPAN,
     LABEL_STEP_PX,
+    MAGNITUDE_SCHEME,
     MAX_MARKS,
+    NEUTRAL,
     OUTLIER_RATIO_CAP,
     OUTSIDE_BLOCKS_COLOR,
     OVERVIEW_HEIGHT,
     OVERVIEW_WIDTH,
     SELECTION_NAME,
+    SEQUENTIAL_SCHEME,
     SERIES_COLORS,
     SMOOTH_WIDTH,
     THRESHOLD_COLORS,
+    VERMILLION,
+    category_scale,
     check_columns,
     positive_floor,
     proj_sort,
@@ -64,7 +71,7 @@ def overview_frame(
 
 
 def channels_frame(
-    stat: LayerStats, max_points: int = DEFAULT_MAX_POINTS, top_k: int = DEFAULT_TOP_K
+    stat: LayerStats, max_points: int = CHANNEL_POINTS, top_k: int = DEFAULT_TOP_K
 ) -> pd.DataFrame:
     """Per-channel max |x| of one layer: columns channel, channel_max, rank (1 = largest), is_top.
 
@@ -112,7 +119,7 @@ def depth_frame(
 
 
 def smoothquant_frame(
-    view: ol.SmoothQuantView, max_points: int = DEFAULT_MAX_POINTS
+    view: ol.SmoothQuantView, max_points: int = CHANNEL_POINTS
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Long frames for :func:`smoothquant_chart` from a ``quantcore.evaluation.outliers.smoothquant_view``.
 
@@ -205,12 +212,13 @@ def overview_chart(df: pd.DataFrame, height: int = OVERVIEW_HEIGHT, width: int =
         df = df.nlargest(MAX_MARKS, "outlier_ratio")
     pick = alt.selection_point(name=SELECTION_NAME, fields=["layer"], on="click", toggle=False)
     tooltip = [
-        alt.Tooltip("layer:N"),
-        alt.Tooltip("outlier_ratio:Q", title="max / median", format=",.1f"),
+        alt.Tooltip("layer:N", title="layer"),
+        alt.Tooltip("outlier_ratio:Q", title="outlier ratio (max / median channel)", format=",.1f"),
     ]
-    for col, fmt in (("amax", ",.4g"), ("median_channel_max", ",.4g"), ("in_features", ",d")):
+    for col, fmt, name in (("amax", ",.4g", "largest |x|"), ("median_channel_max", ",.4g", "median channel's max |x|"),
+                           ("in_features", ",d", "input channels")):
         if col in df.columns:
-            tooltip.append(alt.Tooltip(f"{col}:Q", format=fmt))
+            tooltip.append(alt.Tooltip(f"{col}:Q", format=fmt, title=name))
     # a layer outside the blocks (lm_head: block -1) sits mid-band in its column, in grey, not as block 0
     middle = int(df.loc[df["block"] >= 0, "block"].max() // 2) if (df["block"] >= 0).any() else 0
     df = df.assign(slot=df["block"].where(df["block"] >= 0, middle))
@@ -226,7 +234,8 @@ def overview_chart(df: pd.DataFrame, height: int = OVERVIEW_HEIGHT, width: int =
             # the legend runs over the blocks; a layer outside them is grey (its tooltip names it)
             color=alt.condition(
                 "datum.block < 0", alt.value(OUTSIDE_BLOCKS_COLOR),
-                alt.Color("block:Q", title="block", scale=alt.Scale(scheme="viridis", domainMin=0, clamp=True))),
+                alt.Color("block:Q", title="block", scale=alt.Scale(scheme=SEQUENTIAL_SCHEME, domainMin=0,
+                                                                   clamp=True))),
             opacity=alt.condition(pick, alt.value(1.0), alt.value(0.35)),
             size=alt.condition(pick, alt.value(140), alt.value(60)),
             tooltip=tooltip,
@@ -241,7 +250,7 @@ def channels_chart(
     top_k: int = DEFAULT_TOP_K,
     title: str | None = None,
     height: int = CHART_HEIGHT,
-    max_points: int = DEFAULT_MAX_POINTS,
+    max_points: int = CHANNEL_POINTS,
 ) -> alt.LayerChart:
     """Per-channel max |x| (log y) of one layer, the top-k channels labelled, the thresholds as rules.
 
@@ -266,7 +275,9 @@ def channels_chart(
         .encode(
             x=alt.X("channel:Q", title="input channel"),
             y=y,
-            tooltip=[alt.Tooltip("channel:Q"), alt.Tooltip("channel_max:Q", format=".4g"), "rank:Q"],
+            tooltip=[alt.Tooltip("channel:Q", title="input channel"),
+                     alt.Tooltip("channel_max:Q", format=".4g", title="max |x|"),
+                     alt.Tooltip("rank:Q", title="rank (1 = largest)")],
         )
     )
     # a label reads rightwards from its point, leftwards in the last fifth of the channels (not off the chart)
@@ -283,7 +294,7 @@ def channels_chart(
     labels_known = [lbl for lbl in THRESHOLD_COLORS if lbl in set(thresholds["label"])]
     others = [lbl for lbl in thresholds["label"] if lbl not in THRESHOLD_COLORS]
     domain = labels_known + others
-    color_range = [THRESHOLD_COLORS.get(lbl, "#7f7f7f") for lbl in domain]
+    color_range = [THRESHOLD_COLORS.get(lbl, NEUTRAL) for lbl in domain]
     rules = (
         alt.Chart(thresholds)
         .mark_rule(strokeDash=[6, 3], strokeWidth=1.5)
@@ -295,7 +306,7 @@ def channels_chart(
                 scale=alt.Scale(domain=domain, range=color_range),
                 legend=alt.Legend(orient="bottom"),
             ),
-            tooltip=[alt.Tooltip("label:N"), alt.Tooltip("value:Q", format=".4g")],
+            tooltip=[alt.Tooltip("label:N", title="threshold"), alt.Tooltip("value:Q", format=".4g", title="|x|")],
         )
     )
     chart = alt.layer(points, labels, rules, height=height)
@@ -335,7 +346,7 @@ def depth_heatmap(df: pd.DataFrame, proj: str | None = None, height: int = CHART
     floor = positive_floor(df["channel_max"])
     df = df.assign(color_value=df["channel_max"].clip(lower=floor))
     tooltip = [
-        alt.Tooltip("block:O"),
+        alt.Tooltip("block:O", title="block"),
         alt.Tooltip("ch_lo:Q", title="first channel"),
         alt.Tooltip("ch_hi:Q", title="end channel"),
     ]
@@ -349,10 +360,13 @@ def depth_heatmap(df: pd.DataFrame, proj: str | None = None, height: int = CHART
             x=alt.X("ch_lo:Q", title="input channel", bin="binned"),
             x2="ch_hi:Q",
             y=alt.Y("block:O", title="block", sort="ascending"),
-            color=alt.Color("color_value:Q", title="max |x|", scale=alt.Scale(type="log", scheme="inferno")),
+            color=alt.Color("color_value:Q", title="max |x|", scale=alt.Scale(type="log", scheme=MAGNITUDE_SCHEME)),
             tooltip=tooltip,
         )
     )
+
+
+LABEL_ROOM = 10 ** 0.5  # the SmoothQuant panels' y axis: half a decade beyond the data, for the steps' names
 
 
 def smoothquant_chart(
@@ -375,38 +389,41 @@ def smoothquant_chart(
         scale=alt.Scale(domain=list(SERIES_COLORS), range=list(SERIES_COLORS.values())),
         legend=alt.Legend(orient="bottom"),  # beside two panels it would run off a page's right edge
     )
-    y_scale = alt.Scale(type="log")
+    # room on the log axis for a step's name above the top line and below the bottom one (half a decade each way):
+    # a name drawn past the plot's edge would sit on the axis' labels
+    values = np.concatenate([points["value"].to_numpy(float), steps["step"].to_numpy(float)])
+    values = values[np.isfinite(values) & (values > 0)]
+    y_scale = (alt.Scale(type="log", domain=[float(values.min()) / LABEL_ROOM, float(values.max()) * LABEL_ROOM])
+               if values.size else alt.Scale(type="log"))
+    # each encoding built once and given each panel's data (Altair's encode is most of a chart's build time)
+    dots_base = alt.Chart().mark_circle(size=14, opacity=0.7).encode(
+        x=alt.X("channel:Q", title="input channel"),
+        y=alt.Y("value:Q", title="per-channel max |·|", scale=y_scale),
+        color=color,
+        tooltip=[alt.Tooltip("channel:Q", title="input channel"), alt.Tooltip("tensor:N", title="tensor"),
+                 alt.Tooltip("value:Q", format=".4g", title="max |·| of the channel")],
+    )
+    rules_base = alt.Chart().mark_rule(strokeDash=[6, 3]).encode(
+        y=alt.Y("step:Q", scale=y_scale), color=color, tooltip=[alt.Tooltip("text:N", title="per-tensor step")])
+    text_base = alt.Chart().encode(x="channel:Q", y=alt.Y("step:Q", scale=y_scale), text="text:N")
+    text_colored = text_base.encode(color=color)
     panels = []
     for stage, title in (("before", "before smoothing"), ("after", f"after smoothing (α = {alpha:.2f})")):
         pts = points[points["stage"] == stage]
         stp = steps[steps["stage"] == stage].assign(
             text=lambda d: [f"{t} INT8 step {v:.3g}" for t, v in zip(d["tensor"], d["step"], strict=True)]
         )
-        dots = (
-            alt.Chart(pts)
-            .mark_circle(size=14, opacity=0.7)
-            .encode(
-                x=alt.X("channel:Q", title="input channel"),
-                y=alt.Y("value:Q", title="per-channel max |·|", scale=y_scale),
-                color=color,
-                tooltip=["channel:Q", "tensor:N", alt.Tooltip("value:Q", format=".4g")],
-            )
-        )
-        rules = (
-            alt.Chart(stp)
-            .mark_rule(strokeDash=[6, 3])
-            .encode(y=alt.Y("step:Q", scale=y_scale), color=color, tooltip=["text:N"])
-        )
+        dots = dots_base.properties(data=pts)
+        rules = rules_base.properties(data=stp)
         # each rule named at its right end (the legend's colours say which tensor, not what a dashed line is): the
-        # activation's above its line, the weight's below (after smoothing the two steps often meet), each on a
-        # white halo over the points
-        named = stp.assign(channel=pts["channel"].max() if len(pts) else 0)
+        # larger step's name above its line, the smaller's below, so the two never overlap however close the steps
+        # come (after smoothing they often meet: at α = 0.5 the weight's can sit a hair above the activation's);
+        # each on a white halo over the points
+        named = stp.assign(channel=pts["channel"].max() if len(pts) else 0).sort_values("step", ascending=False)
         names = [
-            alt.Chart(named[named["tensor"] == tensor])
-            .mark_text(align="right", dy=dy, fontSize=11, **style)
-            .encode(x="channel:Q", y=alt.Y("step:Q", scale=y_scale), text="text:N",
-                    **({} if style else {"color": color}))
-            for tensor, dy in (("activation", -7), ("weight", 11))
+            (text_base if style else text_colored).mark_text(align="right", dy=dy, fontSize=11, **style)
+            .properties(data=named.iloc[[i]])
+            for i, dy in ((0, -7), (1, 11)) if i < len(named)
             for style in ({"stroke": "white", "strokeWidth": 3, "strokeOpacity": 0.9}, {})
         ]
         panels.append(alt.layer(dots, rules, *names, title=title, height=height, width=width))
@@ -435,14 +452,15 @@ def alpha_sweep_chart(sweep: pd.DataFrame, alpha: float, height: int = CHART_HEI
             color=alt.Color(
                 "tensor:N", scale=alt.Scale(domain=list(SERIES_COLORS), range=list(SERIES_COLORS.values()))
             ),
-            tooltip=["alpha:Q", "tensor:N", alt.Tooltip("flushed:Q", format=".1%")],
+            tooltip=[alt.Tooltip("alpha:Q", title="α", format=".2f"), alt.Tooltip("tensor:N", title="tensor"),
+                     alt.Tooltip("flushed:Q", format=".1%", title="channels flushed")],
         )
     )
     chosen = alt.Chart(pd.DataFrame({"alpha": [alpha]})).mark_rule(color="black").encode(x="alpha:Q")
     return alt.layer(lines, chosen, height=height, title="Choosing α")
 
 
-SUGGESTED_COLOR = "#2ca02c"  # the suggested α's rule: green, apart from the activation / weight series colours
+SUGGESTED_COLOR = GREEN  # the suggested α's rule: apart from the activation / weight series colours
 
 
 def alpha_choice_chart(sweep: pd.DataFrame, alpha: float, suggested: float, scheme: str,
@@ -465,7 +483,7 @@ def alpha_choice_chart(sweep: pd.DataFrame, alpha: float, suggested: float, sche
                                                                   range=["black", SUGGESTED_COLOR])),
             strokeDash=alt.StrokeDash("which:N", scale=alt.Scale(domain=["chosen", "suggested"],
                                                                  range=[[1, 0], [6, 3]]), legend=None),
-            tooltip=["which:N", alt.Tooltip("alpha:Q", format=".2f")],
+            tooltip=[alt.Tooltip("which:N", title="α"), alt.Tooltip("alpha:Q", format=".2f", title="value")],
         )
     )
     errors = sweep[["alpha", "error"]].copy()
@@ -474,7 +492,8 @@ def alpha_choice_chart(sweep: pd.DataFrame, alpha: float, suggested: float, sche
         alt.Chart(errors)
         .mark_line(point=True, color=SERIES_COLORS["activation"])
         .encode(x=x, y=alt.Y("error:Q", title="estimated rel. output error", scale=alt.Scale(type="log")),
-                tooltip=["alpha:Q", alt.Tooltip("error:Q", format=".3g")])
+                tooltip=[alt.Tooltip("alpha:Q", title="α", format=".2f"),
+                         alt.Tooltip("error:Q", format=".3g", title="estimated rel. output error")])
     )
     long = sweep.melt(id_vars=["alpha"], value_vars=["act_flushed", "weight_flushed"], var_name="tensor",
                       value_name="flushed")
@@ -487,12 +506,23 @@ def alpha_choice_chart(sweep: pd.DataFrame, alpha: float, suggested: float, sche
             y=alt.Y("flushed:Q", title="channels flushed", axis=alt.Axis(format="%")),
             color=alt.Color("tensor:N", scale=alt.Scale(domain=list(SERIES_COLORS),
                                                         range=list(SERIES_COLORS.values()))),
-            tooltip=["alpha:Q", "tensor:N", alt.Tooltip("flushed:Q", format=".1%")],
+            tooltip=[alt.Tooltip("alpha:Q", title="α", format=".2f"), alt.Tooltip("tensor:N", title="tensor"),
+                     alt.Tooltip("flushed:Q", format=".1%", title="channels flushed")],
         )
     )
     top = alt.layer(error_line, marks, height=height // 2)
     bottom = alt.layer(flush_lines, marks, height=height // 2)
     return alt.vconcat(top, bottom, title=f"Choosing α for {scheme}").resolve_scale(color="independent")
+
+
+def with_chosen_alpha(spec: dict, alpha: float) -> dict:
+    """An :func:`alpha_choice_chart` spec (a dict, changed in place and returned) with its chosen α moved to
+    ``alpha``: the chart is built once per layer and scheme, and a slider step only moves its rule."""
+    for rows in spec.get("datasets", {}).values():
+        for row in rows:
+            if isinstance(row, dict) and row.get("which") == "chosen":
+                row["alpha"] = float(alpha)
+    return spec
 
 
 def histogram_chart(
@@ -518,9 +548,9 @@ def histogram_chart(
             x2="hi:Q",
             y=alt.Y("count:Q", title="values", scale=alt.Scale(type="symlog")),
             tooltip=[
-                alt.Tooltip("lo:Q", format=".3g"),
-                alt.Tooltip("hi:Q", format=".3g"),
-                alt.Tooltip("count:Q", format=",d"),
+                alt.Tooltip("lo:Q", format=".3g", title="from |x|"),
+                alt.Tooltip("hi:Q", format=".3g", title="to |x|"),
+                alt.Tooltip("count:Q", format=",d", title="values"),
             ],
         )
     )
@@ -538,7 +568,7 @@ def histogram_chart(
             ),
             opacity=alt.condition(alt.datum.kind == "representable", alt.value(0.6), alt.value(1.0)),
             strokeWidth=alt.condition(alt.datum.kind == "representable", alt.value(0.7), alt.value(2.0)),
-            tooltip=["kind:N", alt.Tooltip("value:Q", format=".4g")],
+            tooltip=[alt.Tooltip("kind:N", title="grid point"), alt.Tooltip("value:Q", format=".4g", title="|x|")],
         )
     )
     title = f"|x| histogram with the {fmt_label} grid" if fmt_label else "|x| histogram"
@@ -576,24 +606,30 @@ def kv_amax_chart(df: pd.DataFrame, limit: float = 448.0, height: int = CHART_HE
         .encode(
             x=alt.X("block:O", title="block"),
             y=alt.Y("value:Q", title="max |x|", scale=alt.Scale(type="log", domainMax=top)),
-            color=alt.Color("tensor:N", title="tensor"),
-            tooltip=[alt.Tooltip("layer:N"), alt.Tooltip("tensor:N"), alt.Tooltip("amax:Q", format=",.4g")],
+            color=alt.Color("tensor:N", title="tensor", scale=category_scale(["K", "V", "Q"])),
+            tooltip=[alt.Tooltip("layer:N", title="layer"), alt.Tooltip("tensor:N", title="tensor"),
+                     alt.Tooltip("amax:Q", format=",.4g", title="max |x|")],
         )
     )
     rule = alt.Chart(pd.DataFrame({"y": [limit], "label": [f"E4M3 max {limit:g} (scale 1.0)"]})).mark_rule(
-        strokeDash=[6, 3], color="#c0392b").encode(y="y:Q")
+        strokeDash=[6, 3], color=VERMILLION).encode(y="y:Q")
     text = alt.Chart(pd.DataFrame({"y": [limit], "label": [f"E4M3 max {limit:g}: unscaled FP8 saturates above"]})) \
-        .mark_text(align="left", dx=4, dy=-6, color="#c0392b").encode(y="y:Q", text="label:N")
+        .mark_text(align="left", dx=4, dy=-6, color=VERMILLION).encode(y="y:Q", text="label:N")
     return alt.layer(points, rule, text)
 
 
-def rotation_frame(views: Sequence) -> pd.DataFrame:
+def rotation_frame(views: Sequence, max_points: int = CHANNEL_POINTS) -> pd.DataFrame:
     """One row per (fix, channel rank) of a layer's input under each fix (quantcore.evaluation.rotation_view.FixView):
-    the per-channel max, sorted largest first, so the fixes' curves overlay."""
+    the per-channel max, sorted largest first, so the fixes' curves overlay. Past ``max_points`` / 3 channels a curve
+    keeps log-spaced ranks (every one of the first, where the outliers are; fewer down the flat tail)."""
     rows = []
+    per_fix = max(2, max_points // 3)
     for v in views:
         ordered = np.sort(np.asarray(v.channel_max, dtype=np.float64))[::-1]
-        rows += [{"fix": v.fix, "rank": i, "channel_max": float(x)} for i, x in enumerate(ordered)]
+        ranks = np.arange(ordered.size)
+        if ordered.size > per_fix:
+            ranks = np.unique(np.round(np.geomspace(1, ordered.size, per_fix)).astype(np.int64) - 1)
+        rows += [{"fix": v.fix, "rank": int(i), "channel_max": float(ordered[i])} for i in ranks]
     return pd.DataFrame(rows)
 
 
@@ -602,6 +638,7 @@ def rotation_chart(frame: pd.DataFrame) -> alt.Chart:
     return alt.Chart(frame).mark_line().encode(
         x=alt.X("rank:Q", title="input channels, largest max first"),
         y=alt.Y("channel_max:Q", title="max |x| of the channel", scale=alt.Scale(type="log")),
-        color=alt.Color("fix:N", title="fix"),
-        tooltip=["fix", "rank", alt.Tooltip("channel_max:Q", format=".3g")],
+        color=alt.Color("fix:N", title="fix", scale=category_scale(list(dict.fromkeys(frame["fix"])))),
+        tooltip=[alt.Tooltip("fix:N", title="fix"), alt.Tooltip("rank:Q", title="rank (0 = largest)"),
+                 alt.Tooltip("channel_max:Q", format=".3g", title="max |x| of the channel")],
     ).properties(height=260)

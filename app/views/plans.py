@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import frames, state
+from app import auth, choice_panel, frames, plan_tools, state
 from app import text as page_text
 from jobs.specs import TENSOR_PARALLEL
 from quantcore.evaluation.kvcache import KV_FORMATS, layer_index
@@ -54,6 +54,36 @@ body = st.session_state[EDIT]
 # ----------------------------------------------------------------------------- preset + rules
 
 
+CATALOG = frames.scheme_catalog()  # every preset with its description, formats, bits and native GPUs, by family
+SCHEME_ORDER = CATALOG["scheme"].tolist()
+SCHEME_LABEL = {r.scheme: f"{r.family} · {r.scheme}: {r.description}" for r in CATALOG.itertuples()}
+PATTERNS = frames.layer_patterns
+
+
+def _rule_builder(names: list[str], rules_key: str, body: dict) -> None:
+    """A rule made from the model's own layer-name patterns (or one typed, its matches counted) and a scheme
+    picked with its description; the preset explainer beside it."""
+    with st.expander("Schemes explained: every preset by family, its formats, storage and where it runs natively"):
+        plan_tools.scheme_explainer(CATALOG)
+    patterns = PATTERNS(names)
+    b1, b2, b3 = st.columns([2, 3, 1], vertical_alignment="bottom")
+    pattern = b1.selectbox("Layers (a pattern of this model, or type one)", list(patterns), index=None,
+                           accept_new_options=True, key=f"{rules_key}_pattern",
+                           format_func=lambda p: f"{p} ({patterns[p]} layers)" if p in patterns else p,
+                           placeholder="down_proj, layers\\.0\\., lm_head …")
+    scheme = b2.selectbox("Scheme", SCHEME_ORDER, index=None, key=f"{rules_key}_scheme",
+                          format_func=SCHEME_LABEL.get, placeholder="FP8 · INT8 · FP4 · weight-only · keep")
+    if pattern:
+        count = frames.pattern_matches(pattern, names)
+        st.caption(f"`{pattern}` matches {count} of {len(names)} layers" if isinstance(count, int) else
+                   f"`{pattern}`: {count}")
+    if b3.button("Add rule", key=f"{rules_key}_add", disabled=not (pattern and scheme)):
+        st.session_state[EDIT] = {**body, "rules": [*(body.get("rules") or []),
+                                                    {"match": pattern, "scheme": scheme}]}
+        st.session_state.pop(rules_key, None)  # the grid drawn anew from the rules with the new one
+        st.rerun()
+
+
 def _filled(cell) -> bool:
     """A rules-table cell holds something: not empty, and not the NaN / None a new row starts with."""
     return not pd.isna(cell) and str(cell).strip() != ""
@@ -63,8 +93,8 @@ with st.container(border=True):
     st.markdown("**Preset for all layers, then rules** (regular expressions on layer names; the last "
                 "matching rule wins; per-row choices below win over rules).")
     c1, c2, c3 = st.columns([2, 2, 1])
-    default = c1.selectbox("Default scheme", SCHEMES, index=SCHEMES.index(body.get("default", "BF16")),
-                           key=f"plan_default_{model.id}_{start}")
+    default = c1.selectbox("Default scheme", SCHEME_ORDER, index=SCHEME_ORDER.index(body.get("default", "BF16")),
+                           format_func=SCHEME_LABEL.get, key=f"plan_default_{model.id}_{start}")
     tp_now = int(body.get("tensor_parallel") or 1)
     tp = int(c3.number_input("GPUs (tensor parallel)", *TENSOR_PARALLEL.form_bounds(), tp_now, step=1,
                              key=f"plan_tp_{model.id}_{start}",
@@ -133,12 +163,20 @@ with st.container(border=True):
         else:
             st.caption(f"Which layers to keep: a KV cache sweep of {kv_cache} (Results page) measures each layer's "
                        "cache on its own.")
+    names = models_svc.layer_names(model)
+    rules_key = f"plan_rules_{model.id}_{start}"
+    _rule_builder(names, rules_key, body)
     rules = st.data_editor(pd.DataFrame(body.get("rules") or [], columns=["match", "scheme"]),
-                           num_rows="dynamic", key=f"plan_rules_{model.id}_{start}", width="stretch",
+                           num_rows="dynamic", key=rules_key, width="stretch",
                            # not required: the browser would keep a row without a scheme to itself, and
-                           # the page could not say it was left out (below)
-                           column_config={"scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES)})
-    st.caption(r"Examples: `lm_head` → BF16; `layers\.(0|29)\.` → BF16; `down_proj` → FP8_DYNAMIC.")
+                           # the page could not say it was left out (the rules as read, below)
+                           column_config={
+                               "match": st.column_config.TextColumn(
+                                   "match", help="a regular expression searched in each layer name, e.g. "
+                                   + ", ".join(f"`{p}` ({n})" for p, n in list(PATTERNS(names).items())[:6])),
+                               "scheme": st.column_config.SelectboxColumn(
+                                   "scheme", options=SCHEME_ORDER, format_func=SCHEME_LABEL.get,
+                                   help="grouped by family; what each does: Schemes explained, above")})
     rule_rows = rules.to_dict("records")
     body = {**{k: v for k, v in plan_editor_svc.with_rotation(body, rot_kind, rot_block).items()
                if k not in ("kv_cache", "kv_cache_skip", "tensor_parallel", "expert_parallel")},
@@ -151,9 +189,11 @@ with st.container(border=True):
                       for r in rule_rows if _filled(r.get("match")) and _filled(r.get("scheme"))]}
     st.session_state[EDIT] = body
     half = [i for i, r in enumerate(rule_rows, start=1) if _filled(r.get("match")) != _filled(r.get("scheme"))]
-    if half:  # a row with only one of the two is left out of the plan: say so, rather than drop it unseen
-        st.warning(f"Rule row(s) {', '.join(map(str, half))} need both a match and a scheme: left out of the plan "
-                   "until they have both.")
+    if rule_rows:  # each row as the plan reads it, in place: an incomplete one says so, no warning while typing
+        st.dataframe(frames.rules_readback(rule_rows, names), hide_index=True, width="stretch",
+                     key=f"plan_rules_read_{model.id}_{start}",
+                     column_config={"layers": st.column_config.NumberColumn(help="layers the match finds"),
+                                    "state": st.column_config.TextColumn(width="large")})
     st.session_state.setdefault(f"{EDIT}_base", body)
 
 resolved, problem = plans_svc.resolve(model, body)
@@ -176,7 +216,8 @@ edited = st.data_editor(
     table, key=f"plan_table_{model.id}_{start}", hide_index=True, width="stretch",
     disabled=[c for c in table.columns if c != "scheme"],
     column_config={
-        "scheme": st.column_config.SelectboxColumn("scheme", options=SCHEMES, required=True),
+        "scheme": st.column_config.SelectboxColumn("scheme", options=SCHEME_ORDER, required=True,
+                                                   format_func=SCHEME_LABEL.get),
         "outlier_ratio": st.column_config.NumberColumn(
             "outlier ratio", format="%.1f", help="the input's largest channel max|x| over its median channel's, from "
                                                  "the newest calibration (Outliers page); None: not calibrated yet"),
@@ -342,37 +383,44 @@ if resolved is not None:
             st.info(backend)
 
 # ----------------------------------------------------------------------------- save
-with st.form("plan_save", enter_to_submit=False):  # Enter in a field saves nothing: the button does
-    c1, c2 = st.columns([1, 2])
-    name = c1.text_input("Plan name", value=start if start in latest else f"{model.name}-plan",
-                         key=f"plan_name_{model.id}_{start}")  # the plan opened's own name, whichever it is
-    note = c2.text_input("What changed", key=f"plan_note_{model.id}_{start}")
-    if st.form_submit_button("Save as a new version", type="primary", disabled=problem is not None):
-        name = name.strip()
-        to_save = {**body, "name": name, "model": model.name}
-        if not name:
-            st.error("Give the plan a name: its versions are saved, listed and exported under it.")
-        elif half:
-            st.error(f"Rule row(s) {', '.join(map(str, half))} have a match or a scheme but not both: finish or "
-                     "delete them first, or they would be lost from the version saved.")
-        elif same := plans_svc.unchanged_version(model.id, name, to_save):
-            st.info(f"No change from {same.label}: nothing saved.")
-        else:
-            try:  # a viewer is refused by the application layer
-                saved = plans_svc.save_plan(model.id, name, to_save, note=note)
-            except ValueError as exc:
-                st.error(str(exc))
+if auth.may("save_plan"):
+    with st.form("plan_save", enter_to_submit=False):  # Enter in a field saves nothing: the button does
+        c1, c2 = st.columns([1, 2])
+        name = c1.text_input("Plan name", value=start if start in latest else f"{model.name}-plan",
+                             key=f"plan_name_{model.id}_{start}")  # the plan opened's own name, whichever it is
+        note = c2.text_input("What changed", key=f"plan_note_{model.id}_{start}")
+        if st.form_submit_button("Save as a new version", type="primary", disabled=problem is not None):
+            name = name.strip()
+            to_save = {**body, "name": name, "model": model.name}
+            if not name:
+                st.error("Give the plan a name: its versions are saved, listed and exported under it.")
+            elif half:
+                st.error(f"Rule row(s) {', '.join(map(str, half))} have a match or a scheme but not both: finish or "
+                         "delete them first, or they would be lost from the version saved.")
+            elif same := plans_svc.unchanged_version(model.id, name, to_save):
+                st.info(f"No change from {same.label}: nothing saved.")
             else:
-                state.plan_saved(f"Saved {saved.label}", saved.name)
+                try:  # a viewer is refused by the application layer
+                    saved = plans_svc.save_plan(model.id, name, to_save, note=note)
+                except ValueError as exc:
+                    st.error(str(exc))
+                else:
+                    state.plan_saved(f"Saved {saved.label}", saved.name)
+else:
+    st.caption(auth.cannot("save_plan"))
 
 # ----------------------------------------------------------------------------- versions and diff
 plans = sorted(plans, key=lambda p: p.id)  # as saved, the newest last
 if plans:
     st.subheader("Versions")
     st.dataframe(pd.DataFrame([{"id": p.id, "plan": p.label, "parent": "" if p.parent_id is None else f"{p.parent_id}",
-                                "author": p.author or "", "note": p.note, "saved": p.created_at} for p in plans]),
+                                "author": p.author or "", "note": p.note, "saved": page_text.ago(p.created_at)}
+                               for p in plans]),
                  hide_index=True, width="stretch",
                  column_config={"plan": st.column_config.TextColumn(width="large"),
+                                # relative, as every time on the pages; the exact UTC times on hover over the header
+                                "saved": st.column_config.TextColumn(help="how long ago; in UTC: " + "; ".join(
+                                    f"{p.label} {page_text.utc_text(p.created_at)}" for p in plans[-10:])),
                                 "parent": st.column_config.TextColumn(
                      help="the id of the version this one was saved from; empty: a plan's first version")})
     if len(plans) >= 2:
@@ -401,7 +449,8 @@ if plans:
             st.caption(f"Linear weights: {lab[a]} {units_svc.mib_text(sizes[0].bits)} → {lab[b]} "
                        f"{units_svc.mib_text(sizes[1].bits)} ({sizes[0].ratio:.0%} → {sizes[1].ratio:.0%} of BF16).")
 
-from app import plan_tools  # noqa: E402  (auto plan + export sections)
+if plans:
+    choice_panel.render(model, plans)  # the version chosen for the model: who, when, why
 
 plan_tools.render(model, target, tp, bool(body.get("expert_parallel")),
                   unsaved=st.session_state[EDIT] != st.session_state.get(f"{EDIT}_base"))

@@ -2,7 +2,8 @@
 
 The exact sweep (:func:`quantcore.evaluation.sensitivity.sensitivity_sweep`) measures the whole model's KL with one
 unit quantized, one partial pass per unit and scheme. This module estimates the same number for every unit and every
-scheme from one reference forward and a few backward passes per batch (docs/concepts/sensitivity.md derives it).
+scheme from one reference forward and one or two backward passes per batch (docs/concepts/sensitivity.md derives
+it).
 
 To second order in the change δz of a position's logits, KL(p_ref ‖ p_q) ≈ ½ δzᵀ F δz with F = diag(p) - ppᵀ the
 softmax's Fisher, and F = E_t[(e_t - p)(e_t - p)ᵀ] for a token t *sampled from p*. Linearizing δz in the change δy
@@ -11,32 +12,36 @@ log-prob with respect to the unit's output. So per batch:
 
 1. one forward with grad on the unquantized model; every unit member keeps its input ``x`` (the graph keeps no
    weight gradients: every parameter stays frozen, the embeddings' output is the only leaf that asks for grad);
-2. per sample, targets drawn from the reference distribution at every position and one backward of
-   ``Σ log p(t)`` (its gradient at the logits is ``e_t - p``, given directly: no log-softmax is built);
+2. per pass (``passes``), ``samples`` tokens drawn from the reference distribution at every position and one
+   backward of their ``Σ log p(t)`` (its gradient at the logits is ``counts - samples * p``, given directly: no
+   log-softmax is built; its covariance is ``samples`` times the Fisher, so the square is divided by ``samples``);
 3. inside a hook on each member's output gradient ``g``, for each scheme the member's quantized output on the same
    kept input, ``y_q = Q(x / s) Ŵ_qᵀ`` (SmoothQuant's and AWQ's factors ``s`` folded as the exact sweep folds
    them, GPTQ's rounding from the same inputs), ``δy = y_q - y``, and ``Σ_c g_c δy_c`` per position, summed over the
-   members of a fusion unit; its square is added up per sequence and the member's kept input is dropped.
+   members of a fusion unit (a routed expert's rows put back at the positions of their tokens); its square is
+   added up per sequence and the member's kept input is dropped. KV cache formats are units too, one per
+   attention layer (:mod:`quantcore.evaluation.fisher_kv`).
 
 Nothing the size of all gradients is stored: a gradient lives only while its hook runs. The estimate per position is
-the square of one token's sampled gradient: averaged over every position of every sequence (and ``samples`` draws)
-it is an unbiased estimate of the Fisher quadratic form, except for the terms the per-position product leaves out
+the square of the sampled gradient: averaged over every position of every sequence (and the passes) it is an
+unbiased estimate of the Fisher quadratic form, except for the terms the per-position product leaves out
 (a unit's errors at two positions reaching one later position's logits through attention, in the same direction);
 the docs show how close it comes to the exact sweep, scheme by scheme.
 
-Each (unit, scheme) is quantized once, before the first batch: :func:`quantcore.evaluation.scoring.plan_applied`
-applies the unit with the scheme and the member modules, quantized weight and activation hook included, are copied
-out; the model itself is restored at once. That holds one quantized copy of every swept layer per scheme (SmolLM2:
-about 0.5 GB a scheme in float32); the reference forward keeps each layer's input for its batch.
+Each (unit, scheme) is quantized once, before the first batch, by :func:`quantcore.evaluation.scoring.plan_applied`
+(every unit at once for a scheme that folds no factors, when the units are the model's fusion units; else one unit
+at a time, as the exact sweep); each member keeps the quantized weight tensor and the activation hook it made (no
+copy), and schemes that round a weight alike share it. The model itself is restored at once. That holds one
+quantized weight of every swept layer per distinct rounding (SmolLM2: about 0.5 GB each in float32); the reference
+forward keeps each layer's input for its batch.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -53,28 +58,42 @@ from quantcore.evaluation.batches import (
     model_device,
     report_progress,
 )
+from quantcore.evaluation.fisher_kv import KV_PREFIX, KvUnits, kv_recorded, prepare_kv
 from quantcore.evaluation.reference import ReferenceCache
 from quantcore.evaluation.scoring import plan_applied
 from quantcore.evaluation.sensitivity import SensitivityRow, _check_reference, linear_layer_names, sweep_units
 from quantcore.evaluation.statistics import block_mean
 from quantcore.planning.plans import group_label
+from quantcore.schemes.fusion import expert_block, fusion_units
 from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
 
-DEFAULT_SAMPLES = 2  # tokens drawn per position from the reference distribution (one backward each)
+DEFAULT_SAMPLES = 8  # tokens drawn per position from the reference distribution, all in one backward pass
+# backward passes per batch, each with its own draws: the second costs one backward (the quantized outputs are
+# reused) and, on SmolLM2 at 2 x 64 tokens, took the worst unit above the median from 5.2x off to 3.1x
+DEFAULT_PASSES = 2
 METHOD = "fisher"  # the ``method`` a fast sweep's result carries (the exact sweep's is "kl")
 
 
 @dataclass
 class _Member:
-    """One linear of a unit, quantized under one scheme: a copy of the module with its fake-quantized weight and
-    its activation hook (from :func:`plan_applied`), and the factors its input was divided by there."""
+    """One linear of a unit, quantized under one scheme: its fake-quantized weight (no copy: the tensor
+    :func:`plan_applied` made, shared by the schemes that round it alike), its bias, the activation pre-hooks that
+    quantized its input there, and the factors its input was divided by."""
 
-    module: nn.Module
+    weight: Tensor
+    bias: Tensor | None
+    hooks: list[tuple[Callable[..., Any], bool]]  # (hook, with_kwargs)
     divisor: Tensor | None
 
-    def output(self, x: Tensor) -> Tensor:
-        return self.module(x if self.divisor is None else x / self.divisor.to(x.dtype))
+    def output(self, module: nn.Module, x: Tensor) -> Tensor:
+        x = x if self.divisor is None else x / self.divisor.to(x.dtype)
+        for hook, with_kwargs in self.hooks:
+            got = hook(module, (x,), {}) if with_kwargs else hook(module, (x,))
+            if got is not None:
+                args = got[0] if with_kwargs else got
+                x = args[0] if isinstance(args, tuple) else args
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 @dataclass
@@ -87,19 +106,64 @@ class _UnitSums:
     noise: float = 0.0
 
 
-def _quantized_members(model: nn.Module, unit: Sequence[str], scheme: Scheme, inputs: PlanInputs
-                       ) -> tuple[list[_Member], list[str]]:
-    """The members of ``unit`` quantized with ``scheme`` as the exact sweep quantizes them, and its notes."""
-    members: list[_Member] = []
-    with plan_applied(model, {n: scheme for n in unit}, inputs=inputs) as applied:
-        for n in unit:
-            module = model.get_submodule(n)
-            s = applied.smoothing.get(n)
-            a = applied.awq.get(n)
-            divisor = s if a is None else (a if s is None else s * a)
-            members.append(_Member(copy.deepcopy(module), None if divisor is None else divisor.detach().clone()))
-        notes = list(applied.notes)
-    return members, notes
+def _members_of(model: nn.Module, unit: Sequence[str], applied: Any, before: Mapping[str, set[int]]) -> list[_Member]:
+    """The members of ``unit`` as ``applied`` (a :func:`plan_applied` context) quantized them."""
+    members = []
+    for n in unit:
+        module = model.get_submodule(n)
+        s = applied.smoothing.get(n)
+        a = applied.awq.get(n)
+        divisor = s if a is None else (a if s is None else s * a)
+        with_kwargs = getattr(module, "_forward_pre_hooks_with_kwargs", {})
+        hooks = [(h, k in with_kwargs) for k, h in module._forward_pre_hooks.items() if k not in before[n]]
+        linear = cast(nn.Linear, module)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        members.append(_Member(linear.weight.detach(), bias, hooks,
+                               None if divisor is None else divisor.detach().clone()))
+    return members
+
+
+def _weight_key(scheme: Scheme) -> Any:
+    """What a scheme's rounded weights depend on besides the weight itself, where two schemes' are then the very
+    same tensor (rounded to nearest, no factors folded); None where they may differ (SmoothQuant, AWQ, GPTQ)."""
+    if scheme.smoothquant_alpha is not None or scheme.needs_awq or scheme.needs_hessians:
+        return None
+    return scheme.weights
+
+
+def _quantize_units(model: nn.Module, units: Sequence[Sequence[str]], resolved: Sequence[Scheme],
+                    scheme_inputs: Sequence[PlanInputs], progress: Progress | None,
+                    should_cancel: ShouldCancel | None) -> tuple[list[list[list[_Member]]], list[list[str]]]:
+    """([unit][scheme] -> members, [scheme][unit] -> note): every unit quantized under every scheme as the exact sweep
+    quantizes it. A scheme that folds no factors (no SmoothQuant, no AWQ) is applied to every unit at once when the
+    units are the model's own fusion units (what one unit's application gives is then what the whole plan's gives:
+    a fusion group's shared scales are its own); otherwise one unit at a time, as the sweep does."""
+    names = [n for unit in units for n in unit]
+    whole = [sorted(u) for u in fusion_units(names)] == [sorted(u) for u in units]
+    quantized: list[list[list[_Member]]] = [[[] for _ in resolved] for _ in units]
+    notes = [["" for _ in units] for _ in resolved]
+    shared: dict[Any, dict[str, Tensor]] = {}  # weight key -> {layer: rounded weight}
+    before = {n: set(model.get_submodule(n)._forward_pre_hooks) for n in names}
+    for si, scheme in enumerate(resolved):
+        batches = [list(range(len(units)))] if whole and scheme.smoothquant_alpha is None \
+            and not scheme.needs_awq else [[ui] for ui in range(len(units))]
+        for bi, batch in enumerate(batches):
+            check_cancel(should_cancel, f"Fisher estimate (quantizing {len(batch)} unit(s) with {scheme.name})")
+            layers = [n for ui in batch for n in units[ui]]
+            with plan_applied(model, dict.fromkeys(layers, scheme), inputs=scheme_inputs[si]) as applied:
+                for ui in batch:
+                    quantized[ui][si] = _members_of(model, units[ui], applied, before)
+                    notes[si][ui] = "; ".join(applied.notes) if len(batch) == 1 else ""
+            report_progress(progress, 0.2 * (si + (bi + 1) / len(batches)) / len(resolved),
+                            f"quantized {len(batch)} unit(s) with {scheme.name}")
+        key = _weight_key(scheme)
+        if key is None:
+            continue
+        same = shared.setdefault(key, {})
+        for ui, unit in enumerate(units):  # the schemes that round alike share one tensor (one GEMM each, not two)
+            for m, n in zip(quantized[ui][si], unit, strict=True):
+                m.weight = same.setdefault(n, m.weight)
+    return quantized, notes
 
 
 def fisher_sensitivity(
@@ -110,8 +174,13 @@ def fisher_sensitivity(
     *,
     groups: bool = True,
     layers: Sequence[str] | None = None,
+    per_expert: bool = False,
     inputs: PlanInputs | Mapping[str, PlanInputs] = NO_INPUTS,
     samples: int = DEFAULT_SAMPLES,
+    passes: int = DEFAULT_PASSES,
+    kv_caches: Sequence[str] = (),
+    kv_amax: Any = None,
+    kv_layers: Sequence[str] | None = None,
     batch_size: int | None = None,
     seed: int = 0,
     progress: Progress | None = None,
@@ -120,9 +189,15 @@ def fisher_sensitivity(
     """The estimated KL of every unit under every scheme: ``{scheme name: rows}``, rows sorted by ``kl_mean``,
     largest first, in :func:`quantcore.evaluation.sensitivity.sensitivity_sweep`'s shape.
 
-    input_ids, reference, groups, layers, batch_size: as the exact sweep's (the same units, the same tokens)
+    input_ids, reference, groups, layers, per_expert, batch_size: as the exact sweep's (the same units, the same
+              tokens; ``per_expert``: an MoE block's experts one unit each)
     inputs:   the calibrated inputs (one :class:`PlanInputs` for every scheme, or ``{scheme name: PlanInputs}``)
-    samples:  tokens drawn per position from the reference distribution, one backward pass each
+    samples:  tokens drawn per position from the reference distribution, summed into one backward pass
+    passes:   backward passes per batch, each with its own draws (the estimate averages them)
+    kv_caches: KV cache formats (FP8, FP8_ATTN, ...) estimated too, one unit per attention layer as the exact KV
+              sweep has them (:mod:`quantcore.evaluation.fisher_kv`); their rows come under ``"KV <format>"``
+              (``sqnr_db`` NaN); ``kv_amax``: the calibrated K/V maxima a calibrated format needs;
+              ``kv_layers``: only these attention modules
     seed:     of those draws
 
     ``kl_mean`` is the estimate, ``kl_mean_err`` its standard error over sequences (the sampling noise included),
@@ -136,16 +211,19 @@ def fisher_sensitivity(
                         "sweep a rotated scheme with the exact method (--method kl)")
     if samples < 1:
         raise PlanError(f"the Fisher estimate needs at least one sampled token per position, got samples={samples}")
+    if passes < 1:
+        raise PlanError(f"the Fisher estimate needs at least one backward pass per batch, got passes={passes}")
     resolved = [get_scheme(s) for s in schemes]
-    if not resolved:
-        raise PlanError("the Fisher estimate needs at least one scheme")
+    if not resolved and not kv_caches:
+        raise PlanError("the Fisher estimate needs at least one scheme or KV cache format")
     names = [s.name for s in resolved]
     if len(set(names)) != len(names):
         raise PlanError(f"a scheme is named twice: {', '.join(names)}")
     ids = as_token_batch(input_ids)
     reference.check_tokens(ids)
-    units = sweep_units(linear_layer_names(model), groups=groups, only=layers)
-    if not units:
+    units = (sweep_units(linear_layer_names(model), groups=groups, only=layers, per_expert=per_expert)
+             if resolved else [])
+    if resolved and not units:
         raise PlanError("the sweep has no layer to quantize: the model has no nn.Linear layers")
     get_embeddings: Any = getattr(model, "get_input_embeddings", None)
     embeddings = get_embeddings() if get_embeddings is not None else None
@@ -157,19 +235,8 @@ def fisher_sensitivity(
         return got if got.gptq_cache is not None else got.replace(gptq_cache={})
 
     scheme_inputs = [inputs_of(s) for s in resolved]
-    quantized: list[list[list[_Member]]] = []  # [unit][scheme] -> members
-    unit_notes: list[list[str]] = [["" for _ in units] for _ in resolved]
-    total_prep = len(units) * len(resolved)
-    for ui, unit in enumerate(units):
-        row = []
-        for si, scheme in enumerate(resolved):
-            check_cancel(should_cancel, f"Fisher estimate (quantizing {group_label(unit)} with {scheme.name})")
-            members, why = _quantized_members(model, unit, scheme, scheme_inputs[si])
-            row.append(members)
-            unit_notes[si][ui] = "; ".join(why)
-            report_progress(progress, 0.2 * (ui * len(resolved) + si + 1) / total_prep,
-                            f"quantized {group_label(unit)} ({scheme.name})")
-        quantized.append(row)
+    quantized, unit_notes = _quantize_units(model, units, resolved, scheme_inputs, progress, should_cancel)
+    kv = prepare_kv(model, kv_caches, kv_amax, kv_layers)
 
     sums = [[_UnitSums() for _ in resolved] for _ in units]
     member_of = {n: (ui, mi) for ui, unit in enumerate(units) for mi, n in enumerate(unit)}
@@ -182,7 +249,8 @@ def fisher_sensitivity(
             p.requires_grad_(False)
         for bi, (s, e) in enumerate(ranges):
             check_cancel(should_cancel, f"Fisher estimate (batch {bi + 1} of {len(ranges)})")
-            _one_batch(model, embeddings, ids[s:e], reference, s, e, units, member_of, quantized, sums, samples, gen)
+            _one_batch(model, embeddings, ids[s:e], reference, s, e, units, member_of, quantized, sums, samples,
+                       passes, gen, kv)
             report_progress(progress, 0.2 + 0.8 * (bi + 1) / len(ranges), f"batch {bi + 1} of {len(ranges)}")
     finally:
         for p, flag in asked:
@@ -193,12 +261,21 @@ def fisher_sensitivity(
         rows = []
         for ui, unit in enumerate(units):
             acc = sums[ui][si]
-            est = block_mean(np.asarray(acc.per_seq)[:, None] / (positions * samples))
+            est = block_mean(np.asarray(acc.per_seq)[:, None] / (positions * samples * passes))
             rows.append(SensitivityRow(
                 layer=group_label(unit), layers=list(unit), kl_mean=est.value, top1_agree=math.nan,
                 sqnr_db=_sqnr(acc.signal, acc.noise), note=unit_notes[si][ui], kl_mean_err=est.err))
         rows.sort(key=lambda r: r.kl_mean, reverse=True)
         out[scheme.name] = rows
+    for fi, fmt in enumerate(kv.formats if kv is not None else ()):
+        assert kv is not None
+        rows = []
+        for li, name in enumerate(kv.names):
+            est = block_mean(np.asarray(kv.per_seq[li][fi])[:, None] / (positions * samples * passes))
+            rows.append(SensitivityRow(layer=name, layers=[name], kl_mean=est.value, top1_agree=math.nan,
+                                       sqnr_db=math.nan, kl_mean_err=est.err))
+        rows.sort(key=lambda r: r.kl_mean, reverse=True)
+        out[KV_PREFIX + fmt] = rows
     return out
 
 
@@ -213,38 +290,47 @@ def _sqnr(signal: float, noise: float) -> float:
 def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: ReferenceCache, s: int, e: int,
                units: Sequence[Sequence[str]], member_of: Mapping[str, tuple[int, int]],
                quantized: Sequence[Sequence[Sequence[_Member]]], sums: Sequence[Sequence[_UnitSums]],
-               samples: int, gen: torch.Generator) -> None:
-    """One reference forward with grad, ``samples`` backward passes; adds this batch's sequences to ``sums``."""
+               samples: int, passes: int, gen: torch.Generator, kv: KvUnits | None = None) -> None:
+    """One reference forward with grad and ``passes`` backward passes, each of ``samples`` tokens drawn a position;
+    adds this batch's sequences to ``sums``."""
     b = ids.shape[0]
-    n_schemes = len(sums[0])
-    kept: dict[str, tuple[Tensor, Tensor]] = {}  # member -> (its input, its unquantized output), for this batch
-    earlier: dict[str, list[Tensor]] = {}  # member -> its output gradients of the draws before the last
-    # per unit and scheme, the per-position products [draw, b, L] summed over the members seen so far
+    n_schemes = len(sums[0]) if sums else 0
+    # member -> (its input, its unquantized output, a routed expert's token rows or None), for this batch
+    kept: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
+    routed: dict[str, Tensor] = {}  # MoE block -> its top_k_index of this batch's call
+    earlier: dict[str, list[Tensor]] = {}  # member -> its output gradients of the passes before the last
+    # per unit and scheme, the per-position products [pass, b, L] summed over the members seen so far
     partial: list[list[Tensor | None]] = [[None] * n_schemes for _ in units]
     seen = [0] * len(units)
-    draw = [0]
+    current = [0]
     per_seq = [[torch.zeros(b, dtype=torch.float64) for _ in range(n_schemes)] for _ in units]
     handles: list[Any] = []
 
-    def on_grad(name: str) -> Callable[[Tensor], None]:
+    def on_grad(name: str, module: nn.Module) -> Callable[[Tensor], None]:
         ui, mi = member_of[name]
 
         def hook(g: Tensor) -> None:
-            if draw[0] < samples - 1:  # each quantized output is computed once, at the last draw, for all draws
+            if current[0] < passes - 1:  # each quantized output is computed once, at the last pass, for all passes
                 earlier.setdefault(name, []).append(g.detach().float())  # float(): a copy, never autograd's buffer
                 return
-            x, y = kept.pop(name)
+            x, y, rows = kept.pop(name)
             with torch.inference_mode():
-                grads = torch.stack([*earlier.pop(name, []), g.detach().float()])  # [draws, b, L, N]
-                signal = float(y.square().sum(dtype=torch.float64))
+                last = g.detach().float()
+                grads = torch.stack([*earlier.pop(name, []), last]) if passes > 1 else last[None]  # [P, b, L, N]
+                signal = float(torch.linalg.vecdot(y.reshape(-1), y.reshape(-1)))
                 for si in range(n_schemes):
-                    dy = quantized[ui][si][mi].output(x).float().sub_(y)
-                    prod = (grads * dy).sum(dim=-1)  # [draws, b, L]
+                    dy = quantized[ui][si][mi].output(module, x).float().sub_(y)
+                    prod = torch.linalg.vecdot(grads, dy)  # [P, b, L]; a routed expert's [P, its tokens]
+                    if rows is not None:  # back to the positions its tokens came from
+                        prod = prod.new_zeros((prod.shape[0], b * ids.shape[1])).index_add_(1, rows, prod)
+                        prod = prod.view(prod.shape[0], b, ids.shape[1])
                     acc = partial[ui][si]
-                    partial[ui][si] = prod if acc is None else acc + prod
-                    sums[ui][si].noise += float(dy.square().sum(dtype=torch.float64))
+                    partial[ui][si] = prod if acc is None else acc.add_(prod)
+                    flat = dy.reshape(-1)
+                    sums[ui][si].noise += float(torch.linalg.vecdot(flat, flat))
                     sums[ui][si].signal += signal
-                del grads
+                    del dy
+                del grads, last
                 seen[ui] += 1
                 if seen[ui] == len(units[ui]):
                     for si in range(n_schemes):
@@ -259,19 +345,30 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
     def keep(name: str) -> Callable[..., None]:
         def fwd(mod: nn.Module, args: Any, out: Tensor) -> None:
             x = args[0].detach()
-            kept[name] = (x, out.detach().float())
-            out.register_hook(on_grad(name))
+            kept[name] = (x, out.detach().float(), _expert_rows(name, routed))
+            out.register_hook(on_grad(name, mod))
 
         return fwd
 
     def leaf(_mod: nn.Module, _args: Any, out: Tensor) -> Tensor:
         return out.detach().requires_grad_(True)
 
+    def route(block: str) -> Callable[..., None]:
+        def pre(_mod: nn.Module, args: Any, kwargs: Any) -> None:
+            index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            if isinstance(index, Tensor):
+                routed[block] = index.detach()
+
+        return pre
+
     handles.append(embeddings.register_forward_hook(leaf))
+    for block in {expert_block(n) for n in member_of} - {None}:
+        assert block is not None
+        handles.append(model.get_submodule(block).register_forward_pre_hook(route(block), with_kwargs=True))
     for name in member_of:
         handles.append(model.get_submodule(name).register_forward_hook(keep(name)))
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), kv_recorded(model, kv, passes, current):
             out = model(input_ids=ids.to(model_device(model)), use_cache=False)
             logits = getattr(out, "logits", None)
             if logits is None:
@@ -282,17 +379,11 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
                 _check_reference(ref, ids, reference, s, e)
                 probs = torch.softmax(ref[:, :-1], dim=-1)
                 del ref
-            for k in range(samples):
+            for k in range(passes):
                 with torch.no_grad():
-                    flat = probs.reshape(-1, probs.shape[-1])
-                    t = torch.multinomial(flat, 1, generator=gen)
-                    grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
-                    grad[:, :-1] = (-probs).to(logits.dtype)
-                    body = grad[:, :-1].reshape(-1, probs.shape[-1])
-                    body.scatter_add_(1, t, torch.ones_like(t, dtype=body.dtype))
-                    grad[:, :-1] = body.reshape(grad[:, :-1].shape)
-                draw[0] = k
-                logits.backward(grad, retain_graph=k < samples - 1)
+                    grad = _sampled_gradient(probs, samples, gen, logits)
+                current[0] = k
+                logits.backward(grad, retain_graph=k < passes - 1)
                 del grad
     finally:
         for h in handles:
@@ -303,3 +394,34 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
         for si in range(n_schemes):
             sums[ui][si].per_seq.extend(per_seq[ui][si].tolist())
 
+
+def _expert_rows(name: str, routed: Mapping[str, Tensor]) -> Tensor | None:
+    """The positions (into the batch's flattened tokens) of the rows a routed expert linear ``name`` ran on in this
+    call, in the order :class:`quantcore.models.moe.LinearExperts` gathers them; None for any other linear."""
+    block = expert_block(name)
+    if block is None or block not in routed:
+        return None
+    index = routed[block]
+    expert = int(name[len(block) + 1:].split(".", 1)[0])
+    _pos, rows = torch.where(index.reshape(-1, index.shape[-1]).t() == expert)
+    return rows
+
+
+def _sampled_gradient(probs: Tensor, samples: int, gen: torch.Generator, logits: Tensor) -> Tensor:
+    """The gradient at the logits of Σ_positions Σ_draws log p(t) for ``samples`` tokens t drawn from ``probs`` at
+    every position: ``counts - samples * p`` (the last position, which predicts nothing scored, gets 0).
+
+    Its covariance is ``samples`` times the softmax's Fisher, so one backward of it gives, per position, a product
+    ``G · δy`` whose square is ``samples`` times an unbiased estimate of δzᵀ F δz (the draws are independent with
+    mean 0: their cross terms vanish in expectation); several tokens in one pass make the counts closer to Gaussian
+    than one token's ``e_t - p``, whose rare draws dominate a square."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    drawn = torch.multinomial(flat, samples, replacement=True, generator=gen)
+    grad = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    body = grad[:, :-1]
+    body.copy_(probs).mul_(-float(samples))
+    view = body.reshape(-1, probs.shape[-1])
+    view.scatter_add_(1, drawn, torch.ones_like(drawn, dtype=view.dtype))
+    if view.data_ptr() != body.data_ptr():  # reshape copied: write it back
+        body.copy_(view.reshape(body.shape))
+    return grad.to(logits.dtype)

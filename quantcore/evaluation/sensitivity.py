@@ -129,14 +129,15 @@ def linear_layer_names(model: nn.Module) -> list[str]:
 
 
 def sweep_units(
-    layer_names: Sequence[str], *, groups: bool = True, only: Sequence[str] | None = None
+    layer_names: Sequence[str], *, groups: bool = True, only: Sequence[str] | None = None, per_expert: bool = False
 ) -> list[list[str]]:
     """The units of a sweep over ``layer_names`` (model order), each a list of layer names.
 
     With ``groups``, the members of a fusion group form one unit. ``only`` restricts the
     sweep to these layers; with ``groups``, a unit is kept when any of its members is
     named, so naming ``q_proj`` sweeps the whole q/k/v group (they are served as one GEMM).
-    Unknown names in ``only`` raise PlanError naming them.
+    Unknown names in ``only`` raise PlanError naming them. ``per_expert`` (with ``groups``): an MoE block's routed
+    experts are one unit each (an expert's gate/up/down together) instead of one unit for the whole block.
     """
     names = list(layer_names)
     if only is not None:
@@ -148,10 +149,25 @@ def sweep_units(
                 f"{' ...' if len(unknown) > 10 else ''}; names look like {', '.join(map(repr, names[:3]))}"
             )
     units = fusion_units(names) if groups else [[n] for n in names]
+    if groups and per_expert:
+        units = [part for u in units for part in _experts_apart(u)]
     if only is not None:
         wanted = set(only)
         units = [u for u in units if wanted.intersection(u)]
     return units
+
+
+def _experts_apart(unit: list[str]) -> list[list[str]]:
+    """An MoE block's unit as one unit per expert (``experts.3.gate_proj``, ``.up_proj``, ``.down_proj``); any other
+    unit as it is."""
+    from quantcore.schemes.fusion import expert_block
+
+    if len(unit) < 2 or any(expert_block(n) is None for n in unit):
+        return [unit]
+    by_expert: dict[str, list[str]] = {}
+    for n in unit:
+        by_expert.setdefault(n.rsplit(".", 1)[0], []).append(n)
+    return list(by_expert.values())
 
 
 # ---------------------------------------------------------------------- replay and capture
@@ -354,6 +370,7 @@ def sensitivity_sweep(
     *,
     groups: bool = True,
     layers: Sequence[str] | None = None,
+    per_expert: bool = False,
     inputs: PlanInputs = NO_INPUTS,
     batch_size: int | None = None,
     progress: Progress | None = None,
@@ -364,6 +381,7 @@ def sensitivity_sweep(
     input_ids:  evaluation tokens ``[S, L]``, the ones ``reference`` was computed on
     groups:     sweep fusion groups (q/k/v, gate/up) as one unit each (default) or every layer alone
     layers:     restrict the sweep to these linear layers (default: every ``nn.Linear``)
+    per_expert: an MoE block's routed experts one unit each, not the whole block as one (:func:`sweep_units`)
     inputs:     the calibrated inputs each unit is quantized with (:class:`quantcore.algorithms.inputs.PlanInputs`, as
                 :func:`quantcore.evaluation.scoring.plan_applied` reads them): ``act_amax`` / ``act_channel_max`` for
                 static activation scales and SmoothQuant; ``weight_hessians`` of every swept layer when ``scheme``
@@ -383,7 +401,7 @@ def sensitivity_sweep(
     reference.check_tokens(ids)
     stack = find_decoder_blocks(model)
     all_linears = linear_layer_names(model)
-    units = sweep_units(all_linears, groups=groups, only=layers)
+    units = sweep_units(all_linears, groups=groups, only=layers, per_expert=per_expert)
     if not units:
         raise PlanError("the sweep has no layer to quantize: the model has no nn.Linear layers")
 

@@ -192,11 +192,11 @@ def fake_quantize_weight(
     S = element_scales(s, spec, shape).to(w.dtype)
     y = w / S
     if zp is None:
-        deq = round_to_weight_grid(y.clone(), spec.format) * S
+        deq = round_to_weight_grid(y.clone() if report else y, spec.format) * S  # y is read again for the report
     else:  # compressed-tensors' order: x / scale + zero_point, rounded and clamped, minus zero_point, times scale
         Z = element_scales(zp, spec, shape).to(w.dtype)
         y += Z
-        deq = (round_to_weight_grid(y.clone(), spec.format) - Z) * S
+        deq = (round_to_weight_grid(y.clone() if report else y, spec.format) - Z) * S
     if not report:
         return deq.to(weight.dtype), QuantReport(0, 0, 0, 0, 0)
     nan = torch.isnan(w)

@@ -639,7 +639,7 @@ def group_label(group: Sequence[str]) -> str:
     if len(group) == 1:
         return group[0]
     blocks = {expert_block(g) for g in group}
-    if len(blocks) == 1 and None not in blocks:
+    if len(blocks) == 1 and None not in blocks and len({g.rsplit(".", 2)[-2] for g in group}) > 1:  # several experts
         return f"{blocks.pop()}.* ({len(group)} expert linears)"
     prefix = _common_prefix(group)
     suffix = _common_prefix([g[len(prefix) :][::-1] for g in group])[::-1]

@@ -46,7 +46,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         width = max([len(models[j.id][:30]) for j in jobs] or [0])
         for j in jobs:
             ran = j.run_seconds()
-            print(f"#{j.id:<4} {j.kind:11s} {j.status:9s} {j.progress * 100:5.1f}%  "
+            # an ended job's final state is its status: no partial percent it stopped at (a failed job's 5 %)
+            done = "" if j.finished else f"{j.progress * 100:5.1f}%"
+            print(f"#{j.id:<4} {j.kind:11s} {j.status:9s} {done:>6}  "
                   f"{'' if ran is None else f'{ran:.0f} s':>7}  {models[j.id][:30]:<{width}}  {whats[j.id][:40]:<40}  "
                   f"{j.message[:60]}" + (f"  ERROR: {j.error[:100]}" if j.error else ""))
     return 0

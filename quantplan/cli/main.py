@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+import quantplan.cli.compare as compare_commands
+import quantplan.cli.history as history_commands
 import quantplan.cli.jobs as job_commands
 import quantplan.cli.models as model_commands
 import quantplan.cli.plans as plan_commands
@@ -30,8 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     job_commands.add_commands(sub)
     run_commands.add_commands(sub)
     score_commands.add_commands(sub)
+    compare_commands.add_commands(sub)
     plan_commands.add_commands(sub)
     team_commands.add_commands(sub)
+    history_commands.add_commands(sub)
     return p
 
 

@@ -1,4 +1,4 @@
-"""`quantplan models add | list | remove | cache`: registered checkpoints."""
+"""`quantplan models add | list | remove | purge | cache`: registered checkpoints."""
 
 from __future__ import annotations
 
@@ -53,9 +53,21 @@ def cmd_models_add(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    """`quantplan models list`: the registered models with their sizes and cached files."""
+    """`quantplan models list [--removed]`: the registered models with their sizes and cached files; with
+    --removed, the models removed and not purged (who removed them, when)."""
     from quantplan.services import models as models_svc
+    from store.removal import removed_note
     checked_settings()
+    if args.removed:
+        gone = models_svc.removed_models()
+        if args.json:
+            print_json([dict(id=m.id, name=m.name, architecture=m.architecture, sha256=m.sha256,
+                             removed_by=m.removed_by, removed_at=m.removed_at.isoformat() if m.removed_at else None)
+                        for m in gone])
+        else:
+            for m in gone:
+                print(f"#{m.id:<3} {m.name:32s} {m.architecture:28s} {removed_note(m)}")
+        return 0
     models = models_svc.list_models()
     if args.json:
         print_json([dict(id=m.id, name=m.name, architecture=m.architecture, layers=m.num_layers,
@@ -70,7 +82,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_models_remove(args: argparse.Namespace) -> int:
-    """`quantplan models remove MODEL --yes`: delete a model, its files and everything measured on it."""
+    """`quantplan models remove MODEL --yes`: delete a model's files; its history stays, marked removed."""
     from quantplan.services import models as models_svc
 
     checked_settings()
@@ -78,13 +90,34 @@ def cmd_models_remove(args: argparse.Namespace) -> int:
     usage = {k: v for k, v in models_svc.model_usage(model.id).items() if k != "active"}
     what = ", ".join(f"{v} {k}" for k, v in usage.items())
     if not args.yes:
-        raise CliError(f"this deletes {model.name} (#{model.id}), its files and {what}; "
-                       "run again with --yes to do it")
-    models_svc.remove_model(model.id)
+        raise CliError(f"this deletes the files of {model.name} (#{model.id}); its {what}, jobs and notes stay "
+                       "readable, marked removed, until an admin purges it; run again with --yes to do it")
+    removed = models_svc.remove_model(model.id)
     if args.json:
-        print_json({"removed": model.id, "name": model.name, **usage})
+        print_json({"removed": model.id, "name": model.name, "removed_by": removed.removed_by,
+                    "removed_at": removed.removed_at.isoformat() if removed.removed_at else None, **usage})
     else:
-        print(f"removed model #{model.id} {model.name} ({what}); its jobs stay in the history")
+        print(f"removed model #{model.id} {model.name}: its files are deleted; its {what} and jobs stay in the "
+              f"history, marked removed (`quantplan models purge {model.name} --yes` deletes them for good)")
+    return 0
+
+
+def cmd_models_purge(args: argparse.Namespace) -> int:
+    """`quantplan models purge MODEL --yes`: delete a removed model and everything measured on it, for good."""
+    from quantplan.services import models as models_svc
+
+    checked_settings()
+    model = find_model(args.model)
+    usage = {k: v for k, v in models_svc.model_usage(model.id).items() if k != "active"}
+    what = ", ".join(f"{v} {k}" for k, v in usage.items())
+    if not args.yes:
+        raise CliError(f"this deletes {model.name} (#{model.id}) for good, with its {what} (its jobs stay in the "
+                       "history, naming it); run again with --yes to do it")
+    models_svc.purge_model(model.id)
+    if args.json:
+        print_json({"purged": model.id, "name": model.name, **usage})
+    else:
+        print(f"purged model #{model.id} {model.name} ({what}); its jobs stay in the history")
     return 0
 
 
@@ -112,7 +145,7 @@ def cmd_models_cache(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: SubParsers) -> None:
-    """models add | list | remove | cache."""
+    """models add | list | remove | purge | cache."""
     models = sub.add_parser("models", help="register, list and remove checkpoints").add_subparsers(dest="action",
                                                                                           required=True)
     sp = models.add_parser("add", help="register a HF folder, .zip/.tar.gz of one, a .gguf file, or a Hugging "
@@ -127,13 +160,20 @@ def add_commands(sub: SubParsers) -> None:
     add_json(sp, "print the registered model as JSON")
     sp.set_defaults(func=cmd_models_add)
     sp = models.add_parser("list", help="the registered models")
+    sp.add_argument("--removed", action="store_true", help="the models removed and not purged, instead")
     add_json(sp, "print them as JSON")
     sp.set_defaults(func=cmd_models_list)
-    sp = models.add_parser("remove", help="delete a model, its files and everything measured on it")
+    sp = models.add_parser("remove", help="delete a model's files; its results, plans and jobs stay in the "
+                           "history, marked removed (admins)")
     add_model(sp, "registered model id or name")
     sp.add_argument("--yes", action="store_true", help="do it (without: say what would be deleted)")
     add_json(sp, "print what was removed as JSON")
     sp.set_defaults(func=cmd_models_remove)
+    sp = models.add_parser("purge", help="delete a removed model and everything measured on it, for good (admins)")
+    add_model(sp, "removed model id or name")
+    sp.add_argument("--yes", action="store_true", help="do it (without: say what would be deleted)")
+    add_json(sp, "print what was purged as JSON")
+    sp.set_defaults(func=cmd_models_purge)
     sp = models.add_parser("cache", help="the files jobs keep beside a model to skip work (reference log-probs, AWQ "
                            "scales, GPTQ-rounded weights, KV cache maxima), and clearing them")
     add_model(sp, "registered model id or name")

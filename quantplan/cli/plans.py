@@ -1,4 +1,4 @@
-"""`quantplan plan auto | kv-skip | show | export | import`: automatic plans, a plan's weight memory and what
+"""`quantplan plan auto | kv-skip | show | export | choose | import`: automatic plans, a plan's weight memory and what
 serving it runs into, export to serving tools, import of plan files."""
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ STORED_PLAN_HELP = "stored plan id or name (name@vN), or a plan .yaml file"
 
 def _stored_or_file(ref: str, model_ref: str | None):
     """(model, plan body, label) from a stored plan id/name or a plan YAML file."""
+    model, body, label, _plan = _stored_plan_or_file(ref, model_ref)
+    return model, body, label
+
+
+def _stored_plan_or_file(ref: str, model_ref: str | None):
+    """(model, plan body, label, the stored plan version or None for a file) from a plan id/name or YAML file."""
     from quantcore.planning.plans import load_plan_file
     from quantplan.services import models as models_svc
     from quantplan.services import plans as plans_svc
@@ -59,12 +65,12 @@ def _stored_or_file(ref: str, model_ref: str | None):
         mref = model_ref or spec.model
         if not mref:
             raise CliError(f"{path} names no model: add `model: NAME` to it or pass --model")
-        return find_model(str(mref)), spec.to_dict(), spec.name or path.stem
+        return find_model(str(mref)), spec.to_dict(), spec.name or path.stem, None
     try:
         plan = plans_svc.get_plan(ref)
     except NotFound as exc:
         raise CliError(f"{exc} (and {ref} is not a plan .yaml file)") from exc
-    return models_svc.get_model(plan.model_id), plan.body, plan.label
+    return models_svc.get_model(plan.model_id), plan.body, plan.label, plan
 
 
 def cmd_plan_show(args: argparse.Namespace) -> int:
@@ -179,9 +185,9 @@ def cmd_plan_export(args: argparse.Namespace) -> int:
     from quantplan.services import serving as serving_svc
 
     checked_settings()
-    model, body, _label = _stored_or_file(args.plan, args.model)
+    model, body, _label, stored = _stored_plan_or_file(args.plan, args.model)
     body = _with_tp(body, args.tensor_parallel, args.expert_parallel)
-    text = exchange_svc.export_plan(model, body, args.format)
+    text = exchange_svc.export_plan(model, body, args.format, plan=stored)
     for warning in serving_svc.serving_warnings(model, body):
         print(f"quantplan: warning: {warning}", file=sys.stderr)
     if args.output:
@@ -189,6 +195,43 @@ def cmd_plan_export(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def cmd_plan_choose(args: argparse.Namespace) -> int:
+    """`quantplan plan choose MODEL PLAN [--version N] --why TEXT`: mark a plan version as the one chosen for its
+    model (who, when, why); `--clear` (no PLAN) clears the model's choice."""
+    from quantplan.services import choices as choices_svc
+    from quantplan.services import plans as plans_svc
+
+    checked_settings()
+    model = find_model(args.model)
+    if args.clear:
+        if args.plan or args.version or args.why:
+            raise CliError("--clear takes the model only")
+        gone = choices_svc.unchoose(model.id)
+        out = {"model": model.name, "cleared": gone.label if gone else None}
+        if args.json:
+            print_json(out)
+        else:
+            print(f"{model.name}: {'cleared ' + gone.label if gone else 'no choice to clear'}")
+        return 0
+    if not args.plan or not args.why:
+        raise CliError("give the PLAN (its name) and --why TEXT (or --clear)")
+    versions = [p for p in plans_svc.list_plans(model.id) if p.name == args.plan]
+    if not versions:
+        names = sorted({p.name for p in plans_svc.list_plans(model.id)}) or ["none yet"]
+        raise CliError(f"{model.name} has no plan {args.plan!r} (its plans: {', '.join(names)})")
+    plan = versions[-1] if args.version is None else next((p for p in versions if p.version == args.version), None)
+    if plan is None:
+        raise CliError(f"plan {args.plan!r} of {model.name} has no version {args.version} (versions: "
+                       f"{', '.join(str(p.version) for p in versions)})")
+    choice = choices_svc.choose_plan(plan.id, args.why)
+    if args.json:
+        print_json({"model": model.name, "plan_id": choice.plan_id, **choice.to_dict()})
+    else:
+        print(f"{choice.label} is the version chosen for {model.name}, by {choice.chosen_by} on "
+              f"{choice.chosen_at:%Y-%m-%d %H:%M} UTC: {choice.why}")
     return 0
 
 
@@ -272,7 +315,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
     result, plan, job = command.run()
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
     correction = command.correction
-    out.update(sensitivity=args.sensitivity, corrected_kl=command.corrected_kl(result),
+    out.update(sensitivity=command.sensitivity, corrected_kl=command.corrected_kl(result),
                correction=None if correction is None else {"factor": correction.factor, "spread": correction.spread,
                                                            "verifications": correction.verifications})
     if not args.json:  # the plan first: it is saved whatever becomes of the verification
@@ -313,7 +356,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: SubParsers) -> None:
-    """plan auto | kv-skip | show | export | import."""
+    """plan auto | kv-skip | show | export | choose | import."""
     plan = sub.add_parser("plan", help="automatic plans, summaries, export and import").add_subparsers(dest="action",
                                                                                             required=True)
     sp = plan.add_parser("auto", help="cheapest plan whose predicted KL stays under a budget")
@@ -330,10 +373,11 @@ def add_commands(sub: SubParsers) -> None:
     add_tensor_parallel(sp, "GPUs the plan is served on (vLLM --tensor-parallel-size; default 1): no scheme is "
                         "chosen for a layer whose share on one GPU vLLM would refuse")
     add_expert_parallel(sp)
-    sp.add_argument("--sensitivity", choices=("kl", "fisher"), default="kl",
-                    help="the unit KLs to search on: kl (default) = the exact sweeps, fisher = the fast estimates "
-                         "(sensitivity --method fisher); either way the prediction is corrected by the verified "
-                         "automatic plans of the same architecture family and source, and verified by a score")
+    sp.add_argument("--sensitivity", choices=("fisher", "kl"), default=None,
+                    help="the unit KLs to search on: fisher = the fast estimates (sensitivity --method fisher; the "
+                         "default where the model has them, else kl, with a note), kl = the exact sweeps; either "
+                         "way the prediction is corrected by the verified automatic plans of the same architecture "
+                         "family and source, and verified by a score")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     add_wait(sp, "wait for the verifying score job")
     add_timeout(sp)
@@ -375,6 +419,15 @@ def add_commands(sub: SubParsers) -> None:
     add_expert_parallel(sp)
     sp.add_argument("--output", "-o", help="write to this file (default: standard output)")
     sp.set_defaults(func=cmd_plan_export)
+
+    sp = plan.add_parser("choose", help="mark a plan version as the one chosen for its model (who, when, why)")
+    add_model(sp, "registered model id or name")
+    sp.add_argument("plan", nargs="?", help="the plan's name")
+    sp.add_argument("--version", type=int, help="its version (default: the newest)")
+    sp.add_argument("--why", help="why this version (required): the team reads it beside the choice")
+    sp.add_argument("--clear", action="store_true", help="clear the model's choice instead")
+    add_json(sp, "print the choice as JSON")
+    sp.set_defaults(func=cmd_plan_choose)
 
     sp = plan.add_parser("import", help="store a plan file, llm-compressor recipe or compressed-tensors config")
     sp.add_argument("file", help="a plan .yaml, an llm-compressor recipe .yaml or a compressed-tensors .json")

@@ -54,8 +54,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     rows = calibration_svc.stats_overview(job.id)
     kv = (job.result or {}).get("kv_amax") or {}
+    experts = (job.result or {}).get("experts") or {}  # an MoE model: calibration tokens routed to each expert
     if args.json:
-        print_json({"job": job.id, "model": model.name, "layers": rows, "kv_amax": kv})
+        print_json({"job": job.id, "model": model.name, "layers": rows, "kv_amax": kv,
+                    **({"experts": experts} if experts else {})})
     else:
         rows.sort(key=lambda r: r["outlier_ratio"], reverse=True)
         print(f"job #{job.id}: {len(rows)} linears calibrated; largest outlier ratios:")
@@ -63,6 +65,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             print(f"  {r['name']:48s} K={r['in_features']:<6d} ratio {r['outlier_ratio']:10.1f}")
         for line in _kv_lines(kv):
             print(line)
+        if experts:
+            from quantcore.evaluation.experts import MIN_EXPERT_TOKENS, thin_experts
+
+            thin = thin_experts(experts)
+            total = sum(len(r.get("counts") or []) for r in experts.values())
+            print(f"MoE: {len(thin)} of {total} experts were routed fewer than {MIN_EXPERT_TOKENS} calibration tokens"
+                  + (f" (e.g. {thin[0][0]}.{thin[0][1]}: {thin[0][2]}); their statistics rest on few tokens: "
+                     "calibrate on more text" if thin else ""))
     return 0
 
 
@@ -254,9 +264,12 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
               **dataset_param(args.text, "evaluation"), **_calibration_params(args), **gpus, **stream_param(args)}
     if args.shards is not None:  # unset: one shard per live worker on the queue (jobs.shards)
         params["shards"] = args.shards
-    if args.method != "kl":
-        if "kv_sweep" in what:
-            raise CliError("--method fisher estimates linear layers (--scheme); a KV cache sweep is exact only")
+    if args.per_expert:
+        if args.no_groups:
+            raise CliError("--per-expert sweeps each expert's gate/up/down as one unit; --no-groups sweeps every layer "
+                           "alone already: give one of them")
+        params["per_expert"] = True
+    if args.method != "kl":  # linear layers (--scheme) or attention layers' KV cache (--kv-cache) alike
         params["method"] = args.method
     job = run_job("sensitivity", params, model_id=model.id, local=args.local, quiet=args.json,
                   timeout_s=args.timeout)
@@ -374,9 +387,12 @@ def add_commands(sub: SubParsers) -> None:
     add_kv_cache(sp, "instead: store one attention layer's K and V at a time in this KV cache format (which layers "
                  "a plan's kv_cache_skip should keep in BF16)")
     sp.add_argument("--no-groups", action="store_true", help="one layer at a time, not one fusion group")
+    sp.add_argument("--per-expert", action="store_true",
+                    help="MoE models: each routed expert of a block one unit (its gate/up/down), not the block as one")
     sp.add_argument("--method", choices=("kl", "fisher"), default="kl",
                     help="kl (default): the exact KL of each unit quantized alone; fisher: the sampled-Fisher estimate "
-                         "of every unit from a few backward passes (docs/concepts/sensitivity.md)")
+                         "of every unit (linear units with --scheme, attention layers with --kv-cache) from a few "
+                         "backward passes (docs/concepts/sensitivity.md)")
     sp.add_argument("--no-compare", dest="compare", action="store_false",
                     help="with --method fisher: do not print its rank correlation with the exact sweep of the same "
                          "tokens (by default that sweep is read, or run when there is none)")

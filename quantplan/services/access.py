@@ -39,6 +39,8 @@ NEEDS: dict[str, tuple[str, str]] = {
     "cancel_own": ("member", "cancelling a job"),
     "cancel_any": ("admin", "cancelling someone else's job"),
     "remove_model": ("admin", "removing a model"),
+    "purge_model": ("admin", "purging a removed model"),
+    "choose_plan": ("member", "choosing a plan version"),
     "clear_cache": ("admin", "clearing a model's cached files"),
     "register_path": ("admin", "registering a path on the server"),
     "manage_roles": ("admin", "changing a role"),

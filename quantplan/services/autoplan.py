@@ -89,7 +89,9 @@ class AutoPlan:
     tensor_parallel: int = 1
     expert_parallel: bool = False
     queue_job: Callable[..., JobRecord] | None = None
-    sensitivity: str = "kl"  # the unit KLs searched on: exact sweeps ("kl") or Fisher estimates ("fisher")
+    # the unit KLs searched on: Fisher estimates ("fisher") or exact sweeps ("kl"); None (the default): the Fisher
+    # estimates where the model has any, else its exact sweeps (validate() settles it, and a note says which)
+    sensitivity: str | None = None
     correct: bool = True  # search under the budget corrected by the team's verified plans (services.predictions)
     correction: Any = field(default=None, init=False)  # the quantcore.planning.correction.Correction used, or None
     # what validate() found, for the steps of run()
@@ -97,6 +99,7 @@ class AutoPlan:
     _unit_layers: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False)
     _kv: str = field(default="AUTO", init=False, repr=False)
     _alone: ScoreRecord | None = field(default=None, init=False, repr=False)
+    _fallback: str | None = field(default=None, init=False, repr=False)  # why the default searched the exact sweeps
 
     def validate(self) -> None:
         """Refused (nothing saved or queued): a model with no sensitivity sweep, an unknown cost, a KV cache format
@@ -104,6 +107,13 @@ class AutoPlan:
         from quantcore.evaluation.kvcache import get_kv_format
 
         model = self.model
+        self._fallback = None
+        if self.sensitivity is None:  # the fast estimate by default, where there is one to search on
+            has_fisher = bool(sensitivity_map(model, self.tensor_parallel, self.expert_parallel, "fisher")[0])
+            self.sensitivity = "fisher" if has_fisher else "kl"
+            if not has_fisher:
+                self._fallback = (f"searched on the exact sweeps: {model.name} has no Fisher estimate yet (the default "
+                                  f"when it has; `quantplan sensitivity {model.name} --scheme SCHEME --method fisher`)")
         if self.sensitivity not in ("kl", "fisher"):
             raise Refused(f"unknown sensitivity {self.sensitivity!r}; choose kl (exact sweeps) or fisher (estimates)")
         self._sens, self._unit_layers = sensitivity_map(model, self.tensor_parallel, self.expert_parallel,
@@ -132,6 +142,7 @@ class AutoPlan:
         """(quantcore.planning.autoplan.AutoPlanResult, the plan version saved or found, the verifying score job
         or None): :meth:`validate`, then choose, explain, save and verify. Refused where no candidate can be used."""
         self.validate()
+        assert self.sensitivity is not None  # validate() settled the default
         result, table = self._choose()
         read = planner_sweeps(self.model, self.tensor_parallel, self.expert_parallel, self.sensitivity)
         self._explain(result, table, read)
@@ -207,6 +218,8 @@ class AutoPlan:
         parallel = self._parallel()
         result.notes += [f"{c} not used: {why}" for c, why in result.excluded.items() if c != "BF16"]
         source = "Fisher estimates" if self.sensitivity == "fisher" else "exact sweeps"
+        if self._fallback:
+            result.notes.append(self._fallback)
         if self.correction is not None:
             result.kl_budget = self.kl_budget
             result.notes.append(f"predicted from {source}, corrected by the verified automatic plans of "

@@ -22,10 +22,22 @@ def _mlp_norm(model: ModelRecord) -> str:
     return get_architecture(model.model_type).mlp_norm
 
 
-def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str, recipe_file: str | None = None) -> str:
+def export_plan(model: ModelRecord, body: dict[str, Any], fmt: str, recipe_file: str | None = None,
+                plan: PlanRecord | None = None) -> str:
     """The plan as an llm-compressor recipe (YAML), a compressed-tensors quantization_config (JSON)
     or the vLLM command line (its compression step reading the recipe from ``recipe_file``, "recipe.yaml" unless
-    given: the name the recipe is saved under)."""
+    given: the name the recipe is saved under). ``plan``: the stored version ``body`` is; where it is the version
+    chosen for its model, the recipe and the command start with a comment saying who chose it, when and why
+    (quantplan.services.choices; a JSON config has no comments and stays as compressed-tensors reads it)."""
+    text = _export(model, body, fmt, recipe_file)
+    if plan is not None and fmt in ("llmcompressor", "vllm"):
+        from quantplan.services.choices import chosen_comment
+
+        return chosen_comment(plan) + text
+    return text
+
+
+def _export(model: ModelRecord, body: dict[str, Any], fmt: str, recipe_file: str | None) -> str:
     import json
 
     from quantcore.errors import PlanError

@@ -6,6 +6,7 @@ import datetime as dt
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from jobs.progress import ETA_MARK
 from jobs.specs import read_params
 from quantplan.services import access
 from quantplan.services.deployment import settings
@@ -13,7 +14,7 @@ from quantplan.services.errors import Refused
 from quantplan.services.models import list_models
 from quantplan.services.plans import gpus_label
 from quantplan.services.queue import submit
-from store import repo
+from store import removal, repo
 from store.db import session_scope
 from store.records import JobRecord
 
@@ -62,6 +63,12 @@ def retry_refusal(job: JobRecord) -> str | None:
         return f"job #{job.id}'s {which} was removed: there is nothing to run it on"
     if job.kind == "score" and "scheme" not in job.params and job.plan_id is None:
         return f"job #{job.id} scored a plan that was removed"
+    if job.model_id is not None:
+        with session_scope(settings()) as s:  # marked removed: its files are gone, its history kept
+            gone = removal.removal_of(s, job.model_id) and removal.refuse_removed(repo.get_model(s, job.model_id),
+                                                                                 f"job #{job.id}")
+        if gone:
+            return gone
     return None
 
 
@@ -106,7 +113,8 @@ def jobs_what(jobs: Iterable[JobRecord]) -> dict[int, str]:
 
 def jobs_model(jobs: Iterable[JobRecord]) -> dict[int, str]:
     """The model each job ran on, by job id: its name, "NAME (removed)" for a model removed since, "" for none."""
-    names: dict[int | None, str] = {m.id: m.name for m in list_models()}
+    names: dict[int | None, str] = {m.id: m.name + (" (removed)" if m.removed else "")
+                                    for m in list_models(include_removed=True)}
     out = {}
     for j in jobs:
         removed = j.params.get(repo.REMOVED_MODEL_KEY)
@@ -149,3 +157,53 @@ def job_what(job: JobRecord, plan_labels: dict[int, str] | None = None) -> str:
         if paths := p.get("paths"):  # a chosen subset (all paths when absent)
             parts.append(", ".join(paths) if len(paths) <= 3 else f"{len(paths)} paths")
     return " · ".join(x for x in parts if x)
+
+
+def jobs_by_id(ids: Iterable[int]) -> dict[int, JobRecord]:
+    """The jobs of ``ids`` that still exist, by id (a table of scores names who asked for each and where it ran)."""
+    out: dict[int, JobRecord] = {}
+    with session_scope(settings()) as s:
+        for i in set(ids):
+            try:
+                out[i] = repo.get_job(s, i)
+            except LookupError:  # removed since: its row says nothing more
+                pass
+    return out
+
+
+def finished_runs(kind: str, device: str, limit: int = 50) -> list[JobRecord]:
+    """The newest succeeded jobs of ``kind`` that ran on ``device`` ("cpu", "cuda": the start of the device the
+    worker wrote, e.g. "cuda (NVIDIA H100)"), newest first: what a form's estimate of a new job's time is measured
+    on (app.forms)."""
+    done = list_jobs(limit=limit * 4, kind=kind, status=("succeeded",))
+    return [j for j in done if (j.device or "").startswith(device) and j.run_seconds() is not None][:limit]
+
+
+def duration_text(seconds: float | None) -> str:
+    """"42 s" / "3 min 5 s" / "1 h 12 min"; "" for none."""
+    if seconds is None:
+        return ""
+    s = round(seconds)
+    if s < 90:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def progress_cell(job: JobRecord, now: dt.datetime | None = None) -> str:
+    """A job's progress as a table cell: an ended job's final state ("done in 3 min 5 s", "failed after 12 s",
+    "cancelled"), never the partial fraction it stopped at; a running one's percent and what it says (its count
+    and time left, worker.runner / jobs.progress: "40% · about 40 s left · scoring: 12 of 32 sequences"); a queued
+    one's wait."""
+    ran = duration_text(job.run_seconds(now))
+    if job.status == "succeeded":
+        return f"done in {ran}" if ran else "done"
+    if job.status == "failed":
+        return f"failed after {ran}" if ran else "failed"
+    if job.status == "cancelled":
+        return f"cancelled after {ran}" if ran else "cancelled before it started"
+    if job.status == "queued":
+        return "waiting for a worker"
+    said, mark, left = job.progress_text.partition(ETA_MARK)  # the time left first: a narrow cell keeps it in view
+    return f"{job.progress:.0%} · about {left} · {said}" if mark else f"{job.progress:.0%} · {said}"

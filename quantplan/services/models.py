@@ -12,7 +12,7 @@ from quantplan.services.deployment import settings
 from quantplan.services.errors import Refused
 from quantplan.services.queue import submit
 from quantplan.services.units import MIB, fmt_params
-from store import cache, repo
+from store import cache, removal, repo
 from store.db import session_scope
 from store.records import JobRecord, ModelListing, ModelRecord
 
@@ -24,17 +24,18 @@ if TYPE_CHECKING:
 UPLOAD_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar", ".gguf")
 
 
-def list_models() -> list[ModelListing]:
+def list_models(include_removed: bool = False) -> list[ModelListing]:
     """Every registered model, oldest first, as listings (store.records.ModelListing): no per-layer summary is
-    read, except once per model registered before its overview was kept, to write that overview."""
+    read, except once per model registered before its overview was kept, to write that overview. Removed models
+    (:func:`remove_model`) only with ``include_removed``: a history naming them, never a picker for new work."""
     with session_scope(settings()) as s:
-        listed = repo.list_models(s)
+        listed = repo.list_models(s, include_removed=include_removed)
         if all(m.overview for m in listed):
             return listed
         for m in listed:
             if not m.overview:
                 repo.set_model_overview(s, m.id, overview(repo.get_model(s, m.id)))
-        return repo.list_models(s)
+        return repo.list_models(s, include_removed=include_removed)
 
 
 def overview(model: ModelRecord) -> dict[str, Any]:
@@ -61,29 +62,66 @@ def model_usage(model_id: int) -> dict[str, int]:
 
 
 def remove_model(ref: int | str) -> ModelRecord:
-    """Delete a model, everything measured on it and its files; return what was removed.
+    """Remove a model: its files go, its history stays; return it as removed.
 
-    Its calibrations, scores, sensitivity sweeps and plan versions go with the row; its jobs stay in the history, naming
-    it (store.repo.delete_model); kernel timings (per device, not per model) stay. The checkpoint folder and its cached
-    reference log-probs are deleted after the rows are gone, so a failure leaves stray files, never rows that point at
-    missing ones. Refused while one of its jobs is queued or running; access.Forbidden but for an admin. The removal
-    is audited (who, when, what the model was and how much was measured on it)."""
-    access.require("remove_model")
-    s = settings()
-    with session_scope(s) as db:
+    The row is marked removed (who, when: store.removal) and its checkpoint folder and cached files are deleted;
+    its calibrations, scores, sensitivity sweeps, plan versions, jobs, notes and chosen plan stay readable, shown as
+    removed, until an admin purges it (:func:`purge_model`). It leaves the listings new work is picked from, and a
+    job asked on it is refused (jobs.client). The same checkpoint registered again brings it back. Refused while one
+    of its jobs is queued or running, and for a model removed already; access.Forbidden but for an admin. Audited
+    (who, when, what the model was and how much was measured on it)."""
+    actor = access.require("remove_model")
+    with session_scope(settings()) as db:
         rec = repo.get_model(db, ref)
+        if rec.removed:
+            raise Refused(f"{rec.name} was {removal.removed_note(rec)} already; an admin can purge it for good "
+                          f"(quantplan models purge {rec.name})")
         _refuse_while_active(db, rec, "cancel them or let them finish, then remove it")
         usage = repo.model_usage(db, rec.id)
-        repo.delete_model(db, rec.id)
+        removed = removal.mark_removed(db, rec.id, actor.name)
         access.audit("remove-model", f"model #{rec.id} {rec.name}",
                      {"sha256": rec.sha256, "source": rec.source_name, **usage}, session=db)
+    _delete_files(rec)
+    return removed
+
+
+def removed_models() -> list[ModelRecord]:
+    """The models removed and not purged, most recently removed first."""
+    with session_scope(settings()) as s:
+        return removal.removed_models(s)
+
+
+def purge_model(ref: int | str) -> ModelRecord:
+    """Delete a removed model for good: its row and, with it, everything measured on it (calibrations, scores,
+    sensitivity sweeps, plan versions, its chosen plan); its jobs stay in the history naming it (store.repo.
+    delete_model), its notes stay. Admins only; refused for a model that is not removed (remove it first: that is
+    what keeps its history); audited with what went."""
+    access.require("purge_model")
+    with session_scope(settings()) as db:
+        rec = repo.get_model(db, ref)
+        if not rec.removed:
+            raise Refused(f"{rec.name} is not removed: remove it first (quantplan models remove {rec.name}, or the "
+                          "Models page); a purge deletes a removed model's history for good")
+        _refuse_while_active(db, rec, "cancel them, then purge it")
+        usage = repo.model_usage(db, rec.id)
+        repo.delete_model(db, rec.id)
+        access.audit("purge-model", f"model #{rec.id} {rec.name}",
+                     {"sha256": rec.sha256, "source": rec.source_name, "removed_by": rec.removed_by,
+                      "removed_at": rec.removed_at.isoformat() if rec.removed_at else None, **usage}, session=db)
+    _delete_files(rec)  # nothing left after a removal, unless a failure then left stray files
+    return rec
+
+
+def _delete_files(rec: ModelRecord) -> None:
+    """Delete the model's checkpoint folder and cached files, after its rows changed: a failure leaves stray
+    files, never rows that point at missing ones."""
+    s = settings()
     artifacts = Path(str(s.artifact_dir)).resolve()
     for folder in (artifacts / rec.path, s.model_reference_dir(rec.sha256)):
         folder = folder.resolve()
         # only ever below the artifact folder, and never the folder itself (a damaged row cannot aim higher)
         if folder != artifacts and artifacts in folder.parents:
             shutil.rmtree(folder, ignore_errors=True)
-    return rec
 
 
 def _refuse_while_active(db, rec: ModelRecord, what_then: str) -> None:

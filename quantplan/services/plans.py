@@ -13,6 +13,7 @@ from quantplan.services.models import attention_heads, layer_names, layer_shapes
 from store import repo
 from store.db import session_scope
 from store.records import ModelRecord, PlanRecord
+from store.removal import refuse_removed
 
 if TYPE_CHECKING:
     from quantcore.models.parallel import Parallelism
@@ -29,11 +30,13 @@ def list_plans(model_id: int | None = None) -> list[PlanRecord]:
 def save_plan(model_id: int, name: str, body: dict[str, Any], note: str = "",
               parent_id: int | None = None) -> PlanRecord:
     """Save ``body`` as the next version of plan ``name`` of the model, by the current user; Refused without a
-    name; access.Forbidden for a viewer."""
+    name or for a removed model; access.Forbidden for a viewer."""
     user = access.require("save_plan").name
     if not name.strip():
         raise Refused("a plan needs a name: its versions are saved, listed and exported under it")
     with session_scope(settings()) as s:
+        if (refusal := refuse_removed(repo.get_model(s, model_id), "a new plan version")) is not None:
+            raise Refused(refusal)
         return repo.save_plan(s, model_id=model_id, name=name, body=body, user=user, note=note,
                               parent_id=parent_id)
 

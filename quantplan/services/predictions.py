@@ -42,7 +42,7 @@ def verified_predictions(model: ModelRecord | None = None, sensitivity: str | No
     """Every succeeded score of an automatic plan (one with a predicted KL), newest first: of models of ``model``'s
     architecture family where given, from ``sensitivity``'s unit KLs where given."""
     params = {j.id: j.params or {} for j in list_jobs(limit=MAX_SCORE_JOBS, kind="score", status=("succeeded",))}
-    models = {m.id: m for m in list_models()}
+    models = {m.id: m for m in list_models(include_removed=True)}  # a removed model's scores still verify
     out = []
     for m in models.values():
         if model is not None and m.architecture != model.architecture:

@@ -35,11 +35,13 @@ def fake_stats(rng: np.random.Generator) -> list[LayerStats]:
 
 @pytest.fixture(autouse=True)
 def _fresh_streamlit_caches():
-    """Every test has a database of its own, whose job ids start again at 1: the pages' st.cache_data entries (a
-    calibration's statistics, keyed by its job id) from an earlier test's database must not answer for this one's."""
+    """Every test has a database of its own, whose job ids start again at 1: the pages' st.cache_data and
+    st.cache_resource entries (a calibration's statistics, a chart's spec, keyed by job ids) from an earlier test's
+    database must not answer for this one's."""
     import streamlit as st
 
     st.cache_data.clear()
+    st.cache_resource.clear()
     yield
 
 

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import altair as alt
@@ -177,7 +178,7 @@ def test_channels_chart_thresholds_and_labels() -> None:
         assert v["encoding"]["y"]["scale"]["type"] == "log"
     points = view_with(spec, "circle")
     assert points["encoding"]["x"]["field"] == "channel"
-    assert len(data_rows(spec, points)) == 1536
+    assert len(data_rows(spec, points)) <= chart_base.CHANNEL_POINTS < 1536  # max-preserving downsampling
     labels = text_rows(spec)
     assert sorted(r["channel"] for r in labels["left"]) == [17, 100, 200, 300, 400] and not labels["right"]
     assert any(r["text"].startswith("ch 17: 3e+03") for r in labels["left"])
@@ -219,7 +220,7 @@ def test_channels_chart_bounded_for_wide_layers() -> None:
     spec = spec_of(outlier_charts.channels_chart(outlier_charts.channels_frame(stat),
                                                  outlier_charts.thresholds_frame(stat.amax)))
     rows = data_rows(spec, view_with(spec, "circle"))
-    assert len(rows) <= chart_base.DEFAULT_MAX_POINTS
+    assert len(rows) <= chart_base.CHANNEL_POINTS
     assert max(r["channel_max"] for r in rows) == pytest.approx(1e4)
     # a raw, too long frame is downsampled by the builder itself
     raw = pd.DataFrame({"channel": np.arange(cm.size), "channel_max": cm})
@@ -284,7 +285,16 @@ def test_smoothquant_chart_steps_and_panels() -> None:
         (stage, f"{tensor} INT8 step {step:.3g}") for (stage, tensor), step in got.items())
     assert sorted(r["text"] for r in halos) == sorted(r["text"] for r in names)
     assert {r["channel"] for r in names} == {2}
-    assert all((r["dy"] < 0) == (r["tensor"] == "activation") for r in names)
+    for stage in ("before", "after"):  # the larger step's name above its line, the smaller's below: never overlapping
+        here = sorted((r for r in names if r["stage"] == stage), key=lambda r: -r["step"])
+        assert [r["dy"] < 0 for r in here] == [True, False]
+    # at α = 0.5 the smoothed steps meet; the weight's a hair above the activation's is named above it
+    close = pd.DataFrame({"stage": ["before", "before", "after", "after"], "tensor": ["activation", "weight"] * 2,
+                          "step": [1.0, 0.01, 0.100, 0.101]})
+    spec = spec_of(outlier_charts.smoothquant_chart(points, close, 0.5))
+    after = [{**r, "dy": v["mark"]["dy"]} for v in views(spec["hconcat"][1]) if mark_type(v) == "text"
+             for r in spec["datasets"][v["data"]["name"]]]
+    assert {r["tensor"]: r["dy"] < 0 for r in after} == {"weight": True, "activation": False}
     for v in views(spec):
         assert v["encoding"]["y"]["scale"]["type"] == "log"
     assert "0.50" in spec["hconcat"][1]["title"]
@@ -544,3 +554,108 @@ def test_kv_amax_chart_draws_k_and_v_per_block_against_the_e4m3_limit():
     with_q = outlier_charts.kv_amax_frame({**kv, "q": {"model.layers.0.self_attn": 30.0}})
     assert sorted(set(with_q["tensor"])) == ["K", "Q", "V"]
     assert with_q[with_q["tensor"] == "Q"]["amax"].tolist() == [30.0]
+
+
+# --------------------------------------------------------------------------- issue #45: tooltips, one palette
+def every_chart() -> dict[str, alt.TopLevelMixin]:
+    """Every chart builder of the pages, fed a small frame of the shape its page feeds it."""
+    stats = synthetic_model(n_blocks=4)
+    worst = max(stats, key=lambda s: s.outlier_ratio)
+    view = ol.smoothquant_view(worst.channel_max, worst.weight_channel_max, 0.5)
+    hist = _hist_stat(10.0)
+    hist_df = outlier_charts.hist_frame(hist)
+    grid = ol.format_grid("int8", ol.representative_amax(hist, "tensor"), "tensor")
+    sweep = pd.DataFrame({"alpha": [0.0, 0.5, 1.0], "error": [0.3, 0.1, 0.2], "act_flushed": [0.5, 0.1, 0.0],
+                          "weight_flushed": [0.0, 0.1, 0.4]})
+    kl = pd.DataFrame({"kl": [0.01, 0.02, 0.5, 0.03], "position": [0, 1, 0, 1],
+                       "label": ["#3 fp8 v1", "#3 fp8 v1", "#4 fp8 v2", "#4 fp8 v2"]})
+    sens = pd.DataFrame({"layer": ["a.q_proj", "a.down_proj"], "kl": [0.1, 0.2], "proj": ["q_proj", "down_proj"]})
+    by_scheme = pd.DataFrame({"scheme": ["A", "B"], "block": [0, 0], "proj": ["q_proj", "q_proj"], "kl": [0.1, 0.2]})
+    trade = pd.DataFrame({"plan": ["BF16", "FP8"], "kl_mean": [0.0, 0.05], "weight_mib": [200.0, 100.0],
+                          "front": [True, True], "kl_mean_err": [np.nan, 0.01], "top1_agree": [1.0, 0.9]})
+    pred = pd.DataFrame({"plan": ["auto"], "sensitivity": ["kl"], "predicted_kl": [0.1], "measured_kl": [0.12],
+                         "measured_kl_err": [0.01], "model": ["m"]})
+    heat = pd.DataFrame({"shape": ["q 1x1 M=1"] * 2, "path": ["int8", "fp8"], "speedup": [1.5, np.nan]})
+    rot = [SimpleNamespace(fix=f, channel_max=np.array([3.0, 2.0, 1.0])) for f in ("none", "smoothed", "rotation")]
+    return {
+        "overview": outlier_charts.overview_chart(outlier_charts.overview_frame(stats)),
+        "channels": outlier_charts.channels_chart(outlier_charts.channels_frame(worst),
+                                                  outlier_charts.thresholds_frame(worst.amax)),
+        "depth": outlier_charts.depth_heatmap(outlier_charts.depth_frame(stats, "down_proj")),
+        "smoothquant": outlier_charts.smoothquant_chart(*outlier_charts.smoothquant_frame(view), 0.5),
+        "alpha sweep": outlier_charts.alpha_sweep_chart(sweep, 0.5),
+        "alpha choice": outlier_charts.alpha_choice_chart(sweep, 0.5, 0.5, "INT8_W8A8"),
+        "histogram": outlier_charts.histogram_chart(hist_df, outlier_charts.grid_frame(grid), "int8"),
+        "kv": outlier_charts.kv_amax_chart(outlier_charts.kv_amax_frame({"k": {"model.layers.0.self_attn": 2.0}})),
+        "rotation": outlier_charts.rotation_chart(outlier_charts.rotation_frame(rot)),
+        "kl distribution": result_charts.kl_distribution_chart(kl),
+        "kl by position": result_charts.kl_by_position_chart(kl),
+        "sensitivity": result_charts.sensitivity_chart(sens),
+        "sensitivity by scheme": result_charts.sensitivity_by_scheme(by_scheme),
+        "tradeoff": result_charts.tradeoff_chart(trade, "weight_mib", "linear weights (MiB)"),
+        "prediction": result_charts.prediction_chart(pred),
+        "kernel heatmap": kernel_charts.kernel_heatmap(kernel_charts.case_tooltips(heat)),
+        "peak bars": kernel_charts.peak_bars(pd.DataFrame({"label": ["q"], "pct_peak": [50.0], "path": ["int8"]})),
+    }
+
+
+def encodings(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for view in views(spec):
+        yield view.get("encoding", {})
+    for key in ("layer", "hconcat", "vconcat", "concat"):
+        for sub in spec.get(key, []):
+            if "mark" not in sub:
+                yield from encodings(sub)
+    if "spec" in spec:  # a faceted chart
+        yield from encodings(spec["spec"])
+
+
+def test_every_tooltip_names_its_field_for_a_person() -> None:
+    """No raw column name (``median_channel_max``, ``kl_mean``) in a tooltip: every field has a title in words."""
+    raw = []
+    for name, chart in every_chart().items():
+        for enc in encodings(spec_of(chart)):
+            tips = enc.get("tooltip", [])
+            for tip in tips if isinstance(tips, list) else [tips]:
+                title = tip.get("title")
+                if not title or "_" in title:  # "layer" may name the field "layer"; "kl_mean" names nothing
+                    raw.append((name, tip.get("field"), title))
+    assert not raw, raw
+
+
+def colours(spec: Any) -> set[str]:
+    """Every literal colour (#rrggbb) anywhere in a spec."""
+    text = json.dumps(spec)
+    return {m.upper() for m in __import__("re").findall(r"#[0-9a-fA-F]{6}", text)}
+
+
+def test_every_chart_draws_from_the_one_colour_blind_safe_palette() -> None:
+    allowed = {c.upper() for c in (*chart_base.PALETTE, chart_base.NEUTRAL, "#FFFFFF", "#333333")}
+    schemes = {chart_base.SEQUENTIAL_SCHEME, chart_base.MAGNITUDE_SCHEME, chart_base.DIVERGING_SCHEME}
+    for name, chart in every_chart().items():
+        spec = spec_of(chart)
+        assert colours(spec) <= allowed, (name, colours(spec) - allowed)
+        used = set(__import__("re").findall(r'"scheme": "([a-z]+)"', json.dumps(spec)))
+        assert used <= schemes, (name, used)
+
+
+def test_runs_compared_get_distinct_palette_colours_and_a_legend_naming_plan_and_version() -> None:
+    labels = [f"#{i} fp8-mlp v{i}" for i in (9, 10, 11)]  # job order, not the labels' string order
+    kl = pd.DataFrame({"kl": [0.03, 0.01, 0.02], "position": [0, 0, 0], "label": labels[::-1]})
+    for chart in (result_charts.kl_distribution_chart(kl), result_charts.kl_by_position_chart(kl)):
+        color = next(e["color"] for e in encodings(spec_of(chart)) if "color" in e)
+        assert color["title"] == result_charts.RUN_LEGEND and "version" in color["title"]
+        assert color["scale"]["domain"] == labels
+        assert color["scale"]["range"] == list(chart_base.PALETTE[:3])  # blue, orange, green: never two blues
+        assert color["legend"]["labelLimit"] >= 400  # a label names job, plan and version in full
+        assert color["legend"]["orient"] == "right"  # below, the legend would take the plot's height
+
+
+def test_rotation_frame_keeps_the_head_of_each_curve_and_thins_its_tail() -> None:
+    views_ = [SimpleNamespace(fix=f, channel_max=np.r_[1000.0, np.linspace(2.0, 1.0, 1535)]) for f in ("none", "rot")]
+    df = outlier_charts.rotation_frame(views_, max_points=300)
+    assert len(df) <= 300 and set(df["fix"]) == {"none", "rot"}
+    none = df[df["fix"] == "none"]
+    assert none["rank"].iloc[0] == 0 and none["channel_max"].iloc[0] == 1000.0  # the outlier kept
+    assert none["rank"].iloc[-1] == 1535  # the smallest channel too
+    assert list(none["rank"].iloc[:10]) == list(range(10))  # the head whole

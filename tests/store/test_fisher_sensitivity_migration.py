@@ -17,12 +17,13 @@ def test_0010_lets_a_sweep_store_no_top1_and_refuses_a_downgrade_that_would_lose
 
     s = get_settings()
     s.ensure_dirs()
-    db.upgrade(s, "0009")
+    db.upgrade(s)  # the rows written by today's code, then the schema taken down to 0009 under them
     with db.session_scope(s) as session:
         mod = stored_model(session, "old")
         old = repo.create_job(session, kind="sensitivity", params={}, queue="cpu", user="ann", model_id=mod.id)
         fast = repo.create_job(session, kind="sensitivity", params={"method": "fisher"}, queue="cpu", user="ann",
                                model_id=mod.id)
+    command.downgrade(db.alembic_config(s), "0009")
     with db.make_engine(s.sqlalchemy_url).begin() as conn:
         conn.execute(text(
             "INSERT INTO sensitivity_results (job_id, model_id, scheme, unit, layers, kl_mean, top1_agree) "

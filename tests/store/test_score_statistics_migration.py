@@ -16,11 +16,14 @@ def test_upgrading_to_0007_keeps_old_scores_with_no_error(qp_env):
     s = get_settings()
     s.ensure_dirs()
     before = ScriptDirectory.from_config(db.alembic_config(s)).get_revision("0007").down_revision
-    db.upgrade(s, str(before))
+    db.upgrade(s)  # the rows written by today's code, then the schema taken down to 0006 under them
     with db.session_scope(s) as session:
         mod = stored_model(session, "old")
         job = repo.create_job(session, kind="score", params={}, queue="cpu", user="ann", model_id=mod.id)
         sweep = repo.create_job(session, kind="sensitivity", params={}, queue="cpu", user="ann", model_id=mod.id)
+    from alembic import command
+
+    command.downgrade(db.alembic_config(s), str(before))
     with db.make_engine(s.sqlalchemy_url).begin() as conn:
         conn.execute(text(
             "INSERT INTO score_results (job_id, model_id, plan_label, plan_body, dataset, tokens, kl_mean, kl_p50, "

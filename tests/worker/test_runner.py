@@ -350,3 +350,26 @@ def test_every_job_ends_with_the_cache_under_its_limit(qp_settings, fails):
     qp_settings.cache_max_gib = 0  # no limit: nothing goes
     assert run_job(_job(qp_settings).id, keeps, settings=qp_settings) == "succeeded"
     assert cache.kept_files(folder)[cache.AWQ] == (1, 600) and cache.kept_files(folder)[cache.KV] == (1, 600)
+
+
+def test_a_count_in_a_progress_message_is_written_with_the_time_left_at_its_measured_rate(qp_settings, monkeypatch):
+    """The runner times each step's count (jobs.progress.Pace) and writes the time left with the message; an ended
+    job keeps its final message, not the last estimate."""
+    from jobs.progress import Pace
+
+    monkeypatch.setattr("worker.runner.PROGRESS_INTERVAL_S", 0.0)
+    clock = [0.0]
+    job, written = _job(qp_settings, kind="score"), []
+
+    def body(ctx):
+        ctx._pace = Pace(clock=lambda: clock[0])  # the step's clock, not the wall's: the test is about the rate
+        for done in (4, 8, 16):
+            clock[0] = done * 0.5  # 2 sequences a second
+            ctx.progress(0.1 + 0.9 * done / 32, f"scoring: {done} of 32 sequences")
+            written.append(_get(qp_settings, job.id).message)
+        return Outcome(message="FP8_DYNAMIC: KL 0.02")
+
+    assert run_job(job.id, body, settings=qp_settings) == "succeeded"
+    assert written == ["scoring: 4 of 32 sequences", "scoring: 8 of 32 sequences · about 12 s left",
+                       "scoring: 16 of 32 sequences · about 8 s left"]
+    assert _get(qp_settings, job.id).message == "FP8_DYNAMIC: KL 0.02"

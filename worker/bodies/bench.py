@@ -10,6 +10,7 @@ flagged ``unstable`` (its timed calls spread too widely: quantcore.kernels.recor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -87,7 +88,7 @@ def bench(ctx: JobContext) -> Outcome:
     else:
         ctx.progress(0.02, f"{info.name}: all {len(shapes)} shapes stored")
     records = run_benchmarks(todo, ms, device=device, paths=wanted_paths, budget_s_per_shape=budget,
-                             progress=lambda f, m: ctx.progress(0.02 + 0.97 * f, m),
+                             progress=_counted(lambda f, m: ctx.progress(0.02 + 0.97 * f, m)),
                              should_cancel=ctx.should_cancel) if todo else []
     new = [r.to_dict() for r in records]
     for r in reused:
@@ -102,3 +103,19 @@ def bench(ctx: JobContext) -> Outcome:
 
     return Outcome(result=result, write=write,
                    message=f"{len(new)} cases measured, {len(reused)} reused on {info.name}")
+
+
+def _counted(progress: Callable[[float, str], None]) -> Callable[[float, str], None]:
+    """``progress`` with each GEMM case counted: run_benchmarks reports (cases done / cases, "N=… K=… M=… path")
+    as each case starts, so the k-th report's case is k of done / fraction; the message says "GEMM case k of n: …",
+    a count the runner times (jobs.progress)."""
+    started = [0]
+
+    def report(fraction: float, message: str) -> None:
+        started[0] += 1
+        done = started[0] - 1
+        if 0.0 < fraction < 1.0 and done:
+            message = f"GEMM case {started[0]} of {round(done / fraction)}: {message}"
+        progress(fraction, message)
+
+    return report

@@ -24,10 +24,11 @@ def calibrate(ctx: JobContext) -> Outcome:
     mode = choose_mode(ctx, rec, asked.stream, device)
     if mode.stream:
         with streamed_model(ctx, rec, device, mode) as (streamed, tok):
-            stats, kv_amax, kv_note, ids, label = _calibrated(ctx, asked, streamed.model, tok, mode, device, streamed)
+            stats, kv_amax, kv_note, ids, label, experts = _calibrated(ctx, asked, streamed.model, tok, mode, device,
+                                                                       streamed)
     else:
         model, tok = load_model(ctx, rec, device)
-        stats, kv_amax, kv_note, ids, label = _calibrated(ctx, asked, model, tok, mode, device)
+        stats, kv_amax, kv_note, ids, label, experts = _calibrated(ctx, asked, model, tok, mode, device)
     ranked = sorted(stats.values(), key=lambda st: st.outlier_ratio, reverse=True)
     result = {
         "layers": len(stats), "tokens": int(ids.numel()), "text": label,
@@ -35,6 +36,7 @@ def calibrate(ctx: JobContext) -> Outcome:
         "kv_amax": kv_amax, **({"kv_note": kv_note} if kv_note else {}),
         "mode": "streamed" if mode.stream else "whole model",
         **({"rotation": asked.rotation} if asked.rotation else {}),
+        **({"experts": experts} if experts else {}),  # an MoE model: tokens routed to each expert (evaluation.experts)
     }
 
     def write(s: Session) -> None:
@@ -68,7 +70,17 @@ def _calibrated(ctx: JobContext, asked: CalibrateSpec, model: Any, tok: Any, mod
             return run_calibration(model, ids.to(device), batch_size=asked.batch_size, progress=progress,
                                    should_cancel=ctx.should_cancel)
 
-    return (*_with_kv_amax(model, run), ids, label)
+    from quantcore.evaluation.experts import expert_coverage_observed
+
+    experts: dict[str, Any] = {}
+
+    def observed() -> Any:  # the router's choices over the same forwards
+        with expert_coverage_observed(model) as coverage:
+            out = run()
+        experts.update(coverage.to_dict())
+        return out
+
+    return (*_with_kv_amax(model, observed), ids, label, experts)
 
 
 def _rotation_of(asked: CalibrateSpec, streamed: Any) -> Any:

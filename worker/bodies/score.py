@@ -121,6 +121,9 @@ def _score(ctx: JobContext, asked: ScoreSpec, rec: Any, model: Any, tok: Any, id
     in_place = streamed is None and not asked.rollouts
     if in_place:
         forget_model()
+    # written whatever the throttle (no count: not timed), so the reference's "from the cache" does not stand for
+    # the whole score while the plan is applied and the first batch runs
+    ctx.progress(ctx.furthest, f"applying the plan, then scoring {ids.shape[0]} sequences{mode}", force=True)
     report = (score_plan(model, plan, ids, ref, keep_originals=not in_place, **options)  # type: ignore[arg-type]
               if streamed is None
               else score_streamed(streamed, plan, ids, ref, **options))  # type: ignore[arg-type]

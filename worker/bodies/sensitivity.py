@@ -58,8 +58,15 @@ def sensitivity(ctx: JobContext) -> Outcome:
         amax, _ = ev.kv_amax(ctx, rec, model, kv, {}, cal_ids)
         labels = list(attention_modules(model))  # the whole sweep's units; a shard sweeps its part
         mine = shards.my_part(asked, labels)
-        rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, layers=mine, progress=ctx.rest(),
-                                    should_cancel=ctx.should_cancel) if mine else []
+        if asked.method == "fisher" and mine:  # every attention layer from one backward pass (evaluation.fisher_kv)
+            from quantcore.evaluation.fisher import fisher_sensitivity
+            from quantcore.evaluation.fisher_kv import KV_PREFIX
+
+            rows = fisher_sensitivity(model, [], ids, ref, kv_caches=[kv.name], kv_amax=amax, kv_layers=mine,
+                                      progress=ctx.rest(), should_cancel=ctx.should_cancel)[KV_PREFIX + kv.name]
+        else:
+            rows = kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, layers=mine, progress=ctx.rest(),
+                                        should_cancel=ctx.should_cancel) if mine else []
         name = repo.KV_SWEEP_PREFIX + kv.name
     else:
         scheme = get_scheme(str(asked.scheme))
@@ -67,7 +74,7 @@ def sensitivity(ctx: JobContext) -> Outcome:
             scheme = scheme.with_alpha(asked.alpha)
         parallel = swept_on(asked, model)  # checked before the reference is computed
         swept, unsmoothable = sweepable(linear_layer_names(model), scheme)  # so is what is left to sweep
-        units = sweep_units(swept, groups=asked.groups)
+        units = sweep_units(swept, groups=asked.groups, per_expert=asked.per_expert)
         labels = [group_label(u) for u in units]  # the whole sweep's units; a shard sweeps its part
         swept = [n for unit in shards.my_part(asked, units) for n in unit]
         if parallel.split and not scheme.scaled_per_gpu_share:
@@ -89,10 +96,12 @@ def sensitivity(ctx: JobContext) -> Outcome:
             from quantcore.evaluation.fisher import fisher_sensitivity
 
             rows = fisher_sensitivity(model, [scheme], ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
-                                      progress=ctx.rest(), should_cancel=ctx.should_cancel)[scheme.name]
+                                      per_expert=asked.per_expert, progress=ctx.rest(),
+                                      should_cancel=ctx.should_cancel)[scheme.name]
         else:
             rows = sensitivity_sweep(model, scheme, ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
-                                     progress=ctx.rest(), should_cancel=ctx.should_cancel) if swept else []
+                                     per_expert=asked.per_expert, progress=ctx.rest(),
+                                     should_cancel=ctx.should_cancel) if swept else []
         not_kept = ev.keep_gptq(ctx, gptq_cache, keep_at)
         name = scheme.name
         if unit_reads:

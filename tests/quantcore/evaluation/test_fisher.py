@@ -16,13 +16,14 @@ from quantcore.algorithms.inputs import PlanInputs
 from quantcore.errors import PlanError
 from quantcore.evaluation.fisher import fisher_sensitivity
 from quantcore.evaluation.reference import compute_reference
-from quantcore.evaluation.sensitivity import linear_layer_names, sensitivity_sweep
+from quantcore.evaluation.scoring import calibrate_kv_cache
+from quantcore.evaluation.sensitivity import kv_sensitivity_sweep, linear_layer_names, sensitivity_sweep
 from quantcore.planning.correction import spearman
 from tests.factories import linear_input_channel_max
 
 SCHEMES = ("INT8_PER_TENSOR", "INT8_W8A8", "FP8_DYNAMIC", "W4A16", "NVFP4", "MXFP4")
 SEQS, LENGTH = 16, 32  # 496 scored positions: the sampling noise well below the spread between units
-SAMPLES = 4
+SAMPLES, PASSES = 8, 2  # tokens drawn a position in each backward pass, passes a batch
 HEAD_SHARPEN = 15.0  # lm_head scale: next-token entropy ~2.5 nats, like a trained LM
 
 
@@ -48,7 +49,7 @@ def test_estimate_ranks_units_as_the_exact_sweep_under_every_scheme(tiny_model_f
     ref = compute_reference(model, ids, batch_size=4)
     inputs = calibrated(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    estimates = fisher_sensitivity(model, SCHEMES, ids, ref, inputs=inputs, samples=SAMPLES)
+    estimates = fisher_sensitivity(model, SCHEMES, ids, ref, inputs=inputs, samples=SAMPLES, passes=PASSES)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not any(p.requires_grad for p in model.parameters())
     for name, m in model.named_modules():
@@ -96,6 +97,14 @@ def test_unusable_requests_are_refused(tiny_model_factory):
     ref = compute_reference(model, ids)
     with pytest.raises(PlanError, match="at least one sampled token"):
         fisher_sensitivity(model, ["FP8_DYNAMIC"], ids, ref, samples=0)
+    with pytest.raises(PlanError, match="at least one backward pass"):
+        fisher_sensitivity(model, ["FP8_DYNAMIC"], ids, ref, passes=0)
+    with pytest.raises(PlanError, match="at least one scheme or KV cache format"):
+        fisher_sensitivity(model, [], ids, ref)
+    with pytest.raises(PlanError, match="AUTO changes nothing"):
+        fisher_sensitivity(model, [], ids, ref, kv_caches=["AUTO"])
+    with pytest.raises(PlanError, match="calibrated K/V amax"):
+        fisher_sensitivity(model, [], ids, ref, kv_caches=["FP8"])
     with pytest.raises(PlanError, match="named twice"):
         fisher_sensitivity(model, ["FP8_DYNAMIC", "FP8_DYNAMIC"], ids, ref)
     with pytest.raises(PlanError, match="no calibrated amax"):  # NVFP4's static global scale, before any pass
@@ -114,3 +123,29 @@ def test_a_model_that_asks_for_gradients_gets_none_and_keeps_asking(tiny_model_f
     rows = fisher_sensitivity(model, ["FP8_DYNAMIC"], ids, ref, samples=2)["FP8_DYNAMIC"]
     assert len(rows) == 9 and all(r.kl_mean > 0 for r in rows)
     assert all(p.requires_grad and p.grad is None for p in model.parameters())
+
+
+def test_kv_cache_formats_are_estimated_per_attention_layer_as_the_exact_kv_sweep_measures_them(tiny_model_factory):
+    """One unit per attention layer, its context recomputed from the recorded Q, K, V in each format (FP8 attention
+    included): the same order as the exact KV sweep and within a factor of 2 of it, in the same pass as the linear
+    units, and the model's attention setting handed back."""
+    model = sharp_llama(tiny_model_factory)
+    ids = tokens(11)
+    ref = compute_reference(model, ids, batch_size=4)
+    amax = calibrate_kv_cache(model, {}, ids[:4])
+    formats = ["FP8", "FP8_E5M2", "FP8_ATTN"]
+    attn = model.config._attn_implementation
+    got = fisher_sensitivity(model, ["FP8_DYNAMIC"], ids, ref, kv_caches=formats, kv_amax=amax, samples=SAMPLES,
+                             passes=PASSES)
+    assert model.config._attn_implementation == attn
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert sorted(got) == sorted(["FP8_DYNAMIC", *(f"KV {f}" for f in formats)])
+    for fmt in formats:
+        exact = kv_sensitivity_sweep(model, fmt, ids, ref, amax=amax)
+        est = {r.layer: r for r in got[f"KV {fmt}"]}
+        assert [r.layer for r in got[f"KV {fmt}"]] == [r.layer for r in exact]  # the same order
+        for row in exact:
+            assert 0.5 <= est[row.layer].kl_mean / row.kl_mean <= 2.0, (fmt, row.layer, est[row.layer], row)
+            assert math.isnan(est[row.layer].sqnr_db) and est[row.layer].layers == [row.layer]
+    alone = fisher_sensitivity(model, [], ids, ref, kv_caches=["FP8"], kv_amax=amax, kv_layers=[exact[0].layer])
+    assert list(alone) == ["KV FP8"] and [r.layer for r in alone["KV FP8"]] == [exact[0].layer]

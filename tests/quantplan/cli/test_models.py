@@ -1,5 +1,5 @@
 """`quantplan models ...`: registering checkpoints (the same one twice, an encoder, a real zipped folder), removing
-a model and its files, and what a later job fills in of an older registration."""
+a model's files (its history kept) and purging it, and what a later job fills in of an older registration."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.factories import run_cli as run
 from tests.factories import run_cli_json as run_json
 
 
-def test_models_remove_deletes_the_model_its_results_and_its_files(tiny_model, capsys, qp_settings):
+def test_models_remove_keeps_the_history_and_purge_deletes_it(tiny_model, capsys, qp_settings):
     from pathlib import Path
 
     from quantcore.evaluation import reference
@@ -43,13 +43,26 @@ def test_models_remove_deletes_the_model_its_results_and_its_files(tiny_model, c
     jobs_svc.cancel_job(queued.id)
 
     removed = run_json(capsys, "models", "remove", "tiny", "--yes", "--json")
-    assert removed["name"] == "tiny" and removed["scores"] == 1
+    assert removed["name"] == "tiny" and removed["scores"] == 1 and removed["removed_by"] == "tester"
     assert not folder.exists() and not refs.exists()
     assert Path(qp_settings.artifact_dir).is_dir() and Path(qp_settings.models_dir).is_dir()
-    code, _, err = run(capsys, "calibrate", "tiny", "--local")
-    assert code == 1 and "no model 'tiny'" in err
-    assert any(j["kind"] == "score" and j["model_id"] is None for j in run_json(capsys, "jobs", "--json"))
+    code, _, err = run(capsys, "calibrate", "tiny", "--local")  # no new work on it, with why
+    assert code == 1 and "tiny was removed by tester on " in err and "cannot run on it" in err
+    assert "tiny" not in [m["name"] for m in run_json(capsys, "models", "list", "--json")]
+    assert [m["name"] for m in run_json(capsys, "models", "list", "--removed", "--json")] == ["tiny"]
+    assert len(scoring_svc.list_scores(model.id)) == 1  # its results stay readable
     code, out, _ = run(capsys, "jobs")  # the list names each job's model, a removed one as such
+    assert code == 0 and re.search(r"^#\d+ +score .* tiny \(removed\) ", out, re.M), out
+
+    code, _, err = run(capsys, "models", "purge", "tiny")  # without --yes: says what it would delete for good
+    assert code == 1 and "--yes" in err and "for good" in err and len(scoring_svc.list_scores(model.id)) == 1
+    purged = run_json(capsys, "models", "purge", "tiny", "--yes", "--json")
+    assert purged == {"purged": model.id, "name": "tiny", "calibrations": 0, "scores": 1, "sensitivity sweeps": 0,
+                      "plan versions": 0}
+    code, _, err = run(capsys, "calibrate", "tiny", "--local")
+    assert code == 1 and "no model 'tiny'" in err and scoring_svc.list_scores(model.id) == []
+    assert any(j["kind"] == "score" and j["model_id"] is None for j in run_json(capsys, "jobs", "--json"))
+    code, out, _ = run(capsys, "jobs")
     assert code == 0 and re.search(r"^#\d+ +score .* tiny \(removed\) ", out, re.M), out
 
 

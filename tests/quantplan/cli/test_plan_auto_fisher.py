@@ -44,3 +44,20 @@ def test_a_plan_searched_on_the_estimate_is_verified_and_corrects_the_next(tiny_
     assert second["corrected_kl"] == pytest.approx(factor * second["predicted_kl"])
     assert any("from 1 verified plan" in n for n in second["notes"])
     assert len(verified_predictions(model, "fisher")) == 2
+
+
+def test_plan_auto_searches_on_the_estimate_by_default_and_says_when_it_has_none(tiny_model, capsys):
+    """No --sensitivity: the Fisher estimates where the model has any; a model with exact sweeps only is searched on
+    those, with a note naming the command that makes estimates; `sensitivity` itself stays exact by default."""
+    exact = run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", "--local", *TOKENS, "--json")
+    assert exact["method"] == "kl"
+    auto = ("plan", "auto", "tiny", "--target", "h100", "--kl-budget", "1000", "--no-verify", "--json")
+    on_exact = run_json(capsys, *auto)
+    assert on_exact["sensitivity"] == "kl" and not on_exact["plan_label"].endswith("-fisher")
+    assert any("no Fisher estimate yet" in n and "--method fisher" in n for n in on_exact["notes"])
+    run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", "--method", "fisher", "--no-compare", "--local",
+             *TOKENS, "--json")
+    on_estimate = run_json(capsys, *auto)
+    assert on_estimate["sensitivity"] == "fisher" and "-fisher" in on_estimate["plan_label"]
+    assert not any("no Fisher estimate yet" in n for n in on_estimate["notes"])
+    assert run_json(capsys, *auto, "--sensitivity", "kl")["sensitivity"] == "kl"  # asked for: the exact sweeps

@@ -43,3 +43,18 @@ def test_without_a_model_the_default_shapes_are_timed(run_body):
 def test_a_split_over_gpus_without_a_model_fails_saying_why(run_body):
     job = run_body("bench", BenchSpec(tensor_parallel=2, **QUICK))
     assert job.status == "failed" and "needs a model: its layers say how they split" in job.error
+
+
+def test_each_gemm_case_is_counted_in_the_progress_message():
+    """run_benchmarks reports (cases done / cases, "N=… K=… M=… path") as each case starts: the body's messages
+    count the cases, the unit the runner times (jobs.progress)."""
+    from worker.bodies.bench import _counted
+
+    heard: list[tuple[float, str]] = []
+    report = _counted(lambda f, m: heard.append((f, m)))
+    for done in range(4):
+        report(done / 4, f"N=8 K=8 M={done} int8_row")
+    report(1.0, "kernel benchmark done")
+    assert [m for _, m in heard] == ["N=8 K=8 M=0 int8_row", "GEMM case 2 of 4: N=8 K=8 M=1 int8_row",
+                                     "GEMM case 3 of 4: N=8 K=8 M=2 int8_row", "GEMM case 4 of 4: N=8 K=8 M=3 int8_row",
+                                     "kernel benchmark done"]
