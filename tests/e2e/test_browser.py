@@ -17,10 +17,6 @@ from tests.factories import Proc, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGE_TIMEOUT_MS = 180_000  # how long a page may take to draw what the database already says
 JOB_DEADLINE_S = 1200.0  # how long a job may take on a loaded 2-core machine (the worker runs one job at a time)
 SHOTS = Path(os.environ.get("QUANTPLAN_SCREENSHOTS", "")) if os.environ.get("QUANTPLAN_SCREENSHOTS") else None
 
@@ -35,22 +31,6 @@ def app_url(qp_settings, worker, tmp_path, monkeypatch):
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.stop()
-
-
-@pytest.fixture
-def page():
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (./dev.sh test installs it)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-        # what a page shows follows a state the test has already waited for (the job's row): a generous limit, so
-        # a machine whose cores are busy elsewhere only makes the test slower, never wrong
-        pg.set_default_timeout(PAGE_TIMEOUT_MS)
-        yield pg
-        browser.close()
 
 
 def _settle(page, seconds: float = 2.0) -> None:

@@ -7,7 +7,6 @@ QUANTPLAN_SCREENSHOTS where it is set."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,14 +16,10 @@ from app.charts import base as chart_base
 from store import repo
 from store.db import session_scope
 from tests.app.conftest import fake_stats
-from tests.factories import SMOL_LAYERS, Proc, free_port, smol_linears
+from tests.factories import SMOL_LAYERS, smol_linears
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGE_TIMEOUT_MS = 180_000  # how long a page may take to draw what the database already says, on a busy machine
 SHOTS = Path(os.environ["QUANTPLAN_SCREENSHOTS"]) if os.environ.get("QUANTPLAN_SCREENSHOTS") else None
 DRAWN = "canvas, svg.marks"  # Vega draws a chart with few marks as SVG, one with many on a canvas
 SETTLED = ("() => { const a = document.querySelector('[data-testid=\"stApp\"]');"
@@ -61,31 +56,6 @@ def _seed(settings) -> int:
             repo.finish_job(s, job.id, status="succeeded", result={"kl_mean": kl})
     return model.id
 
-
-@pytest.fixture
-def app_url(qp_settings, tmp_path):
-    port = free_port()
-    proc = Proc([sys.executable, "-m", "quantplan", "app"], dict(os.environ, QUANTPLAN_UI_PORT=str(port)),
-                tmp_path / "app.log")
-    try:
-        proc.wait_for("URL: http", timeout=300)  # a busy machine starts Streamlit slowly
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
-
-
-@pytest.fixture
-def page():
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (./dev.sh test installs it)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-        pg.set_default_timeout(PAGE_TIMEOUT_MS)
-        yield pg
-        browser.close()
 
 
 def _open(page, url: str, charts: int) -> None:

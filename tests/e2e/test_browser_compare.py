@@ -4,8 +4,6 @@ them (nothing runs); screenshots of each tab are saved under the test's tmp fold
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +12,11 @@ import pytest
 from quantcore.evaluation.stats import HIST_BINS, LayerStats
 from store import repo
 from store.db import session_scope
-from tests.factories import Proc, free_port, stored_model
+from tests.e2e.browser import CHROMIUM, CHROMIUM_ARGS, PAGE_TIMEOUT_MS
+from tests.factories import stored_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGE_TIMEOUT_MS = 180_000  # a state the database already holds: only the drawing waits, on a busy machine
 LAYERS = [f"model.layers.{b}.{p}" for b in range(2) for p in ("self_attn.q_proj", "mlp.down_proj")]
 
 
@@ -57,17 +52,6 @@ def _seed() -> list[int]:
             ids.append(job.id)
     return ids
 
-
-@pytest.fixture
-def app_url(qp_settings, tmp_path):
-    port = free_port()
-    proc = Proc([sys.executable, "-m", "quantplan", "app"], dict(os.environ, QUANTPLAN_UI_PORT=str(port)),
-                tmp_path / "app.log")
-    try:
-        proc.wait_for("URL: http", timeout=300)  # a busy machine starts Streamlit slowly
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
 
 
 def _settle(page) -> None:

@@ -6,7 +6,6 @@ queued)."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,11 @@ import pytest
 from quantcore.kernels.records import TIMING
 from store import repo
 from store.db import session_scope
-from tests.factories import Proc, free_port, smol_linears
+from tests.e2e.browser import CHROMIUM, CHROMIUM_ARGS, PAGE_TIMEOUT_MS
+from tests.factories import smol_linears
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGE_TIMEOUT_MS = 180_000  # how long a page may take to draw what the database already says, on a busy machine
 # read before the tests' fixtures clear QUANTPLAN_* from the environment, as tests/e2e/test_browser.py reads it
 SHOTS = Path(os.environ["QUANTPLAN_SCREENSHOTS"]) if os.environ.get("QUANTPLAN_SCREENSHOTS") else None
 
@@ -63,17 +59,6 @@ def _seed(settings) -> tuple[int, str]:
     plans_svc.save_plan(model.id, "int8", {"default": "INT8_W8A8"})  # the page estimates the plan saved last
     return model.id, f"int8_row+q M=16 N={shaky[1]} K={shaky[2]}"
 
-
-@pytest.fixture
-def app_url(qp_settings, tmp_path):
-    port = free_port()
-    proc = Proc([sys.executable, "-m", "quantplan", "app"], dict(os.environ, QUANTPLAN_UI_PORT=str(port)),
-                tmp_path / "app.log")
-    try:
-        proc.wait_for("URL: http", timeout=300)  # a busy machine starts Streamlit slowly
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
 
 
 def test_the_kernels_page_flags_an_unstable_case_and_shows_a_partial_step_as_such(app_url, qp_settings):

@@ -8,22 +8,17 @@ app start; screenshots of every table are saved under the test's tmp folder (the
 from __future__ import annotations
 
 import datetime as dt
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from store import repo
 from store.db import session_scope
-from tests.factories import Proc, free_port, smol_linears
+from tests.e2e.browser import CHROMIUM, CHROMIUM_ARGS, PAGE_TIMEOUT_MS, settle
+from tests.factories import smol_linears
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGE_TIMEOUT_MS = 180_000  # how long a page may take to draw what the database already says, on a busy machine
 WIDTH, HEIGHT = 1400, 1000
 ROW_PX = 35  # the height of a Streamlit table's header and of each row (its default row height)
 RUNNING_MESSAGE = "scoring: 12 of 32 sequences (whole model) · about 40 s left"  # as worker.runner writes it
@@ -89,17 +84,6 @@ def _seed(settings) -> dict[str, int]:
     return ids
 
 
-@pytest.fixture
-def app_url(qp_settings, tmp_path):
-    port = free_port()
-    proc = Proc([sys.executable, "-m", "quantplan", "app"], dict(os.environ, QUANTPLAN_UI_PORT=str(port)),
-                tmp_path / "app.log")
-    try:
-        proc.wait_for("URL: http", timeout=300)  # a busy machine starts Streamlit slowly
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
-
 
 def _fits(page, table, columns: list[str]) -> None:
     """``table`` (a Streamlit dataframe or data editor) shows ``columns`` first, in this order, and needs no sideways
@@ -126,10 +110,7 @@ def _select_row(page, table, row: int) -> None:
 
 def _settle(page) -> None:
     page.wait_for_load_state("networkidle")
-    for _ in range(150):  # Streamlit shows a running indicator while the script runs
-        if page.locator("[data-testid='stStatusWidget']").count() == 0:
-            break
-        page.wait_for_timeout(200)
+    settle(page)  # a rerun the last click asked for has run and drawn, not only not yet started
     assert page.locator("[data-testid='stException']").count() == 0
 
 

@@ -6,40 +6,21 @@ tries to remove the model, with the reason shown. Every wait polls a state (a ro
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import secrets
-import sys
 import time
-import urllib.request
 
 import pytest
 
 from jobs.client import submit_job, wait_for
 from store import repo
 from store.db import session_scope
-from tests.e2e.test_browser import JOB_DEADLINE_S, PAGE_TIMEOUT_MS, _no_exception, page  # noqa: F401 - page
-from tests.factories import Proc, free_port, save_tiny_llama
+from tests.e2e.browser import PAGE_TIMEOUT_MS
+from tests.e2e.test_browser import JOB_DEADLINE_S, _no_exception
+from tests.factories import save_tiny_llama
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
 ANN, BOB = "ann@example.com", "bob@example.com"
-
-
-@pytest.fixture
-def provider():
-    """A real OpenID Connect provider on a local port, holding ann's and bob's claims."""
-    oidc_provider_mock = pytest.importorskip("oidc_provider_mock")
-    with oidc_provider_mock.run_server_in_thread() as server:
-        url = f"http://localhost:{server.server_port}"
-        for email, name in ((ANN, "Ann"), (BOB, "Bob")):
-            req = urllib.request.Request(f"{url}/users/{email}", method="PUT",
-                                         data=json.dumps({"email": email, "name": name}).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                assert resp.status == 204
-        yield url
 
 
 @pytest.fixture
@@ -72,32 +53,15 @@ def team(qp_settings, worker, tmp_path):
 
 
 @pytest.fixture
-def oidc_app(qp_settings, provider, team, tmp_path):
-    """The app with QUANTPLAN_AUTH=oidc, its provider in a secrets.toml [auth] as Streamlit documents it."""
-    port = free_port()
-    app_url = f"http://127.0.0.1:{port}"
-    secrets_file = tmp_path / "secrets.toml"
-    secrets_file.write_text(
-        "[auth]\n"
-        f'redirect_uri = "{app_url}/oauth2callback"\n'
-        f'cookie_secret = "{secrets.token_hex(32)}"\n'
-        'client_id = "quantplan"\n'
-        f'client_secret = "{secrets.token_hex(16)}"\n'
-        f'server_metadata_url = "{provider}/.well-known/openid-configuration"\n')
-    env = dict(os.environ, QUANTPLAN_UI_PORT=str(port), QUANTPLAN_AUTH="oidc",
-               STREAMLIT_SECRETS_FILES=str(secrets_file))
-    proc = Proc([sys.executable, "-m", "quantplan", "app"], env, tmp_path / "app.log")
-    try:
-        proc.wait_for("URL: http", timeout=300)
-        yield app_url
-    finally:
-        proc.stop()
+def oidc_app(team, oidc_app):
+    """The app with QUANTPLAN_AUTH=oidc (tests/e2e/conftest.py), started once the team's setup is stored."""
+    return oidc_app
 
 
 @pytest.fixture
 def patient():
     """Every expect() of this test polls for as long as a page may take to draw what the database already says on a
-    machine whose cores are busy elsewhere (test_browser.PAGE_TIMEOUT_MS), not Playwright's 5 s; reset after."""
+    machine whose cores are busy elsewhere (tests.e2e.browser.PAGE_TIMEOUT_MS), not Playwright's 5 s; reset after."""
     from playwright.sync_api import expect
 
     expect.set_options(timeout=PAGE_TIMEOUT_MS)
