@@ -121,7 +121,7 @@ step score-rollouts "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --rollout
 step jobs "$PY" -m quantplan jobs
 # the estimate against the six exact sweeps on SmolLM2 where installed (else a random Llama of its shape), side by
 # side with a plain forward: docs/concepts/sensitivity.md's figures (a short run on a CPU dry run)
-if [ "$DEVICE" = cpu ]; then FISHER_TOKENS=(--seqs 2 --seq-len 32); else FISHER_TOKENS=(--seqs 8 --seq-len 256); fi
+if [ "$DEVICE" = cpu ]; then FISHER_TOKENS=(--seqs 1 --seq-len 16); else FISHER_TOKENS=(--seqs 8 --seq-len 256); fi
 step fisher-bench "$PY" benchmarks/sensitivity_cost.py --fisher --device "$DEVICE" "${FISHER_TOKENS[@]}"
 
 echo "===== summary" | tee -a "$LOG"
