@@ -81,14 +81,19 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _usage(models_svc, model_id: int) -> tuple[dict[str, int], str]:
+    """What is stored for a model (plan versions, scores, ..., not its active jobs), and that in words."""
+    usage = {k: v for k, v in models_svc.model_usage(model_id).items() if k != "active"}
+    return usage, ", ".join(f"{v} {k}" for k, v in usage.items())
+
+
 def cmd_models_remove(args: argparse.Namespace) -> int:
     """`quantplan models remove MODEL --yes`: delete a model's files; its history stays, marked removed."""
     from quantplan.services import models as models_svc
 
     checked_settings()
     model = find_model(args.model)
-    usage = {k: v for k, v in models_svc.model_usage(model.id).items() if k != "active"}
-    what = ", ".join(f"{v} {k}" for k, v in usage.items())
+    usage, what = _usage(models_svc, model.id)
     if not args.yes:
         raise CliError(f"this deletes the files of {model.name} (#{model.id}); its {what}, jobs and notes stay "
                        "readable, marked removed, until an admin purges it; run again with --yes to do it")
@@ -108,8 +113,7 @@ def cmd_models_purge(args: argparse.Namespace) -> int:
 
     checked_settings()
     model = find_model(args.model)
-    usage = {k: v for k, v in models_svc.model_usage(model.id).items() if k != "active"}
-    what = ", ".join(f"{v} {k}" for k, v in usage.items())
+    usage, what = _usage(models_svc, model.id)
     if not args.yes:
         raise CliError(f"this deletes {model.name} (#{model.id}) for good, with its {what} (its jobs stay in the "
                        "history, naming it); run again with --yes to do it")
