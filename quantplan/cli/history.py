@@ -48,6 +48,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     """`quantplan history [filters] [--sort COL] [--ascending] [--page N] [--limit N] [--json]` and
     `quantplan history show ID [--json]`."""
     from quantplan.services import history as history_svc
+    from quantplan.services.jobs import duration_text
 
     checked_settings()
     if args.action == "show":
@@ -71,10 +72,10 @@ def cmd_history(args: argparse.Namespace) -> int:
     for r in page.rows:
         model = f"{r.model}{' (removed)' if r.model_removed else ''}" if r.model else "-"
         when = (r.started_at or r.queued_at).strftime("%Y-%m-%d %H:%M")
-        took = "" if r.duration_s is None else f"{r.duration_s:.0f} s"
+        took = duration_text(r.duration_s)  # the Jobs page's and `quantplan jobs`' form
         what = r.plan or r.scheme or ""
         tags = " ".join(f"#{t}" for t in r.tags)
-        print(f"#{r.id:<5} {r.kind:11s} {r.status:9s} {when}  {took:>7}  {(r.person or '?')[:24]:<24} "
+        print(f"#{r.id:<5} {r.kind:11s} {r.status:9s} {when}  {took:>11}  {(r.person or '?')[:24]:<24} "
               f"{model[:24]:<24} {what[:20]:<20} {(r.device or '-')[:20]:<20} {history_svc.headline(r)} {tags}"
               .rstrip())
     if page.pages > 1:
