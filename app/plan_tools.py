@@ -29,6 +29,15 @@ def scheme_explainer(catalog: pd.DataFrame | None = None) -> None:
                "GPUs of the target list whose own units run the scheme's formats; elsewhere it is emulated.")
 
 
+@st.fragment
+def lazy_scheme_explainer(label: str, key: str, catalog: pd.DataFrame | None = None) -> None:
+    """:func:`scheme_explainer` in an expander that builds it only when opened (its five tables are most of what a
+    browser draws for a page that shows it): opening or closing it reruns this fragment alone."""
+    with st.expander(label, key=key, on_change="rerun") as box:
+        if box.open:
+            scheme_explainer(catalog)
+
+
 AUTO_OUTCOME = "auto_plan_outcome"  # (what was said, notes, layers per scheme) of the automatic plan just saved
 
 

@@ -35,13 +35,21 @@ from quantcore.evaluation.rotation_view import kurtosis
 from quantcore.evaluation.scoring import plan_applied
 from quantcore.evaluation.stats import LayerStats
 from quantcore.evaluation.text import default_calibration_text, default_eval_text, load_documents, token_batches
+from quantcore.formats.granularity import Granularity
 from quantcore.models.intake import converted_gguf_folder, demo_gguf_path
 from quantcore.models.loading import load_model
 from quantcore.models.validation import default_cache_dir
 from quantcore.schemes.fusion import fusion_group_of
 from quantcore.schemes.presets import get_scheme
+from quantcore.schemes.specs import Scheme, TensorSpec
 
-SCHEMES = ("MXFP4", "NVFP4", "INT8_PER_TENSOR", "FP8_PER_TENSOR")  # W4A4 x2, W8A8 per-tensor INT8 and FP8
+# W4A4 (MXFP4, NVFP4, INT4 per-token), W8A8 per-tensor INT8 and FP8
+SCHEMES = ("MXFP4", "NVFP4", "INT4_W4A4", "INT8_PER_TENSOR", "FP8_PER_TENSOR")
+# not a preset (no serving kernel quantplan targets takes it): QuaRot's W4A4 INT4 setting, per-channel symmetric
+# weights rounded to nearest and dynamic per-token activations
+LOCAL_SCHEMES = {"INT4_W4A4": Scheme("INT4_W4A4", TensorSpec("int4", Granularity.CHANNEL, dynamic=False),
+                                     TensorSpec("int4", Granularity.TOKEN),
+                                     description="INT4 per-channel weights, INT4 dynamic per-token activations")}
 FOCUS = "model.layers.11.mlp.down_proj"  # the Outliers page's Done-when example
 
 
@@ -56,7 +64,7 @@ def kl_per_sequence(model, plan, inputs: PlanInputs, ids: torch.Tensor, ref: tor
     return np.concatenate(out)
 
 
-def suggested_alphas(stats: dict[str, LayerStats], names: list[str], scheme: str) -> dict[str, float]:
+def suggested_alphas(stats: dict[str, LayerStats], names: list[str], scheme: Scheme) -> dict[str, float]:
     out: dict[str, float] = {}
     for name in names:
         if name not in out:
@@ -110,11 +118,11 @@ def main() -> None:
 
     score("BF16 (identity)", "rotation", dict.fromkeys(names, "BF16"), "rotation")
     for scheme in args.schemes.split(","):
-        base = get_scheme(scheme)
+        base = LOCAL_SCHEMES.get(scheme) or get_scheme(scheme)
         score(scheme, "plain", dict.fromkeys(names, base), "none")
         score(scheme, "rotation", dict.fromkeys(names, base), "rotation")
         for label, fix in (("none", "SmoothQuant"), ("rotation", "SmoothQuant + rotation")):
-            alphas = suggested_alphas(stats_of[label], names, scheme)
+            alphas = suggested_alphas(stats_of[label], names, base)
             score(scheme, fix, {n: dataclasses.replace(base, smoothquant_alpha=alphas[n]) for n in names}, label,
                   float(np.median(list(alphas.values()))))
     meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": platform.processor()

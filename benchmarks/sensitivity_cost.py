@@ -35,7 +35,9 @@ position, ``--passes 1,2``: the estimate of 121 units x 6 schemes took 8.3 s (1 
 against 243.7 s for the six exact sweeps (0.034 x and 0.038 x, target 0.05) and 0.468 s a plain forward (17.8 and
 20.0 forwards, target 10); Spearman 0.91-0.96 (1 pass) and 0.92-0.985 (2) per scheme. Then the KV cache formats FP8
 and FP8_ATTN over 30 attention layers against their exact KV sweeps (docs/concepts/sensitivity.md). Before (2 single-
-token draws, no batched quantization): 13.5 s against 184.1 s, 0.073 x and 38 forwards.
+token draws, no batched quantization): 13.5 s against 184.1 s, 0.073 x and 38 forwards. Profiled (2026-12-05, CPU
+time, load 13-16): of 24.1 forwards, 12.8 are the one-time rounding of every weight under the six schemes (1.8-3.9
+forwards a scheme), 11.3 the batch; docs/concepts/sensitivity.md says what that leaves for the 10-forward target.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         "--no-groups", action="store_true", help="one unit per linear instead of per fusion group"
     )
     ap.add_argument("--threads", type=int, default=DEFAULT_CPU_THREADS, help="CPU threads for torch")
+    ap.add_argument("--model", metavar="FOLDER", help="a saved Hugging Face folder instead of SmolLM2 (a CPU dry "
+                    "run of scripts/gpu_check.sh uses its tiny Llama: the steps run, the figures mean nothing)")
     ap.add_argument("--kv-cache", metavar="FORMAT", help="sweep the KV cache in this format instead (one attention "
                     "layer at a time; a calibrated format's K/V maxima come from the same tokens, untimed)")
     ap.add_argument("--fisher", action="store_true", help="the fast (Fisher) estimate of every unit under the six "
@@ -83,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    model, tokenizer, what = bench_model(args.device)
+    if args.model:
+        from quantcore.models.loading import load_model
+
+        model, tokenizer = load_model(args.model, device=args.device, dtype=torch.float32)
+        what = f"{args.model} (given with --model)"
+    else:
+        model, tokenizer, what = bench_model(args.device)
     ids, source = bench_tokens(tokenizer, model.config.vocab_size, args.seqs, args.seq_len)
     print(f"model   : {what}")
     print(

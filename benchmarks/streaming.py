@@ -1,16 +1,18 @@
-"""Streamed against whole-model execution: peak resident memory and wall time of calibrate and score.
+"""Streamed against whole-model execution: peak resident memory and wall time of calibrate, score and a sweep.
 
     .venv/bin/python benchmarks/streaming.py [--layers 24 --hidden 1024 --intermediate 4096 --vocab 32000]
-                                             [--samples 8 --seq-len 128] [--no-smollm2] [--json out.json]
+                                             [--samples 8 --seq-len 128] [--sweep-blocks 2] [--no-smollm2]
+                                             [--json out.json]
 
 1. Writes a synthetic Llama checkpoint (random bfloat16 weights; by default hidden 1024, 24 blocks, about 414 M
    parameters, 0.8 GB on disk) into a temporary folder.
-2. For each of calibrate and score (the reference pass and a W8A16 plan's pass) runs whole-model
+2. For each of calibrate, score (the reference pass and a W8A16 plan's pass) and a W8A16 sensitivity sweep (the
+   reference pass and the units of the last ``--sweep-blocks`` blocks and the head) runs whole-model
    (``quantcore.models.loading.load_model``) and streamed (``quantcore.models.streaming.StreamedModel``), each in a
    fresh subprocess, which reports its peak resident set (``getrusage(RUSAGE_SELF).ru_maxrss``) and the job's wall
    time (model load included); the ratios are printed side by side.
 3. On SmolLM2-135M (the demo model, converted to safetensors as registration stores it): the streamed time against
-   the whole-model time for the same two jobs, ``--repeat`` runs of each interleaved, the fastest of each counted.
+   the whole-model time for the same three jobs, ``--repeat`` runs of each interleaved, the fastest of each counted.
 
 Targets (issue 42): streamed peak ≤ 0.5× whole-model on the synthetic checkpoint; streamed time ≤ 1.15× whole on
 SmolLM2. Figures: docs/results/streaming.md. Everything runs on the CPU in float32.
@@ -87,14 +89,29 @@ def write_checkpoint(folder: Path, *, layers: int, hidden: int, intermediate: in
 # ---------------------------------------------------------------------- one measurement (a subprocess)
 
 
-def child(job: str, mode: str, folder: str, samples: int, seq_len: int, batch: int) -> dict:
+def swept_layers(names: list[str], blocks: int, prefix: str = "model.layers.") -> list[str]:
+    """The linears of the last ``blocks`` decoder blocks and the head: what ``sweep`` measures (every unit runs the
+    blocks from its own on, so late units keep the whole-model side of the comparison affordable)."""
+    count = 1 + max(int(n[len(prefix):].split(".", 1)[0]) for n in names if n.startswith(prefix))
+    late = {f"{prefix}{i}." for i in range(count - blocks, count)}
+    return [n for n in names if not n.startswith(prefix) or any(n.startswith(p) for p in late)]
+
+
+def child(job: str, mode: str, folder: str, samples: int, seq_len: int, batch: int, sweep_blocks: int) -> dict:
     import torch
 
     torch.set_grad_enabled(False)
+    # imported before the clock starts: a worker process has them from its first job on, so neither mode pays for
+    # the import inside a job (the streamed one did here before, about 0.3-0.5 s of SmolLM2's few seconds)
+    import accelerate.utils  # noqa: F401
+    import safetensors.torch  # noqa: F401
+
     from quantcore.evaluation.calibrate import calibrate
     from quantcore.evaluation.reference import compute_reference
     from quantcore.evaluation.scoring import score_plan
+    from quantcore.evaluation.sensitivity import sensitivity_sweep
     from quantcore.evaluation.streamed import calibrate_streamed, reference_streamed, score_streamed
+    from quantcore.evaluation.streamed_sweep import streamed_sensitivity_sweep
     from quantcore.models.loading import load_config, load_model
     from quantcore.models.streaming import StreamedModel
 
@@ -107,6 +124,9 @@ def child(job: str, mode: str, folder: str, samples: int, seq_len: int, batch: i
         names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         if job == "calibrate":
             calibrate(model, ids, batch_size=batch)
+        elif job == "sweep":
+            ref = compute_reference(model, ids, batch_size=batch)
+            rows = sensitivity_sweep(model, "W8A16", ids, ref, layers=swept_layers(names, sweep_blocks))
         else:
             ref = compute_reference(model, ids, batch_size=batch)
             report = score_plan(model, dict.fromkeys(names, "W8A16"), ids, ref)
@@ -115,6 +135,9 @@ def child(job: str, mode: str, folder: str, samples: int, seq_len: int, batch: i
         names = [n for n, m in streamed.model.named_modules() if isinstance(m, torch.nn.Linear)]
         if job == "calibrate":
             calibrate_streamed(streamed, ids, batch_size=batch)
+        elif job == "sweep":
+            ref = reference_streamed(streamed, ids, batch_size=batch)
+            rows = streamed_sensitivity_sweep(streamed, "W8A16", ids, ref, layers=swept_layers(names, sweep_blocks))
         else:
             ref = reference_streamed(streamed, ids, batch_size=batch)
             report = score_streamed(streamed, dict.fromkeys(names, "W8A16"), ids, ref)
@@ -123,12 +146,14 @@ def child(job: str, mode: str, folder: str, samples: int, seq_len: int, batch: i
            * 1024, "rss_before": base}
     if job == "score":
         out["kl_mean"] = report.kl_mean
+    if job == "sweep":
+        out.update(units=len(rows), kl_sum=sum(r.kl_mean for r in rows))
     return out
 
 
 def measure(job: str, mode: str, folder: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", job, mode, str(folder), "--samples", str(args.samples),
-           "--seq-len", str(args.seq_len), "--batch", str(args.batch)]
+           "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--sweep-blocks", str(args.sweep_blocks)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"{job} {mode} failed:\n{done.stderr[-3000:]}")
@@ -145,7 +170,7 @@ def best(runs: list[dict]) -> dict:
 
 def compare(folder: Path, args: argparse.Namespace, label: str, repeat: int = 1) -> list[dict]:
     rows = []
-    for job in ("calibrate", "score"):
+    for job in args.jobs.split(","):
         runs: dict[str, list[dict]] = {"whole": [], "streamed": []}
         for _ in range(repeat):  # interleaved: a change in the machine's load hits both
             for mode in runs:
@@ -158,7 +183,9 @@ def compare(folder: Path, args: argparse.Namespace, label: str, repeat: int = 1)
         print(f"{label:10s} {job:9s} peak whole {whole['peak_rss'] / 2**30:6.2f} GiB, streamed "
               f"{streamed['peak_rss'] / 2**30:6.2f} GiB ({r['peak_ratio']:.2f}x); time whole {whole['wall_s']:7.1f} s, "
               f"streamed {streamed['wall_s']:7.1f} s ({r['time_ratio']:.2f}x)"
-              + (f"; KL {whole['kl_mean']:.6g} / {streamed['kl_mean']:.6g}" if job == "score" else ""), flush=True)
+              + (f"; KL {whole['kl_mean']:.6g} / {streamed['kl_mean']:.6g}" if job == "score" else "")
+              + (f"; {whole['units']} units, summed KL {whole['kl_sum']:.6g} / {streamed['kl_sum']:.6g}"
+                 if job == "sweep" else ""), flush=True)
     return rows
 
 
@@ -172,24 +199,34 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--sweep-blocks", type=int, default=2, help="the sensitivity sweep measured covers the units of "
+                    "the last N blocks and the head (default 2)")
+    ap.add_argument("--jobs", default="calibrate,score,sweep", help="which of calibrate, score, sweep to measure "
+                    "(default all three)")
+    ap.add_argument("--no-synthetic", action="store_true", help="skip the synthetic checkpoint")
     ap.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 timing")
     ap.add_argument("--repeat", type=int, default=3, help="SmolLM2 runs of each mode, interleaved; the fastest "
                     "counts (default 3)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.samples, args.seq_len, args.batch)))
+        print(json.dumps(child(*args.child, args.samples, args.seq_len, args.batch, args.sweep_blocks)))
         return
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
           f"{platform.node()}; {args.samples} x {args.seq_len} tokens, batch {args.batch}, float32 on the CPU")
     rows = []
+    unknown = set(args.jobs.split(",")) - {"calibrate", "score", "sweep"}
+    if unknown:
+        ap.error(f"--jobs: unknown {', '.join(sorted(unknown))}; choose from calibrate, score, sweep")
     with tempfile.TemporaryDirectory(prefix="quantplan-streaming-") as tmp:
-        folder = write_checkpoint(Path(tmp) / "synthetic", layers=args.layers, hidden=args.hidden,
-                                  intermediate=args.intermediate, vocab=args.vocab)
-        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-        print(f"synthetic Llama: {args.layers} blocks, hidden {args.hidden}, {size / 2**30:.2f} GiB of bfloat16 "
-              f"weights ({size / 2 / 1e6:.0f} M parameters)", flush=True)
-        rows += compare(folder, args, "synthetic")
+        folder = None if args.no_synthetic else write_checkpoint(
+            Path(tmp) / "synthetic", layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
+            vocab=args.vocab)
+        if folder is not None:
+            size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+            print(f"synthetic Llama: {args.layers} blocks, hidden {args.hidden}, {size / 2**30:.2f} GiB of bfloat16 "
+                  f"weights ({size / 2 / 1e6:.0f} M parameters)", flush=True)
+            rows += compare(folder, args, "synthetic")
     if not args.no_smollm2:
         from quantcore.models.intake import converted_gguf_folder, demo_gguf_path
         from quantcore.models.validation import default_cache_dir

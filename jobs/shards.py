@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 from jobs.specs import SensitivitySpec
 from jobs.workers import live_workers
 from store.settings import Settings
+from store.shards import SHARD_ATTEMPTS  # a failed or lost shard runs once more, alone
 
 SHARD_TASK = "quantplan.sensitivity_shard"
 MERGE_TASK = "quantplan.sensitivity_merge"
-SHARD_ATTEMPTS = 2  # a shard that fails runs once more, alone; the sweep fails when it fails again
 
 T = TypeVar("T")
 

@@ -339,12 +339,17 @@ class CalibrateSpec(JobSpec):
         self._set("device", _device(k, self.device))
         self._set("dataset", _dataset(k, "dataset", self.dataset))
         self._set("stream", _stream(k, self.stream))
-        if self.rotation is not None and not (isinstance(self.rotation, Mapping) and len(self.rotation) <= 4
-                                              and all(isinstance(key, str) for key in self.rotation)):
-            raise InvalidJob(f"a {k} job's rotation must be a plan's transforms.rotation mapping ({{kind, rotations, "
-                             f"block_size, seed}}), got {self.rotation!r}")
-        if self.rotation is not None:
-            self._set("rotation", dict(self.rotation))
+        _rotation(self, k)
+
+
+def _rotation(spec: Any, k: str) -> None:
+    """Check a job's ``rotation`` (a plan's transforms.rotation mapping) in shape; stored as a plain dict."""
+    if spec.rotation is not None and not (isinstance(spec.rotation, Mapping) and len(spec.rotation) <= 4
+                                          and all(isinstance(key, str) for key in spec.rotation)):
+        raise InvalidJob(f"a {k} job's rotation must be a plan's transforms.rotation mapping ({{kind, rotations, "
+                         f"block_size, seed}}), got {spec.rotation!r}")
+    if spec.rotation is not None:
+        spec._set("rotation", dict(spec.rotation))
 
 
 # ----------------------------------------------------------------------------- score and sensitivity
@@ -461,6 +466,8 @@ class SensitivitySpec(TextJobSpec):
     method: str = _quiet("kl")  # "kl": the exact sweep; "fisher": the estimate (quantcore.evaluation.fisher)
     shards: int | None = None  # tasks the sweep's units are split into (None: one per live worker on its queue)
     shard: tuple[int, int] | None = None  # a shard's own row: (index, count) of its parent sweep's units
+    # a plan's transforms.rotation: every unit quantized in the model rotated so (issue #46; checked by the worker)
+    rotation: dict[str, Any] | None = _quiet(None)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -484,6 +491,7 @@ class SensitivitySpec(TextJobSpec):
         if self.per_expert and not self.groups:
             raise InvalidJob(f"a {k} job's per_expert sweeps each expert's gate/up/down as one unit: it needs groups "
                              "(without groups every layer, expert or not, is its own unit already)")
+        _rotation(self, k)
 
     @property
     def gpus(self) -> int:

@@ -109,11 +109,14 @@ JOB_ARGS+=(--cal-text "$TEXT" --cal-samples 4 --cal-seq-len 32)
 step score "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}"
 step score-stream "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}" --stream
 step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
+# the same sweep streamed (one load of each block for every unit; the rows equal the whole sweep's within CUDA rounding)
+step sensitivity-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}" --stream
 # the fast (Fisher) estimate on the device: backward hooks and quantized GEMMs there; prints its rank correlation with
 # the sweep just above (the same tokens: read, not run again)
 step fisher "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}"
 step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
+step kv-sweep-stream "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}" --stream
 step score-gptq "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"
 step score-gptq-kept "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"  # reads the roundings kept
 # rollout drift samples token by token with a KV cache on the device (the sampler's generator stays on the CPU)
@@ -121,7 +124,8 @@ step score-rollouts "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --rollout
 step jobs "$PY" -m quantplan jobs
 # the estimate against the six exact sweeps on SmolLM2 where installed (else a random Llama of its shape), side by
 # side with a plain forward: docs/concepts/sensitivity.md's figures (a short run on a CPU dry run)
-if [ "$DEVICE" = cpu ]; then FISHER_TOKENS=(--seqs 1 --seq-len 16); else FISHER_TOKENS=(--seqs 8 --seq-len 256); fi
+# (a CPU dry run times the tiny Llama instead: the step runs, its figures mean nothing)
+if [ "$DEVICE" = cpu ]; then FISHER_TOKENS=(--seqs 1 --seq-len 16 --model "$TINY"); else FISHER_TOKENS=(--seqs 8 --seq-len 256); fi
 step fisher-bench "$PY" benchmarks/sensitivity_cost.py --fisher --device "$DEVICE" "${FISHER_TOKENS[@]}"
 
 echo "===== summary" | tee -a "$LOG"

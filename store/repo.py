@@ -413,6 +413,33 @@ def queued_for_workers(session: Session, *, older_than_s: float) -> list[tuple[i
     return [(job_id, str(task_id)) for job_id, task_id, created_at in rows if _aware(created_at) < cutoff]
 
 
+SHARD_ATTEMPTS = 2  # a sweep's shard that fails, or whose worker is lost, runs once more, alone (store.shards)
+
+
+def _requeue_lost_shard(session: Session, job_id: int, *, heartbeat_at: Any, stale_after_s: float,
+                        host: str | None) -> bool:
+    """The stale-job sweep found the running job ``job_id`` without a heartbeat for ``stale_after_s`` (its worker was
+    killed, or its machine lost): when it is a shard with attempts left (:data:`SHARD_ATTEMPTS`) and neither it nor
+    its sweep was asked to cancel, it goes back to ``queued`` (its ``heartbeat_at`` as read, so a worker that beats
+    meanwhile keeps it), for the next worker of its queue to run alone, instead of failing the sweep (store.shards).
+    The broker hands its task out again: Redis once its visibility timeout passes, kombu's SQLAlchemy transport
+    through the workers' lost-task restore (worker.runner.restore_lost_tasks), both with the chord's own task id.
+    False for anything else (the sweep fails it as any job)."""
+    row = session.scalar(select(m.SweepShard).where(m.SweepShard.job_id == job_id))
+    if row is None or row.attempts >= SHARD_ATTEMPTS:
+        return False
+    if session.scalar(select(m.Job.cancel_requested).where(m.Job.id == row.parent_id)):
+        return False
+    unchanged = m.Job.heartbeat_at.is_(None) if heartbeat_at is None else m.Job.heartbeat_at == heartbeat_at
+    res = session.execute(update(m.Job).where(m.Job.id == job_id, m.Job.status == "running",
+                                              m.Job.cancel_requested.is_(False), unchanged)
+                          .values(status="queued", progress=0.0, started_at=None, heartbeat_at=None,
+                                  message=f"attempt {row.attempts} lost: its worker stopped reporting (no heartbeat "
+                                          f"for over {stale_after_s:g} s; last from {host or 'unknown host'}); "
+                                          "queued again, to run alone on the next free worker"))
+    return bool(getattr(res, "rowcount", 0) == 1)
+
+
 def _sweep_running(session: Session, stale_after_s: float) -> list[int]:
     """The running half of :func:`sweep_stale_jobs`."""
     cutoff = m.utcnow() - dt.timedelta(seconds=stale_after_s)
@@ -424,6 +451,8 @@ def _sweep_running(session: Session, stale_after_s: float) -> list[int]:
     for job_id, heartbeat_at, started_at, created_at, host in rows:
         if _aware(heartbeat_at or started_at or created_at) >= cutoff or job_id in beating:
             continue
+        if _requeue_lost_shard(session, job_id, heartbeat_at=heartbeat_at, stale_after_s=stale_after_s, host=host):
+            continue  # a sharded sweep's shard with attempts left: queued again, its sweep goes on
         unchanged = m.Job.heartbeat_at.is_(None) if heartbeat_at is None else m.Job.heartbeat_at == heartbeat_at
         res = _write(session,
             update(m.Job).where(m.Job.id == job_id, m.Job.status == "running", unchanged).values(

@@ -73,6 +73,9 @@ def requeue(session: Session, job_id: int, note: str) -> bool:
     return bool(getattr(res, "rowcount", 0) == 1)
 
 
+SHARD_ATTEMPTS = repo.SHARD_ATTEMPTS  # a shard that fails, or whose worker is lost, runs once more, alone
+
+
 def report_parent(session: Session, parent_id: int, *, worker_host: str, device: str, torch_version: str,
                   message: str) -> bool:
     """A shard made progress: its parent runs (queued → running on the first shard's first progress) and its
@@ -85,4 +88,5 @@ def report_parent(session: Session, parent_id: int, *, worker_host: str, device:
     return repo.report_progress(session, parent_id, min(fraction, 0.999), message)
 
 
-__all__ = ["ShardRecord", "add_shard", "count_attempt", "report_parent", "requeue", "shard_of", "shards_of"]
+__all__ = ["SHARD_ATTEMPTS", "ShardRecord", "add_shard", "count_attempt", "report_parent", "requeue", "shard_of",
+           "shards_of"]

@@ -369,13 +369,58 @@ def depth_heatmap(df: pd.DataFrame, proj: str | None = None, height: int = CHART
 LABEL_ROOM = 10 ** 0.5  # the SmoothQuant panels' y axis: half a decade beyond the data, for the steps' names
 
 
+SMOOTH_DATA = "smoothquant_"  # the prefix of the SmoothQuant panels' named datasets (smoothquant_chart, named=True)
+
+
+def smoothquant_parts(points: pd.DataFrame, steps: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """What each SmoothQuant panel draws, by name: its points (``before_dots``), its steps' rules (``before_rules``)
+    and each step's name at the panel's last channel, the larger step first (``before_name0``, ``before_name1``);
+    the same for ``after``."""
+    parts = {}
+    for stage in ("before", "after"):
+        pts = points[points["stage"] == stage]
+        stp = steps[steps["stage"] == stage].assign(
+            text=lambda d: [f"{t} INT8 step {v:.3g}" for t, v in zip(d["tensor"], d["step"], strict=True)]
+        )
+        named = stp.assign(channel=pts["channel"].max() if len(pts) else 0).sort_values("step", ascending=False)
+        parts |= {f"{stage}_dots": pts, f"{stage}_rules": stp,
+                  **{f"{stage}_name{i}": named.iloc[i:i + 1] for i in (0, 1)}}
+    return parts
+
+
+def smoothquant_datasets(points: pd.DataFrame, steps: pd.DataFrame) -> dict[str, list[dict]]:
+    """The datasets of a :func:`smoothquant_chart` spec built with ``named=True``, for these frames (one α)."""
+    return {SMOOTH_DATA + k: frame.to_dict("records") for k, frame in smoothquant_parts(points, steps).items()}
+
+
+def smoothquant_domain(act_max: np.ndarray, weight_max: np.ndarray,
+                       alphas: Iterable[float] = tuple(np.linspace(0.0, 1.0, 21))) -> list[float] | None:
+    """The log y domain of the SmoothQuant panels that holds every channel and step at each of ``alphas`` (the
+    slider's positions), with room for the steps' names: one axis whatever the α, so a slider step changes the chart's
+    data only and the browser redraws it in place instead of embedding it anew. None where no value is positive."""
+    lo, hi = np.inf, 0.0
+    for a in alphas:
+        v = ol.smoothquant_view(act_max, weight_max, float(a))
+        values = np.concatenate([v.act_before, v.weight_before, v.act_after, v.weight_after,
+                                 [v.act_step_before, v.weight_step_before, v.act_step_after, v.weight_step_after]])
+        values = values[np.isfinite(values) & (values > 0)]
+        if values.size:
+            lo, hi = min(lo, float(values.min())), max(hi, float(values.max()))
+    return [lo / LABEL_ROOM, hi * LABEL_ROOM] if hi > 0 else None
+
+
 def smoothquant_chart(
-    points: pd.DataFrame, steps: pd.DataFrame, alpha: float, height: int = CHART_HEIGHT, width: int = SMOOTH_WIDTH
+    points: pd.DataFrame, steps: pd.DataFrame, alpha: float, height: int = CHART_HEIGHT, width: int = SMOOTH_WIDTH,
+    domain: list[float] | None = None, named: bool = False,
 ) -> alt.HConcatChart:
     """Activation vs weight per-channel max before and after smoothing (two panels, shared log y).
 
     points: channel, stage, tensor, value (from :func:`smoothquant_frame`).
     steps:  stage, tensor, step: the per-tensor INT8 step of each tensor, drawn as a rule.
+    domain: the log y axis' (from :func:`smoothquant_domain`); default: the data's, with room for the names.
+    named: the data as named datasets without their values (:data:`SMOOTH_DATA` + a part of
+    :func:`smoothquant_parts`; give them with :func:`smoothquant_datasets`), and no α in the titles: the spec of
+    every α of a layer is then the same but for its datasets.
     """
     check_columns(points, ["channel", "stage", "tensor", "value"], "smoothquant_chart")
     check_columns(steps, ["stage", "tensor", "step"], "smoothquant_chart steps")
@@ -393,8 +438,9 @@ def smoothquant_chart(
     # a name drawn past the plot's edge would sit on the axis' labels
     values = np.concatenate([points["value"].to_numpy(float), steps["step"].to_numpy(float)])
     values = values[np.isfinite(values) & (values > 0)]
-    y_scale = (alt.Scale(type="log", domain=[float(values.min()) / LABEL_ROOM, float(values.max()) * LABEL_ROOM])
-               if values.size else alt.Scale(type="log"))
+    if domain is None and values.size:
+        domain = [float(values.min()) / LABEL_ROOM, float(values.max()) * LABEL_ROOM]
+    y_scale = alt.Scale(type="log", domain=domain) if domain is not None else alt.Scale(type="log")
     # each encoding built once and given each panel's data (Altair's encode is most of a chart's build time)
     dots_base = alt.Chart().mark_circle(size=14, opacity=0.7).encode(
         x=alt.X("channel:Q", title="input channel"),
@@ -407,23 +453,24 @@ def smoothquant_chart(
         y=alt.Y("step:Q", scale=y_scale), color=color, tooltip=[alt.Tooltip("text:N", title="per-tensor step")])
     text_base = alt.Chart().encode(x="channel:Q", y=alt.Y("step:Q", scale=y_scale), text="text:N")
     text_colored = text_base.encode(color=color)
+    parts = smoothquant_parts(points, steps)
+
+    def data(part: str) -> pd.DataFrame | alt.NamedData:
+        return alt.NamedData(name=SMOOTH_DATA + part) if named else parts[part]
+
     panels = []
-    for stage, title in (("before", "before smoothing"), ("after", f"after smoothing (α = {alpha:.2f})")):
-        pts = points[points["stage"] == stage]
-        stp = steps[steps["stage"] == stage].assign(
-            text=lambda d: [f"{t} INT8 step {v:.3g}" for t, v in zip(d["tensor"], d["step"], strict=True)]
-        )
-        dots = dots_base.properties(data=pts)
-        rules = rules_base.properties(data=stp)
+    for stage, title in (("before", "before smoothing"),
+                         ("after", "after smoothing" if named else f"after smoothing (α = {alpha:.2f})")):
+        dots = dots_base.properties(data=data(f"{stage}_dots"))
+        rules = rules_base.properties(data=data(f"{stage}_rules"))
         # each rule named at its right end (the legend's colours say which tensor, not what a dashed line is): the
         # larger step's name above its line, the smaller's below, so the two never overlap however close the steps
         # come (after smoothing they often meet: at α = 0.5 the weight's can sit a hair above the activation's);
         # each on a white halo over the points
-        named = stp.assign(channel=pts["channel"].max() if len(pts) else 0).sort_values("step", ascending=False)
         names = [
             (text_base if style else text_colored).mark_text(align="right", dy=dy, fontSize=11, **style)
-            .properties(data=named.iloc[[i]])
-            for i, dy in ((0, -7), (1, 11)) if i < len(named)
+            .properties(data=data(f"{stage}_name{i}"))
+            for i, dy in ((0, -7), (1, 11)) if named or len(parts[f"{stage}_name{i}"])
             for style in ({"stroke": "white", "strokeWidth": 3, "strokeOpacity": 0.9}, {})
         ]
         panels.append(alt.layer(dots, rules, *names, title=title, height=height, width=width))

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import auth, state
+from app import auth, rotation_panel, state
 from app.charts import base as chart_base
 from app.charts import outliers as outlier_charts
 from app.charts.base import vega_spec
 from quantcore.evaluation import alpha as alpha_est
 from quantcore.evaluation import outliers as ol
-from quantcore.evaluation import rotation_view
 from quantcore.evaluation.kvcache import kv_head_spread
 from quantcore.formats.catalog import list_formats
 from quantcore.schemes.fusion import fusion_group_of
@@ -71,12 +70,23 @@ def depth_spec(job_id: int, proj: str) -> dict:
     return vega_spec(outlier_charts.depth_heatmap(outlier_charts.depth_frame(layers_of(job_id)[1], proj), proj))
 
 
+@st.cache_data(show_spinner=False, max_entries=32)
+def smoothquant_template(job_id: int, layer: str) -> dict:
+    """The SmoothQuant panels' spec of a layer without its data, the same for every α (one y axis for all): an α
+    step changes the chart's datasets only, which the browser redraws in place instead of embedding the chart anew."""
+    stat_ = layers_of(job_id)[3][layer]
+    points, steps = outlier_charts.smoothquant_frame(
+        ol.smoothquant_view(stat_.channel_max, stat_.weight_channel_max, 0.5))
+    domain = outlier_charts.smoothquant_domain(stat_.channel_max, stat_.weight_channel_max)
+    return vega_spec(outlier_charts.smoothquant_chart(points, steps, 0.5, domain=domain, named=True))
+
+
 @st.cache_data(show_spinner=False, max_entries=64)
 def smoothquant_spec(job_id: int, layer: str, alpha: float) -> dict:
     stat_ = layers_of(job_id)[3][layer]
     points, steps = outlier_charts.smoothquant_frame(
         ol.smoothquant_view(stat_.channel_max, stat_.weight_channel_max, alpha))
-    return vega_spec(outlier_charts.smoothquant_chart(points, steps, alpha))
+    return {**smoothquant_template(job_id, layer), "datasets": outlier_charts.smoothquant_datasets(points, steps)}
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
@@ -111,21 +121,6 @@ def kv_of(job_id: int, _kv_amax: dict | None) -> tuple[pd.DataFrame, dict | None
     """The calibration's K / V / Q maxima as a frame, and their chart's spec (None without any)."""
     frame = outlier_charts.kv_amax_frame(_kv_amax)
     return frame, (None if frame.empty else vega_spec(outlier_charts.kv_amax_chart(frame)))
-
-
-@st.cache_data(show_spinner=False, max_entries=32)
-def rotation_of(job_id: int, rot_id: int, layer: str, alpha: float) -> tuple[pd.DataFrame, dict]:
-    """The layer's input as calibrated, smoothed at ``alpha`` and rotated: the table's rows and the chart's spec."""
-    views_ = rotation_view.layer_fixes(layers_of(job_id)[3][layer], layers_of(rot_id)[0].get(layer), alpha)
-    table = pd.DataFrame([{"fix": v.fix, "outlier ratio (max / median)": round(v.outlier_ratio, 2),
-                           "max |x|": round(v.amax, 4),
-                           "kurtosis": None if v.kurtosis != v.kurtosis else round(v.kurtosis, 1)} for v in views_])
-    return table, vega_spec(outlier_charts.rotation_chart(outlier_charts.rotation_frame(views_)))
-
-
-@st.cache_data(show_spinner=False, max_entries=16)
-def fix_table_of(job_id: int, rot_id: int, alpha: float) -> pd.DataFrame:
-    return pd.DataFrame(rotation_view.fix_table(layers_of(job_id)[3], layers_of(rot_id)[0], alpha))
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -176,14 +171,22 @@ c3.metric("Layers above 100×", int((overview["outlier_ratio"] > 100).sum()))
 names = list(top["layer"])
 if picked in by_name:
     st.session_state["outliers_layer"] = picked
-layer = st.selectbox("Layer", names, key="outliers_layer")
-stat = by_name[layer]
 
-# ----------------------------------------------------------------------------- 2. channels
-st.subheader(f"Channels of {layer}")
-st.caption(f"per-channel max|x| over {stat.n_tokens:,} tokens; below the red line INT8 per-tensor rounds a "
-           "channel's largest value to zero, below the green one even FP8 E4M3 cannot represent it.")
-st.vega_lite_chart(channels_spec(cal_id, layer), width="stretch")
+
+@st.fragment
+def layer_sections() -> None:
+    """The Layer box and every section of the layer picked (channels, depth, SmoothQuant, histogram; called below,
+    once they are defined): picking another layer reruns this part alone, not the overview and the sections after."""
+    layer = st.selectbox("Layer", names, key="outliers_layer")
+    stat = by_name[layer]
+    # ------------------------------------------------------------------------- 2. channels
+    st.subheader(f"Channels of {layer}")
+    st.caption(f"per-channel max|x| over {stat.n_tokens:,} tokens; below the red line INT8 per-tensor rounds a "
+               "channel's largest value to zero, below the green one even FP8 E4M3 cannot represent it.")
+    st.vega_lite_chart(channels_spec(cal_id, layer), width="stretch")
+    depth_section(layer)  # 3. depth heatmap
+    smoothing_section(layer)  # 3b. rotation, 4. SmoothQuant
+    histogram_section(layer)  # 5. histogram + grid
 
 
 # Each section below with a control of its own is a fragment: its control reruns that section alone.
@@ -195,42 +198,14 @@ def depth_section(layer: str) -> None:
     st.vega_lite_chart(depth_spec(cal_id, proj), width="stretch")
 
 
-# ----------------------------------------------------------------------------- 3. depth heatmap
-depth_section(layer)
 
 
 @st.fragment
 def smoothing_section(layer: str) -> None:
     """The rotation what-if and SmoothQuant: both read the α slider."""
     # ----------------------------------------------------------------------------- 3b. rotation what-if (issue #46)
-    st.subheader("Hadamard rotation, beside SmoothQuant")
-    rotated_cals = calibration_svc.rotated_calibrations(model.id)
-    sq_alpha = float(st.session_state.get("outliers_alpha", 0.5))  # the α of the SmoothQuant section below
-    if not rotated_cals:
-        st.caption("A Hadamard rotation (QuaRot, SpinQuant: R1 on the residual stream, R2 on attention values, R4 "
-                   "online before down_proj) spreads an outlier channel over every channel; the model computes the "
-                   "same. A calibration of the rotated model, on this calibration's text and sizes, shows each layer's "
-                   "input before and after.")
-        if auth.may("queue") and st.button("Calibrate the rotated model (Hadamard R1 + R2 + R4)",
-                                           key="outliers_rotate"):
-            job = calibration_svc.submit_rotated_calibration(
-                model.id, {"kind": "hadamard", "rotations": ["R1", "R2", "R4"]},
-                like=next(c for c in cals if c.id == cal_id))
-            st.success(f"Queued job #{job.id}: this section compares once it has finished.")
-    else:
-        rot_id = st.selectbox("Rotated calibration", [c.id for c in rotated_cals], key="outliers_rot_cal",
-                              format_func=lambda i: next(f"job #{c.id} · {c.params.get('rotation')}"
-                                                         for c in rotated_cals if c.id == i))
-        fixes, rotation_chart = rotation_of(cal_id, rot_id, layer, sq_alpha)
-        st.vega_lite_chart(rotation_chart, width="stretch")
-        st.dataframe(fixes, hide_index=True)
-        st.caption(f"{layer}'s input as calibrated, smoothed at the SmoothQuant section's α = {sq_alpha:.2f} "
-                   "(per-channel max divided by SmoothQuant's factors) and rotated (calibrated rotated). Kurtosis "
-                   "E[x⁴]/E[x²]² is 3 for a Gaussian; SmoothQuant's is not known from the statistics (the histogram "
-                   "mixes channels).")
-        ranked = fix_table_of(cal_id, rot_id, sq_alpha)
-        st.markdown("**Where the rotation helps most** (outlier ratio as calibrated / rotated)")
-        st.dataframe(ranked.head(15), hide_index=True)
+    rotation_panel.render(model, next(c for c in cals if c.id == cal_id), layer, layers_of(cal_id)[3],
+                          float(st.session_state.get("outliers_alpha", 0.5)))  # the α of the SmoothQuant part below
 
     # ----------------------------------------------------------------------------- 4. SmoothQuant
     st.subheader("SmoothQuant")
@@ -258,6 +233,7 @@ def smoothing_section(layer: str) -> None:
     group = [m for m in fusion_group_of(layer, layer_names(model)) if m in all_stats] or [layer]
     alpha = st.slider("α (migration strength)", 0.0, 1.0, 0.5, 0.05, key="outliers_alpha")
     st.vega_lite_chart(smoothquant_spec(cal_id, layer, alpha), width="content")  # two fixed panels
+    st.caption(f"Right: after smoothing at α = {alpha:.2f}; one y axis for every α.")
     sweep = None
     if planned is not None:
         sweep = alpha_sweep_of(cal_id, tuple(group), planned)
@@ -299,7 +275,6 @@ def smoothing_section(layer: str) -> None:
         st.caption(auth.cannot("save_plan"))
 
 
-smoothing_section(layer)
 
 
 # ----------------------------------------------------------------------------- 5. histogram + grid
@@ -319,7 +294,7 @@ def histogram_section(layer: str) -> None:
         st.vega_lite_chart(spec, width="stretch")
 
 
-histogram_section(layer)
+layer_sections()
 
 # ----------------------------------------------------------------------------- 6. Q, K and V
 cal = next(c for c in cals if c.id == cal_id)

@@ -63,8 +63,8 @@ PATTERNS = frames.layer_patterns
 def _rule_builder(names: list[str], rules_key: str, body: dict) -> None:
     """A rule made from the model's own layer-name patterns (or one typed, its matches counted) and a scheme
     picked with its description; the preset explainer beside it."""
-    with st.expander("Schemes explained: every preset by family, its formats, storage and where it runs natively"):
-        plan_tools.scheme_explainer(CATALOG)
+    plan_tools.lazy_scheme_explainer("Schemes explained: every preset by family, its formats, storage and where it "
+                                     "runs natively", f"{rules_key}_explainer", CATALOG)
     patterns = PATTERNS(names)
     b1, b2, b3 = st.columns([2, 3, 1], vertical_alignment="bottom")
     pattern = b1.selectbox("Layers (a pattern of this model, or type one)", list(patterns), index=None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import auth, forms, frames, live, plan_tools, state
+from app import auth, fixes_panel, forms, frames, live, plan_tools, state
 from app import text as page_text
 from app.charts import results as result_charts
 from jobs.specs import CAL_SAMPLES, CAL_SEQ_LEN, QUICK_SWEEP_SAMPLES, SAMPLES, SCORED_SEQ_LEN, SHARDS, ScoreSpec
@@ -65,8 +65,9 @@ if auth.may("queue"):
                                   key=f"score_seq_len_{tokens.most}")
         device = c4.selectbox("Device", ["cpu", "cuda"], index=["cpu", "cuda"].index(kept.get("device", "cpu")),
                               key="score_device")
-        with st.expander("What each preset does"):
-            plan_tools.scheme_explainer()  # the table the Plans page's rules editor reads too, by family
+        with st.expander("What each preset does", key="score_explainer", on_change="rerun") as explained:
+            if explained.open:  # built when opened: its tables are most of what a browser draws for this page
+                plan_tools.scheme_explainer()  # the table the Plans page's rules editor reads too, by family
             st.caption("GPTQ: the `*_GPTQ` presets keep their format's grid and scales but choose each weight's grid "
                        "point to keep the layer's output close on the calibration text (under Texts below; "
                        f"{ScoreSpec.cal_samples} × {ScoreSpec.cal_seq_len} tokens of the built-in one by default), as "
@@ -329,11 +330,14 @@ else:
                            f"measured {scoring_svc.pm_text(s.kl_mean, s.kl_mean_err)}")
 
     compare_section()
+    fixes_panel.render(scores)  # plans that differ only in the outlier fix, side by side (issue #46)
 
     verified = predictions_svc.verified_predictions(model)  # every automatic plan of this architecture family
     if verified:
         st.subheader("Predicted against measured")
-        st.altair_chart(result_charts.prediction_chart(pd.DataFrame([v.to_dict() for v in verified])), width="stretch")
+        predicted = pd.DataFrame([v.to_dict() for v in verified])
+        state.chart(("prediction", *state.frame_key(predicted)), lambda: result_charts.prediction_chart(predicted),
+                    width="stretch")  # built once per set of verified plans (app.state.chart)
         fits = {m: predictions_svc.correction_for(model, m) for m in ("fisher", "kl")}
         st.caption(f"Every verified automatic plan of a {model.architecture} model. The next automatic plan's search "
                    "corrects its prediction by them: " + "; ".join(

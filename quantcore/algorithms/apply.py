@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import difflib
 import weakref
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,15 +294,29 @@ def _static_layers(schemes: Mapping[str, Scheme], act_amax: Mapping[str, float] 
     return out
 
 
-def _moe_shared_scales(static: Mapping[str, float], schemes: Mapping[str, Scheme]) -> dict[str, float]:
+def _mixed_expert_blocks(schemes: Mapping[str, Scheme]) -> set[str]:
+    """MoE blocks whose routed experts take different schemes (a per-expert plan, ``per_expert: true``): no fused MoE
+    layer serves them, so each expert keeps its own input scales (static: as calibrated; dynamic per-tensor: over
+    its own rows), as the checkpoint stores them and an engine that runs the experts one by one reads them."""
+    by_block: dict[str, set[Scheme]] = {}
+    for name, scheme in schemes.items():
+        block = expert_block(name)
+        if block is not None:
+            by_block.setdefault(block, set()).add(scheme)
+    return {block for block, used in by_block.items() if len(used) > 1}
+
+
+def _moe_shared_scales(static: Mapping[str, float], schemes: Mapping[str, Scheme],
+                       mixed: Set[str] = frozenset()) -> dict[str, float]:
     """Static input scales as vLLM's fused MoE layer reads them: for FP8 and INT8, one for the gate/up of every
     expert of a block (w13) and one for its down_proj (w2), the largest of its experts' ("Using the maximum across
     experts for each layer"). With calibration running every expert on every token (quantcore.models.moe) the gate/up
     ones are equal anyway; the down_proj inputs differ from expert to expert. NVFP4's fused MoE keeps each expert's own
     input tensor scales (its w13 one the smaller global scale of the expert's gate and up, which read one input), so
-    they are left as calibrated."""
+    they are left as calibrated, and so are the scales of a block in ``mixed`` (:func:`_mixed_expert_blocks`)."""
     key = {name: (block, name.endswith(".down_proj")) for name in static
-           if (block := expert_block(name)) and schemes[name].activation_spec().format != "nvfp4"}
+           if (block := expert_block(name)) and block not in mixed
+           and schemes[name].activation_spec().format != "nvfp4"}
     shared: dict[tuple[str, bool], float] = {}
     for name, k in key.items():
         shared[k] = max(shared.get(k, static[name]), static[name])
@@ -540,7 +554,8 @@ def apply_plan(
         )
         for n, a in static_amax.items()
     }
-    static = _moe_shared_scales(static, schemes)
+    mixed = _mixed_expert_blocks(schemes)
+    static = _moe_shared_scales(static, schemes, mixed)
 
     applied = AppliedPlan(
         layers=dict(active),
@@ -575,7 +590,7 @@ def apply_plan(
                                                    hessians, gptq_cache))
                 del nearest
             state = _LayerState(name, module, scheme, original, report, static_scale=static.get(name),
-                                block=_expert_block_scale(name, scheme, modules),
+                                block=_expert_block_scale(name, scheme, modules, mixed),
                                 shards=_input_shards(name, scheme, parallel))
             if state.block is not None and state.block[1] == "w2":  # the block's down_proj amax, per GPU's share
                 state.block[0].w2_shards = state.shards
@@ -613,14 +628,15 @@ def _input_shards(name: str, scheme: Scheme, parallel: Parallelism | None) -> in
     return parallel.input_shards(name)
 
 
-def _expert_block_scale(name: str, scheme: Scheme,
-                        modules: Mapping[str, nn.Module]) -> tuple[LinearExperts, str] | None:
+def _expert_block_scale(name: str, scheme: Scheme, modules: Mapping[str, nn.Module],
+                        mixed: Set[str] = frozenset()) -> tuple[LinearExperts, str] | None:
     """(the LinearExperts block, "w13" | "w2") for a routed expert whose activations take a dynamic per-tensor scale,
     else None. vLLM's fused MoE quantizes the block's input once for every expert's gate/up and all routed experts'
-    down_proj inputs together, each with one dynamic scale; the block's two-pass forward provides those amaxes."""
+    down_proj inputs together, each with one dynamic scale; the block's two-pass forward provides those amaxes. A
+    block in ``mixed`` (a per-expert plan) has no fused layer: each expert's scale is over its own rows (None)."""
     a = scheme.activations
     block = expert_block(name)
-    if a is None or block is None or not a.dynamic or a.granularity.value != "tensor":
+    if a is None or block is None or block in mixed or not a.dynamic or a.granularity.value != "tensor":
         return None
     experts = modules.get(block)
     if not isinstance(experts, LinearExperts):

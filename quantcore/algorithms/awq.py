@@ -32,7 +32,8 @@ mapping and so does this module (the o_proj is rounded without scaling).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,50 +334,90 @@ def awq_search(
     if not mappings:
         return result
     stack = find_decoder_blocks(model)
-    modules = dict(model.named_modules())
     device = next(model.parameters()).device
     hidden, rest = _block_inputs(model, stack.blocks, batch_list, device)
     handles: list[SmoothingHandle] = []
     last = max(m.block for m in mappings)
-    done = 0
+    search = BlockSearch(model, mappings, spec_of, result, n_grid=n_grid, duo_scaling=duo_scaling,
+                         progress=progress, should_cancel=should_cancel)
     try:
         for b in range(last + 1):
-            here = [m for m in mappings if m.block == b]
             block = stack.blocks[b]
-            captures = {m.parent: _Capture() for m in here}
-            sums = {m.balance[0]: _AbsSum() for m in here}
-            hooks = [modules[p].register_forward_pre_hook(c, with_kwargs=True) for p, c in captures.items()]
-            hooks += [modules[n].register_forward_pre_hook(s) for n, s in sums.items()]
-            try:  # an MoE block's experts see every token, as in llm-compressor's calibration (quantcore.models.moe)
-                with all_experts():
-                    outs = [_first(block(h, *extra, **kw)) for h, (extra, kw) in zip(hidden, rest[b], strict=True)]
-            finally:
-                for h in hooks:
-                    h.remove()
-            for m in here:
-                if should_cancel is not None and should_cancel():
-                    raise Cancelled("cancelled during the AWQ search")
-                acc = sums[m.balance[0]]
-                assert acc.sum is not None
-                x_mean = acc.sum / max(acc.count, 1)
-                s, err, history = _search_one(modules, m, spec_of, captures[m.parent].calls, x_mean, n_grid,
-                                              duo_scaling)
-                handles.append(fold_factors(model, {m.balance[0]: s}))
-                for n in m.balance:
-                    result.factors[n] = s
-                label = f"{m.smooth} -> {', '.join(x.rsplit('.', 1)[-1] for x in m.balance)}"
-                result.errors[label], result.history[label] = err, history
-                done += 1
-                if progress is not None:
-                    progress(done / len(mappings), f"AWQ: {done} of {len(mappings)} mappings searched")
+            with search.observed(b):  # an MoE block's experts see every token, as in llm-compressor's calibration
+                outs = [_first(block(h, *extra, **kw)) for h, (extra, kw) in zip(hidden, rest[b], strict=True)]
+            handles += search.search(b)
             if b < last:
-                hidden = outs if here == [] else [
+                hidden = outs if not search.has(b) else [
                     _first(block(h, *extra, **kw)) for h, (extra, kw) in zip(hidden, rest[b], strict=True)
                 ]
     finally:
         for h in reversed(handles):
             h.restore()
     return result
+
+
+class BlockSearch:
+    """AWQ's search one decoder block at a time, in model order (the whole model's :func:`awq_search`, and the
+    streamed one of :mod:`quantcore.algorithms.streamed_rounding`): :meth:`observed` around the block's unscaled
+    pass (the inputs of each mapping's parent and of its balance layers recorded, every expert of an MoE block
+    seeing every token), then :meth:`search`, which searches the block's mappings, folds the best factors (the
+    handles returned undo them) and fills ``result``; the block's outputs for the next block are then those of a
+    pass with the factors folded (when :meth:`has` mappings in it)."""
+
+    def __init__(self, model: nn.Module, mappings: Sequence[AwqMapping], spec_of: Mapping[str, TensorSpec],
+                 result: AwqResult, *, n_grid: int = AWQ_N_GRID, duo_scaling: bool = AWQ_DUO_SCALING,
+                 progress: Callable[[float, str], None] | None = None,
+                 should_cancel: Callable[[], bool] | None = None) -> None:
+        self.model, self.mappings, self.spec_of, self.result = model, list(mappings), spec_of, result
+        self.n_grid, self.duo_scaling, self.progress, self.should_cancel = n_grid, duo_scaling, progress, should_cancel
+        self.done = 0
+        self._captures: dict[str, _Capture] = {}
+        self._sums: dict[str, _AbsSum] = {}
+
+    def has(self, b: int) -> bool:
+        return any(m.block == b for m in self.mappings)
+
+    @property
+    def last(self) -> int:
+        return max((m.block for m in self.mappings), default=-1)
+
+    @contextmanager
+    def observed(self, b: int) -> Iterator[None]:
+        here = [m for m in self.mappings if m.block == b]
+        modules = dict(self.model.named_modules())
+        self._captures = {m.parent: _Capture() for m in here}
+        self._sums = {m.balance[0]: _AbsSum() for m in here}
+        hooks = [modules[p].register_forward_pre_hook(c, with_kwargs=True) for p, c in self._captures.items()]
+        hooks += [modules[n].register_forward_pre_hook(s) for n, s in self._sums.items()]
+        try:
+            with all_experts():
+                yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def search(self, b: int) -> list[SmoothingHandle]:
+        modules = dict(self.model.named_modules())
+        handles: list[SmoothingHandle] = []
+        for m in (m for m in self.mappings if m.block == b):
+            if self.should_cancel is not None and self.should_cancel():
+                raise Cancelled("cancelled during the AWQ search")
+            acc = self._sums[m.balance[0]]
+            assert acc.sum is not None
+            x_mean = acc.sum / max(acc.count, 1)
+            s, err, history = _search_one(modules, m, self.spec_of, self._captures[m.parent].calls, x_mean,
+                                          self.n_grid, self.duo_scaling)
+            handles.append(fold_factors(self.model, {m.balance[0]: s}))
+            for n in m.balance:
+                self.result.factors[n] = s
+            label = f"{m.smooth} -> {', '.join(x.rsplit('.', 1)[-1] for x in m.balance)}"
+            self.result.errors[label], self.result.history[label] = err, history
+            self.done += 1
+            if self.progress is not None:
+                self.progress(self.done / len(self.mappings),
+                              f"AWQ: {self.done} of {len(self.mappings)} mappings searched")
+        self._captures, self._sums = {}, {}
+        return handles
 
 
 def save_awq(result: AwqResult, path: str | Path) -> Path:
@@ -422,5 +463,5 @@ def round_after_awq(layer: WeightRounding) -> torch.Tensor:
 
 AWQ_TRANSFORM = register_transform("awq", applies_to=lambda scheme: scheme.needs_awq, needs="awq")
 
-__all__ = ["AWQ_TRANSFORM", "AwqMapping", "AwqResult", "awq_mappings", "awq_search", "candidates", "load_awq",
-           "round_after_awq", "save_awq", "weight_means"]
+__all__ = ["AWQ_TRANSFORM", "AwqMapping", "AwqResult", "BlockSearch", "awq_mappings", "awq_search", "candidates",
+           "load_awq", "round_after_awq", "save_awq", "weight_means"]

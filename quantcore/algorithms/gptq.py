@@ -29,7 +29,9 @@ every layer in one pass. llm-compressor's sequential pipeline instead feeds each
 of the layers it already quantized, so deeper layers see slightly different inputs; layer 0's inputs are
 the same in both. Collecting them that way (``stop_after`` ends each forward after the block) moves SmolLM2's
 W4A16_GPTQ KL by 0.5 %, less than leaving out one of 16 calibration sequences does (README;
-scripts/gptq_against_llmc.py --sequential --spread), so quantplan keeps the one pass.
+scripts/gptq_against_llmc.py --sequential --spread), so quantplan keeps the one pass. A streamed job takes the same
+Hessians one block at a time and rounds each block's layers before freeing it
+(:mod:`quantcore.algorithms.streamed_rounding`: the same roundings, one block's Hessians in memory).
 
 SmoothQuant: a smoothed layer computes ``(X / s) (W · s)ᵀ``; its Hessian is ``D⁻¹ H D⁻¹`` with ``D = diag(s)``
 (:func:`smoothed_hessian`), so Hessians collected on the unsmoothed model serve any α.
@@ -231,6 +233,44 @@ def _stop(*_args: object) -> None:
     raise _Stop
 
 
+@contextmanager
+def hessians_hooked(model: nn.Module, layers: Iterable[str]) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+    """Hooks that add the named linears' inputs to their Hessians while the context is open (the forwards are the
+    caller's: :func:`collect_hessians` runs the whole model, :mod:`quantcore.algorithms.streamed_rounding` one
+    decoder block at a time); yields ``finish()``, the ``{layer: 2 Xᵀ X / n}`` so far. The members of one fusion
+    group (q/k/v, gate/up) read one input and share one Hessian (the same tensor object). PlanError for a name that
+    is not an ``nn.Linear`` of the model, and (from ``finish``) for a layer no token reached."""
+    names = list(dict.fromkeys(layers))
+    modules = dict(model.named_modules())
+    bad = [n for n in names if not isinstance(modules.get(n), nn.Linear)]
+    if bad:
+        raise PlanError(f"GPTQ needs the inputs of nn.Linear layers; not one in this model: {name_list(bad)}")
+    owner: dict[str, str] = {n: n for n in names}  # layer -> the group member whose input is recorded
+    for group in fusion_groups(names):
+        for m in group:
+            owner[m] = group[0]
+    acc = {o: _Accumulator() for o in dict.fromkeys(owner.values())}
+
+    def hook(name: str):
+        def pre(_module: nn.Module, args: tuple) -> None:
+            acc[name].add(args[0])
+        return pre
+
+    def finish() -> dict[str, torch.Tensor]:
+        empty = [o for o, a in acc.items() if a.rows == 0]
+        if empty:
+            raise PlanError(f"no calibration token reached {name_list(empty)}: cannot build its GPTQ Hessian")
+        hess = {o: a.hessian() for o, a in acc.items()}
+        return {n: hess[owner[n]] for n in names}
+
+    handles = [modules[o].register_forward_pre_hook(hook(o)) for o in acc]
+    try:
+        yield finish
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def collect_hessians(
     model: nn.Module,
@@ -251,49 +291,28 @@ def collect_hessians(
                 nothing after it changes these inputs
     Raises PlanError for a name that is not an ``nn.Linear`` of the model, or a layer no token reached.
     """
-    names = list(dict.fromkeys(layers))
-    modules = dict(model.named_modules())
-    bad = [n for n in names if not isinstance(modules.get(n), nn.Linear)]
-    if bad:
-        raise PlanError(f"GPTQ needs the inputs of nn.Linear layers; not one in this model: {name_list(bad)}")
-    owner: dict[str, str] = {n: n for n in names}  # layer -> the group member whose input is recorded
-    for group in fusion_groups(names):
-        for m in group:
-            owner[m] = group[0]
-    acc = {o: _Accumulator() for o in dict.fromkeys(owner.values())}
-
-    def hook(name: str):
-        def pre(_module: nn.Module, args: tuple) -> None:
-            acc[name].add(args[0])
-        return pre
-
     if isinstance(batches, torch.Tensor):
         ids = batches if batches.dim() == 2 else batches.reshape(1, -1)
         batch_list: Sequence[torch.Tensor] = [ids[i:i + batch_size] for i in range(0, ids.shape[0], batch_size)]
     else:
         batch_list = list(batches)
-    handles = [modules[o].register_forward_pre_hook(hook(o)) for o in acc]
-    if stop_after is not None:
-        handles.append(stop_after.register_forward_hook(_stop))
-    try:
-        for i, b in enumerate(batch_list):
-            if should_cancel is not None and should_cancel():
-                raise Cancelled("cancelled while collecting GPTQ Hessians")
-            try:
-                with all_experts():  # an MoE model's experts see every token, as in llm-compressor's oneshot
-                    model(input_ids=b)
-            except _Stop:
-                pass
-            if progress is not None:
-                progress((i + 1) / len(batch_list), f"GPTQ Hessians: batch {i + 1} of {len(batch_list)}")
-    finally:
-        for h in handles:
-            h.remove()
-    empty = [o for o, a in acc.items() if a.rows == 0]
-    if empty:
-        raise PlanError(f"no calibration token reached {name_list(empty)}: cannot build its GPTQ Hessian")
-    hess = {o: a.hessian() for o, a in acc.items()}
-    return {n: hess[owner[n]] for n in names}
+    with hessians_hooked(model, layers) as finish:
+        stop = stop_after.register_forward_hook(_stop) if stop_after is not None else None
+        try:
+            for i, b in enumerate(batch_list):
+                if should_cancel is not None and should_cancel():
+                    raise Cancelled("cancelled while collecting GPTQ Hessians")
+                try:
+                    with all_experts():  # an MoE model's experts see every token, as in llm-compressor's oneshot
+                        model(input_ids=b)
+                except _Stop:
+                    pass
+                if progress is not None:
+                    progress((i + 1) / len(batch_list), f"GPTQ Hessians: batch {i + 1} of {len(batch_list)}")
+        finally:
+            if stop is not None:
+                stop.remove()
+        return finish()
 
 
 @register_rounding_handler(Rounding.GPTQ, reads_nearest=False, needs="weight_hessians")
@@ -352,6 +371,7 @@ __all__ = [
     "GptqResult",
     "collect_hessians",
     "gptq_quantize",
+    "hessians_hooked",
     "round_with_gptq",
     "rounding_inputs",
     "smoothed_hessian",

@@ -20,6 +20,9 @@ R2          Each attention head's values are rotated, ``v_h' = v_h Q₂`` (head_
 R4          down_proj's input is rotated online, ``x Q₄`` (intermediate width): a forward pre-hook on down_proj
             multiplies its input by Q₄ at run time (in float32 at least) and the weight is ``W Q₄``. A
             quantizer hooked on down_proj after it sees the rotated input.
+V           QuIP / QuIP#'s input-side incoherence processing (llm-compressor's ``QuIPModifier``, rotations ``["v"]``):
+            every decoder linear (q/k/v/o, gate/up/down; not lm_head) rotated online as R4 is, one Hadamard per
+            input width (in blocks of ``block_size``). Nothing is folded, so it holds for Gemma too; alone.
 ==========  ==========================================================================================================
 
 Q is a Hadamard matrix (:mod:`quantcore.algorithms.hadamard`), randomised by a seeded ±1 diagonal or block-diagonal as
@@ -30,7 +33,7 @@ rounded once to its dtype into a new Parameter; :meth:`RotationHandle.restore` p
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +43,7 @@ from torch import nn
 
 from quantcore.algorithms.hadamard import has_hadamard, rotation_matrix
 from quantcore.algorithms.registry import register_transform
-from quantcore.algorithms.rotation_spec import R1, R2, R4, RotationSpec, RotationWidths, block_of
+from quantcore.algorithms.rotation_spec import R1, R2, R4, RotationSpec, RotationWidths, V, block_of
 from quantcore.algorithms.smoothquant import _gain_style, _weight  # the probe SmoothQuant folds norms by
 from quantcore.errors import PlanError, name_list
 from quantcore.models.architectures import Architecture, architecture_of
@@ -182,7 +185,10 @@ def model_layout(model: nn.Module) -> ModelLayout:
                  *((by_id[id(head)],) if head is not None and id(head) in by_id else ())),
             R2: tuple(n for b in blocks for n in (b.v, b.o)),
             R4: tuple(b.down for b in blocks),
-        })
+            V: tuple(n for b in blocks for n in (b.q, b.k, b.v, b.o, b.gate, b.up, b.down)),
+        },
+        in_features={n: _linear(modules, n).in_features
+                     for b in blocks for n in (b.q, b.k, b.v, b.o, b.gate, b.up, b.down)})
     return ModelLayout(arch, blocks, by_id[id(emb)], final_norm,
                        by_id[id(head)] if head is not None and id(head) in by_id else None, widths)
 
@@ -190,8 +196,14 @@ def model_layout(model: nn.Module) -> ModelLayout:
 def check_rotation(spec: RotationSpec, widths: RotationWidths) -> None:
     """PlanError naming the layers whose width the rotation's Hadamard cannot cover (no matrix of that order is
     built, or the block size does not divide it)."""
-    problems = []
+    problems: list[str] = []
+    if V in spec.rotations:  # each linear at its own input width
+        for width, layers in widths.v_widths().items():
+            _check_width(problems, f"V on {len(layers)} layer(s) ({name_list(list(layers), 3)}), width {width}",
+                         width, block_of(spec, V, width))
     for r in spec.rotations:
+        if r == V:
+            continue
         width = widths.of(r)
         block = block_of(spec, r, width)
         layers = widths.layers.get(r, ())
@@ -207,6 +219,15 @@ def check_rotation(spec: RotationSpec, widths: RotationWidths) -> None:
 
 
 # ---------------------------------------------------------------------------- folding
+
+
+def _check_width(problems: list[str], where: str, width: int, block: int) -> None:
+    if width % block:
+        problems.append(f"{where}: the block size {block} does not divide {width}")
+    elif not has_hadamard(block):
+        problems.append(f"{where}: no Hadamard matrix of order {block} is built (orders: powers of two times products "
+                        f"of 12, 20, 28, 36, 44); set transforms.rotation.block_size to a power of two that divides "
+                        f"{width}")
 
 
 def _linear(modules: Mapping[str, nn.Module], name: str) -> nn.Linear:
@@ -295,26 +316,64 @@ def _r2(handle: RotationHandle, layout: ModelLayout, modules: Mapping[str, nn.Mo
         handle._set(o, "weight", (wo @ q.to(o.weight.device)).reshape(o.out_features, o.in_features))
 
 
+# the attribute an online-rotated linear carries while rotated: its input's rotation, x -> x Q₄. A forward pre-hook
+# registered later with prepend=True runs before R4's and sees the unrotated input: it applies this to see what the
+# layer computes with (quantcore.evaluation.sensitivity's local SQNR)
+ONLINE_ROTATION = "quantplan_online_rotation"
+
+
 def _online_hook(q: torch.Tensor):
     cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        x = args[0]
+    def rotate(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
         key = (x.device, dtype)
         if key not in cache:
             cache[key] = q.to(device=x.device, dtype=dtype)
-        return ((x.to(dtype) @ cache[key]).to(x.dtype), *args[1:])
+        return (x.to(dtype) @ cache[key]).to(x.dtype)
 
-    return hook
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (rotate(args[0]), *args[1:])
+
+    return hook, rotate
+
+
+class _Attribute:
+    """``module.<name> = value`` until :meth:`remove` (kept with a rotation's hooks, removed with them)."""
+
+    def __init__(self, module: nn.Module, name: str, value: Any) -> None:
+        self.module, self.name = module, name
+        object.__setattr__(module, name, value)
+
+    def remove(self) -> None:
+        if self.name in self.module.__dict__:
+            object.__delattr__(self.module, self.name)
+
+
+def _online(handle: RotationHandle, modules: Mapping[str, nn.Module], name: str, q: torch.Tensor) -> None:
+    """``name``'s input rotated online by ``q`` (a pre-hook), its weight's columns by the same ``q`` (W Q): the same
+    function, x W^T = (x Q)(W Q)^T."""
+    lin = _linear(modules, name)
+    handle._set(lin, "weight", lin.weight.detach().double() @ q.to(lin.weight.device))
+    hook, rotate = _online_hook(q)
+    handle._hooks.append(lin.register_forward_pre_hook(hook, prepend=True))
+    handle._hooks.append(_Attribute(lin, ONLINE_ROTATION, rotate))  # removed with the hooks
+    handle.online.append(name)
 
 
 def _r4(handle: RotationHandle, layout: ModelLayout, modules: Mapping[str, nn.Module], q: torch.Tensor) -> None:
     for b in layout.blocks:
-        down = _linear(modules, b.down)
-        handle._set(down, "weight", down.weight.detach().double() @ q.to(down.weight.device))
-        handle._hooks.append(down.register_forward_pre_hook(_online_hook(q), prepend=True))
-        handle.online.append(b.down)
+        _online(handle, modules, b.down, q)
+
+
+def _v(handle: RotationHandle, modules: Mapping[str, nn.Module]) -> None:
+    """QuIP's input-side incoherence rotation: every decoder linear's input online, one matrix per input width."""
+    spec, widths = handle.spec, handle.widths
+    for width, layers in widths.v_widths().items():
+        q = rotation_matrix(width, block_size=block_of(spec, V, width), seed=spec.seed_for(V))
+        handle.matrices[f"{V}{width}"] = q
+        for name in layers:
+            _online(handle, modules, name, q)
 
 
 @torch.no_grad()
@@ -328,9 +387,12 @@ def rotate_model(model: nn.Module, spec: RotationSpec) -> RotationHandle:
     modules = dict(model.named_modules())
     handle = RotationHandle(spec, layout.widths)
     for r in spec.rotations:
-        width = layout.widths.of(r)
-        handle.matrices[r] = rotation_matrix(width, block_size=block_of(spec, r, width), seed=spec.seed_for(r))
+        if r != V:  # V: one matrix per input width (_v)
+            width = layout.widths.of(r)
+            handle.matrices[r] = rotation_matrix(width, block_size=block_of(spec, r, width), seed=spec.seed_for(r))
     try:
+        if V in spec.rotations:
+            _v(handle, modules)
         if R1 in spec.rotations:
             _r1(handle, model, layout, modules, handle.matrices[R1])
         if R2 in spec.rotations:
@@ -360,14 +422,40 @@ def rotate_for_plan(model: nn.Module, spec: RotationSpec, alphas: Mapping[str, f
                     ) -> tuple[RotationHandle, dict[str, float], list[str]]:
     """Rotate ``model`` for a plan whose SmoothQuant alphas are ``alphas``: (handle, the alphas still exact after
     the rotation, notes for people). SmoothQuant folds down_proj's factors into up_proj's rows, before R4's online
-    Hadamard, so a down_proj under R4 is left unsmoothed (the rotation already spreads its outliers)."""
+    Hadamard, so a down_proj under R4 (every linear under V) is left unsmoothed (the rotation already spreads its
+    outliers)."""
     handle = rotate_model(model, spec)
     online = set(handle.online)
     dropped = [n for n in alphas if n in online]
-    notes = [f"{len(dropped)} down_proj layer(s) ({name_list(dropped, 3)}): SmoothQuant not applied (R4 rotates "
-             "their input online, after up_proj's rows where the factors would fold); they are quantized rotated"
-             ] if dropped else []
+    how = "V rotates every decoder linear's input" if V in spec.rotations else "R4 rotates their input"
+    notes = [f"{len(dropped)} layer(s) ({name_list(dropped, 3)}): SmoothQuant not applied ({how} online, after the "
+             "rows where the factors would fold); they are quantized rotated"] if dropped else []
     return handle, {n: a for n, a in alphas.items() if n not in online}, notes
+
+
+@contextmanager
+def rotated_for_sweep(model: nn.Module, inputs: Any, layers: Iterable[str], schemes: Iterable[Any]
+                      ) -> Iterator[Any]:
+    """``model`` rotated once by ``inputs.rotation`` for a whole sensitivity sweep or Fisher estimate (every unit is
+    then quantized in the rotated model, as a rotated plan is scored), restored on exit; yields ``inputs`` without
+    the rotation (the units must not rotate again). The inputs' statistics, Hessians and AWQ factors must be those
+    of the rotated model. PlanError, nothing rotated, where a SmoothQuant scheme would smooth a layer whose input is
+    rotated online (R4's down_proj, every linear under V: the factors would fold into the rows before the Hadamard;
+    a score leaves such a layer unsmoothed: :func:`rotate_for_plan`), naming the layers."""
+    spec = inputs.rotation
+    handle = rotate_model(model, spec)
+    try:
+        online = set(handle.online)
+        smoothed = [n for n in layers if n in online] if any(
+            getattr(s, "smoothquant_alpha", None) is not None for s in schemes) else []
+        if smoothed:
+            raise PlanError(f"{len(smoothed)} layer(s) ({name_list(smoothed, 3)}) cannot be swept with "
+                            f"SmoothQuant under {spec.label()}: their input is rotated online (R4, V), after the "
+                            "rows the factors would fold into; leave them out of the sweep, or sweep without that "
+                            "rotation")
+        yield inputs.replace(rotation=None)
+    finally:
+        handle.restore()
 
 
 def rotation_widths(model: nn.Module) -> RotationWidths:
@@ -375,5 +463,5 @@ def rotation_widths(model: nn.Module) -> RotationWidths:
     return model_layout(model).widths
 
 
-__all__ = ["ROTATION_TRANSFORM", "RotationHandle", "check_rotation", "model_layout", "rotate_for_plan", "rotate_model",
-           "rotation_applied", "rotation_widths"]
+__all__ = ["ONLINE_ROTATION", "ROTATION_TRANSFORM", "RotationHandle", "check_rotation", "model_layout",
+           "rotate_for_plan", "rotate_model", "rotated_for_sweep", "rotation_applied", "rotation_widths"]

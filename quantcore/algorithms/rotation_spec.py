@@ -8,7 +8,8 @@ In a plan file (``transforms:``; SmoothQuant's α stays in ``smoothquant_alpha``
     transforms:
       rotation:
         kind: hadamard            # or random-hadamard (a random ±1 diagonal drawn from ``seed``)
-        rotations: [R1, R2, R4]   # any of them; SpinQuant's names (R3, inside attention, is not built)
+        rotations: [R1, R2, R4]   # any of them; SpinQuant's names (R3, inside attention, is not built); or [V]
+                                  #   alone: QuIP's input rotation of every decoder linear (QuIPModifier)
         block_size: 64            # optional: a block-diagonal Hadamard of this order for R1 and R4 (MR-GPTQ);
                                   #   without it, one Hadamard of the whole width (576 = 36 x 16 is built)
         seed: 0                   # random-hadamard only (default 0)
@@ -34,6 +35,10 @@ RANDOM_HADAMARD = "random-hadamard"
 ROTATION_KINDS = (HADAMARD, RANDOM_HADAMARD)
 R1, R2, R4 = "R1", "R2", "R4"
 ROTATIONS = (R1, R2, R4)  # SpinQuant's names; R3 (query / key inside attention) is not built
+# QuIP / QuIP#'s incoherence processing, input side (llm-compressor's QuIPModifier rotations: ["v"]): every decoder
+# linear's input rotated online, its weight's columns by the transpose; alone (it rotates what R1 / R2 / R4 do)
+V = "V"
+ALL_ROTATIONS = (*ROTATIONS, V)
 MAX_BLOCK = 1 << 16  # widest Hadamard block (quantcore.algorithms.hadamard.MAX_ORDER)
 MAX_SEED = (1 << 63) - 1  # a torch.Generator seed is a 64-bit integer
 _KEYS = ("kind", "rotations", "block_size", "seed")
@@ -66,7 +71,7 @@ class RotationSpec:
     def seed_for(self, rotation: str) -> int | None:
         """The seed of one rotation's ±1 diagonal: the stored seed plus its index, so R1, R2 and R4 differ; None for
         a plain Hadamard."""
-        return None if not self.randomized else int(self.seed or 0) + ROTATIONS.index(rotation)
+        return None if not self.randomized else int(self.seed or 0) + ALL_ROTATIONS.index(rotation)
 
     def label(self) -> str:
         """Short text for tables: ``hadamard R1+R2+R4 /64`` (``, seed 3`` when randomised)."""
@@ -95,11 +100,15 @@ def _problems(kind: Any, rotations: Any, block_size: Any, seed: Any) -> list[str
     problems = []
     if kind not in ROTATION_KINDS:
         problems.append(f"'kind' must be one of {', '.join(ROTATION_KINDS)}, got {kind!r}")
-    if not isinstance(rotations, tuple) or not rotations or any(r not in ROTATIONS for r in rotations):
+    if not isinstance(rotations, tuple) or not rotations or any(r not in ALL_ROTATIONS for r in rotations):
         problems.append(f"'rotations' must be a non-empty list of {', '.join(ROTATIONS)} (R3, inside attention, is "
-                        f"not built), got {list(rotations) if isinstance(rotations, tuple) else rotations!r}")
+                        f"not built), or [V] alone (QuIP's input rotation of every linear), got "
+                        f"{list(rotations) if isinstance(rotations, tuple) else rotations!r}")
     elif len(set(rotations)) != len(rotations):
         problems.append(f"'rotations' names one rotation twice: {list(rotations)}")
+    elif V in rotations and len(rotations) > 1:
+        problems.append(f"'rotations': V (QuIP's input rotation of every linear) goes alone, it already rotates the "
+                        f"inputs R1, R2 and R4 would; got {list(rotations)}")
     if block_size is not None and (not _is_int(block_size) or not 1 < block_size <= MAX_BLOCK):
         problems.append(f"'block_size' must be an integer from 2 to {MAX_BLOCK} (the order of each Hadamard block, "
                         f"e.g. 64), got {block_size!r}")
@@ -125,7 +134,8 @@ def rotation_from_dict(data: Any, where: str = "'transforms.rotation'") -> Rotat
     rotations = raw
     if isinstance(raw, (list, tuple)):  # upper case, in R1, R2, R4 order (duplicates kept for the check)
         upper = (r.upper() if isinstance(r, str) else r for r in raw)
-        rotations = tuple(sorted(upper, key=lambda r: ROTATIONS.index(r) if r in ROTATIONS else len(ROTATIONS)))
+        rotations = tuple(sorted(upper, key=lambda r: ALL_ROTATIONS.index(r) if r in ALL_ROTATIONS
+                                 else len(ALL_ROTATIONS)))
     seed = data.get("seed")
     if seed is None and kind == RANDOM_HADAMARD:
         seed = 0
@@ -155,20 +165,31 @@ class RotationWidths:
     hidden: int
     head_dim: int
     intermediate: int
-    layers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # {R1/R2/R4: names of the linears it touches}
+    layers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # {R1/R2/R4/V: names of the linears it touches}
+    in_features: dict[str, int] = field(default_factory=dict)  # {linear: input width}, V's widths (one per linear)
 
     def of(self, rotation: str) -> int:
+        """The width ``rotation`` acts on; V: the widest input (each linear's own width is :attr:`in_features`)."""
+        if rotation == V:
+            return max((self.in_features[n] for n in self.layers.get(V, ())), default=0)
         return {R1: self.hidden, R2: self.head_dim, R4: self.intermediate}[rotation]
+
+    def v_widths(self) -> dict[int, tuple[str, ...]]:
+        """{input width: the linears V rotates at that width}."""
+        out: dict[int, list[str]] = {}
+        for n in self.layers.get(V, ()):
+            out.setdefault(self.in_features[n], []).append(n)
+        return {w: tuple(ns) for w, ns in out.items()}
 
 
 def block_of(spec: RotationSpec, rotation: str, width: int) -> int:
     """The order of each Hadamard block of ``rotation`` over ``width``: the head dimension for R2, the plan's
-    block size for R1 and R4 (the whole width without one)."""
+    block size for R1, R4 and V (the whole width without one)."""
     if rotation == R2 or spec.block_size is None:
         return width
     return spec.block_size
 
 
-__all__ = ["HADAMARD", "MAX_BLOCK", "MAX_SEED", "R1", "R2", "R4", "RANDOM_HADAMARD", "ROTATIONS", "ROTATION_KINDS",
-           "TRANSFORM_KEYS", "RotationSpec", "RotationWidths", "block_of", "rotation_from_dict",
+__all__ = ["ALL_ROTATIONS", "HADAMARD", "MAX_BLOCK", "MAX_SEED", "R1", "R2", "R4", "RANDOM_HADAMARD", "ROTATIONS",
+           "ROTATION_KINDS", "TRANSFORM_KEYS", "V", "RotationSpec", "RotationWidths", "block_of", "rotation_from_dict",
            "transforms_from_dict"]

@@ -205,10 +205,19 @@ def fisher_sensitivity(
     The model is left as it was (no hook, no weight or ``requires_grad`` changed, no ``.grad`` written), also on error
     or cancel.
     """
-    if getattr(inputs, "rotation", None) is not None or (isinstance(inputs, Mapping) and any(
-            getattr(i, "rotation", None) is not None for i in inputs.values())):
-        raise PlanError("the Fisher estimate does not follow rotations yet (a rotated unit sees a rotated input): "
-                        "sweep a rotated scheme with the exact method (--method kl)")
+    if isinstance(inputs, Mapping) and any(getattr(i, "rotation", None) is not None for i in inputs.values()):
+        raise PlanError("the Fisher estimate takes one rotation for all its schemes (one PlanInputs with it), not one "
+                        "per scheme")
+    if getattr(inputs, "rotation", None) is not None:  # the model rotated once, every unit estimated in it
+        from quantcore.algorithms.rotation import rotated_for_sweep
+
+        swept = list(layers) if layers is not None else linear_layer_names(model)
+        with rotated_for_sweep(model, inputs, swept, [get_scheme(s) for s in schemes]) as plain:
+            return fisher_sensitivity(model, schemes, input_ids, reference, groups=groups, layers=layers,
+                                      per_expert=per_expert, inputs=plain, samples=samples, passes=passes,
+                                      kv_caches=kv_caches, kv_amax=kv_amax, kv_layers=kv_layers,
+                                      batch_size=batch_size, seed=seed, progress=progress,
+                                      should_cancel=should_cancel)
     if samples < 1:
         raise PlanError(f"the Fisher estimate needs at least one sampled token per position, got samples={samples}")
     if passes < 1:

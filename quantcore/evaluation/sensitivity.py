@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quantcore.algorithms.inputs import NO_INPUTS, PlanInputs
+from quantcore.algorithms.rotation import ONLINE_ROTATION
 from quantcore.errors import PlanError
 from quantcore.evaluation.batches import (
     Progress,
@@ -251,7 +252,9 @@ class _LocalError:
             pending: list[Tensor] = []
 
             def pre(_mod: nn.Module, args: Any, _pending: list[Tensor] = pending) -> None:
-                _pending.append(args[0].detach())
+                # first of the pre-hooks: an online rotation (R4, quantcore.algorithms.rotation) comes after
+                rotate = getattr(_mod, ONLINE_ROTATION, None)
+                _pending.append(args[0].detach() if rotate is None else rotate(args[0].detach()))
 
             def post(
                 _mod: nn.Module,
@@ -394,9 +397,19 @@ def sensitivity_sweep(
                 its input), so an automatic plan for that many GPUs adds up that many GPUs' KLs; None: one GPU
     batch_size: sequences per pass (default: the reference's)
 
-    The model is restored exactly after every unit, also on error or cancel.
+    The model is restored exactly after every unit, also on error or cancel. ``inputs.rotation``: the model is
+    rotated once for the whole sweep (:func:`quantcore.algorithms.rotation.rotated_for_sweep`; the reference stays
+    the unrotated model's, the same function to float tolerance) and every unit quantized in it.
     """
     scheme = get_scheme(scheme)
+    if inputs.rotation is not None:
+        from quantcore.algorithms.rotation import rotated_for_sweep
+
+        swept = list(layers) if layers is not None else linear_layer_names(model)
+        with rotated_for_sweep(model, inputs, swept, [scheme]) as plain:
+            return sensitivity_sweep(model, scheme, input_ids, reference, groups=groups, layers=layers,
+                                     per_expert=per_expert, inputs=plain, batch_size=batch_size, progress=progress,
+                                     should_cancel=should_cancel)
     ids = as_token_batch(input_ids)
     reference.check_tokens(ids)
     stack = find_decoder_blocks(model)

@@ -14,8 +14,8 @@ Every block sees the batches a whole-model pass of the same ``batch_size`` gives
 (:mod:`quantcore.models.streaming`), so on a CPU the results are bit-identical to the whole-model functions
 (``tests/quantcore/evaluation/test_streamed.py``). The calibrated inputs a plan reads from a calibration job
 (``act_amax``, ``act_channel_max``, ``kv_amax``) work streamed, and so does the KV cache calibration a calibrated KV
-cache format needs (:func:`calibrate_kv_cache_streamed`); GPTQ Hessians and AWQ's search run whole-model only (the
-worker refuses them streamed with a message that says so).
+cache format needs (:func:`calibrate_kv_cache_streamed`); GPTQ's Hessians and rounding and AWQ's search stream in
+:mod:`quantcore.algorithms.streamed_rounding`.
 """
 
 from __future__ import annotations

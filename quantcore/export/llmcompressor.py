@@ -33,7 +33,7 @@ from quantcore.export.common import (
     targets_list,
 )
 from quantcore.export.quant_args import CT_PRESETS, kv_cache_from_args, kv_cache_scheme
-from quantcore.export.spinquant import ROTATION_HEADER, rotation_stage
+from quantcore.export.spinquant import rotation_header, rotation_stage
 from quantcore.models.architectures import (
     LLAMA_STYLE,
     MLP_NORM_LLAMA,
@@ -302,6 +302,13 @@ def to_llmcompressor_recipe(
         if down:
             problems.append(f"SmoothQuant on {_cut(down)}: R4 rotates their input online, so quantplan scores them "
                             "unsmoothed; drop their smoothquant_alpha (or R4) to export what was scored")
+    if rotation is not None and "V" in rotation.rotations:  # every decoder linear's input rotated online
+        online = [n for alpha_layers in smooth.values() for n in alpha_layers]
+        awq = [n for n, sch in resolved.items() if sch.needs_awq]
+        if online or awq:
+            problems.append(f"{'SmoothQuant' if online else 'AWQ'} on {_cut(online or awq)}: V rotates every decoder "
+                            "linear's input online, so quantplan scores them unsmoothed and unscaled; drop it (or "
+                            "the rotation) to export what was scored")
     if smooth and not groups:
         problems.append("SmoothQuant without any quantized layer")
     if smoothquant_mappings is not None and len(smooth) > 1:
@@ -373,8 +380,7 @@ def to_llmcompressor_recipe(
         header += (f"# KV cache {kv.name} is not in the recipe: it is vLLM's --kv-cache-dtype {kv.vllm_dtype} "
                    "(scale 1.0)\n")
     if rotation is not None:
-        header += ROTATION_HEADER.format(rotations=" + ".join(rotation.rotations),
-                                         block=f" blocks of {rotation.block_size}" if rotation.block_size else "")
+        header += rotation_header(rotation)
     if not groups and kv_args is None:
         header += "# every layer stays unquantized: there is nothing for llm-compressor to do\n"
     if gptq:

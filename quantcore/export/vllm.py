@@ -6,9 +6,10 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
+from quantcore.errors import PlanError
 from quantcore.evaluation.kvcache import KvCacheFormat, get_kv_format, normalize_kv_skip
 from quantcore.export.common import checked_plan, group_plan, scheme_counts
-from quantcore.planning.serving import is_w4afp8
+from quantcore.planning.serving import expert_mix, is_w4afp8, mixed_expert_blocks
 from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
 
@@ -60,10 +61,19 @@ def to_vllm_command(
     ``--kv-cache-dtype-skip-layers``: those layers keep the model's dtype.
     ``tensor_parallel`` above 1 (a plan's ``tensor_parallel``) adds ``--tensor-parallel-size``, ``expert_parallel``
     ``--enable-expert-parallel``.
-    Raises PlanError for plans llm-compressor cannot express.
+    Raises PlanError for plans llm-compressor cannot express, and for a per-expert plan whose experts of one MoE
+    block differ (vLLM's fused MoE runs a block with one method).
     """
     names = list(layer_names)
     resolved = checked_plan(plan, names)
+    mixed = mixed_expert_blocks(resolved)
+    if mixed:
+        blocks = "; ".join(f"{block}: {expert_mix(by)}" for block, by in mixed.items())
+        raise PlanError(f"This plan cannot be served by vLLM: its fused MoE layer runs every expert of a block with "
+                        f"one quantization method, and {len(mixed)} MoE block(s) give their experts different "
+                        f"schemes ({blocks}). Export it for llm-compressor (its recipe and the compressed-tensors "
+                        "checkpoint hold per-expert schemes), or give each block's experts one scheme (a plan "
+                        "without per_expert)")
     groups, unquantized = group_plan(resolved, names)  # raises for what cannot be expressed
     kvf = get_kv_format(kv_cache)
     skip = [] if kvf.is_identity else normalize_kv_skip(kv_skip)

@@ -244,6 +244,27 @@ def split_experts(model: nn.Module) -> list[str]:
     return replaced
 
 
+# Split experts' names as a checkpoint of the model type stores them, where they differ from the split modules'
+# (``(pattern, replacement)`` in turn): transformers converts these when it loads a whole model; a streamed one
+# (quantcore.models.streaming) reads each tensor by name, so it asks for the stored one
+CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": ((r"\.mlp\.(gate|experts)\.", r".block_sparse_moe.\1."),
+                (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
+                (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
+                (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2.")),
+}
+
+
+def checkpoint_name(model_type: str, name: str) -> str:
+    """The name a checkpoint of ``model_type`` stores the tensor ``name`` (of the model after :func:`split_experts`)
+    under: ``name`` itself unless :data:`CHECKPOINT_NAMES` renames it."""
+    import re
+
+    for pattern, replacement in CHECKPOINT_NAMES.get(model_type, ()):
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
 def top_k(config: Any) -> int | None:
     """Experts each token is routed to (``num_experts_per_tok`` and its aliases), from a model config."""
     config = getattr(config, "get_text_config", lambda: config)()

@@ -23,8 +23,10 @@ Where the hidden states live
     file in the job's scratch folder (removed when the run ends).
 
 Supported: what the sensitivity sweep supports (:func:`quantcore.models.decoder.find_decoder_blocks`), with the
-checkpoint's tensors under the parameters' own names (Llama, Mistral, Qwen2/3, Gemma/2/3 text). Anything else is
-refused with a :class:`~quantcore.errors.CheckpointError` naming what was looked for.
+checkpoint's tensors under the parameters' own names (Llama, Mistral, Qwen2/3, Gemma/2/3 text), and MoE models whose
+experts :func:`quantcore.models.moe.split_experts` splits (split on ``meta``, each expert's tensors read under the
+checkpoint's names: :func:`quantcore.models.moe.checkpoint_name`). Anything else is refused with a
+:class:`~quantcore.errors.CheckpointError` naming what was looked for.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from torch import Tensor, nn
 from quantcore.errors import Cancelled, CheckpointError, PlanError, name_list
 from quantcore.models.decoder import DecoderStack, find_decoder_blocks
 from quantcore.models.loading import _resolve_dtype, auto_class, load_config
+from quantcore.models.moe import checkpoint_name, split_experts
 from quantcore.models.validation import SAFETENSORS_INDEX_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -210,15 +213,15 @@ class StreamedModel:
             if isinstance(resolved, str):
                 resolved = getattr(torch, resolved)
         self.dtype: torch.dtype = resolved
-        if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-            raise CheckpointError(f"streamed execution does not support mixture-of-experts models yet "
-                                  f"({config.model_type}): run this job whole-model (--no-stream)")
         try:
             with init_empty_weights():
                 self.model = auto_class(config).from_config(config, dtype=self.dtype)
         except (ValueError, TypeError, KeyError, RuntimeError) as exc:
             raise CheckpointError(f"transformers cannot build a {config.model_type} model from config.json "
                                   f"({type(exc).__name__}: {exc})") from exc
+        # MoE: the experts split on meta as the whole-model load splits them (quantcore.models.moe), so each block
+        # reads one tensor per expert and projection, under the names the checkpoint stores them by
+        split_experts(self.model)
         self.model.eval().requires_grad_(False)
         self.config = config
         self._tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
@@ -281,7 +284,10 @@ class StreamedModel:
         return self.resident_bytes() + sum(self.block_bytes(i) for i in range(len(self.stack.blocks)))
 
     def _check_names(self) -> None:
-        missing = [n for _m, n in self._named() if n not in self.reader]
+        # a split expert's tensor stored under its checkpoint's own name (Mixtral's block_sparse_moe.experts.N.w1)
+        self._stored = {n: stored for _m, n in self._named() if n not in self.reader
+                        and (stored := checkpoint_name(self.config.model_type, n)) in self.reader}
+        missing = [n for _m, n in self._named() if n not in self.reader and n not in self._stored]
         if missing:
             raise CheckpointError(
                 f"streamed execution reads every weight under its parameter's name, and {len(missing)} are not in "
@@ -309,7 +315,7 @@ class StreamedModel:
 
         try:
             for n in names:
-                value = self.reader.read(n, where=where)
+                value = self.reader.read(self._stored.get(n, n), where=where)
                 # clear_cache=False: else accelerate probes every backend and empties its cache after every tensor
                 set_module_tensor_to_device(self.model, n, self.device, value=value, dtype=self.dtype
                                             if value.is_floating_point() else None, clear_cache=False)
@@ -421,12 +427,22 @@ class StreamedModel:
         raise PlanError(f"{type(self.model).__name__}.forward did not call decoder block {i} of {self.stack.prefix}; "
                         "streamed execution needs a model that runs every block on every pass")
 
+    def _batches(self, i: int, ids: Tensor, ranges: Sequence[tuple[int, int]], current: HiddenStates | None,
+                 out: HiddenStates) -> None:
+        """Block ``i`` (loaded) on every batch of ``current``'s states (None: the embedding's), into ``out``."""
+        for s, e in ranges:
+            previous = current.data[s:e].to(self.device) if current is not None else None
+            out.data[s:e] = self._block_pass(i, ids[s:e], previous).to(out.data.device)
+
     def run(self, input_ids: Tensor, *, batch_size: int, block_context: BlockContext | None = None,
-            progress: Progress | None = None, should_cancel: ShouldCancel | None = None) -> Tensor:
+            progress: Progress | None = None, should_cancel: ShouldCancel | None = None,
+            rerun: Callable[[int], AbstractContextManager[Any] | None] | None = None) -> Tensor:
         """Every sequence of ``input_ids`` ``[S, L]`` through every block, in batches of ``batch_size``; block ``i`` is
         loaded, run under ``block_context(i)`` (entered after the load, left before the free) and freed. Returns the
         final hidden states ``[S, L, H]`` (the last block's outputs, before the final norm): keep them for
-        :meth:`final`. ``progress(fraction, "streamed, block i/N")`` after each block."""
+        :meth:`final`. ``progress(fraction, "streamed, block i/N")`` after each block. ``rerun(i)``: a context to run
+        block ``i`` a second time under, once ``block_context`` has been left, its outputs replacing the first
+        pass's (AWQ's search: the block with its folds in place), or None for one pass only."""
         ids = input_ids.detach().to("cpu", torch.int64)
         n, length = ids.shape
         ranges = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
@@ -443,9 +459,11 @@ class StreamedModel:
                 self.load_block(i)
                 try:
                     with block_context(i) if block_context is not None else nullcontext():
-                        for s, e in ranges:
-                            previous = current.data[s:e].to(self.device) if current is not None else None
-                            out.data[s:e] = self._block_pass(i, ids[s:e], previous).to(out.data.device)
+                        self._batches(i, ids, ranges, current, out)
+                    again = rerun(i) if rerun is not None else None
+                    if again is not None:
+                        with again:
+                            self._batches(i, ids, ranges, current, out)
                 finally:
                     self.free_block(i)
                 current = out

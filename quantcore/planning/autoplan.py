@@ -57,16 +57,18 @@ from quantcore.planning.costs import (
 )
 from quantcore.planning.plans import group_label, scheme_label
 from quantcore.planning.serving import (
+    expert_mix,
     fp8_block_misfits,
     group_misfits,
     is_w4afp8,
+    mixed_expert_blocks,
     regroup_reason,
     regrouped_preset,
     vllm_unloadable,
     w4afp8_misfits,
 )
 from quantcore.planning.solver import DEFAULT_KL_STEPS, solve_mck
-from quantcore.schemes.fusion import fusion_units
+from quantcore.schemes.fusion import expert_block, expert_blocks, expert_parts, fusion_units
 from quantcore.schemes.presets import get_scheme, list_schemes
 from quantcore.schemes.specs import Scheme
 
@@ -165,6 +167,7 @@ class AutoPlanResult:
     cost_unit: str
     resolution: int
     notes: list[str] = field(default_factory=list)
+    per_expert: bool = False  # units were single experts (their blocks may mix schemes)
 
     @property
     def saving(self) -> float:
@@ -186,15 +189,28 @@ class AutoPlanResult:
             "per_unit": [u.to_dict() for u in self.per_unit],
             "excluded": dict(self.excluded),
             "notes": list(self.notes),
+            "per_expert": self.per_expert,
         }
 
 
 # ------------------------------------------------------------------ units and sensitivity
 
 
-def plan_units(layer_names: Sequence[str]) -> list[list[str]]:
-    """The units of a model: fusion groups and single layers, in model order (first member's position)."""
-    return fusion_units(layer_names)
+def plan_units(layer_names: Sequence[str], per_expert: bool = False) -> list[list[str]]:
+    """The units of a model: fusion groups and single layers, in model order (first member's position); an MoE
+    block's experts one unit (``per_expert``: one unit per expert, its gate/up/down)."""
+    return fusion_units(layer_names, per_expert=per_expert)
+
+
+def swept_per_expert(unit_layers: Mapping[str, Sequence[str]] | None) -> bool:
+    """Whether sensitivity results hold per-expert units (``sensitivity --per-expert``: one routed expert's
+    gate/up/down as one unit), so a plan may give the experts of a block different schemes."""
+    for members in (unit_layers or {}).values():
+        blocks = {expert_block(m) for m in members}
+        if len(members) > 1 and len(blocks) == 1 and None not in blocks \
+                and len({m.rsplit(".", 1)[0] for m in members}) == 1:
+            return True
+    return False
 
 
 def sensitivity_from_rows(rows: Iterable[Any]) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
@@ -235,6 +251,9 @@ def _unit_kls(
     index_of_layer: dict[str, int] = {}
     index_of_members: dict[frozenset[str], int] = {}
     index_of_label: dict[str, int] = {}
+    # per-expert units: a sweep's row for a whole MoE block (a sweep without --per-expert) fits none of them
+    blocks = list(expert_blocks([m for u in units for m in u]).values())
+    expert_rows = {frozenset(b) for b in blocks} | {frozenset(e) for b in blocks for e in expert_parts(b)}
     for i, u in enumerate(units):
         for m in u:
             index_of_layer[m] = i
@@ -255,6 +274,8 @@ def _unit_kls(
             members = list(unit_layers[key]) if unit_layers and key in unit_layers else None
             if members is not None and len(members) > 1:
                 idx = index_of_members.get(frozenset(members))
+                if idx is None and frozenset(members) in expert_rows:
+                    continue  # a whole block's row beside per-expert units, or an expert's beside whole blocks
                 if idx is None:
                     problems.append(
                         f"sensitivity unit {key!r} of {scheme} covers {members}, which is not a fusion "
@@ -314,6 +335,7 @@ def auto_plan(
     cost_source: str = COST_MEASURED,
     tied: Sequence[str] = (),
     parallel: Parallelism = ONE_GPU,
+    per_expert: bool | None = None,
 ) -> AutoPlanResult:
     """The cheapest plan whose predicted KL (sum of unit KLs) is <= ``kl_budget``.
 
@@ -331,6 +353,9 @@ def auto_plan(
                   proxy, quantizing one costs the embedding again (it stays 16-bit once llm-compressor unties them)
     parallel:     the GPUs the plan is served on (quantcore.models.parallel): a scheme is not offered to a unit whose
                   share on one GPU vLLM would refuse
+    per_expert:   an MoE block's experts one unit each, so they may take different schemes (a per-expert plan, which
+                  an llm-compressor recipe holds and vLLM cannot serve); None: when the sensitivity has per-expert
+                  units (:func:`swept_per_expert`)
 
     Raises PlanError for a negative or non-finite budget, unknown schemes, an unknown target,
     sensitivity keys that name nothing in the model, and missing costs or shapes.
@@ -374,7 +399,9 @@ def auto_plan(
             continue
         support[s] = verdict
         usable.append(s)
-    units = plan_units(names)
+    if per_expert is None:
+        per_expert = swept_per_expert(unit_layers)
+    units = plan_units(names, per_expert)
     kls = _unit_kls(units, sensitivity, unit_layers, [s for s in usable if s != BASELINE_SCHEME])
     kls[BASELINE_SCHEME] = {i: 0.0 for i in range(len(units))}
     costs = layer_costs(names, usable, cost, layer_shapes, estimate_missing, cost_source, tied)
@@ -478,6 +505,13 @@ def auto_plan(
             f"{', '.join(emulated)} run emulated on {target}: numerics as planned, without the speed-up "
             "of native kernels"
         )
+    if per_expert:
+        mixed = mixed_expert_blocks(plan)
+        if mixed:
+            first = next(iter(mixed))
+            notes.append(f"per-expert units: {len(mixed)} MoE block(s) give their experts different schemes (e.g. "
+                         f"{first}: {expert_mix(mixed[first])}); an llm-compressor recipe and its compressed-tensors "
+                         "checkpoint hold that, vLLM's fused MoE (one method per block) cannot serve it")
     if any(p.cost_source in (COST_ESTIMATED, "mixed") for p in per_unit):
         notes.append(
             "some costs are estimated (BF16 time x weight bits / 16) where the benchmark has no kernel time"
@@ -494,6 +528,7 @@ def auto_plan(
         cost_unit=UNIT_BITS if cost is None else UNIT_MS,
         resolution=resolution,
         notes=notes,
+        per_expert=bool(per_expert),
     )
 
 
@@ -505,20 +540,26 @@ def predicted_kl(
 ) -> float:
     """Predicted KL of a plan: the sum over its units of the unit's KL in its scheme (BF16: 0).
 
-    Units are the fusion groups among the plan's layers and every other layer; a fusion
-    group whose members have different schemes is counted layer by layer. Only the scheme
-    *name* is looked up (sensitivity is stored per name). Raises PlanError naming the
-    units whose KL for their scheme is unknown.
+    Units are the fusion groups among the plan's layers and every other layer (an MoE block's experts one unit, or
+    one unit per expert where the sensitivity has per-expert units, as :func:`auto_plan` searches then); a block
+    whose experts differ is counted expert by expert, a fusion group whose members differ layer by layer. Only the
+    scheme *name* is looked up (sensitivity is stored per name). Raises PlanError naming the units whose KL for their
+    scheme is unknown.
     """
     names = list(plan)
     labels = {n: scheme_label(plan[n]) if not isinstance(plan[n], str) else plan[n] for n in names}
     scheme_of = {n: s if isinstance(s, str) else s.name for n, s in plan.items()}
     units: list[list[str]] = []
-    for u in plan_units(names):
+    per_expert = swept_per_expert(unit_layers)  # the units auto_plan searched on, when it found them
+    for u in plan_units(names, per_expert):
         if len({labels[m] for m in u}) == 1:
             units.append(u)
-        else:
-            units.extend([m] for m in u)
+            continue
+        for part in expert_parts(u) if expert_block(u[0]) is not None else [u]:  # a per-expert plan's block
+            if len({labels[m] for m in part}) == 1:
+                units.append(part)
+            else:
+                units.extend([m] for m in part)
     need = {scheme_of[u[0]] for u in units if scheme_of[u[0]] != BASELINE_SCHEME}
     # unit indices refer to `units`, which may split groups: build the lookup per unit list
     kls = _kls_for_units(units, sensitivity, unit_layers, need)
@@ -550,9 +591,11 @@ def _kls_for_units(
     A whole-group entry can only serve a whole-group unit; a split group's layers need
     their single-layer entries.
     """
-    full = plan_units([m for u in units for m in u])
-    full_kls = _unit_kls(full, sensitivity, unit_layers, schemes)
-    index_full = {frozenset(u): i for i, u in enumerate(full)}
+    names = [m for u in units for m in u]
+    index_full: dict[frozenset[str], float] = {}  # per scheme below: {unit members: KL}, blocks whole or per expert
+    whole_kls: list[tuple[list[list[str]], dict[str, dict[int, float]]]] = []
+    for full in (plan_units(names), plan_units(names, per_expert=True)):
+        whole_kls.append((full, _unit_kls(full, sensitivity, unit_layers, schemes)))
     singles: dict[str, dict[str, float]] = {}
     for s in schemes:
         for key, value in (sensitivity.get(s) or {}).items():
@@ -561,11 +604,13 @@ def _kls_for_units(
                 singles.setdefault(s, {})[members[0]] = max(float(value), 0.0)
     out: dict[str, dict[int, float]] = {}
     for s in schemes:
+        index_full = {frozenset(u): kls[s][j] for full, kls in whole_kls for j, u in enumerate(full)
+                      if j in kls.get(s, {})}
         row: dict[int, float] = {}
         for i, u in enumerate(units):
-            j = index_full.get(frozenset(u))
-            if j is not None and j in full_kls.get(s, {}):
-                row[i] = full_kls[s][j]
+            got = index_full.get(frozenset(u))
+            if got is not None:
+                row[i] = got
             elif len(u) == 1 and u[0] in singles.get(s, {}):
                 row[i] = singles[s][u[0]]
         out[s] = row
@@ -675,6 +720,7 @@ __all__ = [
     "check_budget",
     "choose_kv_skip",
     "plan_units",
+    "swept_per_expert",
     "predicted_kl",
     "sensitivity_from_rows",
 ]

@@ -14,6 +14,7 @@ The plan file is YAML, the same format the UI saves and exports::
     kv_cache_skip: [sliding_window, 0]           # optional; layers whose cache stays in the model's dtype
     tensor_parallel: 2                           # optional; GPUs vLLM splits each layer over (default 1)
     expert_parallel: true                        # optional; MoE experts whole, one GPU each (default false)
+    per_expert: true                             # optional; an MoE block's experts may differ (default false)
     transforms:                                  # optional; a Hadamard rotation folded in before quantizing
       rotation: {kind: hadamard, rotations: [R1, R2, R4], block_size: 64}   # (quantcore.algorithms.rotation_spec)
     rules:                                       # in order; the LAST matching rule wins
@@ -39,6 +40,12 @@ unknown scheme names, invalid regular expressions, rules that match no layer, la
 names the model does not have, alphas outside [0, 1], and (by default) fusion groups
 (q/k/v, gate/up of one block) whose members resolve to different schemes, since a
 serving engine runs such a group as one GEMM with one format.
+
+The routed experts of an MoE block take one scheme by default (vLLM runs the block as one fused MoE layer with one
+quantization method). ``per_expert: true`` lets each expert (its gate/up/down, the unit the per-expert sensitivity
+measures) take its own, as ModelOpt's per-module search spaces do: an llm-compressor recipe and a compressed-tensors
+checkpoint name every expert's layers, so they can hold it; vLLM cannot serve it
+(:func:`quantcore.planning.serving.moe_unserved` says so, :func:`quantcore.export.vllm.to_vllm_command` refuses).
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from quantcore.evaluation.kvcache import AUTO as KV_AUTO
 from quantcore.evaluation.kvcache import get_kv_format, normalize_kv_skip
 from quantcore.models.parallel import AttentionHeads, Parallelism, parse_tp
 from quantcore.safeload import load_yaml, read_input, yaml_problem  # noqa: F401 - yaml_problem: re-exported
-from quantcore.schemes.fusion import expert_block, expert_blocks, fusion_groups
+from quantcore.schemes.fusion import expert_block, expert_blocks, expert_parts, fusion_groups
 from quantcore.schemes.presets import get_scheme, list_schemes
 from quantcore.schemes.specs import Scheme
 
@@ -86,7 +93,7 @@ ALPHA_MIN = 0.0  # SmoothQuant's alpha: 0 keeps all difficulty on activations ..
 ALPHA_MAX = 1.0  # ... 1 moves all of it onto the weights; the paper uses 0.5-0.85
 
 _TOP_KEYS = ("model", "name", "description", "default", "smoothquant_alpha", "kv_cache", "kv_cache_skip",
-             "tensor_parallel", "expert_parallel", "transforms", "rules", "layers")
+             "tensor_parallel", "expert_parallel", "per_expert", "transforms", "rules", "layers")
 _RULE_KEYS = ("match", "scheme")
 _LAYER_KEYS = ("scheme", "smoothquant_alpha")
 
@@ -122,6 +129,8 @@ class PlanSpec:
                        the serving checks then read each GPU's share; 1 by default
     expert_parallel:   an MoE model's routed experts whole, the GPUs sharing them out (``--enable-expert-parallel``)
                        instead of every expert split over the GPUs; False by default
+    per_expert:        an MoE block's routed experts may take different schemes, one per expert (its gate/up/down
+                       together); False by default (one scheme per block, what vLLM's fused MoE serves)
     rotation:          the plan's Hadamard rotation (its ``transforms: {rotation: ...}``,
                        :class:`~quantcore.algorithms.rotation_spec.RotationSpec`), applied to the whole model before
                        its schemes quantize it; None: none
@@ -138,6 +147,7 @@ class PlanSpec:
     kv_cache_skip: list[str] = field(default_factory=list)
     tensor_parallel: int = 1
     expert_parallel: bool = False
+    per_expert: bool = False
     rotation: RotationSpec | None = None
     name: str | None = None
     description: str = ""
@@ -170,6 +180,8 @@ class PlanSpec:
             out["tensor_parallel"] = self.tensor_parallel
         if self.expert_parallel:
             out["expert_parallel"] = True
+        if self.per_expert:
+            out["per_expert"] = True
         if self.rotation is not None:
             out["transforms"] = {"rotation": self.rotation.to_dict()}
         out["rules"] = [r.to_dict() for r in self.rules]
@@ -249,6 +261,11 @@ class PlanSpec:
             ep = False
         if not isinstance(ep, bool):
             problems.append(f"'expert_parallel' must be true or false, got {ep!r}")
+        per_expert = data.get("per_expert", False)
+        if per_expert is None:
+            per_expert = False
+        if not isinstance(per_expert, bool):
+            problems.append(f"'per_expert' must be true or false, got {per_expert!r}")
         rotation = None
         try:
             rotation = transforms_from_dict(data.get("transforms"))
@@ -315,6 +332,7 @@ class PlanSpec:
             kv_cache_skip=kv_skip,
             tensor_parallel=tp,
             expert_parallel=ep is True,
+            per_expert=per_expert is True,
             rotation=rotation,
             name=name,
             description=description,
@@ -389,7 +407,8 @@ def resolve_plan(
     Order of precedence: ``default`` < rules (later rules win) < ``layers``; alpha:
     preset < global ``smoothquant_alpha`` (smoothing schemes only) < ``layer_alpha``.
     With ``enforce_fusion``, every fusion group (q/k/v, gate/up of a block) must
-    resolve to one scheme (alpha included), and so must the routed experts of an MoE block.
+    resolve to one scheme (alpha included), and so must the routed experts of an MoE block (``spec.per_expert``:
+    of one expert, its gate/up/down).
     """
     names = list(layer_names)
     known = set(names)
@@ -471,17 +490,40 @@ def resolve_plan(
 
     if enforce_fusion:
         problems += _mixed_fusion_groups(fusion_groups(names), resolved, names)
-        for block, members in expert_blocks(names).items():
-            schemes = sorted({scheme_label(resolved[m]) for m in members})
-            if len(schemes) > 1:
-                problems.append(
-                    f"the experts of {block} mix schemes ({', '.join(schemes)}); vLLM runs every expert and "
-                    "projection of an MoE block as one fused MoE layer with one quantization method, so give "
-                    f"them one scheme (a rule such as {{match: '{re.escape(block)}\\.', scheme: ...}})"
-                )
+        problems += mixed_experts(resolved, names, per_expert=spec.per_expert)
     if problems:
         raise PlanError(_format_problems(_plan_title(spec), problems))
     return resolved
+
+
+def mixed_experts(resolved: Mapping[str, Scheme | str], names: Sequence[str], *, per_expert: bool = False
+                  ) -> list[str]:
+    """What mixes schemes where a plan may not: the routed experts of an MoE block (``per_expert``: the layers of
+    one expert), one problem each."""
+    problems = []
+    for block, members in expert_blocks(names).items():
+        if per_expert:
+            for expert in expert_parts(members):
+                schemes = sorted({scheme_label(resolved[m]) for m in expert})
+                if len(schemes) > 1:
+                    where = expert[0].rsplit(".", 1)[0]
+                    mix = ", ".join(f"{m.rsplit('.', 1)[-1]}={scheme_label(resolved[m])}" for m in expert)
+                    problems.append(
+                        f"expert {where} mixes schemes ({mix}); a per-expert plan gives each expert one scheme "
+                        "(its gate/up/down, the unit the per-expert sensitivity measures)"
+                        f": a rule such as {{match: '{re.escape(where)}\\.', scheme: ...}}"
+                    )
+            continue
+        schemes = sorted({scheme_label(resolved[m]) for m in members})
+        if len(schemes) > 1:
+            problems.append(
+                f"the experts of {block} mix schemes ({', '.join(schemes)}); vLLM runs every expert and "
+                "projection of an MoE block as one fused MoE layer with one quantization method, so give "
+                f"them one scheme (a rule such as {{match: '{re.escape(block)}\\.', scheme: ...}}), or set "
+                "per_expert: true to let each expert take its own (an llm-compressor recipe holds it; vLLM "
+                "cannot serve it)"
+            )
+    return problems
 
 
 def _mixed_fusion_groups(groups: Sequence[Sequence[str]], resolved: Mapping[str, Scheme],
@@ -572,7 +614,8 @@ def spec_from_plan(
         base[layer] = scheme.name
     default = Counter(base.values()).most_common(1)[0][0]
     layers = {layer: s for layer, s in base.items() if s != default}
-    return PlanSpec(model=model, default=default, layers=layers, layer_alpha=alphas, name=name)
+    per_expert = any(len({scheme_label(plan[m]) for m in members}) > 1 for members in expert_blocks(plan).values())
+    return PlanSpec(model=model, default=default, layers=layers, layer_alpha=alphas, name=name, per_expert=per_expert)
 
 
 def diff_plans(

@@ -411,27 +411,76 @@ def moe_unserved(resolved: Mapping[str, Scheme | str]) -> list[str]:
     scales, INT8 W8A8 with per-token dynamic activations, and W4A8; anything else raises "Unsupported FusedMoe
     scheme" when the checkpoint loads. Of quantplan's schemes that leaves out INT8 with per-tensor activations
     and MXFP8.
+
+    One method per block also means one scheme for all of a block's experts: a per-expert plan (``per_expert:
+    true``) whose experts of one block differ is refused here too, naming the block and which experts take what
+    (:func:`mixed_expert_blocks`).
     """
     unserved: dict[str, list[str]] = {}
     for block, members in _unserved_expert_blocks(resolved).items():
-        unserved.setdefault(scheme_label(get_scheme(resolved[members[0]])), []).append(block)
-    return [f"vLLM's fused MoE layer has no kernel for {label} experts ({example_names(blocks)}): loading the "
-            "checkpoint fails with \"Unsupported FusedMoe scheme\". It serves experts in weight-only int "
-            "(W4A16, W8A16), MXFP4, NVFP4, FP8 W8A8 and INT8 W8A8 with per-token activations; give those blocks "
-            "one of them" for label, blocks in unserved.items()]
+        labels = dict.fromkeys(scheme_label(get_scheme(resolved[m])) for m in members if _unserved(resolved[m]))
+        for label in labels:
+            unserved.setdefault(label, []).append(block)
+    out = [f"vLLM's fused MoE layer has no kernel for {label} experts ({example_names(blocks)}): loading the "
+           "checkpoint fails with \"Unsupported FusedMoe scheme\". It serves experts in weight-only int "
+           "(W4A16, W8A16), MXFP4, NVFP4, FP8 W8A8 and INT8 W8A8 with per-token activations; give those blocks "
+           "one of them" for label, blocks in unserved.items()]
+    mixed = mixed_expert_blocks(resolved)
+    if mixed:
+        parts = "; ".join(f"{block}: {expert_mix(by)}" for block, by in list(mixed.items())[:3])
+        more = f" and {len(mixed) - 3} more block(s)" if len(mixed) > 3 else ""
+        out.append(f"vLLM's fused MoE layer runs every expert of a block with one quantization method, but "
+                   f"{len(mixed)} MoE block(s) of this per-expert plan give their experts different schemes "
+                   f"({parts}{more}): vLLM cannot serve it; the llm-compressor recipe and its compressed-tensors "
+                   "checkpoint hold it (for another engine, or to compare), or give each block's experts one scheme")
+    return out
+
+
+def mixed_expert_blocks(resolved: Mapping[str, Scheme | str]) -> dict[str, dict[str, list[int]]]:
+    """{MoE block: {scheme label: its expert indices}} of the blocks whose routed experts take more than one scheme
+    (a per-expert plan), in model order."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for block, members in expert_blocks(resolved).items():
+        by: dict[str, list[int]] = {}
+        for m in members:
+            e = int(m[len(block) + 1:].split(".", 1)[0])
+            experts = by.setdefault(scheme_label(get_scheme(resolved[m])), [])
+            if e not in experts:
+                experts.append(e)
+        if len(by) > 1:
+            out[block] = by
+    return out
+
+
+def expert_mix(by: Mapping[str, list[int]]) -> str:
+    """"W4A16 on experts 0-2, 5; FP8_DYNAMIC on 3, 4": which experts take which scheme."""
+    return "; ".join(f"{label} on expert(s) {_ranges(sorted(experts))}" for label, experts in by.items())
+
+
+def _ranges(values: list[int]) -> str:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def _unserved_expert_blocks(resolved: Mapping[str, Scheme | str]) -> dict[str, list[str]]:
-    """{MoE block: its expert linears} of the blocks whose experts' scheme vLLM's fused MoE has no method for."""
-    out = {}
-    for block, members in expert_blocks(resolved).items():
-        scheme = get_scheme(resolved[members[0]])
-        w, a = scheme.weights, scheme.activations
-        if w is None or a is None:
-            continue
-        if (w.format == "int8" and not (a.granularity is Granularity.TOKEN and a.dynamic)) or w.format == "mxfp8":
-            out[block] = list(members)
-    return out
+    """{MoE block: its expert linears} of the blocks where some expert's scheme is one vLLM's fused MoE has no
+    method for."""
+    return {block: list(members) for block, members in expert_blocks(resolved).items()
+            if any(_unserved(resolved[m]) for m in members)}
+
+
+def _unserved(scheme: Scheme | str) -> bool:
+    """A scheme vLLM's fused MoE has no method for (INT8 without per-token activations, MXFP8)."""
+    s = get_scheme(scheme)
+    w, a = s.weights, s.activations
+    if w is None or a is None:
+        return False
+    return (w.format == "int8" and not (a.granularity is Granularity.TOKEN and a.dynamic)) or w.format == "mxfp8"
 
 
 def _dense_dynamic_per_tensor(resolved: Mapping[str, Scheme | str], fmt: str) -> list[str]:
@@ -449,8 +498,11 @@ def vllm_unloadable(resolved: Mapping[str, Scheme | str]) -> list[str]:
     """Layers of ``resolved`` that vLLM has no kernel for, so a checkpoint with them does not load: dense layers in
     INT8 with *dynamic per-tensor* activation scales (INT8_PER_TENSOR, INT8_PER_TENSOR_SQ: the compressed-tensors
     loader, :func:`vllm_activation_misfits`), and the experts of MoE blocks in a scheme the fused MoE has no method
-    for (INT8 without per-token activations, MXFP8: :func:`moe_unserved`)."""
+    for (INT8 without per-token activations, MXFP8: :func:`moe_unserved`) or whose experts mix schemes (a per-expert
+    plan: :func:`mixed_expert_blocks`)."""
     experts = [m for members in _unserved_expert_blocks(resolved).values() for m in members]
+    experts += [m for block in mixed_expert_blocks(resolved) for m in expert_blocks(resolved)[block]
+                if m not in set(experts)]
     return _dense_dynamic_per_tensor(resolved, "int8") + experts
 
 

@@ -109,17 +109,19 @@ def _expert_blocks(layer_names: tuple[str, ...]) -> tuple[tuple[str, tuple[str, 
     return tuple((block, tuple(names)) for block, names in blocks.items())
 
 
-def fusion_units(layer_names: Iterable[str]) -> list[list[str]]:
+def fusion_units(layer_names: Iterable[str], *, per_expert: bool = False) -> list[list[str]]:
     """The units a plan is made of: every MoE block's experts, every fusion group, and every other layer
-    alone, in model order (a unit sits at its first member's position)."""
+    alone, in model order (a unit sits at its first member's position). ``per_expert`` (a plan's ``per_expert:
+    true``): every routed expert (its gate/up/down) is a unit of its own instead of the whole block one."""
     names = list(dict.fromkeys(layer_names))
     group_of: dict[str, list[str]] = {}
     for g in fusion_groups(names):
         for m in g:
             group_of[m] = g
     for g in expert_blocks(names).values():
-        for m in g:
-            group_of[m] = g
+        for part in expert_parts(g) if per_expert else [g]:
+            for m in part:
+                group_of[m] = part
     units: list[list[str]] = []
     seen: set[str] = set()
     for n in names:
@@ -129,6 +131,15 @@ def fusion_units(layer_names: Iterable[str]) -> list[list[str]]:
         seen.update(unit)
         units.append(list(unit))
     return units
+
+
+def expert_parts(members: Iterable[str]) -> list[list[str]]:
+    """An MoE block's expert linears one list per expert (``experts.3.gate_proj``, ``.up_proj``, ``.down_proj``), in
+    the order they come."""
+    by_expert: dict[str, list[str]] = {}
+    for n in members:
+        by_expert.setdefault(n.rsplit(".", 1)[0], []).append(n)
+    return list(by_expert.values())
 
 
 def plan_unit_of(name: str, layer_names: Iterable[str]) -> list[str]:

@@ -137,6 +137,35 @@ def stream_param(args: argparse.Namespace) -> dict[str, bool]:
     return {} if stream is None else {"stream": bool(stream)}
 
 
+def add_rotation(sp: ParserT, what: str) -> None:
+    """--rotation KIND [--rotation-block N] [--rotation-seed S]: a Hadamard rotation (R1 + R2 + R4, as a plan's
+    transforms.rotation) applied to the model for the job (issue #46)."""
+    sp.add_argument("--rotation", choices=("hadamard", "random-hadamard"),
+                    help=f"{what} with the model rotated R1 + R2 + R4 (a plan's transforms.rotation; "
+                         "docs/concepts/rotations.md); whole model, not streamed")
+    sp.add_argument("--rotation-block", type=int, metavar="N",
+                    help="with --rotation: a block-diagonal Hadamard of order N for R1 and R4 (default: the whole "
+                         "width)")
+    sp.add_argument("--rotation-seed", type=int, metavar="S", help="with --rotation random-hadamard: its seed "
+                    "(default 0)")
+
+
+def rotation_param(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"rotation": {...}}`` as --rotation / --rotation-block / --rotation-seed asked (checked as a plan file's
+    transforms.rotation is, ValueError naming the problem); empty without --rotation."""
+    kind = getattr(args, "rotation", None)
+    block, seed = getattr(args, "rotation_block", None), getattr(args, "rotation_seed", None)
+    if kind is None:
+        if block is not None or seed is not None:
+            raise ValueError("--rotation-block and --rotation-seed go with --rotation hadamard | random-hadamard")
+        return {}
+    from quantcore.algorithms.rotation_spec import rotation_from_dict
+
+    entry: dict[str, Any] = {"kind": kind, **({"block_size": block} if block is not None else {}),
+                             **({"seed": seed} if seed is not None else {})}
+    return {"rotation": rotation_from_dict(entry, "--rotation").to_dict()}
+
+
 def add_calibration_options(sp: ParserT) -> None:
     """The calibration text of a score or sweep (GPTQ Hessians, AWQ and KV cache scales); unset: the spec's."""
     sp.add_argument("--cal-text", metavar="FILE", help="calibration text for GPTQ Hessians, AWQ scales and KV cache "

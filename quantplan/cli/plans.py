@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from quantcore.evaluation.kvcache import KV_FORMATS
 from quantplan.cli.common import (
@@ -32,6 +33,7 @@ from quantplan.cli.options import (
     add_local,
     add_model,
     add_plan_model,
+    add_rotation,
     add_step_m,
     add_stream,
     add_target,
@@ -105,10 +107,13 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
     if args.json:
         extra = {"target": args.target, "ideal": ideal} if args.target else {}
         print_json({"plan": label, "model": model.name, "tensor_parallel": tp, **fp.to_dict(), **extra,
-                     "kv_cache": kvm, "serving_warnings": warnings})
+                     "per_expert": bool(body.get("per_expert")), "kv_cache": kvm, "serving_warnings": warnings})
         return 0
     print(f"{label} on {model.name}: linear weights {units_svc.mib_text(fp.bits)}, {fp.ratio:.1%} of "
           f"BF16 ({units_svc.mib_text(fp.bf16_bits)})")
+    if body.get("per_expert"):
+        print("  per_expert: each routed expert of an MoE block may take its own scheme (which experts take what: "
+              "the serving warning below; an llm-compressor recipe holds it, vLLM cannot serve it)")
     width = max(len(r.scheme) for r in fp.rows)
     for r in fp.rows:
         print(f"  {r.scheme:<{width}}  {r.layers:>5} layers  {r.params / 1e6:>10,.2f} M weights  "
@@ -292,6 +297,16 @@ def cmd_plan_kv_skip(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rotation_of(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``plan auto``'s --rotation as a transforms.rotation dict, None without it; a CliError naming the problem."""
+    from quantplan.cli.options import rotation_param
+
+    try:
+        return rotation_param(args).get("rotation")
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+
 def cmd_plan_auto(args: argparse.Namespace) -> int:
     """`quantplan plan auto MODEL`: the cheapest plan under a KL budget (quantplan.services.autoplan.AutoPlan), then
     its verifying score, queued, waited for or run here."""
@@ -311,11 +326,12 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
                                     cost=args.cost, kv_cache=kv_format_arg(args.kv_cache),
                                     tensor_parallel=parse_tp(args.tensor_parallel or 1),
                                     expert_parallel=args.expert_parallel, queue_job=queue_job,
-                                    sensitivity=args.sensitivity)
+                                    sensitivity=args.sensitivity, rotation=_rotation_of(args))
     result, plan, job = command.run()
     out = {"plan_id": plan.id, "plan_label": plan.label, **result.to_dict()}  # "plan": {layer: scheme}
     correction = command.correction
     out.update(sensitivity=command.sensitivity, corrected_kl=command.corrected_kl(result),
+               rotation=command.rotation if command.rotated else None,
                correction=None if correction is None else {"factor": correction.factor, "spread": correction.spread,
                                                            "verifications": correction.verifications})
     if not args.json:  # the plan first: it is saved whatever becomes of the verification
@@ -378,6 +394,8 @@ def add_commands(sub: SubParsers) -> None:
                          "default where the model has them, else kl, with a note), kl = the exact sweeps; either "
                          "way the prediction is corrected by the verified automatic plans of the same architecture "
                          "family and source, and verified by a score")
+    add_rotation(sp, "also search on the sweeps made rotated so (sensitivity --rotation) and keep the cheaper plan "
+                 "under the budget; the output says which")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     add_wait(sp, "wait for the verifying score job")
     add_timeout(sp)

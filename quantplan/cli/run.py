@@ -32,13 +32,26 @@ from quantplan.cli.options import (
     add_kv_cache,
     add_model,
     add_rollout_options,
+    add_rotation,
     add_run_options,
     add_tensor_parallel,
     add_text_job_options,
     bounded,
     m_values,
+    rotation_param,
     stream_param,
 )
+
+
+def _rotation_param(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`rotation_param`, a CliError naming the problem (a rotated job runs whole: --stream is refused)."""
+    try:
+        out = rotation_param(args)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    if out and getattr(args, "stream", None):
+        raise CliError("--rotation folds the rotation into every block: it runs on the whole model, not --stream")
+    return {**out, "stream": False} if out else {}
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -47,7 +60,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model = find_model(args.model)
     _check_context(args, model, CalibrateSpec.seq_len)
     params = {**text_sizes(args), "device": args.device, **dataset_param(args.text, "calibration"),
-              **stream_param(args)}
+              **stream_param(args), **_rotation_param(args)}
     job = run_job("calibrate", params, model_id=model.id, local=args.local, quiet=args.json,
                   timeout_s=args.timeout)
     from quantplan.services import calibration as calibration_svc
@@ -261,7 +274,11 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
             print(f"note: {why}", file=sys.stderr)
             gpus = {}
     params = {**what, **text_sizes(args), "device": args.device, "groups": not args.no_groups,
-              **dataset_param(args.text, "evaluation"), **_calibration_params(args), **gpus, **stream_param(args)}
+              **dataset_param(args.text, "evaluation"), **_calibration_params(args), **gpus, **stream_param(args),
+              **_rotation_param(args)}
+    if "rotation" in params and "kv_sweep" in params:
+        raise CliError("--rotation sweeps linear layers (--scheme) in the rotated model; a KV cache sweep is not built "
+                       "rotated")
     if args.shards is not None:  # unset: one shard per live worker on the queue (jobs.shards)
         params["shards"] = args.shards
     if args.per_expert:
@@ -363,6 +380,7 @@ def add_calibrate_command(sub: SubParsers) -> None:
     sp = sub.add_parser("calibrate", help="collect activation statistics of every linear layer")
     add_text_job_options(sp, text="calibration text (.txt or .jsonl); default: gensim's lee_background.cor",
                          samples=CalibrateSpec.samples, seq_len=CalibrateSpec.seq_len, scored=False)
+    add_rotation(sp, "calibrate (a what-if of the Outliers page; a rotated plan's score reads it)")
     sp.set_defaults(func=cmd_calibrate)
 
 
@@ -403,6 +421,8 @@ def add_commands(sub: SubParsers) -> None:
                     "sweep made at its GPU count; a scheme without a dynamic activation scale is swept on one GPU, "
                     "as it quantizes the same on any number")
     add_calibration_options(sp)
+    add_rotation(sp, "quantize each unit (--scheme) in the model rotated, as a rotated plan is scored; stored "
+                 "apart: `plan auto` reads unrotated sweeps only")
     sp.set_defaults(func=cmd_sensitivity)
 
     sp = sub.add_parser("bench", help="time the real FP8 / INT8 GEMMs on the model's shapes")

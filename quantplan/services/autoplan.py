@@ -93,6 +93,10 @@ class AutoPlan:
     # estimates where the model has any, else its exact sweeps (validate() settles it, and a note says which)
     sensitivity: str | None = None
     correct: bool = True  # search under the budget corrected by the team's verified plans (services.predictions)
+    # a plan's transforms.rotation to consider (issue #46): the plan is searched on the unrotated sweeps and on those
+    # made rotated so (`quantplan sensitivity --rotation`), and the cheaper under the budget is kept, the note says
+    rotation: dict[str, Any] | None = None
+    rotated: bool = field(default=False, init=False)  # whether the plan chosen rotates the model
     correction: Any = field(default=None, init=False)  # the quantcore.planning.correction.Correction used, or None
     # what validate() found, for the steps of run()
     _sens: dict[str, dict[str, float]] = field(default_factory=dict, init=False, repr=False)
@@ -100,6 +104,9 @@ class AutoPlan:
     _kv: str = field(default="AUTO", init=False, repr=False)
     _alone: ScoreRecord | None = field(default=None, init=False, repr=False)
     _fallback: str | None = field(default=None, init=False, repr=False)  # why the default searched the exact sweeps
+    _sens_rot: dict[str, dict[str, float]] = field(default_factory=dict, init=False, repr=False)
+    _source: str = field(default="", init=False, repr=False)
+    _unit_layers_rot: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False)
 
     def validate(self) -> None:
         """Refused (nothing saved or queued): a model with no sensitivity sweep, an unknown cost, a KV cache format
@@ -125,6 +132,8 @@ class AutoPlan:
                           f"FP8_DYNAMIC{' --method fisher' if fast else ''}`)")
         if self.cost not in AUTO_COSTS:
             raise Refused(f"unknown cost {self.cost!r}; choose one of: {', '.join(AUTO_COSTS)}")
+        if self.rotation is not None:
+            self._rotated_sweeps()
         kv = self._kv = get_kv_format(self.kv_cache).name
         self._alone = None
         if kv != "AUTO":
@@ -138,13 +147,37 @@ class AutoPlan:
                               f"#{alone.job_id}), no less than the budget {self.kl_budget:g}: raise the budget or "
                               "keep the KV cache in AUTO")
 
+    def _rotated_sweeps(self) -> None:
+        """The sweeps made in the model rotated by :attr:`rotation` (its form checked, normalised); Refused where
+        there is none of this method."""
+        from quantcore.algorithms.rotation_spec import rotation_from_dict
+        from quantcore.errors import PlanError
+
+        try:
+            spec = rotation_from_dict(self.rotation, "the rotation to consider")
+        except PlanError as exc:
+            raise Refused(str(exc)) from exc
+        self.rotation = spec.to_dict()
+        self._sens_rot, self._unit_layers_rot = sensitivity_map(self.model, self.tensor_parallel,
+                                                                self.expert_parallel, self.sensitivity or "kl",
+                                                                self.rotation)
+        if not self._sens_rot:
+            flags = f"--rotation {spec.kind}" + (f" --rotation-block {spec.block_size}" if spec.block_size else "")
+            raise Refused(f"{self.model.name} has no {'Fisher estimate' if self.sensitivity == 'fisher' else 'sweep'} "
+                          f"made rotated ({spec.label()}) to weigh the rotation with: run one per candidate scheme "
+                          f"first (`quantplan sensitivity {self.model.name} --scheme MXFP4 {flags}"
+                          f"{' --method fisher' if self.sensitivity == 'fisher' else ''}`)")
+
     def run(self) -> tuple[Any, PlanRecord, JobRecord | None]:
         """(quantcore.planning.autoplan.AutoPlanResult, the plan version saved or found, the verifying score job
         or None): :meth:`validate`, then choose, explain, save and verify. Refused where no candidate can be used."""
         self.validate()
         assert self.sensitivity is not None  # validate() settled the default
         result, table = self._choose()
-        read = planner_sweeps(self.model, self.tensor_parallel, self.expert_parallel, self.sensitivity)
+        if self.rotation is not None:
+            result = self._with_rotation(result, table)
+        read = planner_sweeps(self.model, self.tensor_parallel, self.expert_parallel, self.sensitivity,
+                              self.rotation if self.rotated else None)
         self._explain(result, table, read)
         plan, job = self._save(result)
         if self.verify and job is None:
@@ -199,6 +232,7 @@ class AutoPlan:
 
         model, cands = self.model, self._candidates
         table, source = self._cost_table()
+        self._source = source  # the rotated search (_with_rotation) costs the same way
         budget = self.kl_budget - self._kv_kl
         self.correction = correction_for(model, self.sensitivity) if self.correct else None
         if self.correction is not None:  # the sum of units to search under, so that the corrected KL fits
@@ -210,6 +244,40 @@ class AutoPlan:
             raise Refused(f"no candidate scheme can be used on {model.name} for {self.target}: " + "; ".join(
                 why for c, why in result.excluded.items() if c != "BF16"))
         return result, table
+
+    def _with_rotation(self, plain, table):
+        """The cheaper of ``plain`` (searched on the unrotated sweeps) and the plan searched on the rotated ones, both
+        under the budget; a note says which and what the other cost. Rotated, the candidates are those swept rotated
+        (and BF16)."""
+        from quantcore.planning.autoplan import auto_plan as solve
+
+        model = self.model
+        budget = self.kl_budget - self._kv_kl
+        if self.correction is not None:
+            budget = self.correction.search_budget(budget)
+        cands = [c for c in self._candidates if c in self._sens_rot or c == "BF16"]
+        rotated = solve(layer_names(model), self._sens_rot, kl_budget=budget, target=self.target, candidates=cands,
+                        cost=table, layer_shapes=layer_shapes(model), unit_layers=self._unit_layers_rot,
+                        cost_source=self._source, tied=model.tied_linears,
+                        parallel=self._parallel()) if cands else None
+        label = self._rotation_label()
+        usable = rotated is not None and rotated.predicted_kl <= budget and rotated.plan
+        if usable and rotated.cost < plain.cost:
+            self.rotated = True
+            rotated.notes.append(f"rotation {label} chosen: {cost_text(rotated.cost, rotated.cost_unit)}, predicted KL "
+                                 f"{rotated.predicted_kl:.4g}, against {cost_text(plain.cost, plain.cost_unit)} "
+                                 f"(KL {plain.predicted_kl:.4g}) without it (searched on the sweeps made rotated)")
+            return rotated
+        plain.notes.append(f"rotation {label} not chosen: " + (
+            f"{cost_text(rotated.cost, rotated.cost_unit)} (KL {rotated.predicted_kl:.4g}) with it, no cheaper than "
+            f"{cost_text(plain.cost, plain.cost_unit)} without" if usable and rotated is not None
+            else "no plan under the budget from the sweeps made rotated"))
+        return plain
+
+    def _rotation_label(self) -> str:
+        from quantcore.algorithms.rotation_spec import rotation_from_dict
+
+        return rotation_from_dict(self.rotation).label() if self.rotation is not None else "none"
 
     def _explain(self, result, table, read: list[JobRecord]) -> None:
         """The notes a person reads beside the plan: candidates left out, the KV cache's share of the budget, stale
@@ -274,7 +342,8 @@ class AutoPlan:
                 + ("" if self._kv == "AUTO" else f"-kv-{self._kv.lower()}")
                 + (f"-tp{self.tensor_parallel}" if self.tensor_parallel > 1 else "")
                 + ("-ep" if self.expert_parallel else "")
-                + ("-fisher" if self.sensitivity == "fisher" else ""))
+                + ("-fisher" if self.sensitivity == "fisher" else "")
+                + ("-rot" if self.rotation is not None else ""))
 
     def _save(self, result) -> tuple[PlanRecord, JobRecord | None]:
         """(the plan version, a score job already checking it): a new version, or, asked again with nothing new,
@@ -286,6 +355,10 @@ class AutoPlan:
         spec.kv_cache = self._kv
         spec.tensor_parallel = self.tensor_parallel
         spec.expert_parallel = self.expert_parallel
+        if self.rotated:  # the plan scores, exports and serves rotated (transforms.rotation)
+            from quantcore.algorithms.rotation_spec import rotation_from_dict
+
+            spec.rotation = rotation_from_dict(self.rotation)
         body = spec.to_dict()
         versions = [p for p in list_plans(model.id) if p.name == name]
         if versions and versions[-1].body == body:  # asked again with nothing new: the same plan, no new version

@@ -75,6 +75,26 @@ def sweep_label(job: JobRecord) -> str:
             + (" (Fisher estimate)" if sweep_method(job) == "fisher" else ""))
 
 
+def sweep_rotation(job: JobRecord) -> dict[str, Any] | None:
+    """The rotation a sweep quantized every unit in (its result's ``rotation`` as RotationSpec.to_dict writes it),
+    None for an unrotated one."""
+    return _normal((job.result or {}).get("rotation"))
+
+
+def _normal(rotation: Any) -> Any:
+    """A transforms.rotation mapping in one spelling (defaults filled), None for none; one that does not parse is
+    kept as it is (equal to no well-formed one)."""
+    if not rotation:
+        return None
+    from quantcore.algorithms.rotation_spec import rotation_from_dict
+    from quantcore.errors import PlanError
+
+    try:
+        return rotation_from_dict(rotation).to_dict()
+    except PlanError:
+        return rotation
+
+
 def sweep_method(job: JobRecord) -> str:
     """"kl" (the exact sweep: every sweep before the estimate existed) or "fisher" (quantcore.evaluation.fisher)."""
     return str((job.params or {}).get("method") or "kl")
@@ -91,7 +111,8 @@ def exact_twin(job: JobRecord) -> JobRecord | None:
         if (other.id != job.id and sweep_method(other) == "kl" and sweep_scheme(other) == sweep_scheme(job)
                 and sweep_parallel(other) == sweep_parallel(job) and theirs.get("text") == result.get("text")
                 and theirs.get("tokens") == result.get("tokens")
-                and bool(other.params.get("groups", True)) == bool(job.params.get("groups", True))):
+                and bool(other.params.get("groups", True)) == bool(job.params.get("groups", True))
+                and sweep_rotation(other) == sweep_rotation(job)):
             return other
     return None
 
@@ -109,15 +130,19 @@ def rank_correlation(estimate_job: int, exact_job: int) -> dict[str, Any]:
 
 
 def planner_sweeps(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False,
-                   method: str = "kl") -> list[JobRecord]:
+                   method: str = "kl", rotation: dict[str, Any] | None = None) -> list[JobRecord]:
     """The sweeps of linear layers a plan for ``tensor_parallel`` GPUs reads, oldest first (a later one replaces an
     earlier one's units): those made on that many GPUs (as ``expert_parallel``), and for a scheme not swept so, its
     one-GPU sweeps. Those stand in exactly for every scheme but one with a dynamic per-tensor or per-token
     activation scale on a row-parallel layer (o_proj, down_proj), where each GPU's own scale makes the served KL
-    lower. ``method``: the exact sweeps ("kl") or the Fisher estimates ("fisher"); the two are never mixed."""
+    lower. ``method``: the exact sweeps ("kl") or the Fisher estimates ("fisher"); the two are never mixed, nor are
+    sweeps made in a rotated model (their result's ``rotation``, issue #46) with the unrotated ones: ``rotation``
+    (a plan's transforms.rotation as RotationSpec.to_dict writes it) reads the sweeps made rotated so, None the
+    unrotated ones."""
     at = (tensor_parallel, tensor_parallel > 1 and expert_parallel)
     linear = [j for j in reversed(sensitivity_jobs(model.id))  # oldest first
-              if not sweep_scheme(j).startswith(repo.KV_SWEEP_PREFIX) and sweep_method(j) == method]
+              if not sweep_scheme(j).startswith(repo.KV_SWEEP_PREFIX) and sweep_method(j) == method
+              and sweep_rotation(j) == _normal(rotation)]
     swept_at = schemes_swept_on(linear, *at)
     return [j for j in linear if sweep_parallel(j) == at
             or (sweep_parallel(j) == (1, False) and sweep_scheme(j) not in swept_at)]
@@ -148,15 +173,16 @@ def same_on_any_gpus(scheme: str, tensor_parallel: int) -> str | None:
             f"on one GPU, which a plan for {tensor_parallel} reads exactly")
 
 
-def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False, method: str = "kl"
+def sensitivity_map(model: ModelRecord, tensor_parallel: int = 1, expert_parallel: bool = False, method: str = "kl",
+                    rotation: dict[str, Any] | None = None
                     ) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
     """{scheme: {unit: KL}} and {unit: layers} over the stored sensitivity sweeps of the model's linear layers
     that a plan on ``tensor_parallel`` GPUs reads (:func:`planner_sweeps`, of ``method``: exact or Fisher; KV cache
-    sweeps, whose units are attention layers, are :func:`kv_sensitivity`'s)."""
+    sweeps, whose units are attention layers, are :func:`kv_sensitivity`'s); ``rotation``: those made rotated so."""
     from quantcore.planning.autoplan import sensitivity_from_rows
 
     rows: list[Any] = []
-    for job in planner_sweeps(model, tensor_parallel, expert_parallel, method):
+    for job in planner_sweeps(model, tensor_parallel, expert_parallel, method, rotation):
         rows.extend(r for r in sensitivity_rows(job.id) if not r.scheme.startswith(repo.KV_SWEEP_PREFIX))
     return sensitivity_from_rows(rows)
 

@@ -659,3 +659,29 @@ def test_rotation_frame_keeps_the_head_of_each_curve_and_thins_its_tail() -> Non
     assert none["rank"].iloc[0] == 0 and none["channel_max"].iloc[0] == 1000.0  # the outlier kept
     assert none["rank"].iloc[-1] == 1535  # the smallest channel too
     assert list(none["rank"].iloc[:10]) == list(range(10))  # the head whole
+
+
+def test_smoothquant_spec_of_every_alpha_differs_in_its_datasets_only() -> None:
+    """Named datasets and one y axis for every α: a slider step sends the same spec with other data, which the
+    browser redraws in place (issue #45); the data are what the unnamed chart draws at that α."""
+    rng = np.random.default_rng(1)
+    act, w = rng.lognormal(0, 1, 300), rng.lognormal(-3, 0.5, 300)
+    act[7] = 500.0
+    domain = outlier_charts.smoothquant_domain(act, w)
+    specs = {}
+    for alpha in (0.0, 0.55, 1.0):
+        points, steps = outlier_charts.smoothquant_frame(ol.smoothquant_view(act, w, alpha))
+        spec = spec_of(outlier_charts.smoothquant_chart(points, steps, alpha, domain=domain, named=True))
+        assert "datasets" not in spec
+        data = outlier_charts.smoothquant_datasets(points, steps)
+        drawn = [v["data"]["name"] for v in views(spec)]
+        assert sorted(set(drawn)) == sorted(data)  # every layer reads one of the datasets given
+        values = [r["value"] for k, rows in data.items() if k.endswith("_dots") for r in rows]
+        values += [r["step"] for k, rows in data.items() if k.endswith("_rules") for r in rows]
+        assert domain[0] < min(values) and max(values) < domain[1]  # every α's points inside the one axis
+        plain = spec_of(outlier_charts.smoothquant_chart(points, steps, alpha))
+        plain_rows = sorted(str(r) for v in views(plain) for r in data_rows(plain, v))
+        named_rows = sorted(str(r) for v in views(spec) for r in data[v["data"]["name"]])
+        assert named_rows == plain_rows
+        specs[alpha] = spec
+    assert specs[0.0] == specs[0.55] == specs[1.0]

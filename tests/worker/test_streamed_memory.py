@@ -1,7 +1,7 @@
 """Issue 42's "done when", on a small scale: a synthetic checkpoint larger than the memory a job is allowed
-(QUANTPLAN_MODEL_MEMORY_GIB) registers, calibrates and scores streamed, with the peak memory each job adds to its
-process measured below that allowance; the same job run whole-model adds more than the allowance (so the measurement
-would catch a streamed run that loaded everything).
+(QUANTPLAN_MODEL_MEMORY_GIB) registers, calibrates, scores and sweeps streamed, with the peak memory each job adds to
+its process measured below that allowance; the same job run whole-model adds more than the allowance (so the
+measurement would catch a streamed run that loaded everything).
 
 Each job runs in its own process (``quantplan ... --local``: the real job body, runner and SQLite store), through a
 wrapper that imports everything the job needs first, then reports ``ru_maxrss`` before and after the job.
@@ -33,7 +33,7 @@ import torch, transformers, safetensors
 from transformers.models.llama import modeling_llama
 import quantcore.evaluation.calibrate, quantcore.evaluation.scoring, quantcore.evaluation.streamed
 import quantcore.models.loading, quantcore.models.streaming, quantcore.algorithms.apply
-import worker.bodies.calibrate, worker.bodies.score
+import worker.bodies.calibrate, worker.bodies.score, worker.bodies.sensitivity, quantcore.evaluation.streamed_sweep
 from quantplan.cli import main
 def peak():
     return next(int(x.split()[1]) * 1024 for x in Path("/proc/self/status").read_text().splitlines()
@@ -85,9 +85,13 @@ def test_a_checkpoint_larger_than_the_allowance_calibrates_and_scores_streamed_w
     assert score["kl_mean"] > 0
     from quantplan.services import jobs as jobs_svc
 
+    # and sweeps: every unit's hidden states beside the streamed model (66 states of 2 x 32 x 512 floats: 8.3 MiB)
+    sweep, sweep_rss = job_memory("sensitivity", "synthetic", "--scheme", "W8A16", "--samples", "2", "--seq-len", "32")
+    assert len(sweep["layers"]) == 16 * 4 + 1 and all(r["kl_mean"] > 0 for r in sweep["layers"])
     jobs = {j.id: j for j in jobs_svc.list_jobs(limit=10)}
-    assert jobs[cal["job"]].result["mode"] == "streamed"
+    assert jobs[cal["job"]].result["mode"] == jobs[sweep["job"]].result["mode"] == "streamed"
     assert cal_rss["added"] < allowance and score_rss["added"] < allowance, (cal_rss, score_rss, allowance)
+    assert sweep_rss["added"] < allowance, (sweep_rss, allowance)
     _, whole_rss = job_memory("calibrate", "synthetic", *tokens, stream=False)
     assert whole_rss["added"] > allowance, whole_rss  # the measurement sees a whole model
     assert not (Path(str(qp_settings.cache_dir)) / "scratch").exists() or not any(

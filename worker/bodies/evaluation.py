@@ -39,22 +39,26 @@ def prepare(ctx: JobContext, asked: TextJobSpec) -> tuple[ModelRecord, Any, Any,
     return rec, model, tok, ids, label
 
 
-def calibration_for(ctx: JobContext, asked: TextJobSpec, model_rec: ModelRecord, needed: bool):
+def calibration_for(ctx: JobContext, asked: TextJobSpec, model_rec: ModelRecord, needed: bool, rotation: Any = None):
     """(calibration job id, its LayerStats) of the model for SmoothQuant / static scales: the newest calibration,
     or a new one run here first (recorded as its own calibrate job on the job's calibration token counts);
-    None when not ``needed``."""
+    None when not ``needed``. ``rotation`` (a RotationSpec): the newest calibration of the model rotated so, or a
+    rotated one run first (whole model): statistics of the rotated model, as a rotated plan's scales and
+    SmoothQuant factors need them (QuaRot / SpinQuant: rotate, then calibrate)."""
     if not needed:
         return None
     from quantcore.evaluation.stats import LayerStats
     from worker.bodies.calibrate import calibrate
 
     with session_scope(ctx.settings) as s:
-        # a rotated calibration (a what-if of the Outliers page) saw another model than the one scored here
-        cal = next((c for c in repo.calibrations(s, model_rec.id) if not (c.params or {}).get("rotation")), None)
+        # a calibration rotated otherwise (or not at all) saw another model than the one scored here
+        cal = next((c for c in repo.calibrations(s, model_rec.id) if rotation_of(c) == rotation), None)
     if cal is None:
-        ctx.progress(0.02, "no stored calibration: calibrating first")
+        ctx.progress(0.02, "no stored calibration" + (f" rotated {rotation.label()}" if rotation else "")
+                     + ": calibrating first")
         first = CalibrateSpec(device=asked.device, samples=asked.cal_samples, seq_len=asked.cal_seq_len,
-                              stream=asked.stream)
+                              stream=False if rotation is not None else asked.stream,
+                              rotation=rotation.to_dict() if rotation is not None else None)
         job = create_local_job("calibrate", first, model_id=model_rec.id, settings=ctx.settings)
         status = run_job(job.id, calibrate, settings=ctx.settings)
         if status != "succeeded":
@@ -66,18 +70,32 @@ def calibration_for(ctx: JobContext, asked: TextJobSpec, model_rec: ModelRecord,
     return cal.id, stats
 
 
-def refuse_rotated_calibration(rotation: Any, plan: Mapping[str, Any], kv: Any) -> None:
-    """ValueError when a rotated plan needs calibrated inputs (static scales, SmoothQuant, GPTQ, AWQ, calibrated KV
-    scales): the stored calibrations saw the unrotated model, whose statistics do not hold rotated."""
-    needing = [n for n, s in plan.items() if not s.is_identity and (s.needs_calibration or s.gptq or s.needs_awq)]
-    if needing or kv.calibrated:
-        from quantcore.errors import name_list
+def rotation_of(job: Any) -> Any:
+    """The RotationSpec a calibration job ran under (its params' ``rotation``), None for a plain one; a stored
+    rotation that no longer parses counts as none of today's (a string, never equal to a RotationSpec)."""
+    raw = (job.params or {}).get("rotation")
+    if not raw:
+        return None
+    from quantcore.algorithms.rotation_spec import rotation_from_dict
+    from quantcore.errors import PlanError
 
-        what = f"{len(needing)} layer(s) ({name_list(needing, 3)})" if needing else f"the {kv.name} KV cache"
-        raise ValueError(f"this plan rotates the model ({rotation.label()}) and {what} need calibrated statistics, "
-                         "which quantplan's stored calibrations hold for the unrotated model only; choose schemes "
-                         "with dynamic activation scales and round-to-nearest weights (MXFP4, MXFP8, FP8_DYNAMIC, "
-                         "INT8_W8A8), or measure it with benchmarks/rotations_smollm2.py, which calibrates rotated")
+    try:
+        return rotation_from_dict(raw, "a stored calibration's rotation")
+    except PlanError:
+        return "malformed"
+
+
+def rotated(model: Any, rotation: Any):
+    """A context: ``model`` rotated by ``rotation`` (None: unchanged) while GPTQ's Hessians, AWQ's search or the
+    KV cache's maxima are taken, so they are those of the rotated model the plan quantizes."""
+    from quantcore.algorithms.rotation import rotation_applied
+
+    return rotation_applied(model, rotation)
+
+
+def _rotation_key(rotation: Any) -> dict[str, Any]:
+    """A cache key's part for a rotation (nothing without one: the keys of unrotated results stay as they were)."""
+    return {"rotation": rotation.to_dict()} if rotation is not None else {}
 
 
 def calibration_inputs(cal) -> PlanInputs:
@@ -177,9 +195,10 @@ def reference_for(ctx: JobContext, model_rec: ModelRecord, model: Any, ids: Any,
 
 
 def hessians(ctx: JobContext, model: Any, plan: dict[str, Any], cal_ids: Any, text: str | None,
-             rounded: Any = ()) -> dict[str, Any] | None:
+             rounded: Any = (), rotation: Any = None) -> dict[str, Any] | None:
     """GPTQ Hessians of the plan's layers that round with GPTQ, from the unquantized model on the calibration
-    tokens; None when no layer does, or all are ``rounded`` already (:func:`kept_gptq`)."""
+    tokens (rotated by ``rotation`` first: the Hessians of the rotated inputs the rotated weights are rounded
+    against); None when no layer does, or all are ``rounded`` already (:func:`kept_gptq`)."""
     from quantcore.algorithms.gptq import collect_hessians
 
     layers = [n for n, s in plan.items() if s.needs_hessians and n not in rounded]
@@ -187,18 +206,22 @@ def hessians(ctx: JobContext, model: Any, plan: dict[str, Any], cal_ids: Any, te
         ctx.progress(0.3, f"GPTQ: {len(rounded)} layer(s) rounded by an earlier job, from the cache")
     if not layers:
         return None
-    ctx.progress(0.3, f"GPTQ: input Hessians of {len(layers)} layer(s) on {text}")
-    return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel)
+    ctx.progress(0.3, f"GPTQ: input Hessians of {len(layers)} layer(s) on {text}"
+                 + (f", rotated {rotation.label()}" if rotation is not None else ""))
+    with rotated(model, rotation):
+        return collect_hessians(model, layers, cal_ids, should_cancel=ctx.should_cancel)
 
 
-def kept_gptq(ctx: JobContext, rec: ModelRecord, model: Any, reads: dict[str, dict[str, Any]], cal_ids: Any, cal):
+def kept_gptq(ctx: JobContext, rec: ModelRecord, model: Any, reads: dict[str, dict[str, Any]], cal_ids: Any, cal,
+              rotation: Any = None):
     """GPTQ-rounded weights kept beside the model's reference log-probs by earlier jobs: ({layer: weight} found,
     {layer: file} to keep the others at once rounded, :func:`keep_gptq`). ``reads``: what each GPTQ layer's
     rounding reads of the plan it is applied in (quantcore.algorithms.gptq.rounding_inputs; a sweep applies one
     unit at a time). The key is everything the rounding reads (quantcore.algorithms.gptq.rounding_inputs: the
     schemes of the layer's fusion group, of the o_proj / down_proj folding into its rows and of the plan's AWQ
     layers; the calibration tokens, the calibration statistics where SmoothQuant divides by them, the weights'
-    dtype, the device kind, torch's and transformers' versions, quantplan's numerics), so a plan rounds a layer
+    dtype, the device kind, torch's and transformers' versions, quantplan's numerics, the plan's rotation), so a
+    plan rounds a layer
     once whichever job asks again: a second score, the automatic plan's check after a sweep."""
     from safetensors.torch import load_file
 
@@ -214,7 +237,7 @@ def kept_gptq(ctx: JobContext, rec: ModelRecord, model: Any, reads: dict[str, di
     found, paths = {}, {}
     for layer, read in reads.items():
         key = cache_key(tokens=tokens, dtype=dtype, device=cal_ids.device.type, numerics=NUMERICS, **versions,
-                        calibration=cal[0] if read["smoothed"] and cal else None, **read)
+                        calibration=cal[0] if read["smoothed"] and cal else None, **read, **_rotation_key(rotation))
         path = cache.gptq_path(folder, key)
         weight = None
         if path.exists():
@@ -260,12 +283,17 @@ def gptq_summary(reads: dict[str, Any], kept: dict[str, Any], not_kept: str | No
     return {"layers": len(reads), "from_cache": len(kept), **({"not_kept": not_kept} if not_kept else {})}
 
 
-def awq_scales(ctx: JobContext, rec: ModelRecord, model: Any, plan: dict[str, Any], cal_ids: Any, text: str | None):
+def awq_scales(ctx: JobContext, rec: ModelRecord, model: Any, plan: dict[str, Any], cal_ids: Any, text: str | None,
+               rotation: Any = None, search: Any = None):
     """AWQ's searched input scales for the plan's layers that scale with AWQ, on the calibration tokens; None
     when no layer does. Kept beside the model's reference log-probs, keyed by everything the search reads (the
     calibration tokens, the AWQ layers and their weight format, the grid, the device kind, the weights' dtype,
     torch's and transformers' versions, quantplan's numerics), so another score or a sweep of the same AWQ layers
-    reuses it; ``.cached`` says whether it came from there (a damaged file is searched again)."""
+    reuses it; ``.cached`` says whether it came from there (a damaged file is searched again). ``rotation``: searched
+    on the model rotated so (in the key too); a down_proj whose input R4 rotates online is left unscaled, said in
+    ``skipped`` (its factors would fold into up_proj's rows, before the online Hadamard). ``search``: what runs
+    the search in :func:`quantcore.algorithms.awq.awq_search`'s place (a streamed job's, block by block:
+    worker.bodies.streamed_rounding)."""
     from quantcore.algorithms.awq import awq_search, load_awq, save_awq
     from quantcore.schemes.numerics import NUMERICS
     from quantcore.schemes.specs import AWQ_DUO_SCALING, AWQ_N_GRID
@@ -275,7 +303,8 @@ def awq_scales(ctx: JobContext, rec: ModelRecord, model: Any, plan: dict[str, An
         return None
     key = cache_key(tokens=cal_ids, shape=list(cal_ids.shape), grid=[AWQ_N_GRID, AWQ_DUO_SCALING],
                     layers={n: plan[n].weights.to_dict() for n in sorted(layers)}, device=cal_ids.device.type,
-                    dtype=str(next(model.parameters()).dtype), numerics=NUMERICS, **software())
+                    dtype=str(next(model.parameters()).dtype), numerics=NUMERICS, **software(),
+                    **_rotation_key(rotation))
     path = cache.awq_path(ctx.settings.model_reference_dir(rec.sha256), key)
     if path.exists():
         try:
@@ -288,8 +317,12 @@ def awq_scales(ctx: JobContext, rec: ModelRecord, model: Any, plan: dict[str, An
             found.cached = True
             return found
     ctx.progress(0.3, f"AWQ: searching the input scales of {len(layers)} layer(s) on {text}")
-    found = awq_search(model, plan, cal_ids, should_cancel=ctx.should_cancel,
-                       progress=lambda _f, message: ctx.progress(0.3, message))
+    with rotated(model, rotation) as handle:
+        online = set(handle.online) if handle is not None else set()
+        found = (search or awq_search)(model, {n: s for n, s in plan.items() if n not in online}, cal_ids,
+                           should_cancel=ctx.should_cancel, progress=lambda _f, message: ctx.progress(0.3, message))
+    found.skipped.update({n: "R4 rotates its input online, after up_proj's rows where AWQ's factors would fold "
+                             "(the rotation spreads its outliers instead)" for n in layers if n in online})
     save_awq(found, path)
     return found
 
@@ -324,7 +357,7 @@ def kv_amax(ctx: JobContext, rec: ModelRecord, model: Any, kv: Any, plan: dict[s
         return None, False
     key = cache_key(tokens=cache_key(tokens=cal_ids, shape=list(cal_ids.shape)),
                     plan={n: s.to_dict() for n, s in sorted(plan.items()) if not s.is_identity},
-                    calibration=cal[0] if cal else None,
+                    calibration=cal[0] if cal else None, **_rotation_key(inputs.rotation),
                     gpus=[inputs.parallel.tp, inputs.parallel.expert_parallel] if inputs.parallel else [1, False],
                     dtype=str(next(model.parameters()).dtype), device=cal_ids.device.type, numerics=NUMERICS,
                     **software())

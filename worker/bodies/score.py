@@ -13,6 +13,7 @@ from store import repo
 from store.db import session_scope
 from store.records import SCORE_STATISTICS
 from worker.bodies import evaluation as ev
+from worker.bodies import streamed_rounding as sr
 from worker.bodies.shared import forget_model
 from worker.bodies.streaming import prepared, refuse_streamed
 from worker.runner import JobContext, Outcome
@@ -90,23 +91,28 @@ def _score(ctx: JobContext, asked: ScoreSpec, rec: Any, model: Any, tok: Any, id
         kv_skip_layers(spec.kv_cache_skip, attention_modules(model), attention_windows(model))
     needs = ev.calibration_needs(plan.values())  # the calibrated inputs the plan's rounding and transforms read
     gptq = "weight_hessians" in needs
+    rotation = spec.rotation  # statistics, Hessians, AWQ and KV maxima are all taken on the model rotated so
     if streamed is not None:  # refused before anything runs
-        refuse_streamed([what for what, used in (("GPTQ rounding", gptq), ("AWQ's search", "awq" in needs),
-                                                 ("rollouts", bool(asked.rollouts))) if used])
-    if spec.rotation is not None:  # the stored calibration saw the unrotated model (quantcore.algorithms.rotation)
-        ev.refuse_rotated_calibration(spec.rotation, plan, kv)
-    cal = ev.calibration_for(ctx, asked, rec, any(s.needs_calibration for s in plan.values()))
+        refuse_streamed([what for what, used in (("rollouts", bool(asked.rollouts)),
+                                                 ("a rotation", rotation is not None)) if used])
+    cal = ev.calibration_for(ctx, asked, rec, any(s.needs_calibration for s in plan.values()), rotation)
     ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size,
                            compute=None if streamed is None else partial(_streamed_reference, streamed))
     cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device,
                                            ev.reads_calibration_text(needs) or kv.calibrated)
     gptq_reads = rounding_inputs(plan)
-    kept, keep_at = ev.kept_gptq(ctx, rec, model, gptq_reads, cal_ids, cal)
-    hessians = ev.hessians(ctx, model, plan, cal_ids, cal_text, rounded=kept)
-    awq = ev.awq_scales(ctx, rec, model, plan, cal_ids, cal_text)
-    gptq_cache = dict(kept)  # the KV cache calibration and the score round each GPTQ layer once between them
+    kept, keep_at = ev.kept_gptq(ctx, rec, model, gptq_reads, cal_ids, cal, rotation)
+    # streamed: each block's GPTQ layers are rounded as it loads, below (worker.bodies.streamed_rounding)
+    hessians = (ev.hessians(ctx, model, plan, cal_ids, cal_text, rounded=kept, rotation=rotation)
+                if streamed is None else None)
+    awq = ev.awq_scales(ctx, rec, model, plan, cal_ids, cal_text, rotation,
+                        search=None if streamed is None else partial(sr.awq_search, streamed))
+    # the KV cache calibration and the score round each GPTQ layer once between them
+    gptq_cache = dict(kept) if streamed is None else sr.spilled_cache(ctx, kept)
     inputs = ev.calibration_inputs(cal).replace(weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache,
-                                                parallel=parallel, rotation=spec.rotation)
+                                                parallel=parallel, rotation=rotation)
+    if streamed is not None and gptq:
+        sr.round_gptq(ctx, streamed, plan, cal_ids, cal_text, inputs)
     kv_amax, kv_cached = ev.kv_amax(ctx, rec, model, kv, plan, cal_ids, cal, inputs,
                                     calibrate=None if streamed is None else partial(_streamed_kv_amax, streamed))
     rest = ctx.rest()

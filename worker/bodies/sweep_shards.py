@@ -47,13 +47,16 @@ def shard_outcome(asked: SensitivitySpec, result: dict[str, Any], rows: list[dic
 def run_shard(job_id: int, body: Any, worker: str, settings: Settings | None = None) -> tuple[str, bool]:
     """Run the shard ``job_id`` on ``worker`` (this Celery node's name), its progress aggregated into its sweep's:
     (its final status, whether to run it again). A failed shard is put back on the queue while it has attempts left
-    (jobs.shards.SHARD_ATTEMPTS) and its sweep was not cancelled."""
+    (jobs.shards.SHARD_ATTEMPTS) and its sweep was not cancelled; one whose worker was lost the stale-job sweep
+    queues again (store.repo.sweep_stale_jobs), and the delivery that finds it so runs it."""
     s = settings or get_settings()
     with session_scope(s) as session:
         shard = shard_rows.shard_of(session, job_id)
         if shard is None:
             raise LookupError(f"job {job_id} is no sweep's shard")
-        attempts = shard_rows.count_attempt(session, job_id, worker)
+        # a delivery that finds its shard running elsewhere or ended runs nothing: it is no attempt
+        attempts = (shard_rows.count_attempt(session, job_id, worker) if shard.job.status == "queued"
+                    else shard.attempts)
 
     def to_parent(fraction: float, message: str) -> None:
         with session_scope(s) as session:
@@ -63,6 +66,11 @@ def run_shard(job_id: int, body: Any, worker: str, settings: Settings | None = N
                                      message=f"shard {shard.shard + 1} of {shard.shards} ({worker}): {message}")
 
     status = run_job(job_id, body, settings=s, on_progress=to_parent)
+    if status == "skipped" and attempts < SHARD_ATTEMPTS:  # run_job's sweep may just have found it lost and
+        with session_scope(s) as session:  # queued it again (store.repo.sweep_stale_jobs): this delivery runs it
+            requeued = repo.get_job(session, job_id).status == "queued"
+        if requeued:
+            return run_shard(job_id, body, worker, s)
     if status != "failed" or attempts >= SHARD_ATTEMPTS:
         return status, False
     with session_scope(s) as session:

@@ -36,6 +36,7 @@ LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"
 TIMEOUT_S = 900
 PREDICTION_FACTOR = 2.0  # llm-compressor's MXFP4 KL vs quantplan's predicted, either way (emulations differ slightly)
 ROTATION = RotationSpec()  # plain Hadamard, R1 + R2 + R4; the tiny model's widths (64, 16, 128) are powers of two
+QUIP = RotationSpec(rotations=("V",))  # QuIP's input rotation of every decoder linear: QuIPModifier (issue #46)
 
 
 def _kl(ref: torch.Tensor, logq: torch.Tensor) -> float:
@@ -60,7 +61,8 @@ def produced(tmp_path_factory):
                if isinstance(m, torch.nn.Linear)]
     widths = widths_from_linears(linears, 16)
     plans = {"rotation": (dict.fromkeys(names, "BF16"), ROTATION), "mxfp4": (_mxfp4(names), None),
-             "mxfp4_rotated": (_mxfp4(names), ROTATION)}
+             "mxfp4_rotated": (_mxfp4(names), ROTATION), "quip": (dict.fromkeys(names, "BF16"), QUIP),
+             "mxfp4_quip": (_mxfp4(names), QUIP)}
     jobs = []
     for name, (plan, rot) in plans.items():
         recipe = work / f"{name}.yaml"
@@ -76,7 +78,7 @@ def produced(tmp_path_factory):
     from safetensors.torch import load_file
 
     return model, plans, torch.tensor(ids["evaluation"]), {
-        n: load_file(out)["logprobs"] for n, _, out in jobs}, (work / "mxfp4_rotated.yaml").read_text()
+        n: load_file(out)["logprobs"] for n, _, out in jobs}, {n: (work / f"{n}.yaml").read_text() for n in plans}
 
 
 def _mxfp4(names):
@@ -84,7 +86,8 @@ def _mxfp4(names):
 
 
 def test_the_exported_rotation_runs_in_oneshot_and_scores_as_predicted(produced):
-    model, plans, ids, llmc, recipe = produced
+    model, plans, ids, llmc, recipes = produced
+    recipe = recipes["mxfp4_rotated"]
     assert "SpinQuantModifier" in recipe and recipe.index("SpinQuantModifier") < recipe.index("QuantizationModifier")
     with torch.no_grad():
         ref = torch.log_softmax(model(ids).logits, -1)
@@ -100,10 +103,21 @@ def test_the_exported_rotation_runs_in_oneshot_and_scores_as_predicted(produced)
     assert measured["rotation"] > 1e-6
     assert measured["rotation"] == pytest.approx(_centred_kl(model, ids, ref), rel=0.02)
     # the rotated recipe's quantization: within a factor of the prediction, and the same direction against plain
-    for name in ("mxfp4", "mxfp4_rotated"):
+    for name in ("mxfp4", "mxfp4_rotated", "mxfp4_quip"):
         assert predicted[name] / PREDICTION_FACTOR < measured[name] < predicted[name] * PREDICTION_FACTOR, (
             name, predicted, measured)
     assert (measured["mxfp4_rotated"] < measured["mxfp4"]) == (predicted["mxfp4_rotated"] < predicted["mxfp4"])
+
+def test_the_exported_quip_rotation_is_exact_in_oneshot(produced):
+    """QuIPModifier centres nothing: llm-compressor's QuIP-rotated model is the original to float tolerance, as
+    quantplan's V rotation is."""
+    model, plans, ids, llmc, recipes = produced
+    quip = recipes["mxfp4_quip"]
+    assert "QuIPModifier" in recipes["quip"] and quip.index("QuIPModifier") < quip.index("QuantizationModifier")
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids).logits, -1)
+    assert abs(_kl(ref, llmc["quip"])) < 1e-6
+
 
 def _centred_kl(model, ids, ref) -> float:
     """KL of the model with its embedding rows centred (what SpinQuantModifier does first), quantplan's rotation

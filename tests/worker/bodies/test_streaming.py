@@ -87,9 +87,9 @@ def test_a_streamed_score_equals_the_whole_one(run_body, tiny_llama, qp_settings
 
 
 def test_what_runs_whole_model_only_is_refused_streamed_before_anything_runs(run_body, tiny_llama, qp_settings):
-    job = run_body("score", ScoreSpec(scheme="W4A16_GPTQ", stream=True, **TOKENS), model_id=tiny_llama)
+    job = run_body("score", ScoreSpec(scheme="W4A16_GPTQ", stream=True, rollouts=2, **TOKENS), model_id=tiny_llama)
     assert job.status == "failed"
-    assert "GPTQ rounding run whole-model only" in job.error and "--no-stream" in job.error
+    assert "rollouts run whole-model only" in job.error and "--no-stream" in job.error
     with session_scope(qp_settings) as s:
         assert repo.list_scores(s, tiny_llama) == []
 
