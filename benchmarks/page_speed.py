@@ -104,45 +104,45 @@ class PageResult:
 
 
 # ------------------------------------------------------------------------------------------------ seeding
-def _cli(env: dict[str, str], *argv: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "quantplan", *argv], env=env, cwd=ROOT, capture_output=True,
-                          text=True)
-    if proc.returncode:
-        raise SystemExit(f"seeding failed: quantplan {' '.join(argv)} exited {proc.returncode}:\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    return proc.stdout
-
-
-def _python(env: dict[str, str], code: str) -> None:
+def _python(env: dict[str, str], code: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"seeding failed:\n{code}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return proc.stdout
 
 
 def seed(home: Path, quick: bool) -> int:
-    """Seed the deployment in ``home`` through the CLI (and the plans through the application layer); the model id."""
+    """Seed the deployment in ``home`` through the CLI's commands (and the plans through the application layer), all
+    in one process (one start of Python and torch, not one a command); the model's id."""
     env = {**os.environ, "QUANTPLAN_HOME": str(home), "QUANTPLAN_USER": "bench", "QUANTPLAN_AUTH": "none"}
     env = {k: v for k, v in env.items() if not k.startswith("QUANTPLAN_") or k in (
         "QUANTPLAN_HOME", "QUANTPLAN_USER", "QUANTPLAN_AUTH", "QUANTPLAN_CACHE_DIR")}
-    _cli(env, "migrate")
     if quick:
         from tests.factories import save_tiny_llama
 
-        _cli(env, "models", "add", str(save_tiny_llama(home / "src" / "tiny-llama")), "--name", "tiny")
-        model, sizes, sweep = "tiny", ("--samples", "2", "--seq-len", "32"), ("--samples", "1", "--seq-len", "16")
+        add = ["models", "add", str(save_tiny_llama(home / "src" / "tiny-llama")), "--name", "tiny"]
+        model, sizes, sweep = "tiny", ["--samples", "2", "--seq-len", "32"], ["--samples", "1", "--seq-len", "16"]
     else:
-        _cli(env, "models", "add", "--demo")
-        model, sizes, sweep = "demo", ("--samples", "4", "--seq-len", "64"), ("--samples", "1", "--seq-len", "16")
-    _cli(env, "calibrate", model, "--local", *sizes)
-    model_id = int(json.loads(_cli(env, "models", "list", "--json"))[0]["id"])
-    for scheme in ("FP8_DYNAMIC", "INT8_W8A8"):
-        _cli(env, "score", model, "--local", "--scheme", scheme, *sizes)
+        add = ["models", "add", "--demo"]
+        model, sizes, sweep = "demo", ["--samples", "4", "--seq-len", "64"], ["--samples", "1", "--seq-len", "16"]
+    first = [["migrate"], add, ["calibrate", model, "--local", *sizes],
+             *(["score", model, "--local", "--scheme", scheme, *sizes] for scheme in ("FP8_DYNAMIC", "INT8_W8A8"))]
+    then = [*(["sensitivity", model, "--local", "--scheme", scheme, *sweep]  # two schemes: Results draws both
+              for scheme in ("INT8_W8A8", "FP8_DYNAMIC")),
+            ["bench", model, "--local", "--m", "1,16", "--budget", "0.5", "--paths", "int8_row,int8_row+q,w8_row"]]
     samples, seq_len = int(sizes[1]), int(sizes[3])
     # two versions of one plan and another plan, saved through the application layer; both versions scored here
-    _python(env, f"""
+    out = _python(env, f"""
+import sys
+from quantplan.cli.main import main
+def cli(argv):
+    if main(argv):
+        sys.exit("seeding failed: quantplan " + " ".join(argv) + " exited non-zero (its error above)")
+for argv in {first!r}:
+    cli(argv)
 from quantplan.cli.common import run_job
 from quantplan.services import models, plans
-record = models.get_model({model_id})
+record = models.get_model({model!r})
 first = plans.save_plan(record.id, "fp8-mlp", plans.new_plan_body(record, "FP8_DYNAMIC"))
 second = plans.save_plan(record.id, "fp8-mlp", {{**first.body, "rules": [*first.body["rules"],
                          {{"match": "self_attn.o_proj", "scheme": "BF16"}}]}})
@@ -150,11 +150,11 @@ plans.save_plan(record.id, "int8", plans.new_plan_body(record, "INT8_W8A8"))
 for plan in (first, second):
     run_job("score", {{"samples": {samples}, "seq_len": {seq_len}, "device": "cpu", "user": "bench"}},
             model_id=record.id, plan_id=plan.id, local=True, quiet=True)
+for argv in {then!r}:
+    cli(argv)
+print("seeded model", record.id)
 """)
-    for scheme in ("INT8_W8A8", "FP8_DYNAMIC"):  # two schemes: the Results page draws them side by side
-        _cli(env, "sensitivity", model, "--local", "--scheme", scheme, *sweep)
-    _cli(env, "bench", model, "--local", "--m", "1,16", "--budget", "0.5", "--paths", "int8_row,int8_row+q,w8_row")
-    return model_id
+    return int(out.rsplit("seeded model ", 1)[1].split()[0])
 
 
 # ------------------------------------------------------------------------------------------------ the browser

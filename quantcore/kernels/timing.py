@@ -5,6 +5,7 @@ torch is imported inside the functions: importing this module stays cheap.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from quantcore.kernels.records import QUANTILES, is_unstable
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes a 256 MB buffer to clear L2
 CPU_FLUSH_MIN_BYTES = 64 * 1024 * 1024  # at least this much on a CPU, twice its last-level caches where larger
+CPU_FLUSH_ENV = "QUANTPLAN_CPU_FLUSH_MIB"  # a CPU's flush in MiB, instead of the rule below (flush_bytes)
 CPU_FLUSH_MAX_BYTES = 2 * 1024**3  # and at most this (a two-socket server's L3s together can pass 1 GiB)
 CPU_SYSFS = "/sys/devices/system/cpu"
 
@@ -45,9 +47,16 @@ def cpu_cache_bytes(sysfs: str = CPU_SYSFS) -> int | None:
 
 
 def flush_bytes(kind: str) -> int:
-    """How much a timer writes before each timed call to evict the operands from the caches."""
+    """How much a timer writes before each timed call to evict the operands from the caches: on a CPU
+    :data:`CPU_FLUSH_ENV` MiB where it is set (a VM that reports its host's last-level cache, hundreds of MiB, would
+    spend most of a small model's benchmark flushing), else twice the last-level caches within the bounds above."""
     if kind == "cuda":
         return L2_FLUSH_BYTES
+    if asked := os.environ.get(CPU_FLUSH_ENV, "").strip():
+        if not asked.isdigit() or not 1 <= int(asked) <= CPU_FLUSH_MAX_BYTES // 2**20:
+            raise ValueError(f"{CPU_FLUSH_ENV}={asked!r}: MiB a CPU benchmark writes before each timed call, a whole "
+                             f"number from 1 to {CPU_FLUSH_MAX_BYTES // 2**20}")
+        return int(asked) * 2**20
     return min(CPU_FLUSH_MAX_BYTES, max(CPU_FLUSH_MIN_BYTES, 2 * (cpu_cache_bytes() or 0)))
 
 

@@ -47,6 +47,7 @@ from quantcore.kernels.paths import (
 from quantcore.kernels.records import SKIP_OVER_BUDGET, KernelRecord, duration_bound, fill_speedups
 from quantcore.kernels.report import format_markdown, format_records
 from quantcore.kernels.timing import (
+    CPU_FLUSH_ENV,
     CPU_FLUSH_MAX_BYTES,
     CPU_FLUSH_MIN_BYTES,
     L2_FLUSH_BYTES,
@@ -284,9 +285,17 @@ def test_record_round_trip(tiny_records: list[KernelRecord]) -> None:
     assert KernelRecord.from_dict({**d, "job_id": 7}) == r
 
 
-def test_the_timer_flushes_the_caches_before_every_timed_call(tmp_path) -> None:
+def test_the_timer_flushes_the_caches_before_every_timed_call(tmp_path, monkeypatch) -> None:
     """A decode GEMM's weights come from memory when served: on a CPU too the timer writes a buffer twice its
-    last-level caches (sysfs) before each timed call, so a weight small enough for the cache is not timed warm."""
+    last-level caches (sysfs) before each timed call, so a weight small enough for the cache is not timed warm;
+    QUANTPLAN_CPU_FLUSH_MIB sets the size instead (the tests set it: tests/conftest.py), and a bad value is refused."""
+    monkeypatch.setenv(CPU_FLUSH_ENV, "12")
+    assert flush_bytes("cpu") == 12 * 2**20 and flush_bytes("cuda") == L2_FLUSH_BYTES
+    for bad in ("0", "1.5", "lots", str(CPU_FLUSH_MAX_BYTES // 2**20 + 1)):
+        monkeypatch.setenv(CPU_FLUSH_ENV, bad)
+        with pytest.raises(ValueError, match="QUANTPLAN_CPU_FLUSH_MIB=.*a whole number from 1 to 2048"):
+            flush_bytes("cpu")
+    monkeypatch.delenv(CPU_FLUSH_ENV)  # the rule itself
     # two sockets of two CPUs: each pair shares a 32 MiB L3; the L1 instruction cache is not counted
     for cpu in range(4):
         pair = "0-1" if cpu < 2 else "2-3"
