@@ -290,6 +290,18 @@ def kernel_record(m: int, n: int, k: int, path: str, ms: float | None, name: str
                         skipped=None if ms is not None else "over budget: test")
 
 
+def stored_smol_model(s):
+    """A model row named "smol" with SmolLM2's linears (:func:`smol_linears`, four blocks counted) and its attention
+    heads, in session ``s``: what the automatic plan's service tests plan for."""
+    from store import repo
+
+    summary = {"architecture": "LlamaForCausalLM", "model_type": "llama", "num_layers": 4, "num_params": 10_000_000,
+               "dtype": "float32", "total_bytes": 40_000_000, "linears": smol_linears(),
+               "attention_heads": {"heads": 9, "kv_heads": 3, "head_dim": 64}}
+    return repo.add_model(s, name="smol", sha256="cd" * 32, source_kind="folder", source_name="smol",
+                          path="models/smol", summary=summary, user="tester")
+
+
 def stored_model(s, name: str = "tiny"):
     """A model row (store.repo.add_model) of a tiny two-block Llama with one linear layer, in session ``s``."""
     from store import repo

@@ -11,17 +11,13 @@ from quantplan.services import plans as plans_svc
 from quantplan.services.errors import Refused
 from store import repo
 from store.db import session_scope
-from tests.factories import smol_linears
+from tests.factories import smol_linears, stored_smol_model
 
 
 @pytest.fixture
 def model(qp_settings):
-    summary = {"architecture": "LlamaForCausalLM", "model_type": "llama", "num_layers": 4, "num_params": 10_000_000,
-               "dtype": "float32", "total_bytes": 40_000_000, "linears": smol_linears(),
-               "attention_heads": {"heads": 9, "kv_heads": 3, "head_dim": 64}}
     with session_scope(qp_settings) as s:
-        return repo.add_model(s, name="smol", sha256="cd" * 32, source_kind="folder", source_name="smol",
-                              path="models/smol", summary=summary, user="tester")
+        return stored_smol_model(s)
 
 
 def _sweep(qp_settings, model, scheme: str = "INT8_PER_TENSOR") -> None:
