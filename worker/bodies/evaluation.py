@@ -19,24 +19,13 @@ from quantcore.files import write_whole
 from store import cache, repo
 from store.db import session_scope
 from store.records import ModelRecord
-from worker.bodies.shared import load_model, model_record, resolve_device, token_ids
+from worker.bodies.shared import token_ids
 from worker.runner import JobContext, run_job
 
 
 def linear_names(model_rec: ModelRecord) -> list[str]:
     """The stored model's linear layers, by name."""
     return [lin["name"] for lin in model_rec.linears]
-
-
-def prepare(ctx: JobContext, asked: TextJobSpec) -> tuple[ModelRecord, Any, Any, Any, str]:
-    """(model record, model, tokenizer, evaluation token ids on the job's device, the text's label)."""
-    rec = model_record(ctx)
-    device = resolve_device(asked.device)
-    model, tok = load_model(ctx, rec, device)
-    ids, label = token_ids(ctx, tok, "evaluation", samples=asked.samples, seq_len=asked.seq_len,
-                           dataset=asked.dataset)
-    ids = ids.to(device)
-    return rec, model, tok, ids, label
 
 
 def calibration_for(ctx: JobContext, asked: TextJobSpec, model_rec: ModelRecord, needed: bool, rotation: Any = None):

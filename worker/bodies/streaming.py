@@ -69,8 +69,8 @@ def streamed_model(ctx: JobContext, rec: ModelRecord, device: str, mode: Mode) -
 
 @contextmanager
 def prepared(ctx: JobContext, asked: Any) -> Iterator[tuple[Any, ...]]:
-    """:func:`worker.bodies.evaluation.prepare`'s (record, model, tokenizer, evaluation ids, text label), and the
-    StreamedModel where the job streams (None where it runs whole); the progress says which."""
+    """The job's (record, model, tokenizer, evaluation ids on its device, text label), and the StreamedModel where the
+    job streams (None where it runs whole); the progress says which."""
     from worker.bodies.shared import load_model, model_record, resolve_device, token_ids
 
     rec = model_record(ctx)
