@@ -15,7 +15,7 @@ from store.records import SCORE_STATISTICS
 from worker.bodies import evaluation as ev
 from worker.bodies import streamed_rounding as sr
 from worker.bodies.shared import forget_model
-from worker.bodies.streaming import prepared, refuse_streamed
+from worker.bodies.streaming import prepared, refuse_streamed, streamed_kv_amax, streamed_reference
 from worker.runner import JobContext, Outcome
 
 
@@ -97,7 +97,7 @@ def _score(ctx: JobContext, asked: ScoreSpec, rec: Any, model: Any, tok: Any, id
                                                  ("a rotation", rotation is not None)) if used])
     cal = ev.calibration_for(ctx, asked, rec, any(s.needs_calibration for s in plan.values()), rotation)
     ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size,
-                           compute=None if streamed is None else partial(_streamed_reference, streamed))
+                           compute=None if streamed is None else partial(streamed_reference, streamed))
     cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device,
                                            ev.reads_calibration_text(needs) or kv.calibrated)
     gptq_reads = rounding_inputs(plan)
@@ -114,7 +114,7 @@ def _score(ctx: JobContext, asked: ScoreSpec, rec: Any, model: Any, tok: Any, id
     if streamed is not None and gptq:
         sr.round_gptq(ctx, streamed, plan, cal_ids, cal_text, inputs)
     kv_amax, kv_cached = ev.kv_amax(ctx, rec, model, kv, plan, cal_ids, cal, inputs,
-                                    calibrate=None if streamed is None else partial(_streamed_kv_amax, streamed))
+                                    calibrate=None if streamed is None else partial(streamed_kv_amax, streamed))
     rest = ctx.rest()
     share = 0.5 if asked.rollouts else 1.0  # of what is left of the bar: the score's, then the rollouts'
     # batch_size=None: score in the reference's own batches, so an identity plan is exactly KL 0
@@ -179,17 +179,3 @@ def _score(ctx: JobContext, asked: ScoreSpec, rec: Any, model: Any, tok: Any, id
                       else "")
                    + f", top-1 {rep['top1_agree']:.3f}"
                    + (f" (from the cache: {', '.join(reused)})" if reused else ""))
-
-
-def _streamed_reference(streamed: Any, _model: Any, ids: Any, **options: Any) -> Any:
-    """compute_reference's call, run on the StreamedModel (quantcore.evaluation.streamed.reference_streamed)."""
-    from quantcore.evaluation.streamed import reference_streamed
-
-    return reference_streamed(streamed, ids, **options)
-
-
-def _streamed_kv_amax(streamed: Any, _model: Any, plan: Any, ids: Any, **options: Any) -> Any:
-    """calibrate_kv_cache's call, run on the StreamedModel (quantcore.evaluation.streamed)."""
-    from quantcore.evaluation.streamed import calibrate_kv_cache_streamed
-
-    return calibrate_kv_cache_streamed(streamed, plan, ids, **options)

@@ -54,14 +54,13 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
     from quantcore.planning.plans import group_label
     from quantcore.schemes.numerics import NUMERICS
     from quantcore.schemes.presets import get_scheme
-    from worker.bodies.score import _streamed_kv_amax, _streamed_reference
-    from worker.bodies.streaming import refuse_streamed
+    from worker.bodies.streaming import refuse_streamed, streamed_kv_amax, streamed_reference
 
     rotation = _rotation(asked, streamed)
     if streamed is not None:  # refused before anything runs
         refuse_streamed(["the Fisher estimate"] if asked.method == "fisher" else [])
-    compute = None if streamed is None else partial(_streamed_reference, streamed)
-    kv_calibrate = None if streamed is None else partial(_streamed_kv_amax, streamed)
+    compute = None if streamed is None else partial(streamed_reference, streamed)
+    kv_calibrate = None if streamed is None else partial(streamed_kv_amax, streamed)
     awq, parallel, rerouted, gptq_summary = None, ONE_GPU, False, None
     unsmoothable: list[str] = []  # layers a SmoothQuant sweep leaves out (sweepable)
     if asked.kv_sweep:  # K and V are quantized per head: the same on any number of GPUs

@@ -99,4 +99,19 @@ def refuse_streamed(what: list[str]) -> None:
                          "model, or choose a plan without them")
 
 
-__all__ = ["Mode", "choose_mode", "prepared", "refuse_streamed", "streamed_model"]
+def streamed_reference(streamed: Any, _model: Any, ids: Any, **options: Any) -> Any:
+    """compute_reference's call, run on the StreamedModel (quantcore.evaluation.streamed.reference_streamed)."""
+    from quantcore.evaluation.streamed import reference_streamed
+
+    return reference_streamed(streamed, ids, **options)
+
+
+def streamed_kv_amax(streamed: Any, _model: Any, plan: Any, ids: Any, **options: Any) -> Any:
+    """calibrate_kv_cache's call, run on the StreamedModel (quantcore.evaluation.streamed)."""
+    from quantcore.evaluation.streamed import calibrate_kv_cache_streamed
+
+    return calibrate_kv_cache_streamed(streamed, plan, ids, **options)
+
+
+__all__ = ["Mode", "choose_mode", "prepared", "refuse_streamed", "streamed_kv_amax", "streamed_model",
+           "streamed_reference"]
