@@ -161,14 +161,11 @@ def sweep_units(
 def _experts_apart(unit: list[str]) -> list[list[str]]:
     """An MoE block's unit as one unit per expert (``experts.3.gate_proj``, ``.up_proj``, ``.down_proj``); any other
     unit as it is."""
-    from quantcore.schemes.fusion import expert_block
+    from quantcore.schemes.fusion import expert_block, expert_parts
 
     if len(unit) < 2 or any(expert_block(n) is None for n in unit):
         return [unit]
-    by_expert: dict[str, list[str]] = {}
-    for n in unit:
-        by_expert.setdefault(n.rsplit(".", 1)[0], []).append(n)
-    return list(by_expert.values())
+    return expert_parts(unit)
 
 
 # ---------------------------------------------------------------------- replay and capture
