@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -29,3 +31,20 @@ def settle(page, quiet_ms: int = 1000) -> None:
     """Wait for the page to be settled: the script not running, no running indicator, and no change of the DOM for
     ``quiet_ms`` (a rerun a click asked for may start a moment after the click: the quiet covers that moment)."""
     page.wait_for_function(_QUIET, arg=quiet_ms, polling=100)
+
+
+def no_exception(page) -> None:
+    """No element of the page shows a Python exception (the first one's text if one does)."""
+    exc = page.locator("[data-testid='stException']")
+    assert exc.count() == 0, exc.first.inner_text()
+
+
+# read when the tests are collected: the qp_env fixture clears every QUANTPLAN_* variable before a test runs
+SHOTS = Path(os.environ["QUANTPLAN_SCREENSHOTS"]) if os.environ.get("QUANTPLAN_SCREENSHOTS") else None
+
+
+def screenshot(page, name: str) -> None:
+    """The whole page as ``NAME.png`` in the folder QUANTPLAN_SCREENSHOTS names, where it is set (nothing otherwise)."""
+    if SHOTS:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)

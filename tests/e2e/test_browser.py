@@ -13,12 +13,12 @@ import pytest
 
 from store import repo
 from store.db import session_scope
+from tests.e2e.browser import no_exception, screenshot
 from tests.factories import Proc, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
 JOB_DEADLINE_S = 1200.0  # how long a job may take on a loaded 2-core machine (the worker runs one job at a time)
-SHOTS = Path(os.environ.get("QUANTPLAN_SCREENSHOTS", "")) if os.environ.get("QUANTPLAN_SCREENSHOTS") else None
 
 
 @pytest.fixture
@@ -43,15 +43,6 @@ def _settle(page, seconds: float = 2.0) -> None:
         page.wait_for_timeout(200)
 
 
-def _no_exception(page) -> None:
-    exc = page.locator("[data-testid='stException']")
-    assert exc.count() == 0, exc.first.inner_text()
-
-
-def _shot(page, name: str) -> None:
-    if SHOTS:
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
 def _newest_job_id(settings) -> int:
@@ -85,15 +76,15 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
 
     page.goto(app_url + "/")  # Models is the default page: it lives at the root URL
     _settle(page)
-    _no_exception(page)
+    no_exception(page)
     page.get_by_role("button", name="Register the demo model").click()
     _wait_job(qp_settings, "register")
     # no reload: the page follows its job and redraws itself when it ends
     expect(page.get_by_text("is done: registered SmolLM2-135M-Instruct")).to_be_visible()
     _settle(page)
-    _no_exception(page)
+    no_exception(page)
     assert page.get_by_text("SmolLM2-135M-Instruct").count() > 0
-    _shot(page, "01-models")
+    screenshot(page, "01-models")
 
     # a small calibration: 4 sequences of 64 tokens
     page.get_by_label("Sequences").fill("4")
@@ -101,15 +92,15 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     before = _newest_job_id(qp_settings)
     page.get_by_role("button", name="Queue calibration").click()
     _settle(page)
-    _no_exception(page)
+    no_exception(page)
     _wait_job(qp_settings, "calibrate", after=before)
 
     for path in ("/jobs", "/outliers", "/plans", "/results", "/kernels", "/models"):
         page.goto(app_url + path)
         _settle(page, 3)
-        _no_exception(page)
+        no_exception(page)
         assert "Page not found" not in page.inner_text("body"), path
-        _shot(page, path.strip("/"))
+        screenshot(page, path.strip("/"))
         if path == "/outliers":
             charts = page.locator("[data-testid='stVegaLiteChart']")
             assert charts.count() >= 2
@@ -133,13 +124,13 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     page.get_by_label("Tokens each").first.fill("32")
     page.get_by_role("button", name="Queue").click()
     expect(page.get_by_text("Queued score job")).to_be_visible()
-    _no_exception(page)
+    no_exception(page)
     with session_scope(qp_settings) as s:
         (ds,) = [d for d in repo.list_datasets(s) if d.name == "domain.txt"]
         (job,) = [j for j in repo.list_jobs(s) if j.kind == "score"]
     assert ds.role == "calibration" and (job.params["cal_dataset"], job.params["cal_samples"]) == (ds.id, 2)
     assert (job.params["samples"], job.params["seq_len"]) == (2, 32)
-    _shot(page, "results-calibration-upload")
+    screenshot(page, "results-calibration-upload")
 
     # an upload through the browser's file picker: a zipped Hugging Face folder
     archive = shutil.make_archive(str(tmp_path / "tiny-llama"), "zip",
@@ -158,10 +149,10 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     registered = _wait_job(qp_settings, "register", after=before)
     assert registered.result["name"] == "tiny-upload"
     expect(page.get_by_text("is done: registered tiny-upload")).to_be_visible()
-    _no_exception(page)
+    no_exception(page)
     with session_scope(qp_settings) as s:
         assert "tiny-upload" in [m.name for m in repo.list_models(s)]
-    _shot(page, "02-upload")
+    screenshot(page, "02-upload")
 
     # remove it again on its page: the sidebar moves to the model that is left, not the removed one
     with session_scope(qp_settings) as s:
@@ -172,10 +163,10 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     scored = _wait_job(qp_settings, "score")
     page.goto(app_url + f"/results?model={smol.id}")
     _settle(page)
-    _no_exception(page)
+    no_exception(page)
     kl = f"{scored.result['kl_mean']:.4g} ± {scored.result['kl_mean_err']:.2g}"
     expect(page.get_by_text(f"KL {kl}").first).to_be_visible()  # the compared score's metric, ± one error
-    _shot(page, "results-statistics")
+    screenshot(page, "results-statistics")
 
     page.goto(app_url + f"/?model={tiny.id}")
     _settle(page)
@@ -187,9 +178,9 @@ def test_first_visit_demo_to_outliers(app_url, page, qp_settings, tmp_path):
     _settle(page, 1)
     page.get_by_role("button", name="Remove model").click()
     _settle(page, 3)
-    _no_exception(page)
+    no_exception(page)
     expect(page.get_by_test_id("stAlertContentSuccess").get_by_text("Removed tiny-upload")).to_be_visible()
     expect(page.get_by_test_id("stToastText").get_by_text("Removed tiny-upload")).to_be_visible()
     assert sidebar_model.input_value() == f"#{smol.id} SmolLM2-135M-Instruct"
     assert not (Path(qp_settings.artifact_dir) / tiny.path).exists()
-    _shot(page, "03-removed")
+    screenshot(page, "03-removed")

@@ -7,21 +7,17 @@ none sleeps. Screenshots go to QUANTPLAN_SCREENSHOTS where it is set."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from quantplan.cli.common import run_job
 from quantplan.cli.local import run_here
 from store import repo
 from store.db import session_scope
-from tests.e2e.browser import PAGE_TIMEOUT_MS, settle
+from tests.e2e.browser import PAGE_TIMEOUT_MS, no_exception, screenshot, settle
 from tests.factories import save_tiny_llama
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 
-SHOTS = Path(os.environ["QUANTPLAN_SCREENSHOTS"]) if os.environ.get("QUANTPLAN_SCREENSHOTS") else None
 LAYER = "model.layers.1.mlp.down_proj"  # the tiny Llama's last down_proj: R4's Hadamard sits before it
 
 
@@ -38,14 +34,9 @@ def calibrated(qp_settings, tmp_path) -> int:
 def _settled(page) -> None:
     page.wait_for_load_state("networkidle")
     settle(page)
-    exc = page.locator("[data-testid='stException']")
-    assert exc.count() == 0, exc.first.inner_text()
+    no_exception(page)
 
 
-def _shoot(page, name: str) -> None:
-    if SHOTS:
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / f"rotation-{name}.png"), full_page=True)
 
 
 def _open_layer(page, app_url: str) -> None:
@@ -96,6 +87,6 @@ def test_the_outliers_page_queues_a_rotated_calibration_and_shows_the_layer_befo
         _settled(page)
         expect(charts).to_have_count(before + 2)  # and every down_proj across depth, by fix
         expect(_table(page, "rotation's gain").locator("td").first).to_be_attached()
-        _shoot(page, "outliers")
+        screenshot(page, "rotation-outliers")
     finally:
         expect.set_options(timeout=5_000)
