@@ -12,7 +12,8 @@ import pytest
 
 from store import repo
 from store.db import session_scope
-from tests.e2e.test_browser import _no_exception, _settle
+from tests.e2e.browser import no_exception
+from tests.e2e.test_browser import _settle
 from tests.factories import Proc, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
@@ -74,7 +75,7 @@ def test_two_people_sign_in_act_within_their_roles_and_sign_out(oidc_app, page, 
     expect(page.get_by_text("Signed in as ann@example.com (admin)")).to_be_visible()
     page.get_by_role("button", name="Register the demo model").click()
     expect(page.get_by_text("Queued registration job")).to_be_visible()
-    _no_exception(page)
+    no_exception(page)
     [job] = _jobs(qp_settings)
     assert job.requested_by == "ann@example.com"  # the person, not the app's OS user
     _note(page, oidc_app, job.id, "first try", "demo")
@@ -87,7 +88,7 @@ def test_two_people_sign_in_act_within_their_roles_and_sign_out(oidc_app, page, 
     # proves the refusals whatever a page shows): the line that says which role it needs instead
     expect(page.get_by_text("bob@example.com is a viewer: queueing a job needs the member role").first).to_be_visible()
     assert page.get_by_role("button", name="Register the demo model").count() == 0
-    _no_exception(page)
+    no_exception(page)
     assert [j.id for j in _jobs(qp_settings)] == [job.id]  # nothing queued
     page.goto(oidc_app + "/jobs")
     _settle(page)
@@ -111,7 +112,7 @@ def test_two_people_sign_in_act_within_their_roles_and_sign_out(oidc_app, page, 
     page.get_by_role("option", name="member").click()
     page.get_by_role("button", name="Set role").click()
     expect(page.get_by_text("bob@example.com is now a member.")).to_be_visible()
-    _no_exception(page)
+    no_exception(page)
     from quantplan.services import access
 
     assert {p.name: p.role for p in access.list_users() if p.role} == {"ann@example.com": "admin",
@@ -146,7 +147,7 @@ def test_behind_a_proxy_the_header_names_the_person_and_without_it_nobody_gets_i
     page.goto(header_app + "/")
     _settle(page)
     expect(page.get_by_text("Signed in as dana@example.com (admin)")).to_be_visible()
-    _no_exception(page)
+    no_exception(page)
     from quantplan.services import access
 
     assert [(p.name, p.role) for p in access.list_users() if p.role] == [("dana@example.com", "admin")]

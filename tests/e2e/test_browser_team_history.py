@@ -14,8 +14,8 @@ import pytest
 from jobs.client import submit_job, wait_for
 from store import repo
 from store.db import session_scope
-from tests.e2e.browser import PAGE_TIMEOUT_MS
-from tests.e2e.test_browser import JOB_DEADLINE_S, _no_exception
+from tests.e2e.browser import PAGE_TIMEOUT_MS, no_exception
+from tests.e2e.test_browser import JOB_DEADLINE_S
 from tests.factories import save_tiny_llama
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
@@ -129,7 +129,7 @@ def test_a_member_scores_and_tags_a_run_a_viewer_finds_opens_compares_it_and_may
     page.get_by_label("Tokens each").first.fill("32")
     page.get_by_role("button", name="Queue").click()
     expect(page.get_by_text("Queued score job")).to_be_visible()
-    _no_exception(page)
+    no_exception(page)
     scored = _score_job(qp_settings, plan.id)
     assert scored.requested_by == ANN and scored.model_id == model_id
 
@@ -142,7 +142,7 @@ def test_a_member_scores_and_tags_a_run_a_viewer_finds_opens_compares_it_and_may
     _drawn(page)
     page.get_by_role("button", name="Add note").click()
     expect(page.get_by_text(f"Noted on job #{scored.id} by {ANN}.")).to_be_visible()
-    _no_exception(page)
+    no_exception(page)
     _sign_out(page)
 
     # bob, a viewer: finds the run on the History page by ann's name
@@ -155,7 +155,7 @@ def test_a_member_scores_and_tags_a_run_a_viewer_finds_opens_compares_it_and_may
     expect(page.get_by_text("1 run(s) match.")).to_be_visible()
     found = re.compile(re.escape(f"#{scored.id} score · tiny · {ANN} · KL ") + r"[0-9.e-]+ ± ")
     expect(page.get_by_role("combobox", name="Run")).to_have_value(found)  # the run, with its KL ± its error
-    _no_exception(page)
+    no_exception(page)
 
     # ... opens its page: the software its worker recorded, the plan's change from v1, ann's tag
     page.get_by_role("link", name=f"Open run #{scored.id}").click()
@@ -164,7 +164,7 @@ def test_a_member_scores_and_tags_a_run_a_viewer_finds_opens_compares_it_and_may
     expect(page.get_by_role("cell", name=str(torch.__version__), exact=True)).to_be_visible()
     expect(page.get_by_text("1 layer(s) changed from fast v1: last down_proj back to BF16.")).to_be_visible()
     expect(page.get_by_text(f"asked by {ANN}")).to_be_visible()
-    _no_exception(page)
+    no_exception(page)
 
     # ... follows "compare with" to the Compare page (app/views/compare.py, ?jobs=ID,ID), with the other score run
     compare = page.get_by_role("link", name=f"Compare #{scored.id} with #{team['other']}")
@@ -174,14 +174,14 @@ def test_a_member_scores_and_tags_a_run_a_viewer_finds_opens_compares_it_and_may
     expect(page.get_by_role("heading", name="Compare")).to_be_visible()
     _drawn(page)
     assert "Page not found" not in page.inner_text("body")
-    _no_exception(page)
+    no_exception(page)
 
     # ... and is refused when he tries to remove the model, with the reason
     page.goto(oidc_app + f"/?model={model_id}")
     page.get_by_text("Remove tiny").first.click()  # a viewer is offered no Remove button, only the reason (app.auth)
     expect(page.get_by_text(f"{BOB} is a viewer: removing a model needs the admin role")).to_be_visible()
     assert page.get_by_role("button", name="Remove model").count() == 0
-    _no_exception(page)
+    no_exception(page)
     with session_scope(qp_settings) as s:
         assert repo.get_model(s, model_id).name == "tiny"  # refused by the application layer: nothing removed
     _sign_out(page)
