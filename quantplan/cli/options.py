@@ -141,8 +141,8 @@ def add_rotation(sp: ParserT, what: str) -> None:
     """--rotation KIND [--rotation-block N] [--rotation-seed S]: a Hadamard rotation (R1 + R2 + R4, as a plan's
     transforms.rotation) applied to the model for the job (issue #46)."""
     sp.add_argument("--rotation", choices=("hadamard", "random-hadamard"),
-                    help=f"{what} with the model rotated R1 + R2 + R4 (a plan's transforms.rotation; "
-                         "docs/concepts/rotations.md); whole model, not streamed")
+                    help=f"rotate the model R1 + R2 + R4 (as a plan's transforms.rotation does; "
+                         f"docs/concepts/rotations.md) and {what}; whole model, not streamed")
     sp.add_argument("--rotation-block", type=int, metavar="N",
                     help="with --rotation: a block-diagonal Hadamard of order N for R1 and R4 (default: the whole "
                          "width)")

@@ -394,8 +394,8 @@ def add_commands(sub: SubParsers) -> None:
                          "default where the model has them, else kl, with a note), kl = the exact sweeps; either "
                          "way the prediction is corrected by the verified automatic plans of the same architecture "
                          "family and source, and verified by a score")
-    add_rotation(sp, "also search on the sweeps made rotated so (sensitivity --rotation) and keep the cheaper plan "
-                 "under the budget; the output says which")
+    add_rotation(sp, "search on the sweeps made so (sensitivity --rotation) too, keeping the cheaper plan under "
+                 "the budget (the output says which)")
     sp.add_argument("--no-verify", action="store_true", help="do not queue the verifying score job")
     add_wait(sp, "wait for the verifying score job")
     add_timeout(sp)

@@ -380,7 +380,7 @@ def add_calibrate_command(sub: SubParsers) -> None:
     sp = sub.add_parser("calibrate", help="collect activation statistics of every linear layer")
     add_text_job_options(sp, text="calibration text (.txt or .jsonl); default: gensim's lee_background.cor",
                          samples=CalibrateSpec.samples, seq_len=CalibrateSpec.seq_len, scored=False)
-    add_rotation(sp, "calibrate (a what-if of the Outliers page; a rotated plan's score reads it)")
+    add_rotation(sp, "calibrate it (a what-if of the Outliers page; a rotated plan's score reads it)")
     sp.set_defaults(func=cmd_calibrate)
 
 
@@ -421,8 +421,8 @@ def add_commands(sub: SubParsers) -> None:
                     "sweep made at its GPU count; a scheme without a dynamic activation scale is swept on one GPU, "
                     "as it quantizes the same on any number")
     add_calibration_options(sp)
-    add_rotation(sp, "quantize each unit (--scheme) in the model rotated, as a rotated plan is scored; stored "
-                 "apart: `plan auto` reads unrotated sweeps only")
+    add_rotation(sp, "quantize each unit (--scheme) in it, as a rotated plan is scored; stored apart from the "
+                 "unrotated sweeps (`plan auto --rotation` reads them)")
     sp.set_defaults(func=cmd_sensitivity)
 
     sp = sub.add_parser("bench", help="time the real FP8 / INT8 GEMMs on the model's shapes")
