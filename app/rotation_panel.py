@@ -100,9 +100,10 @@ def queue_form(model: Any, cal: Any, key: str) -> None:
         st.success(f"Queued job #{job.id}: this section compares once it has finished (the Jobs page shows it).")
 
 
-def render(model: Any, cal: Any, layer: str, before: Mapping, alpha: float) -> None:
+def render(model: Any, cal: Any, layer: str, before: Mapping, alpha: float) -> bool:
     """The section, for calibration ``cal`` (a JobRecord) whose statistics by layer are ``before``, the chosen
-    ``layer`` and SmoothQuant's ``alpha``."""
+    ``layer`` and SmoothQuant's ``alpha``; whether what it drew reads ``alpha`` (only with a rotated calibration: the
+    α slider must then rerun this section too)."""
     st.subheader("Hadamard rotation, beside SmoothQuant")
     rotated_cals = calibration_svc.rotated_calibrations(model.id)
     pending = fixes_svc.pending_rotated_calibrations(model.id)
@@ -116,7 +117,7 @@ def render(model: Any, cal: Any, layer: str, before: Mapping, alpha: float) -> N
                    "input before and after.")
         if not pending:
             queue_form(model, cal, "outliers_rotate")
-        return
+        return False
     what = {c.id: f"job #{c.id} · {fixes_svc.rotation_text((c.params or {}).get('rotation'))}" for c in rotated_cals}
     rot_id = st.selectbox("Rotated calibration", list(what), key="outliers_rot_cal", format_func=what.get)
     rotated = rotated_stats(rot_id)
@@ -166,6 +167,7 @@ def render(model: Any, cal: Any, layer: str, before: Mapping, alpha: float) -> N
             _whole_model(cal.id, rot_id, alpha, layer, before, rotated)
     with st.expander("Calibrate another rotation"):
         queue_form(model, cal, "outliers_rotate_more")
+    return True
 
 
 def _whole_model(cal_id: int, rot_id: int, alpha: float, layer: str, before: Mapping, rotated: Mapping) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -23,7 +25,7 @@ URL_MODEL = "model"  # query parameter: /kernels?model=3
 def sidebar() -> None:
     """The sidebar every page shares: the model chosen (kept in the session and the address), jobs waiting; the
     page stops with the fix where the database is not ready."""
-    problem = deployment_svc.schema_problem()
+    problem = _schema_problem()
     if problem:
         st.error(problem)
         st.stop()
@@ -52,13 +54,31 @@ def sidebar() -> None:
                               key=WIDGET_KEY)
         st.session_state[MODEL_KEY] = chosen
         st.query_params[URL_MODEL] = str(chosen)  # the address names the model: links can be shared
-        active = [j for j in jobs_svc.list_jobs(limit=50) if not j.finished]
+        active = jobs_svc.list_jobs(limit=50, status=ACTIVE_STATUSES)  # an indexed filter: no finished job's result
         if active:
             st.caption(f"{len(active)} job(s) queued or running: see Jobs.")
             orphans = workers_svc.idle_queues(j.queue for j in active if j.status == "queued")
             if orphans:
                 st.warning(f"No live worker consumes queue {', '.join(repr(q) for q in orphans)}: "
                            "those jobs wait. See Jobs.")
+
+
+ACTIVE_STATUSES = ("queued", "running")
+SCHEMA_RECHECK_S = 30.0  # a database found current is checked again after this long (every run took 10-40 ms)
+_schema_ok: dict[str, float] = {}  # database URL -> when it was last found current (time.monotonic)
+
+
+def _schema_problem() -> str | None:
+    """deployment_svc.schema_problem(), its "ready" remembered per database for SCHEMA_RECHECK_S: a migrated database
+    stays at the newest revision (only `quantplan migrate` moves it, forward), and the check reads the migrations'
+    folder and opens the database on every run of every page. A problem is never remembered: it shows until fixed."""
+    url = str(deployment_svc.settings().database_url)
+    if time.monotonic() - _schema_ok.get(url, -math.inf) < SCHEMA_RECHECK_S:
+        return None
+    problem = deployment_svc.schema_problem()
+    if problem is None:
+        _schema_ok[url] = time.monotonic()
+    return problem
 
 
 def _model_from_url(ids: list[int]) -> int | None:

@@ -4,6 +4,7 @@ of projection types, and the checks of a frame's columns."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import altair as alt
 import numpy as np
@@ -19,7 +20,8 @@ DEFAULT_MAX_POINTS = ol.DEFAULT_MAX_POINTS  # 2000 points per chart (layers of t
 CHANNEL_POINTS = 800  # channel points of a per-channel chart: max-preserving (every outlier kept); more only cost
 # the browser its drawing (a 1,536-channel layer reads the same at 800 points)
 DEFAULT_TOP_K = 5  # channels labelled in the channels chart
-HEATMAP_MAX_CELLS = 3000  # blocks x channel bins in the depth heatmap
+HEATMAP_MAX_CELLS = 1500  # blocks x channel bins in the depth heatmap (50 bins at 30 blocks: every spike kept, as
+# each bin is its channels' max; 3,000 cells were half of what the browser spent drawing the Outliers page)
 OUTLIER_RATIO_CAP = 1e6  # plotted in place of an infinite ratio (median channel exactly 0)
 KL_FLOOR = 1e-6  # KL values below this are drawn at it (log axes cannot show 0)
 KL_BINS = 40  # log bins of the per-token KL histogram
@@ -91,10 +93,30 @@ def proj_sort(projs: Iterable[str]) -> list[str]:
     return sorted(set(projs), key=key)
 
 
+_Chart = TypeVar("_Chart", bound=alt.TopLevelMixin)
+
+
 def vega_spec(chart: alt.TopLevelMixin) -> dict:
     """The chart's Vega-Lite spec as the pages embed it (st.vega_lite_chart), not validated against the schema again:
-    the builders' specs are validated in the tests, and a page caches the spec per stored result."""
-    return chart.to_dict(validate=False)
+    the builders' specs are validated in the tests, and a page caches the spec per stored result. Its marks carry no
+    ARIA description each (:func:`quiet_marks`)."""
+    return quiet_marks(chart.to_dict(validate=False))
+
+
+def quiet_marks(spec: dict) -> dict:
+    """``spec`` with ``config.mark.aria`` false unless it says otherwise: Vega-Lite otherwise gives every point, bar
+    and cell an ARIA label built from its fields, an expression the browser evaluates per mark (Streamlit's CSP-safe
+    interpreter: a tenth of an Outliers visit's script time) for a list no screen reader reads hundreds of; the axes,
+    legends and titles keep theirs. Streamlit itself does the same above 5,000 marks."""
+    config = spec.setdefault("config", {})
+    config.setdefault("mark", {}).setdefault("aria", False)
+    return spec
+
+
+def on_canvas(chart: _Chart) -> _Chart:
+    """``chart`` drawn on a canvas instead of SVG (Vega embed's renderer, which Streamlit reads from the spec's
+    usermeta): for a chart of many marks no tooltip test reads in the DOM (Streamlit's own switch is at 2,000)."""
+    return chart.properties(usermeta={"embedOptions": {"renderer": "canvas"}})
 
 
 def category_scale(domain: Sequence[str] | None = None) -> alt.Scale:

@@ -41,6 +41,7 @@ from app.charts.base import (
     VERMILLION,
     category_scale,
     check_columns,
+    on_canvas,
     positive_floor,
     proj_sort,
 )
@@ -344,6 +345,8 @@ def depth_heatmap(df: pd.DataFrame, proj: str | None = None, height: int = CHART
             f"depth_heatmap got {len(df)} cells (limit {MAX_MARKS}); build the frame with depth_frame(max_cells=...)"
         )
     floor = positive_floor(df["channel_max"])
+    # only the columns drawn or shown on hover go to the browser (the layer's name, the bin's number do not)
+    df = df[[c for c in ("block", "ch_lo", "ch_hi", "argmax_channel", "channel_max") if c in df.columns]]
     df = df.assign(color_value=df["channel_max"].clip(lower=floor))
     tooltip = [
         alt.Tooltip("block:O", title="block"),
@@ -353,7 +356,7 @@ def depth_heatmap(df: pd.DataFrame, proj: str | None = None, height: int = CHART
     if "argmax_channel" in df.columns:
         tooltip.append(alt.Tooltip("argmax_channel:Q", title="largest channel"))
     tooltip.append(alt.Tooltip("channel_max:Q", format=".4g", title="max |x|"))
-    return (
+    return on_canvas(  # 1,500 cells: a canvas draws them in a fraction of the time of as many SVG rects
         alt.Chart(df, height=height, title=f"Channel max across depth{f' ({proj})' if proj else ''}")
         .mark_rect()
         .encode(

@@ -18,6 +18,7 @@ from quantcore.schemes.fusion import fusion_group_of
 from quantplan.services import calibration as calibration_svc
 from quantplan.services import plans as plans_svc
 from quantplan.services.models import layer_names
+from store.records import PlanRecord
 
 st.title("Outliers")
 model = state.current_model()
@@ -202,10 +203,12 @@ def depth_section(layer: str) -> None:
 
 @st.fragment
 def smoothing_section(layer: str) -> None:
-    """The rotation what-if and SmoothQuant: both read the α slider."""
+    """The rotation what-if and SmoothQuant. The α slider reruns the part from the slider down alone (a fragment
+    within this one), or this whole section where the rotation what-if above shows a rotated calibration smoothed at
+    that α; the plan and scheme chosen rerun this section."""
     # ----------------------------------------------------------------------------- 3b. rotation what-if (issue #46)
-    rotation_panel.render(model, next(c for c in cals if c.id == cal_id), layer, layers_of(cal_id)[3],
-                          float(st.session_state.get("outliers_alpha", 0.5)))  # the α of the SmoothQuant part below
+    reads_alpha = rotation_panel.render(model, next(c for c in cals if c.id == cal_id), layer, layers_of(cal_id)[3],
+                                        float(st.session_state.get("outliers_alpha", 0.5)))  # the slider's, below
 
     # ----------------------------------------------------------------------------- 4. SmoothQuant
     st.subheader("SmoothQuant")
@@ -231,15 +234,22 @@ def smoothing_section(layer: str) -> None:
     except ValueError as exc:  # Refused is one: the base plan does not resolve; or its scheme quantizes no activations
         st.info(f"No α to suggest for {layer} in {plan_name}: {exc}")
     group = [m for m in fusion_group_of(layer, layer_names(model)) if m in all_stats] or [layer]
+    (alpha_part if reads_alpha else alpha_fragment)(layer, tuple(group), planned, base, new_scheme)
+
+
+def alpha_part(layer: str, group: tuple[str, ...], planned: alpha_est.PlannedScheme | None,
+               base: PlanRecord | None, new_scheme: str) -> None:
+    """The α slider, the SmoothQuant panels and the "Choosing α" chart at its α, and the form that saves it into
+    ``base`` (None: a new plan of ``new_scheme``) for the layer's fusion ``group``."""
     alpha = st.slider("α (migration strength)", 0.0, 1.0, 0.5, 0.05, key="outliers_alpha")
     st.vega_lite_chart(smoothquant_spec(cal_id, layer, alpha), width="content")  # two fixed panels
     st.caption(f"Right: after smoothing at α = {alpha:.2f}; one y axis for every α.")
     sweep = None
     if planned is not None:
-        sweep = alpha_sweep_of(cal_id, tuple(group), planned)
+        sweep = alpha_sweep_of(cal_id, group, planned)
         suggested = alpha_est.suggested_alpha(sweep)
         error_at = {round(float(a), 2): float(e) for a, e in zip(sweep["alpha"], sweep["error"], strict=True)}
-        choice = alpha_choice_spec(cal_id, tuple(group), planned)
+        choice = alpha_choice_spec(cal_id, group, planned)
         st.vega_lite_chart(outlier_charts.with_chosen_alpha(choice, alpha), width="stretch")
         c1, c2 = st.columns([3, 1])
         c1.markdown(f"**Suggested α = {suggested:.2f}** for {', '.join(group)} under {planned.label}: the least "
@@ -259,6 +269,8 @@ def smoothing_section(layer: str) -> None:
                                      help="the chart above estimates this α to be bad for the scheme; tick to save it")
             if st.form_submit_button(f"Save α = {alpha:.2f} for {layer} (and its fusion group)"):
                 name = new_name if base is None else base.name
+                if base is not None:  # its newest version: an α saved since this fragment's arguments were set
+                    base = {p.name: p for p in plans_svc.list_plans(model.id)}.get(base.name, base)
                 try:
                     if warning and not anyway:  # no silent save of an α the chart itself estimates to be bad
                         raise ValueError(f"{warning} Tick 'Save anyway' to save it all the same.")
@@ -274,6 +286,9 @@ def smoothing_section(layer: str) -> None:
     else:
         st.caption(auth.cannot("save_plan"))
 
+
+# an α step reruns the slider and what it moves, not the rotation what-if, the plan's selects and their queries
+alpha_fragment = st.fragment(alpha_part)
 
 
 
