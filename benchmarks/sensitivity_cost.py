@@ -6,6 +6,10 @@ Usage:
     python benchmarks/sensitivity_cost.py --device cuda --seqs 8 --seq-len 512
     python benchmarks/sensitivity_cost.py --kv-cache FP8_ATTN  # a KV cache sweep: one attention layer at a time
     python benchmarks/sensitivity_cost.py --fisher --passes 1,2  # fast estimate vs exact: six schemes, 2 KV formats
+    python benchmarks/sensitivity_cost.py --fisher --no-exact    # the estimate against plain forwards only
+
+``--fisher`` measures at the tokens a sensitivity job reads by default (``quantplan sensitivity`` and the Results
+page: 8 x 256 tokens, batch 4) unless --seqs / --seq-len / --batch-size say otherwise; the other modes at 2 x 64.
 
 Same model and tokens as ``benchmarks/scoring_cost.py`` (SmolLM2-135M with real weights
 when installed, else a random-weight Llama of its shape; the output says which).
@@ -38,6 +42,10 @@ and FP8_ATTN over 30 attention layers against their exact KV sweeps (docs/concep
 token draws, no batched quantization): 13.5 s against 184.1 s, 0.073 x and 38 forwards. Profiled (2026-12-05, CPU
 time, load 13-16): of 24.1 forwards, 12.8 are the one-time rounding of every weight under the six schemes (1.8-3.9
 forwards a scheme), 11.3 the batch; docs/concepts/sensitivity.md says what that leaves for the 10-forward target.
+At a job's default 8 x 256 tokens (2026-12-05 22:41-22:53 UTC, load 10.8 falling to 3.5, CPU time, one thread), after
+rounding each distinct weight grid once and sharing in the hooks (bit-identical estimates): 68.3 s against a plain
+forward of 7.137 s, 9.6 plain forwards (the module as it was, in the same process: 78.7 s, 11.0); this script's own
+--fisher --no-exact run (22:54-23:01 UTC, load 5-7) 72.2 s against 7.120 s, 10.1: at the target's edge.
 """
 
 from __future__ import annotations
@@ -65,9 +73,9 @@ TOP_ROWS = 8  # most sensitive units printed
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--seqs", type=int, default=2, help="evaluation sequences")
-    ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    ap.add_argument("--batch-size", type=int, default=2, help="sequences per forward pass")
+    ap.add_argument("--seqs", type=int, help="evaluation sequences (default 2; --fisher: a sensitivity job's, 8)")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default 64; --fisher: a job's, 256)")
+    ap.add_argument("--batch-size", type=int, help="sequences per forward pass (default 2; --fisher: a job's, 4)")
     ap.add_argument("--scheme", default="FP8_DYNAMIC")
     ap.add_argument(
         "--no-groups", action="store_true", help="one unit per linear instead of per fusion group"
@@ -84,7 +92,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="--fisher: sampled tokens per position, summed into one backward pass")
     ap.add_argument("--passes", default=str(DEFAULT_PASSES), help="--fisher: backward passes per batch; several "
                     "values (1,2) time and check one estimate each against the same exact sweeps")
+    ap.add_argument("--no-exact", action="store_true", help="--fisher: time the estimate against plain forwards "
+                    "only, without the exact sweeps (at 8 x 256 tokens those take about an hour of CPU time)")
     args = ap.parse_args(argv)
+    if args.fisher:  # the tokens a sensitivity job reads unless told otherwise (the CLI's and the page's default)
+        from jobs.specs import QUICK_SWEEP_SAMPLES, SensitivitySpec
+
+        defaults = (QUICK_SWEEP_SAMPLES, SensitivitySpec.seq_len, SensitivitySpec.batch_size)
+    else:
+        defaults = (2, 64, 2)
+    for name, value in zip(("seqs", "seq_len", "batch_size"), defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     torch.set_num_threads(args.threads)
 
     if args.model:
@@ -96,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, what = bench_model(args.device)
     ids, source = bench_tokens(tokenizer, model.config.vocab_size, args.seqs, args.seq_len)
     print(f"model   : {what}")
+    job = " (a sensitivity job's default)" if args.fisher and (args.seqs, args.seq_len, args.batch_size) == defaults \
+        else ""
     print(
-        f"tokens  : {ids.shape[0]} x {ids.shape[1]} ({source}), batch {args.batch_size}, device {args.device}, "
+        f"tokens  : {ids.shape[0]} x {ids.shape[1]} ({source}), batch {args.batch_size}{job}, device {args.device}, "
         f"torch threads {torch.get_num_threads()}, clock {clock(args.device).__name__}"
     )
     ref = compute_reference(model, ids, batch_size=args.batch_size)

@@ -60,6 +60,15 @@ def fisher_vs_exact(model: Any, ids: torch.Tensor, ref: Any, plain: list[float],
             args.device)
         print(f"Fisher estimate of every unit x {len(SCHEMES)} schemes, {n} backward pass(es): {t_fisher[n]:.1f} s",
               flush=True)
+    if args.no_exact:  # the estimate against plain forwards alone, timed before and after it
+        plain += [timed(lambda: plain_pass(model, ids, args.batch_size), args.device) for _ in range(3)]
+        t_plain = statistics.median(plain)
+        print(f"plain forward   : {t_plain:.3f} s (median of {len(plain)}, spread {min(plain):.3f}-{max(plain):.3f})")
+        for n in passes:
+            t = t_fisher[n]
+            print(f"Fisher estimate, {n} backward pass(es) a batch: {t:.1f} s = {t / t_plain:.1f} plain forwards "
+                  f"(target <= {TARGET_FORWARDS}: {'ok' if t / t_plain <= TARGET_FORWARDS else 'OVER'})")
+        return 0
     exact: dict[str, dict[str, float]] = {}
     t_exact: dict[str, float] = {}
     swept: dict[str, Any] = {}

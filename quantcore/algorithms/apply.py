@@ -130,6 +130,16 @@ class AppliedPlan:
             out[name] = LayerQuantStats(name, st.scheme.name, st.weight_report, acts, st.calls)
         return out
 
+    def input_key(self, name: str) -> tuple | None:
+        """What the fake quantization of ``name``'s input depends on besides the input (its activation spec and
+        static scale): two layers with equal keys quantize one input tensor to the very same result. None where the
+        layer quantizes no input or its scale depends on more (a routed expert's block amax, a row-parallel
+        layer's shares)."""
+        st = self._states.get(name)
+        if st is None or st.hook is None or st.block is not None or st.shards > 1:
+            return None
+        return (st.scheme.activation_spec(), st.static_scale)
+
     def reset_stats(self) -> None:
         """Zero the activation counters (e.g. after a warm-up batch)."""
         for st in self._states.values():
@@ -481,6 +491,7 @@ def apply_plan(
     track_stats: bool = True,
     share_inputs: bool = True,
     keep_originals: bool = True,
+    rounded: Mapping[str, torch.Tensor] | None = None,
 ) -> AppliedPlan:
     """Fake-quantize the layers named in ``plan`` in place; ``AppliedPlan.restore()`` undoes it exactly.
 
@@ -523,6 +534,12 @@ def apply_plan(
                      (:func:`check_intact`). A weight that another module shares (a tied ``lm_head``) is written over
                      too: the caller keeps what reads it unquantized (:func:`quantcore.evaluation.batches.
                      embedding_rows` for the input embedding).
+    rounded:         {layer: its weight already rounded under its scheme here}, from an earlier application of a
+                     scheme that rounds the same weights alike (the same weight spec, to nearest, no factors folded:
+                     the Fisher estimate's INT8_PER_TENSOR and INT8_W8A8): the tensor is taken as it is (not copied,
+                     not rounded again; its weight report counts nothing). The caller keeps the weights unchanged
+                     since, and gives a fusion group (q/k/v, gate/up: their shared FP8 / NVFP4 scales) whole or not
+                     at all. Only with keep_originals.
 
     Raises PlanError for unknown layers or schemes, non-linear targets, missing calibration,
     or layers already carrying an applied plan.
@@ -530,6 +547,9 @@ def apply_plan(
     act_amax, act_channel_max = inputs.act_amax, inputs.act_channel_max
     weight_hessians, gptq_cache, parallel = inputs.weight_hessians, inputs.gptq_cache, inputs.parallel
     check_intact(model)
+    given = rounded or {}
+    if given and not keep_originals:
+        raise PlanError("pre-rounded weights go beside the originals: keep_originals=False rounds in place")
     schemes = _resolve(plan)
     linears = _check_layers(model, list(schemes))
     static_amax = _static_layers(schemes, act_amax)
@@ -565,8 +585,9 @@ def apply_plan(
         _model=weakref.ref(model) if not keep_originals else None,
     )
     modules = dict(model.named_modules())
-    tensor_scales = _fused_tensor_scales(active, linears)
-    fp8_scales = _fp8_group_scales(active, linears)  # of the original weights, before any is written over
+    to_round = {n: s for n, s in active.items() if n not in given}
+    tensor_scales = _fused_tensor_scales(to_round, linears)
+    fp8_scales = _fp8_group_scales(to_round, linears)  # of the original weights, before any is written over
     try:
         for name, scheme in active.items():
             module = linears[name]
@@ -575,7 +596,12 @@ def apply_plan(
             g = tensor_scales.get(name)
             method = rounding_method(scheme)  # RTN, GPTQ or AWQ: the same grid and scales, its own grid points
             spec = scheme.weight_spec()
-            if not keep_originals and method.handler is round_to_nearest \
+            if name in given:  # rounded alike by an earlier application (its fused scales applied there)
+                wq, report = given[name], QuantReport(0, 0, 0, 0, 0)
+                if wq.shape != w.shape:
+                    raise PlanError(f"{name}: the pre-rounded weight is {tuple(wq.shape)}, the layer's "
+                                    f"{tuple(w.shape)}")
+            elif not keep_originals and method.handler is round_to_nearest \
                     and rows_independent(spec, tensor_scale=g is not None or two_level(spec)):
                 if g is None and two_level(spec):
                     g = own_tensor_scale(w, spec)
@@ -606,7 +632,7 @@ def apply_plan(
                 state.hook = module.register_forward_pre_hook(
                     _make_hook(state, track_stats, applied._shared), with_kwargs=True
                 )
-        _requantize_fused_fp8(active, linears, fp8_scales, in_place=not keep_originals)
+        _requantize_fused_fp8(to_round, linears, fp8_scales, in_place=not keep_originals)
     except Exception:
         applied.restore()
         raise

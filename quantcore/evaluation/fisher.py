@@ -31,22 +31,32 @@ the docs show how close it comes to the exact sweep, scheme by scheme.
 Each (unit, scheme) is quantized once, before the first batch, by :func:`quantcore.evaluation.scoring.plan_applied`
 (every unit at once for a scheme that folds no factors, when the units are the model's fusion units; else one unit
 at a time, as the exact sweep); each member keeps the quantized weight tensor and the activation hook it made (no
-copy), and schemes that round a weight alike share it. The model itself is restored at once. That holds one
+copy). Schemes that round a weight alike (the same weight spec, to nearest, no factors folded: INT8_PER_TENSOR and
+INT8_W8A8) round it once: the later one is applied on the earlier one's tensors
+(:func:`quantcore.algorithms.apply.apply_plan`'s ``rounded``). The model itself is restored at once. That holds one
 quantized weight of every swept layer per distinct rounding (SmolLM2: about 0.5 GB each in float32); the reference
 forward keeps each layer's input for its batch.
+
+In the hooks, the members that read one input tensor (q/k/v, gate/up) take one fake quantization of it a scheme
+(where their activation spec and static scale agree and no factor divides it), each member's quantized output of
+every scheme is written into one tensor, and the per-position products are summed one pass and a block of rows at a
+time: each sum is the very one computed otherwise (the estimates are bit-identical), without the copies.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from quantcore.algorithms.apply import apply_plan
 from quantcore.algorithms.inputs import NO_INPUTS, PlanInputs
 from quantcore.errors import PlanError
 from quantcore.evaluation.batches import (
@@ -79,21 +89,33 @@ METHOD = "fisher"  # the ``method`` a fast sweep's result carries (the exact swe
 class _Member:
     """One linear of a unit, quantized under one scheme: its fake-quantized weight (no copy: the tensor
     :func:`plan_applied` made, shared by the schemes that round it alike), its bias, the activation pre-hooks that
-    quantized its input there, and the factors its input was divided by."""
+    quantized its input there, and the factors its input was divided by. ``input_key``: what its quantized input
+    depends on besides the input (:meth:`quantcore.algorithms.apply.AppliedPlan.input_key`), where members that read
+    one input tensor (q/k/v, gate/up) may take one quantization of it; None: quantized on its own."""
 
     weight: Tensor
     bias: Tensor | None
     hooks: list[tuple[Callable[..., Any], bool]]  # (hook, with_kwargs)
     divisor: Tensor | None
+    input_key: tuple | None = None
 
-    def output(self, module: nn.Module, x: Tensor) -> Tensor:
+    def quantized_input(self, module: nn.Module, x: Tensor) -> Tensor:
         x = x if self.divisor is None else x / self.divisor.to(x.dtype)
         for hook, with_kwargs in self.hooks:
             got = hook(module, (x,), {}) if with_kwargs else hook(module, (x,))
             if got is not None:
                 args = got[0] if with_kwargs else got
                 x = args[0] if isinstance(args, tuple) else args
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return x
+
+    def output(self, module: nn.Module, x: Tensor, xq: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """The member's quantized output on the kept input ``x`` (``xq``: its quantized input, already at hand),
+        written into ``out`` where given and there is no bias (the same GEMM as ``linear``'s, bit for bit, without a
+        new tensor of the output's size a scheme: the head's is 200 MB at 4 x 256 tokens)."""
+        xin = self.quantized_input(module, x) if xq is None else xq
+        if out is not None and self.bias is None and out.dtype == xin.dtype:
+            return torch.matmul(xin, self.weight.t(), out=out)
+        return torch.nn.functional.linear(xin, self.weight, self.bias)
 
 
 @dataclass
@@ -118,9 +140,26 @@ def _members_of(model: nn.Module, unit: Sequence[str], applied: Any, before: Map
         hooks = [(h, k in with_kwargs) for k, h in module._forward_pre_hooks.items() if k not in before[n]]
         linear = cast(nn.Linear, module)
         bias = linear.bias.detach() if linear.bias is not None else None
+        # the plan's own activation hook alone, no factor: its result is a function of the input and this key
+        key = applied.handle.input_key(n) if divisor is None and len(hooks) == 1 else None
         members.append(_Member(linear.weight.detach(), bias, hooks,
-                               None if divisor is None else divisor.detach().clone()))
+                               None if divisor is None else divisor.detach().clone(), key))
     return members
+
+
+@contextmanager
+def _rounded_applied(model: nn.Module, layers: Sequence[str], scheme: Scheme, inputs: PlanInputs,
+                     rounded: Mapping[str, Tensor]) -> Iterator[Any]:
+    """What :func:`plan_applied` gives for a scheme that folds no factors (no SmoothQuant, AWQ or GPTQ; a rotation
+    is the caller's), its weights taken already rounded (``rounded``: an earlier scheme's that rounds them alike)
+    instead of rounded again: the same activation hooks and static scales, the same weights."""
+    handle = apply_plan(model, dict.fromkeys(layers, scheme), PlanInputs(act_amax=inputs.act_amax,
+                                                                        parallel=inputs.parallel),
+                        track_stats=False, rounded={n: rounded[n] for n in layers})
+    try:
+        yield SimpleNamespace(handle=handle, smoothing={}, awq={}, notes=[])
+    finally:
+        handle.restore()
 
 
 def _weight_key(scheme: Scheme) -> Any:
@@ -150,14 +189,17 @@ def _quantize_units(model: nn.Module, units: Sequence[Sequence[str]], resolved: 
         for bi, batch in enumerate(batches):
             check_cancel(should_cancel, f"Fisher estimate (quantizing {len(batch)} unit(s) with {scheme.name})")
             layers = [n for ui in batch for n in units[ui]]
-            with plan_applied(model, dict.fromkeys(layers, scheme), inputs=scheme_inputs[si]) as applied:
+            key = _weight_key(scheme)
+            # rounded alike by an earlier scheme (INT8_PER_TENSOR and INT8_W8A8): its weights, not rounded again
+            with (_rounded_applied(model, layers, scheme, scheme_inputs[si], shared[key]) if key in shared
+                  else plan_applied(model, dict.fromkeys(layers, scheme), inputs=scheme_inputs[si])) as applied:
                 for ui in batch:
                     quantized[ui][si] = _members_of(model, units[ui], applied, before)
                     notes[si][ui] = "; ".join(applied.notes) if len(batch) == 1 else ""
             report_progress(progress, 0.2 * (si + (bi + 1) / len(batches)) / len(resolved),
                             f"quantized {len(batch)} unit(s) with {scheme.name}")
         key = _weight_key(scheme)
-        if key is None:
+        if key is None or key in shared:
             continue
         same = shared.setdefault(key, {})
         for ui, unit in enumerate(units):  # the schemes that round alike share one tensor (one GEMM each, not two)
@@ -308,6 +350,10 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
     kept: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
     routed: dict[str, Tensor] = {}  # MoE block -> its top_k_index of this batch's call
     earlier: dict[str, list[Tensor]] = {}  # member -> its output gradients of the passes before the last
+    # an input tensor several members read (q/k/v, gate/up) -> its members not yet done, and its quantizations so far
+    # {(scheme, input key): quantized input}: one fake quantization a scheme for the group, not one a member
+    readers: dict[tuple, int] = {}
+    quantized_inputs: dict[tuple, dict[tuple, Tensor]] = {}
     # per unit and scheme, the per-position products [pass, b, L] summed over the members seen so far
     partial: list[list[Tensor | None]] = [[None] * n_schemes for _ in units]
     seen = [0] * len(units)
@@ -323,13 +369,26 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
                 earlier.setdefault(name, []).append(g.detach().float())  # float(): a copy, never autograd's buffer
                 return
             x, y, rows = kept.pop(name)
+            source = _tensor_key(x)
+            cache = quantized_inputs.get(source)
+            if cache is None and readers.get(source, 0) > 1:  # the first of several members that read it
+                cache = quantized_inputs[source] = {}
             with torch.inference_mode():
-                last = g.detach().float()
-                grads = torch.stack([*earlier.pop(name, []), last]) if passes > 1 else last[None]  # [P, b, L, N]
+                grads = [*earlier.pop(name, []), g.detach().float()]  # P x [b, L, N], not stacked (no copy)
                 signal = float(torch.linalg.vecdot(y.reshape(-1), y.reshape(-1)))
+                buffer: Tensor | None = None  # the quantized output, one tensor for every scheme of this member
                 for si in range(n_schemes):
-                    dy = quantized[ui][si][mi].output(module, x).float().sub_(y)
-                    prod = torch.linalg.vecdot(grads, dy)  # [P, b, L]; a routed expert's [P, its tokens]
+                    member = quantized[ui][si][mi]
+                    xq = None
+                    if cache is not None and member.input_key is not None:
+                        xq = cache.get((si, member.input_key))
+                        if xq is None:
+                            xq = cache[si, member.input_key] = member.quantized_input(module, x)
+                    buffer = member.output(module, x, xq, buffer)
+                    dy = buffer.float().sub_(y)
+                    # [P, b, L]; a routed expert's [P, its tokens]: one row dot a pass, the same sums as one vecdot
+                    # of the stacked gradients, bit for bit, without their copy or the [P, b, L, N] product
+                    prod = torch.stack([_row_dot(gp, dy) for gp in grads])
                     if rows is not None:  # back to the positions its tokens came from
                         prod = prod.new_zeros((prod.shape[0], b * ids.shape[1])).index_add_(1, rows, prod)
                         prod = prod.view(prod.shape[0], b, ids.shape[1])
@@ -338,8 +397,12 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
                     flat = dy.reshape(-1)
                     sums[ui][si].noise += float(torch.linalg.vecdot(flat, flat))
                     sums[ui][si].signal += signal
-                    del dy
-                del grads, last
+                    del dy, xq
+                del grads, buffer
+                readers[source] = readers.get(source, 1) - 1
+                if readers[source] <= 0:
+                    readers.pop(source, None)
+                    quantized_inputs.pop(source, None)
                 seen[ui] += 1
                 if seen[ui] == len(units[ui]):
                     for si in range(n_schemes):
@@ -355,6 +418,8 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
         def fwd(mod: nn.Module, args: Any, out: Tensor) -> None:
             x = args[0].detach()
             kept[name] = (x, out.detach().float(), _expert_rows(name, routed))
+            source = _tensor_key(x)
+            readers[source] = readers.get(source, 0) + 1
             out.register_hook(on_grad(name, mod))
 
         return fwd
@@ -399,9 +464,36 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
             h.remove()
         kept.clear()
         earlier.clear()
+        readers.clear()
+        quantized_inputs.clear()
     for ui in range(len(units)):
         for si in range(n_schemes):
             sums[ui][si].per_seq.extend(per_seq[ui][si].tolist())
+
+
+ROW_DOT_ELEMENTS = 1 << 20  # elements of the product a row dot forms at a time (4 MB in float32)
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.linalg.vecdot(a, b)`` over the last dimension, a block of rows at a time where the product is large
+    (the head's 49k columns): each row's sum is the very one vecdot forms (bit-identical), without the product of
+    the whole tensor (hundreds of MB, page-faulted afresh each call)."""
+    n = a.shape[-1]
+    rows = max(1, ROW_DOT_ELEMENTS // max(n, 1))
+    if a.numel() <= ROW_DOT_ELEMENTS or not (a.is_contiguous() and b.is_contiguous()):
+        return torch.linalg.vecdot(a, b)
+    fa, fb = a.reshape(-1, n), b.reshape(-1, n)
+    out = torch.empty(fa.shape[0], dtype=torch.result_type(a, b), device=a.device)
+    for i in range(0, fa.shape[0], rows):
+        torch.linalg.vecdot(fa[i:i + rows], fb[i:i + rows], out=out[i:i + rows])
+    return out.view(a.shape[:-1])
+
+
+def _tensor_key(x: Tensor) -> tuple:
+    """The same data for two views of one tensor (``detach()`` makes a new object a call): its storage, offset,
+    shape, strides, dtype and version. Members that kept equal keys read the very same input; the inputs stay alive
+    while a member that kept one is not done, so no other tensor can take the address meanwhile."""
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version)
 
 
 def _expert_rows(name: str, routed: Mapping[str, Tensor]) -> Tensor | None:
@@ -426,11 +518,10 @@ def _sampled_gradient(probs: Tensor, samples: int, gen: torch.Generator, logits:
     than one token's ``e_t - p``, whose rare draws dominate a square."""
     flat = probs.reshape(-1, probs.shape[-1])
     drawn = torch.multinomial(flat, samples, replacement=True, generator=gen)
-    grad = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    body = grad[:, :-1]
-    body.copy_(probs).mul_(-float(samples))
-    view = body.reshape(-1, probs.shape[-1])
-    view.scatter_add_(1, drawn, torch.ones_like(drawn, dtype=view.dtype))
-    if view.data_ptr() != body.data_ptr():  # reshape copied: write it back
-        body.copy_(view.reshape(body.shape))
+    grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    grad[:, -1].zero_()
+    body = grad[:, :-1]  # a strided view (b > 1): written in place, no copy of it
+    torch.mul(probs, -float(samples), out=body)
+    drawn = drawn.view(*body.shape[:-1], samples)
+    body.scatter_add_(-1, drawn, torch.ones_like(drawn, dtype=body.dtype))
     return grad.to(logits.dtype)
