@@ -84,7 +84,7 @@ case "${1:-}" in
     shift
     checks
     # two processes (pytest-xdist; CI has 2 cores), each test to whichever is free; `./dev.sh test -n 0` runs serially
-    exec "$VENV/bin/python" -m pytest -n 2 --dist loadgroup "$@"
+    exec "$VENV/bin/python" -m pytest -n 2 "$@"
     ;;
   setup)
     setup
