@@ -33,7 +33,7 @@ Each (unit, scheme) is quantized once, before the first batch, by :func:`quantco
 at a time, as the exact sweep); each member keeps the quantized weight tensor and the activation hook it made (no
 copy). Schemes that round a weight alike (the same weight spec, to nearest, no factors folded: INT8_PER_TENSOR and
 INT8_W8A8) round it once: the later one is applied on the earlier one's tensors
-(:func:`quantcore.algorithms.apply.apply_plan`'s ``rounded``). The model itself is restored at once. That holds one
+(:func:`plan_applied`'s ``rounded``). The model itself is restored at once. That holds one
 quantized weight of every swept layer per distinct rounding (SmolLM2: about 0.5 GB each in float32); the reference
 forward keeps each layer's input for its batch.
 
@@ -46,17 +46,14 @@ time: each sum is the very one computed otherwise (the estimates are bit-identic
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from quantcore.algorithms.apply import apply_plan
 from quantcore.algorithms.inputs import NO_INPUTS, PlanInputs
 from quantcore.errors import PlanError
 from quantcore.evaluation.batches import (
@@ -147,21 +144,6 @@ def _members_of(model: nn.Module, unit: Sequence[str], applied: Any, before: Map
     return members
 
 
-@contextmanager
-def _rounded_applied(model: nn.Module, layers: Sequence[str], scheme: Scheme, inputs: PlanInputs,
-                     rounded: Mapping[str, Tensor]) -> Iterator[Any]:
-    """What :func:`plan_applied` gives for a scheme that folds no factors (no SmoothQuant, AWQ or GPTQ; a rotation
-    is the caller's), its weights taken already rounded (``rounded``: an earlier scheme's that rounds them alike)
-    instead of rounded again: the same activation hooks and static scales, the same weights."""
-    handle = apply_plan(model, dict.fromkeys(layers, scheme), PlanInputs(act_amax=inputs.act_amax,
-                                                                        parallel=inputs.parallel),
-                        track_stats=False, rounded={n: rounded[n] for n in layers})
-    try:
-        yield SimpleNamespace(handle=handle, smoothing={}, awq={}, notes=[])
-    finally:
-        handle.restore()
-
-
 def _weight_key(scheme: Scheme) -> Any:
     """What a scheme's rounded weights depend on besides the weight itself, where two schemes' are then the very
     same tensor (rounded to nearest, no factors folded); None where they may differ (SmoothQuant, AWQ, GPTQ)."""
@@ -184,21 +166,21 @@ def _quantize_units(model: nn.Module, units: Sequence[Sequence[str]], resolved: 
     shared: dict[Any, dict[str, Tensor]] = {}  # weight key -> {layer: rounded weight}
     before = {n: set(model.get_submodule(n)._forward_pre_hooks) for n in names}
     for si, scheme in enumerate(resolved):
+        key = _weight_key(scheme)
         batches = [list(range(len(units)))] if whole and scheme.smoothquant_alpha is None \
             and not scheme.needs_awq else [[ui] for ui in range(len(units))]
         for bi, batch in enumerate(batches):
             check_cancel(should_cancel, f"Fisher estimate (quantizing {len(batch)} unit(s) with {scheme.name})")
             layers = [n for ui in batch for n in units[ui]]
-            key = _weight_key(scheme)
             # rounded alike by an earlier scheme (INT8_PER_TENSOR and INT8_W8A8): its weights, not rounded again
-            with (_rounded_applied(model, layers, scheme, scheme_inputs[si], shared[key]) if key in shared
-                  else plan_applied(model, dict.fromkeys(layers, scheme), inputs=scheme_inputs[si])) as applied:
+            given = {n: shared[key][n] for n in layers} if key in shared else None
+            with plan_applied(model, dict.fromkeys(layers, scheme), inputs=scheme_inputs[si],
+                              rounded=given) as applied:
                 for ui in batch:
                     quantized[ui][si] = _members_of(model, units[ui], applied, before)
                     notes[si][ui] = "; ".join(applied.notes) if len(batch) == 1 else ""
             report_progress(progress, 0.2 * (si + (bi + 1) / len(batches)) / len(resolved),
                             f"quantized {len(batch)} unit(s) with {scheme.name}")
-        key = _weight_key(scheme)
         if key is None or key in shared:
             continue
         same = shared.setdefault(key, {})

@@ -276,6 +276,7 @@ def plan_applied(
     before_quantize: Callable[[nn.Module], None] | None = None,
     track_saturation: bool = False,
     keep_originals: bool = True,
+    rounded: Mapping[str, Tensor] | None = None,
 ) -> Iterator[AppliedContext]:
     """Smooth (where a scheme has a SmoothQuant alpha) and fake-quantize ``model`` for the block.
 
@@ -306,6 +307,9 @@ def plan_applied(
     keep_originals: False: the rounded weights are written over the model's own (no copy: see
         :func:`quantcore.algorithms.apply.apply_plan`); on exit only the hooks are removed and the model is left
         unusable for another plan (the last use of a loaded model, as a score job's).
+    rounded: {layer: its weight already rounded alike by an earlier application}, taken as it is
+        (:func:`quantcore.algorithms.apply.apply_plan`'s ``rounded``: schemes that fold no factors; the Fisher
+        estimate's INT8_PER_TENSOR and INT8_W8A8 share one rounding).
 
     Yields an :class:`AppliedContext`.
     """
@@ -389,7 +393,7 @@ def plan_applied(
             hessians = gptq_hessians(schemes, weight_hessians, smoothing.factors, rounded=gptq_cache or ())
         applied = apply_plan(model, schemes, PlanInputs(act_amax=amax, weight_hessians=hessians, gptq_cache=gptq_cache,
                                                         parallel=parallel), track_stats=track_saturation and static,
-                             keep_originals=keep_originals)
+                             keep_originals=keep_originals, rounded=rounded)
         unsmoothed: dict[str, list[str]] = {}  # one note per reason, however many layers share it (MoE experts)
         for layer, reason in (smoothing.skipped.items() if smoothing is not None else ()):
             unsmoothed.setdefault(reason, []).append(layer)
