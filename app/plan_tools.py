@@ -38,6 +38,24 @@ def lazy_scheme_explainer(label: str, key: str, catalog: pd.DataFrame | None = N
             scheme_explainer(catalog)
 
 
+def unit_note(scheme: str, unit: list[str]) -> str:
+    """What a scheme set on one row of the layer table set besides it: its fusion group, its MoE block's experts, or
+    (a per-expert plan's unit) its own expert's gate/up/down only."""
+    from quantcore.planning.plans import group_label
+    from quantcore.schemes.fusion import expert_block
+
+    blocks = {expert_block(m) for m in unit}
+    experts = {m.rsplit(".", 1)[0] for m in unit}
+    if len(blocks) == 1 and None not in blocks and len(experts) == 1:
+        expert = experts.pop()
+        return (f"{scheme} set on expert {expert.rsplit('.', 1)[-1]} of {blocks.pop()} only ({group_label(unit)}): "
+                "a per-expert plan, the block's other experts keep theirs")
+    if len(blocks) == 1 and None not in blocks:
+        return (f"{scheme} set on every routed expert of {blocks.pop()} ({len(unit)} expert linears: one fused MoE "
+                "layer; Experts one by one, above, lets each expert take its own)")
+    return f"{scheme} set on the whole fusion group {group_label(unit)}"
+
+
 AUTO_OUTCOME = "auto_plan_outcome"  # (what was said, notes, layers per scheme) of the automatic plan just saved
 
 

@@ -102,7 +102,8 @@ def missing_times_note(est: dict[str, Any], plan_tp: int = 1) -> str:
 FUSION_REASON = ("q/k/v (and gate/up) of a block read the same input and are fused into one GEMM when "
                  "served, so they share one weight format and one activation scale: a scheme set on one "
                  "of them is set on the whole group. The routed experts of an MoE block are one fused MoE "
-                 "layer when served, with one quantization method, so they too share one scheme.")
+                 "layer when served, with one quantization method, so they too share one scheme, unless the plan "
+                 "takes experts one by one (per_expert: for targets other than vLLM).")
 
 
 def preset_options(model: ModelRecord) -> dict[str, str]:

@@ -11,7 +11,7 @@ from app import text as page_text
 from jobs.specs import TENSOR_PARALLEL
 from quantcore.evaluation.kvcache import KV_FORMATS, layer_index
 from quantcore.kernels.hardware import list_targets
-from quantcore.planning.plans import gpus_label, group_label, kv_label
+from quantcore.planning.plans import gpus_label, kv_label
 from quantcore.schemes.presets import list_schemes
 from quantplan.services import models as models_svc
 from quantplan.services import plan_editor as plan_editor_svc
@@ -107,6 +107,15 @@ with st.container(border=True):
         disabled=tp == 1, help="vLLM's --enable-expert-parallel: every routed expert stays whole on one GPU and the "
                                "GPUs share the experts out, instead of every expert being split over them (which "
                                "block-scaled FP8 refuses where an expert's share is not a whole number of blocks)")
+    per_expert = bool(model.moe) and c3.checkbox(
+        "Experts one by one (per_expert)", body.get("per_expert") is True, key=f"plan_pe_{model.id}_{start}",
+        help="per_expert: true in the plan: each routed expert of an MoE block may take its own scheme (its "
+             "gate/up/down together, the unit of a per-expert sensitivity sweep), as ModelOpt's per-module search "
+             "spaces allow; a scheme set on an expert's row in the table below then sets that expert only. Off: "
+             "every expert of a block takes one scheme, what vLLM's fused MoE layer serves. An llm-compressor "
+             "recipe and a compressed-tensors config hold a mix; vLLM cannot serve it, so its export refuses a "
+             "block whose experts differ (the serving warnings say which). Turning it off with experts that "
+             "differ leaves a plan that does not resolve until each block's experts share one scheme.")
     rot_now = (body.get("transforms") or {}).get("rotation") or {}
     rot_kind = c1.selectbox(
         "Rotation (before quantizing)", plan_editor_svc.ROTATION_CHOICES, key=f"plan_rot_{model.id}_{start}",
@@ -179,12 +188,13 @@ with st.container(border=True):
                                    help="grouped by family; what each does: Schemes explained, above")})
     rule_rows = rules.to_dict("records")
     body = {**{k: v for k, v in plan_editor_svc.with_rotation(body, rot_kind, rot_block).items()
-               if k not in ("kv_cache", "kv_cache_skip", "tensor_parallel", "expert_parallel")},
+               if k not in ("kv_cache", "kv_cache_skip", "tensor_parallel", "expert_parallel", "per_expert")},
             "default": default,
             **({"kv_cache": kv_cache} if kv_cache != "AUTO" else {}),
             **({"kv_cache_skip": kv_skip} if kv_cache != "AUTO" and kv_skip else {}),
             **({"tensor_parallel": tp} if tp > 1 else {}),
             **({"expert_parallel": True} if ep and tp > 1 else {}),
+            **({"per_expert": True} if per_expert else {}),
             "rules": [{"match": str(r["match"]), "scheme": str(r["scheme"])}
                       for r in rule_rows if _filled(r.get("match")) and _filled(r.get("scheme"))]}
     st.session_state[EDIT] = body
@@ -202,7 +212,9 @@ if problem:
 
 # ----------------------------------------------------------------------------- per-row table
 st.subheader("Every linear layer")
-st.caption(page_text.FUSION_REASON)
+st.caption(page_text.FUSION_REASON + (" This plan is per-expert (Experts one by one, above): each expert's "
+                                      "gate/up/down share a scheme, and the experts of a block may differ."
+                                      if body.get("per_expert") else ""))
 table = plan_editor_svc.layer_table(model, body, target)
 # SmoothQuant's alpha as text, empty where the layer's scheme does not smooth (a number column shows None there)
 table["alpha"] = [f"{a:g}" if pd.notna(a) else "" for a in table["alpha"]]
@@ -225,7 +237,10 @@ edited = st.data_editor(
             "sensitivity KL", format="%.5f",
             help="KL against the unquantized model when only this layer (its fusion group) uses the scheme "
                  "of this row, from the newest sensitivity sweep of that scheme; 0 in BF16; None: no sweep of it "
-                 "yet, or a SmoothQuant sweep, which leaves out the layers no llm-compressor recipe can smooth"),
+                 "yet, or a SmoothQuant sweep, which leaves out the layers no llm-compressor recipe can smooth. "
+                 "An MoE expert's row: its expert's KL from a per-expert sweep (sensitivity --per-expert) when the "
+                 "plan is per-expert, its whole block's from a plain sweep when not, and the other where only "
+                 "that one was made"),
         "alpha": st.column_config.TextColumn(help="SmoothQuant's migration strength of the layer's scheme; empty: "
                                                   "the scheme does not smooth"),
         "on_target": st.column_config.TextColumn(
@@ -236,8 +251,9 @@ edited = st.data_editor(
         "N / GPU": st.column_config.NumberColumn(help=f"output rows of this layer on each of the {tp} GPUs"),
         "K / GPU": st.column_config.NumberColumn(help=f"input columns of this layer on each of the {tp} GPUs"),
         "fused_with": st.column_config.NumberColumn(
-            "fused with", help="other layers served in one GEMM with this one (q/k/v, gate/up; every routed "
-                               "expert of an MoE block): they share its scheme"),
+            "fused with", help="other layers that share this one's scheme: served in one GEMM with it (q/k/v, "
+                               "gate/up), every routed expert of its MoE block, or in a per-expert plan its own "
+                               "expert's other projections (its gate/up/down)"),
     },
 )
 changed = edited[edited["scheme"] != table["scheme"]]
@@ -246,11 +262,12 @@ if len(changed):
     for row in changed.to_dict("records"):
         body, group = plan_editor_svc.with_layer_scheme(model, body, row["layer"], row["scheme"])
         if len(group) > 1:
-            notes.append(f"{row['scheme']} set on the whole fusion group {group_label(group)}")
+            notes.append(plan_tools.unit_note(row["scheme"], group))
     st.session_state[EDIT] = body
-    for n in notes:
-        st.info(n)
+    st.session_state[f"{EDIT}_notes"] = notes  # said in the run drawn next, the table showing the change
     st.rerun()
+for n in st.session_state.pop(f"{EDIT}_notes", None) or []:
+    st.info(n)
 if no_sensitivity and model.causal_lm is not False:
     swept = sorted(sweeps_svc.sensitivity_map(model, tp, bool(body.get("expert_parallel")))[0])
     unswept = sorted(set(table.loc[quantized, "scheme"]) - set(swept))

@@ -87,25 +87,33 @@ def choose_kv_skip(model: ModelRecord, kv_cache: str, kl_budget: float, context:
             "bf16_sequence_bytes": sum(keep_bytes.values())}
 
 
-def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, scheme: str) -> tuple[dict, list]:
-    """The plan body with `scheme` set on `layer` and on every layer that must share it (its fusion group, or
-    every routed expert of its MoE block)."""
-    from quantcore.schemes.fusion import plan_unit_of
+def plan_units(model: ModelRecord, body: dict[str, Any]) -> list[list[str]]:
+    """The units of the plan ``body`` on ``model``: the layers that must share a scheme (quantcore.schemes.fusion's
+    fusion_units: every fusion group, and every routed expert of an MoE block together, or with the plan's
+    ``per_expert: true`` each expert's gate/up/down on its own), every other layer alone."""
+    from quantcore.schemes.fusion import fusion_units
 
-    group = plan_unit_of(layer, layer_names(model))
+    return fusion_units(layer_names(model), per_expert=body.get("per_expert") is True)
+
+
+def with_layer_scheme(model: ModelRecord, body: dict[str, Any], layer: str, scheme: str) -> tuple[dict, list]:
+    """The plan body with `scheme` set on `layer` and on every layer that must share it (its unit of
+    :func:`plan_units`: its fusion group, every routed expert of its MoE block, or in a per-expert plan its own
+    expert's gate/up/down), and that unit."""
+    group = next((u for u in plan_units(model, body) if layer in u), [layer])
     return with_schemes(model, body, {scheme: group}), group
 
 
 def with_schemes(model: ModelRecord, body: dict[str, Any], choices: dict[str, list[str]], *,
                  clear_alpha: bool = False) -> dict[str, Any]:
     """The plan body with each scheme of `choices` ({scheme: layers}) set on its layers as per-layer choices, and on
-    every layer that must share a scheme with one of them (fusion group, an MoE block's experts); ``clear_alpha``:
-    their own SmoothQuant alphas go too (a per-layer alpha would smooth an unsmoothed scheme again)."""
+    every layer that must share a scheme with one of them (its unit of :func:`plan_units`: fusion group, an MoE
+    block's experts, or one expert's gate/up/down in a per-expert plan); ``clear_alpha``: their own SmoothQuant alphas
+    go too (a per-layer alpha would smooth an unsmoothed scheme again)."""
     from quantcore.planning.plans import PlanSpec
-    from quantcore.schemes.fusion import fusion_units
 
     spec = PlanSpec.from_dict(body)
-    unit_of = {member: unit for unit in fusion_units(layer_names(model)) for member in unit}
+    unit_of = {member: unit for unit in plan_units(model, {"per_expert": spec.per_expert}) for member in unit}
     for scheme, layers in choices.items():
         for layer in layers:
             for member in unit_of.get(layer, [layer]):
@@ -174,7 +182,6 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None) ->
         vllm_unloadable,
         w4afp8_untileable,
     )
-    from quantcore.schemes.fusion import fusion_units
 
     resolved, _ = resolve(model, body)
     shapes = layer_shapes(model)
@@ -184,10 +191,10 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None) ->
     cals = calibrations(model.id)
     if cals:
         ratios = {r["name"]: r["outlier_ratio"] for r in stats_overview(cals[0].id)}
-    # {scheme: {unit: KL}}: a layer's KL depends on its scheme (and, for a dynamic scale, on the GPU count)
-    sens, unit_layers = sensitivity_map(model, par.tp, par.expert_parallel)
-    unit_of = {layer: unit for unit, layers in unit_layers.items() for layer in layers}
-    shared = {m: len(unit) - 1 for unit in fusion_units(layer_names(model)) for m in unit}
+    units = plan_units(model, body)
+    # {scheme: {layer: KL}}: a layer's KL depends on its scheme (and, for a dynamic scale, on the GPU count)
+    layer_kl = _layer_kls(*sensitivity_map(model, par.tp, par.expert_parallel), units)
+    shared = {m: len(unit) - 1 for unit in units for m in unit}
     untileable = w4afp8_untileable(resolved, shapes, par) if resolved and target else set()
     partial = group_misfit_layers(resolved, shapes, par) if resolved and target else set()
     blocks = fp8_block_untileable(resolved, shapes, par) if resolved and target else set()
@@ -217,8 +224,28 @@ def layer_table(model: ModelRecord, body: dict[str, Any], target: str | None) ->
                      "outlier_ratio": ratios.get(name),
                      # a layer left unquantized adds no KL: 0 without a sweep, as the automatic plan counts it
                      "sensitivity_kl": (0.0 if scheme is not None and scheme.is_identity
-                                        else sens.get(str(scheme_name), {}).get(unit_of.get(name, name))),
+                                        else layer_kl.get(str(scheme_name), {}).get(name)),
                      "scheme": scheme_name,
                      "alpha": scheme.smoothquant_alpha if scheme else None,
                      "on_target": support, "fused_with": shared.get(name, 0)})
     return pd.DataFrame(rows)
+
+
+def _layer_kls(sens: dict[str, dict[str, float]], unit_layers: dict[str, list[str]], units: list[list[str]]
+               ) -> dict[str, dict[str, float]]:
+    """{scheme: {layer: KL}} from the sweeps' {scheme: {unit: KL}} and {unit: layers}: each layer reads the KL of
+    the swept unit holding it, that of its own plan unit (``units``) first. An MoE expert's layer thus reads its
+    expert's KL from a per-expert sweep in a per-expert plan and its block's from a whole-block sweep otherwise, and
+    the other where only that one was swept."""
+    unit_of = {m: frozenset(u) for u in units for m in u}
+    out: dict[str, dict[str, float]] = {}
+    for scheme, kls in sens.items():
+        other: dict[str, float] = {}
+        own: dict[str, float] = {}
+        for unit, kl in kls.items():
+            members = unit_layers.get(unit) or [unit]
+            fits = all(unit_of.get(m) == frozenset(members) for m in members)
+            for m in members:
+                (own if fits else other)[m] = kl
+        out[scheme] = {**other, **own}
+    return out
