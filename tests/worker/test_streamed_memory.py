@@ -23,7 +23,12 @@ from tests.factories import run_cli_json
 pytestmark = pytest.mark.slow  # three processes that each import torch and run a job: minutes on 2 busy cores
 
 ROOT = Path(__file__).resolve().parents[2]
-ALLOWANCE_MIB = 160
+# a streamed job's peak is mostly what any job adds (torch's working memory, a block's quantization temporaries,
+# the heap glibc keeps until it trims: 130-185 MiB measured on 16 and 24 blocks), not the model's, so the checkpoint
+# is sized for a clear margin both ways: 24 blocks of 13.6 MB (342 MB in all; whole-model calibrate adds ~465 MiB)
+# against an allowance of 256 MiB (CI once measured a streamed sweep at 165 MiB against an allowance of 160)
+ALLOWANCE_MIB = 256
+LAYERS = 24
 # the peak resident size of the job alone: VmHWM reset to the current size first (/proc/self/clear_refs), because
 # ru_maxrss survives the fork + exec from this pytest process and would start at pytest's own peak
 WRAPPER = """
@@ -51,7 +56,7 @@ def write_checkpoint(folder: Path) -> Path:
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.write_checkpoint(folder, layers=16, hidden=512, intermediate=1536, vocab=4000)
+    return bench.write_checkpoint(folder, layers=LAYERS, hidden=512, intermediate=1536, vocab=4000)
 
 
 def job_memory(*argv: str, stream: bool | None = None) -> tuple[dict, dict]:
@@ -80,20 +85,23 @@ def test_a_checkpoint_larger_than_the_allowance_calibrates_and_scores_streamed_w
     assert added["name"] == "synthetic"
     tokens = ("--samples", "4", "--seq-len", "64")
     cal, cal_rss = job_memory("calibrate", "synthetic", *tokens)
-    assert len(cal["layers"]) == 16 * 7 + 1
+    assert len(cal["layers"]) == LAYERS * 7 + 1
     score, score_rss = job_memory("score", "synthetic", "--scheme", "W8A16", *tokens)
     assert score["kl_mean"] > 0
     from quantplan.services import jobs as jobs_svc
 
-    # and sweeps: every unit's hidden states beside the streamed model (66 states of 2 x 32 x 512 floats: 8.3 MiB)
+    # and sweeps: every unit's hidden states beside the streamed model (98 states of 2 x 32 x 512 floats: 12 MiB)
     sweep, sweep_rss = job_memory("sensitivity", "synthetic", "--scheme", "W8A16", "--samples", "2", "--seq-len", "32")
-    assert len(sweep["layers"]) == 16 * 4 + 1 and all(r["kl_mean"] > 0 for r in sweep["layers"])
+    assert len(sweep["layers"]) == LAYERS * 4 + 1 and all(r["kl_mean"] > 0 for r in sweep["layers"])
     jobs = {j.id: j for j in jobs_svc.list_jobs(limit=10)}
     assert jobs[cal["job"]].result["mode"] == jobs[sweep["job"]].result["mode"] == "streamed"
     assert cal_rss["added"] < allowance and score_rss["added"] < allowance, (cal_rss, score_rss, allowance)
     assert sweep_rss["added"] < allowance, (sweep_rss, allowance)
+    print("peak MiB added: calibrate %.0f, score %.0f, sweep %.0f" % tuple(
+        r["added"] / 2**20 for r in (cal_rss, score_rss, sweep_rss)))
     _, whole_rss = job_memory("calibrate", "synthetic", *tokens, stream=False)
     assert whole_rss["added"] > allowance, whole_rss  # the measurement sees a whole model
+    print("whole-model calibrate: %.0f MiB added" % (whole_rss["added"] / 2**20))
     assert not (Path(str(qp_settings.cache_dir)) / "scratch").exists() or not any(
         (Path(str(qp_settings.cache_dir)) / "scratch").iterdir())
 
