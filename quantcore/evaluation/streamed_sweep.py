@@ -25,8 +25,19 @@ Same results
     (the same deterministic rounding), and each unit's KL and SQNR sums are accumulated in the same order. On a CPU the
     rows are bit-identical to the whole-model sweep's (``tests/quantcore/evaluation/test_streamed_sweep.py``).
 
-Not streamed: GPTQ rounding and AWQ's search (their Hessians and searched scales are whole-model passes); the worker
-refuses them streamed with the reason.
+GPTQ and AWQ
+    A scheme that rounds with GPTQ has its swept layers rounded before the sweep, block by block on the calibration
+    tokens (``calibration_ids``), by the streamed score's own :func:`~quantcore.algorithms.streamed_rounding.
+    round_gptq_streamed`: each block's Hessians from the unquantized model's inputs, batch for batch as
+    :func:`~quantcore.algorithms.gptq.collect_hessians` takes them, the roundings into ``inputs.gptq_cache``, which
+    the units then read. A layer's rounding reads the layers applied beside it (its fusion group's schemes, a fold
+    into its rows, the plan's AWQ layers: :func:`~quantcore.algorithms.gptq.rounding_inputs`), and a sweep applies
+    one unit at a time, so the units are gathered into as few rounding passes as round every layer exactly as its
+    unit alone does (:func:`_rounding_plans`): one pass for fusion-group units, at most three (q, k, v) for single
+    layers. A scheme that scales with AWQ reads ``inputs.awq``, searched beforehand (streamed:
+    :func:`~quantcore.algorithms.streamed_rounding.awq_search_streamed`); its folds stay inside the unit's block.
+
+Not streamed: a rotation (``inputs.rotation``, folded into every block of the whole model) is refused (PlanError).
 """
 
 from __future__ import annotations
@@ -72,6 +83,7 @@ from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
 
 BLOCKS_SHARE = 0.9  # of the sweep's progress bar: the blocks; the rest is the head's batches
+ROUNDING_SHARE = 0.2  # of a GPTQ sweep's progress bar: its rounding passes; the rest is the sweep's
 
 # enter(unit index, pass, exit stack): what changes the model for the unit in pass ``j`` (a block index, or the number
 # of blocks for the head's pass), entered on the stack; the stack unwinds before the block is freed
@@ -216,18 +228,24 @@ def streamed_sensitivity_sweep(
     layers: Sequence[str] | None = None,
     per_expert: bool = False,
     inputs: PlanInputs = NO_INPUTS,
+    calibration_ids: Tensor | None = None,
+    calibration_batch_size: int = 4,
     batch_size: int | None = None,
     progress: Progress | None = None,
     should_cancel: ShouldCancel | None = None,
 ) -> list[SensitivityRow]:
     """:func:`quantcore.evaluation.sensitivity.sensitivity_sweep`, streamed (module docstring): the same rows, sorted
-    by ``kl_mean``, largest first. A scheme that rounds with GPTQ or scales with AWQ, and a rotation
-    (``inputs.rotation``), are refused (PlanError): they need whole-model passes."""
+    by ``kl_mean``, largest first.
+
+    calibration_ids:        a GPTQ scheme's calibration tokens ``[S, L]``: the swept layers not in
+                            ``inputs.gptq_cache`` (nor in ``inputs.weight_hessians``) are rounded on them first, block
+                            by block, into that cache (a fresh dict where None); without them such layers are refused
+    calibration_batch_size: sequences per pass of that rounding (the whole-model Hessians' batch size, for the same
+                            Hessians)
+
+    An AWQ scheme reads ``inputs.awq`` (refused without it); a rotation (``inputs.rotation``) is refused (PlanError):
+    it folds into every block of the whole model."""
     scheme = get_scheme(scheme)
-    if scheme.needs_hessians or scheme.needs_awq:
-        raise PlanError(f"{scheme.name} {'rounds with GPTQ' if scheme.needs_hessians else 'scales with AWQ'}, whose "
-                        "inputs come from whole-model passes: a streamed sweep cannot run it; sweep it whole-model "
-                        "(--no-stream) or choose a round-to-nearest scheme")
     if inputs.rotation is not None:
         raise PlanError("a rotated sweep folds the rotation into every block of the whole model: sweep it "
                         "whole-model (--no-stream)")
@@ -264,8 +282,21 @@ def streamed_sensitivity_sweep(
         starts.append(start)
     local = [_LocalError() for _ in units]
     notes: list[list[str]] = [[] for _ in units]
-    if inputs.gptq_cache is None:
-        inputs = inputs.replace(gptq_cache={})
+    cache = inputs.gptq_cache if inputs.gptq_cache is not None else {}
+    inputs = inputs.replace(gptq_cache=cache)
+    if scheme.needs_awq and inputs.awq is None:
+        raise PlanError(f"{scheme.name} scales with AWQ: search its factors on calibration text first (streamed: "
+                        "quantcore.algorithms.streamed_rounding.awq_search_streamed) and pass them as inputs.awq")
+    if scheme.needs_hessians:
+        plans = _rounding_plans(streamed, scheme, units, inputs)
+        if plans:
+            if calibration_ids is None:
+                raise PlanError(f"{scheme.name} rounds with GPTQ from the Hessians of the layers' inputs: give the "
+                                "sweep calibration_ids (it rounds the swept layers block by block on them) or their "
+                                "roundings in inputs.gptq_cache")
+            _round_streamed(streamed, plans, calibration_ids, cache, inputs, calibration_batch_size, progress,
+                            should_cancel)
+            progress = _after(progress, ROUNDING_SHARE)
 
     def enter(u: int, p: int, ctx: ExitStack) -> None:
         share = shares[u].get(p)
@@ -289,6 +320,61 @@ def streamed_sensitivity_sweep(
             for i, unit in enumerate(units)]
     rows.sort(key=lambda r: r.kl_mean, reverse=True)
     return rows
+
+
+def _rounding_plans(streamed: StreamedModel, scheme: Scheme, units: Sequence[Sequence[str]],
+                    inputs: PlanInputs) -> list[dict[str, Scheme]]:
+    """The plans to round the units' GPTQ layers that ``inputs`` has neither a rounding (``gptq_cache``) nor a
+    Hessian (``weight_hessians``) for: each unit joins the first plan in which every layer's rounding reads what it
+    reads in its own unit applied alone (:func:`quantcore.algorithms.gptq.rounding_inputs`: the fusion group, the folds
+    into its rows, both inside one block, and the plan's AWQ layers), so that the streamed rounding of each plan
+    rounds every layer exactly as the whole-model sweep does; [] when nothing is left to round."""
+    from quantcore.algorithms.gptq import rounding_inputs
+
+    cache, hessians = inputs.gptq_cache or {}, inputs.weight_hessians or {}
+    block_of = streamed.stack.block_of
+    reads: dict[str, dict[str, Any]] = {}  # each layer's reads in its own unit
+    plans: list[dict[str, Scheme]] = []
+    for unit in units:
+        alone = dict.fromkeys(unit, scheme)
+        own = rounding_inputs(alone)
+        if all(n in cache or n in hessians for n in own):
+            continue
+        reads.update(own)
+        blocks = {block_of(n) for n in unit}
+        for plan in plans:
+            # what a layer's rounding can read: its own block's layers, or every AWQ layer of the plan
+            near = plan if scheme.needs_awq else {n: s for n, s in plan.items() if block_of(n) in blocks}
+            together = rounding_inputs({**near, **alone})
+            if all(together[n] == reads[n] for n in together):
+                plan.update(alone)
+                break
+        else:
+            plans.append(alone)
+    return plans
+
+
+def _after(progress: Progress | None, share: float) -> Progress | None:
+    """``progress`` for what runs after the first ``share`` of the bar."""
+    if progress is None:
+        return None
+    return lambda f, msg: report_progress(progress, share + (1 - share) * f, msg)
+
+
+def _round_streamed(streamed: StreamedModel, plans: Sequence[dict[str, Scheme]], calibration_ids: Tensor,
+                    cache: dict[str, Tensor], inputs: PlanInputs, batch_size: int, progress: Progress | None,
+                    should_cancel: ShouldCancel | None) -> None:
+    """Round the GPTQ layers of each of ``plans`` into ``cache``, one streamed pass per plan
+    (:func:`quantcore.algorithms.streamed_rounding.round_gptq_streamed`, the streamed score's rounding)."""
+    from quantcore.algorithms.streamed_rounding import round_gptq_streamed
+
+    for r, plan in enumerate(plans):
+        def told(f: float, msg: str, r: int = r) -> None:
+            report_progress(progress, ROUNDING_SHARE * (r + f) / len(plans),
+                            msg + (f" (pass {r + 1} of {len(plans)})" if len(plans) > 1 else ""))
+
+        round_gptq_streamed(streamed, plan, calibration_ids, cache=cache, inputs=inputs, batch_size=batch_size,
+                            progress=told if progress is not None else None, should_cancel=should_cancel)
 
 
 def streamed_kv_sensitivity_sweep(

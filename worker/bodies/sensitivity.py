@@ -12,6 +12,7 @@ from jobs.specs import SensitivitySpec
 from quantcore.errors import PlanError, name_list
 from store import repo
 from worker.bodies import evaluation as ev
+from worker.bodies import streamed_rounding as sr
 from worker.bodies import sweep_shards as shards
 from worker.runner import JobContext, Outcome
 
@@ -96,9 +97,6 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
         if parallel.split and not scheme.scaled_per_gpu_share:
             parallel, rerouted = ONE_GPU, True  # its scales are the same on any number of GPUs: read exactly so
         needs = ev.calibration_needs([scheme])
-        if streamed is not None:  # refused before anything runs
-            refuse_streamed([what for what, used in (("GPTQ rounding", "weight_hessians" in needs),
-                                                     ("AWQ's search", "awq" in needs)) if used])
         cal = ev.calibration_for(ctx, asked, rec, scheme.needs_calibration, rotation)
         ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size, compute=compute)
         cal_ids, cal_text = ev.calibration_ids(ctx, asked, tok, ids.device, ev.reads_calibration_text(needs))
@@ -106,9 +104,13 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
         unit_reads = {n: read for unit in units if set(unit) <= set(swept)
                       for n, read in rounding_inputs(dict.fromkeys(unit, scheme)).items()}
         kept, keep_at = ev.kept_gptq(ctx, rec, model, unit_reads, cal_ids, cal, rotation)
-        hessians = ev.hessians(ctx, model, every, cal_ids, cal_text, rounded=kept, rotation=rotation)
-        awq = ev.awq_scales(ctx, rec, model, every, cal_ids, cal_text, rotation)
-        gptq_cache = dict(kept)
+        # streamed: the swept GPTQ layers are rounded block by block before the sweep, each as its unit alone
+        # (quantcore.evaluation.streamed_sweep), kept on disk in the job's scratch folder as the streamed score's
+        hessians = (ev.hessians(ctx, model, every, cal_ids, cal_text, rounded=kept, rotation=rotation)
+                    if streamed is None else None)
+        awq = ev.awq_scales(ctx, rec, model, every, cal_ids, cal_text, rotation,
+                            search=None if streamed is None else partial(sr.awq_search, streamed))
+        gptq_cache = dict(kept) if streamed is None else sr.spilled_cache(ctx, kept)
         inputs = ev.calibration_inputs(cal).replace(weight_hessians=hessians, awq=awq, parallel=parallel,
                                                     gptq_cache=gptq_cache, rotation=rotation)
         if asked.method == "fisher" and swept:  # every unit from a few backward passes (quantcore.evaluation.fisher)
@@ -118,13 +120,16 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
                                       per_expert=asked.per_expert, progress=ctx.rest(),
                                       should_cancel=ctx.should_cancel)[scheme.name]
         elif swept:
+            if streamed is not None and unit_reads and len(kept) < len(unit_reads):
+                ctx.progress(ctx.furthest, f"GPTQ: input Hessians and rounding of {len(unit_reads) - len(kept)} "
+                             f"layer(s) on {cal_text}, block by block, then the sweep")
             rest = ctx.rest()
             rows = (sensitivity_sweep(model, scheme, ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
                                       per_expert=asked.per_expert, progress=rest, should_cancel=ctx.should_cancel)
                     if streamed is None
                     else streamed_sensitivity_sweep(streamed, scheme, ids, ref, groups=asked.groups, layers=swept,
                                                     inputs=inputs, per_expert=asked.per_expert, progress=rest,
-                                                    should_cancel=ctx.should_cancel))
+                                                    calibration_ids=cal_ids, should_cancel=ctx.should_cancel))
         else:
             rows = []
         not_kept = ev.keep_gptq(ctx, gptq_cache, keep_at)

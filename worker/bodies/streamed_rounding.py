@@ -1,6 +1,7 @@
-"""A streamed score's GPTQ rounding and AWQ search (quantcore.algorithms.streamed_rounding), block by block: the
-GPTQ-rounded weights kept as files in the job's scratch folder (removed when the job ends: worker.bodies.streaming),
-never the whole rounded model in memory."""
+"""A streamed score's or sensitivity sweep's GPTQ rounding and AWQ search (quantcore.algorithms.streamed_rounding),
+block by block: the GPTQ-rounded weights kept as files in the job's scratch folder (removed when the job ends:
+worker.bodies.streaming), never the whole rounded model in memory. A sweep rounds its units inside
+quantcore.evaluation.streamed_sweep (each layer as its unit alone), into :func:`spilled_cache`."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from quantcore.evaluation.sensitivity import kv_sensitivity_sweep, sensitivity_s
 from quantcore.evaluation.streamed_sweep import streamed_kv_sensitivity_sweep, streamed_sensitivity_sweep
 from quantcore.models.loading import load_model
 from quantcore.models.streaming import StreamedModel
+from tests.factories import TINY_VOCAB
 from tests.quantcore.evaluation.test_streamed import BATCH, eval_ids, save
 
 
@@ -87,13 +88,64 @@ def test_states_in_scratch_files_same_rows_and_removed(tmp_path):
     assert all(p.device.type == "meta" for b in tight.stack.blocks for p in b.parameters())
 
 
-def test_gptq_is_refused_streamed(tmp_path):
+def cal_ids(n: int = 5, length: int = 16) -> torch.Tensor:
+    return torch.randint(0, TINY_VOCAB, (n, length), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize(("scheme", "groups", "passes"), [("W4A16_GPTQ", True, 1), ("NVFP4A16_GPTQ", False, 3)])
+def test_streamed_gptq_sweep_equals_whole(tmp_path, scheme, groups, passes):
+    """GPTQ rounded block by block before the sweep: the whole sweep's rows (Hessians from collect_hessians on the
+    whole model). Fusion groups round in one pass; single layers of NVFP4 (one tensor scale per applied group) in one
+    pass per q/k/v member, each rounded as its unit alone; a cache holding every rounding needs no pass."""
+    from quantcore.algorithms.gptq import collect_hessians
+    from quantcore.evaluation.sensitivity import linear_layer_names
+
     folder = save(tmp_path / "m", "llama")
-    ids = eval_ids(3)  # two batches
     whole, _ = load_model(folder)
+    ids, cal = eval_ids(3), cal_ids()
     ref = compute_reference(whole, ids, batch_size=BATCH)
-    with pytest.raises(PlanError, match="GPTQ.*--no-stream"):
-        streamed_sensitivity_sweep(StreamedModel(folder), "W4A16_GPTQ", ids, ref)
+    hessians = collect_hessians(whole, linear_layer_names(whole), cal, batch_size=4)
+    whole_cache: dict[str, torch.Tensor] = {}
+    expected = rows_of(sensitivity_sweep(whole, scheme, ids, ref, groups=groups,
+                                         inputs=PlanInputs(weight_hessians=hessians, gptq_cache=whole_cache)))
+    streamed = StreamedModel(folder)
+    cache: dict[str, torch.Tensor] = {}
+    messages: list[str] = []
+    got = rows_of(streamed_sensitivity_sweep(streamed, scheme, ids, ref, groups=groups, calibration_ids=cal,
+                                             inputs=PlanInputs(gptq_cache=cache),
+                                             progress=lambda f, m: messages.append(m)))
+    assert got == expected and all(r["kl_mean"] > 0 for r in got)
+    assert sorted(cache) == sorted(whole_cache) and len(cache) == 15  # the head too
+    assert all(torch.equal(cache[n], whole_cache[n]) for n in cache)
+    assert sum(m.startswith("GPTQ: Hessians and rounding, streamed, block 1/2") for m in messages) == passes
+    with pytest.raises(PlanError, match="calibration_ids"):
+        streamed_sensitivity_sweep(streamed, scheme, ids, ref, groups=groups)
+    messages.clear()  # every rounding at hand: no pass
+    again = streamed_sensitivity_sweep(streamed, scheme, ids, ref, groups=groups, inputs=PlanInputs(gptq_cache=cache),
+                                       progress=lambda f, m: messages.append(m))
+    assert rows_of(again) == expected and not any(m.startswith("GPTQ") for m in messages)
+
+
+def test_streamed_awq_sweep_equals_whole(tmp_path):
+    """AWQ's factors searched streamed: the whole sweep's rows with the whole model's search; none given: refused."""
+    from quantcore.algorithms.awq import awq_search
+    from quantcore.algorithms.streamed_rounding import awq_search_streamed
+    from quantcore.evaluation.sensitivity import linear_layer_names
+
+    folder = save(tmp_path / "m", "llama")
+    whole, _ = load_model(folder)
+    ids, cal = eval_ids(3), cal_ids()
+    ref = compute_reference(whole, ids, batch_size=BATCH)
+    plan = dict.fromkeys(linear_layer_names(whole), "W4A16_AWQ")
+    expected = rows_of(sensitivity_sweep(whole, "W4A16_AWQ", ids, ref, groups=False,
+                                         inputs=PlanInputs(awq=awq_search(whole, plan, cal))))
+    streamed = StreamedModel(folder)
+    awq = awq_search_streamed(streamed, plan, cal)
+    got = rows_of(streamed_sensitivity_sweep(streamed, "W4A16_AWQ", ids, ref, groups=False,
+                                             inputs=PlanInputs(awq=awq)))
+    assert got == expected and len(got) == 15 and all(r["kl_mean"] > 0 for r in got)
+    with pytest.raises(PlanError, match="AWQ"):
+        streamed_sensitivity_sweep(streamed, "W4A16_AWQ", ids, ref)
 
 
 @pytest.mark.slow
