@@ -17,7 +17,8 @@
 #   4. the product path: `quantplan migrate`, then `quantplan bench --device cuda --local` twice
 #      into a fresh SQLite home: measured and stored, then reused from the database; then a tiny
 #      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC, then with an FP8_ATTN KV cache) and swept
-#      (INT8_W8A8 linears, its Fisher estimate, then the FP8_ATTN KV cache a layer at a time) on cuda; W4A16_GPTQ
+#      (INT8_W8A8 linears, its Fisher estimate, then the FP8_ATTN KV cache a layer at a time) on cuda, whole and
+#      block-streamed (calibrate, score, the sweeps, GPTQ, AWQ and rotated sweeps streamed); W4A16_GPTQ
 #      scored twice (rounded, then read from the roundings the first job kept); then the Fisher estimate against the
 #      six exact sweeps on SmolLM2 (benchmarks/sensitivity_cost.py --fisher)
 #   5. rotation: scripts/rotation_check.py, the Hadamard rotation (R1 + R2 + R4) exact on the device, and MXFP4 /
@@ -111,6 +112,14 @@ step score-stream "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS
 step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
 # the same sweep streamed (one load of each block for every unit; the rows equal the whole sweep's within CUDA rounding)
 step sensitivity-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}" --stream
+# streamed sweeps of a GPTQ scheme (its layers rounded block by block first, as a streamed score rounds) and of an AWQ
+# scheme (its search streamed), on the device
+step sensitivity-gptq-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8_GPTQ "${JOB_ARGS[@]}" --stream
+step sensitivity-awq-stream "$PY" -m quantplan sensitivity tiny --scheme NVFP4A16_AWQ "${JOB_ARGS[@]}" --stream
+# a rotated sweep streamed: each block rotated (R1 + R2 + R4) as it loads, its static scales from a rotated calibration
+# that the job runs first, streamed too
+step sensitivity-rotated-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_PER_TENSOR --rotation hadamard \
+  "${JOB_ARGS[@]}" --stream
 # the fast (Fisher) estimate on the device: backward hooks and quantized GEMMs there; prints its rank correlation with
 # the sweep just above (the same tokens: read, not run again)
 step fisher "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}"

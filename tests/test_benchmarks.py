@@ -98,7 +98,9 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     rcs = {k: v.split()[0] for k, v in rcs.items()}
     for step in ("gpu-tests", "kernels-smollm2", "kernels-llama8b", "migrate", "bench-measure",
                  "bench-reuse", "tiny-model", "models-add", "calibrate", "calibrate-stream", "score", "score-stream",
-                 "sensitivity", "score-kv", "kv-sweep",
+                 "sensitivity", "sensitivity-stream", "sensitivity-gptq-stream", "sensitivity-awq-stream",
+                 "sensitivity-rotated-stream", "fisher",
+                 "score-kv", "kv-sweep", "kv-sweep-stream",
                  "score-gptq", "score-gptq-kept", "jobs"):
         assert rcs[step] == "0", (step, (out / "gpu_check.log").read_text()[-3000:])
     assert sorted(p.name for p in out.iterdir()) == [

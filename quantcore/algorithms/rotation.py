@@ -29,6 +29,11 @@ Q is a Hadamard matrix (:mod:`quantcore.algorithms.hadamard`), randomised by a s
 the :class:`~quantcore.algorithms.rotation_spec.RotationSpec` says. Every folded weight is computed in float64 and
 rounded once to its dtype into a new Parameter; :meth:`RotationHandle.restore` puts the original Parameters back
 (bit for bit, ties included) and removes the hooks. MoE blocks (routed experts) are refused.
+
+Block-streamed models (:mod:`quantcore.models.streaming`) are rotated as they stream: :func:`rotate_model` on a
+:class:`~quantcore.models.streaming.StreamedModel`'s ``model`` folds the resident part (the final norm into the head,
+the embedding, the head) at once and each decoder block as it loads, by the same per-block code as the whole model
+(:func:`_fold_block`), its hooks removed and its folds dropped when the block is freed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ from quantcore.models.architectures import Architecture, architecture_of
 ROTATION_TRANSFORM = register_transform("rotation", applies_to=lambda scheme: not scheme.is_identity, needs=None,
                                         plan_level=True)
 POST_BRANCH_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")  # Gemma 2/3: on a branch's output
+# what a block-streamed model's ``model`` carries: its StreamedModel's ``transform_blocks`` (a weak reference; the same
+# name as quantcore.models.streaming.TRANSFORM_BLOCKS, not imported: that module imports the sweep, which imports this)
+TRANSFORM_BLOCKS = "quantplan_transform_blocks"
 NORM_PROBE_ATOL = 1e-4  # a neutral RMSNorm commutes with Q to float32 rounding; a mean-subtracting one misses by O(1)
 
 
@@ -90,6 +98,7 @@ class RotationHandle:
 
     spec: the rotation; widths: the widths it acted on; matrices: {R1/R2/R4: (n, n) float64 Q};
     folded_norms: norms whose gain went into the linears after them; online: linears with an online rotation hook.
+    keep_originals: False for a streamed block's own handle: the folds are not undone, the block goes back to meta.
     """
 
     spec: RotationSpec
@@ -97,6 +106,7 @@ class RotationHandle:
     matrices: dict[str, torch.Tensor] = field(default_factory=dict)
     folded_norms: list[str] = field(default_factory=list)
     online: list[str] = field(default_factory=list)
+    keep_originals: bool = True
     _saved: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict, repr=False)
     _hooks: list[Any] = field(default_factory=list, repr=False)
     _config: tuple[Any, Any] | None = field(default=None, repr=False)
@@ -105,7 +115,8 @@ class RotationHandle:
         """Replace ``module.<attr>`` by a new Parameter holding ``value`` (its dtype and device kept); the original
         Parameter is kept once for :meth:`restore`."""
         old = getattr(module, attr)
-        self._saved.setdefault((id(module), attr), (module, attr, old))
+        if self.keep_originals:
+            self._saved.setdefault((id(module), attr), (module, attr, old))
         setattr(module, attr, nn.Parameter(value.to(device=old.device, dtype=old.dtype), requires_grad=False))
 
     @torch.no_grad()
@@ -265,8 +276,7 @@ def _probe_norm(norm: nn.Module, name: str, q: torch.Tensor) -> None:
                         "once its gain is folded): R1 cannot be applied exactly")
 
 
-def _r1(handle: RotationHandle, model: nn.Module, layout: ModelLayout, modules: Mapping[str, nn.Module],
-        q: torch.Tensor) -> None:
+def _refuse_post_branch_norms(layout: ModelLayout, modules: Mapping[str, nn.Module]) -> None:
     post = [f"{b.name}.{n}" for b in layout.blocks for n in POST_BRANCH_NORMS
             if f"{b.name}.{n}" in modules and f"{b.name}.{n}" not in (b.attn_norm, b.mlp_norm)]
     if post:
@@ -274,46 +284,86 @@ def _r1(handle: RotationHandle, model: nn.Module, layout: ModelLayout, modules: 
                         "normalise a branch's output before the residual add, and their per-channel gain does not "
                         "commute with a rotation of the residual stream (QuaRot and SpinQuant rotate Llama-style "
                         "blocks only); drop R1 (R2 and R4 apply)")
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "tie_word_embeddings"):
-        handle._config = (config, config.tie_word_embeddings)
-        config.tie_word_embeddings = False  # untied while rotated: the head gets the final norm's gain
-    for b in layout.blocks:
+
+
+def _linears_of(b: Block) -> tuple[str, ...]:
+    return (b.q, b.k, b.v, b.o, b.gate, b.up, b.down)
+
+
+def _block_online(spec: RotationSpec, b: Block) -> list[str]:
+    """The linears of ``b`` whose input ``spec`` rotates online: every one under V, down_proj under R4."""
+    return list(_linears_of(b)) if V in spec.rotations else [b.down] if R4 in spec.rotations else []
+
+
+def _block_norms(spec: RotationSpec, b: Block) -> list[str]:
+    return [b.attn_norm, b.mlp_norm] if R1 in spec.rotations else []
+
+
+def _rotate_rows(handle: RotationHandle, lin: nn.Linear, q: torch.Tensor) -> None:
+    """An output projection of the residual stream under R1: ``Q₁ᵀ W``, its bias ``b Q₁``."""
+    qd = q.to(lin.weight.device)
+    handle._set(lin, "weight", qd.T @ lin.weight.detach().double())
+    if lin.bias is not None:
+        handle._set(lin, "bias", lin.bias.detach().double() @ qd)
+
+
+def _fold_block(handle: RotationHandle, modules: Mapping[str, nn.Module], b: Block) -> None:
+    """Every fold of ``handle.spec`` inside decoder block ``b``, in the order each tensor goes through them (V; R1's
+    norm folds, then its input and output rotations; R2 on v/o; R4's online down_proj): the whole model's
+    :func:`rotate_model` and a streamed block as it loads (:func:`_block_rotated`) run this one code."""
+    spec, matrices = handle.spec, handle.matrices
+    if V in spec.rotations:  # QuIP's input-side incoherence: every linear's input online, one matrix per width
+        for name in _block_online(spec, b):
+            _online(handle, modules, name, matrices[f"{V}{handle.widths.in_features[name]}"])
+    if R1 in spec.rotations:
+        q = matrices[R1]
         _fold_norm(handle, modules[b.attn_norm], b.attn_norm, [_linear(modules, n) for n in (b.q, b.k, b.v)])
         _fold_norm(handle, modules[b.mlp_norm], b.mlp_norm, [_linear(modules, n) for n in (b.gate, b.up)])
-    head = _linear(modules, layout.head) if layout.head is not None else None
-    if layout.final_norm is not None and head is not None:
-        _fold_norm(handle, modules[layout.final_norm], layout.final_norm, [head])
-    for name in handle.folded_norms:
-        _probe_norm(modules[name], name, q)
-    emb = modules[layout.embedding]
-    ew = _weight(emb)
-    handle._set(emb, "weight", ew.detach().double() @ q.to(ew.device))
-    for b in layout.blocks:
+        for name in _block_norms(spec, b):
+            _probe_norm(modules[name], name, q)
         for n in (b.q, b.k, b.v, b.gate, b.up):
             lin = _linear(modules, n)
             handle._set(lin, "weight", lin.weight.detach().double() @ q.to(lin.weight.device))
         for n in (b.o, b.down):
-            lin = _linear(modules, n)
-            qd = q.to(lin.weight.device)
-            handle._set(lin, "weight", qd.T @ lin.weight.detach().double())
-            if lin.bias is not None:
-                handle._set(lin, "bias", lin.bias.detach().double() @ qd)
+            _rotate_rows(handle, _linear(modules, n), q)
+    if R2 in spec.rotations:
+        _r2(handle, modules, b, matrices[R2])
+    if R4 in spec.rotations:
+        _online(handle, modules, b.down, matrices[R4])
+
+
+def _fold_resident(handle: RotationHandle, model: nn.Module, layout: ModelLayout,
+                   modules: Mapping[str, nn.Module]) -> None:
+    """R1's folds outside the decoder blocks: the final norm's gain into the head, the embedding ``E Q₁`` and the head
+    ``W Q₁`` (a tied embedding untied while rotated). Nothing for R2, R4 and V."""
+    if R1 not in handle.spec.rotations:
+        return
+    q = handle.matrices[R1]
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "tie_word_embeddings"):
+        handle._config = (config, config.tie_word_embeddings)
+        config.tie_word_embeddings = False  # untied while rotated: the head gets the final norm's gain
+    head = _linear(modules, layout.head) if layout.head is not None else None
+    if layout.final_norm is not None and head is not None:
+        _fold_norm(handle, modules[layout.final_norm], layout.final_norm, [head])
+        _probe_norm(modules[layout.final_norm], layout.final_norm, q)
+    emb = modules[layout.embedding]
+    ew = _weight(emb)
+    handle._set(emb, "weight", ew.detach().double() @ q.to(ew.device))
     if head is not None:
         handle._set(head, "weight", head.weight.detach().double() @ q.to(head.weight.device))
 
 
-def _r2(handle: RotationHandle, layout: ModelLayout, modules: Mapping[str, nn.Module], q: torch.Tensor) -> None:
+def _r2(handle: RotationHandle, modules: Mapping[str, nn.Module], b: Block, q: torch.Tensor) -> None:
     hd = q.shape[0]
-    for b in layout.blocks:
-        v, o = _linear(modules, b.v), _linear(modules, b.o)
-        qd = q.to(v.weight.device)
-        w = v.weight.detach().double().view(-1, hd, v.in_features)  # (kv heads, hd, in)
-        handle._set(v, "weight", torch.einsum("ji,hjk->hik", qd, w).reshape(v.out_features, v.in_features))
-        if v.bias is not None:
-            handle._set(v, "bias", (v.bias.detach().double().view(-1, hd) @ qd).flatten())
-        wo = o.weight.detach().double().view(o.out_features, -1, hd)  # (out, query heads, hd)
-        handle._set(o, "weight", (wo @ q.to(o.weight.device)).reshape(o.out_features, o.in_features))
+    v, o = _linear(modules, b.v), _linear(modules, b.o)
+    qd = q.to(v.weight.device)
+    w = v.weight.detach().double().view(-1, hd, v.in_features)  # (kv heads, hd, in)
+    handle._set(v, "weight", torch.einsum("ji,hjk->hik", qd, w).reshape(v.out_features, v.in_features))
+    if v.bias is not None:
+        handle._set(v, "bias", (v.bias.detach().double().view(-1, hd) @ qd).flatten())
+    wo = o.weight.detach().double().view(o.out_features, -1, hd)  # (out, query heads, hd)
+    handle._set(o, "weight", (wo @ q.to(o.weight.device)).reshape(o.out_features, o.in_features))
 
 
 # the attribute an online-rotated linear carries while rotated: its input's rotation, x -> x Q₄. A forward pre-hook
@@ -361,44 +411,60 @@ def _online(handle: RotationHandle, modules: Mapping[str, nn.Module], name: str,
     handle.online.append(name)
 
 
-def _r4(handle: RotationHandle, layout: ModelLayout, modules: Mapping[str, nn.Module], q: torch.Tensor) -> None:
-    for b in layout.blocks:
-        _online(handle, modules, b.down, q)
+def _matrices(spec: RotationSpec, widths: RotationWidths) -> dict[str, torch.Tensor]:
+    """{R1 / R2 / R4: Q, and ``V<width>`` for V's one matrix per input width}, float64."""
+    out: dict[str, torch.Tensor] = {}
+    for r in spec.rotations:
+        if r == V:
+            for width in widths.v_widths():
+                out[f"{V}{width}"] = rotation_matrix(width, block_size=block_of(spec, V, width), seed=spec.seed_for(V))
+        else:
+            width = widths.of(r)
+            out[r] = rotation_matrix(width, block_size=block_of(spec, r, width), seed=spec.seed_for(r))
+    return out
 
 
-def _v(handle: RotationHandle, modules: Mapping[str, nn.Module]) -> None:
-    """QuIP's input-side incoherence rotation: every decoder linear's input online, one matrix per input width."""
-    spec, widths = handle.spec, handle.widths
-    for width, layers in widths.v_widths().items():
-        q = rotation_matrix(width, block_size=block_of(spec, V, width), seed=spec.seed_for(V))
-        handle.matrices[f"{V}{width}"] = q
-        for name in layers:
-            _online(handle, modules, name, q)
+@contextmanager
+def _block_rotated(handle: RotationHandle, modules: Mapping[str, nn.Module], block: Block) -> Iterator[None]:
+    """A streamed block rotated as it loads (:func:`_fold_block`), its online hooks removed when it is freed; its
+    original weights are not kept (the block goes back to ``meta``, and is read again from the checkpoint)."""
+    own = RotationHandle(handle.spec, handle.widths, handle.matrices, keep_originals=False)
+    try:
+        _fold_block(own, modules, block)
+        yield
+    finally:
+        own.restore()
 
 
 @torch.no_grad()
 def rotate_model(model: nn.Module, spec: RotationSpec) -> RotationHandle:
     """Fold ``spec``'s rotations into ``model`` in place (R4 as an online hook); ``restore()`` undoes it bit for bit.
 
+    A block-streamed model (:class:`~quantcore.models.streaming.StreamedModel`'s ``model``) is rotated as it streams:
+    the embedding, final norm and head now, each decoder block as it loads (the same folds, the same arithmetic:
+    bit-identical to the whole model's) until ``restore()``; rotate it before its blocks run.
+
     PlanError (nothing changed) for a width no Hadamard of the plan covers, naming the layers, or a model the
     rotation cannot fold into exactly (see the module docstring)."""
     layout = model_layout(model)
     check_rotation(spec, layout.widths)
     modules = dict(model.named_modules())
-    handle = RotationHandle(spec, layout.widths)
-    for r in spec.rotations:
-        if r != V:  # V: one matrix per input width (_v)
-            width = layout.widths.of(r)
-            handle.matrices[r] = rotation_matrix(width, block_size=block_of(spec, r, width), seed=spec.seed_for(r))
+    handle = RotationHandle(spec, layout.widths, _matrices(spec, layout.widths))
+    ref = model.__dict__.get(TRANSFORM_BLOCKS)
+    transform_blocks = ref() if ref is not None else None
     try:
-        if V in spec.rotations:
-            _v(handle, modules)
         if R1 in spec.rotations:
-            _r1(handle, model, layout, modules, handle.matrices[R1])
-        if R2 in spec.rotations:
-            _r2(handle, layout, modules, handle.matrices[R2])
-        if R4 in spec.rotations:
-            _r4(handle, layout, modules, handle.matrices[R4])
+            _refuse_post_branch_norms(layout, modules)
+        if transform_blocks is None:
+            for b in layout.blocks:
+                _fold_block(handle, modules, b)
+        else:  # each block as it loads (block i: the i-th decoder block); listed now (AWQ skips the online layers)
+            blocks = layout.blocks
+            handle._hooks.append(transform_blocks(lambda i: _block_rotated(handle, modules, blocks[i])))
+            for b in layout.blocks:
+                handle.online.extend(_block_online(spec, b))
+                handle.folded_norms.extend(_block_norms(spec, b))
+        _fold_resident(handle, model, layout, modules)
     except BaseException:
         handle.restore()
         raise
@@ -418,19 +484,33 @@ def rotation_applied(model: nn.Module, spec: RotationSpec | None) -> Iterator[Ro
         handle.restore()
 
 
+def smoothing_kept(spec: RotationSpec, online: Iterable[str], alphas: Mapping[str, float]
+                   ) -> tuple[dict[str, float], list[str]]:
+    """(the SmoothQuant alphas still exact under ``spec``, notes for people): a layer whose input ``spec`` rotates
+    online (``online``) is left unsmoothed, since its factors would fold into the rows before the Hadamard."""
+    online = set(online)
+    dropped = [n for n in alphas if n in online]
+    how = "V rotates every decoder linear's input" if V in spec.rotations else "R4 rotates their input"
+    notes = [f"{len(dropped)} layer(s) ({name_list(dropped, 3)}): SmoothQuant not applied ({how} online, after the "
+             "rows where the factors would fold); they are quantized rotated"] if dropped else []
+    return {n: a for n, a in alphas.items() if n not in online}, notes
+
+
+def online_layers(model: nn.Module, spec: RotationSpec) -> list[str]:
+    """The linears whose input ``spec`` rotates online in ``model`` (R4: every down_proj; V: every decoder linear),
+    without rotating anything."""
+    return [n for b in model_layout(model).blocks for n in _block_online(spec, b)]
+
+
 def rotate_for_plan(model: nn.Module, spec: RotationSpec, alphas: Mapping[str, float]
                     ) -> tuple[RotationHandle, dict[str, float], list[str]]:
     """Rotate ``model`` for a plan whose SmoothQuant alphas are ``alphas``: (handle, the alphas still exact after
     the rotation, notes for people). SmoothQuant folds down_proj's factors into up_proj's rows, before R4's online
     Hadamard, so a down_proj under R4 (every linear under V) is left unsmoothed (the rotation already spreads its
-    outliers)."""
+    outliers): :func:`smoothing_kept`."""
     handle = rotate_model(model, spec)
-    online = set(handle.online)
-    dropped = [n for n in alphas if n in online]
-    how = "V rotates every decoder linear's input" if V in spec.rotations else "R4 rotates their input"
-    notes = [f"{len(dropped)} layer(s) ({name_list(dropped, 3)}): SmoothQuant not applied ({how} online, after the "
-             "rows where the factors would fold); they are quantized rotated"] if dropped else []
-    return handle, {n: a for n, a in alphas.items() if n not in online}, notes
+    kept, notes = smoothing_kept(spec, handle.online, alphas)
+    return handle, kept, notes
 
 
 @contextmanager
@@ -438,10 +518,11 @@ def rotated_for_sweep(model: nn.Module, inputs: Any, layers: Iterable[str], sche
                       ) -> Iterator[Any]:
     """``model`` rotated once by ``inputs.rotation`` for a whole sensitivity sweep or Fisher estimate (every unit is
     then quantized in the rotated model, as a rotated plan is scored), restored on exit; yields ``inputs`` without
-    the rotation (the units must not rotate again). The inputs' statistics, Hessians and AWQ factors must be those
-    of the rotated model. PlanError, nothing rotated, where a SmoothQuant scheme would smooth a layer whose input is
-    rotated online (R4's down_proj, every linear under V: the factors would fold into the rows before the Hadamard;
-    a score leaves such a layer unsmoothed: :func:`rotate_for_plan`), naming the layers."""
+    the rotation (the units must not rotate again). A streamed model is rotated as it streams (:func:`rotate_model`).
+    The inputs' statistics, Hessians and AWQ factors must be those of the rotated model. PlanError, nothing rotated,
+    where a SmoothQuant scheme would smooth a layer whose input is rotated online (R4's down_proj, every linear under
+    V: the factors would fold into the rows before the Hadamard; a score leaves such a layer unsmoothed:
+    :func:`rotate_for_plan`), naming the layers."""
     spec = inputs.rotation
     handle = rotate_model(model, spec)
     try:
@@ -464,4 +545,5 @@ def rotation_widths(model: nn.Module) -> RotationWidths:
 
 
 __all__ = ["ONLINE_ROTATION", "ROTATION_TRANSFORM", "RotationHandle", "check_rotation", "model_layout",
-           "rotate_for_plan", "rotate_model", "rotated_for_sweep", "rotation_applied", "rotation_widths"]
+           "online_layers", "rotate_for_plan", "rotate_model", "rotated_for_sweep", "rotation_applied",
+           "rotation_widths", "smoothing_kept"]

@@ -16,12 +16,20 @@ Every block sees the batches a whole-model pass of the same ``batch_size`` gives
 (``act_amax``, ``act_channel_max``, ``kv_amax``) work streamed, and so does the KV cache calibration a calibrated KV
 cache format needs (:func:`calibrate_kv_cache_streamed`); GPTQ's Hessians and rounding and AWQ's search stream in
 :mod:`quantcore.algorithms.streamed_rounding`.
+
+A plan's rotation (``inputs.rotation``) streams too: :func:`score_streamed` and :func:`calibrate_kv_cache_streamed`
+rotate the streamed model (:func:`quantcore.algorithms.rotation.rotate_model`: the embedding, final norm and head at
+once, each block as it loads, by the whole model's own per-block code) before anything of the plan, and leave a layer
+whose input the rotation turns online unsmoothed (:func:`~quantcore.algorithms.rotation.smoothing_kept`), as the
+whole-model :func:`~quantcore.evaluation.scoring.plan_applied` does; a rotated calibration is
+:func:`calibrate_streamed` inside :func:`~quantcore.algorithms.rotation.rotation_applied` on ``streamed.model``. On a
+CPU these are bit-identical to the whole model's (``tests/quantcore/algorithms/test_rotation_streamed.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from torch import Tensor, nn
@@ -107,12 +115,14 @@ def _saturation(applied: Any, static: set[str]) -> dict[str, float]:
 class _PlanByBlock:
     """A plan applied as a streamed model runs: each block's share as the block loads (:meth:`block`, a
     ``block_context``), the rest (the head) for the whole pass (:meth:`head`); the static scales' clipping and the
-    notes gathered from both."""
+    notes gathered from both. The plan's rotation (``inputs.rotation``) is :meth:`rotated`'s, entered around both:
+    the shares are applied without it, SmoothQuant left off the layers it rotates online."""
 
     def __init__(self, streamed: StreamedModel, plan: Mapping[str, Scheme | str], inputs: PlanInputs,
                  track_saturation: bool) -> None:
-        self.model, self.inputs, self.track = streamed.model, inputs, track_saturation
-        self.schemes = _as_schemes(plan)
+        self.model, self.inputs, self.track = streamed.model, inputs.replace(rotation=None), track_saturation
+        self.rotation = inputs.rotation
+        self.schemes, self.rotation_notes = _rotated_schemes(streamed.model, _as_schemes(plan), self.rotation)
         self.static = _static_layers(self.schemes)
         self.head_plan: dict[str, Scheme] = {}
         self.per_block: dict[int, dict[str, Scheme]] = {}
@@ -136,6 +146,14 @@ class _PlanByBlock:
 
         return applied()
 
+    def rotated(self) -> AbstractContextManager[Any]:
+        """The plan's rotation on the streamed model (resident part now, each block as it loads), undone on exit."""
+        if self.rotation is None:
+            return nullcontext()
+        from quantcore.algorithms.rotation import rotation_applied
+
+        return rotation_applied(self.model, self.rotation)
+
     def block(self, i: int) -> AbstractContextManager[None]:
         return self._applied(self.per_block.get(i, {}))
 
@@ -146,6 +164,26 @@ class _PlanByBlock:
         return {n: self.saturation[n] for n in self.schemes if n in self.saturation}
 
 
+def _rotated_schemes(model: nn.Module, schemes: dict[str, Scheme], rotation: Any
+                     ) -> tuple[dict[str, Scheme], list[str]]:
+    """(``schemes`` with SmoothQuant off where ``rotation`` rotates the layer's input online, the notes saying so):
+    :func:`quantcore.algorithms.rotation.rotate_for_plan`'s choice, made before the plan is split by block."""
+    if rotation is None:
+        return schemes, []
+    from quantcore.algorithms.rotation import online_layers, smoothing_kept
+
+    alphas = {n: float(s.smoothquant_alpha) for n, s in schemes.items()
+              if s.smoothquant_alpha is not None and not s.is_identity}
+    kept, notes = smoothing_kept(rotation, online_layers(model, rotation), alphas)
+    return {n: s.with_alpha(None) if n in alphas and n not in kept else s for n, s in schemes.items()}, notes
+
+
+def rotated_plan(model: nn.Module, plan: Mapping[str, Scheme | str], rotation: Any) -> dict[str, Scheme]:
+    """``plan`` as applied inside ``rotation`` rotated (SmoothQuant off on the layers it rotates online), for a
+    streamed pass that rotates the model itself (the streamed GPTQ rounding under a rotation)."""
+    return _rotated_schemes(model, _as_schemes(plan), rotation)[0]
+
+
 def calibrate_kv_cache_streamed(streamed: StreamedModel, plan: Mapping[str, Scheme | str], input_ids: Tensor, *,
                                 inputs: PlanInputs = NO_INPUTS, batch_size: int = 4,
                                 should_cancel: ShouldCancel | None = None) -> Any:
@@ -154,7 +192,7 @@ def calibrate_kv_cache_streamed(streamed: StreamedModel, plan: Mapping[str, Sche
     from quantcore.evaluation.kvcache import kv_amax_observed
 
     applied = _PlanByBlock(streamed, plan, inputs, track_saturation=False)
-    with applied.head(), kv_amax_observed(streamed.model) as amax:
+    with applied.rotated(), applied.head(), kv_amax_observed(streamed.model) as amax:
         streamed.run(as_token_batch(input_ids), batch_size=batch_size, block_context=applied.block,
                      should_cancel=should_cancel)
     return amax
@@ -187,7 +225,7 @@ def score_streamed(
     skip = (kv_skip_layers(kv_skip, attention_modules(model), attention_windows(model))
             if kv_skip and not kv.is_identity else set())
     bs = reference.batch_size if batch_size is None else batch_size
-    with kv_cache_quantized(model, kv, amax=inputs.kv_amax, skip=skip) as kv_ctx, applied.head():
+    with applied.rotated(), kv_cache_quantized(model, kv, amax=inputs.kv_amax, skip=skip) as kv_ctx, applied.head():
         states = streamed.run(ids, batch_size=bs, block_context=applied.block,
                               progress=_scaled(progress, 0.0, STREAM_SHARE), should_cancel=should_cancel)
         with streamed.final(ids, states) as whole:
@@ -195,7 +233,8 @@ def score_streamed(
                                 progress=_scaled(progress, STREAM_SHARE, 1 - STREAM_SHARE),
                                 should_cancel=should_cancel)
     return finish_report(report, kv=kv, saturation=applied.ordered_saturation(), kv_saturation=kv_ctx.saturation,
-                         notes=applied.notes)
+                         notes=applied.notes + applied.rotation_notes)
 
 
-__all__ = ["calibrate_kv_cache_streamed", "calibrate_streamed", "reference_streamed", "score_streamed"]
+__all__ = ["calibrate_kv_cache_streamed", "calibrate_streamed", "reference_streamed", "rotated_plan",
+           "score_streamed"]

@@ -37,7 +37,11 @@ GPTQ and AWQ
     layers. A scheme that scales with AWQ reads ``inputs.awq``, searched beforehand (streamed:
     :func:`~quantcore.algorithms.streamed_rounding.awq_search_streamed`); its folds stay inside the unit's block.
 
-Not streamed: a rotation (``inputs.rotation``, folded into every block of the whole model) is refused (PlanError).
+Rotated
+    ``inputs.rotation``: the streamed model is rotated once for the whole sweep, as the whole-model sweep rotates the
+    whole model (:func:`quantcore.algorithms.rotation.rotated_for_sweep`): the embedding, final norm and head at
+    once, each block as it loads (its folds dropped when it is freed), and every unit quantized in it; the reference
+    states are the rotated model's unquantized pass, as the whole sweep's are.
 """
 
 from __future__ import annotations
@@ -243,13 +247,19 @@ def streamed_sensitivity_sweep(
     calibration_batch_size: sequences per pass of that rounding (the whole-model Hessians' batch size, for the same
                             Hessians)
 
-    An AWQ scheme reads ``inputs.awq`` (refused without it); a rotation (``inputs.rotation``) is refused (PlanError):
-    it folds into every block of the whole model."""
+    An AWQ scheme reads ``inputs.awq`` (refused without it); a rotation (``inputs.rotation``) is folded into each
+    block as it loads (module docstring)."""
     scheme = get_scheme(scheme)
-    if inputs.rotation is not None:
-        raise PlanError("a rotated sweep folds the rotation into every block of the whole model: sweep it "
-                        "whole-model (--no-stream)")
     model = streamed.model
+    if inputs.rotation is not None:
+        from quantcore.algorithms.rotation import rotated_for_sweep
+
+        swept = list(layers) if layers is not None else linear_layer_names(model)
+        with rotated_for_sweep(model, inputs, swept, [scheme]) as plain:
+            return streamed_sensitivity_sweep(streamed, scheme, input_ids, reference, groups=groups, layers=layers,
+                                              per_expert=per_expert, inputs=plain, calibration_ids=calibration_ids,
+                                              calibration_batch_size=calibration_batch_size, batch_size=batch_size,
+                                              progress=progress, should_cancel=should_cancel)
     stack = streamed.stack
     n_blocks = len(stack.blocks)
     ids = as_token_batch(input_ids)

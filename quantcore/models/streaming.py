@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ WORKING_SHARE = 0.25
 Progress = Callable[[float, str], None]
 ShouldCancel = Callable[[], bool]
 BlockContext = Callable[[int], AbstractContextManager[Any]]
+# on a StreamedModel's ``model``: its :meth:`StreamedModel.transform_blocks` (a weak reference), for code that is given
+# the model alone (quantcore.algorithms.rotation.rotate_model, which names it too: it cannot import this module)
+TRANSFORM_BLOCKS = "quantplan_transform_blocks"
 
 
 class _Stop(Exception):  # noqa: N818 - control flow, never seen outside this module
@@ -223,6 +227,9 @@ class StreamedModel:
         # reads one tensor per expert and projection, under the names the checkpoint stores them by
         split_experts(self.model)
         self.model.eval().requires_grad_(False)
+        self.model.__dict__[TRANSFORM_BLOCKS] = weakref.WeakMethod(self.transform_blocks)
+        self._transform: BlockContext | None = None  # transform_blocks
+        self._entered: dict[int, ExitStack] = {}
         self.config = config
         self._tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
         if self._tied:  # the head shares the embedding's tensor: read once, under the embedding's name
@@ -344,18 +351,45 @@ class StreamedModel:
         names = self.block_tensors(i)
         try:
             self._place(names, f"block {i} ({self.stack.prefix}.{i})")
+            if self._transform is not None:
+                self._entered[i] = ExitStack()
+                self._entered[i].enter_context(self._transform(i))
         except Exception:
             self.free_block(i)
             raise
 
     def free_block(self, i: int) -> None:
-        """Send block ``i``'s weights back to ``meta``."""
+        """Send block ``i``'s weights back to ``meta`` (the transform it loaded under left first)."""
         from accelerate.utils import set_module_tensor_to_device
 
-        for n in self.block_tensors(i):
-            set_module_tensor_to_device(self.model, n, "meta", clear_cache=False)
+        entered = self._entered.pop(i, None)
+        try:
+            if entered is not None:
+                entered.close()
+        finally:
+            for n in self.block_tensors(i):
+                set_module_tensor_to_device(self.model, n, "meta", clear_cache=False)
         if self.device.type == "cpu":
             self._maybe_trim()
+
+    def transform_blocks(self, transform: BlockContext) -> Any:
+        """Every block loaded from now on runs under ``transform(i)``, entered when its weights are placed and left
+        before they are freed (whatever runs it: :meth:`run`, a sweep, a rounding pass), until the returned handle's
+        ``remove()``. A rotation folding into each block as it loads (:func:`quantcore.algorithms.rotation.
+        rotate_model`); one at a time, and only while no block is loaded."""
+        if self._transform is not None:
+            raise PlanError("this streamed model's blocks are transformed already (one rotation at a time)")
+        loaded = [i for i, b in enumerate(self.stack.blocks) if any(p.device.type != "meta" for p in b.parameters())]
+        if loaded:
+            raise PlanError(f"block {loaded[0]} of the streamed model is loaded: transform its blocks before they run")
+        self._transform = transform
+        streamed = self
+
+        class _Removable:
+            def remove(self) -> None:
+                streamed._transform = None
+
+        return _Removable()
 
     def _maybe_trim(self) -> None:
         """Trim the heap (:func:`_trim_heap`) once the process's resident memory, taken after a block is freed, has

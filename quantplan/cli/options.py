@@ -142,7 +142,7 @@ def add_rotation(sp: ParserT, what: str) -> None:
     transforms.rotation) applied to the model for the job (issue #46)."""
     sp.add_argument("--rotation", choices=("hadamard", "random-hadamard"),
                     help=f"rotate the model R1 + R2 + R4 (as a plan's transforms.rotation does; "
-                         f"docs/results/rotations.md) and {what}; whole model, not streamed")
+                         f"docs/results/rotations.md) and {what}; whole or streamed")
     sp.add_argument("--rotation-block", type=int, metavar="N",
                     help="with --rotation: a block-diagonal Hadamard of order N for R1 and R4 (default: the whole "
                          "width)")

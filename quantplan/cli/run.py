@@ -44,14 +44,12 @@ from quantplan.cli.options import (
 
 
 def _rotation_param(args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`rotation_param`, a CliError naming the problem (a rotated job runs whole: --stream is refused)."""
+    """:func:`rotation_param`, a CliError naming the problem (whole or streamed alike: a streamed job rotates each
+    block as it loads)."""
     try:
-        out = rotation_param(args)
+        return rotation_param(args)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    if out and getattr(args, "stream", None):
-        raise CliError("--rotation folds the rotation into every block: it runs on the whole model, not --stream")
-    return {**out, "stream": False} if out else {}
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -44,12 +44,12 @@ def rotated_calibrations(model_id: int) -> list[JobRecord]:
 
 def submit_rotated_calibration(model_id: int, rotation: dict[str, Any], *, like: JobRecord) -> JobRecord:
     """Queue a calibration of the model rotated by ``rotation`` (a plan's ``transforms.rotation``) on the same text,
-    sizes and device as the calibration ``like``, so that the two compare layer by layer; whole model (the rotation
-    folds into every block)."""
+    sizes and device as the calibration ``like``, so that the two compare layer by layer; whole or streamed as that
+    one was asked (a streamed job rotates each block as it loads)."""
     p = like.params or {}
     spec = CalibrateSpec(samples=p.get("samples", CalibrateSpec.samples),
                          seq_len=p.get("seq_len", CalibrateSpec.seq_len), device=p.get("device", CalibrateSpec.device),
-                         dataset=p.get("dataset"), stream=False, rotation=dict(rotation))
+                         dataset=p.get("dataset"), stream=p.get("stream"), rotation=dict(rotation))
     return submit("calibrate", spec, model_id=model_id)
 
 

@@ -97,11 +97,11 @@ def test_a_checkpoint_larger_than_the_allowance_calibrates_and_scores_streamed_w
     assert jobs[cal["job"]].result["mode"] == jobs[sweep["job"]].result["mode"] == "streamed"
     assert cal_rss["added"] < allowance and score_rss["added"] < allowance, (cal_rss, score_rss, allowance)
     assert sweep_rss["added"] < allowance, (sweep_rss, allowance)
-    print("peak MiB added: calibrate %.0f, score %.0f, sweep %.0f" % tuple(
-        r["added"] / 2**20 for r in (cal_rss, score_rss, sweep_rss)))
+    cal_mib, score_mib, sweep_mib = (r["added"] / 2**20 for r in (cal_rss, score_rss, sweep_rss))
+    print(f"peak MiB added: calibrate {cal_mib:.0f}, score {score_mib:.0f}, sweep {sweep_mib:.0f}")
     _, whole_rss = job_memory("calibrate", "synthetic", *tokens, stream=False)
     assert whole_rss["added"] > allowance, whole_rss  # the measurement sees a whole model
-    print("whole-model calibrate: %.0f MiB added" % (whole_rss["added"] / 2**20))
+    print(f"whole-model calibrate: {whole_rss['added'] / 2**20:.0f} MiB added")
     assert not (Path(str(qp_settings.cache_dir)) / "scratch").exists() or not any(
         (Path(str(qp_settings.cache_dir)) / "scratch").iterdir())
 

@@ -58,15 +58,16 @@ def _calibrated(ctx: JobContext, asked: CalibrateSpec, model: Any, tok: Any, mod
     def progress(f: float, msg: str) -> None:
         ctx.progress(0.05 + 0.9 * f, msg if streamed is not None else f"{msg} (whole model)")
 
-    rotation = _rotation_of(asked, streamed)
+    rotation = _rotation_of(asked)
 
     def run():
-        if streamed is not None:
-            return calibrate_streamed(streamed, ids, batch_size=asked.batch_size, progress=progress,
-                                      should_cancel=ctx.should_cancel)
         from quantcore.algorithms.rotation import rotation_applied
 
-        with rotation_applied(model, rotation):  # a what-if calibration of the rotated model (issue #46)
+        # a what-if calibration of the rotated model (issue #46); streamed, each block is rotated as it loads
+        with rotation_applied(model, rotation):
+            if streamed is not None:
+                return calibrate_streamed(streamed, ids, batch_size=asked.batch_size, progress=progress,
+                                          should_cancel=ctx.should_cancel)
             return run_calibration(model, ids.to(device), batch_size=asked.batch_size, progress=progress,
                                    should_cancel=ctx.should_cancel)
 
@@ -83,17 +84,13 @@ def _calibrated(ctx: JobContext, asked: CalibrateSpec, model: Any, tok: Any, mod
     return (*_with_kv_amax(model, observed), ids, label, experts)
 
 
-def _rotation_of(asked: CalibrateSpec, streamed: Any) -> Any:
-    """The job's rotation (quantcore.algorithms.rotation_spec.RotationSpec) or None; PlanError for a malformed one or
-    a streamed calibration (the rotation folds into the whole model)."""
+def _rotation_of(asked: CalibrateSpec) -> Any:
+    """The job's rotation (quantcore.algorithms.rotation_spec.RotationSpec) or None; PlanError for a malformed one.
+    Whole or streamed alike (quantcore.algorithms.rotation.rotate_model rotates a streamed model block by block)."""
     if asked.rotation is None:
         return None
     from quantcore.algorithms.rotation_spec import rotation_from_dict
-    from quantcore.errors import PlanError
 
-    if streamed is not None:
-        raise PlanError("a rotated calibration needs the whole model in memory (the rotation folds into every "
-                        "block); run it with stream false")
     return rotation_from_dict(asked.rotation, "the job's rotation")
 
 

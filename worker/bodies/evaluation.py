@@ -46,7 +46,7 @@ def calibration_for(ctx: JobContext, asked: TextJobSpec, model_rec: ModelRecord,
         ctx.progress(0.02, "no stored calibration" + (f" rotated {rotation.label()}" if rotation else "")
                      + ": calibrating first")
         first = CalibrateSpec(device=asked.device, samples=asked.cal_samples, seq_len=asked.cal_seq_len,
-                              stream=False if rotation is not None else asked.stream,
+                              stream=asked.stream,
                               rotation=rotation.to_dict() if rotation is not None else None)
         job = create_local_job("calibrate", first, model_id=model_rec.id, settings=ctx.settings)
         status = run_job(job.id, calibrate, settings=ctx.settings)

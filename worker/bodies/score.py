@@ -91,10 +91,11 @@ def _score(ctx: JobContext, asked: ScoreSpec, rec: Any, model: Any, tok: Any, id
         kv_skip_layers(spec.kv_cache_skip, attention_modules(model), attention_windows(model))
     needs = ev.calibration_needs(plan.values())  # the calibrated inputs the plan's rounding and transforms read
     gptq = "weight_hessians" in needs
-    rotation = spec.rotation  # statistics, Hessians, AWQ and KV maxima are all taken on the model rotated so
+    # statistics, Hessians, AWQ and KV maxima are all taken on the model rotated so; streamed, the rotation folds
+    # into each block as it loads (quantcore.algorithms.rotation.rotate_model on the StreamedModel's model)
+    rotation = spec.rotation
     if streamed is not None:  # refused before anything runs
-        refuse_streamed([what for what, used in (("rollouts", bool(asked.rollouts)),
-                                                 ("a rotation", rotation is not None)) if used])
+        refuse_streamed(["rollouts"] if asked.rollouts else [])
     cal = ev.calibration_for(ctx, asked, rec, any(s.needs_calibration for s in plan.values()), rotation)
     ref = ev.reference_for(ctx, rec, model, ids, label, asked.batch_size,
                            compute=None if streamed is None else partial(streamed_reference, streamed))
@@ -111,8 +112,12 @@ def _score(ctx: JobContext, asked: ScoreSpec, rec: Any, model: Any, tok: Any, id
     gptq_cache = dict(kept) if streamed is None else sr.spilled_cache(ctx, kept)
     inputs = ev.calibration_inputs(cal).replace(weight_hessians=hessians, awq=awq, gptq_cache=gptq_cache,
                                                 parallel=parallel, rotation=rotation)
-    if streamed is not None and gptq:
-        sr.round_gptq(ctx, streamed, plan, cal_ids, cal_text, inputs)
+    if streamed is not None and gptq:  # in the rotated blocks, SmoothQuant off where the rotation is online
+        from quantcore.evaluation.streamed import rotated_plan
+
+        with ev.rotated(model, rotation):
+            sr.round_gptq(ctx, streamed, rotated_plan(model, plan, rotation), cal_ids, cal_text,
+                          inputs.replace(rotation=None))
     kv_amax, kv_cached = ev.kv_amax(ctx, rec, model, kv, plan, cal_ids, cal, inputs,
                                     calibrate=None if streamed is None else partial(streamed_kv_amax, streamed))
     rest = ctx.rest()

@@ -57,7 +57,7 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
     from quantcore.schemes.presets import get_scheme
     from worker.bodies.streaming import refuse_streamed, streamed_kv_amax, streamed_reference
 
-    rotation = _rotation(asked, streamed)
+    rotation = _rotation(asked)
     if streamed is not None:  # refused before anything runs
         refuse_streamed(["the Fisher estimate"] if asked.method == "fisher" else [])
     compute = None if streamed is None else partial(streamed_reference, streamed)
@@ -168,17 +168,14 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
                    + not_swept)
 
 
-def _rotation(asked: SensitivitySpec, streamed: Any) -> Any:
-    """The sweep's rotation (a RotationSpec) or None; PlanError for a malformed one, a streamed sweep or a KV cache
-    sweep (not built rotated)."""
+def _rotation(asked: SensitivitySpec) -> Any:
+    """The sweep's rotation (a RotationSpec) or None, whole or streamed (quantcore.evaluation.streamed_sweep rotates
+    each block as it loads); PlanError for a malformed one or a KV cache sweep (not built rotated)."""
     if asked.rotation is None:
         return None
     from quantcore.algorithms.rotation_spec import rotation_from_dict
 
     rotation = rotation_from_dict(asked.rotation, "the sweep's rotation")
-    if streamed is not None:
-        raise PlanError("a rotated sweep needs the whole model in memory (the rotation folds into every block); run "
-                        "it with stream false")
     if asked.kv_sweep:
         raise PlanError("a KV cache sweep does not take a rotation yet: sweep the KV cache format unrotated")
     return rotation

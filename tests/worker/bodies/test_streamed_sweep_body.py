@@ -1,6 +1,6 @@
 """The sensitivity job streamed (quantcore.evaluation.streamed_sweep): asked (``stream``) or chosen by the worker's
 budget (QUANTPLAN_MODEL_MEMORY_GIB), alone or as a shard, it stores the rows the whole-model job stores; what runs
-whole-model only (the Fisher estimate, a rotation) is refused before anything runs."""
+whole-model only (the Fisher estimate) is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -42,13 +42,11 @@ def test_a_streamed_sweep_stores_the_whole_sweeps_rows(run_body, tiny_llama, qp_
     assert not qp_settings.job_scratch_dir(kv_streamed.id).exists()
 
 
-def test_fisher_and_a_rotation_are_refused_streamed(run_body, tiny_llama, qp_settings):
-    """What still needs the whole model (GPTQ and AWQ stream: test_streamed_sweep_rounding.py)."""
+def test_fisher_is_refused_streamed(run_body, tiny_llama, qp_settings):
+    """What still needs the whole model (GPTQ and AWQ stream: test_streamed_sweep_rounding.py; a rotation streams:
+    test_streamed_rotation.py)."""
     for spec, what in ((SensitivitySpec(scheme="FP8_DYNAMIC", method="fisher", stream=True, **TOKENS),
-                        "the Fisher estimate run whole-model only"),
-                       (SensitivitySpec(scheme="W4A16_GPTQ", stream=True, rotation={"kind": "hadamard",
-                                                                                    "rotations": ["R1"]}, **TOKENS),
-                        "a rotated sweep needs the whole model")):
+                        "the Fisher estimate run whole-model only"),):
         job = run_body("sensitivity", spec, model_id=tiny_llama)
         assert job.status == "failed"
         assert what in job.error and "stream" in job.error
