@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import sys
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -25,6 +27,7 @@ URL_MODEL = "model"  # query parameter: /kernels?model=3
 def sidebar() -> None:
     """The sidebar every page shares: the model chosen (kept in the session and the address), jobs waiting; the
     page stops with the fix where the database is not ready."""
+    freeze_imported()
     problem = _schema_problem()
     if problem:
         st.error(problem)
@@ -61,6 +64,24 @@ def sidebar() -> None:
             if orphans:
                 st.warning(f"No live worker consumes queue {', '.join(repr(q) for q in orphans)}: "
                            "those jobs wait. See Jobs.")
+
+
+_frozen_at = 0  # len(sys.modules) when the heap was last frozen
+
+
+def freeze_imported() -> None:
+    """Move what this process holds now into the collector's permanent generation (``gc.freeze``) whenever modules
+    were imported since the last time: Streamlit collects every generation after each run, fragments' included
+    (``runner.postScriptGC``), and that full collection walked every object of torch, pandas, Altair and the rest the
+    pages import (about 60 % of the server's CPU of an α step on Outliers, py-spy). A full collection first, so that
+    only what is alive is frozen (as a run starts after new imports: the first visits of the pages). The modules stay
+    for the process's life; the few session objects frozen with them are then freed by reference counting alone (a
+    cycle among them stays)."""
+    global _frozen_at
+    if len(sys.modules) != _frozen_at:
+        gc.collect()
+        gc.freeze()
+        _frozen_at = len(sys.modules)
 
 
 ACTIVE_STATUSES = ("queued", "running")

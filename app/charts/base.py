@@ -19,6 +19,8 @@ MAX_MARKS = 5000  # hard bound on data rows embedded in one chart (Altair's own 
 DEFAULT_MAX_POINTS = ol.DEFAULT_MAX_POINTS  # 2000 points per chart (layers of the overview, positions)
 CHANNEL_POINTS = 800  # channel points of a per-channel chart: max-preserving (every outlier kept); more only cost
 # the browser its drawing (a 1,536-channel layer reads the same at 800 points)
+SMOOTH_POINTS = 400  # points of the two SmoothQuant panels together (each tensor's 100 channels a panel, max-
+# preserving): an α step redraws them all, and at 800 Vega's update and the SVG's layout were most of a step
 DEFAULT_TOP_K = 5  # channels labelled in the channels chart
 HEATMAP_MAX_CELLS = 1500  # blocks x channel bins in the depth heatmap (50 bins at 30 blocks: every spike kept, as
 # each bin is its channels' max; 3,000 cells were half of what the browser spent drawing the Outliers page)

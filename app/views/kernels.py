@@ -24,6 +24,7 @@ from quantplan.services import serving as serving_svc
 KEPT_PLAN = "kernels_plan_kept"  # {model id: the step estimate's plan option picked}
 
 st.title("Kernels")
+CASES_OPEN = "kernels_cases_open"  # the "Every case" table, built only once its expander is opened
 st.caption("Measured, not assumed: each low-precision path is timed against the baseline GEMM (bf16 on GPU, "
            "fp32 on CPU) for every (N, K) of the model's linear layers; '+q' includes quantizing the "
            "activation on the fly, in eager unfused PyTorch (a serving engine's fused kernel pays less, so the "
@@ -181,42 +182,53 @@ if not peak.empty:
 else:
     st.caption("No peak figure is known for this device (CPU or an unlisted GPU): only measured times.")
 
+
+def cases_table() -> None:
+    """The "Every case" table (the benchmark's every row)."""
+    cases = frame.assign(  # empty, not None, where there is nothing to say; "—" where a spread was not kept
+        padded_m=[f"{int(p)}" if pd.notna(p) else "" for p in frame["padded_m"]], skipped=frame["skipped"].fillna(""),
+        **kernel_charts.spread_columns(frame))
+    columns = ["shape", "m", "n", "k", "path", "ms", "spread", "repeats", "baseline", "stability", "tflops",
+               "pct_peak", "speedup", "native", "max_rel_err", "padded_m", "skipped"]
+    if peak.empty:  # no peak known: said above
+        columns.remove("pct_peak")
+    st.dataframe(cases[columns].sort_values(["n", "k", "m", "path"]),
+                 hide_index=True, width="stretch",
+                 column_config={
+                     "ms": st.column_config.NumberColumn("ms", format="%.4f", help="median time of one call"),
+                     "spread": st.column_config.TextColumn("p20-p80 ms", help="20th and 80th percentiles of the timed "
+                                                                              "calls (as triton's do_bench reports); "
+                                                                              "— : stored before quantplan kept them"),
+                     "repeats": st.column_config.TextColumn("repeats", help="timed calls the median is of"),
+                     "baseline": st.column_config.TextColumn(
+                         "baseline ms (p20-p80)", help="the baseline, timed interleaved with this path: what the "
+                                                       "speed-up is over"),
+                     "stability": st.column_config.TextColumn(
+                         "stable?", help=f"UNSTABLE: the p20-p80 band of this path or of its baseline is wider than "
+                                         f"{100 * UNSTABLE_SPREAD:.0f}% of the median; left out of step estimates"),
+                     "tflops": st.column_config.NumberColumn("TFLOP/s", format="%.4g",
+                                                             help="2·M·N·K / time (TOPS for INT8)"),
+                     "pct_peak": st.column_config.NumberColumn("% of peak", format="%.1f",
+                                                               help="of the device's dense peak for the path's dtype; "
+                                                                    "None where the peak is not known"),
+                     "speedup": st.column_config.NumberColumn("speed-up", format="×%.2f",
+                                                              help="baseline median / this median, timed interleaved"),
+                     "max_rel_err": st.column_config.NumberColumn(
+                         "max rel. error", format="%.2e", help="kernel output against quantcore's emulation of the "
+                                                               "same quantized operands"),
+                     "padded_m": st.column_config.TextColumn("padded M", help="the M the kernel ran at, where it "
+                                                                              "needs padding; empty: none"),
+                     "skipped": st.column_config.TextColumn("why no time", help="empty where timed"),
+                 })
+
+
 st.subheader("Every case")
-cases = frame.assign(  # empty, not None, where there is nothing to say; "—" where a spread was not kept
-    padded_m=[f"{int(p)}" if pd.notna(p) else "" for p in frame["padded_m"]], skipped=frame["skipped"].fillna(""),
-    **kernel_charts.spread_columns(frame))
-columns = ["shape", "m", "n", "k", "path", "ms", "spread", "repeats", "baseline", "stability", "tflops",
-           "pct_peak", "speedup", "native", "max_rel_err", "padded_m", "skipped"]
-if peak.empty:  # no peak known: said above
-    columns.remove("pct_peak")
-st.dataframe(cases[columns].sort_values(["n", "k", "m", "path"]),
-             hide_index=True, width="stretch",
-             column_config={
-                 "ms": st.column_config.NumberColumn("ms", format="%.4f", help="median time of one call"),
-                 "spread": st.column_config.TextColumn("p20-p80 ms", help="20th and 80th percentiles of the timed "
-                                                                          "calls (as triton's do_bench reports); "
-                                                                          "— : stored before quantplan kept them"),
-                 "repeats": st.column_config.TextColumn("repeats", help="timed calls the median is of"),
-                 "baseline": st.column_config.TextColumn(
-                     "baseline ms (p20-p80)", help="the baseline, timed interleaved with this path: what the "
-                                                   "speed-up is over"),
-                 "stability": st.column_config.TextColumn(
-                     "stable?", help=f"UNSTABLE: the p20-p80 band of this path or of its baseline is wider than "
-                                     f"{100 * UNSTABLE_SPREAD:.0f}% of the median; left out of step estimates"),
-                 "tflops": st.column_config.NumberColumn("TFLOP/s", format="%.4g",
-                                                         help="2·M·N·K / time (TOPS for INT8)"),
-                 "pct_peak": st.column_config.NumberColumn("% of peak", format="%.1f",
-                                                           help="of the device's dense peak for the path's dtype; "
-                                                                "None where the peak is not known"),
-                 "speedup": st.column_config.NumberColumn("speed-up", format="×%.2f",
-                                                          help="baseline median / this median, timed interleaved"),
-                 "max_rel_err": st.column_config.NumberColumn(
-                     "max rel. error", format="%.2e", help="kernel output against quantcore's emulation of the "
-                                                           "same quantized operands"),
-                 "padded_m": st.column_config.TextColumn("padded M", help="the M the kernel ran at, where it "
-                                                                          "needs padding; empty: none"),
-                 "skipped": st.column_config.TextColumn("why no time", help="empty where timed"),
-             })
+cases_box = st.expander("Each path's time, spread, speed-up and error at each shape", key=CASES_OPEN,
+                        on_change="rerun")
+with cases_box:
+    if cases_box.open:  # the table is built and drawn only once opened: a visit draws the charts above first
+        cases_table()
+
 
 available_m = sorted(set(int(m) for m in frame["m"]))  # this device's timings of the model's shapes
 if len({d[1] for d in devices}) >= 2:

@@ -77,7 +77,7 @@ def smoothquant_template(job_id: int, layer: str) -> dict:
     step changes the chart's datasets only, which the browser redraws in place instead of embedding the chart anew."""
     stat_ = layers_of(job_id)[3][layer]
     points, steps = outlier_charts.smoothquant_frame(
-        ol.smoothquant_view(stat_.channel_max, stat_.weight_channel_max, 0.5))
+        ol.smoothquant_view(stat_.channel_max, stat_.weight_channel_max, 0.5), chart_base.SMOOTH_POINTS)
     domain = outlier_charts.smoothquant_domain(stat_.channel_max, stat_.weight_channel_max)
     return vega_spec(outlier_charts.smoothquant_chart(points, steps, 0.5, domain=domain, named=True))
 
@@ -86,7 +86,7 @@ def smoothquant_template(job_id: int, layer: str) -> dict:
 def smoothquant_spec(job_id: int, layer: str, alpha: float) -> dict:
     stat_ = layers_of(job_id)[3][layer]
     points, steps = outlier_charts.smoothquant_frame(
-        ol.smoothquant_view(stat_.channel_max, stat_.weight_channel_max, alpha))
+        ol.smoothquant_view(stat_.channel_max, stat_.weight_channel_max, alpha), chart_base.SMOOTH_POINTS)
     return {**smoothquant_template(job_id, layer), "datasets": outlier_charts.smoothquant_datasets(points, steps)}
 
 
@@ -190,15 +190,19 @@ def layer_sections() -> None:
     histogram_section(layer)  # 5. histogram + grid
 
 
-# Each section below with a control of its own is a fragment: its control reruns that section alone.
+# Each section below with a control of its own is a fragment: its control reruns that section alone. The sections
+# below the fold (SmoothQuant, the histogram, the K / V maxima, what will break) are built only once their expander is
+# opened (st.expander(..., on_change="rerun") and its .open): a visit sends and draws three charts, not seven.
+SMOOTHQUANT_OPEN, HISTOGRAM_OPEN, KV_OPEN, BREAKAGE_OPEN = ("outliers_sq_open", "outliers_hist_open",
+                                                            "outliers_kv_open", "outliers_breakage_open")
+
+
 @st.fragment
 def depth_section(layer: str) -> None:
     st.subheader("Across depth")
     projs = sorted(set(overview["proj"]), key=lambda p: (p != ol.parse_layer_name(layer)[1], p))
     proj = st.selectbox("Projection type", projs, key="outliers_proj")
     st.vega_lite_chart(depth_spec(cal_id, proj), width="stretch")
-
-
 
 
 @st.fragment
@@ -214,6 +218,16 @@ def smoothing_section(layer: str) -> None:
     st.subheader("SmoothQuant")
     st.caption("s_j = max|X_j|^α / max|W_j|^(1−α): activations are divided by s, weights multiplied. The first chart "
                "shows the per-tensor INT8 steps; after smoothing both tensors share the difficulty.")
+    box = st.expander("Smooth this layer: the α slider, the panels before and after, the α suggested for a plan",
+                      key=SMOOTHQUANT_OPEN, on_change="rerun")
+    with box:
+        if box.open:  # built, and its three charts sent, only once opened (opening reruns this section alone)
+            smoothquant_body(layer, reads_alpha)
+
+
+def smoothquant_body(layer: str, reads_alpha: bool) -> None:
+    """The SmoothQuant section's content: the plan α is saved into, and the slider with what it moves (the whole
+    section reruns on a step where ``reads_alpha``: the rotation what-if above draws at the slider's α)."""
     plans = plans_svc.list_plans(model.id)
     latest = {p.name: p for p in plans}  # ordered by version: the last one per name wins
     newest_first = sorted(latest, key=lambda n: latest[n].id, reverse=True)  # the plan last saved comes first
@@ -299,6 +313,14 @@ element_formats = [f for f in list_formats()]
 @st.fragment
 def histogram_section(layer: str) -> None:
     st.subheader("|x| histogram with a format's grid")
+    box = st.expander("The layer's |x| histogram against a format's grid", key=HISTOGRAM_OPEN,
+                      on_change="rerun")
+    with box:
+        if box.open:  # built and sent only once opened
+            histogram_body(layer)
+
+
+def histogram_body(layer: str) -> None:
     c1, c2 = st.columns(2)
     fmt = c1.selectbox("Format", element_formats, index=element_formats.index("int8"), key="outliers_fmt")
     gran = c2.selectbox("Scale granularity", list(ol.GRANULARITIES), key="outliers_gran")
@@ -313,14 +335,23 @@ layer_sections()
 
 # ----------------------------------------------------------------------------- 6. Q, K and V
 cal = next(c for c in cals if c.id == cal_id)
-kv_frame, kv_spec = kv_of(cal_id, (cal.result or {}).get("kv_amax"))
-st.subheader("Q, K and V: what the KV cache and FP8 attention hold")
-if kv_frame.empty:
-    st.caption("This calibration has no K/V maxima"
-               + (f": {cal.result['kv_note']}." if (cal.result or {}).get("kv_note") else
-                  " (it predates them; calibrate again to see them)."))
-else:
-    st.vega_lite_chart(kv_spec, width="stretch")
+
+
+@st.fragment
+def kv_section() -> None:
+    """The K / V / Q maxima: what they say in words, and their chart once its expander is opened (which reruns this
+    section alone)."""
+    kv_frame, kv_spec = kv_of(cal_id, (cal.result or {}).get("kv_amax"))
+    st.subheader("Q, K and V: what the KV cache and FP8 attention hold")
+    if kv_frame.empty:
+        st.caption("This calibration has no K/V maxima"
+                   + (f": {cal.result['kv_note']}." if (cal.result or {}).get("kv_note") else
+                      " (it predates them; calibrate again to see them)."))
+        return
+    box = st.expander("The maxima of every attention layer, on a chart", key=KV_OPEN, on_change="rerun")
+    with box:
+        if box.open:
+            st.vega_lite_chart(kv_spec, width="stretch")
     cached = kv_frame[kv_frame["tensor"] != "Q"]
     over = cached[cached["amax"] > 448.0]
     q = kv_frame[kv_frame["tensor"] == "Q"]
@@ -351,9 +382,13 @@ else:
                    "backend, Hopper). Median over layers and tensors: "
                    f"{sorted(r for *_, r in spread)[len(spread) // 2]:,.1f}×.")
 
+
+kv_section()
+
 from app import moe_panel  # noqa: E402  (6b. an MoE model's calibration tokens per expert)
 
 moe_panel.render(cal)
+
 
 # ----------------------------------------------------------------------------- 7. what will break
 @st.fragment
@@ -362,6 +397,13 @@ def breakage_section() -> None:
     st.caption("From the statistics alone: share of channels whose largest value flushes to zero, the worst "
                "relative rounding error of the smallest channel, and the share of values a static scale set "
                "from the p99 token max would clip.")
+    box = st.expander("The table, by layer and format", key=BREAKAGE_OPEN, on_change="rerun")
+    with box:
+        if box.open:  # the table is built and drawn only once opened
+            breakage_table()
+
+
+def breakage_table() -> None:
     c1, c2 = st.columns(2)
     bgran = c1.selectbox("Granularity", list(ol.GRANULARITIES), key="breakage_gran")
     bfmts = c2.multiselect("Formats", element_formats, default=list(ol.DEFAULT_BREAKAGE_FORMATS), key="breakage_fmts")

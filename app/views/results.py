@@ -22,6 +22,7 @@ from quantplan.services import scoring as scoring_svc
 from quantplan.services import serving as serving_svc
 from quantplan.services import sweeps as sweeps_svc
 from quantplan.services.errors import Refused
+from store.records import ModelRecord
 
 st.title("Results")
 model = state.current_model()
@@ -36,6 +37,9 @@ if model.causal_lm is False:
 presets = page_text.preset_options(model)
 plans = plans_svc.list_plans(model.id)
 scores = scoring_svc.list_scores(model.id)  # newest first
+# the sections below the comparison, built only once their expander is opened (st.expander(..., on_change="rerun"))
+TRADEOFF_OPEN, SWEEP_ROWS_OPEN, BY_SCHEME_OPEN = ("results_tradeoff_open", "results_sweep_rows_open",
+                                                  "results_by_scheme_open")
 SAID = f"results_said_{model.id}"  # (kind, text) of what the last Queue did, shown below the form
 
 
@@ -344,98 +348,112 @@ else:
                        f"from {'Fisher estimates' if m == 'fisher' else 'exact sweeps'}, {fit.text()}"
                        for m, fit in fits.items() if fit is not None) + ".")
 
-    st.subheader("Quality against cost")
-    sets = scoring_svc.score_sets(scores)
-    eval_set = sets[0]
-    if len(sets) > 1:
-        eval_set = st.selectbox("Scored on", sets, format_func=lambda t: f"{t[0]} · {t[1]:,} positions",
-                                key="tradeoff_set")
-    costs = {"weight_mib": "linear weights (MiB)"}
-    if any(s.kv_cache != "AUTO" for s in scores):
-        costs["kv_kib"] = "KV cache per token (KiB)"
-    device_name = m_prefill = m_decode = None
-    c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
-    target = c2.selectbox("Ideal step times (roofline) on", [None, *serving_svc.target_names()],
-                          format_func=lambda k: "(none)" if k is None else serving_svc.target_names()[k],
-                          key="tradeoff_target")
-    ideal_decode = int(c3.number_input("ideal decode batch", 1, 65536, 1, key="tradeoff_ideal_decode",
-                                       help="M of the roofline decode step; measured steps use the M timed"))
-    ideal_prefill = int(c4.number_input("ideal prefill tokens", 1, 1 << 20, 2048, key="tradeoff_ideal_prefill",
-                                        help="M of the roofline prefill step; measured steps use the M timed"))
-    if target:
-        costs |= {"ideal_decode_ms": f"ideal decode step on {target}, M={ideal_decode} (ms)",
-                  "ideal_prefill_ms": f"ideal prefill step on {target}, M={ideal_prefill} (ms)"}
-    kernel_names = sorted({d[1] for d in kernels_svc.kernel_devices()})
-    device_name = c1.selectbox("Measured step times from the kernel timings of", [None, *kernel_names],
-                               format_func=lambda d: "(none)" if d is None else d, key="tradeoff_device")
-    measured = kernels_svc.measured_ms(model, kernels_svc.kernel_records(device_name)) if device_name else []
-    if measured:
-        m_prefill, m_decode = max(measured), min(measured)
-        costs |= {"decode_ms": f"decode step on {device_name}, M={m_decode} (ms)",
-                  "prefill_ms": f"prefill step on {device_name}, M={m_prefill} (ms)"}
-        st.caption(f"Measured steps are at the M values {device_name} timed ({', '.join(map(str, measured))}): "
-                   f"prefill at the largest, M={m_prefill}, decode at the smallest, M={m_decode}. Queue a benchmark "
-                   "with other M values on the Kernels page to weigh other steps.")
-    elif device_name:
-        st.caption(f"{device_name} has no timings of {model.name}'s shapes.")
-    c1, c2, _ = st.columns([1, 1, 2])
-    serve = (int(c1.number_input("serving: sequences", 1, 1 << 16, 16, key="tradeoff_serve_batch")),
-             int(c2.number_input("× tokens of context", 1, 1 << 21, 4096, step=1024, key="tradeoff_serve_context")))
-    costs["serving_gib"] = f"weights + KV cache of {serve[0]:,} × {serve[1]:,} tokens (GiB)"
-    cost = st.radio("Cost", list(costs), format_func=costs.get, horizontal=True, key="tradeoff_cost")
-    on_set = [s for s in scores if (s.dataset, s.tokens) == eval_set]
-    trade = scoring_svc.with_front(scoring_svc.tradeoff_frame(model, on_set,
-                                                              device_name=device_name, m_prefill=m_prefill,
-                                                              m_decode=m_decode, target=target,
-                                                              ideal_m_prefill=ideal_prefill,
-                                                              ideal_m_decode=ideal_decode, serve=serve), cost, on_set)
-    st.caption("The newest score of each plan on this text, its KL with an error bar of ± two standard errors. A "
-               "plan is **on the front** when no other plan has both a lower KL and a lower cost, and its KL is "
-               "distinguishably lower (beyond two standard errors of the difference, paired on the same tokens) "
-               "than that of every cheaper plan on the front: the plans worth choosing between. Measured times are "
-               "the sum of "
-               "the plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a "
-               "scheme with no kernel path measured (MX, NVFP4, W4AFP8) counts at the baseline GEMM's time. Ideal "
-               "times "
-               "are the roofline bound on a GPU from its datasheet: each linear's weight read at the memory "
-               "bandwidth or its math at the peak of the precision the GPU runs natively, whichever is longer "
-               "(a decode step is bound by the weights, a prefill by the math); a real engine gets less. Serving "
-               "memory "
-               "is every weight (the plan's linear weights, the rest in BF16) plus the KV cache of that many "
-               "sequences of that many tokens in the format each plan was scored with: the cost where a KV format "
-               "pays off. Every cost here is the whole model's on one GPU, whatever GPUs a plan is for, so plans "
-               "compare on one footing; the Plans page shows one GPU's share of a plan split over several.")
-    state.chart(("tradeoff", cost, costs[cost], *state.frame_key(trade)),
-                lambda: result_charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
-    no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
-    if no_cost:
-        why = {"prefill_ms": " (a layer of the plan has no timing at that M: skipped over budget, not supported or "
-                             "not measured; the Kernels page lists the cases)",
-               "ideal_prefill_ms": f" (a scheme {target} cannot serve, such as W4AFP8 off Hopper)"}
-        why["decode_ms"], why["ideal_decode_ms"] = why["prefill_ms"], why["ideal_prefill_ms"]
-        st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}{why.get(cost, '')}.")
-    shown = trade.drop(columns=([] if device_name else ["prefill_ms", "decode_ms"])
-                       + ([] if target else ["ideal_prefill_ms", "ideal_decode_ms"]))
-    st.dataframe(shown, hide_index=True, width="stretch",
-                 column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
-                                "kl_mean_err": st.column_config.NumberColumn("± error", format="%.2g",
-                                                                             help="standard error of the KL mean; "
-                                                                                  "blank: scored before errors"),
-                                "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
-                                "ppl": st.column_config.NumberColumn("perplexity", format="%.2f"),
-                                "front": st.column_config.CheckboxColumn("on the front"),
-                                "weight_mib": st.column_config.NumberColumn("weights MiB", format="%.1f"),
-                                "weight_ratio": st.column_config.NumberColumn("of BF16", format="%.3f"),
-                                "kv_cache": st.column_config.TextColumn("KV cache"),
-                                "kv_kib": st.column_config.NumberColumn("KV KiB / token", format="%.2f"),
-                                "serving_gib": st.column_config.NumberColumn(
-                                    f"serving GiB ({serve[0]:,} × {serve[1]:,})", format="%.2f"),
-                                "prefill_ms": st.column_config.NumberColumn("prefill ms", format="%.4f"),
-                                "decode_ms": st.column_config.NumberColumn("decode ms", format="%.4f"),
-                                "ideal_prefill_ms": st.column_config.NumberColumn(
-                                    f"ideal prefill ms (M={ideal_prefill})", format="%.4f"),
-                                "ideal_decode_ms": st.column_config.NumberColumn(
-                                    f"ideal decode ms (M={ideal_decode})", format="%.4f")})
+    @st.fragment
+    def tradeoff_section(model: ModelRecord) -> None:
+        """Quality against cost: built, and its chart and table sent, only once its expander is opened (a page
+        visit draws the charts above first); its controls rerun this section alone."""
+        st.subheader("Quality against cost")
+        box = st.expander("Each plan's KL against a cost: weights, KV cache, step times, serving memory",
+                          key=TRADEOFF_OPEN, on_change="rerun")
+        with box:
+            if box.open:
+                tradeoff_body(model)
+
+    def tradeoff_body(model: ModelRecord) -> None:
+        sets = scoring_svc.score_sets(scores)
+        eval_set = sets[0]
+        if len(sets) > 1:
+            eval_set = st.selectbox("Scored on", sets, format_func=lambda t: f"{t[0]} · {t[1]:,} positions",
+                                    key="tradeoff_set")
+        costs = {"weight_mib": "linear weights (MiB)"}
+        if any(s.kv_cache != "AUTO" for s in scores):
+            costs["kv_kib"] = "KV cache per token (KiB)"
+        device_name = m_prefill = m_decode = None
+        c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
+        target = c2.selectbox("Ideal step times (roofline) on", [None, *serving_svc.target_names()],
+                              format_func=lambda k: "(none)" if k is None else serving_svc.target_names()[k],
+                              key="tradeoff_target")
+        ideal_decode = int(c3.number_input("ideal decode batch", 1, 65536, 1, key="tradeoff_ideal_decode",
+                                           help="M of the roofline decode step; measured steps use the M timed"))
+        ideal_prefill = int(c4.number_input("ideal prefill tokens", 1, 1 << 20, 2048, key="tradeoff_ideal_prefill",
+                                            help="M of the roofline prefill step; measured steps use the M timed"))
+        if target:
+            costs |= {"ideal_decode_ms": f"ideal decode step on {target}, M={ideal_decode} (ms)",
+                      "ideal_prefill_ms": f"ideal prefill step on {target}, M={ideal_prefill} (ms)"}
+        kernel_names = sorted({d[1] for d in kernels_svc.kernel_devices()})
+        device_name = c1.selectbox("Measured step times from the kernel timings of", [None, *kernel_names],
+                                   format_func=lambda d: "(none)" if d is None else d, key="tradeoff_device")
+        measured = kernels_svc.measured_ms(model, kernels_svc.kernel_records(device_name)) if device_name else []
+        if measured:
+            m_prefill, m_decode = max(measured), min(measured)
+            costs |= {"decode_ms": f"decode step on {device_name}, M={m_decode} (ms)",
+                      "prefill_ms": f"prefill step on {device_name}, M={m_prefill} (ms)"}
+            st.caption(f"Measured steps are at the M values {device_name} timed ({', '.join(map(str, measured))}): "
+                       f"prefill at the largest, M={m_prefill}, decode at the smallest, M={m_decode}. Queue a "
+                       "benchmark with other M values on the Kernels page to weigh other steps.")
+        elif device_name:
+            st.caption(f"{device_name} has no timings of {model.name}'s shapes.")
+        c1, c2, _ = st.columns([1, 1, 2])
+        serve = (int(c1.number_input("serving: sequences", 1, 1 << 16, 16, key="tradeoff_serve_batch")),
+                 int(c2.number_input("× tokens of context", 1, 1 << 21, 4096, step=1024, key="tradeoff_serve_context")))
+        costs["serving_gib"] = f"weights + KV cache of {serve[0]:,} × {serve[1]:,} tokens (GiB)"
+        cost = st.radio("Cost", list(costs), format_func=costs.get, horizontal=True, key="tradeoff_cost")
+        on_set = [s for s in scores if (s.dataset, s.tokens) == eval_set]
+        trade = scoring_svc.with_front(scoring_svc.tradeoff_frame(model, on_set,
+                                                                  device_name=device_name, m_prefill=m_prefill,
+                                                                  m_decode=m_decode, target=target,
+                                                                  ideal_m_prefill=ideal_prefill,
+                                                                  ideal_m_decode=ideal_decode, serve=serve),
+                                        cost, on_set)
+        st.caption("The newest score of each plan on this text, its KL with an error bar of ± two standard errors. A "
+                   "plan is **on the front** when no other plan has both a lower KL and a lower cost, and its KL is "
+                   "distinguishably lower (beyond two standard errors of the difference, paired on the same tokens) "
+                   "than that of every cheaper plan on the front: the plans worth choosing between. Measured times are "
+                   "the sum of "
+                   "the plan's measured GEMMs (Kernels page), shown only when every layer has a time at that M; a "
+                   "scheme with no kernel path measured (MX, NVFP4, W4AFP8) counts at the baseline GEMM's time. Ideal "
+                   "times "
+                   "are the roofline bound on a GPU from its datasheet: each linear's weight read at the memory "
+                   "bandwidth or its math at the peak of the precision the GPU runs natively, whichever is longer "
+                   "(a decode step is bound by the weights, a prefill by the math); a real engine gets less. Serving "
+                   "memory "
+                   "is every weight (the plan's linear weights, the rest in BF16) plus the KV cache of that many "
+                   "sequences of that many tokens in the format each plan was scored with: the cost where a KV format "
+                   "pays off. Every cost here is the whole model's on one GPU, whatever GPUs a plan is for, so plans "
+                   "compare on one footing; the Plans page shows one GPU's share of a plan split over several.")
+        state.chart(("tradeoff", cost, costs[cost], *state.frame_key(trade)),
+                    lambda: result_charts.tradeoff_chart(trade, cost, costs[cost]), width="stretch")
+        no_cost = trade.loc[trade[cost].isna(), "plan"].tolist()
+        if no_cost:
+            why = {"prefill_ms": " (a layer of the plan has no timing at that M: skipped over budget, not supported or "
+                                 "not measured; the Kernels page lists the cases)",
+                   "ideal_prefill_ms": f" (a scheme {target} cannot serve, such as W4AFP8 off Hopper)"}
+            why["decode_ms"], why["ideal_decode_ms"] = why["prefill_ms"], why["ideal_prefill_ms"]
+            st.caption(f"Not drawn, no {costs[cost]}: {', '.join(no_cost)}{why.get(cost, '')}.")
+        shown = trade.drop(columns=([] if device_name else ["prefill_ms", "decode_ms"])
+                           + ([] if target else ["ideal_prefill_ms", "ideal_decode_ms"]))
+        st.dataframe(shown, hide_index=True, width="stretch",
+                     column_config={"kl_mean": st.column_config.NumberColumn("KL mean", format="%.5f"),
+                                    "kl_mean_err": st.column_config.NumberColumn("± error", format="%.2g",
+                                                                                 help="standard error of the KL mean; "
+                                                                                      "blank: scored before errors"),
+                                    "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
+                                    "ppl": st.column_config.NumberColumn("perplexity", format="%.2f"),
+                                    "front": st.column_config.CheckboxColumn("on the front"),
+                                    "weight_mib": st.column_config.NumberColumn("weights MiB", format="%.1f"),
+                                    "weight_ratio": st.column_config.NumberColumn("of BF16", format="%.3f"),
+                                    "kv_cache": st.column_config.TextColumn("KV cache"),
+                                    "kv_kib": st.column_config.NumberColumn("KV KiB / token", format="%.2f"),
+                                    "serving_gib": st.column_config.NumberColumn(
+                                        f"serving GiB ({serve[0]:,} × {serve[1]:,})", format="%.2f"),
+                                    "prefill_ms": st.column_config.NumberColumn("prefill ms", format="%.4f"),
+                                    "decode_ms": st.column_config.NumberColumn("decode ms", format="%.4f"),
+                                    "ideal_prefill_ms": st.column_config.NumberColumn(
+                                        f"ideal prefill ms (M={ideal_prefill})", format="%.4f"),
+                                    "ideal_decode_ms": st.column_config.NumberColumn(
+                                        f"ideal decode ms (M={ideal_decode})", format="%.4f")})
+
+    tradeoff_section(model)
 
 st.subheader("Per-layer sensitivity")
 sweeps = sweeps_svc.sensitivity_jobs(model.id)
@@ -455,14 +473,18 @@ df = pd.DataFrame([{"layer": r.unit, "kl": r.kl_mean, "± error": scoring_svc.er
                     "proj": sweeps_svc.unit_block_proj(r.layers)[1]} for r in rows])
 state.chart(("sensitivity", sweep_id), lambda: result_charts.sensitivity_chart(df[["layer", "kl", "proj"]]),
             width="stretch")  # a finished sweep's rows never change
-st.dataframe(df, hide_index=True, width="stretch",
-             column_config={"kl": st.column_config.NumberColumn("KL mean", format="%.3e",
-                                                                help="with only this unit quantized"),
-                            "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
-                            "sqnr_db": st.column_config.NumberColumn("SQNR dB", format="%.1f",
-                                                                     help="of the unit's output, quantized against "
-                                                                          "unquantized"),
-                            "proj": st.column_config.TextColumn("projection")})
+rows_box = st.expander("The sweep's rows: KL, top-1 agreement and SQNR of each unit", key=SWEEP_ROWS_OPEN,
+                       on_change="rerun")
+with rows_box:
+    if rows_box.open:  # the table is built and drawn only once opened
+        st.dataframe(df, hide_index=True, width="stretch",
+                     column_config={"kl": st.column_config.NumberColumn("KL mean", format="%.3e",
+                                                                        help="with only this unit quantized"),
+                                    "top1_agree": st.column_config.NumberColumn("top-1 agree", format="%.4f"),
+                                    "sqnr_db": st.column_config.NumberColumn(
+                                        "SQNR dB", format="%.1f",
+                                        help="of the unit's output, quantized against unquantized"),
+                                    "proj": st.column_config.TextColumn("projection")})
 if left_out := (next(j for j in sweeps if j.id == sweep_id).result or {}).get("not_swept"):
     st.caption(f"Not swept: {len(left_out)} layer(s) ({', '.join(left_out[:3])}{', …' if len(left_out) > 3 else ''}) "
                "that no llm-compressor recipe can smooth (its Llama-style mappings smooth q/k/v_proj, gate/up_proj "
@@ -489,5 +511,8 @@ if len(counts) > 1 or by_scheme["scheme"].nunique() >= 2:
                   if side_at[0] > 1 else ""))
     if differ := sweeps_svc.side_by_side_tokens_note(model, *side_at):
         st.caption(differ)
-    state.chart(("by_scheme", *state.frame_key(by_scheme)), lambda: result_charts.sensitivity_by_scheme(by_scheme),
-                width="content")
+    side_box = st.expander("The panels, one a scheme", key=BY_SCHEME_OPEN, on_change="rerun")
+    with side_box:
+        if side_box.open:  # drawn only once opened
+            state.chart(("by_scheme", *state.frame_key(by_scheme)),
+                        lambda: result_charts.sensitivity_by_scheme(by_scheme), width="content")

@@ -22,6 +22,7 @@ MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 def _kernels_page(model_id: int) -> AppTest:
     at = AppTest.from_file(MAIN, default_timeout=120)
     at.session_state["model_id"] = model_id
+    at.session_state["kernels_cases_open"] = True  # the "Every case" table, opened (it builds on open)
     at.run()
     at.switch_page("views/kernels.py").run()
     assert not at.exception, [e.value for e in at.exception]

@@ -16,6 +16,7 @@ MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 def _outliers(model_id: int) -> AppTest:
     at = AppTest.from_file(MAIN, default_timeout=120)
     at.session_state["model_id"] = model_id
+    at.session_state["outliers_sq_open"] = True  # the SmoothQuant section, opened (it builds on open)
     at.run()
     at.switch_page("views/outliers.py").run()
     assert not at.exception, [e.value for e in at.exception]

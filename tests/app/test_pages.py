@@ -16,10 +16,19 @@ from tests.factories import OUTLIER_LAYER
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 
 
-def _run(page: str | None, model_id: int | None):
+# the Results and Kernels pages' sections built only once opened (app/views/results.py, kernels.py): opened here as
+# a person's clicks on their expanders open them, so that a test of what they show sees it (test_results_page_builds_...
+# checks them closed)
+RESULTS_SECTIONS = ("results_tradeoff_open", "results_sweep_rows_open", "results_by_scheme_open")
+OPENED = {"results": RESULTS_SECTIONS, "kernels": ("kernels_cases_open",)}  # and the Kernels page's "Every case"
+
+
+def _run(page: str | None, model_id: int | None, opened: bool = True):
     at = AppTest.from_file(MAIN, default_timeout=120)
     if model_id is not None:
         at.session_state["model_id"] = model_id
+    for key in OPENED.get(page or "", ()) if opened else ():
+        at.session_state[key] = True
     at.run()
     if page:
         at.switch_page(f"views/{page}.py").run()
@@ -223,8 +232,56 @@ def test_jobs_page_pages_through_the_history_and_keeps_running_jobs_in_view(seed
     assert jobs_svc.list_jobs(status=[]) == [] and jobs_svc.count_jobs(status=[]) == 0  # no status asked: none matches
 
 
+OUTLIERS_SECTIONS = ("outliers_sq_open", "outliers_hist_open", "outliers_kv_open", "outliers_breakage_open")
+
+
+def _open_outliers_sections(at) -> None:
+    """Open the Outliers page's sections built on open (SmoothQuant, the histogram, the K / V chart, what will
+    break), as a person's clicks on their expanders do (their keys: app/views/outliers.py)."""
+    for key in OUTLIERS_SECTIONS:
+        at.session_state[key] = True
+
+
+def test_outliers_page_builds_its_sections_below_the_fold_when_opened(seeded):
+    at = _run("outliers", seeded.id)
+    # as it opens: the overview, the layer's channels and the depth heatmap; nothing of the closed sections
+    assert len(at.get("vega_lite_chart")) == 3
+    assert not at.slider and not at.dataframe
+    _open_outliers_sections(at)
+    at.run()
+    assert not at.exception
+    assert len(at.get("vega_lite_chart")) == 6  # + the SmoothQuant panels, "Choosing α", the histogram
+    assert at.slider(key="outliers_alpha").value == 0.5 and len(at.dataframe) == 1  # the breakage table
+
+
+def test_the_heap_is_frozen_again_only_after_new_imports():
+    """app.state.freeze_imported: the collector's full pass after every run skips what the pages imported, and a
+    run that imported nothing freezes nothing more (what it made stays collectable)."""
+    import gc
+    import importlib
+    import sys
+
+    from app import state
+
+    try:
+        state.freeze_imported()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        made = [[i] for i in range(1000)]  # new objects, no import: not frozen by the next call
+        state.freeze_imported()
+        assert gc.get_freeze_count() == frozen
+        name = next(m for m in ("colorsys", "tabnanny", "sndhdr") if m not in sys.modules)
+        importlib.import_module(name)  # a module imported since: the next call freezes what is alive now
+        state.freeze_imported()
+        assert gc.get_freeze_count() >= frozen + len(made)
+    finally:
+        gc.unfreeze()
+
+
 def test_outliers_page_ranks_the_planted_outlier_first(seeded):
     at = _run("outliers", seeded.id)
+    _open_outliers_sections(at)
+    at.run()
     # the calibration picked, its tokens counted as the page's other counts are ("1,024", not "1024")
     assert all(re.fullmatch(r"job #\d+ · (\d{1,3}(,\d{3})*|\?) tokens of .+ · \d{4}-\d\d-\d\d \d\d:\d\d", o)
                for o in at.selectbox(key="outliers_cal").options)
@@ -241,6 +298,7 @@ def test_outliers_page_saves_alpha_into_a_plan_for_the_fusion_group(seeded):
     from store.db import session_scope
 
     at = _run("outliers", seeded.id)
+    _open_outliers_sections(at)
     at.selectbox(key="outliers_layer").set_value("model.layers.1.self_attn.k_proj").run()
     at.slider(key="outliers_alpha").set_value(0.7).run()
     at.button[-1].click().run()  # the form's submit button
@@ -272,6 +330,23 @@ def test_results_page_shows_scores_and_sensitivity(seeded):
     at = _run("results", seeded.id)
     assert any("FP8_DYNAMIC" in m.label for m in at.metric)
     assert len(at.dataframe) >= 2
+
+
+def test_results_page_builds_its_sections_below_the_fold_when_opened(seeded):
+    at = _run("results", seeded.id, opened=False)
+    # as it opens: the scores' table, the comparison and the sensitivity chart; not the cost trade-off, the sweep's
+    # rows, nor the side-by-side panels
+    assert not any("front" in d.value.columns for d in at.dataframe)
+    assert not any("sqnr_db" in d.value.columns for d in at.dataframe)
+    charts = len(at.get("vega_lite_chart"))
+    for key in RESULTS_SECTIONS:
+        at.session_state[key] = True
+    at.run()
+    assert not at.exception
+    assert any("front" in d.value.columns for d in at.dataframe)
+    assert any("sqnr_db" in d.value.columns for d in at.dataframe)
+    side = any(h.value == "Every swept scheme side by side" for h in at.subheader)  # two schemes swept
+    assert len(at.get("vega_lite_chart")) == charts + 1 + side  # + the trade-off (and the side-by-side panels)
 
 
 def test_results_page_says_which_layers_a_smoothquant_sweep_left_out(seeded):

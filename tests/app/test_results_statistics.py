@@ -13,6 +13,7 @@ SEQUENCES = [0.010, 0.060, 0.020, 0.045, 0.030, 0.080, 0.015, 0.040]  # per-sequ
 def _run(model_id: int) -> AppTest:
     at = AppTest.from_file(MAIN, default_timeout=120)
     at.session_state["model_id"] = model_id
+    at.session_state["results_tradeoff_open"] = True  # the cost trade-off, opened (it builds on open)
     at.run()
     at.switch_page("views/results.py").run()
     assert not at.exception, [e.value for e in at.exception]
