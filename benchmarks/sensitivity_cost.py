@@ -46,6 +46,13 @@ At a job's default 8 x 256 tokens (2026-12-05 22:41-22:53 UTC, load 10.8 falling
 rounding each distinct weight grid once and sharing in the hooks (bit-identical estimates): 68.3 s against a plain
 forward of 7.137 s, 9.6 plain forwards (the module as it was, in the same process: 78.7 s, 11.0); this script's own
 --fisher --no-exact run (22:54-23:01 UTC, load 5-7) 72.2 s against 7.120 s, 10.1: at the target's edge.
+2026-12-06 (01:08-01:25 UTC, load 1.7-5.5), after sharing the hooks' output buffer, forming the change and its
+products a cache-sized block at a time, rounding without reports in place and checking the reference on the softmax
+(bit-identical estimates): three --fisher --no-exact runs 11.9, 11.2 and 10.9 plain forwards (70.4 s / 5.913 s, 69.1 /
+6.178, 63.9 / 5.840); before and after in one process 70.6 and 70.5 s against 65.0 and 65.9 s (plain 5.347 s: 13.2
+against 12.2-12.3). The plain forward's CPU time moves with the load (4.8-7.1 s) more than the estimate's does; nine
+sets of linear GEMMs a batch (forward, two backward passes, six quantized outputs) are already ~6.9 forwards, so the
+10-forward target is not met with margin here (docs/concepts/sensitivity.md).
 """
 
 from __future__ import annotations

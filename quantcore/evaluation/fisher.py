@@ -39,8 +39,10 @@ forward keeps each layer's input for its batch.
 
 In the hooks, the members that read one input tensor (q/k/v, gate/up) take one fake quantization of it a scheme
 (where their activation spec and static scale agree and no factor divides it), each member's quantized output of
-every scheme is written into one tensor, and the per-position products are summed one pass and a block of rows at a
-time: each sum is the very one computed otherwise (the estimates are bit-identical), without the copies.
+every scheme is written into one tensor (reused by the members after it), and the change δy is formed and dotted
+with every pass's gradient a block of rows at a time while the block is in cache: each sum is the very one computed
+otherwise (the estimates are bit-identical), without the copies. The reference check reads each token's NLL off the
+softmax the draws come from (no log-softmax of the batch's logits unless that cheap test fails).
 """
 
 from __future__ import annotations
@@ -68,7 +70,13 @@ from quantcore.evaluation.batches import (
 from quantcore.evaluation.fisher_kv import KV_PREFIX, KvUnits, kv_recorded, prepare_kv
 from quantcore.evaluation.reference import ReferenceCache
 from quantcore.evaluation.scoring import plan_applied
-from quantcore.evaluation.sensitivity import SensitivityRow, _check_reference, linear_layer_names, sweep_units
+from quantcore.evaluation.sensitivity import (
+    REFERENCE_NLL_TOL,
+    SensitivityRow,
+    _check_reference,
+    linear_layer_names,
+    sweep_units,
+)
 from quantcore.evaluation.statistics import block_mean
 from quantcore.planning.plans import group_label
 from quantcore.schemes.fusion import expert_block, fusion_units
@@ -342,6 +350,7 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
     current = [0]
     per_seq = [[torch.zeros(b, dtype=torch.float64) for _ in range(n_schemes)] for _ in units]
     handles: list[Any] = []
+    scratch = _Scratch()
 
     def on_grad(name: str, module: nn.Module) -> Callable[[Tensor], None]:
         ui, mi = member_of[name]
@@ -358,7 +367,9 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
             with torch.inference_mode():
                 grads = [*earlier.pop(name, []), g.detach().float()]  # P x [b, L, N], not stacked (no copy)
                 signal = float(torch.linalg.vecdot(y.reshape(-1), y.reshape(-1)))
-                buffer: Tensor | None = None  # the quantized output, one tensor for every scheme of this member
+                # the quantized output, one tensor for every scheme of this member and the members after it (no
+                # fresh tensor of the output's size a member, page-faulted in afresh: the head's is 200 MB)
+                buffer: Tensor | None = scratch.take("output", (*x.shape[:-1], y.shape[-1]), x.dtype, x.device)
                 for si in range(n_schemes):
                     member = quantized[ui][si][mi]
                     xq = None
@@ -367,10 +378,10 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
                         if xq is None:
                             xq = cache[si, member.input_key] = member.quantized_input(module, x)
                     buffer = member.output(module, x, xq, buffer)
-                    dy = buffer.float().sub_(y)
+                    dy = buffer.float()
                     # [P, b, L]; a routed expert's [P, its tokens]: one row dot a pass, the same sums as one vecdot
                     # of the stacked gradients, bit for bit, without their copy or the [P, b, L, N] product
-                    prod = torch.stack([_row_dot(gp, dy) for gp in grads])
+                    prod = _change_dots(dy, y, grads, scratch)
                     if rows is not None:  # back to the positions its tokens came from
                         prod = prod.new_zeros((prod.shape[0], b * ids.shape[1])).index_add_(1, rows, prod)
                         prod = prod.view(prod.shape[0], b, ids.shape[1])
@@ -432,8 +443,8 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
                                 "causal language model's head")
             with torch.no_grad():
                 ref = logits.detach().float()
-                _check_reference(ref, ids, reference, s, e)
                 probs = torch.softmax(ref[:, :-1], dim=-1)
+                _check_reference_by(probs, ref, ids, reference, s, e)
                 del ref
             for k in range(passes):
                 with torch.no_grad():
@@ -453,22 +464,86 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
             sums[ui][si].per_seq.extend(per_seq[ui][si].tolist())
 
 
-ROW_DOT_ELEMENTS = 1 << 20  # elements of the product a row dot forms at a time (4 MB in float32)
+def _check_reference_by(probs: Tensor, logits: Tensor, ids: Tensor, reference: ReferenceCache, s: int,
+                        e: int) -> None:
+    """:func:`quantcore.evaluation.sensitivity._check_reference`'s test (the batch's per-token NLL within
+    ``REFERENCE_NLL_TOL`` of the cached one, on average) on the NLL read off the softmax the draws come from,
+    ``-log p(token)``, instead of a log-softmax of the whole batch's logits (a second pass over the vocabulary and a
+    tensor of its size). Where a token's probability underflows to 0, or the gap is over the tolerance, the check
+    itself decides, on the log-softmax (and words the error)."""
+    p = probs.gather(-1, ids[:, 1:].to(probs.device).unsqueeze(-1)).squeeze(-1)
+    gap = float((-torch.log(p).cpu() - reference.nll[s:e]).abs().mean())
+    if not gap <= REFERENCE_NLL_TOL:  # NaN and inf included
+        _check_reference(logits, ids, reference, s, e)
 
 
-def _row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.linalg.vecdot(a, b)`` over the last dimension, a block of rows at a time where the product is large
-    (the head's 49k columns): each row's sum is the very one vecdot forms (bit-identical), without the product of
-    the whole tensor (hundreds of MB, page-faulted afresh each call)."""
+# elements of the product a row dot forms at a time (512 kB in float32: a block of the change, of a gradient and
+# their product stay in a core's L2)
+ROW_DOT_ELEMENTS = 1 << 17
+
+
+class _Scratch:
+    """Buffers the hooks reuse, one per purpose, grown to the largest size asked for: a tensor written whole before
+    it is read (a GEMM's ``out=``, a product summed at once) need not be a fresh allocation each time, whose pages the
+    kernel maps and zeroes anew (on a CPU, more time than the arithmetic that fills them)."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple, Tensor] = {}
+
+    def take(self, purpose: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A contiguous tensor of ``shape`` (uninitialized; valid until the next ``take`` of this purpose)."""
+        n = math.prod(shape)
+        flat = self._flat.get((purpose, dtype, device))
+        if flat is None or flat.numel() < n:
+            flat = self._flat[purpose, dtype, device] = torch.empty(n, dtype=dtype, device=device)
+        return flat[:n].view(*shape)
+
+
+def _row_dot(a: Tensor, b: Tensor, scratch: _Scratch | None = None) -> Tensor:
+    """``torch.linalg.vecdot(a, b)`` over the last dimension (``(a * b).sum(-1)``), a block of rows at a time where
+    the product is large (the head's 49k columns): each row's sum is the very one vecdot forms (bit-identical),
+    without the product of the whole tensor (hundreds of MB, page-faulted afresh each call); with ``scratch``, every
+    block's product is written into one reused buffer."""
     n = a.shape[-1]
     rows = max(1, ROW_DOT_ELEMENTS // max(n, 1))
-    if a.numel() <= ROW_DOT_ELEMENTS or not (a.is_contiguous() and b.is_contiguous()):
+    if not (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape) or a.dim() < 2 \
+            or (scratch is None and a.numel() <= ROW_DOT_ELEMENTS):
         return torch.linalg.vecdot(a, b)
     fa, fb = a.reshape(-1, n), b.reshape(-1, n)
-    out = torch.empty(fa.shape[0], dtype=torch.result_type(a, b), device=a.device)
+    dtype = torch.result_type(a, b)
+    out = torch.empty(fa.shape[0], dtype=dtype, device=a.device)
+    product = None if scratch is None else scratch.take("product", (min(rows, fa.shape[0]), n), dtype, a.device)
     for i in range(0, fa.shape[0], rows):
-        torch.linalg.vecdot(fa[i:i + rows], fb[i:i + rows], out=out[i:i + rows])
+        j = min(i + rows, fa.shape[0])
+        if product is None:
+            torch.linalg.vecdot(fa[i:j], fb[i:j], out=out[i:j])
+        else:
+            torch.sum(torch.mul(fa[i:j], fb[i:j], out=product[:j - i]), dim=-1, out=out[i:j])
     return out.view(a.shape[:-1])
+
+
+def _change_dots(dy: Tensor, y: Tensor, grads: Sequence[Tensor], scratch: _Scratch) -> Tensor:
+    """``dy -= y`` in place (the change of the output), then ``[_row_dot(g, dy) for g in grads]`` stacked, one block
+    of rows at a time: a block's change is formed and dotted with every pass's gradient while it is in cache, instead
+    of a pass over the whole output for the subtraction and one more a gradient. The same elementwise operations and
+    per-row sums as apart (bit-identical)."""
+    n = dy.shape[-1]
+    if not (dy.dim() >= 2 and dy.is_contiguous() and y.is_contiguous() and y.shape == dy.shape
+            and all(g.is_contiguous() and g.shape == dy.shape and g.dtype == dy.dtype for g in grads)):
+        dy.sub_(y)
+        return torch.stack([_row_dot(g, dy, scratch) for g in grads])
+    fd, fy = dy.view(-1, n), y.view(-1, n)
+    fg = [g.view(-1, n) for g in grads]
+    total = fd.shape[0]
+    rows = max(1, ROW_DOT_ELEMENTS // max(n, 1))
+    out = torch.empty((len(grads), total), dtype=dy.dtype, device=dy.device)
+    product = scratch.take("product", (min(rows, total), n), dy.dtype, dy.device)
+    for i in range(0, total, rows):
+        j = min(i + rows, total)
+        block = fd[i:j].sub_(fy[i:j])
+        for p, g in enumerate(fg):
+            torch.sum(torch.mul(g[i:j], block, out=product[:j - i]), dim=-1, out=out[p, i:j])
+    return out.view(len(grads), *dy.shape[:-1])
 
 
 def _tensor_key(x: Tensor) -> tuple:

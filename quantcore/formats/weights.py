@@ -13,7 +13,7 @@ from quantcore.formats.blocks import block_layout, check_float, parse_granularit
 from quantcore.formats.catalog import Format, element_format, get_format
 from quantcore.formats.granularity import Granularity
 from quantcore.formats.quantize import QuantReport, fake_quantize, fake_quantize_with_report, quantize
-from quantcore.formats.rounding import round_to_format
+from quantcore.formats.rounding import round_inplace, round_to_format
 from quantcore.formats.scales import MIN_SCALE, SCALE_DTYPE, compute_amax, e8m0_scale, scale_from_amax
 
 if TYPE_CHECKING:
@@ -160,6 +160,14 @@ def round_to_weight_grid(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     return y.round().clamp_(grid.qmin, grid.qmax)
 
 
+def _round_in_place(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """:func:`round_to_weight_grid` of a tensor of ours, in its memory: the same values."""
+    grid = int_weight_grid(fmt)
+    if grid is None:
+        return round_inplace(y, element_format(fmt))
+    return y.round_().clamp_(grid.qmin, grid.qmax)
+
+
 @torch.no_grad()
 def fake_quantize_weight(
     weight: torch.Tensor, spec: TensorSpec, *, scale: torch.Tensor | None = None, report: bool = True
@@ -191,6 +199,12 @@ def fake_quantize_weight(
     shape = (w.shape[0], w.shape[1])
     S = element_scales(s, spec, shape).to(w.dtype)
     y = w / S
+    if not report:  # y is read no more: rounded and scaled back in its own memory (the same operations, no copies)
+        if zp is None:
+            return _round_in_place(y, spec.format).mul_(S).to(weight.dtype), QuantReport(0, 0, 0, 0, 0)
+        Z = element_scales(zp, spec, shape).to(w.dtype)
+        deq = _round_in_place(y.add_(Z), spec.format).sub_(Z).mul_(S)
+        return deq.to(weight.dtype), QuantReport(0, 0, 0, 0, 0)
     if zp is None:
         deq = round_to_weight_grid(y.clone() if report else y, spec.format) * S  # y is read again for the report
     else:  # compressed-tensors' order: x / scale + zero_point, rounded and clamped, minus zero_point, times scale
