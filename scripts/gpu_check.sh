@@ -18,7 +18,7 @@
 #      into a fresh SQLite home: measured and stored, then reused from the database; then a tiny
 #      random-weight Llama registered, calibrated, scored (FP8_DYNAMIC, then with an FP8_ATTN KV cache) and swept
 #      (INT8_W8A8 linears, its Fisher estimate, then the FP8_ATTN KV cache a layer at a time) on cuda, whole and
-#      block-streamed (calibrate, score, the sweeps, GPTQ, AWQ and rotated sweeps streamed); W4A16_GPTQ
+#      block-streamed (calibrate, score, the sweeps, GPTQ, AWQ and rotated sweeps, the Fisher estimate); W4A16_GPTQ
 #      scored twice (rounded, then read from the roundings the first job kept); then the Fisher estimate against the
 #      six exact sweeps on SmolLM2 (benchmarks/sensitivity_cost.py --fisher)
 #   5. rotation: scripts/rotation_check.py, the Hadamard rotation (R1 + R2 + R4) exact on the device, and MXFP4 /
@@ -123,6 +123,8 @@ step sensitivity-rotated-stream "$PY" -m quantplan sensitivity tiny --scheme INT
 # the fast (Fisher) estimate on the device: backward hooks and quantized GEMMs there; prints its rank correlation with
 # the sweep just above (the same tokens: read, not run again)
 step fisher "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}"
+# the same estimate block-streamed (block-wise gradient checkpointing: each block run forward, then again backward)
+step fisher-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}" --stream
 step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step kv-sweep-stream "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}" --stream

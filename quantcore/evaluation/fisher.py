@@ -48,7 +48,7 @@ softmax the draws come from (no log-softmax of the batch's logits unless that ch
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -162,13 +162,16 @@ def _weight_key(scheme: Scheme) -> Any:
 
 def _quantize_units(model: nn.Module, units: Sequence[Sequence[str]], resolved: Sequence[Scheme],
                     scheme_inputs: Sequence[PlanInputs], progress: Progress | None,
-                    should_cancel: ShouldCancel | None) -> tuple[list[list[list[_Member]]], list[list[str]]]:
+                    should_cancel: ShouldCancel | None, whole: bool | None = None
+                    ) -> tuple[list[list[list[_Member]]], list[list[str]]]:
     """([unit][scheme] -> members, [scheme][unit] -> note): every unit quantized under every scheme as the exact sweep
     quantizes it. A scheme that folds no factors (no SmoothQuant, no AWQ) is applied to every unit at once when the
     units are the model's own fusion units (what one unit's application gives is then what the whole plan's gives:
-    a fusion group's shared scales are its own); otherwise one unit at a time, as the sweep does."""
+    a fusion group's shared scales are its own); otherwise one unit at a time, as the sweep does. ``whole``: that test
+    decided beforehand (a streamed estimate quantizes one block's units at a time, as the whole model's would)."""
     names = [n for unit in units for n in unit]
-    whole = [sorted(u) for u in fusion_units(names)] == [sorted(u) for u in units]
+    if whole is None:
+        whole = _fusion_units_only(units)
     quantized: list[list[list[_Member]]] = [[[] for _ in resolved] for _ in units]
     notes = [["" for _ in units] for _ in resolved]
     shared: dict[Any, dict[str, Tensor]] = {}  # weight key -> {layer: rounded weight}
@@ -196,6 +199,55 @@ def _quantize_units(model: nn.Module, units: Sequence[Sequence[str]], resolved: 
             for m, n in zip(quantized[ui][si], unit, strict=True):
                 m.weight = same.setdefault(n, m.weight)
     return quantized, notes
+
+
+def _fusion_units_only(units: Sequence[Sequence[str]]) -> bool:
+    """Whether ``units`` are their layers' own fusion units (then a scheme is applied to every unit at once)."""
+    names = [n for unit in units for n in unit]
+    return [sorted(u) for u in fusion_units(names)] == [sorted(u) for u in units]
+
+
+def _checked_schemes(schemes: Sequence[Scheme | str], samples: int, passes: int, kv_caches: Sequence[str] = ()
+                     ) -> list[Scheme]:
+    """The schemes resolved, PlanError for a bad ``samples``, ``passes`` or scheme list."""
+    if samples < 1:
+        raise PlanError(f"the Fisher estimate needs at least one sampled token per position, got samples={samples}")
+    if passes < 1:
+        raise PlanError(f"the Fisher estimate needs at least one backward pass per batch, got passes={passes}")
+    resolved = [get_scheme(s) for s in schemes]
+    if not resolved and not kv_caches:
+        raise PlanError("the Fisher estimate needs at least one scheme or KV cache format")
+    names = [s.name for s in resolved]
+    if len(set(names)) != len(names):
+        raise PlanError(f"a scheme is named twice: {', '.join(names)}")
+    return resolved
+
+
+def _scheme_inputs(inputs: PlanInputs | Mapping[str, PlanInputs], resolved: Sequence[Scheme]) -> list[PlanInputs]:
+    """Each scheme's calibrated inputs, with a GPTQ rounding cache of its own where it has none."""
+    def inputs_of(scheme: Scheme) -> PlanInputs:
+        got = inputs.get(scheme.name, NO_INPUTS) if isinstance(inputs, Mapping) else inputs
+        return got if got.gptq_cache is not None else got.replace(gptq_cache={})
+
+    return [inputs_of(s) for s in resolved]
+
+
+def _linear_rows(units: Sequence[Sequence[str]], resolved: Sequence[Scheme], sums: Sequence[Sequence[_UnitSums]],
+                 unit_notes: Sequence[Sequence[str]], positions: int, samples: int,
+                 passes: int) -> dict[str, list[SensitivityRow]]:
+    """{scheme name: rows, largest estimate first} from the per-sequence sums."""
+    out: dict[str, list[SensitivityRow]] = {}
+    for si, scheme in enumerate(resolved):
+        rows = []
+        for ui, unit in enumerate(units):
+            acc = sums[ui][si]
+            est = block_mean(np.asarray(acc.per_seq)[:, None] / (positions * samples * passes))
+            rows.append(SensitivityRow(
+                layer=group_label(unit), layers=list(unit), kl_mean=est.value, top1_agree=math.nan,
+                sqnr_db=_sqnr(acc.signal, acc.noise), note=unit_notes[si][ui], kl_mean_err=est.err))
+        rows.sort(key=lambda r: r.kl_mean, reverse=True)
+        out[scheme.name] = rows
+    return out
 
 
 def fisher_sensitivity(
@@ -250,16 +302,7 @@ def fisher_sensitivity(
                                       kv_caches=kv_caches, kv_amax=kv_amax, kv_layers=kv_layers,
                                       batch_size=batch_size, seed=seed, progress=progress,
                                       should_cancel=should_cancel)
-    if samples < 1:
-        raise PlanError(f"the Fisher estimate needs at least one sampled token per position, got samples={samples}")
-    if passes < 1:
-        raise PlanError(f"the Fisher estimate needs at least one backward pass per batch, got passes={passes}")
-    resolved = [get_scheme(s) for s in schemes]
-    if not resolved and not kv_caches:
-        raise PlanError("the Fisher estimate needs at least one scheme or KV cache format")
-    names = [s.name for s in resolved]
-    if len(set(names)) != len(names):
-        raise PlanError(f"a scheme is named twice: {', '.join(names)}")
+    resolved = _checked_schemes(schemes, samples, passes, kv_caches)
     ids = as_token_batch(input_ids)
     reference.check_tokens(ids)
     units = (sweep_units(linear_layer_names(model), groups=groups, only=layers, per_expert=per_expert)
@@ -271,11 +314,7 @@ def fisher_sensitivity(
     if not isinstance(embeddings, nn.Module):
         raise PlanError(f"{type(model).__name__} has no input embeddings to start the backward pass from")
 
-    def inputs_of(scheme: Scheme) -> PlanInputs:
-        got = inputs.get(scheme.name, NO_INPUTS) if isinstance(inputs, Mapping) else inputs
-        return got if got.gptq_cache is not None else got.replace(gptq_cache={})
-
-    scheme_inputs = [inputs_of(s) for s in resolved]
+    scheme_inputs = _scheme_inputs(inputs, resolved)
     quantized, unit_notes = _quantize_units(model, units, resolved, scheme_inputs, progress, should_cancel)
     kv = prepare_kv(model, kv_caches, kv_amax, kv_layers)
 
@@ -297,17 +336,7 @@ def fisher_sensitivity(
         for p, flag in asked:
             p.requires_grad_(flag)
 
-    out: dict[str, list[SensitivityRow]] = {}
-    for si, scheme in enumerate(resolved):
-        rows = []
-        for ui, unit in enumerate(units):
-            acc = sums[ui][si]
-            est = block_mean(np.asarray(acc.per_seq)[:, None] / (positions * samples * passes))
-            rows.append(SensitivityRow(
-                layer=group_label(unit), layers=list(unit), kl_mean=est.value, top1_agree=math.nan,
-                sqnr_db=_sqnr(acc.signal, acc.noise), note=unit_notes[si][ui], kl_mean_err=est.err))
-        rows.sort(key=lambda r: r.kl_mean, reverse=True)
-        out[scheme.name] = rows
+    out = _linear_rows(units, resolved, sums, unit_notes, positions, samples, passes)
     for fi, fmt in enumerate(kv.formats if kv is not None else ()):
         assert kv is not None
         rows = []
@@ -328,32 +357,40 @@ def _sqnr(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: ReferenceCache, s: int, e: int,
-               units: Sequence[Sequence[str]], member_of: Mapping[str, tuple[int, int]],
-               quantized: Sequence[Sequence[Sequence[_Member]]], sums: Sequence[Sequence[_UnitSums]],
-               samples: int, passes: int, gen: torch.Generator, kv: KvUnits | None = None) -> None:
-    """One reference forward with grad and ``passes`` backward passes, each of ``samples`` tokens drawn a position;
-    adds this batch's sequences to ``sums``."""
-    b = ids.shape[0]
-    n_schemes = len(sums[0]) if sums else 0
-    # member -> (its input, its unquantized output, a routed expert's token rows or None), for this batch
-    kept: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
-    routed: dict[str, Tensor] = {}  # MoE block -> its top_k_index of this batch's call
-    earlier: dict[str, list[Tensor]] = {}  # member -> its output gradients of the passes before the last
-    # an input tensor several members read (q/k/v, gate/up) -> its members not yet done, and its quantizations so far
-    # {(scheme, input key): quantized input}: one fake quantization a scheme for the group, not one a member
-    readers: dict[tuple, int] = {}
-    quantized_inputs: dict[tuple, dict[tuple, Tensor]] = {}
-    # per unit and scheme, the per-position products [pass, b, L] summed over the members seen so far
-    partial: list[list[Tensor | None]] = [[None] * n_schemes for _ in units]
-    seen = [0] * len(units)
-    current = [0]
-    per_seq = [[torch.zeros(b, dtype=torch.float64) for _ in range(n_schemes)] for _ in units]
-    handles: list[Any] = []
-    scratch = _Scratch()
+class _Hooks:
+    """One batch's hooks (``ids_shape``: its ``[b, L]``): a forward hook on each member named in ``install`` keeps its
+    input and output and puts a hook on the output's gradient, which at the last pass (``current[0]``) adds each
+    scheme's products to its unit's per-sequence sums (module docstring); :meth:`finish` hands them to ``sums``.
+    The whole model's batch (:func:`_one_batch`) and a streamed block's (:mod:`quantcore.evaluation.fisher_streamed`)
+    run the same hooks."""
 
-    def on_grad(name: str, module: nn.Module) -> Callable[[Tensor], None]:
-        ui, mi = member_of[name]
+    def __init__(self, ids_shape: Sequence[int], units: Sequence[Sequence[str]],
+                 member_of: Mapping[str, tuple[int, int]], quantized: Sequence[Sequence[Sequence[_Member]]],
+                 sums: Sequence[Sequence[_UnitSums]], passes: int, current: list[int]) -> None:
+        self.b, self.length = int(ids_shape[0]), int(ids_shape[1])
+        self.units, self.member_of, self.quantized, self.sums = units, member_of, quantized, sums
+        self.passes, self.current = passes, current
+        self.n_schemes = len(sums[0]) if sums else 0
+        # member -> (its input, its unquantized output, a routed expert's token rows or None), for this batch
+        self.kept: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
+        self.routed: dict[str, Tensor] = {}  # MoE block -> its top_k_index of this batch's call
+        self.earlier: dict[str, list[Tensor]] = {}  # member -> its output gradients of the passes before the last
+        # an input tensor several members read (q/k/v, gate/up) -> its members not yet done, and its quantizations so
+        # far {(scheme, input key): quantized input}: one fake quantization a scheme for the group, not one a member
+        self.readers: dict[tuple, int] = {}
+        self.quantized_inputs: dict[tuple, dict[tuple, Tensor]] = {}
+        # per unit and scheme, the per-position products [pass, b, L] summed over the members seen so far
+        self.partial: list[list[Tensor | None]] = [[None] * self.n_schemes for _ in units]
+        self.seen = [0] * len(units)
+        self.per_seq = [[torch.zeros(self.b, dtype=torch.float64) for _ in range(self.n_schemes)] for _ in units]
+        self.scratch = _Scratch()
+
+    def on_grad(self, name: str, module: nn.Module) -> Callable[[Tensor], None]:
+        ui, mi = self.member_of[name]
+        b, length, n_schemes, passes = self.b, self.length, self.n_schemes, self.passes
+        kept, earlier, readers, quantized_inputs = self.kept, self.earlier, self.readers, self.quantized_inputs
+        quantized, sums, partial, seen, per_seq = self.quantized, self.sums, self.partial, self.seen, self.per_seq
+        units, current, scratch = self.units, self.current, self.scratch
 
         def hook(g: Tensor) -> None:
             if current[0] < passes - 1:  # each quantized output is computed once, at the last pass, for all passes
@@ -383,8 +420,8 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
                     # of the stacked gradients, bit for bit, without their copy or the [P, b, L, N] product
                     prod = _change_dots(dy, y, grads, scratch)
                     if rows is not None:  # back to the positions its tokens came from
-                        prod = prod.new_zeros((prod.shape[0], b * ids.shape[1])).index_add_(1, rows, prod)
-                        prod = prod.view(prod.shape[0], b, ids.shape[1])
+                        prod = prod.new_zeros((prod.shape[0], b * length)).index_add_(1, rows, prod)
+                        prod = prod.view(prod.shape[0], b, length)
                     acc = partial[ui][si]
                     partial[ui][si] = prod if acc is None else acc.add_(prod)
                     flat = dy.reshape(-1)
@@ -407,61 +444,96 @@ def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: 
 
         return hook
 
-    def keep(name: str) -> Callable[..., None]:
+    def keep(self, name: str) -> Callable[..., None]:
         def fwd(mod: nn.Module, args: Any, out: Tensor) -> None:
             x = args[0].detach()
-            kept[name] = (x, out.detach().float(), _expert_rows(name, routed))
+            self.kept[name] = (x, out.detach().float(), _expert_rows(name, self.routed))
             source = _tensor_key(x)
-            readers[source] = readers.get(source, 0) + 1
-            out.register_hook(on_grad(name, mod))
+            self.readers[source] = self.readers.get(source, 0) + 1
+            out.register_hook(self.on_grad(name, mod))
 
         return fwd
 
-    def leaf(_mod: nn.Module, _args: Any, out: Tensor) -> Tensor:
-        return out.detach().requires_grad_(True)
-
-    def route(block: str) -> Callable[..., None]:
+    def route(self, block: str) -> Callable[..., None]:
         def pre(_mod: nn.Module, args: Any, kwargs: Any) -> None:
             index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
             if isinstance(index, Tensor):
-                routed[block] = index.detach()
+                self.routed[block] = index.detach()
 
         return pre
 
-    handles.append(embeddings.register_forward_hook(leaf))
-    for block in {expert_block(n) for n in member_of} - {None}:
-        assert block is not None
-        handles.append(model.get_submodule(block).register_forward_pre_hook(route(block), with_kwargs=True))
-    for name in member_of:
-        handles.append(model.get_submodule(name).register_forward_hook(keep(name)))
+    def install(self, model: nn.Module, names: Sequence[str]) -> list[Any]:
+        """The hooks on the members ``names`` (and the MoE blocks they route in); the handles to remove."""
+        handles = []
+        for block in {expert_block(n) for n in names} - {None}:
+            assert block is not None
+            handles.append(model.get_submodule(block).register_forward_pre_hook(self.route(block), with_kwargs=True))
+        for name in names:
+            handles.append(model.get_submodule(name).register_forward_hook(self.keep(name)))
+        return handles
+
+    def clear(self) -> None:
+        self.kept.clear()
+        self.earlier.clear()
+        self.readers.clear()
+        self.quantized_inputs.clear()
+
+    def finish(self, unit_indices: Iterable[int]) -> None:
+        """This batch's sequences added to ``sums`` for these units (every unit whose members were hooked)."""
+        for ui in unit_indices:
+            for si in range(self.n_schemes):
+                self.sums[ui][si].per_seq.extend(self.per_seq[ui][si].tolist())
+
+
+def _leaf(_mod: nn.Module, _args: Any, out: Tensor) -> Tensor:
+    """The embeddings' output as the graph's only leaf that asks for grad."""
+    return out.detach().requires_grad_(True)
+
+
+def _one_batch(model: nn.Module, embeddings: nn.Module, ids: Tensor, reference: ReferenceCache, s: int, e: int,
+               units: Sequence[Sequence[str]], member_of: Mapping[str, tuple[int, int]],
+               quantized: Sequence[Sequence[Sequence[_Member]]], sums: Sequence[Sequence[_UnitSums]],
+               samples: int, passes: int, gen: torch.Generator, kv: KvUnits | None = None) -> None:
+    """One reference forward with grad and ``passes`` backward passes, each of ``samples`` tokens drawn a position;
+    adds this batch's sequences to ``sums``."""
+    current = [0]
+    hooks = _Hooks(ids.shape, units, member_of, quantized, sums, passes, current)
+    handles: list[Any] = [embeddings.register_forward_hook(_leaf)]
     try:
+        handles += hooks.install(model, list(member_of))
         with torch.enable_grad(), kv_recorded(model, kv, passes, current):
             out = model(input_ids=ids.to(model_device(model)), use_cache=False)
             logits = getattr(out, "logits", None)
             if logits is None:
                 raise PlanError(f"{type(model).__name__} returns no next-token logits: the Fisher estimate needs a "
                                 "causal language model's head")
-            with torch.no_grad():
-                ref = logits.detach().float()
-                probs = torch.softmax(ref[:, :-1], dim=-1)
-                _check_reference_by(probs, ref, ids, reference, s, e)
-                del ref
-            for k in range(passes):
-                with torch.no_grad():
-                    grad = _sampled_gradient(probs, samples, gen, logits)
-                current[0] = k
-                logits.backward(grad, retain_graph=k < passes - 1)
-                del grad
+            _backward_sampled(logits, ids, reference, s, e, samples, passes, gen, current)
     finally:
         for h in handles:
             h.remove()
-        kept.clear()
-        earlier.clear()
-        readers.clear()
-        quantized_inputs.clear()
-    for ui in range(len(units)):
-        for si in range(n_schemes):
-            sums[ui][si].per_seq.extend(per_seq[ui][si].tolist())
+        hooks.clear()
+    hooks.finish(range(len(units)))
+
+
+def _backward_sampled(logits: Tensor, ids: Tensor, reference: ReferenceCache, s: int, e: int, samples: int,
+                      passes: int, gen: torch.Generator, current: list[int],
+                      after: Callable[[int], None] | None = None) -> None:
+    """The reference check on ``logits`` (the batch ``ids`` = sequences ``s:e``), then ``passes`` backward passes of
+    ``samples`` tokens drawn a position from its softmax (``current[0]``: the pass running); ``after(k)`` once pass
+    ``k`` is through."""
+    with torch.no_grad():
+        ref = logits.detach().float()
+        probs = torch.softmax(ref[:, :-1], dim=-1)
+        _check_reference_by(probs, ref, ids, reference, s, e)
+        del ref
+    for k in range(passes):
+        with torch.no_grad():
+            grad = _sampled_gradient(probs, samples, gen, logits)
+        current[0] = k
+        logits.backward(grad, retain_graph=k < passes - 1)
+        del grad
+        if after is not None:
+            after(k)
 
 
 def _check_reference_by(probs: Tensor, logits: Tensor, ids: Tensor, reference: ReferenceCache, s: int,

@@ -58,8 +58,11 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
     from worker.bodies.streaming import refuse_streamed, streamed_kv_amax, streamed_reference
 
     rotation = _rotation(asked)
-    if streamed is not None:  # refused before anything runs
-        refuse_streamed(["the Fisher estimate"] if asked.method == "fisher" else [])
+    if streamed is not None and asked.method == "fisher":  # refused before anything runs
+        # linear units stream (quantcore.evaluation.fisher_streamed); a KV cache format's estimate and a rotated one
+        # do not yet
+        refuse_streamed((["the Fisher estimate of a KV cache format"] if asked.kv_sweep else [])
+                        + (["a rotated Fisher estimate"] if rotation is not None else []))
     compute = None if streamed is None else partial(streamed_reference, streamed)
     kv_calibrate = None if streamed is None else partial(streamed_kv_amax, streamed)
     awq, parallel, rerouted, gptq_summary = None, ONE_GPU, False, None
@@ -115,10 +118,17 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
                                                     gptq_cache=gptq_cache, rotation=rotation)
         if asked.method == "fisher" and swept:  # every unit from a few backward passes (quantcore.evaluation.fisher)
             from quantcore.evaluation.fisher import fisher_sensitivity
+            from quantcore.evaluation.fisher_streamed import streamed_fisher_sensitivity
 
-            rows = fisher_sensitivity(model, [scheme], ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
-                                      per_expert=asked.per_expert, progress=ctx.rest(),
-                                      should_cancel=ctx.should_cancel)[scheme.name]
+            if streamed is None:
+                rows = fisher_sensitivity(model, [scheme], ids, ref, groups=asked.groups, layers=swept, inputs=inputs,
+                                          per_expert=asked.per_expert, progress=ctx.rest(),
+                                          should_cancel=ctx.should_cancel)[scheme.name]
+            else:  # block-wise gradient checkpointing; GPTQ layers rounded block by block first, as the sweep's
+                rows = streamed_fisher_sensitivity(streamed, [scheme], ids, ref, groups=asked.groups, layers=swept,
+                                                   inputs=inputs, per_expert=asked.per_expert,
+                                                   calibration_ids=cal_ids, progress=ctx.rest(),
+                                                   should_cancel=ctx.should_cancel)[scheme.name]
         elif swept:
             if streamed is not None and unit_reads and len(kept) < len(unit_reads):
                 ctx.progress(ctx.furthest, f"GPTQ: input Hessians and rounding of {len(unit_reads) - len(kept)} "
