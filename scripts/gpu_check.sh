@@ -125,6 +125,7 @@ step sensitivity-rotated-stream "$PY" -m quantplan sensitivity tiny --scheme INT
 step fisher "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}"
 # the same estimate block-streamed (block-wise gradient checkpointing: each block run forward, then again backward)
 step fisher-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}" --stream
+step fisher-kv-stream "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN --method fisher "${JOB_ARGS[@]}" --stream
 step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
 step kv-sweep-stream "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}" --stream

@@ -99,7 +99,7 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path: Path) -> None:
     for step in ("gpu-tests", "kernels-smollm2", "kernels-llama8b", "migrate", "bench-measure",
                  "bench-reuse", "tiny-model", "models-add", "calibrate", "calibrate-stream", "score", "score-stream",
                  "sensitivity", "sensitivity-stream", "sensitivity-gptq-stream", "sensitivity-awq-stream",
-                 "sensitivity-rotated-stream", "fisher", "fisher-stream",
+                 "sensitivity-rotated-stream", "fisher", "fisher-stream", "fisher-kv-stream",
                  "score-kv", "kv-sweep", "kv-sweep-stream",
                  "score-gptq", "score-gptq-kept", "jobs"):
         assert rcs[step] == "0", (step, (out / "gpu_check.log").read_text()[-3000:])

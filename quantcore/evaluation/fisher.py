@@ -67,7 +67,7 @@ from quantcore.evaluation.batches import (
     model_device,
     report_progress,
 )
-from quantcore.evaluation.fisher_kv import KV_PREFIX, KvUnits, kv_recorded, prepare_kv
+from quantcore.evaluation.fisher_kv import KvUnits, kv_recorded, kv_rows, prepare_kv
 from quantcore.evaluation.reference import ReferenceCache
 from quantcore.evaluation.scoring import plan_applied
 from quantcore.evaluation.sensitivity import (
@@ -289,10 +289,7 @@ def fisher_sensitivity(
     The model is left as it was (no hook, no weight or ``requires_grad`` changed, no ``.grad`` written), also on error
     or cancel.
     """
-    if isinstance(inputs, Mapping) and any(getattr(i, "rotation", None) is not None for i in inputs.values()):
-        raise PlanError("the Fisher estimate takes one rotation for all its schemes (one PlanInputs with it), not one "
-                        "per scheme")
-    if getattr(inputs, "rotation", None) is not None:  # the model rotated once, every unit estimated in it
+    if _rotated(inputs):  # the model rotated once, every unit estimated in it
         from quantcore.algorithms.rotation import rotated_for_sweep
 
         swept = list(layers) if layers is not None else linear_layer_names(model)
@@ -336,17 +333,19 @@ def fisher_sensitivity(
         for p, flag in asked:
             p.requires_grad_(flag)
 
-    out = _linear_rows(units, resolved, sums, unit_notes, positions, samples, passes)
-    for fi, fmt in enumerate(kv.formats if kv is not None else ()):
-        assert kv is not None
-        rows = []
-        for li, name in enumerate(kv.names):
-            est = block_mean(np.asarray(kv.per_seq[li][fi])[:, None] / (positions * samples * passes))
-            rows.append(SensitivityRow(layer=name, layers=[name], kl_mean=est.value, top1_agree=math.nan,
-                                       sqnr_db=math.nan, kl_mean_err=est.err))
-        rows.sort(key=lambda r: r.kl_mean, reverse=True)
-        out[KV_PREFIX + fmt] = rows
-    return out
+    return {**_linear_rows(units, resolved, sums, unit_notes, positions, samples, passes),
+            **kv_rows(kv, positions, samples, passes)}
+
+
+def _rotated(inputs: PlanInputs | Mapping[str, PlanInputs]) -> bool:
+    """Whether ``inputs`` carry a rotation (the estimate then runs in the model rotated once for it, whole or
+    streamed); PlanError for a rotation given per scheme."""
+    if isinstance(inputs, Mapping):
+        if any(getattr(i, "rotation", None) is not None for i in inputs.values()):
+            raise PlanError("the Fisher estimate takes one rotation for all its schemes (one PlanInputs with it), "
+                            "not one per scheme")
+        return False
+    return getattr(inputs, "rotation", None) is not None
 
 
 def _sqnr(signal: float, noise: float) -> float:

@@ -14,14 +14,18 @@ model's own to float rounding, and the reference check of every batch still hold
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from quantcore.errors import PlanError, name_list
+from quantcore.evaluation.sensitivity import SensitivityRow
+from quantcore.evaluation.statistics import block_mean
 
 KV_PREFIX = "KV "  # a KV format's key in the estimate's result: "KV FP8_ATTN", as the exact KV sweep is stored
 
@@ -74,12 +78,19 @@ def prepare_kv(model: nn.Module, kv_caches: Sequence[str], amax: Any, layers: Se
 
 
 @contextlib.contextmanager
-def kv_recorded(model: nn.Module, units: KvUnits | None, passes: int, current: list[int]) -> Iterator[None]:
+def kv_recorded(model: nn.Module, units: KvUnits | None, passes: int, current: list[int],
+                names: Sequence[str] | None = None) -> Iterator[None]:
     """For one batch's forward and ``passes`` backward passes (``current[0]``: the pass running): record every swept
-    layer's attention inputs and context, and add its per-format products to ``units.per_seq`` at the last pass."""
+    layer's attention inputs and context, and add its per-format products to ``units.per_seq`` at the last pass.
+
+    ``names``: only these swept layers (None: all of ``units.names``), every other attention layer running the
+    model's eager attention as the whole estimate's do: a streamed estimate records one block's layers at a time, and
+    none (``[]``) in the forward pass that keeps the blocks' inputs
+    (:mod:`quantcore.evaluation.fisher_streamed`)."""
     if units is None:
         yield
         return
+    swept = list(units.names) if names is None else [n for n in units.names if n in set(names)]
     from quantcore.evaluation import kvcache
     from quantcore.models.decoder import attention_modules
 
@@ -128,13 +139,13 @@ def kv_recorded(model: nn.Module, units: KvUnits | None, passes: int, current: l
                 x.register_hook(on_grad(name))
         return pre
 
-    handles = [cast(nn.Module, units.modules[n].o_proj).register_forward_pre_hook(on_input(n)) for n in units.names]
+    handles = [cast(nn.Module, units.modules[n].o_proj).register_forward_pre_hook(on_input(n)) for n in swept]
 
     def eager(module: nn.Module, *args: Any, **kwargs: Any) -> Any:  # a layer not swept: the model's own attention
         return kvcache._module_eager(module)(module, *args, **kwargs)
 
     every = attention_modules(model)
-    states = {n: kvcache._LayerState(_same, recorder(n) if n in units.modules else eager) for n in every}
+    states = {n: kvcache._LayerState(_same, recorder(n) if n in swept else eager) for n in every}
     try:
         with kvcache._attention_wrapped(model, every, states, "Fisher estimate (KV cache)"):
             yield
@@ -143,12 +154,28 @@ def kv_recorded(model: nn.Module, units: KvUnits | None, passes: int, current: l
             h.remove()
         recorded.clear()
         earlier.clear()
-    missing = [n for n in units.names if n not in per_seq]
+    missing = [n for n in swept if n not in per_seq]
     if missing:
         raise PlanError(f"the Fisher estimate saw no gradient at o_proj's input of {name_list(missing)}")
     for li, n in enumerate(units.names):
-        for fi, s in enumerate(per_seq[n]):
+        for fi, s in enumerate(per_seq.get(n, ())):
             units.per_seq[li][fi].extend(s.tolist())
+
+
+def kv_rows(units: KvUnits | None, positions: int, samples: int, passes: int) -> dict[str, list[SensitivityRow]]:
+    """``{"KV <format>": rows}``, rows largest estimate first, from ``units.per_seq`` (as a linear unit's:
+    :func:`quantcore.evaluation.fisher._linear_rows`; ``sqnr_db`` NaN); ``{}`` for None."""
+    out: dict[str, list[SensitivityRow]] = {}
+    for fi, fmt in enumerate(units.formats if units is not None else ()):
+        assert units is not None
+        rows = []
+        for li, name in enumerate(units.names):
+            est = block_mean(np.asarray(units.per_seq[li][fi])[:, None] / (positions * samples * passes))
+            rows.append(SensitivityRow(layer=name, layers=[name], kl_mean=est.value, top1_agree=math.nan,
+                                       sqnr_db=math.nan, kl_mean_err=est.err))
+        rows.sort(key=lambda r: r.kl_mean, reverse=True)
+        out[KV_PREFIX + fmt] = rows
+    return out
 
 
 def _same(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:

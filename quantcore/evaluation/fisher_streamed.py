@@ -1,6 +1,6 @@
 """The Fisher estimate (:mod:`quantcore.evaluation.fisher`) on a :class:`~quantcore.models.streaming.StreamedModel`:
-block-wise gradient checkpointing, the same rows as :func:`~quantcore.evaluation.fisher.fisher_sensitivity` for
-linear units.
+block-wise gradient checkpointing, the same rows as :func:`~quantcore.evaluation.fisher.fisher_sensitivity` (linear
+units, KV cache formats, rotated or not).
 
 How it runs
     Forward: each decoder block in turn is loaded and every batch goes through it with grad on (the very code path the
@@ -25,7 +25,18 @@ Memory
     that size, placed as the sweep places its states; one block's weights and its units' quantized weights (one copy
     per distinct rounding) at a time.
 
-Not streamed (refused): KV cache formats, a unit with layers outside the decoder blocks other than the head.
+KV cache formats
+    ``kv_caches``: one unit per attention layer, as the whole estimate's (:mod:`quantcore.evaluation.fisher_kv`):
+    every block's forward runs the eager attention the whole estimate records with, and a block's backward records
+    its swept attention layers and adds their products at the gradient of ``o_proj``'s input, by the same
+    :func:`~quantcore.evaluation.fisher_kv.kv_recorded`.
+
+Rotated
+    ``inputs.rotation``: the streamed model is rotated once for the estimate, as the whole estimate rotates the whole
+    model (:func:`quantcore.algorithms.rotation.rotated_for_sweep`): the embedding, final norm and head at once, each
+    block as it loads (in the forward and again in the backward), and every unit quantized in it.
+
+Not streamed (refused): a unit with layers outside the decoder blocks other than the head.
 GPTQ schemes have their swept layers rounded block by block on ``calibration_ids`` first, as the streamed sweep
 rounds them (:func:`quantcore.evaluation.streamed_sweep._rounding_plans`); AWQ reads ``inputs.awq``.
 """
@@ -59,14 +70,17 @@ from quantcore.evaluation.fisher import (
     _linear_rows,
     _Member,
     _quantize_units,
+    _rotated,
     _scheme_inputs,
     _UnitSums,
 )
+from quantcore.evaluation.fisher_kv import KvUnits, kv_recorded, kv_rows, prepare_kv
 from quantcore.evaluation.reference import ReferenceCache
 from quantcore.evaluation.sensitivity import SensitivityRow, _replayed, linear_layer_names, sweep_units
 from quantcore.evaluation.streamed_sweep import _Placer, _round_streamed, _rounding_plans
 from quantcore.models.streaming import HiddenStates, StreamedModel, _Stop
 from quantcore.planning.plans import group_label
+from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
 
 FORWARD_SHARE, HEAD_SHARE = 0.4, 0.1  # of the progress bar; the rest is the backward pass over the blocks
@@ -84,6 +98,9 @@ def streamed_fisher_sensitivity(
     inputs: PlanInputs | Mapping[str, PlanInputs] = NO_INPUTS,
     samples: int = DEFAULT_SAMPLES,
     passes: int = DEFAULT_PASSES,
+    kv_caches: Sequence[str] = (),
+    kv_amax: Any = None,
+    kv_layers: Sequence[str] | None = None,
     batch_size: int | None = None,
     seed: int = 0,
     calibration_ids: Tensor | None = None,
@@ -91,24 +108,30 @@ def streamed_fisher_sensitivity(
     progress: Progress | None = None,
     should_cancel: ShouldCancel | None = None,
 ) -> dict[str, list[SensitivityRow]]:
-    """:func:`quantcore.evaluation.fisher.fisher_sensitivity` for linear units, streamed (module docstring): the same
-    ``{scheme name: rows}``. ``calibration_ids`` / ``calibration_batch_size``: a GPTQ scheme's calibration tokens, as
+    """:func:`quantcore.evaluation.fisher.fisher_sensitivity` streamed (module docstring): the same ``{scheme name:
+    rows}``, KV cache formats' under ``"KV <format>"``, a rotation in ``inputs`` folded in as the blocks load.
+    ``calibration_ids`` / ``calibration_batch_size``: a GPTQ scheme's calibration tokens, as
     :func:`quantcore.evaluation.streamed_sweep.streamed_sensitivity_sweep` takes them. The streamed model's blocks are
     left on ``meta``, its scratch files removed, also on error or cancel."""
     model = streamed.model
-    rotations = list(inputs.values()) if isinstance(inputs, Mapping) else [inputs]
-    if any(getattr(i, "rotation", None) is not None for i in rotations):
-        raise PlanError("the streamed Fisher estimate does not take a rotation yet: estimate unrotated, or run the "
-                        "exact streamed sweep")
-    resolved = _checked_schemes(schemes, samples, passes)
-    if not resolved:
-        raise PlanError("the streamed Fisher estimate needs at least one scheme (KV cache formats are estimated "
-                        "whole-model only)")
+    if _rotated(inputs):  # rotated once, each block as it loads (module docstring)
+        from quantcore.algorithms.rotation import rotated_for_sweep
+
+        assert isinstance(inputs, PlanInputs)
+        swept = list(layers) if layers is not None else linear_layer_names(model)
+        with rotated_for_sweep(model, inputs, swept, [get_scheme(s) for s in schemes]) as plain:
+            return streamed_fisher_sensitivity(
+                streamed, schemes, input_ids, reference, groups=groups, layers=layers, per_expert=per_expert,
+                inputs=plain, samples=samples, passes=passes, kv_caches=kv_caches, kv_amax=kv_amax,
+                kv_layers=kv_layers, batch_size=batch_size, seed=seed, calibration_ids=calibration_ids,
+                calibration_batch_size=calibration_batch_size, progress=progress, should_cancel=should_cancel)
+    resolved = _checked_schemes(schemes, samples, passes, kv_caches)
     ids = as_token_batch(input_ids)
     reference.check_tokens(ids)
     ids = ids.detach().to("cpu", torch.int64)
-    units = sweep_units(linear_layer_names(model), groups=groups, only=layers, per_expert=per_expert)
-    if not units:
+    units = (sweep_units(linear_layer_names(model), groups=groups, only=layers, per_expert=per_expert)
+             if resolved else [])
+    if resolved and not units:
         raise PlanError("the sweep has no layer to quantize: the model has no nn.Linear layers")
     n_blocks = len(streamed.stack.blocks)
     passes_of = _unit_passes(streamed, units)
@@ -127,12 +150,14 @@ def streamed_fisher_sensitivity(
                 assert cache is not None and calibration_ids is not None
                 _round_streamed(streamed, plans, calibration_ids, cache, scheme_inputs[si], calibration_batch_size,
                                 None, should_cancel)
+    kv = prepare_kv(model, kv_caches, kv_amax, kv_layers)
+    kv_in = _kv_blocks(streamed, kv)
     whole = _fusion_units_only(units)
     sums = [[_UnitSums() for _ in resolved] for _ in units]
     notes = [["" for _ in units] for _ in resolved]
     member_of = {n: (ui, mi) for ui, unit in enumerate(units) for mi, n in enumerate(unit)}
     run = _Run(streamed, ids, reference, units, member_of, resolved, scheme_inputs, sums, notes, whole, passes_of,
-               samples, passes, seed, batch_size, should_cancel)
+               samples, passes, seed, batch_size, should_cancel, kv, kv_in)
     try:
         run.forward(progress)
         run.head(progress)
@@ -144,7 +169,21 @@ def streamed_fisher_sensitivity(
         run.states.clear()
         run.grads, run.spare = [], []
         streamed.cleanup()
-    return _linear_rows(units, resolved, sums, notes, ids.shape[1] - 1, samples, passes)
+    positions = ids.shape[1] - 1
+    return {**_linear_rows(units, resolved, sums, notes, positions, samples, passes),
+            **kv_rows(kv, positions, samples, passes)}
+
+
+def _kv_blocks(streamed: StreamedModel, kv: KvUnits | None) -> dict[int, list[str]]:
+    """{block: its swept attention layers} (every block a key: none swept, an empty list)."""
+    out: dict[int, list[str]] = {j: [] for j in range(len(streamed.stack.blocks))}
+    for name in kv.names if kv is not None else ():
+        b = streamed.stack.block_of(name)
+        if b is None:
+            raise PlanError(f"{name} is outside the decoder blocks: the streamed Fisher estimate of a KV cache "
+                            "covers the blocks' attention layers (run it whole-model)")
+        out[b].append(name)
+    return out
 
 
 def _unit_passes(streamed: StreamedModel, units: Sequence[Sequence[str]]) -> list[int]:
@@ -178,11 +217,12 @@ class _Run:
                  resolved: Sequence[Scheme], scheme_inputs: Sequence[PlanInputs],
                  sums: Sequence[Sequence[_UnitSums]], notes: list[list[str]], whole: bool, passes_of: Sequence[int],
                  samples: int, passes: int, seed: int, batch_size: int | None,
-                 should_cancel: ShouldCancel | None) -> None:
+                 should_cancel: ShouldCancel | None, kv: KvUnits | None, kv_in: Mapping[int, list[str]]) -> None:
         self.streamed, self.ids, self.reference = streamed, ids, reference
         self.units, self.member_of, self.resolved, self.scheme_inputs = units, member_of, resolved, scheme_inputs
         self.sums, self.notes, self.whole, self.passes_of = sums, notes, whole, passes_of
         self.samples, self.passes, self.should_cancel = samples, passes, should_cancel
+        self.kv, self.kv_in = kv, kv_in
         n, length = ids.shape
         self.ranges = batch_ranges(n, reference.batch_size if batch_size is None else batch_size)
         hidden = int(streamed.config.get_text_config().hidden_size)
@@ -228,7 +268,9 @@ class _Run:
             streamed.load_block(j)
             try:
                 for s, e in self.ranges:
-                    out = self._grad_pass(j, s, e, self._input(j, s, e))
+                    # KV formats: the eager attention the backward records with, nothing recorded here
+                    with kv_recorded(streamed.model, self.kv, self.passes, [0], names=[]):
+                        out = self._grad_pass(j, s, e, self._input(j, s, e))
                     self.states[j + 1].data[s:e] = out.detach().to(self.states[j + 1].data.device)
                     del out
             finally:
@@ -316,17 +358,18 @@ class _Run:
                     current = [0]
                     hooks, handles = self._hooks(mine, s, e, current)
                     try:
-                        previous = self._input(j, s, e)
-                        out = self._grad_pass(j, s, e, previous)
-                        for k in range(self.passes):
-                            current[0] = k
-                            out.backward(incoming[k].data[s:e].to(streamed.device),
-                                         retain_graph=k < self.passes - 1)
-                            if previous is not None:
-                                assert previous.grad is not None
-                                outgoing[k].data[s:e] = previous.grad.to(outgoing[k].data.device)
-                                previous.grad = None
-                        del out
+                        with kv_recorded(streamed.model, self.kv, self.passes, current, names=self.kv_in[j]):
+                            previous = self._input(j, s, e)
+                            out = self._grad_pass(j, s, e, previous)
+                            for k in range(self.passes):
+                                current[0] = k
+                                out.backward(incoming[k].data[s:e].to(streamed.device),
+                                             retain_graph=k < self.passes - 1)
+                                if previous is not None:
+                                    assert previous.grad is not None
+                                    outgoing[k].data[s:e] = previous.grad.to(outgoing[k].data.device)
+                                    previous.grad = None
+                            del out
                     finally:
                         for h in handles:
                             h.remove()

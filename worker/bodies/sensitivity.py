@@ -55,14 +55,9 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
     from quantcore.planning.plans import group_label
     from quantcore.schemes.numerics import NUMERICS
     from quantcore.schemes.presets import get_scheme
-    from worker.bodies.streaming import refuse_streamed, streamed_kv_amax, streamed_reference
+    from worker.bodies.streaming import streamed_kv_amax, streamed_reference
 
     rotation = _rotation(asked)
-    if streamed is not None and asked.method == "fisher":  # refused before anything runs
-        # linear units stream (quantcore.evaluation.fisher_streamed); a KV cache format's estimate and a rotated one
-        # do not yet
-        refuse_streamed((["the Fisher estimate of a KV cache format"] if asked.kv_sweep else [])
-                        + (["a rotated Fisher estimate"] if rotation is not None else []))
     compute = None if streamed is None else partial(streamed_reference, streamed)
     kv_calibrate = None if streamed is None else partial(streamed_kv_amax, streamed)
     awq, parallel, rerouted, gptq_summary = None, ONE_GPU, False, None
@@ -77,9 +72,12 @@ def _sweep(ctx: JobContext, asked: SensitivitySpec, rec: Any, model: Any, tok: A
         if asked.method == "fisher" and mine:  # every attention layer from one backward pass (evaluation.fisher_kv)
             from quantcore.evaluation.fisher import fisher_sensitivity
             from quantcore.evaluation.fisher_kv import KV_PREFIX
+            from quantcore.evaluation.fisher_streamed import streamed_fisher_sensitivity
 
-            rows = fisher_sensitivity(model, [], ids, ref, kv_caches=[kv.name], kv_amax=amax, kv_layers=mine,
-                                      progress=ctx.rest(), should_cancel=ctx.should_cancel)[KV_PREFIX + kv.name]
+            kv_asked = {"kv_caches": [kv.name], "kv_amax": amax, "kv_layers": mine, "progress": ctx.rest(),
+                        "should_cancel": ctx.should_cancel}
+            rows = (fisher_sensitivity(model, [], ids, ref, **kv_asked) if streamed is None
+                    else streamed_fisher_sensitivity(streamed, [], ids, ref, **kv_asked))[KV_PREFIX + kv.name]
         elif mine:
             rows = (kv_sensitivity_sweep(model, kv.name, ids, ref, amax=amax, layers=mine, progress=ctx.rest(),
                                          should_cancel=ctx.should_cancel) if streamed is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from quantcore.algorithms.inputs import PlanInputs
+from quantcore.algorithms.rotation_spec import RotationSpec
 from quantcore.errors import PlanError
 from quantcore.evaluation.calibrate import calibrate
 from quantcore.evaluation.fisher import fisher_sensitivity
@@ -49,7 +50,7 @@ def test_streamed_estimate_equals_whole(tmp_path, groups):
 
 def test_streamed_estimate_in_scratch_files_and_refusals(tmp_path):
     """A budget with room for no state beside one block: the states in scratch files, the rows unchanged, the folder
-    empty afterwards; KV cache formats and GPTQ without calibration tokens are refused."""
+    empty afterwards; GPTQ without calibration tokens, no scheme and a rotation per scheme are refused."""
     folder = save(tmp_path / "m", "llama")
     whole, _ = load_model(folder)
     ids = eval_ids(3)
@@ -70,6 +71,63 @@ def test_streamed_estimate_in_scratch_files_and_refusals(tmp_path):
         streamed_fisher_sensitivity(probe, ["W4A16_GPTQ"], ids, ref, layers=part)
     with pytest.raises(PlanError, match="at least one scheme"):
         streamed_fisher_sensitivity(probe, [], ids, ref)
+    with pytest.raises(PlanError, match="not one per scheme"):
+        streamed_fisher_sensitivity(probe, ["FP8_DYNAMIC"], ids, ref,
+                                    inputs={"FP8_DYNAMIC": PlanInputs(rotation=RotationSpec())})
+
+
+def test_streamed_kv_estimate_equals_whole(tmp_path):
+    """KV cache formats (FP8 with calibrated scales, FP8_ATTN with its FP8 attention) beside a linear scheme, and one
+    format alone on some layers: the whole estimate's rows, two batches and two passes; the model's attention setting
+    handed back and no hook left."""
+    from quantcore.evaluation.scoring import calibrate_kv_cache
+
+    folder = save(tmp_path / "m", "llama")
+    whole, _ = load_model(folder)
+    ids = eval_ids(3)
+    ref = compute_reference(whole, ids, batch_size=BATCH)
+    amax = calibrate_kv_cache(whole, {}, ids[:2])
+    formats = ["FP8", "FP8_ATTN"]
+    expected = rows_of(fisher_sensitivity(whole, ["FP8_DYNAMIC"], ids, ref, kv_caches=formats, kv_amax=amax, seed=2))
+    streamed = StreamedModel(folder)
+    attn = streamed.model.config._attn_implementation
+    got = rows_of(streamed_fisher_sensitivity(streamed, ["FP8_DYNAMIC"], ids, ref, kv_caches=formats, kv_amax=amax,
+                                              seed=2))
+    assert sorted(got) == ["FP8_DYNAMIC", "KV FP8", "KV FP8_ATTN"]
+    assert got == expected
+    assert all(len(got[f"KV {f}"]) == 2 and all(r["kl_mean"] > 0 for r in got[f"KV {f}"]) for f in formats)
+    assert streamed.model.config._attn_implementation == attn
+    for name, m in streamed.model.named_modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, f"hook left on {name}"
+    one = ["model.layers.1.self_attn"]
+    alone = rows_of(fisher_sensitivity(whole, [], ids, ref, kv_caches=["FP8"], kv_amax=amax, kv_layers=one,
+                                       passes=1))
+    got = rows_of(streamed_fisher_sensitivity(streamed, [], ids, ref, kv_caches=["FP8"], kv_amax=amax, kv_layers=one,
+                                              passes=1))
+    assert got == alone and list(got) == ["KV FP8"] and [r["layer"] for r in got["KV FP8"]] == one
+
+
+def test_rotated_streamed_estimate_equals_whole(tmp_path):
+    """R1 + R2 + R4 (down_proj's input rotated online): the streamed model rotated block by block as it loads, in the
+    forward and again in the backward, gives the rows of the whole model rotated once (a KV cache format in the same
+    pass), differs from the unrotated estimate, and is handed back unrotated."""
+    from tests.quantcore.algorithms.test_rotation_streamed import assert_left_as_it_was, resident_state
+
+    folder = save(tmp_path / "m", "llama")
+    whole, _ = load_model(folder)
+    ids = eval_ids(3)
+    ref = compute_reference(whole, ids, batch_size=BATCH)
+    inputs = PlanInputs(rotation=RotationSpec())  # R1 + R2 + R4
+    kv = {"kv_caches": ["FP8_E5M2"]}  # no calibrated scale: the same in the rotated model
+    expected = rows_of(fisher_sensitivity(whole, ["FP8_DYNAMIC"], ids, ref, inputs=inputs, **kv))
+    streamed = StreamedModel(folder)
+    before = resident_state(streamed)
+    got = rows_of(streamed_fisher_sensitivity(streamed, ["FP8_DYNAMIC"], ids, ref, inputs=inputs, **kv))
+    assert got == expected and len(got["FP8_DYNAMIC"]) == 9
+    assert_left_as_it_was(streamed, before)
+    plain = rows_of(streamed_fisher_sensitivity(streamed, ["FP8_DYNAMIC"], ids, ref, **kv))
+    assert {r["layer"]: r["kl_mean"] for r in plain["FP8_DYNAMIC"]} != {
+        r["layer"]: r["kl_mean"] for r in got["FP8_DYNAMIC"]}
 
 
 @pytest.mark.parametrize(("scheme", "groups"), [("W4A16_GPTQ", True), ("NVFP4A16_GPTQ", False)])

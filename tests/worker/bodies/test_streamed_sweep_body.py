@@ -1,6 +1,6 @@
 """The sensitivity job streamed (quantcore.evaluation.streamed_sweep): asked (``stream``) or chosen by the worker's
-budget (QUANTPLAN_MODEL_MEMORY_GIB), alone or as a shard, it stores the rows the whole-model job stores; what runs
-whole-model only (the Fisher estimate of a KV cache format, a rotated one) is refused before anything runs."""
+budget (QUANTPLAN_MODEL_MEMORY_GIB), alone or as a shard, it stores the rows the whole-model job stores (the Fisher
+estimate streamed, of linear units, KV cache formats and rotated: test_streamed_fisher.py)."""
 
 from __future__ import annotations
 
@@ -41,18 +41,3 @@ def test_a_streamed_sweep_stores_the_whole_sweeps_rows(run_body, tiny_llama, qp_
     assert stored(qp_settings, kv_streamed) == stored(qp_settings, kv_whole) and kv_whole.result["units"] == 2
     assert not qp_settings.job_scratch_dir(kv_streamed.id).exists()
 
-
-def test_fisher_is_refused_streamed(run_body, tiny_llama, qp_settings):
-    """What still needs the whole model (GPTQ and AWQ stream: test_streamed_sweep_rounding.py; a rotation streams:
-    test_streamed_rotation.py; the Fisher estimate of linear units streams: test_streamed_fisher.py): the Fisher
-    estimate of a KV cache format, and a rotated Fisher estimate."""
-    rotation = {"kind": "hadamard", "rotations": ["R1"]}
-    for spec, what in ((SensitivitySpec(kv_sweep="FP8", method="fisher", stream=True, **TOKENS),
-                        "the Fisher estimate of a KV cache format run whole-model only"),
-                       (SensitivitySpec(scheme="FP8_DYNAMIC", method="fisher", stream=True, rotation=rotation,
-                                        **TOKENS), "a rotated Fisher estimate run whole-model only")):
-        job = run_body("sensitivity", spec, model_id=tiny_llama)
-        assert job.status == "failed"
-        assert what in job.error and "stream" in job.error
-        with session_scope(qp_settings) as s:
-            assert repo.list_sensitivity(s, job.id) == []
