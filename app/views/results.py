@@ -22,7 +22,7 @@ from quantplan.services import scoring as scoring_svc
 from quantplan.services import serving as serving_svc
 from quantplan.services import sweeps as sweeps_svc
 from quantplan.services.errors import Refused
-from store.records import ModelRecord
+from store.records import ModelRecord, ScoreRecord
 
 st.title("Results")
 model = state.current_model()
@@ -40,6 +40,7 @@ scores = scoring_svc.list_scores(model.id)  # newest first
 # the sections below the comparison, built only once their expander is opened (st.expander(..., on_change="rerun"))
 TRADEOFF_OPEN, SWEEP_ROWS_OPEN, BY_SCHEME_OPEN = ("results_tradeoff_open", "results_sweep_rows_open",
                                                   "results_by_scheme_open")
+STATISTICS_OPEN = "results_statistics_open"  # the compared scores' statistics, in the comparison's fragment
 SAID = f"results_said_{model.id}"  # (kind, text) of what the last Queue did, shown below the form
 
 
@@ -266,6 +267,16 @@ else:
             rest = row.drop(labels=["job", "scored", *frames.SCORE_KEY_COLUMNS])
             st.dataframe(rest.rename("value").astype(str).to_frame(), width="stretch")
 
+    def statistics_body(chosen: list[ScoreRecord]) -> None:
+        """The compared scores' statistics as llama-perplexity prints them, built only while their expander is open."""
+        st.caption("± one standard error, with each evaluation sequence an independent block (tokens along a sequence "
+                   "are correlated; an error over tokens as if independent would be too small); percentiles by linear "
+                   "interpolation. — : a figure the score was stored without (scored before it was kept).")
+        for s in chosen:
+            st.code(f"#{s.job_id} {s.plan_label}\n"
+                    + "\n".join(scoring_svc.statistics_lines({**s.metrics(), **s.statistics()})),
+                    language=None, wrap_lines=True)
+
     @st.fragment
     def compare_section() -> None:  # choosing the scores compared reruns this section alone
         picked = st.multiselect("Compare", [s.job_id for s in scores], default=scoring_svc.default_comparison(scores),
@@ -289,15 +300,11 @@ else:
             for s in chosen:
                 for note in scoring_svc.score_notes(model, s):
                     st.warning(f"#{s.job_id} {s.plan_label}: {note}")
-            with st.expander("Statistics with their errors (as llama-perplexity --kl-divergence prints them)"):
-                st.caption("± one standard error, with each evaluation sequence an independent block (tokens along a "
-                           "sequence are correlated; an error over tokens as if independent would be too small); "
-                           "percentiles by linear interpolation. — : a figure the score was stored without (scored "
-                           "before it was kept).")
-                for s in chosen:
-                    st.code(f"#{s.job_id} {s.plan_label}\n"
-                            + "\n".join(scoring_svc.statistics_lines({**s.metrics(), **s.statistics()})),
-                            language=None, wrap_lines=True)
+            stats_box = st.expander("Statistics with their errors (as llama-perplexity --kl-divergence prints them)",
+                                    key=STATISTICS_OPEN, on_change="rerun")
+            with stats_box:
+                if stats_box.open:  # built when opened: each code block is highlighted in the browser, which cost a
+                    statistics_body(chosen)  # visit more main-thread time than the charts below (page-speed.md)
             if len(chosen) >= 2:
                 st.markdown("**Compare two plans**")
                 q1, q2, q3 = st.columns([2, 2, 1])

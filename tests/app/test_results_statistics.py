@@ -63,6 +63,9 @@ def test_results_page_shows_errors_and_whether_two_plans_differ(seeded):
     better = [s.value for s in at.success]
     assert any(f"#{base} FP8_DYNAMIC is better by 0.0003 ± " in v and "paired over the same sequences" in v
                for v in better), better
+    assert not any("Mean    KLD:" in c.value for c in at.code)  # the statistics are built once their expander opens
+    at.session_state["results_statistics_open"] = True  # a click on it (app/views/results.py: STATISTICS_OPEN)
+    at.run()
     codes = " ".join(c.value for c in at.code)
     assert "Mean    KLD:" in codes and "Maximum KLD:" in codes and "—" in codes  # Δp: not in these reports
 
