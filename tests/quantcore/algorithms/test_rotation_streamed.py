@@ -5,8 +5,6 @@ the whole rotated model's; the streamed model is left as it was, and what cannot
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -21,31 +19,11 @@ from quantcore.evaluation.scoring import calibrate_kv_cache, score_plan
 from quantcore.evaluation.streamed import calibrate_kv_cache_streamed, calibrate_streamed, score_streamed
 from quantcore.models.loading import load_model
 from quantcore.models.streaming import StreamedModel
-from tests.factories import TINY_VOCAB, build_tiny_model, tiny_tokenizer
+from tests.quantcore.evaluation.test_streamed import assert_same_stats, eval_ids, save
 
 BATCH = 2
 SPINQUANT = RotationSpec()  # R1 + R2 + R4
 SPECS = [SPINQUANT, RotationSpec("random-hadamard", block_size=16, seed=5), RotationSpec(rotations=("V",))]
-
-
-def save(folder: Path, arch: str) -> Path:
-    build_tiny_model(arch).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
-def eval_ids(n: int = 5, length: int = 16, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, TINY_VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_same_stats(a, b) -> None:
-    assert list(a) == list(b)
-    for name in a:
-        x, y = a[name], b[name]
-        np.testing.assert_array_equal(x.channel_max, y.channel_max, err_msg=name)
-        np.testing.assert_array_equal(x.weight_channel_max, y.weight_channel_max, err_msg=name)
-        np.testing.assert_array_equal(x.hist_counts, y.hist_counts, err_msg=name)
-        assert (x.n_tokens, x.token_max, x.zeros) == (y.n_tokens, y.token_max, y.zeros), name
 
 
 def resident_state(streamed: StreamedModel) -> dict[str, torch.Tensor]:
