@@ -40,6 +40,7 @@ scores = scoring_svc.list_scores(model.id)  # newest first
 # the sections below the comparison, built only once their expander is opened (st.expander(..., on_change="rerun"))
 TRADEOFF_OPEN, SWEEP_ROWS_OPEN, BY_SCHEME_OPEN = ("results_tradeoff_open", "results_sweep_rows_open",
                                                   "results_by_scheme_open")
+SCORE_OPEN = "results_score_open"  # the score form, built once its expander is opened (open while nothing is scored)
 STATISTICS_OPEN = "results_statistics_open"  # the compared scores' statistics, in the comparison's fragment
 SAID = f"results_said_{model.id}"  # (kind, text) of what the last Queue did, shown below the form
 
@@ -48,7 +49,17 @@ def say(kind: str, text: str) -> None:
     st.session_state.setdefault(SAID, []).append((kind, text))
 
 
-if auth.may("queue"):
+def last_sizes(model: ModelRecord) -> tuple[int, int]:
+    """The score form's sequences and tokens each while it is not built: as last queued for this model in this session
+    (the form's defaults before), as the form would show them."""
+    kept = forms.last("score", model.id)
+    return (int(kept.get("samples", ScoreSpec.samples)),
+            min(int(kept.get("seq_len", ScoreSpec.seq_len)), int(SCORED_SEQ_LEN.within(model.context).most)))
+
+
+def score_form(model: ModelRecord) -> tuple[int, int]:
+    """The score form: a score job for each plan or preset chosen, and the sweeps asked beside them; the sequences and
+    tokens each it shows."""
     with st.form("score_form", enter_to_submit=False):  # Enter in a field queues no job
         st.markdown("**Score a plan** against the unquantized model on held-out text (default: gensim's lee.cor, "
                     "50 news articles). The reference log-probabilities are computed once and cached.")
@@ -207,6 +218,16 @@ if auth.may("queue"):
                                                                                     else {})},
                                     model_id=model.id)
                     say("success", f"Queued KV cache sweep job #{sj.id} ({kv_choice}).")
+    return int(samples), int(seq_len)
+
+
+if auth.may("queue"):
+    # built once opened (open while nothing is scored): its widgets were most of what a browser drew before the
+    # first chart (docs/results/page-speed.md, session 8); what was last queued is kept (app.forms)
+    score_box = st.expander("Score a plan or preset, and sweep its layers' sensitivity", key=SCORE_OPEN,
+                            on_change="rerun", expanded=not scores)
+    with score_box:
+        samples, seq_len = score_form(model) if score_box.open else last_sizes(model)
 else:
     st.caption(auth.cannot("queue"))
 
@@ -231,42 +252,6 @@ st.subheader(f"Scored plans ({len(scores)})")
 if not scores:
     st.info("Nothing scored yet for this model.")
 else:
-    ran = jobs_svc.jobs_by_id(s.job_id for s in scores)  # who asked for each score, and where it ran
-    table = pd.DataFrame([{"job": s.job_id, "plan": s.plan_label,
-                           "KL ± error": scoring_svc.pm_text(s.kl_mean, s.kl_mean_err),
-                           "top-1": scoring_svc.pm_text(s.top1_agree, s.top1_agree_err, ".3f"),
-                           "when": page_text.ago(s.created_at),
-                           "asked by": (ran[s.job_id].requested_by or "") if s.job_id in ran else "",
-                           "device": (ran[s.job_id].device or "") if s.job_id in ran else "",
-                           "KV cache": s.kv_cache, **s.metrics(),
-                           "ln(PPL(Q)/PPL(base))": scoring_svc.pm_text(s.ln_ppl_ratio, s.ln_ppl_ratio_err),
-                           "predicted KL": s.predicted_kl, "text": s.dataset, "positions": s.tokens,
-                           "calibrated on": s.details.get("calibration"),  # GPTQ / KV scales; None: not needed
-                           "scored": page_text.utc_text(s.created_at)} for s in scores])
-    optional = ["predicted KL", "calibrated on"]  # shown where some score has one, blank (not "None") where not
-    table = table.drop(columns=[c for c in optional if table[c].isna().all()])
-    if "calibrated on" in table:
-        table["calibrated on"] = table["calibrated on"].fillna("")
-    # the key columns only, visible at 1400 px (app.frames.SCORE_KEY_COLUMNS); a selected row shows the rest
-    chosen_row = st.dataframe(table, hide_index=True, width="stretch", column_order=frames.SCORE_KEY_COLUMNS,
-                              key=f"results_scores_{model.id}", on_select="rerun", selection_mode="single-row",
-                              column_config={"plan": st.column_config.TextColumn(width=220),
-                                             "KL ± error": st.column_config.TextColumn(width=150),
-                                             "top-1": st.column_config.TextColumn(width=130),
-                                             "when": st.column_config.TextColumn(width=90, help=page_text.AGO_HELP),
-                                             "asked by": st.column_config.TextColumn(width=80),
-                                             "device": st.column_config.TextColumn(width=150)})
-    st.caption("Select a row for the rest of the score: KV cache, KL percentiles, perplexity, text, positions, "
-               "calibration and the UTC time it was stored.")
-    if chosen_row is not None and chosen_row.selection.rows:
-        i = chosen_row.selection.rows[0]
-        row = table.iloc[i]
-        with st.container(border=True):
-            st.markdown(f"**#{row['job']} {row['plan']}** · scored {page_text.ago_html(scores[i].created_at)} "
-                        f"({row['scored']})", unsafe_allow_html=True)
-            rest = row.drop(labels=["job", "scored", *frames.SCORE_KEY_COLUMNS])
-            st.dataframe(rest.rename("value").astype(str).to_frame(), width="stretch")
-
     def statistics_body(chosen: list[ScoreRecord]) -> None:
         """The compared scores' statistics as llama-perplexity prints them, built only while their expander is open."""
         st.caption("± one standard error, with each evaluation sequence an independent block (tokens along a sequence "
@@ -300,6 +285,13 @@ else:
             for s in chosen:
                 for note in scoring_svc.score_notes(model, s):
                     st.warning(f"#{s.job_id} {s.plan_label}: {note}")
+            hist, pos = frames.score_frames(chosen)  # the page's first charts, before the details
+            if not hist.empty:
+                state.chart(("kl_distribution", *state.frame_key(hist)),
+                            lambda: result_charts.kl_distribution_chart(hist), width="stretch")
+            if not pos.empty:
+                state.chart(("kl_by_position", *state.frame_key(pos)), lambda: result_charts.kl_by_position_chart(pos),
+                            width="stretch")
             stats_box = st.expander("Statistics with their errors (as llama-perplexity --kl-divergence prints them)",
                                     key=STATISTICS_OPEN, on_change="rerun")
             with stats_box:
@@ -328,19 +320,48 @@ else:
                         st.caption("Two scores on the same evaluation tokens are compared sequence by sequence (the "
                                    "paired difference: what makes a passage hard makes it hard for both plans, and "
                                    "cancels), far sharper than two separate errors.")
-            hist, pos = frames.score_frames(chosen)
-            if not hist.empty:
-                state.chart(("kl_distribution", *state.frame_key(hist)),
-                            lambda: result_charts.kl_distribution_chart(hist), width="stretch")
-            if not pos.empty:
-                state.chart(("kl_by_position", *state.frame_key(pos)), lambda: result_charts.kl_by_position_chart(pos),
-                            width="stretch")
             with_pred = [s for s in chosen if s.predicted_kl is not None]
             for s in with_pred:
                 st.caption(f"#{s.job_id} {s.plan_label}: predicted KL (sum of per-layer KL) {s.predicted_kl:.4g}, "
                            f"measured {scoring_svc.pm_text(s.kl_mean, s.kl_mean_err)}")
 
     compare_section()
+    ran = jobs_svc.jobs_by_id(s.job_id for s in scores)  # who asked for each score, and where it ran
+    table = pd.DataFrame([{"job": s.job_id, "plan": s.plan_label,
+                           "KL ± error": scoring_svc.pm_text(s.kl_mean, s.kl_mean_err),
+                           "top-1": scoring_svc.pm_text(s.top1_agree, s.top1_agree_err, ".3f"),
+                           "when": page_text.ago(s.created_at),
+                           "asked by": (ran[s.job_id].requested_by or "") if s.job_id in ran else "",
+                           "device": (ran[s.job_id].device or "") if s.job_id in ran else "",
+                           "KV cache": s.kv_cache, **s.metrics(),
+                           "ln(PPL(Q)/PPL(base))": scoring_svc.pm_text(s.ln_ppl_ratio, s.ln_ppl_ratio_err),
+                           "predicted KL": s.predicted_kl, "text": s.dataset, "positions": s.tokens,
+                           "calibrated on": s.details.get("calibration"),  # GPTQ / KV scales; None: not needed
+                           "scored": page_text.utc_text(s.created_at)} for s in scores])
+    optional = ["predicted KL", "calibrated on"]  # shown where some score has one, blank (not "None") where not
+    table = table.drop(columns=[c for c in optional if table[c].isna().all()])
+    if "calibrated on" in table:
+        table["calibrated on"] = table["calibrated on"].fillna("")
+    # below the comparison, whose charts a visit draws first (page-speed.md, session 8); the key columns only,
+    # visible at 1400 px (app.frames.SCORE_KEY_COLUMNS); a selected row shows the rest
+    chosen_row = st.dataframe(table, hide_index=True, width="stretch", column_order=frames.SCORE_KEY_COLUMNS,
+                              key=f"results_scores_{model.id}", on_select="rerun", selection_mode="single-row",
+                              column_config={"plan": st.column_config.TextColumn(width=220),
+                                             "KL ± error": st.column_config.TextColumn(width=150),
+                                             "top-1": st.column_config.TextColumn(width=130),
+                                             "when": st.column_config.TextColumn(width=90, help=page_text.AGO_HELP),
+                                             "asked by": st.column_config.TextColumn(width=80),
+                                             "device": st.column_config.TextColumn(width=150)})
+    st.caption("Select a row for the rest of the score: KV cache, KL percentiles, perplexity, text, positions, "
+               "calibration and the UTC time it was stored.")
+    if chosen_row is not None and chosen_row.selection.rows:
+        i = chosen_row.selection.rows[0]
+        row = table.iloc[i]
+        with st.container(border=True):
+            st.markdown(f"**#{row['job']} {row['plan']}** · scored {page_text.ago_html(scores[i].created_at)} "
+                        f"({row['scored']})", unsafe_allow_html=True)
+            rest = row.drop(labels=["job", "scored", *frames.SCORE_KEY_COLUMNS])
+            st.dataframe(rest.rename("value").astype(str).to_frame(), width="stretch")
     fixes_panel.render(scores)  # plans that differ only in the outlier fix, side by side (issue #46)
 
     verified = predictions_svc.verified_predictions(model)  # every automatic plan of this architecture family
@@ -465,7 +486,8 @@ else:
 st.subheader("Per-layer sensitivity")
 sweeps = sweeps_svc.sensitivity_jobs(model.id)
 if not sweeps:
-    st.info("No sensitivity sweep yet: tick the box above to queue one with a preset.")
+    st.info("No sensitivity sweep yet: tick its box in the score form above (\"Score a plan or preset\") to queue one "
+            "with a preset.")
     st.stop()
 sweep_id = st.selectbox("Sweep", [j.id for j in sweeps],
                         format_func=lambda i: next(f"job #{j.id} · {sweeps_svc.sweep_label(j)} · "

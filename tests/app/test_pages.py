@@ -20,7 +20,8 @@ MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 # a person's clicks on their expanders open them, so that a test of what they show sees it (test_results_page_builds_...
 # checks them closed)
 RESULTS_SECTIONS = ("results_tradeoff_open", "results_sweep_rows_open", "results_by_scheme_open")
-OPENED = {"results": RESULTS_SECTIONS, "kernels": ("kernels_cases_open",)}  # and the Kernels page's "Every case"
+RESULTS_FORM = "results_score_open"  # the score form, closed while the model has a score (a visit's first chart sooner)
+OPENED = {"results": (*RESULTS_SECTIONS, RESULTS_FORM), "kernels": ("kernels_cases_open",)}  # and Kernels' "Every case"
 
 
 def _run(page: str | None, model_id: int | None, opened: bool = True):
@@ -333,12 +334,15 @@ def test_results_page_shows_scores_and_sensitivity(seeded):
 
 
 def test_results_page_builds_its_sections_below_the_fold_when_opened(seeded):
+    from jobs.specs import ScoreSpec
+
     at = _run("results", seeded.id, opened=False)
     # as it opens: the scores' table, the comparison and the sensitivity chart; not the cost trade-off, the sweep's
     # rows, nor the side-by-side panels
     assert not any("front" in d.value.columns for d in at.dataframe)
     assert not any("sqnr_db" in d.value.columns for d in at.dataframe)
     charts = len(at.get("vega_lite_chart"))
+    assert not at.get("form") and not any(n.key == "score_samples" for n in at.number_input)  # scored: the form closed
     for key in RESULTS_SECTIONS:
         at.session_state[key] = True
     at.run()
@@ -347,6 +351,23 @@ def test_results_page_builds_its_sections_below_the_fold_when_opened(seeded):
     assert any("sqnr_db" in d.value.columns for d in at.dataframe)
     side = any(h.value == "Every swept scheme side by side" for h in at.subheader)  # two schemes swept
     assert len(at.get("vega_lite_chart")) == charts + 1 + side  # + the trade-off (and the side-by-side panels)
+    assert not at.get("form")  # opened with its own expander only
+    at.session_state[RESULTS_FORM] = True
+    at.run()
+    assert [f.proto.form.form_id for f in at.get("form")] == ["score_form"]
+    assert at.number_input(key="score_samples").value == ScoreSpec.samples  # its default, as before it was lazy
+
+
+def test_results_page_opens_its_score_form_while_the_model_has_no_score(seeded):
+    from store import repo
+    from store.db import session_scope
+
+    with session_scope() as s:
+        fresh = repo.add_model(s, name="unscored", sha256="ef" * 32, source_kind="folder", source_name="u",
+                               path="models/u", summary=dict(seeded.summary), user=None)
+    at = _run("results", fresh.id, opened=False)
+    assert [f.proto.form.form_id for f in at.get("form")] == ["score_form"]
+    assert any("Nothing scored yet" in i.value for i in at.info)
 
 
 def test_results_page_says_which_layers_a_smoothquant_sweep_left_out(seeded):

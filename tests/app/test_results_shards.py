@@ -12,6 +12,7 @@ MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 def _results(model_id: int) -> AppTest:
     at = AppTest.from_file(MAIN, default_timeout=120)
     at.session_state["model_id"] = model_id
+    at.session_state["results_score_open"] = True  # the score form, built once opened (the model has a score)
     at.run()
     at.switch_page("views/results.py").run()
     assert not at.exception, [e.value for e in at.exception]

@@ -51,6 +51,7 @@ def _pages(model_id: int) -> list[AppTest]:
     for page in PAGES:
         at = AppTest.from_file(MAIN, default_timeout=120)
         at.session_state["model_id"] = model_id
+        at.session_state["results_score_open"] = True  # the Results page's score form, built once opened
         at.run()
         if page != "models":
             at.switch_page(f"views/{page}.py").run()

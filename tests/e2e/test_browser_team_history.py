@@ -125,6 +125,9 @@ def test_a_member_scores_and_tags_a_run_a_viewer_finds_opens_compares_it_and_may
     _sign_in(page, oidc_app, ANN, "member")
     page.goto(oidc_app + f"/results?model={model_id}")
     _drawn(page)
+    # the score form opens on a click once the model has a score
+    page.locator("[data-testid='stExpander'] summary", has_text="Score a plan or preset").click()
+    expect(page.get_by_label("Sequences", exact=True)).to_be_visible()
     page.get_by_label("Sequences", exact=True).fill("2")
     page.get_by_label("Tokens each").first.fill("32")
     page.get_by_role("button", name="Queue").click()
