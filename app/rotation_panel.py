@@ -46,7 +46,9 @@ def layer_view(cal_id: int, rot_id: int, layer: str, alpha: float, _before: Mapp
     views = rv.layer_fixes(_before[layer], _rotated.get(layer), alpha)
     table = pd.DataFrame([{"fix": v.fix, "outlier ratio (max / median)": round(v.outlier_ratio, 2),
                            "max |x|": round(v.amax, 4),
-                           "kurtosis": None if v.kurtosis != v.kurtosis else round(v.kurtosis, 1)} for v in views])
+                           # a text column: SmoothQuant's kurtosis is not known (a null cell would read "None")
+                           "kurtosis": "not known" if v.kurtosis != v.kurtosis else f"{v.kurtosis:,.1f}"}
+                          for v in views])
     return table, vega_spec(outlier_charts.rotation_chart(outlier_charts.rotation_frame(views)))
 
 
