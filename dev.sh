@@ -83,8 +83,9 @@ case "${1:-}" in
     bash scripts/llmc_env.sh  # the real llm-compressor, in its own .venv-llmc (its pins clash with ours)
     shift
     checks
-    # two processes (pytest-xdist; CI has 2 cores), each test to whichever is free; `./dev.sh test -n 0` runs serially
-    exec "$VENV/bin/python" -m pytest -n 2 "$@"
+    # two processes (pytest-xdist; CI has 2 cores), each test to whichever is free, except that the tests of one
+    # xdist_group (a module whose fixture is slow to set up) share a worker; `./dev.sh test -n 0` runs serially
+    exec "$VENV/bin/python" -m pytest -n 2 --dist loadgroup "$@"
     ;;
   setup)
     setup

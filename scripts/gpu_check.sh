@@ -61,10 +61,10 @@ step device bash -c "nvidia-smi --query-gpu=name,compute_cap,memory.total,driver
   --format=csv; $PY -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, \
   torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))'"
 
-step gpu-tests "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs \
-  tests/quantcore/kernels/test_kernels.py tests/quantcore/kernels/test_hardware.py tests/quantcore/formats/test_quantize.py \
-  tests/quantcore/algorithms/test_apply.py tests/quantcore/algorithms/test_smoothquant.py tests/quantcore/evaluation/test_kvcache.py \
-  tests/quantcore/algorithms/test_gptq.py
+# the test files that hold `gpu` tests (collecting the whole suite for them took longer than they run), but
+# test_placement.py, which is the next step
+mapfile -t GPU_TEST_FILES < <(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu\b' tests | grep -v test_placement.py | sort)
+step gpu-tests "$PY" -m pytest -m gpu -p no:cacheprovider -q -rs "${GPU_TEST_FILES[@]}"
 
 # a model over several GPUs (accelerate's device_map): the placement decided on the meta device, a device_map load
 # on CUDA giving the one-device logits, and a two-GPU split where the machine has two (skipped, with the count, else)
@@ -83,13 +83,26 @@ if ! "$PY" -c "import sqlalchemy, alembic, celery, pydantic_settings" 2>/dev/nul
 fi
 export QUANTPLAN_HOME=${GPU_CHECK_HOME:-/tmp/quantplan-gpu-home} QUANTPLAN_USER=gpu-check  # a fresh home
 rm -rf "$QUANTPLAN_HOME"
-step rotation "$PY" scripts/rotation_check.py "$DEVICE"  # Hadamard R1/R2/R4 exact on the device (issue #46)
-step migrate "$PY" -m quantplan migrate
-step bench-measure bash -c "$PY -m quantplan bench --device $DEVICE --m $M_CSV --budget $BUDGET \
+# The Python steps from here on: `$PY ...`, each its own process. A CPU dry run (DEVICE=cpu) runs the very same
+# commands through scripts/forkserver.py instead: a process that imported torch, transformers and quantplan once forks
+# a fresh child for each (the same code, arguments, environment, output and exit status), so that some twenty tiny
+# jobs do not each spend 4-5 s of CPU importing them (the dry run is a test of CI's). GPU_CHECK_FORK=0: plain processes.
+PYRUN=("$PY")
+if [ "$DEVICE" = cpu ] && [ "${GPU_CHECK_FORK:-1}" = 1 ]; then
+  FORK_SOCKET=$(mktemp -u "${TMPDIR:-/tmp}/gpu-check-fork.XXXXXX")
+  "$PY" scripts/forkserver.py serve "$FORK_SOCKET" >>"$LOG" 2>&1 &
+  FORK_PID=$!
+  trap 'kill "$FORK_PID" 2>/dev/null; wait "$FORK_PID" 2>/dev/null; rm -f "$FORK_SOCKET" "$FORK_SOCKET.failed"' EXIT
+  PYRUN=("$PY" scripts/forkserver.py run "$FORK_SOCKET")
+fi
+QP=("${PYRUN[@]}" -m quantplan)
+step rotation "${PYRUN[@]}" scripts/rotation_check.py "$DEVICE"  # Hadamard R1/R2/R4 exact on the device (issue #46)
+step migrate "${QP[@]}" migrate
+step bench-measure bash -c "${QP[*]} bench --device $DEVICE --m $M_CSV --budget $BUDGET \
   --local --json >'$OUT/quantplan_bench.json' \
   && $PY -c 'import json; r = json.load(open(\"$OUT/quantplan_bench.json\")); \
 print(len(r), \"records on\", {x[\"device_name\"] for x in r})'"
-step bench-reuse "$PY" -m quantplan bench --device "$DEVICE" --m "$M_CSV" --budget "$BUDGET" --local
+step bench-reuse "${QP[@]}" bench --device "$DEVICE" --m "$M_CSV" --budget "$BUDGET" --local
 
 # The other job bodies on the device, end to end through the store, on a tiny random-weight Llama made
 # here (no weights travel) and the docs' concept pages as the evaluation and calibration text (gensim's corpus does not
@@ -97,48 +110,50 @@ step bench-reuse "$PY" -m quantplan bench --device "$DEVICE" --m "$M_CSV" --budg
 TINY="$QUANTPLAN_HOME/tiny-llama"
 TEXT="$QUANTPLAN_HOME/text.txt"
 cat docs/concepts/*.md > "$TEXT"
-step tiny-model "$PY" -c "from pathlib import Path; from tests.factories import save_tiny_llama; \
+step tiny-model "${PYRUN[@]}" -c "from pathlib import Path; from tests.factories import save_tiny_llama; \
 save_tiny_llama(Path('$TINY'))"
-step models-add "$PY" -m quantplan models add "$TINY" --name tiny
+step models-add "${QP[@]}" models add "$TINY" --name tiny
 JOB_ARGS=(--text "$TEXT" --samples 4 --seq-len 32 --device "$DEVICE" --local)
-step calibrate "$PY" -m quantplan calibrate tiny "${JOB_ARGS[@]}"
+step calibrate "${QP[@]}" calibrate tiny "${JOB_ARGS[@]}"
 # block-streamed execution (issue 42): the same calibration one decoder block at a time, read from the safetensors
-step calibrate-stream "$PY" -m quantplan calibrate tiny "${JOB_ARGS[@]}" --stream
+step calibrate-stream "${QP[@]}" calibrate tiny "${JOB_ARGS[@]}" --stream
 # score and sensitivity also read calibration text (KV cache scales, GPTQ's Hessians), whose default, gensim's
 # corpus, is not on that machine's image: --cal-text
 JOB_ARGS+=(--cal-text "$TEXT" --cal-samples 4 --cal-seq-len 32)
-step score "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}"
-step score-stream "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}" --stream
-step sensitivity "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
+step score "${QP[@]}" score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}"
+step score-stream "${QP[@]}" score tiny --scheme FP8_DYNAMIC "${JOB_ARGS[@]}" --stream
+step sensitivity "${QP[@]}" sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}"
 # the same sweep streamed (one load of each block for every unit; the rows equal the whole sweep's within CUDA rounding)
-step sensitivity-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}" --stream
+step sensitivity-stream "${QP[@]}" sensitivity tiny --scheme INT8_W8A8 "${JOB_ARGS[@]}" --stream
 # streamed sweeps of a GPTQ scheme (its layers rounded block by block first, as a streamed score rounds) and of an AWQ
 # scheme (its search streamed), on the device
-step sensitivity-gptq-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8_GPTQ "${JOB_ARGS[@]}" --stream
-step sensitivity-awq-stream "$PY" -m quantplan sensitivity tiny --scheme NVFP4A16_AWQ "${JOB_ARGS[@]}" --stream
+step sensitivity-gptq-stream "${QP[@]}" sensitivity tiny --scheme INT8_W8A8_GPTQ "${JOB_ARGS[@]}" --stream
+step sensitivity-awq-stream "${QP[@]}" sensitivity tiny --scheme NVFP4A16_AWQ "${JOB_ARGS[@]}" --stream
 # a rotated sweep streamed: each block rotated (R1 + R2 + R4) as it loads, its static scales from a rotated calibration
 # that the job runs first, streamed too
-step sensitivity-rotated-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_PER_TENSOR --rotation hadamard \
+step sensitivity-rotated-stream "${QP[@]}" sensitivity tiny --scheme INT8_PER_TENSOR --rotation hadamard \
   "${JOB_ARGS[@]}" --stream
 # the fast (Fisher) estimate on the device: backward hooks and quantized GEMMs there; prints its rank correlation with
 # the sweep just above (the same tokens: read, not run again)
-step fisher "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}"
+step fisher "${QP[@]}" sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}"
 # the same estimate block-streamed (block-wise gradient checkpointing: each block run forward, then again backward)
-step fisher-stream "$PY" -m quantplan sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}" --stream
-step fisher-kv-stream "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN --method fisher "${JOB_ARGS[@]}" --stream
-step score-kv "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
-step kv-sweep "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
-step kv-sweep-stream "$PY" -m quantplan sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}" --stream
-step score-gptq "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"
-step score-gptq-kept "$PY" -m quantplan score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"  # reads the roundings kept
-# rollout drift samples token by token with a KV cache on the device (the sampler's generator stays on the CPU)
-step score-rollouts "$PY" -m quantplan score tiny --scheme FP8_DYNAMIC --rollouts 4 --rollout-len 64 "${JOB_ARGS[@]}"
-step jobs "$PY" -m quantplan jobs
+step fisher-stream "${QP[@]}" sensitivity tiny --scheme INT8_W8A8 --method fisher "${JOB_ARGS[@]}" --stream
+step fisher-kv-stream "${QP[@]}" sensitivity tiny --kv-cache FP8_ATTN --method fisher "${JOB_ARGS[@]}" --stream
+step score-kv "${QP[@]}" score tiny --scheme FP8_DYNAMIC --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
+step kv-sweep "${QP[@]}" sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}"
+step kv-sweep-stream "${QP[@]}" sensitivity tiny --kv-cache FP8_ATTN "${JOB_ARGS[@]}" --stream
+step score-gptq "${QP[@]}" score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"
+step score-gptq-kept "${QP[@]}" score tiny --scheme W4A16_GPTQ "${JOB_ARGS[@]}"  # reads the roundings kept
+# rollout drift samples token by token with a KV cache on the device (the sampler's generator stays on the CPU);
+# a CPU dry run samples fewer, shorter rollouts (tests/quantplan/cli/test_score_rollouts.py covers them on a CPU)
+if [ "$DEVICE" = cpu ]; then ROLLOUTS=(--rollouts 2 --rollout-len 16); else ROLLOUTS=(--rollouts 4 --rollout-len 64); fi
+step score-rollouts "${QP[@]}" score tiny --scheme FP8_DYNAMIC "${ROLLOUTS[@]}" "${JOB_ARGS[@]}"
+step jobs "${QP[@]}" jobs
 # the estimate against the six exact sweeps on SmolLM2 where installed (else a random Llama of its shape), side by
 # side with a plain forward: docs/concepts/sensitivity.md's figures (a short run on a CPU dry run)
 # (a CPU dry run times the tiny Llama instead: the step runs, its figures mean nothing)
 if [ "$DEVICE" = cpu ]; then FISHER_TOKENS=(--seqs 1 --seq-len 16 --model "$TINY"); else FISHER_TOKENS=(--seqs 8 --seq-len 256); fi
-step fisher-bench "$PY" benchmarks/sensitivity_cost.py --fisher --device "$DEVICE" "${FISHER_TOKENS[@]}"
+step fisher-bench "${PYRUN[@]}" benchmarks/sensitivity_cost.py --fisher --device "$DEVICE" "${FISHER_TOKENS[@]}"
 
 echo "===== summary" | tee -a "$LOG"
 cat "$SUMMARY" | tee -a "$LOG"

@@ -57,6 +57,25 @@ os.environ.setdefault("QUANTPLAN_CPU_FLUSH_MIB", "16")
 KEPT_ENV = {"QUANTPLAN_CPU_FLUSH_MIB"}  # kept by qp_env, which clears every other QUANTPLAN_* (and sets the cache)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup`` (./dev.sh test) on pytest 9.2: give each test of an ``xdist_group`` its group suffix.
+
+    pytest-xdist 3.8 tells its scheduler a test's group by appending ``@group`` to the test's node id in the worker,
+    through ``item._nodeid``, which pytest 9.2 no longer reads (its node ids are structured, ``item._id``): the
+    groups silently stop grouping and a module fixture is set up again on every worker that gets one of its tests
+    (pytest-dev/pytest-xdist#1386). Same suffix, set where pytest 9.2 reads it; nothing to do where xdist did it."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers for --dist loadgroup only
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid.rpartition("]")[2]:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
 def _port_open(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):

@@ -30,7 +30,9 @@ from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
 from tests.factories import EXPRESSIBLE, LAYERS, N_BLOCKS, uniform
 
-pytestmark = pytest.mark.slow
+# every test of this module on one pytest-xdist worker (./dev.sh runs --dist loadgroup): its module fixture's
+# setup, the slow part, then runs once instead of once on each worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("llmcompressor")]
 
 REPO = Path(__file__).resolve().parents[3]
 LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"

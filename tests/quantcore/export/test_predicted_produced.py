@@ -49,7 +49,9 @@ from quantcore.models.loading import load_model
 from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
 
-pytestmark = pytest.mark.slow
+# every test of this module on one pytest-xdist worker (./dev.sh runs --dist loadgroup): its module fixture's
+# setup, the slow part, then runs once instead of once on each worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("predicted_produced")]
 
 REPO = Path(__file__).resolve().parents[3]
 LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"

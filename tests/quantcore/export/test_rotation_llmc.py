@@ -29,7 +29,9 @@ from quantcore.export.llmcompressor import to_llmcompressor_recipe
 from quantcore.export.spinquant import widths_from_linears
 from tests.factories import build_tiny_model, tiny_tokenizer
 
-pytestmark = pytest.mark.slow
+# every test of this module on one pytest-xdist worker (./dev.sh runs --dist loadgroup): its module fixture's
+# setup, the slow part, then runs once instead of once on each worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rotation_llmc")]
 
 REPO = Path(__file__).resolve().parents[3]
 LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"

@@ -20,7 +20,9 @@ from quantcore.models.validation import default_cache_dir
 from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
 
-pytestmark = pytest.mark.slow
+# every test of this module on one pytest-xdist worker (./dev.sh runs --dist loadgroup): its module fixture's
+# setup, the slow part, then runs once instead of once on each worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rotation_smollm2")]
 
 N_EVAL, SEQ_LEN = 4, 96
 

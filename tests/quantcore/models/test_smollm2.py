@@ -23,7 +23,9 @@ from quantcore.models.intake import demo_gguf_path, register_checkpoint
 from quantcore.models.loading import load_model
 from quantcore.models.validation import default_cache_dir
 
-pytestmark = pytest.mark.slow
+# every test of this module on one pytest-xdist worker (./dev.sh runs --dist loadgroup): its module fixture's
+# setup, the slow part, then runs once instead of once on each worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 MAX_BYTES = 2 * 1024**3
 LAYERS, HIDDEN, INTERMEDIATE, VOCAB, KV_WIDTH = 30, 576, 1536, 49152, 192
