@@ -96,16 +96,17 @@ def logit_chunk_rows(vocab: int, elements: int = LOGIT_CHUNK_ELEMENTS) -> int:
     return max(1, elements // max(1, vocab))
 
 
-def _head_split(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None] | None:
+def _head_split(model: nn.Module, *, hooked_head: bool = False) -> tuple[nn.Module, nn.Module, float | None] | None:
     """(decoder body, head, final soft-cap or None) when the model's logits are exactly head(body) (soft-capped);
-    None when they are not known to be (the model is then run whole)."""
+    None when they are not known to be (the model is then run whole). ``hooked_head``: a head with forward hooks is
+    split too (the caller runs them on each chunk, as the sensitivity sweep does)."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in HEAD_SPLIT_MODEL_TYPES:
         return None
     body = getattr(model, "model", None)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if not isinstance(body, nn.Module) or not isinstance(head, nn.Module) or head._forward_hooks:
+    if not isinstance(body, nn.Module) or not isinstance(head, nn.Module) or (head._forward_hooks and not hooked_head):
         return None  # a forward hook on the head would see chunks instead of the whole output
     cap = getattr(config, "final_logit_softcapping", None)
     return body, head, (float(cap) if cap is not None else None)

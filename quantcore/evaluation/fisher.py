@@ -70,14 +70,9 @@ from quantcore.evaluation.batches import (
 from quantcore.evaluation.fisher_kv import KvUnits, kv_recorded, kv_rows, prepare_kv
 from quantcore.evaluation.reference import ReferenceCache
 from quantcore.evaluation.scoring import plan_applied
-from quantcore.evaluation.sensitivity import (
-    REFERENCE_NLL_TOL,
-    SensitivityRow,
-    _check_reference,
-    linear_layer_names,
-    sweep_units,
-)
+from quantcore.evaluation.sensitivity import SensitivityRow, linear_layer_names, sweep_units
 from quantcore.evaluation.statistics import block_mean
+from quantcore.evaluation.sweep_head import REFERENCE_NLL_TOL, check_reference
 from quantcore.planning.plans import group_label
 from quantcore.schemes.fusion import expert_block, fusion_units
 from quantcore.schemes.presets import get_scheme
@@ -537,7 +532,7 @@ def _backward_sampled(logits: Tensor, ids: Tensor, reference: ReferenceCache, s:
 
 def _check_reference_by(probs: Tensor, logits: Tensor, ids: Tensor, reference: ReferenceCache, s: int,
                         e: int) -> None:
-    """:func:`quantcore.evaluation.sensitivity._check_reference`'s test (the batch's per-token NLL within
+    """:func:`quantcore.evaluation.sweep_head.check_reference`'s test (the batch's per-token NLL within
     ``REFERENCE_NLL_TOL`` of the cached one, on average) on the NLL read off the softmax the draws come from,
     ``-log p(token)``, instead of a log-softmax of the whole batch's logits (a second pass over the vocabulary and a
     tensor of its size). Where a token's probability underflows to 0, or the gap is over the tolerance, the check
@@ -545,7 +540,7 @@ def _check_reference_by(probs: Tensor, logits: Tensor, ids: Tensor, reference: R
     p = probs.gather(-1, ids[:, 1:].to(probs.device).unsqueeze(-1)).squeeze(-1)
     gap = float((-torch.log(p).cpu() - reference.nll[s:e]).abs().mean())
     if not gap <= REFERENCE_NLL_TOL:  # NaN and inf included
-        _check_reference(logits, ids, reference, s, e)
+        check_reference(logits, ids, reference, s, e)
 
 
 # elements of the product a row dot forms at a time (512 kB in float32: a block of the change, of a gradient and

@@ -32,6 +32,16 @@ How it stays cheap
     guards against a cache made with other weights (the recomputed reference NLL
     must match it).
 
+The head a chunk of positions at a time
+    As in scoring, no ``[B, L, V]`` tensor is held (issue #42): a pass stops at the head's input (after the final
+    norm: ``[B*L, H]``, :class:`~quantcore.evaluation.sweep_head.SweepHead`), and the head runs on a chunk of about
+    ``LOGIT_CHUNK_ELEMENTS`` logits at a time. The units' head inputs wait in groups
+    (:mod:`quantcore.evaluation.sweep_head`); per group, each chunk of the reference's logits and probabilities is
+    recomputed once and every unit of the group compared with it (``HeadQueue``). A unit that changes the head
+    (``lm_head`` quantized) keeps its head past its pass, without a copy (``SweepHead.frozen``).
+    Models whose logits are not exactly ``lm_head(body)`` run whole and their logits are
+    cut into the same chunks.
+
 Supported architectures
     Causal LMs whose decoder blocks form one ``nn.ModuleList`` that the model's
     ``forward`` calls in order, and whose blocks have no side effects (no KV cache:
@@ -65,12 +75,16 @@ from quantcore.evaluation.batches import (
     as_token_batch,
     batch_ranges,
     check_cancel,
-    forward_logits,
     report_progress,
 )
-from quantcore.evaluation.reference import ReferenceCache, ReferenceMismatch, chunk_rows
+from quantcore.evaluation.reference import ReferenceCache
 from quantcore.evaluation.scoring import plan_applied
 from quantcore.evaluation.statistics import Estimate, block_mean
+from quantcore.evaluation.sweep_head import (
+    HeadBatch,
+    HeadQueue,
+    SweepHead,
+)
 from quantcore.models.decoder import DecoderStack, find_decoder_blocks
 from quantcore.planning.plans import group_label
 from quantcore.schemes.fusion import fusion_units
@@ -79,7 +93,6 @@ from quantcore.schemes.specs import Scheme
 
 # the recomputed reference NLL must match the cache to this mean |difference| (nats/token); a
 # different model or weights differ by orders of magnitude more, run-to-run noise by far less
-REFERENCE_NLL_TOL = 1e-3
 SQNR_ROW_CHUNK = 4096  # rows of a linear's input processed at a time when computing its local SQNR
 
 
@@ -196,8 +209,10 @@ def _unreplay(saved: list[tuple[nn.Module, bool, Any]]) -> None:
             del block.forward
 
 
-def _block_outputs(model: nn.Module, stack: DecoderStack, input_ids: Tensor) -> tuple[Tensor, list[Any]]:
-    """Unquantized logits ``[B, L, V]`` and the output of every decoder block for ``input_ids``."""
+def _block_outputs(head: SweepHead, stack: DecoderStack, input_ids: Tensor) -> tuple[Tensor, list[Any]]:
+    """The unquantized head inputs (:meth:`SweepHead.inputs`) and the output of every decoder block for
+    ``input_ids``."""
+    model = head.model
     outputs: list[Any] = [None] * len(stack.blocks)
     handles = []
     for i, block in enumerate(stack.blocks):
@@ -207,7 +222,7 @@ def _block_outputs(model: nn.Module, stack: DecoderStack, input_ids: Tensor) -> 
 
         handles.append(block.register_forward_hook(keep))
     try:
-        logits = forward_logits(model, input_ids)
+        x = head.inputs(input_ids)
     finally:
         for h in handles:
             h.remove()
@@ -217,7 +232,7 @@ def _block_outputs(model: nn.Module, stack: DecoderStack, input_ids: Tensor) -> 
             f"{type(model).__name__}.forward did not call decoder block(s) {missing} of {stack.prefix}; "
             "sensitivity needs a model that runs every block on every pass"
         )
-    return logits, outputs
+    return x, outputs
 
 
 class _LocalError:
@@ -227,7 +242,8 @@ class _LocalError:
     input (activation fake-quant hooks run after it), a forward hook takes the
     quantized output; the unquantized output is recomputed with the member's weight
     as it was before fake quantization (after smoothing, so that the same input
-    gives the same exact product).
+    gives the same exact product). The output may come a chunk of rows at a time
+    after one input (the sweep's head, :class:`SweepHead`): each takes the next rows of it.
     """
 
     def __init__(self) -> None:
@@ -261,7 +277,13 @@ class _LocalError:
                 _w: Tensor = weight,
                 _b: Tensor | None = bias,
             ) -> None:
-                self._add(_pending.pop(), out.detach(), _w, _b)
+                x = _pending[-1].reshape(-1, _pending[-1].shape[-1])
+                rows = out.numel() // out.shape[-1]
+                if rows < x.shape[0]:
+                    _pending[-1] = x[rows:]  # a chunk of the output: the rest of the input waits for the next
+                else:
+                    _pending.pop()
+                self._add(x[:rows], out.detach(), _w, _b)
 
             self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
             self._handles.append(m.register_forward_hook(post))
@@ -287,76 +309,6 @@ class _LocalError:
         if self.signal == 0.0:
             return -math.inf
         return 10.0 * math.log10(self.signal / self.noise)
-
-
-# ---------------------------------------------------------------------- KL against the in-batch reference
-
-
-@dataclass
-class _BatchReference:
-    """Reference quantities of one batch, flattened over all B*L positions (the last one of each
-    sequence is computed and dropped, which keeps every tensor a contiguous view)."""
-
-    logits: Tensor  # [B*L, V] float32
-    probs: Tensor  # [B*L, V] float32, softmax(logits)
-    lse: Tensor  # [B*L]
-    argmax: Tensor  # [B*L]
-    keep: Tensor  # [B*L] bool, False at each sequence's last position
-
-
-def _batch_reference(logits: Tensor) -> _BatchReference:
-    b, length, vocab = logits.shape
-    flat = logits.reshape(b * length, vocab)
-    lse = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
-    probs = torch.empty_like(flat)
-    step = chunk_rows(vocab, flat.device)
-    for s in range(0, flat.shape[0], step):
-        e = min(s + step, flat.shape[0])
-        lse[s:e] = torch.logsumexp(flat[s:e], dim=-1)
-        torch.sub(flat[s:e], lse[s:e, None], out=probs[s:e]).exp_()
-    keep = torch.ones(b, length, dtype=torch.bool, device=flat.device)
-    keep[:, -1] = False
-    return _BatchReference(
-        logits=flat, probs=probs, lse=lse, argmax=flat.max(dim=-1).indices, keep=keep.reshape(-1)
-    )
-
-
-def _kl_and_agree(ref: _BatchReference, logits: Tensor) -> tuple[list[float], list[float], int]:
-    """Per sequence of the batch, the sum of per-position KL(p_ref || p_q) and the number of top-1 agreements (kept
-    positions only), and the positions of each sequence: the blocks of the sweep's standard errors.
-
-    KL = (lse_q - lse_ref) - sum_v p_ref (z_q - z_ref): no log-softmax is materialized;
-    equal logits give exactly 0 per position (z_q - z_ref = 0, lse_q = lse_ref).
-    """
-    flat = logits.reshape(ref.logits.shape)
-    kl = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
-    agree = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
-    step = chunk_rows(flat.shape[1], flat.device)
-    work = torch.empty((min(step, flat.shape[0]), flat.shape[1]), dtype=flat.dtype, device=flat.device)
-    for s in range(0, flat.shape[0], step):
-        e = min(s + step, flat.shape[0])
-        z = flat[s:e]
-        agree[s:e] = z.max(dim=-1).indices == ref.argmax[s:e]  # first maximal index, as argmax; cheaper
-        lse_q = torch.logsumexp(z, dim=-1)
-        diff = torch.sub(z, ref.logits[s:e], out=work[: e - s])
-        kl[s:e] = (lse_q - ref.lse[s:e]) - diff.mul_(ref.probs[s:e]).sum(dim=-1)
-    kl.clamp_min_(0.0)  # rounding of two nearly equal distributions; the true KL is >= 0
-    b = logits.shape[0]
-    kept = kl[ref.keep].double().reshape(b, -1)
-    agreed = agree[ref.keep].double().reshape(b, -1).sum(dim=1)
-    return kept.sum(dim=1).cpu().tolist(), agreed.cpu().tolist(), int(kept.shape[1])
-
-
-def _check_reference(ref_logits: Tensor, ids: Tensor, reference: ReferenceCache, s: int, e: int) -> None:
-    lp = torch.log_softmax(ref_logits[:, :-1], dim=-1)
-    nll = -lp.gather(-1, ids[:, 1:].to(lp.device).unsqueeze(-1)).squeeze(-1).cpu()
-    gap = float((nll - reference.nll[s:e]).abs().mean())
-    if gap > REFERENCE_NLL_TOL:
-        raise ReferenceMismatch(
-            f"the reference cache (model {reference.model_sha or 'unknown'}) does not match this model: its "
-            f"per-token NLL differs by {gap:.3g} nats on average (tolerance {REFERENCE_NLL_TOL}); the model "
-            "weights changed since it was computed - recompute the reference"
-        )
 
 
 # ---------------------------------------------------------------------- the sweep
@@ -486,39 +438,49 @@ def _one_at_a_time(
     """Mean KL and top-1 agreement (± their per-sequence block errors) of the model with one unit at a time changed,
     against its unquantized pass.
 
-    For every batch: one unquantized pass keeps each block's output; then per unit ``apply_unit(unit index,
-    batch index, exit stack)`` enters whatever changes the model for that unit on the stack, the blocks before
-    ``starts[unit]`` are replayed, and the rest runs. The stack unwinds (restoring the model) before the next
-    unit, also on error or cancel."""
+    For every batch: one unquantized pass keeps each block's output and the head's input (:class:`SweepHead`), whose
+    logits are checked against the cache a chunk of positions at a time (:class:`HeadBatch`); then per unit
+    ``apply_unit(unit index, batch index, exit stack)`` enters whatever changes the model for that unit on the stack,
+    the blocks before ``starts[unit]`` are replayed, and the rest runs up to the head's input (the unit's head kept
+    where it changed it). The stack unwinds (restoring the model) before the next unit, also on error or cancel. The
+    units' head inputs wait in groups and each group's KL is taken a chunk of logits at a time (:class:`HeadQueue`):
+    no ``[B, L, V]`` tensor is held."""
     ranges = batch_ranges(ids.shape[0], reference.batch_size if batch_size is None else batch_size)
     kl_seq: list[list[float]] = [[] for _ in labels]  # per unit, the KL summed over each sequence
     agree_seq: list[list[float]] = [[] for _ in labels]  # and its top-1 agreements
     per_sequence = 1
     total = len(ranges) * len(labels)
-    done = 0
+    done_units = 0
     pace = SweepPace(_pass_work(model, stack, starts), len(ranges))
+    head = SweepHead(model)
     for bi, (s, e) in enumerate(ranges):
         check_cancel(should_cancel, f"sensitivity sweep (batch {bi + 1} of {len(ranges)}, reference pass)")
-        ref_logits, outputs = _block_outputs(model, stack, ids[s:e])
-        _check_reference(ref_logits, ids[s:e], reference, s, e)
-        ref = _batch_reference(ref_logits)
-        del ref_logits
+        ref_x, outputs = _block_outputs(head, stack, ids[s:e])
+
+        def done(ui: int, k: list[float], a: list[float], positions: int, seconds: float, bi: int = bi) -> None:
+            nonlocal done_units, per_sequence
+            kl_seq[ui] += k
+            agree_seq[ui] += a
+            per_sequence = positions
+            done_units += 1
+            pace.timed(ui, seconds)
+            left = time_left_text(pace.left_s(bi, ui)) if done_units < total else ""
+            report_progress(progress, done_units / total, f"{labels[ui]} ({done_units} of {total}{left})")
+
+        queue = HeadQueue(HeadBatch(head, ref_x, ids[s:e], reference, s, e), done)
         for ui, label in enumerate(labels):
             check_cancel(should_cancel, f"sensitivity sweep (unit {ui + 1} of {len(labels)}: {label})")
             unit_started = time.perf_counter()
+            before = head.parameters_now()
             with ExitStack() as ctx:
                 apply_unit(ui, bi, ctx)
                 ctx.enter_context(_replayed(stack.blocks[: starts[ui]], outputs[: starts[ui]]))
-                logits = forward_logits(model, ids[s:e])
-            k, a, per_sequence = _kl_and_agree(ref, logits)
-            del logits
-            kl_seq[ui] += k
-            agree_seq[ui] += a
-            done += 1
-            pace.timed(ui, time.perf_counter() - unit_started)
-            left = time_left_text(pace.left_s(bi, ui)) if done < total else ""
-            report_progress(progress, done / total, f"{label} ({done} of {total}{left})")
-        del ref, outputs
+                x = head.inputs(ids[s:e])
+                state = head.frozen(before)  # the unit's head, where it changed it (lm_head quantized)
+            queue.add(ui, x, state, time.perf_counter() - unit_started)
+            del x, state
+        queue.flush()
+        del queue, ref_x, outputs
 
     def estimate(sums: list[float]) -> Estimate:  # the mean over all positions, its error over sequences
         return Estimate(math.fsum(sums) / (len(sums) * per_sequence),

@@ -7,9 +7,11 @@ How it runs
     kept for every evaluation sequence, and so are each pending unit's own (*perturbed*) states. While block ``j`` is
     loaded, a unit whose first changed block is ``j`` runs it from the reference states with its change applied (its
     linears quantized, or its KV cache format on), and every unit that started earlier advances its perturbed states
-    through the unchanged block; then the reference states advance. After the last block the final norm and the head
-    give, one batch at a time, the reference log-probs and each unit's logits, and the KL between them (a unit on the
-    head, ``lm_head``, is quantized there). A unit's work is the whole sweep's (the blocks from its own on, the head);
+    through the unchanged block; then the reference states advance. After the last block the final norm gives, one
+    batch at a time, the head's inputs of the reference and of each unit (a unit on the head, ``lm_head``, is
+    quantized there and its head kept), and the head runs a chunk of positions at a time, as in the whole-model sweep
+    (:class:`~quantcore.evaluation.sweep_head.HeadQueue`): the reference's and a unit's chunk of logits at once,
+    never ``[B, L, V]``. A unit's work is the whole sweep's (the blocks from its own on, the head);
     what is saved is the loads: ``N`` block reads instead of one for every block a unit runs.
 
 Where the states live
@@ -64,16 +66,12 @@ from quantcore.evaluation.batches import (
     as_token_batch,
     batch_ranges,
     check_cancel,
-    forward_logits,
     report_progress,
 )
 from quantcore.evaluation.reference import ReferenceCache
 from quantcore.evaluation.scoring import plan_applied
 from quantcore.evaluation.sensitivity import (
     SensitivityRow,
-    _batch_reference,
-    _check_reference,
-    _kl_and_agree,
     _LocalError,
     _replayed,
     linear_layer_names,
@@ -81,6 +79,7 @@ from quantcore.evaluation.sensitivity import (
     time_left_text,
 )
 from quantcore.evaluation.statistics import Estimate, block_mean
+from quantcore.evaluation.sweep_head import HeadBatch, HeadQueue, SweepHead
 from quantcore.models.streaming import HiddenStates, StreamedModel, StreamPlan, available_memory
 from quantcore.planning.plans import group_label
 from quantcore.schemes.presets import get_scheme
@@ -132,12 +131,13 @@ class _Placer:
         return ", ".join(f"{n} in {w}" for w, n in self.where.items())
 
 
-def _final_logits(streamed: StreamedModel, ids: Tensor, states: Tensor) -> Tensor:
-    """Logits ``[B, L, V]`` (float32) of the final hidden states ``states`` of the batch ``ids``: the model's own
-    forward with every block replayed (the embedding, masks, final norm and head run as in a whole pass)."""
+def _final_inputs(streamed: StreamedModel, head: SweepHead, ids: Tensor, states: Tensor) -> Tensor:
+    """The head's inputs (:meth:`quantcore.evaluation.sweep_head.SweepHead.inputs`: after the final norm) of the final
+    hidden states ``states`` of the batch ``ids``: the model's own forward with every block replayed (the embedding,
+    masks and final norm run as in a whole pass)."""
     blocks = streamed.stack.blocks
     with _replayed(blocks, [streamed._wrap(states.to(streamed.device))] * len(blocks)):
-        return forward_logits(streamed.model, ids)
+        return head.inputs(ids)
 
 
 def _streamed_one_at_a_time(
@@ -194,22 +194,29 @@ def _streamed_one_at_a_time(
             report_progress(progress, BLOCKS_SHARE * (j + 1) / n_blocks,
                             f"streamed, block {j + 1}/{n_blocks} ({len(states)} of {len(labels)} units"
                             f"{time_left_text(left) if j + 1 < n_blocks else ''})")
+        head = SweepHead(streamed.model)
+
+        def done(u: int, k: list[float], a: list[float], positions: int, _seconds: float) -> None:
+            nonlocal per_sequence
+            kl_seq[u] += k
+            agree_seq[u] += a
+            per_sequence = positions
+
         for bi, (s, e) in enumerate(ranges):  # the head: the reference and every unit, one batch at a time
             check_cancel(should_cancel, f"streamed sensitivity sweep (head, batch {bi + 1} of {len(ranges)})")
-            ref_logits = _final_logits(streamed, ids[s:e], ref.data[s:e])
-            _check_reference(ref_logits, ids[s:e], reference, s, e)
-            batch_ref = _batch_reference(ref_logits)
-            del ref_logits
+            ref_x = _final_inputs(streamed, head, ids[s:e], ref.data[s:e])
+            queue = HeadQueue(HeadBatch(head, ref_x, ids[s:e], reference, s, e), done)  # checks the reference
             for u in range(len(labels)):
                 check_cancel(should_cancel, f"streamed sensitivity sweep (head, unit {u + 1} of {len(labels)})")
+                before = head.parameters_now()
                 with ExitStack() as ctx:
                     enter(u, n_blocks, ctx)
-                    logits = _final_logits(streamed, ids[s:e], (states[u] if u in states else ref).data[s:e])
-                k, a, per_sequence = _kl_and_agree(batch_ref, logits)
-                del logits
-                kl_seq[u] += k
-                agree_seq[u] += a
-            del batch_ref
+                    x = _final_inputs(streamed, head, ids[s:e], (states[u] if u in states else ref).data[s:e])
+                    state = head.frozen(before)  # the unit's head, where it changed it (lm_head quantized)
+                queue.add(u, x, state, 0.0)
+                del x, state
+            queue.flush()
+            del queue, ref_x
             report_progress(progress, BLOCKS_SHARE + (1 - BLOCKS_SHARE) * (bi + 1) / len(ranges),
                             f"streamed, head: batch {bi + 1}/{len(ranges)} of {len(labels)} units")
     finally:

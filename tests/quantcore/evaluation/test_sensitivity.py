@@ -216,6 +216,17 @@ def test_reference_of_other_weights_is_refused(tiny_model_factory):
         sensitivity_sweep(sharp_model(tiny_model_factory, "llama", seed=2), "FP8_DYNAMIC", ids, ref)
 
 
+def test_a_reference_off_past_the_first_positions_is_refused_too(tiny_model_factory):
+    """The first positions are checked before any unit runs, every position with the batch's first group of units:
+    a cache off in the second sequence of the second batch only is refused all the same."""
+    model = sharp_model(tiny_model_factory, "llama")
+    ids = eval_ids()
+    ref = compute_reference(model, ids, batch_size=2)
+    ref.nll[3] += 0.01  # batch 2's mean gap 0.005, over the tolerance; its first sequence exact
+    with pytest.raises(ReferenceMismatch, match="recompute"):
+        sensitivity_sweep(model, "FP8_DYNAMIC", ids, ref)
+
+
 def test_units_and_blocks(tiny_model_factory):
     model = tiny_model_factory("gemma3")
     names = linear_layer_names(model)
@@ -318,3 +329,61 @@ def test_a_sweeps_time_left_follows_the_work_of_the_units_still_to_run():
     flat.timed(0, 3.0)
     flat.timed(1, 3.5)  # slower on less work (noise): no slope, the mean for the unit left
     assert flat.left_s(0, 1) == pytest.approx(3.25)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_head_runs_a_chunk_of_positions_at_a_time(arch, tiny_model_factory, monkeypatch):
+    """Issue #42: the sweep holds one chunk of logits, never ``[B, L, V]``. With a chunk of 3 positions' logits every
+    call of the head (the reference's check and KL chunks, every unit's, the quantized head's own unit with its SQNR
+    hooks) returns at most 3 rows, and the rows equal the one-chunk sweep's to float rounding; units compared alone
+    or all in one group give the very same rows."""
+    from quantcore.evaluation import batches, sweep_head
+
+    model = sharp_model(tiny_model_factory, arch)
+    ids = eval_ids()
+    ref = compute_reference(model, ids, batch_size=2)
+    inputs = PlanInputs(act_amax=None)
+    seen: list[int] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _a, out: seen.append(out.reshape(-1, out.shape[-1]).shape[0]))
+    whole = sensitivity_sweep(model, "INT8_W8A8", ids, ref, inputs=inputs)
+    assert max(seen) == 2 * LENGTH  # the default chunk holds the whole batch of this tiny model: one call a batch
+    seen.clear()
+    monkeypatch.setattr(batches, "LOGIT_CHUNK_ELEMENTS", 3 * 128)
+    chunked = sensitivity_sweep(model, "INT8_W8A8", ids, ref, inputs=inputs)
+    hook.remove()
+    assert max(seen) == 3 and len(seen) > 9 * SEQS * LENGTH // 3
+    assert [r.layer for r in chunked] == [r.layer for r in whole] and any(r.layer == "lm_head" for r in chunked)
+    for a, b in zip(chunked, whole, strict=True):
+        assert a.kl_mean == pytest.approx(b.kl_mean, rel=1e-4, abs=1e-7) and a.kl_mean > 0, a.layer
+        assert a.top1_agree == b.top1_agree and a.sqnr_db == pytest.approx(b.sqnr_db, abs=1e-4), a.layer
+    monkeypatch.setattr(sweep_head, "HEAD_GROUP_ELEMENTS", 1)  # every unit compared alone
+    alone = sensitivity_sweep(model, "INT8_W8A8", ids, ref, inputs=inputs)
+    assert [r.to_dict() for r in alone] == [r.to_dict() for r in chunked]
+
+
+def test_only_the_heads_own_unit_keeps_a_head(tiny_model_factory, monkeypatch):
+    """SmoothQuant on lm_head changes its weight in place and puts it back: the head's own unit keeps its head (and is
+    compared at once), every other unit of every batch runs the model's own head and waits for its group."""
+    from quantcore.evaluation import sweep_head
+
+    model = sharp_model(tiny_model_factory, "gemma3")
+    ids = eval_ids()
+    ref = compute_reference(model, ids, batch_size=2)
+    from quantcore.evaluation.calibrate import calibrate
+
+    stats = calibrate(model, ids, batch_size=2)
+    inputs = PlanInputs(act_amax={s.name: s.amax for s in stats.values()},
+                        act_channel_max={s.name: s.channel_max for s in stats.values()})
+    kept: list[tuple[int, bool]] = []
+    add = sweep_head.HeadQueue.add
+
+    def recording(self, unit, x, state, seconds):
+        kept.append((unit, state is not None))
+        add(self, unit, x, state, seconds)
+
+    monkeypatch.setattr(sweep_head.HeadQueue, "add", recording)
+    rows = sensitivity_sweep(model, "INT8_W8A8_SQ", ids, ref, inputs=inputs)
+    assert all(r.kl_mean > 0 for r in rows)
+    head_unit = len(rows) - 1  # lm_head is the last unit in model order
+    assert len(kept) == 2 * len(rows)  # two batches
+    assert [u for u, has in kept if has] == [head_unit, head_unit]

@@ -60,6 +60,27 @@ def test_streamed_kv_sweep_equals_whole(tmp_path):
         assert got == expected and len(got) == 2 and expected[0]["kl_mean"] > 0, kv
 
 
+def test_streamed_sweep_equals_whole_a_chunk_of_positions_at_a_time(tmp_path, monkeypatch):
+    """Issue #42: with a chunk of 3 positions' logits (the head's output never more rows than that, its own unit's
+    SQNR taken a chunk at a time) and the units' head inputs compared in groups of two, the streamed rows are still
+    the whole sweep's, bit for bit."""
+    from quantcore.evaluation import batches, sweep_head
+
+    folder = save(tmp_path / "m", "llama")
+    whole, _ = load_model(folder)
+    ids = eval_ids(3)  # two batches
+    ref = compute_reference(whole, ids, batch_size=BATCH)
+    monkeypatch.setattr(batches, "LOGIT_CHUNK_ELEMENTS", 3 * TINY_VOCAB)
+    monkeypatch.setattr(sweep_head, "HEAD_GROUP_ELEMENTS", 2 * BATCH * ids.shape[1] * whole.config.hidden_size)
+    seen: list[int] = []
+    hook = whole.lm_head.register_forward_hook(lambda _m, _a, out: seen.append(out.reshape(-1, out.shape[-1]).shape[0]))
+    expected = rows_of(sensitivity_sweep(whole, "INT8_W8A8", ids, ref))
+    hook.remove()
+    assert max(seen) == 3
+    got = rows_of(streamed_sensitivity_sweep(StreamedModel(folder), "INT8_W8A8", ids, ref))
+    assert got == expected and len(got) == 9 and all(r["kl_mean"] > 0 for r in got)
+
+
 def test_states_in_scratch_files_same_rows_and_removed(tmp_path):
     """A budget with room for no state beside one block: every unit's states in a scratch file, the rows unchanged,
     the folder empty afterwards (also after a cancel); a shard's part of the units sweeps only those."""
