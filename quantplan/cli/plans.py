@@ -307,6 +307,9 @@ def _rotation_of(args: argparse.Namespace) -> dict[str, Any] | None:
         raise CliError(str(exc)) from exc
 
 
+AUTO_TARGET = "h100"  # plan auto's GPU when none is named: the most common serving GPU of the table
+
+
 def cmd_plan_auto(args: argparse.Namespace) -> int:
     """`quantplan plan auto MODEL`: the cheapest plan under a KL budget (quantplan.services.autoplan.AutoPlan), then
     its verifying score, queued, waited for or run here."""
@@ -316,6 +319,9 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
     s = checked_settings()
     model = find_model(args.model)
     cands = comma_items(args.candidates) if args.candidates else None
+    if not args.target:  # a budget is all a first try needs; which GPU's kernels count is said, not guessed silently
+        args.target = AUTO_TARGET
+        print(f"target: {AUTO_TARGET} (the default; --target names another: {GPU_TARGETS})", file=sys.stderr)
 
     def queue_job(kind: str, params: dict, *, model_id: int, plan_id: int):
         return start_job(kind, {**params, **stream_param(args), "user": s.user}, model_id=model_id, plan_id=plan_id,
@@ -378,7 +384,7 @@ def add_commands(sub: SubParsers) -> None:
     sp = plan.add_parser("auto", help="cheapest plan whose predicted KL stays under a budget")
     add_model(sp)
     add_kl_budget(sp, "nats per token, e.g. 0.02")
-    add_target(sp, f"target GPU: {GPU_TARGETS}", required=True)
+    add_target(sp, f"target GPU: {GPU_TARGETS} (default {AUTO_TARGET}, said on standard error)")
     sp.add_argument("--candidates", help="comma-separated schemes (default: every scheme with a sensitivity sweep)")
     add_step_m(sp, "--m", "tokens per step whose (measured or ideal) time is the cost", STEP_TOKENS)
     sp.add_argument("--cost", default="auto", choices=list(AUTO_COSTS),

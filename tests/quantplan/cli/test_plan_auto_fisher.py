@@ -61,3 +61,20 @@ def test_plan_auto_searches_on_the_estimate_by_default_and_says_when_it_has_none
     assert on_estimate["sensitivity"] == "fisher" and "-fisher" in on_estimate["plan_label"]
     assert not any("no Fisher estimate yet" in n for n in on_estimate["notes"])
     assert run_json(capsys, *auto, "--sensitivity", "kl")["sensitivity"] == "kl"  # asked for: the exact sweeps
+
+
+def test_plan_auto_without_a_target_plans_for_the_default_gpu_and_says_so(tiny_model, capsys):
+    """The issue's own command names no GPU: the plan is made for h100 (the CLI's default), said on standard error so
+    that --json stays parseable, and is the plan `--target h100` makes."""
+    run_json(capsys, "sensitivity", "tiny", "--scheme", "INT8_W8A8", "--method", "fisher", "--no-compare", "--local",
+             *TOKENS, "--json")
+    code, out, err = run(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--sensitivity", "fisher",
+                         "--no-verify", "--json")
+    assert code == 0, err
+    assert "target: h100 (the default; --target names another:" in err
+    import json
+
+    default = json.loads(out)
+    named = run_json(capsys, "plan", "auto", "tiny", "--kl-budget", "1000", "--sensitivity", "fisher", "--target",
+                     "h100", "--no-verify", "--json")
+    assert default["plan_label"].startswith("auto-h100-") and default["plan"] == named["plan"]
