@@ -17,6 +17,7 @@ MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 def _page(page: str, model_id: int) -> AppTest:
     at = AppTest.from_file(MAIN, default_timeout=120)
     at.session_state["model_id"] = model_id
+    at.session_state["results_score_open"] = True  # the Results page's score form, built once its section is opened
     at.run()
     at.switch_page(f"views/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]

@@ -255,15 +255,19 @@ def test_outliers_page_builds_its_sections_below_the_fold_when_opened(seeded):
     assert at.slider(key="outliers_alpha").value == 0.5 and len(at.dataframe) == 1  # the breakage table
 
 
-def test_the_heap_is_frozen_again_only_after_new_imports():
+def test_the_heap_is_frozen_again_only_after_new_imports(monkeypatch):
     """app.state.freeze_imported: the collector's full pass after every run skips what the pages imported, and a
-    run that imported nothing freezes nothing more (what it made stays collectable)."""
+    run that imported nothing freezes nothing more (what it made stays collectable). The module table it reads is this
+    test's copy (a thread of an earlier test that imports something must not count as this test's import)."""
     import gc
-    import importlib
     import sys
+    import types
 
     from app import state
 
+    modules = dict(sys.modules)
+    monkeypatch.setattr(state, "sys", types.SimpleNamespace(modules=modules))
+    monkeypatch.setattr(state, "_frozen_at", -1)  # as in a fresh server process: the first run freezes
     try:
         state.freeze_imported()
         frozen = gc.get_freeze_count()
@@ -271,9 +275,8 @@ def test_the_heap_is_frozen_again_only_after_new_imports():
         made = [[i] for i in range(1000)]  # new objects, no import: not frozen by the next call
         state.freeze_imported()
         assert gc.get_freeze_count() == frozen
-        name = next(m for m in ("colorsys", "tabnanny", "sndhdr") if m not in sys.modules)
-        importlib.import_module(name)  # a module imported since: the next call freezes what is alive now
-        state.freeze_imported()
+        modules["a_module_imported_since"] = types.ModuleType("a_module_imported_since")  # the next call freezes
+        state.freeze_imported()  # what is alive now
         assert gc.get_freeze_count() >= frozen + len(made)
     finally:
         gc.unfreeze()
