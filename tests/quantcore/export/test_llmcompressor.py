@@ -607,7 +607,7 @@ def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(oneshots) -> Non
 
     import torch
     from safetensors.torch import load_file
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     from quantcore.algorithms.awq import awq_mappings, awq_search, candidates, weight_means
     from quantcore.evaluation.scoring import plan_applied
@@ -631,12 +631,15 @@ def test_an_moe_awq_recipe_scales_the_experts_as_quantcore_does(oneshots) -> Non
     def as_oneshot_attends():  # see the docstring
         kind = model.config._attn_implementation
         causal = ALL_ATTENTION_FUNCTIONS[kind]
-        ALL_ATTENTION_FUNCTIONS[kind] = lambda module, q, k, v, mask, **kw: causal(
+        # in the global table, as transformers' own registrations are: an item set on ALL_ATTENTION_FUNCTIONS itself
+        # stays in its local table after the test and shadows the global one for every later test of the process
+        # (tests/quantcore/evaluation/test_kvcache.py's spy patches the global table)
+        AttentionInterface._global_mapping[kind] = lambda module, q, k, v, mask, **kw: causal(
             module, q, k, v, None, **{**kw, "is_causal": False})
         try:
             yield
         finally:
-            ALL_ATTENTION_FUNCTIONS[kind] = causal
+            AttentionInterface._global_mapping[kind] = causal
 
     mappings = {f"{m.smooth} -> {', '.join(x.rsplit('.', 1)[-1] for x in m.balance)}": m
                 for m in awq_mappings(model, experts)[0]}
