@@ -73,11 +73,10 @@ def score_form(model: ModelRecord) -> tuple[int, int]:
                                       format_func=labels.get,
                                       key=f"score_what_{model.id}")  # keyed per model: its plans are its own
         # the job spec's own bounds (jobs.specs), a sequence no longer than the model's context: as the CLI checks them
-        samples = c2.number_input("Sequences", *SAMPLES.form_bounds(), kept.get("samples", ScoreSpec.samples),
-                                  key="score_samples")
+        shown_samples, shown_seq_len = last_sizes(model)  # what the form offers and a closed form stands for
+        samples = c2.number_input("Sequences", *SAMPLES.form_bounds(), shown_samples, key="score_samples")
         tokens, cal_tokens = SCORED_SEQ_LEN.within(model.context), CAL_SEQ_LEN.within(model.context)
-        seq_len = c3.number_input("Tokens each", *tokens.form_bounds(),
-                                  min(kept.get("seq_len", ScoreSpec.seq_len), tokens.most), step=16,
+        seq_len = c3.number_input("Tokens each", *tokens.form_bounds(), shown_seq_len, step=16,
                                   key=f"score_seq_len_{tokens.most}")
         device = c4.selectbox("Device", ["cpu", "cuda"], index=["cpu", "cuda"].index(kept.get("device", "cpu")),
                               key="score_device")
