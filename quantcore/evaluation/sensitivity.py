@@ -91,8 +91,6 @@ from quantcore.schemes.fusion import fusion_units
 from quantcore.schemes.presets import get_scheme
 from quantcore.schemes.specs import Scheme
 
-# the recomputed reference NLL must match the cache to this mean |difference| (nats/token); a
-# different model or weights differ by orders of magnitude more, run-to-run noise by far less
 SQNR_ROW_CHUNK = 4096  # rows of a linear's input processed at a time when computing its local SQNR
 
 

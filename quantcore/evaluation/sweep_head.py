@@ -33,7 +33,9 @@ from quantcore.evaluation.batches import (
 )
 from quantcore.evaluation.reference import ReferenceCache, ReferenceMismatch, chunk_rows, model_vocab
 
-REFERENCE_NLL_TOL = 1e-3  # nats: the mean per-token NLL gap above which a reference cache is refused
+# the recomputed reference NLL must match the cache to this mean |difference| (nats/token); a different model or
+# weights differ by orders of magnitude more, run-to-run noise by far less
+REFERENCE_NLL_TOL = 1e-3
 
 # Head inputs (``[B*L, H]``, after the final norm) of the units that wait for their head pass, at most about this many
 # elements beside the one that fills it (256 MB in float32): the units of a group share one recomputation of the
@@ -117,7 +119,7 @@ class SweepHead:
                 params[n] = p  # replaced: the unit's own tensor, which undoing it does not touch
             elif p._version != was[1]:
                 params[n] = p.detach().clone()  # changed in place: undoing it writes the original back
-        hooks = [(hook, key in head._forward_hooks_with_kwargs) for key, hook in head._forward_hooks.items()]
+        hooks = _forward_hooks(head)
         if not params and not hooks:
             return None
         return HeadState(params, hooks)
@@ -129,8 +131,7 @@ class SweepHead:
             return x[s:e]
         head = self._module()
         chunk = x[s:e]
-        hooks = state.hooks if state is not None else [
-            (hook, key in head._forward_hooks_with_kwargs) for key, hook in head._forward_hooks.items()]
+        hooks = state.hooks if state is not None else _forward_hooks(head)
         saved = {n: head._parameters[n] for n in state.params} if state is not None else {}
         with torch.no_grad():
             try:
@@ -145,6 +146,11 @@ class SweepHead:
             if self.cap is not None:
                 z = torch.tanh(z / self.cap) * self.cap
         return z.float()
+
+
+def _forward_hooks(head: nn.Module) -> list[tuple[Callable[..., Any], bool]]:
+    """The head's forward hooks, each with whether it takes keyword arguments (as :class:`HeadState` keeps them)."""
+    return [(hook, key in head._forward_hooks_with_kwargs) for key, hook in head._forward_hooks.items()]
 
 
 @dataclass
@@ -221,6 +227,7 @@ class HeadBatch:
         nll = torch.empty(n if first else 0, dtype=torch.float32, device=ref_x.device)
         kls = [torch.empty(n, dtype=torch.float32, device=ref_x.device) for _ in units]
         agrees = [torch.empty(n, dtype=torch.bool, device=ref_x.device) for _ in units]
+        work: Tensor | None = None  # one block of rows of logits, reused by every chunk (the first is the largest)
         for c, d in head.chunks(ref_x):
             z_ref = head.logits(ref_x, c, d)
             if first:
@@ -229,7 +236,8 @@ class HeadBatch:
                 nll[c:d] = self.lse[c:d] - z_ref.gather(-1, self.targets[c:d, None]).squeeze(-1)
             probs = torch.sub(z_ref, self.lse[c:d, None]).exp_()
             step = chunk_rows(z_ref.shape[1], z_ref.device)
-            work = torch.empty((min(step, d - c), z_ref.shape[1]), dtype=torch.float32, device=z_ref.device)
+            if work is None:
+                work = torch.empty((min(step, d - c), z_ref.shape[1]), dtype=torch.float32, device=z_ref.device)
             for (x, state), kl, agree in zip(units, kls, agrees, strict=True):
                 z_all = head.logits(x, c, d, state)
                 for f in range(0, d - c, step):  # a block of rows at a time while it is in cache
@@ -240,7 +248,7 @@ class HeadBatch:
                     diff = torch.sub(z, z_ref[f:g], out=work[: g - f])
                     kl[c + f:c + g] = (lse_q - self.lse[c + f:c + g]) - diff.mul_(probs[f:g]).sum(dim=-1)
                 del z_all
-            del z_ref, probs, work
+            del z_ref, probs
         if first:
             nll_kept = nll.reshape(self.sequences, self.length)[:, :-1]
             check_reference_nll(nll_kept, self.reference.nll[self.s:self.e], self.reference)
